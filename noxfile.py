@@ -1,0 +1,85 @@
+"""Every task of the monorepo: `python3 -m nox -l` lists them.
+
+Each session installs torch==2.13.0 first, and everything under the constraints in
+constraints.txt, so that no dependency can move torch: that wheel is found on local disk,
+any other torch version is a download of several GB.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", "constraints.txt")
+TORCH = "torch==2.13.0"
+RUFF = "ruff==0.17.5"
+MYPY = "mypy==2.4.1"
+
+# Settings for every test run: one BLAS/OpenMP thread per process (the machine has 2 cores
+# and multiprocess tests start several), and gcsfs without its experimental HNS probing.
+TEST_ENV = {"OMP_NUM_THREADS": "1", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    session.install(*CONSTRAINTS, *args)
+
+
+def _install_torch(session: nox.Session) -> None:
+    """Install the pinned torch before anything else can pull in another one."""
+    _install(session, TORCH)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the core's tests (extra pytest arguments after `--`)."""
+    _install_torch(session)
+    _install(
+        session,
+        "-e",
+        "packages/core[torch,s3,gcs]",
+        "pytest",
+        "pytest-timeout",
+        "safetensors",
+        # a loopback S3 server that the tests start themselves
+        "moto[s3,server]",
+        "flask",
+        "flask-cors",
+        "numpy",
+    )
+    session.run("pytest", "tests/core", "-x", "-q", *session.posargs, env=TEST_ENV)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff and mypy over the packages."""
+    _install_torch(session)
+    # Third-party packages the sources import, so that mypy checks against their types;
+    # the packages' own sources are found through mypy_path (root pyproject.toml).
+    _install(session, RUFF, MYPY, "numpy", "xxhash", "fsspec", "safetensors")
+    session.run("ruff", "check", ".")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run demo/demo.py, the quick-start demo (extra arguments after `--`)."""
+    _run_script(session, "demo/demo.py")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run benchmarks/run.py (extra arguments after `--`)."""
+    _run_script(session, "benchmarks/run.py")
+
+
+def _run_script(session: nox.Session, script: str) -> None:
+    if not (ROOT / script).is_file():
+        session.error(f"{script} does not exist yet")
+    _install_torch(session)
+    _install(session, "-e", "packages/core[torch]")
+    session.run("python", script, *session.posargs)

@@ -1,0 +1,64 @@
+"""shardkeeper.core: one checkpoint format and one commit protocol for PyTorch training.
+
+``import shardkeeper.core`` is cheap and torch-free; the torch-side names below are loaded
+on first use, so the format, storage, commit and CLI work on machines without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointRestoreError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+    ChecksumMismatchError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    IncompatibleFormatError,
+    StateMismatchError,
+    StorageError,
+)
+
+if TYPE_CHECKING:
+    from shardkeeper.core.manager import CheckpointManager, CheckpointOptions, SaveHandle
+    from shardkeeper.core.tensor.state import PerRank, RNGState
+
+_LAZY = {
+    "CheckpointManager": "shardkeeper.core.manager",
+    "CheckpointOptions": "shardkeeper.core.manager",
+    "SaveHandle": "shardkeeper.core.manager",
+    "PerRank": "shardkeeper.core.tensor.state",
+    "RNGState": "shardkeeper.core.tensor.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'shardkeeper.core' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointOptions",
+    "CheckpointRestoreError",
+    "CheckpointSaveError",
+    "CheckpointTimeoutError",
+    "ChecksumMismatchError",
+    "CommitConflictError",
+    "CorruptCheckpointError",
+    "IncompatibleFormatError",
+    "PerRank",
+    "RNGState",
+    "SaveHandle",
+    "StateMismatchError",
+    "StorageError",
+]

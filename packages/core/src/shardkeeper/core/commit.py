@@ -1,0 +1,84 @@
+"""What "committed" means, in one place. Load, discovery, retention and the CLI all use it.
+
+A checkpoint is committed if and only if its manifest exists and validates. Manifests are
+written once, atomically, and last, so a step directory without one is a save in flight or
+the leftover of a failed one: never visible to readers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleFormatError,
+)
+from shardkeeper.core.format.layout import LATEST_NAME, parse_step_dir, step_dir
+from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
+from shardkeeper.core.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+def manifest_path(step: int) -> str:
+    return f"{step_dir(step)}/{MANIFEST_NAME}"
+
+
+def step_dirs(storage: Storage) -> dict[int, str]:
+    """Every step directory under the root, committed or not: step -> directory name."""
+    out = {}
+    for name in storage.list_dir(""):
+        step = parse_step_dir(name)
+        if step is not None:
+            out[step] = name.rstrip("/").rsplit("/", 1)[-1]
+    return out
+
+
+def load_manifest(storage: Storage, step: int) -> Manifest:
+    """The validated manifest of ``step``; raises if the step is not committed or is damaged."""
+    path = manifest_path(step)
+    try:
+        data = storage.read_bytes(path)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed under {storage.url}: no {MANIFEST_NAME} at "
+            f"{storage.describe(path)}; list committed steps with `shardkeeper ls {storage.url}`"
+        ) from None
+    m = Manifest.loads(data, where=storage.describe(path))
+    if m.step != step:
+        raise CorruptCheckpointError(
+            f"manifest {storage.describe(path)} says step {m.step}, its directory says {step}; "
+            f"the root was edited by hand: restore another step"
+        )
+    return m
+
+
+def is_committed(storage: Storage, step: int) -> bool:
+    """The definition: the manifest exists and validates (a newer format still counts)."""
+    try:
+        load_manifest(storage, step)
+    except IncompatibleFormatError:
+        return True
+    except CheckpointError:
+        return False
+    return True
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Committed steps under the root, ascending."""
+    steps = []
+    for step, name in sorted(step_dirs(storage).items()):
+        if MANIFEST_NAME not in storage.list_dir(name):
+            continue
+        if is_committed(storage, step):
+            steps.append(step)
+        else:
+            log.warning("step %d under %s has a manifest that does not validate; ignored", step, storage.url)
+    return steps
+
+
+def write_latest_hint(storage: Storage, step: int) -> None:
+    """LATEST is a hint for humans and fast tools; readers never trust it over the manifests."""
+    storage.put(LATEST_NAME, f"{step}\n".encode())

@@ -1,0 +1,1 @@
+"""The on-storage format: manifest, shard files, digests and naming. Needs no torch."""

@@ -1,0 +1,34 @@
+"""Names on storage: step directories, shard files, the LATEST hint."""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+STEP_PREFIX = "step-"
+STEP_DIGITS = 12
+LATEST_NAME = "LATEST"
+DATA_DIR = "data"
+_STEP_RE = re.compile(r"^step-(\d{12,})$")
+
+
+def step_dir(step: int) -> str:
+    """``step-000000001200``: zero-padded so that names sort in numeric order."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def new_attempt_id() -> str:
+    """A token unique to one save attempt of one rank, part of every file name it writes."""
+    return secrets.token_hex(4)
+
+
+def shard_file(rank: int, attempt: str, index: int) -> str:
+    """Relative to the step directory: ``data/r00000-<attempt>-000.safetensors``."""
+    return f"{DATA_DIR}/r{rank:05d}-{attempt}-{index:03d}.safetensors"

@@ -1,0 +1,49 @@
+"""Shard files in the safetensors layout: 8-byte little-endian header length, a JSON header,
+then the tensors' bytes back to back. Any safetensors reader can open an unencoded shard.
+
+The header is padded with spaces to a multiple of 8 bytes so that tensor data starts aligned.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from shardkeeper.core.format.manifest import DTYPES
+
+_ALIGN = 8
+
+
+def build_header(
+    entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[int]]:
+    """Header bytes (length prefix included) for ``(name, dtype, shape, nbytes)`` entries.
+
+    Returns the header and each entry's absolute byte offset in the file.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    pos = 0
+    rel = []
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {
+            "dtype": DTYPES[dtype][0],
+            "shape": list(shape),
+            "data_offsets": [pos, pos + nbytes],
+        }
+        rel.append(pos)
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw) - 8) % _ALIGN)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    return prefix, [len(prefix) + r for r in rel]
+
+
+def chunk_name(key: str, offsets: Sequence[int], shape: Sequence[int], global_shape: Sequence[int]) -> str:
+    """A readable, unique tensor name for a chunk: ``key`` if whole, else ``key[a:b,c:d]``."""
+    if list(offsets) == [0] * len(offsets) and list(shape) == list(global_shape):
+        return key
+    return key + "[" + ",".join(f"{o}:{o + s}" for o, s in zip(offsets, shape)) + "]"

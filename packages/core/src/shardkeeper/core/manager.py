@@ -1,0 +1,508 @@
+"""``CheckpointManager``: save and restore a training state, on every rank.
+
+Save on every rank: plan -> stage (caller's thread) -> write -> report (background) ->
+commit on the coordinator (rank 0) -> retain. Restore on every rank: discover -> plan ->
+ranged, verified reads -> copy in place; all ranks agree on the step and on success, and
+"restore the newest" falls back to the previous committed step when a step is damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointRestoreError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    StorageError,
+)
+from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
+from shardkeeper.core.format.layout import new_attempt_id, step_dir
+from shardkeeper.core.format.manifest import FORMAT_VERSION, ChunkRecord, LeafRecord, Manifest, check_tiling
+from shardkeeper.core.retention import RetentionPolicy, apply_retention
+from shardkeeper.core.storage import Storage, open_storage
+from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
+from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
+from shardkeeper.core.tensor.save import SavePlan, Stager, plan_save, write_shards
+from shardkeeper.core.tensor.state import flatten_for_restore, flatten_for_save
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Knobs of a manager; validated when made. Defaults suit a local disk or an object store."""
+
+    async_save: bool = True
+    """``save()`` returns once the state is staged; writing and commit run in the background."""
+    per_rank: str = "exact"
+    """Per-rank state (RNG, data position) at another world size: exact | modulo | drop."""
+    digest: str = DEFAULT_ALGORITHM
+    """Chunk digest: xxh3_128 (fast, default) or sha256 (cryptographic)."""
+    digest_block_bytes: int = DEFAULT_BLOCK_BYTES
+    """Digest granularity: a ranged read is widened to these blocks to be verified."""
+    commit_timeout_s: float = 1800.0
+    """How long the coordinator waits for every rank's report, and ranks for the outcome."""
+    io_threads: int = 4
+    """Parallel file writes and ranged reads per rank."""
+    max_files_per_rank: int = 4
+    """A rank's chunks are spread over up to this many files, written in parallel."""
+    min_file_bytes: int = 64 << 20
+    """A rank writes a second file only when it has at least twice this much."""
+    max_read_bytes: int = 64 << 20
+    """Upper bound of one ranged read; bounds restore memory to io_threads x this."""
+
+    def __post_init__(self) -> None:
+        if self.per_rank not in PER_RANK_POLICIES:
+            raise ValueError(f"per_rank={self.per_rank!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
+        if self.digest not in algorithms():
+            raise ValueError(f"digest={self.digest!r}; choose one of {', '.join(algorithms())}")
+        for name in ("digest_block_bytes", "io_threads", "max_files_per_rank", "min_file_bytes", "max_read_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.digest_block_bytes % 8:
+            raise ValueError(f"digest_block_bytes must be a multiple of 8, got {self.digest_block_bytes}")
+        if self.commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+
+
+@dataclass
+class SaveHandle:
+    """A save in flight. ``wait()`` blocks until it is committed and re-raises its failure."""
+
+    step: int
+    _future: Future[None]
+    stall_s: float = 0.0
+    _delivered: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        try:
+            self._future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise CheckpointTimeoutError(
+                f"save of step {self.step} still running after {timeout_s} s"
+            ) from None
+        except BaseException:
+            with self._lock:
+                first = not self._delivered
+                self._delivered = True
+            if first:
+                raise
+
+    def _undelivered_error(self) -> BaseException | None:
+        if not self._future.done():
+            return None
+        err = self._future.exception()
+        with self._lock:
+            if err is None or self._delivered:
+                return None
+            self._delivered = True
+            return err
+
+
+def _rank_world(coord: Coordinator) -> tuple[int, int]:
+    return coord.rank, coord.world_size
+
+
+class CheckpointManager:
+    """Durable, async, resharding checkpoints under one root (a path or an fsspec URL).
+
+    In a process group every rank creates the manager (a collective) and calls ``save()`` /
+    ``restore()`` with its own local state, as with ``torch.distributed.checkpoint``.
+    """
+
+    def __init__(
+        self,
+        root: str | Storage,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        options: CheckpointOptions | None = None,
+        **option_overrides: Any,
+    ) -> None:
+        base = options or CheckpointOptions()
+        if option_overrides:
+            unknown = set(option_overrides) - set(CheckpointOptions.__dataclass_fields__)
+            if unknown:
+                raise TypeError(f"unknown CheckpointManager option(s): {', '.join(sorted(unknown))}")
+            base = CheckpointOptions(**{**base.__dict__, **option_overrides})
+        self.options = base
+        self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        self.storage: Storage = open_storage(root, **dict(storage_options or {}))
+        self.metadata = dict(metadata or {})
+        self._coord = make_coordinator(process_group)
+        self.rank, self.world_size = _rank_world(self._coord)
+        self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
+        self._stager = Stager()
+        self._pending: SaveHandle | None = None
+        self._seq = 0
+        self._closed = False
+        self.last_restore_stats: RestoreStats | None = None
+
+    # -- save --------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        async_save: bool | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Stage ``state`` and return; write and commit in the background (see ``async_save``).
+
+        A save started while the previous one still writes first waits for it (that wait
+        counts as stall), and raises the previous save's failure if nobody has seen it yet.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        self._wait_pending(raise_error=True)
+        flat = flatten_for_save(state, self.rank)
+        plan = plan_save(flat, self.rank, self.world_size)
+        self._stager.stage(plan.items)
+        objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
+        seq, self._seq = self._seq, self._seq + 1
+        attempt = new_attempt_id()
+        meta = {**self.metadata, **dict(metadata or {})}
+        future = self._bg.submit(self._run_save, step, seq, attempt, plan, objects, meta)
+        handle = SaveHandle(step, future)
+        self._pending = handle
+        handle.stall_s = time.perf_counter() - t0
+        log.info(
+            "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
+            self.rank, step, len(plan.items), plan.nbytes, handle.stall_s,
+        )
+        if not (self.options.async_save if async_save is None else async_save):
+            handle.wait()
+        return handle
+
+    def _run_save(
+        self, step: int, seq: int, attempt: str, plan: SavePlan, objects: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        sdir = step_dir(step)
+        t0 = time.perf_counter()
+        phase = "write"
+        try:
+            res = write_shards(
+                self.storage, sdir, plan.items, rank=self.rank, attempt=attempt,
+                algorithm=self.options.digest, block_bytes=self.options.digest_block_bytes,
+                executor=self._io, max_files=self.options.max_files_per_rank,
+                min_file_bytes=self.options.min_file_bytes,
+            )
+            payload: dict[str, Any] = {
+                "ok": True,
+                "rank": self.rank,
+                "attempt": attempt,
+                "declared": plan.declared,
+                "chunks": {k: [c.to_json() for c in v] for k, v in res.chunks.items()},
+                "files": res.files,
+                "objects": objects,
+                "per_rank_prefixes": plan.per_rank_prefixes,
+            }
+            log.info("rank %d step %d: wrote %d bytes in %.3f s", self.rank, step, res.bytes_written, time.perf_counter() - t0)
+        except BaseException as e:
+            payload = {
+                "ok": False, "rank": self.rank, "phase": phase, "path": self.storage.describe(sdir),
+                "error": f"{type(e).__name__}: {e}",
+            }
+            local_error: BaseException | None = e
+        else:
+            local_error = None
+        self._coord.report(seq, payload)
+        timeout = self.options.commit_timeout_s
+        if self.rank == 0:
+            outcome = self._commit(step, seq, attempt, meta, timeout)
+            self._coord.publish(seq, outcome)
+        else:
+            outcome = self._coord.outcome(seq, timeout, step=step)
+        if local_error is not None:
+            raise CheckpointSaveError(
+                f"save of step {step} failed on rank {self.rank} in phase {phase} at "
+                f"{self.storage.describe(sdir)}: {type(local_error).__name__}: {local_error}; "
+                f"the checkpoint was not committed",
+                step=step, failures={self.rank: payload},
+            ) from local_error
+        if not outcome.get("ok"):
+            fr = outcome.get("rank")
+            raise CheckpointSaveError(
+                f"save of step {step} failed on rank {fr} in phase {outcome.get('phase')} at "
+                f"{outcome.get('path')}: {outcome.get('error')}; the checkpoint was not committed",
+                step=step, failures={fr if isinstance(fr, int) else -1: outcome},
+            )
+        if self.rank == 0:
+            self._retain(step)
+
+    def _commit(self, step: int, seq: int, attempt: str, meta: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Coordinator: collect reports, check tiling, write the manifest if absent."""
+        sdir = step_dir(step)
+        reports: list[dict[str, Any]] = []
+        try:
+            reports = self._coord.collect(seq, timeout, step=step)
+            for r in reports:
+                if not r.get("ok"):
+                    return r
+            manifest = self._assemble(step, attempt, reports, meta)
+            self.storage.put_if_absent(manifest_path(step), manifest.dumps())
+        except BaseException as e:
+            self._discard_attempt(sdir, reports)
+            return {
+                "ok": False, "rank": 0, "phase": "commit", "path": self.storage.describe(sdir),
+                "error": f"{type(e).__name__}: {e}",
+            }
+        try:
+            write_latest_hint(self.storage, step)
+        except CheckpointError as e:  # a hint only; the manifest is the truth
+            log.warning("step %d committed, but the LATEST hint was not updated: %s", step, e)
+        log.info("step %d committed at %s (%d leaves)", step, self.storage.describe(sdir), len(manifest.leaves))
+        return {"ok": True, "rank": 0}
+
+    def _discard_attempt(self, sdir: str, reports: Sequence[dict[str, Any]]) -> None:
+        for r in reports:
+            for rel in r.get("files", {}):
+                try:
+                    self.storage.delete(f"{sdir}/{rel}")
+                except CheckpointError:
+                    pass
+
+    def _assemble(self, step: int, attempt: str, reports: Sequence[dict[str, Any]], meta: dict[str, Any]) -> Manifest:
+        declared: dict[str, tuple[int, list[Any]]] = {}
+        chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkRecord]] = {}
+        files: dict[str, dict[str, Any]] = {}
+        objects: dict[str, Any] = {}
+        prefixes: list[str] = []
+        problems: list[str] = []
+        for r in reports:
+            rank = r["rank"]
+            for key, decl in r["declared"].items():
+                prev = declared.setdefault(key, (rank, decl))
+                if prev[1] != decl:
+                    problems.append(
+                        f"{key}: rank {prev[0]} has {prev[1][1]} {prev[1][2]}, rank {rank} has {decl[1]} {decl[2]}"
+                    )
+            for key, recs in r["chunks"].items():
+                box = chunks.setdefault(key, {})
+                for c in recs:
+                    rec = ChunkRecord.from_json(c)
+                    box.setdefault((rec.offsets, rec.shape), rec)
+            files.update(r["files"])
+            for key, val in r["objects"].items():
+                objects.setdefault(key, val)
+            for p in r["per_rank_prefixes"]:
+                if p not in prefixes:
+                    prefixes.append(p)
+        leaves: dict[str, LeafRecord] = {}
+        for key, (_, (kind, dtype, shape)) in declared.items():
+            recs = tuple(chunks.get(key, {}).values())
+            why = check_tiling(key, tuple(shape), recs)
+            if why is not None:
+                problems.append(f"{key}: {why}")
+            leaves[key] = LeafRecord(kind=kind, dtype=dtype, shape=tuple(shape), chunks=recs)
+        for key, val in objects.items():
+            leaves[key] = LeafRecord(kind="object", value=val)
+        if problems:
+            raise StateMismatchError(
+                f"step {step}: the ranks' states do not form one checkpoint: "
+                + "; ".join(problems[:5])
+                + ("; ..." if len(problems) > 5 else "")
+                + ". Every rank must pass the same keys; plain tensors are treated as replicated "
+                "(wrap per-rank tensors in PerRank)"
+            )
+        metadata = {
+            "framework": "torch",
+            "torch_version": torch.__version__,
+            "world_size": self.world_size,
+            **meta,
+        }
+        return Manifest(
+            step=step,
+            world_size=self.world_size,
+            leaves=dict(sorted(leaves.items())),
+            files=dict(sorted(files.items())),
+            digest_algorithm=self.options.digest,
+            digest_block_bytes=self.options.digest_block_bytes,
+            per_rank_prefixes=tuple(prefixes),
+            metadata=metadata,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            attempt=attempt,
+            format_version=FORMAT_VERSION,
+        )
+
+    def _retain(self, step: int) -> None:
+        if self.retention.keep_last is None and self.retention.keep_every is None:
+            return
+        try:
+            apply_retention(self.storage, self.retention, protect=[step])
+        except Exception as e:  # retention must never fail a committed save
+            log.warning("retention after step %d failed (will retry after the next save): %s", step, e)
+
+    def _wait_pending(self, *, raise_error: bool) -> None:
+        p = self._pending
+        if p is None:
+            return
+        try:
+            p._future.result()
+        except BaseException:
+            pass
+        if not raise_error:  # keep the handle: its failure reaches the next save() or wait()
+            return
+        self._pending = None
+        err = p._undelivered_error()
+        if err is not None:
+            raise err
+
+    # -- restore -----------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return committed_steps(self.storage)
+
+    def restore(
+        self,
+        state: Mapping[str, Any],
+        step: int | None = None,
+        only: str | Sequence[str] | None = None,
+        *,
+        strict: bool = True,
+        per_rank: str | None = None,
+        cast_dtypes: bool = False,
+    ) -> int:
+        """Restore ``state`` in place from ``step`` (None: the newest committed); return the step.
+
+        ``only`` takes key patterns (``"model/*"``) for a partial restore. When the newest step
+        turns out damaged, the previous committed one is restored instead, with a warning.
+        """
+        self._check_open()
+        policy = per_rank or self.options.per_rank
+        if policy not in PER_RANK_POLICIES:
+            raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
+        patterns = [only] if isinstance(only, str) else (list(only) if only else None)
+        self._wait_pending(raise_error=False)
+        explicit = step is not None
+        candidates = [step] if explicit else sorted(committed_steps(self.storage), reverse=True)
+        if self.world_size > 1:
+            candidates = self._agree_candidates(candidates)
+        if not candidates:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {self.storage.url}; nothing to restore (rank "
+                f"{self.rank}). Check the root, or start training from scratch"
+            )
+        last_error: BaseException | None = None
+        for s in candidates:
+            code, err = self._restore_step(state, s, patterns, strict, policy, cast_dtypes)
+            if self.world_size > 1:
+                code = self._coord.agree_int(code, "max")
+            if code == 0:
+                if last_error is not None:
+                    log.warning("rank %d restored step %d instead of a newer, damaged step", self.rank, s)
+                return s
+            if err is None:
+                err = CheckpointRestoreError(
+                    f"restore of step {s} failed on another rank (rank {self.rank} succeeded); "
+                    f"see that rank's error"
+                )
+            if code == 2 or explicit:
+                raise err
+            last_error = err
+            warnings.warn(
+                f"step {s} under {self.storage.url} is damaged ({err}); falling back to the "
+                f"previous committed step",
+                stacklevel=2,
+            )
+        assert last_error is not None
+        raise CheckpointRestoreError(
+            f"no committed step under {self.storage.url} could be restored; the last error: {last_error}"
+        ) from last_error
+
+    def _agree_candidates(self, candidates: list[int]) -> list[int]:
+        """Every rank uses rank 0's list of steps (its listing may be fresher)."""
+        n = self._coord.agree_int(len(candidates), "bcast")
+        out = []
+        for i in range(n):
+            out.append(self._coord.agree_int(candidates[i] if i < len(candidates) else -1, "bcast"))
+        return out
+
+    def _restore_step(
+        self, state: Mapping[str, Any], step: int, patterns: list[str] | None, strict: bool, policy: str, cast: bool
+    ) -> tuple[int, BaseException | None]:
+        """0 = restored, 1 = this step is damaged (fall back), 2 = an error no step fixes."""
+        t0 = time.perf_counter()
+        try:
+            manifest = load_manifest(self.storage, step)
+            flat = flatten_for_restore(state, self.rank, strict=strict)
+            self.last_restore_stats = restore_flat(
+                self.storage, step_dir(step), manifest, flat, rank=self.rank,
+                world_size=self.world_size, only=patterns, strict=strict, per_rank=policy,
+                cast=cast, executor=self._io, max_read_bytes=self.options.max_read_bytes,
+            )
+        except (CorruptCheckpointError, StorageError) as e:
+            return 1, e
+        except CheckpointNotFoundError as e:
+            return 1, e
+        except Exception as e:
+            return 2, e
+        st = self.last_restore_stats
+        log.info(
+            "rank %d restored step %d: %d keys, read %d bytes (%d needed) in %.3f s",
+            self.rank, step, st.keys, st.bytes_read, st.bytes_needed, time.perf_counter() - t0,
+        )
+        return 0, None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until the pending save is committed; raise its failure if not yet seen."""
+        self._wait_pending(raise_error=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._bg.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager for {self.storage.url} is closed")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        p = getattr(self, "_pending", None)
+        if p is not None and not getattr(self, "_closed", True):
+            warnings.warn(
+                f"CheckpointManager for {self.storage.url} was garbage-collected with a save of "
+                f"step {p.step} never waited for; call mgr.wait() or mgr.close()",
+                ResourceWarning,
+                stacklevel=1,
+            )

@@ -1,0 +1,88 @@
+"""The storage protocol: where the bytes go. Small on purpose; capabilities are attributes.
+
+All paths are ``/``-separated and relative to the storage root. Implementations translate
+their backend's errors into shardkeeper's (``CheckpointNotFoundError``, ``CommitConflictError``,
+``StorageError``), keeping the original as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees; the commit protocol reads these, never the backend's type."""
+
+    atomic_put_if_absent: bool  # put_if_absent() is atomic against concurrent writers
+    ranged_read: bool  # read_range() costs only the bytes asked for
+    durable_writes: bool  # a closed writer's bytes survive a crash (fsync or object-store PUT)
+    directories: bool  # empty directories exist (POSIX) rather than being key prefixes
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """A file being written. ``close()`` makes the bytes durable; ``abort()`` discards them."""
+
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A checkpoint root. Thread-safe: writers and readers run on background threads."""
+
+    url: str
+    capabilities: Capabilities
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names directly under ``path`` ("" is the root); empty if it does not exist."""
+        ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def size(self, path: str) -> int: ...
+
+    def mtime(self, path: str) -> float:
+        """Last modification, seconds since the epoch."""
+        ...
+
+    def read_bytes(self, path: str) -> bytes: ...
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes: ...
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes at ``[offset, offset + len(buffer))``."""
+        ...
+
+    def open_writer(self, path: str) -> Writer:
+        """A new file at ``path``; it must not exist yet. Parent directories are created."""
+        ...
+
+    def sync_dir(self, path: str) -> None:
+        """Make the directory entries under ``path`` durable (fsync of a POSIX directory)."""
+        ...
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        """Write ``data`` at ``path`` in one step, or raise ``CommitConflictError`` if it exists."""
+        ...
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write or replace ``path`` atomically (readers see the old or the new bytes)."""
+        ...
+
+    def delete(self, path: str) -> None:
+        """Delete a file; a missing file is not an error."""
+        ...
+
+    def delete_dir(self, path: str) -> None:
+        """Delete a directory and everything under it; missing is not an error."""
+        ...
+
+    def describe(self, path: str) -> str:
+        """The full location of ``path``, for messages."""
+        ...

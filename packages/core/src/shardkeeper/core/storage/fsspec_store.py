@@ -1,0 +1,505 @@
+"""Storage on any fsspec URL: ``s3://``, ``gs://``, and the rest (``memory://`` for tests).
+
+What the commit protocol relies on, per backend:
+
+- **put_if_absent** is one conditional PUT on S3 (``If-None-Match: *``, through s3fs
+  ``pipe_file(..., mode="create")``) and on GCS (``ifGenerationMatch=0``, which gcsfs sends on
+  both its one-shot ``uploadType=multipart`` upload and its resumable upload). The store
+  answers "412 Precondition Failed" to every writer but the first, and that becomes
+  :class:`CommitConflictError`. Other fsspec backends have no such primitive: there,
+  ``put_if_absent`` checks and writes under a process-local lock, says so once in the log, and
+  ``capabilities.atomic_put_if_absent`` is ``False`` so that callers can tell.
+- **Writers** stream through ``fs.open(path, "wb", block_size=part_size_bytes)``: on S3 every
+  full block becomes one part of a multipart upload, so memory stays bounded, and the object
+  appears only when ``close()`` completes the upload. ``abort()`` aborts the multipart upload
+  (or the GCS resumable session): nothing appears, and no parts are left to pay for.
+- **Listings are never cached** on S3 and GCS (``use_listings_cache=False`` unless the caller
+  says otherwise): other ranks and other processes write the same bucket, so a listing cached
+  by this process would be stale in ways :meth:`fs.invalidate_cache` cannot fix. The
+  per-process cache is still invalidated after every write and delete here, for backends and
+  callers that keep it on.
+- **Errors** are translated: missing -> :class:`CheckpointNotFoundError` (also a
+  ``FileNotFoundError``), precondition failure or an existing object ->
+  :class:`CommitConflictError` (also a ``FileExistsError``), anything else ->
+  :class:`StorageError` (also an ``OSError``). The backend's exception is kept as
+  ``__cause__`` and the message names the full URL.
+
+This module imports neither torch nor a backend library: fsspec loads ``s3fs`` or ``gcsfs``
+when a URL asks for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+import fsspec
+import fsspec.asyn
+import fsspec.core
+import fsspec.spec
+
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommitConflictError,
+    StorageError,
+)
+from shardkeeper.core.storage.base import Capabilities
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+S3_PROTOCOLS = frozenset({"s3", "s3a"})
+GCS_PROTOCOLS = frozenset({"gs", "gcs"})
+OBJECT_STORE_PROTOCOLS = S3_PROTOCOLS | GCS_PROTOCOLS
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+_VOLATILE_PROTOCOLS = frozenset({"memory"})
+
+#: Default size of one multipart-upload part. S3 allows 10,000 parts (so files up to ~312 GiB
+#: at this size) and needs at least 5 MiB; GCS needs a multiple of 256 KiB. Each open writer
+#: buffers at most about one part.
+DEFAULT_PART_SIZE_BYTES = 32 * 2**20
+
+# S3 answers 409 ConditionalRequestConflict while another conditional write of the same key is
+# in flight; the retry then sees 412 (someone won) or succeeds.
+_CONFLICT_RETRIES = 5
+
+# put_if_absent on backends without a conditional write: serialize within this process.
+_fallback_lock = threading.Lock()
+_warned_protocols: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _protocol_of(fs: Any) -> str:
+    proto = fs.protocol
+    return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
+
+
+def _error_codes(e: BaseException) -> tuple[set[str], set[int]]:
+    """The error codes and HTTP statuses found along ``e``'s chain of causes (botocore style)."""
+    codes: set[str] = set()
+    statuses: set[int] = set()
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error") or {}
+            if err.get("Code"):
+                codes.add(str(err["Code"]))
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                statuses.add(status)
+        for attr in ("code", "status"):  # gcsfs HttpError, aiohttp errors
+            value = getattr(cur, attr, None)
+            if isinstance(value, int) and 100 <= value < 600:
+                statuses.add(value)
+        cur = cur.__cause__ or cur.__context__
+    return codes, statuses
+
+
+def _is_precondition_failure(e: BaseException) -> bool:
+    codes, statuses = _error_codes(e)
+    return "PreconditionFailed" in codes or "412" in codes or 412 in statuses
+
+
+def _is_conditional_conflict(e: BaseException) -> bool:
+    codes, statuses = _error_codes(e)
+    return "ConditionalRequestConflict" in codes
+
+
+def _timestamp(value: Any) -> float:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value.timestamp()
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        return _timestamp(datetime.fromisoformat(value.replace("Z", "+00:00")))
+    raise TypeError(f"not a timestamp: {value!r}")
+
+
+class _FsspecWriter:
+    """A streaming upload. Not thread-safe: one writer is fed by one thread."""
+
+    def __init__(self, storage: FsspecStorage, path: str, f: Any) -> None:
+        self._storage = storage
+        self._path = path
+        self._f = f
+        self._state = "open"  # -> "closed" | "aborted"
+
+    def write(self, data: memoryview | bytes) -> None:
+        if self._state != "open":
+            raise StorageError(f"write to {self._storage.describe(self._path)} after {self._state}")
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        try:
+            self._f.write(view)
+        except Exception as e:
+            raise self._storage._translate("write", self._path, e) from e
+
+    def close(self) -> None:
+        if self._state == "closed":
+            return
+        if self._state == "aborted":
+            raise StorageError(f"close of {self._storage.describe(self._path)} after abort()")
+        self._state = "closed"
+        try:
+            self._f.close()
+        except Exception as e:
+            # Do not leave a half-finished multipart upload behind.
+            self._discard_quietly()
+            raise self._storage._translate("close", self._path, e) from e
+        finally:
+            self._storage._invalidate(self._path)
+
+    def abort(self) -> None:
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        try:
+            self._discard_quietly()
+        finally:
+            self._storage._invalidate(self._path)
+
+    def _discard_quietly(self) -> None:
+        f = self._f
+        discard = getattr(f, "discard", None)
+        discarded = False
+        if callable(discard) and isinstance(f, fsspec.spec.AbstractBufferedFile):
+            try:
+                discard()  # s3fs: abort the multipart upload; gcsfs: cancel the resumable session
+                discarded = True
+            except Exception as e:  # pragma: no cover - best effort
+                log.debug("discard of %s failed: %s", self._storage.describe(self._path), e)
+            finally:
+                # Without this, the file's __del__ would close() it: gcsfs would then upload a
+                # small file whose discard() had nothing to cancel.
+                try:
+                    f.closed = True
+                except Exception:  # pragma: no cover
+                    pass
+        if discarded and self._storage._object_store:
+            return  # the object only appears on a completed upload, and this one never will
+        if not discarded:
+            try:
+                f.close()
+            except Exception:
+                pass
+        # Backends that create the file at open or write through (memory://, file://, ...).
+        try:
+            self._storage.fs.rm_file(self._storage._full(self._path))
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # pragma: no cover - best effort; gc removes leftovers
+            log.warning("could not remove aborted %s: %s", self._storage.describe(self._path), e)
+
+    def __enter__(self) -> _FsspecWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class FsspecStorage:
+    """A checkpoint root at an fsspec URL.
+
+    ``FsspecStorage("s3://bucket/run-42", client_kwargs={"endpoint_url": ...})``: keyword
+    arguments are fsspec storage options, passed to ``fsspec.core.url_to_fs``. Two are ours:
+
+    - ``part_size_bytes``: size of one multipart-upload part (and of a writer's buffer).
+    - ``conditional_writes``: ``None`` (default) trusts the backend's kind (S3 and GCS have
+      conditional writes); ``False`` forces the non-atomic fallback, for S3-compatible stores
+      that ignore ``If-None-Match``; ``True`` asserts that ``pipe_file(mode="create")`` is
+      atomic on some other backend.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        conditional_writes: bool | None = None,
+        **storage_options: Any,
+    ) -> None:
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        if protocol in OBJECT_STORE_PROTOCOLS:
+            storage_options.setdefault("use_listings_cache", False)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except ImportError as e:
+            extra = "s3" if protocol in S3_PROTOCOLS else "gcs" if protocol in GCS_PROTOCOLS else None
+            hint = f"; install shardkeeper-core[{extra}]" if extra else ""
+            raise StorageError(f"cannot open {url}: {e}{hint}") from e
+        self.fs = fs
+        self.url = url.rstrip("/")
+        self.root = root.rstrip("/")
+        self.protocol = _protocol_of(fs)
+        self._object_store = self.protocol in OBJECT_STORE_PROTOCOLS
+        if part_size_bytes < 5 * 2**20 and self.protocol in S3_PROTOCOLS:
+            raise ValueError(f"part_size_bytes={part_size_bytes}: S3 parts are at least 5 MiB")
+        self.part_size_bytes = part_size_bytes
+        atomic = self._object_store if conditional_writes is None else conditional_writes
+        self._capabilities = Capabilities(
+            atomic_put_if_absent=atomic,
+            ranged_read=True,
+            durable_writes=self.protocol not in _LOCAL_PROTOCOLS | _VOLATILE_PROTOCOLS,
+            directories=self.protocol in _LOCAL_PROTOCOLS,
+        )
+        # gcsfs writes to zonal (Rapid) buckets over gRPC and ignores mode="create" there
+        # (it overwrites): ask once, lazily, whether this bucket is one.
+        self._zonal_check_pending = (
+            conditional_writes is None
+            and self.protocol in GCS_PROTOCOLS
+            and callable(getattr(fs, "_is_zonal_bucket", None))
+        )
+        self._caps_lock = threading.Lock()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        if self._zonal_check_pending:
+            self._check_zonal_bucket()
+        return self._capabilities
+
+    def _check_zonal_bucket(self) -> None:
+        with self._caps_lock:
+            if not self._zonal_check_pending:
+                return
+            bucket = self.root.split("/", 1)[0]
+            try:
+                zonal = bool(fsspec.asyn.sync(self.fs.loop, self.fs._is_zonal_bucket, bucket))
+            except Exception as e:  # unknown: gcsfs itself then treats the bucket as regular
+                log.debug("could not tell whether gs://%s is a zonal bucket: %s", bucket, e)
+                zonal = False
+            if zonal:
+                log.warning(
+                    "gs://%s is a zonal bucket: gcsfs cannot make conditional writes to it, so "
+                    "put_if_absent on %s is not atomic across processes",
+                    bucket,
+                    self.url,
+                )
+                self._capabilities = dataclasses.replace(
+                    self._capabilities, atomic_put_if_absent=False
+                )
+            self._zonal_check_pending = False
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    # -- paths and errors -------------------------------------------------------------------
+
+    def _full(self, path: str) -> str:
+        path = path.strip("/")
+        return f"{self.root}/{path}" if path else self.root
+
+    def describe(self, path: str) -> str:
+        path = path.strip("/")
+        return f"{self.url}/{path}" if path else self.url
+
+    def _translate(self, op: str, path: str, e: BaseException) -> CheckpointError:
+        where = self.describe(path)
+        if isinstance(e, CheckpointError):
+            return e
+        if isinstance(e, FileNotFoundError):
+            return CheckpointNotFoundError(f"{where} does not exist ({op})")
+        if isinstance(e, FileExistsError) or _is_precondition_failure(e):
+            return CommitConflictError(f"{where} already exists ({op}: the store refused to replace it)")
+        detail = str(e) or type(e).__name__
+        return StorageError(f"{op} failed on {where}: {type(e).__name__}: {detail}")
+
+    def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as e:
+            raise self._translate(op, path, e) from e
+
+    def _invalidate(self, path: str) -> None:
+        full = self._full(path)
+        try:
+            self.fs.invalidate_cache(full)
+            parent = full.rsplit("/", 1)[0] if "/" in full else ""
+            if parent:
+                self.fs.invalidate_cache(parent)
+        except Exception:  # pragma: no cover - a cache is never worth failing for
+            pass
+
+    def _info(self, path: str) -> dict[str, Any]:
+        full = self._full(path)
+        self.fs.invalidate_cache(full)
+        return self._call("info", path, lambda: self.fs.info(full))
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def list_dir(self, path: str) -> list[str]:
+        full = self._full(path)
+        self._invalidate(path)
+        self.fs.invalidate_cache(full)
+        try:
+            entries = self.fs.ls(full, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except Exception as e:
+            raise self._translate("list", path, e) from e
+        names = set()
+        for entry in entries:
+            name = (entry if isinstance(entry, str) else entry["name"]).rstrip("/")
+            if name == full:  # ``path`` is a file: ls() answers with the file itself
+                continue
+            names.add(name.rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self._info(path)
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    def size(self, path: str) -> int:
+        info = self._info(path)
+        return int(info.get("size") or 0)
+
+    def mtime(self, path: str) -> float:
+        info = self._info(path)
+        for key in ("LastModified", "mtime", "updated", "last_modified", "modified", "created"):
+            if info.get(key) is not None:
+                try:
+                    return _timestamp(info[key])
+                except (TypeError, ValueError):
+                    continue
+        full = self._full(path)
+        return self._call("mtime", path, lambda: _timestamp(self.fs.modified(full)))
+
+    def read_bytes(self, path: str) -> bytes:
+        full = self._full(path)
+        return bytes(self._call("read", path, lambda: self.fs.cat_file(full)))
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range offset={offset} length={length}")
+        if length == 0:
+            return b""
+        full = self._full(path)
+        data = self._call(
+            "read", path, lambda: self.fs.cat_file(full, start=offset, end=offset + length)
+        )
+        if len(data) != length:
+            raise StorageError(
+                f"{self.describe(path)} is shorter than expected: wanted bytes "
+                f"[{offset}, {offset + length}), got {len(data)}"
+            )
+        return bytes(data)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        view = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+        if len(view) == 0:
+            return
+        view[:] = self.read_range(path, offset, len(view))
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def open_writer(self, path: str) -> _FsspecWriter:
+        # Best effort "must not exist yet" (a HEAD): names are unique per save attempt, so a
+        # hit means two writers share an attempt id. Data files are not written with a
+        # precondition on purpose: S3-compatible stores disagree on conditional multipart
+        # completion, and the manifest's conditional PUT is the commit point anyway.
+        full = self._full(path)
+        if self.exists(path):
+            raise CommitConflictError(
+                f"{self.describe(path)} already exists; file names are unique per save attempt, "
+                f"so another writer is using this attempt id"
+            ) from FileExistsError(errno.EEXIST, "object exists", full)
+
+        def _open() -> Any:
+            if self.capabilities.directories and "/" in full:
+                self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
+            return self.fs.open(full, "wb", block_size=self.part_size_bytes)
+
+        return _FsspecWriter(self, path, self._call("open", path, _open))
+
+    def sync_dir(self, path: str) -> None:
+        """Nothing to do: an object is durable when its upload completes."""
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        full = self._full(path)
+        if self.capabilities.atomic_put_if_absent:
+            for attempt in range(_CONFLICT_RETRIES + 1):
+                try:
+                    self.fs.pipe_file(full, data, mode="create")
+                    break
+                except Exception as e:
+                    if _is_conditional_conflict(e) and attempt < _CONFLICT_RETRIES:
+                        time.sleep(0.05 * 2**attempt)
+                        continue
+                    raise self._translate("put_if_absent", path, e) from e
+            self._invalidate(path)
+            return
+        self._warn_not_atomic()
+        with _fallback_lock:
+            if self.exists(path):
+                raise CommitConflictError(
+                    f"{self.describe(path)} already exists (put_if_absent)"
+                ) from FileExistsError(errno.EEXIST, "object exists", full)
+            self._call("put_if_absent", path, lambda: self.fs.pipe_file(full, data))
+        self._invalidate(path)
+
+    def _warn_not_atomic(self) -> None:
+        with _warned_lock:
+            if self.protocol in _warned_protocols:
+                return
+            _warned_protocols.add(self.protocol)
+        log.warning(
+            "%s:// has no conditional write: put_if_absent on %s checks then writes, which is "
+            "atomic only among threads of this process; two jobs committing the same step "
+            "concurrently could both succeed",
+            self.protocol,
+            self.url,
+        )
+
+    def put(self, path: str, data: bytes) -> None:
+        full = self._full(path)
+        if self.capabilities.directories and "/" in full:
+            self._call("put", path, lambda: self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True))
+        self._call("put", path, lambda: self.fs.pipe_file(full, data))
+        self._invalidate(path)
+
+    def delete(self, path: str) -> None:
+        full = self._full(path)
+        try:
+            self.fs.rm_file(full)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise self._translate("delete", path, e) from e
+        finally:
+            self._invalidate(path)
+
+    def delete_dir(self, path: str) -> None:
+        full = self._full(path)
+        if full == self.root:
+            raise StorageError(f"refusing to delete the checkpoint root {self.url}")
+        try:
+            self.fs.rm(full, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise self._translate("delete_dir", path, e) from e
+        finally:
+            self._invalidate(path)
+            self.fs.invalidate_cache(full)
+
+
+__all__ = ["DEFAULT_PART_SIZE_BYTES", "FsspecStorage"]

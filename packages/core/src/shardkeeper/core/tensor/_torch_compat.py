@@ -1,0 +1,83 @@
+"""Every use of a private torch API, in one place, so a torch upgrade breaks one module.
+
+Tested by ``tests/core/test_torch_compat.py``: if a release moves one of these, that test
+fails with the name of the symbol.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+try:  # torch >= 2.5
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = None  # type: ignore[assignment,misc]
+
+try:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+except ImportError:  # pragma: no cover
+    ShardedTensor = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(x: Any) -> bool:
+    return isinstance(x, DTensor)
+
+
+def is_sharded_tensor(x: Any) -> bool:
+    return ShardedTensor is not None and isinstance(x, ShardedTensor)
+
+
+def is_shard_placement(p: Any) -> bool:
+    return isinstance(p, Shard) or (_StridedShard is not None and isinstance(p, _StridedShard))
+
+
+def is_replicate(p: Any) -> bool:
+    return isinstance(p, Replicate)
+
+
+def is_partial(p: Any) -> bool:
+    return isinstance(p, Partial)
+
+
+def shard_dim_indices(
+    curr_local_size: int, mesh_dim_size: int, coord: int, placement: Any, previous: torch.Tensor | None
+) -> tuple[int, torch.Tensor]:
+    """Apply one Shard/_StridedShard placement to one tensor dimension.
+
+    Returns the new local size and the global indices (along that dimension) of the local
+    rows, composed with ``previous`` (the indices after earlier mesh dims).
+    """
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    size, index = _get_shard_size_and_offsets(
+        curr_local_size, mesh_dim_size, coord, placement, previous, 0, False
+    )
+    if size == 0:
+        return 0, torch.empty(0, dtype=torch.long)
+    assert index is not None
+    return int(size), index
+
+
+def default_store() -> Any:
+    """The c10d store of the default process group: rendezvous keys, thread-safe, no collective."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def group_store(group: Any) -> Any:
+    """The store for ``group`` (the default group's store, prefixed for other groups)."""
+    if group is None or group == dist.group.WORLD:
+        return default_store()
+    from torch.distributed.distributed_c10d import _world
+
+    pg_map = getattr(_world, "pg_map", {})
+    entry = pg_map.get(group)
+    if entry is not None and len(entry) > 1 and entry[1] is not None:
+        return entry[1]
+    return default_store()

@@ -1,0 +1,170 @@
+"""Rank coordination for the commit, without collectives on the training process group.
+
+The background thread of every rank *reports* its chunk records (or its failure) to the
+coordinator (rank 0) through the process group's c10d store, and waits for the *outcome*
+the coordinator publishes there. Store operations are point-to-point requests to the store
+server: safe from a background thread, and independent of NCCL/gloo streams.
+
+Collectives are used only on the caller's thread: once when a manager is created (to agree
+on a namespace) and during restore (to agree on the step and on success).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from shardkeeper.core.errors import CheckpointTimeoutError
+from shardkeeper.core.tensor import _torch_compat as tc
+
+
+class Coordinator(Protocol):
+    rank: int
+    world_size: int
+
+    def report(self, seq: int, payload: dict[str, Any]) -> None: ...
+
+    def collect(self, seq: int, timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+        """Coordinator only: every rank's report, in rank order; fails fast on an error report."""
+        ...
+
+    def publish(self, seq: int, outcome: dict[str, Any]) -> None: ...
+
+    def outcome(self, seq: int, timeout_s: float, *, step: int) -> dict[str, Any]: ...
+
+    def agree_int(self, value: int, op: str) -> int:
+        """Caller's thread only: ``max``/``min`` of ``value`` over ranks, or rank 0's (``bcast``)."""
+        ...
+
+
+class LocalCoordinator:
+    """One process, no process group."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self) -> None:
+        self._reports: dict[int, dict[str, Any]] = {}
+        self._outcomes: dict[int, dict[str, Any]] = {}
+
+    def report(self, seq: int, payload: dict[str, Any]) -> None:
+        self._reports[seq] = payload
+
+    def collect(self, seq: int, timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+        return [self._reports.pop(seq)]
+
+    def publish(self, seq: int, outcome: dict[str, Any]) -> None:
+        self._outcomes[seq] = outcome
+
+    def outcome(self, seq: int, timeout_s: float, *, step: int) -> dict[str, Any]:
+        return self._outcomes.pop(seq)
+
+    def agree_int(self, value: int, op: str) -> int:
+        return value
+
+
+def _collective_device(group: Any) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class StoreCoordinator:
+    """Ranks of a torch.distributed process group, coordinated through its c10d store."""
+
+    group: Any
+    rank: int
+    world_size: int
+    namespace: str
+    poll_s: float = 0.005
+
+    @classmethod
+    def create(cls, group: Any = None) -> StoreCoordinator:
+        """Collective (caller's thread): agree on a fresh namespace for this manager's keys."""
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        device = _collective_device(group)
+        token = torch.frombuffer(bytearray(secrets.token_bytes(8)), dtype=torch.uint8).to(device)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(token, src=src, group=group)
+        ns = "shardkeeper/" + bytes(token.cpu().tolist()).hex()
+        return cls(group, rank, world, ns)
+
+    @property
+    def _store(self) -> Any:
+        return tc.group_store(self.group)
+
+    def _key(self, seq: int, name: str) -> str:
+        return f"{self.namespace}/{seq}/{name}"
+
+    def report(self, seq: int, payload: dict[str, Any]) -> None:
+        self._store.set(self._key(seq, f"report/{self.rank}"), json.dumps(payload))
+
+    def collect(self, seq: int, timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+        store = self._store
+        keys = [self._key(seq, f"report/{r}") for r in range(self.world_size)]
+        got: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        delay = self.poll_s
+        while len(got) < self.world_size:
+            for r, k in enumerate(keys):
+                if r not in got and store.check([k]):
+                    got[r] = json.loads(store.get(k))
+                    store.delete_key(k)
+                    if not got[r].get("ok", False):
+                        return [got[r]]
+            if len(got) == self.world_size:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                raise CheckpointTimeoutError(
+                    f"step {step}: ranks {missing} did not report within {timeout_s:.0f} s "
+                    f"(phase: report); a rank died or hangs in its write. Raise commit_timeout_s "
+                    f"if writes are slow; the checkpoint was not committed"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+        return [got[r] for r in range(self.world_size)]
+
+    def publish(self, seq: int, outcome: dict[str, Any]) -> None:
+        self._store.set(self._key(seq, "outcome"), json.dumps(outcome))
+
+    def outcome(self, seq: int, timeout_s: float, *, step: int) -> dict[str, Any]:
+        store = self._store
+        key = self._key(seq, "outcome")
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except Exception as e:  # the store raises its own timeout type
+            raise CheckpointTimeoutError(
+                f"step {step}, rank {self.rank}: no commit outcome from the coordinator (rank 0) "
+                f"within {timeout_s:.0f} s; it died or hangs. The checkpoint was not committed"
+            ) from e
+        out = json.loads(store.get(key))
+        if store.add(self._key(seq, "acks"), 1) == self.world_size - 1:  # all but rank 0
+            store.delete_key(key)
+            store.delete_key(self._key(seq, "acks"))
+        return out
+
+    def agree_int(self, value: int, op: str) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=_collective_device(self.group))
+        if op == "bcast":
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            dist.broadcast(t, src=src, group=self.group)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+def make_coordinator(group: Any = None) -> Coordinator:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return StoreCoordinator.create(group)
+    return LocalCoordinator()

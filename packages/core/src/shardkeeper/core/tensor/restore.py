@@ -1,0 +1,358 @@
+"""Restore, per rank: plan the overlap of target pieces and saved chunks, read only those
+bytes (widened to digest blocks, coalesced, in parallel), verify them, copy in place.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
+from shardkeeper.core.format.digest import block_span, digest_function
+from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.chunks import Piece, layout_of
+from shardkeeper.core.tensor.state import FlatState, Leaf, as_torch, conform, dtype_from_name, torch_dtype_name
+
+log = logging.getLogger(__name__)
+
+PER_RANK_POLICIES = ("exact", "modulo", "drop")
+
+
+@dataclass
+class RestoreStats:
+    """What a restore read: for tests and benchmarks (bytes read vs bytes needed)."""
+
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    reads: int = 0
+    files: set[str] = field(default_factory=set)
+    keys: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_read(self, file: str, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+            self.files.add(file)
+
+
+@dataclass
+class _Op:
+    """Copy one box (the overlap of a target piece and a saved chunk) into the target."""
+
+    key: str
+    chunk: ChunkRecord
+    dtype: torch.dtype
+    dest: torch.Tensor
+    rel_lo: tuple[int, ...]  # overlap box relative to the chunk
+    rel_shape: tuple[int, ...]
+    start: int  # minimal contiguous byte range within the chunk
+    end: int
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return out
+
+
+def _overlap_ops(
+    key: str, piece: Piece, chunk: ChunkRecord, dtype: torch.dtype, isz: int, max_read: int
+) -> list[_Op]:
+    lo = [max(p, c) for p, c in zip(piece.offsets, chunk.offsets)]
+    hi = [min(p + ps, c + cs) for p, ps, c, cs in zip(piece.offsets, piece.shape, chunk.offsets, chunk.shape)]
+    if any(a >= b for a, b in zip(lo, hi)):
+        return []
+    strides = _strides(chunk.shape)
+    rel_lo = [a - c for a, c in zip(lo, chunk.offsets)]
+    shape = [b - a for a, b in zip(lo, hi)]
+    ops = []
+    # Split along dim 0 so that no single read exceeds max_read bytes.
+    rows = shape[0] if shape else 1
+    row_bytes = (strides[0] * isz) if shape else isz
+    step = max(1, max_read // max(row_bytes, 1)) if shape else 1
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        sub_lo = list(rel_lo)
+        sub_shape = list(shape)
+        if shape:
+            sub_lo[0] = rel_lo[0] + r0
+            sub_shape[0] = r1 - r0
+        first = sum(a * s for a, s in zip(sub_lo, strides))
+        last = sum((a + n - 1) * s for a, n, s in zip(sub_lo, sub_shape, strides))
+        dest = piece.local
+        for d in range(len(sub_shape)):
+            start_in_piece = chunk.offsets[d] + sub_lo[d] - piece.offsets[d]
+            if start_in_piece != 0 or sub_shape[d] != dest.shape[d]:
+                dest = dest.narrow(d, start_in_piece, sub_shape[d])
+        ops.append(
+            _Op(key, chunk, dtype, dest, tuple(sub_lo), tuple(sub_shape), first * isz, (last + 1) * isz)
+        )
+    return ops
+
+
+@dataclass
+class _Segment:
+    key: str
+    chunk: ChunkRecord
+    start: int  # block-aligned byte range within the chunk
+    end: int
+    ops: list[_Op]
+
+
+@dataclass
+class _Read:
+    file: str
+    start: int  # absolute file offsets
+    end: int
+    segments: list[_Segment]
+
+
+def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Read]:
+    by_chunk: dict[tuple[str, int], list[_Op]] = {}
+    for op in ops:
+        by_chunk.setdefault((op.chunk.file, op.chunk.offset), []).append(op)
+    segments: list[tuple[str, int, _Segment]] = []
+    for (file, _), chunk_ops in by_chunk.items():
+        chunk = chunk_ops[0].chunk
+        spans = sorted(
+            (block_span(o.start, o.end, block_bytes, chunk.length), i) for i, o in enumerate(chunk_ops)
+        )
+        cur: _Segment | None = None
+        for (lo, hi), i in spans:
+            if cur is not None and lo <= cur.end and hi - cur.start <= max(max_read, cur.end - cur.start):
+                cur.end = max(cur.end, hi)
+                cur.ops.append(chunk_ops[i])
+            else:
+                cur = _Segment(chunk_ops[i].key, chunk, lo, hi, [chunk_ops[i]])
+                segments.append((file, chunk.offset + lo, cur))
+    segments.sort(key=lambda s: (s[0], s[1]))
+    reads: list[_Read] = []
+    for file, abs_start, seg in segments:
+        abs_end = seg.chunk.offset + seg.end
+        last = reads[-1] if reads else None
+        if last is not None and last.file == file and last.end == abs_start and abs_end - last.start <= max_read:
+            last.end = abs_end
+            last.segments.append(seg)
+        else:
+            reads.append(_Read(file, abs_start, abs_end, [seg]))
+    return reads
+
+
+def _execute_read(
+    storage: Storage,
+    step_dir: str,
+    rd: _Read,
+    digest: Callable[[Any], str],
+    block_bytes: int,
+    stats: RestoreStats,
+    step: int,
+) -> None:
+    path = f"{step_dir}/{rd.file}"
+    buf = np.empty(rd.end - rd.start, dtype=np.uint8)
+    storage.read_into(path, rd.start, memoryview(buf))
+    stats.add_read(rd.file, len(buf))
+    base = torch.from_numpy(buf)
+    for seg in rd.segments:
+        off = seg.chunk.offset + seg.start - rd.start
+        view = memoryview(buf)[off : off + seg.end - seg.start]
+        first_block = seg.start // block_bytes
+        for i in range(0, len(view), block_bytes):
+            idx = first_block + i // block_bytes
+            got = digest(view[i : i + block_bytes])
+            want = seg.chunk.digests[idx] if idx < len(seg.chunk.digests) else "<none>"
+            if got != want:
+                raise ChecksumMismatchError(
+                    f"checksum mismatch in {storage.describe(path)} at bytes "
+                    f"[{seg.chunk.offset + idx * block_bytes}, "
+                    f"{seg.chunk.offset + min((idx + 1) * block_bytes, seg.chunk.length)}) of key "
+                    f"{seg.key!r}, step {step}: expected {want}, read {got}. The stored bytes are "
+                    f"damaged: restore an earlier step (restore() without step= falls back by "
+                    f"itself) and run `shardkeeper verify {storage.url}`",
+                    key=seg.key,
+                    file=path,
+                )
+        for op in seg.ops:
+            isz = itemsize(torch_dtype_name(op.dtype))
+            seg_bytes = base[off : off + seg.end - seg.start]
+            if off % isz:  # written by a writer that does not align chunks
+                seg_bytes = seg_bytes.clone()
+            flat = seg_bytes.view(op.dtype)
+            first_el = (op.start - seg.start) // isz
+            strides = _strides(op.chunk.shape)
+            src = flat.as_strided(op.rel_shape, strides, flat.storage_offset() + first_el)
+            op.dest.copy_(src)
+
+
+def _bytes_of(
+    storage: Storage, step_dir: str, leaf: LeafRecord, manifest: Manifest, key: str, stats: RestoreStats
+) -> bytes:
+    digest = digest_function(manifest.digest_algorithm)
+    out = bytearray(math.prod(leaf.shape))
+    for c in leaf.chunks:
+        data = storage.read_range(f"{step_dir}/{c.file}", c.offset, c.length)
+        stats.add_read(c.file, len(data))
+        mv = memoryview(data)
+        for i, want in enumerate(c.digests):
+            got = digest(mv[i * manifest.digest_block_bytes : (i + 1) * manifest.digest_block_bytes])
+            if got != want:
+                raise ChecksumMismatchError(
+                    f"checksum mismatch in {storage.describe(step_dir + '/' + c.file)} for key "
+                    f"{key!r}, step {manifest.step}; restore an earlier step",
+                    key=key,
+                    file=c.file,
+                )
+        out[c.offsets[0] : c.offsets[0] + c.length] = data
+    return bytes(out)
+
+
+def _matches(key: str, patterns: Sequence[str] | None) -> bool:
+    if not patterns:
+        return True
+    return any(fnmatch.fnmatchcase(key, p) or key.startswith(p.rstrip("/") + "/") or key == p for p in patterns)
+
+
+def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, policy: str) -> str | None:
+    """The saved key a per-rank target leaf reads from, by policy; None means skip it."""
+    if leaf.per_rank is None:
+        return key
+    prefix = f"{leaf.per_rank}/{rank}"
+    rest = key[len(prefix) :]
+    if saved_world == world:
+        return key
+    if policy == "modulo":
+        return f"{leaf.per_rank}/{rank % saved_world}{rest}"
+    if policy == "drop":
+        return None
+    raise StateMismatchError(
+        f"per-rank state {leaf.per_rank!r} was saved at world size {saved_world}, restoring at "
+        f"{world} (rank {rank}); choose a policy: per_rank='modulo' (rank r reads rank "
+        f"r % {saved_world}) or per_rank='drop' (start it fresh)"
+    )
+
+
+def restore_flat(
+    storage: Storage,
+    step_dir: str,
+    manifest: Manifest,
+    flat: FlatState,
+    *,
+    rank: int,
+    world_size: int,
+    only: Sequence[str] | None,
+    strict: bool,
+    per_rank: str,
+    cast: bool,
+    executor: Executor,
+    max_read_bytes: int,
+) -> RestoreStats:
+    """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers."""
+    stats = RestoreStats()
+    where = f"{storage.describe(step_dir)} (step {manifest.step}, rank {rank})"
+    missing: list[str] = []
+    dropped: list[str] = []
+    ops: list[_Op] = []
+    deferred: list[Callable[[], None]] = []
+    for key, leaf in flat.leaves.items():
+        if not _matches(key, only):
+            continue
+        src_key = _source_key(leaf, key, rank, manifest.world_size, world_size, per_rank)
+        if src_key is None:
+            dropped.append(key)
+            continue
+        rec = manifest.leaves.get(src_key)
+        if rec is None:
+            missing.append(src_key)
+            continue
+        stats.keys += 1
+        if leaf.kind == "object" or rec.kind == "object":
+            if leaf.kind != rec.kind:
+                raise StateMismatchError(
+                    f"key {key!r} in {where} is a {rec.kind} leaf in the checkpoint but a "
+                    f"{leaf.kind} in the target state; the state's structure changed"
+                )
+            assert leaf.set is not None
+            setter, value, current = leaf.set, rec.value, leaf.value
+            deferred.append(lambda s=setter, v=value, c=current: s(conform(v, c)))
+            continue
+        if rec.kind == "bytes":
+            assert leaf.set is not None
+            leaf.set(_bytes_of(storage, step_dir, rec, manifest, key, stats))
+            continue
+        target = as_torch(leaf.value)
+        layout = layout_of(target, world_size, rank)
+        if tuple(layout.global_shape) != tuple(rec.shape):
+            raise StateMismatchError(
+                f"key {key!r} in {where}: the checkpoint holds shape {list(rec.shape)}, the "
+                f"target has {list(layout.global_shape)}; build the model with the saved "
+                f"configuration, or exclude the key with only=[...]"
+            )
+        saved_dtype = dtype_from_name(rec.dtype)
+        if saved_dtype != layout.dtype and not cast:
+            raise StateMismatchError(
+                f"key {key!r} in {where}: the checkpoint holds {rec.dtype}, the target is "
+                f"{torch_dtype_name(layout.dtype)}; pass cast_dtypes=True to cast on restore"
+            )
+        isz = itemsize(rec.dtype)
+        for piece in layout.pieces:
+            stats.bytes_needed += piece.numel * isz
+            for chunk in rec.chunks:
+                ops.extend(_overlap_ops(key, piece, chunk, saved_dtype, isz, max_read_bytes))
+    if missing:
+        msg = (
+            f"{len(missing)} key(s) of the target state are not in {where}: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; "
+            f"restore a subset with only=[...] or pass strict=False to skip them"
+        )
+        if strict:
+            raise StateMismatchError(msg)
+        log.warning("%s", msg)
+    if dropped:
+        log.warning(
+            "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",
+            rank, manifest.world_size, world_size, ", ".join(dropped[:8]),
+        )
+    digest = digest_function(manifest.digest_algorithm)
+    reads = _plan_reads(ops, manifest.digest_block_bytes, max_read_bytes)
+    with torch.no_grad():
+        futures = [
+            executor.submit(
+                _execute_read, storage, step_dir, rd, digest, manifest.digest_block_bytes, stats, manifest.step
+            )
+            for rd in reads
+        ]
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        for fn in deferred:
+            fn()
+        for fin in flat.finalizers:
+            fin()
+    return stats
+
+
+def check_manifest_files(storage: Storage, step_dir: str, manifest: Manifest) -> None:
+    """Cheap pre-check used by verification paths: every listed file exists at its size."""
+    for rel, info in manifest.files.items():
+        size = storage.size(f"{step_dir}/{rel}")
+        if size != info.get("size_bytes"):
+            raise CorruptCheckpointError(
+                f"{storage.describe(step_dir + '/' + rel)} has {size} bytes, the manifest of step "
+                f"{manifest.step} says {info.get('size_bytes')}; the file is damaged"
+            )

@@ -1,0 +1,339 @@
+"""The canonical state: what the user passes, flattened into ``/``-separated keys and leaves.
+
+- dicts recurse (``{"w": t, "meta": {"step": 3}}`` -> ``w``, ``meta/step``);
+- ``nn.Module`` -> ``<key>/<fqn>`` through torch's ``get_model_state_dict`` (FQNs normalized);
+- ``Optimizer`` -> ``<key>/state/<fqn>/<name>`` and ``<key>/param_groups``, keyed by parameter
+  FQN through ``get_optimizer_state_dict`` (the owning module must be in the same state);
+- objects with ``state_dict()``/``load_state_dict()`` recurse into their state dict;
+- ``PerRank(x)`` (and ``RNGState``) put ``x`` under ``<key>/<rank>/...``;
+- tensors, DTensors, ShardedTensors, numpy arrays are tensor leaves; ``bytes`` are bytes
+  leaves; JSON values (and lists/tuples holding no tensor) are object leaves.
+
+Restoring flattens the *target* the same way, with a setter per leaf, so values land in the
+caller's own objects: tensors are filled in place, objects are replaced in their container,
+and stateful objects get ``load_state_dict`` with their own filled state dict.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardkeeper.core.errors import StateMismatchError
+
+#: Wrapper path components stripped from FQNs so one model has one set of keys everywhere.
+WRAPPER_PREFIXES = (
+    "module",
+    "_fsdp_wrapped_module",
+    "_orig_mod",
+    "_checkpoint_wrapped_module",
+    "_forward_module",
+    "_offload_wrapped_module",
+)
+
+
+def normalize_fqn(fqn: str) -> str:
+    parts = [p for p in fqn.split(".") if p not in WRAPPER_PREFIXES]
+    return ".".join(parts)
+
+
+class PerRank:
+    """Marks state that differs per rank (RNG, data position): stored as ``<key>/<rank>/...``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class RNGState:
+    """The calling process's RNG state: torch (CPU and CUDA), numpy, python ``random``.
+
+    Per-rank by nature; put it in the state as ``{"rng": RNGState()}``.
+    """
+
+    __shardkeeper_per_rank__ = True
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state()
+        py_state = random.getstate()
+        out: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": {
+                "kind": np_state[0],
+                "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                "pos": int(np_state[2]),
+                "has_gauss": int(np_state[3]),
+                "cached_gaussian": float(np_state[4]),
+            },
+            "python": {"version": py_state[0], "state": list(py_state[1]), "gauss": py_state[2]},
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        return out
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        torch.set_rng_state(sd["torch"].to(torch.uint8))
+        n = sd["numpy"]
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
+             float(n["cached_gaussian"]))
+        )
+        p = sd["python"]
+        random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+        if "cuda" in sd and torch.cuda.is_available():
+            states = [sd["cuda"][str(i)] for i in range(len(sd["cuda"]))]
+            torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
+
+
+def is_tensor_like(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, np.ndarray))
+
+
+@dataclass
+class Leaf:
+    """One leaf of a flattened state. ``set`` replaces it in its container (restore only)."""
+
+    key: str
+    value: Any
+    kind: str  # "tensor" | "bytes" | "object"
+    per_rank: str | None = None  # the per-rank prefix this leaf lives under, if any
+    set: Callable[[Any], None] | None = None
+
+
+@dataclass
+class FlatState:
+    leaves: dict[str, Leaf] = field(default_factory=dict)
+    per_rank_prefixes: list[str] = field(default_factory=list)
+    #: Called after a restore filled the leaves, in order: pushes state into stateful objects.
+    finalizers: list[Callable[[], None]] = field(default_factory=list)
+
+
+def _contains_tensor(x: Any) -> bool:
+    if is_tensor_like(x):
+        return True
+    if isinstance(x, Mapping):
+        return any(_contains_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_contains_tensor(v) for v in x)
+    return hasattr(x, "state_dict")
+
+
+def _check_json(key: str, value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise StateMismatchError(
+            f"state key {key!r} holds a {type(value).__name__} that is not a tensor, bytes or "
+            f"JSON value ({e}); nothing is pickled: convert it, or give its owner "
+            f"state_dict()/load_state_dict() methods that return tensors and JSON values"
+        ) from None
+
+
+def _find_owner(opt: torch.optim.Optimizer, modules: dict[str, nn.Module], key: str) -> nn.Module:
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    for m in modules.values():
+        if ids <= {id(p) for p in m.parameters()}:
+            return m
+    raise StateMismatchError(
+        f"optimizer at state key {key!r} has parameters that no nn.Module in the same state "
+        f"owns; optimizer state is keyed by parameter name, so put the model in the same "
+        f"state, e.g. {{'model': model, {key!r}: optimizer}}"
+    )
+
+
+class Flattener:
+    """Flattens one state for one rank. ``restore=True`` records setters and finalizers."""
+
+    def __init__(self, rank: int, *, restore: bool, strict: bool = True) -> None:
+        self.rank = rank
+        self.restore = restore
+        self.strict = strict
+        self.out = FlatState()
+
+    def flatten(self, state: Mapping[str, Any]) -> FlatState:
+        if not isinstance(state, Mapping):
+            raise StateMismatchError(
+                f"state must be a mapping of names to values, got {type(state).__name__}; "
+                f"e.g. mgr.save(step, {{'model': model, 'optim': optimizer}})"
+            )
+        modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+        for k, v in state.items():
+            self._visit(str(k), v, modules, None, self._dict_setter(state, k))
+        return self.out
+
+    # -- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _dict_setter(container: Any, k: Any) -> Callable[[Any], None]:
+        def set_(v: Any) -> None:
+            container[k] = v
+
+        return set_
+
+    def _add(self, key: str, value: Any, kind: str, per_rank: str | None, set_: Any) -> None:
+        if key in self.out.leaves:
+            raise StateMismatchError(f"state key {key!r} appears twice after flattening")
+        self.out.leaves[key] = Leaf(key, value, kind, per_rank, set_ if self.restore else None)
+
+    def _visit(
+        self, key: str, v: Any, modules: dict[str, nn.Module], per_rank: str | None, set_: Any
+    ) -> None:
+        if isinstance(v, PerRank) or getattr(v, "__shardkeeper_per_rank__", False):
+            if per_rank is not None:
+                raise StateMismatchError(f"state key {key!r}: PerRank inside PerRank")
+            self.out.per_rank_prefixes.append(key)
+            if isinstance(v, PerRank):
+                inner_set = lambda x, w=v: setattr(w, "value", x)  # noqa: E731
+                self._visit(f"{key}/{self.rank}", v.value, modules, key, inner_set)
+            else:
+                self._stateful(f"{key}/{self.rank}", v, key)
+            return
+        if isinstance(v, nn.Module):
+            self._module(key, v, per_rank)
+        elif isinstance(v, torch.optim.Optimizer):
+            self._optimizer(key, v, _find_owner(v, modules, key), per_rank)
+        elif is_tensor_like(v):
+            self._add(key, v, "tensor", per_rank, set_)
+        elif isinstance(v, (bytes, bytearray)):
+            self._add(key, v, "bytes", per_rank, set_)
+        elif isinstance(v, Mapping):
+            if not v and not self.restore:
+                self._add(key, {}, "object", per_rank, set_)
+            for k2, v2 in v.items():
+                self._visit(f"{key}/{k2}", v2, modules, per_rank, self._dict_setter(v, k2))
+        elif isinstance(v, (list, tuple)) and _contains_tensor(v):
+            if isinstance(v, tuple) and self.restore:
+                raise StateMismatchError(
+                    f"state key {key!r} is a tuple holding tensors; restore needs a mutable "
+                    f"container: use a list or a dict"
+                )
+            for i, v2 in enumerate(v):
+                self._visit(f"{key}/{i}", v2, modules, per_rank, self._dict_setter(v, i))
+        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+            self._stateful(key, v, per_rank)
+        else:
+            if not self.restore:
+                _check_json(key, v)
+            self._add(key, v, "object", per_rank, set_)
+
+    def _stateful(self, key: str, obj: Any, per_rank: str | None) -> None:
+        sd = obj.state_dict()
+        if not isinstance(sd, dict):
+            raise StateMismatchError(
+                f"{type(obj).__name__}.state_dict() at state key {key!r} returned "
+                f"{type(sd).__name__}, not a dict"
+            )
+        holder = {"sd": sd}
+        self._visit(key, sd, {}, per_rank, self._dict_setter(holder, "sd"))
+        if self.restore:
+            self.out.finalizers.append(lambda: obj.load_state_dict(holder["sd"]))
+
+    def _module(self, key: str, module: nn.Module, per_rank: str | None) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        sd = get_model_state_dict(module, options=StateDictOptions())
+        for fqn, t in sd.items():
+            self._visit(f"{key}/{normalize_fqn(fqn)}", t, {}, per_rank, self._dict_setter(sd, fqn))
+        if self.restore:
+            strict = self.strict
+            self.out.finalizers.append(
+                lambda: set_model_state_dict(module, sd, options=StateDictOptions(strict=strict))
+            )
+
+    def _optimizer(
+        self, key: str, opt: torch.optim.Optimizer, owner: nn.Module, per_rank: str | None
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        osd = get_optimizer_state_dict(owner, opt, options=StateDictOptions())
+        state = osd.get("state", {})
+        for fqn, per_param in state.items():
+            nfqn = normalize_fqn(str(fqn))
+            for name, val in per_param.items():
+                self._visit(
+                    f"{key}/state/{nfqn}/{name}", val, {}, per_rank, self._dict_setter(per_param, name)
+                )
+        groups = osd.get("param_groups", [])
+        norm_groups = [
+            {**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]} for g in groups
+        ]
+        if not self.restore:
+            _check_json(f"{key}/param_groups", norm_groups)
+
+        def set_groups(saved: Any) -> None:
+            # Map saved FQNs back onto the target's own FQN spelling; keep the target's order.
+            by_norm = {normalize_fqn(str(p)): p for g in groups for p in g.get("params", [])}
+            fixed = []
+            for g, tg in zip(saved, groups):
+                g = conform(g, tg)
+                g["params"] = [by_norm.get(p, p) for p in g.get("params", [])]
+                fixed.append(g)
+            osd["param_groups"] = fixed if len(saved) == len(groups) else saved
+
+        self._add(f"{key}/param_groups", norm_groups, "object", per_rank, set_groups)
+        if self.restore:
+            self.out.finalizers.append(
+                lambda: set_optimizer_state_dict(owner, opt, osd, options=StateDictOptions())
+            )
+
+
+def conform(saved: Any, target: Any) -> Any:
+    """Give a JSON-restored value the container types of the target (tuples stay tuples)."""
+    if isinstance(target, tuple) and isinstance(saved, list):
+        return tuple(conform(s, t) for s, t in zip(saved, target)) + tuple(saved[len(target) :])
+    if isinstance(target, dict) and isinstance(saved, dict):
+        return {k: conform(v, target[k]) if k in target else v for k, v in saved.items()}
+    if isinstance(target, list) and isinstance(saved, list):
+        return [conform(s, t) for s, t in zip(saved, target)] + saved[len(target) :]
+    return saved
+
+
+def flatten_for_save(state: Mapping[str, Any], rank: int) -> FlatState:
+    return Flattener(rank, restore=False).flatten(state)
+
+
+def flatten_for_restore(state: Mapping[str, Any], rank: int, *, strict: bool) -> FlatState:
+    return Flattener(rank, restore=True, strict=strict).flatten(state)
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def as_torch(value: Any) -> torch.Tensor:
+    """A tensor leaf as a torch tensor (numpy arrays are viewed, not copied)."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    return value
+
+
+__all__ = [
+    "FlatState",
+    "Leaf",
+    "PerRank",
+    "RNGState",
+    "conform",
+    "flatten_for_restore",
+    "flatten_for_save",
+    "normalize_fqn",
+]

@@ -1,0 +1,10 @@
+"""shardkeeper adapter for PyTorch Lightning.
+
+This adapter is a skeleton pending its issue: it exports nothing yet. When written, it hooks
+into the Trainer(plugins=[...]) argument (and a strategy hook where a strategy bypasses
+CheckpointIO for sharded saves), and translates the framework's state to and from the canonical
+state of shardkeeper.core (DESIGN.md sections 2 and 5). It imports only the public API of
+shardkeeper.core and its own framework, never another adapter.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,161 @@
+"""Shared fixtures: a real S3 endpoint (moto server) and storage roots on every backend.
+
+``storage_root`` is what most tests want::
+
+    def test_roundtrip(storage_root):
+        storage = storage_root.open()          # or open_storage(*storage_root)
+        root, options = storage_root           # a plain (url, options) pair as well
+
+It runs the test once on a local directory and once on S3 (a fresh bucket on a moto server
+started once per session). S3 runs are skipped, with the reason, only when moto is not
+installed (``pip install "moto[s3,server]"``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+MOTO_START_TIMEOUT_S = 20.0
+_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+class StorageRoot(NamedTuple):
+    """A checkpoint root and the options to open it: ``open_storage(root.url, **root.options)``."""
+
+    url: str
+    options: dict[str, Any]
+
+    def open(self) -> Any:
+        from shardkeeper.core.storage import open_storage
+
+        return open_storage(self.url, **self.options)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _moto_command(port: int) -> list[str]:
+    script = Path(sys.executable).with_name("moto_server")
+    if script.exists():
+        return [str(script), "-H", "127.0.0.1", "-p", str(port)]
+    return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], endpoint: str, log_path: Path) -> None:
+    deadline = time.monotonic() + MOTO_START_TIMEOUT_S
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"moto_server exited with {proc.returncode} before it was ready:\n"
+                f"{log_path.read_text(errors='replace')[-4000:]}"
+            )
+        try:
+            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2) as r:
+                if r.status < 500:
+                    return
+        except urllib.error.HTTPError as e:  # it answers: it is up
+            if e.code < 500:
+                return
+            last = e
+        except OSError as e:
+            last = e
+        time.sleep(0.1)
+    raise RuntimeError(
+        f"moto_server at {endpoint} not ready after {MOTO_START_TIMEOUT_S:.0f} s ({last}):\n"
+        f"{log_path.read_text(errors='replace')[-4000:]}"
+    )
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """The endpoint URL of a real moto S3 server running in a subprocess for this session."""
+    pytest.importorskip("moto.server", reason="S3 tests need moto: pip install 'moto[s3,server]'")
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'shardkeeper-core[s3]'")
+    saved = {k: os.environ.get(k) for k in _AWS_ENV}
+    os.environ.update(_AWS_ENV)
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log_dir = Path(tempfile.mkdtemp(prefix="shardkeeper-moto-"))
+    log_path = log_dir / "moto_server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            _moto_command(port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **_AWS_ENV},
+        )
+    try:
+        _wait_ready(proc, endpoint, log_path)
+        yield endpoint
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, 15)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, 9)
+                proc.wait(timeout=10)
+        shutil.rmtree(log_dir, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def s3_storage_options(endpoint: str) -> dict[str, Any]:
+    return {"client_kwargs": {"endpoint_url": endpoint}, "key": "testing", "secret": "testing"}
+
+
+@pytest.fixture
+def s3_fs(s3_server: str) -> Any:
+    """An ``s3fs.S3FileSystem`` talking to the moto server (for setup and inspection)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(**s3_storage_options(s3_server), use_listings_cache=False)
+
+
+@pytest.fixture
+def s3_root(s3_server: str, s3_fs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(url, storage_options)`` of an empty root in a fresh bucket; the bucket is removed after."""
+    bucket = f"sk-test-{uuid.uuid4().hex[:16]}"
+    s3_fs.mkdir(bucket)
+    try:
+        yield f"s3://{bucket}/run", s3_storage_options(s3_server)
+    finally:
+        try:
+            s3_fs.rm(bucket, recursive=True)
+        except Exception:  # a test that broke the bucket must not fail the next one
+            pass
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> StorageRoot:
+    """A fresh, empty checkpoint root, once on local disk and once on S3 (moto)."""
+    if request.param == "local":
+        return StorageRoot(str(tmp_path / "root"), {})
+    url, options = request.getfixturevalue("s3_root")
+    return StorageRoot(url, options)
