@@ -19,6 +19,7 @@ CONSTRAINTS = ("-c", "constraints.txt")
 TORCH = "torch==2.13.0"
 RUFF = "ruff==0.17.5"
 MYPY = "mypy==2.4.1"
+PIP = "pip>=26"
 
 # Settings for every test run: one BLAS/OpenMP thread per process (the machine has 2 cores
 # and multiprocess tests start several), and gcsfs without its experimental HNS probing.
@@ -30,8 +31,14 @@ def _install(session: nox.Session, *args: str) -> None:
 
 
 def _install_torch(session: nox.Session) -> None:
-    """Install the pinned torch before anything else can pull in another one."""
+    """Install the pinned torch before anything else can pull in another one.
+
+    Then a current pip: the one a new venv comes with (23.x on Python 3.11) backtracks
+    through every aiobotocore release when moto's boto3 and s3fs's aiobotocore meet, and
+    gives up; pip 26 resolves the same set in seconds.
+    """
     _install(session, TORCH)
+    _install(session, "--upgrade", PIP)
 
 
 @nox.session

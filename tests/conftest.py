@@ -152,7 +152,7 @@ def s3_root(s3_server: str, s3_fs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
             pass
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> StorageRoot:
     """A fresh, empty checkpoint root, once on local disk and once on S3 (moto)."""
     if request.param == "local":

@@ -118,7 +118,7 @@ def write_step(
         )
         w = storage.open_writer(f"{base}/{rel}")
         w.write(header)
-        for (key, _d, _g, o, s, b), at in zip(entries, offsets_in_file):
+        for (key, _d, _g, o, s, b), at in zip(entries, offsets_in_file, strict=True):
             w.write(b)
             chunks[key].append(ChunkRecord(
                 file=rel, offset=at, length=len(b), offsets=o, shape=s,

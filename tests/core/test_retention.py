@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -62,8 +63,8 @@ def test_policy_retained():
     assert RetentionPolicy(keep_every=200).retained(steps) == {200, 400}
     assert RetentionPolicy(keep_last=1, keep_every=200).retained(steps) == {200, 400, 500}
     assert RetentionPolicy(keep_last=1).retained([]) == set()
-    with pytest.raises(Exception):
-        RetentionPolicy(keep_last=1).keep_last = 2  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RetentionPolicy(keep_last=1).keep_last = 2  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------- apply_retention

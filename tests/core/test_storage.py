@@ -30,7 +30,7 @@ MiB = 2**20
 PAYLOAD = bytes(range(256)) * 64  # 16 KiB, every byte value, position-dependent
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
     if request.param == "local":
         yield open_storage(tmp_path / "root")
@@ -305,6 +305,7 @@ def _open_uploads(storage: FsspecStorage) -> list[Any]:
     return storage.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
 
 
+@pytest.mark.s3
 def test_s3_writer_uses_multipart_upload(s3_storage: FsspecStorage) -> None:
     data = (PAYLOAD * (11 * MiB // len(PAYLOAD) + 1))[: 11 * MiB + 123]
     w = s3_storage.open_writer("step-1/data/big")
@@ -315,11 +316,15 @@ def test_s3_writer_uses_multipart_upload(s3_storage: FsspecStorage) -> None:
     w.close()
     assert _open_uploads(s3_storage) == []
     assert s3_storage.size("step-1/data/big") == len(data)
-    assert s3_storage.read_range("step-1/data/big", 5 * MiB - 7, 20) == data[5 * MiB - 7 : 5 * MiB + 13]
+    assert (
+        s3_storage.read_range("step-1/data/big", 5 * MiB - 7, 20)
+        == data[5 * MiB - 7 : 5 * MiB + 13]
+    )
     info = s3_storage.fs.info(s3_storage._full("step-1/data/big"))
     assert "-" in info["ETag"]  # a multipart ETag: "<md5>-<parts>"
 
 
+@pytest.mark.s3
 def test_s3_abort_discards_the_multipart_upload(s3_storage: FsspecStorage) -> None:
     w = s3_storage.open_writer("step-1/data/torn")
     w.write(b"\0" * (6 * MiB))  # one part uploaded
@@ -331,12 +336,14 @@ def test_s3_abort_discards_the_multipart_upload(s3_storage: FsspecStorage) -> No
         w.close()  # a closed-after-abort writer never pretends to have committed
 
 
+@pytest.mark.s3
 def test_s3_part_size_minimum(s3_root: tuple[str, dict[str, Any]]) -> None:
     url, options = s3_root
     with pytest.raises(ValueError):
         FsspecStorage(url, part_size_bytes=MiB, **options)
 
 
+@pytest.mark.s3
 def test_s3_missing_bucket_is_not_found(s3_root: tuple[str, dict[str, Any]]) -> None:
     _, options = s3_root
     s = open_storage(f"s3://sk-no-such-bucket-{uuid.uuid4().hex[:8]}/run", **options)
@@ -346,15 +353,16 @@ def test_s3_missing_bucket_is_not_found(s3_root: tuple[str, dict[str, Any]]) -> 
     assert info.value.__cause__ is not None
 
 
+@pytest.mark.s3
 def test_s3_conditional_write_is_enforced_by_the_server(s3_storage: FsspecStorage) -> None:
     """The precondition is the server's, not a check in our client: a raw conditional PUT fails."""
-    from botocore.exceptions import ClientError  # noqa: F401 - s3fs surfaces it as the cause
-
     s3_storage.put("m", b"1")
     bucket, key = s3_storage._full("m").split("/", 1)
     with pytest.raises(OSError) as info:
         s3_storage.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"2", IfNoneMatch="*")
-    assert isinstance(info.value, FileExistsError) or "PreconditionFailed" in repr(info.value.__cause__)
+    assert isinstance(info.value, FileExistsError) or "PreconditionFailed" in repr(
+        info.value.__cause__
+    )
     assert s3_storage.read_bytes("m") == b"1"
 
 
@@ -365,7 +373,10 @@ def test_precondition_failures_translate_without_condition_field() -> None:
     s = FsspecStorage("memory://sk-translate")
     for code, status in (("PreconditionFailed", 412), ("SomethingElse", 412)):
         raw = botocore.ClientError(
-            {"Error": {"Code": code, "Message": "nope"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+            {
+                "Error": {"Code": code, "Message": "nope"},
+                "ResponseMetadata": {"HTTPStatusCode": status},
+            },
             "PutObject",
         )
         translated = s3errors.translate_boto_error(raw)
@@ -474,7 +485,9 @@ def test_faulty_fails_named_ops_on_matching_paths(inner: Storage) -> None:
     err = info.value
     assert type(err) is StorageError and isinstance(err, OSError)
     assert isinstance(err.__cause__, OSError) and "injected" in str(err.__cause__)
-    assert "open_writer" in str(err) and inner.describe("step-1/data/r00001-a-000.safetensors") in str(err)
+    assert "open_writer" in str(err) and inner.describe(
+        "step-1/data/r00001-a-000.safetensors"
+    ) in str(err)
     with pytest.raises(StorageError):
         f.put_if_absent("step-1/manifest.json", b"{}")
     assert not inner.exists("step-1/manifest.json")
@@ -495,7 +508,9 @@ def test_faulty_error_kinds_translate_like_backends(inner: Storage) -> None:
     with pytest.raises(CommitConflictError) as cc:
         f.put_if_absent("y", b"1")
     assert isinstance(cc.value, FileExistsError) and isinstance(cc.value.__cause__, FileExistsError)
-    f = FaultyStorage(inner, fail_on={"size": "*"}, error=lambda op, path: TimeoutError(f"{op} {path} slow"))
+    f = FaultyStorage(
+        inner, fail_on={"size": "*"}, error=lambda op, path: TimeoutError(f"{op} {path} slow")
+    )
     with pytest.raises(StorageError, match="size slow|size x slow") as to:
         f.size("x")
     assert isinstance(to.value.__cause__, TimeoutError)
@@ -556,7 +571,9 @@ def test_faulty_close_failure_leaves_nothing(inner: Storage) -> None:
 
 
 def test_faulty_torn_put(inner: Storage) -> None:
-    f = FaultyStorage(inner, fail_on={"put": "LATEST", "put_if_absent": "*manifest.json"}, after_bytes=3)
+    f = FaultyStorage(
+        inner, fail_on={"put": "LATEST", "put_if_absent": "*manifest.json"}, after_bytes=3
+    )
     with pytest.raises(StorageError):
         f.put("LATEST", b"12345\n")
     assert inner.read_bytes("LATEST") == b"123"
@@ -571,7 +588,7 @@ def test_faulty_corrupts_reads(inner: Storage) -> None:
     f = FaultyStorage(inner, corrupt="*/data/*", corrupt_offset=100)
 
     def diff(a: bytes, b: bytes) -> list[int]:
-        return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
 
     assert diff(f.read_bytes("step-1/data/r0"), PAYLOAD) == [100]
     assert diff(f.read_range("step-1/data/r0", 90, 20), PAYLOAD[90:110]) == [10]
@@ -591,6 +608,7 @@ def test_faulty_rejects_unknown_ops(inner: Storage) -> None:
         FaultyStorage(inner, fail_on={"wirte": "*"})
 
 
+@pytest.mark.s3
 def test_faulty_over_s3(s3_root: tuple[str, dict[str, Any]]) -> None:
     """A torn multipart upload under the wrapper: abort leaves neither object nor parts."""
     url, options = s3_root
@@ -603,3 +621,16 @@ def test_faulty_over_s3(s3_root: tuple[str, dict[str, Any]]) -> None:
     w.abort()
     assert not s3.exists("step-1/data/r0")
     assert _open_uploads(s3) == []
+
+
+@pytest.mark.s3
+def test_s3_conditional_writes_can_be_turned_off(s3_root: tuple[str, dict[str, Any]]) -> None:
+    """For S3-compatible stores that ignore If-None-Match: check-then-write, and say so."""
+    url, options = s3_root
+    s = FsspecStorage(url, conditional_writes=False, **options)
+    assert not s.capabilities.atomic_put_if_absent
+    s.put_if_absent("m", b"1")
+    with pytest.raises(CommitConflictError) as info:
+        s.put_if_absent("m", b"2")
+    assert isinstance(info.value.__cause__, FileExistsError)
+    assert s.read_bytes("m") == b"1"

@@ -389,3 +389,22 @@ def test_ls_marks_invalid_and_stale_latest(storage, capsys):
     code, out, _ = run(capsys, "ls", storage.root)
     assert code == 0
     assert "invalid" in out and "LATEST hint says step 200, which is not committed" in out
+
+
+def test_cli_on_s3_with_storage_options(s3_root, capsys):
+    url, options = s3_root
+    from shardkeeper.core.storage import open_storage
+
+    st = open_storage(url, **options)
+    _checkpoint(st, 100, world_size=2)
+    write_step(st, 200, {"w": _w()}, commit=False)
+    opts = [a for k, v in options.items() for a in ("-o", f"{k}={json.dumps(v)}")]
+    code, out, err = run(capsys, "verify", url, *opts)
+    assert code == 0, err
+    assert "step 100: OK" in out
+    code, out, _ = run(capsys, "ls", url, *opts, "--json")
+    doc = json.loads(out)
+    assert [(s["step"], s["status"]) for s in doc["steps"]] == [(100, "committed"),
+                                                                (200, "uncommitted")]
+    code, out, _ = run(capsys, "gc", url, *opts, "--min-age-s", "0", "--json")
+    assert code == 0 and json.loads(out)["removed_dirs"] == [step_dir(200) + "/"]

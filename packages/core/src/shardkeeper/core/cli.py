@@ -69,7 +69,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: s
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for r in cells:
-        parts = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(r, widths, align)]
+        parts = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(r, widths, align, strict=True)]
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
 
@@ -266,12 +266,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{k.ljust(width)}  {v}")
     print()
     table = []
-    for leaf in leaves:
-        if leaf["kind"] == "object":
-            table.append([leaf["key"], "object", "", "", "", "", _preview(leaf["value"])])
+    for row in leaves:
+        if row["kind"] == "object":
+            table.append([row["key"], "object", "", "", "", "", _preview(row["value"])])
         else:
-            table.append([leaf["key"], leaf["kind"], leaf["dtype"], _shape(leaf["shape"]),
-                          leaf["chunks"], human_size(leaf["size_bytes"]), ""])
+            table.append([row["key"], row["kind"], row["dtype"], _shape(row["shape"]),
+                          row["chunks"], human_size(row["size_bytes"]), ""])
     print(format_table(["KEY", "KIND", "DTYPE", "SHAPE", "CHUNKS", "SIZE", "VALUE"], table,
                        "lllrrrl"))
     return EXIT_OK

@@ -29,6 +29,7 @@ from shardkeeper.core.errors import (
     CheckpointRestoreError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    CommitConflictError,
     CorruptCheckpointError,
     StateMismatchError,
     StorageError,
@@ -100,15 +101,23 @@ class SaveHandle:
         try:
             self._future.result(timeout=timeout_s)
         except FutureTimeout:
+            if self._future.done():  # the save itself failed with a TimeoutError
+                self._raise_once()
+                return
             raise CheckpointTimeoutError(
                 f"save of step {self.step} still running after {timeout_s} s"
             ) from None
         except BaseException:
-            with self._lock:
-                first = not self._delivered
-                self._delivered = True
-            if first:
-                raise
+            self._raise_once()
+
+    def _raise_once(self) -> None:
+        err = self._future.exception()
+        with self._lock:
+            first = not self._delivered
+            self._delivered = True
+        if first and err is not None:
+            raise err
+
 
     def _undelivered_error(self) -> BaseException | None:
         if not self._future.done():
@@ -240,7 +249,9 @@ class CheckpointManager:
             outcome = self._commit(step, seq, attempt, meta, timeout)
             self._coord.publish(seq, outcome)
         else:
-            outcome = self._coord.outcome(seq, timeout, step=step)
+            # The coordinator always publishes an outcome, at the latest when its own wait
+            # for reports times out: wait for it longer than that.
+            outcome = self._coord.outcome(seq, 2 * timeout + 30.0, step=step)
         if local_error is not None:
             raise CheckpointSaveError(
                 f"save of step {step} failed on rank {self.rank} in phase {phase} at "
@@ -250,6 +261,12 @@ class CheckpointManager:
             ) from local_error
         if not outcome.get("ok"):
             fr = outcome.get("rank")
+            if outcome.get("conflict"):
+                raise CommitConflictError(
+                    f"step {step} is already committed under {self.storage.url} by another "
+                    f"writer (a restarted job racing a zombie, or a re-used root); this save's "
+                    f"files were discarded. Save under a new step or another root"
+                )
             raise CheckpointSaveError(
                 f"save of step {step} failed on rank {fr} in phase {outcome.get('phase')} at "
                 f"{outcome.get('path')}: {outcome.get('error')}; the checkpoint was not committed",
@@ -273,7 +290,7 @@ class CheckpointManager:
             self._discard_attempt(sdir, reports)
             return {
                 "ok": False, "rank": 0, "phase": "commit", "path": self.storage.describe(sdir),
-                "error": f"{type(e).__name__}: {e}",
+                "error": f"{type(e).__name__}: {e}", "conflict": isinstance(e, CommitConflictError),
             }
         try:
             write_latest_hint(self.storage, step)

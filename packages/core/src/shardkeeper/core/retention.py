@@ -154,14 +154,14 @@ class RetentionPolicy:
 
     def retained(self, steps: Iterable[int]) -> set[int]:
         """The subset of ``steps`` the policy keeps (before the newest/in-flight guarantees)."""
-        steps = sorted(set(steps))
+        ordered = sorted(set(steps))
         if self.keeps_all:
-            return set(steps)
+            return set(ordered)
         keep: set[int] = set()
         if self.keep_last is not None:
-            keep.update(steps[-self.keep_last :])
+            keep.update(ordered[-self.keep_last :])
         if self.keep_every is not None:
-            keep.update(s for s in steps if s % self.keep_every == 0)
+            keep.update(s for s in ordered if s % self.keep_every == 0)
         return keep
 
 

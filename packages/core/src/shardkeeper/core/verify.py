@@ -14,6 +14,7 @@ import json
 import math
 import struct
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,7 +228,7 @@ def verify_step(
                     file=path)
 
     # Digest parameters.
-    fn = None
+    fn: Callable[[memoryview | bytes], str] | None = None
     try:
         fn = digest_function(m.digest_algorithm)
     except ValueError as e:
@@ -309,7 +310,7 @@ def verify_step(
                         a = lo + pos + i
                         z = min(a + block, hi)
                         out.add("digest", f"step {step}: leaf {key}, file "
-                                f"{storage.describe(path)}: digest mismatch in bytes "
+                                f"{storage.describe(path)}: digest mismatch in file bytes "
                                 f"{_rng(a, z)} (block {b} of the chunk at {list(c.offsets)}): "
                                 f"expected {m.digest_algorithm} {c.digests[b]}, found {got}",
                                 key=key, file=path, start=a, end=z,

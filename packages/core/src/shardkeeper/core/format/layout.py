@@ -20,8 +20,14 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else None
+    """The step of a canonical step directory name; None for anything else (also for
+    non-canonical spellings like ``step-0000000000042``, so one step has one directory)."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    m = _STEP_RE.match(base)
+    if not m:
+        return None
+    step = int(m.group(1))
+    return step if base == step_dir(step) else None
 
 
 def new_attempt_id() -> str:

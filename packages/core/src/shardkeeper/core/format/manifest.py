@@ -203,7 +203,41 @@ class Manifest:
                 f"manifest {where} is malformed ({type(e).__name__}: {e}); the checkpoint is "
                 f"damaged: restore another step"
             ) from e
+        problem = m.problem()
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"manifest {where} is inconsistent: {problem}; the checkpoint is damaged: "
+                f"restore another step"
+            )
         return m
+
+    def problem(self) -> str | None:
+        """Why this manifest cannot be trusted, or None: what restore relies on, checked once."""
+        from shardkeeper.core.format.digest import algorithms
+
+        if self.digest_algorithm not in algorithms():
+            return f"unknown digest algorithm {self.digest_algorithm!r}"
+        if self.digest_block_bytes <= 0 or self.step < 0 or self.world_size < 1:
+            return "digest_block_bytes, step or world_size out of range"
+        for key, leaf in self.leaves.items():
+            if leaf.kind == "object":
+                continue
+            if leaf.dtype not in DTYPES:
+                return f"{key}: unknown dtype {leaf.dtype!r}"
+            isz = DTYPES[leaf.dtype][1]
+            for c in leaf.chunks:
+                if not safe_relative_path(c.file):
+                    return f"{key}: chunk file {c.file!r} is not a path inside the root"
+                if c.encoding == "raw" and c.length != c.numel * isz:
+                    return f"{key}: chunk of {c.numel} {leaf.dtype} elements has {c.length} bytes"
+                if len(c.digests) != -(-c.length // self.digest_block_bytes):
+                    return f"{key}: chunk of {c.length} bytes has {len(c.digests)} digests"
+                if c.offset < 0:
+                    return f"{key}: negative chunk offset"
+        for rel in self.files:
+            if not safe_relative_path(rel):
+                return f"file {rel!r} is not a path inside the root"
+        return None
 
     def chunks(self) -> Iterator[tuple[str, ChunkRecord]]:
         for key, leaf in self.leaves.items():
@@ -219,6 +253,24 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(leaf.nbytes for leaf in self.leaves.values())
+
+
+def safe_relative_path(rel: str) -> bool:
+    """A chunk's file: ``data/...`` in its step, or ``../step-N/data/...`` of an earlier step.
+
+    Anything else (absolute paths, other ``..`` uses) could make a restore from an untrusted
+    bucket read outside the root, so it is rejected.
+    """
+    from shardkeeper.core.format.layout import parse_step_dir
+
+    if not rel or rel.startswith("/") or "\\" in rel:
+        return False
+    parts = rel.split("/")
+    if parts[0] == "..":
+        if len(parts) < 3 or parse_step_dir(parts[1]) is None:
+            return False
+        parts = parts[2:]
+    return all(p not in ("", ".", "..") for p in parts)
 
 
 def check_tiling(key: str, shape: tuple[int, ...], chunks: Iterable[ChunkRecord]) -> str | None:

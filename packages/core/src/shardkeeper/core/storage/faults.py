@@ -69,7 +69,7 @@ import errno
 import fnmatch
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -79,7 +79,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.storage.base import Capabilities, Storage, Writer
 
-ErrorSpec = Union[BaseException, type[BaseException], Callable[[str, str], BaseException]]
+ErrorSpec = BaseException | type[BaseException] | Callable[[str, str], BaseException]
 
 STORAGE_OPS = frozenset(
     {
@@ -201,12 +201,20 @@ class FaultyStorage:
     # -- the protocol's attributes ------------------------------------------------------------
 
     @property
-    def url(self) -> str:  # type: ignore[override]
+    def url(self) -> str:
         return self.inner.url
 
+    @url.setter
+    def url(self, value: str) -> None:
+        self.inner.url = value
+
     @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
+    def capabilities(self) -> Capabilities:
         return self.inner.capabilities
+
+    @capabilities.setter
+    def capabilities(self, value: Capabilities) -> None:
+        self.inner.capabilities = value
 
     def __getattr__(self, name: str) -> Any:  # backend extras (``fs``, ``root``, ...)
         if name == "inner":

@@ -102,7 +102,7 @@ def _error_codes(e: BaseException) -> tuple[set[str], set[int]]:
             value = getattr(cur, attr, None)
             if isinstance(value, int) and 100 <= value < 600:
                 statuses.add(value)
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
     return codes, statuses
 
 
@@ -112,8 +112,7 @@ def _is_precondition_failure(e: BaseException) -> bool:
 
 
 def _is_conditional_conflict(e: BaseException) -> bool:
-    codes, statuses = _error_codes(e)
-    return "ConditionalRequestConflict" in codes
+    return "ConditionalRequestConflict" in _error_codes(e)[0]
 
 
 def _timestamp(value: Any) -> float:
@@ -241,7 +240,9 @@ class FsspecStorage:
         try:
             fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except ImportError as e:
-            extra = "s3" if protocol in S3_PROTOCOLS else "gcs" if protocol in GCS_PROTOCOLS else None
+            extra = (
+                "s3" if protocol in S3_PROTOCOLS else "gcs" if protocol in GCS_PROTOCOLS else None
+            )
             hint = f"; install shardkeeper-core[{extra}]" if extra else ""
             raise StorageError(f"cannot open {url}: {e}{hint}") from e
         self.fs = fs
@@ -273,6 +274,13 @@ class FsspecStorage:
         if self._zonal_check_pending:
             self._check_zonal_bucket()
         return self._capabilities
+
+    @capabilities.setter
+    def capabilities(self, value: Capabilities) -> None:
+        """Override what the backend is trusted with (e.g. a store known to ignore preconditions)."""
+        with self._caps_lock:
+            self._capabilities = value
+            self._zonal_check_pending = False
 
     def _check_zonal_bucket(self) -> None:
         with self._caps_lock:
@@ -316,7 +324,9 @@ class FsspecStorage:
         if isinstance(e, FileNotFoundError):
             return CheckpointNotFoundError(f"{where} does not exist ({op})")
         if isinstance(e, FileExistsError) or _is_precondition_failure(e):
-            return CommitConflictError(f"{where} already exists ({op}: the store refused to replace it)")
+            return CommitConflictError(
+                f"{where} already exists ({op}: the store refused to replace it)"
+            )
         detail = str(e) or type(e).__name__
         return StorageError(f"{op} failed on {where}: {type(e).__name__}: {detail}")
 
@@ -346,7 +356,6 @@ class FsspecStorage:
     def list_dir(self, path: str) -> list[str]:
         full = self._full(path)
         self._invalidate(path)
-        self.fs.invalidate_cache(full)
         try:
             entries = self.fs.ls(full, detail=False)
         except (FileNotFoundError, NotADirectoryError):

@@ -1,0 +1,883 @@
+"""``CheckpointManager`` in one process (no process group): what a training script relies on.
+
+Round trips of a real training state (module, AdamW, scheduler, RNG, plain values, bytes,
+numpy) bit for bit; async saves that snapshot the state before returning; back-pressure and
+ordering; background failures that reach the caller exactly once and leave nothing visible;
+corruption caught on restore, with the fallback to the previous step; clear errors on bad
+input; the fenced commit; partial restores that read only what they need; retention.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardkeeper.core import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+    ChecksumMismatchError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    IncompatibleFormatError,
+    RNGState,
+    StateMismatchError,
+)
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.storage.faults import FaultyStorage
+
+# ------------------------------------------------------------------------------- helpers
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, hidden)
+        self.fc2 = nn.Linear(hidden, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class BigNet(nn.Module):
+    """A small ``fc1`` next to two big layers: reading the big ones would show in the bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.big1 = nn.Linear(512, 512)
+        self.big2 = nn.Linear(512, 512)
+        self.head = nn.Linear(512, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = F.pad(h, (0, 512 - 16))
+        return self.head(torch.tanh(self.big2(torch.tanh(self.big1(h)))))
+
+
+_DATA_GEN = torch.Generator().manual_seed(1234)
+_BATCHES = [(torch.randn(16, 8, generator=_DATA_GEN), torch.randn(16, 4, generator=_DATA_GEN)) for _ in range(8)]
+
+
+def build(seed: int, *, lr: float = 1e-2, betas: tuple[float, float] = (0.9, 0.99), net: type = Net):
+    torch.manual_seed(seed)
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, i: int) -> float:
+    x, y = _BATCHES[i % len(_BATCHES)]
+    opt.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_params_equal(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    got = model.state_dict()
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype, k
+        assert torch.equal(got[k], v), f"{k} differs"
+
+
+def assert_optim_equal(opt: torch.optim.Optimizer, expected: dict[str, Any]) -> None:
+    got = opt.state_dict()
+    assert set(got["state"]) == set(expected["state"])
+    for pid, per_param in expected["state"].items():
+        assert set(got["state"][pid]) == set(per_param)
+        for name, v in per_param.items():
+            g = got["state"][pid][name]
+            if isinstance(v, torch.Tensor):
+                assert isinstance(g, torch.Tensor) and g.dtype == v.dtype, (pid, name)
+                assert torch.equal(g, v), f"optimizer state {pid}/{name} differs"
+            else:
+                assert g == v, (pid, name)
+    assert got["param_groups"] == expected["param_groups"]
+    for g, e in zip(got["param_groups"], expected["param_groups"]):
+        for k, v in e.items():
+            assert type(g[k]) is type(v), f"param_groups[{k!r}] is {type(g[k]).__name__}, saved {type(v).__name__}"
+
+
+class SpyStorage:
+    """Wraps any Storage: records reads and commits, and can slow down shard-file writers."""
+
+    def __init__(self, inner: Any, *, write_delay_s: float = 0.0) -> None:
+        self.inner = inner
+        self.write_delay_s = write_delay_s
+        self.reads: list[tuple[str, int]] = []  # (path, bytes) of every read
+        self.commits: list[str] = []  # paths of successful put_if_absent calls, in order
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    @property
+    def capabilities(self) -> Any:
+        return self.inner.capabilities
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _record(self, path: str, n: int) -> None:
+        with self._lock:
+            self.reads.append((path, n))
+
+    def read_bytes(self, path: str) -> bytes:
+        data = self.inner.read_bytes(path)
+        self._record(path, len(data))
+        return data
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        data = self.inner.read_range(path, offset, length)
+        self._record(path, len(data))
+        return data
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        self.inner.read_into(path, offset, buffer)
+        self._record(path, memoryview(buffer).nbytes)
+
+    def open_writer(self, path: str) -> Any:
+        if self.write_delay_s:
+            time.sleep(self.write_delay_s)
+        return self.inner.open_writer(path)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        self.inner.put_if_absent(path, data)
+        with self._lock:
+            self.commits.append(path)
+
+    def data_reads(self) -> list[tuple[str, int]]:
+        return [(p, n) for p, n in self.reads if "/data/" in p]
+
+
+def manifest_json(root: Path, step: int) -> dict[str, Any]:
+    return json.loads((root / step_dir(step) / "manifest.json").read_text())
+
+
+def data_files(root: Path, step: int) -> set[str]:
+    d = root / step_dir(step) / "data"
+    return {f"data/{p.name}" for p in d.iterdir()} if d.exists() else set()
+
+
+def tensor_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3, 4, generator=g), "meta": {"seed": seed}}
+
+
+# ------------------------------------------------------------------------ 1. round trip
+
+
+def _full_state(model, opt, sched, *, step, epoch, blob, arr, lst):
+    return {
+        "model": model,
+        "optim": opt,
+        "progress": {"step": step, "epoch": epoch},
+        "extra": {"blob": blob, "arr": arr, "lst": lst},
+        "rng": RNGState(),
+        "sched": sched,
+    }
+
+
+def test_round_trip_of_a_training_state(storage_root) -> None:
+    model, opt, sched = build(0)
+    for i in range(3):
+        train_step(model, opt, sched, i)
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4) * 1.5
+    lst = [torch.arange(5, dtype=torch.int64), torch.randn(2, 3)]
+    state = _full_state(model, opt, sched, step=7, epoch=1, blob=b"\x00\x01", arr=arr, lst=lst)
+
+    saved_params = params_of(model)
+    saved_optim = copy.deepcopy(opt.state_dict())
+    saved_sched = copy.deepcopy(sched.state_dict())
+    saved_lst = [t.clone() for t in lst]
+    torch.manual_seed(4242)  # the RNG state the checkpoint must carry
+    np.random.seed(4242)
+    random.seed(4242)
+
+    with CheckpointManager(storage_root.url, storage_options=storage_root.options) as mgr:
+        h = mgr.save(7, state)
+        h.wait()
+        assert h.done()
+        assert mgr.steps() == [7]
+        # What the uninterrupted run sees next: its random draws and two more steps.
+        draws = (torch.rand(5), np.random.rand(3), random.random())
+        ref_losses = [train_step(model, opt, sched, i) for i in (3, 4)]
+        ref_params = params_of(model)
+
+    # A fresh process: another seed, other hyperparameters, default values everywhere.
+    model2, opt2, sched2 = build(1, lr=0.5, betas=(0.5, 0.6))
+    arr2 = np.zeros((3, 4), dtype=np.float64)
+    lst2 = [torch.zeros(5, dtype=torch.int64), torch.zeros(2, 3)]
+    fresh = _full_state(model2, opt2, sched2, step=0, epoch=0, blob=b"", arr=arr2, lst=lst2)
+    torch.manual_seed(1)
+    np.random.seed(1)
+    random.seed(1)
+
+    with CheckpointManager(storage_root.url, storage_options=storage_root.options) as mgr:
+        assert mgr.restore(fresh) == 7
+
+    assert_params_equal(model2, saved_params)
+    assert_optim_equal(opt2, saved_optim)
+    assert isinstance(opt2.param_groups[0]["betas"], tuple)
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.99)
+    assert opt2.param_groups[0]["lr"] == saved_optim["param_groups"][0]["lr"]
+    assert sched2.state_dict() == saved_sched
+    assert sched2.get_last_lr() == saved_sched["_last_lr"]
+    assert fresh["progress"] == {"step": 7, "epoch": 1}
+    assert fresh["extra"]["blob"] == b"\x00\x01" and isinstance(fresh["extra"]["blob"], bytes)
+    # numpy and list tensors are filled in place, in the caller's own objects
+    assert fresh["extra"]["arr"] is arr2 and np.array_equal(arr2, arr)
+    assert fresh["extra"]["lst"] is lst2
+    assert lst2[0] is fresh["extra"]["lst"][0]
+    for got, want in zip(lst2, saved_lst):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    # RNG: the same draws as right after the save
+    assert torch.equal(torch.rand(5), draws[0])
+    assert np.array_equal(np.random.rand(3), draws[1])
+    assert random.random() == draws[2]
+    # Training continues exactly as if it had never stopped.
+    losses = [train_step(model2, opt2, sched2, i) for i in (3, 4)]
+    assert losses == ref_losses
+    assert_params_equal(model2, ref_params)
+
+
+# ---------------------------------------------------------------------- 2. async saves
+
+
+def test_async_save_snapshots_the_state_before_returning(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    spy = SpyStorage(LocalStorage(root, fsync=False), write_delay_s=0.4)
+    model, opt, sched = build(0)
+    train_step(model, opt, sched, 0)
+    state = {"model": model, "optim": opt, "progress": {"step": 1, "tags": ["a"]}}
+    before_params = params_of(model)
+    before_optim = copy.deepcopy(opt.state_dict())
+
+    with CheckpointManager(spy) as mgr:
+        h = mgr.save(1, state)
+        assert not h.done(), "save() should return once staged, before the (slow) write"
+        # The training loop goes on at once: parameters, moments and plain values change.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(100.0)
+        for st in opt.state.values():
+            st["exp_avg"].mul_(-3.0)
+            st["exp_avg_sq"].add_(7.0)
+        state["progress"]["step"] = 999
+        state["progress"]["tags"].append("b")
+        with pytest.raises(CheckpointTimeoutError) as e:
+            h.wait(timeout_s=0.01)
+        assert isinstance(e.value, TimeoutError) and "step 1" in str(e.value)
+        h.wait()
+        assert h.done()
+        assert mgr.steps() == [1]
+
+        model2, opt2, _ = build(1)
+        fresh = {"model": model2, "optim": opt2, "progress": {"step": 0, "tags": []}}
+        assert mgr.restore(fresh) == 1
+    assert_params_equal(model2, before_params)
+    assert_optim_equal(opt2, before_optim)
+    assert fresh["progress"] == {"step": 1, "tags": ["a"]}
+
+
+def test_restore_right_after_an_async_save_sees_it(tmp_path: Path) -> None:
+    spy = SpyStorage(LocalStorage(tmp_path / "root", fsync=False), write_delay_s=0.3)
+    with CheckpointManager(spy) as mgr:
+        state = tensor_state(1)
+        h = mgr.save(1, state)
+        assert not h.done()
+        target = {"w": torch.zeros(3, 4), "meta": {"seed": 0}}
+        assert mgr.restore(target) == 1
+        assert torch.equal(target["w"], state["w"]) and target["meta"] == {"seed": 1}
+
+
+def test_sync_save_returns_after_the_commit(tmp_path: Path) -> None:
+    spy = SpyStorage(LocalStorage(tmp_path / "root", fsync=False), write_delay_s=0.2)
+    with CheckpointManager(spy) as mgr:
+        h = mgr.save(1, tensor_state(1), async_save=False)
+        assert h.done()
+        assert mgr.steps() == [1]
+        assert (tmp_path / "root" / step_dir(1) / "manifest.json").exists()
+    with CheckpointManager(spy, async_save=False) as mgr:
+        h = mgr.save(2, tensor_state(2))
+        assert h.done()
+        assert mgr.steps() == [1, 2]
+        # async_save=True on the call overrides the manager's option
+        h = mgr.save(3, tensor_state(3), async_save=True)
+        assert not h.done()
+        h.wait()
+        assert mgr.steps() == [1, 2, 3]
+
+
+# --------------------------------------------------------- 3. back-pressure and ordering
+
+
+def test_saves_in_a_row_commit_in_order_with_back_pressure(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    delay = 0.3
+    spy = SpyStorage(LocalStorage(root, fsync=False), write_delay_s=delay)
+    states = {s: tensor_state(s) for s in (1, 2, 3, 4)}
+    with CheckpointManager(spy) as mgr:
+        handles, returned = [], []
+        for s in (1, 2, 3, 4):
+            handles.append(mgr.save(s, states[s]))
+            returned.append(time.perf_counter())
+        assert all(h.stall_s > 0 for h in handles)
+        # Each save after the first waited for the previous one, whose write takes at least
+        # `delay` after its save() returned: that wait is its stall.
+        for i in (1, 2, 3):
+            called_after = returned[i] - handles[i].stall_s - returned[i - 1]
+            assert handles[i].stall_s >= delay - called_after - 0.02, (i, handles[i], called_after)
+        assert [h.step for h in handles] == [1, 2, 3, 4]
+        mgr.wait()
+        for h in handles:
+            assert h.done()
+            h.wait()
+        assert spy.commits == [f"{step_dir(s)}/manifest.json" for s in (1, 2, 3, 4)]
+        assert mgr.steps() == [1, 2, 3, 4]
+        for s in (1, 2, 3, 4):
+            target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
+            assert mgr.restore(target, step=s) == s
+            assert torch.equal(target["w"], states[s]["w"]) and target["meta"] == {"seed": s}
+
+
+# ---------------------------------------------------------- 4. background failures
+
+
+def test_write_failure_is_raised_exactly_once_by_wait(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    faulty = FaultyStorage(LocalStorage(root), fail_on={"open_writer": "*/data/*"}, times=1)
+    with CheckpointManager(faulty) as mgr:
+        h = mgr.save(1, tensor_state(1))
+        with pytest.raises(CheckpointSaveError) as e:
+            h.wait()
+        msg = str(e.value)
+        assert "step 1" in msg and "rank 0" in msg and "write" in msg
+        assert str(root / step_dir(1)) in msg
+        assert e.value.step == 1
+        assert set(e.value.failures) == {0} and e.value.failures[0]["phase"] == "write"
+        assert faulty.injected and faulty.injected[0][0] == "open_writer"
+        h.wait()  # delivered once: a second wait does not raise
+        mgr.wait()  # nor does the manager's
+        assert not (root / step_dir(1) / "manifest.json").exists()
+        assert mgr.steps() == []
+
+        h2 = mgr.save(2, tensor_state(2))
+        h2.wait()
+        assert mgr.steps() == [2]
+    assert not (root / step_dir(1) / "manifest.json").exists()
+
+
+def test_unwaited_write_failure_is_raised_by_the_next_save(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    faulty = FaultyStorage(LocalStorage(root), fail_on={"open_writer": "*/data/*"}, times=1)
+    with CheckpointManager(faulty) as mgr:
+        h1 = mgr.save(1, tensor_state(1))
+        with pytest.raises(CheckpointSaveError) as e:
+            mgr.save(2, tensor_state(2))
+        assert e.value.step == 1 and "step 1" in str(e.value) and "write" in str(e.value)
+        h1.wait()  # already delivered
+        # The failed save() did not save step 2; the next one does, without raising again.
+        h2 = mgr.save(2, tensor_state(2))
+        h3 = mgr.save(3, tensor_state(3))
+        h3.wait()
+        h2.wait()
+        assert mgr.steps() == [2, 3]
+
+
+def test_unwaited_write_failure_is_raised_by_manager_wait(tmp_path: Path) -> None:
+    faulty = FaultyStorage(LocalStorage(tmp_path / "root"), fail_on={"open_writer": "*/data/*"}, times=1)
+    with CheckpointManager(faulty) as mgr:
+        h = mgr.save(1, tensor_state(1))
+        with pytest.raises(CheckpointSaveError, match="step 1"):
+            mgr.wait()
+        mgr.wait()
+        h.wait()
+        assert mgr.steps() == []
+
+
+def test_commit_failure_leaves_no_manifest_and_no_data(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    faulty = FaultyStorage(LocalStorage(root), fail_on={"put_if_absent": "*/manifest.json"}, times=1)
+    with CheckpointManager(faulty) as mgr:
+        h = mgr.save(1, tensor_state(1))
+        with pytest.raises(CheckpointSaveError) as e:
+            h.wait()
+        msg = str(e.value)
+        assert "step 1" in msg and "commit" in msg and "rank 0" in msg
+        assert str(root / step_dir(1)) in msg
+        assert e.value.step == 1
+        assert faulty.injected == [("put_if_absent", f"{step_dir(1)}/manifest.json")]
+        assert not (root / step_dir(1) / "manifest.json").exists()
+        assert data_files(root, 1) == set(), "the failed attempt's shard files were left behind"
+        assert mgr.steps() == []
+        h.wait()
+        # Retrying the same step works.
+        state = tensor_state(11)
+        mgr.save(1, state).wait()
+        assert mgr.steps() == [1]
+        target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
+        assert mgr.restore(target) == 1 and torch.equal(target["w"], state["w"])
+
+
+# ------------------------------------------------------------------ 5. corruption
+
+
+def test_corrupt_chunk_is_caught_and_latest_falls_back(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    m1, o1, s1 = build(0)
+    train_step(m1, o1, s1, 0)
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, {"model": m1, "optim": o1}).wait()
+        p1 = params_of(m1)
+        opt1 = copy.deepcopy(o1.state_dict())
+        train_step(m1, o1, s1, 1)
+        mgr.save(2, {"model": m1, "optim": o1}).wait()
+        p2 = params_of(m1)
+    assert not all(torch.equal(p1[k], p2[k]) for k in p1)
+
+    key = "model/fc1.weight"
+    chunk = manifest_json(root, 2)["leaves"][key]["chunks"][0]
+    path = root / step_dir(2) / chunk["file"]
+    raw = bytearray(path.read_bytes())
+    raw[chunk["offset"] + chunk["length"] // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+    m2, o2, _ = build(5)
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [1, 2]
+        with pytest.raises(ChecksumMismatchError) as e:
+            mgr.restore({"model": m2, "optim": o2}, step=2)
+        msg = str(e.value)
+        assert repr(key) in msg or key in msg
+        assert chunk["file"] in msg and "step 2" in msg
+        assert e.value.key == key and e.value.file.endswith(chunk["file"])
+        assert isinstance(e.value, ValueError)
+
+        with pytest.warns(UserWarning, match=r"step 2 .*damaged.*falling back"):
+            got = mgr.restore({"model": m2, "optim": o2})
+        assert got == 1
+    assert_params_equal(m2, p1)
+    assert_optim_equal(o2, opt1)
+
+
+def _damage_newest(root: Path, mode: str) -> str:
+    """Save steps 1 and 2 of ``{"w": ...}`` first; damage step 2's shard file; return its name."""
+    rel = manifest_json(root, 2)["leaves"]["w"]["chunks"][0]["file"]
+    path = root / step_dir(2) / rel
+    if mode == "delete":
+        path.unlink()
+    else:  # truncate: the last bytes of the file (the chunk's tail) are gone
+        path.write_bytes(path.read_bytes()[:-4])
+    return rel
+
+
+def _two_steps(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    s1, s2 = tensor_state(1), tensor_state(2)
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, s1).wait()
+        mgr.save(2, s2).wait()
+    return s1, s2
+
+
+@pytest.mark.parametrize("mode", ["delete", "truncate"])
+def test_damaged_shard_file_latest_falls_back(tmp_path: Path, mode: str) -> None:
+    root = tmp_path / "root"
+    s1, _ = _two_steps(root)
+    _damage_newest(root, mode)
+    with CheckpointManager(str(root)) as mgr:
+        target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
+        with pytest.raises(CheckpointError):
+            mgr.restore(target, step=2)  # asked by number: no fallback
+        with pytest.warns(UserWarning, match=r"step 2 .*damaged.*falling back"):
+            assert mgr.restore(target) == 1
+    assert torch.equal(target["w"], s1["w"]) and target["meta"] == {"seed": 1}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="restore.py _execute_read lets the backend's error through as is: a missing shard file "
+    "of a committed step raises CheckpointNotFoundError('<path> does not exist'), a short one "
+    "StorageError('<path> is shorter than expected'); neither names the key, the step or a remedy "
+    "(DESIGN 4, restore step 4), and neither is a CorruptCheckpointError (errors.py: 'a short file')",
+)
+@pytest.mark.parametrize("mode", ["delete", "truncate"])
+def test_damaged_shard_file_error_names_key_file_step_and_remedy(tmp_path: Path, mode: str) -> None:
+    root = tmp_path / "root"
+    _two_steps(root)
+    rel = _damage_newest(root, mode)
+    with CheckpointManager(str(root)) as mgr:
+        with pytest.raises(CheckpointError) as e:
+            mgr.restore({"w": torch.zeros(3, 4), "meta": {"seed": -1}}, step=2)
+    msg = str(e.value)
+    assert rel.rsplit("/", 1)[-1] in msg
+    assert "'w'" in msg and "step 2" in msg
+    assert re.search(r"earlier step|previous|another step|shardkeeper verify", msg), msg
+    # Damage, not absence: a resume loop catching FileNotFoundError must not start from scratch.
+    assert isinstance(e.value, CorruptCheckpointError) and not isinstance(e.value, FileNotFoundError)
+
+
+# ---------------------------------------------------------------- 6. bad input
+
+
+def test_empty_root_raises_not_found(tmp_path: Path) -> None:
+    root = tmp_path / "empty"
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == []
+        with pytest.raises(CheckpointNotFoundError) as e:
+            mgr.restore(tensor_state(0))
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, CheckpointError)
+    msg = str(e.value)
+    assert str(root) in msg and "no committed checkpoint" in msg
+    assert "from scratch" in msg or "Check the root" in msg
+
+
+def test_missing_step_raises_not_found_naming_the_step(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, tensor_state(1)).wait()
+        target = tensor_state(0)
+        with pytest.raises(CheckpointNotFoundError) as e:
+            mgr.restore(target, step=5)
+        assert isinstance(e.value, FileNotFoundError)
+        msg = str(e.value)
+        assert "step 5" in msg and str(root) in msg and "shardkeeper ls" in msg
+        # No silent fallback to another step when a step was asked for by number.
+        assert target["meta"] == {"seed": 0}
+
+
+def test_newer_format_version_asks_for_an_upgrade(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, tensor_state(1)).wait()
+    mpath = root / step_dir(1) / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["format_version"] += 1
+    mpath.write_text(json.dumps(m))
+    with CheckpointManager(str(root)) as mgr:
+        for step in (None, 1):
+            with pytest.raises(IncompatibleFormatError) as e:
+                mgr.restore(tensor_state(0), step=step)
+            msg = str(e.value)
+            assert "upgrade" in msg and "format_version" in msg and str(mpath) in msg
+
+
+def test_extra_target_key_strict_and_not_strict(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "root"
+    saved = tensor_state(1)
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, saved).wait()
+        target = {"w": torch.zeros(3, 4), "meta": {"seed": 0}, "new": {"t": torch.ones(2)}}
+        with pytest.raises(StateMismatchError) as e:
+            mgr.restore(target)
+        msg = str(e.value)
+        assert "new/t" in msg and "strict=False" in msg and "step 1" in msg
+        assert isinstance(e.value, ValueError)
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardkeeper"):
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                assert mgr.restore(target, strict=False) == 1
+        told = [str(w.message) for w in record] + [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("new/t" in t for t in told), f"no warning names the skipped key: {told}"
+        assert torch.equal(target["w"], saved["w"]) and target["meta"] == {"seed": 1}
+        assert torch.equal(target["new"]["t"], torch.ones(2))
+
+
+def test_shape_mismatch_names_key_and_shapes(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, {"model": Net(), "w": torch.randn(3, 4)}).wait()
+        for strict in (True, False):
+            target = {"model": Net(), "w": torch.zeros(4, 3)}
+            with pytest.raises(StateMismatchError) as e:
+                mgr.restore(target, strict=strict)
+            msg = str(e.value)
+            assert "'w'" in msg and "[3, 4]" in msg and "[4, 3]" in msg, msg
+            assert "step 1" in msg
+            assert torch.equal(target["w"], torch.zeros(4, 3))
+
+
+def test_shape_mismatch_of_a_module_parameter(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, {"model": Net(hidden=16)}).wait()
+        with pytest.raises(StateMismatchError) as e:
+            mgr.restore({"model": Net(hidden=32)})
+    msg = str(e.value)
+    assert "model/fc" in msg and ("[16, 8]" in msg or "[16]" in msg or "[4, 16]" in msg)
+
+
+def test_dtype_mismatch_suggests_cast_and_cast_works(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    w = torch.randn(3, 4)
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, {"w": w}).wait()
+        target = {"w": torch.zeros(3, 4, dtype=torch.float64)}
+        with pytest.raises(StateMismatchError) as e:
+            mgr.restore(target)
+        msg = str(e.value)
+        assert "'w'" in msg and "float32" in msg and "float64" in msg and "cast_dtypes=True" in msg
+        assert mgr.restore(target, cast_dtypes=True) == 1
+        assert target["w"].dtype == torch.float64
+        assert torch.equal(target["w"], w.to(torch.float64))
+        half = {"w": torch.zeros(3, 4, dtype=torch.bfloat16)}
+        mgr.restore(half, cast_dtypes=True)
+        assert torch.equal(half["w"], w.to(torch.bfloat16))
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    "value,key,typename",
+    [
+        ({"extra": {"tags": {"a", "b"}}}, "extra/tags", "set"),
+        ({"extra": {"obj": _Opaque()}}, "extra/obj", "_Opaque"),
+        ({"cfg": _Opaque()}, "cfg", "_Opaque"),
+    ],
+)
+def test_unsupported_object_is_refused_at_save(tmp_path: Path, value, key, typename) -> None:
+    root = tmp_path / "root"
+    with CheckpointManager(str(root)) as mgr:
+        with pytest.raises(StateMismatchError) as e:
+            mgr.save(1, {"w": torch.ones(2), **value})
+        msg = str(e.value)
+        assert repr(key) in msg and typename in msg and "pickle" in msg
+        assert mgr.steps() == []
+        # The manager is still usable.
+        mgr.save(2, {"w": torch.ones(2)}).wait()
+        assert mgr.steps() == [2]
+    assert not (root / step_dir(1)).exists()
+
+
+def test_invalid_options_raise_value_error(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    with pytest.raises(ValueError, match=r"bogus.*exact"):
+        CheckpointManager(root, per_rank="bogus")
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager(root, keep_last=0)
+    with pytest.raises(ValueError, match="keep_every"):
+        CheckpointManager(root, keep_every=-1)
+    with pytest.raises(ValueError, match="digest"):
+        CheckpointManager(root, digest="md5")
+    with pytest.raises(TypeError, match="no_such_option"):
+        CheckpointManager(root, no_such_option=1)
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(ValueError, match="step"):
+            mgr.save(-1, tensor_state(0))
+        with pytest.raises(ValueError, match="bogus"):
+            mgr.restore(tensor_state(0), per_rank="bogus")
+    with pytest.raises(CheckpointError, match="closed"):
+        mgr.save(1, tensor_state(0))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tensor/state.py as_torch() (line ~326) wraps numpy leaves with np.ascontiguousarray: "
+    "restore (restore.py, target = as_torch(leaf.value)) fills a temporary copy of a "
+    "non-C-contiguous array (Fortran order, a transposed view) and leaves the caller's array "
+    "unchanged, silently; torch.from_numpy accepts such strides directly",
+)
+@pytest.mark.parametrize("layout", ["fortran", "transposed"])
+def test_restore_fills_a_non_contiguous_numpy_array(tmp_path: Path, layout: str) -> None:
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4) + 0.5
+    with CheckpointManager(str(tmp_path / "root")) as mgr:
+        mgr.save(1, {"arr": arr}).wait()
+        target = np.zeros((3, 4), order="F") if layout == "fortran" else np.zeros((4, 3)).T
+        assert not target.flags["C_CONTIGUOUS"]
+        state = {"arr": target}
+        assert mgr.restore(state) == 1
+    assert np.array_equal(state["arr"], arr), "restore returned success but left the array unchanged"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tensor/state.py Flattener._visit (line ~210) accepts a tuple holding tensors at save "
+    "but refuses it at restore ('restore needs a mutable container'): a checkpoint that cannot be "
+    "restored into the very state that saved it; tensors are filled in place and need no setter",
+)
+def test_what_save_accepts_restores_into_the_same_structure(tmp_path: Path) -> None:
+    pair = (torch.ones(2), torch.full((3,), 2.0))
+    with CheckpointManager(str(tmp_path / "root")) as mgr:
+        try:
+            mgr.save(1, {"extra": {"pair": pair}}).wait()
+        except StateMismatchError as e:  # refusing at save time is fine too: fail early
+            assert "extra/pair" in str(e)
+            return
+        target = (torch.zeros(2), torch.zeros(3))
+        mgr.restore({"extra": {"pair": target}})
+    assert torch.equal(target[0], pair[0]) and torch.equal(target[1], pair[1])
+
+
+# ------------------------------------------------------------------- 7. fenced commit
+
+
+def test_second_writer_of_a_step_loses_and_cleans_up(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    a, b = tensor_state(1), tensor_state(2)
+    with CheckpointManager(str(root)) as m1, CheckpointManager(str(root)) as m2:
+        m1.save(5, a).wait()
+        winner = manifest_json(root, 5)
+        winner_files = data_files(root, 5)
+        assert winner_files == set(winner["files"])
+
+        h = m2.save(5, b)
+        with pytest.raises(CommitConflictError) as e:
+            h.wait()
+        assert isinstance(e.value, FileExistsError)
+        assert "step 5" in str(e.value) and str(root) in str(e.value)
+
+        after = manifest_json(root, 5)
+        assert after["attempt"] == winner["attempt"]
+        assert after == winner
+        # The loser's shard files are gone; only what the manifest references is left.
+        assert data_files(root, 5) == winner_files
+        referenced = {c["file"] for leaf in after["leaves"].values() for c in leaf.get("chunks", [])}
+        assert referenced <= winner_files
+
+        target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
+        assert m2.restore(target) == 5
+        assert torch.equal(target["w"], a["w"]) and target["meta"] == {"seed": 1}
+        # The loser can go on with the next step.
+        m2.save(6, b).wait()
+        assert m2.steps() == [5, 6]
+
+
+# ------------------------------------------------------------------ 8. partial restore
+
+
+def test_partial_restore_reads_only_what_it_needs(storage_root) -> None:
+    storage = storage_root.open()
+    spy = SpyStorage(storage)
+    opts = {"min_file_bytes": 256 << 10, "max_files_per_rank": 4}
+    model, opt, sched = build(0, net=BigNet)
+    train_step(model, opt, sched, 0)
+    saved = params_of(model)
+    with CheckpointManager(spy, **opts) as mgr:
+        mgr.save(3, {"model": model, "optim": opt}).wait()
+
+    manifest = json.loads(storage.read_bytes(f"{step_dir(3)}/manifest.json"))
+    fc1_keys = ["model/fc1.weight", "model/fc1.bias"]
+    fc1_chunks = [c for k in fc1_keys for c in manifest["leaves"][k]["chunks"]]
+    fc1_files = {f"{step_dir(3)}/{c['file']}" for c in fc1_chunks}
+    fc1_bytes = sum(c["length"] for c in fc1_chunks)
+    all_files = {f"{step_dir(3)}/{f}" for f in manifest["files"]}
+    assert len(all_files) > 1 and fc1_files < all_files, "test setup: fc1 should not span every file"
+
+    target_model, target_opt, target_sched = build(1, net=BigNet)
+    train_step(target_model, target_opt, target_sched, 5)
+    before = params_of(target_model)
+    before_opt = copy.deepcopy(target_opt.state_dict())
+    spy.reads.clear()
+    with CheckpointManager(spy, **opts) as mgr:
+        assert mgr.restore({"model": target_model, "optim": target_opt}, only=["model/fc1.*"]) == 3
+        stats = mgr.last_restore_stats
+    assert stats is not None and stats.keys == 2
+
+    got = target_model.state_dict()
+    for k in got:
+        want = saved[k] if k.startswith("fc1.") else before[k]
+        assert torch.equal(got[k], want), k
+    assert_optim_equal(target_opt, before_opt)
+
+    reads = spy.data_reads()
+    assert reads, "nothing was read"
+    assert {p for p, _ in reads} <= fc1_files, f"read files that hold no fc1 chunk: {reads}"
+    read_bytes = sum(n for _, n in reads)
+    assert read_bytes <= fc1_bytes, (read_bytes, fc1_bytes)
+    assert stats.bytes_needed <= stats.bytes_read <= fc1_bytes
+    # The big layers' weights alone are 2 MiB: a full read would show.
+    assert read_bytes < 512 * 512 * 4 // 100
+
+
+def test_partial_restore_with_a_prefix_pattern(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model, opt, sched = build(0)
+    train_step(model, opt, sched, 0)
+    saved = params_of(model)
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, {"model": model, "optim": opt, "progress": {"step": 1}}).wait()
+        m2, o2, _ = build(1)
+        before = params_of(m2)
+        progress = {"step": 0}
+        mgr.restore({"model": m2, "optim": o2, "progress": progress}, only="progress")
+        assert progress == {"step": 1}
+        assert_params_equal(m2, before)
+        mgr.restore({"model": m2, "optim": o2, "progress": progress}, only="model/*")
+        assert_params_equal(m2, saved)
+
+
+# -------------------------------------------------------------------- 9. retention
+
+
+def test_keep_last_through_the_manager(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with CheckpointManager(str(root), keep_last=2) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, tensor_state(s))
+        mgr.wait()
+        assert mgr.steps() == [3, 4]
+        target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
+        assert mgr.restore(target, step=3) == 3 and target["meta"] == {"seed": 3}
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [step_dir(3), step_dir(4)]
+
+
+def test_keep_every_with_keep_last(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with CheckpointManager(str(root), keep_last=1, keep_every=2) as mgr:
+        for s in (1, 2, 3, 4, 5):
+            mgr.save(s, tensor_state(s))
+        mgr.wait()
+        assert mgr.steps() == [2, 4, 5]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        step_dir(2), step_dir(4), step_dir(5)
+    ]
+
+
+# ----------------------------------------------------------------- 11. torch-free core
+
+
+def test_ops_modules_import_without_torch() -> None:
+    code = (
+        "import shardkeeper.core, shardkeeper.core.cli, shardkeeper.core.commit, "
+        "shardkeeper.core.verify, shardkeeper.core.retention, shardkeeper.core.storage, "
+        "shardkeeper.core.storage.faults, shardkeeper.core.format.manifest; import sys; "
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+        "assert not bad, bad"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
