@@ -525,13 +525,6 @@ def test_damaged_shard_file_latest_falls_back(tmp_path: Path, mode: str) -> None
     assert torch.equal(target["w"], s1["w"]) and target["meta"] == {"seed": 1}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restore.py _execute_read lets the backend's error through as is: a missing shard file "
-    "of a committed step raises CheckpointNotFoundError('<path> does not exist'), a short one "
-    "StorageError('<path> is shorter than expected'); neither names the key, the step or a remedy "
-    "(DESIGN 4, restore step 4), and neither is a CorruptCheckpointError (errors.py: 'a short file')",
-)
 @pytest.mark.parametrize("mode", ["delete", "truncate"])
 def test_damaged_shard_file_error_names_key_file_step_and_remedy(tmp_path: Path, mode: str) -> None:
     root = tmp_path / "root"
@@ -705,13 +698,6 @@ def test_invalid_options_raise_value_error(tmp_path: Path) -> None:
         mgr.save(1, tensor_state(0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tensor/state.py as_torch() (line ~326) wraps numpy leaves with np.ascontiguousarray: "
-    "restore (restore.py, target = as_torch(leaf.value)) fills a temporary copy of a "
-    "non-C-contiguous array (Fortran order, a transposed view) and leaves the caller's array "
-    "unchanged, silently; torch.from_numpy accepts such strides directly",
-)
 @pytest.mark.parametrize("layout", ["fortran", "transposed"])
 def test_restore_fills_a_non_contiguous_numpy_array(tmp_path: Path, layout: str) -> None:
     arr = np.arange(12, dtype=np.float64).reshape(3, 4) + 0.5
@@ -724,12 +710,6 @@ def test_restore_fills_a_non_contiguous_numpy_array(tmp_path: Path, layout: str)
     assert np.array_equal(state["arr"], arr), "restore returned success but left the array unchanged"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tensor/state.py Flattener._visit (line ~210) accepts a tuple holding tensors at save "
-    "but refuses it at restore ('restore needs a mutable container'): a checkpoint that cannot be "
-    "restored into the very state that saved it; tensors are filled in place and need no setter",
-)
 def test_what_save_accepts_restores_into_the_same_structure(tmp_path: Path) -> None:
     pair = (torch.ones(2), torch.full((3,), 2.0))
     with CheckpointManager(str(tmp_path / "root")) as mgr:

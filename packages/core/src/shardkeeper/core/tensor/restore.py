@@ -8,6 +8,7 @@ import fnmatch
 import logging
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -16,7 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
+from shardkeeper.core.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    StorageError,
+)
 from shardkeeper.core.format.digest import block_span, digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
 from shardkeeper.core.storage.base import Storage
@@ -150,6 +157,17 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
     return reads
 
 
+def _missing_or_short(storage: Storage, path: str, end: int) -> bool:
+    """After a failed read: is the file gone or shorter than the manifest says (damage), or
+    did the storage fail (possibly transient)?"""
+    try:
+        return storage.size(path) < end
+    except CheckpointNotFoundError:
+        return True
+    except StorageError:
+        return False
+
+
 def _execute_read(
     storage: Storage,
     step_dir: str,
@@ -161,7 +179,18 @@ def _execute_read(
 ) -> None:
     path = f"{step_dir}/{rd.file}"
     buf = np.empty(rd.end - rd.start, dtype=np.uint8)
-    storage.read_into(path, rd.start, memoryview(buf))
+    try:
+        storage.read_into(path, rd.start, memoryview(buf))
+    except (CheckpointNotFoundError, StorageError) as e:
+        keys = sorted({seg.key for seg in rd.segments})
+        what = f"keys {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''}"
+        cls = CorruptCheckpointError if _missing_or_short(storage, path, rd.end) else StorageError
+        raise cls(
+            f"step {step}: cannot read bytes [{rd.start}, {rd.end}) of {storage.describe(path)} "
+            f"for {what}: {e}. The checkpoint is damaged or the storage failed: restore an "
+            f"earlier step (restore() without step= falls back by itself) and run "
+            f"`shardkeeper verify {storage.url}`"
+        ) from e
     stats.add_read(rd.file, len(buf))
     base = torch.from_numpy(buf)
     for seg in rd.segments:
@@ -309,15 +338,23 @@ def restore_flat(
             stats.bytes_needed += piece.numel * isz
             for chunk in rec.chunks:
                 ops.extend(_overlap_ops(key, piece, chunk, saved_dtype, isz, max_read_bytes))
-    if missing:
-        msg = (
-            f"{len(missing)} key(s) of the target state are not in {where}: "
-            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; "
-            f"restore a subset with only=[...] or pass strict=False to skip them"
+    if only and not stats.keys and not missing:
+        raise StateMismatchError(
+            f"only={list(only)} matches no key of the target state in {where}; list the "
+            f"checkpoint's keys with `shardkeeper inspect {storage.url} {manifest.step}`"
         )
+    if missing:
+        listed = f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
         if strict:
-            raise StateMismatchError(msg)
-        log.warning("%s", msg)
+            raise StateMismatchError(
+                f"{len(missing)} key(s) of the target state are not in {where}: {listed}; "
+                f"restore a subset with only=[...] or pass strict=False to skip them"
+            )
+        warnings.warn(
+            f"strict=False: {len(missing)} key(s) of the target state are not in {where} and "
+            f"keep their current values: {listed}",
+            stacklevel=3,
+        )
     if dropped:
         log.warning(
             "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",

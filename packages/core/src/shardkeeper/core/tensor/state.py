@@ -175,6 +175,18 @@ class Flattener:
 
         return set_
 
+    @staticmethod
+    def _frozen(key: str, i: int) -> Callable[[Any], None]:
+        """Tensors inside a tuple are filled in place; anything else there cannot be replaced."""
+
+        def set_(v: Any) -> None:
+            raise StateMismatchError(
+                f"state key {key}/{i} is a non-tensor value inside a tuple, which cannot be "
+                f"replaced in place; use a list or a dict for that part of the state"
+            )
+
+        return set_
+
     def _add(self, key: str, value: Any, kind: str, per_rank: str | None, set_: Any) -> None:
         if key in self.out.leaves:
             raise StateMismatchError(f"state key {key!r} appears twice after flattening")
@@ -207,13 +219,9 @@ class Flattener:
             for k2, v2 in v.items():
                 self._visit(f"{key}/{k2}", v2, modules, per_rank, self._dict_setter(v, k2))
         elif isinstance(v, (list, tuple)) and _contains_tensor(v):
-            if isinstance(v, tuple) and self.restore:
-                raise StateMismatchError(
-                    f"state key {key!r} is a tuple holding tensors; restore needs a mutable "
-                    f"container: use a list or a dict"
-                )
             for i, v2 in enumerate(v):
-                self._visit(f"{key}/{i}", v2, modules, per_rank, self._dict_setter(v, i))
+                setter = self._dict_setter(v, i) if isinstance(v, list) else self._frozen(key, i)
+                self._visit(f"{key}/{i}", v2, modules, per_rank, setter)
         elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
             self._stateful(key, v, per_rank)
         else:
@@ -323,7 +331,12 @@ def dtype_from_name(name: str) -> torch.dtype:
 def as_torch(value: Any) -> torch.Tensor:
     """A tensor leaf as a torch tensor (numpy arrays are viewed, not copied)."""
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
+        if any(st < 0 for st in value.strides):
+            raise StateMismatchError(
+                "numpy arrays with negative strides cannot be saved or restored in place; "
+                "pass a copy (np.ascontiguousarray) instead"
+            )
+        return torch.from_numpy(value)  # a view: restore fills the caller's array
     return value
 
 
