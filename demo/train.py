@@ -77,7 +77,11 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float
 
 def fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     """sha256 of every parameter and optimizer-state tensor, full (unsharded), by name."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
     from torch.distributed.tensor import DTensor
 
     opts = StateDictOptions(full_state_dict=True)

@@ -36,7 +36,13 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
-from shardkeeper.core.format.manifest import FORMAT_VERSION, ChunkRecord, LeafRecord, Manifest, check_tiling
+from shardkeeper.core.format.manifest import (
+    FORMAT_VERSION,
+    ChunkRecord,
+    LeafRecord,
+    Manifest,
+    check_tiling,
+)
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator

@@ -28,7 +28,14 @@ from shardkeeper.core.format.digest import block_span, digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.chunks import Piece, layout_of
-from shardkeeper.core.tensor.state import FlatState, Leaf, as_torch, conform, dtype_from_name, torch_dtype_name
+from shardkeeper.core.tensor.state import (
+    FlatState,
+    Leaf,
+    as_torch,
+    conform,
+    dtype_from_name,
+    torch_dtype_name,
+)
 
 log = logging.getLogger(__name__)
 
