@@ -239,6 +239,7 @@ class CheckpointManager:
                 "files": res.files,
                 "objects": objects,
                 "per_rank_prefixes": plan.per_rank_prefixes,
+                "layouts": sorted(plan.layouts),
             }
             log.info("rank %d step %d: wrote %d bytes in %.3f s", self.rank, step, res.bytes_written, time.perf_counter() - t0)
         except BaseException as e:
@@ -319,6 +320,7 @@ class CheckpointManager:
         files: dict[str, dict[str, Any]] = {}
         objects: dict[str, Any] = {}
         prefixes: list[str] = []
+        layouts: set[str] = set()
         problems: list[str] = []
         for r in reports:
             rank = r["rank"]
@@ -336,6 +338,7 @@ class CheckpointManager:
             files.update(r["files"])
             for key, val in r["objects"].items():
                 objects.setdefault(key, val)
+            layouts.update(r.get("layouts", ()))
             for p in r["per_rank_prefixes"]:
                 if p not in prefixes:
                     prefixes.append(p)
@@ -360,6 +363,7 @@ class CheckpointManager:
             "framework": "torch",
             "torch_version": torch.__version__,
             "world_size": self.world_size,
+            "layouts": sorted(layouts),
             **meta,
         }
         return Manifest(

@@ -51,6 +51,8 @@ class SavePlan:
     #: object leaves this rank reports (replicated ones from the coordinator only)
     objects: dict[str, Any] = field(default_factory=dict)
     per_rank_prefixes: list[str] = field(default_factory=list)
+    #: how this rank's tensors are distributed, for the manifest's metadata (not for restore)
+    layouts: set[str] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +67,18 @@ def _dtype_name(key: str, dtype: torch.dtype) -> str:
             f"{', '.join(DTYPES)}. Convert it (e.g. torch.view_as_real for complex) first"
         )
     return name
+
+
+def describe_layout(t: torch.Tensor) -> str:
+    """``DTensor(mesh=(2, 2), placements=(Shard(0), Shard(1)))``, ``ShardedTensor``, ``Tensor``."""
+    if tc.is_dtensor(t):
+        mesh = tuple(t.device_mesh.shape)  # type: ignore[attr-defined]
+        names = t.device_mesh.mesh_dim_names  # type: ignore[attr-defined]
+        placements = ", ".join(str(p) for p in t.placements)  # type: ignore[attr-defined]
+        return f"DTensor(mesh={mesh}{', names=' + str(tuple(names)) if names else ''}, placements=({placements}))"
+    if tc.is_sharded_tensor(t):
+        return "ShardedTensor"
+    return "Tensor"
 
 
 def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
@@ -89,6 +103,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
         layout = plain_layout(t, 1, 0) if leaf.per_rank is not None else layout_of(t, world_size, rank)
         dtype = _dtype_name(key, layout.dtype)
         plan.declared[key] = [leaf.kind, dtype, list(layout.global_shape)]
+        plan.layouts.add(describe_layout(t))
         layouts[key] = layout
         if layout.plain and leaf.per_rank is None:
             plain_sizes[key] = math.prod(layout.global_shape) * DTYPES[dtype][1]
