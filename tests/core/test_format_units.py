@@ -1,0 +1,82 @@
+"""Unit tests of the pieces the protocol stands on: tiling, chunk runs, writer balance, names,
+manifest validation, and a sha256 round trip through the manager."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkeeper.core import CheckpointManager, CorruptCheckpointError
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
+from shardkeeper.core.format.manifest import ChunkRecord, Manifest, check_tiling, safe_relative_path
+from shardkeeper.core.tensor.chunks import _runs, balance_plain
+
+
+def box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> ChunkRecord:
+    return ChunkRecord("data/f", 0, 0, offsets, shape, ())
+
+
+def test_tiling_accepts_an_exact_cover_and_names_every_flaw() -> None:
+    shape = (4, 6)
+    assert check_tiling("w", shape, [box((0, 0), (2, 6)), box((2, 0), (2, 3)), box((2, 3), (2, 3))]) is None
+    assert "cover 18 of 24" in check_tiling("w", shape, [box((0, 0), (2, 6)), box((2, 0), (2, 3))])
+    assert "outside" in check_tiling("w", shape, [box((0, 0), (4, 6)), box((3, 5), (1, 2))])
+    # same volume, but one box overlaps another and leaves a hole
+    why = check_tiling("w", shape, [box((0, 0), (2, 6)), box((1, 0), (2, 6)), box((3, 0), (1, 3)), box((3, 3), (1, 3))])
+    assert why is not None
+    assert check_tiling("s", (), [box((), ())]) is None
+    assert check_tiling("e", (0, 3), []) is None
+
+
+def test_runs_split_global_indices_into_contiguous_pieces() -> None:
+    assert _runs(torch.arange(3, 8)) == [(3, 0, 5)]
+    assert _runs(torch.tensor([0, 1, 4, 5, 9])) == [(0, 0, 2), (4, 2, 2), (9, 4, 1)]
+    assert _runs(torch.empty(0, dtype=torch.long)) == []
+
+
+def test_replicated_plain_tensors_are_spread_evenly_and_deterministically() -> None:
+    sizes = {f"k{i}": s for i, s in enumerate([100, 90, 80, 10, 10, 10])}
+    a = balance_plain(sizes, 3)
+    assert a == balance_plain(dict(reversed(sizes.items())), 3)  # order-independent
+    load = [sum(sizes[k] for k, r in a.items() if r == rank) for rank in range(3)]
+    assert max(load) - min(load) <= 10, load
+
+
+def test_step_names_are_canonical() -> None:
+    assert step_dir(1200) == "step-000000001200"
+    assert parse_step_dir("step-000000001200") == 1200
+    assert parse_step_dir("step-0000000001200") is None  # another spelling of the same step
+    assert parse_step_dir("step-12") is None and parse_step_dir("LATEST") is None
+
+
+@pytest.mark.parametrize(
+    "path, ok",
+    [("data/r00000-ab-000.safetensors", True), ("../step-000000000100/data/x.safetensors", True),
+     ("/etc/passwd", False), ("../../etc/passwd", False), ("data/../../x", False), ("../step-1/data/x", False), ("", False)],
+)
+def test_manifest_file_paths_stay_inside_the_root(path: str, ok: bool) -> None:
+    assert safe_relative_path(path) is ok
+
+
+def test_sha256_round_trip_and_a_manifest_that_lies_is_refused(tmp_path: Path) -> None:
+    state = {"w": torch.arange(3000, dtype=torch.float32).reshape(30, 100)}
+    with CheckpointManager(tmp_path, digest="sha256", digest_block_bytes=4096) as mgr:
+        mgr.save(1, state).wait()
+        target = {"w": torch.zeros(30, 100)}
+        mgr.restore(target)
+    assert torch.equal(target["w"], state["w"])
+    path = tmp_path / "step-000000000001" / "manifest.json"
+    m = json.loads(path.read_text())
+    assert m["digest_algorithm"] == "sha256"
+    chunk = m["leaves"]["w"]["chunks"][0]
+    assert len(chunk["digests"]) == 3 and all(len(d) == 64 for d in chunk["digests"])  # 12000 B / 4096
+    chunk["digests"] = chunk["digests"][:2]  # a manifest that would leave a block unverified
+    with pytest.raises(CorruptCheckpointError, match="digests"):
+        Manifest.loads(json.dumps(m).encode(), where=str(path))
+    chunk["digests"] = ["0" * 64] * 3
+    chunk["file"] = "../../outside.safetensors"
+    with pytest.raises(CorruptCheckpointError, match="inside the root"):
+        Manifest.loads(json.dumps(m).encode(), where=str(path))
