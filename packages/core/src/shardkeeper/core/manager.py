@@ -430,7 +430,7 @@ class CheckpointManager:
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
         self._wait_pending(raise_error=False)
         explicit = step is not None
-        candidates = [step] if explicit else sorted(committed_steps(self.storage), reverse=True)
+        candidates = [step] if step is not None else sorted(committed_steps(self.storage), reverse=True)
         if self.world_size > 1:
             candidates = self._agree_candidates(candidates)
         if not candidates:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from shardkeeper.core.storage.base import Capabilities, Storage, Writer
 from shardkeeper.core.storage.local import LocalStorage
 
 
-def open_storage(root: str | os.PathLike[str] | Storage, **options: object) -> Storage:
+def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Storage:
     """The backend for ``root``: a local path (or ``file://`` URL) or any fsspec URL.
 
     ``s3://`` needs ``shardkeeper-core[s3]``, ``gs://`` needs ``shardkeeper-core[gcs]``.
@@ -16,11 +17,11 @@ def open_storage(root: str | os.PathLike[str] | Storage, **options: object) -> S
     if isinstance(root, (LocalStorage,)) or (
         not isinstance(root, (str, os.PathLike)) and isinstance(root, Storage)
     ):
-        return root  # type: ignore[return-value]
+        return root
     text = os.fspath(root)
     if "://" not in text or text.startswith("file://"):
         path = text[len("file://") :] if text.startswith("file://") else text
-        return LocalStorage(path, **options)  # type: ignore[arg-type]
+        return LocalStorage(path, **options)
     from shardkeeper.core.storage.fsspec_store import FsspecStorage
 
     return FsspecStorage(text, **options)

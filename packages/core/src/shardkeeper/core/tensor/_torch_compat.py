@@ -6,7 +6,7 @@ fails with the name of the symbol.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
     ShardedTensor = None  # type: ignore[assignment,misc]
 
 
-def is_dtensor(x: Any) -> bool:
+def is_dtensor(x: Any) -> TypeGuard[DTensor]:
     return isinstance(x, DTensor)
 
 

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from shardkeeper.core.tensor.state import (
     dtype_from_name,
     torch_dtype_name,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +190,7 @@ def _execute_read(
     path = f"{step_dir}/{rd.file}"
     buf = np.empty(rd.end - rd.start, dtype=np.uint8)
     try:
-        storage.read_into(path, rd.start, memoryview(buf))
+        storage.read_into(path, rd.start, memoryview(cast("Buffer", buf)))
     except (CheckpointNotFoundError, StorageError) as e:
         keys = sorted({seg.key for seg in rd.segments})
         what = f"keys {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''}"
@@ -202,7 +205,7 @@ def _execute_read(
     base = torch.from_numpy(buf)
     for seg in rd.segments:
         off = seg.chunk.offset + seg.start - rd.start
-        view = memoryview(buf)[off : off + seg.end - seg.start]
+        view = memoryview(cast("Buffer", buf))[off : off + seg.end - seg.start]
         first_block = seg.start // block_bytes
         for i in range(0, len(view), block_bytes):
             idx = first_block + i // block_bytes
@@ -320,7 +323,13 @@ def restore_flat(
                 )
             assert leaf.set is not None
             setter, value, current = leaf.set, rec.value, leaf.value
-            deferred.append(lambda s=setter, v=value, c=current: s(conform(v, c)))
+
+            def fill(
+                s: Callable[[Any], None] = setter, v: Any = value, c: Any = current
+            ) -> None:
+                s(conform(v, c))
+
+            deferred.append(fill)
             continue
         if rec.kind == "bytes":
             assert leaf.set is not None

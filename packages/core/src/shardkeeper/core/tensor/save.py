@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,6 +25,9 @@ from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import balance_plain, layout_of, plain_layout, replica_writer
 from shardkeeper.core.tensor.state import FlatState, as_torch, torch_dtype_name
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 _ALIGN = 64
 
@@ -72,9 +75,9 @@ def _dtype_name(key: str, dtype: torch.dtype) -> str:
 def describe_layout(t: torch.Tensor) -> str:
     """``DTensor(mesh=(2, 2), placements=(Shard(0), Shard(1)))``, ``ShardedTensor``, ``Tensor``."""
     if tc.is_dtensor(t):
-        mesh = tuple(t.device_mesh.shape)  # type: ignore[attr-defined]
-        names = t.device_mesh.mesh_dim_names  # type: ignore[attr-defined]
-        placements = ", ".join(str(p) for p in t.placements)  # type: ignore[attr-defined]
+        mesh = tuple(t.device_mesh.shape)
+        names = t.device_mesh.mesh_dim_names
+        placements = ", ".join(str(p) for p in t.placements)
         return f"DTensor(mesh={mesh}{', names=' + str(tuple(names)) if names else ''}, placements=({placements}))"
     if tc.is_sharded_tensor(t):
         return "ShardedTensor"
@@ -217,7 +220,7 @@ def _write_one(
         writer.write(header)
         for it, off in zip(items, file_offsets):
             assert it.staged is not None
-            view = memoryview(it.staged.numpy())
+            view = memoryview(cast("Buffer", it.staged.numpy()))
             digests = []
             for b in range(0, it.nbytes, block_bytes):
                 block = view[b : b + block_bytes]

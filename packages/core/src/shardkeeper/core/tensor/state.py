@@ -20,7 +20,7 @@ import json
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -60,7 +60,10 @@ class RNGState:
     __shardkeeper_per_rank__ = True
 
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
+        # The legacy (default) form: a tuple, as long as the global generator is MT19937.
+        np_state = cast(
+            "tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state()
+        )
         py_state = random.getstate()
         out: dict[str, Any] = {
             "torch": torch.get_rng_state(),
@@ -111,7 +114,7 @@ class FlatState:
     leaves: dict[str, Leaf] = field(default_factory=dict)
     per_rank_prefixes: list[str] = field(default_factory=list)
     #: Called after a restore filled the leaves, in order: pushes state into stateful objects.
-    finalizers: list[Callable[[], None]] = field(default_factory=list)
+    finalizers: list[Callable[[], object]] = field(default_factory=list)
 
 
 def _contains_tensor(x: Any) -> bool:
@@ -267,14 +270,16 @@ class Flattener:
         )
 
         osd = get_optimizer_state_dict(owner, opt, options=StateDictOptions())
-        state = osd.get("state", {})
+        # torch types every value of an optimizer state dict alike; "state" maps parameter
+        # FQNs to per-parameter dicts and "param_groups" is a list of dicts.
+        state = cast("dict[str, dict[str, Any]]", osd.get("state", {}))
         for fqn, per_param in state.items():
             nfqn = normalize_fqn(str(fqn))
             for name, val in per_param.items():
                 self._visit(
                     f"{key}/state/{nfqn}/{name}", val, {}, per_rank, self._dict_setter(per_param, name)
                 )
-        groups = osd.get("param_groups", [])
+        groups = cast("list[dict[str, Any]]", osd.get("param_groups", []))
         norm_groups = [
             {**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]} for g in groups
         ]
