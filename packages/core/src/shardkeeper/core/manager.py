@@ -47,7 +47,7 @@ from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
 from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
-from shardkeeper.core.tensor.save import SavePlan, Stager, plan_save, write_shards
+from shardkeeper.core.tensor.save import SavePlan, Stager, WriteItem, plan_save, split_files, write_shards
 from shardkeeper.core.tensor.state import flatten_for_restore, flatten_for_save
 
 log = logging.getLogger(__name__)
@@ -200,12 +200,13 @@ class CheckpointManager:
         self._wait_pending(raise_error=True)
         flat = flatten_for_save(state, self.rank)
         plan = plan_save(flat, self.rank, self.world_size)
-        self._stager.stage(plan.items)
+        groups = split_files(plan.items, self.options.max_files_per_rank, self.options.min_file_bytes)
+        regions = self._stager.stage(groups)
         objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
         meta = {**self.metadata, **dict(metadata or {})}
-        future = self._bg.submit(self._run_save, step, seq, attempt, plan, objects, meta)
+        future = self._bg.submit(self._run_save, step, seq, attempt, plan, groups, regions, objects, meta)
         handle = SaveHandle(step, future)
         self._pending = handle
         handle.stall_s = time.perf_counter() - t0
@@ -218,17 +219,24 @@ class CheckpointManager:
         return handle
 
     def _run_save(
-        self, step: int, seq: int, attempt: str, plan: SavePlan, objects: dict[str, Any], meta: dict[str, Any]
+        self,
+        step: int,
+        seq: int,
+        attempt: str,
+        plan: SavePlan,
+        groups: list[list[WriteItem]],
+        regions: list[torch.Tensor],
+        objects: dict[str, Any],
+        meta: dict[str, Any],
     ) -> None:
         sdir = step_dir(step)
         t0 = time.perf_counter()
         phase = "write"
         try:
             res = write_shards(
-                self.storage, sdir, plan.items, rank=self.rank, attempt=attempt,
+                self.storage, sdir, groups, regions, rank=self.rank, attempt=attempt,
                 algorithm=self.options.digest, block_bytes=self.options.digest_block_bytes,
-                executor=self._io, max_files=self.options.max_files_per_rank,
-                min_file_bytes=self.options.min_file_bytes,
+                executor=self._io,
             )
             payload: dict[str, Any] = {
                 "ok": True,

@@ -51,14 +51,16 @@ class RestoreStats:
 
     bytes_read: int = 0
     bytes_needed: int = 0
+    bytes_direct: int = 0  # read straight into the target's memory, no scratch buffer
     reads: int = 0
     files: set[str] = field(default_factory=set)
     keys: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_read(self, file: str, n: int) -> None:
+    def add_read(self, file: str, n: int, *, direct: bool = False) -> None:
         with self._lock:
             self.bytes_read += n
+            self.bytes_direct += n if direct else 0
             self.reads += 1
             self.files.add(file)
 
@@ -167,6 +169,88 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
     return reads
 
 
+#: Reads that go through a scratch buffer (small or strided overlaps) are capped at this, so
+#: restore needs at most io_threads x 8 MiB beyond the target's own memory.
+_BUFFERED_READ_BYTES = 8 << 20
+#: Overlaps at least this large and contiguous in the target are read straight into it.
+_DIRECT_MIN_BYTES = 1 << 20
+
+
+def _is_direct(op: _Op) -> bool:
+    """Can the bytes of ``op`` be read straight into the target's memory?"""
+    d = op.dest
+    return (
+        op.end - op.start >= _DIRECT_MIN_BYTES
+        and d.device.type == "cpu"
+        and d.dtype == op.dtype
+        and d.is_contiguous()
+        and op.end - op.start == d.numel() * d.element_size()
+    )
+
+
+def _read_checked(storage: Storage, path: str, offset: int, buffer: memoryview, keys: Sequence[str], step: int) -> None:
+    try:
+        storage.read_into(path, offset, buffer)
+    except (CheckpointNotFoundError, StorageError) as e:
+        what = f"keys {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''}"
+        cls = CorruptCheckpointError if _missing_or_short(storage, path, offset + len(buffer)) else StorageError
+        raise cls(
+            f"step {step}: cannot read bytes [{offset}, {offset + len(buffer)}) of "
+            f"{storage.describe(path)} for {what}: {e}. The checkpoint is damaged or the storage "
+            f"failed: restore an earlier step (restore() without step= falls back by itself) and "
+            f"run `shardkeeper verify {storage.url}`"
+        ) from e
+
+
+def _check_block(
+    storage: Storage, path: str, chunk: ChunkRecord, idx: int, data: memoryview, digest: Callable[[Any], str],
+    block: int, key: str, step: int,
+) -> None:
+    got = digest(data)
+    want = chunk.digests[idx] if idx < len(chunk.digests) else "<none>"
+    if got != want:
+        raise ChecksumMismatchError(
+            f"checksum mismatch in {storage.describe(path)} at bytes "
+            f"[{chunk.offset + idx * block}, {chunk.offset + min((idx + 1) * block, chunk.length)}) "
+            f"of key {key!r}, step {step}: expected {want}, read {got}. The stored bytes are "
+            f"damaged: restore an earlier step (restore() without step= falls back by itself) "
+            f"and run `shardkeeper verify {storage.url}`",
+            key=key,
+            file=path,
+        )
+
+
+def _execute_direct(
+    storage: Storage, step_dir: str, op: _Op, digest: Callable[[Any], str], block: int,
+    stats: RestoreStats, step: int,
+) -> None:
+    """Read the whole digest blocks of ``op`` straight into the target, verify them there;
+    read the (at most two) partially needed blocks at its ends into a scratch block."""
+    chunk, start, end, length = op.chunk, op.start, op.end, op.chunk.length
+    path = f"{step_dir}/{chunk.file}"
+    dest = memoryview(cast("Buffer", op.dest.reshape(-1).view(torch.uint8).numpy()))
+    i_lo = start if start % block == 0 else min(length, (start // block + 1) * block)
+    i_hi = end if (end % block == 0 or end == length) else (end // block) * block
+    if i_lo < i_hi:
+        view = dest[i_lo - start : i_hi - start]
+        _read_checked(storage, path, chunk.offset + i_lo, view, [op.key], step)
+        stats.add_read(chunk.file, len(view), direct=True)
+        for b in range(i_lo, i_hi, block):
+            _check_block(storage, path, chunk, b // block, view[b - i_lo : min(b + block, i_hi) - i_lo], digest, block, op.key, step)
+    else:
+        i_lo = i_hi = end
+    for idx in sorted({start // block, (end - 1) // block}):
+        bs, be = idx * block, min((idx + 1) * block, length)
+        lo, hi = max(bs, start), min(be, end)
+        if lo >= hi or (i_lo <= lo and hi <= i_hi):
+            continue  # not needed, or already read directly
+        scratch = np.empty(be - bs, dtype=np.uint8)
+        _read_checked(storage, path, chunk.offset + bs, memoryview(scratch), [op.key], step)
+        stats.add_read(chunk.file, len(scratch))
+        _check_block(storage, path, chunk, idx, memoryview(scratch), digest, block, op.key, step)
+        dest[lo - start : hi - start] = memoryview(scratch)[lo - bs : hi - bs]
+
+
 def _missing_or_short(storage: Storage, path: str, end: int) -> bool:
     """After a failed read: is the file gone or shorter than the manifest says (damage), or
     did the storage fail (possibly transient)?"""
@@ -187,20 +271,10 @@ def _execute_read(
     stats: RestoreStats,
     step: int,
 ) -> None:
+    """One coalesced read into a scratch buffer; verify its blocks; copy each overlap out."""
     path = f"{step_dir}/{rd.file}"
     buf = np.empty(rd.end - rd.start, dtype=np.uint8)
-    try:
-        storage.read_into(path, rd.start, memoryview(cast("Buffer", buf)))
-    except (CheckpointNotFoundError, StorageError) as e:
-        keys = sorted({seg.key for seg in rd.segments})
-        what = f"keys {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''}"
-        cls = CorruptCheckpointError if _missing_or_short(storage, path, rd.end) else StorageError
-        raise cls(
-            f"step {step}: cannot read bytes [{rd.start}, {rd.end}) of {storage.describe(path)} "
-            f"for {what}: {e}. The checkpoint is damaged or the storage failed: restore an "
-            f"earlier step (restore() without step= falls back by itself) and run "
-            f"`shardkeeper verify {storage.url}`"
-        ) from e
+    _read_checked(storage, path, rd.start, memoryview(cast("Buffer", buf)), sorted({s.key for s in rd.segments}), step)
     stats.add_read(rd.file, len(buf))
     base = torch.from_numpy(buf)
     for seg in rd.segments:
@@ -208,20 +282,7 @@ def _execute_read(
         view = memoryview(cast("Buffer", buf))[off : off + seg.end - seg.start]
         first_block = seg.start // block_bytes
         for i in range(0, len(view), block_bytes):
-            idx = first_block + i // block_bytes
-            got = digest(view[i : i + block_bytes])
-            want = seg.chunk.digests[idx] if idx < len(seg.chunk.digests) else "<none>"
-            if got != want:
-                raise ChecksumMismatchError(
-                    f"checksum mismatch in {storage.describe(path)} at bytes "
-                    f"[{seg.chunk.offset + idx * block_bytes}, "
-                    f"{seg.chunk.offset + min((idx + 1) * block_bytes, seg.chunk.length)}) of key "
-                    f"{seg.key!r}, step {step}: expected {want}, read {got}. The stored bytes are "
-                    f"damaged: restore an earlier step (restore() without step= falls back by "
-                    f"itself) and run `shardkeeper verify {storage.url}`",
-                    key=seg.key,
-                    file=path,
-                )
+            _check_block(storage, path, seg.chunk, first_block + i // block_bytes, view[i : i + block_bytes], digest, block_bytes, seg.key, step)
         for op in seg.ops:
             isz = itemsize(torch_dtype_name(op.dtype))
             seg_bytes = base[off : off + seg.end - seg.start]
@@ -229,8 +290,7 @@ def _execute_read(
                 seg_bytes = seg_bytes.clone()
             flat = seg_bytes.view(op.dtype)
             first_el = (op.start - seg.start) // isz
-            strides = _strides(op.chunk.shape)
-            src = flat.as_strided(op.rel_shape, strides, flat.storage_offset() + first_el)
+            src = flat.as_strided(op.rel_shape, _strides(op.chunk.shape), flat.storage_offset() + first_el)
             op.dest.copy_(src)
 
 
@@ -377,12 +437,18 @@ def restore_flat(
             rank, manifest.world_size, world_size, ", ".join(dropped[:8]),
         )
     digest = digest_function(manifest.digest_algorithm)
-    reads = _plan_reads(ops, manifest.digest_block_bytes, max_read_bytes)
+    block = manifest.digest_block_bytes
+    direct = [op for op in ops if _is_direct(op)]
+    buffered = [op for op in ops if not _is_direct(op)]
+    reads = _plan_reads(buffered, block, min(max_read_bytes, _BUFFERED_READ_BYTES))
     with torch.no_grad():
+        # Large reads first: they dominate the time, small ones fill in behind them.
         futures = [
-            executor.submit(
-                _execute_read, storage, step_dir, rd, digest, manifest.digest_block_bytes, stats, manifest.step
-            )
+            executor.submit(_execute_direct, storage, step_dir, op, digest, block, stats, manifest.step)
+            for op in sorted(direct, key=lambda o: o.start - o.end)
+        ]
+        futures += [
+            executor.submit(_execute_read, storage, step_dir, rd, digest, block, stats, manifest.step)
             for rd in reads
         ]
         errors = []

@@ -1,0 +1,327 @@
+"""shardkeeper benchmark: shardkeeper against torch.save/load, torch.distributed.checkpoint (DCP)
+and the raw limits of the machine, in one run and on the same state.
+
+    python benchmarks/run.py                      # the full run: 256 and 1024 MiB per rank
+    python benchmarks/run.py --quick              # a smoke run (tiny sizes, 1 round), < 1 min
+    python3 -m nox -s bench -- --sizes 256 --repeats 3
+
+Cases (``--cases``, default all):
+  a  FSDP2 at world size 2, ``--sizes`` MiB per rank of parameters + AdamW state: every save
+     method (stall, time to committed) and every restore method, same world size
+  b  10,000 small tensors (a plain dict, world size 1)
+  c  the case-a checkpoints restored at world size 3 (a separate torchrun launch)
+  d  a partial restore of one layer of the case-a checkpoints (model/layers.3.*)
+  e  a manifest with 100,000 tensors from 8 ranks: commit and restore planning time (stub,
+     benchmarks/case_e.py)
+
+Each case runs as ``torchrun --standalone`` launches of benchmarks/worker.py (one per world
+size), each under a timeout, with OMP_NUM_THREADS=1. Everything is written under a fresh work
+directory (``--workdir``, default under /tmp) that is deleted at the end. Results go to
+benchmarks/results/<date>.{json,md,png} and the README's "Benchmarks" section (not with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import _proc  # noqa: E402
+import report  # noqa: E402
+
+NOTES = [
+    "Every rank saves and restores its own local state at the same time, as in training.",
+    "Every save method starts from what a user holds, the module and the optimizer:",
+    "DCP and torch.save times include get_state_dict (and, for torch.save, taking the local shards);",
+    "DCP load times include get_state_dict and set_state_dict; torch.load times include copying the",
+    "loaded tensors into the live ones. All saves are durable when timed as committed: shardkeeper and",
+    "DCP fsync their files, torch.save and the raw write are followed by fsync. Stall = how long the",
+    "save call blocks the caller; time to committed = save call until the handle/future is done.",
+    "Restores are cold: before each one every file of the work dir is fsync'ed and dropped from the",
+    "page cache (posix_fadvise POSIX_FADV_DONTNEED), so reads come from the disk; a warm-cache",
+    "restore follows each cold one. Rounds alternate the method order (rotated by one per round);",
+    "each round writes to its own directory (a new step for shardkeeper) and restores read their own",
+    "round's files; a warm-up round precedes the measured ones. Per round the ranks are combined",
+    "(times: slowest rank; bytes, CPU seconds: summed; RSS: worst rank); reported values are medians",
+    "over rounds. Peak RSS = (VmHWM after the restore, reset through /proc/self/clear_refs before it,",
+    "minus RSS before the target state was allocated) / state size on the rank. Bytes read:",
+    "shardkeeper's last_restore_stats (rchar of /proc/self/io as a cross-check, and for DCP). The",
+    "digest cost is xxh3_128 over the rank's state in 1 MiB blocks, timed alone. DCP async_save runs",
+    "in thread mode; its reused stager is one DefaultStager(StagingOptions(False, False, False, False))",
+    "passed as async_stager= to every call (on CPU: no pinned or shared memory, synchronous staging).",
+]
+
+
+# -- launching -------------------------------------------------------------------------------------
+class LaunchError(RuntimeError):
+    pass
+
+
+def launch(label: str, nproc: int | None, args: list[str], *, timeout_s: float, logdir: Path) -> float:
+    """Run worker.py under torchrun (or a plain script when nproc is None); kill it on timeout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if nproc is None:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(HERE / "worker.py"), *args]
+    logdir.mkdir(parents=True, exist_ok=True)
+    log = logdir / f"{label}.log"
+    load = os.getloadavg()[0]
+    print(f"[{label}] {'world ' + str(nproc) if nproc else 'one process'}, timeout {timeout_s:.0f} s, "
+          f"load {load:.2f}{' (busy machine: numbers may be noisy)' if load > 1.5 else ''}", flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        out.write("$ " + shlex.join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise LaunchError(f"[{label}] timed out after {timeout_s:.0f} s; log: {log}") from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            _kill_group(proc)  # anything the launch left behind in its session
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        tail = log.read_text()[-4000:]
+        raise LaunchError(f"[{label}] exited with {rc} after {wall:.0f} s; log {log}:\n{tail}")
+    print(f"[{label}] done in {wall:.1f} s", flush=True)
+    return wall
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; members of its group may not be: check once more
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+
+
+def timeout_for(size_mib: float, world: int, rounds: int, scale: float) -> float:
+    """Generous: 180 s to start, then 16 passes over the state per round (warm-up included),
+    every rank at 20 MB/s (10-50x slower than a disk), times ``scale``."""
+    return scale * (180 + (rounds + 1) * 16 * world * size_mib * 0.05)
+
+
+def read_ranks(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="256,1024", help="MiB of state per rank for cases a, c, d (default 256,1024)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="measured rounds per case (default: 5 up to 256 MiB, 3 above; 5 for case b)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 16 MiB, 1,000 small tensors, 1 round, no warm-up round; results as <date>-quick.*, README untouched")
+    ap.add_argument("--workdir", default=None, help="where the run's fresh work dir is made (default: the system temp dir, /tmp)")
+    ap.add_argument("--cases", default="a,b,c,d,e")
+    ap.add_argument("--n-tensors", type=int, default=10_000, help="case b")
+    ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache restores")
+    ap.add_argument("--results-dir", default=str(HERE / "results"))
+    ap.add_argument("--no-readme", action="store_true", help="do not update README.md")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (checkpoints, logs)")
+    ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every launch's timeout")
+    args = ap.parse_args(argv)
+    args.cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    unknown = args.cases - set("abcde")
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(sorted(unknown))}; choose from a,b,c,d,e")
+    args.sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
+    if args.quick:
+        args.sizes = [16.0]
+        args.repeats = 1
+        args.n_tensors = min(args.n_tensors, 1000)
+    return args
+
+
+def _size_label(size: float) -> str:
+    return f"{size:g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    base = Path(args.workdir or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="shardkeeper-bench-", dir=base))
+    logs = work / "logs"
+    command = "python benchmarks/run.py" + ("" if not (argv or sys.argv[1:]) else " " + shlex.join(argv or sys.argv[1:]))
+    print(f"shardkeeper benchmark: {command}\nwork dir {work} (deleted at the end{'; kept: --keep' if args.keep else ''})", flush=True)
+    machine = _proc.machine_info(str(work), ROOT)
+    samples: list[dict[str, Any]] = []
+    infos: dict[str, list[dict[str, Any]]] = {}
+    launches: list[dict[str, Any]] = []
+    errors: list[str] = []
+    case_e: dict[str, Any] | None = None
+
+    def run_launch(label: str, nproc: int | None, wargs: list[str], timeout_s: float, out: Path | None) -> None:
+        try:
+            wall = launch(label, nproc, wargs, timeout_s=timeout_s, logdir=logs)
+            launches.append({"label": label, "world": nproc, "wall_s": wall, "ok": True})
+        except LaunchError as e:
+            print(str(e), file=sys.stderr, flush=True)
+            errors.append(str(e).splitlines()[0])
+            launches.append({"label": label, "world": nproc, "ok": False, "error": str(e)[:4000]})
+        if out is not None and out.exists():  # what it measured before failing counts too
+            for r in read_ranks(out):
+                infos.setdefault(label, []).append(r["info"])
+                samples.extend(r["samples"])
+
+    try:
+        warm = ([] if args.no_warm else ["--warm"]) + (["--no-warmup"] if args.quick else [])
+        if args.cases & {"a", "c", "d"}:
+            for size in args.sizes:
+                sl = _size_label(size)
+                rounds = args.repeats or (5 if size <= 256 else 3)
+                cdir = work / f"fsdp-{sl}"
+                need = 2 * size * 2**20 * (3 * rounds + 3)
+                free = shutil.disk_usage(work).free
+                if free < need * 1.1:
+                    msg = f"[a-{sl}] skipped: needs ~{need / 2**30:.1f} GiB of disk, {free / 2**30:.1f} GiB free"
+                    print(msg, file=sys.stderr, flush=True)
+                    errors.append(msg)
+                    continue
+                if mem_available() < 2 * size * 2**20 * 6:
+                    print(f"[a-{sl}] warning: {mem_available() / 2**30:.1f} GiB RAM available, "
+                          f"~{2 * size * 6 / 1024:.1f} GiB wanted", flush=True)
+                common = ["--state", "fsdp", "--size-mib", str(size), "--world-save", "2",
+                          "--repeats", str(rounds), "--dir", str(cdir)]
+                save_methods = [] if "a" in args.cases else ["--save-methods", "dcp_save,sk_sync"]
+                restore_methods = [] if "a" in args.cases else ["--restore-methods", ""]
+                partial = ["--partial-label", f"d-{sl}"] if "d" in args.cases else []
+                out = work / "out" / f"a-{sl}"
+                run_launch(f"a-{sl}", 2, [*common, "--out", str(out), "--phases", "save,restore",
+                                          "--save-label", f"a-{sl}", "--restore-label", f"a-{sl}",
+                                          *save_methods, *restore_methods, *partial, *warm],
+                           timeout_for(size, 2, rounds, args.timeout_scale), out)
+                if "c" in args.cases and launches[-1]["ok"]:
+                    out = work / "out" / f"c-{sl}"
+                    run_launch(f"c-{sl}", 3, [*common, "--out", str(out), "--phases", "restore",
+                                              "--restore-label", f"c-{sl}", "--restore-methods",
+                                              "dcp_load,sk_restore", *warm],
+                               timeout_for(size, 3, rounds, args.timeout_scale), out)
+                shutil.rmtree(cdir, ignore_errors=True)
+        if "b" in args.cases:
+            rounds = args.repeats or 5
+            out = work / "out" / "b"
+            run_launch("b", 1, ["--state", "small", "--n-tensors", str(args.n_tensors), "--repeats", str(rounds),
+                                "--dir", str(work / "small"), "--out", str(out), "--phases", "save,restore",
+                                "--save-label", "b", "--restore-label", "b", *warm],
+                       timeout_for(args.n_tensors * 4.5 / 1024, 1, rounds, args.timeout_scale) + 120, out)
+            shutil.rmtree(work / "small", ignore_errors=True)
+        if "e" in args.cases:
+            out_e = work / "out" / "e.json"
+            out_e.parent.mkdir(parents=True, exist_ok=True)
+            run_launch("e", None, [str(HERE / "case_e.py"), "--workdir", str(work / "e"), "--out", str(out_e),
+                                   *(["--quick"] if args.quick else [])], 600 * args.timeout_scale, None)
+            case_e = json.loads(out_e.read_text()) if out_e.exists() else {"status": "failed", "error": "no output"}
+    except KeyboardInterrupt:
+        errors.append("interrupted")
+        print("interrupted; writing what was measured", file=sys.stderr)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    wall = time.perf_counter() - t_start
+    results = assemble(args, command, machine, samples, infos, launches, errors, case_e, wall)
+    write_outputs(args, results)
+    print(f"total wall time {wall / 60:.1f} min", flush=True)
+    return 1 if errors else 0
+
+
+def assemble(args: argparse.Namespace, command: str, machine: dict[str, Any], samples: list[dict[str, Any]],
+             infos: dict[str, list[dict[str, Any]]], launches: list[dict[str, Any]], errors: list[str],
+             case_e: dict[str, Any] | None, wall: float) -> dict[str, Any]:
+    combined = report.combine(samples)
+    med = report.medians(combined)
+    report.add_unit_rows(med)
+    rows = report.ratios(combined, med, case_e)
+    for m in med.values():
+        for v in m.values():
+            v.pop("one", None)
+    return {
+        "date": dt.date.today().isoformat(),
+        "finished_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": command,
+        "args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()},
+        "machine": machine,
+        "wall_s": wall,
+        "notes": NOTES,
+        "meta": {"n_tensors": args.n_tensors, "sizes_mib": args.sizes},
+        "launches": launches,
+        "errors": errors,
+        "info": infos,
+        "ratios": rows,
+        "medians": med,
+        "case_e": case_e,
+        "samples": samples,
+    }
+
+
+def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    outdir = Path(args.results_dir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    stem = results["date"] + ("-quick" if args.quick else "")
+    jpath, mpath, ppath = outdir / f"{stem}.json", outdir / f"{stem}.md", outdir / f"{stem}.png"
+    tmp = jpath.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(jpath)
+    md = report.markdown(results)
+    mpath.write_text(md)
+    try:
+        report.chart(results, ppath)
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib)", file=sys.stderr)
+    print(f"results: {jpath}, {mpath}, {ppath}")
+    print()
+    print(report.ratio_table(results["ratios"], results["meta"], info=False))
+    if not args.quick and not args.no_readme and not results["errors"]:
+        def rel(p: Path) -> str:
+            try:
+                return str(p.resolve().relative_to(ROOT))
+            except ValueError:
+                return str(p)
+
+        report.update_readme(ROOT / "README.md", report.readme_section(results, rel(mpath), rel(ppath), rel(jpath)))
+        print("README.md: Benchmarks section updated")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
