@@ -80,3 +80,31 @@ def test_sha256_round_trip_and_a_manifest_that_lies_is_refused(tmp_path: Path) -
     chunk["file"] = "../../outside.safetensors"
     with pytest.raises(CorruptCheckpointError, match="inside the root"):
         Manifest.loads(json.dumps(m).encode(), where=str(path))
+
+
+def _report(rank: int, declared: dict, chunks: dict) -> dict:
+    return {"rank": rank, "declared": declared, "chunks": chunks, "files": {}, "objects": {}, "per_rank_prefixes": []}
+
+
+def _chunk(offsets: list[int], shape: list[int]) -> dict:
+    n = 4 * shape[0] * shape[1]
+    return {"file": "data/f", "offset": 0, "length": n, "offsets": offsets, "shape": shape, "digests": ["x"]}
+
+
+def test_coordinator_merges_ranks_and_names_every_disagreement() -> None:
+    from shardkeeper.core.assemble import assemble_manifest
+    from shardkeeper.core.errors import StateMismatchError
+
+    decl = {"w": ["tensor", "float32", [4, 2]]}
+    kw = {"world_size": 2, "digest": "xxh3_128", "block_bytes": 1 << 20, "metadata": {}}
+    halves = [_report(0, decl, {"w": [_chunk([0, 0], [2, 2])]}), _report(1, decl, {"w": [_chunk([2, 0], [2, 2])]})]
+    m = assemble_manifest(7, "a", halves, **kw)
+    assert [c.offsets for c in m.leaves["w"].chunks] == [(0, 0), (2, 0)] and m.world_size == 2
+    # a replica written by two ranks counts once
+    dup = [_report(0, decl, {"w": [_chunk([0, 0], [4, 2])]}), _report(1, decl, {"w": [_chunk([0, 0], [4, 2])]})]
+    assert len(assemble_manifest(7, "a", dup, **kw).leaves["w"].chunks) == 1
+    with pytest.raises(StateMismatchError, match=r"step 7.*w: chunks cover 4 of 8"):
+        assemble_manifest(7, "a", [halves[0], _report(1, decl, {})], **kw)
+    other = {"w": ["tensor", "bfloat16", [4, 2]]}
+    with pytest.raises(StateMismatchError, match=r"rank 0 has float32 \[4, 2\], rank 1 has bfloat16"):
+        assemble_manifest(7, "a", [halves[0], _report(1, other, {"w": [_chunk([2, 0], [2, 2])]})], **kw)

@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
+from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -31,23 +31,22 @@ from shardkeeper.core.errors import (
     CheckpointTimeoutError,
     CommitConflictError,
     CorruptCheckpointError,
-    StateMismatchError,
     StorageError,
 )
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
-from shardkeeper.core.format.manifest import (
-    FORMAT_VERSION,
-    ChunkRecord,
-    LeafRecord,
-    Manifest,
-    check_tiling,
-)
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
 from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
-from shardkeeper.core.tensor.save import SavePlan, Stager, WriteItem, plan_save, split_files, write_shards
+from shardkeeper.core.tensor.save import (
+    SavePlan,
+    Stager,
+    WriteItem,
+    plan_save,
+    split_files,
+    write_shards,
+)
 from shardkeeper.core.tensor.state import flatten_for_restore, flatten_for_save
 
 log = logging.getLogger(__name__)
@@ -299,7 +298,11 @@ class CheckpointManager:
             for r in reports:
                 if not r.get("ok"):
                     return r
-            manifest = self._assemble(step, attempt, reports, meta)
+            manifest = assemble_manifest(
+                step, attempt, reports, world_size=self.world_size, digest=self.options.digest,
+                block_bytes=self.options.digest_block_bytes,
+                metadata={"framework": "torch", "torch_version": torch.__version__, **meta},
+            )
             self.storage.put_if_absent(manifest_path(step), manifest.dumps())
         except BaseException as e:
             self._discard_attempt(sdir, reports)
@@ -321,72 +324,6 @@ class CheckpointManager:
                     self.storage.delete(f"{sdir}/{rel}")
                 except CheckpointError:
                     pass
-
-    def _assemble(self, step: int, attempt: str, reports: Sequence[dict[str, Any]], meta: dict[str, Any]) -> Manifest:
-        declared: dict[str, tuple[int, list[Any]]] = {}
-        chunks: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkRecord]] = {}
-        files: dict[str, dict[str, Any]] = {}
-        objects: dict[str, Any] = {}
-        prefixes: list[str] = []
-        layouts: set[str] = set()
-        problems: list[str] = []
-        for r in reports:
-            rank = r["rank"]
-            for key, decl in r["declared"].items():
-                prev = declared.setdefault(key, (rank, decl))
-                if prev[1] != decl:
-                    problems.append(
-                        f"{key}: rank {prev[0]} has {prev[1][1]} {prev[1][2]}, rank {rank} has {decl[1]} {decl[2]}"
-                    )
-            for key, recs in r["chunks"].items():
-                box = chunks.setdefault(key, {})
-                for c in recs:
-                    rec = ChunkRecord.from_json(c)
-                    box.setdefault((rec.offsets, rec.shape), rec)
-            files.update(r["files"])
-            for key, val in r["objects"].items():
-                objects.setdefault(key, val)
-            layouts.update(r.get("layouts", ()))
-            for p in r["per_rank_prefixes"]:
-                if p not in prefixes:
-                    prefixes.append(p)
-        leaves: dict[str, LeafRecord] = {}
-        for key, (_, (kind, dtype, shape)) in declared.items():
-            recs = tuple(chunks.get(key, {}).values())
-            why = check_tiling(key, tuple(shape), recs)
-            if why is not None:
-                problems.append(f"{key}: {why}")
-            leaves[key] = LeafRecord(kind=kind, dtype=dtype, shape=tuple(shape), chunks=recs)
-        for key, val in objects.items():
-            leaves[key] = LeafRecord(kind="object", value=val)
-        if problems:
-            raise StateMismatchError(
-                f"step {step}: the ranks' states do not form one checkpoint: "
-                + "; ".join(problems[:5])
-                + ("; ..." if len(problems) > 5 else "")
-                + ". Every rank must pass the same keys; plain tensors are treated as replicated "
-                "(wrap per-rank tensors in PerRank)"
-            )
-        metadata = {
-            "framework": "torch",
-            "torch_version": torch.__version__,
-            "world_size": self.world_size,
-            "layouts": sorted(layouts),
-            **meta,
-        }
-        return Manifest(
-            step=step,
-            world_size=self.world_size,
-            leaves=dict(sorted(leaves.items())),
-            files=dict(sorted(files.items())),
-            digest_algorithm=self.options.digest,
-            digest_block_bytes=self.options.digest_block_bytes,
-            per_rank_prefixes=tuple(prefixes),
-            metadata=metadata,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            attempt=attempt,
-            format_version=FORMAT_VERSION,
-        )
 
     def _retain(self, step: int) -> None:
         if self.retention.keep_last is None and self.retention.keep_every is None:

@@ -244,11 +244,11 @@ def _execute_direct(
         lo, hi = max(bs, start), min(be, end)
         if lo >= hi or (i_lo <= lo and hi <= i_hi):
             continue  # not needed, or already read directly
-        scratch = np.empty(be - bs, dtype=np.uint8)
-        _read_checked(storage, path, chunk.offset + bs, memoryview(scratch), [op.key], step)
+        scratch = memoryview(cast("Buffer", np.empty(be - bs, dtype=np.uint8)))
+        _read_checked(storage, path, chunk.offset + bs, scratch, [op.key], step)
         stats.add_read(chunk.file, len(scratch))
-        _check_block(storage, path, chunk, idx, memoryview(scratch), digest, block, op.key, step)
-        dest[lo - start : hi - start] = memoryview(scratch)[lo - bs : hi - bs]
+        _check_block(storage, path, chunk, idx, scratch, digest, block, op.key, step)
+        dest[lo - start : hi - start] = scratch[lo - bs : hi - bs]
 
 
 def _missing_or_short(storage: Storage, path: str, end: int) -> bool:
