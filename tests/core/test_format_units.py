@@ -108,3 +108,17 @@ def test_coordinator_merges_ranks_and_names_every_disagreement() -> None:
     other = {"w": ["tensor", "bfloat16", [4, 2]]}
     with pytest.raises(StateMismatchError, match=r"rank 0 has float32 \[4, 2\], rank 1 has bfloat16"):
         assemble_manifest(7, "a", [halves[0], _report(1, other, {"w": [_chunk([2, 0], [2, 2])]})], **kw)
+
+
+def test_ranks_send_a_digest_of_their_declarations_and_a_mismatch_names_them() -> None:
+    from shardkeeper.core.assemble import assemble_manifest, declared_digest
+    from shardkeeper.core.errors import StateMismatchError
+
+    decl = {"w": ["tensor", "float32", [4, 2]]}
+    kw = {"world_size": 3, "digest": "xxh3_128", "block_bytes": 1 << 20, "metadata": {}}
+    coord = {**_report(0, decl, {"w": [_chunk([0, 0], [2, 2])]}), "declared_digest": declared_digest(decl)}
+    same = {**_report(1, {}, {"w": [_chunk([2, 0], [2, 2])]}), "declared_digest": declared_digest(decl)}
+    other = {**_report(2, {}, {}), "declared_digest": declared_digest({"w": ["tensor", "float32", [4, 3]]})}
+    assert assemble_manifest(7, "a", [coord, same], **{**kw, "world_size": 2}).leaves["w"].shape == (4, 2)
+    with pytest.raises(StateMismatchError, match=r"ranks \[2\] hold states whose keys, dtypes or shapes differ from rank 0's"):
+        assemble_manifest(7, "a", [coord, same, other], **kw)

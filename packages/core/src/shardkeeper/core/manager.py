@@ -241,7 +241,7 @@ class CheckpointManager:
                 "ok": True,
                 "rank": self.rank,
                 "attempt": attempt,
-                "declared": plan.declared,
+                **plan.report_declarations(coordinator=self.rank == 0),
                 "chunks": {k: [c.to_json() for c in v] for k, v in res.chunks.items()},
                 "files": res.files,
                 "objects": objects,
@@ -257,12 +257,12 @@ class CheckpointManager:
             local_error: BaseException | None = e
         else:
             local_error = None
-        self._coord.report(seq, payload)
         timeout = self.options.commit_timeout_s
         if self.rank == 0:
-            outcome = self._commit(step, seq, attempt, meta, timeout)
+            outcome = self._commit(step, seq, attempt, meta, timeout, payload)
             self._coord.publish(seq, outcome)
         else:
+            self._coord.report(seq, payload)
             # The coordinator always publishes an outcome, at the latest when its own wait
             # for reports times out: wait for it longer than that.
             outcome = self._coord.outcome(seq, 2 * timeout + 30.0, step=step)
@@ -289,12 +289,14 @@ class CheckpointManager:
         if self.rank == 0:
             self._retain(step)
 
-    def _commit(self, step: int, seq: int, attempt: str, meta: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _commit(
+        self, step: int, seq: int, attempt: str, meta: dict[str, Any], timeout: float, own: dict[str, Any]
+    ) -> dict[str, Any]:
         """Coordinator: collect reports, check tiling, write the manifest if absent."""
         sdir = step_dir(step)
         reports: list[dict[str, Any]] = []
         try:
-            reports = self._coord.collect(seq, timeout, step=step)
+            reports = self._coord.collect(seq, own, timeout, step=step)
             for r in reports:
                 if not r.get("ok"):
                     return r

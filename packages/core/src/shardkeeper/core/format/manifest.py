@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,14 +75,10 @@ class ChunkRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkRecord:
+        # Types were checked once for the whole manifest (Manifest.problem); no per-field casts.
         return cls(
-            file=d["file"],
-            offset=int(d["offset"]),
-            length=int(d["length"]),
-            offsets=tuple(int(x) for x in d["offsets"]),
-            shape=tuple(int(x) for x in d["shape"]),
-            digests=tuple(d["digests"]),
-            encoding=d.get("encoding", "raw"),
+            d["file"], d["offset"], d["length"], tuple(d["offsets"]), tuple(d["shape"]),
+            tuple(d["digests"]), d.get("encoding", "raw"),
         )
 
     @property
@@ -129,13 +125,46 @@ class LeafRecord:
         return math.prod(self.shape) * itemsize(self.dtype) if self.kind != "object" else 0
 
 
+class LazyLeaves(Mapping[str, LeafRecord]):
+    """Leaf records made on first access from the manifest's parsed JSON.
+
+    A manifest of 100,000 tensors is parsed once; a restore of a few keys, ``ls`` or a
+    retention pass then pays only for the leaves it touches.
+    """
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+        self._made: dict[str, LeafRecord] = {}
+
+    def __getitem__(self, key: str) -> LeafRecord:
+        leaf = self._made.get(key)
+        if leaf is None:
+            leaf = self._made[key] = LeafRecord.from_json(self.raw[key])
+        return leaf
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+
+def _leaves_json(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
+    if isinstance(leaves, LazyLeaves):
+        return leaves.raw
+    return {k: v.to_json() for k, v in leaves.items()}
+
+
 @dataclass
 class Manifest:
     """The commit record of one checkpoint."""
 
     step: int
     world_size: int
-    leaves: dict[str, LeafRecord]
+    leaves: Mapping[str, LeafRecord]
     files: dict[str, dict[str, Any]]  # relative path -> {"size_bytes": int, "rank": int}
     digest_algorithm: str
     digest_block_bytes: int
@@ -157,7 +186,7 @@ class Manifest:
             "per_rank_prefixes": list(self.per_rank_prefixes),
             "metadata": self.metadata,
             "files": self.files,
-            "leaves": {k: v.to_json() for k, v in self.leaves.items()},
+            "leaves": _leaves_json(self.leaves),
         }
 
     def dumps(self) -> bytes:
@@ -188,7 +217,7 @@ class Manifest:
             m = cls(
                 step=int(d["step"]),
                 world_size=int(d["world_size"]),
-                leaves={k: LeafRecord.from_json(v) for k, v in d["leaves"].items()},
+                leaves=LazyLeaves(_as_dict(d["leaves"])),
                 files=dict(d["files"]),
                 digest_algorithm=str(d["digest_algorithm"]),
                 digest_block_bytes=int(d["digest_block_bytes"]),
@@ -212,31 +241,54 @@ class Manifest:
         return m
 
     def problem(self) -> str | None:
-        """Why this manifest cannot be trusted, or None: what restore relies on, checked once."""
+        """Why this manifest cannot be trusted, or None: what restore relies on, checked once
+        (types, sizes, digest counts, paths), so later reads need no per-field checks."""
         from shardkeeper.core.format.digest import algorithms
 
         if self.digest_algorithm not in algorithms():
             return f"unknown digest algorithm {self.digest_algorithm!r}"
-        if self.digest_block_bytes <= 0 or self.step < 0 or self.world_size < 1:
+        block = self.digest_block_bytes
+        if block <= 0 or self.step < 0 or self.world_size < 1:
             return "digest_block_bytes, step or world_size out of range"
-        for key, leaf in self.leaves.items():
-            if leaf.kind == "object":
-                continue
-            if leaf.dtype not in DTYPES:
-                return f"{key}: unknown dtype {leaf.dtype!r}"
-            isz = DTYPES[leaf.dtype][1]
-            for c in leaf.chunks:
-                if not safe_relative_path(c.file):
-                    return f"{key}: chunk file {c.file!r} is not a path inside the root"
-                if c.encoding == "raw" and c.length != c.numel * isz:
-                    return f"{key}: chunk of {c.numel} {leaf.dtype} elements has {c.length} bytes"
-                if len(c.digests) != -(-c.length // self.digest_block_bytes):
-                    return f"{key}: chunk of {c.length} bytes has {len(c.digests)} digests"
-                if c.offset < 0:
-                    return f"{key}: negative chunk offset"
+        safe: dict[str, bool] = {}
         for rel in self.files:
-            if not safe_relative_path(rel):
+            if not safe.setdefault(rel, safe_relative_path(rel)):
                 return f"file {rel!r} is not a path inside the root"
+        raw = _leaves_json(self.leaves)
+        key = ""
+        try:
+            for key, leaf in raw.items():
+                kind = leaf["kind"]
+                if kind == "object":
+                    continue
+                if kind not in ("tensor", "bytes"):
+                    return f"{key}: unknown leaf kind {kind!r}"
+                dtype = leaf["dtype"]
+                if dtype not in DTYPES:
+                    return f"{key}: unknown dtype {dtype!r}"
+                isz = DTYPES[dtype][1]
+                shape = leaf["shape"]
+                if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+                    return f"{key}: shape {shape!r} is not a list of sizes"
+                ndim = len(shape)
+                for c in leaf["chunks"]:
+                    f, offset, length = c["file"], c["offset"], c["length"]
+                    offs, cshape, digests = c["offsets"], c["shape"], c["digests"]
+                    ok = safe.get(f)
+                    if ok is None:
+                        ok = safe[f] = isinstance(f, str) and safe_relative_path(f)
+                    if not ok:
+                        return f"{key}: chunk file {f!r} is not a path inside the root"
+                    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+                        return f"{key}: chunk offset/length {offset!r}/{length!r} out of range"
+                    if not isinstance(offs, list) or not isinstance(cshape, list) or len(offs) != ndim or len(cshape) != ndim:
+                        return f"{key}: chunk offsets/shape do not match the tensor's rank {ndim}"
+                    if not isinstance(digests, list) or len(digests) != -(-length // block):
+                        return f"{key}: chunk of {length} bytes has {len(digests)} digests"
+                    if c.get("encoding", "raw") == "raw" and length != math.prod(cshape) * isz:
+                        return f"{key}: chunk of shape {cshape} {dtype} has {length} bytes"
+        except (KeyError, TypeError, AttributeError) as e:
+            return f"{key}: malformed leaf ({type(e).__name__}: {e})"
         return None
 
     def chunks(self) -> Iterator[tuple[str, ChunkRecord]]:
@@ -253,6 +305,12 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(leaf.nbytes for leaf in self.leaves.values())
+
+
+def _as_dict(x: Any) -> dict[str, Any]:
+    if not isinstance(x, dict):
+        raise TypeError(f"expected an object, got {type(x).__name__}")
+    return x
 
 
 def safe_relative_path(rel: str) -> bool:
@@ -274,37 +332,45 @@ def safe_relative_path(rel: str) -> bool:
 
 
 def check_tiling(key: str, shape: tuple[int, ...], chunks: Iterable[ChunkRecord]) -> str | None:
-    """Return why ``chunks`` do not tile ``shape`` exactly, or None when they do.
+    """``check_tiling_boxes`` over chunk records."""
+    return check_tiling_boxes(key, shape, [(c.offsets, c.shape) for c in chunks])
+
+
+def check_tiling_boxes(
+    key: str, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> str | None:
+    """Return why the ``(offsets, shape)`` boxes do not tile ``shape`` exactly, or None.
 
     Exact tiling: every box lies inside the tensor, boxes are pairwise disjoint, and their
     volumes add up to the tensor's. Identical duplicate boxes are the caller's to drop first.
     """
-    boxes = list(chunks)
     total = math.prod(shape)
+    ndim = len(shape)
+    if len(boxes) == 1:  # the common case: one whole chunk
+        offs, bshape = boxes[0]
+        if len(offs) == ndim and len(bshape) == ndim and not any(offs) and list(bshape) == list(shape):
+            return None
     vol = 0
-    for c in boxes:
-        if len(c.offsets) != len(shape) or len(c.shape) != len(shape):
-            return f"chunk at {list(c.offsets)} has rank {len(c.shape)}, tensor has {len(shape)}"
-        for o, s, g in zip(c.offsets, c.shape, shape):
-            if o < 0 or s < 0 or o + s > g:
-                return f"chunk {list(c.offsets)}+{list(c.shape)} lies outside shape {list(shape)}"
-        vol += c.numel
+    for offs, bshape in boxes:
+        if len(offs) != ndim or len(bshape) != ndim:
+            return f"chunk at {list(offs)} has rank {len(bshape)}, tensor has {ndim}"
+        for o, n, g in zip(offs, bshape, shape):
+            if o < 0 or n < 0 or o + n > g:
+                return f"chunk {list(offs)}+{list(bshape)} lies outside shape {list(shape)}"
+        vol += math.prod(bshape)
     if vol != total:
         return f"chunks cover {vol} of {total} elements"
     if len(boxes) > 1 and total > 0:
-        # Sort by offsets; with the volume equal, any overlap means a hole elsewhere, but
-        # overlapping boxes must still be caught explicitly (sweep over the first dimension).
-        nonempty = sorted((c for c in boxes if c.numel > 0), key=lambda c: c.offsets)
-        if len(shape) == 0:
+        # With the volume equal, an overlap means a hole elsewhere; find it explicitly
+        # (sweep over the first dimension).
+        nonempty = sorted((tuple(o), tuple(n)) for o, n in boxes if math.prod(n) > 0)
+        if ndim == 0:
             return None if len(nonempty) == 1 else "scalar stored more than once"
-        for i, a in enumerate(nonempty):
-            a_end0 = a.offsets[0] + a.shape[0]
-            for b in nonempty[i + 1 :]:
-                if b.offsets[0] >= a_end0:
+        for i, (ao, an) in enumerate(nonempty):
+            a_end0 = ao[0] + an[0]
+            for bo, bn in nonempty[i + 1 :]:
+                if bo[0] >= a_end0:
                     break
-                if all(
-                    bo < ao + asz and ao < bo + bsz
-                    for ao, asz, bo, bsz in zip(a.offsets, a.shape, b.offsets, b.shape)
-                ):
-                    return f"chunks {list(a.offsets)} and {list(b.offsets)} of {key} overlap"
+                if all(b < a + asz and a < b + bsz for a, asz, b, bsz in zip(ao, an, bo, bn)):
+                    return f"chunks {list(ao)} and {list(bo)} of {key} overlap"
     return None

@@ -31,8 +31,9 @@ class Coordinator(Protocol):
 
     def report(self, seq: int, payload: dict[str, Any]) -> None: ...
 
-    def collect(self, seq: int, timeout_s: float, *, step: int) -> list[dict[str, Any]]:
-        """Coordinator only: every rank's report, in rank order; fails fast on an error report."""
+    def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+        """Coordinator only: its own report and every other rank's, in rank order; fails fast
+        on an error report (then returns just that one)."""
         ...
 
     def publish(self, seq: int, outcome: dict[str, Any]) -> None: ...
@@ -57,8 +58,8 @@ class LocalCoordinator:
     def report(self, seq: int, payload: dict[str, Any]) -> None:
         self._reports[seq] = payload
 
-    def collect(self, seq: int, timeout_s: float, *, step: int) -> list[dict[str, Any]]:
-        return [self._reports.pop(seq)]
+    def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+        return [own]
 
     def publish(self, seq: int, outcome: dict[str, Any]) -> None:
         self._outcomes[seq] = outcome
@@ -109,10 +110,12 @@ class StoreCoordinator:
     def report(self, seq: int, payload: dict[str, Any]) -> None:
         self._store.set(self._key(seq, f"report/{self.rank}"), json.dumps(payload))
 
-    def collect(self, seq: int, timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+    def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+        if not own.get("ok", False):
+            return [own]
         store = self._store
         keys = [self._key(seq, f"report/{r}") for r in range(self.world_size)]
-        got: dict[int, dict[str, Any]] = {}
+        got: dict[int, dict[str, Any]] = {self.rank: own}
         deadline = time.monotonic() + timeout_s
         delay = self.poll_s
         while len(got) < self.world_size:
@@ -132,7 +135,7 @@ class StoreCoordinator:
                     f"if writes are slow; the checkpoint was not committed"
                 )
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.1)
+            delay = min(delay * 1.5, 0.02)
         return [got[r] for r in range(self.world_size)]
 
     def publish(self, seq: int, outcome: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from shardkeeper.core.assemble import declared_digest
 from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import DATA_DIR, shard_file
@@ -56,6 +57,18 @@ class SavePlan:
     per_rank_prefixes: list[str] = field(default_factory=list)
     #: how this rank's tensors are distributed, for the manifest's metadata (not for restore)
     layouts: set[str] = field(default_factory=set)
+    #: keys of per-rank leaves (declared by their rank alone)
+    per_rank_keys: set[str] = field(default_factory=set)
+
+    def report_declarations(self, coordinator: bool) -> dict[str, Any]:
+        """What this rank tells the coordinator about its leaves: the coordinator keeps its
+        whole table; other ranks send a digest of theirs plus their per-rank keys."""
+        shared = {k: v for k, v in self.declared.items() if k not in self.per_rank_keys}
+        own = {k: v for k, v in self.declared.items() if k in self.per_rank_keys}
+        return {
+            "declared": {**shared, **own} if coordinator else own,
+            "declared_digest": declared_digest(shared),
+        }
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +119,8 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
         layout = plain_layout(t, 1, 0) if leaf.per_rank is not None else layout_of(t, world_size, rank)
         dtype = _dtype_name(key, layout.dtype)
         plan.declared[key] = [leaf.kind, dtype, list(layout.global_shape)]
+        if leaf.per_rank is not None:
+            plan.per_rank_keys.add(key)
         plan.layouts.add(describe_layout(t))
         layouts[key] = layout
         if layout.plain and leaf.per_rank is None:
