@@ -205,7 +205,10 @@ class CheckpointManager:
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
         meta = {**self.metadata, **dict(metadata or {})}
-        future = self._bg.submit(self._run_save, step, seq, attempt, plan, groups, regions, objects, meta)
+        # The writer starts once save() is done with its own work: writer threads compete
+        # for the GIL, and the caller's last steps should not wait on them.
+        released = threading.Event()
+        future = self._bg.submit(self._run_save, step, seq, attempt, plan, groups, regions, objects, meta, released)
         handle = SaveHandle(step, future)
         self._pending = handle
         handle.stall_s = time.perf_counter() - t0
@@ -213,6 +216,7 @@ class CheckpointManager:
             "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
             self.rank, step, len(plan.items), plan.nbytes, handle.stall_s,
         )
+        released.set()
         if not (self.options.async_save if async_save is None else async_save):
             handle.wait()
         return handle
@@ -227,7 +231,9 @@ class CheckpointManager:
         regions: list[torch.Tensor],
         objects: dict[str, Any],
         meta: dict[str, Any],
+        released: threading.Event,
     ) -> None:
+        released.wait()
         sdir = step_dir(step)
         t0 = time.perf_counter()
         phase = "write"

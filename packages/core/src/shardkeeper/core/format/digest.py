@@ -16,7 +16,7 @@ from collections.abc import Callable
 import xxhash
 
 DEFAULT_ALGORITHM = "xxh3_128"
-DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_BLOCK_BYTES = 64 << 10
 
 
 def _xxh3_128(data: memoryview | bytes) -> str:

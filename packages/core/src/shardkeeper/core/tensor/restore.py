@@ -440,7 +440,10 @@ def restore_flat(
     block = manifest.digest_block_bytes
     direct = [op for op in ops if _is_direct(op)]
     buffered = [op for op in ops if not _is_direct(op)]
-    reads = _plan_reads(buffered, block, min(max_read_bytes, _BUFFERED_READ_BYTES))
+    # Scratch reads stay within ~5% of what this rank restores (at least 256 KiB each, at
+    # most 8 MiB), so restore memory stays close to the target's own size.
+    buffered_cap = int(min(_BUFFERED_READ_BYTES, max(256 << 10, stats.bytes_needed // 80)))
+    reads = _plan_reads(buffered, block, min(max_read_bytes, buffered_cap))
     with torch.no_grad():
         # Large reads first: they dominate the time, small ones fill in behind them.
         futures = [
