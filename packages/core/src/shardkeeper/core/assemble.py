@@ -15,7 +15,12 @@ from typing import Any
 import xxhash
 
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.manifest import FORMAT_VERSION, LazyLeaves, Manifest, check_tiling_boxes
+from shardkeeper.core.format.manifest import (
+    FORMAT_VERSION,
+    LazyLeaves,
+    Manifest,
+    check_tiling_boxes,
+)
 
 
 def declared_digest(declared: Mapping[str, Any]) -> str:

@@ -248,7 +248,7 @@ class CheckpointManager:
                 "rank": self.rank,
                 "attempt": attempt,
                 **plan.report_declarations(coordinator=self.rank == 0),
-                "chunks": {k: [c.to_json() for c in v] for k, v in res.chunks.items()},
+                "chunks": res.chunks,
                 "files": res.files,
                 "objects": objects,
                 "per_rank_prefixes": plan.per_rank_prefixes,

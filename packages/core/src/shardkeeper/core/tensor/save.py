@@ -20,7 +20,7 @@ from shardkeeper.core.assemble import declared_digest
 from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import DATA_DIR, shard_file
-from shardkeeper.core.format.manifest import DTYPES, ChunkRecord
+from shardkeeper.core.format.manifest import DTYPES
 from shardkeeper.core.format.safetensors import build_header, chunk_name
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
@@ -239,7 +239,7 @@ def _file_order(it: WriteItem) -> tuple[int, str, tuple[int, ...]]:
 
 @dataclass
 class WriteResult:
-    chunks: dict[str, list[ChunkRecord]]
+    chunks: dict[str, list[dict[str, Any]]]  # key -> chunk records in their JSON form
     files: dict[str, dict[str, Any]]
     bytes_written: int
 
@@ -255,7 +255,7 @@ def _write_one(
     region: torch.Tensor,
     algorithm: str,
     block_bytes: int,
-) -> tuple[list[tuple[str, ChunkRecord]], int]:
+) -> tuple[list[tuple[str, dict[str, Any]]], int]:
     """One shard file: header, then the staged region, digested block by block just before
     each batch of blocks is written (the bytes are hot in cache for the write)."""
     entries = [
@@ -279,7 +279,9 @@ def _write_one(
                     writer.write(data[flushed : pos + b + n])
                     flushed = pos + b + n
             pos += it.nbytes
-            out.append((it.key, ChunkRecord(rel, off, it.nbytes, it.offsets, it.shape, tuple(digests))))
+            # The chunk record as the manifest stores it (format.md 3.3), built once, here.
+            out.append((it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
+                                 "shape": list(it.shape), "digests": digests}))
         if flushed < pos:
             writer.write(data[flushed:pos])
         writer.close()
@@ -306,7 +308,7 @@ def write_shards(
         executor.submit(_write_one, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes)
         for i, (g, r) in enumerate(zip(groups, regions))
     ]
-    chunks: dict[str, list[ChunkRecord]] = {}
+    chunks: dict[str, list[dict[str, Any]]] = {}
     files: dict[str, dict[str, Any]] = {}
     written = 0
     errors = []
