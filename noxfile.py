@@ -80,13 +80,17 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run benchmarks/run.py (extra arguments after `--`)."""
-    _run_script(session, "benchmarks/run.py")
+    """Run benchmarks/run.py: shardkeeper vs torch.save, DCP and the raw disk/memory limits.
+
+    Extra arguments after `--` (`-- --quick` for a smoke run; see benchmarks/run.py --help).
+    matplotlib draws the chart of the ratios.
+    """
+    _run_script(session, "benchmarks/run.py", "matplotlib")
 
 
-def _run_script(session: nox.Session, script: str) -> None:
+def _run_script(session: nox.Session, script: str, *extra: str) -> None:
     if not (ROOT / script).is_file():
         session.error(f"{script} does not exist yet")
     _install_torch(session)
-    _install(session, "-e", "packages/core[torch]")
+    _install(session, "-e", "packages/core[torch]", *extra)
     session.run("python", script, *session.posargs)

@@ -60,6 +60,38 @@ def cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def usage() -> tuple[float, float, int, int]:
+    """(user s, system s, minor faults, major faults) of this process so far, all threads."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime, ru.ru_minflt, ru.ru_majflt
+
+
+def usage_delta(before: tuple[float, float, int, int]) -> dict[str, float]:
+    """What went on between ``before`` and now: CPU split and page faults, to explain outliers
+    (on a VM, first-touch page faults and reclaim show up as system time)."""
+    u, s, mi, ma = usage()
+    return {"cpu_user_s": u - before[0], "cpu_sys_s": s - before[1],
+            "minflt": mi - before[2], "majflt": ma - before[3]}
+
+
+def cpu_busy(interval_s: float = 1.0) -> float:
+    """Fraction of all CPUs busy over ``interval_s`` (from /proc/stat): others' activity, when
+    this benchmark runs nothing itself."""
+
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+        return sum(vals), idle
+
+    import time
+
+    t0, i0 = snap()
+    time.sleep(interval_s)
+    t1, i1 = snap()
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
 _libc: Any = None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_KEYS = {"stall_s", "committed_s", "wall_s", "sk_stall_s"}
-SUM_KEYS = {"cpu_s", "bytes_read", "bytes_needed", "sk_bytes_read", "sk_bytes_needed", "bytes_written",
+SUM_KEYS = {"cpu_s", "cpu_user_s", "cpu_sys_s", "minflt", "majflt", "bytes_read", "bytes_needed", "sk_bytes_read", "sk_bytes_needed", "bytes_written",
             "state_bytes", "sk_reads"}
 WORST_KEYS = {"peak_rss_ratio", "extra_rss_ratio"}
 
@@ -260,6 +260,13 @@ def method_table(med: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _core_desc(mach: dict[str, Any]) -> str:
+    c = mach.get("core_source") or {}
+    if c.get("mode") in (None, "installed"):
+        return "the installed shardkeeper-core"
+    return f"{c['mode']} {c.get('rev', '?')} (sources sha256 {c.get('sources_sha256', '?')})"
+
+
 def markdown(results: dict[str, Any]) -> str:
     mach = results["machine"]
     meta = results.get("meta", {})
@@ -272,7 +279,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"Machine: {mach['cpu_model']}, {mach['cores']} cores, {mach['ram_bytes'] / 2**30:.0f} GiB RAM, "
         f"{mach['disk']['fs']} on {mach['disk']['device']} (work dir {mach['disk']['workdir']}), "
         f"torch {mach['torch']}, Python {mach['python']}, shardkeeper {mach['shardkeeper_git']}, "
-        f"load average at start {', '.join(f'{x:.2f}' for x in mach['load_avg_at_start'])}.",
+        f"load average at start {', '.join(f'{x:.2f}' for x in mach['load_avg_at_start'])}. "
+        f"Core measured: {_core_desc(mach)}.",
         "",
         "How: " + " ".join(results["notes"]),
         "",
@@ -338,9 +346,11 @@ def readme_section(results: dict[str, Any], md_rel: str, png_rel: str, json_rel:
     mach = results["machine"]
     return "\n".join([
         START,
-        f"Latest run: {results['date']}, `{results['command']}` (the same as `python3 -m nox -s bench`), "
+        f"Latest run: {results['date']}, `{results['command']}` (through nox: "
+        f"`python3 -m nox -s bench{' -- ' + results['command'].split(' ', 2)[2] if results['command'].count(' ') >= 2 else ''}`), "
         f"{results['wall_s'] / 60:.0f} min on {mach['cores']} cores ({mach['cpu_model']}), "
-        f"{mach['ram_bytes'] / 2**30:.0f} GiB RAM, {mach['disk']['fs']} disk, torch {mach['torch']}, CPU only. "
+        f"{mach['ram_bytes'] / 2**30:.0f} GiB RAM, {mach['disk']['fs']} disk, torch {mach['torch']}, CPU only; "
+        f"core: {_core_desc(mach)}. "
         "Medians over rounds; cold page cache for restores (every file dropped with "
         "POSIX_FADV_DONTNEED after fsync). Full tables: "
         f"[{md_rel}]({md_rel}); raw samples: [{json_rel}]({json_rel}).",

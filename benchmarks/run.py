@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import shlex
@@ -70,9 +71,15 @@ class LaunchError(RuntimeError):
     pass
 
 
+LAUNCH_CONTEXT: dict[str, dict[str, Any]] = {}  # per launch: the machine's state just before it
+CORE_SRC: Path | None = None  # the snapshot of packages/core/src every launch imports (see --core)
+
+
 def launch(label: str, nproc: int | None, args: list[str], *, timeout_s: float, logdir: Path) -> float:
     """Run worker.py under torchrun (or a plain script when nproc is None); kill it on timeout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if CORE_SRC is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CORE_SRC), env.get("PYTHONPATH", "")) if p)
     if nproc is None:
         cmd = [sys.executable, *args]
     else:
@@ -80,9 +87,11 @@ def launch(label: str, nproc: int | None, args: list[str], *, timeout_s: float, 
                str(HERE / "worker.py"), *args]
     logdir.mkdir(parents=True, exist_ok=True)
     log = logdir / f"{label}.log"
-    load = os.getloadavg()[0]
-    print(f"[{label}] {'world ' + str(nproc) if nproc else 'one process'}, timeout {timeout_s:.0f} s, "
-          f"load {load:.2f}{' (busy machine: numbers may be noisy)' if load > 1.5 else ''}", flush=True)
+    busy = _proc.cpu_busy(1.0)  # nothing of ours runs now: this is everybody else
+    LAUNCH_CONTEXT[label] = {"others_cpu_busy": busy, "load_avg": os.getloadavg()}
+    print(f"[{label}] {'world ' + str(nproc) if nproc else 'one process'}, timeout {timeout_s:.0f} s; "
+          f"other processes kept {busy:.0%} of the CPUs busy"
+          f"{' (a busy machine: numbers may be noisy)' if busy > 0.25 else ''}", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as out:
         out.write("$ " + shlex.join(cmd) + "\n")
@@ -107,7 +116,37 @@ def launch(label: str, nproc: int | None, args: list[str], *, timeout_s: float, 
     return wall
 
 
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of ``pid`` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """End the launch: its process group, then any descendant left in another group (by PID)."""
+    stragglers = _descendants(proc.pid)
+    _kill_pg(proc)
+    for pid in stragglers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_pg(proc: subprocess.Popen[Any]) -> None:
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -149,14 +188,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None,
                     help="measured rounds per case (default: 5 up to 256 MiB, 3 above; 5 for case b)")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 16 MiB, 1,000 small tensors, 1 round, no warm-up round; results as <date>-quick.*, README untouched")
+                    help="smoke run: 16 MiB, 1,000 small tensors, 1 round, no warm-up round, no warm-cache restores; "
+                         "results as <date>-quick.*, README untouched")
     ap.add_argument("--workdir", default=None, help="where the run's fresh work dir is made (default: the system temp dir, /tmp)")
     ap.add_argument("--cases", default="a,b,c,d,e")
+    ap.add_argument("--core", default="tree",
+                    help="which shardkeeper core to measure: 'tree' (default: a copy of packages/core/src "
+                         "taken at the start, so edits during the run do not mix versions), a git revision "
+                         "(e.g. HEAD: that commit's packages/core/src), or 'installed' (whatever imports)")
     ap.add_argument("--n-tensors", type=int, default=10_000, help="case b")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache restores")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
-    ap.add_argument("--no-readme", action="store_true", help="do not update README.md")
+    ap.add_argument("--no-readme", action="store_true",
+                    help="do not update README.md (it is only updated by a full run that writes to benchmarks/results)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (checkpoints, logs)")
+    ap.add_argument("--report-only", metavar="JSON",
+                    help="measure nothing: redo the ratios, tables, chart (and README) from a results file")
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every launch's timeout")
     args = ap.parse_args(argv)
     args.cases = {c.strip() for c in args.cases.split(",") if c.strip()}
@@ -168,6 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes = [16.0]
         args.repeats = 1
         args.n_tensors = min(args.n_tensors, 1000)
+        args.no_warm = True
     return args
 
 
@@ -175,8 +223,19 @@ def _size_label(size: float) -> str:
     return f"{size:g}"
 
 
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        results = json.loads(Path(args.report_only).read_text())
+        rerender(results)
+        args.quick = results["args"].get("quick", False)
+        write_outputs(args, results)
+        return 0
+    signal.signal(signal.SIGTERM, _sigterm)  # so that a kill still ends the launches and the work dir
     t_start = time.perf_counter()
     base = Path(args.workdir or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
@@ -184,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     logs = work / "logs"
     command = "python benchmarks/run.py" + ("" if not (argv or sys.argv[1:]) else " " + shlex.join(argv or sys.argv[1:]))
     print(f"shardkeeper benchmark: {command}\nwork dir {work} (deleted at the end{'; kept: --keep' if args.keep else ''})", flush=True)
+    print("restores are cold: before each, every file written is fsync'ed and dropped from the page "
+          "cache with posix_fadvise(POSIX_FADV_DONTNEED), so reads hit the disk; warm-cache restores "
+          "follow" + (" (--no-warm: skipped)" if args.no_warm else ""), flush=True)
     machine = _proc.machine_info(str(work), ROOT)
+    machine["core_source"] = snapshot_core(args.core, work / "core-src")
     samples: list[dict[str, Any]] = []
     infos: dict[str, list[dict[str, Any]]] = {}
     launches: list[dict[str, Any]] = []
@@ -194,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     def run_launch(label: str, nproc: int | None, wargs: list[str], timeout_s: float, out: Path | None) -> None:
         try:
             wall = launch(label, nproc, wargs, timeout_s=timeout_s, logdir=logs)
-            launches.append({"label": label, "world": nproc, "wall_s": wall, "ok": True})
+            launches.append({"label": label, "world": nproc, "wall_s": wall, "ok": True,
+                             **LAUNCH_CONTEXT.get(label, {})})
         except LaunchError as e:
             print(str(e), file=sys.stderr, flush=True)
             errors.append(str(e).splitlines()[0])
-            launches.append({"label": label, "world": nproc, "ok": False, "error": str(e)[:4000]})
+            launches.append({"label": label, "world": nproc, "ok": False, "error": str(e)[:4000],
+                             **LAUNCH_CONTEXT.get(label, {})})
         if out is not None and out.exists():  # what it measured before failing counts too
             for r in read_ranks(out):
                 infos.setdefault(label, []).append(r["info"])
@@ -266,6 +331,41 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if errors else 0
 
 
+def snapshot_core(which: str, dest: Path) -> dict[str, Any]:
+    """Copy the core's sources that every launch of this run imports; describe what was copied."""
+    global CORE_SRC
+    src = ROOT / "packages" / "core" / "src"
+    if which == "installed":
+        CORE_SRC = None
+        return {"mode": "installed"}
+    dest.mkdir(parents=True)
+    if which == "tree":
+        shutil.copytree(src / "shardkeeper", dest / "shardkeeper",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        desc = {"mode": "working tree", "rev": machine_rev()}
+    else:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", which, "packages/core/src/shardkeeper"],
+                                 capture_output=True, check=True, timeout=60).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest), "--strip-components=3"], input=archive, check=True, timeout=60)
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", which], capture_output=True,
+                             text=True, check=True, timeout=10).stdout.strip()
+        desc = {"mode": "git revision", "rev": rev}
+    h = hashlib.sha256()
+    for p in sorted(dest.rglob("*.py")):
+        h.update(str(p.relative_to(dest)).encode())
+        h.update(p.read_bytes())
+    CORE_SRC = dest
+    return {**desc, "sources_sha256": h.hexdigest()[:16]}
+
+
+def machine_rev() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() + "+working-tree"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def assemble(args: argparse.Namespace, command: str, machine: dict[str, Any], samples: list[dict[str, Any]],
              infos: dict[str, list[dict[str, Any]]], launches: list[dict[str, Any]], errors: list[str],
              case_e: dict[str, Any] | None, wall: float) -> dict[str, Any]:
@@ -295,6 +395,18 @@ def assemble(args: argparse.Namespace, command: str, machine: dict[str, Any], sa
     }
 
 
+def rerender(results: dict[str, Any]) -> None:
+    """Recompute medians and ratios from a results file's raw samples (after a report.py change)."""
+    combined = report.combine(results["samples"])
+    med = report.medians(combined)
+    report.add_unit_rows(med)
+    results["ratios"] = report.ratios(combined, med, results.get("case_e"))
+    for m in med.values():
+        for v in m.values():
+            v.pop("one", None)
+    results["medians"] = med
+
+
 def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
     outdir = Path(args.results_dir)
     outdir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +424,8 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
     print(f"results: {jpath}, {mpath}, {ppath}")
     print()
     print(report.ratio_table(results["ratios"], results["meta"], info=False))
-    if not args.quick and not args.no_readme and not results["errors"]:
+    default_dir = outdir.resolve() == (HERE / "results").resolve()
+    if not args.quick and not args.no_readme and not results["errors"] and default_dir:
         def rel(p: Path) -> str:
             try:
                 return str(p.resolve().relative_to(ROOT))

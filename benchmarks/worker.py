@@ -29,7 +29,6 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +117,15 @@ class Bench:
         barrier()
         if rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
+        barrier()
+
+    def rm_step(self, step: int) -> None:
+        """Delete a shardkeeper step directory (rank 0, once every rank is done with it)."""
+        barrier()
+        if rank() == 0:
+            p = self.sk_step_dir(step)
+            if p is not None:
+                shutil.rmtree(p, ignore_errors=True)
         barrier()
 
     def sk_step_dir(self, step: int) -> Path | None:
@@ -231,25 +239,20 @@ class Bench:
             for m in rotated(methods, max(r, 0)):
                 gc.collect()
                 barrier()
-                c0 = _proc.cpu_s()
+                c0, u0 = _proc.cpu_s(), _proc.usage()
                 res = run_method(m, r)
                 cpu = _proc.cpu_s() - c0
+                res.update(_proc.usage_delta(u0))
                 rm, rm_step = res.pop("_rm", None), res.pop("_rm_step", None)
                 self.record(phase="save", case=a.save_label, method=m, rep=r, cpu_s=cpu,
                             state_bytes=nbytes, **res)
                 if rm is not None:
                     self.rm(rm)
                 if rm_step is not None:
-                    barrier()
-                    p = self.sk_step_dir(rm_step)
-                    if p is not None:
-                        self.rm(p)
+                    self.rm_step(rm_step)
             if r == WARMUP:
                 self.rm(self.dir / rep_name(WARMUP))
-                barrier()
-                p = self.sk_step_dir(ASYNC_STEP_BASE - 1)
-                if p is not None:
-                    self.rm(p)
+                self.rm_step(ASYNC_STEP_BASE - 1)
             barrier()
         # on-disk size of what each method wrote (rank 0, the whole job)
         if rank() == 0:
@@ -260,7 +263,10 @@ class Bench:
             self.info["bytes_on_disk_rep0"] = sizes
         mgr.close()
         reuse.close()
-        del mgr, reuse, views, raw, local
+        # free the save side before the restore phase measures RSS (run_method's cells too)
+        views.clear()
+        local.clear()
+        mgr = reuse = raw = None  # type: ignore[assignment]
         self.st = st = None
         gc.collect()
         _proc.malloc_trim()
@@ -378,9 +384,10 @@ class Bench:
                     barrier()
                     rss_pre = _proc.rss_bytes()
                     _proc.reset_hwm()
-                    r0, c0 = _proc.rchar(), _proc.cpu_s()
+                    r0, c0, u0 = _proc.rchar(), _proc.cpu_s(), _proc.usage()
                     res = run_method(m, WARMUP if r == WARMUP else r)
                     cpu, rch = _proc.cpu_s() - c0, _proc.rchar() - r0
+                    res.update(_proc.usage_delta(u0))
                     hwm = _proc.hwm_bytes()
                     sample = dict(phase="restore", case=label, method=m, rep=r, cache=cache, cpu_s=cpu,
                                   bytes_read=rch, state_bytes=nbytes, rss_pre=rss_pre, hwm=hwm,
@@ -429,7 +436,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     b = Bench(args)
     phases = args.phases
+    import shardkeeper.core
+
     b.info["start_time"] = time.time()
+    b.info["shardkeeper_core_file"] = shardkeeper.core.__file__
     try:
         if "save" in phases:
             b.save_phase()
