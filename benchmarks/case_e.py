@@ -4,14 +4,6 @@
 
 run.py runs this in its own process (with a timeout) and puts what it prints into the results.
 
-# ---------------------------------------------------------------------------------------------
-# STUB, to be filled in: ``measure_manifest_scale`` below. It calls
-# ``shardkeeper.core.tensor.benchmarks_support.measure_manifest_scale`` when that module exists
-# (it is being added to the core) and otherwise records "not measured". Expected return value:
-# a dict with at least ``commit_s`` (merge 8 ranks' reports, check tiling, write the manifest)
-# and ``plan_s`` (plan a restore against that manifest), in seconds; anything else it returns
-# is kept in the results as is. Targets (issue 3): <= 2 s each.
-# ---------------------------------------------------------------------------------------------
 """
 
 from __future__ import annotations
@@ -26,21 +18,82 @@ N_TENSORS = 100_000
 N_RANKS = 8
 
 
-def measure_manifest_scale(workdir: Path, *, n_tensors: int = N_TENSORS, n_ranks: int = N_RANKS) -> dict[str, Any]:
-    """STUB (case e): commit time and restore planning time of a 100,000-tensor, 8-rank manifest."""
-    try:
-        from shardkeeper.core.tensor import benchmarks_support  # type: ignore[attr-defined]
-    except ImportError:
-        return {"status": "not measured",
-                "reason": "shardkeeper.core.tensor.benchmarks_support does not exist yet"}
-    fn = getattr(benchmarks_support, "measure_manifest_scale", None)
-    if fn is None:
-        return {"status": "not measured",
-                "reason": "benchmarks_support has no measure_manifest_scale(workdir, n_tensors, n_ranks)"}
+def _reports(n_tensors: int, n_ranks: int, sharded: bool) -> list[dict[str, Any]]:
+    """What 8 ranks report for a state of ``n_tensors`` [1024, 256] float32 tensors: each
+    tensor row-sharded over all ranks (FSDP: 8 chunks a tensor), or owned whole by one rank."""
+    from shardkeeper.core.assemble import declared_digest
+
+    rows = 1024 // n_ranks
+    declared = {f"model/layers.{i // 100}.block.{i % 100}.weight": ["tensor", "float32", [1024, 256]] for i in range(n_tensors)}
+    digest = declared_digest(declared)
+    out = []
+    for r in range(n_ranks):
+        f = f"data/r{r:05d}-0123abcd-000.safetensors"
+        chunks: dict[str, list[dict[str, Any]]] = {}
+        for i, key in enumerate(declared):
+            if sharded:
+                n = rows * 256 * 4
+                chunks[key] = [{"file": f, "offset": 4096 + i * n, "length": n, "offsets": [r * rows, 0], "shape": [rows, 256],
+                                "digests": ",".join([f"{i:032x}"] * (-(-n // 65536)))}]
+            elif i % n_ranks == r:
+                n = 1024 * 256 * 4
+                chunks[key] = [{"file": f, "offset": 4096 + i * n, "length": n, "offsets": [0, 0], "shape": [1024, 256],
+                                "digests": ",".join([f"{i:032x}"] * (n // 65536))}]
+        out.append({"ok": True, "rank": r, "declared": declared if r == 0 else {}, "declared_digest": digest,
+                    "chunks": chunks, "files": {f: {"size_bytes": 1, "rank": r}}, "objects": {}, "per_rank_prefixes": []})
+    return out
+
+
+def _measure(workdir: Path, n_tensors: int, n_ranks: int, sharded: bool) -> dict[str, Any]:
+    import torch
+
+    from shardkeeper.core.assemble import assemble_manifest
+    from shardkeeper.core.commit import load_manifest, manifest_path
+    from shardkeeper.core.storage import LocalStorage
+    from shardkeeper.core.tensor.chunks import Piece
+    from shardkeeper.core.tensor.restore import _overlap_ops, _plan_reads
+
+    reports = _reports(n_tensors, n_ranks, sharded)
+    wire = [json.dumps(r) for r in reports[1:]]  # other ranks' reports arrive as JSON via the store
+    storage = LocalStorage(workdir / ("sharded" if sharded else "whole"))
+    # commit: decode the reports, merge and check tiling, serialize, write the manifest durably
     t0 = time.perf_counter()
-    res = dict(fn(workdir=workdir, n_tensors=n_tensors, n_ranks=n_ranks))
-    res.setdefault("wall_s", time.perf_counter() - t0)
-    return {"status": "measured", "n_tensors": n_tensors, "n_ranks": n_ranks, **res}
+    got = [reports[0]] + [json.loads(w) for w in wire]
+    m = assemble_manifest(1, "bench", got, world_size=n_ranks, digest="xxh3_128", block_bytes=65536, metadata={})
+    data = m.dumps()
+    storage.put_if_absent(manifest_path(1), data)
+    commit_s = time.perf_counter() - t0
+    del got, m
+    # planning, for rank 0 of the same layout: read and validate the manifest, then find the
+    # byte ranges of each of its 100,000 target pieces (the reads themselves not included)
+    rows = 1024 // n_ranks if sharded else 1024
+    local = torch.empty((rows, 256), device="meta")
+    t1 = time.perf_counter()
+    manifest = load_manifest(storage, 1)
+    ops = []
+    for key in manifest.leaves:
+        leaf = manifest.leaves[key]
+        piece = Piece((0, 0), (rows, 256), local)
+        for c in leaf.chunks:
+            ops.extend(_overlap_ops(key, piece, c, torch.float32, 4, 64 << 20))
+    reads = _plan_reads(ops, manifest.digest_block_bytes, 8 << 20)
+    plan_s = time.perf_counter() - t1
+    return {"commit_s": commit_s, "plan_s": plan_s, "manifest_bytes": len(data), "chunks": sum(len(r["chunks"]) for r in reports),
+            "overlaps": len(ops), "reads": len(reads)}
+
+
+def measure_manifest_scale(workdir: Path, *, n_tensors: int = N_TENSORS, n_ranks: int = N_RANKS) -> dict[str, Any]:
+    """Case (e): commit time and restore planning time of a 100,000-tensor, 8-rank manifest.
+
+    Two layouts: every tensor row-sharded over the 8 ranks (FSDP; 800,000 chunks, the
+    reported ``commit_s``/``plan_s``), and every tensor owned whole by one rank (100,000
+    chunks, reported as ``whole``). Synthetic reports, real code: the coordinator's merge,
+    the manifest's serialization and durable write, its parse and validation, and restore
+    planning for one rank.
+    """
+    sharded = _measure(workdir, n_tensors, n_ranks, sharded=True)
+    whole = _measure(workdir, n_tensors, n_ranks, sharded=False)
+    return {**sharded, "layout": "row-sharded over all ranks", "whole": whole}
 
 
 def main() -> None:

@@ -72,11 +72,12 @@ def test_sha256_round_trip_and_a_manifest_that_lies_is_refused(tmp_path: Path) -
     m = json.loads(path.read_text())
     assert m["digest_algorithm"] == "sha256"
     chunk = m["leaves"]["w"]["chunks"][0]
-    assert len(chunk["digests"]) == 3 and all(len(d) == 64 for d in chunk["digests"])  # 12000 B / 4096
-    chunk["digests"] = chunk["digests"][:2]  # a manifest that would leave a block unverified
+    digests = chunk["digests"].split(",")
+    assert len(digests) == 3 and all(len(d) == 64 for d in digests)  # 12000 B / 4096
+    chunk["digests"] = ",".join(digests[:2])  # a manifest that would leave a block unverified
     with pytest.raises(CorruptCheckpointError, match="digests"):
         Manifest.loads(json.dumps(m).encode(), where=str(path))
-    chunk["digests"] = ["0" * 64] * 3
+    chunk["digests"] = ",".join(["0" * 64] * 3)
     chunk["file"] = "../../outside.safetensors"
     with pytest.raises(CorruptCheckpointError, match="inside the root"):
         Manifest.loads(json.dumps(m).encode(), where=str(path))
@@ -88,7 +89,7 @@ def _report(rank: int, declared: dict, chunks: dict) -> dict:
 
 def _chunk(offsets: list[int], shape: list[int]) -> dict:
     n = 4 * shape[0] * shape[1]
-    return {"file": "data/f", "offset": 0, "length": n, "offsets": offsets, "shape": shape, "digests": ["x"]}
+    return {"file": "data/f", "offset": 0, "length": n, "offsets": offsets, "shape": shape, "digests": "x"}
 
 
 def test_coordinator_merges_ranks_and_names_every_disagreement() -> None:

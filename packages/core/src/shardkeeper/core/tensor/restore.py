@@ -89,35 +89,44 @@ def _strides(shape: Sequence[int]) -> list[int]:
 def _overlap_ops(
     key: str, piece: Piece, chunk: ChunkRecord, dtype: torch.dtype, isz: int, max_read: int
 ) -> list[_Op]:
-    lo = [max(p, c) for p, c in zip(piece.offsets, chunk.offsets)]
-    hi = [min(p + ps, c + cs) for p, ps, c, cs in zip(piece.offsets, piece.shape, chunk.offsets, chunk.shape)]
-    if any(a >= b for a, b in zip(lo, hi)):
-        return []
-    strides = _strides(chunk.shape)
-    rel_lo = [a - c for a, c in zip(lo, chunk.offsets)]
-    shape = [b - a for a, b in zip(lo, hi)]
+    """The copies that move the overlap of ``piece`` and ``chunk`` (split along dimension 0
+    so that no single read exceeds ``max_read`` bytes); none if they do not overlap."""
+    poffs, pshape, coffs, cshape = piece.offsets, piece.shape, chunk.offsets, chunk.shape
+    ndim = len(cshape)
+    if ndim == 0:
+        return [_Op(key, chunk, dtype, piece.local, (), (), 0, isz)]
+    if poffs == coffs and pshape == cshape:  # the common case: the piece is the chunk
+        rel_lo, shape = [0] * ndim, list(cshape)
+    else:
+        rel_lo, shape = [], []
+        for d in range(ndim):
+            lo = max(poffs[d], coffs[d])
+            hi = min(poffs[d] + pshape[d], coffs[d] + cshape[d])
+            if lo >= hi:
+                return []
+            rel_lo.append(lo - coffs[d])
+            shape.append(hi - lo)
+    strides = _strides(cshape)
+    row_bytes = strides[0] * isz
+    step = max(1, max_read // max(row_bytes, 1))
+    # Offsets of the overlap within the chunk beyond dimension 0 (the same for every slab).
+    inner_first = sum(rel_lo[d] * strides[d] for d in range(1, ndim))
+    inner_last = sum((rel_lo[d] + shape[d] - 1) * strides[d] for d in range(1, ndim))
     ops = []
-    # Split along dim 0 so that no single read exceeds max_read bytes.
-    rows = shape[0] if shape else 1
-    row_bytes = (strides[0] * isz) if shape else isz
-    step = max(1, max_read // max(row_bytes, 1)) if shape else 1
+    rows = shape[0]
     for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        sub_lo = list(rel_lo)
-        sub_shape = list(shape)
-        if shape:
-            sub_lo[0] = rel_lo[0] + r0
-            sub_shape[0] = r1 - r0
-        first = sum(a * s for a, s in zip(sub_lo, strides))
-        last = sum((a + n - 1) * s for a, n, s in zip(sub_lo, sub_shape, strides))
+        n = min(rows - r0, step)
+        lo0 = rel_lo[0] + r0
+        sub_lo = (lo0, *rel_lo[1:])
+        sub_shape = (n, *shape[1:])
+        first = lo0 * strides[0] + inner_first
+        last = (lo0 + n - 1) * strides[0] + inner_last
         dest = piece.local
-        for d in range(len(sub_shape)):
-            start_in_piece = chunk.offsets[d] + sub_lo[d] - piece.offsets[d]
+        for d in range(ndim):
+            start_in_piece = coffs[d] + sub_lo[d] - poffs[d]
             if start_in_piece != 0 or sub_shape[d] != dest.shape[d]:
                 dest = dest.narrow(d, start_in_piece, sub_shape[d])
-        ops.append(
-            _Op(key, chunk, dtype, dest, tuple(sub_lo), tuple(sub_shape), first * isz, (last + 1) * isz)
-        )
+        ops.append(_Op(key, chunk, dtype, dest, sub_lo, sub_shape, first * isz, (last + 1) * isz))
     return ops
 
 
@@ -145,6 +154,11 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
     segments: list[tuple[str, int, _Segment]] = []
     for (file, _), chunk_ops in by_chunk.items():
         chunk = chunk_ops[0].chunk
+        if len(chunk_ops) == 1:
+            o = chunk_ops[0]
+            lo, hi = block_span(o.start, o.end, block_bytes, chunk.length)
+            segments.append((file, chunk.offset + lo, _Segment(o.key, chunk, lo, hi, [o])))
+            continue
         spans = sorted(
             (block_span(o.start, o.end, block_bytes, chunk.length), i) for i, o in enumerate(chunk_ops)
         )
@@ -156,7 +170,7 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
             else:
                 cur = _Segment(chunk_ops[i].key, chunk, lo, hi, [chunk_ops[i]])
                 segments.append((file, chunk.offset + lo, cur))
-    segments.sort(key=lambda s: (s[0], s[1]))
+    segments.sort(key=lambda s: (s[0], s[1]))  # file order, so adjacent ranges coalesce
     reads: list[_Read] = []
     for file, abs_start, seg in segments:
         abs_end = seg.chunk.offset + seg.end

@@ -281,7 +281,7 @@ def _write_one(
             pos += it.nbytes
             # The chunk record as the manifest stores it (format.md 3.3), built once, here.
             out.append((it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
-                                 "shape": list(it.shape), "digests": digests}))
+                                 "shape": list(it.shape), "digests": ",".join(digests)}))
         if flushed < pos:
             writer.write(data[flushed:pos])
         writer.close()
