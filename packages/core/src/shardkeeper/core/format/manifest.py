@@ -156,12 +156,7 @@ class LeafRecord:
             return cls(kind="object", value=d.get("value"))
         if kind not in ("tensor", "bytes"):
             raise ValueError(f"unknown leaf kind {kind!r}")
-        return cls(
-            kind=kind,
-            dtype=d["dtype"],
-            shape=tuple(int(x) for x in d["shape"]),
-            chunks=tuple(ChunkRecord.from_json(c) for c in d["chunks"]),
-        )
+        return cls(kind, d["dtype"], tuple(d["shape"]), tuple([ChunkRecord.from_json(c) for c in d["chunks"]]))
 
     @property
     def nbytes(self) -> int:

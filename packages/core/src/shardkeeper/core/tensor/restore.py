@@ -156,7 +156,10 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
         chunk = chunk_ops[0].chunk
         if len(chunk_ops) == 1:
             o = chunk_ops[0]
-            lo, hi = block_span(o.start, o.end, block_bytes, chunk.length)
+            lo = o.start - o.start % block_bytes
+            hi = o.end + (-o.end) % block_bytes
+            if hi > chunk.length:
+                hi = chunk.length
             segments.append((file, chunk.offset + lo, _Segment(o.key, chunk, lo, hi, [o])))
             continue
         spans = sorted(
