@@ -861,3 +861,43 @@ def test_ops_modules_import_without_torch() -> None:
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- commit guards
+class _LosesADataFileBeforeCommit(LocalStorage):
+    """A gc racing a slow save: one shard file disappears after the writer closed it."""
+
+    def sync_dir(self, path: str) -> None:
+        super().sync_dir(path)
+        if path.endswith("/data"):
+            for name in self.list_dir(path):
+                self.delete(f"{path}/{name}")
+                break
+
+
+def test_commit_refuses_a_manifest_over_a_missing_file(tmp_path: Path) -> None:
+    with CheckpointManager(_LosesADataFileBeforeCommit(tmp_path)) as mgr:
+        with pytest.raises(CheckpointSaveError, match=r"missing at commit time.*gc"):
+            mgr.save(1, tensor_state(0)).wait()
+        assert mgr.steps() == []
+    assert not (tmp_path / "step-000000000001" / "manifest.json").exists()
+
+
+class _LostReplyOnCommit(LocalStorage):
+    """An object store whose reply to the manifest PUT was lost: the retry finds it there."""
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        super().put_if_absent(path, data)
+        if path.endswith("manifest.json"):
+            super().put_if_absent(path, data)  # the retry: raises CommitConflictError
+
+
+def test_a_retried_commit_that_finds_its_own_manifest_succeeds(tmp_path: Path) -> None:
+    state = tensor_state(0)
+    with CheckpointManager(_LostReplyOnCommit(tmp_path)) as mgr:
+        mgr.save(1, state).wait()
+        assert mgr.steps() == [1]
+    # and a different writer's manifest is still a conflict
+    with CheckpointManager(tmp_path) as other:
+        with pytest.raises(CommitConflictError):
+            other.save(1, state).wait()

@@ -35,6 +35,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
+from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
@@ -311,7 +312,8 @@ class CheckpointManager:
                 block_bytes=self.options.digest_block_bytes,
                 metadata={"framework": "torch", "torch_version": torch.__version__, **meta},
             )
-            self.storage.put_if_absent(manifest_path(step), manifest.dumps())
+            self._check_files_durable(sdir, manifest)
+            self._put_manifest(step, manifest.dumps())
         except BaseException as e:
             self._discard_attempt(sdir, reports)
             return {
@@ -324,6 +326,42 @@ class CheckpointManager:
             log.warning("step %d committed, but the LATEST hint was not updated: %s", step, e)
         log.info("step %d committed at %s (%d leaves)", step, self.storage.describe(sdir), len(manifest.leaves))
         return {"ok": True, "rank": 0}
+
+    def _check_files_durable(self, sdir: str, manifest: Manifest) -> None:
+        """Right before the commit: every file the manifest lists is there, whole.
+
+        Ranks report a file only after closing it durably, so this catches what happened to
+        it since: a gc that judged a slow save abandoned, an object store that lost a part.
+        A manifest is never written over missing bytes.
+        """
+        for rel, info in manifest.files.items():
+            path = f"{sdir}/{rel}"
+            try:
+                size = self.storage.size(path)
+            except CheckpointNotFoundError:
+                size = -1
+            if size != info["size_bytes"]:
+                raise CorruptCheckpointError(
+                    f"{self.storage.describe(path)} (written by rank {info.get('rank')}) is "
+                    f"{'missing' if size < 0 else f'{size} bytes'} at commit time, "
+                    f"{info['size_bytes']} bytes were written; something removed or truncated it "
+                    f"(a `shardkeeper gc` with a --min-age-s shorter than a save?)"
+                )
+
+    def _put_manifest(self, step: int, data: bytes) -> None:
+        """Put-if-absent; a conflict with our own bytes is our own write whose reply was lost
+        (a retried PUT on an object store), so it counts as success."""
+        path = manifest_path(step)
+        try:
+            self.storage.put_if_absent(path, data)
+        except CommitConflictError:
+            try:
+                existing = self.storage.read_bytes(path)
+            except CheckpointError:
+                existing = b""
+            if existing != data:
+                raise
+            log.info("step %d: the manifest was already ours (a retried write); committed", step)
 
     def _discard_attempt(self, sdir: str, reports: Sequence[dict[str, Any]]) -> None:
         for r in reports:
