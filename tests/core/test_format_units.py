@@ -123,3 +123,20 @@ def test_ranks_send_a_digest_of_their_declarations_and_a_mismatch_names_them() -
     assert assemble_manifest(7, "a", [coord, same], **{**kw, "world_size": 2}).leaves["w"].shape == (4, 2)
     with pytest.raises(StateMismatchError, match=r"ranks \[2\] hold states whose keys, dtypes or shapes differ from rank 0's"):
         assemble_manifest(7, "a", [coord, same, other], **kw)
+
+
+def test_bytes_leaves_are_verified_like_tensors(tmp_path: Path) -> None:
+    from shardkeeper.core import ChecksumMismatchError
+
+    blob = bytes(range(256)) * 40
+    with CheckpointManager(tmp_path, digest_block_bytes=1024) as mgr:
+        mgr.save(1, {"blob": blob}).wait()
+        target = {"blob": b""}
+        mgr.restore(target)
+        assert target["blob"] == blob
+        chunk = json.loads((tmp_path / "step-000000000001" / "manifest.json").read_text())["leaves"]["blob"]["chunks"][0]
+        with open(tmp_path / "step-000000000001" / chunk["file"], "r+b") as f:
+            f.seek(chunk["offset"] + 5000)
+            f.write(b"\xff")
+        with pytest.raises(ChecksumMismatchError, match=r"'blob'.*step 1"):
+            mgr.restore({"blob": b""}, step=1)

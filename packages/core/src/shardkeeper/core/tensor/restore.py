@@ -314,22 +314,17 @@ def _execute_read(
 def _bytes_of(
     storage: Storage, step_dir: str, leaf: LeafRecord, manifest: Manifest, key: str, stats: RestoreStats
 ) -> bytes:
+    """A bytes leaf, read whole and verified block by block (the same checks as tensors)."""
     digest = digest_function(manifest.digest_algorithm)
+    block = manifest.digest_block_bytes
     out = bytearray(math.prod(leaf.shape))
     for c in leaf.chunks:
-        data = storage.read_range(f"{step_dir}/{c.file}", c.offset, c.length)
-        stats.add_read(c.file, len(data))
-        mv = memoryview(data)
-        for i, want in enumerate(c.digests):
-            got = digest(mv[i * manifest.digest_block_bytes : (i + 1) * manifest.digest_block_bytes])
-            if got != want:
-                raise ChecksumMismatchError(
-                    f"checksum mismatch in {storage.describe(step_dir + '/' + c.file)} for key "
-                    f"{key!r}, step {manifest.step}; restore an earlier step",
-                    key=key,
-                    file=c.file,
-                )
-        out[c.offsets[0] : c.offsets[0] + c.length] = data
+        path = f"{step_dir}/{c.file}"
+        view = memoryview(out)[c.offsets[0] : c.offsets[0] + c.length]
+        _read_checked(storage, path, c.offset, view, [key], manifest.step)
+        stats.add_read(c.file, c.length, direct=True)
+        for i in range(0, c.length, block):
+            _check_block(storage, path, c, i // block, view[i : i + block], digest, block, key, manifest.step)
     return bytes(out)
 
 
@@ -484,14 +479,3 @@ def restore_flat(
         for fin in flat.finalizers:
             fin()
     return stats
-
-
-def check_manifest_files(storage: Storage, step_dir: str, manifest: Manifest) -> None:
-    """Cheap pre-check used by verification paths: every listed file exists at its size."""
-    for rel, info in manifest.files.items():
-        size = storage.size(f"{step_dir}/{rel}")
-        if size != info.get("size_bytes"):
-            raise CorruptCheckpointError(
-                f"{storage.describe(step_dir + '/' + rel)} has {size} bytes, the manifest of step "
-                f"{manifest.step} says {info.get('size_bytes')}; the file is damaged"
-            )
