@@ -1,0 +1,138 @@
+"""Multi-process worker for the layout matrix (run under torchrun, or plainly for world 1).
+
+    worker.py save ROOT           # train each layout 3 steps, save, write the references
+    worker.py restore ROOT        # restore every saved checkpoint into every layout
+
+Each rank writes ``ROOT/results/<phase>-w<W>-r<R>.json``: the list of checks and failures.
+A check compares full parameters and AdamW state bit for bit with the reference written at
+save time; where the layout and world size match the saver's, it also trains one more step
+and compares the loss with the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layouts import LAYOUTS, build, full_state, supported, train_step  # noqa: E402
+
+from shardkeeper.core import CheckpointManager, PerRank, RNGState  # noqa: E402
+
+STEPS = 3
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _layouts_here(world: int) -> list[str]:
+    wanted = os.environ.get("SK_LAYOUTS")
+    names = wanted.split(",") if wanted else list(LAYOUTS)
+    if world == 1:
+        names = [n for n in names if n == "plain"]
+    return [n for n in names if supported(n, world)]
+
+
+def phase_save(root: Path) -> list[dict]:
+    rank, world = _world()
+    checks = []
+    for layout in _layouts_here(world):
+        name = f"{layout}-w{world}"
+        model, opt = build(layout, seed=1)
+        for i in range(STEPS):
+            train_step(model, opt, i)
+        # A digest block that divides no row: resharded reads must widen to blocks and verify.
+        with CheckpointManager(root / name, digest_block_bytes=3000) as mgr:
+            h = mgr.save(STEPS, {"model": model, "optim": opt, "progress": {"step": STEPS}, "rng": RNGState(), "note": PerRank({"rank": rank})})
+            ref = full_state(model, opt)  # runs while the save writes in the background
+            h.wait()
+        next_loss = train_step(model, opt, STEPS)
+        if rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(ref, str(root / f"{name}.ref.safetensors"))
+            (root / f"{name}.json").write_text(json.dumps({"next_loss": next_loss, "world": world, "layout": layout}))
+        checks.append({"case": name, "ok": True})
+    return checks
+
+
+def _compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:
+    problems = []
+    if set(got) != set(ref):
+        problems.append(f"keys differ: only restored {sorted(set(got) - set(ref))[:5]}, only saved {sorted(set(ref) - set(got))[:5]}")
+    for k in sorted(set(got) & set(ref)):
+        a, b = got[k], ref[k]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            problems.append(f"{k}: not bit-exact (max abs diff {(a.float() - b.float()).abs().max().item() if a.shape == b.shape else 'shape'})")
+    return problems
+
+
+def phase_restore(root: Path) -> list[dict]:
+    from safetensors.torch import load_file
+
+    rank, world = _world()
+    checks = []
+    sources = sorted(p.name for p in root.iterdir() if p.is_dir() and "-w" in p.name and p.name != "results")
+    # Negative control: a model that was not restored must fail the comparison, or the
+    # comparison proves nothing.
+    model, opt = build("plain", seed=2)
+    train_step(model, opt, 0)
+    control = _compare(full_state(model, opt), load_file(str(root / f"{sources[0]}.ref.safetensors")))
+    checks.append({"case": "control: unrestored model differs", "ok": bool(control), "problems": ["no difference found"]})
+    for src in sources:
+        info = json.loads((root / f"{src}.json").read_text())
+        ref = load_file(str(root / f"{src}.ref.safetensors"))
+        for layout in _layouts_here(world):
+            case = f"{src} -> {layout}-w{world}"
+            try:
+                model, opt = build(layout, seed=2)
+                note = PerRank({"rank": -1})
+                state = {"model": model, "optim": opt, "progress": {"step": 0}, "rng": RNGState(), "note": note}
+                with CheckpointManager(root / src, per_rank="modulo") as mgr:
+                    step = mgr.restore(state)
+                    stats = mgr.last_restore_stats
+                problems = _compare(full_state(model, opt), ref)
+                if step != STEPS or state["progress"]["step"] != STEPS:
+                    problems.append(f"restored step {step}, progress {state['progress']}")
+                if note.value["rank"] != rank % info["world"]:
+                    problems.append(f"per-rank note {note.value} for rank {rank}")
+                if layout == info["layout"] and world == info["world"]:
+                    loss = train_step(model, opt, STEPS)
+                    if loss != info["next_loss"]:
+                        problems.append(f"next loss {loss!r} != uninterrupted {info['next_loss']!r}")
+                checks.append({"case": case, "ok": not problems, "problems": problems,
+                               "bytes_direct": stats.bytes_direct if stats else 0})
+            except Exception:
+                checks.append({"case": case, "ok": False, "problems": [traceback.format_exc()]})
+    return checks
+
+
+def main() -> None:
+    phase, root = sys.argv[1], Path(sys.argv[2])
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank, world = _world()
+    torch.set_num_threads(1)
+    try:
+        checks = phase_save(root) if phase == "save" else phase_restore(root)
+    except Exception:
+        checks = [{"case": f"{phase} (whole phase)", "ok": False, "problems": [traceback.format_exc()]}]
+    out = root / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{phase}-w{world}-r{rank}.json").write_text(json.dumps(checks, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
