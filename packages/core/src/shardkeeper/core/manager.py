@@ -210,14 +210,16 @@ class CheckpointManager:
         # for the GIL, and the caller's last steps should not wait on them.
         released = threading.Event()
         future = self._bg.submit(self._run_save, step, seq, attempt, plan, groups, regions, objects, meta, released)
-        handle = SaveHandle(step, future)
-        self._pending = handle
-        handle.stall_s = time.perf_counter() - t0
-        log.info(
-            "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
-            self.rank, step, len(plan.items), plan.nbytes, handle.stall_s,
-        )
-        released.set()
+        try:
+            handle = SaveHandle(step, future)
+            self._pending = handle
+            handle.stall_s = time.perf_counter() - t0
+            log.info(
+                "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
+                self.rank, step, len(plan.items), plan.nbytes, handle.stall_s,
+            )
+        finally:
+            released.set()
         if not (self.options.async_save if async_save is None else async_save):
             handle.wait()
         return handle

@@ -29,7 +29,9 @@ class Coordinator(Protocol):
     rank: int
     world_size: int
 
-    def report(self, seq: int, payload: dict[str, Any]) -> None: ...
+    def report(self, seq: int, payload: dict[str, Any]) -> None:
+        """Every rank but the coordinator: send this rank's report (or its failure)."""
+        ...
 
     def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
         """Coordinator only: its own report and every other rank's, in rank order; fails fast
@@ -52,11 +54,10 @@ class LocalCoordinator:
     world_size = 1
 
     def __init__(self) -> None:
-        self._reports: dict[int, dict[str, Any]] = {}
         self._outcomes: dict[int, dict[str, Any]] = {}
 
     def report(self, seq: int, payload: dict[str, Any]) -> None:
-        self._reports[seq] = payload
+        raise AssertionError("the only rank is the coordinator; it does not report to itself")
 
     def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
         return [own]
