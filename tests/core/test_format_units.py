@@ -140,3 +140,16 @@ def test_bytes_leaves_are_verified_like_tensors(tmp_path: Path) -> None:
             f.write(b"\xff")
         with pytest.raises(ChecksumMismatchError, match=r"'blob'.*step 1"):
             mgr.restore({"blob": b""}, step=1)
+
+
+def test_synchronous_saves_write_from_the_tensors_own_memory(tmp_path: Path) -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"t": base.t(), "c": base + 1, "b": base > 5, "h": (base / 7).to(torch.bfloat16), "s": torch.tensor(3)}
+    assert not state["t"].is_contiguous()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state, async_save=False)
+        assert mgr._stager.buffer_bytes == 128  # only the strided tensor (96 B, padded to 64) was staged
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(target)
+    for k, v in state.items():
+        assert target[k].dtype == v.dtype and torch.equal(target[k], v), k

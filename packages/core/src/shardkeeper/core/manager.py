@@ -42,6 +42,7 @@ from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
 from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
 from shardkeeper.core.tensor.save import (
     SavePlan,
+    Span,
     Stager,
     WriteItem,
     plan_save,
@@ -201,7 +202,10 @@ class CheckpointManager:
         flat = flatten_for_save(state, self.rank)
         plan = plan_save(flat, self.rank, self.world_size)
         groups = split_files(plan.items, self.options.max_files_per_rank, self.options.min_file_bytes)
-        regions = self._stager.stage(groups)
+        synchronous = not (self.options.async_save if async_save is None else async_save)
+        # A synchronous save returns after the commit, so the caller cannot change its tensors
+        # meanwhile: they are written from their own memory, without a staging copy.
+        regions = self._stager.stage(groups, copy=not synchronous)
         objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
@@ -220,7 +224,7 @@ class CheckpointManager:
             )
         finally:
             released.set()
-        if not (self.options.async_save if async_save is None else async_save):
+        if synchronous:
             handle.wait()
         return handle
 
@@ -231,7 +235,7 @@ class CheckpointManager:
         attempt: str,
         plan: SavePlan,
         groups: list[list[WriteItem]],
-        regions: list[torch.Tensor],
+        regions: list[list[Span]],
         objects: dict[str, Any],
         meta: dict[str, Any],
         released: threading.Event,

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 _ALIGN = 64
 
+#: Where an item's bytes are for the writer: (buffer, start, end).
+Span = tuple[memoryview, int, int]
+
 
 @dataclass
 class WriteItem:
@@ -158,34 +161,57 @@ class Stager:
     def buffer_bytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def stage(self, groups: Sequence[Sequence[WriteItem]]) -> list[torch.Tensor]:
-        """Copy every item into the buffer; returns each group's contiguous region.
+    def stage(self, groups: Sequence[Sequence[WriteItem]], *, copy: bool = True) -> list[list[Span]]:
+        """Where each item's bytes are for the writer: one span per item, per group.
 
-        Items of a group lie back to back in file order, so a group's region is byte for byte
-        the data section of its shard file: the writer sends it in a few large writes,
-        straight from the buffer (no per-tensor write, no intermediate bytes).
+        ``copy=True`` (async saves): every item is copied into the buffer, the items of a
+        group back to back in file order, so the group's spans are adjacent slices of one
+        region, byte for byte the data section of its shard file, and the writer sends them
+        in a few large writes straight from the buffer.
+
+        ``copy=False`` (synchronous saves, where the caller waits for the commit and cannot
+        change its tensors meanwhile): items held contiguously in CPU memory are written
+        from their own memory with no copy at all; only the others are staged.
         """
         t0 = time.perf_counter()
+        direct: dict[int, Span] = {}
+        if not copy:
+            for g in groups:
+                for it in g:
+                    src = it.src
+                    if src.device.type == "cpu" and src.is_contiguous():
+                        view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
+                        direct[id(it)] = (view, 0, it.nbytes)
         starts = []
         pos = 0
         any_cuda = False
         for g in groups:
             starts.append(pos)
-            pos += -(-sum(it.nbytes for it in g) // _ALIGN) * _ALIGN
+            pos += -(-sum(it.nbytes for it in g if id(it) not in direct) // _ALIGN) * _ALIGN
             any_cuda = any_cuda or any(it.src.is_cuda for it in g)
+        spans: list[list[Span]] = []
+        if pos == 0:
+            spans = [[direct[id(it)] for it in g] for g in groups]
+            self.last_stage_s = time.perf_counter() - t0
+            return spans
         buf = self._buffer
         pinned = any_cuda and torch.cuda.is_available()
         if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
             self._buffer = None  # release before allocating the larger one
             buf = torch.empty(pos, dtype=torch.uint8, pin_memory=pinned)
             self._buffer = buf
-        regions = []
+        whole_bytes = memoryview(cast("Buffer", buf.numpy()))
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         typed: dict[torch.dtype, torch.Tensor] = {}
         for g, start in zip(groups, starts):
             off = start
+            group_spans: list[Span] = []
             for it in g:
+                span = direct.get(id(it))
+                if span is not None:
+                    group_spans.append(span)
+                    continue
                 dtype = it.src.dtype
                 whole = typed.get(dtype)
                 if whole is None:
@@ -195,15 +221,16 @@ class Stager:
                 # item size, so the bytes can be viewed as the dtype: one view per item.
                 dsts.append(whole.as_strided(it.shape, _contiguous_strides(it.shape), off // whole.element_size()))
                 srcs.append(it.src)
+                group_spans.append((whole_bytes, off, off + it.nbytes))
                 off += it.nbytes
-            regions.append(buf[start:off])
+            spans.append(group_spans)
         if dsts:
             # One call for all copies: per-tensor Python overhead matters with many small tensors.
             torch._foreach_copy_(dsts, srcs, non_blocking=any_cuda)
         if any_cuda:
             torch.cuda.synchronize()
         self.last_stage_s = time.perf_counter() - t0
-        return regions
+        return spans
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -252,50 +279,62 @@ def _write_one(
     step_dir: str,
     rel: str,
     items: Sequence[WriteItem],
-    region: torch.Tensor,
+    spans: Sequence[Span],
     algorithm: str,
     block_bytes: int,
 ) -> tuple[list[tuple[str, dict[str, Any]]], int]:
-    """One shard file: header, then the staged region, digested block by block just before
-    each batch of blocks is written (the bytes are hot in cache for the write)."""
+    """One shard file: the header, then each item's bytes, digested block by block in windows
+    of about 8 MiB just before each window is written (the bytes are hot in cache for the
+    write). Adjacent spans of one buffer go out in one write."""
     entries = [
         (chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes)
         for i in items
     ]
     header, file_offsets = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
     digest = digest_function(algorithm)
-    data = memoryview(cast("Buffer", region.numpy()))
+    window = max(block_bytes, (_WRITE_BYTES // block_bytes) * block_bytes)
     writer = storage.open_writer(f"{step_dir}/{rel}")
     out = []
+    pending: list[list[Any]] = []  # [buffer, start, end], adjacent spans merged
+    pending_bytes = 0
+    total = 0
     try:
         writer.write(header)
-        pos = flushed = 0
-        for it, off in zip(items, file_offsets):
+        for it, (buf, a, b), off in zip(items, spans, file_offsets):
             digests = []
-            for b in range(0, it.nbytes, block_bytes):
-                n = min(block_bytes, it.nbytes - b)
-                digests.append(digest(data[pos + b : pos + b + n]))
-                if pos + b + n - flushed >= _WRITE_BYTES:
-                    writer.write(data[flushed : pos + b + n])
-                    flushed = pos + b + n
-            pos += it.nbytes
+            x = a
+            while x < b:
+                y = min(b, x + window)
+                for z in range(x, y, block_bytes):
+                    digests.append(digest(buf[z : min(z + block_bytes, y)]))
+                if pending and pending[-1][0] is buf and pending[-1][2] == x:
+                    pending[-1][2] = y
+                else:
+                    pending.append([buf, x, y])
+                pending_bytes += y - x
+                if pending_bytes >= _WRITE_BYTES:
+                    for pb, pa, pe in pending:
+                        writer.write(pb[pa:pe])
+                    pending, pending_bytes = [], 0
+                x = y
+            total += b - a
             # The chunk record as the manifest stores it (format.md 3.3), built once, here.
             out.append((it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
                                  "shape": list(it.shape), "digests": ",".join(digests)}))
-        if flushed < pos:
-            writer.write(data[flushed:pos])
+        for pb, pa, pe in pending:
+            writer.write(pb[pa:pe])
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    return out, len(header) + pos
+    return out, len(header) + total
 
 
 def write_shards(
     storage: Storage,
     step_dir: str,
     groups: Sequence[Sequence[WriteItem]],
-    regions: Sequence[torch.Tensor],
+    spans: Sequence[Sequence[Span]],
     *,
     rank: int,
     attempt: str,
@@ -306,7 +345,7 @@ def write_shards(
     """Write each staged group to its own shard file, in parallel, durably."""
     futures = [
         executor.submit(_write_one, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes)
-        for i, (g, r) in enumerate(zip(groups, regions))
+        for i, (g, r) in enumerate(zip(groups, spans))
     ]
     chunks: dict[str, list[dict[str, Any]]] = {}
     files: dict[str, dict[str, Any]] = {}
