@@ -126,17 +126,6 @@ class SaveHandle:
             raise err
 
 
-    def _undelivered_error(self) -> BaseException | None:
-        if not self._future.done():
-            return None
-        err = self._future.exception()
-        with self._lock:
-            if err is None or self._delivered:
-                return None
-            self._delivered = True
-            return err
-
-
 def _rank_world(coord: Coordinator) -> tuple[int, int]:
     return coord.rank, coord.world_size
 
@@ -205,7 +194,7 @@ class CheckpointManager:
         synchronous = not (self.options.async_save if async_save is None else async_save)
         # A synchronous save returns after the commit, so the caller cannot change its tensors
         # meanwhile: they are written from their own memory, without a staging copy.
-        regions = self._stager.stage(groups, copy=not synchronous)
+        spans = self._stager.stage(groups, copy=not synchronous)
         objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
@@ -213,7 +202,7 @@ class CheckpointManager:
         # The writer starts once save() is done with its own work: writer threads compete
         # for the GIL, and the caller's last steps should not wait on them.
         released = threading.Event()
-        future = self._bg.submit(self._run_save, step, seq, attempt, plan, groups, regions, objects, meta, released)
+        future = self._bg.submit(self._run_save, step, seq, attempt, plan, groups, spans, objects, meta, released)
         try:
             handle = SaveHandle(step, future)
             self._pending = handle
@@ -235,7 +224,7 @@ class CheckpointManager:
         attempt: str,
         plan: SavePlan,
         groups: list[list[WriteItem]],
-        regions: list[list[Span]],
+        spans: list[list[Span]],
         objects: dict[str, Any],
         meta: dict[str, Any],
         released: threading.Event,
@@ -246,7 +235,7 @@ class CheckpointManager:
         phase = "write"
         try:
             res = write_shards(
-                self.storage, sdir, groups, regions, rank=self.rank, attempt=attempt,
+                self.storage, sdir, groups, spans, rank=self.rank, attempt=attempt,
                 algorithm=self.options.digest, block_bytes=self.options.digest_block_bytes,
                 executor=self._io,
             )
@@ -396,9 +385,7 @@ class CheckpointManager:
         if not raise_error:  # keep the handle: its failure reaches the next save() or wait()
             return
         self._pending = None
-        err = p._undelivered_error()
-        if err is not None:
-            raise err
+        p._raise_once()
 
     # -- restore -----------------------------------------------------------------------------
     def steps(self) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,14 @@ class LocalLayout:
     replicas: int
     replica_index: int
     plain: bool
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a row-major (C-contiguous) tensor of ``shape``."""
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return tuple(out)
 
 
 def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -27,7 +27,7 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.digest import block_span, digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tensor.chunks import Piece, layout_of
+from shardkeeper.core.tensor.chunks import Piece, contiguous_strides, layout_of
 from shardkeeper.core.tensor.state import (
     FlatState,
     Leaf,
@@ -79,13 +79,6 @@ class _Op:
     end: int
 
 
-def _strides(shape: Sequence[int]) -> list[int]:
-    out = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        out[d] = out[d + 1] * shape[d + 1]
-    return out
-
-
 def _overlap_ops(
     key: str, piece: Piece, chunk: ChunkRecord, dtype: torch.dtype, isz: int, max_read: int
 ) -> list[_Op]:
@@ -106,7 +99,7 @@ def _overlap_ops(
                 return []
             rel_lo.append(lo - coffs[d])
             shape.append(hi - lo)
-    strides = _strides(cshape)
+    strides = contiguous_strides(cshape)
     row_bytes = strides[0] * isz
     step = max(1, max_read // max(row_bytes, 1))
     # Offsets of the overlap within the chunk beyond dimension 0 (the same for every slab).
@@ -156,10 +149,7 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
         chunk = chunk_ops[0].chunk
         if len(chunk_ops) == 1:
             o = chunk_ops[0]
-            lo = o.start - o.start % block_bytes
-            hi = o.end + (-o.end) % block_bytes
-            if hi > chunk.length:
-                hi = chunk.length
+            lo, hi = block_span(o.start, o.end, block_bytes, chunk.length)
             segments.append((file, chunk.offset + lo, _Segment(o.key, chunk, lo, hi, [o])))
             continue
         spans = sorted(
@@ -307,7 +297,7 @@ def _execute_read(
                 seg_bytes = seg_bytes.clone()
             flat = seg_bytes.view(op.dtype)
             first_el = (op.start - seg.start) // isz
-            src = flat.as_strided(op.rel_shape, _strides(op.chunk.shape), flat.storage_offset() + first_el)
+            src = flat.as_strided(op.rel_shape, contiguous_strides(op.chunk.shape), flat.storage_offset() + first_el)
             op.dest.copy_(src)
 
 

@@ -24,7 +24,13 @@ from shardkeeper.core.format.manifest import DTYPES
 from shardkeeper.core.format.safetensors import build_header, chunk_name
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
-from shardkeeper.core.tensor.chunks import balance_plain, layout_of, plain_layout, replica_writer
+from shardkeeper.core.tensor.chunks import (
+    balance_plain,
+    contiguous_strides,
+    layout_of,
+    plain_layout,
+    replica_writer,
+)
 from shardkeeper.core.tensor.state import FlatState, as_torch, torch_dtype_name
 
 if TYPE_CHECKING:
@@ -219,7 +225,7 @@ class Stager:
                     whole = typed[dtype] = buf[: buf.numel() - buf.numel() % size].view(dtype)
                 # Widest dtypes first (see _file_order) keeps every offset a multiple of the
                 # item size, so the bytes can be viewed as the dtype: one view per item.
-                dsts.append(whole.as_strided(it.shape, _contiguous_strides(it.shape), off // whole.element_size()))
+                dsts.append(whole.as_strided(it.shape, contiguous_strides(it.shape), off // whole.element_size()))
                 srcs.append(it.src)
                 group_spans.append((whole_bytes, off, off + it.nbytes))
                 off += it.nbytes
@@ -231,13 +237,6 @@ class Stager:
             torch.cuda.synchronize()
         self.last_stage_s = time.perf_counter() - t0
         return spans
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        out[d] = out[d + 1] * shape[d + 1]
-    return tuple(out)
 
 
 def split_files(items: Sequence[WriteItem], max_files: int, min_file_bytes: int) -> list[list[WriteItem]]:
