@@ -1,35 +1,17 @@
-"""Launch multi-process test workers under torchrun, with a timeout and full cleanup."""
+"""The core's workers live in ``tests/core/dist``."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.launch import run_script
 
 DIST_DIR = Path(__file__).parent / "dist"
 
 
-def run_workers(nproc: int, script: str, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``dist/<script>`` on ``nproc`` gloo ranks (plain python when ``nproc`` is 1).
-
-    torchrun ``--standalone`` picks a free port. The whole process group is killed on timeout.
-    """
-    path = str(DIST_DIR / script)
-    if nproc == 1:
-        cmd = [sys.executable, path, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", path, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout_s} s; output tail:\n{out[-4000:]}") from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+def run_workers(
+    nproc: int, script: str, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``dist/<script>`` on ``nproc`` ranks; see ``tests.launch.run_script``."""
+    return run_script(nproc, DIST_DIR / script, *args, timeout_s=timeout_s, env=env)

@@ -1,0 +1,36 @@
+"""Launch multi-process test scripts under torchrun, with a timeout and full cleanup (all suites)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_script(
+    nproc: int, script: str | Path, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` on ``nproc`` gloo ranks under torchrun (plain python when ``nproc`` is 1).
+
+    torchrun ``--standalone`` picks a free port. The whole process group is killed on timeout;
+    stdout and stderr come back together in ``.stdout``.
+    """
+    path = str(script)
+    if nproc == 1:
+        cmd = [sys.executable, path, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", path, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout_s} s; output tail:\n{out[-4000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
