@@ -1,5 +1,5 @@
-"""The layout matrix: {plain/DDP, FSDP1 sharded, FSDP2, TP, FSDP2+TP} saved at world sizes
-2, 3 and 4, restored into every layout at world sizes 1, 2, 3 and 4, on real gloo process
+"""The layout matrix: {plain/DDP, FSDP1 sharded, FSDP2, TP, FSDP2+TP, ZeRO-style flat
+``Fragment`` partitions} saved at world sizes 2, 3 and 4, restored into every layout at world sizes 1, 2, 3 and 4, on real gloo process
 groups. Parameters and AdamW state must match the saved run bit for bit; where layout and
 world size are the saver's, one more training step must give the uninterrupted run's loss.
 
@@ -51,6 +51,8 @@ def test_restore_every_checkpoint_into_every_layout(matrix_root: Path, world: in
     cases = {c["case"] for c in checks}
     # every saved checkpoint was restored here, including the negative control
     assert any("plain-w2 ->" in c for c in cases) and any("fsdp2_tp-w4 ->" in c for c in cases), sorted(cases)
+    # ZeRO-style flat fragments saved at 2, 3 and 4 ranks restore into fragments here
+    assert {f"fragments-w{w} -> fragments-w{world}" for w in (2, 3, 4)} <= cases, sorted(cases)
     bad = [c for c in checks if not c["ok"]]
     assert not bad, json.dumps(bad, indent=1)[:8000]
     # both read paths ran: straight into the target (large overlaps) and through scratch buffers

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+import fragments  # noqa: E402
 from layouts import LAYOUTS, build, full_state, supported, train_step  # noqa: E402
 
 from shardkeeper.core import CheckpointManager, PerRank, RNGState  # noqa: E402
@@ -67,6 +68,47 @@ def phase_save(root: Path) -> list[dict]:
             save_file(ref, str(root / f"{name}.ref.safetensors"))
             (root / f"{name}.json").write_text(json.dumps({"next_loss": next_loss, "world": world, "layout": layout}))
         checks.append({"case": name, "ok": True})
+    frags, _ = fragments.partition(world, rank, fill=True)
+    with CheckpointManager(root / f"fragments-w{world}", digest_block_bytes=3000) as mgr:
+        mgr.save(1, dict(frags))
+    checks.append({"case": f"fragments-w{world}", "ok": True})
+    return checks
+
+
+def restore_fragments(root: Path) -> list[dict]:
+    """Every ZeRO-style checkpoint into fragments, plain tensors and Shard(0) DTensors here."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    rank, world = _world()
+    ref = fragments.tensors()
+    checks = []
+    for src in sorted(p.name for p in root.iterdir() if p.name.startswith("fragments-w")):
+        targets: dict[str, dict] = {}
+        frags, _ = fragments.partition(world, rank, fill=False)
+        targets["fragments"] = frags
+        targets["plain"] = {k: torch.full_like(t, float("nan")) for k, t in ref.items()}
+        if world > 1:
+            mesh = init_device_mesh("cpu", (world,))
+            targets["dtensor"] = {
+                k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)] if t.dim() else [Replicate()])
+                for k, t in ref.items()
+            }
+        for kind, state in targets.items():
+            case = f"{src} -> {kind}-w{world}"
+            try:
+                with CheckpointManager(root / src) as mgr:
+                    mgr.restore(state)
+                if kind == "fragments":
+                    got = fragments.gather(state)
+                elif kind == "dtensor":
+                    got = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+                else:
+                    got = state
+                problems = _compare(got, ref)
+            except Exception:
+                problems = [traceback.format_exc()]
+            checks.append({"case": case, "ok": not problems, "problems": problems})
     return checks
 
 
@@ -86,7 +128,10 @@ def phase_restore(root: Path) -> list[dict]:
 
     rank, world = _world()
     checks = []
-    sources = sorted(p.name for p in root.iterdir() if p.is_dir() and "-w" in p.name and p.name != "results")
+    sources = sorted(
+        p.name for p in root.iterdir()
+        if p.is_dir() and "-w" in p.name and p.name != "results" and not p.name.startswith("fragments")
+    )
     # Negative control: a model that was not restored must fail the comparison, or the
     # comparison proves nothing.
     model, opt = build("plain", seed=2)
@@ -118,7 +163,7 @@ def phase_restore(root: Path) -> list[dict]:
                                "bytes_direct": stats.bytes_direct if stats else 0})
             except Exception:
                 checks.append({"case": case, "ok": False, "problems": [traceback.format_exc()]})
-    return checks
+    return checks + restore_fragments(root)
 
 
 def main() -> None:

@@ -24,12 +24,14 @@ from shardkeeper.core.errors import (
 
 if TYPE_CHECKING:
     from shardkeeper.core.manager import CheckpointManager, CheckpointOptions, SaveHandle
+    from shardkeeper.core.tensor.fragment import Fragment
     from shardkeeper.core.tensor.state import PerRank, RNGState
 
 _LAZY = {
     "CheckpointManager": "shardkeeper.core.manager",
     "CheckpointOptions": "shardkeeper.core.manager",
     "SaveHandle": "shardkeeper.core.manager",
+    "Fragment": "shardkeeper.core.tensor.fragment",
     "PerRank": "shardkeeper.core.tensor.state",
     "RNGState": "shardkeeper.core.tensor.state",
 }
@@ -55,6 +57,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CommitConflictError",
     "CorruptCheckpointError",
+    "Fragment",
     "IncompatibleFormatError",
     "PerRank",
     "RNGState",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from shardkeeper.core.tensor import _torch_compat as tc
+from shardkeeper.core.tensor.fragment import Fragment
 
 
 @dataclass
@@ -150,7 +151,15 @@ def plain_layout(t: torch.Tensor, world_size: int, rank: int) -> LocalLayout:
     return LocalLayout(shape, t.dtype, [Piece((0,) * len(shape), shape, t)], world_size, rank, True)
 
 
-def layout_of(value: torch.Tensor, world_size: int, rank: int) -> LocalLayout:
+def fragment_layout(f: Fragment) -> LocalLayout:
+    """A flat range of a tensor (a ZeRO partition): its boxes, owned by this rank alone."""
+    pieces = [Piece(offsets, shape, view) for offsets, shape, view in f.views()]
+    return LocalLayout(f.global_shape, f.dtype, pieces, 1, 0, False)
+
+
+def layout_of(value: torch.Tensor | Fragment, world_size: int, rank: int) -> LocalLayout:
+    if isinstance(value, Fragment):
+        return fragment_layout(value)
     if tc.is_dtensor(value):
         return dtensor_layout(value)
     if tc.is_sharded_tensor(value):

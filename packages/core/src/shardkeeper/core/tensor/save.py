@@ -31,6 +31,7 @@ from shardkeeper.core.tensor.chunks import (
     plain_layout,
     replica_writer,
 )
+from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.state import FlatState, as_torch, torch_dtype_name
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ def describe_layout(t: torch.Tensor) -> str:
         return f"DTensor(mesh={mesh}{', names=' + str(tuple(names)) if names else ''}, placements=({placements}))"
     if tc.is_sharded_tensor(t):
         return "ShardedTensor"
+    if isinstance(t, Fragment):
+        return "Fragment"
     return "Tensor"
 
 

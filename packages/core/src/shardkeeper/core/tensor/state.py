@@ -6,8 +6,9 @@
   FQN through ``get_optimizer_state_dict`` (the owning module must be in the same state);
 - objects with ``state_dict()``/``load_state_dict()`` recurse into their state dict;
 - ``PerRank(x)`` (and ``RNGState``) put ``x`` under ``<key>/<rank>/...``;
-- tensors, DTensors, ShardedTensors, numpy arrays are tensor leaves; ``bytes`` are bytes
-  leaves; JSON values (and lists/tuples holding no tensor) are object leaves.
+- tensors, DTensors, ShardedTensors, flat-range ``Fragment`` objects (ZeRO partitions) and
+  numpy arrays are tensor leaves; ``bytes`` are bytes leaves; JSON values (and lists/tuples
+  holding no tensor) are object leaves.
 
 Restoring flattens the *target* the same way, with a setter per leaf, so values land in the
 caller's own objects: tensors are filled in place, objects are replaced in their container,
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.tensor.fragment import Fragment
 
 #: Wrapper path components stripped from FQNs so one model has one set of keys everywhere.
 WRAPPER_PREFIXES = (
@@ -95,7 +97,7 @@ class RNGState:
 
 
 def is_tensor_like(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, np.ndarray))
+    return isinstance(x, (torch.Tensor, np.ndarray, Fragment))
 
 
 @dataclass
