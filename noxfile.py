@@ -24,6 +24,8 @@ PIP = "pip>=26"
 # Settings for every test run: one BLAS/OpenMP thread per process (the machine has 2 cores
 # and multiprocess tests start several), and gcsfs without its experimental HNS probing.
 TEST_ENV = {"OMP_NUM_THREADS": "1", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+# Adapter tests: DeepSpeed's CPU accelerator, no JIT-built ops, no network lookups.
+ADAPTER_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -41,24 +43,39 @@ def _install_torch(session: nox.Session) -> None:
     _install(session, "--upgrade", PIP)
 
 
+#: The framework versions the adapters are tested against: the newest releases, and an older
+#: minor of each that still runs on torch 2.13. Bump them here (and in docs/decisions.md).
+FRAMEWORKS = {
+    "newest": ("deepspeed==0.19.8", "lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0"),
+    "older": ("deepspeed==0.18.9", "lightning==2.5.6", "accelerate==1.14.0", "transformers==5.23.0"),
+}
+ADAPTERS = ("deepspeed", "lightning", "accelerate")
+#: Test dependencies of every suite: pytest, safetensors, and a loopback S3 server (moto).
+TEST_DEPS = ("pytest", "pytest-timeout", "safetensors", "moto[s3,server]", "flask", "flask-cors", "numpy")
+
+
 @nox.session
-def tests(session: nox.Session) -> None:
-    """Run the core's tests (extra pytest arguments after `--`)."""
+@nox.parametrize("suite", ["core", "adapters-newest", "adapters-older"])
+def tests(session: nox.Session, suite: str) -> None:
+    """Run a test suite; `-s tests` runs all three (extra pytest arguments after `--`).
+
+    core: the core alone, with no framework installed (which proves it needs none).
+    adapters-*: the three adapters, on the newest release and on an older minor of each
+    framework (FRAMEWORKS).
+    """
     _install_torch(session)
-    _install(
-        session,
-        "-e",
-        "packages/core[torch,s3,gcs]",
-        "pytest",
-        "pytest-timeout",
-        "safetensors",
-        # a loopback S3 server that the tests start themselves
-        "moto[s3,server]",
-        "flask",
-        "flask-cors",
-        "numpy",
-    )
-    session.run("pytest", "tests/core", "-x", "-q", *session.posargs, env=TEST_ENV)
+    if suite == "core":
+        _install(session, "-e", "packages/core[torch,s3,gcs]", *TEST_DEPS)
+        session.run("pytest", "tests/core", "-x", "-q", *session.posargs, env=TEST_ENV)
+        return
+    versions = FRAMEWORKS[suite.removeprefix("adapters-")]
+    plugins = [f"packages/{name}_plugin" for name in ADAPTERS]
+    editable = [arg for path in plugins for arg in ("-e", path)]
+    _install(session, "-e", "packages/core[torch,s3,gcs]", *editable, *versions, *TEST_DEPS)
+    suites = [f"tests/{name}" for name in ADAPTERS if (ROOT / "tests" / name).is_dir()]
+    if not suites:
+        session.error("no adapter test suite found under tests/")
+    session.run("pytest", *suites, "-q", *session.posargs, env={**TEST_ENV, **ADAPTER_ENV})
 
 
 @nox.session
