@@ -1,10 +1,16 @@
 """shardkeeper adapter for Hugging Face Accelerate.
 
-This adapter is a skeleton pending its issue: it exports nothing yet. When written, it hooks
-into the accelerate config file and Accelerator.save_state / load_state, and translates the
-framework's state to and from the canonical state of shardkeeper.core (DESIGN.md sections 2 and
-5). It imports only the public API of shardkeeper.core and its own framework, never another
-adapter.
+``shardkeeper.accelerate.enable(accelerator)`` (or ``ShardkeeperAccelerator(...)``) makes
+``accelerator.save_state()`` / ``load_state()`` write and read shardkeeper checkpoints in the
+canonical namespaces (``model``, ``optim``, ``sched``, ``progress``, ``rng``, ``data``,
+``extra``), so they restore in plain torch through the core and in the other adapters. Imports
+only the public API of shardkeeper.core and accelerate, never another adapter.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from shardkeeper.accelerate.accelerator import ShardkeeperAccelerator
+from shardkeeper.accelerate.config import config_file_path
+from shardkeeper.accelerate.plugin import AcceleratePlugin, enable, plugin_of, wait
+
+__all__ = ["AcceleratePlugin", "ShardkeeperAccelerator", "config_file_path", "enable", "plugin_of", "wait"]

@@ -1,0 +1,255 @@
+"""``enable(accelerator)``: ``save_state`` / ``load_state`` go entirely through shardkeeper."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import weakref
+from typing import Any
+
+from shardkeeper.accelerate.config import resolve_settings, split_settings
+from shardkeeper.accelerate.dataloaders import track
+from shardkeeper.accelerate.state import build_state
+from shardkeeper.core import CheckpointManager, SaveHandle
+from shardkeeper.core.commit import load_manifest
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_shardkeeper"
+#: Distributed types whose state the generic path (torch's state-dict API) handles.
+GENERIC_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+                 "MULTI_NPU", "MULTI_HPU", "MULTI_NEURON", "FSDP"}
+
+
+def _dtype_name(accelerator: Any) -> str:
+    return str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+
+
+class AcceleratePlugin:
+    """Owns the checkpoint managers of one Accelerator and its save/load."""
+
+    def __init__(self, accelerator: Any, settings: dict[str, Any]) -> None:
+        self._acc = weakref.ref(accelerator)
+        self.settings, self.options = split_settings(settings)
+        self._managers: dict[str, CheckpointManager] = {}
+        self.last_handle: SaveHandle | None = None
+
+    @property
+    def accelerator(self) -> Any:
+        acc = self._acc()
+        if acc is None:
+            raise RuntimeError("the Accelerator of this shardkeeper plugin was garbage-collected")
+        return acc
+
+    # -- where -------------------------------------------------------------------------------
+    def default_root(self) -> str:
+        if self.settings.get("root"):
+            return str(self.settings["root"])
+        project_dir = self.accelerator.project_dir
+        if project_dir:
+            return os.path.join(project_dir, "checkpoints")
+        raise ValueError(
+            "shardkeeper.accelerate: no checkpoint root: pass save_state(output_dir) / "
+            "load_state(input_dir), enable(accelerator, root=...), set $SHARDKEEPER_ROOT, or give "
+            "the Accelerator a project_dir (ProjectConfiguration(project_dir=...))"
+        )
+
+    def keep_last(self) -> int | None:
+        if self.settings.get("keep_last") is not None:
+            return int(self.settings["keep_last"])
+        return self.accelerator.project_configuration.total_limit
+
+    def manager(self, root: str) -> CheckpointManager:
+        mgr = self._managers.get(root)
+        if mgr is None:
+            mgr = CheckpointManager(
+                root,
+                keep_last=self.keep_last(),
+                keep_every=self.settings.get("keep_every"),
+                storage_options=self.settings.get("storage_options"),
+                metadata={"framework": "accelerate", **_versions()},
+                **self.options,
+            )
+            self._managers[root] = mgr
+        return mgr
+
+    def _check_supported(self, what: str) -> None:
+        kind = _dtype_name(self.accelerator)
+        if kind in GENERIC_TYPES:
+            return
+        if kind == "DEEPSPEED":
+            raise NotImplementedError(
+                f"shardkeeper.accelerate: {what} under DistributedType.DEEPSPEED needs the DeepSpeed "
+                f"adapter (shardkeeper.core.adapters.load_adapter('deepspeed')), which is not available "
+                f"in this installation; install shardkeeper-deepspeed, or use accelerate's own "
+                f"save_state by not calling shardkeeper.accelerate.enable()"
+            )
+        raise NotImplementedError(
+            f"shardkeeper.accelerate: {what} under DistributedType.{kind} is not supported (supported: "
+            f"{', '.join(sorted(GENERIC_TYPES))}); do not enable shardkeeper for this run"
+        )
+
+    # -- save --------------------------------------------------------------------------------
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *,
+                   step: int | None = None, **kwargs: Any) -> str:
+        """Save everything Accelerate would save, as one shardkeeper checkpoint; return its path.
+
+        The step is ``step`` if given, else ``project_configuration.iteration`` (the counter
+        behind ``checkpoint_<n>``); the counter advances by one either way. Retention
+        (``total_limit`` / ``keep_last``) runs after the commit.
+        """
+        del safe_serialization  # nothing is pickled here anyway
+        if kwargs:
+            raise TypeError(f"shardkeeper save_state: unsupported argument(s) {', '.join(sorted(kwargs))}")
+        acc = self.accelerator
+        self._check_supported("save_state")
+        pc = acc.project_configuration
+        root = self.default_root() if (pc.automatic_checkpoint_naming or output_dir is None) else str(output_dir)
+        mgr = self.manager(root)
+        n = int(pc.iteration) if step is None else int(step)
+        mgr.wait()  # a previous save's failure surfaces here, before a new one starts
+        if n in mgr.steps():
+            raise ValueError(
+                f"shardkeeper: step {n} is already committed under {root} (rank {acc.process_index}); "
+                f"checkpoints are immutable. Call accelerator.load_state() first to continue the "
+                f"iteration counter, set accelerator.project_configuration.iteration, or pass "
+                f"save_state(step=...)"
+            )
+        for dl in acc._dataloaders:
+            track(dl)
+        state = build_state(acc, next_iteration=int(pc.iteration) + 1)
+        self.last_handle = mgr.save(n, state, metadata={"accelerate_distributed_type": _dtype_name(acc)})
+        pc.iteration = int(pc.iteration) + 1
+        return mgr.storage.describe(step_dir(n))
+
+    # -- load --------------------------------------------------------------------------------
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, *,
+                   step: int | None = None, strict: bool = True, **kwargs: Any) -> int:
+        """Restore everything ``save_state`` saved, in place; return the step restored.
+
+        ``input_dir``: a root (newest committed step, or ``step``) or one step's folder.
+        """
+        del load_kwargs
+        kwargs.pop("map_location", None)  # tensors land in the targets' own memory
+        if kwargs:
+            raise TypeError(f"shardkeeper load_state: unsupported argument(s) {', '.join(sorted(kwargs))}")
+        acc = self.accelerator
+        self._check_supported("load_state")
+        root = self.default_root() if input_dir is None else str(input_dir).rstrip("/")
+        if input_dir is not None and step is None:
+            parent, _, last = root.rpartition("/")
+            parsed = parse_step_dir(last)
+            if parsed is not None and parent:
+                root, step = parent, parsed
+        mgr = self.manager(root)
+        mgr.wait()
+        for dl in acc._dataloaders:
+            track(dl)
+        target = step if step is not None else _newest(mgr, root, acc.process_index)
+        present = list(load_manifest(mgr.storage, target).leaves)
+        state = build_state(acc, present=present, resume_dataloaders=bool(self.settings.get("resume_dataloaders")))
+        restored = mgr.restore(state, step=target, strict=strict)
+        log.info("shardkeeper: restored step %d from %s", restored, root)
+        return restored
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def wait(self) -> None:
+        for mgr in self._managers.values():
+            mgr.wait()
+
+    def close(self) -> None:
+        for mgr in self._managers.values():
+            mgr.close()
+        self._managers.clear()
+
+
+def _newest(mgr: CheckpointManager, root: str, rank: int) -> int:
+    steps = mgr.steps()
+    if not steps:
+        from shardkeeper.core import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(
+            f"shardkeeper: no committed checkpoint under {root} (rank {rank}); check the root, or "
+            f"start from scratch without load_state()"
+        )
+    return steps[-1]
+
+
+def _versions() -> dict[str, str]:
+    import accelerate
+
+    return {"accelerate_version": accelerate.__version__}
+
+
+
+
+def enable(accelerator: Any, root: str | None = None, **options: Any) -> AcceleratePlugin:
+    """Route ``accelerator.save_state()`` / ``load_state()`` through shardkeeper.
+
+    Settings, highest first: these arguments > ``SHARDKEEPER_*`` variables > the config file
+    (``shardkeeper.config.config_file_path()``) > defaults. Returns the plugin (also at
+    ``accelerator._shardkeeper``); idempotent for the same settings.
+    """
+    settings = resolve_settings({"root": root, **options})
+    existing: AcceleratePlugin | None = getattr(accelerator, _ATTR, None)
+    if existing is not None:
+        existing.wait()
+    plugin = AcceleratePlugin(accelerator, settings)
+    setattr(accelerator, _ATTR, plugin)
+    accelerator.save_state = plugin.save_state
+    accelerator.load_state = plugin.load_state
+    for dl in accelerator._dataloaders:
+        track(dl)
+    _wrap_prepare_data_loader(accelerator)
+    _wrap_end_training(accelerator, plugin)
+    atexit.register(_wait_quietly, weakref.ref(plugin))
+    return plugin
+
+
+def _wrap_prepare_data_loader(accelerator: Any) -> None:
+    cls_method = type(accelerator).prepare_data_loader
+    if getattr(accelerator.prepare_data_loader, "_shardkeeper", False):
+        return
+
+    def prepare_data_loader(data_loader: Any, *args: Any, **kwargs: Any) -> Any:
+        dl = cls_method(accelerator, data_loader, *args, **kwargs)
+        track(dl)
+        return dl
+
+    prepare_data_loader._shardkeeper = True  # type: ignore[attr-defined]
+    accelerator.prepare_data_loader = prepare_data_loader
+
+
+def _wrap_end_training(accelerator: Any, plugin: AcceleratePlugin) -> None:
+    cls_method = type(accelerator).end_training
+
+    def end_training() -> None:
+        p = getattr(accelerator, _ATTR, plugin)
+        p.close()
+        cls_method(accelerator)
+
+    accelerator.end_training = end_training
+
+
+def _wait_quietly(ref: weakref.ref[AcceleratePlugin]) -> None:
+    p = ref()
+    if p is None:
+        return
+    try:
+        p.close()
+    except Exception as e:  # at exit: report, never raise
+        log.error("shardkeeper: a pending checkpoint save failed at exit: %s", e)
+
+
+def plugin_of(accelerator: Any) -> AcceleratePlugin:
+    p = getattr(accelerator, _ATTR, None)
+    if p is None:
+        raise RuntimeError("shardkeeper is not enabled on this Accelerator: call shardkeeper.accelerate.enable(accelerator)")
+    return p
+
+
+def wait(accelerator: Any) -> None:
+    """Block until the accelerator's pending checkpoint saves are committed (re-raise failures)."""
+    plugin_of(accelerator).wait()

@@ -1,0 +1,46 @@
+"""The real Accelerator on 2 gloo ranks (MULTI_CPU): save, resume in a new process, compare.
+
+Two torchrun launches carry every multi-process check (tests/accelerate/dist/ddp_worker.py):
+bit-exact resume against an uninterrupted run, DataLoader position, registered objects,
+retention across a restart, plain-torch and core-written cross restores, several models, and
+the FSDP2 (``fully_shard``) path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launch import run_script
+
+WORKER = Path(__file__).parent / "dist" / "ddp_worker.py"
+SAVE_CHECKS = {"distributed_type", "interrupted_run_matches_reference_so_far", "retention_total_limit_2"}
+RESUME_CHECKS = {
+    "distributed_type", "restored_newest_step", "iteration_counter_restored",
+    "params_and_optimizer_bit_exact_after_load", "registered_object_restored", "scheduler_restored",
+    "dataloader_epoch_restored", "plain_torch_restores_accelerate_checkpoint",
+    "dataloader_resumes_at_right_batch", "next_losses_bit_exact", "final_params_and_optimizer_bit_exact",
+    "registered_object_final", "retention_across_restart", "retention_removed_folders",
+    "step_folder_input_dir", "core_written_checkpoint_restores", "several_models_roundtrip",
+    "fsdp2_params_bit_exact_after_load", "fsdp2_next_losses_bit_exact", "fsdp2_saved_global_shapes",
+}
+
+
+def _launch(mode: str, out: Path, expected: set[str]) -> None:
+    proc = run_script(2, WORKER, mode, str(out), timeout_s=150)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for rank in range(2):
+        path = out / f"{mode}-rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results:\n{proc.stdout[-4000:]}"
+        checks = json.loads(path.read_text())
+        failed = {k: v for k, v in checks.items() if v is not True}
+        assert not failed, f"rank {rank} ({mode}): {failed}"
+        assert expected <= set(checks), f"rank {rank} ({mode}) skipped: {expected - set(checks)}"
+
+
+@pytest.mark.timeout(360)
+def test_ddp_save_resume_in_new_process(tmp_path: Path) -> None:
+    _launch("save", tmp_path, SAVE_CHECKS)
+    _launch("resume", tmp_path, RESUME_CHECKS)
