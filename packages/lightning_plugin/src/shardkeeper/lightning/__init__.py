@@ -1,10 +1,15 @@
 """shardkeeper adapter for PyTorch Lightning.
 
-This adapter is a skeleton pending its issue: it exports nothing yet. When written, it hooks
-into the Trainer(plugins=[...]) argument (and a strategy hook where a strategy bypasses
-CheckpointIO for sharded saves), and translates the framework's state to and from the canonical
-state of shardkeeper.core (DESIGN.md sections 2 and 5). It imports only the public API of
-shardkeeper.core and its own framework, never another adapter.
+``Trainer(plugins=[ShardkeeperCheckpointIO(root)])`` makes every checkpoint the Trainer saves
+(``ModelCheckpoint``, ``trainer.save_checkpoint``) a shardkeeper checkpoint under ``root``, and
+``fit(ckpt_path=...)`` restore from one, under ddp, ``ModelParallelStrategy`` (FSDP2, TP) and
+``FSDPStrategy`` (sharded). See docs/lightning.md. Importing this module installs the hook
+that connects the plugin to its strategy (:mod:`shardkeeper.lightning.hook`).
 """
 
-__all__: list[str] = []
+from shardkeeper.lightning.hook import connect, install
+from shardkeeper.lightning.plugin import ShardkeeperCheckpointIO
+
+install()
+
+__all__ = ["ShardkeeperCheckpointIO", "connect"]

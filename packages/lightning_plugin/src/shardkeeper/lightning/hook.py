@@ -1,0 +1,114 @@
+"""How the plugin takes over a strategy's checkpointing.
+
+Lightning hands a ``CheckpointIO`` plugin to its strategy with ``strategy.checkpoint_io =
+plugin`` (``Trainer(plugins=[...])`` and ``Strategy(checkpoint_io=...)`` both end there). On
+import, this module extends that property's setter: it still stores the plugin, and when the
+plugin is a :class:`ShardkeeperCheckpointIO` it also *connects* it to the strategy, which
+replaces, on that strategy instance only, the methods through which Lightning saves, loads and
+removes checkpoints:
+
+- ``save_checkpoint`` (all ranks): one shardkeeper save; the strategy writes nothing itself;
+- ``load_checkpoint``: restores model (and optimizers, when they exist yet), returns the rest;
+- ``load_model_state_dict`` / ``load_optimizer_state_dict``: no-ops for our checkpoints
+  (the optimizers of strategies that create them after loading are restored here);
+- ``lightning_module_state_dict`` / ``optimizer_state``: return ``{}`` (the plugin reads the
+  live module and optimizers; Lightning's own copies would only cost time and memory);
+- ``remove_checkpoint``: removes our pointer files (rank 0);
+- ``teardown``: waits for the save in flight, so ``fit()`` returns with every save committed.
+
+Other strategies and other plugins are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from lightning.pytorch.strategies import Strategy
+
+from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO
+
+_UNSUPPORTED = ("XLAStrategy", "SingleDeviceXLAStrategy")
+
+
+def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
+    """Make ``plugin`` do ``strategy``'s checkpointing (idempotent)."""
+    name = type(strategy).__name__
+    if name in _UNSUPPORTED:
+        raise TypeError(f"ShardkeeperCheckpointIO does not support {name}")
+    if name == "DeepSpeedStrategy":
+        _require_deepspeed_adapter()
+    if getattr(strategy, "_shardkeeper_plugin", None) is plugin:
+        return
+    plugin.strategy = strategy
+    strategy._shardkeeper_plugin = plugin
+    orig_load_model = strategy.load_model_state_dict
+    orig_load_optim = strategy.load_optimizer_state_dict
+    orig_remove = strategy.remove_checkpoint
+    orig_teardown = strategy.teardown
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        plugin._save(strategy, checkpoint, filepath, storage_options)
+
+    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return plugin._load(strategy, checkpoint_path)
+
+    def load_model_state_dict(checkpoint: Any, strict: bool = True) -> None:
+        if MARK not in checkpoint:
+            orig_load_model(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(checkpoint: Any) -> None:
+        if MARK not in checkpoint:
+            orig_load_optim(checkpoint)
+            return
+        plugin._restore_deferred_optim(strategy)
+
+    def remove_checkpoint(filepath: Any) -> None:
+        if not plugin._remove(filepath, rank0=strategy.is_global_zero):
+            orig_remove(filepath)
+
+    @functools.wraps(orig_teardown)
+    def teardown() -> None:
+        try:
+            orig_teardown()
+        finally:
+            plugin.wait()
+
+    strategy.save_checkpoint = save_checkpoint
+    strategy.load_checkpoint = load_checkpoint
+    strategy.load_model_state_dict = load_model_state_dict
+    strategy.load_optimizer_state_dict = load_optimizer_state_dict
+    strategy.lightning_module_state_dict = lambda: {}
+    strategy.optimizer_state = lambda optimizer: {}
+    strategy.remove_checkpoint = remove_checkpoint
+    strategy.teardown = teardown
+
+
+def _require_deepspeed_adapter() -> None:
+    try:
+        from shardkeeper.core import adapters  # type: ignore[attr-defined]
+
+        adapters.load_adapter("deepspeed")
+    except Exception as e:  # noqa: BLE001
+        raise NotImplementedError(
+            "ShardkeeperCheckpointIO with DeepSpeedStrategy delegates to the shardkeeper "
+            "DeepSpeed adapter (shardkeeper.core.adapters.load_adapter('deepspeed')), which is not "
+            f"available here ({type(e).__name__}: {e}); install shardkeeper-deepspeed, or use "
+            "ModelParallelStrategy / FSDPStrategy / ddp"
+        ) from e
+
+
+def install() -> None:
+    """Extend ``Strategy.checkpoint_io``'s setter once (see the module docstring)."""
+    prop = Strategy.__dict__["checkpoint_io"]
+    if getattr(prop.fset, "_shardkeeper", False):
+        return
+    fset = prop.fset
+
+    def setter(self: Any, io: Any) -> None:
+        fset(self, io)
+        if isinstance(io, ShardkeeperCheckpointIO):
+            connect(io, self)
+
+    setter._shardkeeper = True  # type: ignore[attr-defined]
+    Strategy.checkpoint_io = property(prop.fget, setter, prop.fdel, prop.__doc__)  # type: ignore[method-assign]

@@ -1,0 +1,424 @@
+"""``ShardkeeperCheckpointIO``: the Trainer plugin.
+
+Lightning's sharded strategies (``ModelParallelStrategy``, ``FSDPStrategy``) never call their
+``CheckpointIO`` for sharded state, and the others call it on rank 0 only. So the plugin, once
+the Trainer hands it to its strategy (``strategy.checkpoint_io = plugin``, see
+:mod:`shardkeeper.lightning.hook`), takes over that strategy's ``save_checkpoint``,
+``load_checkpoint`` and ``remove_checkpoint`` on every rank: one collective shardkeeper save
+per Lightning save, nothing written by the strategy itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+
+from shardkeeper.core import CheckpointManager, RNGState
+from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.lightning import codec
+from shardkeeper.lightning.paths import PathIndex, Target, norm_path, read_pointer, remove_pointer, resolve, write_pointer
+
+log = logging.getLogger(__name__)
+
+#: Marks a checkpoint dict this plugin returned from ``load_checkpoint``.
+MARK = "_shardkeeper"
+#: Keys of Lightning's checkpoint dict that the plugin maps onto canonical namespaces.
+_MAPPED = {"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops", "callbacks",
+           "optimizer_states", "lr_schedulers"}
+#: Hyperparameter entries: stored when they are JSON-like, skipped with a warning otherwise.
+_BEST_EFFORT = {"hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
+                "datamodule_hparams_name", "datamodule_hparams_type"}
+
+
+class ShardkeeperCheckpointIO(CheckpointIO):
+    """Checkpoints of every rank's state under ``root`` (a path, ``s3://...``, ``gs://...``).
+
+    ``Trainer(plugins=[ShardkeeperCheckpointIO(root, **options)])``; ``options`` go to
+    :class:`shardkeeper.core.CheckpointManager` (``keep_last``, ``keep_every``,
+    ``storage_options``, ``metadata``, ``async_save``, ``per_rank``, ...).
+    ``restore_rng``: restore each rank's RNG state on resume (default True).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, restore_rng: bool = True, **manager_options: Any) -> None:
+        super().__init__()
+        s = os.fspath(root)
+        self.root = s if "://" in s else os.path.abspath(s)
+        self.restore_rng = restore_rng
+        self.manager_options = manager_options
+        self.strategy: Any = None
+        self._mgr: CheckpointManager | None = None
+        self._index: PathIndex | None = None
+        self._saved: dict[int, bool] = {}  # steps this process saved -> weights_only
+        self._handle: Any = None
+        self._deferred_optim: tuple[CheckpointManager, int] | None = None
+
+    # -- CheckpointIO --------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if self.strategy is None:
+            raise RuntimeError(_NOT_CONNECTED)
+        self.strategy.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.strategy is None:
+            raise RuntimeError(_NOT_CONNECTED)
+        return self.strategy.load_checkpoint(path)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self._remove(path, rank0=True)
+
+    def teardown(self) -> None:
+        self.wait()
+
+    # -- public helpers ------------------------------------------------------------------------
+    def step_path(self, step: int) -> str:
+        """A ``ckpt_path`` naming ``step`` under this plugin's root."""
+        return f"{self.root}/step-{step:012d}"
+
+    def steps(self) -> list[int]:
+        """Committed steps under the root."""
+        return self.manager().steps()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its failure."""
+        if self._mgr is not None:
+            self._mgr.wait()
+
+    def close(self) -> None:
+        if self._mgr is not None:
+            self._mgr.close()
+            self._mgr = None
+
+    def manager(self) -> CheckpointManager:
+        """The manager of the root (created on first use: a collective on every rank)."""
+        if self._mgr is None:
+            meta = dict(self.manager_options.pop("metadata", None) or {})
+            meta.setdefault("framework_adapter", "lightning")
+            import lightning
+
+            meta.setdefault("lightning_version", lightning.__version__)
+            if self.strategy is not None:
+                meta.setdefault("lightning_strategy", type(self.strategy).__name__)
+            self._mgr = CheckpointManager(self.root, metadata=meta, **self.manager_options)
+        return self._mgr
+
+    # -- save ----------------------------------------------------------------------------------
+    def _save(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "Trainer.save_checkpoint(..., storage_options=...) is not used by "
+                "ShardkeeperCheckpointIO: give storage options to the plugin "
+                "(ShardkeeperCheckpointIO(root, storage_options={...}))"
+            )
+        path = norm_path(strategy.broadcast(norm_path(filepath)))
+        step = int(checkpoint.get("global_step", 0))
+        weights_only = "optimizer_states" not in checkpoint
+        mgr = self.manager()
+        trainer = _trainer(strategy)
+        known = self._saved.get(step)
+        if known is None:
+            committed = strategy.broadcast(step in mgr.steps() if mgr.rank == 0 else False)
+            if committed:
+                log.warning(
+                    "step %d is already committed under %s (an earlier run); %s now names that "
+                    "checkpoint, which is kept as it is. Use a new root for a fresh run", step, self.root, path,
+                )
+                known = weights_only
+        if known is not None:
+            if known and not weights_only:
+                raise ValueError(
+                    f"{path}: step {step} is already saved under {self.root} with weights only; a "
+                    f"full checkpoint of the same step cannot be written beside it. Save the full "
+                    f"checkpoint first, or at another step"
+                )
+        else:
+            state = self._state(strategy, checkpoint, weights_only)
+            running = trainer is not None and trainer.state.status.value == "running"
+            self._handle = mgr.save(step, state, async_save=None if running else False)
+            self._saved[step] = weights_only
+        if mgr.rank == 0:
+            write_pointer(path, self.root, step)
+            idx = self._path_index()
+            idx.set(path, step)
+            idx.flush()
+            self._delete_orphans()
+
+    def _state(self, strategy: Any, ck: dict[str, Any], weights_only: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": _model(strategy)}
+        opts = [] if weights_only else list(strategy.optimizers)
+        scheds = [] if weights_only else list(ck.get("lr_schedulers", []))
+        if opts:
+            state["optim"] = opts[0] if len(opts) == 1 else {str(i): o for i, o in enumerate(opts)}
+        if scheds:
+            enc = [codec.encode(s, f"lr_schedulers/{i}") for i, s in enumerate(scheds)]
+            state["sched"] = enc[0] if len(enc) == 1 else {str(i): s for i, s in enumerate(enc)}
+        progress: dict[str, Any] = {"global_step": int(ck.get("global_step", 0)), "epoch": int(ck.get("epoch", 0))}
+        if "loops" in ck:
+            progress["loops"] = codec.encode(ck["loops"], "loops")
+        state["progress"] = progress
+        extra: dict[str, Any] = {
+            "lightning": {
+                "version": str(ck.get("pytorch-lightning_version", "")),
+                "weights_only": weights_only,
+                "optimizers": len(opts),
+                "schedulers": len(scheds),
+                "strategy": type(strategy).__name__,
+            }
+        }
+        if "callbacks" in ck:
+            extra["callbacks"] = codec.encode(ck["callbacks"], "callbacks")
+        rest: dict[str, Any] = {}
+        for k, v in ck.items():
+            if k in _MAPPED or k == MARK:
+                continue
+            try:
+                rest[k] = codec.encode(v, k)
+            except TypeError as e:
+                if k not in _BEST_EFFORT:
+                    raise TypeError(f"checkpoint entry {k!r} cannot be saved by shardkeeper: {e}") from None
+                warnings.warn(f"checkpoint entry {k!r} is not saved: {e}", stacklevel=3)
+        if rest:
+            extra["checkpoint"] = rest
+        state["extra"] = extra
+        state["rng"] = RNGState()
+        return state
+
+    # -- load ----------------------------------------------------------------------------------
+    def _resolve(self, strategy: Any, ckpt_path: Any) -> Target:
+        err = None
+        target = None
+        if _rank(strategy) == 0:
+            try:
+                target = resolve(ckpt_path, self.root)
+                if target is None:
+                    err = _not_ours(ckpt_path, self.root)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                err = f"{type(e).__name__}: {e}"
+        target, err = strategy.broadcast((target, err))
+        if err is not None:
+            raise CheckpointNotFoundError(err)
+        assert target is not None
+        return target
+
+    def _load(self, strategy: Any, ckpt_path: Any) -> dict[str, Any]:
+        from shardkeeper.core.commit import load_manifest
+
+        target = self._resolve(strategy, ckpt_path)
+        own = target.root == self.root
+        mgr = self.manager() if own else CheckpointManager(target.root, **_storage_only(self.manager_options))
+        try:
+            step = target.step
+            if own and self._handle is not None and (step is None or step == self._handle.step):
+                mgr.wait()  # a save of this process still in flight: let it commit first
+            if step is None:
+                steps = mgr.steps()
+                step = strategy.broadcast(steps[-1] if steps else None)
+                if step is None:
+                    raise CheckpointNotFoundError(
+                        f"no committed checkpoint under {target.root} (rank {mgr.rank}); nothing to "
+                        f"resume from. Check the root, or start without ckpt_path"
+                    )
+            leaves = load_manifest(mgr.storage, step).leaves
+            return self._restore(strategy, mgr, step, leaves)
+        finally:
+            if not own and self._deferred_optim is None:
+                mgr.close()
+
+    def _restore(self, strategy: Any, mgr: CheckpointManager, step: int, leaves: Mapping[str, Any]) -> dict[str, Any]:
+        lm = strategy.lightning_module
+        trainer = _trainer(strategy)
+        fitting = trainer is not None and trainer.state.fn.value == "fit"
+        state: dict[str, Any] = {"model": _model(strategy)}
+        only = ["model/*"]
+        for ns in ("progress", "sched", "extra"):
+            sk = codec.skeleton(leaves, ns)
+            if sk is not None:
+                state[ns] = sk
+                only.append(f"{ns}/*")
+        has_optim = any(k.startswith("optim/") for k in leaves)
+        n_opt = _count(leaves, "optim", "param_groups")
+        self._deferred_optim = None
+        if fitting and has_optim:
+            if strategy.restore_checkpoint_after_setup and strategy.optimizers:
+                state["optim"] = _optim_target(list(strategy.optimizers), n_opt, mgr, step)
+                only.append("optim/*")
+            else:  # the optimizers do not exist yet: load_optimizer_state_dict() restores them
+                self._deferred_optim = (mgr, step)
+        if self.restore_rng and any(k.startswith("rng/") for k in leaves):
+            state["rng"] = RNGState()
+            only.append("rng/*")
+        strict = bool(getattr(lm, "strict_loading", True))
+        mgr.restore(state, step=step, only=only, strict=strict)
+        progress = codec.decode(state.get("progress") or {})
+        extra = codec.decode(state.get("extra") or {})
+        info = extra.get("lightning", {}) if isinstance(extra, dict) else {}
+        import lightning
+
+        ck: dict[str, Any] = {
+            "epoch": progress.get("epoch", 0),
+            "global_step": progress.get("global_step", 0),
+            "pytorch-lightning_version": info.get("version") or lightning.__version__,
+            "state_dict": {},
+            MARK: {"root": mgr.storage.url, "step": step},
+        }
+        if "loops" in progress:
+            ck["loops"] = progress["loops"]
+        if "callbacks" in extra:
+            ck["callbacks"] = extra["callbacks"]
+        ck.update(extra.get("checkpoint", {}))
+        if has_optim:
+            ck["optimizer_states"] = []
+        if "sched" in state:
+            s = codec.decode(state["sched"])
+            n = info.get("schedulers", 1)
+            ck["lr_schedulers"] = [s] if n == 1 else [s[str(i)] if str(i) in s else s[i] for i in range(n)]
+        elif has_optim:
+            if not info:
+                warnings.warn(
+                    f"step {step} under {mgr.storage.url} holds no LR scheduler state (not written "
+                    f"by the Lightning plugin); schedulers keep their initial state", stacklevel=3,
+                )
+            ck["lr_schedulers"] = []
+        return ck
+
+    def _restore_deferred_optim(self, strategy: Any) -> None:
+        if self._deferred_optim is None:
+            return
+        mgr, step = self._deferred_optim
+        self._deferred_optim = None
+        from shardkeeper.core.commit import load_manifest
+
+        leaves = load_manifest(mgr.storage, step).leaves
+        opts = list(strategy.optimizers)
+        state = {"model": _model(strategy), "optim": _optim_target(opts, _count(leaves, "optim", "param_groups"), mgr, step)}
+        mgr.restore(state, step=step, only=["optim/*"])
+        if mgr is not self._mgr:
+            mgr.close()
+
+    # -- remove / retention ----------------------------------------------------------------
+    def _remove(self, filepath: Any, *, rank0: bool) -> bool:
+        """Remove a pointer (rank 0); its step goes once no path names it. False: not ours."""
+        if not rank0:
+            return True
+        path = norm_path(filepath)
+        target = read_pointer(path)
+        if target is None:
+            return False
+        remove_pointer(path)
+        if target.root == self.root:
+            idx = self._path_index()
+            idx.drop(path)
+            idx.flush()
+            self._delete_orphans()
+        return True
+
+    def _path_index(self) -> PathIndex:
+        if self._index is None:
+            self._index = PathIndex(self.manager().storage)
+        return self._index
+
+    def _delete_orphans(self) -> None:
+        """Delete steps no path names (never the newest committed, nor one in flight)."""
+        idx = self._path_index()
+        if not idx.orphans:
+            return
+        from shardkeeper.core.retention import apply_retention
+
+        protect = set()
+        if self._handle is not None and not self._handle.done():
+            protect.add(self._handle.step)
+        doomed = {s for s in idx.orphans if not idx.named(s)}
+        mgr = self.manager()
+        deleted = apply_retention(mgr.storage, _Only(doomed), protect=protect)
+        committed = set(mgr.steps())
+        idx.orphans = {s for s in idx.orphans if s in committed and s not in deleted and not idx.named(s)}
+        idx.flush()
+
+
+class _Only:
+    """A retention policy that retains every step but the given ones."""
+
+    keep_last = None
+    keep_every = None
+    keeps_all = False
+
+    def __init__(self, doomed: set[int]) -> None:
+        self.doomed = doomed
+
+    def retained(self, steps: Any) -> set[int]:
+        return set(steps) - self.doomed
+
+
+def _optim_target(opts: list[Any], n_saved: int, mgr: CheckpointManager, step: int) -> Any:
+    if len(opts) != max(n_saved, 1):
+        raise ValueError(
+            f"step {step} under {mgr.storage.url} (rank {mgr.rank}) holds {n_saved} optimizer(s), "
+            f"the LightningModule configures {len(opts)}; configure_optimizers() must return as "
+            f"many optimizers as when it was saved"
+        )
+    return opts[0] if len(opts) == 1 else {str(i): o for i, o in enumerate(opts)}
+
+
+def _count(leaves: Mapping[str, Any], ns: str, marker: str) -> int:
+    if f"{ns}/{marker}" in leaves:
+        return 1
+    n = 0
+    while f"{ns}/{n}/{marker}" in leaves:
+        n += 1
+    return n
+
+
+def _model(strategy: Any) -> torch.nn.Module:
+    """The module whose state is saved: the FSDP1 root when there is one, else the
+    LightningModule (its FQNs are the canonical ones; wrapper prefixes are normalized away)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    m = strategy.model
+    if isinstance(m, FullyShardedDataParallel):
+        return m
+    lm = strategy.lightning_module
+    if lm is None:
+        raise RuntimeError("the strategy has no LightningModule attached; nothing to checkpoint")
+    return lm
+
+
+def _trainer(strategy: Any) -> Any:
+    lm = strategy.lightning_module
+    return getattr(lm, "_trainer", None) if lm is not None else None
+
+
+def _rank(strategy: Any) -> int:
+    return int(getattr(strategy, "global_rank", 0))
+
+
+def _storage_only(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k == "storage_options"}
+
+
+def _not_ours(ckpt_path: Any, root: str) -> str:
+    p = os.fspath(ckpt_path) if isinstance(ckpt_path, (str, os.PathLike)) else str(ckpt_path)
+    if os.path.exists(p) or "://" in p:
+        return (
+            f"{p} is not a shardkeeper checkpoint (not a pointer file, not {root} or a step "
+            f"under it). A Lightning .ckpt or sharded directory is imported once with "
+            f"shardkeeper.lightning.import_lightning_checkpoint({p!r}, {root!r}, "
+            f"trust_pickle=True), then resumed from the step it returns"
+        )
+    return (
+        f"checkpoint path {p} does not exist, and it names no step under {root}; pass a path "
+        f"ModelCheckpoint wrote, the root (newest committed step) or a step number"
+    )
+
+
+_NOT_CONNECTED = (
+    "ShardkeeperCheckpointIO is not connected to a strategy: pass it to the Trainer "
+    "(Trainer(plugins=[ShardkeeperCheckpointIO(root)])) and import shardkeeper.lightning "
+    "before the Trainer is built"
+)
+
+__all__ = ["MARK", "ShardkeeperCheckpointIO"]
