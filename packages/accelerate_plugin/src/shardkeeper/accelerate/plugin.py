@@ -81,10 +81,11 @@ class AcceleratePlugin:
             return
         if kind == "DEEPSPEED":
             raise NotImplementedError(
-                f"shardkeeper.accelerate: {what} under DistributedType.DEEPSPEED needs the DeepSpeed "
-                f"adapter (shardkeeper.core.adapters.load_adapter('deepspeed')), which is not available "
-                f"in this installation; install shardkeeper-deepspeed, or use accelerate's own "
-                f"save_state by not calling shardkeeper.accelerate.enable()"
+                f"shardkeeper.accelerate: {what} under DistributedType.DEEPSPEED is not implemented yet "
+                f"(it is to delegate to the DeepSpeed adapter: shardkeeper.core.adapters."
+                f"load_adapter('deepspeed').engine_state(engine)); for DeepSpeed runs use the "
+                f"DeepSpeed adapter directly, or accelerate's own save_state (do not call "
+                f"shardkeeper.accelerate.enable())"
             )
         raise NotImplementedError(
             f"shardkeeper.accelerate: {what} under DistributedType.{kind} is not supported (supported: "
@@ -197,6 +198,7 @@ def enable(accelerator: Any, root: str | None = None, **options: Any) -> Acceler
     if existing is not None:
         existing.wait()
     plugin = AcceleratePlugin(accelerator, settings)
+    plugin._check_supported("enable()")  # fail at start-up, not at the first save
     setattr(accelerator, _ATTR, plugin)
     accelerator.save_state = plugin.save_state
     accelerator.load_state = plugin.load_state

@@ -1,0 +1,107 @@
+"""Settings precedence (argument > SHARDKEEPER_* > shardkeeper.yaml > default) and single-process errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from torch import nn
+
+import shardkeeper.accelerate as ska
+from shardkeeper.accelerate.config import config_file_path, resolve_settings
+
+
+@pytest.fixture
+def cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for k in ("SHARDKEEPER_CONFIG_FILE", "SHARDKEEPER_ROOT", "SHARDKEEPER_ASYNC_SAVE", "SHARDKEEPER_KEEP_LAST"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    path = tmp_path / "hf" / "accelerate" / "shardkeeper.yaml"
+    path.parent.mkdir(parents=True)
+    return path
+
+
+def test_config_file_lives_beside_accelerate_config(cfg: Path) -> None:
+    assert config_file_path() == cfg
+
+
+def test_precedence_argument_env_file_default(cfg: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_settings({})["resume_dataloaders"] is True  # default
+    assert "async_save" not in resolve_settings({})  # the core's own default applies
+    cfg.write_text("root: /from/file\nasync_save: false\nkeep_last: 3\nio_threads: 2\n")
+    s = resolve_settings({})
+    assert (s["root"], s["async_save"], s["keep_last"], s["io_threads"]) == ("/from/file", False, 3, 2)
+    monkeypatch.setenv("SHARDKEEPER_ROOT", "/from/env")
+    monkeypatch.setenv("SHARDKEEPER_ASYNC_SAVE", "1")
+    s = resolve_settings({})
+    assert (s["root"], s["async_save"], s["keep_last"]) == ("/from/env", True, 3)
+    s = resolve_settings({"root": "/from/arg", "keep_last": None})
+    assert (s["root"], s["keep_last"]) == ("/from/arg", 3)  # None = not given
+
+
+def test_bad_settings_name_their_source(cfg: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg.write_text("keep_lats: 3\n")
+    with pytest.raises(ValueError, match=r"shardkeeper.yaml: unknown setting\(s\) keep_lats"):
+        resolve_settings({})
+    cfg.write_text("")
+    monkeypatch.setenv("SHARDKEEPER_KEEP_LAST", "three")
+    with pytest.raises(ValueError, match=r"\$SHARDKEEPER_KEEP_LAST is 'three', not a valid int"):
+        resolve_settings({})
+    with pytest.raises(TypeError, match="unknown shardkeeper.accelerate option"):
+        resolve_settings({"asnyc_save": True})
+
+
+def test_single_process_roundtrip_and_errors(cfg: Path, tmp_path: Path) -> None:
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "proj")))
+    ska.enable(acc, async_save=False)
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    model, opt = acc.prepare(lin, torch.optim.SGD(lin.parameters(), lr=0.1))
+    with pytest.raises(FileNotFoundError, match=r"no committed checkpoint under .*proj/checkpoints \(rank 0\)"):
+        acc.load_state()
+    path = acc.save_state()
+    assert path.endswith("step-000000000000") and acc.project_configuration.iteration == 1
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    acc.project_configuration.iteration = 0
+    with pytest.raises(ValueError, match=r"step 0 is already committed under .*proj/checkpoints \(rank 0\)"):
+        acc.save_state()
+    assert acc.load_state() == 0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+    assert acc.project_configuration.iteration == 1  # the counter continues after the restored save
+    acc.end_training()
+
+
+def test_import_accelerate_save_state_folder(cfg: Path, tmp_path: Path) -> None:
+    """A folder from Accelerate's own save_state imports only with trust_pickle=True."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    lin = nn.Linear(3, 2)
+    model, opt = acc.prepare(lin, torch.optim.Adam(lin.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 3)).sum())
+    opt.step()
+    folder = tmp_path / "checkpoint_7"
+    Accelerator.save_state(acc, str(folder))  # Accelerate's format: safetensors + pickles
+    want_w = model.weight.detach().clone()
+    want_m = opt.optimizer.state[model.weight]["exp_avg"].clone()
+    ska.enable(acc, root=str(tmp_path / "sk"), async_save=False)
+    with pytest.raises(ValueError, match=r"optimizer.bin.* are pickles.*trust_pickle=True"):
+        ska.import_accelerate_checkpoint(acc, str(folder))
+    with torch.no_grad():
+        model.weight.zero_()
+    with pytest.warns(UserWarning, match="unpickling"):
+        path = ska.import_accelerate_checkpoint(acc, str(folder), trust_pickle=True)
+    assert path.endswith("step-000000000007")
+    with torch.no_grad():
+        model.weight.zero_()
+        opt.optimizer.state[model.weight]["exp_avg"].zero_()
+    assert acc.load_state() == 7
+    assert torch.equal(model.weight, want_w)
+    assert torch.equal(opt.optimizer.state[model.weight]["exp_avg"], want_m)
+    acc.end_training()
