@@ -1,10 +1,17 @@
-"""shardkeeper adapter for DeepSpeed.
+"""shardkeeper adapter for DeepSpeed: ZeRO-1/2/3 engines as shardkeeper's canonical state.
 
-This adapter is a skeleton pending its issue: it exports nothing yet. When written, it hooks
-into the engine's checkpoint_engine extension point and save_checkpoint / load_checkpoint, and
-translates the framework's state to and from the canonical state of shardkeeper.core (DESIGN.md
-sections 2 and 5). It imports only the public API of shardkeeper.core and its own framework,
-never another adapter.
+- ``engine_state(engine)``: the engine's ``model`` / ``optim`` / ``sched`` / ``progress``
+  entries for ``CheckpointManager.save`` / ``restore`` (fp32 master weights and optimizer
+  moments as per-parameter fragments, so they restore at any world size and ZeRO stage, and
+  into plain torch / FSDP2, and the reverse).
+- ``attach(engine, root)``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` go through
+  shardkeeper from then on.
+
+Imports only the public API of shardkeeper.core and DeepSpeed itself, never another adapter;
+every private DeepSpeed attribute it touches is in ``_ds_internals``.
 """
 
-__all__: list[str] = []
+from shardkeeper.deepspeed.hook import DeepSpeedCheckpointHook, attach, tag_to_step
+from shardkeeper.deepspeed.state import engine_state, ensure_optimizer_state
+
+__all__ = ["DeepSpeedCheckpointHook", "attach", "engine_state", "ensure_optimizer_state", "tag_to_step"]

@@ -1,0 +1,264 @@
+"""Every use of a private DeepSpeed attribute, in one place, checked against the tested releases.
+
+DeepSpeed's public tensor-fragment API (``safe_get_local_fp32_param`` ...) covers ZeRO-3 local
+partitions but not ZeRO-1/2, and none of it says where a rank's partition lies in the global
+parameter, restores lazily created optimizer state, or pushes fp32 master weights back into
+the low-precision parameters. Those need the optimizer's internals, listed below.
+``check_engine`` verifies all of them on a live engine; ``tests/deepspeed`` runs it on every
+stage, so a DeepSpeed release that renames or reshapes any of them fails loudly there (bump
+``TESTED_RANGE`` only after that test passes on the new release).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: DeepSpeed releases whose internals this module was verified against: [low, high).
+TESTED_RANGE = ((0, 16), (0, 20))
+
+#: Per ZeRO stage, the optimizer attributes used here (checked by ``check_engine``).
+ZERO12_ATTRS = ("bit16_groups", "single_partition_of_fp32_groups", "optimizer", "update_lp_params",
+                "_hp_optimizer_states_linked")
+ZERO3_ATTRS = ("fp16_groups", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat",
+               "sub_group_to_group_id", "grad_position", "get_param_id", "optimizer",
+               "_get_param_partition_rank", "_reassign_or_swap_out_partitioned_parameters",
+               "persistent_parameters")
+MAPPING_ATTRS = ("lp_fragment_address", "hp_fragment_address", "set_optim_state_fragment")
+
+
+class DeepSpeedInternalsError(RuntimeError):
+    """The installed DeepSpeed does not have the internals this adapter relies on."""
+
+
+def deepspeed_version() -> tuple[int, int]:
+    import deepspeed
+
+    major, minor = (int(x) for x in deepspeed.__version__.split(".")[:2])
+    return major, minor
+
+
+def version_tested() -> bool:
+    lo, hi = TESTED_RANGE
+    return lo <= deepspeed_version() < hi
+
+
+def _missing(obj: Any, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if not hasattr(obj, n)]
+
+
+def zero_stage(engine: Any) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def zero_optimizer(engine: Any) -> Any:
+    """The ZeRO optimizer wrapper (``engine.optimizer``), after checking the stage is supported."""
+    stage = zero_stage(engine)
+    if stage not in (1, 2, 3):
+        raise DeepSpeedInternalsError(
+            f"shardkeeper.deepspeed supports ZeRO stages 1, 2 and 3; this engine runs stage "
+            f"{stage}. Enable zero_optimization.stage >= 1 in the DeepSpeed config"
+        )
+    return engine.optimizer
+
+
+def check_engine(engine: Any) -> list[str]:
+    """Names of the private attributes this adapter needs that ``engine`` lacks (empty = fine)."""
+    import deepspeed
+
+    opt = zero_optimizer(engine)
+    missing = _missing(opt, ZERO3_ATTRS if zero_stage(engine) == 3 else ZERO12_ATTRS)
+    if zero_stage(engine) != 3:
+        for group in getattr(opt, "bit16_groups", []):
+            for p in group:
+                if not hasattr(p, "_hp_mapping"):
+                    missing.append("param._hp_mapping")
+                elif p._hp_mapping is not None:
+                    missing += [f"_hp_mapping.{n}" for n in _missing(p._hp_mapping, MAPPING_ATTRS)]
+    else:
+        for group in getattr(opt, "fp16_groups", []):
+            for p in group:
+                missing += [f"param.{n}" for n in _missing(p, ("ds_tensor", "ds_shape", "ds_numel"))]
+    from deepspeed.utils import mixed_precision_linkage
+
+    if not hasattr(mixed_precision_linkage, "lazy_init_hp_params_optimizer_state"):
+        missing.append("deepspeed.utils.mixed_precision_linkage.lazy_init_hp_params_optimizer_state")
+    del deepspeed
+    return sorted(set(missing))
+
+
+def require_engine(engine: Any) -> None:
+    missing = check_engine(engine)
+    if missing:
+        import deepspeed
+
+        raise DeepSpeedInternalsError(
+            f"DeepSpeed {deepspeed.__version__} lacks internals shardkeeper.deepspeed relies on: "
+            f"{', '.join(missing)}; this adapter was verified with DeepSpeed "
+            f"{TESTED_RANGE[0][0]}.{TESTED_RANGE[0][1]} to <{TESTED_RANGE[1][0]}.{TESTED_RANGE[1][1]}. "
+            f"Install a DeepSpeed release in that range, or update shardkeeper-deepspeed"
+        )
+
+
+# -- where each rank's master weights and moments lie ---------------------------------------
+@dataclass
+class FlatGroup:
+    """One flat fp32 partition the base optimizer steps, and the parameters it covers."""
+
+    flat: torch.Tensor  # this rank's fp32 partition (a torch optimizer parameter)
+    group_index: int  # index into the base optimizer's param_groups
+    params: list[torch.nn.Parameter]
+
+
+@dataclass
+class ParamSlice:
+    """This rank's piece of one parameter: flat elements [offset, offset+numel) of the global
+    parameter live at ``flat[start : start + numel]``."""
+
+    param: torch.nn.Parameter
+    shape: tuple[int, ...]
+    flat_group: int  # index into the FlatGroup list
+    start: int
+    offset: int
+    numel: int
+
+
+def flat_groups(engine: Any) -> list[FlatGroup]:
+    opt = zero_optimizer(engine)
+    if zero_stage(engine) == 3:
+        return [
+            FlatGroup(flat, int(opt.sub_group_to_group_id[i]), list(opt.fp16_groups[i]))
+            for i, flat in enumerate(opt.fp32_partitioned_groups_flat)
+        ]
+    return [
+        FlatGroup(flat, i, list(opt.bit16_groups[i]))
+        for i, flat in enumerate(opt.single_partition_of_fp32_groups)
+    ]
+
+
+def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
+    """Every trainable parameter's slice on this rank (numel 0 where this rank holds none)."""
+    opt = zero_optimizer(engine)
+    out = []
+    for gi, g in enumerate(groups):
+        for p in g.params:
+            if zero_stage(engine) == 3:
+                shape = tuple(int(s) for s in p.ds_shape)
+                _, start, part = opt.grad_position[opt.get_param_id(p)]
+                offset = int(opt._get_param_partition_rank(p)) * int(part)
+                numel = max(0, min(int(part), int(p.ds_numel) - offset))
+                out.append(ParamSlice(p, shape, gi, int(start), min(offset, int(p.ds_numel)), numel))
+            else:
+                shape = tuple(p.shape)
+                hm = p._hp_mapping
+                if hm is None:
+                    out.append(ParamSlice(p, shape, gi, 0, 0, 0))
+                else:
+                    out.append(ParamSlice(p, shape, gi, int(hm.hp_fragment_address.start),
+                                          int(hm.lp_fragment_address.start), int(hm.lp_fragment_address.numel)))
+    return out
+
+
+def frozen_zero3_partitions(engine: Any) -> list[tuple[str, torch.nn.Parameter, int, int]]:
+    """ZeRO-3 parameters the optimizer does not own: (name, param, offset, numel) of ds_tensor."""
+    out = []
+    owned = {id(p) for g in flat_groups(engine) for p in g.params}
+    for name, p in engine.module.named_parameters():
+        if id(p) in owned or not hasattr(p, "ds_tensor"):
+            continue
+        part = int(p.ds_tensor.numel())
+        rank = torch.distributed.get_rank(group=p.ds_process_group) if torch.distributed.is_initialized() else 0
+        offset = min(rank * part, int(p.ds_numel))
+        out.append((name, p, offset, max(0, min(part, int(p.ds_numel) - offset))))
+    return out
+
+
+# -- after a restore ------------------------------------------------------------------------
+def push_master_weights(engine: Any) -> None:
+    """Copy the (restored) fp32 master partitions into the low-precision parameters (a collective)."""
+    opt = zero_optimizer(engine)
+    with torch.no_grad():
+        if zero_stage(engine) == 3:
+            for i in range(len(opt.fp32_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(i)
+            # Small parameters stay gathered between steps (stage3_param_persistence_threshold):
+            # re-gather them from the new partitions, as DeepSpeed does after each step.
+            if opt.persistent_parameters:
+                opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+        else:
+            opt.update_lp_params()
+
+
+def regather_zero3(engine: Any, params: list[torch.nn.Parameter]) -> None:
+    """Re-gather persistent ZeRO-3 parameters whose ds_tensor was written directly."""
+    persistent = [p for p in params if p in set(zero_optimizer(engine).persistent_parameters)]
+    if persistent:
+        persistent[0].all_gather(persistent)
+
+
+def relink_optimizer_fragments(engine: Any) -> None:
+    """ZeRO-1/2: point every ``_hp_mapping.optim_fragment`` at the current optimizer state.
+
+    DeepSpeed links them lazily at its next step; until then (and after its own
+    ``load_checkpoint`` on 0.19.8) ``safe_get_full_optimizer_state`` fails. Relinking makes
+    the public fragment API consistent right after a restore.
+    """
+    if zero_stage(engine) == 3:
+        return
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    opt = zero_optimizer(engine)
+    for i, flat in enumerate(opt.single_partition_of_fp32_groups):
+        if flat in opt.optimizer.state:
+            lazy_init_hp_params_optimizer_state(opt.bit16_groups[i], flat, opt.optimizer.state)
+    opt._hp_optimizer_states_linked = True
+
+
+# -- loss scaler ----------------------------------------------------------------------------
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scaler_state(engine: Any) -> dict[str, Any]:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return {}
+    out: dict[str, Any] = {}
+    for name in _SCALER_FIELDS:
+        if hasattr(scaler, name):
+            v = getattr(scaler, name)
+            out[name] = float(v) if isinstance(v, (float, torch.Tensor)) else v
+    return out
+
+
+def set_loss_scaler_state(engine: Any, state: dict[str, Any]) -> None:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return
+    for name, v in state.items():
+        if name in _SCALER_FIELDS and hasattr(scaler, name):
+            cur = getattr(scaler, name)
+            if isinstance(cur, torch.Tensor):
+                cur.fill_(v)
+            else:
+                setattr(scaler, name, type(cur)(v) if cur is not None and v is not None else v)
+
+
+__all__ = [
+    "TESTED_RANGE",
+    "DeepSpeedInternalsError",
+    "FlatGroup",
+    "ParamSlice",
+    "check_engine",
+    "flat_groups",
+    "frozen_zero3_partitions",
+    "loss_scaler_state",
+    "param_slices",
+    "push_master_weights",
+    "relink_optimizer_fragments",
+    "require_engine",
+    "set_loss_scaler_state",
+    "version_tested",
+    "zero_stage",
+]

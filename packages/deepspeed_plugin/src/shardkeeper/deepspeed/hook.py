@@ -1,0 +1,272 @@
+"""``attach(engine, root)``: the engine's own ``save_checkpoint`` / ``load_checkpoint`` calls
+go through shardkeeper (async, atomically committed, verified; local disk, S3, GCS).
+
+The hook replaces both methods on the engine object: DeepSpeed writes ``latest`` with plain
+``open()``, globs model files and copies ``zero_to_fp32.py`` outside its ``checkpoint_engine``
+slot, so owning the slot alone would still write DeepSpeed's files. Nothing of DeepSpeed's
+own format is written or read while attached; ``detach()`` puts the originals back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, StateMismatchError
+from shardkeeper.core.commit import load_manifest
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.deepspeed import _ds_internals as dsi
+from shardkeeper.deepspeed.state import engine_state
+
+log = logging.getLogger(__name__)
+
+_TAG = re.compile(r"(?:global_step)?(\d+)")
+CLIENT_PREFIX = "extra/client_state"
+
+
+def tag_to_step(tag: Any) -> int | None:
+    """A numeric tag (``1200``, ``"1200"``) or ``"global_step1200"`` -> 1200; other tags -> None."""
+    if isinstance(tag, int) and not isinstance(tag, bool):
+        return tag
+    if tag is None:
+        return None
+    m = _TAG.fullmatch(str(tag))
+    return int(m.group(1)) if m else None
+
+
+def _rebuild(prefix: str, leaves: Mapping[str, Any]) -> dict[str, Any]:
+    """A restore target for every saved leaf under ``prefix``: empty tensors and placeholders."""
+    root: dict[str, Any] = {}
+    for key, rec in leaves.items():
+        if key != prefix and not key.startswith(prefix + "/"):
+            continue
+        parts = key[len(prefix) :].strip("/").split("/") if key != prefix else []
+        if rec.kind == "tensor":
+            from shardkeeper.core.tensor.state import dtype_from_name
+
+            value: Any = torch.empty(tuple(rec.shape), dtype=dtype_from_name(rec.dtype))
+        elif rec.kind == "bytes":
+            value = b""
+        else:
+            value = None
+        if not parts:
+            return {"": value}
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return root
+
+
+def _lists_back(x: Any) -> Any:
+    """Dicts keyed "0".."n-1" were lists holding tensors when saved: make them lists again."""
+    if isinstance(x, dict):
+        x = {k: _lists_back(v) for k, v in x.items()}
+        if x and all(k.isdigit() for k in x) and sorted(int(k) for k in x) == list(range(len(x))):
+            return [x[str(i)] for i in range(len(x))]
+    return x
+
+
+class DeepSpeedCheckpointHook:
+    """What ``attach`` returns: owns the managers; ``wait()``, ``close()``, ``detach()``."""
+
+    def __init__(self, engine: Any, root: str | None, **manager_options: Any) -> None:
+        dsi.require_engine(engine)
+        self.engine = engine
+        self.root = root
+        self.manager_options = manager_options
+        self.managers: dict[str, CheckpointManager] = {}
+        self._orig_save = engine.__dict__.get("save_checkpoint")
+        self._orig_load = engine.__dict__.get("load_checkpoint")
+        engine.save_checkpoint = self.save_checkpoint
+        engine.load_checkpoint = self.load_checkpoint
+        ref = weakref.ref(self)
+        atexit.register(lambda: (h := ref()) is not None and h._wait_quietly())
+
+    # -- managers --------------------------------------------------------------------------
+    def manager(self, directory: str | None = None) -> CheckpointManager:
+        """The manager for ``directory`` (the attach root wins when one was given)."""
+        root = self.root if self.root is not None else directory
+        if root is None:
+            raise ValueError(
+                "no checkpoint root: pass one to attach(engine, root) or a directory to "
+                "save_checkpoint / load_checkpoint"
+            )
+        root = str(root)
+        if root not in self.managers:
+            opts = dict(self.manager_options)
+            meta = {**dict(opts.pop("metadata", None) or {}), **self._metadata()}
+            self.managers[root] = CheckpointManager(root, metadata=meta, **opts)
+        return self.managers[root]
+
+    def _metadata(self) -> dict[str, Any]:
+        import deepspeed
+
+        e = self.engine
+        return {
+            "framework": "deepspeed",
+            "deepspeed_version": deepspeed.__version__,
+            "zero_stage": dsi.zero_stage(e),
+            "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
+            "dp_world_size": int(e.dp_world_size),
+        }
+
+    # -- the engine's methods --------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str | None = None,
+        tag: Any = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """``engine.save_checkpoint``: stages and returns; writes and commits in the background.
+
+        The step is the tag's number (``1200`` / ``"global_step1200"``), else
+        ``engine.global_steps``; the tag itself goes into the manifest's metadata.
+        ``save_latest`` is implied (the core keeps a LATEST hint; discovery uses manifests).
+        """
+        mgr = self.manager(save_dir)
+        step = tag_to_step(tag)
+        if step is None:
+            step = int(self.engine.global_steps)
+        state = engine_state(self.engine)
+        if exclude_frozen_parameters:
+            state["model"].exclude_frozen = True
+        state["extra"] = {"client_state": dict(client_state or {})}
+        tag_name = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        mgr.save(step, state, metadata={"tag": tag_name})
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | None = None,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """``engine.load_checkpoint``: returns ``(load_path, client_state)``, or ``(None, None)``
+        when nothing is committed yet (as DeepSpeed does)."""
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "custom_load_fn is not supported while shardkeeper is attached; detach() first"
+            )
+        mgr = self.manager(load_dir)
+        step = self._resolve_step(mgr, tag)
+        if step is None:
+            warnings.warn(
+                f"no committed checkpoint under {mgr.storage.url}; nothing loaded", stacklevel=2
+            )
+            return None, None
+        manifest = load_manifest(mgr.storage, step)
+        state = engine_state(self.engine)
+        check_model_matches(state, manifest.leaves, where=f"{mgr.storage.describe(step_dir(step))} (step {step})")
+        only = ["model/*"]
+        if not load_module_only:
+            only.append("progress/*")
+            if load_optimizer_states:
+                only.append("optim/*")
+            if load_lr_scheduler_states and "sched" in state:
+                only.append("sched/*")
+        client_target = _rebuild(CLIENT_PREFIX, manifest.leaves)
+        if client_target and not load_module_only:
+            state["extra"] = {"client_state": client_target.get("", client_target)}
+            only.append(f"{CLIENT_PREFIX}*")
+        mgr.restore(state, step=step, only=only, strict=load_module_strict)
+        client = state.get("extra", {}).get("client_state")
+        if load_module_only:
+            client = {}
+        return mgr.storage.describe(step_dir(step)), _lists_back(client) if client is not None else {}
+
+    def _resolve_step(self, mgr: CheckpointManager, tag: Any) -> int | None:
+        steps = mgr.steps()
+        if tag is None:
+            return steps[-1] if steps else None
+        step = tag_to_step(tag)
+        if step is not None:
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"tag {tag!r} (step {step}) is not committed under {mgr.storage.url}; "
+                    f"committed steps: {steps[-8:]}"
+                )
+            return step
+        for s in reversed(steps):
+            if load_manifest(mgr.storage, s).metadata.get("tag") == str(tag):
+                return s
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint under {mgr.storage.url} was saved with tag {tag!r}; "
+            f"committed steps: {steps[-8:]}"
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until every pending save is committed (re-raises a background failure)."""
+        for m in self.managers.values():
+            m.wait()
+
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except Exception as e:  # at interpreter exit: report, never raise
+            log.error("shardkeeper: a pending DeepSpeed checkpoint did not commit: %s", e)
+
+    def close(self) -> None:
+        for m in self.managers.values():
+            m.close()
+        self.managers.clear()
+
+    def detach(self) -> None:
+        """Wait for pending saves, close, and give the engine its own methods back."""
+        self.close()
+        for name, orig in (("save_checkpoint", self._orig_save), ("load_checkpoint", self._orig_load)):
+            if orig is None:
+                self.engine.__dict__.pop(name, None)
+            else:
+                setattr(self.engine, name, orig)
+
+
+def check_model_matches(state: Mapping[str, Any], leaves: Mapping[str, Any], *, where: str) -> None:
+    """Raise one error listing every model parameter whose name or shape does not match."""
+    target = {}
+    for name, v in state["model"].state_dict().items():
+        shape = getattr(v, "global_shape", None)
+        target[f"model/{name}"] = tuple(shape if shape is not None else v.shape)
+    saved = {k: tuple(r.shape) for k, r in leaves.items() if k.startswith("model/") and r.kind == "tensor"}
+    missing = sorted(set(target) - set(saved))
+    unexpected = sorted(set(saved) - set(target))
+    wrong = sorted(k for k in set(target) & set(saved) if target[k] != saved[k])
+    if not (missing or unexpected or wrong):
+        return
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    lines = [f"the checkpoint at {where} does not match the engine's model (rank {rank}):"]
+    if missing:
+        lines.append(f"  in the engine, not in the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        lines.append(f"  in the checkpoint, not in the engine: {', '.join(unexpected)}")
+    for k in wrong:
+        lines.append(f"  {k}: checkpoint shape {list(saved[k])}, engine shape {list(target[k])}")
+    lines.append("build the model with the configuration the checkpoint was saved with")
+    raise StateMismatchError("\n".join(lines))
+
+
+def attach(engine: Any, root: str | None = None, **manager_options: Any) -> DeepSpeedCheckpointHook:
+    """Route ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through shardkeeper.
+
+    ``root``: where checkpoints go (a path, ``s3://...``, ``gs://...``); None uses the
+    directory passed to each call. ``manager_options`` go to ``CheckpointManager``
+    (``keep_last=3``, ``async_save=False``, ``storage_options=...``).
+    """
+    return DeepSpeedCheckpointHook(engine, root, **manager_options)
+
+
+__all__ = ["DeepSpeedCheckpointHook", "attach", "check_model_matches", "tag_to_step"]

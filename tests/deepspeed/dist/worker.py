@@ -1,0 +1,326 @@
+"""Real DeepSpeed engines on gloo/CPU: many save/restore cases per launch (a launch costs ~8 s).
+
+    worker.py save ROOT      (world size 2) train every case, save, record references
+    worker.py restore ROOT   (any world size) restore every case into every target, check
+
+Results: ROOT/results/<phase>-w<world>-r<rank>.json, a list of {"case", "ok", "detail"}.
+References (rank 0, saved engine): ROOT/refs/<case>.safetensors (full fp32 params and Adam
+moments from DeepSpeed's own safe_get_full_*), ROOT/refs/<case>.json (losses of the steps
+after the save, uninterrupted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import deepspeed  # noqa: E402  (after torch, as DeepSpeed expects)
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+deepspeed.utils.logger.setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", category=UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from shardkeeper.core import CheckpointManager, StateMismatchError  # noqa: E402
+from shardkeeper.core.adapters import load_adapter  # noqa: E402
+
+skds = load_adapter("deepspeed")  # the entry point, as the other adapters find it
+
+SAVE_STEPS = 3
+MORE_STEPS = 2
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# (stage, dtype); "hook" cases save through engine.save_checkpoint after attach()
+SAVED = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
+HOOK_CASES = {(2, "bf16"), (3, "fp32")}
+
+
+class Net(torch.nn.Module):
+    """Parameter sizes 35, 5, 15, 3: none divisible by 2 or 3 except by chance; a buffer too."""
+
+    def __init__(self, hidden: int = 5) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(7, hidden)
+        self.out = torch.nn.Linear(hidden, 3)
+        self.register_buffer("scale", torch.tensor([1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x))) * self.scale.to(x.dtype)
+
+
+def case_name(stage: int, dtype: str) -> str:
+    return f"z{stage}-{dtype}"
+
+
+def make_engine(stage: int, dtype: str, seed: int, hidden: int = 5):
+    torch.manual_seed(seed)
+    model = Net(hidden)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": dtype == "bf16"},
+        "steps_per_print": 10**9,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 10}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def batch(step: int, rank: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 7, generator=g).to(dtype), torch.randn(4, 3, generator=g)
+
+
+def train_step(engine, step: int) -> float:
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    x, y = batch(step, dist.get_rank(), dtype)
+    loss = (engine(x).float() - y).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def full_state(engine) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own view: full fp32 params and moments (collectives: every rank calls)."""
+    out = {}
+    for n, p in engine.module.named_parameters():
+        out[f"param/{n}"] = safe_get_full_fp32_param(p).detach().clone().contiguous()
+        for k in MOMENTS:
+            out[f"{k}/{n}"] = safe_get_full_optimizer_state(p, k).detach().clone().contiguous()
+    return out
+
+
+def lp_matches_master(engine) -> list[str]:
+    """Low-precision module weights must equal the fp32 masters cast down (after a restore)."""
+    bad = []
+    for n, p in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(p)
+        with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+            lp = p.detach().clone()
+        if not torch.equal(lp, master.to(lp.dtype).view_as(lp)):
+            bad.append(n)
+    return bad
+
+
+class Results:
+    def __init__(self, root: Path, phase: str) -> None:
+        self.path = root / "results" / f"{phase}-w{dist.get_world_size()}-r{dist.get_rank()}.json"
+        self.items: list[dict] = []
+
+    def check(self, case: str, ok: bool, detail: str = "") -> None:
+        self.items.append({"case": case, "ok": bool(ok), "detail": detail})
+
+    def run(self, case: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # record, keep going: one launch covers many cases
+            self.check(case, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.items, indent=1))
+
+
+def compare(res: Results, case: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    bad = [k for k in ref if k not in got or not torch.equal(got[k], ref[k])]
+    res.check(case, not bad, f"differ: {bad[:6]}")
+
+
+# -- save phase ----------------------------------------------------------------------------
+def save_case(root: Path, res: Results, stage: int, dtype: str) -> None:
+    name = case_name(stage, dtype)
+    engine = make_engine(stage, dtype, seed=0)
+    for k in range(SAVE_STEPS):
+        train_step(engine, k)
+    ckpt = root / "ckpt" / name
+    if (stage, dtype) in HOOK_CASES:
+        hook = skds.attach(engine)  # the directory passed to save_checkpoint is the root
+        engine.save_checkpoint(str(ckpt), tag=f"global_step{SAVE_STEPS}",
+                               client_state={"iteration": SAVE_STEPS, "note": name, "t": torch.arange(3.0)})
+    else:
+        mgr = CheckpointManager(str(ckpt))
+        handle = mgr.save(SAVE_STEPS, skds.engine_state(engine))  # async: training goes on
+    ref = full_state(engine)
+    losses = [train_step(engine, SAVE_STEPS + k) for k in range(MORE_STEPS)]  # mutates while writing
+    if (stage, dtype) in HOOK_CASES:
+        hook.wait()
+        res.check(f"{name}: the hook wrote no DeepSpeed files", not any(ckpt.glob("global_step*")) and not (ckpt / "latest").exists())
+        hook.detach()
+    else:
+        handle.wait()
+        mgr.close()
+    res.check(f"{name}: committed", (ckpt / f"step-{SAVE_STEPS:012d}" / "manifest.json").exists())
+    losses_all = [None] * dist.get_world_size()
+    dist.all_gather_object(losses_all, losses)
+    if dist.get_rank() == 0:
+        (root / "refs").mkdir(parents=True, exist_ok=True)
+        save_file(ref, str(root / "refs" / f"{name}.safetensors"))
+        (root / "refs" / f"{name}.json").write_text(json.dumps({"losses": losses_all}))
+    engine.destroy()
+
+
+def save_plain(root: Path, res: Results) -> None:
+    """A plain torch model + Adam, saved by the core (replicated on both ranks)."""
+    torch.manual_seed(7)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for k in range(SAVE_STEPS):
+        x, y = batch(k, 0)
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with CheckpointManager(str(root / "ckpt" / "plain")) as mgr:
+        mgr.save(SAVE_STEPS, {"model": model, "optim": opt}, async_save=False)
+    ref = {}
+    for n, p in model.named_parameters():
+        ref[f"param/{n}"] = p.detach().clone()
+        for k in MOMENTS:
+            ref[f"{k}/{n}"] = opt.state[p][k].clone()
+    if dist.get_rank() == 0:
+        save_file(ref, str(root / "refs" / "plain.safetensors"))
+    res.check("plain: saved", True)
+
+
+# -- restore phase -------------------------------------------------------------------------
+def restore_case(root: Path, res: Results, stage: int, dtype: str, target_stage: int) -> None:
+    name = case_name(stage, dtype)
+    w = dist.get_world_size()
+    case = f"{name}-w2 -> z{target_stage}-{dtype}-w{w}"
+    ref = load_file(str(root / "refs" / f"{name}.safetensors"))
+    engine = make_engine(target_stage, dtype, seed=1)  # other initial weights: restore must overwrite
+    ckpt = str(root / "ckpt" / name)
+    if (stage, dtype) in HOOK_CASES:
+        hook = skds.attach(engine, ckpt)
+        path, client = engine.load_checkpoint("ignored-when-a-root-is-attached", tag=f"global_step{SAVE_STEPS}")
+        res.check(f"{case}: load_checkpoint returns (path, client_state)",
+                  path is not None and client["iteration"] == SAVE_STEPS and client["note"] == name
+                  and torch.equal(client["t"], torch.arange(3.0)), f"{path} {client}")
+        hook.detach()
+    else:
+        with CheckpointManager(ckpt) as mgr:
+            step = mgr.restore(skds.engine_state(engine))
+        res.check(f"{case}: restored step", step == SAVE_STEPS, str(step))
+    res.check(f"{case}: progress", engine.global_steps == SAVE_STEPS and engine.global_samples == SAVE_STEPS * 8,
+              f"{engine.global_steps} {engine.global_samples}")
+    res.check(f"{case}: scheduler", engine.lr_scheduler.last_batch_iteration == SAVE_STEPS - 1,
+              str(engine.lr_scheduler.last_batch_iteration))
+    compare(res, f"{case}: fp32 masters and Adam moments bit-exact vs safe_get_full_*", full_state(engine), ref)
+    bad = lp_matches_master(engine)
+    res.check(f"{case}: low-precision weights = masters cast down", not bad, str(bad))
+    base = engine.optimizer.optimizer
+    steps = {float(s["step"]) for s in base.state.values()}
+    res.check(f"{case}: Adam step", steps == {float(SAVE_STEPS)}, str(steps))
+    if w == 2 and target_stage == stage:
+        want = json.loads((root / "refs" / f"{name}.json").read_text())["losses"][dist.get_rank()]
+        got = [train_step(engine, SAVE_STEPS + k) for k in range(MORE_STEPS)]
+        res.check(f"{case}: next losses bit-exact vs uninterrupted", got == want, f"{got} vs {want}")
+    engine.destroy()
+
+
+def plain_into_engine(root: Path, res: Results, target_stage: int) -> None:
+    """A core-written plain torch checkpoint restores into a ZeRO engine."""
+    case = f"plain-w2 -> z{target_stage}-fp32-w{dist.get_world_size()}"
+    engine = make_engine(target_stage, "fp32", seed=1)
+    with CheckpointManager(str(root / "ckpt" / "plain")) as mgr:
+        mgr.restore(skds.engine_state(engine), only=["model/*", "optim/*"])
+    compare(res, f"{case}: params and moments bit-exact", full_state(engine), load_file(str(root / "refs" / "plain.safetensors")))
+    res.check(f"{case}: low-precision weights = masters", not lp_matches_master(engine))
+    engine.destroy()
+
+
+def engine_into_plain(root: Path, res: Results, stage: int, dtype: str) -> None:
+    """A ZeRO checkpoint restores into a plain torch model + Adam (fp32 masters)."""
+    name = case_name(stage, dtype)
+    case = f"{name}-w2 -> plain-w{dist.get_world_size()}"
+    torch.manual_seed(3)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    with CheckpointManager(str(root / "ckpt" / name)) as mgr:
+        mgr.restore({"model": model, "optim": opt}, only=["model/*", "optim/*"])
+    got = {}
+    for n, p in model.named_parameters():
+        got[f"param/{n}"] = p.detach()
+        for k in MOMENTS:
+            got[f"{k}/{n}"] = opt.state[p][k]
+    compare(res, f"{case}: params and moments bit-exact", got, load_file(str(root / "refs" / f"{name}.safetensors")))
+    steps = {float(s["step"]) for s in opt.state.values()}
+    res.check(f"{case}: Adam step", steps == {float(SAVE_STEPS)}, str(steps))
+
+
+def mismatch(root: Path, res: Results) -> None:
+    """A checkpoint whose parameter shapes differ from the engine's: one error listing them."""
+    case = f"mismatch-w{dist.get_world_size()}"
+    engine = make_engine(2, "bf16", seed=1, hidden=6)
+    hook = skds.attach(engine, str(root / "ckpt" / case_name(2, "bf16")))
+    try:
+        engine.load_checkpoint(None)
+    except StateMismatchError as e:
+        msg = str(e)
+        want = ["inp.weight", "[5, 7]", "[6, 7]", "out.weight", "inp.bias", "step 3", "rank"]
+        res.check(f"{case}: clear error listing every mismatch", all(s in msg for s in want), msg)
+    else:
+        res.check(f"{case}: clear error listing every mismatch", False, "no error raised")
+    try:
+        engine.load_checkpoint(None, tag="global_step99")
+    except FileNotFoundError as e:
+        res.check(f"{case}: unknown tag", "global_step99" in str(e), str(e))
+    else:
+        res.check(f"{case}: unknown tag", False, "no error raised")
+    hook.detach()
+    engine.destroy()
+
+
+def contract(res: Results, stage: int) -> None:
+    """The private DeepSpeed internals the adapter uses: present, on a tested release."""
+    from shardkeeper.deepspeed import _ds_internals as dsi
+
+    engine = make_engine(stage, "fp32", seed=0)
+    missing = dsi.check_engine(engine)
+    res.check(f"internals z{stage}: present (a new DeepSpeed release changed them if not)", not missing, str(missing))
+    res.check(f"internals z{stage}: DeepSpeed {deepspeed.__version__} within TESTED_RANGE {dsi.TESTED_RANGE}",
+              dsi.version_tested())
+    engine.destroy()
+
+
+def main() -> None:
+    phase, root = sys.argv[1], Path(sys.argv[2])
+    deepspeed.init_distributed(dist_backend="gloo")
+    res = Results(root, phase)
+    try:
+        if phase == "save":
+            for stage, dtype in SAVED:
+                res.run(f"save {case_name(stage, dtype)}", lambda s=stage, d=dtype: save_case(root, res, s, d))
+            res.run("save plain", lambda: save_plain(root, res))
+            for stage in (1, 2, 3):
+                res.run(f"internals z{stage}", lambda s=stage: contract(res, s))
+        else:
+            targets = os.environ.get("SK_TARGETS", "all")
+            for stage, dtype in SAVED:
+                tstages = (1, 2, 3) if targets == "all" or dtype == "fp32" else (stage,)
+                for t in tstages:
+                    res.run(f"restore {case_name(stage, dtype)} -> z{t}", lambda s=stage, d=dtype, t=t: restore_case(root, res, s, d, t))
+            for t in (1, 3):
+                res.run(f"plain -> z{t}", lambda t=t: plain_into_engine(root, res, t))
+            for stage, dtype in ((3, "fp32"), (3, "bf16"), (1, "fp32")):
+                res.run(f"{case_name(stage, dtype)} -> plain", lambda s=stage, d=dtype: engine_into_plain(root, res, s, d))
+            res.run("mismatch", lambda: mismatch(root, res))
+    finally:
+        res.write()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
