@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from accelerate import Accelerator
-
 from shardkeeper.accelerate.plugin import enable
 
 

@@ -1,0 +1,40 @@
+"""GPU only: Accelerate's FSDP plugin (versions 1 and 2) with shardkeeper's save/load_state.
+
+Accelerate's FSDP plugin does not run on CPU; the CPU suite covers the same adapter code with a
+``fully_shard`` model (test_ddp_resume.py). Run on a CUDA machine: ``pytest -m gpu tests/accelerate``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import run_script
+
+WORKER = Path(__file__).parent / "dist" / "fsdp_plugin_worker.py"
+NPROC = 2
+EXPECTED = {"distributed_type", "params_bit_exact_after_load", "next_losses_bit_exact", "canonical_global_keys"}
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < NPROC,
+        reason=f"Accelerate's FSDP plugin needs CUDA; this test shards over {NPROC} GPUs",
+    ),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("version", [1, 2])
+def test_fsdp_plugin_save_load_bit_exact(version: int, tmp_path: Path) -> None:
+    proc = run_script(NPROC, WORKER, str(version), str(tmp_path), timeout_s=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for rank in range(NPROC):
+        path = tmp_path / f"fsdp{version}-rank{rank}.json"
+        assert path.exists(), proc.stdout[-4000:]
+        checks = json.loads(path.read_text())
+        failed = {k: v for k, v in checks.items() if v is not True}
+        assert not failed and EXPECTED <= set(checks), f"rank {rank}: {failed or EXPECTED - set(checks)}"
