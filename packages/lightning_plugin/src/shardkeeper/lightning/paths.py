@@ -92,7 +92,8 @@ def resolve(ckpt_path: Any, root: str) -> Target | None:
     """Map ``ckpt_path`` onto a root and step; ``None`` when it is none of ours.
 
     Accepted: an int step (or a string of digits) under ``root``; ``root`` itself (the newest
-    committed step) or a ``step-XXXXXXXXXXXX`` directory under it; a pointer file.
+    committed step) or a ``step-XXXXXXXXXXXX`` directory under it; a pointer file; another
+    root (a directory with step directories: its newest committed step).
     """
     if isinstance(ckpt_path, int) and not isinstance(ckpt_path, bool):
         return Target(root, ckpt_path)
@@ -105,7 +106,19 @@ def resolve(ckpt_path: Any, root: str) -> Target | None:
     m = _STEP_DIR.match(base[-1])
     if m and len(base) == 2:
         return Target(base[0], int(m.group(1)))
-    return read_pointer(s)
+    pointer = read_pointer(s)
+    if pointer is None and _is_root(s):
+        return Target(s if "://" in s else os.path.abspath(s), None)
+    return pointer
+
+
+def _is_root(path: str) -> bool:
+    """A directory holding step directories (another run's root): its newest step."""
+    fs, p = _fs(path)
+    if not fs.isdir(p):
+        return False
+    names = (str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(p, detail=False))
+    return any(_STEP_DIR.match(n) for n in names)
 
 
 class PathIndex:

@@ -1,0 +1,263 @@
+"""Multi-process Lightning runs for tests/lightning/test_strategies.py (launched by torchrun).
+
+``worker.py train DIR``: for each strategy (ddp, ModelParallel FSDP2 dp=2, ModelParallel TP
+tp=2) an uninterrupted 4-epoch fit that saves through ModelCheckpoint (every epoch, last) and
+``trainer.save_checkpoint`` (end of epoch 0), with torch.save / DCP saves spied on; writes
+the reference state (final and at the end of epoch 1) and the losses.
+
+``worker.py resume DIR``: for each strategy, two fresh Trainers in this new process resume
+(from ModelCheckpoint's epoch-1 file and from the manual epoch-0 file) and train to the end;
+parameters, optimizer state, scheduler, callback states, global_step and every later loss
+are compared bit for bit with the uninterrupted run.
+
+``worker.py cross DIR`` (one process): the FSDP2 checkpoint resumes under ddp at world size
+1; a checkpoint written by the core directly resumes in a Trainer.
+
+Rank 0 writes ``DIR/<phase>.json``: a list of checks ``{"name", "ok", "detail"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from shardkeeper.lightning import ShardkeeperCheckpointIO  # noqa: E402
+from tests.lightning.common import Net, full_state, loader  # noqa: E402
+
+EPOCHS = 4
+STRATEGIES = ("ddp", "fsdp2", "tp")
+checks: list[dict[str, Any]] = []
+
+
+def check(name: str, ok: bool, detail: Any = "") -> None:
+    checks.append({"name": name, "ok": bool(ok), "detail": str(detail)[:500]})
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def make_strategy(name: str, world: int) -> Any:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if name == "ddp":
+        return "ddp"
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    if name == "tp":
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world)
+    raise ValueError(name)
+
+
+def trainer(strategy: Any, plugin: Any, ckdir: str, world: int, extra: list[Any] | None = None, epochs: int = EPOCHS) -> L.Trainer:
+    extra = list(extra or [])
+    post = [AfterEarlyStopping(c) for c in extra if isinstance(c, Recorder)]
+    cbs = [*extra, EarlyStopping("train_loss", patience=100), *post,
+           ModelCheckpoint(dirpath=ckdir, every_n_epochs=1, save_top_k=-1, save_last=True)]
+    return L.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=world, strategy=strategy, plugins=[plugin],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=cbs,
+        deterministic=True,
+    )
+
+
+class Recorder(Callback):
+    """At the end of epochs 0 and 1: the full state (reference) and the callback states."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.es: dict[int, Any] = {}
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        e = trainer.current_epoch
+        if e == 0:
+            trainer.save_checkpoint(f"{self.out}/ck/manual-epoch0.ckpt")
+        st = full_state(pl_module, trainer.optimizers[0])
+        if rank() == 0 and e in (0, 1):
+            save_file({k: v.contiguous() for k, v in st.items()}, f"{self.out}/ref-epoch{e}.safetensors")
+        self.es[f"pre{trainer.global_step}"] = es_state(trainer)
+
+
+class AfterEarlyStopping(Callback):
+    """Records EarlyStopping's state after its own epoch-end update (what ModelCheckpoint saves)."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.rec.es[f"post{trainer.global_step}"] = es_state(trainer)
+
+
+def es_state(trainer: L.Trainer) -> dict[str, Any]:
+    es = next(c for c in trainer.callbacks if isinstance(c, EarlyStopping))
+    return {"wait_count": es.wait_count, "best_score": float(es.best_score)}
+
+
+def spy() -> dict[str, int]:
+    """Count torch.save and DCP saves from here on (none may happen: the plugin writes)."""
+    import torch.distributed.checkpoint as dcp
+    import lightning.fabric.strategies.fsdp as lf_fsdp
+    import lightning.fabric.strategies.model_parallel as lf_mp
+
+    counts = {"torch.save": 0, "dcp.save": 0}
+
+    def wrap(mod: Any, attr: str, key: str) -> None:
+        orig = getattr(mod, attr)
+
+        def f(*a: Any, **k: Any) -> Any:
+            counts[key] += 1
+            return orig(*a, **k)
+
+        setattr(mod, attr, f)
+
+    wrap(torch, "save", "torch.save")
+    wrap(dcp, "save", "dcp.save")
+    for m in (lf_fsdp, lf_mp):
+        if hasattr(m, "_distributed_checkpoint_save"):
+            wrap(m, "_distributed_checkpoint_save", "dcp.save")
+    return counts
+
+
+def phase_train(d: str, world: int) -> None:
+    counts = spy()
+    for name in STRATEGIES:
+        out = f"{d}/{name}"
+        os.makedirs(out, exist_ok=True)
+        L.seed_everything(0)
+        net = Net(mode={"ddp": "none"}.get(name, name))
+        rec = Recorder(out)
+        plugin = ShardkeeperCheckpointIO(f"{out}/root")
+        t = trainer(make_strategy(name, world), plugin, f"{out}/ck", world, [rec])
+        t.fit(net, loader())
+        st = full_state(net, t.optimizers[0])
+        if rank() == 0:
+            save_file({k: v.contiguous() for k, v in st.items()}, f"{out}/ref-final.safetensors")
+            meta = {
+                "losses": net.losses, "global_step": t.global_step, "es": rec.es,
+                "sched": t.lr_scheduler_configs[0].scheduler.state_dict(),
+                "steps": plugin.steps(),
+            }
+            with open(f"{out}/ref.json", "w") as f:
+                json.dump(meta, f)
+            files = sorted(os.listdir(f"{out}/ck"))
+            check(f"{name}: ModelCheckpoint and save_checkpoint wrote pointers", "last.ckpt" in files and "manual-epoch0.ckpt" in files, files)
+            sizes = {f: os.path.getsize(f"{out}/ck/{f}") for f in files}
+            check(f"{name}: only small pointer files beside the root (no strategy checkpoint)",
+                  all(os.path.isfile(f"{out}/ck/{f}") and s < 512 for f, s in sizes.items()), sizes)
+            check(f"{name}: one committed step per epoch", meta["steps"] == [t.global_step * (e + 1) // EPOCHS for e in range(EPOCHS)], meta["steps"])
+    check("no torch.save and no DCP save by any strategy", counts == {"torch.save": 0, "dcp.save": 0}, counts)
+
+
+def compare(name: str, label: str, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
+    check(f"{name} {label}: {len(ref)} parameter/optimizer tensors bit for bit", not bad and len(ref) == len(got), bad[:5])
+
+
+class AtStart(Callback):
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        mc = next(c for c in trainer.callbacks if isinstance(c, ModelCheckpoint))
+        self.seen = {
+            "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+            "es": es_state(trainer),
+            "last_model_path": mc.last_model_path,
+            "state": full_state(pl_module, trainer.optimizers[0]),
+        }
+
+
+def phase_resume(d: str, world: int) -> None:
+    counts = spy()
+    for name in STRATEGIES:
+        out = f"{d}/{name}"
+        with open(f"{out}/ref.json") as f:
+            ref = json.load(f)
+        final = load_file(f"{out}/ref-final.safetensors")
+        files = sorted(os.listdir(f"{out}/ck"))
+        mc_file = next(f for f in files if f.startswith("epoch=1-"))
+        for label, ckpt, epoch_ref in (("from ModelCheckpoint", mc_file, 1), ("from save_checkpoint", "manual-epoch0.ckpt", 0)):
+            L.seed_everything(0)
+            net = Net(mode={"ddp": "none"}.get(name, name))
+            at = AtStart()
+            plugin = ShardkeeperCheckpointIO(f"{out}/root-{epoch_ref}")
+            t = trainer(make_strategy(name, world), plugin, f"{out}/ck-{epoch_ref}", world, [at])
+            t.fit(net, loader(), ckpt_path=f"{out}/ck/{ckpt}")
+            step0 = at.seen["global_step"]
+            check(f"{name} {label}: resumed at global_step {step0}, epoch {at.seen['epoch']}", step0 == (epoch_ref + 1) * ref["global_step"] // EPOCHS and at.seen["epoch"] == epoch_ref + 1, at.seen["epoch"])
+            compare(name, f"{label} (at resume)", load_file(f"{out}/ref-epoch{epoch_ref}.safetensors"), at.seen["state"])
+            check(f"{name} {label}: EarlyStopping state restored", at.seen["es"] == ref["es"][f"{'pre' if epoch_ref == 0 else 'post'}{step0}"], (at.seen["es"], ref["es"]))
+            check(f"{name} {label}: ModelCheckpoint state restored", at.seen["last_model_path"].endswith(".ckpt") and "/ck/" in at.seen["last_model_path"], at.seen["last_model_path"])
+            later = {int(k): v for k, v in ref["losses"].items() if int(k) >= step0}
+            got = {k: v for k, v in net.losses.items() if k >= step0}
+            check(f"{name} {label}: {len(later)} later losses bit for bit", got == later and len(later) > 0, {k: (later.get(k), got.get(k)) for k in list(later)[:3]})
+            compare(name, f"{label} (final)", final, full_state(net, t.optimizers[0]))
+            check(f"{name} {label}: global_step and scheduler", t.global_step == ref["global_step"] and t.lr_scheduler_configs[0].scheduler.state_dict() == ref["sched"], t.lr_scheduler_configs[0].scheduler.state_dict())
+    check("no torch.save and no DCP save by any strategy", counts == {"torch.save": 0, "dcp.save": 0}, counts)
+
+
+def phase_cross(d: str) -> None:
+    from shardkeeper.core import CheckpointManager
+
+    # (a) FSDP2 at dp=2 -> ddp in one process: parameters and AdamW moments come back.
+    out = f"{d}/fsdp2"
+    mc_file = next(f for f in sorted(os.listdir(f"{out}/ck")) if f.startswith("epoch=1-"))
+    L.seed_everything(0)
+    net = Net()
+    at = AtStart()
+    plugin = ShardkeeperCheckpointIO(f"{d}/cross-root", per_rank="modulo")
+    t = trainer("ddp", plugin, f"{d}/cross-ck", 1, [at], epochs=3)
+    t.fit(net, loader(), ckpt_path=f"{out}/ck/{mc_file}")
+    compare("fsdp2 dp=2 -> ddp 1 process", "at resume", load_file(f"{out}/ref-epoch1.safetensors"), at.seen["state"])
+    check("fsdp2 -> ddp: global_step", at.seen["global_step"] > 0, at.seen["global_step"])
+
+    # (b) written by the core directly, restored in a Trainer.
+    L.seed_everything(1)
+    src = Net()
+    opt = torch.optim.AdamW(src.parameters(), lr=0.05)
+    x, y = next(iter(loader()))
+    torch.nn.functional.mse_loss(src.model(x), y).backward()
+    opt.step()
+    with CheckpointManager(f"{d}/core-root") as mgr:
+        mgr.save(7, {"model": src, "optim": opt}, async_save=False)
+    ref = full_state(src, opt)
+    L.seed_everything(0)
+    net = Net()
+    at = AtStart()
+    plugin = ShardkeeperCheckpointIO(f"{d}/core-root")
+    t = trainer("ddp", plugin, f"{d}/core-ck", 1, [at], epochs=1)
+    t.fit(net, loader(), ckpt_path=plugin.step_path(7))
+    compare("core-written checkpoint", "in a Trainer", ref, at.seen["state"])
+
+
+def main() -> None:
+    phase, d = sys.argv[1], sys.argv[2]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if phase == "train":
+            phase_train(d, world)
+        elif phase == "resume":
+            phase_resume(d, world)
+        else:
+            phase_cross(d)
+    except BaseException as e:
+        import traceback
+
+        traceback.print_exc()
+        check(f"{phase} raised", False, f"{type(e).__name__}: {e}")
+    if rank() == 0:
+        with open(f"{d}/{phase}.json", "w") as f:
+            json.dump(checks, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The real Trainer on 2 gloo processes: ddp, ModelParallel FSDP2 (dp=2) and TP (tp=2).
+
+Three launches: ``train`` (uninterrupted runs, every save through the plugin, strategies'
+own writers spied on), ``resume`` (new processes resume from ModelCheckpoint's and
+save_checkpoint's paths and must match the uninterrupted runs bit for bit), ``cross`` (one
+process: the FSDP2 checkpoint under ddp at world size 1; a core-written checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launch import run_script
+
+WORKER = Path(__file__).parent / "dist" / "worker.py"
+
+
+def _run(nproc: int, phase: str, d: Path) -> list[dict]:
+    proc = run_script(nproc, WORKER, phase, str(d), timeout_s=170)
+    out = d / f"{phase}.json"
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-6000:]
+    checks = json.loads(out.read_text())
+    assert checks, proc.stdout[-3000:]
+    return checks
+
+
+def _assert_all(checks: list[dict]) -> None:
+    bad = [c for c in checks if not c["ok"]]
+    assert not bad, "\n".join(f"{c['name']}: {c['detail']}" for c in bad)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    d = tmp_path_factory.mktemp("lightning-runs")
+    out = {"train": _run(2, "train", d)}
+    out["resume"] = _run(2, "resume", d)
+    out["cross"] = _run(1, "cross", d)
+    return out
+
+
+@pytest.mark.timeout(540)
+def test_uninterrupted_runs_save_only_through_the_plugin(runs: dict[str, list[dict]]) -> None:
+    _assert_all(runs["train"])
+    assert len(runs["train"]) == 10
+
+
+@pytest.mark.timeout(540)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "tp"])
+def test_resume_matches_uninterrupted_run_bit_for_bit(runs: dict[str, list[dict]], strategy: str) -> None:
+    mine = [c for c in runs["resume"] if c["name"].startswith(f"{strategy} ") or "raised" in c["name"]]
+    assert len(mine) >= 16, runs["resume"]
+    _assert_all(mine)
+
+
+@pytest.mark.timeout(540)
+def test_resume_at_another_world_size_and_from_a_core_checkpoint(runs: dict[str, list[dict]]) -> None:
+    _assert_all(runs["cross"])
+    assert len(runs["cross"]) == 3
