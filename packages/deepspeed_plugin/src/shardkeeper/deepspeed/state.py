@@ -62,13 +62,18 @@ def ensure_optimizer_state(engine: Any) -> None:
         for g in groups:
             g.flat.grad = torch.zeros_like(g.flat)
         lrs = [grp.get("lr") for grp in base.param_groups]
-        for grp in base.param_groups:
+        # ZeRO-3 empties each group's params between steps and sets them per sub-group for
+        # its step; set them to the group's flat partitions for this one step.
+        params = [grp["params"] for grp in base.param_groups]
+        for gi, grp in enumerate(base.param_groups):
+            grp["params"] = [g.flat for g in groups if g.group_index == gi]
             if "lr" in grp:
                 grp["lr"] = torch.tensor(0.0) if isinstance(grp["lr"], torch.Tensor) else 0.0
         try:
             base.step()
         finally:
-            for grp, lr in zip(base.param_groups, lrs):
+            for grp, lr, ps in zip(base.param_groups, lrs, params):
+                grp["params"] = ps
                 if lr is not None:
                     grp["lr"] = lr
             for flat, data, grad in saved:
@@ -100,11 +105,11 @@ class ModelState:
             if s is None and self.exclude_frozen and not p.requires_grad:
                 continue
             if s is not None:
-                local = groups[s.flat_group].flat.narrow(0, s.start, s.numel)
+                local = groups[s.flat_group].flat.detach().narrow(0, s.start, s.numel)
                 out[normalize_fqn(name)] = Fragment(local, s.shape, s.offset)
             elif id(p) in frozen3:
                 off, n = frozen3[id(p)]
-                out[normalize_fqn(name)] = Fragment(p.ds_tensor.view(-1).narrow(0, 0, n), tuple(p.ds_shape), off)
+                out[normalize_fqn(name)] = Fragment(p.ds_tensor.detach().view(-1).narrow(0, 0, n), tuple(p.ds_shape), off)
             else:
                 out[normalize_fqn(name)] = p.data
         out.update(_persistent_buffers(engine.module))
@@ -148,7 +153,7 @@ class OptimState:
             per: dict[str, Any] = {}
             for k, v in base.state.get(flat, {}).items():
                 if isinstance(v, torch.Tensor) and v.shape == flat.shape:
-                    per[k] = Fragment(v.narrow(0, s.start, s.numel), s.shape, s.offset)
+                    per[k] = Fragment(v.detach().narrow(0, s.start, s.numel), s.shape, s.offset)
                 elif isinstance(v, torch.Tensor):
                     per[k] = v.detach().clone()  # scalar state (step): one copy per parameter
                 else:
