@@ -185,6 +185,11 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         if rest:
             extra["checkpoint"] = rest
         state["extra"] = extra
+        # Callback, loop and scheduler state can differ between ranks (an EarlyStopping score
+        # of a rank's own loss); Lightning keeps rank 0's, and so does the plugin: the core
+        # would write a plain tensor from whichever rank it picks for a replicated tensor.
+        shared = strategy.broadcast({k: state[k] for k in ("sched", "progress", "extra") if k in state})
+        state.update(shared)
         state["rng"] = RNGState()
         return state
 
@@ -210,7 +215,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
 
         target = self._resolve(strategy, ckpt_path)
         own = target.root == self.root
-        mgr = self.manager() if own else CheckpointManager(target.root, **_storage_only(self.manager_options))
+        mgr = self.manager() if own else CheckpointManager(target.root, **_read_options(self.manager_options))
         try:
             step = target.step
             if own and self._handle is not None and (step is None or step == self._handle.step):
@@ -396,8 +401,9 @@ def _rank(strategy: Any) -> int:
     return int(getattr(strategy, "global_rank", 0))
 
 
-def _storage_only(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if k == "storage_options"}
+def _read_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Options for a manager that only restores from another root: no retention there."""
+    return {k: v for k, v in options.items() if k not in ("keep_last", "keep_every", "metadata")}
 
 
 def _not_ours(ckpt_path: Any, root: str) -> str:
