@@ -34,7 +34,11 @@ class Net(L.LightningModule):
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
         elif self.mode == "tp":
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
 
             parallelize_module(self.model, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
@@ -60,7 +64,11 @@ def loader() -> DataLoader:
 
 def full_state(lm: L.LightningModule, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters and optimizer state by FQN: a collective under FSDP2/TP."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     opts = StateDictOptions(full_state_dict=True)
     out = {f"model/{k}": v.detach().clone() for k, v in get_model_state_dict(lm, options=opts).items()}

@@ -25,7 +25,6 @@ import functools
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
-
 from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO
 
 _UNSUPPORTED = ("XLAStrategy", "SingleDeviceXLAStrategy")

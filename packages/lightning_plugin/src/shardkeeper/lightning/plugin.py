@@ -17,12 +17,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 
+from lightning.fabric.plugins import CheckpointIO
 from shardkeeper.core import CheckpointManager, RNGState
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.lightning import codec
-from shardkeeper.lightning.paths import PathIndex, Target, norm_path, read_pointer, remove_pointer, resolve, write_pointer
+from shardkeeper.lightning.paths import (
+    PathIndex,
+    Target,
+    norm_path,
+    read_pointer,
+    remove_pointer,
+    resolve,
+    write_pointer,
+)
 
 log = logging.getLogger(__name__)
 
