@@ -40,7 +40,25 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ds")
     res = run_script(2, WORKER, "save", str(root), timeout_s=240)
     assert res.returncode == 0, res.stdout[-4000:]
+    # native DeepSpeed checkpoints of two cases, imported here (one process)
+    from shardkeeper.deepspeed.native import import_native_checkpoint
+
+    for name in ("z2-fp32", "z3-bf16"):
+        with pytest.warns(UserWarning, match="unpickling"):
+            step = import_native_checkpoint(
+                root / "native" / name, str(root / "ckpt" / f"imported-{name}"), trust_pickle=True,
+                universal_dir=root / "universal" / name,
+            )
+        assert step == 3
     return root
+
+
+def test_native_import_refuses_pickles_without_opt_in(saved: Path, tmp_path: Path) -> None:
+    from shardkeeper.deepspeed.native import import_native_checkpoint
+
+    with pytest.raises(PermissionError, match="trust_pickle=True"):
+        import_native_checkpoint(saved / "native" / "z2-fp32", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
 
 
 def test_every_case_saves_and_internals_hold(saved: Path) -> None:
@@ -73,4 +91,9 @@ def test_restore_at_any_world_size_and_stage(saved: Path, world: int) -> None:
     assert f"plain-w2 -> z3-fp32-w{world}: params and moments bit-exact" in cases
     assert f"z3-bf16-w2 -> plain-w{world}: params and moments bit-exact" in cases
     assert f"mismatch-w{world}: clear error listing every mismatch" in cases
+    for name, t in (("z2-fp32", 1), ("z2-fp32", 3), ("z3-bf16", 1), ("z3-bf16", 3)):
+        d = name.split("-")[1]
+        assert f"imported-{name}-w2 -> z{t}-{d}-w{world}: fp32 masters and Adam moments bit-exact" in cases
+    if world != 2:
+        assert f"z2-fp32-w2 -> z2-fp32-w{world} vs DeepSpeed universal: next losses equal" in cases
     _assert_all_ok(checks)

@@ -43,6 +43,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # (stage, dtype); "hook" cases save through engine.save_checkpoint after attach()
 SAVED = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
 HOOK_CASES = {(2, "bf16"), (3, "fp32")}
+# also saved in DeepSpeed's native format, imported by the test (import_native_checkpoint)
+NATIVE_CASES = {(2, "fp32"), (3, "bf16")}
 
 
 class Net(torch.nn.Module):
@@ -152,6 +154,9 @@ def save_case(root: Path, res: Results, stage: int, dtype: str) -> None:
     else:
         mgr = CheckpointManager(str(ckpt))
         handle = mgr.save(SAVE_STEPS, skds.engine_state(engine))  # async: training goes on
+        if (stage, dtype) in NATIVE_CASES:
+            engine.save_checkpoint(str(root / "native" / name), tag=f"global_step{SAVE_STEPS}",
+                                   client_state={"iteration": SAVE_STEPS})
     ref = full_state(engine)
     losses = [train_step(engine, SAVE_STEPS + k) for k in range(MORE_STEPS)]  # mutates while writing
     if (stage, dtype) in HOOK_CASES:
@@ -230,6 +235,50 @@ def restore_case(root: Path, res: Results, stage: int, dtype: str, target_stage:
         got = [train_step(engine, SAVE_STEPS + k) for k in range(MORE_STEPS)]
         res.check(f"{case}: next losses bit-exact vs uninterrupted", got == want, f"{got} vs {want}")
     engine.destroy()
+
+
+def imported_into_engine(root: Path, res: Results, stage: int, dtype: str, target_stage: int) -> None:
+    """A native DeepSpeed checkpoint, imported by the test, restores like a shardkeeper one."""
+    name = case_name(stage, dtype)
+    case = f"imported-{name}-w2 -> z{target_stage}-{dtype}-w{dist.get_world_size()}"
+    engine = make_engine(target_stage, dtype, seed=1)
+    with CheckpointManager(str(root / "ckpt" / f"imported-{name}")) as mgr:
+        mgr.restore({**skds.engine_state(engine), "extra": {"client_state": {"iteration": None}}})
+    compare(res, f"{case}: fp32 masters and Adam moments bit-exact", full_state(engine), load_file(str(root / "refs" / f"{name}.safetensors")))
+    meta = json.loads((root / "refs" / f"{name}.json").read_text())
+    res.check(f"{case}: progress and scheduler",
+              engine.global_steps == SAVE_STEPS and engine.global_samples == meta["global_samples"]
+              and engine.lr_scheduler.last_batch_iteration == SAVE_STEPS - 1)
+    res.check(f"{case}: low-precision weights = masters", not lp_matches_master(engine))
+    engine.destroy()
+
+
+def versus_universal(root: Path, res: Results, stage: int, dtype: str) -> None:
+    """World-size change: shardkeeper's online resume equals DeepSpeed's own universal-checkpoint
+    resume (converted offline by ds_to_universal) in state and in the next losses, bit for bit."""
+    name = case_name(stage, dtype)
+    case = f"{name}-w2 -> z{stage}-{dtype}-w{dist.get_world_size()} vs DeepSpeed universal"
+    ours = make_engine(stage, dtype, seed=1)
+    with CheckpointManager(str(root / "ckpt" / name)) as mgr:
+        mgr.restore(skds.engine_state(ours))
+    ours_state = full_state(ours)
+    ours_losses = [train_step(ours, SAVE_STEPS + k) for k in range(MORE_STEPS)]
+    ours.destroy()
+    torch.manual_seed(1)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"}, "steps_per_print": 10**9,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 10}},
+        "checkpoint": {"load_universal": True},
+    }
+    theirs, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    theirs.load_checkpoint(str(root / "universal"), tag=name)
+    compare(res, f"{case}: state equal", full_state(theirs), ours_state)
+    theirs_losses = [train_step(theirs, SAVE_STEPS + k) for k in range(MORE_STEPS)]
+    res.check(f"{case}: next losses equal", theirs_losses == ours_losses, f"{ours_losses} vs {theirs_losses}")
+    theirs.destroy()
 
 
 def plain_into_engine(root: Path, res: Results, target_stage: int) -> None:
@@ -321,6 +370,12 @@ def main() -> None:
                 res.run(f"plain -> z{t}", lambda t=t: plain_into_engine(root, res, t))
             for stage, dtype in ((3, "fp32"), (3, "bf16"), (1, "fp32")):
                 res.run(f"{case_name(stage, dtype)} -> plain", lambda s=stage, d=dtype: engine_into_plain(root, res, s, d))
+            for stage, dtype in sorted(NATIVE_CASES):
+                for t in (1, 3):
+                    res.run(f"imported {case_name(stage, dtype)} -> z{t}",
+                            lambda s=stage, d=dtype, t=t: imported_into_engine(root, res, s, d, t))
+            if dist.get_world_size() != 2:
+                res.run("versus universal", lambda: versus_universal(root, res, 2, "fp32"))
             res.run("mismatch", lambda: mismatch(root, res))
     finally:
         res.write()

@@ -217,7 +217,7 @@ def relink_optimizer_fragments(engine: Any) -> None:
 
 
 # -- loss scaler ----------------------------------------------------------------------------
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def loss_scaler_state(engine: Any) -> dict[str, Any]:
@@ -225,7 +225,7 @@ def loss_scaler_state(engine: Any) -> dict[str, Any]:
     if scaler is None:
         return {}
     out: dict[str, Any] = {}
-    for name in _SCALER_FIELDS:
+    for name in SCALER_FIELDS:
         if hasattr(scaler, name):
             v = getattr(scaler, name)
             out[name] = float(v) if isinstance(v, (float, torch.Tensor)) else v
@@ -237,7 +237,7 @@ def set_loss_scaler_state(engine: Any, state: dict[str, Any]) -> None:
     if scaler is None:
         return
     for name, v in state.items():
-        if name in _SCALER_FIELDS and hasattr(scaler, name):
+        if name in SCALER_FIELDS and hasattr(scaler, name):
             cur = getattr(scaler, name)
             if isinstance(cur, torch.Tensor):
                 cur.fill_(v)

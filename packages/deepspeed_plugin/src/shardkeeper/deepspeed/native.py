@@ -1,0 +1,207 @@
+"""Import a native DeepSpeed checkpoint directory (``<dir>/global_step<N>/...``, what
+``engine.save_checkpoint`` writes without shardkeeper) into the shardkeeper format.
+
+DeepSpeed's files are pickles: reading them can run code, so the import refuses unless the
+caller passes ``trust_pickle=True`` (and warns even then). It uses DeepSpeed's own offline
+converter (``deepspeed.checkpoint.ds_to_universal``) to turn the ZeRO partitions into
+per-parameter fp32 weights and optimizer state, then saves them under the canonical keys in
+one process, so the result restores into any engine, stage and world size, or plain torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardkeeper.core import CheckpointManager
+from shardkeeper.core.tensor.state import normalize_fqn
+from shardkeeper.deepspeed._ds_internals import SCALER_FIELDS
+from shardkeeper.deepspeed.hook import tag_to_step
+
+#: Keys of DeepSpeed's model-states file that are DeepSpeed's own (the rest is client state).
+_DS_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "universal_checkpoint_info",
+}
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)  # trusted by the caller
+
+
+def _jsonable(key: str, v: Any, dropped: list[str]) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, dict):
+        return {str(k): _jsonable(f"{key}/{k}", x, dropped) for k, x in v.items()}
+    try:
+        json.dumps(v, allow_nan=False)
+        return v
+    except (TypeError, ValueError):
+        dropped.append(key)
+        return None
+
+
+def _find_step(obj: Any) -> Any:
+    """The first per-parameter ``step`` in a (nested) torch optimizer state dict, if any."""
+    if isinstance(obj, dict):
+        st = obj.get("state")
+        if isinstance(st, dict):
+            for v in st.values():
+                if isinstance(v, dict) and "step" in v:
+                    return v["step"]
+        for v in obj.values():
+            found = _find_step(v)
+            if found is not None:
+                return found
+    return None
+
+
+def _to_universal(ckpt_dir: Path, out: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(ckpt_dir), output_folder=str(out), num_extract_workers=1,
+        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal.main(args)
+
+
+def import_native_checkpoint(
+    src: str | Path,
+    root: str,
+    tag: str | None = None,
+    *,
+    trust_pickle: bool = False,
+    step: int | None = None,
+    universal_dir: str | Path | None = None,
+    **manager_options: Any,
+) -> int:
+    """Convert ``src/<tag>`` (default: the tag in ``src/latest``) into a committed step under
+    ``root``; returns the step (the tag's number, else the checkpoint's global_steps).
+
+    ``universal_dir`` keeps DeepSpeed's intermediate universal checkpoint there (by default a
+    temporary directory, removed). Run it in one process.
+    """
+    src = Path(src)
+    if not trust_pickle:
+        raise PermissionError(
+            f"{src} is a native DeepSpeed checkpoint: its files are Python pickles, and loading "
+            f"one can run arbitrary code. Import it only if you trust its origin, with "
+            f"import_native_checkpoint(..., trust_pickle=True)"
+        )
+    if tag is None:
+        latest = src / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(f"no 'latest' file in {src}; pass tag='global_step<N>'")
+        tag = latest.read_text().strip()
+    ckpt_dir = src / str(tag)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"no DeepSpeed checkpoint at {ckpt_dir}")
+    warnings.warn(
+        f"unpickling the native DeepSpeed checkpoint {ckpt_dir} (trust_pickle=True)", stacklevel=2
+    )
+    with tempfile.TemporaryDirectory(prefix="sk-ds-universal-") as tmp:
+        out = Path(universal_dir) if universal_dir is not None else Path(tmp) / "universal"
+        _to_universal(ckpt_dir, out)
+        state, ds_step = _read_universal(out, ckpt_dir)
+    if step is None:
+        step = tag_to_step(tag)
+    if step is None:
+        step = ds_step
+    meta = {"framework": "deepspeed", "imported_from": str(ckpt_dir), "tag": str(tag)}
+    with CheckpointManager(root, **manager_options) as mgr:
+        mgr.save(step, state, async_save=False, metadata=meta)
+    return step
+
+
+def _read_universal(out: Path, ckpt_dir: Path) -> tuple[dict[str, Any], int]:
+    model_files = sorted(out.glob("*model_states.pt")) or sorted(ckpt_dir.glob("*model_states.pt"))
+    if not model_files:
+        raise FileNotFoundError(f"no *model_states.pt in {ckpt_dir}")
+    ms = _load(model_files[0])
+    zero = out / "zero"
+    groups_shapes = ms.get("param_shapes") or []
+    if isinstance(groups_shapes, dict):
+        groups_shapes = [groups_shapes]
+    opt_file = zero / "optimizer_state.pt"
+    opt_sd = _load(opt_file) if opt_file.is_file() else {}
+    # ZeRO-3's universal conversion writes no per-parameter step: take the optimizer's own.
+    fallback_step = _find_step(opt_sd)
+    model: dict[str, Any] = {}
+    optim_state: dict[str, dict[str, Any]] = {}
+    group_fqns: list[list[str]] = []
+    for shapes in groups_shapes:
+        fqns = []
+        for name, shape in shapes.items():
+            fqn = normalize_fqn(name)
+            fqns.append(fqn)
+            shape = tuple(int(s) for s in shape)
+            per: dict[str, Any] = {}
+            for f in sorted((zero / name).glob("*.pt")):
+                v = _load(f)
+                v = v["param"] if isinstance(v, dict) and "param" in v else v
+                if f.stem == "fp32":
+                    model[fqn] = v.float().reshape(shape).contiguous()
+                elif isinstance(v, torch.Tensor) and v.numel() == math.prod(shape):
+                    per[f.stem] = v.float().reshape(shape).contiguous()
+                else:  # scalar state: step, kept as torch keeps it (a float32 tensor)
+                    per[f.stem] = torch.tensor(float(v), dtype=torch.float32)
+            if "step" not in per and fallback_step is not None:
+                per["step"] = torch.tensor(float(fallback_step), dtype=torch.float32)
+            if fqn not in model:
+                raise FileNotFoundError(f"DeepSpeed's converter wrote no fp32 weights for {name} under {zero}")
+            optim_state[fqn] = per
+        group_fqns.append(fqns)
+    module = ms.get("module") or {}
+    for name in ms.get("buffer_names") or []:
+        if name in module:
+            model[normalize_fqn(name)] = module[name]
+    param_groups = []
+    if opt_sd:
+        saved_groups = opt_sd.get("param_groups", [])
+        for g, fqns in zip(saved_groups, group_fqns):
+            param_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+    dropped: list[str] = []
+    client = {k: _jsonable(k, v, dropped) for k, v in ms.items() if k not in _DS_KEYS and not k.endswith(("_degree", "_world_size"))}
+    if dropped:
+        warnings.warn(f"client state entries that are neither tensors nor JSON were not imported: {dropped}", stacklevel=3)
+    ds_step = int(ms.get("global_steps", 0))
+    gas = int((ms.get("ds_config") or {}).get("gradient_accumulation_steps", 1) or 1) if isinstance(ms.get("ds_config"), dict) else 1
+    scaler: dict[str, Any] = {}
+    if opt_sd:
+        ls = opt_sd.get("loss_scaler")
+        for name in SCALER_FIELDS:
+            if hasattr(ls, name):
+                v = getattr(ls, name)
+                scaler[name] = float(v) if isinstance(v, (float, torch.Tensor)) else v
+    state: dict[str, Any] = {
+        "model": model,
+        "optim": {"state": optim_state, "param_groups": param_groups},
+        "progress": {
+            "global_step": ds_step,
+            "global_samples": int(ms.get("global_samples", 0)),
+            "skipped_steps": int(ms.get("skipped_steps", 0)),
+            "micro_steps": ds_step * gas,
+            "loss_scaler": scaler,
+        },
+        "extra": {"client_state": client},
+    }
+    if ms.get("lr_scheduler") is not None:
+        state["sched"] = _jsonable("lr_scheduler", ms["lr_scheduler"], dropped)
+    return state, ds_step
+
+
+__all__ = ["import_native_checkpoint"]
