@@ -84,17 +84,14 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
 
 
 def _require_deepspeed_adapter() -> None:
-    try:
-        from shardkeeper.core import adapters  # type: ignore[attr-defined]
-
-        adapters.load_adapter("deepspeed")
-    except Exception as e:  # noqa: BLE001
-        raise NotImplementedError(
-            "ShardkeeperCheckpointIO with DeepSpeedStrategy delegates to the shardkeeper "
-            "DeepSpeed adapter (shardkeeper.core.adapters.load_adapter('deepspeed')), which is not "
-            f"available here ({type(e).__name__}: {e}); install shardkeeper-deepspeed, or use "
-            "ModelParallelStrategy / FSDPStrategy / ddp"
-        ) from e
+    """The DeepSpeed path (delegating to load_adapter("deepspeed").engine_state) is not built
+    yet: refuse rather than save ZeRO partitions through the generic module path."""
+    raise NotImplementedError(
+        "ShardkeeperCheckpointIO does not support DeepSpeedStrategy yet: its DeepSpeed path "
+        "(shardkeeper.core.adapters.load_adapter('deepspeed').engine_state(engine)) is not "
+        "implemented in this version. Use ModelParallelStrategy (FSDP2), or save the engine "
+        "with the shardkeeper DeepSpeed adapter directly"
+    )
 
 
 def install() -> None:
