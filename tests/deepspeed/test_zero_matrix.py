@@ -94,6 +94,9 @@ def test_restore_at_any_world_size_and_stage(saved: Path, world: int) -> None:
     for name, t in (("z2-fp32", 1), ("z2-fp32", 3), ("z3-bf16", 1), ("z3-bf16", 3)):
         d = name.split("-")[1]
         assert f"imported-{name}-w2 -> z{t}-{d}-w{world}: fp32 masters and Adam moments bit-exact" in cases
+    for opt in ("load_module_only restores weights only", "load_optimizer_states=False keeps the optimizer",
+                "nothing committed -> (None, None) and a warning"):
+        assert f"hook-options-w{world}: {opt}" in cases
     if world != 2:
         assert f"z2-fp32-w2 -> z2-fp32-w{world} vs DeepSpeed universal: next losses equal" in cases
     _assert_all_ok(checks)

@@ -334,6 +334,36 @@ def mismatch(root: Path, res: Results) -> None:
     engine.destroy()
 
 
+def hook_options(root: Path, res: Results) -> None:
+    """load_checkpoint's options map onto partial restores; an empty root gives (None, None)."""
+    w = dist.get_world_size()
+    case = f"hook-options-w{w}"
+    name = case_name(2, "bf16")
+    ref = load_file(str(root / "refs" / f"{name}.safetensors"))
+    engine = make_engine(2, "bf16", seed=1)
+    hook = skds.attach(engine, str(root / "ckpt" / name))
+    path, client = engine.load_checkpoint(None, load_module_only=True)
+    got = full_state(engine)
+    params_ok = all(torch.equal(got[k], v) for k, v in ref.items() if k.startswith("param/"))
+    fresh = all(not got[k].any() for k in got if not k.startswith("param/"))
+    res.check(f"{case}: load_module_only restores weights only", params_ok and fresh and engine.global_steps == 0 and client == {},
+              f"{params_ok} {fresh} {engine.global_steps} {client}")
+    path, client = engine.load_checkpoint(None, load_optimizer_states=False)
+    got = full_state(engine)
+    fresh = all(not got[k].any() for k in got if not k.startswith("param/"))
+    res.check(f"{case}: load_optimizer_states=False keeps the optimizer", fresh and engine.global_steps == SAVE_STEPS
+              and client["iteration"] == SAVE_STEPS, f"{fresh} {engine.global_steps} {client}")
+    hook.detach()
+    hook = skds.attach(engine, str(root / f"empty-w{w}"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = engine.load_checkpoint(None)
+    res.check(f"{case}: nothing committed -> (None, None) and a warning",
+              out == (None, None) and any("no committed checkpoint" in str(x.message) for x in caught), str(out))
+    hook.detach()
+    engine.destroy()
+
+
 def contract(res: Results, stage: int) -> None:
     """The private DeepSpeed internals the adapter uses: present, on a tested release."""
     from shardkeeper.deepspeed import _ds_internals as dsi
@@ -377,6 +407,7 @@ def main() -> None:
             if dist.get_world_size() != 2:
                 res.run("versus universal", lambda: versus_universal(root, res, 2, "fp32"))
             res.run("mismatch", lambda: mismatch(root, res))
+            res.run("hook options", lambda: hook_options(root, res))
     finally:
         res.write()
         dist.barrier()
