@@ -90,6 +90,8 @@ def test_restore_at_any_world_size_and_stage(saved: Path, world: int) -> None:
     # cross-framework, both directions, and the bad-input errors
     assert f"plain-w2 -> z3-fp32-w{world}: params and moments bit-exact" in cases
     assert f"z3-bf16-w2 -> plain-w{world}: params and moments bit-exact" in cases
+    assert f"fsdp2-w2 -> z2-fp32-w{world}: params and moments bit-exact" in cases
+    assert f"z3-bf16-w2 -> fsdp2-w{world}: params and moments bit-exact" in cases
     assert f"mismatch-w{world}: clear error listing every mismatch" in cases
     for name, t in (("z2-fp32", 1), ("z2-fp32", 3), ("z3-bf16", 1), ("z3-bf16", 3)):
         d = name.split("-")[1]
