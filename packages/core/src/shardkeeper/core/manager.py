@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -124,6 +124,21 @@ class SaveHandle:
             self._delivered = True
         if first and err is not None:
             raise err
+
+
+class _DeleteOnly(RetentionPolicy):
+    """A retention policy that drops exactly the given steps (for ``CheckpointManager.delete``)."""
+
+    def __init__(self, steps: frozenset[int]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_drop", steps)
+
+    @property
+    def keeps_all(self) -> bool:
+        return False
+
+    def retained(self, steps: Iterable[int]) -> set[int]:
+        return set(steps) - self._drop  # type: ignore[attr-defined]
 
 
 def _rank_world(coord: Coordinator) -> tuple[int, int]:
@@ -392,6 +407,53 @@ class CheckpointManager:
         """Committed steps, ascending."""
         return committed_steps(self.storage)
 
+    def manifest(self, step: int | None = None) -> Manifest:
+        """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
+        kinds, shapes, dtypes), world size and metadata, without reading any tensor data."""
+        self._check_open()
+        if step is None:
+            steps = committed_steps(self.storage)
+            if not steps:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint under {self.storage.url} (rank {self.rank})"
+                )
+            step = steps[-1]
+        return load_manifest(self.storage, step)
+
+    def step_url(self, step: int) -> str:
+        """Where ``step``'s directory lives (a path or URL), for messages and other tools."""
+        return self.storage.describe(step_dir(step))
+
+    def delete(self, step: int) -> bool:
+        """Delete committed ``step`` with retention's guarantees; True if it is gone.
+
+        Call it on every rank (a collective); the coordinator deletes. Never deletes the newest
+        committed step or a step being saved (returns False: ask again later), nor files that
+        another retained step references. A step that is not committed counts as gone.
+        """
+        self._check_open()
+        code, err = 0, None
+        if self.rank == 0:
+            try:
+                pending = self._pending
+                protect = [pending.step] if pending is not None and not pending.done() else []
+                apply_retention(self.storage, _DeleteOnly(frozenset([step])), protect=protect)
+                code = int(step not in committed_steps(self.storage))
+            except Exception as e:
+                code, err = -1, e
+        if self.world_size > 1:
+            code = self._coord.agree_int(code, "bcast")
+        if code < 0:
+            raise err or CheckpointError(
+                f"deleting step {step} under {self.storage.url} failed on the coordinator (rank 0); "
+                f"see its error (rank {self.rank})"
+            )
+        return code == 1
+        pending = self._pending
+        protect = [pending.step] if pending is not None and not pending.done() else []
+        apply_retention(self.storage, _DeleteOnly(frozenset([step])), protect=protect)
+        return step not in committed_steps(self.storage)
+
     def restore(
         self,
         state: Mapping[str, Any],
@@ -401,17 +463,23 @@ class CheckpointManager:
         strict: bool = True,
         per_rank: str | None = None,
         cast_dtypes: bool = False,
+        optional: str | Sequence[str] | None = None,
     ) -> int:
         """Restore ``state`` in place from ``step`` (None: the newest committed); return the step.
 
-        ``only`` takes key patterns (``"model/*"``) for a partial restore. When the newest step
-        turns out damaged, the previous committed one is restored instead, with a warning.
+        ``only`` takes key patterns (``"model/*"``) for a partial restore; ``optional`` takes
+        patterns of target keys that may be absent from the checkpoint (``"rng/*"`` when
+        restoring a checkpoint another framework wrote): those keep their values, silently.
+        A stateful object gets ``load_state_dict`` only when some of its keys were restored.
+        When the newest step turns out damaged, the previous committed one is restored
+        instead, with a warning.
         """
         self._check_open()
         policy = per_rank or self.options.per_rank
         if policy not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
+        optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
         self._wait_pending(raise_error=False)
         explicit = step is not None
         candidates = [step] if step is not None else sorted(committed_steps(self.storage), reverse=True)
@@ -424,7 +492,7 @@ class CheckpointManager:
             )
         last_error: BaseException | None = None
         for s in candidates:
-            code, err = self._restore_step(state, s, patterns, strict, policy, cast_dtypes)
+            code, err = self._restore_step(state, s, patterns, strict, policy, cast_dtypes, optional_patterns)
             if self.world_size > 1:
                 code = self._coord.agree_int(code, "max")
             if code == 0:
@@ -458,7 +526,8 @@ class CheckpointManager:
         return out
 
     def _restore_step(
-        self, state: Mapping[str, Any], step: int, patterns: list[str] | None, strict: bool, policy: str, cast: bool
+        self, state: Mapping[str, Any], step: int, patterns: list[str] | None, strict: bool, policy: str,
+        cast: bool, optional: list[str],
     ) -> tuple[int, BaseException | None]:
         """0 = restored, 1 = this step is damaged (fall back), 2 = an error no step fixes."""
         t0 = time.perf_counter()
@@ -467,7 +536,7 @@ class CheckpointManager:
             flat = flatten_for_restore(state, self.rank, strict=strict)
             self.last_restore_stats = restore_flat(
                 self.storage, step_dir(step), manifest, flat, rank=self.rank,
-                world_size=self.world_size, only=patterns, strict=strict, per_rank=policy,
+                world_size=self.world_size, only=patterns, strict=strict, optional=optional, per_rank=policy,
                 cast=cast, executor=self._io, max_read_bytes=self.options.max_read_bytes,
             )
         except (CorruptCheckpointError, StorageError) as e:

@@ -324,6 +324,11 @@ def _matches(key: str, patterns: Sequence[str] | None) -> bool:
     return any(fnmatch.fnmatchcase(key, p) or key.startswith(p.rstrip("/") + "/") or key == p for p in patterns)
 
 
+def _any_under(keys: Sequence[str], prefix: str) -> bool:
+    slash = prefix + "/"
+    return any(k == prefix or k.startswith(slash) for k in keys)
+
+
 def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, policy: str) -> str | None:
     """The saved key a per-rank target leaf reads from, by policy; None means skip it."""
     if leaf.per_rank is None:
@@ -353,18 +358,25 @@ def restore_flat(
     world_size: int,
     only: Sequence[str] | None,
     strict: bool,
+    optional: Sequence[str] | None = None,
     per_rank: str,
     cast: bool,
     executor: Executor,
     max_read_bytes: int,
 ) -> RestoreStats:
-    """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers."""
+    """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers.
+
+    A finalizer (``load_state_dict`` of a stateful object) runs only when some leaf under its
+    key was restored, so ``only=`` never hands an object its own current values back. Target
+    keys matching ``optional`` that the checkpoint lacks are skipped without a word.
+    """
     stats = RestoreStats()
     where = f"{storage.describe(step_dir)} (step {manifest.step}, rank {rank})"
     missing: list[str] = []
     dropped: list[str] = []
     ops: list[_Op] = []
     deferred: list[Callable[[], None]] = []
+    restored: list[str] = []
     for key, leaf in flat.leaves.items():
         if not _matches(key, only):
             continue
@@ -374,9 +386,11 @@ def restore_flat(
             continue
         rec = manifest.leaves.get(src_key)
         if rec is None:
-            missing.append(src_key)
+            if not (optional and _matches(key, optional)):
+                missing.append(src_key)
             continue
         stats.keys += 1
+        restored.append(key)
         if leaf.kind == "object" or rec.kind == "object":
             if leaf.kind != rec.kind:
                 raise StateMismatchError(
@@ -466,6 +480,7 @@ def restore_flat(
             raise errors[0]
         for fn in deferred:
             fn()
-        for fin in flat.finalizers:
-            fin()
+        for prefix, fin in flat.finalizers:
+            if _any_under(restored, prefix):
+                fin()
     return stats

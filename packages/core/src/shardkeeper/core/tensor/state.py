@@ -115,8 +115,9 @@ class Leaf:
 class FlatState:
     leaves: dict[str, Leaf] = field(default_factory=dict)
     per_rank_prefixes: list[str] = field(default_factory=list)
-    #: Called after a restore filled the leaves, in order: pushes state into stateful objects.
-    finalizers: list[Callable[[], object]] = field(default_factory=list)
+    #: ``(key prefix, fn)``, run in order after a restore filled the leaves: each pushes state
+    #: into a stateful object, and runs only when some leaf under its prefix was restored.
+    finalizers: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
 
 
 def _contains_tensor(x: Any) -> bool:
@@ -244,7 +245,7 @@ class Flattener:
         holder = {"sd": sd}
         self._visit(key, sd, {}, per_rank, self._dict_setter(holder, "sd"))
         if self.restore:
-            self.out.finalizers.append(lambda: obj.load_state_dict(holder["sd"]))
+            self.out.finalizers.append((key, lambda: obj.load_state_dict(holder["sd"])))
 
     def _module(self, key: str, module: nn.Module, per_rank: str | None) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -259,7 +260,7 @@ class Flattener:
         if self.restore:
             strict = self.strict
             self.out.finalizers.append(
-                lambda: set_model_state_dict(module, sd, options=StateDictOptions(strict=strict))
+                (key, lambda: set_model_state_dict(module, sd, options=StateDictOptions(strict=strict)))
             )
 
     def _optimizer(
@@ -301,7 +302,7 @@ class Flattener:
         self._add(f"{key}/param_groups", norm_groups, "object", per_rank, set_groups)
         if self.restore:
             self.out.finalizers.append(
-                lambda: set_optimizer_state_dict(owner, opt, osd, options=StateDictOptions())
+                (key, lambda: set_optimizer_state_dict(owner, opt, osd, options=StateDictOptions()))
             )
 
 
