@@ -24,7 +24,7 @@ ZERO12_ATTRS = ("bit16_groups", "single_partition_of_fp32_groups", "optimizer", 
                 "_hp_optimizer_states_linked")
 ZERO3_ATTRS = ("fp16_groups", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat",
                "sub_group_to_group_id", "grad_position", "get_param_id", "optimizer",
-               "_get_param_partition_rank", "_reassign_or_swap_out_partitioned_parameters",
+               "_reassign_or_swap_out_partitioned_parameters",
                "persistent_parameters")
 MAPPING_ATTRS = ("lp_fragment_address", "hp_fragment_address", "set_optim_state_fragment")
 
@@ -125,6 +125,14 @@ class ParamSlice:
     numel: int
 
 
+def _partition_rank(opt: Any, p: Any) -> int:
+    """This rank's index among the ranks a ZeRO-3 parameter is partitioned over."""
+    rank_of = getattr(opt, "_get_param_partition_rank", None)  # 0.19+: knows ZeRO++ groups
+    if rank_of is not None:
+        return int(rank_of(p))
+    return int(torch.distributed.get_rank(group=p.ds_process_group))
+
+
 def flat_groups(engine: Any) -> list[FlatGroup]:
     opt = zero_optimizer(engine)
     if zero_stage(engine) == 3:
@@ -147,7 +155,7 @@ def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
             if zero_stage(engine) == 3:
                 shape = tuple(int(s) for s in p.ds_shape)
                 _, start, part = opt.grad_position[opt.get_param_id(p)]
-                offset = int(opt._get_param_partition_rank(p)) * int(part)
+                offset = _partition_rank(opt, p) * int(part)
                 numel = max(0, min(int(part), int(p.ds_numel) - offset))
                 out.append(ParamSlice(p, shape, gi, int(start), min(offset, int(p.ds_numel)), numel))
             else:

@@ -167,8 +167,9 @@ def _read_universal(out: Path, ckpt_dir: Path) -> tuple[dict[str, Any], int]:
         group_fqns.append(fqns)
     module = ms.get("module") or {}
     for name in ms.get("buffer_names") or []:
-        if name in module:
-            model[normalize_fqn(name)] = module[name]
+        if name in module:  # fp32, as engine_state stores buffers DeepSpeed cast down
+            buf = module[name]
+            model[normalize_fqn(name)] = buf.float() if buf.dtype in (torch.bfloat16, torch.float16) else buf
     param_groups = []
     if opt_sd:
         saved_groups = opt_sd.get("param_groups", [])

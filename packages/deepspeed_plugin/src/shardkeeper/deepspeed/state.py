@@ -93,9 +93,11 @@ class ModelState:
         self.engine = engine
         #: leave parameters with requires_grad=False out (save_checkpoint's exclude_frozen_parameters)
         self.exclude_frozen = False
+        self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def state_dict(self) -> dict[str, Any]:
         engine = self.engine
+        self._casts = []
         groups = dsi.flat_groups(engine)
         by_id = {id(s.param): s for s in dsi.param_slices(engine, groups)}
         frozen3 = {id(p): (off, n) for _, p, off, n in dsi.frozen_zero3_partitions(engine)}
@@ -111,12 +113,26 @@ class ModelState:
                 off, n = frozen3[id(p)]
                 out[normalize_fqn(name)] = Fragment(p.ds_tensor.detach().view(-1).narrow(0, 0, n), tuple(p.ds_shape), off)
             else:
-                out[normalize_fqn(name)] = p.data
-        out.update(_persistent_buffers(engine.module))
+                out[normalize_fqn(name)] = self._fp32(p.data)
+        for name, buf in _persistent_buffers(engine.module).items():
+            out[name] = self._fp32(buf)
         return out
+
+    def _fp32(self, t: torch.Tensor) -> torch.Tensor:
+        """Low-precision tensors without an fp32 master (buffers, frozen parameters: DeepSpeed
+        casts them with the module) are stored as fp32, like the masters, so every framework
+        reads fp32 ``model/*``; the restore casts back into the engine's own tensor."""
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            return t
+        copy = t.detach().float()
+        self._casts.append((copy, t))
+        return copy
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # The fragments were filled in place: push fp32 masters into the module's weights.
+        with torch.no_grad():
+            for copy, own in self._casts:
+                own.copy_(copy)
         dsi.push_master_weights(self.engine)
         if dsi.zero_stage(self.engine) == 3:
             dsi.regather_zero3(self.engine, [p for _, p, _, _ in dsi.frozen_zero3_partitions(self.engine)])
