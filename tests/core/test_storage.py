@@ -30,7 +30,9 @@ MiB = 2**20
 PAYLOAD = bytes(range(256)) * 64  # 16 KiB, every byte value, position-dependent
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(
+    params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)]
+)
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
     if request.param == "local":
         yield open_storage(tmp_path / "root")
@@ -40,7 +42,7 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]
         yield s
         _rm_memory(s, s.root.rsplit("/", 1)[0])  # the memory store is process-global
     else:
-        url, options = request.getfixturevalue("s3_root")
+        url, options = request.getfixturevalue(f"{request.param}_root")
         yield open_storage(url, **options)
 
 
@@ -82,7 +84,7 @@ def test_capabilities(storage: Storage) -> None:
     kind = _kind(storage)
     if kind == "local":
         assert caps.atomic_put_if_absent and caps.directories and caps.durable_writes
-    elif kind == "s3":
+    elif kind in ("s3", "gs", "gcs"):
         assert caps.atomic_put_if_absent and caps.durable_writes and not caps.directories
     else:  # memory: no conditional write, nothing durable
         assert not caps.atomic_put_if_absent and not caps.durable_writes and not caps.directories
@@ -134,6 +136,10 @@ def _reopen_args(storage: Storage) -> tuple[str, dict[str, Any]]:
             "skip_instance_cache": True,
         }
         return storage.url, opts
+    if storage.protocol in ("gs", "gcs"):
+        fs = storage.fs
+        return storage.url, {"endpoint_url": fs._endpoint, "token": "anon", "project": fs.project,
+                             "skip_instance_cache": True}
     return storage.url, {}
 
 
@@ -397,6 +403,19 @@ def _gcs_storage(monkeypatch: pytest.MonkeyPatch, *, zonal: bool) -> Any:
     if hasattr(gcsfs.GCSFileSystem, "_is_zonal_bucket"):
         monkeypatch.setattr(gcsfs.GCSFileSystem, "_is_zonal_bucket", is_zonal)
     return gcsfs, FsspecStorage(f"gs://sk-bucket-{uuid.uuid4().hex[:8]}/run", token="anon")
+
+
+@pytest.mark.gcs
+def test_gcs_conditional_write_is_enforced_by_the_server(gcs_root: tuple[str, dict[str, Any]]) -> None:
+    """Against a real GCS server (fake-gcs-server): the second put_if_absent is refused by the
+    server's ifGenerationMatch=0 check, and the first object stays."""
+    url, options = gcs_root
+    s = open_storage(url, **options)
+    s.put_if_absent("step-000000000001/manifest.json", b"first")
+    other = open_storage(url, **options)  # a second client: no shared cache can answer for it
+    with pytest.raises(CommitConflictError):
+        other.put_if_absent("step-000000000001/manifest.json", b"second")
+    assert s.read_bytes("step-000000000001/manifest.json") == b"first"
 
 
 def test_gcs_put_if_absent_sends_if_generation_match(monkeypatch: pytest.MonkeyPatch) -> None:
