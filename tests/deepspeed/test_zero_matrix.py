@@ -123,7 +123,8 @@ def test_restore_at_any_world_size_and_stage(saved: Path, world: int) -> None:
             d = name.split("-")[1]
             assert f"imported-{name}-w2 -> z{t}-{d}-w{world}: fp32 masters and Adam moments bit-exact" in cases
     for opt in ("load_module_only restores weights only", "load_optimizer_states=False keeps the optimizer",
-                "nothing committed -> (None, None) and a warning"):
+                "nothing committed -> (None, None) and a warning",
+                "a named tag saves at global_steps and loads by name", "saving a committed step again is refused"):
         assert f"hook-options-w{world}: {opt}" in cases
     if world != 2 and 2 in stages:
         assert f"z2-fp32-w2 -> z2-fp32-w{world} vs DeepSpeed universal: next losses equal" in cases

@@ -32,7 +32,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from shardkeeper.core import CheckpointManager, StateMismatchError  # noqa: E402
+from shardkeeper.core import CheckpointManager, CommitConflictError, StateMismatchError  # noqa: E402
 from shardkeeper.core.adapters import load_adapter  # noqa: E402
 
 skds = load_adapter("deepspeed")  # the entry point, as the other adapters find it
@@ -405,6 +405,18 @@ def hook_options(root: Path, res: Results, stage: int, dtype: str) -> None:
     fresh = all(not got[k].any() for k in got if not k.startswith("param/"))
     res.check(f"{case}: load_optimizer_states=False keeps the optimizer", fresh and engine.global_steps == SAVE_STEPS
               and client["iteration"] == SAVE_STEPS, f"{fresh} {engine.global_steps} {client}")
+    hook.detach()
+    hook = skds.attach(engine, str(root / f"named-w{w}"), async_save=False)
+    engine.save_checkpoint(None, tag="best", client_state={"k": [1, 2]})  # at global_steps (3)
+    path, client = engine.load_checkpoint(None, tag="best")
+    res.check(f"{case}: a named tag saves at global_steps and loads by name",
+              path.endswith(f"step-{SAVE_STEPS:012d}") and client == {"k": [1, 2]}, f"{path} {client}")
+    try:
+        engine.save_checkpoint(None, tag="global_step3")
+    except CommitConflictError as e:
+        res.check(f"{case}: saving a committed step again is refused", "already committed" in str(e), str(e))
+    else:
+        res.check(f"{case}: saving a committed step again is refused", False, "no error")
     hook.detach()
     hook = skds.attach(engine, str(root / f"empty-w{w}"))
     with warnings.catch_warnings(record=True) as caught:

@@ -109,7 +109,7 @@ class FlatGroup:
 
     flat: torch.Tensor  # this rank's fp32 partition (a torch optimizer parameter)
     group_index: int  # index into the base optimizer's param_groups
-    params: list[torch.nn.Parameter]
+    params: list[Any]  # the engine's parameters (with DeepSpeed's attributes attached)
 
 
 @dataclass
@@ -117,7 +117,7 @@ class ParamSlice:
     """This rank's piece of one parameter: flat elements [offset, offset+numel) of the global
     parameter live at ``flat[start : start + numel]``."""
 
-    param: torch.nn.Parameter
+    param: Any
     shape: tuple[int, ...]
     flat_group: int  # index into the FlatGroup list
     start: int
@@ -151,6 +151,7 @@ def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
     opt = zero_optimizer(engine)
     out = []
     for gi, g in enumerate(groups):
+        p: Any
         for p in g.params:
             if zero_stage(engine) == 3:
                 shape = tuple(int(s) for s in p.ds_shape)
@@ -169,7 +170,7 @@ def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
     return out
 
 
-def frozen_zero3_partitions(engine: Any) -> list[tuple[str, torch.nn.Parameter, int, int]]:
+def frozen_zero3_partitions(engine: Any) -> list[tuple[str, Any, int, int]]:
     """ZeRO-3 parameters the optimizer does not own: (name, param, offset, numel) of ds_tensor."""
     out = []
     owned = {id(p) for g in flat_groups(engine) for p in g.params}
@@ -199,7 +200,7 @@ def push_master_weights(engine: Any) -> None:
             opt.update_lp_params()
 
 
-def regather_zero3(engine: Any, params: list[torch.nn.Parameter]) -> None:
+def regather_zero3(engine: Any, params: list[Any]) -> None:
     """Re-gather persistent ZeRO-3 parameters whose ds_tensor was written directly."""
     persistent = [p for p in params if p in set(zero_optimizer(engine).persistent_parameters)]
     if persistent:

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, StateMismatchError
+from shardkeeper.core import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CommitConflictError,
+    StateMismatchError,
+)
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.deepspeed import _ds_internals as dsi
@@ -87,8 +92,7 @@ class DeepSpeedCheckpointHook:
         self._orig_load = engine.__dict__.get("load_checkpoint")
         engine.save_checkpoint = self.save_checkpoint
         engine.load_checkpoint = self.load_checkpoint
-        ref = weakref.ref(self)
-        atexit.register(lambda: (h := ref()) is not None and h._wait_quietly())
+        atexit.register(_wait_at_exit, weakref.ref(self))
 
     # -- managers --------------------------------------------------------------------------
     def manager(self, directory: str | None = None) -> CheckpointManager:
@@ -137,6 +141,11 @@ class DeepSpeedCheckpointHook:
         step = tag_to_step(tag)
         if step is None:
             step = int(self.engine.global_steps)
+        if step in mgr.steps():  # every rank sees the same committed steps
+            raise CommitConflictError(
+                f"step {step} (tag {tag!r}) is already committed under {mgr.storage.url}; "
+                f"checkpoints are immutable: save under another tag, or use another root"
+            )
         state = engine_state(self.engine)
         if exclude_frozen_parameters:
             state["model"].exclude_frozen = True
@@ -233,6 +242,12 @@ class DeepSpeedCheckpointHook:
                 self.engine.__dict__.pop(name, None)
             else:
                 setattr(self.engine, name, orig)
+
+
+def _wait_at_exit(ref: weakref.ref[DeepSpeedCheckpointHook]) -> None:
+    hook = ref()
+    if hook is not None:
+        hook._wait_quietly()
 
 
 def check_model_matches(state: Mapping[str, Any], leaves: Mapping[str, Any], *, where: str) -> None:
