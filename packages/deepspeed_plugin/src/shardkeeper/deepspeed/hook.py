@@ -141,7 +141,7 @@ class DeepSpeedCheckpointHook:
         step = tag_to_step(tag)
         if step is None:
             step = int(self.engine.global_steps)
-        if step in mgr.steps():  # every rank sees the same committed steps
+        if _rank0_says(step in mgr.steps()):  # one answer for all ranks (listings may lag)
             raise CommitConflictError(
                 f"step {step} (tag {tag!r}) is already committed under {mgr.storage.url}; "
                 f"checkpoints are immutable: save under another tag, or use another root"
@@ -171,7 +171,13 @@ class DeepSpeedCheckpointHook:
                 "custom_load_fn is not supported while shardkeeper is attached; detach() first"
             )
         mgr = self.manager(load_dir)
-        step = self._resolve_step(mgr, tag)
+        try:
+            found: tuple[int | None, str | None] = (self._resolve_step(mgr, tag), None)
+        except CheckpointNotFoundError as e:
+            found = (None, str(e))
+        step, error = _rank0_says(found)
+        if error is not None:
+            raise CheckpointNotFoundError(error)
         if step is None:
             warnings.warn(
                 f"no committed checkpoint under {mgr.storage.url}; nothing loaded", stacklevel=2
@@ -242,6 +248,15 @@ class DeepSpeedCheckpointHook:
                 self.engine.__dict__.pop(name, None)
             else:
                 setattr(self.engine, name, orig)
+
+
+def _rank0_says(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (storage listings may differ for a moment)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _wait_at_exit(ref: weakref.ref[DeepSpeedCheckpointHook]) -> None:
