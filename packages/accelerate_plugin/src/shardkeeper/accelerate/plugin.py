@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import weakref
 from typing import Any
 
@@ -12,13 +13,14 @@ from shardkeeper.accelerate.config import resolve_settings, split_settings
 from shardkeeper.accelerate.dataloaders import track
 from shardkeeper.accelerate.state import build_state
 from shardkeeper.core import CheckpointManager, SaveHandle
-from shardkeeper.core.commit import load_manifest
-from shardkeeper.core.format.layout import parse_step_dir, step_dir
 
 log = logging.getLogger(__name__)
 
 _ATTR = "_shardkeeper"
-#: Distributed types whose state the generic path (torch's state-dict API) handles.
+#: A step's folder (``step-000000000042``), the core's name; confirmed with ``mgr.step_url``.
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+#: Distributed types whose state the generic path (torch's state-dict API) handles; DEEPSPEED
+#: delegates the engine to the DeepSpeed adapter (state.deepspeed_engine_state).
 GENERIC_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
                  "MULTI_NPU", "MULTI_HPU", "MULTI_NEURON", "FSDP"}
 
@@ -80,13 +82,16 @@ class AcceleratePlugin:
         if kind in GENERIC_TYPES:
             return
         if kind == "DEEPSPEED":
-            raise NotImplementedError(
-                f"shardkeeper.accelerate: {what} under DistributedType.DEEPSPEED is not implemented yet "
-                f"(it is to delegate to the DeepSpeed adapter: shardkeeper.core.adapters."
-                f"load_adapter('deepspeed').engine_state(engine)); for DeepSpeed runs use the "
-                f"DeepSpeed adapter directly, or accelerate's own save_state (do not call "
-                f"shardkeeper.accelerate.enable())"
-            )
+            from shardkeeper.core.adapters import load_adapter
+
+            try:
+                load_adapter("deepspeed")
+            except ImportError as e:
+                raise ImportError(
+                    f"shardkeeper.accelerate: {what} under DistributedType.DEEPSPEED delegates the "
+                    f"engine's state to the DeepSpeed adapter, which is missing: {e}"
+                ) from e
+            return
         raise NotImplementedError(
             f"shardkeeper.accelerate: {what} under DistributedType.{kind} is not supported (supported: "
             f"{', '.join(sorted(GENERIC_TYPES))}); do not enable shardkeeper for this run"
@@ -123,7 +128,7 @@ class AcceleratePlugin:
         state = build_state(acc, next_iteration=int(pc.iteration) + 1)
         self.last_handle = mgr.save(n, state, metadata={"accelerate_distributed_type": _dtype_name(acc)})
         pc.iteration = int(pc.iteration) + 1
-        return mgr.storage.describe(step_dir(n))
+        return mgr.step_url(n)
 
     # -- load --------------------------------------------------------------------------------
     def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, *,
@@ -141,15 +146,17 @@ class AcceleratePlugin:
         root = self.default_root() if input_dir is None else str(input_dir).rstrip("/")
         if input_dir is not None and step is None:
             parent, _, last = root.rpartition("/")
-            parsed = parse_step_dir(last)
-            if parsed is not None and parent:
-                root, step = parent, parsed
+            m = _STEP_DIR.match(last)
+            if m and parent:
+                candidate = self.manager(parent)
+                if candidate.step_url(int(m.group(1))).rstrip("/").endswith("/" + last):
+                    root, step = parent, int(m.group(1))
         mgr = self.manager(root)
         mgr.wait()
         for dl in acc._dataloaders:
             track(dl)
         target = step if step is not None else _newest(mgr, root, acc.process_index)
-        present = list(load_manifest(mgr.storage, target).leaves)
+        present = list(mgr.manifest(target).leaves)
         state = build_state(acc, present=present, resume_dataloaders=bool(self.settings.get("resume_dataloaders")))
         restored = mgr.restore(state, step=target, strict=strict)
         log.info("shardkeeper: restored step %d from %s", restored, root)

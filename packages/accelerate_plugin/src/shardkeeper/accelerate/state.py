@@ -8,7 +8,9 @@
 | LR scheduler (one / several)     | ``sched/...`` / ``sched/<j>/...``                |
 | gradient scaler                  | ``extra/grad_scaler/...``                        |
 | ``register_for_checkpointing``   | ``extra/custom/<i>/...``                         |
-| save counter, ``accelerator.step``| ``progress/iteration``, ``progress/step``       |
+| save counter, ``accelerator.step``| ``progress/accelerate/{iteration,step}``         |
+| DeepSpeed engine (model, optim,  | ``engine_state(engine)`` of the DeepSpeed        |
+| its scheduler, counters)         | adapter: ``model``, ``optim``, ``sched``, ``progress/...`` |
 | RNG of each rank                 | ``rng/<rank>/...``                               |
 | DataLoader epoch/batch position  | ``data/<rank>/<i>/...``                          |
 """
@@ -27,7 +29,9 @@ from shardkeeper.core import PerRank, RNGState
 log = logging.getLogger(__name__)
 
 #: Namespaces a checkpoint may lack (written by the core directly, or by another framework).
-OPTIONAL = ("optim", "sched", "extra/grad_scaler", "extra/custom", "progress/iteration", "progress/step", "rng", "data")
+OPTIONAL = ("optim", "sched", "extra/grad_scaler", "extra/custom", "progress/accelerate", "rng", "data")
+#: Where checkpoints written before the counters moved to ``progress/accelerate`` keep them.
+LEGACY_PROGRESS = ("progress/iteration", "progress/step")
 
 
 def _indexed(items: list[Any]) -> Any:
@@ -50,6 +54,8 @@ class Progress:
     """The counters Accelerate keeps: the save iteration and ``accelerator.step``."""
 
     def __init__(self, accelerator: Any, keys: Collection[str] = ("iteration", "step")) -> None:
+        # Saved under progress/accelerate/ so that they sit next to the DeepSpeed engine's
+        # progress/global_step, ... without a collision.
         self.accelerator = accelerator
         self.keys = tuple(keys)
         self.next_iteration = int(accelerator.project_configuration.iteration)
@@ -63,6 +69,47 @@ class Progress:
             self.accelerator.project_configuration.iteration = int(sd["iteration"])
         if "step" in sd:
             self.accelerator.step = int(sd["step"])
+
+
+class MergedProgress:
+    """``progress/``: the DeepSpeed engine's counters and Accelerate's (under ``accelerate/``)."""
+
+    def __init__(self, engine_progress: Any, ours: Progress) -> None:
+        self.engine_progress = engine_progress
+        self.ours = ours
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.engine_progress.state_dict(), "accelerate": self.ours.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        rest = dict(sd)
+        self.ours.load_state_dict(rest.pop("accelerate", {}))
+        self.engine_progress.load_state_dict(rest)
+
+
+def is_deepspeed(accelerator: Any) -> bool:
+    kind = accelerator.distributed_type
+    return str(getattr(kind, "value", kind)) == "DEEPSPEED"
+
+
+def deepspeed_engine(accelerator: Any) -> Any:
+    """The one DeepSpeed engine Accelerate prepared (it supports one per Accelerator)."""
+    models = list(accelerator._models)
+    if len(models) != 1:
+        raise NotImplementedError(
+            f"shardkeeper.accelerate: {len(models)} prepared models under DistributedType.DEEPSPEED "
+            f"(rank {accelerator.process_index}); shardkeeper saves exactly one DeepSpeed engine per "
+            f"Accelerator, as Accelerate's backward() supports. Prepare one model (several: wrap "
+            f"them in one nn.Module)"
+        )
+    return models[0]
+
+
+def deepspeed_engine_state(accelerator: Any) -> dict[str, Any]:
+    """The DeepSpeed adapter's canonical state of the engine, found through its entry point."""
+    from shardkeeper.core.adapters import load_adapter
+
+    return dict(load_adapter("deepspeed").engine_state(deepspeed_engine(accelerator)))
 
 
 def build_state(
@@ -89,13 +136,24 @@ def build_state(
         return ok
 
     state: dict[str, Any] = {}
-    model = models_entry(accelerator)
-    if model is not None:
-        state["model"] = model
-    opts = [raw_optimizer(o) for o in accelerator._optimizers]
-    if opts and has("optim"):
-        state["optim"] = _indexed(opts)
-    scheds = list(accelerator._schedulers)
+    ds = is_deepspeed(accelerator)
+    engine: dict[str, Any] = deepspeed_engine_state(accelerator) if ds else {}
+    if ds:
+        state["model"] = engine["model"]
+        if has("optim"):
+            state["optim"] = engine["optim"]
+    else:
+        model = models_entry(accelerator)
+        if model is not None:
+            state["model"] = model
+        opts = [raw_optimizer(o) for o in accelerator._optimizers]
+        if opts and has("optim"):
+            state["optim"] = _indexed(opts)
+    # Under DeepSpeed, a scheduler DeepSpeed owns comes with the engine's state; one Accelerate
+    # wraps itself (a torch LRScheduler) is saved like any other.
+    scheds = [s for s in accelerator._schedulers if type(s).__name__ != "DeepSpeedSchedulerWrapper"]
+    if "sched" in engine:
+        scheds = [engine["sched"]]
     if scheds and has("sched"):
         state["sched"] = _indexed(scheds)
     extra: dict[str, Any] = {}
@@ -106,12 +164,9 @@ def build_state(
         extra["custom"] = {str(i): o for i, o in enumerate(custom)}
     if extra:
         state["extra"] = extra
-    keys = [k for k in ("iteration", "step") if has(f"progress/{k}")] if present is not None else ["iteration", "step"]
-    if keys:
-        prog = Progress(accelerator, keys)
-        if next_iteration is not None:
-            prog.next_iteration = next_iteration
-        state["progress"] = prog
+    progress = _progress_entry(accelerator, engine.get("progress"), present, next_iteration, missing)
+    if progress is not None:
+        state["progress"] = progress
     # rng before data: a DataLoader's resume point needs the checkpoint's RNG already set.
     if has("rng"):
         state["rng"] = RNGState()
@@ -121,3 +176,42 @@ def build_state(
         log.warning("shardkeeper: the checkpoint has no %s; those parts of the state keep their current values",
                     ", ".join(missing))
     return state
+
+
+def _progress_entry(
+    accelerator: Any, engine_progress: Any, present: Collection[str] | None, next_iteration: int | None,
+    missing: list[str],
+) -> Any:
+    """``progress/``: Accelerate's counters under ``accelerate/``, next to the engine's if any.
+
+    On restore, a checkpoint written before the counters moved keeps them at
+    ``progress/iteration`` / ``progress/step``; those are read from there.
+    """
+    def under(prefix: str) -> list[str]:
+        if present is None:
+            return ["iteration", "step"]
+        return [k for k in ("iteration", "step") if f"{prefix}/{k}" in present]
+
+    keys, legacy = under("progress/accelerate"), False
+    if not keys and present is not None:
+        keys, legacy = [k for k in ("iteration", "step") if f"progress/{k}" in present], True
+    ours: Progress | None = None
+    if keys:
+        ours = Progress(accelerator, keys)
+        if next_iteration is not None:
+            ours.next_iteration = next_iteration
+    else:
+        missing.append("progress/accelerate")
+    if engine_progress is not None and present is not None and not any(
+        k.startswith("progress/") and not k.startswith("progress/accelerate/") and k not in LEGACY_PROGRESS
+        for k in present
+    ):
+        missing.append("progress (the DeepSpeed engine's counters)")
+        engine_progress = None
+    if ours is None:
+        return engine_progress
+    if legacy:  # such a checkpoint predates DeepSpeed support: it has no engine counters
+        return ours
+    if engine_progress is not None:
+        return MergedProgress(engine_progress, ours)
+    return {"accelerate": ours}

@@ -1,0 +1,210 @@
+"""The real Accelerator with DeepSpeed ZeRO-2 on 2 gloo ranks (CPU): save, resume, compare.
+
+``save OUT``: an uninterrupted reference run (TOTAL steps: losses, batches, final state), then
+the same run interrupted after step STOP with save_state() after the steps in SAVE_AT
+(total_limit=2). ``resume OUT``: a new process with other seeds load_state()s, checks the
+engine's fp32 masters and Adam moments (DeepSpeed's own ``safe_get_full_*``) bit for bit, the
+counters, the registered object and the scheduler, trains to TOTAL and compares the losses,
+the batches and the final state with the reference bit for bit.
+
+On CPU, Accelerate's own bookkeeping sees one process per rank (``num_processes == 1``), so
+its DataLoader is not split and its computed ``train_batch_size`` would be a rank's; the
+DeepSpeed config therefore gives the batch sizes explicitly. DeepSpeed itself runs on the
+2-rank gloo group torchrun made. Each rank writes ``OUT/ds-<mode>-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import deepspeed  # noqa: E402  (after torch)
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no shm comm op on this CPU build
+deepspeed.utils.logger.setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", category=UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import shardkeeper.accelerate as ska  # noqa: E402
+from shardkeeper.core import CheckpointManager  # noqa: E402
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+TOTAL, STOP = 10, 5
+SAVE_AT = (2, 4, STOP)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+DS_CONFIG = {
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
+}
+checks: dict[str, object] = {}
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    checks[name] = True if ok else (detail or "failed")
+
+
+class Counter:
+    """A registered object: restored by load_state through extra/custom/0."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = int(sd["n"])
+
+
+def make_model() -> nn.Module:
+    # 4*15+15, 15*1+1: sizes that do not divide by the world size
+    return nn.Sequential(nn.Linear(4, 15), nn.Dropout(0.2), nn.ReLU(), nn.Linear(15, 1))
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    return TensorDataset(torch.arange(40), torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
+
+
+def setup(acc: Accelerator, seed: int):
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # Accelerate's, not DeepSpeed's
+    dl = DataLoader(dataset(), batch_size=4, shuffle=True)  # 10 batches per epoch (not split: see above)
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    engine, opt, sched, dl = acc.prepare(model, opt, sched, dl)
+    return engine, opt, sched, dl, counter
+
+
+def train(acc, engine, opt, sched, dl, counter, start: int, end: int, save_at=()):
+    step, losses, seen = start, [], []
+    while step < end:
+        for idx, x, y in dl:
+            loss = ((engine(x) - y) ** 2).mean()
+            acc.backward(loss)  # DeepSpeed's backward and step
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            step += 1
+            counter.n += 1
+            losses.append(loss.detach().clone())
+            seen.append(idx.tolist())
+            if step in save_at:
+                acc.save_state()
+            if step >= end:
+                break
+    return losses, seen
+
+
+def snapshot(engine) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own full view of the fp32 masters and moments (a collective)."""
+    out = {}
+    for n, p in engine.module.named_parameters():
+        out[f"param/{n}"] = safe_get_full_fp32_param(p).clone()
+        for m in MOMENTS:
+            out[f"{m}/{n}"] = safe_get_full_optimizer_state(p, m).clone()
+    return out
+
+
+def diff(a: dict, b: dict) -> str:
+    if a.keys() != b.keys():
+        return f"keys differ: {sorted(a)} vs {sorted(b)}"
+    return ", ".join(k for k in a if not torch.equal(a[k], b[k]))
+
+
+def make_accelerator(proj: str) -> Accelerator:
+    return Accelerator(
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(DS_CONFIG)),
+        project_config=ProjectConfiguration(project_dir=proj, automatic_checkpoint_naming=True, total_limit=2),
+    )
+
+
+def main() -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    proj = os.path.join(OUT, "ds-proj")
+    acc = make_accelerator(proj)
+    check("distributed_type", str(acc.distributed_type.value) == "DEEPSPEED", str(acc.distributed_type))
+    if MODE == "save":
+        ska.enable(acc)  # async saves (the default)
+        parts = setup(acc, seed=0)
+        losses, seen = train(acc, *parts, 0, TOTAL)
+        torch.save({"losses": losses, "seen": seen, "final": snapshot(parts[0]), "n": parts[4].n},
+                   os.path.join(OUT, f"ds-ref-{rank}.pt"))
+        acc.free_memory()
+        acc._custom_objects.clear()
+        parts = setup(acc, seed=0)
+        losses, _ = train(acc, *parts, 0, STOP, save_at=SAVE_AT)
+        ska.wait(acc)
+        check("world_size_2", dist.get_world_size() == 2, str(dist.get_world_size()))
+        torch.save({"at_save": snapshot(parts[0]), "losses": losses}, os.path.join(OUT, f"ds-interrupted-{rank}.pt"))
+        ref = torch.load(os.path.join(OUT, f"ds-ref-{rank}.pt"))
+        check("interrupted_run_matches_reference_so_far",
+              all(torch.equal(a, b) for a, b in zip(losses, ref["losses"][:STOP])))
+        with CheckpointManager(os.path.join(proj, "checkpoints")) as mgr:
+            check("retention_total_limit_2", mgr.steps() == [1, 2], str(mgr.steps()))
+            m = mgr.manifest()
+            keys = set(m.leaves)
+        want = {"model/0.weight", "model/3.bias", "optim/state/0.weight/exp_avg_sq", "optim/param_groups",
+                "sched/last_epoch", "progress/global_step", "progress/accelerate/iteration",
+                "progress/accelerate/step", "extra/custom/0/n", "rng/0/torch", "rng/1/torch", "data/1/0/batches_seen"}
+        check("canonical_keys", want <= keys and m.world_size == 2, f"missing {sorted(want - keys)}, world {m.world_size}")
+        check("global_shapes", list(m.leaves["model/0.weight"].shape) == [15, 4], str(m.leaves["model/0.weight"].shape))
+        acc.end_training()
+    else:
+        resume(acc, rank, proj)
+
+
+def resume(acc: Accelerator, rank: int, proj: str) -> None:
+    ref = torch.load(os.path.join(OUT, f"ds-ref-{rank}.pt"))
+    before = torch.load(os.path.join(OUT, f"ds-interrupted-{rank}.pt"))
+    ska.enable(acc, async_save=False)
+    engine, opt, sched, dl, counter = setup(acc, seed=99)  # other seeds: restore must matter
+    step = acc.load_state()
+    check("restored_newest_step", step == 2, str(step))
+    check("iteration_counter_restored", acc.project_configuration.iteration == 3,
+          str(acc.project_configuration.iteration))
+    check("engine_global_steps_restored", engine.global_steps == STOP, str(engine.global_steps))
+    err = diff(snapshot(engine), before["at_save"])
+    check("fp32_masters_and_moments_bit_exact_after_load", not err, err)
+    lp = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    err = ", ".join(n for n, v in lp.items() if not torch.equal(v, before["at_save"][f"param/{n}"]))
+    check("module_params_equal_masters", not err, err)
+    check("registered_object_restored", counter.n == STOP, str(counter.n))
+    check("scheduler_restored", sched.scheduler.last_epoch == STOP, str(sched.scheduler.last_epoch))
+    check("dataloader_epoch_restored", dl.iteration == 0, str(dl.iteration))
+
+    losses, seen = train(acc, engine, opt, sched, dl, counter, STOP, TOTAL, save_at=(7,))
+    check("dataloader_resumes_at_right_batch", seen == ref["seen"][STOP:], f"{seen} vs {ref['seen'][STOP:]}")
+    bad = [i for i, (a, b) in enumerate(zip(losses, ref["losses"][STOP:])) if not torch.equal(a, b)]
+    check("next_losses_bit_exact", len(losses) == TOTAL - STOP and not bad, f"steps differ: {bad}")
+    err = diff(snapshot(engine), ref["final"])
+    check("final_state_bit_exact", not err, err)
+    check("registered_object_final", counter.n == ref["n"], f"{counter.n} vs {ref['n']}")
+    with CheckpointManager(os.path.join(proj, "checkpoints")) as mgr:
+        check("retention_across_restart", mgr.steps() == [2, 3], str(mgr.steps()))
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        checks["exception"] = traceback.format_exc()
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(OUT, f"ds-{MODE}-rank{rank}.json"), "w") as f:
+        json.dump(checks, f, indent=1)
