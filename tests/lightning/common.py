@@ -62,24 +62,87 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
 
 
-def full_state(lm: L.LightningModule, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters and optimizer state by FQN: a collective under FSDP2/TP."""
+def _local(v: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(v, ShardedTensor):
+        shards = v.local_shards()
+        return shards[0].tensor if shards else torch.empty(0)
+    return v
+
+
+def full_state(lm: nn.Module, opt: torch.optim.Optimizer, full: bool = True) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer state by FQN: full tensors (a collective under FSDP2/TP), or
+    with ``full=False`` (FSDP1, whose full state dict crashes on CPU) this rank's shards."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=True)
-    out = {f"model/{k}": v.detach().clone() for k, v in get_model_state_dict(lm, options=opts).items()}
+    opts = StateDictOptions(full_state_dict=full)
+    out = {f"model/{k}": _local(v).detach().clone() for k, v in get_model_state_dict(lm, options=opts).items()}
     osd = get_optimizer_state_dict(lm, opt, options=opts)
     for fqn, st in osd["state"].items():
         for name, v in st.items():
             if isinstance(v, torch.Tensor):
-                out[f"optim/{fqn}/{name}"] = v.detach().clone().reshape(v.shape)
+                out[f"optim/{fqn}/{name}"] = _local(v).detach().clone()
     return out
 
 
 def dump(path: str, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
+
+
+def cpu_fsdp1_strategy() -> Any:
+    """``FSDPStrategy`` (sharded state dicts) that wraps with ``device_id=cpu``: stock
+    FSDPStrategy passes ``root_device.index`` (None on CPU), which FSDP1 refuses."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model: nn.Module) -> nn.Module:
+            return FullyShardedDataParallel(module=model, device_id=torch.device("cpu"), **self.kwargs)
+
+    return CPUFSDPStrategy(state_dict_type="sharded")
+
+
+def cpu_deepspeed_strategy(stage: int) -> Any:
+    """``DeepSpeedStrategy`` allowed on CPU (stock Lightning requires CUDA in
+    ``setup_environment``; DeepSpeed itself runs on CPU with ``DS_ACCELERATOR=cpu``)."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            DDPStrategy.setup_environment(self)
+
+        def setup_distributed(self) -> None:  # without the CUDA device-index validation
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+            import deepspeed  # as Lightning's, without args.device_rank (None on CPU)
+
+            engine, opt, _, _ = deepspeed.initialize(
+                config=self.config, model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
+            )
+            return engine, opt
+
+    return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo")
+
+
+def deepspeed_full_state(engine: Any) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters and Adam moments through DeepSpeed's own API (a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    for n, p in engine.module.named_parameters():
+        out[f"model/{n}"] = safe_get_full_fp32_param(p).detach().clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"optim/{n}/{k}"] = safe_get_full_optimizer_state(p, k).detach().clone()
+    return out

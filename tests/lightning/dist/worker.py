@@ -24,6 +24,11 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # before any engine is built
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -31,10 +36,18 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from shardkeeper.lightning import ShardkeeperCheckpointIO  # noqa: E402
-from tests.lightning.common import Net, full_state, loader  # noqa: E402
+from tests.lightning.common import (  # noqa: E402
+    Net,
+    cpu_deepspeed_strategy,
+    cpu_fsdp1_strategy,
+    deepspeed_full_state,
+    full_state,
+    loader,
+)
 
 EPOCHS = 4
-STRATEGIES = ("ddp", "fsdp2", "tp")
+STRATEGIES = tuple(os.environ.get("SK_STRATEGIES", "ddp,fsdp2,tp,fsdp1,ds2").split(","))  # a subset: debugging
+MODE = {"ddp": "none", "fsdp1": "none", "ds2": "none"}
 checks: list[dict[str, Any]] = []
 
 
@@ -55,7 +68,23 @@ def make_strategy(name: str, world: int) -> Any:
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     if name == "tp":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world)
+    if name == "fsdp1":
+        return cpu_fsdp1_strategy()
+    if name == "ds2":
+        return cpu_deepspeed_strategy(2)
     raise ValueError(name)
+
+
+def state_of(trainer: L.Trainer, lm: Any) -> dict[str, torch.Tensor]:
+    """Parameters and AdamW moments by FQN: full tensors (DeepSpeed: through its own API),
+    this rank's shard for FSDP1 (compared per rank)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if isinstance(trainer.strategy, DeepSpeedStrategy):
+        return deepspeed_full_state(trainer.strategy.deepspeed_engine)
+    if isinstance(trainer.strategy, FSDPStrategy):
+        return full_state(trainer.strategy.model, trainer.optimizers[0], full=False)
+    return full_state(lm, trainer.optimizers[0])
 
 
 def trainer(strategy: Any, plugin: Any, ckdir: str, world: int, extra: list[Any] | None = None, epochs: int = EPOCHS) -> L.Trainer:
@@ -93,9 +122,9 @@ class Recorder(Callback):
         e = trainer.current_epoch
         if e == 0:
             trainer.save_checkpoint(f"{self.out}/ck/manual-epoch0.ckpt")
-        st = full_state(pl_module, trainer.optimizers[0])
-        if rank() == 0 and e in (0, 1):
-            save_file({k: v.contiguous() for k, v in st.items()}, f"{self.out}/ref-epoch{e}.safetensors")
+        st = state_of(trainer, pl_module)
+        if e in (0, 1):
+            save_file({k: v.contiguous() for k, v in st.items()}, f"{self.out}/ref-epoch{e}-r{rank()}.safetensors")
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self.saves.setdefault(str(trainer.global_step), []).append({"es": es_state(trainer), "epochs": self.epochs})
@@ -143,14 +172,14 @@ def phase_train(d: str, world: int) -> None:
         out = f"{d}/{name}"
         os.makedirs(out, exist_ok=True)
         L.seed_everything(0)
-        net = Net(mode={"ddp": "none"}.get(name, name))
+        net = Net(mode=MODE.get(name, name))
         rec = Recorder(out)
         plugin = ShardkeeperCheckpointIO(f"{out}/root")
         t = trainer(make_strategy(name, world), plugin, f"{out}/ck", world, [rec])
         t.fit(net, loader())
-        st = full_state(net, t.optimizers[0])
+        st = state_of(t, net)
+        save_file({k: v.contiguous() for k, v in st.items()}, f"{out}/ref-final-r{rank()}.safetensors")
         if rank() == 0:
-            save_file({k: v.contiguous() for k, v in st.items()}, f"{out}/ref-final.safetensors")
             meta = {
                 "losses": net.losses, "global_step": t.global_step, "saves": rec.saves,
                 "sched": t.lr_scheduler_configs[0].scheduler.state_dict(),
@@ -187,7 +216,8 @@ class AtStart(Recorder):
             "global_step": trainer.global_step, "epoch": trainer.current_epoch,
             "es": es_state(trainer),
             "epochs": self.epochs,
-            "state": full_state(pl_module, trainer.optimizers[0]),
+            "state": state_of(trainer, pl_module),
+            "engine_steps": getattr(trainer.strategy.model, "global_steps", trainer.global_step),
         }
 
 
@@ -197,26 +227,26 @@ def phase_resume(d: str, world: int) -> None:
         out = f"{d}/{name}"
         with open(f"{out}/ref.json") as f:
             ref = json.load(f)
-        final = load_file(f"{out}/ref-final.safetensors")
+        final = load_file(f"{out}/ref-final-r{rank()}.safetensors")
         files = sorted(os.listdir(f"{out}/ck"))
         mc_file = next(f for f in files if f.startswith("epoch=1-"))
         for label, ckpt, epoch_ref in (("from ModelCheckpoint", mc_file, 1), ("from save_checkpoint", "manual-epoch0.ckpt", 0)):
             L.seed_everything(0)
-            net = Net(mode={"ddp": "none"}.get(name, name))
+            net = Net(mode=MODE.get(name, name))
             at = AtStart()
             plugin = ShardkeeperCheckpointIO(f"{out}/root-{epoch_ref}")
             t = trainer(make_strategy(name, world), plugin, f"{out}/ck-{epoch_ref}", world, [at])
             t.fit(net, loader(), ckpt_path=f"{out}/ck/{ckpt}")
             step0 = at.seen["global_step"]
-            check(f"{name} {label}: resumed at global_step {step0}, epoch {at.seen['epoch']}", step0 == (epoch_ref + 1) * ref["global_step"] // EPOCHS and at.seen["epoch"] == epoch_ref + 1, at.seen["epoch"])
-            compare(name, f"{label} (at resume)", load_file(f"{out}/ref-epoch{epoch_ref}.safetensors"), at.seen["state"])
+            check(f"{name} {label}: resumed at global_step {step0}, epoch {at.seen['epoch']}", step0 == (epoch_ref + 1) * ref["global_step"] // EPOCHS == at.seen["engine_steps"] and at.seen["epoch"] == epoch_ref + 1, (at.seen["epoch"], at.seen["engine_steps"]))
+            compare(name, f"{label} (at resume)", load_file(f"{out}/ref-epoch{epoch_ref}-r{rank()}.safetensors"), at.seen["state"])
             saved = ref["saves"][str(step0)][0 if epoch_ref == 0 else -1]  # manual first, ModelCheckpoint last
             check(f"{name} {label}: callback states (EarlyStopping, a stateful callback) restored",
                   at.seen["es"] == saved["es"] and at.seen["epochs"] == saved["epochs"] == epoch_ref + 1, (at.seen["es"], at.seen["epochs"], saved))
             later = {int(k): v for k, v in ref["losses"].items() if int(k) >= step0}
             got = {k: v for k, v in net.losses.items() if k >= step0}
             check(f"{name} {label}: {len(later)} later losses bit for bit", got == later and len(later) > 0, {k: (later.get(k), got.get(k)) for k in list(later)[:3]})
-            compare(name, f"{label} (final)", final, full_state(net, t.optimizers[0]))
+            compare(name, f"{label} (final)", final, state_of(t, net))
             check(f"{name} {label}: global_step and scheduler", t.global_step == ref["global_step"] and t.lr_scheduler_configs[0].scheduler.state_dict() == ref["sched"], t.lr_scheduler_configs[0].scheduler.state_dict())
     check("no torch.save and no DCP save by any strategy", counts == {"torch.save": 0, "dcp.save": 0}, counts)
 
@@ -233,7 +263,8 @@ def phase_cross(d: str) -> None:
     plugin = ShardkeeperCheckpointIO(f"{d}/cross-root", per_rank="modulo")
     t = trainer("ddp", plugin, f"{d}/cross-ck", 1, [at], epochs=3)
     t.fit(net, loader(), ckpt_path=f"{out}/ck/{mc_file}")
-    compare("fsdp2 dp=2 -> ddp 1 process", "at resume", load_file(f"{out}/ref-epoch1.safetensors"), at.seen["state"])
+    ref1 = load_file(f"{out}/ref-epoch1-r0.safetensors")
+    compare("fsdp2 dp=2 -> ddp 1 process", "at resume", ref1, at.seen["state"])
     check("fsdp2 -> ddp: global_step", at.seen["global_step"] > 0, at.seen["global_step"])
 
     # (b) written by the core directly, restored in a Trainer.

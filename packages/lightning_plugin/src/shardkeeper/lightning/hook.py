@@ -25,7 +25,7 @@ import functools
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
-from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO
+from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO, is_deepspeed
 
 _UNSUPPORTED = ("XLAStrategy", "SingleDeviceXLAStrategy")
 
@@ -35,8 +35,10 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
     name = type(strategy).__name__
     if name in _UNSUPPORTED:
         raise TypeError(f"ShardkeeperCheckpointIO does not support {name}")
-    if name == "DeepSpeedStrategy":
-        _require_deepspeed_adapter()
+    if is_deepspeed(strategy):
+        from shardkeeper.core.adapters import load_adapter
+
+        load_adapter("deepspeed")  # fail now, with the install hint, not at the first save
     if getattr(strategy, "_shardkeeper_plugin", None) is plugin:
         return
     plugin.strategy = strategy
@@ -63,7 +65,7 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         plugin._restore_deferred_optim(strategy)
 
     def remove_checkpoint(filepath: Any) -> None:
-        if not plugin._remove(filepath, rank0=strategy.is_global_zero):
+        if not plugin._remove(filepath, strategy):
             orig_remove(filepath)
 
     @functools.wraps(orig_teardown)
@@ -81,17 +83,6 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
     strategy.optimizer_state = lambda optimizer: {}
     strategy.remove_checkpoint = remove_checkpoint
     strategy.teardown = teardown
-
-
-def _require_deepspeed_adapter() -> None:
-    """The DeepSpeed path (delegating to load_adapter("deepspeed").engine_state) is not built
-    yet: refuse rather than save ZeRO partitions through the generic module path."""
-    raise NotImplementedError(
-        "ShardkeeperCheckpointIO does not support DeepSpeedStrategy yet: its DeepSpeed path "
-        "(shardkeeper.core.adapters.load_adapter('deepspeed').engine_state(engine)) is not "
-        "implemented in this version. Use ModelParallelStrategy (FSDP2), or save the engine "
-        "with the shardkeeper DeepSpeed adapter directly"
-    )
 
 
 def install() -> None:

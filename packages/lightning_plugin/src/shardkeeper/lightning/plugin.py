@@ -78,7 +78,9 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         return self.strategy.load_checkpoint(path)
 
     def remove_checkpoint(self, path: Any) -> None:
-        self._remove(path, rank0=True)
+        if self.strategy is None:
+            raise RuntimeError(_NOT_CONNECTED)
+        self.strategy.remove_checkpoint(path)  # every rank: a step deletion is collective
 
     def teardown(self) -> None:
         self.wait()
@@ -154,30 +156,40 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             idx = self._path_index()
             idx.set(path, step)
             idx.flush()
-            self._delete_orphans()
+        self._delete_orphans(strategy)
 
     def _state(self, strategy: Any, ck: dict[str, Any], weights_only: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": _model(strategy)}
+        engine = _engine_state(strategy)  # DeepSpeed: the adapter's model/optim/progress(/sched)
+        state: dict[str, Any] = {}
         opts = [] if weights_only else list(strategy.optimizers)
         scheds = [] if weights_only else list(ck.get("lr_schedulers", []))
-        if opts:
+        if opts and engine is None:
             state["optim"] = opts[0] if len(opts) == 1 else {str(i): o for i, o in enumerate(opts)}
+        lsched = None
         if scheds:
             enc = [codec.encode(s, f"lr_schedulers/{i}") for i, s in enumerate(scheds)]
-            state["sched"] = enc[0] if len(enc) == 1 else {str(i): s for i, s in enumerate(enc)}
+            lsched = enc[0] if len(enc) == 1 else {str(i): s for i, s in enumerate(enc)}
         progress: dict[str, Any] = {"global_step": int(ck.get("global_step", 0)), "epoch": int(ck.get("epoch", 0))}
         if "loops" in ck:
             progress["loops"] = codec.encode(ck["loops"], "loops")
-        state["progress"] = progress
-        extra: dict[str, Any] = {
-            "lightning": {
-                "version": str(ck.get("pytorch-lightning_version", "")),
-                "weights_only": weights_only,
-                "optimizers": len(opts),
-                "schedulers": len(scheds),
-                "strategy": type(strategy).__name__,
-            }
+        info: dict[str, Any] = {
+            "version": str(ck.get("pytorch-lightning_version", "")),
+            "weights_only": weights_only,
+            "optimizers": len(opts),
+            "schedulers": len(scheds),
+            "strategy": type(strategy).__name__,
         }
+        if engine is None:
+            state["progress"] = progress
+            if lsched is not None:
+                state["sched"] = lsched
+        else:  # the engine's counters own progress/*: Lightning's go to extra/lightning/progress
+            info["progress"] = progress
+            if lsched is not None and "sched" in engine:  # the engine steps its own scheduler
+                info["sched"] = lsched
+            elif lsched is not None:
+                state["sched"] = lsched
+        extra: dict[str, Any] = {"lightning": info}
         if "callbacks" in ck:
             extra["callbacks"] = codec.encode(ck["callbacks"], "callbacks")
         rest: dict[str, Any] = {}
@@ -198,6 +210,15 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         # would write a plain tensor from whichever rank it picks for a replicated tensor.
         shared = strategy.broadcast({k: state[k] for k in ("sched", "progress", "extra") if k in state})
         state.update(shared)
+        if engine is None:
+            state["model"] = _model(strategy)
+        else:
+            state["model"] = engine["model"]
+            state["progress"] = engine["progress"]
+            if opts:
+                state["optim"] = engine["optim"]
+            if "sched" in engine and not weights_only:
+                state["sched"] = engine["sched"]
         state["rng"] = RNGState()
         return state
 
@@ -219,8 +240,6 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         return target
 
     def _load(self, strategy: Any, ckpt_path: Any) -> dict[str, Any]:
-        from shardkeeper.core.commit import load_manifest
-
         target = self._resolve(strategy, ckpt_path)
         own = target.root == self.root
         mgr = self.manager() if own else CheckpointManager(target.root, **_read_options(self.manager_options))
@@ -236,8 +255,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
                         f"no committed checkpoint under {target.root} (rank {mgr.rank}); nothing to "
                         f"resume from. Check the root, or start without ckpt_path"
                     )
-            leaves = load_manifest(mgr.storage, step).leaves
-            return self._restore(strategy, mgr, step, leaves)
+            return self._restore(strategy, mgr, step, mgr.manifest(step).leaves)
         finally:
             if not own and self._deferred_optim is None:
                 mgr.close()
@@ -246,17 +264,29 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         lm = strategy.lightning_module
         trainer = _trainer(strategy)
         fitting = trainer is not None and trainer.state.fn.value == "fit"
-        state: dict[str, Any] = {"model": _model(strategy)}
+        engine = _engine_state(strategy)
+        state: dict[str, Any] = {"model": _model(strategy) if engine is None else engine["model"]}
         only = ["model/*"]
+        optional: list[str] = []
+        # Lightning's own progress: progress/* (extra/lightning/progress/* under DeepSpeed,
+        # where the engine's counters own progress/*, see _state)
+        lightning_progress_in_extra = any(k.startswith("extra/lightning/progress/") for k in leaves)
         for ns in ("progress", "sched", "extra"):
             sk = codec.skeleton(leaves, ns)
-            if sk is not None:
+            if ns == "progress" and engine is not None and lightning_progress_in_extra:
+                state[ns] = engine["progress"]  # the engine's counters, saved by this path
+                only.append("progress/*")
+                optional.append("progress/*")
+            elif sk is not None:
                 state[ns] = sk
                 only.append(f"{ns}/*")
         has_optim = any(k.startswith("optim/") for k in leaves)
         n_opt = _count(leaves, "optim", "param_groups")
         self._deferred_optim = None
-        if fitting and has_optim:
+        if fitting and has_optim and engine is not None:
+            state["optim"] = engine["optim"]
+            only.append("optim/*")
+        elif fitting and has_optim:
             if strategy.restore_checkpoint_after_setup and strategy.optimizers:
                 state["optim"] = _optim_target(list(strategy.optimizers), n_opt, mgr, step)
                 only.append("optim/*")
@@ -266,10 +296,15 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             state["rng"] = RNGState()
             only.append("rng/*")
         strict = bool(getattr(lm, "strict_loading", True))
-        mgr.restore(state, step=step, only=only, strict=strict)
-        progress = codec.decode(state.get("progress") or {})
+        mgr.restore(state, step=step, only=only, strict=strict, optional=optional)
         extra = codec.decode(state.get("extra") or {})
         info = extra.get("lightning", {}) if isinstance(extra, dict) else {}
+        if isinstance(info.get("progress"), dict):
+            progress = info["progress"]
+        else:
+            progress = codec.decode(state.get("progress") or {}) if isinstance(state.get("progress"), dict) else {}
+            if engine is not None and "global_step" in progress:  # a checkpoint of another strategy
+                engine["progress"].load_state_dict({"global_step": progress["global_step"]})
         import lightning
 
         ck: dict[str, Any] = {
@@ -286,8 +321,8 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         ck.update(extra.get("checkpoint", {}))
         if has_optim:
             ck["optimizer_states"] = []
-        if "sched" in state:
-            s = codec.decode(state["sched"])
+        if isinstance(info.get("sched"), dict) or "sched" in state:
+            s = info["sched"] if isinstance(info.get("sched"), dict) else codec.decode(state["sched"])
             n = info.get("schedulers", 1)
             ck["lr_schedulers"] = [s] if n == 1 else [s[str(i)] if str(i) in s else s[i] for i in range(n)]
         elif has_optim:
@@ -304,9 +339,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             return
         mgr, step = self._deferred_optim
         self._deferred_optim = None
-        from shardkeeper.core.commit import load_manifest
-
-        leaves = load_manifest(mgr.storage, step).leaves
+        leaves = mgr.manifest(step).leaves
         opts = list(strategy.optimizers)
         state = {"model": _model(strategy), "optim": _optim_target(opts, _count(leaves, "optim", "param_groups"), mgr, step)}
         mgr.restore(state, step=step, only=["optim/*"])
@@ -314,20 +347,25 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             mgr.close()
 
     # -- remove / retention ----------------------------------------------------------------
-    def _remove(self, filepath: Any, *, rank0: bool) -> bool:
-        """Remove a pointer (rank 0); its step goes once no path names it. False: not ours."""
-        if not rank0:
-            return True
+    def _remove(self, filepath: Any, strategy: Any) -> bool:
+        """Remove a pointer (rank 0); its step goes once no path names it (every rank: the
+        deletion is collective). False: not one of our pointers."""
         path = norm_path(filepath)
-        target = read_pointer(path)
-        if target is None:
+        ours = None
+        if _rank(strategy) == 0:
+            target = read_pointer(path)
+            if target is not None:
+                remove_pointer(path)
+                ours = target.root == self.root
+                if ours:
+                    idx = self._path_index()
+                    idx.drop(path)
+                    idx.flush()
+        ours = strategy.broadcast(ours)
+        if ours is None:
             return False
-        remove_pointer(path)
-        if target.root == self.root:
-            idx = self._path_index()
-            idx.drop(path)
-            idx.flush()
-            self._delete_orphans()
+        if ours:
+            self._delete_orphans(strategy)
         return True
 
     def _path_index(self) -> PathIndex:
@@ -335,36 +373,42 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             self._index = PathIndex(self.manager().storage)
         return self._index
 
-    def _delete_orphans(self) -> None:
-        """Delete steps no path names (never the newest committed, nor one in flight)."""
-        idx = self._path_index()
-        if not idx.orphans:
-            return
-        from shardkeeper.core.retention import apply_retention
-
-        protect = set()
-        if self._handle is not None and not self._handle.done():
-            protect.add(self._handle.step)
-        doomed = {s for s in idx.orphans if not idx.named(s)}
+    def _delete_orphans(self, strategy: Any) -> None:
+        """Delete steps no path names, through ``mgr.delete`` (a collective: never the newest
+        committed step, nor one in flight; those stay orphans and are retried later)."""
         mgr = self.manager()
-        deleted = apply_retention(mgr.storage, _Only(doomed), protect=protect)
-        committed = set(mgr.steps())
-        idx.orphans = {s for s in idx.orphans if s in committed and s not in deleted and not idx.named(s)}
-        idx.flush()
+        doomed: list[int] = []
+        if mgr.rank == 0:
+            idx = self._path_index()
+            doomed = sorted(s for s in idx.orphans if not idx.named(s))
+        doomed = strategy.broadcast(doomed)
+        if not doomed:
+            return
+        gone = {s for s in doomed if mgr.delete(s)}
+        if mgr.rank == 0:
+            idx = self._path_index()
+            idx.orphans = {s for s in idx.orphans if s not in gone and not idx.named(s)}
+            idx.flush()
 
 
-class _Only:
-    """A retention policy that retains every step but the given ones."""
+def _engine_state(strategy: Any) -> dict[str, Any] | None:
+    """Under ``DeepSpeedStrategy``: the DeepSpeed adapter's canonical state of the engine
+    (``model``, ``optim``, ``progress``, maybe ``sched``); ``None`` for other strategies."""
+    if not is_deepspeed(strategy):
+        return None
+    from shardkeeper.core.adapters import load_adapter
 
-    keep_last = None
-    keep_every = None
-    keeps_all = False
+    engine = getattr(strategy, "model", None)
+    if engine is None or not hasattr(engine, "optimizer"):
+        raise RuntimeError(
+            "DeepSpeedStrategy has no DeepSpeed engine yet (Trainer.fit() builds it); the "
+            "shardkeeper Lightning plugin saves and restores the engine's state"
+        )
+    return load_adapter("deepspeed").engine_state(engine)
 
-    def __init__(self, doomed: set[int]) -> None:
-        self.doomed = doomed
 
-    def retained(self, steps: Any) -> set[int]:
-        return set(steps) - self.doomed
+def is_deepspeed(strategy: Any) -> bool:
+    return any(c.__name__ == "DeepSpeedStrategy" for c in type(strategy).__mro__)
 
 
 def _optim_target(opts: list[Any], n_saved: int, mgr: CheckpointManager, step: int) -> Any:
@@ -435,4 +479,4 @@ _NOT_CONNECTED = (
     "before the Trainer is built"
 )
 
-__all__ = ["MARK", "ShardkeeperCheckpointIO"]
+__all__ = ["MARK", "ShardkeeperCheckpointIO", "is_deepspeed"]
