@@ -55,9 +55,13 @@ class Net(torch.nn.Module):
         self.inp = torch.nn.Linear(7, hidden)
         self.out = torch.nn.Linear(hidden, 3)
         self.register_buffer("scale", torch.tensor([1.5]))
+        self.shift = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 3), requires_grad=False)  # frozen
+
+    def trainable(self):
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.inp(x))) * self.scale.to(x.dtype)
+        return self.out(torch.tanh(self.inp(x))) * self.scale.to(x.dtype) + self.shift.to(x.dtype)
 
 
 def case_name(stage: int, dtype: str) -> str:
@@ -67,6 +71,8 @@ def case_name(stage: int, dtype: str) -> str:
 def make_engine(stage: int, dtype: str, seed: int, hidden: int = 5):
     torch.manual_seed(seed)
     model = Net(hidden)
+    if seed:  # restore targets: the frozen parameter differs from the saved one until restored
+        model.shift.data.mul_(2.0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
@@ -98,6 +104,8 @@ def full_state(engine) -> dict[str, torch.Tensor]:
     """DeepSpeed's own view: full fp32 params and moments (collectives: every rank calls)."""
     out = {}
     for n, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
         out[f"param/{n}"] = safe_get_full_fp32_param(p).detach().clone().contiguous()
         for k in MOMENTS:
             out[f"{k}/{n}"] = safe_get_full_optimizer_state(p, k).detach().clone().contiguous()
@@ -105,9 +113,15 @@ def full_state(engine) -> dict[str, torch.Tensor]:
 
 
 def lp_matches_master(engine) -> list[str]:
-    """Low-precision module weights must equal the fp32 masters cast down (after a restore)."""
+    """Low-precision module weights must equal the fp32 masters cast down (after a restore),
+    and the frozen parameter the saved one."""
     bad = []
     for n, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                if not torch.equal(p.detach().float(), torch.linspace(-1.0, 1.0, 3)):
+                    bad.append(n)
+            continue
         master = safe_get_full_fp32_param(p)
         with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
             lp = p.detach().clone()
@@ -191,7 +205,7 @@ def save_plain(root: Path, res: Results) -> None:
     with CheckpointManager(str(root / "ckpt" / "plain")) as mgr:
         mgr.save(SAVE_STEPS, {"model": model, "optim": opt}, async_save=False)
     ref = {}
-    for n, p in model.named_parameters():
+    for n, p in model.trainable():
         ref[f"param/{n}"] = p.detach().clone()
         for k in MOMENTS:
             ref[f"{k}/{n}"] = opt.state[p][k].clone()
@@ -213,6 +227,8 @@ def _fsdp2(seed: int):
 def _fsdp2_full(model, opt) -> dict[str, torch.Tensor]:
     out = {}
     for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         out[f"param/{n}"] = p.full_tensor().detach().clone()
         for k in MOMENTS:
             out[f"{k}/{n}"] = opt.state[p][k].full_tensor().clone()
@@ -354,7 +370,7 @@ def engine_into_plain(root: Path, res: Results, stage: int, dtype: str) -> None:
     with CheckpointManager(str(root / "ckpt" / name)) as mgr:
         mgr.restore({"model": model, "optim": opt}, only=["model/*", "optim/*"])
     got = {}
-    for n, p in model.named_parameters():
+    for n, p in model.trainable():
         got[f"param/{n}"] = p.detach()
         for k in MOMENTS:
             got[f"{k}/{n}"] = opt.state[p][k]

@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -66,6 +67,25 @@ def _find_step(obj: Any) -> Any:
             if found is not None:
                 return found
     return None
+
+
+def _zero3_frozen(ckpt_dir: Path, name: str, numel: int) -> torch.Tensor | None:
+    """A frozen ZeRO-3 parameter from every rank's ``frozen_param_fragments``, in rank order."""
+    def rank_of(f: Path) -> int:
+        m = re.search(r"zero_pp_rank_(\d+)_", f.name)
+        return int(m.group(1)) if m else 0
+
+    files = sorted(ckpt_dir.glob("zero_pp_rank_*_model_states.pt"), key=rank_of)
+    parts = []
+    for f in files:
+        frag = (_load(f).get("frozen_param_fragments") or {}).get(name)
+        if frag is None:
+            return None
+        parts.append(frag.reshape(-1))
+    if not parts:
+        return None
+    flat = torch.cat(parts)
+    return flat[:numel] if flat.numel() >= numel else None
 
 
 def _to_universal(ckpt_dir: Path, out: Path) -> None:
@@ -166,6 +186,19 @@ def _read_universal(out: Path, ckpt_dir: Path) -> tuple[dict[str, Any], int]:
             optim_state[fqn] = per
         group_fqns.append(fqns)
     module = ms.get("module") or {}
+    # Frozen parameters have no fp32 master: DeepSpeed's converter writes their module value
+    # (ZeRO-1/2) when it has one; else the module state has it. Stored as fp32, like buffers.
+    for name, shape in (ms.get("frozen_param_shapes") or {}).items():
+        fqn = normalize_fqn(name)
+        f = zero / name / "fp32.pt"
+        value = _load(f) if f.is_file() else module.get(name)
+        value = value["param"] if isinstance(value, dict) and "param" in value else value
+        if value is None or value.numel() != math.prod(tuple(shape)):
+            value = _zero3_frozen(ckpt_dir, name, math.prod(tuple(shape)))
+        if isinstance(value, torch.Tensor) and value.numel() == math.prod(tuple(shape)):
+            model[fqn] = value.float().reshape(tuple(shape)).contiguous()
+        else:
+            warnings.warn(f"frozen parameter {name} is not in {ckpt_dir}; it is not imported", stacklevel=3)
     for name in ms.get("buffer_names") or []:
         if name in module:  # fp32, as engine_state stores buffers DeepSpeed cast down
             buf = module[name]

@@ -111,7 +111,8 @@ class ModelState:
                 out[normalize_fqn(name)] = Fragment(local, s.shape, s.offset)
             elif id(p) in frozen3:
                 off, n = frozen3[id(p)]
-                out[normalize_fqn(name)] = Fragment(p.ds_tensor.detach().view(-1).narrow(0, 0, n), tuple(p.ds_shape), off)
+                local = self._fp32(p.ds_tensor.detach().view(-1).narrow(0, 0, n))
+                out[normalize_fqn(name)] = Fragment(local, tuple(p.ds_shape), off)
             else:
                 out[normalize_fqn(name)] = self._fp32(p.data)
         for name, buf in _persistent_buffers(engine.module).items():
@@ -215,8 +216,10 @@ class OptimState:
         if saved is None:
             return
         current = self.param_groups()
+        # Frozen parameters: torch lists them in their group, ZeRO leaves them out; ignore them.
+        frozen = {normalize_fqn(n) for n, p in self.engine.module.named_parameters() if not p.requires_grad}
         if len(saved) != len(current) or any(
-            set(s.get("params", [])) != set(c["params"]) for s, c in zip(saved, current)
+            set(s.get("params", [])) - frozen != set(c["params"]) for s, c in zip(saved, current)
         ):
             raise StateMismatchError(
                 "the checkpoint's optimizer param_groups do not match the engine's: saved "
