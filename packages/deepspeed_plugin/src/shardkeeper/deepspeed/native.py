@@ -191,9 +191,9 @@ def _read_universal(out: Path, ckpt_dir: Path) -> tuple[dict[str, Any], int]:
     for name, shape in (ms.get("frozen_param_shapes") or {}).items():
         fqn = normalize_fqn(name)
         f = zero / name / "fp32.pt"
-        value = _load(f) if f.is_file() else module.get(name)
+        value: Any = _load(f) if f.is_file() else module.get(name)
         value = value["param"] if isinstance(value, dict) and "param" in value else value
-        if value is None or value.numel() != math.prod(tuple(shape)):
+        if not isinstance(value, torch.Tensor) or value.numel() != math.prod(tuple(shape)):
             value = _zero3_frozen(ckpt_dir, name, math.prod(tuple(shape)))
         if isinstance(value, torch.Tensor) and value.numel() == math.prod(tuple(shape)):
             model[fqn] = value.float().reshape(tuple(shape)).contiguous()
