@@ -3,7 +3,8 @@
 Two torchrun launches carry every multi-process check (tests/accelerate/dist/ddp_worker.py):
 bit-exact resume against an uninterrupted run, DataLoader position, registered objects,
 retention across a restart, plain-torch and core-written cross restores, several models, and
-the FSDP2 (``fully_shard``) path.
+the FSDP2 (``fully_shard``) path. One more single-process launch (dist/cross_worker.py)
+restores the DDP checkpoint in a Lightning Trainer and into a DeepSpeed ZeRO-2 engine.
 """
 
 from __future__ import annotations
@@ -40,7 +41,28 @@ def _launch(mode: str, out: Path, expected: set[str]) -> None:
         assert expected <= set(checks), f"rank {rank} ({mode}) skipped: {expected - set(checks)}"
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both DDP launches; their checks are asserted by the test below, the folder reused."""
+    out = tmp_path_factory.mktemp("ddp")
+    _launch("save", out, SAVE_CHECKS)
+    _launch("resume", out, RESUME_CHECKS)
+    return out
+
+
 @pytest.mark.timeout(360)
-def test_ddp_save_resume_in_new_process(tmp_path: Path) -> None:
-    _launch("save", tmp_path, SAVE_CHECKS)
-    _launch("resume", tmp_path, RESUME_CHECKS)
+def test_ddp_save_resume_in_new_process(ddp_run: Path) -> None:
+    assert (ddp_run / "cross-0.pt").exists()
+
+
+@pytest.mark.timeout(420)
+def test_ddp_checkpoint_restores_in_lightning_and_deepspeed(ddp_run: Path) -> None:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("shardkeeper.lightning")
+    proc = run_script(1, Path(__file__).parent / "dist" / "cross_worker.py", str(ddp_run), timeout_s=120,
+                      env={"DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    checks = json.loads((ddp_run / "cross.json").read_text())
+    failed = {k: v for k, v in checks.items() if v is not True}
+    assert not failed, failed
+    assert set(checks) == {"lightning_restores_ddp_checkpoint", "deepspeed_engine_restores_ddp_checkpoint"}

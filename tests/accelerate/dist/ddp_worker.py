@@ -204,6 +204,11 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
     err = same_state(snapshot(model, opt), want)
     check("core_written_checkpoint_restores", step == 7 and not err, f"step={step} {err}")
 
+    # for the cross-framework test (dist/cross_worker.py): a DDP checkpoint and its state
+    acc.project_configuration.automatic_checkpoint_naming = False
+    acc.save_state(os.path.join(OUT, "cross"))
+    torch.save(snapshot(model, opt), os.path.join(OUT, f"cross-{rank}.pt"))
+
     several_models(acc)
     fsdp2(acc)
     acc.end_training()
