@@ -98,3 +98,19 @@ def test_clear_errors_for_paths_that_are_not_ours(tmp_path: Path) -> None:
     t = _trainer(ShardkeeperCheckpointIO(tmp_path / "root"), 1)
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
         t.fit(Net(), loader(), ckpt_path=str(tmp_path / "root"))
+
+
+def test_import_refuses_pickles_without_opt_in_and_directories(tmp_path: Path) -> None:
+    from shardkeeper.lightning import import_lightning_checkpoint
+
+    src = tmp_path / "x.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, src)
+    with pytest.raises(PermissionError, match="trust_pickle=True"):
+        import_lightning_checkpoint(src, tmp_path / "root")
+    assert not (tmp_path / "root").exists()
+    with pytest.raises(NotImplementedError, match="directory"):
+        import_lightning_checkpoint(tmp_path, tmp_path / "root", trust_pickle=True)
+    with pytest.warns(UserWarning, match="unpickling"):
+        assert import_lightning_checkpoint(src, tmp_path / "root", trust_pickle=True) == 3
+    with CheckpointManager(tmp_path / "root") as mgr:
+        assert mgr.steps() == [3] and "model/w" in mgr.manifest(3).leaves

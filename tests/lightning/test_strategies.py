@@ -5,7 +5,8 @@ CPU-allowing subclass; the engine's state through the DeepSpeed adapter).
 Three launches: ``train`` (uninterrupted runs, every save through the plugin, strategies'
 own writers spied on), ``resume`` (new processes resume from ModelCheckpoint's and
 save_checkpoint's paths and must match the uninterrupted runs bit for bit), ``cross`` (one
-process: the FSDP2 checkpoint under ddp at world size 1; a core-written checkpoint).
+process: the FSDP2 checkpoint under ddp at world size 1; a core-written checkpoint; a
+Lightning .ckpt imported; the FSDP2 checkpoint in plain torch and in a DeepSpeed engine).
 """
 
 from __future__ import annotations
@@ -57,7 +58,26 @@ def test_resume_matches_uninterrupted_run_bit_for_bit(runs: dict[str, list[dict]
     _assert_all(mine)
 
 
+def _cross(runs: dict[str, list[dict]], *words: str) -> list[dict]:
+    return [c for c in runs["cross"] if any(w in c["name"] for w in words)]
+
+
 @pytest.mark.timeout(540)
 def test_resume_at_another_world_size_and_from_a_core_checkpoint(runs: dict[str, list[dict]]) -> None:
-    _assert_all(runs["cross"])
-    assert len(runs["cross"]) == 3
+    mine = _cross(runs, "fsdp2 dp=2", "fsdp2 -> ddp", "core-written", "raised")
+    assert len(mine) == 3, runs["cross"]
+    _assert_all(mine)
+
+
+@pytest.mark.timeout(540)
+def test_imported_lightning_ckpt_resumes_like_the_ckpt(runs: dict[str, list[dict]]) -> None:
+    mine = _cross(runs, "import", "raised")
+    assert len(mine) == 7, runs["cross"]
+    _assert_all(mine)
+
+
+@pytest.mark.timeout(540)
+def test_plugin_fsdp2_checkpoint_restores_in_plain_torch_and_deepspeed(runs: dict[str, list[dict]]) -> None:
+    mine = _cross(runs, "-> plain torch", "-> DeepSpeed", "raised")
+    assert len(mine) == 2, runs["cross"]
+    _assert_all(mine)

@@ -285,6 +285,82 @@ def phase_cross(d: str) -> None:
     t.fit(net, loader(), ckpt_path=plugin.step_path(7))
     compare("core-written checkpoint", "in a Trainer", ref, at.seen["state"])
 
+    cross_import(d)
+    cross_out_of_lightning(d, ref1)
+
+
+def stock_trainer(epochs: int, cbs: list[Any]) -> L.Trainer:
+    return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=cbs, deterministic=True)
+
+
+def cross_import(d: str) -> None:
+    """A Lightning .ckpt (written by Lightning itself) imported, then resumed with the plugin:
+    the same state and later losses as Lightning's own resume from the .ckpt."""
+    import warnings
+
+    from shardkeeper.lightning import import_lightning_checkpoint
+
+    L.seed_everything(0)
+    stock_trainer(2, [EarlyStopping("train_loss", patience=100), ModelCheckpoint(dirpath=f"{d}/native", save_top_k=-1)]).fit(Net(), loader())
+    ckpt = f"{d}/native/" + next(f for f in sorted(os.listdir(f"{d}/native")) if f.startswith("epoch=0-"))
+    try:
+        import_lightning_checkpoint(ckpt, f"{d}/imported", module=Net())
+        check("import refuses without trust_pickle", False, "no error")
+    except PermissionError as e:
+        check("import refuses without trust_pickle", "trust_pickle=True" in str(e) and ckpt in str(e), e)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        step = import_lightning_checkpoint(ckpt, f"{d}/imported", module=Net(), trust_pickle=True)
+    check("import warns with trust_pickle=True", any("unpickling" in str(x.message) for x in w), [str(x.message) for x in w])
+    results = {}
+    for label in ("lightning", "imported"):
+        L.seed_everything(0)
+        net = Net()
+        at = AtStart()
+        cbs: list[Any] = [at, EarlyStopping("train_loss", patience=100)]
+        if label == "imported":
+            plugin = ShardkeeperCheckpointIO(f"{d}/imported")
+            t = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=cbs, deterministic=True, plugins=[plugin])
+            t.fit(net, loader(), ckpt_path=plugin.step_path(step))
+        else:
+            t = stock_trainer(3, cbs)
+            t.fit(net, loader(), ckpt_path=ckpt)
+        results[label] = (at.seen, net.losses, full_state(net, t.optimizers[0]), t.lr_scheduler_configs[0].scheduler.state_dict(), t.global_step)
+    a, b = results["lightning"], results["imported"]
+    check(f"imported .ckpt: resumed at global_step {b[0]['global_step']} as Lightning's resume", a[0]["global_step"] == b[0]["global_step"] == step > 0 and a[0]["epoch"] == b[0]["epoch"], (a[0]["global_step"], b[0]["global_step"], step))
+    compare("imported .ckpt", "at resume vs the .ckpt resume", a[0]["state"], b[0]["state"])
+    compare("imported .ckpt", "final vs the .ckpt resume", a[2], b[2])
+    check("imported .ckpt: later losses bit for bit", a[1] == b[1] and len(a[1]) > 0, (list(a[1].items())[:2], list(b[1].items())[:2]))
+    check("imported .ckpt: scheduler and global_step", a[3] == b[3] and a[4] == b[4], (a[3], b[3]))
+
+
+def cross_out_of_lightning(d: str, ref1: dict[str, torch.Tensor]) -> None:
+    """The plugin's ModelParallel FSDP2 checkpoint (dp=2, step 8) restored outside Lightning:
+    into plain torch through the core, and into a DeepSpeed ZeRO-2 engine through the adapter."""
+    from shardkeeper.core import CheckpointManager
+    from shardkeeper.core.adapters import load_adapter
+
+    root = f"{d}/fsdp2/root"
+    torch.manual_seed(5)
+    plain = Net()
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.01)
+    with CheckpointManager(root) as mgr:
+        mgr.restore({"model": plain, "optim": opt}, step=8, only=["model/*", "optim/*"])
+    compare("fsdp2 (Lightning plugin) -> plain torch", "via the core", ref1, full_state(plain, opt))
+
+    torch.manual_seed(5)
+    m = Net()
+    engine, *_ = deepspeed.initialize(
+        model=m, optimizer=torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01),
+        config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}, "steps_per_print": 10**9},
+    )
+    with CheckpointManager(root) as mgr:
+        mgr.restore(load_adapter("deepspeed").engine_state(engine), step=8, only=["model/*", "optim/*"])
+    moments = {k: v for k, v in ref1.items() if not k.endswith("/step")}
+    compare("fsdp2 (Lightning plugin) -> DeepSpeed ZeRO-2 engine", "via the adapter", moments, deepspeed_full_state(engine))
+
 
 def main() -> None:
     phase, d = sys.argv[1], sys.argv[2]

@@ -8,8 +8,9 @@ that connects the plugin to its strategy (:mod:`shardkeeper.lightning.hook`).
 """
 
 from shardkeeper.lightning.hook import connect, install
+from shardkeeper.lightning.importer import import_lightning_checkpoint
 from shardkeeper.lightning.plugin import ShardkeeperCheckpointIO
 
 install()
 
-__all__ = ["ShardkeeperCheckpointIO", "connect"]
+__all__ = ["ShardkeeperCheckpointIO", "connect", "import_lightning_checkpoint"]
