@@ -24,7 +24,7 @@ from tests.launch import run_script
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 WORKER = Path(__file__).parent / "dist" / "worker.py"
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _checks(root: Path, phase: str, world: int) -> list[dict]:

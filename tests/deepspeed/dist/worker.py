@@ -36,12 +36,13 @@ from shardkeeper.core import CheckpointManager, CommitConflictError, StateMismat
 from shardkeeper.core.adapters import load_adapter  # noqa: E402
 
 skds = load_adapter("deepspeed")  # the entry point, as the other adapters find it
+from shardkeeper.deepspeed._ds_internals import loss_scaler_state  # noqa: E402
 
 SAVE_STEPS = 3
 MORE_STEPS = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # (stage, dtype); "hook" cases save through engine.save_checkpoint after attach()
-SAVED = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
+SAVED = [(s, d) for d in ("fp32", "bf16", "fp16") for s in (1, 2, 3)]
 HOOK_CASES = {(2, "bf16"), (3, "fp32")}
 # also saved in DeepSpeed's native format, imported by the test (import_native_checkpoint)
 NATIVE_CASES = {(2, "fp32"), (3, "bf16")}
@@ -79,6 +80,8 @@ def make_engine(stage: int, dtype: str, seed: int, hidden: int = 5):
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
         "bf16": {"enabled": dtype == "bf16"},
+        # a dynamic loss scale that moves within the run: its state must come back too
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8, "loss_scale_window": 2},
         "steps_per_print": 10**9,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 10}},
     }
@@ -92,7 +95,7 @@ def batch(step: int, rank: int, dtype: torch.dtype = torch.float32):
 
 
 def train_step(engine, step: int) -> float:
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
     x, y = batch(step, dist.get_rank(), dtype)
     loss = (engine(x).float() - y).pow(2).mean()
     engine.backward(loss)
@@ -172,6 +175,7 @@ def save_case(root: Path, res: Results, stage: int, dtype: str) -> None:
             engine.save_checkpoint(str(root / "native" / name), tag=f"global_step{SAVE_STEPS}",
                                    client_state={"iteration": SAVE_STEPS})
     ref = full_state(engine)
+    scaler = loss_scaler_state(engine)
     losses = [train_step(engine, SAVE_STEPS + k) for k in range(MORE_STEPS)]  # mutates while writing
     if (stage, dtype) in HOOK_CASES:
         hook.wait()
@@ -186,7 +190,7 @@ def save_case(root: Path, res: Results, stage: int, dtype: str) -> None:
     if dist.get_rank() == 0:
         (root / "refs").mkdir(parents=True, exist_ok=True)
         save_file(ref, str(root / "refs" / f"{name}.safetensors"))
-        meta = {"losses": losses_all, "global_samples": SAVE_STEPS * 4 * dist.get_world_size()}
+        meta = {"losses": losses_all, "global_samples": SAVE_STEPS * 4 * dist.get_world_size(), "scaler": scaler}
         (root / "refs" / f"{name}.json").write_text(json.dumps(meta))
     engine.destroy()
 
@@ -274,6 +278,7 @@ def restore_case(root: Path, res: Results, stage: int, dtype: str, target_stage:
     meta = json.loads((root / "refs" / f"{name}.json").read_text())
     res.check(f"{case}: progress", engine.global_steps == SAVE_STEPS and engine.global_samples == meta["global_samples"],
               f"{engine.global_steps} {engine.global_samples}")
+    res.check(f"{case}: loss scaler", loss_scaler_state(engine) == meta["scaler"], f"{loss_scaler_state(engine)} vs {meta['scaler']}")
     res.check(f"{case}: scheduler", engine.lr_scheduler.last_batch_iteration == SAVE_STEPS - 1,
               str(engine.lr_scheduler.last_batch_iteration))
     compare(res, f"{case}: fp32 masters and Adam moments bit-exact vs safe_get_full_*", full_state(engine), ref)

@@ -251,7 +251,7 @@ def set_loss_scaler_state(engine: Any, state: dict[str, Any]) -> None:
             if isinstance(cur, torch.Tensor):
                 cur.fill_(v)
             else:
-                setattr(scaler, name, type(cur)(v) if cur is not None and v is not None else v)
+                setattr(scaler, name, v)  # JSON keeps int vs float, as DeepSpeed had it
 
 
 __all__ = [
