@@ -1,9 +1,10 @@
-"""The real Accelerator with DeepSpeed ZeRO-2 on 2 gloo ranks (CPU), through the DeepSpeed adapter.
+"""The real Accelerator with DeepSpeed ZeRO-2 and ZeRO-3 on 2 gloo ranks (CPU), through the DeepSpeed adapter.
 
 Two torchrun launches (tests/accelerate/dist/ds_worker.py): save (reference run + interrupted run
 with total_limit=2), then resume in a new process: fp32 masters and Adam moments bit for bit
 (DeepSpeed's own ``safe_get_full_*``), counters, registered object, scheduler, DataLoader
-position, next losses and final state bit for bit, retention across the restart.
+position, next losses and final state bit for bit, retention across the restart. A stage DeepSpeed itself cannot train on the installed torch
+(DeepSpeed < 0.19 only: its reference run fails before any checkpoint) is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -32,19 +33,22 @@ RESUME_CHECKS = {
 }
 
 
-def _launch(mode: str, out: Path, expected: set[str]) -> None:
-    proc = run_script(2, WORKER, mode, str(out), timeout_s=150, env=ENV)
+def _launch(mode: str, out: Path, stage: int, expected: set[str]) -> None:
+    proc = run_script(2, WORKER, mode, str(out), str(stage), timeout_s=150, env=ENV)
     assert proc.returncode == 0, proc.stdout[-4000:]
     for rank in range(2):
-        path = out / f"ds-{mode}-rank{rank}.json"
+        path = out / f"ds{stage}-{mode}-rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no results:\n{proc.stdout[-4000:]}"
         checks = json.loads(path.read_text())
+        if "deepspeed_cannot_train" in checks:
+            pytest.skip(f"DeepSpeed itself cannot train here: {checks['deepspeed_cannot_train'][:300]}")
         failed = {k: v for k, v in checks.items() if v is not True}
         assert not failed, f"rank {rank} ({mode}): {failed}"
         assert expected <= set(checks), f"rank {rank} ({mode}) skipped: {expected - set(checks)}"
 
 
 @pytest.mark.timeout(360)
-def test_deepspeed_zero2_save_resume_in_new_process(tmp_path: Path) -> None:
-    _launch("save", tmp_path, SAVE_CHECKS)
-    _launch("resume", tmp_path, RESUME_CHECKS)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_save_resume_in_new_process(tmp_path: Path, stage: int) -> None:
+    _launch("save", tmp_path, stage, SAVE_CHECKS)
+    _launch("resume", tmp_path, stage, RESUME_CHECKS)
