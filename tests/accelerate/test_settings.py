@@ -105,3 +105,27 @@ def test_import_accelerate_save_state_folder(cfg: Path, tmp_path: Path) -> None:
     assert torch.equal(model.weight, want_w)
     assert torch.equal(opt.optimizer.state[model.weight]["exp_avg"], want_m)
     acc.end_training()
+
+
+def test_counters_in_the_layout_before_progress_accelerate(cfg: Path, tmp_path: Path) -> None:
+    """Checkpoints written before the counters moved to progress/accelerate/ still load them."""
+    from accelerate.state import AcceleratorState
+
+    from shardkeeper.core import CheckpointManager
+
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    lin = nn.Linear(3, 2)
+    acc.prepare(lin)
+    root = tmp_path / "old"
+    with CheckpointManager(str(root)) as mgr:  # the old layout, written by the core directly
+        mgr.save(4, {"model": lin, "progress": {"iteration": 5, "step": 17}}, async_save=False)
+    ska.enable(acc, root=str(root), async_save=False)
+    assert acc.load_state() == 4
+    assert (acc.project_configuration.iteration, acc.step) == (5, 17)
+    acc.save_state()
+    with CheckpointManager(str(root)) as mgr:
+        m = mgr.manifest(5)
+    assert {"progress/accelerate/iteration", "progress/accelerate/step"} <= set(m.leaves)
+    assert "progress/iteration" not in m.leaves
+    acc.end_training()
