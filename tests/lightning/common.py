@@ -131,9 +131,26 @@ def cpu_deepspeed_strategy(stage: int) -> Any:
                 config=self.config, model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                 optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
             )
+            # Lightning 2.5.6 + DeepSpeed 0.18.9 on CPU: ZeRO-2's step all-gathers into views of a
+            # split and fails ("Output 0 of Split is a view and is being modified inplace");
+            # the engine's step under no_grad avoids it (test-only; not the plugin's business).
+            if _old_deepspeed():
+                step = engine.step
+
+                def no_grad_step(*args: Any, **kwargs: Any) -> Any:
+                    with torch.no_grad():
+                        return step(*args, **kwargs)
+
+                engine.step = no_grad_step
             return engine, opt
 
     return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo")
+
+
+def _old_deepspeed() -> bool:
+    import deepspeed
+
+    return tuple(int(x) for x in deepspeed.__version__.split(".")[:2]) < (0, 19)
 
 
 def deepspeed_full_state(engine: Any) -> dict[str, torch.Tensor]:
