@@ -11,7 +11,7 @@ from typing import Any
 
 from shardkeeper.accelerate.config import resolve_settings, split_settings
 from shardkeeper.accelerate.dataloaders import track
-from shardkeeper.accelerate.state import build_state
+from shardkeeper.accelerate.state import build_state, global_rank
 from shardkeeper.core import CheckpointManager, SaveHandle
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class AcceleratePlugin:
         mgr.wait()  # a previous save's failure surfaces here, before a new one starts
         if n in mgr.steps():
             raise ValueError(
-                f"shardkeeper: step {n} is already committed under {root} (rank {acc.process_index}); "
+                f"shardkeeper: step {n} is already committed under {root} (rank {global_rank()}); "
                 f"checkpoints are immutable. Call accelerator.load_state() first to continue the "
                 f"iteration counter, set accelerator.project_configuration.iteration, or pass "
                 f"save_state(step=...)"
@@ -155,7 +155,7 @@ class AcceleratePlugin:
         mgr.wait()
         for dl in acc._dataloaders:
             track(dl)
-        target = step if step is not None else _newest(mgr, root, acc.process_index)
+        target = step if step is not None else _newest(mgr, root, global_rank())
         present = list(mgr.manifest(target).leaves)
         state = build_state(acc, present=present, resume_dataloaders=bool(self.settings.get("resume_dataloaders")))
         restored = mgr.restore(state, step=target, strict=strict)

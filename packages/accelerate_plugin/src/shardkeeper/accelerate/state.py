@@ -87,6 +87,14 @@ class MergedProgress:
         self.engine_progress.load_state_dict(rest)
 
 
+def global_rank() -> int:
+    """This process's rank in torch.distributed (the core's rank): under DeepSpeed on CPU,
+    Accelerate's ``process_index`` is 0 on every rank."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def is_deepspeed(accelerator: Any) -> bool:
     kind = accelerator.distributed_type
     return str(getattr(kind, "value", kind)) == "DEEPSPEED"
@@ -98,7 +106,7 @@ def deepspeed_engine(accelerator: Any) -> Any:
     if len(models) != 1:
         raise NotImplementedError(
             f"shardkeeper.accelerate: {len(models)} prepared models under DistributedType.DEEPSPEED "
-            f"(rank {accelerator.process_index}); shardkeeper saves exactly one DeepSpeed engine per "
+            f"(rank {global_rank()}); shardkeeper saves exactly one DeepSpeed engine per "
             f"Accelerator, as Accelerate's backward() supports. Prepare one model (several: wrap "
             f"them in one nn.Module)"
         )
