@@ -86,6 +86,7 @@ def test_every_case_saves_and_internals_hold(saved: Path) -> None:
             assert f"z{s}-{d}: committed" in cases, sorted(cases)
     # the hook cases wrote nothing of DeepSpeed's own format
     assert any("hook wrote no DeepSpeed files" in c for c in cases)
+    assert any("hook settings from the DeepSpeed config" in c for c in cases)
     _assert_all_ok(checks)
 
 

@@ -69,7 +69,7 @@ def case_name(stage: int, dtype: str) -> str:
     return f"z{stage}-{dtype}"
 
 
-def make_engine(stage: int, dtype: str, seed: int, hidden: int = 5):
+def make_engine(stage: int, dtype: str, seed: int, hidden: int = 5, extra: dict | None = None):
     torch.manual_seed(seed)
     model = Net(hidden)
     if seed:  # restore targets: the frozen parameter differs from the saved one until restored
@@ -85,7 +85,7 @@ def make_engine(stage: int, dtype: str, seed: int, hidden: int = 5):
         "steps_per_print": 10**9,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 10}},
     }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={**cfg, **(extra or {})})
     return engine
 
 
@@ -160,12 +160,16 @@ def compare(res: Results, case: str, got: dict[str, torch.Tensor], ref: dict[str
 # -- save phase ----------------------------------------------------------------------------
 def save_case(root: Path, res: Results, stage: int, dtype: str) -> None:
     name = case_name(stage, dtype)
-    engine = make_engine(stage, dtype, seed=0)
+    # the hook's settings may live in the DeepSpeed config
+    extra = {"shardkeeper": {"keep_last": 2}} if (stage, dtype) in HOOK_CASES else None
+    engine = make_engine(stage, dtype, seed=0, extra=extra)
     for k in range(SAVE_STEPS):
         train_step(engine, k)
     ckpt = root / "ckpt" / name
     if (stage, dtype) in HOOK_CASES:
         hook = skds.attach(engine)  # the directory passed to save_checkpoint is the root
+        res.check(f"{name}: hook settings from the DeepSpeed config",
+                  hook.manager(str(ckpt)).retention.keep_last == 2)
         engine.save_checkpoint(str(ckpt), tag=f"global_step{SAVE_STEPS}",
                                client_state={"iteration": SAVE_STEPS, "note": name, "t": torch.arange(3.0)})
     else:

@@ -225,6 +225,15 @@ def relink_optimizer_fragments(engine: Any) -> None:
     opt._hp_optimizer_states_linked = True
 
 
+# -- configuration ------------------------------------------------------------------------
+def config_dict(engine: Any) -> dict[str, Any]:
+    """The DeepSpeed config as parsed by DeepSpeed (a dict even when given as a file path)."""
+    parsed = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    if isinstance(parsed, dict):
+        return parsed
+    return engine.config if isinstance(getattr(engine, "config", None), dict) else {}
+
+
 # -- loss scaler ----------------------------------------------------------------------------
 SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 

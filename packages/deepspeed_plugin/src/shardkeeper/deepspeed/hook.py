@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 _TAG = re.compile(r"(?:global_step)?(\d+)")
 CLIENT_PREFIX = "extra/client_state"
+#: The DeepSpeed config section ``attach`` reads its defaults from.
+CONFIG_KEY = "shardkeeper"
 
 
 def tag_to_step(tag: Any) -> int | None:
@@ -294,9 +296,15 @@ def attach(engine: Any, root: str | None = None, **manager_options: Any) -> Deep
 
     ``root``: where checkpoints go (a path, ``s3://...``, ``gs://...``); None uses the
     directory passed to each call. ``manager_options`` go to ``CheckpointManager``
-    (``keep_last=3``, ``async_save=False``, ``storage_options=...``).
+    (``keep_last=3``, ``async_save=False``, ``storage_options=...``). Both may also come from
+    a ``"shardkeeper"`` section of the DeepSpeed config (``{"root": ..., "keep_last": 3}``);
+    arguments given here win.
     """
-    return DeepSpeedCheckpointHook(engine, root, **manager_options)
+    settings = dict(dsi.config_dict(engine).get(CONFIG_KEY) or {})
+    if root is None:
+        root = settings.pop("root", None)
+    settings.pop("root", None)
+    return DeepSpeedCheckpointHook(engine, root, **{**settings, **manager_options})
 
 
 __all__ = ["DeepSpeedCheckpointHook", "attach", "check_model_matches", "tag_to_step"]
