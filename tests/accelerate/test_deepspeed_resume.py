@@ -28,7 +28,7 @@ SAVE_CHECKS = {"distributed_type", "world_size_2", "interrupted_run_matches_refe
 RESUME_CHECKS = {
     "distributed_type", "restored_newest_step", "iteration_counter_restored", "engine_global_steps_restored",
     "fp32_masters_and_moments_bit_exact_after_load", "module_params_equal_masters", "registered_object_restored",
-    "scheduler_restored", "dataloader_epoch_restored", "dataloader_resumes_at_right_batch",
+    "scheduler_restored", "dataloader_epoch_restored", "plain_torch_restores_deepspeed_checkpoint", "dataloader_resumes_at_right_batch",
     "next_losses_bit_exact", "final_state_bit_exact", "registered_object_final", "retention_across_restart",
 }
 

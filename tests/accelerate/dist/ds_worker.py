@@ -199,6 +199,20 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
     check("scheduler_restored", sched.scheduler.last_epoch == STOP, str(sched.scheduler.last_epoch))
     check("dataloader_epoch_restored", dl.iteration == 0, str(dl.iteration))
 
+    # plain torch, through the core: the same step into an unwrapped model, AdamW and StepLR
+    pm = make_model()
+    popt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    psched = torch.optim.lr_scheduler.StepLR(popt, step_size=3, gamma=0.5)
+    with CheckpointManager(os.path.join(proj, "checkpoints")) as mgr:
+        mgr.restore({"model": pm, "optim": popt, "sched": psched}, step=2, only=["model/*", "optim/*", "sched/*"])
+    got = {}
+    for n, p in pm.named_parameters():
+        got[f"param/{n}"] = p.detach()
+        got.update({f"{m}/{n}": popt.state[p][m] for m in MOMENTS if p in popt.state})
+    err = diff(got, before["at_save"])
+    check("plain_torch_restores_deepspeed_checkpoint", not err and psched.last_epoch == STOP,
+          f"{err} last_epoch={psched.last_epoch}")
+
     losses, seen = train(acc, engine, opt, sched, dl, counter, STOP, TOTAL, save_at=(7,))
     check("dataloader_resumes_at_right_batch", seen == ref["seen"][STOP:], f"{seen} vs {ref['seen'][STOP:]}")
     bad = [i for i, (a, b) in enumerate(zip(losses, ref["losses"][STOP:])) if not torch.equal(a, b)]
