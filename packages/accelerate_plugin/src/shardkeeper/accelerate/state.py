@@ -28,8 +28,6 @@ from shardkeeper.core import PerRank, RNGState
 
 log = logging.getLogger(__name__)
 
-#: Namespaces a checkpoint may lack (written by the core directly, or by another framework).
-OPTIONAL = ("optim", "sched", "extra/grad_scaler", "extra/custom", "progress/accelerate", "rng", "data")
 #: Where checkpoints written before the counters moved to ``progress/accelerate`` keep them.
 LEGACY_PROGRESS = ("progress/iteration", "progress/step")
 
