@@ -46,8 +46,8 @@ from tests.lightning.common import (  # noqa: E402
 )
 
 EPOCHS = 4
-STRATEGIES = tuple(os.environ.get("SK_STRATEGIES", "ddp,fsdp2,tp,fsdp1,ds2").split(","))  # a subset: debugging
-MODE = {"ddp": "none", "fsdp1": "none", "ds2": "none"}
+STRATEGIES = tuple(os.environ.get("SK_STRATEGIES", "ddp,fsdp2,tp,fsdp1,ds2,ds3").split(","))  # a subset: debugging
+MODE = {"ddp": "none", "fsdp1": "none", "ds2": "none", "ds3": "none"}
 checks: list[dict[str, Any]] = []
 
 
@@ -70,8 +70,8 @@ def make_strategy(name: str, world: int) -> Any:
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world)
     if name == "fsdp1":
         return cpu_fsdp1_strategy()
-    if name == "ds2":
-        return cpu_deepspeed_strategy(2)
+    if name in ("ds2", "ds3"):
+        return cpu_deepspeed_strategy(int(name[2]))
     raise ValueError(name)
 
 
