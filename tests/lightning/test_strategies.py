@@ -47,7 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 @pytest.mark.timeout(600)
 def test_uninterrupted_runs_save_only_through_the_plugin(runs: dict[str, list[dict]]) -> None:
     _assert_all(runs["train"])
-    assert len(runs["train"]) == 19
+    assert len(runs["train"]) == 25
 
 
 @pytest.mark.timeout(600)

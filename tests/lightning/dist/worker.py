@@ -193,6 +193,14 @@ def phase_train(d: str, world: int) -> None:
             check(f"{name}: only small pointer files beside the root (no strategy checkpoint)",
                   all(os.path.isfile(f"{out}/ck/{f}") and s < 512 for f, s in sizes.items()), sizes)
             check(f"{name}: one committed step per epoch", meta["steps"] == [t.global_step * (e + 1) // EPOCHS for e in range(EPOCHS)], meta["steps"])
+        # Lightning removes a path on every rank (ModelCheckpoint's top-k): the step it named
+        # goes through the core's collective delete; the steps still named stay.
+        doomed = t.strategy.broadcast(f"{out}/ck/epoch=2-step={meta['steps'][2]}.ckpt" if rank() == 0 else None)
+        t.strategy.remove_checkpoint(doomed)
+        if rank() == 0:
+            left = plugin.steps()
+            want = [s for s in meta["steps"] if s != meta["steps"][2]]
+            check(f"{name}: removing a path deletes its step on every rank (collective)", left == want and not os.path.exists(doomed), left)
     check("no torch.save and no DCP save by any strategy", counts == {"torch.save": 0, "dcp.save": 0}, counts)
 
 
