@@ -13,10 +13,13 @@ removes checkpoints:
   (the optimizers of strategies that create them after loading are restored here);
 - ``lightning_module_state_dict`` / ``optimizer_state``: return ``{}`` (the plugin reads the
   live module and optimizers; Lightning's own copies would only cost time and memory);
-- ``remove_checkpoint``: removes our pointer files (rank 0);
+- ``remove_checkpoint`` (all ranks): removes our pointer file (rank 0), then deletes the step
+  once no path names it (``mgr.delete``, a collective);
 - ``teardown``: waits for the save in flight, so ``fit()`` returns with every save committed.
 
-Other strategies and other plugins are untouched.
+Under ``DeepSpeedStrategy`` the engine's state comes from the DeepSpeed adapter
+(``load_adapter("deepspeed").engine_state(engine)``); DeepSpeed's own checkpoint methods are
+never called. Other strategies and other plugins are untouched.
 """
 
 from __future__ import annotations
