@@ -25,8 +25,6 @@ from shardkeeper.core import (
     CommitConflictError,
     StateMismatchError,
 )
-from shardkeeper.core.commit import load_manifest
-from shardkeeper.core.format.layout import step_dir
 from shardkeeper.deepspeed import _ds_internals as dsi
 from shardkeeper.deepspeed.state import engine_state
 
@@ -185,9 +183,9 @@ class DeepSpeedCheckpointHook:
                 f"no committed checkpoint under {mgr.storage.url}; nothing loaded", stacklevel=2
             )
             return None, None
-        manifest = load_manifest(mgr.storage, step)
+        manifest = mgr.manifest(step)
         state = engine_state(self.engine)
-        check_model_matches(state, manifest.leaves, where=f"{mgr.storage.describe(step_dir(step))} (step {step})")
+        check_model_matches(state, manifest.leaves, where=f"{mgr.step_url(step)} (step {step})")
         only = ["model/*"]
         if not load_module_only:
             only.append("progress/*")
@@ -203,7 +201,7 @@ class DeepSpeedCheckpointHook:
         client = state.get("extra", {}).get("client_state")
         if load_module_only:
             client = {}
-        return mgr.storage.describe(step_dir(step)), _lists_back(client) if client is not None else {}
+        return mgr.step_url(step), _lists_back(client) if client is not None else {}
 
     def _resolve_step(self, mgr: CheckpointManager, tag: Any) -> int | None:
         steps = mgr.steps()
@@ -218,7 +216,7 @@ class DeepSpeedCheckpointHook:
                 )
             return step
         for s in reversed(steps):
-            if load_manifest(mgr.storage, s).metadata.get("tag") == str(tag):
+            if mgr.manifest(s).metadata.get("tag") == str(tag):
                 return s
         raise CheckpointNotFoundError(
             f"no committed checkpoint under {mgr.storage.url} was saved with tag {tag!r}; "
