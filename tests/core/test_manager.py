@@ -949,3 +949,26 @@ def test_only_does_not_reload_objects_it_excluded_and_optional_keys_may_be_absen
         a2 = _Counter(0)
         mgr.restore({"a": a2, "c": c}, optional="c/*")
         assert a2.n == 5 and (c.n, c.loads) == (9, [])
+
+
+def test_every_shape_and_dtype_mismatch_in_one_error(tmp_path) -> None:
+    with CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(1, {"a": torch.zeros(3), "b": torch.zeros(4), "c": torch.zeros(2)}, async_save=False)
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore({"a": torch.zeros(5), "b": torch.zeros(6), "c": torch.zeros(2)})
+        msg = str(info.value)
+        assert "2 key(s)" in msg and "'a'" in msg and "'b'" in msg and "'c'" not in msg
+        assert "step 1" in msg and "rank 0" in msg and "only=" in msg
+        with pytest.raises(StateMismatchError, match=r"2 key\(s\).*dtype.*cast_dtypes=True"):
+            mgr.restore({"a": torch.zeros(3, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.int64), "c": torch.zeros(2)})
+
+
+def test_restore_fills_views_of_leaves_that_require_grad(tmp_path) -> None:
+    """Reads run on I/O threads, where the caller's no_grad does not reach."""
+    big = torch.randn(1 << 19)  # 2 MiB: the direct-read path
+    with CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(1, {"w": big, "s": torch.arange(4.0)}, async_save=False)
+        p = nn.Parameter(torch.zeros(1 << 19))
+        q = nn.Parameter(torch.zeros(4))
+        mgr.restore({"w": p.view(-1), "s": q[:]})
+        assert torch.equal(p.detach(), big) and torch.equal(q.detach(), torch.arange(4.0))

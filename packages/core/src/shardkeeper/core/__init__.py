@@ -21,11 +21,12 @@ from shardkeeper.core.errors import (
     StateMismatchError,
     StorageError,
 )
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
 
 if TYPE_CHECKING:
     from shardkeeper.core.manager import CheckpointManager, CheckpointOptions, SaveHandle
     from shardkeeper.core.tensor.fragment import Fragment
-    from shardkeeper.core.tensor.state import PerRank, RNGState
+    from shardkeeper.core.tensor.state import PerRank, RNGState, dtype_from_name, normalize_fqn
 
 _LAZY = {
     "CheckpointManager": "shardkeeper.core.manager",
@@ -34,6 +35,8 @@ _LAZY = {
     "Fragment": "shardkeeper.core.tensor.fragment",
     "PerRank": "shardkeeper.core.tensor.state",
     "RNGState": "shardkeeper.core.tensor.state",
+    "normalize_fqn": "shardkeeper.core.tensor.state",
+    "dtype_from_name": "shardkeeper.core.tensor.state",
 }
 
 
@@ -64,4 +67,8 @@ __all__ = [
     "SaveHandle",
     "StateMismatchError",
     "StorageError",
+    "dtype_from_name",
+    "normalize_fqn",
+    "parse_step_dir",
+    "step_dir",
 ]

@@ -324,6 +324,19 @@ def _matches(key: str, patterns: Sequence[str] | None) -> bool:
     return any(fnmatch.fnmatchcase(key, p) or key.startswith(p.rstrip("/") + "/") or key == p for p in patterns)
 
 
+def _listing(items: Sequence[str], limit: int = 20) -> str:
+    more = f"; and {len(items) - limit} more" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more
+
+
+def _no_grad(fn: Callable[..., None]) -> Callable[..., None]:
+    def run(*args: Any) -> None:
+        with torch.no_grad():
+            fn(*args)
+
+    return run
+
+
 def _any_under(keys: Sequence[str], prefix: str) -> bool:
     slash = prefix + "/"
     return any(k == prefix or k.startswith(slash) for k in keys)
@@ -377,6 +390,8 @@ def restore_flat(
     ops: list[_Op] = []
     deferred: list[Callable[[], None]] = []
     restored: list[str] = []
+    mismatched: list[str] = []
+    wrong_dtype: list[str] = []
     for key, leaf in flat.leaves.items():
         if not _matches(key, only):
             continue
@@ -414,22 +429,30 @@ def restore_flat(
         target = as_torch(leaf.value)
         layout = layout_of(target, world_size, rank)
         if tuple(layout.global_shape) != tuple(rec.shape):
-            raise StateMismatchError(
-                f"key {key!r} in {where}: the checkpoint holds shape {list(rec.shape)}, the "
-                f"target has {list(layout.global_shape)}; build the model with the saved "
-                f"configuration, or exclude the key with only=[...]"
+            mismatched.append(
+                f"{key!r}: checkpoint shape {list(rec.shape)}, target {list(layout.global_shape)}"
             )
+            continue
         saved_dtype = dtype_from_name(rec.dtype)
         if saved_dtype != layout.dtype and not cast:
-            raise StateMismatchError(
-                f"key {key!r} in {where}: the checkpoint holds {rec.dtype}, the target is "
-                f"{torch_dtype_name(layout.dtype)}; pass cast_dtypes=True to cast on restore"
-            )
+            wrong_dtype.append(f"{key!r}: checkpoint {rec.dtype}, target {torch_dtype_name(layout.dtype)}")
+            continue
         isz = itemsize(rec.dtype)
         for piece in layout.pieces:
             stats.bytes_needed += piece.numel * isz
             for chunk in rec.chunks:
                 ops.extend(_overlap_ops(key, piece, chunk, saved_dtype, isz, max_read_bytes))
+    if mismatched:
+        raise StateMismatchError(
+            f"{len(mismatched)} key(s) in {where} have another shape than the target state: "
+            f"{_listing(mismatched)}; build the model with the saved configuration, or exclude "
+            f"the keys with only=[...]"
+        )
+    if wrong_dtype:
+        raise StateMismatchError(
+            f"{len(wrong_dtype)} key(s) in {where} have another dtype than the target state: "
+            f"{_listing(wrong_dtype)}; pass cast_dtypes=True to cast on restore"
+        )
     if only and not stats.keys and not missing:
         raise StateMismatchError(
             f"only={list(only)} matches no key of the target state in {where}; list the "
@@ -462,12 +485,13 @@ def restore_flat(
     reads = _plan_reads(buffered, block, min(max_read_bytes, buffered_cap))
     with torch.no_grad():
         # Large reads first: they dominate the time, small ones fill in behind them.
+        # no_grad is per thread: the copies into leaf tensors that require grad run in the pool.
         futures = [
-            executor.submit(_execute_direct, storage, step_dir, op, digest, block, stats, manifest.step)
+            executor.submit(_no_grad(_execute_direct), storage, step_dir, op, digest, block, stats, manifest.step)
             for op in sorted(direct, key=lambda o: o.start - o.end)
         ]
         futures += [
-            executor.submit(_execute_read, storage, step_dir, rd, digest, block, stats, manifest.step)
+            executor.submit(_no_grad(_execute_read), storage, step_dir, rd, digest, block, stats, manifest.step)
             for rd in reads
         ]
         errors = []
