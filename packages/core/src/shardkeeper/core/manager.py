@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import warnings
@@ -154,7 +155,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | Storage,
+        root: str | os.PathLike[str] | Storage,
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
