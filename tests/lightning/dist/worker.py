@@ -297,9 +297,10 @@ def phase_cross(d: str) -> None:
     cross_out_of_lightning(d, ref1)
 
 
-def stock_trainer(epochs: int, cbs: list[Any]) -> L.Trainer:
+def stock_trainer(d: str, epochs: int, cbs: list[Any], **kw: Any) -> L.Trainer:
+    """One process, Lightning's own checkpointing unless a plugin is given; files under d."""
     return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=cbs, deterministic=True)
+                     enable_model_summary=False, callbacks=cbs, deterministic=True, default_root_dir=d, **kw)
 
 
 def cross_import(d: str) -> None:
@@ -310,7 +311,7 @@ def cross_import(d: str) -> None:
     from shardkeeper.lightning import import_lightning_checkpoint
 
     L.seed_everything(0)
-    stock_trainer(2, [EarlyStopping("train_loss", patience=100), ModelCheckpoint(dirpath=f"{d}/native", save_top_k=-1)]).fit(Net(), loader())
+    stock_trainer(d, 2, [EarlyStopping("train_loss", patience=100), ModelCheckpoint(dirpath=f"{d}/native", save_top_k=-1)]).fit(Net(), loader())
     ckpt = f"{d}/native/" + next(f for f in sorted(os.listdir(f"{d}/native")) if f.startswith("epoch=0-"))
     try:
         import_lightning_checkpoint(ckpt, f"{d}/imported", module=Net())
@@ -329,11 +330,10 @@ def cross_import(d: str) -> None:
         cbs: list[Any] = [at, EarlyStopping("train_loss", patience=100)]
         if label == "imported":
             plugin = ShardkeeperCheckpointIO(f"{d}/imported")
-            t = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, callbacks=cbs, deterministic=True, plugins=[plugin])
+            t = stock_trainer(d, 3, cbs, plugins=[plugin], enable_checkpointing=False)
             t.fit(net, loader(), ckpt_path=plugin.step_path(step))
         else:
-            t = stock_trainer(3, cbs)
+            t = stock_trainer(d, 3, cbs, enable_checkpointing=False)
             t.fit(net, loader(), ckpt_path=ckpt)
         results[label] = (at.seen, net.losses, full_state(net, t.optimizers[0]), t.lr_scheduler_configs[0].scheduler.state_dict(), t.global_step)
     a, b = results["lightning"], results["imported"]
