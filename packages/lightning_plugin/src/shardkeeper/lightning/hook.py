@@ -101,4 +101,4 @@ def install() -> None:
             connect(io, self)
 
     setter._shardkeeper = True  # type: ignore[attr-defined]
-    Strategy.checkpoint_io = property(prop.fget, setter, prop.fdel, prop.__doc__)  # type: ignore[method-assign]
+    Strategy.checkpoint_io = property(prop.fget, setter, prop.fdel, prop.__doc__)  # type: ignore[method-assign,assignment]

@@ -66,7 +66,7 @@ def import_lightning_checkpoint(
             f"map their parameters to names); a resume from the imported step needs them",
             stacklevel=2,
         )
-    elif osds:
+    elif osds and module is not None:
         state["model"] = module
         module.load_state_dict(ck["state_dict"])
         opts = _optimizers(module, src)
