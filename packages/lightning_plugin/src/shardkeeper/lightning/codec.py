@@ -18,7 +18,8 @@ the core filled) gives it back:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -130,4 +131,33 @@ def _placeholder(rec: Any) -> Any:
     return torch.empty(tuple(rec.shape), dtype=getattr(torch, rec.dtype))
 
 
-__all__ = ["decode", "encode", "skeleton"]
+#: Keys of Lightning's checkpoint dict that map onto canonical namespaces (the rest of the
+#: dict goes to ``extra/checkpoint``).
+MAPPED = frozenset({"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops",
+                    "callbacks", "optimizer_states", "lr_schedulers"})
+#: Hyperparameter entries: stored when they are JSON-like, skipped with a warning otherwise.
+BEST_EFFORT = frozenset({"hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
+                         "datamodule_hparams_name", "datamodule_hparams_type"})
+
+
+def encode_rest(ck: Mapping[str, Any], *, skip: Iterable[str] = (), where: str, stacklevel: int) -> dict[str, Any]:
+    """The entries of a Lightning checkpoint dict that no canonical namespace takes, encoded.
+
+    Hyperparameters that cannot be stored are skipped with a warning; anything else that
+    cannot be stored is an error naming ``where`` and the entry.
+    """
+    skipped = MAPPED | set(skip)
+    rest: dict[str, Any] = {}
+    for k, v in ck.items():
+        if k in skipped:
+            continue
+        try:
+            rest[k] = encode(v, k)
+        except TypeError as e:
+            if k not in BEST_EFFORT:
+                raise TypeError(f"{where}: entry {k!r} cannot be stored by shardkeeper: {e}") from None
+            warnings.warn(f"{where}: entry {k!r} is not stored: {e}", stacklevel=stacklevel + 1)
+    return rest
+
+
+__all__ = ["BEST_EFFORT", "MAPPED", "decode", "encode", "encode_rest", "skeleton"]

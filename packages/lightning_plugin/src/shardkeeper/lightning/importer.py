@@ -17,12 +17,6 @@ import torch
 from shardkeeper.core import CheckpointManager
 from shardkeeper.lightning import codec
 
-#: Lightning entries mapped onto canonical namespaces (the rest goes to extra/checkpoint).
-_MAPPED = {"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops", "callbacks",
-           "optimizer_states", "lr_schedulers"}
-_BEST_EFFORT = {"hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
-                "datamodule_hparams_name", "datamodule_hparams_type"}
-
 
 def import_lightning_checkpoint(
     path: str | os.PathLike[str],
@@ -93,16 +87,7 @@ def import_lightning_checkpoint(
     }}
     if "callbacks" in ck:
         extra["callbacks"] = codec.encode(ck["callbacks"], "callbacks")
-    rest: dict[str, Any] = {}
-    for k, v in ck.items():
-        if k in _MAPPED:
-            continue
-        try:
-            rest[k] = codec.encode(v, k)
-        except TypeError as e:
-            if k not in _BEST_EFFORT:
-                raise TypeError(f"{src}: entry {k!r} cannot be stored by shardkeeper: {e}") from None
-            warnings.warn(f"{src}: entry {k!r} is not imported: {e}", stacklevel=2)
+    rest = codec.encode_rest(ck, where=str(src), stacklevel=2)
     if rest:
         extra["checkpoint"] = rest
     state["extra"] = extra

@@ -36,12 +36,6 @@ log = logging.getLogger(__name__)
 
 #: Marks a checkpoint dict this plugin returned from ``load_checkpoint``.
 MARK = "_shardkeeper"
-#: Keys of Lightning's checkpoint dict that the plugin maps onto canonical namespaces.
-_MAPPED = {"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops", "callbacks",
-           "optimizer_states", "lr_schedulers"}
-#: Hyperparameter entries: stored when they are JSON-like, skipped with a warning otherwise.
-_BEST_EFFORT = {"hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
-                "datamodule_hparams_name", "datamodule_hparams_type"}
 
 
 class ShardkeeperCheckpointIO(CheckpointIO):
@@ -192,16 +186,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         extra: dict[str, Any] = {"lightning": info}
         if "callbacks" in ck:
             extra["callbacks"] = codec.encode(ck["callbacks"], "callbacks")
-        rest: dict[str, Any] = {}
-        for k, v in ck.items():
-            if k in _MAPPED or k == MARK:
-                continue
-            try:
-                rest[k] = codec.encode(v, k)
-            except TypeError as e:
-                if k not in _BEST_EFFORT:
-                    raise TypeError(f"checkpoint entry {k!r} cannot be saved by shardkeeper: {e}") from None
-                warnings.warn(f"checkpoint entry {k!r} is not saved: {e}", stacklevel=3)
+        rest = codec.encode_rest(ck, skip=(MARK,), where="checkpoint", stacklevel=3)
         if rest:
             extra["checkpoint"] = rest
         state["extra"] = extra
