@@ -108,6 +108,12 @@ def test_import_refuses_pickles_without_opt_in_and_directories(tmp_path: Path) -
     assert not (tmp_path / "root").exists()
     with pytest.raises(NotImplementedError, match="directory"):
         import_lightning_checkpoint(tmp_path, tmp_path / "root", trust_pickle=True)
+    sharded = tmp_path / "sharded.ckpt"  # the refusal comes before anything is opened
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"not read")
+    with pytest.raises(PermissionError, match="sharded Lightning checkpoint.*trust_pickle=True"):
+        import_lightning_checkpoint(sharded, tmp_path / "root")
+    assert not (tmp_path / "root").exists()
     with pytest.warns(UserWarning, match="unpickling"):
         assert import_lightning_checkpoint(src, tmp_path / "root", trust_pickle=True) == 3
     with CheckpointManager(tmp_path / "root") as mgr:

@@ -6,7 +6,8 @@ Three launches: ``train`` (uninterrupted runs, every save through the plugin, st
 own writers spied on), ``resume`` (new processes resume from ModelCheckpoint's and
 save_checkpoint's paths and must match the uninterrupted runs bit for bit), ``cross`` (one
 process: the FSDP2 checkpoint under ddp at world size 1; a core-written checkpoint; a
-Lightning .ckpt imported; the FSDP2 checkpoint in plain torch and in a DeepSpeed engine).
+Lightning .ckpt and a Lightning sharded directory (stock ModelParallel, saved at the end of
+``train``) imported; the FSDP2 checkpoint in plain torch and in a DeepSpeed engine).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 @pytest.mark.timeout(600)
 def test_uninterrupted_runs_save_only_through_the_plugin(runs: dict[str, list[dict]]) -> None:
     _assert_all(runs["train"])
-    assert len(runs["train"]) == 25
+    assert len(runs["train"]) == 26
 
 
 @pytest.mark.timeout(600)
@@ -71,7 +72,16 @@ def test_resume_at_another_world_size_and_from_a_core_checkpoint(runs: dict[str,
 
 @pytest.mark.timeout(600)
 def test_imported_lightning_ckpt_resumes_like_the_ckpt(runs: dict[str, list[dict]]) -> None:
-    mine = _cross(runs, "import", "raised")
+    mine = [c for c in _cross(runs, "import", "raised") if "sharded" not in c["name"]]
+    assert len(mine) == 7, runs["cross"]
+    _assert_all(mine)
+
+
+@pytest.mark.timeout(600)
+def test_imported_sharded_directory_matches_and_resumes(runs: dict[str, list[dict]]) -> None:
+    """Lightning's own ModelParallel sharded directory (DCP + meta.pt, written by the train
+    launch) imported in one process: state bit for bit, canonical keys, a Trainer resumes."""
+    mine = _cross(runs, "sharded import", "raised") + [c for c in runs["train"] if "sharded directory" in c["name"]]
     assert len(mine) == 7, runs["cross"]
     _assert_all(mine)
 

@@ -11,7 +11,8 @@ parameters, optimizer state, scheduler, callback states, global_step and every l
 are compared bit for bit with the uninterrupted run.
 
 ``worker.py cross DIR`` (one process): the FSDP2 checkpoint resumes under ddp at world size
-1; a checkpoint written by the core directly resumes in a Trainer.
+1; a checkpoint written by the core directly resumes in a Trainer; a Lightning .ckpt and a
+Lightning sharded directory (stock ModelParallel, written at the end of ``train``) are imported.
 
 Rank 0 writes ``DIR/<phase>.json``: a list of checks ``{"name", "ok", "detail"}``.
 """
@@ -202,6 +203,28 @@ def phase_train(d: str, world: int) -> None:
             want = [s for s in meta["steps"] if s != meta["steps"][2]]
             check(f"{name}: removing a path deletes its step on every rank (collective)", left == want and not os.path.exists(doomed), left)
     check("no torch.save and no DCP save by any strategy", counts == {"torch.save": 0, "dcp.save": 0}, counts)
+    stock_sharded_save(d, world)
+
+
+def stock_sharded_save(d: str, world: int) -> None:
+    """Lightning's own sharded checkpoint (no plugin): ModelParallel FSDP2 at dp=2, one epoch,
+    ``trainer.save_checkpoint`` -> a DCP directory + meta.pt; the full state beside it."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    out = f"{d}/stock-sharded"
+    L.seed_everything(0)
+    net = Net(mode="fsdp2")
+    t = L.Trainer(max_epochs=1, accelerator="cpu", devices=world, strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                  logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  callbacks=[EarlyStopping("train_loss", patience=100)], deterministic=True, default_root_dir=out)
+    t.fit(net, loader())
+    t.save_checkpoint(f"{out}/sharded.ckpt")
+    st = state_of(t, net)
+    if rank() == 0:
+        save_file({k: v.contiguous() for k, v in st.items()}, f"{out}/ref.safetensors")
+        files = sorted(os.listdir(f"{out}/sharded.ckpt"))
+        check("stock ModelParallel wrote a sharded directory (DCP + meta.pt)", ".metadata" in files and "meta.pt" in files
+              and sum(f.endswith(".distcp") for f in files) == world, files)
 
 
 def compare(name: str, label: str, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
@@ -294,6 +317,7 @@ def phase_cross(d: str) -> None:
     compare("core-written checkpoint", "in a Trainer", ref, at.seen["state"])
 
     cross_import(d)
+    cross_import_sharded(d)
     cross_out_of_lightning(d, ref1)
 
 
@@ -342,6 +366,45 @@ def cross_import(d: str) -> None:
     compare("imported .ckpt", "final vs the .ckpt resume", a[2], b[2])
     check("imported .ckpt: later losses bit for bit", a[1] == b[1] and len(a[1]) > 0, (list(a[1].items())[:2], list(b[1].items())[:2]))
     check("imported .ckpt: scheduler and global_step", a[3] == b[3] and a[4] == b[4], (a[3], b[3]))
+
+
+def cross_import_sharded(d: str) -> None:
+    """Lightning's sharded directory (ModelParallel dp=2) imported in this one process: the
+    parameters and AdamW moments bit for bit, and a Trainer resumes from the imported step."""
+    import warnings
+
+    from shardkeeper.core import CheckpointManager
+    from shardkeeper.lightning import import_lightning_checkpoint
+
+    src, root = f"{d}/stock-sharded/sharded.ckpt", f"{d}/imported-sharded"
+    try:
+        import_lightning_checkpoint(src, root)
+        check("sharded import refuses without trust_pickle", False, "no error")
+    except PermissionError as e:
+        check("sharded import refuses without trust_pickle", "trust_pickle=True" in str(e) and src in str(e) and not os.path.exists(root), e)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        step = import_lightning_checkpoint(src, root, trust_pickle=True)
+    check("sharded import warns with trust_pickle=True", any("unpickling" in str(x.message) for x in w), [str(x.message) for x in w])
+    ref = load_file(f"{d}/stock-sharded/ref.safetensors")
+    torch.manual_seed(5)
+    plain = Net()
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.01)
+    with CheckpointManager(root) as mgr:
+        keys = set(mgr.manifest(step).leaves)
+        mgr.restore({"model": plain, "optim": opt}, step=step, only=["model/*", "optim/*"])
+    compare("sharded import", "parameters and AdamW moments (via the core)", ref, full_state(plain, opt))
+    want = ("progress/global_step", "progress/loops/fit_loop/", "sched/last_epoch", "extra/callbacks/EarlyStopping", "optim/param_groups")
+    check("sharded import: canonical keys (progress, loops, sched, callbacks)", all(any(k.startswith(w) for k in keys) for w in want), sorted(keys)[:40])
+    L.seed_everything(0)
+    net = Net()
+    at = AtStart()
+    plugin = ShardkeeperCheckpointIO(root)
+    t = stock_trainer(d, 2, [at, EarlyStopping("train_loss", patience=100)], plugins=[plugin], enable_checkpointing=False)
+    t.fit(net, loader(), ckpt_path=plugin.step_path(step))
+    check(f"sharded import: a Trainer resumed at global_step {at.seen['global_step']}, epoch {at.seen['epoch']}",
+          at.seen["global_step"] == step > 0 and at.seen["epoch"] == 1 and t.global_step > step, (step, t.global_step))
+    compare("sharded import", "in a Trainer at resume", ref, at.seen["state"])
 
 
 def cross_out_of_lightning(d: str, ref1: dict[str, torch.Tensor]) -> None:

@@ -4,7 +4,7 @@
 (``ModelCheckpoint``, ``trainer.save_checkpoint``) a shardkeeper checkpoint under ``root``, and
 ``fit(ckpt_path=...)`` restore from one, under ddp, ``ModelParallelStrategy`` (FSDP2, TP),
 ``FSDPStrategy`` (sharded) and ``DeepSpeedStrategy`` (through the DeepSpeed adapter's
-``engine_state``). :func:`import_lightning_checkpoint` imports a ``.ckpt``. See docs/lightning.md. Importing this module installs the hook
+``engine_state``). :func:`import_lightning_checkpoint` imports a ``.ckpt`` or a sharded (DCP) directory. See docs/lightning.md. Importing this module installs the hook
 that connects the plugin to its strategy (:mod:`shardkeeper.lightning.hook`).
 """
 

@@ -448,10 +448,10 @@ def _not_ours(ckpt_path: Any, root: str) -> str:
     if os.path.exists(p) or "://" in p:
         return (
             f"{p} is not a shardkeeper checkpoint (not a pointer file, not {root} or a step "
-            f"under it). A Lightning .ckpt is imported once with "
+            f"under it). A Lightning .ckpt or sharded checkpoint directory is imported once with "
             f"shardkeeper.lightning.import_lightning_checkpoint({p!r}, {root!r}, "
-            f"module=<your LightningModule>, trust_pickle=True), then resumed from the step "
-            f"it returns (plugin.step_path(step))"
+            f"module=<your LightningModule> (for a .ckpt), trust_pickle=True), then resumed "
+            f"from the step it returns (plugin.step_path(step))"
         )
     return (
         f"checkpoint path {p} does not exist, and it names no step under {root}; pass a path "
