@@ -15,6 +15,7 @@ from shardkeeper.core.errors import (
     CorruptCheckpointError,
     IncompatibleFormatError,
 )
+from shardkeeper.core.format import manifest as manifest_format
 from shardkeeper.core.format.layout import LATEST_NAME, parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
 from shardkeeper.core.storage.base import Storage
@@ -40,6 +41,9 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
     """The validated manifest of ``step``; raises if the step is not committed or is damaged."""
     path = manifest_path(step)
     try:
+        size = storage.size(path)
+        if size > manifest_format.MAX_MANIFEST_BYTES:  # refused before a byte is read
+            raise CorruptCheckpointError(manifest_format.too_large(storage.describe(path), size))
         data = storage.read_bytes(path)
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(

@@ -17,6 +17,13 @@ from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatEr
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+#: A manifest larger than this is refused before it is read (parsed JSON takes several times
+#: its size in memory); 10 million digest blocks take about 400 MB.
+MAX_MANIFEST_BYTES = 1 << 30
+#: Digest blocks larger than this are refused: a reader holds whole blocks in memory.
+MAX_DIGEST_BLOCK_BYTES = 1 << 30
+#: Nesting limit of JSON values (object leaves, metadata): deeper input would exhaust the stack.
+MAX_JSON_DEPTH = 100
 
 #: dtype name -> (safetensors dtype code, item size in bytes).
 DTYPES: dict[str, tuple[str, int]] = {
@@ -233,17 +240,19 @@ class Manifest:
     @classmethod
     def loads(cls, data: bytes, *, where: str = "") -> Manifest:
         """Parse and validate a manifest; ``where`` names it in errors."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(too_large(where, len(data)))
         try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            d = json.loads(data, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:  # also UnicodeDecodeError, too many digits
             raise CorruptCheckpointError(
-                f"manifest {where} is not valid JSON ({e}); the checkpoint is damaged: "
-                f"restore another step, or run `shardkeeper verify` on the root"
+                f"manifest {where} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the "
+                f"checkpoint is damaged: restore another step, or run `shardkeeper verify` on the root"
             ) from e
         if not isinstance(d, dict) or not isinstance(d.get("format_version"), int):
             raise CorruptCheckpointError(
                 f"manifest {where} has no integer format_version; it is not a shardkeeper "
-                f"manifest or it is damaged"
+                f"manifest or it is damaged: restore another step"
             )
         version = d["format_version"]
         if version > FORMAT_VERSION:
@@ -256,21 +265,24 @@ class Manifest:
                 step=int(d["step"]),
                 world_size=int(d["world_size"]),
                 leaves=LazyLeaves(_as_dict(d["leaves"])),
-                files=dict(d["files"]),
+                files=_as_dict(d["files"]),
                 digest_algorithm=str(d["digest_algorithm"]),
                 digest_block_bytes=int(d["digest_block_bytes"]),
-                per_rank_prefixes=tuple(d.get("per_rank_prefixes", ())),
-                metadata=dict(d.get("metadata", {})),
+                per_rank_prefixes=tuple(_as_list(d.get("per_rank_prefixes", []))),
+                metadata=_as_dict(d.get("metadata", {})),
                 created_at=str(d.get("created_at", "")),
                 attempt=str(d.get("attempt", "")),
                 format_version=version,
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(
-                f"manifest {where} is malformed ({type(e).__name__}: {e}); the checkpoint is "
-                f"damaged: restore another step"
+                f"manifest {where} is malformed ({type(e).__name__}: {str(e)[:200]}); the "
+                f"checkpoint is damaged: restore another step"
             ) from e
-        problem = m.problem()
+        try:
+            problem = m.problem()
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+            problem = f"malformed ({type(e).__name__}: {str(e)[:200]})"
         if problem is not None:
             raise CorruptCheckpointError(
                 f"manifest {where} is inconsistent: {problem}; the checkpoint is damaged: "
@@ -286,18 +298,24 @@ class Manifest:
         if self.digest_algorithm not in algorithms():
             return f"unknown digest algorithm {self.digest_algorithm!r}"
         block = self.digest_block_bytes
-        if block <= 0 or self.step < 0 or self.world_size < 1:
+        if not 0 < block <= MAX_DIGEST_BLOCK_BYTES or self.step < 0 or self.world_size < 1:
             return "digest_block_bytes, step or world_size out of range"
+        if not all(isinstance(p, str) for p in self.per_rank_prefixes):
+            return "per_rank_prefixes is not a list of strings"
+        if _too_deep(self.metadata):
+            return f"metadata is nested deeper than {MAX_JSON_DEPTH} levels"
         safe: dict[str, bool] = {}
         for rel in self.files:
             if not safe.setdefault(rel, safe_relative_path(rel)):
-                return f"file {rel!r} is not a path inside the root"
+                return f"file {_short(rel)} is not a path inside the root"
         raw = _leaves_json(self.leaves)
         key = ""
         try:
             for key, leaf in raw.items():
                 kind = leaf["kind"]
                 if kind == "object":
+                    if _too_deep(leaf.get("value")):
+                        return f"{key}: object value is nested deeper than {MAX_JSON_DEPTH} levels"
                     continue
                 if kind not in ("tensor", "bytes"):
                     return f"{key}: unknown leaf kind {kind!r}"
@@ -306,28 +324,41 @@ class Manifest:
                     return f"{key}: unknown dtype {dtype!r}"
                 isz = DTYPES[dtype][1]
                 shape = leaf["shape"]
-                if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-                    return f"{key}: shape {shape!r} is not a list of sizes"
+                if not _is_sizes(shape):
+                    return f"{key}: shape {_short(shape)} is not a list of sizes"
+                if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
+                    return f"{key}: a bytes leaf must be a 1-d uint8 array"
                 ndim = len(shape)
-                for c in leaf["chunks"]:
+                chunks = leaf["chunks"]
+                if not isinstance(chunks, list):
+                    return f"{key}: chunks is not a list"
+                for c in chunks:
                     f, offset, length = c["file"], c["offset"], c["length"]
                     offs, cshape, digests = c["offsets"], c["shape"], c["digests"]
-                    ok = safe.get(f)
+                    ok = safe.get(f) if isinstance(f, str) else False
                     if ok is None:
                         ok = safe[f] = isinstance(f, str) and safe_relative_path(f)
                     if not ok:
-                        return f"{key}: chunk file {f!r} is not a path inside the root"
+                        return f"{key}: chunk file {_short(f)} is not a path inside the root"
                     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
                         return f"{key}: chunk offset/length {offset!r}/{length!r} out of range"
-                    if not isinstance(offs, list) or not isinstance(cshape, list) or len(offs) != ndim or len(cshape) != ndim:
-                        return f"{key}: chunk offsets/shape do not match the tensor's rank {ndim}"
+                    if not _is_sizes(offs) or not _is_sizes(cshape) or len(offs) != ndim or len(cshape) != ndim:
+                        return (
+                            f"{key}: chunk offsets/shape {_short(offs)}/{_short(cshape)} are not "
+                            f"{ndim} non-negative integers each (the tensor's rank)"
+                        )
+                    if c.get("encoding", "raw") != "raw":
+                        return f"{key}: chunk encoding {_short(c.get('encoding'))} is unknown to format_version 1"
                     if not isinstance(digests, str):
                         return f"{key}: chunk digests are not a comma-separated string"
                     ndig = digests.count(",") + 1 if digests else 0
                     if ndig != -(-length // block):
                         return f"{key}: chunk of {length} bytes has {ndig} digests"
-                    if c.get("encoding", "raw") == "raw" and length != math.prod(cshape) * isz:
+                    if length != math.prod(cshape) * isz:
                         return f"{key}: chunk of shape {cshape} {dtype} has {length} bytes"
+                why = check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in chunks])
+                if why is not None:
+                    return f"{key}: {why}"
         except (KeyError, TypeError, AttributeError) as e:
             return f"{key}: malformed leaf ({type(e).__name__}: {e})"
         return None
@@ -354,6 +385,44 @@ def _as_dict(x: Any) -> dict[str, Any]:
     return x
 
 
+def _as_list(x: Any) -> list[Any]:
+    if not isinstance(x, list):
+        raise TypeError(f"expected an array, got {type(x).__name__}")
+    return x
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_sizes(x: Any) -> bool:
+    return isinstance(x, list) and all(type(n) is int and n >= 0 for n in x)
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _too_deep(value: Any) -> bool:
+    """Is ``value`` nested deeper than MAX_JSON_DEPTH (checked without recursion)?"""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def too_large(where: str, size: int) -> str:
+    return (
+        f"manifest {where} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a reader accepts; "
+        f"it is damaged or not a shardkeeper manifest: restore another step"
+    )
+
+
 def safe_relative_path(rel: str) -> bool:
     """A chunk's file: ``data/...`` in its step, or ``../step-N/data/...`` of an earlier step.
 
@@ -362,7 +431,9 @@ def safe_relative_path(rel: str) -> bool:
     """
     from shardkeeper.core.format.layout import parse_step_dir
 
-    if not rel or rel.startswith("/") or "\\" in rel:
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+        return False
+    if ":" in rel or any(ord(ch) < 32 for ch in rel):  # URLs, drive letters, control bytes
         return False
     parts = rel.split("/")
     if parts[0] == "..":

@@ -301,12 +301,27 @@ def _execute_read(
             op.dest.copy_(src)
 
 
+def _check_file_ends(storage: Storage, step_dir: str, step: int, ends: dict[str, tuple[int, str]]) -> None:
+    """Before any read: every file exists and reaches the end a chunk of ``key`` claims in it
+    (one size query a file), so a hostile or damaged manifest fails before data is read."""
+    for file, (end, key) in ends.items():
+        path = f"{step_dir}/{file}"
+        if _missing_or_short(storage, path, end):
+            raise CorruptCheckpointError(
+                f"step {step}: {storage.describe(path)} is missing or shorter than the {end} bytes "
+                f"the manifest records for key {key!r}; the checkpoint is damaged: restore an "
+                f"earlier step and run `shardkeeper verify {storage.url}`"
+            )
+
+
 def _bytes_of(
     storage: Storage, step_dir: str, leaf: LeafRecord, manifest: Manifest, key: str, stats: RestoreStats
 ) -> bytes:
     """A bytes leaf, read whole and verified block by block (the same checks as tensors)."""
     digest = digest_function(manifest.digest_algorithm)
     block = manifest.digest_block_bytes
+    # The sizes are the manifest's word: check them against storage before allocating.
+    _check_file_ends(storage, step_dir, manifest.step, {c.file: (c.offset + c.length, key) for c in leaf.chunks})
     out = bytearray(math.prod(leaf.shape))
     for c in leaf.chunks:
         path = f"{step_dir}/{c.file}"
@@ -392,6 +407,7 @@ def restore_flat(
     restored: list[str] = []
     mismatched: list[str] = []
     wrong_dtype: list[str] = []
+    bytes_leaves: list[tuple[str, Leaf, LeafRecord]] = []
     for key, leaf in flat.leaves.items():
         if not _matches(key, only):
             continue
@@ -423,8 +439,7 @@ def restore_flat(
             deferred.append(fill)
             continue
         if rec.kind == "bytes":
-            assert leaf.set is not None
-            leaf.set(_bytes_of(storage, step_dir, rec, manifest, key, stats))
+            bytes_leaves.append((key, leaf, rec))  # read after every check, with the tensors
             continue
         target = as_torch(leaf.value)
         layout = layout_of(target, world_size, rank)
@@ -483,6 +498,15 @@ def restore_flat(
     # most 8 MiB), so restore memory stays close to the target's own size.
     buffered_cap = int(min(_BUFFERED_READ_BYTES, max(256 << 10, stats.bytes_needed // 80)))
     reads = _plan_reads(buffered, block, min(max_read_bytes, buffered_cap))
+    ends: dict[str, tuple[int, str]] = {}
+    for op in ops:
+        end = op.chunk.offset + op.chunk.length
+        if end > ends.get(op.chunk.file, (-1, ""))[0]:
+            ends[op.chunk.file] = (end, op.key)
+    _check_file_ends(storage, step_dir, manifest.step, ends)
+    for key, leaf, rec in bytes_leaves:
+        assert leaf.set is not None
+        leaf.set(_bytes_of(storage, step_dir, rec, manifest, key, stats))
     with torch.no_grad():
         # Large reads first: they dominate the time, small ones fill in behind them.
         # no_grad is per thread: the copies into leaf tensors that require grad run in the pool.
