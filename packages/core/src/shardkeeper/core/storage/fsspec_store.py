@@ -501,14 +501,50 @@ class FsspecStorage:
         if full == self.root:
             raise StorageError(f"refusing to delete the checkpoint root {self.url}")
         try:
-            self.fs.rm(full, recursive=True)
-        except FileNotFoundError:
+            try:
+                self.fs.rm(full, recursive=True)
+            except FileNotFoundError:
+                pass
+            if self.protocol in S3_PROTOCOLS:
+                self._remove_empty_folders(full)
+        except FileNotFoundError:  # e.g. no such bucket: nothing to delete
             pass
         except Exception as e:
             raise self._translate("delete_dir", path, e) from e
         finally:
             self._invalidate(path)
             self.fs.invalidate_cache(full)
+
+    def _remove_empty_folders(self, full: str) -> None:
+        """Remove ``full`` and the (now empty) folders below it, deepest first.
+
+        S3-compatible stores built on a file system (SeaweedFS) keep a folder when its last
+        object is deleted and list it as a common prefix from then on: a deleted step would
+        still show up in every listing. Deleting the key ``<folder>/`` removes such a folder
+        if it is empty; on AWS S3 that key does not exist and the delete is a no-op. Costs one
+        listing per remaining folder (one in all on AWS S3) and one DeleteObjects request.
+        """
+        folders: list[str] = []
+
+        def walk(folder: str) -> None:
+            try:
+                entries = self.fs.ls(folder, detail=True, refresh=True)
+            except FileNotFoundError:
+                entries = []
+            for entry in entries:
+                name = entry["name"].rstrip("/")
+                if entry.get("type") == "directory" and name != folder:
+                    walk(name)
+            folders.append(folder)
+
+        walk(full)
+        bucket = self.root.split("/", 1)[0]
+        keys = [f.split("/", 1)[1] + "/" for f in folders if "/" in f]
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            objects = [{"Key": k} for k in keys[i : i + 1000]]
+            self.fs.call_s3(
+                "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+            )
 
 
 __all__ = ["DEFAULT_PART_SIZE_BYTES", "FsspecStorage"]
