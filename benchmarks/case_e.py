@@ -39,8 +39,10 @@ def _reports(n_tensors: int, n_ranks: int, sharded: bool) -> list[dict[str, Any]
                 n = 1024 * 256 * 4
                 chunks[key] = [{"file": f, "offset": 4096 + i * n, "length": n, "offsets": [0, 0], "shape": [1024, 256],
                                 "digests": ",".join([f"{i:032x}"] * (n // 65536))}]
+        # the size the file would have: readers check every chunk lies inside its file
+        size = max((c["offset"] + c["length"] for cs in chunks.values() for c in cs), default=0)
         out.append({"ok": True, "rank": r, "declared": declared if r == 0 else {}, "declared_digest": digest,
-                    "chunks": chunks, "files": {f: {"size_bytes": 1, "rank": r}}, "objects": {}, "per_rank_prefixes": []})
+                    "chunks": chunks, "files": {f: {"size_bytes": size, "rank": r}}, "objects": {}, "per_rank_prefixes": []})
     return out
 
 
