@@ -155,18 +155,23 @@ def s3_fs(s3_server: str) -> Any:
     return s3fs.S3FileSystem(**s3_storage_options(s3_server), use_listings_cache=False)
 
 
+def _fresh_bucket_root(fs: Any, scheme: str, options: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(url, storage_options)`` of an empty root in a new bucket of ``fs``, removed after."""
+    bucket = f"sk-test-{uuid.uuid4().hex[:16]}"
+    fs.mkdir(bucket)
+    try:
+        yield f"{scheme}://{bucket}/run", options
+    finally:
+        try:
+            fs.rm(bucket, recursive=True)
+        except Exception:  # a test that broke the bucket must not fail the next one
+            pass
+
+
 @pytest.fixture
 def s3_root(s3_server: str, s3_fs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(url, storage_options)`` of an empty root in a fresh bucket; the bucket is removed after."""
-    bucket = f"sk-test-{uuid.uuid4().hex[:16]}"
-    s3_fs.mkdir(bucket)
-    try:
-        yield f"s3://{bucket}/run", s3_storage_options(s3_server)
-    finally:
-        try:
-            s3_fs.rm(bucket, recursive=True)
-        except Exception:  # a test that broke the bucket must not fail the next one
-            pass
+    yield from _fresh_bucket_root(s3_fs, "s3", s3_storage_options(s3_server))
 
 
 # -- SeaweedFS: a second S3 implementation, one that verifies SigV4 signatures ------------------
@@ -306,15 +311,7 @@ def seaweed_fs(seaweed_server: str) -> Any:
 @pytest.fixture
 def seaweed_root(seaweed_server: str, seaweed_fs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(url, storage_options)`` of an empty root in a fresh SeaweedFS bucket, removed after."""
-    bucket = f"sk-test-{uuid.uuid4().hex[:16]}"
-    seaweed_fs.mkdir(bucket)
-    try:
-        yield f"s3://{bucket}/run", seaweed_storage_options(seaweed_server)
-    finally:
-        try:
-            seaweed_fs.rm(bucket, recursive=True)
-        except Exception:  # a test that broke the bucket must not fail the next one
-            pass
+    yield from _fresh_bucket_root(seaweed_fs, "s3", seaweed_storage_options(seaweed_server))
 
 
 def _fake_gcs_binary() -> Path | None:
@@ -360,15 +357,7 @@ def gcs_root(gcs_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
     import gcsfs
 
     fs = gcsfs.GCSFileSystem(**gcs_storage_options(gcs_server))
-    bucket = f"sk-test-{uuid.uuid4().hex[:16]}"
-    fs.mkdir(bucket)
-    try:
-        yield f"gs://{bucket}/run", gcs_storage_options(gcs_server)
-    finally:
-        try:
-            fs.rm(bucket, recursive=True)
-        except Exception:
-            pass
+    yield from _fresh_bucket_root(fs, "gs", gcs_storage_options(gcs_server))
 
 
 @pytest.fixture(
