@@ -70,3 +70,14 @@ def test_load_adapter_names_the_package_to_install() -> None:
 
     with pytest.raises(ImportError, match=r"pip install shardkeeper-nosuch"):
         load_adapter("nosuch")
+
+
+def test_legacy_pickles_load_only_on_explicit_trust(tmp_path) -> None:
+    from shardkeeper.core.tensor.legacy import load_trusted_pickle
+
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    for refused in (False, None, "yes", 1):
+        with pytest.raises(PermissionError, match="trust_pickle=True"):
+            load_trusted_pickle(path, trust_pickle=refused)  # type: ignore[arg-type]
+    assert torch.equal(load_trusted_pickle(path, trust_pickle=True)["w"], torch.ones(2))

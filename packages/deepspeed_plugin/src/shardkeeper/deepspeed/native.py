@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from shardkeeper.core import CheckpointManager
+from shardkeeper.core.tensor.legacy import load_trusted_pickle
 from shardkeeper.core.tensor.state import normalize_fqn
 from shardkeeper.deepspeed._ds_internals import SCALER_FIELDS
 from shardkeeper.deepspeed.hook import tag_to_step
@@ -37,8 +38,8 @@ _DS_KEYS = {
 }
 
 
-def _load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False)  # trusted by the caller
+def _load(path: Path, trust_pickle: bool) -> Any:
+    return load_trusted_pickle(path, trust_pickle=trust_pickle)
 
 
 def _jsonable(key: str, v: Any, dropped: list[str]) -> Any:
@@ -69,7 +70,7 @@ def _find_step(obj: Any) -> Any:
     return None
 
 
-def _zero3_frozen(ckpt_dir: Path, name: str, numel: int) -> torch.Tensor | None:
+def _zero3_frozen(ckpt_dir: Path, name: str, numel: int, trust_pickle: bool) -> torch.Tensor | None:
     """A frozen ZeRO-3 parameter from every rank's ``frozen_param_fragments``, in rank order."""
     def rank_of(f: Path) -> int:
         m = re.search(r"zero_pp_rank_(\d+)_", f.name)
@@ -78,7 +79,7 @@ def _zero3_frozen(ckpt_dir: Path, name: str, numel: int) -> torch.Tensor | None:
     files = sorted(ckpt_dir.glob("zero_pp_rank_*_model_states.pt"), key=rank_of)
     parts = []
     for f in files:
-        frag = (_load(f).get("frozen_param_fragments") or {}).get(name)
+        frag = (_load(f, trust_pickle).get("frozen_param_fragments") or {}).get(name)
         if frag is None:
             return None
         parts.append(frag.reshape(-1))
@@ -136,7 +137,7 @@ def import_native_checkpoint(
     with tempfile.TemporaryDirectory(prefix="sk-ds-universal-") as tmp:
         out = Path(universal_dir) if universal_dir is not None else Path(tmp) / "universal"
         _to_universal(ckpt_dir, out)
-        state, ds_step = _read_universal(out, ckpt_dir)
+        state, ds_step = _read_universal(out, ckpt_dir, trust_pickle)
     if step is None:
         step = tag_to_step(tag)
     if step is None:
@@ -147,17 +148,17 @@ def import_native_checkpoint(
     return step
 
 
-def _read_universal(out: Path, ckpt_dir: Path) -> tuple[dict[str, Any], int]:
+def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict[str, Any], int]:
     model_files = sorted(out.glob("*model_states.pt")) or sorted(ckpt_dir.glob("*model_states.pt"))
     if not model_files:
         raise FileNotFoundError(f"no *model_states.pt in {ckpt_dir}")
-    ms = _load(model_files[0])
+    ms = _load(model_files[0], trust_pickle)
     zero = out / "zero"
     groups_shapes = ms.get("param_shapes") or []
     if isinstance(groups_shapes, dict):
         groups_shapes = [groups_shapes]
     opt_file = zero / "optimizer_state.pt"
-    opt_sd = _load(opt_file) if opt_file.is_file() else {}
+    opt_sd = _load(opt_file, trust_pickle) if opt_file.is_file() else {}
     # ZeRO-3's universal conversion writes no per-parameter step: take the optimizer's own.
     fallback_step = _find_step(opt_sd)
     model: dict[str, Any] = {}
@@ -171,7 +172,7 @@ def _read_universal(out: Path, ckpt_dir: Path) -> tuple[dict[str, Any], int]:
             shape = tuple(int(s) for s in shape)
             per: dict[str, Any] = {}
             for f in sorted((zero / name).glob("*.pt")):
-                v = _load(f)
+                v = _load(f, trust_pickle)
                 v = v["param"] if isinstance(v, dict) and "param" in v else v
                 if f.stem == "fp32":
                     model[fqn] = v.float().reshape(shape).contiguous()
@@ -191,10 +192,10 @@ def _read_universal(out: Path, ckpt_dir: Path) -> tuple[dict[str, Any], int]:
     for name, shape in (ms.get("frozen_param_shapes") or {}).items():
         fqn = normalize_fqn(name)
         f = zero / name / "fp32.pt"
-        value: Any = _load(f) if f.is_file() else module.get(name)
+        value: Any = _load(f, trust_pickle) if f.is_file() else module.get(name)
         value = value["param"] if isinstance(value, dict) and "param" in value else value
         if not isinstance(value, torch.Tensor) or value.numel() != math.prod(tuple(shape)):
-            value = _zero3_frozen(ckpt_dir, name, math.prod(tuple(shape)))
+            value = _zero3_frozen(ckpt_dir, name, math.prod(tuple(shape)), trust_pickle)
         if isinstance(value, torch.Tensor) and value.numel() == math.prod(tuple(shape)):
             model[fqn] = value.float().reshape(tuple(shape)).contiguous()
         else:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shardkeeper.core import CheckpointManager, normalize_fqn
+from shardkeeper.core.tensor.legacy import load_trusted_pickle
 from shardkeeper.lightning import codec
 
 
@@ -58,9 +59,9 @@ def import_lightning_checkpoint(
             f"ModelParallelStrategy) are imported in this version"
         )
     if sharded:
-        ck, model_entry, optims = _read_sharded(src)
+        ck, model_entry, optims = _read_sharded(src, trust_pickle)
     else:
-        ck, model_entry, optims = _read_ckpt(src, module)
+        ck, model_entry, optims = _read_ckpt(src, module, trust_pickle)
     step = int(ck.get("global_step", 0))
     state: dict[str, Any] = {"model": model_entry}
     n_opt = len(optims)
@@ -92,10 +93,10 @@ def import_lightning_checkpoint(
     return step
 
 
-def _read_ckpt(src: str, module: torch.nn.Module | None) -> tuple[dict[str, Any], Any, list[Any]]:
+def _read_ckpt(src: str, module: torch.nn.Module | None, trust_pickle: bool) -> tuple[dict[str, Any], Any, list[Any]]:
     """A ``.ckpt``: its dict, the model entry and the optimizers (through ``module``)."""
     warnings.warn(f"unpickling {src} (trust_pickle=True): only do this for files you trust", stacklevel=3)
-    ck = torch.load(src, map_location="cpu", weights_only=False)
+    ck = load_trusted_pickle(src, trust_pickle=trust_pickle)
     if not isinstance(ck, dict) or "state_dict" not in ck:
         raise ValueError(f"{src} is not a Lightning checkpoint (no 'state_dict' entry)")
     osds = list(ck.get("optimizer_states") or [])
@@ -119,7 +120,7 @@ def _read_ckpt(src: str, module: torch.nn.Module | None) -> tuple[dict[str, Any]
     return ck, module, list(opts)
 
 
-def _read_sharded(src: str) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+def _read_sharded(src: str, trust_pickle: bool) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
     """A sharded directory, read whole in this process (DCP without a process group): the
     ``meta.pt`` dict, the model entry and the optimizer entries, keyed by normalized FQN as the
     core keys a module and an optimizer (``<fqn>``; ``state/<fqn>/<name>``, ``param_groups``)."""
@@ -131,7 +132,7 @@ def _read_sharded(src: str) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
     if not os.path.isfile(meta_path):
         raise ValueError(f"{src}: no meta.pt (the trainer state Lightning writes beside the DCP files); not a Lightning sharded checkpoint")
     warnings.warn(f"unpickling {src}/.metadata and {meta_path} (trust_pickle=True): only do this for files you trust", stacklevel=3)
-    ck = torch.load(meta_path, map_location="cpu", weights_only=False)
+    ck = load_trusted_pickle(meta_path, trust_pickle=trust_pickle)
     if not isinstance(ck, dict):
         raise ValueError(f"{meta_path} holds a {type(ck).__name__}, not Lightning's checkpoint dict")
     sd: dict[str, Any] = {}

@@ -352,9 +352,15 @@ def _no_grad(fn: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def _any_under(keys: Sequence[str], prefix: str) -> bool:
-    slash = prefix + "/"
-    return any(k == prefix or k.startswith(slash) for k in keys)
+def _prefixes(keys: Sequence[str]) -> set[str]:
+    """Every ``/``-prefix of every key (``a/b/c`` -> ``a``, ``a/b``, ``a/b/c``): one set
+    answers "was anything under this prefix restored" for every finalizer."""
+    out: set[str] = set()
+    for k in keys:
+        parts = k.split("/")
+        for i in range(1, len(parts) + 1):
+            out.add("/".join(parts[:i]))
+    return out
 
 
 def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, policy: str) -> str | None:
@@ -528,7 +534,8 @@ def restore_flat(
             raise errors[0]
         for fn in deferred:
             fn()
+        touched = _prefixes(restored)
         for prefix, fin in flat.finalizers:
-            if _any_under(restored, prefix):
+            if prefix in touched:
                 fin()
     return stats
