@@ -43,13 +43,12 @@ from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
 from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
 from shardkeeper.core.tensor.save import (
     SavePlan,
-    Span,
-    Stager,
     WriteItem,
     plan_save,
     split_files,
     write_shards,
 )
+from shardkeeper.core.tensor.staging import Span, Stager
 from shardkeeper.core.tensor.state import flatten_for_restore, flatten_for_save
 
 log = logging.getLogger(__name__)
