@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
+from shardkeeper.core.format.table import DIGEST_HEX, TABLE_VERSION, ChunkTable, TableLeaves
 
-FORMAT_VERSION = 1
+#: The format_version this code writes, and the newest it reads (2 added chunk encodings;
+#: a version 1 manifest reads exactly as before).
+FORMAT_VERSION = 3  # 3: the chunk table (format/table.py, TABLE_VERSION)
+#: Chunk encodings and the format_version that introduced each (docs/codecs.md).
+ENCODINGS: dict[str, int] = {"raw": 1, "zstd": 2}
 MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is refused before it is read (parsed JSON takes several times
 #: its size in memory); 10 million digest blocks take about 400 MB.
@@ -109,6 +114,7 @@ class ChunkRecord:
     shape: tuple[int, ...]  # shape of the box
     digests: Sequence[str]  # one per digest block of the stored bytes (a BlockDigests when read)
     encoding: str = "raw"
+    content: str = ""  # encoded chunks: content id of the raw bytes (codec/incremental.py)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -121,6 +127,8 @@ class ChunkRecord:
         }
         if self.encoding != "raw":
             d["encoding"] = self.encoding
+        if self.content:
+            d["content"] = self.content
         return d
 
     @classmethod
@@ -128,7 +136,7 @@ class ChunkRecord:
         # Types were checked once for the whole manifest (Manifest.problem); no per-field casts.
         return cls(
             d["file"], d["offset"], d["length"], tuple(d["offsets"]), tuple(d["shape"]),
-            BlockDigests(d["digests"]), d.get("encoding", "raw"),
+            BlockDigests(d["digests"]), d.get("encoding", "raw"), d.get("content", ""),
         )
 
     @property
@@ -200,6 +208,8 @@ class LazyLeaves(Mapping[str, LeafRecord]):
 def _leaves_json(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
     if isinstance(leaves, LazyLeaves):
         return leaves.raw
+    if isinstance(leaves, TableLeaves):
+        return leaves.expanded()
     return {k: v.to_json() for k, v in leaves.items()}
 
 
@@ -231,7 +241,7 @@ class Manifest:
             "per_rank_prefixes": list(self.per_rank_prefixes),
             "metadata": self.metadata,
             "files": self.files,
-            "leaves": _leaves_json(self.leaves),
+            **_leaves_fields(self.leaves),
         }
 
     def dumps(self) -> bytes:
@@ -264,7 +274,7 @@ class Manifest:
             m = cls(
                 step=int(d["step"]),
                 world_size=int(d["world_size"]),
-                leaves=LazyLeaves(_as_dict(d["leaves"])),
+                leaves=_read_leaves(d, version),
                 files=_as_dict(d["files"]),
                 digest_algorithm=str(d["digest_algorithm"]),
                 digest_block_bytes=int(d["digest_block_bytes"]),
@@ -308,7 +318,13 @@ class Manifest:
         for rel in self.files:
             if not safe.setdefault(rel, safe_relative_path(rel)):
                 return f"file {_short(rel)} is not a path inside the root"
-        raw = _leaves_json(self.leaves)
+        if isinstance(self.leaves, TableLeaves):  # the chunk table: checked in linear passes
+            why = self.leaves.problem(self.files)
+            if why is not None:
+                return why
+            raw = self.leaves.expanded() if self.leaves.table.extras else self.leaves.objects()
+        else:
+            raw = _leaves_json(self.leaves)
         key = ""
         try:
             for key, leaf in raw.items():
@@ -347,14 +363,22 @@ class Manifest:
                             f"{key}: chunk offsets/shape {_short(offs)}/{_short(cshape)} are not "
                             f"{ndim} non-negative integers each (the tensor's rank)"
                         )
-                    if c.get("encoding", "raw") != "raw":
-                        return f"{key}: chunk encoding {_short(c.get('encoding'))} is unknown to format_version 1"
+                    encoding = c.get("encoding", "raw")
+                    if encoding != "raw":
+                        since = ENCODINGS.get(encoding) if isinstance(encoding, str) else None
+                        if since is None or since > self.format_version:
+                            return (
+                                f"{key}: chunk encoding {_short(encoding)} is unknown to "
+                                f"format_version {self.format_version}"
+                            )
+                        if not isinstance(c.get("content", ""), str) or length == 0:
+                            return f"{key}: encoded chunk without content id or bytes"
                     if not isinstance(digests, str):
                         return f"{key}: chunk digests are not a comma-separated string"
                     ndig = digests.count(",") + 1 if digests else 0
                     if ndig != -(-length // block):
                         return f"{key}: chunk of {length} bytes has {ndig} digests"
-                    if length != math.prod(cshape) * isz:
+                    if encoding == "raw" and length != math.prod(cshape) * isz:
                         return f"{key}: chunk of shape {cshape} {dtype} has {length} bytes"
                     rec = self.files.get(f)  # absent: a reference into another step's files
                     if rec is not None and offset + length > rec.get("size_bytes", -1):
@@ -374,12 +398,30 @@ class Manifest:
     def referenced_files(self) -> set[str]:
         """Files (relative to the step directory) this manifest's chunks point at."""
         out = set(self.files)
+        if isinstance(self.leaves, TableLeaves):
+            return out | set(self.leaves.table.paths)
         out.update(c.file for _, c in self.chunks())
         return out
 
     @property
     def nbytes(self) -> int:
         return sum(leaf.nbytes for leaf in self.leaves.values())
+
+
+def _leaves_fields(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
+    if isinstance(leaves, TableLeaves):
+        return {"leaves": leaves.raw, "chunk_table": leaves.table.to_json()}
+    return {"leaves": _leaves_json(leaves)}
+
+
+def _read_leaves(d: dict[str, Any], version: int) -> Mapping[str, LeafRecord]:
+    """The leaves of a parsed manifest: per-chunk records, or (format_version >= 3) rows of
+    its ``chunk_table``."""
+    if version >= TABLE_VERSION and "chunk_table" in d:
+        width = DIGEST_HEX.get(str(d["digest_algorithm"]), 0)
+        table = ChunkTable.from_json(_as_dict(d["chunk_table"]), width)
+        return TableLeaves(_as_dict(d["leaves"]), table, int(d["digest_block_bytes"]))
+    return LazyLeaves(_as_dict(d["leaves"]))
 
 
 def _as_dict(x: Any) -> dict[str, Any]:

@@ -15,6 +15,11 @@ from shardkeeper.core.format.manifest import DTYPES
 
 _ALIGN = 8
 
+#: The first 8 bytes of a framed shard file (one holding encoded chunks, docs/codecs.md):
+#: the chunks' stored bytes follow back to back, described by the manifest alone. Read as a
+#: safetensors header length it is absurdly large, so safetensors readers refuse the file.
+FRAMED_MAGIC = b"SKFRAMED"
+
 
 def build_header(
     entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str] | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import posixpath
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -123,6 +124,13 @@ def _overlap_ops(
     return ops
 
 
+def _join(step_dir: str, file: str) -> str:
+    """A chunk's file as a root-relative path: a reference (``../step-N/data/...``) is
+    normalized here, because object stores do not resolve ``..`` in keys."""
+    path = f"{step_dir}/{file}"
+    return posixpath.normpath(path) if file.startswith("../") else path
+
+
 @dataclass
 class _Segment:
     key: str
@@ -187,7 +195,8 @@ def _is_direct(op: _Op) -> bool:
     """Can the bytes of ``op`` be read straight into the target's memory?"""
     d = op.dest
     return (
-        op.end - op.start >= _DIRECT_MIN_BYTES
+        op.chunk.encoding == "raw"
+        and op.end - op.start >= _DIRECT_MIN_BYTES
         and d.device.type == "cpu"
         and d.dtype == op.dtype
         and d.is_contiguous()
@@ -234,7 +243,7 @@ def _execute_direct(
     """Read the whole digest blocks of ``op`` straight into the target, verify them there;
     read the (at most two) partially needed blocks at its ends into a scratch block."""
     chunk, start, end, length = op.chunk, op.start, op.end, op.chunk.length
-    path = f"{step_dir}/{chunk.file}"
+    path = _join(step_dir, chunk.file)
     dest = memoryview(cast("Buffer", op.dest.reshape(-1).view(torch.uint8).numpy()))
     i_lo = start if start % block == 0 else min(length, (start // block + 1) * block)
     i_hi = end if (end % block == 0 or end == length) else (end // block) * block
@@ -279,7 +288,7 @@ def _execute_read(
     step: int,
 ) -> None:
     """One coalesced read into a scratch buffer; verify its blocks; copy each overlap out."""
-    path = f"{step_dir}/{rd.file}"
+    path = _join(step_dir, rd.file)
     buf = np.empty(rd.end - rd.start, dtype=np.uint8)
     _read_checked(storage, path, rd.start, memoryview(cast("Buffer", buf)), sorted({s.key for s in rd.segments}), step)
     stats.add_read(rd.file, len(buf))
@@ -305,7 +314,7 @@ def _check_file_ends(storage: Storage, step_dir: str, step: int, ends: dict[str,
     """Before any read: every file exists and reaches the end a chunk of ``key`` claims in it
     (one size query a file), so a hostile or damaged manifest fails before data is read."""
     for file, (end, key) in ends.items():
-        path = f"{step_dir}/{file}"
+        path = _join(step_dir, file)
         if _missing_or_short(storage, path, end):
             raise CorruptCheckpointError(
                 f"step {step}: {storage.describe(path)} is missing or shorter than the {end} bytes "
@@ -324,13 +333,55 @@ def _bytes_of(
     _check_file_ends(storage, step_dir, manifest.step, {c.file: (c.offset + c.length, key) for c in leaf.chunks})
     out = bytearray(math.prod(leaf.shape))
     for c in leaf.chunks:
-        path = f"{step_dir}/{c.file}"
-        view = memoryview(out)[c.offsets[0] : c.offsets[0] + c.length]
+        path = _join(step_dir, c.file)
+        dest = memoryview(out)[c.offsets[0] : c.offsets[0] + c.numel]
+        view = dest if c.encoding == "raw" else memoryview(bytearray(c.length))
         _read_checked(storage, path, c.offset, view, [key], manifest.step)
-        stats.add_read(c.file, c.length, direct=True)
+        stats.add_read(c.file, c.length, direct=c.encoding == "raw")
         for i in range(0, c.length, block):
             _check_block(storage, path, c, i // block, view[i : i + block], digest, block, key, manifest.step)
+        if c.encoding != "raw":
+            _decode(storage, path, c, view, dest, key, manifest.step)
     return bytes(out)
+
+
+def _decode(
+    storage: Storage, path: str, chunk: ChunkRecord, stored: memoryview, out: memoryview, key: str, step: int
+) -> None:
+    """Decode a verified encoded chunk's stored bytes into ``out`` (its raw bytes)."""
+    from shardkeeper.core.codec.compression import ENCODING, decompress_into
+
+    where = (
+        f"step {step}: key {key!r}, {storage.describe(path)} bytes "
+        f"[{chunk.offset}, {chunk.offset + chunk.length})"
+    )
+    if chunk.encoding != ENCODING:  # the manifest validated it: only a newer writer gets here
+        raise CorruptCheckpointError(f"{where}: unknown encoding {chunk.encoding!r}")
+    decompress_into(stored, out, where)
+
+
+def _execute_encoded(
+    storage: Storage, step_dir: str, ops: Sequence[_Op], digest: Callable[[Any], str], block: int,
+    stats: RestoreStats, step: int,
+) -> None:
+    """An encoded chunk is read whole (a frame cannot be entered in the middle), verified
+    block by block, decoded once, and every overlap copied out of the decoded bytes."""
+    chunk, key = ops[0].chunk, ops[0].key
+    path = _join(step_dir, chunk.file)
+    stored = np.empty(chunk.length, dtype=np.uint8)
+    view = memoryview(cast("Buffer", stored))
+    _read_checked(storage, path, chunk.offset, view, [key], step)
+    stats.add_read(chunk.file, chunk.length)
+    for i in range(0, chunk.length, block):
+        _check_block(storage, path, chunk, i // block, view[i : i + block], digest, block, key, step)
+    raw = np.empty(chunk.numel * itemsize(torch_dtype_name(ops[0].dtype)), dtype=np.uint8)
+    _decode(storage, path, chunk, view, memoryview(cast("Buffer", raw)), key, step)
+    del stored, view
+    flat = torch.from_numpy(raw).view(ops[0].dtype)
+    strides = contiguous_strides(chunk.shape)
+    for op in ops:
+        first = sum(lo * st for lo, st in zip(op.rel_lo, strides))
+        op.dest.copy_(flat.as_strided(op.rel_shape, strides, first))
 
 
 def _matches(key: str, patterns: Sequence[str] | None) -> bool:
@@ -499,7 +550,11 @@ def restore_flat(
     digest = digest_function(manifest.digest_algorithm)
     block = manifest.digest_block_bytes
     direct = [op for op in ops if _is_direct(op)]
-    buffered = [op for op in ops if not _is_direct(op)]
+    encoded: dict[tuple[str, int], list[_Op]] = {}
+    for op in ops:
+        if op.chunk.encoding != "raw":
+            encoded.setdefault((op.chunk.file, op.chunk.offset), []).append(op)
+    buffered = [op for op in ops if op.chunk.encoding == "raw" and not _is_direct(op)]
     # Scratch reads stay within ~5% of what this rank restores (at least 256 KiB each, at
     # most 8 MiB), so restore memory stays close to the target's own size.
     buffered_cap = int(min(_BUFFERED_READ_BYTES, max(256 << 10, stats.bytes_needed // 80)))
@@ -523,6 +578,10 @@ def restore_flat(
         futures += [
             executor.submit(_no_grad(_execute_read), storage, step_dir, rd, digest, block, stats, manifest.step)
             for rd in reads
+        ]
+        futures += [
+            executor.submit(_no_grad(_execute_encoded), storage, step_dir, eops, digest, block, stats, manifest.step)
+            for eops in encoded.values()
         ]
         errors = []
         for f in futures:

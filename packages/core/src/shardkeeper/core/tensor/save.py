@@ -20,7 +20,7 @@ from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import DATA_DIR, shard_file
 from shardkeeper.core.format.manifest import DTYPES
-from shardkeeper.core.format.safetensors import build_header, chunk_name
+from shardkeeper.core.format.safetensors import FRAMED_MAGIC, build_header, chunk_name
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import (
@@ -34,7 +34,7 @@ from shardkeeper.core.tensor.staging import Span
 from shardkeeper.core.tensor.state import FlatState, as_torch, torch_dtype_name
 
 if TYPE_CHECKING:
-    pass
+    from shardkeeper.core.codec import Codecs
 
 
 @dataclass
@@ -178,6 +178,7 @@ class WriteResult:
     chunks: dict[str, list[dict[str, Any]]]  # key -> chunk records in their JSON form
     files: dict[str, dict[str, Any]]
     bytes_written: int
+    bytes_reused: int = 0  # raw bytes of chunks stored as references (incremental)
 
 
 _WRITE_BYTES = 8 << 20
@@ -239,6 +240,85 @@ def _write_one(
     return out, len(header) + total
 
 
+def _write_coded(
+    storage: Storage,
+    step_dir: str,
+    rel: str,
+    items: Sequence[WriteItem],
+    spans: Sequence[Span],
+    algorithm: str,
+    block_bytes: int,
+    codecs: Codecs,
+) -> tuple[list[tuple[str, dict[str, Any]]], int, int]:
+    """One shard file with codecs on: each item is digested first (the digests serve both
+    the reuse lookup and the record); chunks the previous checkpoint holds become references;
+    the rest are written raw (a safetensors file) or, with compression, as a framed file of
+    zstd frames and raw chunks. No file is created when every chunk is a reference."""
+    from shardkeeper.core.codec.compression import maybe_compress
+    from shardkeeper.core.codec.incremental import content_id
+
+    digest = digest_function(algorithm)
+    out: list[tuple[str, dict[str, Any]]] = []
+    todo: list[tuple[WriteItem, memoryview, list[str]]] = []
+    reused = 0
+    for it, (buf, a, b) in zip(items, spans):
+        view = buf[a:b]
+        digests = [digest(view[z : z + block_bytes]) for z in range(0, b - a, block_bytes)]
+        if codecs.reuse is not None:
+            ref = codecs.reuse.find(it.key, it.dtype, it.offsets, it.shape, content_id(digests, algorithm))
+            if ref is not None:
+                out.append((it.key, ref))
+                reused += it.nbytes
+                continue
+        todo.append((it, view, digests))
+    if not todo:
+        return out, 0, reused
+    writer = storage.open_writer(f"{step_dir}/{rel}")
+    try:
+        if codecs.compression is None:
+            entries = [(chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes) for i, _, _ in todo]
+            header, file_offsets = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
+            writer.write(header)
+            pos = len(header)
+            for (it, view, digests), off in zip(todo, file_offsets):
+                writer.write(view)
+                out.append((it.key, _record(rel, off, it, len(view), digests)))
+                pos += len(view)
+        else:
+            writer.write(FRAMED_MAGIC)
+            pos = len(FRAMED_MAGIC)
+            for it, view, digests in todo:
+                frame = maybe_compress(view, codecs.level)
+                if frame is None:
+                    writer.write(view)
+                    out.append((it.key, _record(rel, pos, it, len(view), digests)))
+                    pos += len(view)
+                    continue
+                fview = memoryview(frame)
+                fdigests = [digest(fview[z : z + block_bytes]) for z in range(0, len(frame), block_bytes)]
+                writer.write(frame)
+                rec = _record(rel, pos, it, len(frame), fdigests)
+                rec["encoding"] = "zstd"
+                rec["content"] = content_id(digests, algorithm)
+                out.append((it.key, rec))
+                pos += len(frame)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return out, pos, reused
+
+
+def _write_plain(*args: Any) -> tuple[list[tuple[str, dict[str, Any]]], int, int]:
+    recs, size = _write_one(*args)
+    return recs, size, 0
+
+
+def _record(rel: str, offset: int, it: WriteItem, length: int, digests: Sequence[str]) -> dict[str, Any]:
+    return {"file": rel, "offset": offset, "length": length, "offsets": list(it.offsets),
+            "shape": list(it.shape), "digests": ",".join(digests)}
+
+
 def write_shards(
     storage: Storage,
     step_dir: str,
@@ -250,29 +330,37 @@ def write_shards(
     algorithm: str,
     block_bytes: int,
     executor: Executor,
+    codecs: Codecs | None = None,
 ) -> WriteResult:
     """Write each staged group to its own shard file, in parallel, durably."""
+    coded = codecs is not None and codecs.active
     futures = [
-        executor.submit(_write_one, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes)
+        executor.submit(_write_coded, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, codecs)
+        if coded else
+        executor.submit(_write_plain, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes)
         for i, (g, r) in enumerate(zip(groups, spans))
     ]
     chunks: dict[str, list[dict[str, Any]]] = {}
     files: dict[str, dict[str, Any]] = {}
     written = 0
+    reused = 0
     errors = []
     for i, f in enumerate(futures):
         try:
-            recs, size = f.result()
+            res = f.result()
         except BaseException as e:  # collect all, raise the first
             errors.append(e)
             continue
-        files[shard_file(rank, attempt, i)] = {"size_bytes": size, "rank": rank}
-        written += size
+        recs, size, n_reused = res
+        reused += n_reused
+        if size:  # 0: every chunk is a reference, no file was written
+            files[shard_file(rank, attempt, i)] = {"size_bytes": size, "rank": rank}
+            written += size
         for key, rec in recs:
             chunks.setdefault(key, []).append(rec)
     if errors:
         raise errors[0]
-    if groups:
+    if files:
         storage.sync_dir(f"{step_dir}/{DATA_DIR}")
         storage.sync_dir(step_dir)
-    return WriteResult(chunks, files, written)
+    return WriteResult(chunks, files, written, reused)

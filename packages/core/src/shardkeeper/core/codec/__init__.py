@@ -1,0 +1,62 @@
+"""Chunk codecs: what happens to a chunk's bytes between staging and storage.
+
+``incremental`` (a chunk equal to one of the previous checkpoint becomes a reference to it)
+and ``compression`` (zstd per chunk). See ``docs/codecs.md``. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardkeeper.core.codec.incremental import ReuseIndex
+    from shardkeeper.core.format.manifest import Manifest
+    from shardkeeper.core.storage.base import Storage
+
+
+@dataclass(frozen=True)
+class Codecs:
+    """What the writer does to chunk bytes (docs/codecs.md); all off by default."""
+
+    reuse: ReuseIndex | None = None  # incremental: chunks of the previous checkpoint
+    compression: str | None = None  # "zstd" or None
+    level: int = 3
+
+    @property
+    def active(self) -> bool:
+        return self.reuse is not None or self.compression == "zstd"
+
+
+class CodecState:
+    """Per manager: builds each save's ``Codecs``, caching the base manifest between saves
+    (it is re-read only when a newer step was committed)."""
+
+    def __init__(self, *, incremental: bool, compression: str | None, level: int) -> None:
+        from shardkeeper.core.codec.compression import check_options
+
+        check_options(compression, level)
+        self.incremental = incremental
+        self.compression = None if compression in (None, "none") else compression
+        self.level = level
+        self._base: Manifest | None = None
+
+    def for_save(self, storage: Storage, step: int, algorithm: str, block_bytes: int) -> Codecs:
+        """The codecs of the save of ``step``: the base of an incremental save is the newest
+        committed step below it (read on the writer's thread, never the caller's)."""
+        reuse = None
+        if self.incremental:
+            from shardkeeper.core.codec.incremental import (
+                ReuseIndex,
+                newest_manifest,
+                newest_step_below,
+            )
+
+            newest = newest_step_below(storage, step)
+            if newest is None:
+                self._base = None
+            elif self._base is None or self._base.step != newest:
+                self._base = newest_manifest(storage, before=step)
+            if self._base is not None:
+                reuse = ReuseIndex(self._base, algorithm, block_bytes)
+        return Codecs(reuse, self.compression, self.level)
