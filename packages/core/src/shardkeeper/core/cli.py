@@ -1,4 +1,4 @@
-"""The ``shardkeeper`` command: ls, inspect, verify and gc on a checkpoint root.
+"""The ``shardkeeper`` command: ls, inspect, verify, gc, export and import on a checkpoint root.
 
 Runs without torch, so an operator can look after a bucket from any machine::
 
@@ -6,6 +6,8 @@ Runs without torch, so an operator can look after a bucket from any machine::
     shardkeeper inspect /data/run 1200 --keys 'model/*'
     shardkeeper verify /data/run            # exit 0 clean, 1 damaged, 2 usage / nothing there
     shardkeeper gc /data/run --dry-run
+    shardkeeper export /data/run 1200 --to ./hf-model      # Hugging Face safetensors + index
+    shardkeeper import ./dcp-ckpt /data/run --step 1200 --trust-pickle
 
 Exit codes: 0 success; 1 damage found (verify) or a removal failed (gc); 2 usage error, no
 checkpoint where one was asked for, or any other error (one line on stderr, no traceback).
@@ -344,6 +346,30 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_DAMAGED if report.errors else EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardkeeper.core.export import export_safetensors
+
+    storage = _open(args)
+    res = export_safetensors(
+        storage, args.step, to=args.to, keys=args.keys or ["model/*"], keep_prefix=args.keep_prefix,
+        max_shard_size=args.max_shard_size, progress=None if args.progress is None else args.progress,
+    )
+    print(f"exported step {res.step}: {len(res.weight_map)} tensors, {human_size(res.total_size)} in "
+          f"{len(res.files)} file(s) to {res.directory}")
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from shardkeeper.core.dcp_import import import_dcp
+
+    storage = _open(args)
+    m = import_dcp(args.source, storage, step=args.step, trust_pickle=args.trust_pickle,
+                   progress=args.progress)
+    print(f"imported {args.source} as step {m.step} under {storage.url}: {len(m.leaves)} leaves, "
+          f"{human_size(m.nbytes)}")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------------------------
 # Entry point
 
@@ -356,6 +382,13 @@ def _step_arg(text: str) -> int:
     if step < 0:
         raise argparse.ArgumentTypeError(f"STEP must be a non-negative integer, got {text!r}")
     return step
+
+
+def _progress_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress on stderr (default: when stderr is a terminal)")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -402,6 +435,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="report, remove nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("export", parents=[common],
+                       help="write a step as Hugging Face safetensors shards + index")
+    p.add_argument("step", metavar="STEP", nargs="?", type=_step_arg,
+                   help="the step (default: the newest committed)")
+    p.add_argument("--to", required=True, metavar="DIR", help="output directory (local)")
+    p.add_argument("--keys", action="append", metavar="PATTERN",
+                   help="tensor keys to export (glob, repeatable; default 'model/*')")
+    p.add_argument("--keep-prefix", action="store_true",
+                   help="keep the 'model/' prefix in the exported names")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
+    _progress_flags(p)
+    p.set_defaults(func=cmd_export)
+
+    imp = argparse.ArgumentParser(add_help=False)
+    imp.add_argument("source", metavar="DCP_DIR", help="a torch.distributed.checkpoint directory")
+    p = sub.add_parser("import", parents=[imp, common],
+                       help="write a torch.distributed.checkpoint directory as a committed step")
+    p.add_argument("--step", type=_step_arg, required=True, metavar="N", help="the step to commit")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="required: DCP's .metadata is a pickle, which can run code; pass it "
+                   "only for checkpoints you trust")
+    _progress_flags(p)
+    p.set_defaults(func=cmd_import)
     return parser
 
 

@@ -124,9 +124,7 @@ def _read_sharded(src: str, trust_pickle: bool) -> tuple[dict[str, Any], dict[st
     """A sharded directory, read whole in this process (DCP without a process group): the
     ``meta.pt`` dict, the model entry and the optimizer entries, keyed by normalized FQN as the
     core keys a module and an optimizer (``<fqn>``; ``state/<fqn>/<name>``, ``param_groups``)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from shardkeeper.core.dcp_import import load_dcp
 
     meta_path = os.path.join(src, "meta.pt")
     if not os.path.isfile(meta_path):
@@ -135,8 +133,7 @@ def _read_sharded(src: str, trust_pickle: bool) -> tuple[dict[str, Any], dict[st
     ck = load_trusted_pickle(meta_path, trust_pickle=trust_pickle)
     if not isinstance(ck, dict):
         raise ValueError(f"{meta_path} holds a {type(ck).__name__}, not Lightning's checkpoint dict")
-    sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    sd = load_dcp(src, trust_pickle=trust_pickle)  # core's DCP reader, behind the same opt-in
     key = "state_dict" if "state_dict" in sd else "model"  # ModelParallelStrategy / FSDPStrategy
     if key not in sd:
         raise ValueError(f"{src}: the DCP checkpoint has no 'state_dict' or 'model' entry (it holds {sorted(sd)}); not written by Lightning")

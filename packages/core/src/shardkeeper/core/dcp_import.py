@@ -1,0 +1,249 @@
+"""Import a ``torch.distributed.checkpoint`` (DCP) directory as a committed shardkeeper step.
+
+A DCP directory's ``.metadata`` is a pickle, and so are its non-tensor entries: reading them
+can run code. They are read only when the caller passes ``trust_pickle=True`` (refused
+otherwise, before any file is opened).
+
+Streaming, in one process: the tensor list (keys, dtypes, global shapes) comes from the
+metadata; tensors are loaded by DCP in batches of at most ``batch_bytes`` (DCP assembles each
+full tensor from the saved shards, whatever the saving layout was) and each batch becomes one
+shard file, written and digested as the manager writes its own. Memory stays near
+``batch_bytes`` (or the largest tensor). The manifest is then committed with put-if-absent.
+
+Keys: DCP's nested paths joined with ``/``, each part FQN-normalized (``model/<fqn>``,
+``optim/state/<fqn>/<name>``), so a DCP save of ``{"model": ..., "optim": ...}`` from
+``get_state_dict`` restores into a ``{"model": module, "optim": optimizer}`` state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from shardkeeper.core.commit import manifest_path, write_latest_hint
+from shardkeeper.core.errors import CheckpointError, StateMismatchError
+from shardkeeper.core.export import Progress
+from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES
+from shardkeeper.core.format.layout import DATA_DIR, new_attempt_id, shard_file, step_dir
+from shardkeeper.core.format.manifest import (
+    DTYPES,
+    FORMAT_VERSION,
+    LazyLeaves,
+    Manifest,
+    check_tiling_boxes,
+)
+from shardkeeper.core.storage import open_storage
+from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.save import WriteItem, _write_one
+from shardkeeper.core.tensor.state import normalize_fqn, torch_dtype_name
+
+DEFAULT_BATCH_BYTES = 512 << 20
+
+
+def _refuse_untrusted(src: str, trust_pickle: bool) -> None:
+    if trust_pickle is not True:
+        raise PermissionError(
+            f"{src} is a torch.distributed.checkpoint directory: its .metadata (and any non-tensor "
+            f"entry) is a pickle, which can run code when loaded; shardkeeper reads it only with "
+            f"trust_pickle=True (CLI: --trust-pickle) for checkpoints you trust"
+        )
+    if not os.path.isfile(os.path.join(src, ".metadata")):
+        raise FileNotFoundError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
+
+
+def read_dcp_metadata(path: str | os.PathLike[str], *, trust_pickle: bool) -> Any:
+    """DCP's ``Metadata`` of ``path`` (unpickled: refused unless ``trust_pickle``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src = os.fspath(path)
+    _refuse_untrusted(src, trust_pickle)
+    return FileSystemReader(src).read_metadata()
+
+
+def load_dcp(path: str | os.PathLike[str], *, trust_pickle: bool, keys: set[str] | None = None) -> dict[str, Any]:
+    """The nested state dict DCP saved at ``path`` (only the flat DCP ``keys`` if given), read
+    whole in this process without a process group; full tensors, whatever the saving layout."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    src = os.fspath(path)
+    _refuse_untrusted(src, trust_pickle)
+    sd: dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    return sd
+
+
+def canonical_key(path: Sequence[Any]) -> str:
+    """A DCP object path (``("model", "module.fc.weight")``) as a shardkeeper key."""
+    return "/".join(normalize_fqn(str(p)) for p in path)
+
+
+def _jsonable(value: Any, key: str, src: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        raise StateMismatchError(f"{src}: entry {key!r} holds a tensor inside a non-tensor value; not imported by this version")
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v, key, src) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, key, src) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise StateMismatchError(f"{src}: entry {key!r} holds {value}, which JSON cannot store")
+        return value
+    raise StateMismatchError(
+        f"{src}: entry {key!r} is a {type(value).__name__}, not a JSON value; shardkeeper stores no "
+        f"pickles: convert it before saving, or import the tensors only"
+    )
+
+
+def _object_leaves(tree: Any, prefix: list[str], src: str) -> Iterator[tuple[str, Any]]:
+    """Non-tensor entries as object leaves: mappings are walked, anything else is one leaf;
+    ``params`` lists of optimizer groups are FQN-normalized."""
+    if isinstance(tree, Mapping) and tree:
+        for k, v in tree.items():
+            yield from _object_leaves(v, [*prefix, normalize_fqn(str(k))], src)
+        return
+    key = "/".join(prefix)
+    value = _jsonable(tree, key, src)
+    if isinstance(value, list):
+        for g in value:
+            if isinstance(g, dict) and isinstance(g.get("params"), list):
+                g["params"] = [normalize_fqn(p) if isinstance(p, str) else p for p in g["params"]]
+    yield key, value
+
+
+def _batches(tensors: list[tuple[str, str, tuple[int, ...], str, int]], limit: int) -> list[list[tuple[str, str, tuple[int, ...], str, int]]]:
+    out: list[list[tuple[str, str, tuple[int, ...], str, int]]] = [[]]
+    size = 0
+    for t in tensors:
+        if out[-1] and size + t[4] > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t[4]
+    return out
+
+
+def _get(tree: Any, path: Sequence[Any]) -> Any:
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def import_dcp(
+    path: str | os.PathLike[str],
+    root: str | os.PathLike[str] | Storage,
+    *,
+    step: int,
+    trust_pickle: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    digest: str = DEFAULT_ALGORITHM,
+    digest_block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: bool | None = None,
+) -> Manifest:
+    """Write the DCP checkpoint at ``path`` as committed step ``step`` under ``root``; run it in
+    one process. Returns the committed manifest. Fails (``CommitConflictError``) if the step
+    is already committed there."""
+    src = os.fspath(path)
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    md = read_dcp_metadata(src, trust_pickle=trust_pickle)
+    warnings.warn(f"unpickling {src}/.metadata (trust_pickle=True): only do this for checkpoints you trust", stacklevel=2)
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    tensors: list[tuple[str, str, tuple[int, ...], str, int]] = []  # flat key, key, shape, dtype, bytes
+    object_keys: set[str] = set()
+    seen: dict[str, str] = {}
+    for flat, meta in md.state_dict_metadata.items():
+        obj_path = (md.planner_data or {}).get(flat, (flat,))
+        key = canonical_key(obj_path)
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = torch_dtype_name(meta.properties.dtype)
+            if dtype not in DTYPES:
+                raise StateMismatchError(f"{src}: tensor {flat!r} has dtype {dtype}, which the shardkeeper format does not store")
+            if key in seen:
+                raise StateMismatchError(f"{src}: DCP entries {seen[key]!r} and {flat!r} both map to key {key!r}")
+            seen[key] = flat
+            shape = tuple(int(s) for s in meta.size)
+            tensors.append((flat, key, shape, dtype, math.prod(shape) * DTYPES[dtype][1]))
+        elif isinstance(meta, BytesStorageMetadata):
+            object_keys.add(flat)
+    storage = open_storage(root, **dict(storage_options or {}))
+    sdir = step_dir(step)
+    attempt = new_attempt_id()
+    leaves: dict[str, Any] = {}
+    files: dict[str, dict[str, Any]] = {}
+    written: list[str] = []
+    bar = Progress(sum(t[4] for t in tensors), f"import {os.path.basename(src.rstrip('/')) or src}", progress)
+    pool = ThreadPoolExecutor(1)
+    try:
+        if object_keys:
+            objs = load_dcp(src, trust_pickle=True, keys=object_keys)
+            for key, value in _object_leaves(objs, [], src):
+                leaves[key] = {"kind": "object", "value": value}
+        for index, batch in enumerate(b for b in _batches(tensors, max(1, batch_bytes)) if b):
+            loaded = load_dcp(src, trust_pickle=True, keys={t[0] for t in batch})
+            items, spans = [], []
+            for flat, key, shape, dtype, nbytes in batch:
+                obj_path = (md.planner_data or {}).get(flat, (flat,))
+                t = _get(loaded, obj_path).detach().to("cpu").contiguous()
+                buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+                items.append(WriteItem(key, dtype, shape, (0,) * len(shape), shape, t, nbytes))
+                spans.append((buf, 0, nbytes))
+            rel = shard_file(0, attempt, index)
+            written.append(rel)
+            recs, size = pool.submit(_write_one, storage, sdir, rel, items, spans, digest, digest_block_bytes).result()
+            files[rel] = {"size_bytes": size, "rank": 0}
+            for (key, rec), (_, _, shape, dtype, nbytes) in zip(recs, batch, strict=True):
+                leaves[key] = {"kind": "tensor", "dtype": dtype, "shape": list(shape), "chunks": [rec] if nbytes else []}
+                bar.update(nbytes)
+            del loaded, items, spans
+        if written:
+            storage.sync_dir(f"{sdir}/{DATA_DIR}")
+            storage.sync_dir(sdir)
+        for key, leaf in leaves.items():
+            if leaf["kind"] == "tensor":
+                why = check_tiling_boxes(key, leaf["shape"], [(c["offsets"], c["shape"]) for c in leaf["chunks"]])
+                if why is not None:
+                    raise StateMismatchError(f"{src}: {key}: {why}")
+        manifest = Manifest(
+            step=step, world_size=1, leaves=LazyLeaves(dict(sorted(leaves.items()))),
+            files=dict(sorted(files.items())), digest_algorithm=digest, digest_block_bytes=digest_block_bytes,
+            metadata={"framework": "torch", "torch_version": torch.__version__, "world_size": 1,
+                      "imported_from": src, "imported_format": "torch.distributed.checkpoint",
+                      **dict(metadata or {})},
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), attempt=attempt,
+            format_version=FORMAT_VERSION,
+        )
+        data = manifest.dumps()
+        committed = Manifest.loads(data, where=storage.describe(manifest_path(step)))  # validated as a reader will
+        storage.put_if_absent(manifest_path(step), data)
+    except BaseException:
+        for rel in written:
+            try:
+                storage.delete(f"{sdir}/{rel}")
+            except CheckpointError:
+                pass
+        raise
+    finally:
+        bar.close()
+        pool.shutdown()
+    try:
+        write_latest_hint(storage, step)
+    except CheckpointError:
+        pass  # a hint only
+    return committed
+
+
+__all__ = ["DEFAULT_BATCH_BYTES", "canonical_key", "import_dcp", "load_dcp", "read_dcp_metadata"]

@@ -1,0 +1,273 @@
+"""Export a committed step as Hugging Face safetensors shards plus ``model.safetensors.index.json``.
+
+Streaming and torch-free: the shard plan (names, dtypes, shapes, offsets) comes from the
+manifest alone, so each shard's header is written first and then one tensor at a time is
+assembled from its chunks (ranged reads, every digest block checked) and appended. Memory is
+bounded by the largest exported tensor plus one chunk, never the whole model.
+
+Names drop the ``model/`` prefix by default, so a checkpoint of a ``transformers`` model
+exports to the keys ``from_pretrained`` expects.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from shardkeeper.core.commit import committed_steps, load_manifest
+from shardkeeper.core.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
+from shardkeeper.core.format.digest import digest_function
+from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.safetensors import build_header
+from shardkeeper.core.retention import resolve_file
+from shardkeeper.core.storage import open_storage
+from shardkeeper.core.storage.base import Storage
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained uses ("5GB")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5e9, ``"512MiB"`` -> 2**29, ``1000`` -> 1000 (as transformers reads sizes)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read the size {text!r}; write e.g. 5GB, 500MB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+class Progress:
+    """A progress line on stderr for long work: tqdm when installed, else an own line, and
+    only when stderr is a terminal (logs and CI output stay clean)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool | None = None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.total, self.desc, self.done, self._last = total, desc, 0, 0.0
+        self._bar: Any = None
+        if self.enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr)
+            except ImportError:
+                self._bar = None
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last >= 0.2 or self.done >= self.total:
+            self._last = now
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            sys.stderr.write(f"\r{self.desc}: {self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB ({pct:.0f}%)")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            sys.stderr.write("\n")
+
+
+@dataclass
+class ExportResult:
+    """What ``export_safetensors`` wrote."""
+
+    step: int
+    directory: str
+    files: list[str] = field(default_factory=list)
+    weight_map: dict[str, str] = field(default_factory=dict)  # exported name -> file
+    total_size: int = 0
+
+
+def _select(m: Manifest, keys: Sequence[str], strip_prefix: str | None, where: str) -> list[tuple[str, str, LeafRecord]]:
+    """``(exported name, key, leaf)`` for every tensor leaf matching ``keys``, in key order."""
+    out: list[tuple[str, str, LeafRecord]] = []
+    seen: dict[str, str] = {}
+    for key in sorted(m.leaves):
+        if not any(fnmatch.fnmatchcase(key, p) for p in keys):
+            continue
+        leaf = m.leaves[key]
+        if leaf.kind != "tensor":
+            continue
+        name = key[len(strip_prefix):] if strip_prefix and key.startswith(strip_prefix) else key
+        if name in seen:
+            raise StateMismatchError(f"{where}: keys {seen[name]!r} and {key!r} both export as {name!r}; keep the prefix (keep_prefix / --keep-prefix) or narrow --keys")
+        seen[name] = key
+        out.append((name, key, leaf))
+    if not out:
+        raise StateMismatchError(
+            f"{where}: no tensor leaf matches {' or '.join(keys)}; list the keys with `shardkeeper inspect`"
+        )
+    return out
+
+
+def _plan_shards(items: list[tuple[str, str, LeafRecord]], max_bytes: int) -> list[list[tuple[str, str, LeafRecord]]]:
+    """Greedy in key order, as transformers shards: a tensor larger than the limit goes alone."""
+    shards: list[list[tuple[str, str, LeafRecord]]] = [[]]
+    size = 0
+    for it in items:
+        n = it[2].nbytes
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += n
+    return shards
+
+
+def _read_chunk(storage: Storage, m: Manifest, key: str, c: ChunkRecord, out: memoryview) -> None:
+    """Read chunk ``c`` of ``key`` into ``out`` (its length) and check every digest block."""
+    where = f"step {m.step} under {storage.url}"
+    if c.encoding != "raw":
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r} has a chunk with encoding {c.encoding!r}, which export does not "
+            f"decode; restore it with CheckpointManager.restore and save with safetensors instead"
+        )
+    path = resolve_file(m.step, c.file)
+    if path is None:
+        raise CorruptCheckpointError(f"{where}: key {key!r} names the unsafe file {c.file!r}; the manifest is damaged")
+    try:
+        storage.read_into(path, c.offset, out)
+    except CheckpointNotFoundError as e:
+        raise CorruptCheckpointError(
+            f"{where}: {storage.describe(path)} (key {key!r}) is missing: {e}; run `shardkeeper verify {storage.url} {m.step}`"
+        ) from e
+    digest = digest_function(m.digest_algorithm)
+    block = m.digest_block_bytes
+    for k, i in enumerate(range(0, c.length, block)):
+        got = digest(out[i : i + block])
+        want = c.digests[k] if k < len(c.digests) else "<none>"
+        if got != want:
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {storage.describe(path)} at bytes [{c.offset + i}, "
+                f"{c.offset + min(i + block, c.length)}) of key {key!r}, {where}: expected {want}, "
+                f"read {got}; the stored bytes are damaged: export another step and run "
+                f"`shardkeeper verify {storage.url}`",
+                key=key, file=path,
+            )
+
+
+def _view(a: np.ndarray) -> memoryview:
+    return memoryview(cast("Buffer", a))
+
+
+def _assemble(storage: Storage, m: Manifest, key: str, leaf: LeafRecord) -> np.ndarray:
+    """The whole tensor's row-major bytes (uint8), assembled from its chunks."""
+    isz = itemsize(leaf.dtype)
+    nbytes = leaf.nbytes
+    out = np.empty(nbytes, dtype=np.uint8)
+    grid = out.reshape(*leaf.shape, isz) if leaf.shape else out.reshape(isz)
+    for c in leaf.chunks:
+        if c.length != c.numel * isz:
+            raise CorruptCheckpointError(f"step {m.step}: chunk of {key!r} holds {c.length} bytes for {c.numel} elements")
+        # A box spanning every dimension but the first is contiguous in the output: read it
+        # straight there; any other box goes through one scratch buffer of its own size.
+        if leaf.shape and tuple(c.shape[1:]) == tuple(leaf.shape[1:]):
+            start = c.offsets[0] * math.prod(leaf.shape[1:]) * isz
+            _read_chunk(storage, m, key, c, _view(out)[start : start + c.length])
+            continue
+        scratch = np.empty(c.length, dtype=np.uint8)
+        _read_chunk(storage, m, key, c, _view(scratch))
+        box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.shape, strict=True))
+        grid[box] = scratch.reshape(*c.shape, isz) if c.shape else scratch
+    return out
+
+
+def export_safetensors(
+    root: str | os.PathLike[str] | Storage,
+    step: int | None = None,
+    *,
+    to: str | os.PathLike[str],
+    keys: Sequence[str] = ("model/*",),
+    keep_prefix: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+) -> ExportResult:
+    """Write the tensor leaves of ``step`` (default: the newest committed) matching ``keys`` to
+    the local directory ``to`` as ``model-0000i-of-0000n.safetensors`` + the index.
+
+    Names lose the ``model/`` prefix unless ``keep_prefix``; ``max_shard_size`` ("5GB", bytes)
+    bounds each shard (a larger tensor gets a shard of its own). Files appear under their final
+    names only when complete; the index is written last. ``progress``: a progress line on
+    stderr (default: when stderr is a terminal).
+    """
+    storage = open_storage(root, **dict(storage_options or {}))
+    if step is None:
+        steps = committed_steps(storage)
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url} to export")
+        step = steps[-1]
+    m = load_manifest(storage, step)
+    where = f"step {step} under {storage.url}"
+    items = _select(m, list(keys), None if keep_prefix else "model/", where)
+    limit = parse_size(max_shard_size)
+    if limit < 1:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
+    shards = _plan_shards(items, limit)
+    outdir = os.fspath(to)
+    os.makedirs(outdir, exist_ok=True)
+    res = ExportResult(step=step, directory=outdir)
+    bar = Progress(sum(it[2].nbytes for it in items), f"export step {step}", progress)
+    n = len(shards)
+    try:
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+            header, _ = build_header(
+                [(name, leaf.dtype, leaf.shape, leaf.nbytes) for name, _, leaf in shard],
+                {"format": "pt", "shardkeeper_root": storage.url, "shardkeeper_step": str(step)},
+            )
+            final = os.path.join(outdir, fname)
+            tmp = final + ".partial"
+            with open(tmp, "wb") as f:
+                f.write(header)
+                for name, key, leaf in shard:
+                    data = _assemble(storage, m, key, leaf)
+                    f.write(_view(data))
+                    del data
+                    res.weight_map[name] = fname
+                    res.total_size += leaf.nbytes
+                    bar.update(leaf.nbytes)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            res.files.append(fname)
+    finally:
+        bar.close()
+    index = {"metadata": {"total_size": res.total_size, "shardkeeper_step": step},
+             "weight_map": dict(sorted(res.weight_map.items()))}
+    tmp = os.path.join(outdir, INDEX_NAME + ".partial")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, os.path.join(outdir, INDEX_NAME))
+    return res
+
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME", "ExportResult", "Progress", "export_safetensors", "parse_size"]

@@ -1,0 +1,44 @@
+"""Two-rank FSDP2 run for the export and import tests (run under torchrun):
+
+    import_export_worker.py OUT
+
+trains the layout matrix's model 2 steps under FSDP2, then writes the same state twice:
+a shardkeeper checkpoint (step 2, ``OUT/sk``, sharded by both ranks) and a
+``torch.distributed.checkpoint`` save of ``get_state_dict`` (``OUT/dcp``); rank 0 writes the
+full reference state (parameters and AdamW state, canonical keys) to ``OUT/ref.safetensors``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layouts import build, full_state, train_step  # noqa: E402
+
+from shardkeeper.core import CheckpointManager  # noqa: E402
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    model, opt = build("fsdp2", seed=1)
+    for i in range(2):
+        train_step(model, opt, i)
+    with CheckpointManager(out / "sk", digest_block_bytes=3000) as mgr:
+        mgr.save(2, {"model": model, "optim": opt, "progress": {"step": 2}}, async_save=False)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "progress": {"step": 2}}, checkpoint_id=str(out / "dcp"))
+    ref = full_state(model, opt)
+    if dist.get_rank() == 0:
+        save_file(ref, str(out / "ref.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
