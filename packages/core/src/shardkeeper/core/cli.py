@@ -1,4 +1,4 @@
-"""The ``shardkeeper`` command: ls, inspect, verify, gc, export and import on a checkpoint root.
+"""The ``shardkeeper`` command: ls, inspect, verify, gc, export, import and advise.
 
 Runs without torch, so an operator can look after a bucket from any machine::
 
@@ -8,6 +8,7 @@ Runs without torch, so an operator can look after a bucket from any machine::
     shardkeeper gc /data/run --dry-run
     shardkeeper export /data/run 1200 --to ./hf-model      # Hugging Face safetensors + index
     shardkeeper import ./dcp-ckpt /data/run --step 1200 --trust-pickle
+    shardkeeper advise /data/run --mtbf 3h --interval 30m   # Young/Daly checkpoint interval
 
 Exit codes: 0 success; 1 damage found (verify) or a removal failed (gc); 2 usage error, no
 checkpoint where one was asked for, or any other error (one line on stderr, no traceback).
@@ -370,6 +371,35 @@ def cmd_import(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from shardkeeper.core import advisor
+
+    try:
+        if args.mtbf is not None:
+            mtbf = advisor.parse_duration(args.mtbf)
+        elif args.restarts is not None and args.elapsed is not None:
+            mtbf = advisor.mtbf_from_restarts(args.restarts, advisor.parse_duration(args.elapsed))
+        else:
+            raise UsageError("give --mtbf DURATION, or the job's restart history: --restarts N --elapsed DURATION")
+        interval = advisor.parse_duration(args.interval) if args.interval is not None else None
+        restart = advisor.parse_duration(args.restart_cost) if args.restart_cost is not None else 0.0
+        if args.cost is not None:
+            advice = advisor.advise(
+                mtbf_s=mtbf, interval_s=interval, cost_s=advisor.parse_duration(args.cost),
+                durable_s=advisor.parse_duration(args.durable or "0"), sync=args.sync, restart_s=restart)
+        else:
+            storage = _open(args)
+            advice = advisor.advise_root(storage, mtbf_s=mtbf, interval_s=interval, last=args.last,
+                                         restart_s=restart)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        _print_json(advice.to_json())
+    else:
+        print(advice.summary())
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------------------------
 # Entry point
 
@@ -449,6 +479,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
     _progress_flags(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("advise", parents=[common],
+                       help="the optimal checkpoint interval (Young/Daly) from recorded save timings")
+    p.add_argument("--mtbf", metavar="DURATION", help="mean time between failures, e.g. 3h, 45m, 2d")
+    p.add_argument("--restarts", type=int, metavar="N",
+                   help="instead of --mtbf: failures (restarts) the job had in --elapsed")
+    p.add_argument("--elapsed", metavar="DURATION", help="wall time over which --restarts happened")
+    p.add_argument("--interval", metavar="DURATION", help="the current interval, to compare")
+    p.add_argument("--restart-cost", metavar="DURATION", help="time to restart after a failure")
+    p.add_argument("--last", type=int, default=10, metavar="N",
+                   help="use the timings of the newest N steps (default 10)")
+    p.add_argument("--cost", metavar="DURATION",
+                   help="instead of the recorded timings: training time lost per checkpoint")
+    p.add_argument("--durable", metavar="DURATION",
+                   help="with --cost: how long after the stall a checkpoint is committed")
+    p.add_argument("--sync", action="store_true", default=None, help="with --cost: synchronous saves")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_advise)
 
     imp = argparse.ArgumentParser(add_help=False)
     imp.add_argument("source", metavar="DCP_DIR", help="a torch.distributed.checkpoint directory")

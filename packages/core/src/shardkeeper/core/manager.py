@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.errors import (
@@ -207,6 +208,7 @@ class CheckpointManager:
         plan = plan_save(flat, self.rank, self.world_size)
         groups = split_files(plan.items, self.options.max_files_per_rank, self.options.min_file_bytes)
         synchronous = not (self.options.async_save if async_save is None else async_save)
+        self._sync_save = synchronous  # read by this save's _run_save (timings for the advisor)
         # A synchronous save returns after the commit, so the caller cannot change its tensors
         # meanwhile: they are written from their own memory, without a staging copy.
         spans = self._stager.stage(groups, copy=not synchronous)
@@ -264,6 +266,9 @@ class CheckpointManager:
                 "objects": objects,
                 "per_rank_prefixes": plan.per_rank_prefixes,
                 "layouts": sorted(plan.layouts),
+                # for the interval advisor (manifest metadata "timings"); _pending is this save
+                "timings": {"stall_s": self._pending.stall_s if self._pending is not None else 0.0,
+                            "write_s": time.perf_counter() - t0, "sync": getattr(self, "_sync_save", False)},
             }
             log.info("rank %d step %d: wrote %d bytes in %.3f s", self.rank, step, res.bytes_written, time.perf_counter() - t0)
         except BaseException as e:
@@ -312,6 +317,7 @@ class CheckpointManager:
         """Coordinator: collect reports, check tiling, write the manifest if absent."""
         sdir = step_dir(step)
         reports: list[dict[str, Any]] = []
+        t_commit = time.perf_counter()
         try:
             reports = self._coord.collect(seq, own, timeout, step=step)
             for r in reports:
@@ -320,7 +326,8 @@ class CheckpointManager:
             manifest = assemble_manifest(
                 step, attempt, reports, world_size=self.world_size, digest=self.options.digest,
                 block_bytes=self.options.digest_block_bytes,
-                metadata={"framework": "torch", "torch_version": torch.__version__, **meta},
+                metadata={"framework": "torch", "torch_version": torch.__version__, **meta,
+                          "timings": save_timings(reports, time.perf_counter() - t_commit)},
             )
             self._check_files_durable(sdir, manifest)
             self._put_manifest(step, manifest.dumps())
