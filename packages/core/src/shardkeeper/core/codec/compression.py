@@ -72,17 +72,34 @@ def _sample(data: memoryview) -> memoryview | bytes:
     return b"".join(data[i * stride : i * stride + part] for i in range(SAMPLE_SLICES))
 
 
-def maybe_compress(data: memoryview, level: int) -> bytes | None:
-    """The chunk's zstd frame, or None when it should stay raw (small, or does not pay)."""
+def precheck(data: memoryview, level: int) -> bytes | bool:
+    """Is compressing this chunk worth trying? Small chunks: False. Chunks no larger than the
+    sample: their frame if it pays (already computed), else False. Larger ones: whether the
+    sample shrank below KEEP_RAW_RATIO (the whole chunk is compressed later, by
+    ``compress_if_pays``). The writer asks before it writes a file's first byte, so a file
+    whose chunks all stay raw remains a plain safetensors file."""
     n = len(data)
     if n < MIN_COMPRESS_BYTES:
-        return None
-    c = _compressor(level)
+        return False
+    if n <= SAMPLE_BYTES:
+        frame = compress_if_pays(data, level)
+        return False if frame is None else frame
     sample = _sample(data)
-    if len(sample) < n and len(c.compress(sample)) > KEEP_RAW_RATIO * len(sample):
-        return None
-    out: bytes = c.compress(data)
-    return out if len(out) <= KEEP_RAW_RATIO * n else None
+    return len(_compressor(level).compress(sample)) <= KEEP_RAW_RATIO * len(sample)
+
+
+def compress_if_pays(data: memoryview, level: int) -> bytes | None:
+    """The chunk's zstd frame, or None when it is no smaller than KEEP_RAW_RATIO x raw."""
+    out: bytes = _compressor(level).compress(data)
+    return out if len(out) <= KEEP_RAW_RATIO * len(data) else None
+
+
+def maybe_compress(data: memoryview, level: int) -> bytes | None:
+    """The chunk's zstd frame, or None when it should stay raw (small, or does not pay)."""
+    pre = precheck(data, level)
+    if isinstance(pre, bytes) or not pre:
+        return pre or None
+    return compress_if_pays(data, level)
 
 
 def decompress_into(stored: memoryview | bytes, out: memoryview, where: str) -> None:

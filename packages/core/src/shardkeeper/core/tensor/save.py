@@ -254,7 +254,7 @@ def _write_coded(
     the reuse lookup and the record); chunks the previous checkpoint holds become references;
     the rest are written raw (a safetensors file) or, with compression, as a framed file of
     zstd frames and raw chunks. No file is created when every chunk is a reference."""
-    from shardkeeper.core.codec.compression import maybe_compress
+    from shardkeeper.core.codec.compression import compress_if_pays, precheck
     from shardkeeper.core.codec.incremental import content_id
 
     digest = digest_function(algorithm)
@@ -273,9 +273,12 @@ def _write_coded(
         todo.append((it, view, digests))
     if not todo:
         return out, 0, reused
+    pre: list[bytes | bool] = [False] * len(todo)
+    if codecs.compression is not None:
+        pre = [precheck(view, codecs.level) for _, view, _ in todo]
     writer = storage.open_writer(f"{step_dir}/{rel}")
     try:
-        if codecs.compression is None:
+        if not any(pre):  # every chunk stays raw: a plain safetensors file
             entries = [(chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes) for i, _, _ in todo]
             header, file_offsets = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
             writer.write(header)
@@ -287,8 +290,8 @@ def _write_coded(
         else:
             writer.write(FRAMED_MAGIC)
             pos = len(FRAMED_MAGIC)
-            for it, view, digests in todo:
-                frame = maybe_compress(view, codecs.level)
+            for (it, view, digests), p in zip(todo, pre):
+                frame = p if isinstance(p, bytes) else compress_if_pays(view, codecs.level) if p else None
                 if frame is None:
                     writer.write(view)
                     out.append((it.key, _record(rel, pos, it, len(view), digests)))
