@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from shardkeeper.core import CheckpointManager, ChecksumMismatchError, CorruptCheckpointError, Fragment
+from shardkeeper.core import (
+    CheckpointManager,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    Fragment,
+)
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC
 from shardkeeper.core.storage import open_storage

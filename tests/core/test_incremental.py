@@ -184,3 +184,20 @@ def test_a_changed_box_or_dtype_is_written_again(tmp_path: Path) -> None:
         target = _empty_like(state)
         mgr.restore(target)
         _assert_equal(target, state)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_codecs_with_async_save_and_resharded_partial_restore_2_to_3(tmp_path: Path) -> None:
+    """One torchrun launch: FSDP2 + DTensors saved at 2 ranks with incremental and zstd on
+    (async), restored at 3 ranks whole and partially, bit for bit (dist/codecs_worker.py)."""
+    from ._launch import run_workers
+
+    res = run_workers(3, "codecs_worker.py", str(tmp_path), timeout_s=180)
+    assert res.returncode == 0, res.stdout[-4000:]
+    checks = [c for r in range(3) for c in json.loads((tmp_path / "results" / f"r{r}.json").read_text())]
+    cases = {c["case"] for c in checks}
+    assert "save w2 (async, incremental + zstd)" in cases and "partial restore at w3" in cases, cases
+    bad = [c for c in checks if not c["ok"]]
+    assert not bad, json.dumps(bad, indent=1)[:6000]
+    assert len(checks) == 2 + 3 * 3
