@@ -336,10 +336,10 @@ def write_shards(
     codecs: Codecs | None = None,
 ) -> WriteResult:
     """Write each staged group to its own shard file, in parallel, durably."""
-    coded = codecs is not None and codecs.active
+    coded = codecs if codecs is not None and codecs.active else None
     futures = [
-        executor.submit(_write_coded, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, codecs)
-        if coded else
+        executor.submit(_write_coded, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, coded)
+        if coded is not None else
         executor.submit(_write_plain, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes)
         for i, (g, r) in enumerate(zip(groups, spans))
     ]
