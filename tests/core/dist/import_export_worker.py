@@ -3,8 +3,9 @@
     import_export_worker.py OUT
 
 trains the layout matrix's model 2 steps under FSDP2, then writes the same state twice:
-a shardkeeper checkpoint (step 2, ``OUT/sk``, sharded by both ranks) and a
-``torch.distributed.checkpoint`` save of ``get_state_dict`` (``OUT/dcp``); rank 0 writes the
+a shardkeeper checkpoint (step 2, ``OUT/sk``, sharded by both ranks), a
+``torch.distributed.checkpoint`` save of ``get_state_dict`` (``OUT/dcp``) and a checkpoint
+with int8-quantized Adam moments (``OUT/q``); rank 0 writes the
 full reference state (parameters and AdamW state, canonical keys) to ``OUT/ref.safetensors``.
 """
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from layouts import build, full_state, train_step  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
+from shardkeeper.core.quantize import quantized  # noqa: E402
 
 
 def main(out: Path) -> None:
@@ -33,6 +35,8 @@ def main(out: Path) -> None:
         mgr.save(2, {"model": model, "optim": opt, "progress": {"step": 2}}, async_save=False)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "progress": {"step": 2}}, checkpoint_id=str(out / "dcp"))
+    with CheckpointManager(out / "q") as mgr:  # int8 moments, sharded by rows on 2 ranks
+        mgr.save(2, {"model": model, "optim": quantized(opt, model, mode="int8", block=48)}, async_save=False)
     ref = full_state(model, opt)
     if dist.get_rank() == 0:
         save_file(ref, str(out / "ref.safetensors"))

@@ -38,6 +38,7 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
 from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.quantize import check_restore_target, state_metadata
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
@@ -215,7 +216,7 @@ class CheckpointManager:
         objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
-        meta = {**self.metadata, **dict(metadata or {})}
+        meta = {**self.metadata, **state_metadata(state), **dict(metadata or {})}
         # The writer starts once save() is done with its own work: writer threads compete
         # for the GIL, and the caller's last steps should not wait on them.
         released = threading.Event()
@@ -540,6 +541,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         try:
             manifest = load_manifest(self.storage, step)
+            check_restore_target(manifest.metadata, state, f"step {step} under {self.storage.url}")
             flat = flatten_for_restore(state, self.rank, strict=strict)
             self.last_restore_stats = restore_flat(
                 self.storage, step_dir(step), manifest, flat, rank=self.rank,
