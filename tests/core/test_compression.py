@@ -193,3 +193,33 @@ def test_bad_options_and_hostile_encodings(tmp_path: Path) -> None:
     assert frame is not None
     with pytest.raises(CorruptCheckpointError, match="100000 bytes"):
         decompress_into(frame, memoryview(bytearray(4096)), "step 1: key 'z'")
+
+
+def test_verify_checks_the_frame_size_against_the_box(tmp_path: Path) -> None:
+    """A frame whose digests match (a broken writer) but whose size claim disagrees with the
+    box is damage too: verify reports it without decoding, restore refuses it."""
+    import zstandard
+
+    from shardkeeper.core.format.digest import block_digests
+
+    with CheckpointManager(tmp_path, compression="zstd") as mgr:
+        mgr.save(1, {"z": torch.zeros(64, 1024)}).wait()
+        c = mgr.manifest(1).leaves["z"].chunks[0]
+    frame = zstandard.ZstdCompressor().compress(bytes(64 * 1024 * 4 - 8))  # 8 bytes short
+    path = tmp_path / step_dir(1) / c.file
+    data = path.read_bytes()
+    path.write_bytes(data[: c.offset] + frame)
+    mpath = tmp_path / step_dir(1) / "manifest.json"
+    m = json.loads(mpath.read_text())
+    (rec,) = m["leaves"]["z"]["chunks"]
+    rec["length"] = len(frame)
+    rec["digests"] = ",".join(block_digests(memoryview(frame), m["digest_algorithm"], m["digest_block_bytes"]))
+    m["files"][c.file]["size_bytes"] = c.offset + len(frame)
+    mpath.write_text(json.dumps(m))
+    report = verify_root(open_storage(str(tmp_path)))
+    kinds = [p.kind for p in report.all_problems]
+    assert kinds == ["encoding"], [str(p) for p in report.all_problems]
+    assert "declares 262136 bytes" in str(report.all_problems[0])
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="262136"):
+            mgr.restore({"z": torch.ones(64, 1024)}, step=1)

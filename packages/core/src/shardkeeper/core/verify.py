@@ -53,7 +53,7 @@ class Problem:
 
     step: int | None
     kind: str  # manifest, unsupported-format, missing-file, size, range, length, digests,
-    #            digest, tiling, header, read, path, dtype, truncated-list
+    #            digest, tiling, header, read, path, dtype, encoding, truncated-list
     message: str
     key: str = ""
     file: str = ""
@@ -290,6 +290,7 @@ def verify_step(
                 continue
             report.chunks_checked += 1
             pos = 0
+            head = b""
             while pos < c.length:
                 n = min(span, c.length - pos)
                 if len(buf) < n:
@@ -303,6 +304,8 @@ def verify_step(
                             start=lo + pos, end=lo + pos + n)
                     break
                 report.bytes_checked += n
+                if pos == 0:
+                    head = bytes(view[:_FRAME_HEADER_BYTES])
                 for i in range(0, n, block):
                     b = (pos + i) // block
                     got = fn(view[i : i + block])
@@ -316,6 +319,13 @@ def verify_step(
                                 key=key, file=path, start=a, end=z,
                                 expected=c.digests[b], found=got)
                 pos += n
+
+            if c.encoding != "raw" and head:
+                why = _encoded_problem(c.encoding, head, c.numel * isz)
+                if why is not None:
+                    out.add("encoding", f"step {step}: {where}: {why}", key=key, file=path,
+                            start=lo, end=hi, expected=f"{c.numel * isz} bytes decoded",
+                            found=why)
 
     for path, keys in sorted(missing_keys.items()):
         uniq = sorted(set(keys))
@@ -334,6 +344,29 @@ def verify_step(
 
     out.finish()
     return report
+
+
+#: A zstd frame header is at most 18 bytes (magic, descriptor, window, dictionary id, size).
+_FRAME_HEADER_BYTES = 18
+
+
+def _encoded_problem(encoding: str, head: bytes, raw_bytes: int) -> str | None:
+    """What is wrong with an encoded chunk's first bytes, or None. For ``zstd``: the frame's
+    declared content size must be the box's byte size (the frame is not decoded; without the
+    zstandard package only the digests are checked)."""
+    if encoding != "zstd":
+        return f"unknown encoding {encoding!r}"
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    try:
+        size = zstandard.frame_content_size(head)
+    except zstandard.ZstdError as e:
+        return f"not a zstd frame ({e})"
+    if size != raw_bytes:
+        return f"the zstd frame declares {size} bytes"
+    return None
 
 
 def _check_header(
