@@ -1,13 +1,15 @@
-"""Staging: the part of a save that blocks training, copying what a rank writes to host memory.
+"""Staging: copying what a rank writes to host memory, so training may change its tensors.
 
 The copy lands in one host buffer that is reused across saves, so that the background writer
-can send it to storage while training goes on changing the live tensors.
+can send it to storage while training goes on changing the live tensors. With overlapped
+staging (``tensor/overlap.py``) part of the copy is *deferred*: it runs in the background,
+during the next forward and backward, and the next optimizer step waits for it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -41,6 +43,17 @@ class Stager:
         return 0 if self._buffer is None else self._buffer.numel()
 
     def stage(self, groups: Sequence[Sequence[WriteItem]], *, copy: bool = True) -> list[list[Span]]:
+        """Where each item's bytes are for the writer, everything copied now (see ``stage_split``)."""
+        spans, _ = self.stage_split(groups, copy=copy)
+        return spans
+
+    def stage_split(
+        self,
+        groups: Sequence[Sequence[WriteItem]],
+        *,
+        copy: bool = True,
+        defer: Callable[[WriteItem], Sequence[torch.Tensor] | None] | None = None,
+    ) -> tuple[list[list[Span]], DeferredCopy | None]:
         """Where each item's bytes are for the writer: one span per item, per group.
 
         ``copy=True`` (async saves): every item is copied into the buffer, the items of a
@@ -51,6 +64,12 @@ class Stager:
         ``copy=False`` (synchronous saves, where the caller waits for the commit and cannot
         change its tensors meanwhile): items held contiguously in CPU memory are written
         from their own memory with no copy at all; only the others are staged.
+
+        ``defer`` (overlapped staging): an item for which it returns tensors (the ones whose
+        in-place changes must not race the copy: the source, and the parameter or state
+        tensor it belongs to) gets its place in the buffer, but its copy is returned as a
+        ``DeferredCopy`` for the caller to run later; every other item (``None``) is copied
+        before this returns. The spans are valid once the deferred copy has run.
         """
         t0 = time.perf_counter()
         direct: dict[int, Span] = {}
@@ -72,7 +91,7 @@ class Stager:
         if pos == 0:
             spans = [[direct[id(it)] for it in g] for g in groups]
             self.last_stage_s = time.perf_counter() - t0
-            return spans
+            return spans, None
         buf = self._buffer
         pinned = any_cuda and torch.cuda.is_available()
         if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
@@ -82,6 +101,7 @@ class Stager:
         whole_bytes = memoryview(cast("Buffer", buf.numpy()))
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        later = DeferredCopy(any_cuda)
         typed: dict[torch.dtype, torch.Tensor] = {}
         for g, start in zip(groups, starts):
             off = start
@@ -98,8 +118,13 @@ class Stager:
                     whole = typed[dtype] = buf[: buf.numel() - buf.numel() % size].view(dtype)
                 # Widest dtypes first (see _file_order) keeps every offset a multiple of the
                 # item size, so the bytes can be viewed as the dtype: one view per item.
-                dsts.append(whole.as_strided(it.shape, contiguous_strides(it.shape), off // whole.element_size()))
-                srcs.append(it.src)
+                dst = whole.as_strided(it.shape, contiguous_strides(it.shape), off // whole.element_size())
+                watch = defer(it) if defer is not None else None
+                if watch is not None:
+                    later.add(it, dst, watch)
+                else:
+                    dsts.append(dst)
+                    srcs.append(it.src)
                 group_spans.append((whole_bytes, off, off + it.nbytes))
                 off += it.nbytes
             spans.append(group_spans)
@@ -109,4 +134,74 @@ class Stager:
         if any_cuda:
             torch.cuda.synchronize()
         self.last_stage_s = time.perf_counter() - t0
-        return spans
+        return spans, (later if later.items else None)
+
+
+class DeferredCopy:
+    """The part of a staging copy that runs later, off the caller's thread.
+
+    Made on the caller's thread, which records the version counters of each source and of the
+    tensors it belongs to (and, on CUDA, an event on its current stream). ``run()`` copies every source into its place in the
+    staging buffer in one call (on CUDA: on a side stream, after that event) and then checks
+    that no source was changed in place meanwhile: a torch in-place op bumps a tensor's
+    version counter, so a mutation that raced the copy is an error naming the keys, never a
+    silently torn checkpoint. (Writes through ``.data``, numpy views or raw pointers do not
+    bump it, nor do kernels that update their inputs internally, like BatchNorm's running
+    statistics, which is why only optimizer-owned tensors are ever deferred; the rest is what
+    ``wait_staged()`` is for.)
+    """
+
+    def __init__(self, any_cuda: bool) -> None:
+        self.items: list[WriteItem] = []
+        self.dsts: list[torch.Tensor] = []
+        self.watched: list[list[tuple[torch.Tensor, int]]] = []
+        self.nbytes = 0
+        self.copy_s = 0.0
+        self._any_cuda = any_cuda
+        self._ready: torch.cuda.Event | None = None
+
+    def add(self, item: WriteItem, dst: torch.Tensor, watch: Sequence[torch.Tensor] = ()) -> None:
+        self.items.append(item)
+        self.dsts.append(dst)
+        self.watched.append([(t, t._version) for t in (item.src, *watch)])
+        self.nbytes += item.nbytes
+
+    def mark_ready(self) -> None:
+        """Caller's thread, once every item is added: on CUDA, where the sources are final."""
+        if self._any_cuda and torch.cuda.is_available():
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def run(self) -> None:
+        """Copy (any thread); raise ``TornStateError`` if a source changed before it ended."""
+        t0 = time.perf_counter()
+        srcs = [it.src for it in self.items]
+        with torch.no_grad():
+            if self._ready is not None:
+                side = torch.cuda.Stream()
+                with torch.cuda.stream(side):
+                    side.wait_event(self._ready)
+                    torch._foreach_copy_(self.dsts, srcs, non_blocking=True)
+                side.synchronize()
+            else:
+                torch._foreach_copy_(self.dsts, srcs)
+        self.copy_s = time.perf_counter() - t0
+        changed = [
+            it.key for it, w in zip(self.items, self.watched) if any(t._version != v for t, v in w)
+        ]
+        if changed:
+            raise TornStateError(sorted(set(changed)))
+
+
+class TornStateError(RuntimeError):
+    """Tensors of an overlapped save were changed in place before their staging copy ended."""
+
+    def __init__(self, keys: list[str]) -> None:
+        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        super().__init__(
+            f"{len(keys)} tensor(s) were modified in place while overlapped staging was still "
+            f"copying them ({shown}), outside an optimizer step; the copy would be torn, so this "
+            f"save is not committed. Call mgr.wait_staged() before modifying saved tensors "
+            f"outside optimizer.step(), or create the manager with staging='blocking'"
+        )
+        self.keys = keys
