@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardkeeper.core import metrics
 from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
@@ -41,6 +42,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
+from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
 from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
 from shardkeeper.core.tensor.save import (
@@ -78,6 +80,14 @@ class CheckpointOptions:
     """A rank writes a second file only when it has at least twice this much."""
     max_read_bytes: int = 64 << 20
     """Upper bound of one ranged read; bounds restore memory to io_threads x this."""
+    retry_max_attempts: int = 5
+    """Attempts per storage call on transient faults (throttling, resets, timeouts); 1: none."""
+    retry_base_delay_s: float = 0.2
+    """Backoff before retry n: uniform(0, min(retry_max_delay_s, this * 2**(n-1)))."""
+    retry_max_delay_s: float = 10.0
+    """Cap of one backoff."""
+    retry_deadline_s: float = 120.0
+    """No retry of one storage call starts later than this after its first attempt."""
 
     def __post_init__(self) -> None:
         if self.per_rank not in PER_RANK_POLICIES:
@@ -91,6 +101,13 @@ class CheckpointOptions:
             raise ValueError(f"digest_block_bytes must be a multiple of 8, got {self.digest_block_bytes}")
         if self.commit_timeout_s <= 0:
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        self.retry_policy()  # validates the retry_* fields
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            max_attempts=self.retry_max_attempts, base_delay_s=self.retry_base_delay_s,
+            max_delay_s=self.retry_max_delay_s, deadline_s=self.retry_deadline_s,
+        )
 
 
 @dataclass
@@ -174,7 +191,7 @@ class CheckpointManager:
             base = CheckpointOptions(**{**base.__dict__, **option_overrides})
         self.options = base
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
-        self.storage: Storage = open_storage(root, **dict(storage_options or {}))
+        self.storage: Storage = with_retries(open_storage(root, **dict(storage_options or {})), base.retry_policy())
         self.metadata = dict(metadata or {})
         self._coord = make_coordinator(process_group)
         self.rank, self.world_size = _rank_world(self._coord)
@@ -225,6 +242,7 @@ class CheckpointManager:
             handle = SaveHandle(step, future)
             self._pending = handle
             handle.stall_s = time.perf_counter() - t0
+            metrics.record(metrics.STALL_SECONDS, handle.stall_s, rank=self.rank, step=step)
             log.info(
                 "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
                 self.rank, step, len(plan.items), plan.nbytes, handle.stall_s,
@@ -272,6 +290,7 @@ class CheckpointManager:
                             "write_s": time.perf_counter() - t0, "sync": getattr(self, "_sync_save", False)},
             }
             log.info("rank %d step %d: wrote %d bytes in %.3f s", self.rank, step, res.bytes_written, time.perf_counter() - t0)
+            metrics.record(metrics.BYTES_WRITTEN, res.bytes_written, rank=self.rank, step=step)
         except BaseException as e:
             payload = {
                 "ok": False, "rank": self.rank, "phase": phase, "path": self.storage.describe(sdir),
@@ -309,6 +328,8 @@ class CheckpointManager:
                 f"{outcome.get('path')}: {outcome.get('error')}; the checkpoint was not committed",
                 step=step, failures={fr if isinstance(fr, int) else -1: outcome},
             )
+        metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=self.rank, step=step)
+        metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=self.rank, step=step)
         if self.rank == 0:
             self._retain(step)
 
@@ -555,6 +576,8 @@ class CheckpointManager:
         except Exception as e:
             return 2, e
         st = self.last_restore_stats
+        metrics.record(metrics.RESTORE_SECONDS, time.perf_counter() - t0, rank=self.rank, step=step)
+        metrics.record(metrics.BYTES_READ, st.bytes_read, rank=self.rank, step=step)
         log.info(
             "rank %d restored step %d: %d keys, read %d bytes (%d needed) in %.3f s",
             self.rank, step, st.keys, st.bytes_read, st.bytes_needed, time.perf_counter() - t0,

@@ -23,7 +23,11 @@ class Capabilities:
 
 @runtime_checkable
 class Writer(Protocol):
-    """A file being written. ``close()`` makes the bytes durable; ``abort()`` discards them."""
+    """A file being written. ``close()`` makes the bytes durable; ``abort()`` discards them.
+
+    Callers keep the bytes passed to ``write()`` unchanged until ``close()`` returns: a
+    retrying wrapper (``storage.retry``) replays them, by reference, after a transient fault.
+    """
 
     def write(self, data: memoryview | bytes) -> None: ...
 
