@@ -21,14 +21,16 @@ from shardkeeper.core.cli import main
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.dcp_import import import_dcp
 from shardkeeper.core.errors import ChecksumMismatchError, CommitConflictError, StateMismatchError
-from shardkeeper.core.export import INDEX_NAME, export_safetensors, parse_size
+from shardkeeper.core.export import INDEX_NAME, Progress, export_safetensors, parse_size
 from shardkeeper.core.quantize import dequantize_int8, quantize_int8, quantized
 from shardkeeper.core.storage import open_storage
 
+from ..conftest import StorageRoot
 from ._launch import run_workers
 from .dist.layouts import build, full_state
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:unpickling .* \\(trust_pickle=True\\)")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:unpickling .* \\(trust_pickle=True\\)"),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +162,35 @@ def test_int8_moments_saved_by_two_fsdp2_ranks_restore_at_one(saved: Path) -> No
             # blocks run along rows, so the per-shard codes equal those of the whole tensor
             root = name == "exp_avg_sq"
             assert torch.equal(got[k], dequantize_int8(*quantize_int8(want, 48, root), 48, root, torch.float32)), k
+
+
+def test_export_and_import_on_every_backend(storage_root: StorageRoot, tmp_path: Path) -> None:
+    """Export reads from, and import writes to, local disk, S3 (moto, SeaweedFS) and GCS."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(3)
+    w = {"a.weight": torch.randn(40, 33), "a.bias": torch.randn(33).to(torch.bfloat16)}
+    with CheckpointManager(storage_root.url, storage_options=storage_root.options, digest_block_bytes=1000) as mgr:
+        mgr.save(4, {"model": dict(w)}, async_save=False)
+    res = export_safetensors(storage_root.url, storage_options=storage_root.options, to=tmp_path / "hf", progress=False)
+    assert res.step == 4
+    _same(_load_export(tmp_path / "hf"), w)
+    dcp.save({"model": dict(w)}, checkpoint_id=str(tmp_path / "dcp"))
+    import_dcp(tmp_path / "dcp", storage_root.url, step=9, trust_pickle=True, storage_options=storage_root.options,
+               progress=False)
+    back = {k: torch.zeros_like(v) for k, v in w.items()}
+    with CheckpointManager(storage_root.url, storage_options=storage_root.options) as mgr:
+        assert mgr.restore({"model": back}) == 9
+    _same(back, w)
+
+
+def test_progress_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    bar = Progress(3 << 20, "export step 1", enabled=True)
+    bar._bar = None  # the own line, even where tqdm is installed
+    bar.update(3 << 20)
+    bar.close()
+    assert "export step 1: 3.0/3.0 MiB (100%)" in capsys.readouterr().err
+    quiet = Progress(10, "x", enabled=False)
+    quiet.update(10)
+    quiet.close()
+    assert capsys.readouterr().err == ""
