@@ -24,7 +24,11 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 
 if TYPE_CHECKING:
+    from shardkeeper.core.advisor import advise
+    from shardkeeper.core.dcp_import import import_dcp
+    from shardkeeper.core.export import export_safetensors
     from shardkeeper.core.manager import CheckpointManager, CheckpointOptions, SaveHandle
+    from shardkeeper.core.quantize import quantized
     from shardkeeper.core.tensor.fragment import Fragment
     from shardkeeper.core.tensor.state import PerRank, RNGState, dtype_from_name, normalize_fqn
 
@@ -37,6 +41,10 @@ _LAZY = {
     "RNGState": "shardkeeper.core.tensor.state",
     "normalize_fqn": "shardkeeper.core.tensor.state",
     "dtype_from_name": "shardkeeper.core.tensor.state",
+    "export_safetensors": "shardkeeper.core.export",
+    "import_dcp": "shardkeeper.core.dcp_import",
+    "advise": "shardkeeper.core.advisor",
+    "quantized": "shardkeeper.core.quantize",
 }
 
 
@@ -67,8 +75,12 @@ __all__ = [
     "SaveHandle",
     "StateMismatchError",
     "StorageError",
+    "advise",
     "dtype_from_name",
+    "export_safetensors",
+    "import_dcp",
     "normalize_fqn",
     "parse_step_dir",
+    "quantized",
     "step_dir",
 ]
