@@ -32,7 +32,7 @@ def _state() -> dict[str, Any]:
     return {
         "zeros": torch.zeros(256, 1024),  # 1 MiB: compresses to almost nothing
         "bf16": (torch.randn(256, 512, generator=g) * 0.02).to(torch.bfloat16),  # weights
-        "noise": torch.randn(128, 256, generator=g),  # random mantissas: stays raw
+        "noise": torch.randint(-(2**31), 2**31 - 1, (128, 256), generator=g, dtype=torch.int32),  # stays raw
         "ids": torch.arange(40_000, dtype=torch.int64),
         "small": torch.zeros(8, 8),  # below the size worth compressing
         "blob": b"\x00\x01" * 50_000,  # a bytes leaf
@@ -69,7 +69,9 @@ def test_compressed_round_trip_on_every_backend(storage_root) -> None:
         m = json.loads(storage.read_bytes(f"{step_dir(1)}/manifest.json"))
         assert m["format_version"] >= 2  # encodings need format_version 2 or later
         enc = _encodings(m)
-        assert enc["zeros"] == enc["bf16"] == enc["ids"] == enc["blob"] == {"zstd"}, enc
+        # multi-byte dtypes are byte-shuffled before zstd; bytes leaves (uint8) are not
+        assert enc["zeros"] == enc["bf16"] == enc["ids"] == {"shuffle-zstd"}, enc
+        assert enc["blob"] == {"zstd"}, enc
         assert enc["noise"] == enc["small"] == {"raw"}, enc
         logical = sum(leaf_bytes(leaf) for leaf in m["leaves"].values())
         stored = sum(f["size_bytes"] for f in m["files"].values())
@@ -89,7 +91,7 @@ def test_compressed_round_trip_on_every_backend(storage_root) -> None:
 def leaf_bytes(leaf: dict[str, Any]) -> int:
     if leaf["kind"] == "object":
         return 0
-    size = {"float32": 4, "bfloat16": 2, "int64": 8, "uint8": 1}[leaf["dtype"]]
+    size = {"float32": 4, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}[leaf["dtype"]]
     n = 1
     for s in leaf["shape"]:
         n *= s
@@ -101,7 +103,7 @@ def test_partial_restore_reads_a_compressed_chunk_whole(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, compression="zstd") as mgr:
         mgr.save(1, state).wait()
         chunk = mgr.manifest(1).leaves["w"].chunks[0]
-        assert chunk.encoding == "zstd" and chunk.length < 64 * 1024 * 4 // 10
+        assert chunk.encoding == "shuffle-zstd" and chunk.length < 64 * 1024 * 4 // 10
         # A ZeRO-style fragment of a quarter of the tensor, starting mid-row.
         local = torch.zeros(16 * 1024)
         mgr.restore({"w": Fragment(local, (64, 1024), 5000)})
@@ -120,7 +122,7 @@ def test_incremental_and_compression_compose(tmp_path: Path) -> None:
         mgr.save(2, state).wait()
         m2 = mgr.manifest(2)
         zeros = m2.leaves["zeros"].chunks[0]
-        assert zeros.file.startswith(f"../{step_dir(1)}/") and zeros.encoding == "zstd" and zeros.content
+        assert zeros.file.startswith(f"../{step_dir(1)}/") and zeros.encoding == "shuffle-zstd" and zeros.content
         assert m2.leaves["noise"].chunks[0].file.startswith("data/")
         target = _target(state)
         mgr.restore(target)
@@ -149,7 +151,7 @@ def test_damaged_compressed_bytes_are_found_by_verify_and_restore(tmp_path: Path
 
 def test_incompressible_state_keeps_plain_safetensors_files(tmp_path: Path) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    w = torch.randint(-(2**31), 2**31 - 1, (256, 256), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
     with CheckpointManager(tmp_path, compression="zstd") as mgr:
         mgr.save(1, {"w": w}).wait()
         m = mgr.manifest(1)
@@ -169,6 +171,20 @@ def test_missing_zstandard_names_the_extra(tmp_path: Path, monkeypatch: pytest.M
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(ImportError, match=r"shardkeeper-core\[zstd\]"):
             mgr.restore({"z": torch.ones(64, 1024)})
+
+
+def test_byte_shuffle_round_trips_every_item_size() -> None:
+    from shardkeeper.core.codec.compression import decompress_into, encoding_for, maybe_compress
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.int16, torch.uint8):
+        t = (torch.arange(50_000) % 251).to(dtype)
+        raw = t.view(torch.uint8).numpy().tobytes()
+        isz = t.element_size()
+        frame = maybe_compress(memoryview(raw), 3, isz)
+        assert frame is not None and len(frame) < len(raw) // 4, dtype
+        out = bytearray(len(raw))
+        decompress_into(frame, memoryview(out), "test", isz if encoding_for(isz) == "shuffle-zstd" else 1)
+        assert bytes(out) == raw, dtype
 
 
 def test_bad_options_and_hostile_encodings(tmp_path: Path) -> None:

@@ -89,7 +89,7 @@ def main(root: Path) -> None:
                     for k in ("extra/frozen", "extra/emb", "extra/mask", "model/bias"):
                         assert all(c.file.startswith("../step-000000000001/") for c in m[k].chunks), (k, m[k].chunks)
                     assert all(c.file.startswith("data/") for c in m["model/weight"].chunks)
-                    assert {c.encoding for c in m["extra/mask"].chunks} == {"zstd"}
+                    assert {c.encoding for c in m["extra/mask"].chunks} == {"shuffle-zstd"}
                     assert {c.encoding for c in m["extra/frozen"].chunks} == {"raw"}
 
         check("save w2 (async, incremental + zstd)", save)

@@ -25,6 +25,7 @@ import torch
 from shardkeeper.core import metrics
 from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
+from shardkeeper.core.codec import CodecState
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -80,6 +81,12 @@ class CheckpointOptions:
     """A rank writes a second file only when it has at least twice this much."""
     max_read_bytes: int = 64 << 20
     """Upper bound of one ranged read; bounds restore memory to io_threads x this."""
+    incremental: bool = False
+    """Chunks equal to the previous checkpoint's are stored as references to its files."""
+    compression: str | None = None
+    """``"zstd"``: compress each chunk where it pays (the [zstd] extra); None: raw."""
+    compression_level: int = 3
+    """zstd level (1 fast ... 19 small; negative: faster still)."""
     retry_max_attempts: int = 5
     """Attempts per storage call on transient faults (throttling, resets, timeouts); 1: none."""
     retry_base_delay_s: float = 0.2
@@ -198,6 +205,9 @@ class CheckpointManager:
         self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
         self._stager = Stager()
+        self._codecs = CodecState(
+            incremental=base.incremental, compression=base.compression, level=base.compression_level
+        )
         self._pending: SaveHandle | None = None
         self._seq = 0
         self._closed = False
@@ -270,10 +280,11 @@ class CheckpointManager:
         t0 = time.perf_counter()
         phase = "write"
         try:
+            codecs = self._codecs.for_save(self.storage, step, self.options.digest, self.options.digest_block_bytes)
             res = write_shards(
                 self.storage, sdir, groups, spans, rank=self.rank, attempt=attempt,
                 algorithm=self.options.digest, block_bytes=self.options.digest_block_bytes,
-                executor=self._io,
+                executor=self._io, codecs=codecs,
             )
             payload: dict[str, Any] = {
                 "ok": True,

@@ -354,7 +354,7 @@ def _encoded_problem(encoding: str, head: bytes, raw_bytes: int) -> str | None:
     """What is wrong with an encoded chunk's first bytes, or None. For ``zstd``: the frame's
     declared content size must be the box's byte size (the frame is not decoded; without the
     zstandard package only the digests are checked)."""
-    if encoding != "zstd":
+    if encoding not in ("zstd", "shuffle-zstd"):
         return f"unknown encoding {encoding!r}"
     try:
         import zstandard

@@ -20,7 +20,7 @@ from shardkeeper.core.format.table import DIGEST_HEX, TABLE_VERSION, ChunkTable,
 #: a version 1 manifest reads exactly as before).
 FORMAT_VERSION = 3  # 3: the chunk table (format/table.py, TABLE_VERSION)
 #: Chunk encodings and the format_version that introduced each (docs/codecs.md).
-ENCODINGS: dict[str, int] = {"raw": 1, "zstd": 2}
+ENCODINGS: dict[str, int] = {"raw": 1, "zstd": 2, "shuffle-zstd": 2}
 MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is refused before it is read (parsed JSON takes several times
 #: its size in memory); 10 million digest blocks take about 400 MB.

@@ -346,18 +346,19 @@ def _bytes_of(
 
 
 def _decode(
-    storage: Storage, path: str, chunk: ChunkRecord, stored: memoryview, out: memoryview, key: str, step: int
+    storage: Storage, path: str, chunk: ChunkRecord, stored: memoryview, out: memoryview, key: str, step: int,
+    isz: int = 1,
 ) -> None:
     """Decode a verified encoded chunk's stored bytes into ``out`` (its raw bytes)."""
-    from shardkeeper.core.codec.compression import ENCODING, decompress_into
+    from shardkeeper.core.codec.compression import ENCODING, SHUFFLED, decompress_into
 
     where = (
         f"step {step}: key {key!r}, {storage.describe(path)} bytes "
         f"[{chunk.offset}, {chunk.offset + chunk.length})"
     )
-    if chunk.encoding != ENCODING:  # the manifest validated it: only a newer writer gets here
+    if chunk.encoding not in (ENCODING, SHUFFLED):  # only a manifest that was not validated
         raise CorruptCheckpointError(f"{where}: unknown encoding {chunk.encoding!r}")
-    decompress_into(stored, out, where)
+    decompress_into(stored, out, where, isz if chunk.encoding == SHUFFLED else 1)
 
 
 def _execute_encoded(
@@ -374,8 +375,9 @@ def _execute_encoded(
     stats.add_read(chunk.file, chunk.length)
     for i in range(0, chunk.length, block):
         _check_block(storage, path, chunk, i // block, view[i : i + block], digest, block, key, step)
-    raw = np.empty(chunk.numel * itemsize(torch_dtype_name(ops[0].dtype)), dtype=np.uint8)
-    _decode(storage, path, chunk, view, memoryview(cast("Buffer", raw)), key, step)
+    isz = itemsize(torch_dtype_name(ops[0].dtype))
+    raw = np.empty(chunk.numel * isz, dtype=np.uint8)
+    _decode(storage, path, chunk, view, memoryview(cast("Buffer", raw)), key, step, isz)
     del stored, view
     flat = torch.from_numpy(raw).view(ops[0].dtype)
     strides = contiguous_strides(chunk.shape)

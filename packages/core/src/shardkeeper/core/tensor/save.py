@@ -254,7 +254,7 @@ def _write_coded(
     the reuse lookup and the record); chunks the previous checkpoint holds become references;
     the rest are written raw (a safetensors file) or, with compression, as a framed file of
     zstd frames and raw chunks. No file is created when every chunk is a reference."""
-    from shardkeeper.core.codec.compression import compress_if_pays, precheck
+    from shardkeeper.core.codec.compression import compress_if_pays, encoding_for, precheck
     from shardkeeper.core.codec.incremental import content_id
 
     digest = digest_function(algorithm)
@@ -275,7 +275,7 @@ def _write_coded(
         return out, 0, reused
     pre: list[bytes | bool] = [False] * len(todo)
     if codecs.compression is not None:
-        pre = [precheck(view, codecs.level) for _, view, _ in todo]
+        pre = [precheck(view, codecs.level, DTYPES[it.dtype][1]) for it, view, _ in todo]
     writer = storage.open_writer(f"{step_dir}/{rel}")
     try:
         if not any(pre):  # every chunk stays raw: a plain safetensors file
@@ -291,7 +291,8 @@ def _write_coded(
             writer.write(FRAMED_MAGIC)
             pos = len(FRAMED_MAGIC)
             for (it, view, digests), p in zip(todo, pre):
-                frame = p if isinstance(p, bytes) else compress_if_pays(view, codecs.level) if p else None
+                isz = DTYPES[it.dtype][1]
+                frame = p if isinstance(p, bytes) else compress_if_pays(view, codecs.level, isz) if p else None
                 if frame is None:
                     writer.write(view)
                     out.append((it.key, _record(rel, pos, it, len(view), digests)))
@@ -301,7 +302,7 @@ def _write_coded(
                 fdigests = [digest(fview[z : z + block_bytes]) for z in range(0, len(frame), block_bytes)]
                 writer.write(frame)
                 rec = _record(rel, pos, it, len(frame), fdigests)
-                rec["encoding"] = "zstd"
+                rec["encoding"] = encoding_for(isz)
                 rec["content"] = content_id(digests, algorithm)
                 out.append((it.key, rec))
                 pos += len(frame)
