@@ -192,7 +192,7 @@ def recent_samples(storage: Any, last: int = 10) -> list[SaveSample]:
             m = load_manifest(storage, step)
         except CheckpointError:
             continue
-        t = m.metadata.get("timings")
+        t: Any = m.metadata.get("timings")
         if not isinstance(t, dict):
             continue
         try:

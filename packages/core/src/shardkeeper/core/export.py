@@ -141,19 +141,16 @@ def _plan_shards(items: list[tuple[str, str, LeafRecord]], max_bytes: int) -> li
     return shards
 
 
-def _read_chunk(storage: Storage, m: Manifest, key: str, c: ChunkRecord, out: memoryview) -> None:
-    """Read chunk ``c`` of ``key`` into ``out`` (its length) and check every digest block."""
+def _read_chunk(storage: Storage, m: Manifest, key: str, c: ChunkRecord, out: memoryview, isz: int) -> None:
+    """Read chunk ``c`` of ``key``, check every digest block of its stored bytes, and leave its
+    raw bytes in ``out`` (decoding a compressed chunk)."""
     where = f"step {m.step} under {storage.url}"
-    if c.encoding != "raw":
-        raise CorruptCheckpointError(
-            f"{where}: key {key!r} has a chunk with encoding {c.encoding!r}, which export does not "
-            f"decode; restore it with CheckpointManager.restore and save with safetensors instead"
-        )
     path = resolve_file(m.step, c.file)
     if path is None:
         raise CorruptCheckpointError(f"{where}: key {key!r} names the unsafe file {c.file!r}; the manifest is damaged")
+    stored = out if c.encoding == "raw" else memoryview(bytearray(c.length))
     try:
-        storage.read_into(path, c.offset, out)
+        storage.read_into(path, c.offset, stored)
     except CheckpointNotFoundError as e:
         raise CorruptCheckpointError(
             f"{where}: {storage.describe(path)} (key {key!r}) is missing: {e}; run `shardkeeper verify {storage.url} {m.step}`"
@@ -161,7 +158,7 @@ def _read_chunk(storage: Storage, m: Manifest, key: str, c: ChunkRecord, out: me
     digest = digest_function(m.digest_algorithm)
     block = m.digest_block_bytes
     for k, i in enumerate(range(0, c.length, block)):
-        got = digest(out[i : i + block])
+        got = digest(stored[i : i + block])
         want = c.digests[k] if k < len(c.digests) else "<none>"
         if got != want:
             raise ChecksumMismatchError(
@@ -171,6 +168,19 @@ def _read_chunk(storage: Storage, m: Manifest, key: str, c: ChunkRecord, out: me
                 f"`shardkeeper verify {storage.url}`",
                 key=key, file=path,
             )
+    if c.encoding != "raw":
+        _decode(c, stored, out, f"{where}: key {key!r}, {storage.describe(path)} bytes [{c.offset}, {c.offset + c.length})", isz)
+
+
+def _decode(c: ChunkRecord, stored: memoryview, out: memoryview, where: str, isz: int) -> None:
+    from shardkeeper.core.codec import compression as z
+
+    if c.encoding == z.ENCODING:
+        z.decompress_into(stored, out, where)
+    elif c.encoding == getattr(z, "SHUFFLED", None):  # byte-shuffled zstd
+        z.decompress_into(stored, out, where, isz)  # type: ignore[call-arg,unused-ignore]
+    else:
+        raise CorruptCheckpointError(f"{where}: encoding {c.encoding!r} is not one export can decode; restore the step with CheckpointManager.restore instead")
 
 
 def _view(a: np.ndarray) -> memoryview:
@@ -184,16 +194,17 @@ def _assemble(storage: Storage, m: Manifest, key: str, leaf: LeafRecord) -> np.n
     out = np.empty(nbytes, dtype=np.uint8)
     grid = out.reshape(*leaf.shape, isz) if leaf.shape else out.reshape(isz)
     for c in leaf.chunks:
-        if c.length != c.numel * isz:
+        raw_len = c.numel * isz
+        if c.encoding == "raw" and c.length != raw_len:
             raise CorruptCheckpointError(f"step {m.step}: chunk of {key!r} holds {c.length} bytes for {c.numel} elements")
         # A box spanning every dimension but the first is contiguous in the output: read it
         # straight there; any other box goes through one scratch buffer of its own size.
         if leaf.shape and tuple(c.shape[1:]) == tuple(leaf.shape[1:]):
             start = c.offsets[0] * math.prod(leaf.shape[1:]) * isz
-            _read_chunk(storage, m, key, c, _view(out)[start : start + c.length])
+            _read_chunk(storage, m, key, c, _view(out)[start : start + raw_len], isz)
             continue
-        scratch = np.empty(c.length, dtype=np.uint8)
-        _read_chunk(storage, m, key, c, _view(scratch))
+        scratch = np.empty(raw_len, dtype=np.uint8)
+        _read_chunk(storage, m, key, c, _view(scratch), isz)
         box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.shape, strict=True))
         grid[box] = scratch.reshape(*c.shape, isz) if c.shape else scratch
     return out

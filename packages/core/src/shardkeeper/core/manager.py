@@ -25,6 +25,7 @@ import torch
 from shardkeeper.core import metrics
 from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
+from shardkeeper.core.catalog import record_commit
 from shardkeeper.core.codec import CodecState
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.errors import (
@@ -81,6 +82,8 @@ class CheckpointOptions:
     """A rank writes a second file only when it has at least twice this much."""
     max_read_bytes: int = 64 << 20
     """Upper bound of one ranged read; bounds restore memory to io_threads x this."""
+    catalog: str | None = None
+    """``etcd://host:2379[/prefix]``: record each commit there too (a hint; the manifest is the truth)."""
     incremental: bool = False
     """Chunks equal to the previous checkpoint's are stored as references to its files."""
     compression: str | None = None
@@ -374,6 +377,7 @@ class CheckpointManager:
             write_latest_hint(self.storage, step)
         except CheckpointError as e:  # a hint only; the manifest is the truth
             log.warning("step %d committed, but the LATEST hint was not updated: %s", step, e)
+        record_commit(self.options.catalog, self.storage, step, manifest)
         log.info("step %d committed at %s (%d leaves)", step, self.storage.describe(sdir), len(manifest.leaves))
         return {"ok": True, "rank": 0}
 
