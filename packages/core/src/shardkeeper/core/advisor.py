@@ -197,7 +197,7 @@ def recent_samples(storage: Any, last: int = 10) -> list[SaveSample]:
             continue
         try:
             out.append(SaveSample(step, float(t["stall_s"]), float(t["write_s"]), float(t.get("commit_s", 0.0)),
-                                  float(t.get("save_s", t["write_s"])), bool(t.get("sync", False)), m.created_at))
+                                  float(t["save_s"] if "save_s" in t else t["write_s"]), bool(t.get("sync", False)), m.created_at))
         except (KeyError, TypeError, ValueError):
             continue
     return out[::-1]
