@@ -47,16 +47,16 @@ def _reports(n_tensors: int, n_ranks: int, sharded: bool) -> list[dict[str, Any]
 
 
 def _measure(workdir: Path, n_tensors: int, n_ranks: int, sharded: bool) -> dict[str, Any]:
-    import torch
 
     from shardkeeper.core.assemble import assemble_manifest
-    from shardkeeper.core.commit import load_manifest, manifest_path
+    from shardkeeper.core.commit import manifest_path
+    from shardkeeper.core.format.table import encode_report, no_gc
     from shardkeeper.core.storage import LocalStorage
-    from shardkeeper.core.tensor.chunks import Piece
-    from shardkeeper.core.tensor.restore import _overlap_ops, _plan_reads
+    from shardkeeper.core.tensor import restore  # noqa: F401  (imported before timing, as in a restoring process)
 
     reports = _reports(n_tensors, n_ranks, sharded)
-    wire = [json.dumps(r) for r in reports[1:]]  # other ranks' reports arrive as JSON via the store
+    # other ranks' reports arrive as JSON via the store, chunks in columns (StoreCoordinator.report)
+    wire = [json.dumps({**r, "chunks": encode_report(r["chunks"], 0)}) for r in reports[1:]]
     storage = LocalStorage(workdir / ("sharded" if sharded else "whole"))
     # commit: decode the reports, merge and check tiling, serialize, write the manifest durably
     t0 = time.perf_counter()
@@ -69,19 +69,35 @@ def _measure(workdir: Path, n_tensors: int, n_ranks: int, sharded: bool) -> dict
     # planning, for rank 0 of the same layout: read and validate the manifest, then find the
     # byte ranges of each of its 100,000 target pieces (the reads themselves not included)
     rows = 1024 // n_ranks if sharded else 1024
-    local = torch.empty((rows, 256), device="meta")
     t1 = time.perf_counter()
-    manifest = load_manifest(storage, 1)
-    ops = []
-    for key in manifest.leaves:
-        leaf = manifest.leaves[key]
-        piece = Piece((0, 0), (rows, 256), local)
-        for c in leaf.chunks:
-            ops.extend(_overlap_ops(key, piece, c, torch.float32, 4, 64 << 20))
-    reads = _plan_reads(ops, manifest.digest_block_bytes, 8 << 20)
+    with no_gc():  # restore_flat plans with garbage collection paused, too
+        manifest, ops, reads = _plan(storage, rows, sharded)
     plan_s = time.perf_counter() - t1
     return {"commit_s": commit_s, "plan_s": plan_s, "manifest_bytes": len(data), "chunks": sum(len(r["chunks"]) for r in reports),
             "overlaps": len(ops), "reads": len(reads)}
+
+
+def _plan(storage: Any, rows: int, sharded: bool) -> tuple[Any, list[Any], list[Any]]:
+    import torch
+
+    from shardkeeper.core.commit import load_manifest
+    from shardkeeper.core.format.table import TableLeaves
+    from shardkeeper.core.tensor.chunks import Piece
+    from shardkeeper.core.tensor.restore import _overlap_ops, _plan_reads
+
+    local = torch.empty((rows, 256), device="meta")
+    manifest = load_manifest(storage, 1)
+    ops = []
+    leaves = manifest.leaves
+    table = leaves if isinstance(leaves, TableLeaves) else None  # as restore_flat does
+    for key in leaves:
+        leaf = table.head(key) if table is not None else leaves[key]
+        piece = Piece((0, 0), (rows, 256), local)
+        chunks = leaf.chunks if table is None else table.overlapping(key, piece.offsets, piece.shape)
+        for c in chunks:
+            ops.extend(_overlap_ops(key, piece, c, torch.float32, 4, 64 << 20))
+    reads = _plan_reads(ops, manifest.digest_block_bytes, 8 << 20)
+    return manifest, ops, reads
 
 
 def measure_manifest_scale(workdir: Path, *, n_tensors: int = N_TENSORS, n_ranks: int = N_RANKS) -> dict[str, Any]:

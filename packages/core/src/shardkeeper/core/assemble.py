@@ -10,16 +10,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
+from itertools import accumulate
 from typing import Any
 
 import xxhash
 
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.manifest import (
-    FORMAT_VERSION,
-    LazyLeaves,
-    Manifest,
-    check_tiling_boxes,
+from shardkeeper.core.format.manifest import DTYPES, FORMAT_VERSION, LazyLeaves, Manifest
+from shardkeeper.core.format.table import (
+    DIGEST_HEX,
+    TABLE_MIN_CHUNKS,
+    ChunkTable,
+    TableLeaves,
+    all_slabs,
+    decode_report,
+    leaf_chunks_problem,
+    no_gc,
 )
 
 
@@ -46,9 +52,17 @@ def assemble_manifest(
     ``reports[0]`` is the coordinator's own and declares every leaf it holds (``declared``:
     key -> [kind, dtype, global shape]); other ranks send ``declared_digest`` of their shared
     declarations plus ``declared`` for their per-rank keys only. Each report carries its
-    ``chunks`` (key -> chunk records as JSON, passed through to the manifest unchanged),
+    ``chunks`` (key -> chunk records as JSON, or their columnar ``encode_report`` form),
     ``files``, ``objects``, ``per_rank_prefixes`` and ``layouts``.
     """
+    with no_gc():
+        return _assemble(step, attempt, reports, world_size, digest, block_bytes, metadata)
+
+
+def _assemble(
+    step: int, attempt: str, reports: Sequence[Mapping[str, Any]], world_size: int, digest: str,
+    block_bytes: int, metadata: Mapping[str, Any],
+) -> Manifest:
     problems: list[str] = []
     declared: dict[str, list[Any]] = {}
     owner: dict[str, int] = {}
@@ -59,11 +73,13 @@ def assemble_manifest(
             f"ranks {differing} hold states whose keys, dtypes or shapes differ from rank "
             f"{reports[0]['rank']}'s"
         )
-    chunks: dict[str, list[dict[str, Any]]] = {}
     files: dict[str, dict[str, Any]] = {}
     objects: dict[str, Any] = {}
     prefixes: list[str] = []
     layouts: set[str] = set()
+    width = DIGEST_HEX.get(digest, 0)
+    tables: list[ChunkTable] = []
+    indexes: list[dict[str, tuple[int, int]]] = []
     for r in reports:
         rank = r["rank"]
         for key, decl in r.get("declared", {}).items():
@@ -71,12 +87,9 @@ def assemble_manifest(
             if prev != decl:
                 problems.append(f"{key}: rank {owner[key]} has {prev[1]} {prev[2]}, rank {rank} has {decl[1]} {decl[2]}")
             owner.setdefault(key, rank)
-        for key, recs in r["chunks"].items():
-            have = chunks.get(key)
-            if have is None:
-                chunks[key] = list(recs)
-            else:
-                have.extend(recs)
+        table, index = decode_report(r["chunks"], width)
+        tables.append(table)
+        indexes.append(index)
         files.update(r["files"])
         for key, val in r["objects"].items():
             objects.setdefault(key, val)
@@ -84,21 +97,34 @@ def assemble_manifest(
         for p in r["per_rank_prefixes"]:
             if p not in prefixes:
                 prefixes.append(p)
+    # Every rank's rows in one table (rank after rank); each leaf lists its rows.
+    table = ChunkTable.concat(tables, width)
+    bases = list(accumulate([len(t) for t in tables], initial=0))
     leaves: dict[str, Any] = {}
+    raw_only = "encoding" not in table.extras  # encoded chunks' lengths are their own
+    items = []
     for key in sorted(declared):
         kind, dtype, shape = declared[key]
-        recs = chunks.get(key, [])
-        why = check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in recs])
-        if why is not None and len(recs) > 1:
-            # A replica written by more than one rank counts once.
-            unique = list({(tuple(c["offsets"]), tuple(c["shape"])): c for c in recs}.values())
-            if len(unique) < len(recs):
-                recs = unique
-                why = check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in recs])
-        if why is not None:
-            problems.append(f"{key}: {why}")
-        leaves[key] = {"kind": kind, "dtype": dtype, "shape": shape, "chunks": recs}
-    unknown = sorted(set(chunks) - set(declared))
+        rows: list[int] = []
+        for base, index in zip(bases, indexes):
+            got = index.get(key)
+            if got is not None:
+                rows.extend(range(base + got[0], base + got[0] + got[1]))
+        leaves[key] = {"kind": kind, "dtype": dtype, "shape": shape, "rows": rows}
+        items.append((key, shape, DTYPES[dtype][1] if dtype in DTYPES else 1, rows))
+    if not all_slabs([it[1:] for it in items], table, check_lengths=raw_only):
+        for key, shape, isz, rows in items:
+            why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
+            if why is not None and len(rows) > 1:
+                # A replica written by more than one rank counts once.
+                unique = list({table.box(i): i for i in rows}.values())
+                if len(unique) < len(rows):
+                    leaves[key]["rows"] = rows = sorted(unique)
+                    why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
+            if why is not None:
+                problems.append(f"{key}: {why}")
+    chunk_keys = {k for index in indexes for k in index}
+    unknown = sorted(chunk_keys - set(declared))
     if unknown:
         problems.append(f"chunks of undeclared keys {unknown[:3]}")
     for key in sorted(objects):
@@ -111,10 +137,21 @@ def assemble_manifest(
             + ". Every rank must pass the same keys; plain tensors are treated as replicated "
             "(wrap per-rank tensors in PerRank)"
         )
+    if len(table) >= TABLE_MIN_CHUNKS:
+        table.digest_text()
+        why = table.problem(block_bytes)
+        if why is not None:  # what every reader would refuse: never commit it
+            raise StateMismatchError(f"step {step}: the ranks' chunk records are inconsistent: {why}")
+        out: Mapping[str, Any] = TableLeaves(dict(sorted(leaves.items())), table, block_bytes)
+    else:  # the per-chunk form: small manifests stay easy to read by eye
+        for leaf in leaves.values():
+            if "rows" in leaf:
+                leaf["chunks"] = [table.record_json(i, block_bytes) for i in leaf.pop("rows")]
+        out = LazyLeaves(dict(sorted(leaves.items())))
     return Manifest(
         step=step,
         world_size=world_size,
-        leaves=LazyLeaves(dict(sorted(leaves.items()))),
+        leaves=out,
         files=dict(sorted(files.items())),
         digest_algorithm=digest,
         digest_block_bytes=block_bytes,
@@ -124,3 +161,4 @@ def assemble_manifest(
         attempt=attempt,
         format_version=FORMAT_VERSION,
     )
+

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
-from shardkeeper.core.format.table import DIGEST_HEX, TABLE_VERSION, ChunkTable, TableLeaves
+from shardkeeper.core.format.table import DIGEST_HEX, TABLE_VERSION, ChunkTable, TableLeaves, no_gc
 
 #: The format_version this code writes, and the newest it reads (2 added chunk encodings;
 #: a version 1 manifest reads exactly as before).
@@ -250,6 +250,11 @@ class Manifest:
     @classmethod
     def loads(cls, data: bytes, *, where: str = "") -> Manifest:
         """Parse and validate a manifest; ``where`` names it in errors."""
+        with no_gc():  # millions of small lists, no cycles: see table.no_gc
+            return cls._loads(data, where)
+
+    @classmethod
+    def _loads(cls, data: bytes, where: str) -> Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(too_large(where, len(data)))
         try:
@@ -373,6 +378,11 @@ class Manifest:
                             )
                         if not isinstance(c.get("content", ""), str) or length == 0:
                             return f"{key}: encoded chunk without content id or bytes"
+                        if length >= math.prod(cshape) * isz:  # writers store such chunks raw
+                            return (
+                                f"{key}: chunk with encoding {encoding!r} has {length} stored bytes, "
+                                f"not fewer than its box's {math.prod(cshape) * isz}"
+                            )
                     if not isinstance(digests, str):
                         return f"{key}: chunk digests are not a comma-separated string"
                     ndig = digests.count(",") + 1 if digests else 0

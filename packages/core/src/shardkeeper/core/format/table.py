@@ -12,10 +12,14 @@ Ranks also send their chunk records to the coordinator in this form (``encode_re
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from itertools import accumulate
-from typing import Any
+from typing import Any, TypeVar, cast
 
 TABLE_VERSION = 3
 #: Below this many chunks a manifest keeps one JSON object per chunk (readable by older
@@ -29,16 +33,45 @@ _CORE = ("file", "offset", "length", "offsets", "shape", "digests")
 _MAX_NDIM = 64
 
 
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Cyclic garbage collection paused: parsing and building millions of small lists (which
+    form no cycles) otherwise triggers full collections that cost more than the work."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def without_gc(fn: _F) -> _F:
+    """``fn`` runs with cyclic garbage collection paused (``no_gc``)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with no_gc():
+            return fn(*args, **kwargs)
+
+    return cast(_F, run)
+
+
 class ChunkTable:
     """Chunk records as columns. Row ``i``: ``paths[file[i]]``, ``offset[i]``, ``length[i]``,
     box ``offsets``/``shape`` at ``dims[i]:dims[i]+ndim[i]`` of the flat ``offsets``/``shape``
-    columns, digests at ``digest_at[i]`` blocks into ``digests`` (``width`` hex digits each)."""
+    columns, digests at ``digest_starts[i]`` blocks into ``digests`` (``width`` hex digits
+    each). Built from records (a report), ``digests`` is instead the list of each row's
+    comma-separated digests, passed through unchanged to per-chunk records."""
 
     __slots__ = ("paths", "file", "offset", "length", "ndim", "offsets", "shape", "digests", "extras",
                  "width", "_dims", "_dig")
 
     def __init__(self, paths: list[str], file: list[int], offset: list[int], length: list[int], ndim: list[int],
-                 offsets: list[int], shape: list[int], digests: str, extras: dict[str, list[Any]], width: int) -> None:
+                 offsets: list[int], shape: list[int], digests: str | list[str], extras: dict[str, list[Any]], width: int) -> None:
         self.paths, self.file, self.offset, self.length, self.ndim = paths, file, offset, length, ndim
         self.offsets, self.shape, self.digests, self.extras, self.width = offsets, shape, digests, extras, width
         self._dims: list[int] | None = None
@@ -67,13 +100,13 @@ class ChunkTable:
             shape.extend(r["shape"])
         extras: dict[str, list[Any]] = {}
         for n, r in enumerate(recs):
-            if len(r) > 6 or not all(k in r for k in _CORE):
+            if len(r) > 6:
                 for k, v in r.items():
                     if k not in _CORE:
                         extras.setdefault(k, [None] * len(recs))[n] = v
         return cls(
             paths, file, [r["offset"] for r in recs], [r["length"] for r in recs], [len(r["shape"]) for r in recs],
-            offsets, shape, "".join([r["digests"] for r in recs]).replace(",", ""), extras, width,
+            offsets, shape, [r["digests"] for r in recs], extras, width,
         )
 
     @classmethod
@@ -102,12 +135,23 @@ class ChunkTable:
             total += len(t)
             for col in out.extras.values():
                 col.extend([None] * (total - len(col)))
-        out.digests = "".join([t.digests for t in tables])
+        if all(isinstance(t.digests, list) for t in tables):
+            out.digests = [d for t in tables for d in t.digests]
+        else:
+            out.digests = "".join([t.digest_text() for t in tables])
         return out
 
-    def to_json(self) -> dict[str, Any]:
+    def digest_text(self) -> str:
+        """Every row's digests, concatenated (the manifest's form)."""
+        if isinstance(self.digests, list):
+            self.digests = "".join(self.digests).replace(",", "")
+        return self.digests
+
+    def to_json(self, *, text: bool = True) -> dict[str, Any]:
+        """The JSON form: ``digests`` concatenated (``text``, the manifest's form) or per row."""
         d: dict[str, Any] = {"files": self.paths, "file": self.file, "offset": self.offset, "length": self.length,
-                             "ndim": self.ndim, "offsets": self.offsets, "shape": self.shape, "digests": self.digests}
+                             "ndim": self.ndim, "offsets": self.offsets, "shape": self.shape,
+                             "digests": self.digest_text() if text else self.digests}
         if self.extras:
             d["extras"] = self.extras
         return d
@@ -136,19 +180,23 @@ class ChunkTable:
 
     def record_json(self, i: int, block: int) -> dict[str, Any]:
         """Row ``i`` as a chunk record in its JSON form."""
-        w = self.width
-        d0, d1 = self.digest_starts(block)[i : i + 2]
-        text = self.digests
         offs, shape = self.box(i)
         rec: dict[str, Any] = {
             "file": self.paths[self.file[i]], "offset": self.offset[i], "length": self.length[i],
-            "offsets": list(offs), "shape": list(shape),
-            "digests": ",".join([text[j * w : (j + 1) * w] for j in range(d0, d1)]),
+            "offsets": list(offs), "shape": list(shape), "digests": self.row_digests(i, block),
         }
         for k, col in self.extras.items():
             if col[i] is not None:
                 rec[k] = col[i]
         return rec
+
+    def row_digests(self, i: int, block: int) -> str:
+        """Row ``i``'s digests, comma-separated."""
+        if isinstance(self.digests, list):
+            return self.digests[i]
+        w, text = self.width, self.digests
+        d0, d1 = self.digest_starts(block)[i : i + 2]
+        return ",".join([text[j * w : (j + 1) * w] for j in range(d0, d1)])
 
     def problem(self, block: int) -> str | None:
         """Why the columns are inconsistent, or None (types, lengths, ranges; linear)."""
@@ -185,7 +233,7 @@ def encode_report(chunks: Mapping[str, Sequence[Mapping[str, Any]]], width: int)
     keys = list(chunks)
     recs = [r for k in keys for r in chunks[k]]
     table = ChunkTable.from_records(recs, width)
-    return {"keys": keys, "counts": [len(chunks[k]) for k in keys], "table": table.to_json()}
+    return {"keys": keys, "counts": [len(chunks[k]) for k in keys], "table": table.to_json(text=False)}
 
 
 def decode_report(chunks: Any, width: int) -> tuple[ChunkTable, dict[str, tuple[int, int]]]:
@@ -200,6 +248,96 @@ def decode_report(chunks: Any, width: int) -> tuple[ChunkTable, dict[str, tuple[
         table = ChunkTable.from_records([r for k in keys for r in chunks[k]], width)
     starts = accumulate(counts, initial=0)
     return table, {k: (s, c) for k, s, c in zip(keys, starts, counts)}
+
+
+def all_slabs(items: Sequence[tuple[Sequence[int], int, Sequence[int]]], t: ChunkTable, *, check_lengths: bool) -> bool:
+    """True if for every ``(shape, item size, rows)`` in ``items`` the rows are slabs along
+    dimension 0 listed in order (row sharding, FSDP, or one whole chunk) that tile ``shape``
+    exactly, with raw lengths: the common case, checked in a few passes over all rows. False
+    means "check leaf by leaf" (``leaf_chunks_problem``), not necessarily an error."""
+    perm: list[int] = []
+    first: list[int] = []  # position in perm of each leaf's first row
+    rest: list[tuple[int, ...]] = []  # expected shape beyond dimension 0, per row
+    row_bytes: list[int] = []  # expected bytes per unit of dimension 0, per row
+    sizes0: list[int] = []
+    for shape, isz, rows in items:
+        n = len(rows)
+        if not shape or not n:
+            return False
+        first.append(len(perm))
+        perm.extend(rows)
+        r = tuple(shape[1:])
+        rest.extend([r] * n)
+        row_bytes.extend([math.prod(r) * isz] * n)
+        sizes0.append(shape[0])
+    if not perm:
+        return True
+    dims, toffs, tshape = t.dims, t.offsets, t.shape
+    starts = [dims[i] for i in perm]
+    ends = [dims[i + 1] for i in perm]
+    if [tuple(tshape[a + 1 : b]) for a, b in zip(starts, ends)] != rest:
+        return False  # also catches another number of dimensions
+    if any([any(toffs[a + 1 : b]) for a, b in zip(starts, ends)]):
+        return False
+    o0 = [toffs[a] for a in starts]
+    n0 = [tshape[a] for a in starts]
+    if 0 in n0:
+        return False
+    stop = list(map(operator.add, o0, n0))
+    expect = [0, *stop[:-1]]  # each slab starts where the previous one ends ...
+    for k in first:
+        expect[k] = 0  # ... and each leaf's first one at 0
+    if o0 != expect:
+        return False
+    last = [*first[1:], len(perm)]
+    if [stop[k - 1] for k in last] != sizes0:
+        return False
+    if check_lengths and [t.length[i] for i in perm] != list(map(operator.mul, n0, row_bytes)):
+        return False
+    return True
+
+
+def leaf_chunks_problem(
+    key: str, shape: Sequence[int], isz: int, rows: Sequence[int], t: ChunkTable, *, check_lengths: bool = True
+) -> str | None:
+    """Why rows ``rows`` of ``t`` are not the chunks of a leaf of ``shape`` (dimensions,
+    raw lengths, exact tiling), or None. Gathers columns with list comprehensions and
+    recognizes slabs along dimension 0 (row sharding, FSDP) and whole chunks without a
+    per-chunk loop; other layouts go through ``check_tiling_boxes``."""
+    from shardkeeper.core.format.manifest import check_tiling_boxes
+
+    nd = len(shape)
+    ndims = t.ndim
+    if [ndims[i] for i in rows] != [nd] * len(rows):
+        return f"a chunk has another number of dimensions than the tensor ({nd})"
+    dims, toffs, tshape, lengths = t.dims, t.offsets, t.shape, t.length
+    starts = [dims[i] for i in rows]
+    slab = nd >= 1
+    for d in range(1, nd):
+        if any([toffs[a + d] for a in starts]) or [tshape[a + d] for a in starts] != [shape[d]] * len(starts):
+            slab = False
+            break
+    if slab:
+        n0 = [tshape[a] for a in starts]
+        if check_lengths:
+            row_bytes = math.prod(shape[1:]) * isz
+            if [lengths[i] for i in rows] != [n * row_bytes for n in n0]:
+                return "a chunk's length is not its element count times the item size"
+        spans = sorted(zip([toffs[a] for a in starts], n0))
+        at = 0
+        for o, n in spans:
+            if o != at or n <= 0:
+                break
+            at = o + n
+        else:
+            if at == shape[0]:
+                return None
+    boxes = [(toffs[a : a + nd], tshape[a : a + nd]) for a in starts]
+    if check_lengths and not slab:
+        for i, (_, cshape) in zip(rows, boxes):
+            if lengths[i] != math.prod(cshape) * isz:
+                return f"chunk of shape {cshape} has {lengths[i]} bytes"
+    return check_tiling_boxes(key, shape, boxes)
 
 
 def tiling_problem(key: str, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
@@ -243,9 +381,14 @@ class TableLeaves(Mapping[str, Any]):
         self._made: dict[str, Any] = {}
 
     def _record(self, i: int) -> Any:
-        from shardkeeper.core.format.manifest import ChunkRecord
+        from shardkeeper.core.format.manifest import BlockDigests, ChunkRecord
 
-        return ChunkRecord.from_json(self.table.record_json(i, self.block))
+        t = self.table
+        a, b = t.dims[i], t.dims[i + 1]
+        text = t.row_digests(i, self.block)
+        extra = {k: col[i] for k, col in t.extras.items() if col[i] is not None}
+        return ChunkRecord(t.paths[t.file[i]], t.offset[i], t.length[i], tuple(t.offsets[a:b]), tuple(t.shape[a:b]),
+                           BlockDigests(text), **extra)
 
     def __getitem__(self, key: str) -> Any:
         from shardkeeper.core.format.manifest import LeafRecord
@@ -269,23 +412,40 @@ class TableLeaves(Mapping[str, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self.raw
 
+    def head(self, key: str) -> Any:
+        """Leaf ``key`` without its chunks (``overlapping`` finds those), or None."""
+        from shardkeeper.core.format.manifest import LeafRecord
+
+        made = self._made.get(key)
+        if made is not None:
+            return made
+        d = self.raw.get(key)
+        if d is None:
+            return None
+        if d["kind"] == "object":
+            return self[key]
+        return LeafRecord(d["kind"], d["dtype"], tuple(d["shape"]))
+
     def overlapping(self, key: str, offsets: Sequence[int], shape: Sequence[int]) -> list[Any]:
         """The chunk records of tensor leaf ``key`` whose boxes intersect the box
         ``offsets``/``shape`` (only those are made)."""
-        made = self._made.get(key)
         rows = self.raw[key]["rows"]
+        if math.prod(shape) == 0:
+            return []
         t = self.table
         dims, toffs, tshape = t.dims, t.offsets, t.shape
+        nd = len(offsets)
+        if nd:  # dimension 0 first: it rules out most chunks of a sharded tensor
+            lo, hi = offsets[0], offsets[0] + shape[0]
+            rows = [i for i in rows if toffs[dims[i]] < hi and lo < toffs[dims[i]] + tshape[dims[i]]]
         hits = []
-        for j, i in enumerate(rows):
+        for i in rows:
             a = dims[i]
-            for d in range(len(offsets)):
-                lo, n = toffs[a + d], tshape[a + d]
-                if not (lo < offsets[d] + shape[d] and offsets[d] < lo + n):
+            for d in range(1, nd):
+                if not (toffs[a + d] < offsets[d] + shape[d] and offsets[d] < toffs[a + d] + tshape[a + d]):
                     break
             else:
-                if math.prod(shape) > 0:
-                    hits.append(made.chunks[j] if made is not None else self._record(i))
+                hits.append(self._record(i))
         return hits
 
     def objects(self) -> dict[str, Any]:
@@ -325,7 +485,8 @@ class TableLeaves(Mapping[str, Any]):
             if o + n > ends[f]:
                 return f"chunk [{o}, {o + n}) lies beyond the end of {t.paths[f][:80]!r}"
         nrows = len(t)
-        dims, toffs, tshape, lengths, ndims = t.dims, t.offsets, t.shape, t.length, t.ndim
+        check_lengths = "encoding" not in t.extras
+        items = []
         key = ""
         try:
             for key, leaf in self.raw.items():
@@ -337,7 +498,6 @@ class TableLeaves(Mapping[str, Any]):
                 dtype = leaf["dtype"]
                 if dtype not in DTYPES:
                     return f"{key}: unknown dtype {dtype!r}"
-                isz = DTYPES[dtype][1]
                 shape = leaf["shape"]
                 if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
                     return f"{key}: shape is not a list of sizes"
@@ -346,17 +506,11 @@ class TableLeaves(Mapping[str, Any]):
                 rows = leaf["rows"]
                 if not isinstance(rows, list) or (rows and (not set(map(type, rows)) <= {int} or min(rows) < 0 or max(rows) >= nrows)):
                     return f"{key}: rows is not a list of table rows"
-                ndim = len(shape)
-                boxes = []
-                for i in rows:
-                    if ndims[i] != ndim:
-                        return f"{key}: chunk has {ndims[i]} dimensions, the tensor {ndim}"
-                    a = dims[i]
-                    cshape = tshape[a : a + ndim]
-                    if lengths[i] != math.prod(cshape) * isz and "encoding" not in t.extras:
-                        return f"{key}: chunk of shape {cshape} {dtype} has {lengths[i]} bytes"
-                    boxes.append((toffs[a : a + ndim], cshape))
-                why = tiling_problem(key, shape, boxes)
+                items.append((key, shape, DTYPES[dtype][1], rows))
+            if all_slabs([it[1:] for it in items], t, check_lengths=check_lengths):
+                return None
+            for key, shape, isz, rows in items:
+                why = leaf_chunks_problem(key, shape, isz, rows, t, check_lengths=check_lengths)
                 if why is not None:
                     return f"{key}: {why}"
         except (KeyError, TypeError, AttributeError) as e:

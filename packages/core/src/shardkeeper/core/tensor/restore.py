@@ -27,6 +27,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.digest import block_span, digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.table import TableLeaves, without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.chunks import Piece, contiguous_strides, layout_of
 from shardkeeper.core.tensor.state import (
@@ -435,6 +436,7 @@ def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, p
     )
 
 
+@without_gc  # planning makes a few objects per chunk: no full collections meanwhile
 def restore_flat(
     storage: Storage,
     step_dir: str,
@@ -467,6 +469,8 @@ def restore_flat(
     mismatched: list[str] = []
     wrong_dtype: list[str] = []
     bytes_leaves: list[tuple[str, Leaf, LeafRecord]] = []
+    # A table-form manifest makes only the chunk records that overlap this rank's pieces.
+    table = manifest.leaves if isinstance(manifest.leaves, TableLeaves) else None
     for key, leaf in flat.leaves.items():
         if not _matches(key, only):
             continue
@@ -474,7 +478,7 @@ def restore_flat(
         if src_key is None:
             dropped.append(key)
             continue
-        rec = manifest.leaves.get(src_key)
+        rec = table.head(src_key) if table is not None else manifest.leaves.get(src_key)
         if rec is None:
             if not (optional and _matches(key, optional)):
                 missing.append(src_key)
@@ -498,7 +502,7 @@ def restore_flat(
             deferred.append(fill)
             continue
         if rec.kind == "bytes":
-            bytes_leaves.append((key, leaf, rec))  # read after every check, with the tensors
+            bytes_leaves.append((key, leaf, manifest.leaves[src_key]))  # read after every check, with the tensors
             continue
         target = as_torch(leaf.value)
         layout = layout_of(target, world_size, rank)
@@ -514,7 +518,8 @@ def restore_flat(
         isz = itemsize(rec.dtype)
         for piece in layout.pieces:
             stats.bytes_needed += piece.numel * isz
-            for chunk in rec.chunks:
+            chunks = rec.chunks if table is None else table.overlapping(src_key, piece.offsets, piece.shape)
+            for chunk in chunks:
                 ops.extend(_overlap_ops(key, piece, chunk, saved_dtype, isz, max_read_bytes))
     if mismatched:
         raise StateMismatchError(

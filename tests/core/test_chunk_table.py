@@ -1,0 +1,220 @@
+"""The chunk table (format_version 3): the columnar form of large manifests.
+
+Checkpoints with at least ``TABLE_MIN_CHUNKS`` chunks store their chunk records as columns;
+here the threshold is lowered so that small, real saves take that form. Restores are compared
+bit for bit; damaged tables fail with a CheckpointError when the manifest is read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardkeeper.core import CheckpointManager
+from shardkeeper.core.assemble import assemble_manifest
+from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from shardkeeper.core.format.manifest import FORMAT_VERSION, Manifest
+from shardkeeper.core.format.table import (
+    TABLE_VERSION,
+    ChunkTable,
+    all_slabs,
+    decode_report,
+    encode_report,
+    leaf_chunks_problem,
+)
+from shardkeeper.core.storage.local import LocalStorage
+from shardkeeper.core.verify import verify_step
+from tests.core.test_hostile import JSON_VALUES, _apply, _parse_ok_or_checkpoint_error, _paths
+
+MDIR = "step-000000000001/manifest.json"
+
+
+def make_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "model": {f"l{i}": torch.randn(3 + i, 5) for i in range(6)},
+        "scalar": torch.tensor(2.5),
+        "ints": torch.arange(7, dtype=torch.int64),
+        "extra": {"blob": b"some bytes", "cfg": {"lr": 0.1}},
+    }
+
+
+def zero_state() -> dict[str, Any]:
+    return {
+        "model": {f"l{i}": torch.zeros(3 + i, 5) for i in range(6)},
+        "scalar": torch.tensor(0.0),
+        "ints": torch.zeros(7, dtype=torch.int64),
+        "extra": {"blob": b"", "cfg": {"lr": 0.0}},
+    }
+
+
+@pytest.fixture()
+def table_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shardkeeper.core.assemble.TABLE_MIN_CHUNKS", 1)
+
+
+@pytest.mark.parametrize("digest", ["xxh3_128", "sha256"])
+def test_table_form_round_trips_bit_for_bit(tmp_path: Path, table_form: None, digest: str) -> None:
+    with CheckpointManager(tmp_path, digest=digest, digest_block_bytes=64) as mgr:
+        mgr.save(1, make_state(), async_save=False)
+        doc = json.loads((tmp_path / MDIR).read_text())
+        assert doc["format_version"] == TABLE_VERSION == FORMAT_VERSION and "chunk_table" in doc
+        assert all("rows" in leaf for leaf in doc["leaves"].values() if leaf["kind"] != "object")
+        target = zero_state()
+        assert mgr.restore(target) == 1
+        # only= reads just the chunks of the keys asked for
+        part = zero_state()
+        mgr.restore(part, only=["model/l2"])
+    want = make_state()
+    for k in want["model"]:
+        assert torch.equal(target["model"][k], want["model"][k])
+    assert torch.equal(part["model"]["l2"], want["model"]["l2"]) and not part["model"]["l1"].any()
+    assert torch.equal(target["scalar"], want["scalar"]) and torch.equal(target["ints"], want["ints"])
+    assert target["extra"] == {"blob": b"some bytes", "cfg": {"lr": 0.1}}
+    storage = LocalStorage(tmp_path)
+    report = verify_step(storage, 1, read_bytes=1 << 30)
+    assert not report.problems
+    m = Manifest.loads((tmp_path / MDIR).read_bytes())
+    # the same records as the per-chunk form, and the same text again when written back
+    assert {c.file for _, c in m.chunks()} <= m.referenced_files()
+    assert Manifest.loads(m.dumps()).to_json() == m.to_json()
+
+
+def test_small_checkpoints_keep_the_per_chunk_form(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, make_state(), async_save=False)
+    doc = json.loads((tmp_path / MDIR).read_text())
+    assert "chunk_table" not in doc and all("chunks" in v for v in doc["leaves"].values() if v["kind"] != "object")
+
+
+def _table_doc(tmp_path: Path) -> dict[str, Any]:
+    import shardkeeper.core.assemble as asm
+
+    old = asm.TABLE_MIN_CHUNKS
+    asm.TABLE_MIN_CHUNKS = 1
+    try:
+        with CheckpointManager(tmp_path, digest_block_bytes=64) as mgr:
+            mgr.save(1, make_state(), async_save=False)
+    finally:
+        asm.TABLE_MIN_CHUNKS = old
+    return json.loads((tmp_path / MDIR).read_text())
+
+
+def _set(doc: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    node: Any = doc
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+DAMAGE: list[tuple[str, Any, str]] = [
+    ("chunk_table.offset.0", -1, "non-negative integers"),
+    ("chunk_table.offset.0", True, "non-negative integers"),
+    ("chunk_table.length.1", "8", "non-negative integers"),
+    ("chunk_table.file.0", 7, "beyond its files"),
+    ("chunk_table.files.0", "../../etc/passwd", "not a path inside the root"),
+    ("chunk_table.files.0", "/abs/data", "not a path inside the root"),
+    ("chunk_table.ndim.0", 3, "offsets/shape do not match"),
+    ("chunk_table.digests", "abc", "hex digits"),
+    ("chunk_table.digests", ["x"], "not a string"),
+    ("chunk_table.shape.0", 999, ""),
+    ("chunk_table.offset.0", 1 << 40, "beyond the end"),
+    ("leaves.model/l1.rows", [0, 0], ""),
+    ("leaves.model/l1.rows", [10**6], "not a list of table rows"),
+    ("leaves.model/l1.rows", [], "cover 0"),
+    ("leaves.model/l1.rows", "0", "not a list of table rows"),
+    ("chunk_table.extras", {"encoding": ["bogus"]}, ""),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "why"), DAMAGE, ids=[f"{p}={v!r}"[:40] for p, v, _ in DAMAGE])
+def test_damaged_tables_are_refused_when_read(tmp_path: Path, path: str, value: Any, why: str) -> None:
+    doc = _table_doc(tmp_path)
+    if path == "chunk_table.extras":
+        value = {"encoding": ["bogus"] * len(doc["chunk_table"]["offset"])}
+    _set(doc, path, value)
+    with pytest.raises(CorruptCheckpointError, match=why or None):
+        Manifest.loads(json.dumps(doc).encode(), where="t")
+    (tmp_path / MDIR).write_text(json.dumps(doc))
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointError):
+        mgr.restore(zero_state(), step=1)
+
+
+def test_a_table_needs_format_version_3(tmp_path: Path) -> None:
+    doc = _table_doc(tmp_path)
+    doc["format_version"] = 2  # an older version has no chunk_table: its leaves make no sense
+    with pytest.raises(CorruptCheckpointError):
+        Manifest.loads(json.dumps(doc).encode())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_table_mutations(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    doc = _TABLE_DOC.get("doc") or _TABLE_DOC.setdefault("doc", _table_doc(tmp_path_factory.mktemp("t")))
+    doc = json.loads(json.dumps(doc))
+    paths = _paths(doc)
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        op = data.draw(st.sampled_from(["replace", "delete", "wrap", "duplicate", "negate", "huge"]))
+        try:
+            _apply(doc, path, op, data.draw(JSON_VALUES) if op == "replace" else None)
+        except (KeyError, IndexError, TypeError):
+            pass
+    _parse_ok_or_checkpoint_error(json.dumps(doc).encode())
+
+
+_TABLE_DOC: dict[str, Any] = {}
+
+
+def _rec(offsets: list[int], shape: list[int], file: str = "data/f") -> dict[str, Any]:
+    n = 4 * shape[0] * shape[1]
+    return {"file": file, "offset": 0, "length": n, "offsets": offsets, "shape": shape, "digests": "a" * 32}
+
+
+def _report(rank: int, declared: dict[str, Any], chunks: dict[str, Any], wire: bool) -> dict[str, Any]:
+    c = json.loads(json.dumps(encode_report(chunks, 0))) if wire else chunks
+    return {"rank": rank, "declared": declared, "chunks": c, "files": {"data/f": {"size_bytes": 1 << 20, "rank": rank}},
+            "objects": {}, "per_rank_prefixes": []}
+
+
+@pytest.mark.parametrize("threshold", [1, 10**9], ids=["table", "per-chunk"])
+def test_coordinator_merges_columnar_reports(monkeypatch: pytest.MonkeyPatch, threshold: int) -> None:
+    monkeypatch.setattr("shardkeeper.core.assemble.TABLE_MIN_CHUNKS", threshold)
+    decl = {"w": ["tensor", "float32", [6, 2]], "r": ["tensor", "float32", [2, 2]]}
+    kw = {"world_size": 3, "digest": "xxh3_128", "block_bytes": 1 << 20, "metadata": {}}
+    reports = [
+        _report(r, decl if r == 0 else {}, {"w": [_rec([2 * r, 0], [2, 2])], "r": [_rec([0, 0], [2, 2])]}, wire=r > 0)
+        for r in range(3)
+    ]
+    m = assemble_manifest(3, "a", reports, **kw)
+    assert [c.offsets for c in m.leaves["w"].chunks] == [(0, 0), (2, 0), (4, 0)]
+    assert len(m.leaves["r"].chunks) == 1  # a replica written by three ranks counts once
+    assert m.leaves["w"].chunks[1].digests == ("a" * 32,)
+    back = Manifest.loads(m.dumps())
+    assert [c.offsets for c in back.leaves["w"].chunks] == [(0, 0), (2, 0), (4, 0)]
+    gap = [reports[0], reports[2], _report(1, {}, {"r": [_rec([0, 0], [2, 2])]}, wire=True)]
+    with pytest.raises(StateMismatchError, match=r"step 3.*w: chunks cover 8 of 12"):
+        assemble_manifest(3, "a", gap, **kw)
+
+
+def test_slab_fast_path_and_the_leaf_by_leaf_check_agree() -> None:
+    recs = [_rec([2, 0], [2, 2]), _rec([0, 0], [2, 2]), _rec([0, 0], [1, 2]), _rec([1, 0], [1, 2])]
+    t, _ = decode_report({"a": recs[:2], "b": recs[2:]}, 32)
+    t = ChunkTable.concat([t], 32)
+    # "a" lists its slabs out of order: not the fast path, but a valid tiling
+    assert not all_slabs([([4, 2], 4, [0, 1]), ([2, 2], 4, [2, 3])], t, check_lengths=True)
+    assert all_slabs([([4, 2], 4, [1, 0]), ([2, 2], 4, [2, 3])], t, check_lengths=True)
+    assert leaf_chunks_problem("a", [4, 2], 4, [0, 1], t) is None
+    assert "cover" in str(leaf_chunks_problem("a", [6, 2], 4, [0, 1], t))
+    assert "overlap" in str(leaf_chunks_problem("a", [3, 2], 4, [1, 2], t))
+    assert leaf_chunks_problem("a", [4, 2], 8, [1, 0], t) is not None  # lengths of another dtype
