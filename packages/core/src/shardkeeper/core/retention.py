@@ -27,7 +27,7 @@ from shardkeeper.core.errors import (
     IncompatibleFormatError,
     StorageError,
 )
-from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
 from shardkeeper.core.storage.base import Storage
 
@@ -262,6 +262,7 @@ class GcReport:
     skipped_young: list[str] = field(default_factory=list)  # too young: a save may be running
     kept_referenced: list[str] = field(default_factory=list)  # in uncommitted dirs, referenced
     errors: list[str] = field(default_factory=list)
+    aborted_uploads: list[str] = field(default_factory=list)  # incomplete S3 multipart uploads
 
     @property
     def removed_paths(self) -> list[str]:
@@ -277,6 +278,7 @@ class GcReport:
             "skipped_young": self.skipped_young,
             "kept_referenced": self.kept_referenced,
             "errors": self.errors,
+            "aborted_uploads": self.aborted_uploads,
         }
 
 
@@ -396,7 +398,70 @@ def collect_garbage(
                  storage.describe(name), len(files), size)
         report.removed_dirs.append(name + "/")
         report.removed_bytes += size
+    _abort_incomplete_uploads(storage, referenced, min_age_s, now, dry_run, report)
     return report
+
+
+def list_incomplete_uploads(storage: Storage) -> list[dict[str, Any]]:
+    """Incomplete S3 multipart uploads of files under the root's step directories.
+
+    Each: ``{"path", "key", "upload_id", "initiated"}`` (path relative to the root, initiated
+    in seconds since the epoch). Empty on other backends: a GCS resumable session or a local
+    temporary file is not listed this way (local leftovers are files gc already sees).
+    """
+    fs = getattr(storage, "fs", None)
+    root = getattr(storage, "root", None)
+    protocol = getattr(storage, "protocol", None)
+    if fs is None or not isinstance(root, str) or protocol not in ("s3", "s3a"):
+        return []
+    bucket, _, prefix = root.partition("/")
+    prefix = f"{prefix}/" if prefix else ""
+    out: list[dict[str, Any]] = []
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    while True:
+        page = fs.call_s3("list_multipart_uploads", **kwargs)
+        for u in page.get("Uploads") or []:
+            rel = str(u["Key"])[len(prefix):]
+            if parse_step_dir(rel.split("/", 1)[0]) is None:
+                continue  # only what the format writes is ours to judge
+            initiated = u.get("Initiated")
+            out.append({
+                "path": rel, "key": u["Key"], "upload_id": u["UploadId"],
+                "initiated": initiated.timestamp() if hasattr(initiated, "timestamp") else None,
+            })
+        if not page.get("IsTruncated"):
+            return out
+        kwargs["KeyMarker"] = page.get("NextKeyMarker")
+        kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker")
+
+
+def _abort_incomplete_uploads(
+    storage: Storage, referenced: set[str], min_age_s: float, now: float, dry_run: bool, report: GcReport
+) -> None:
+    """Abort incomplete multipart uploads initiated at least ``min_age_s`` ago (the same age
+    rule as files: older than the longest save, so no running save owns them)."""
+    try:
+        uploads = list_incomplete_uploads(storage)
+    except Exception as e:  # noqa: BLE001 - e.g. a store without the API: report, go on
+        report.errors.append(f"could not list incomplete multipart uploads under {storage.url}: {e}")
+        return
+    fs = getattr(storage, "fs", None)
+    bucket = str(getattr(storage, "root", "")).split("/", 1)[0]
+    for u in uploads:
+        if u["path"] in referenced:
+            continue
+        if u["initiated"] is not None and now - u["initiated"] < min_age_s:
+            report.skipped_young.append(f"{u['path']} (multipart upload {u['upload_id']})")
+            continue
+        if not dry_run and fs is not None:
+            try:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=u["key"], UploadId=u["upload_id"])
+            except Exception as e:  # noqa: BLE001
+                report.errors.append(f"could not abort the multipart upload of {storage.describe(u['path'])}: {e}")
+                continue
+        log.info("gc: %s incomplete multipart upload of %s", "would abort" if dry_run else "aborted",
+                 storage.describe(u["path"]))
+        report.aborted_uploads.append(u["path"])
 
 
 __all__ = [
@@ -405,6 +470,7 @@ __all__ = [
     "RetentionPolicy",
     "apply_retention",
     "collect_garbage",
+    "list_incomplete_uploads",
     "referenced_paths",
     "resolve_file",
     "walk_files",

@@ -1,0 +1,415 @@
+"""The kill -9 campaign: kill a writer at random points of a save, then check what survived.
+
+``python -m shardkeeper.core.testing.campaign ROOT --trials 50 --seed 1`` (ROOT: a path or
+an ``s3://`` / ``gs://`` URL; ``--storage-options JSON`` for the store) prints a JSON summary.
+Each trial forks a writer from this process (torch is imported once), which saves a
+deterministic state (a function of the step) for a few successive steps with retention
+(``keep_last=2``), the way a restarted job continues from the newest committed step. The
+writer dies by SIGKILL at a point the parent drew with a seeded RNG:
+
+=====================  ====================================================================
+``staging``            a timer fires while ``save()`` plans and copies the state
+``open_writer``        when the Nth data file is created
+``mid_write``          inside a data-file write, after N bytes of the file went through
+                       (on S3 with a file larger than one part: mid multipart upload)
+``close``              when the Nth data file is being completed
+``before_manifest``    all data written, the manifest not yet (between data and commit)
+``after_manifest``     the manifest written, before the caller heard of it (LATEST, retention)
+``retention``          at the Nth delete of retention
+``random_time``        the parent kills it after a random delay, wherever it is
+=====================  ====================================================================
+
+After each kill the parent checks, on the store: only committed steps are listed and each
+verifies clean; the newest committed step is at least the last one the writer saw committed
+(nothing acknowledged is lost) and restores bit for bit to its state; ``collect_garbage`` with
+``min_age_s=0`` removes every uncommitted leftover and leaves the committed steps intact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+KILL_POINTS = (
+    "staging", "open_writer", "mid_write", "close", "before_manifest", "after_manifest", "retention",
+    "random_time",
+)
+
+
+def deterministic_state(step: int, tensor_bytes: int = 1 << 20) -> dict[str, Any]:
+    """The state saved at ``step``: a few float32 tensors of about ``tensor_bytes`` in all."""
+    import torch
+
+    g = torch.Generator().manual_seed(1_000_003 * step + 17)
+    n = max(1, tensor_bytes // 4)
+    sizes = [n // 2, n // 4, n - n // 2 - n // 4]
+    return {
+        "model": {f"layer{i}.weight": torch.randn(s, generator=g) for i, s in enumerate(sizes)},
+        "step": step,
+    }
+
+
+def _blank_like(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {"model": {k: v.new_zeros(v.shape) for k, v in state["model"].items()}, "step": -1}
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillingStorage:
+    """A storage wrapper that SIGKILLs its own process at the ``n``-th call of kill point ``point``."""
+
+    def __init__(self, inner: Any, point: str, n: int, after_bytes: int = 0) -> None:
+        self._inner = inner
+        self.point = point
+        self.n = n
+        self.after_bytes = after_bytes
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    @property
+    def url(self) -> str:
+        return str(self._inner.url)
+
+    @url.setter
+    def url(self, value: str) -> None:
+        self._inner.url = value
+
+    @property
+    def capabilities(self) -> Any:
+        return self._inner.capabilities
+
+    @capabilities.setter
+    def capabilities(self, value: Any) -> None:
+        self._inner.capabilities = value
+
+    def _hit(self, point: str) -> bool:
+        if point != self.point:
+            return False
+        with self._lock:
+            self._count += 1
+            return self._count == self.n
+
+    def open_writer(self, path: str) -> Any:
+        if self._hit("open_writer"):
+            _kill_self()
+        return _KillingWriter(self, path, self._inner.open_writer(path))
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        manifest = path.endswith("manifest.json")
+        if manifest and self._hit("before_manifest"):
+            _kill_self()
+        self._inner.put_if_absent(path, data)
+        if manifest and self._hit("after_manifest"):
+            _kill_self()
+
+    def delete(self, path: str) -> None:
+        if self._hit("retention"):
+            _kill_self()
+        self._inner.delete(path)
+
+    def delete_dir(self, path: str) -> None:
+        if self._hit("retention"):
+            _kill_self()
+        self._inner.delete_dir(path)
+
+    # everything else passes through (explicit, so that the Storage protocol is met)
+    def list_dir(self, path: str) -> list[str]:
+        return list(self._inner.list_dir(path))
+
+    def exists(self, path: str) -> bool:
+        return bool(self._inner.exists(path))
+
+    def size(self, path: str) -> int:
+        return int(self._inner.size(path))
+
+    def mtime(self, path: str) -> float:
+        return float(self._inner.mtime(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        return bytes(self._inner.read_bytes(path))
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        return bytes(self._inner.read_range(path, offset, length))
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        self._inner.read_into(path, offset, buffer)
+
+    def sync_dir(self, path: str) -> None:
+        self._inner.sync_dir(path)
+
+    def put(self, path: str, data: bytes) -> None:
+        self._inner.put(path, data)
+
+    def describe(self, path: str) -> str:
+        return str(self._inner.describe(path))
+
+
+class _KillingWriter:
+    def __init__(self, owner: KillingStorage, path: str, inner: Any) -> None:
+        self._owner = owner
+        self._inner = inner
+        self._written = 0
+        self._armed = owner.point == "mid_write" and owner._hit("mid_write")
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        if self._armed and self._written + len(view) > self._owner.after_bytes:
+            room = max(0, self._owner.after_bytes - self._written)
+            if room:
+                self._inner.write(view[:room])
+            _kill_self()
+        self._inner.write(view)
+        self._written += len(view)
+
+    def close(self) -> None:
+        if self._owner._hit("close"):
+            _kill_self()
+        self._inner.close()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
+@dataclass
+class Trial:
+    index: int
+    point: str
+    n: int
+    after_bytes: int
+    delay_s: float
+    first_step: int
+    steps: int
+    async_save: bool
+
+
+@dataclass
+class Summary:
+    root: str
+    seed: int
+    trials: int = 0
+    killed: int = 0
+    completed: int = 0
+    points: Counter[str] = field(default_factory=Counter)
+    points_hit: Counter[str] = field(default_factory=Counter)
+    commits_acknowledged: int = 0
+    steps_verified: int = 0
+    restores_bit_exact: int = 0
+    leftovers_removed: int = 0
+    incomplete_uploads_aborted: int = 0
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "root": self.root, "seed": self.seed, "trials": self.trials, "killed": self.killed,
+            "completed_without_kill": self.completed, "kill_points_drawn": dict(sorted(self.points.items())),
+            "kill_points_hit": dict(sorted(self.points_hit.items())),
+            "commits_acknowledged": self.commits_acknowledged, "steps_verified": self.steps_verified,
+            "restores_bit_exact": self.restores_bit_exact, "leftovers_removed": self.leftovers_removed,
+            "incomplete_uploads_aborted": self.incomplete_uploads_aborted,
+            "lost_or_damaged": len(self.failures), "failures": self.failures, "seconds": round(self.seconds, 2),
+        }
+
+
+def _draw(rng: random.Random, index: int, first_step: int, points: Sequence[str], tensor_bytes: int) -> Trial:
+    steps = rng.randint(1, 3)
+    point = points[index % len(points)] if index < len(points) else rng.choice(points)
+    n = rng.randint(1, steps)
+    return Trial(
+        index=index, point=point, n=n, after_bytes=rng.randint(1, max(1, tensor_bytes)),
+        delay_s=rng.uniform(0.0, 0.6), first_step=first_step, steps=steps, async_save=rng.random() < 0.5,
+    )
+
+
+def _writer(root: str, options: dict[str, Any], manager_options: dict[str, Any], t: Trial, tensor_bytes: int,
+            wfd: int) -> None:
+    from shardkeeper.core import CheckpointManager
+    from shardkeeper.core.storage import open_storage
+
+    storage = KillingStorage(open_storage(root, **options), t.point, t.n, t.after_bytes)
+    mgr = CheckpointManager(storage, keep_last=2, async_save=t.async_save, **manager_options)  # type: ignore[arg-type]
+    for i, step in enumerate(range(t.first_step, t.first_step + t.steps)):
+        state = deterministic_state(step, tensor_bytes)
+        if t.point == "staging" and i == t.n - 1:
+            threading.Timer(random.uniform(0.0, 0.003), _kill_self).start()
+        mgr.save(step, state).wait()
+        os.write(wfd, f"{step}\n".encode())
+    mgr.close()
+
+
+def _multipart_uploads(storage: Any) -> list[dict[str, Any]]:
+    from shardkeeper.core.retention import list_incomplete_uploads
+
+    return list_incomplete_uploads(storage)
+
+
+def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summary) -> int:
+    """Check the store after a trial; returns the step the next trial starts at."""
+    import torch
+
+    from shardkeeper.core.commit import committed_steps, step_dirs
+    from shardkeeper.core.manager import CheckpointManager
+    from shardkeeper.core.retention import collect_garbage
+    from shardkeeper.core.verify import verify_step
+
+    where = f"trial {t.index} (kill point {t.point}, n={t.n})"
+    committed = committed_steps(storage)
+    attempted_max = t.first_step + t.steps - 1
+    if any(c > attempted_max for c in committed):
+        s.failures.append(f"{where}: a step never saved is listed: {committed}")
+    if acked and (not committed or committed[-1] < acked[-1]):
+        s.failures.append(f"{where}: step {acked[-1]} was acknowledged but the newest committed is {committed}")
+    for c in committed:
+        rep = verify_step(storage, c)
+        s.steps_verified += 1
+        if not rep.ok:
+            s.failures.append(f"{where}: step {c} does not verify: {[str(p) for p in rep.problems]}")
+    if committed:
+        newest = committed[-1]
+        want = deterministic_state(newest, tensor_bytes)
+        got = _blank_like(want)
+        with CheckpointManager(storage) as mgr:
+            restored = mgr.restore(got)
+        exact = restored == newest and got["step"] == newest and all(
+            torch.equal(got["model"][k], v) for k, v in want["model"].items()
+        )
+        if exact:
+            s.restores_bit_exact += 1
+        else:
+            s.failures.append(f"{where}: step {newest} did not restore bit for bit")
+    report = collect_garbage(storage, min_age_s=0.0)
+    s.leftovers_removed += len(report.removed_paths)
+    s.incomplete_uploads_aborted += len(getattr(report, "aborted_uploads", []))
+    after = committed_steps(storage)
+    if after != committed:
+        s.failures.append(f"{where}: gc changed the committed steps {committed} -> {after}")
+    left = sorted(set(step_dirs(storage)) - set(after))
+    if left:
+        s.failures.append(f"{where}: gc left uncommitted step directories {left}")
+    with contextlib.suppress(ImportError, AttributeError, NotImplementedError):
+        if _multipart_uploads(storage):
+            s.failures.append(f"{where}: incomplete multipart uploads survive gc")
+    return (after[-1] + 1) if after else 0
+
+
+def run_campaign(
+    root: str,
+    *,
+    trials: int = 20,
+    seed: int = 0,
+    storage_options: Mapping[str, Any] | None = None,
+    tensor_bytes: int = 1 << 20,
+    points: Sequence[str] = KILL_POINTS,
+    manager_options: Mapping[str, Any] | None = None,
+    trial_timeout_s: float = 120.0,
+) -> Summary:
+    """Run ``trials`` kill trials against ``root``; the returned summary lists any failure."""
+    import torch
+
+    from shardkeeper.core.storage import open_storage
+
+    torch.set_num_threads(1)
+    bad = set(points) - set(KILL_POINTS)
+    if bad:
+        raise ValueError(f"unknown kill point(s) {sorted(bad)}; choose from {', '.join(KILL_POINTS)}")
+    options = dict(storage_options or {})
+    mopts = dict(manager_options or {})
+    storage = open_storage(root, **options)
+    rng = random.Random(seed)
+    s = Summary(root=str(root), seed=seed)
+    t0 = time.monotonic()
+    next_step = 0
+    for i in range(trials):
+        t = _draw(rng, i, next_step, points, tensor_bytes)
+        s.trials += 1
+        s.points[t.point] += 1
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the writer
+            code = 0
+            try:
+                os.close(rfd)
+                random.seed(seed * 7919 + i)
+                _writer(root, options, mopts, t, tensor_bytes, wfd)
+            except BaseException:
+                traceback.print_exc()
+                code = 3
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        if t.point == "random_time":
+            threading.Timer(t.delay_s, lambda p=pid: _kill_quietly(p)).start()
+        out = b""
+        deadline = time.monotonic() + trial_timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([rfd], [], [], 0.5)
+            if ready:
+                chunk = os.read(rfd, 4096)
+                if not chunk:
+                    break
+                out += chunk
+        else:
+            _kill_quietly(pid)
+            s.failures.append(f"trial {i}: the writer did not finish in {trial_timeout_s} s")
+        os.close(rfd)
+        _, status = os.waitpid(pid, 0)
+        acked = [int(x) for x in out.decode().split()]
+        s.commits_acknowledged += len(acked)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            s.killed += 1
+            s.points_hit[t.point] += 1
+        elif os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            s.completed += 1
+        else:
+            s.failures.append(f"trial {i} ({t.point}): the writer failed with status {status}")
+        next_step = _check(storage, t, acked, tensor_bytes, s)
+    s.seconds = time.monotonic() - t0
+    return s
+
+
+def _kill_quietly(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shardkeeper.core.testing.campaign", description=__doc__.split("\n")[0])
+    p.add_argument("root", help="checkpoint root to torture (a path or URL); it should be empty")
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-bytes", type=int, default=1 << 20, help="bytes of state per step")
+    p.add_argument("--points", default=",".join(KILL_POINTS), help="comma-separated kill points")
+    p.add_argument("--storage-options", default="{}", help="JSON: fsspec storage options")
+    p.add_argument("--manager-options", default="{}", help="JSON: CheckpointManager options")
+    a = p.parse_args(argv)
+    summary = run_campaign(
+        a.root, trials=a.trials, seed=a.seed, tensor_bytes=a.tensor_bytes, points=a.points.split(","),
+        storage_options=json.loads(a.storage_options), manager_options=json.loads(a.manager_options),
+    )
+    json.dump(summary.to_json(), sys.stdout, indent=2)
+    print()
+    return 1 if summary.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
