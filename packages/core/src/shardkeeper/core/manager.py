@@ -46,6 +46,12 @@ from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
+from shardkeeper.core.tensor.overlap import (
+    STAGING_MODES,
+    OptimizerTensors,
+    StagingGate,
+    find_optimizers,
+)
 from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
 from shardkeeper.core.tensor.save import (
     SavePlan,
@@ -54,7 +60,7 @@ from shardkeeper.core.tensor.save import (
     split_files,
     write_shards,
 )
-from shardkeeper.core.tensor.staging import Span, Stager
+from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
 from shardkeeper.core.tensor.state import flatten_for_restore, flatten_for_save
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,11 @@ class CheckpointOptions:
 
     async_save: bool = True
     """``save()`` returns once the state is staged; writing and commit run in the background."""
+    staging: str = "blocking"
+    """blocking: ``save()`` copies everything before it returns. overlap: the copy of the
+    parameters and state of the optimizers in the saved state runs in the background, and
+    their next ``optimizer.step()`` waits for it; other in-place changes of those tensors
+    need ``mgr.wait_staged()`` first (docs/performance.md, "Overlapped staging")."""
     per_rank: str = "exact"
     """Per-rank state (RNG, data position) at another world size: exact | modulo | drop."""
     digest: str = DEFAULT_ALGORITHM
@@ -102,6 +113,8 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         if self.per_rank not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank={self.per_rank!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
+        if self.staging not in STAGING_MODES:
+            raise ValueError(f"staging={self.staging!r}; choose one of {', '.join(STAGING_MODES)}")
         if self.digest not in algorithms():
             raise ValueError(f"digest={self.digest!r}; choose one of {', '.join(algorithms())}")
         for name in ("digest_block_bytes", "io_threads", "max_files_per_rank", "min_file_bytes", "max_read_bytes"):
@@ -127,11 +140,18 @@ class SaveHandle:
     step: int
     _future: Future[None]
     stall_s: float = 0.0
+    deferred_bytes: int = 0
+    """Bytes whose staging copy ``staging="overlap"`` deferred to the background."""
+    _staged: threading.Event | None = field(default=None, repr=False)
     _delivered: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def done(self) -> bool:
         return self._future.done()
+
+    def staged(self) -> bool:
+        """True once the state is copied (always, unless ``staging="overlap"`` deferred it)."""
+        return self._staged is None or self._staged.is_set()
 
     def wait(self, timeout_s: float | None = None) -> None:
         try:
@@ -208,6 +228,7 @@ class CheckpointManager:
         self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
         self._stager = Stager()
+        self._gate = StagingGate()
         self._codecs = CodecState(
             incremental=base.incremental, compression=base.compression, level=base.compression_level
         )
@@ -242,7 +263,14 @@ class CheckpointManager:
         self._sync_save = synchronous  # read by this save's _run_save (timings for the advisor)
         # A synchronous save returns after the commit, so the caller cannot change its tensors
         # meanwhile: they are written from their own memory, without a staging copy.
-        spans = self._stager.stage(groups, copy=not synchronous)
+        defer = None
+        if self.options.staging == "overlap" and not synchronous:
+            optimizers = find_optimizers(state)
+            self._gate.install(optimizers)
+            owned = OptimizerTensors(optimizers)
+            if owned:
+                defer = lambda it: owned.owners(it.src)  # noqa: E731
+        spans, deferred = self._stager.stage_split(groups, copy=not synchronous, defer=defer)
         objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
@@ -250,9 +278,18 @@ class CheckpointManager:
         # The writer starts once save() is done with its own work: writer threads compete
         # for the GIL, and the caller's last steps should not wait on them.
         released = threading.Event()
-        future = self._bg.submit(self._run_save, step, seq, attempt, plan, groups, spans, objects, meta, released)
+        staged = self._gate.begin(deferred) if deferred is not None else None
         try:
-            handle = SaveHandle(step, future)
+            future = self._bg.submit(
+                self._run_save, step, seq, attempt, plan, groups, spans, objects, meta, released, deferred, staged
+            )
+        except BaseException:
+            if staged is not None:
+                staged.set()  # nothing will copy: never leave an optimizer step waiting
+            raise
+        try:
+            handle = SaveHandle(step, future, _staged=staged)
+            handle.deferred_bytes = deferred.nbytes if deferred is not None else 0
             self._pending = handle
             handle.stall_s = time.perf_counter() - t0
             metrics.record(metrics.STALL_SECONDS, handle.stall_s, rank=self.rank, step=step)
@@ -277,12 +314,18 @@ class CheckpointManager:
         objects: dict[str, Any],
         meta: dict[str, Any],
         released: threading.Event,
+        deferred: DeferredCopy | None = None,
+        staged: threading.Event | None = None,
     ) -> None:
         released.wait()
         sdir = step_dir(step)
         t0 = time.perf_counter()
         phase = "write"
         try:
+            if deferred is not None and staged is not None:
+                phase = "stage"
+                self._gate.run(deferred, staged)
+                phase = "write"
             codecs = self._codecs.for_save(self.storage, step, self.options.digest, self.options.digest_block_bytes)
             res = write_shards(
                 self.storage, sdir, groups, spans, rank=self.rank, attempt=attempt,
@@ -600,6 +643,19 @@ class CheckpointManager:
         return 0, None
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def wait_staged(self) -> None:
+        """Block until the pending save has copied the state (``staging="overlap"``).
+
+        Call it before changing saved tensors in place outside ``optimizer.step()`` (EMA
+        updates, manual edits, ``load_state_dict``). Cheap when nothing is being staged.
+        """
+        self._gate.wait()
+
+    @property
+    def staging_waits(self) -> int:
+        """How many times an optimizer step or ``wait_staged()`` waited for overlapped staging."""
+        return self._gate.waits
+
     def wait(self) -> None:
         """Block until the pending save is committed; raise its failure if not yet seen."""
         self._wait_pending(raise_error=True)
@@ -610,6 +666,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._gate.close()
             self._closed = True
             self._bg.shutdown(wait=True)
             self._io.shutdown(wait=True)

@@ -1,0 +1,139 @@
+"""Overlapped staging on real gloo ranks (run under torchrun with 2 ranks).
+
+    overlap_worker.py ROOT
+
+For each layout (DDP, FSDP2, TP), with ``staging="overlap"``: the next ``optimizer.step()``
+right after ``save()`` returns, a direct in-place change after ``wait_staged()``, a direct
+change racing the copy (refused on every rank), and gradient accumulation (forward and
+backward while the copy is held back: no wait). The checkpoint must hold the pre-save values
+bit for bit. Each rank writes ``ROOT/results/overlap-r<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layouts import batch, build, full_state, train_step  # noqa: E402
+
+from shardkeeper.core import CheckpointManager, CheckpointSaveError  # noqa: E402
+from shardkeeper.core.tensor import overlap  # noqa: E402
+
+LAYOUTS = ("plain", "fsdp2", "tp")
+checks: list[dict] = []
+
+
+def check(name: str, cond: bool, detail: str = "") -> None:
+    checks.append({"case": name, "ok": bool(cond), "problems": [] if cond else [detail]})
+
+
+def same(name: str, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
+    check(name, not bad and ref.keys() == got.keys(), f"differ: {bad[:5]}")
+
+
+def restored(mgr: CheckpointManager, layout: str, step: int) -> dict[str, torch.Tensor]:
+    model, opt = build(layout, seed=50 + step)
+    train_step(model, opt, 999)  # optimizer state exists, with other values
+    mgr.restore({"model": model, "optim": opt}, step=step)
+    return full_state(model, opt)
+
+
+def local_ptrs(model: torch.nn.Module) -> list[int]:
+    out = []
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        out.append(t.untyped_storage().data_ptr())
+    return out
+
+
+def run_layout(root: Path, layout: str) -> None:
+    model, opt = build(layout, seed=1)
+    train_step(model, opt, 0)
+    state = {"model": model, "optim": opt}
+    release = threading.Event()
+    with CheckpointManager(root / layout, staging="overlap") as mgr:
+        # 1. optimizer.step() right after save() returns.
+        ref = full_state(model, opt)
+        ptrs = local_ptrs(model)
+        h = mgr.save(1, state)
+        check(f"{layout}: parameters and optimizer state are deferred", h.deferred_bytes > 0, str(h.deferred_bytes))
+        train_step(model, opt, 1)
+        check(f"{layout}: the step waited", mgr.staging_waits == 1, str(mgr.staging_waits))
+        h.wait()
+        check(f"{layout}: local parameter storage persists across steps", local_ptrs(model) == ptrs)
+        same(f"{layout}: step after save: checkpoint holds pre-save values", ref, restored(mgr, layout, 1))
+        check(f"{layout}: step changed the live state (control)", any(not torch.equal(ref[k], v) for k, v in full_state(model, opt).items()))
+
+        # 2. A direct in-place change after wait_staged().
+        ref = full_state(model, opt)
+        h = mgr.save(2, state)
+        mgr.wait_staged()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        h.wait()
+        same(f"{layout}: direct change after wait_staged: pre-save values", ref, restored(mgr, layout, 2))
+
+        # 3. The same change racing the held-back copy: refused on every rank, not torn.
+        overlap._before_copy = lambda: release.wait(60)
+        try:
+            h = mgr.save(3, state)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            release.set()
+            try:
+                h.wait()
+                check(f"{layout}: racing change refused", False, "save committed")
+            except CheckpointSaveError as e:
+                check(f"{layout}: racing change refused", "modified in place" in str(e) and "step 3" in str(e), str(e))
+            dist.barrier()
+            check(f"{layout}: racing change: not committed", 3 not in mgr.steps(), str(mgr.steps()))
+
+            # 4. Gradient accumulation while the copy is held back: forward/backward, no wait.
+            release.clear()
+            ref = full_state(model, opt)
+            waits = mgr.staging_waits
+            h = mgr.save(4, state)
+            for i in (10, 11):
+                x, y = batch(i)
+                (model(x) - y).pow(2).mean().backward()
+            check(f"{layout}: accumulation ran while staging was pending", not h.staged() and mgr.staging_waits == waits)
+            release.set()
+            opt.step()
+            opt.zero_grad()
+            h.wait()
+            same(f"{layout}: accumulation then step: pre-save values", ref, restored(mgr, layout, 4))
+        finally:
+            release.set()
+            overlap._before_copy = None
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    for layout in LAYOUTS:
+        try:
+            run_layout(root, layout)
+        except Exception:
+            check(f"{layout}: whole case", False, traceback.format_exc())
+        dist.barrier()
+    out = root / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"overlap-r{rank}.json").write_text(json.dumps(checks, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
