@@ -108,9 +108,11 @@ def bench(session: nox.Session) -> None:
     """Run benchmarks/run.py: shardkeeper vs torch.save, DCP and the raw disk/memory limits.
 
     Extra arguments after `--` (`-- --quick` for a smoke run; see benchmarks/run.py --help).
-    matplotlib draws the chart of the ratios.
+    matplotlib draws the chart of the ratios. Then benchmarks/loop.py: the training-loop
+    overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too).
     """
     _run_script(session, "benchmarks/run.py", "matplotlib")
+    session.run("python", "benchmarks/loop.py", *(["--quick"] if "--quick" in session.posargs else []))
 
 
 def _run_script(session: nox.Session, script: str, *extra: str) -> None:
