@@ -1,0 +1,144 @@
+"""Opt-in SIGTERM handling for preemptible jobs.
+
+::
+
+    guard = PreemptionGuard(mgr, grace_s=60).install()     # main thread, every rank
+    for step in ...:
+        train_step()
+        if guard.check():              # collective: True on every rank once any rank got SIGTERM
+            mgr.save(step, state)      # a final save at a safe point
+            guard.exit()               # waits for it within the grace period, records, exits 143
+
+On SIGTERM the handler only marks the job preempted and starts the grace clock. ``exit()``
+lets the pending save commit if it can within what is left of ``grace_s``; past the grace
+period a watchdog thread exits the process whatever the loop is doing. Either way a save that
+did not commit is abandoned: its manifest was never written, so it is not visible, and gc
+removes its files later. Rank 0 records the outcome in ``<root>/preempted.json``
+(``{"last_committed_step", "abandoned_step", "signal_time", "exit_time"}``), logs it and sets
+the ``checkpoint_last_committed_step`` metric. The exit code is 128 + SIGTERM = 143.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from shardkeeper.core import metrics
+from shardkeeper.core.commit import committed_steps
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = "preempted.json"
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class PreemptionGuard:
+    """Turns SIGTERM into a clean stop of a training loop that saves with ``mgr``."""
+
+    def __init__(self, mgr: Any, *, grace_s: float = 60.0, exit_code: int = EXIT_CODE) -> None:
+        if grace_s <= 0:
+            raise ValueError(f"grace_s must be > 0, got {grace_s}")
+        self.mgr = mgr
+        self.grace_s = grace_s
+        self.exit_code = exit_code
+        self._event = threading.Event()
+        self._signal_time: float | None = None
+        self._exit_lock = threading.Lock()
+        self._previous: Any = None
+
+    @property
+    def preempted(self) -> bool:
+        """True once this process got SIGTERM (local; use ``check()`` in a process group)."""
+        return self._event.is_set()
+
+    def install(self) -> PreemptionGuard:
+        """Install the SIGTERM handler (call from the main thread)."""
+        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._event.is_set():
+            return
+        self._signal_time = time.time()
+        self._event.set()
+        log.warning("rank %d: SIGTERM, preempted; exiting within %.1f s", self.mgr.rank, self.grace_s)
+        threading.Thread(target=self._watchdog, name="shardkeeper-preemption", daemon=True).start()
+
+    def check(self) -> bool:
+        """Whether any rank was preempted (a collective when the manager spans several ranks)."""
+        flag = int(self._event.is_set())
+        if getattr(self.mgr, "world_size", 1) > 1:
+            flag = self.mgr._coord.agree_int(flag, "max")
+        if flag and not self._event.is_set():  # another rank got the signal: same clock here
+            self._signal_time = time.time()
+            self._event.set()
+            threading.Thread(target=self._watchdog, name="shardkeeper-preemption", daemon=True).start()
+        return bool(flag)
+
+    def remaining_s(self) -> float:
+        if self._signal_time is None:
+            return self.grace_s
+        return max(0.0, self._signal_time + self.grace_s - time.time())
+
+    def _watchdog(self) -> None:
+        time.sleep(self.remaining_s())
+        self._finish(abandon=True)
+
+    def exit(self) -> None:
+        """Wait for the pending save within the grace period, record, and exit."""
+        pending = getattr(self.mgr, "_pending", None)
+        abandon = False
+        if pending is not None:
+            try:
+                pending.wait(timeout_s=self.remaining_s())
+            except Exception as e:  # noqa: BLE001 - a failed or late save is abandoned
+                log.warning("rank %d: the save of step %d did not commit in time: %s", self.mgr.rank, pending.step, e)
+                abandon = not pending.done()
+        self._finish(abandon=abandon)
+
+    def _finish(self, *, abandon: bool) -> None:
+        if not self._exit_lock.acquire(blocking=False):
+            return  # the other path is already exiting
+        try:
+            pending = getattr(self.mgr, "_pending", None)
+            abandoned = pending.step if abandon and pending is not None and not pending.done() else None
+            last = None
+            try:
+                steps = committed_steps(self.mgr.storage)
+                last = steps[-1] if steps else None
+            except Exception as e:  # noqa: BLE001 - the record is best effort; exit anyway
+                log.warning("could not list committed steps while exiting: %s", e)
+            record = {
+                "last_committed_step": last, "abandoned_step": abandoned,
+                "signal_time": self._signal_time, "exit_time": time.time(), "rank": self.mgr.rank,
+            }
+            if last is not None:
+                metrics.record(metrics.LAST_COMMITTED_STEP, last, rank=self.mgr.rank, step=last)
+            log.warning("rank %d: preempted; last committed step %s%s", self.mgr.rank, last,
+                        f", save of step {abandoned} abandoned" if abandoned is not None else "",
+                        extra={"preemption": record})
+            if self.mgr.rank == 0:
+                try:
+                    self.mgr.storage.put(RECORD_NAME, json.dumps(record).encode())
+                except Exception as e:  # noqa: BLE001
+                    log.warning("could not write %s: %s", RECORD_NAME, e)
+        finally:
+            logging.shutdown()
+            os._exit(self.exit_code)
+
+
+def read_record(storage: Any) -> dict[str, Any] | None:
+    """The last preemption record under a root, if any."""
+    try:
+        return dict(json.loads(storage.read_bytes(RECORD_NAME)))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+__all__ = ["EXIT_CODE", "RECORD_NAME", "PreemptionGuard", "read_record"]

@@ -1,0 +1,76 @@
+"""SIGTERM to a real 2-rank training job (torchrun, gloo) under PreemptionGuard."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkeeper.core import CheckpointManager
+from shardkeeper.core.preemption import EXIT_CODE, read_record
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.testing.campaign import _blank_like, deterministic_state
+
+from ._launch import DIST_DIR
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+
+
+def _run(root: Path, mode: str) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(DIST_DIR / "preempt_worker.py"), str(root), mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (root / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        time.sleep(0.3)
+        for rank in range(2):  # the scheduler's SIGTERM reaches every worker
+            os.kill(int((root / f"pid{rank}").read_text()), signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, out
+
+
+def _restores_bit_exact(root: Path, step: int) -> None:
+    want = deterministic_state(step, 64 << 10)
+    got = _blank_like(want)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(got) == step
+    assert got["step"] == step
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+
+
+def test_sigterm_with_a_save_in_flight_abandons_it_cleanly(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    code, out = _run(tmp_path, "inflight")
+    assert time.monotonic() - t0 < 60, "the grace period did not bound the exit"
+    assert str(EXIT_CODE) in out or code != 0, out[-3000:]
+    record = read_record(LocalStorage(tmp_path))
+    assert record is not None, out[-3000:]
+    assert record["last_committed_step"] == 3 and record["abandoned_step"] == 6, record
+    assert CheckpointManager(tmp_path).steps() == [3]
+    _restores_bit_exact(tmp_path, 3)
+
+
+def test_sigterm_with_time_for_a_final_save(tmp_path: Path) -> None:
+    code, out = _run(tmp_path, "final")
+    record = read_record(LocalStorage(tmp_path))
+    assert record is not None, out[-3000:]
+    last = record["last_committed_step"]
+    assert record["abandoned_step"] is None and last > 2, record
+    assert CheckpointManager(tmp_path).steps()[-1] == last
+    _restores_bit_exact(tmp_path, last)
