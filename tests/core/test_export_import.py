@@ -148,6 +148,13 @@ def test_export_without_tensors_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_int8_moments_restore_into_fsdp2_at_two_ranks(saved: Path) -> None:
+    for rank in (0, 1):
+        res = json.loads((saved / f"q-restore-r{rank}.json").read_text())
+        assert res["checked"] > 10 and res["bad"] == [], (rank, res)
+
+
+@pytest.mark.multiprocess
 def test_int8_moments_saved_by_two_fsdp2_ranks_restore_at_one(saved: Path) -> None:
     ref = load_file(str(saved / "ref.safetensors"))
     model, opt = build("plain", seed=9)

@@ -5,15 +5,18 @@
 trains the layout matrix's model 2 steps under FSDP2, then writes the same state twice:
 a shardkeeper checkpoint (step 2, ``OUT/sk``, sharded by both ranks), a
 ``torch.distributed.checkpoint`` save of ``get_state_dict`` (``OUT/dcp``) and a checkpoint
-with int8-quantized Adam moments (``OUT/q``); rank 0 writes the
+with int8-quantized Adam moments (``OUT/q``, then restored into a fresh FSDP2 model at 2 ranks:
+``OUT/q-restore-r<rank>.json`` lists the keys that differ from the expectation); rank 0 writes the
 full reference state (parameters and AdamW state, canonical keys) to ``OUT/ref.safetensors``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from layouts import build, full_state, train_step  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
-from shardkeeper.core.quantize import quantized  # noqa: E402
+from shardkeeper.core.quantize import dequantize_int8, quantize_int8, quantized  # noqa: E402
 
 
 def main(out: Path) -> None:
@@ -40,6 +43,20 @@ def main(out: Path) -> None:
     ref = full_state(model, opt)
     if dist.get_rank() == 0:
         save_file(ref, str(out / "ref.safetensors"))
+    # the int8 checkpoint back into FSDP2 at 2 ranks: codes and scales land in DTensor shards
+    model2, opt2 = build("fsdp2", seed=7)
+    with CheckpointManager(out / "q") as mgr:
+        mgr.restore({"model": model2, "optim": quantized(opt2, model2, mode="int8", block=48)})
+    got = full_state(model2, opt2)
+    bad = []
+    for k, want in ref.items():
+        name = k.rsplit("/", 1)[-1]
+        if not (k.startswith("model/") or name == "step" or want.dim() < 2):
+            root = name == "exp_avg_sq"
+            want = dequantize_int8(*quantize_int8(want, 48, root), 48, root, torch.float32)
+        if not torch.equal(got[k], want):
+            bad.append(k)
+    (out / f"q-restore-r{dist.get_rank()}.json").write_text(json.dumps({"checked": len(ref), "bad": bad}))
     dist.barrier()
     dist.destroy_process_group()
 
