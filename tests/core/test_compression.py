@@ -239,3 +239,29 @@ def test_verify_checks_the_frame_size_against_the_box(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         with pytest.raises(CorruptCheckpointError, match="262136"):
             mgr.restore({"z": torch.ones(64, 1024)}, step=1)
+
+
+def test_large_chunks_are_compressed_in_slabs_and_read_partially(tmp_path: Path) -> None:
+    """A chunk over SLAB_BYTES is stored as slabs of whole rows, one frame each: a partial
+    restore reads only the frames it overlaps; an incremental save reuses unchanged slabs."""
+    from shardkeeper.core.codec.compression import SLAB_BYTES
+
+    rows, cols = 2048, 1536  # 12 MiB of fp32: three slabs of 4 MiB
+    w = (torch.arange(rows * cols, dtype=torch.float32) % 13).reshape(rows, cols)
+    with CheckpointManager(tmp_path, compression="zstd", incremental=True) as mgr:
+        mgr.save(1, {"w": w}).wait()
+        chunks = mgr.manifest(1).leaves["w"].chunks
+        assert len(chunks) == 3 and all(c.numel * 4 <= SLAB_BYTES + cols * 4 for c in chunks)
+        assert {c.encoding for c in chunks} == {"shuffle-zstd"}
+        local = torch.zeros(100 * cols)  # 100 rows inside the second slab
+        mgr.restore({"w": Fragment(local, (rows, cols), 700 * cols)})
+        assert torch.equal(local, w[700:800].reshape(-1))
+        st = mgr.last_restore_stats
+        assert st is not None and st.bytes_read == chunks[1].length  # one frame, not three
+        w[-1, -1] = 99.0  # only the last slab changes
+        mgr.save(2, {"w": w}).wait()
+        files = [c.file for c in mgr.manifest(2).leaves["w"].chunks]
+        assert [f.startswith("../") for f in files] == [True, True, False], files
+        target = {"w": torch.empty(rows, cols)}
+        mgr.restore(target)
+        assert torch.equal(target["w"], w)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -261,9 +261,13 @@ def _write_coded(
     out: list[tuple[str, dict[str, Any]]] = []
     todo: list[tuple[WriteItem, memoryview, list[str]]] = []
     reused = 0
-    for it, (buf, a, b) in zip(items, spans):
-        view = buf[a:b]
-        digests = [digest(view[z : z + block_bytes]) for z in range(0, b - a, block_bytes)]
+    pieces = (
+        [p for it, (buf, a, b) in zip(items, spans) for p in _slabs(it, buf[a:b])]
+        if codecs.compression is not None
+        else [(it, buf[a:b]) for it, (buf, a, b) in zip(items, spans)]
+    )
+    for it, view in pieces:
+        digests = [digest(view[z : z + block_bytes]) for z in range(0, len(view), block_bytes)]
         if codecs.reuse is not None:
             ref = codecs.reuse.find(it.key, it.dtype, it.offsets, it.shape, content_id(digests, algorithm))
             if ref is not None:
@@ -316,6 +320,26 @@ def _write_coded(
 def _write_plain(*args: Any) -> tuple[list[tuple[str, dict[str, Any]]], int, int]:
     recs, size = _write_one(*args)
     return recs, size, 0
+
+
+def _slabs(it: WriteItem, view: memoryview) -> list[tuple[WriteItem, memoryview]]:
+    """With compression, a chunk larger than SLAB_BYTES is stored as slabs of whole rows
+    (dimension 0) of about that size, each its own chunk record and frame: a partial or
+    resharded restore then reads (and decodes) only the slabs it overlaps, and the writer
+    holds one slab's frame at a time. Deterministic, so incremental saves find the same boxes."""
+    from shardkeeper.core.codec.compression import SLAB_BYTES
+
+    if it.nbytes <= SLAB_BYTES or not it.shape or it.shape[0] < 2:
+        return [(it, view)]
+    row = it.nbytes // it.shape[0]
+    slabs = min(it.shape[0], -(-it.nbytes // SLAB_BYTES))
+    rows = -(-it.shape[0] // slabs)  # balanced: no small last slab
+    out = []
+    for r0 in range(0, it.shape[0], rows):
+        n = min(rows, it.shape[0] - r0)
+        sub = replace(it, offsets=(it.offsets[0] + r0, *it.offsets[1:]), shape=(n, *it.shape[1:]), nbytes=n * row)
+        out.append((sub, view[r0 * row : (r0 + n) * row]))
+    return out
 
 
 def _record(rel: str, offset: int, it: WriteItem, length: int, digests: Sequence[str]) -> dict[str, Any]:
