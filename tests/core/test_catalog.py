@@ -37,9 +37,9 @@ def _etcd_binary() -> Path | None:
         return None
     CACHE.mkdir(parents=True, exist_ok=True)
     try:
-        subprocess.run(["apt-get", "download", "etcd-server"], cwd=CACHE, check=True, capture_output=True, timeout=180)
+        subprocess.run(["apt-get", "download", "etcd-server"], cwd=CACHE, check=True, capture_output=True, timeout=60)
         deb = sorted(CACHE.glob("etcd-server_*.deb"))[-1]
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(CACHE)], check=True, capture_output=True, timeout=120)
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(CACHE)], check=True, capture_output=True, timeout=60)
     except (subprocess.SubprocessError, OSError, IndexError):
         return None
     return binary if binary.is_file() else None
