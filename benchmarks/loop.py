@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 16 MiB, 3 steps, 1 round, no results files")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 16 MiB, 3 steps, 1 round (results: *-quick.json)")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--timeout-s", type=float, default=540.0)
@@ -332,13 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         res["info"]["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
         md = markdown(res, command)
         print(md)
-        if not args.quick:
-            out = Path(args.results_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            stem = f"loop-{time.strftime('%Y-%m-%d')}" + ("" if args.device == "cpu" else f"-{args.device}")
-            (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-            (out / f"{stem}.md").write_text(md)
-            print(f"wrote {out / stem}.json and .md")
+        out = Path(args.results_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"loop-{time.strftime('%Y-%m-%d')}" + ("" if args.device == "cpu" else f"-{args.device}")
+        stem += "-quick" if args.quick else ""
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        (out / f"{stem}.md").write_text(md)
+        print(f"wrote {out / stem}.json and .md")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
