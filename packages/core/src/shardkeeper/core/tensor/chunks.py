@@ -10,6 +10,7 @@ one box; a ``_StridedShard`` (FSDP2 over TP on the same dimension) gives a few.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import zlib
@@ -178,10 +179,12 @@ def balance_plain(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     Every rank computes the same answer from the same keys and sizes, so no communication
     is needed; the coordinator's tiling check catches a rank that disagrees.
     """
-    load = [0] * world_size
+    if world_size == 1:
+        return dict.fromkeys(sizes, 0)
+    heap = [(0, r) for r in range(world_size)]  # (load, rank): the least loaded, lowest rank first
     out = {}
-    for key, nbytes in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
-        r = min(range(world_size), key=lambda i: (load[i], i))
+    for neg, key in sorted([(-n, k) for k, n in sizes.items()]):
+        load, r = heap[0]
         out[key] = r
-        load[r] += max(nbytes, 1)
+        heapq.heapreplace(heap, (load + max(-neg, 1), r))
     return out

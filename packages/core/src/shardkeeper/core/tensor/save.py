@@ -21,6 +21,7 @@ from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import DATA_DIR, shard_file
 from shardkeeper.core.format.manifest import DTYPES
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, build_header, chunk_name
+from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import (
@@ -102,6 +103,7 @@ def describe_layout(t: torch.Tensor) -> str:
     return "Tensor"
 
 
+@without_gc  # one object per leaf: full collections over a large state would cost more
 def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
     """Decide which chunks this rank writes. Deterministic: needs no communication."""
     plan = SavePlan(per_rank_prefixes=list(flat.per_rank_prefixes))

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.tensor.fragment import Fragment
 
 #: Wrapper path components stripped from FQNs so one model has one set of keys everywhere.
@@ -317,6 +318,7 @@ def conform(saved: Any, target: Any) -> Any:
     return saved
 
 
+@without_gc  # one object per leaf: full collections over a large state would cost more
 def flatten_for_save(state: Mapping[str, Any], rank: int) -> FlatState:
     return Flattener(rank, restore=False).flatten(state)
 
