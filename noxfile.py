@@ -121,3 +121,13 @@ def _run_script(session: nox.Session, script: str, *extra: str) -> None:
     _install_torch(session)
     _install(session, "-e", "packages/core[torch]", *extra)
     session.run("python", script, *session.posargs)
+
+
+@nox.session
+def reliability(session: nox.Session) -> None:
+    """The long reliability run: the kill -9 campaign (local disk and moto S3) and the fault
+    proxy, many more trials than CI; rewrites the figures of docs/reliability.md (extra
+    arguments after `--`, see tests/reliability.py --help)."""
+    _install_torch(session)
+    _install(session, "-e", "packages/core[torch,s3,metrics]", *TEST_DEPS)
+    session.run("python", "tests/reliability.py", *session.posargs, env=TEST_ENV)
