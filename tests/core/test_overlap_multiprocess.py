@@ -1,5 +1,5 @@
-"""Overlapped staging on 2 real gloo ranks under DDP, FSDP2 and TP (one torchrun launch):
-see dist/overlap_worker.py for each check."""
+"""Overlapped staging on 2 real gloo ranks under DDP, FSDP2, TP and FSDP1 (one torchrun
+launch): see dist/overlap_worker.py for each check."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ CASES = (
 )
 
 
-def test_overlap_under_ddp_fsdp2_tp(tmp_path: Path) -> None:
+def test_overlap_under_ddp_fsdp2_tp_fsdp1(tmp_path: Path) -> None:
     res = run_workers(2, "overlap_worker.py", str(tmp_path), timeout_s=180)
     assert res.returncode == 0, res.stdout[-4000:]
-    expected = {f"{layout}: {case}" for layout in ("plain", "fsdp2", "tp") for case in CASES}
+    expected = {f"{layout}: {case}" for layout in ("plain", "fsdp2", "tp", "fsdp1") for case in CASES}
     for rank in range(2):
         checks = json.loads((tmp_path / "results" / f"overlap-r{rank}.json").read_text())
         names = {c["case"] for c in checks}
