@@ -98,10 +98,11 @@ def _error_codes(e: BaseException) -> tuple[set[str], set[int]]:
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
             if isinstance(status, int):
                 statuses.add(status)
-        for attr in ("code", "status"):  # gcsfs HttpError, aiohttp errors
+        for attr in ("status", "code"):  # aiohttp errors (whose .code is deprecated), gcsfs HttpError
             value = getattr(cur, attr, None)
             if isinstance(value, int) and 100 <= value < 600:
                 statuses.add(value)
+                break
         cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
     return codes, statuses
 

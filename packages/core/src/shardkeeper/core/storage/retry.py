@@ -122,10 +122,12 @@ def is_transient(e: BaseException) -> bool:
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
             if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES:
                 return True
-        for attr in ("code", "status"):  # gcsfs HttpError, aiohttp ClientResponseError
+        for attr in ("status", "code"):  # aiohttp (whose .code is deprecated), gcsfs HttpError
             value = getattr(cur, attr, None)
-            if isinstance(value, int) and value in _TRANSIENT_STATUSES:
-                return True
+            if isinstance(value, int):
+                if value in _TRANSIENT_STATUSES:
+                    return True
+                break
         text = str(cur)
         if "SlowDown" in text or "reduce your request rate" in text:
             return True
