@@ -59,8 +59,9 @@ def test_campaign_on_s3_kills_mid_multipart(s3_server: str, s3_fs: Any) -> None:
 
 @pytest.mark.s3
 @pytest.mark.timeout(60)
-def test_gc_aborts_only_old_incomplete_multipart_uploads(s3_root: tuple[str, dict[str, Any]]) -> None:
-    url, options = s3_root
+@pytest.mark.parametrize("server", ["s3", "seaweed"])
+def test_gc_aborts_only_old_incomplete_multipart_uploads(server: str, request: pytest.FixtureRequest) -> None:
+    url, options = request.getfixturevalue(f"{server}_root")
     storage = open_storage(url, **options, part_size_bytes=PART)
     w = storage.open_writer("step-000000000003/data/r00000-dead-000.safetensors")
     w.write(b"x" * (PART + 1))  # one part uploaded: an upload in flight, as a killed save leaves it
