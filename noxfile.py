@@ -73,7 +73,7 @@ def tests(session: nox.Session, suite: str) -> None:
     """
     _install_torch(session)
     if suite == "core":
-        _install(session, "-e", "packages/core[torch,s3,gcs,zstd]", *TEST_DEPS)
+        _install(session, "-e", "packages/core[torch,s3,gcs,zstd,crypto]", *TEST_DEPS)
         session.run("pytest", "tests/core", "-x", "-q", *session.posargs, env=TEST_ENV)
         return
     versions = FRAMEWORKS[suite.removeprefix("adapters-")]

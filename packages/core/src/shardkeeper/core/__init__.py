@@ -25,6 +25,7 @@ from shardkeeper.core.format.layout import parse_step_dir, step_dir
 
 if TYPE_CHECKING:
     from shardkeeper.core.advisor import advise
+    from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, LocalKeyProvider
     from shardkeeper.core.dcp_import import import_dcp
     from shardkeeper.core.export import export_safetensors
     from shardkeeper.core.manager import CheckpointManager, CheckpointOptions, SaveHandle
@@ -45,6 +46,9 @@ _LAZY = {
     "import_dcp": "shardkeeper.core.dcp_import",
     "advise": "shardkeeper.core.advisor",
     "quantized": "shardkeeper.core.quantize",
+    "KeyProvider": "shardkeeper.core.codec.keys",
+    "LocalKeyProvider": "shardkeeper.core.codec.keys",
+    "EncryptionKeyError": "shardkeeper.core.codec.keys",
 }
 
 
@@ -58,6 +62,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EncryptionKeyError",
+    "KeyProvider",
+    "LocalKeyProvider",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",

@@ -220,6 +220,7 @@ def export_safetensors(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     progress: bool | None = None,
+    encryption: Any = None,
 ) -> ExportResult:
     """Write the tensor leaves of ``step`` (default: the newest committed) matching ``keys`` to
     the local directory ``to`` as ``model-0000i-of-0000n.safetensors`` + the index.
@@ -227,9 +228,17 @@ def export_safetensors(
     Names lose the ``model/`` prefix unless ``keep_prefix``; ``max_shard_size`` ("5GB", bytes)
     bounds each shard (a larger tensor gets a shard of its own). Files appear under their final
     names only when complete; the index is written last. ``progress``: a progress line on
-    stderr (default: when stderr is a terminal).
+    stderr (default: when stderr is a terminal). ``encryption``: the key of an encrypted
+    checkpoint (as ``CheckpointManager(encryption=...)``); its bytes are decrypted.
     """
     storage = open_storage(root, **dict(storage_options or {}))
+    if encryption is not None:
+        from shardkeeper.core.codec.crypto import EncryptedStorage
+        from shardkeeper.core.codec.keys import key_provider
+
+        provider = key_provider(encryption)
+        assert provider is not None
+        storage = EncryptedStorage(storage, provider).authenticated()
     if step is None:
         steps = committed_steps(storage)
         if not steps:
@@ -237,6 +246,13 @@ def export_safetensors(
         step = steps[-1]
     m = load_manifest(storage, step)
     where = f"step {step} under {storage.url}"
+    if m.encryption is not None and not getattr(storage, "authenticate", False):
+        from shardkeeper.core.codec.keys import EncryptionKeyError
+
+        raise EncryptionKeyError(
+            f"{where} is encrypted (key {m.encryption.get('key_id')}); pass its key: "
+            f"export_safetensors(..., encryption='env:VAR' | 'file:PATH' | a KeyProvider)"
+        )
     items = _select(m, list(keys), None if keep_prefix else "model/", where)
     limit = parse_size(max_shard_size)
     if limit < 1:

@@ -27,6 +27,8 @@ from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.catalog import record_commit
 from shardkeeper.core.codec import CodecState
+from shardkeeper.core.codec.crypto import EncryptedStorage, seal_manifest
+from shardkeeper.core.codec.keys import EncryptionKeyError, key_provider
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -101,6 +103,9 @@ class CheckpointOptions:
     """``"zstd"``: compress each chunk where it pays (the [zstd] extra); None: raw."""
     compression_level: int = 3
     """zstd level (1 fast ... 19 small; negative: faster still)."""
+    encryption: Any = None
+    """Client-side AES-256-GCM (the [crypto] extra): ``"env:VAR"``, ``"file:PATH"`` or a
+    ``KeyProvider`` (docs/codecs.md, "Encryption"); None: not encrypted."""
     retry_max_attempts: int = 5
     """Attempts per storage call on transient faults (throttling, resets, timeouts); 1: none."""
     retry_base_delay_s: float = 0.2
@@ -222,6 +227,11 @@ class CheckpointManager:
         self.options = base
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
         self.storage: Storage = with_retries(open_storage(root, **dict(storage_options or {})), base.retry_policy())
+        self._keys = key_provider(base.encryption)
+        self._read_storage = self.storage  # manifests read through it are authenticated
+        if self._keys is not None:
+            self.storage = EncryptedStorage(self.storage, self._keys)
+            self._read_storage = self.storage.authenticated()
         self.metadata = dict(metadata or {})
         self._coord = make_coordinator(process_group)
         self.rank, self.world_size = _rank_world(self._coord)
@@ -326,7 +336,7 @@ class CheckpointManager:
                 phase = "stage"
                 self._gate.run(deferred, staged)
                 phase = "write"
-            codecs = self._codecs.for_save(self.storage, step, self.options.digest, self.options.digest_block_bytes)
+            codecs = self._codecs.for_save(self._read_storage, step, self.options.digest, self.options.digest_block_bytes)
             res = write_shards(
                 self.storage, sdir, groups, spans, rank=self.rank, attempt=attempt,
                 algorithm=self.options.digest, block_bytes=self.options.digest_block_bytes,
@@ -409,7 +419,8 @@ class CheckpointManager:
                           "timings": save_timings(reports, time.perf_counter() - t_commit)},
             )
             self._check_files_durable(sdir, manifest)
-            self._put_manifest(step, manifest.dumps())
+            data = manifest.dumps()
+            self._put_manifest(step, data if self._keys is None else seal_manifest(data, self._keys))
         except BaseException as e:
             self._discard_attempt(sdir, reports)
             return {
@@ -619,7 +630,12 @@ class CheckpointManager:
         """0 = restored, 1 = this step is damaged (fall back), 2 = an error no step fixes."""
         t0 = time.perf_counter()
         try:
-            manifest = load_manifest(self.storage, step)
+            manifest = load_manifest(self._read_storage, step)
+            if self._keys is None and manifest.encryption is not None:
+                raise EncryptionKeyError(
+                    f"step {step} under {self.storage.url} is encrypted (key {manifest.encryption.get('key_id')}); "
+                    f"pass its key: CheckpointManager(..., encryption='env:VAR' | 'file:PATH' | a KeyProvider)"
+                )
             check_restore_target(manifest.metadata, state, f"step {step} under {self.storage.url}")
             flat = flatten_for_restore(state, self.rank, strict=strict)
             self.last_restore_stats = restore_flat(

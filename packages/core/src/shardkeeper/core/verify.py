@@ -188,6 +188,15 @@ def verify_step(
     report = VerifyReport(step=step)
     base = step_dir(step)
     out = _Collector(report, storage.describe(base))
+    if m.encryption is not None and not getattr(storage, "authenticate", False):
+        # Encrypted, no key (codec/crypto.py): structure only; digests and tags need the key.
+        from shardkeeper.core.codec.crypto import keyless_problems
+
+        report.files_checked, found = keyless_problems(storage, m, step)
+        for kind, message, where in found:
+            out.add(kind, message, file=where)
+        out.finish()
+        return report
 
     sizes: dict[str, int | None] = {}
     missing_keys: dict[str, list[str]] = defaultdict(list)

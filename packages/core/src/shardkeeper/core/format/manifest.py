@@ -228,6 +228,9 @@ class Manifest:
     created_at: str = ""
     attempt: str = ""
     format_version: int = FORMAT_VERSION
+    #: the "encryption" member of an encrypted checkpoint's manifest (codec/crypto.py
+    #: ``seal_manifest`` appends it, with its MAC, after ``dumps``); None: not encrypted
+    encryption: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -288,6 +291,7 @@ class Manifest:
                 created_at=str(d.get("created_at", "")),
                 attempt=str(d.get("attempt", "")),
                 format_version=version,
+                encryption=d["encryption"] if isinstance(d.get("encryption"), dict) else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(

@@ -206,10 +206,12 @@ def _is_direct(op: _Op) -> bool:
 
 
 def _read_checked(storage: Storage, path: str, offset: int, buffer: memoryview, keys: Sequence[str], step: int) -> None:
+    what = f"keys {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''}"
     try:
         storage.read_into(path, offset, buffer)
+    except ChecksumMismatchError as e:  # an encrypted block failed authentication (codec/crypto.py)
+        raise ChecksumMismatchError(f"step {step}, {what}: {e}", key=keys[0] if keys else "", file=path) from e
     except (CheckpointNotFoundError, StorageError) as e:
-        what = f"keys {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''}"
         cls = CorruptCheckpointError if _missing_or_short(storage, path, offset + len(buffer)) else StorageError
         raise cls(
             f"step {step}: cannot read bytes [{offset}, {offset + len(buffer)}) of "

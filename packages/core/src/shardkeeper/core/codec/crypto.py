@@ -1,0 +1,429 @@
+"""Client-side encryption: AES-256-GCM data files and HMAC-authenticated manifests.
+
+:class:`EncryptedStorage` wraps a checkpoint root's storage. Data files (``step-*/data/*``)
+are encrypted *below* the format: the writer's bytes (a safetensors or framed file, zstd
+frames included, so encryption comes after compression) are cut into ``BLOCK`` (64 KiB)
+plaintext blocks, each sealed with AES-256-GCM under the file's own random 256-bit data key,
+nonce = the block index (unique: a data key encrypts one file once), associated data = the
+file's root-relative path, the block index and a last-block flag (no swapping, reordering,
+truncation or moving of blocks or files). The data key is wrapped by the key provider and
+stored in the file's header. Offsets and sizes seen above this layer are plaintext ones, so
+chunk records, digests, ranged and partial reads, references of incremental saves (the
+wrapped key travels in the file that holds the bytes) and compression work unchanged; a
+ranged read reads and opens only the blocks it overlaps.
+
+Manifests stay readable JSON (names, shapes, sizes and digests are visible) and are
+authenticated: :func:`seal_manifest` appends an ``"encryption"`` member whose HMAC-SHA256
+(under a random per-manifest key, wrapped by the provider) covers every other byte;
+:meth:`EncryptedStorage.read_bytes` checks it before anything of the step is read.
+
+Stored data file: ``SKCRYPT1`` | u32 LE header length | header JSON (``alg``, ``block``,
+``key_id``, ``wrapped``) | blocks, each ciphertext + 16-byte tag; every block holds
+``block`` plaintext bytes except the last (0 .. block). See docs/format.md, section 4.2.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import hmac
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require_cryptography
+from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError
+from shardkeeper.core.format.layout import DATA_DIR, parse_step_dir
+from shardkeeper.core.storage.base import Storage, Writer
+
+MAGIC = b"SKCRYPT1"
+ALGORITHM = "AES-256-GCM"
+BLOCK = 64 << 10
+TAG = 16
+MAX_HEADER = 64 << 10
+_AAD_PREFIX = b"shardkeeper/aes-256-gcm/v1\0"
+_FLUSH = 4 << 20
+_MAC_TAIL = len(b'"}}') + 64  # the manifest ends with "mac":"<64 hex>"}}
+
+
+def is_data_path(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) >= 3 and parts[-2] == DATA_DIR and parse_step_dir(parts[-3]) is not None
+
+
+def is_manifest_path(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and parts[1] == "manifest.json" and parse_step_dir(parts[0]) is not None
+
+
+def _nonce(i: int) -> bytes:
+    return struct.pack(">4xQ", i)
+
+
+def _aad(path: str, i: int, final: bool) -> bytes:
+    return _AAD_PREFIX + path.encode() + struct.pack(">xQ?", i, final)
+
+
+def stored_size(plain: int, header: int) -> int:
+    n = max(1, -(-plain // BLOCK))
+    return header + plain + n * TAG
+
+
+class _EncWriter:
+    """Buffers up to one block; a block goes out only when more bytes follow it, so the
+    last block (flagged final in its associated data) is known at ``close``."""
+
+    def __init__(self, inner: Writer, path: str, aead: Any, header: bytes) -> None:
+        self._inner, self._path, self._aead = inner, path, aead
+        self._buf = bytearray()
+        self._out: list[bytes] = [header]
+        self._out_bytes = len(header)
+        self._i = 0
+
+    def _emit(self, block: Any, final: bool) -> None:
+        ct = self._aead.encrypt(_nonce(self._i), bytes(block), _aad(self._path, self._i, final))
+        self._i += 1
+        self._out.append(ct)
+        self._out_bytes += len(ct)
+        if self._out_bytes >= _FLUSH or final:
+            self._inner.write(b"".join(self._out))
+            self._out, self._out_bytes = [], 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B")
+        n, pos = len(mv), 0
+        if self._buf:
+            pos = min(BLOCK - len(self._buf), n)
+            self._buf += mv[:pos]
+            if len(self._buf) < BLOCK or pos == n:
+                return
+            self._emit(self._buf, False)
+            self._buf = bytearray()
+        while n - pos > BLOCK:
+            self._emit(mv[pos : pos + BLOCK], False)
+            pos += BLOCK
+        self._buf += mv[pos:]
+
+    def close(self) -> None:
+        self._emit(self._buf, True)
+        self._inner.close()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+
+@dataclass(frozen=True)
+class _FileInfo:
+    aead: Any
+    header: int  # stored bytes before the first block
+    plain: int  # plaintext size
+    blocks: int
+
+
+class EncryptedStorage:
+    """A Storage whose data files are AES-256-GCM encrypted and whose manifests must carry
+    a valid MAC (see the module docstring). Everything else passes through."""
+
+    def __init__(self, inner: Storage, provider: KeyProvider, *, authenticate: bool = False) -> None:
+        self._aead_mod = require_cryptography()
+        from cryptography.exceptions import InvalidTag
+
+        self._invalid_tag = InvalidTag
+        self.inner = inner
+        self.provider = provider
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+        self._files: dict[str, _FileInfo] = {}
+        self._keys: dict[tuple[str, bytes], bytes] = {}
+        self._lock = threading.Lock()
+        self.authenticate = authenticate
+
+    def authenticated(self) -> EncryptedStorage:
+        """A view (sharing keys and caches) whose manifest reads fail unless the manifest's
+        MAC checks out: for restores, incremental bases, verify and export. The plain view
+        (listings, retention, gc) judges commits by structure alone, as without encryption,
+        so a wrong key never makes committed steps look like garbage."""
+        view = copy.copy(self)
+        view.authenticate = True
+        return view
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _unwrap(self, key_id: str, wrapped: bytes, where: str) -> bytes:
+        with self._lock:
+            key = self._keys.get((key_id, wrapped))
+        if key is None:
+            try:
+                key = self.provider.unwrap(key_id, wrapped)
+            except EncryptionKeyError as e:
+                raise EncryptionKeyError(
+                    f"{where}: {e}. Pass the key this checkpoint was written with "
+                    f"(CheckpointManager(..., encryption=...))"
+                ) from None
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{where}: {e}; restore another step") from None
+            with self._lock:
+                self._keys[(key_id, wrapped)] = key
+        return key
+
+    # -- data files ------------------------------------------------------------------------------
+    def _info(self, path: str) -> _FileInfo:
+        with self._lock:
+            info = self._files.get(path)
+        if info is not None:
+            return info
+        where = self.inner.describe(path)
+        size = self.inner.size(path)
+        head = self.inner.read_range(path, 0, min(size, 12))
+        if len(head) < 12 or head[:8] != MAGIC:
+            raise CorruptCheckpointError(
+                f"{where} is not an encrypted shardkeeper file (no {MAGIC.decode()} header) although "
+                f"the checkpoint is read with encryption=: it was replaced, or the step was written "
+                f"without encryption; restore another step"
+            )
+        (n,) = struct.unpack("<I", head[8:12])
+        if n > MAX_HEADER or 12 + n > size:
+            raise CorruptCheckpointError(f"{where}: encryption header of {n} bytes is damaged; restore another step")
+        try:
+            h = json.loads(self.inner.read_range(path, 12, n))
+            key_id, wrapped, alg, block = str(h["key_id"]), base64.b64decode(h["wrapped"]), h["alg"], h["block"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{where}: encryption header is damaged ({e}); restore another step") from None
+        if alg != ALGORITHM or block != BLOCK:
+            raise CorruptCheckpointError(
+                f"{where}: encrypted with {alg!r} in blocks of {block}, this shardkeeper reads "
+                f"{ALGORITHM} in blocks of {BLOCK}; upgrade shardkeeper-core or restore another step"
+            )
+        rest = size - 12 - n
+        blocks = max(1, -(-rest // (BLOCK + TAG)))
+        plain = rest - blocks * TAG
+        if plain < 0 or stored_size(plain, 12 + n) != size:
+            raise CorruptCheckpointError(
+                f"{where}: {size} bytes is not a whole number of encrypted blocks (truncated?); "
+                f"restore another step"
+            )
+        key = self._unwrap(key_id, wrapped, f"{where} (data key)")
+        info = _FileInfo(self._aead_mod.AESGCM(key), 12 + n, plain, blocks)
+        with self._lock:
+            self._files[path] = info
+        return info
+
+    def _read_plain(self, path: str, offset: int, length: int) -> memoryview:
+        info = self._info(path)
+        if offset < 0 or length < 0 or offset + length > info.plain:
+            from shardkeeper.core.errors import StorageError
+
+            raise StorageError(
+                f"{self.inner.describe(path)}: bytes [{offset}, {offset + length}) lie beyond its "
+                f"{info.plain} plaintext bytes"
+            )
+        if length == 0:
+            return memoryview(b"")
+        i0, i1 = offset // BLOCK, (offset + length - 1) // BLOCK
+        start = info.header + i0 * (BLOCK + TAG)
+        end = min(info.header + (i1 + 1) * (BLOCK + TAG), self._stored_end(info))
+        blob = memoryview(self.inner.read_range(path, start, end - start))
+        out = bytearray()
+        for i in range(i0, i1 + 1):
+            ct = blob[(i - i0) * (BLOCK + TAG) : (i - i0 + 1) * (BLOCK + TAG)]
+            try:
+                out += info.aead.decrypt(_nonce(i), bytes(ct), _aad(path, i, i == info.blocks - 1))
+            except self._invalid_tag as e:
+                raise ChecksumMismatchError(
+                    f"{self.inner.describe(path)}: encrypted block {i} (bytes [{i * BLOCK}, "
+                    f"{min((i + 1) * BLOCK, info.plain)})) fails authentication: it was tampered "
+                    f"with, moved or damaged; restore another step and run `shardkeeper verify`",
+                    file=path,
+                ) from e
+        a = offset - i0 * BLOCK
+        return memoryview(out)[a : a + length]
+
+    @staticmethod
+    def _stored_end(info: _FileInfo) -> int:
+        return stored_size(info.plain, info.header)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if is_data_path(path):
+            return bytes(self._read_plain(path, offset, length))
+        return self.inner.read_range(path, offset, length)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        if is_data_path(path):
+            buffer[:] = self._read_plain(path, offset, len(buffer))
+        else:
+            self.inner.read_into(path, offset, buffer)
+
+    def read_bytes(self, path: str) -> bytes:
+        if is_data_path(path):
+            return bytes(self._read_plain(path, 0, self._info(path).plain))
+        data = self.inner.read_bytes(path)
+        if self.authenticate and is_manifest_path(path):
+            open_manifest(data, self, self.inner.describe(path))
+        return data
+
+    def size(self, path: str) -> int:
+        return self._info(path).plain if is_data_path(path) else self.inner.size(path)
+
+    def open_writer(self, path: str) -> Writer:
+        if not is_data_path(path):
+            return self.inner.open_writer(path)
+        key = self._aead_mod.AESGCM.generate_key(bit_length=256)
+        key_id, wrapped = self.provider.wrap(key)
+        header = json.dumps(
+            {"alg": ALGORITHM, "block": BLOCK, "key_id": key_id, "wrapped": base64.b64encode(wrapped).decode()},
+            separators=(",", ":"),
+        ).encode()
+        return _EncWriter(
+            self.inner.open_writer(path), path, self._aead_mod.AESGCM(key),
+            MAGIC + struct.pack("<I", len(header)) + header,
+        )
+
+    # -- pass-through ----------------------------------------------------------------------------
+    def list_dir(self, path: str) -> list[str]:
+        return self.inner.list_dir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def mtime(self, path: str) -> float:
+        return self.inner.mtime(path)
+
+    def sync_dir(self, path: str) -> None:
+        self.inner.sync_dir(path)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        self.inner.put_if_absent(path, data)
+
+    def put(self, path: str, data: bytes) -> None:
+        self.inner.put(path, data)
+
+    def delete(self, path: str) -> None:
+        with self._lock:
+            self._files.pop(path, None)
+        self.inner.delete(path)
+
+    def delete_dir(self, path: str) -> None:
+        with self._lock:
+            for p in [p for p in self._files if p.startswith(path.rstrip("/") + "/")]:
+                del self._files[p]
+        self.inner.delete_dir(path)
+
+    def describe(self, path: str) -> str:
+        return self.inner.describe(path)
+
+    def __getattr__(self, name: str) -> Any:  # backend extras (e.g. a local path)
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+# -- manifests ---------------------------------------------------------------------------------
+
+
+def seal_manifest(data: bytes, provider: KeyProvider) -> bytes:
+    """``data`` (a manifest's JSON object) with an ``"encryption"`` member appended last whose
+    ``mac`` (HMAC-SHA256 under a fresh key wrapped by ``provider``) covers all other bytes."""
+    if not data.endswith(b"}") or data == b"{}":
+        raise ValueError("not a manifest object")
+    mac_key = os.urandom(32)
+    key_id, wrapped = provider.wrap(mac_key)
+    section = {
+        "algorithm": ALGORITHM, "block_bytes": BLOCK, "key_id": key_id,
+        "wrapped_mac_key": base64.b64encode(wrapped).decode(), "mac": "0" * 64,
+    }
+    body = data[:-1] + b',"encryption":' + json.dumps(section, separators=(",", ":")).encode() + b"}"
+    mac = hmac.new(mac_key, body, hashlib.sha256).hexdigest().encode()
+    return body[:-_MAC_TAIL] + mac + body[-3:]
+
+
+def manifest_section(data: bytes) -> dict[str, Any] | None:
+    """The ``encryption`` member of a sealed manifest (unauthenticated), or None."""
+    at = data.rfind(b',"encryption":{')
+    if at < 0 or not data.endswith(b'"}}'):
+        return None
+    try:
+        section = json.loads(data[at + len(b',"encryption":') : -1])
+    except ValueError:
+        return None
+    return section if isinstance(section, dict) else None
+
+
+def open_manifest(data: bytes, storage: EncryptedStorage, where: str) -> None:
+    """Check a manifest's MAC with the provider's key; raise a clear error if it is missing,
+    from another key, or wrong (the manifest was changed after it was written)."""
+    section = manifest_section(data)
+    if section is None:
+        raise EncryptionKeyError(
+            f"manifest {where} is not encrypted/authenticated, and this manager reads only "
+            f"encrypted checkpoints (encryption= is set): it was written without encryption, or "
+            f"replaced. Restore it without encryption= if it is yours"
+        )
+    try:
+        key_id, wrapped = str(section["key_id"]), base64.b64decode(section["wrapped_mac_key"])
+        mac = str(section["mac"]).encode()
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"manifest {where}: encryption member is damaged ({e}); restore another step") from None
+    key = storage._unwrap(key_id, wrapped, f"manifest {where}")
+    body = data[:-_MAC_TAIL] + b"0" * 64 + data[-3:]
+    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).hexdigest().encode(), mac):
+        raise CorruptCheckpointError(
+            f"manifest {where} fails authentication (HMAC-SHA256 mismatch): it was changed after "
+            f"it was written; nothing of it was read. Restore another step and run `shardkeeper verify`"
+        )
+
+
+def read_header(storage: Storage, path: str) -> tuple[int, dict[str, Any]]:
+    """An encrypted file's header length and fields, without any key (for verify)."""
+    head = storage.read_range(path, 0, 12)
+    if len(head) < 12 or head[:8] != MAGIC:
+        raise ValueError(f"no {MAGIC.decode()} header: not an encrypted shardkeeper file")
+    (n,) = struct.unpack("<I", head[8:12])
+    if n > MAX_HEADER:
+        raise ValueError(f"encryption header of {n} bytes")
+    h = json.loads(storage.read_range(path, 12, n))
+    if not isinstance(h, dict) or h.get("alg") != ALGORITHM or h.get("block") != BLOCK:
+        raise ValueError(f"unknown encryption header {str(h)[:120]}")
+    return 12 + n, h
+
+
+def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tuple[str, str, str]]]:
+    """What ``verify`` checks of an encrypted step without the key: every file the manifest
+    names (its own and referenced ones) exists, has an intact encryption header and exactly
+    the stored size its plaintext size implies, and holds every chunk's byte range. Digests
+    and tags need the key. Returns (files checked, [(kind, message, path)])."""
+    from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
+    from shardkeeper.core.retention import resolve_file
+
+    ends: dict[str, int] = {}
+    for _, c in m.chunks():
+        path = resolve_file(step, c.file)
+        if path is not None:
+            ends[path] = max(ends.get(path, 0), c.offset + c.length)
+    own = {p: info.get("size_bytes") for rel, info in m.files.items() if (p := resolve_file(step, rel))}
+    problems: list[tuple[str, str, str]] = []
+    paths = sorted(set(ends) | set(own))
+    for path in paths:
+        where = storage.describe(path)
+        try:
+            size = storage.size(path)
+            header, _ = read_header(storage, path)
+        except CheckpointNotFoundError:
+            problems.append(("missing-file", f"step {step}: file {where} is missing", path))
+            continue
+        except (CheckpointError, ValueError) as e:
+            problems.append(("header", f"step {step}: file {where}: {e}", path))
+            continue
+        rest = size - header
+        blocks = max(1, -(-rest // (BLOCK + TAG)))
+        plain = rest - blocks * TAG
+        if plain < 0 or stored_size(plain, header) != size:
+            problems.append(("size", f"step {step}: file {where} is {size} bytes, not a whole number of encrypted blocks (truncated?)", path))
+        elif path in own and own[path] != plain:
+            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, the manifest records {own[path]}", path))
+        elif ends.get(path, 0) > plain:
+            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, its chunks reach {ends[path]}", path))
+    return len(paths), problems
