@@ -237,7 +237,7 @@ def _draw(rng: random.Random, index: int, first_step: int, points: Sequence[str]
     n = rng.randint(1, steps)
     return Trial(
         index=index, point=point, n=n, after_bytes=rng.randint(1, max(1, tensor_bytes)),
-        delay_s=rng.uniform(0.0, 0.6), first_step=first_step, steps=steps, async_save=rng.random() < 0.5,
+        delay_s=rng.uniform(0.0, 1.0), first_step=first_step, steps=steps, async_save=rng.random() < 0.5,
     )
 
 
@@ -339,6 +339,7 @@ def run_campaign(
     s = Summary(root=str(root), seed=seed)
     t0 = time.monotonic()
     next_step = 0
+    typical_s = 0.2  # seconds a writer lives, a moving average (random_time kills land within it)
     for i in range(trials):
         t = _draw(rng, i, next_step, points, tensor_bytes)
         s.trials += 1
@@ -357,8 +358,9 @@ def run_campaign(
             finally:
                 os._exit(code)
         os.close(wfd)
-        if t.point == "random_time":
-            threading.Timer(t.delay_s, lambda p=pid: _kill_quietly(p)).start()
+        started = time.monotonic()
+        if t.point == "random_time":  # a fraction of how long a trial's writer typically lives
+            threading.Timer(t.delay_s * typical_s, lambda p=pid: _kill_quietly(p)).start()
         out = b""
         deadline = time.monotonic() + trial_timeout_s
         while time.monotonic() < deadline:
@@ -373,6 +375,7 @@ def run_campaign(
             s.failures.append(f"trial {i}: the writer did not finish in {trial_timeout_s} s")
         os.close(rfd)
         _, status = os.waitpid(pid, 0)
+        lived = time.monotonic() - started
         acked = [int(x) for x in out.decode().split()]
         s.commits_acknowledged += len(acked)
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
@@ -380,6 +383,7 @@ def run_campaign(
             s.points_hit[t.point] += 1
         elif os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
             s.completed += 1
+            typical_s = 0.5 * typical_s + 0.5 * lived  # how long a whole writer run takes
         else:
             s.failures.append(f"trial {i} ({t.point}): the writer failed with status {status}")
         next_step = _check(storage, t, acked, tensor_bytes, s)
