@@ -1,12 +1,14 @@
 """One torchrun launch (3 ranks) for the chunk codecs (docs/codecs.md).
 
-    codecs_worker.py ROOT
+    codecs_worker.py ROOT [encrypted]
 
 Ranks 0 and 1 save, in a 2-rank process group, an FSDP2 module (``fully_shard`` on a 2-rank
 mesh) and DTensors sharded over the same mesh, with ``incremental=True`` and
 ``compression="zstd"``, two steps, asynchronously; rank 2 waits. Then all 3 ranks restore
 into an FSDP2 module and DTensors on a 3-rank mesh (resharded 2 -> 3), whole and partially.
 Each rank writes ``ROOT/results/r<rank>.json``: a list of checks ``{"case", "ok", "error"}``.
+With ``encrypted``, every manager also has ``encryption=`` (tests/core/test_encryption.py),
+and a restore with a wrong key must fail on every rank.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _dtensors(full: dict[str, torch.Tensor], mesh: DeviceMesh, rank: int, n: int
     return out
 
 
-def main(root: Path) -> None:
+def main(root: Path, encrypted: bool = False) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     checks: list[dict[str, Any]] = []
@@ -64,7 +66,11 @@ def main(root: Path) -> None:
         except Exception:
             checks.append({"case": case, "ok": False, "error": traceback.format_exc()[-3000:]})
 
-    opts = {"incremental": True, "compression": "zstd", "min_file_bytes": 1 << 14}
+    opts: dict[str, Any] = {"incremental": True, "compression": "zstd", "min_file_bytes": 1 << 14}
+    if encrypted:
+        from shardkeeper.core import LocalKeyProvider
+
+        opts["encryption"] = LocalKeyProvider(bytes(range(32)))
     g2 = dist.new_group([0, 1])
     full = _full()
     ref = _linear(1)
@@ -129,6 +135,23 @@ def main(root: Path) -> None:
         assert st is not None and st.bytes_needed > 0 and st.bytes_read > 0
 
     check("partial restore at w3", partial)
+    if encrypted:
+
+        def wrong_key() -> None:
+            from shardkeeper.core import EncryptionKeyError, LocalKeyProvider
+
+            lin = _linear(99)
+            fully_shard(lin, mesh=mesh3)
+            bad = {**opts, "encryption": LocalKeyProvider(bytes(32))}
+            with CheckpointManager(root, **bad) as mgr:
+                try:
+                    mgr.restore({"model": lin}, strict=False)
+                except EncryptionKeyError as e:
+                    assert "wrong key" in str(e), e
+                else:
+                    raise AssertionError("a wrong key restored")
+
+        check("wrong key fails on every rank at w3", wrong_key)
     out = root / "results"
     out.mkdir(exist_ok=True)
     (out / f"r{rank}.json").write_text(json.dumps(checks))
@@ -137,4 +160,4 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:] == ["encrypted"])
