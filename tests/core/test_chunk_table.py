@@ -218,3 +218,16 @@ def test_slab_fast_path_and_the_leaf_by_leaf_check_agree() -> None:
     assert "cover" in str(leaf_chunks_problem("a", [6, 2], 4, [0, 1], t))
     assert "overlap" in str(leaf_chunks_problem("a", [3, 2], 4, [1, 2], t))
     assert leaf_chunks_problem("a", [4, 2], 8, [1, 0], t) is not None  # lengths of another dtype
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_commit_and_restore_a_table_form_checkpoint(tmp_path: Path) -> None:
+    """Real ranks: reports travel in columns through the c10d store, the coordinator writes
+    the chunk table, and DTensor and plain targets restore bit for bit."""
+    from tests.launch import run_script
+
+    proc = run_script(2, Path(__file__).parent / "dist" / "table_worker.py", str(tmp_path), timeout_s=100)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"result-r{r}.json").read_text())
+        assert res["failures"] == [], res
