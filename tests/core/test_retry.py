@@ -77,6 +77,20 @@ def test_writer_replays_after_a_transient_write_fault(tmp_path: Path) -> None:
     assert inner.read_bytes("d/f") == b"abcdefg" and s.retries == 1
 
 
+def test_writer_past_the_replay_limit_does_not_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkeeper.core.storage import retry
+
+    monkeypatch.setattr(retry, "MAX_REPLAY_BYTES", 4)
+    faulty = FaultyStorage(LocalStorage(tmp_path), fail_on={"write": "*"}, error=ConnectionResetError, skip=1, times=1)
+    s = RetryingStorage(faulty, FAST)
+    w = s.open_writer("d/f")
+    w.write(b"abc")
+    with pytest.raises(StorageError):  # 7 bytes would have to be held: the fault goes through
+        w.write(b"defg")
+    w.abort()
+    assert s.retries == 0
+
+
 def test_put_if_absent_whose_reply_was_lost_counts_as_ours(tmp_path: Path) -> None:
     class LostReply(LocalStorage):
         calls = 0

@@ -14,7 +14,7 @@ What is retried, and why it is safe:
 - ``put`` (a whole-object replace) and ``open_writer``;
 - a writer's ``write``/``close``: data file names are unique per save attempt, so the
   writer aborts its upload, opens the same name again and replays the bytes written so far.
-  It keeps *references* to them, no copies: callers keep the bytes passed to ``write()``
+  It keeps *references* to them (up to ``MAX_REPLAY_BYTES`` per file), no copies: callers keep the bytes passed to ``write()``
   unchanged until ``close()`` returns (``Writer``'s contract). A ``close()`` whose reply was
   lost may have completed: if the file then exists with exactly the bytes written, it counts
   as done;
@@ -179,6 +179,12 @@ class _Attempts:
                 self.failed(e)
 
 
+#: A writer keeps references to at most this many written bytes for a replay; past it (a
+#: large file of freshly encoded buffers that nothing else holds) it stops retrying itself and
+#: relies on the client's own part retries (s3fs, gcsfs), so memory stays bounded.
+MAX_REPLAY_BYTES = 256 << 20
+
+
 class _RetryingWriter:
     """A writer that, on a transient fault, aborts, reopens the same name and replays."""
 
@@ -186,10 +192,11 @@ class _RetryingWriter:
         self._owner = owner
         self._path = path
         self._inner = inner
-        self._parts: list[memoryview | bytes] = []
+        self._parts: list[memoryview | bytes] | None = []
         self._written = 0
 
     def _reopen_and_replay(self) -> None:
+        assert self._parts is not None
         try:
             self._inner.abort()
         except Exception:  # best effort: the old upload is gone or will be aborted by gc
@@ -199,6 +206,13 @@ class _RetryingWriter:
             self._inner.write(part)
 
     def write(self, data: memoryview | bytes) -> None:
+        n = memoryview(data).nbytes
+        if self._parts is not None and self._written + n > MAX_REPLAY_BYTES:
+            self._parts = None  # too much to hold for a replay: no retries at this layer
+        if self._parts is None:
+            self._inner.write(data)
+            self._written += n
+            return
         att = _Attempts(self._owner, "write", self._path)
         first = True
         while True:
@@ -212,9 +226,12 @@ class _RetryingWriter:
             except Exception as e:
                 att.failed(e)
         self._parts.append(data)
-        self._written += memoryview(data).nbytes
+        self._written += n
 
     def close(self) -> None:
+        if self._parts is None:
+            self._inner.close()
+            return
         att = _Attempts(self._owner, "close", self._path)
         first = True
         while True:
