@@ -547,10 +547,6 @@ class CheckpointManager:
                 f"see its error (rank {self.rank})"
             )
         return code == 1
-        pending = self._pending
-        protect = [pending.step] if pending is not None and not pending.done() else []
-        apply_retention(self.storage, _DeleteOnly(frozenset([step])), protect=protect)
-        return step not in committed_steps(self.storage)
 
     def restore(
         self,
