@@ -47,6 +47,8 @@ TAG = 16
 MAX_HEADER = 64 << 10
 _AAD_PREFIX = b"shardkeeper/aes-256-gcm/v1\0"
 _FLUSH = 4 << 20
+#: A ranged read is done in windows of this many blocks (~4 MiB): bounded scratch memory.
+_READ_BLOCKS = 64
 _MAC_TAIL = len(b'"}}') + 64  # the manifest ends with "mac":"<64 hex>"}}
 
 
@@ -75,23 +77,34 @@ def stored_size(plain: int, header: int) -> int:
 
 class _EncWriter:
     """Buffers up to one block; a block goes out only when more bytes follow it, so the
-    last block (flagged final in its associated data) is known at ``close``."""
+    last block (flagged final in its associated data) is known at ``close``. Ciphertext is
+    gathered into fresh ~4 MiB buffers (a retrying writer keeps references to them)."""
 
     def __init__(self, inner: Writer, path: str, aead: Any, header: bytes) -> None:
         self._inner, self._path, self._aead = inner, path, aead
+        self._into = getattr(aead, "encrypt_into", None)
         self._buf = bytearray()
-        self._out: list[bytes] = [header]
-        self._out_bytes = len(header)
+        self._header = header
+        self._out = bytearray(_FLUSH + BLOCK + TAG)
+        self._n = 0
         self._i = 0
 
     def _emit(self, block: Any, final: bool) -> None:
-        ct = self._aead.encrypt(_nonce(self._i), bytes(block), _aad(self._path, self._i, final))
+        if self._header:
+            self._inner.write(self._header)
+            self._header = b""
+        k = len(block) + TAG
+        nonce, aad = _nonce(self._i), _aad(self._path, self._i, final)
+        if self._into is not None:
+            self._into(nonce, block, aad, memoryview(self._out)[self._n : self._n + k])
+        else:
+            self._out[self._n : self._n + k] = self._aead.encrypt(nonce, bytes(block), aad)
+        self._n += k
         self._i += 1
-        self._out.append(ct)
-        self._out_bytes += len(ct)
-        if self._out_bytes >= _FLUSH or final:
-            self._inner.write(b"".join(self._out))
-            self._out, self._out_bytes = [], 0
+        if self._n >= _FLUSH or final:
+            self._inner.write(memoryview(self._out)[: self._n])
+            self._out = bytearray(_FLUSH + BLOCK + TAG) if not final else bytearray()
+            self._n = 0
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
@@ -211,9 +224,12 @@ class EncryptedStorage:
             self._files[path] = info
         return info
 
-    def _read_plain(self, path: str, offset: int, length: int) -> memoryview:
+    def _read_plain(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with plaintext bytes [offset, offset + len(out)): one ranged read of
+        the blocks they overlap; whole blocks are decrypted straight into ``out``."""
         info = self._info(path)
-        if offset < 0 or length < 0 or offset + length > info.plain:
+        length = len(out)
+        if offset < 0 or offset + length > info.plain:
             from shardkeeper.core.errors import StorageError
 
             raise StorageError(
@@ -221,44 +237,51 @@ class EncryptedStorage:
                 f"{info.plain} plaintext bytes"
             )
         if length == 0:
-            return memoryview(b"")
+            return
         i0, i1 = offset // BLOCK, (offset + length - 1) // BLOCK
-        start = info.header + i0 * (BLOCK + TAG)
-        end = min(info.header + (i1 + 1) * (BLOCK + TAG), self._stored_end(info))
-        blob = memoryview(self.inner.read_range(path, start, end - start))
-        out = bytearray()
-        for i in range(i0, i1 + 1):
-            ct = blob[(i - i0) * (BLOCK + TAG) : (i - i0 + 1) * (BLOCK + TAG)]
-            try:
-                out += info.aead.decrypt(_nonce(i), bytes(ct), _aad(path, i, i == info.blocks - 1))
-            except self._invalid_tag as e:
-                raise ChecksumMismatchError(
-                    f"{self.inner.describe(path)}: encrypted block {i} (bytes [{i * BLOCK}, "
-                    f"{min((i + 1) * BLOCK, info.plain)})) fails authentication: it was tampered "
-                    f"with, moved or damaged; restore another step and run `shardkeeper verify`",
-                    file=path,
-                ) from e
-        a = offset - i0 * BLOCK
-        return memoryview(out)[a : a + length]
-
-    @staticmethod
-    def _stored_end(info: _FileInfo) -> int:
-        return stored_size(info.plain, info.header)
+        into = getattr(info.aead, "decrypt_into", None)
+        stored_end = stored_size(info.plain, info.header)
+        blob = memoryview(bytearray(min(i1 - i0 + 1, _READ_BLOCKS) * (BLOCK + TAG)))
+        pos = 0
+        for w0 in range(i0, i1 + 1, _READ_BLOCKS):  # windows of blocks: one reused buffer
+            w1 = min(i1 + 1, w0 + _READ_BLOCKS)
+            start = info.header + w0 * (BLOCK + TAG)
+            end = min(info.header + w1 * (BLOCK + TAG), stored_end)
+            self.inner.read_into(path, start, blob[: end - start])
+            for i in range(w0, w1):
+                ct = blob[(i - w0) * (BLOCK + TAG) : min((i - w0 + 1) * (BLOCK + TAG), end - start)]
+                lo, hi = max(offset - i * BLOCK, 0), min(offset + length - i * BLOCK, len(ct) - TAG)
+                aad = _aad(path, i, i == info.blocks - 1)
+                try:
+                    if into is not None and lo == 0 and hi == len(ct) - TAG:
+                        into(_nonce(i), ct, aad, out[pos : pos + hi])
+                    else:
+                        out[pos : pos + hi - lo] = memoryview(info.aead.decrypt(_nonce(i), ct, aad))[lo:hi]
+                except self._invalid_tag as e:
+                    raise ChecksumMismatchError(
+                        f"{self.inner.describe(path)}: encrypted block {i} (bytes [{i * BLOCK}, "
+                        f"{min((i + 1) * BLOCK, info.plain)})) fails authentication: it was tampered "
+                        f"with, moved or damaged; restore another step and run `shardkeeper verify`",
+                        file=path,
+                    ) from e
+                pos += hi - lo
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         if is_data_path(path):
-            return bytes(self._read_plain(path, offset, length))
+            out = bytearray(length)
+            self._read_plain(path, offset, memoryview(out))
+            return bytes(out)
         return self.inner.read_range(path, offset, length)
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         if is_data_path(path):
-            buffer[:] = self._read_plain(path, offset, len(buffer))
+            self._read_plain(path, offset, memoryview(buffer).cast("B"))
         else:
             self.inner.read_into(path, offset, buffer)
 
     def read_bytes(self, path: str) -> bytes:
         if is_data_path(path):
-            return bytes(self._read_plain(path, 0, self._info(path).plain))
+            return self.read_range(path, 0, self._info(path).plain)
         data = self.inner.read_bytes(path)
         if self.authenticate and is_manifest_path(path):
             open_manifest(data, self, self.inner.describe(path))
