@@ -41,6 +41,7 @@ from shardkeeper.core.format.manifest import (
 )
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.legacy import require_trust
 from shardkeeper.core.tensor.save import WriteItem, _write_one
 from shardkeeper.core.tensor.state import normalize_fqn, torch_dtype_name
 
@@ -48,12 +49,10 @@ DEFAULT_BATCH_BYTES = 512 << 20
 
 
 def _refuse_untrusted(src: str, trust_pickle: bool) -> None:
-    if trust_pickle is not True:
-        raise PermissionError(
-            f"{src} is a torch.distributed.checkpoint directory: its .metadata (and any non-tensor "
-            f"entry) is a pickle, which can run code when loaded; shardkeeper reads it only with "
-            f"trust_pickle=True (CLI: --trust-pickle) for checkpoints you trust"
-        )
+    require_trust(
+        f"{src} is a torch.distributed.checkpoint directory: its .metadata (and any non-tensor "
+        f"entry)", trust_pickle=trust_pickle,
+    )
     if not os.path.isfile(os.path.join(src, ".metadata")):
         raise FileNotFoundError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
 

@@ -2,8 +2,10 @@
 
 shardkeeper's own format holds no pickle and restore never unpickles. Importers of checkpoints
 written by other tools (a Lightning ``.ckpt``, DeepSpeed's ``global_step*/`` files) must read
-those pickles once to convert them; they do it only through this function, which refuses
-unless the caller passed ``trust_pickle=True``, so the opt-in cannot be skipped by a code path.
+those pickles once to convert them; they do it only through this module, which refuses
+unless the caller passed ``trust_pickle=True``, so the opt-in cannot be skipped by a code path:
+``load_trusted_pickle`` for a file torch.load reads, ``require_trust`` before handing a pickle
+to a reader that unpickles it itself (torch.distributed.checkpoint's ``.metadata``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,19 @@ from typing import Any
 import torch
 
 
-def load_trusted_pickle(path: str | os.PathLike[str], *, trust_pickle: bool) -> Any:
-    """``torch.load`` of a legacy pickle file, on CPU; ``PermissionError`` unless trusted."""
+def require_trust(what: str, *, trust_pickle: bool) -> None:
+    """``PermissionError`` unless ``trust_pickle is True``; ``what`` says which pickle and why."""
     if trust_pickle is not True:
         raise PermissionError(
-            f"{os.fspath(path)} is a pickle, which can run code when loaded; shardkeeper reads it "
-            f"only when you pass trust_pickle=True for files you trust"
+            f"{what} is a pickle, which can run code when loaded; shardkeeper reads it only when "
+            f"you pass trust_pickle=True (CLI: --trust-pickle) for files you trust"
         )
+
+
+def load_trusted_pickle(path: str | os.PathLike[str], *, trust_pickle: bool) -> Any:
+    """``torch.load`` of a legacy pickle file, on CPU; ``PermissionError`` unless trusted."""
+    require_trust(os.fspath(path), trust_pickle=trust_pickle)
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-__all__ = ["load_trusted_pickle"]
+__all__ = ["load_trusted_pickle", "require_trust"]
