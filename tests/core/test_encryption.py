@@ -26,7 +26,7 @@ from shardkeeper.core import (
 from shardkeeper.core.codec.crypto import BLOCK, MAGIC, TAG, EncryptedStorage
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import open_storage
-from shardkeeper.core.verify import verify_step
+from shardkeeper.core.verify import verify_root, verify_step
 
 pytest.importorskip("cryptography")
 pytestmark = pytest.mark.timeout(300)
@@ -103,6 +103,7 @@ def test_encrypted_round_trip_on_every_backend(storage_root) -> None:
         stats = mgr.last_restore_stats
         assert stats is not None and stats.bytes_read < 1_000_000  # not the 2.4 MB tensor
     keyed = EncryptedStorage(storage_root.open(), _keys()).authenticated()
+    assert verify_root(plain).ok  # what the CLI does: structure, without the key
     for step in (1, 2):
         full = verify_step(keyed, step)
         assert full.ok and full.bytes_checked > 0, full.to_json()
@@ -110,19 +111,38 @@ def test_encrypted_round_trip_on_every_backend(storage_root) -> None:
         assert keyless.ok and keyless.files_checked >= 1, keyless.to_json()
 
 
+class _Counting:
+    """A real local store that counts the stored bytes read from data files."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.data_bytes = inner, 0
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        self.data_bytes += len(buffer) if "/data/" in path else 0
+        self.inner.read_into(path, offset, buffer)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        self.data_bytes += length if "/data/" in path else 0
+        return bytes(self.inner.read_range(path, offset, length))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
 def test_ranged_reads_open_only_the_blocks_they_overlap(tmp_path: Path) -> None:
-    """A 64-row slice of a 4 MB tensor reads a few 64 KiB blocks, not the file; a
-    2-file save and reads across block boundaries return the exact bytes."""
+    """A 64-row slice (256 KiB) of a 4 MiB tensor reads its blocks (+ one at each end, tags,
+    the header), not the file; reads across block boundaries return the exact bytes."""
     from shardkeeper.core import Fragment
 
     big = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))
     with CheckpointManager(tmp_path, encryption=_keys(), async_save=False) as mgr:
         mgr.save(1, {"big": big})
+    counting = _Counting(open_storage(str(tmp_path)))
+    with CheckpointManager(counting, encryption=_keys()) as mgr:  # type: ignore[arg-type]
         local = torch.zeros(64 * 1024)
         mgr.restore({"big": Fragment(local, (1024, 1024), 500 * 1024)})
         assert torch.equal(local, big[500:564].reshape(-1))
-        stats = mgr.last_restore_stats
-        assert stats is not None and stats.bytes_read <= 64 * 4096 + 2 * BLOCK, stats
+    assert 64 * 4096 < counting.data_bytes <= 64 * 4096 + 2 * BLOCK + 8 * TAG + 4096, counting.data_bytes
     storage = EncryptedStorage(open_storage(str(tmp_path)), _keys())
     (path,) = _data_files(storage, 1)
     raw = big.numpy().tobytes()
@@ -248,6 +268,48 @@ def test_key_providers_from_env_and_file(tmp_path: Path, monkeypatch: pytest.Mon
         CheckpointManager(tmp_path / "r", encryption="env:SK_NO_SUCH_VAR")
     with pytest.raises(ValueError, match="'env:VAR', 'file:PATH'"):
         CheckpointManager(tmp_path / "r", encryption="kms")
+
+
+class _ToyKms:
+    """A KeyProvider as a KMS would implement it: several key ids (rotation), wraps with
+    the newest; here the 'KMS' is AES-GCM under per-id keys held in this object."""
+
+    def __init__(self, keys: dict[str, bytes], current: str) -> None:
+        self.keys, self.key_id, self.calls = keys, current, 0
+
+    def wrap(self, data_key: bytes) -> tuple[str, bytes]:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self.calls += 1
+        nonce = os.urandom(12)
+        return self.key_id, nonce + AESGCM(self.keys[self.key_id]).encrypt(nonce, data_key, None)
+
+    def unwrap(self, key_id: str, wrapped: bytes) -> bytes:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self.calls += 1
+        if key_id not in self.keys:
+            raise EncryptionKeyError(f"the KMS has no key {key_id}")
+        return AESGCM(self.keys[key_id]).decrypt(wrapped[:12], wrapped[12:], None)
+
+
+def test_a_kms_style_provider_with_key_rotation(tmp_path: Path) -> None:
+    state = {"w": torch.randn(300, 300)}
+    old = _ToyKms({"k1": bytes(32)}, "k1")
+    with CheckpointManager(tmp_path, encryption=old, async_save=False) as mgr:
+        mgr.save(1, state)
+    assert old.calls == 2  # one data file + one manifest MAC key
+    rotated = _ToyKms({"k1": bytes(32), "k2": bytes(range(32))}, "k2")
+    with CheckpointManager(tmp_path, encryption=rotated, async_save=False) as mgr:
+        mgr.save(2, {"w": state["w"] + 1})
+        for step, want in ((1, state["w"]), (2, state["w"] + 1)):
+            target = {"w": torch.zeros(300, 300)}
+            mgr.restore(target, step=step)
+            assert torch.equal(target["w"], want)
+    assert json.loads((tmp_path / step_dir(2) / "manifest.json").read_bytes())["encryption"]["key_id"] == "k2"
+    with CheckpointManager(tmp_path, encryption=_ToyKms({"k2": bytes(range(32))}, "k2")) as mgr, \
+            pytest.raises(EncryptionKeyError, match="no key k1"):
+        mgr.restore({"w": torch.zeros(300, 300)}, step=1)
 
 
 def test_export_decrypts_with_the_key_and_refuses_without(tmp_path: Path) -> None:

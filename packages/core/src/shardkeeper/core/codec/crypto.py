@@ -32,7 +32,7 @@ import json
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require_cryptography
@@ -131,10 +131,12 @@ class _EncWriter:
 
 @dataclass(frozen=True)
 class _FileInfo:
-    aead: Any
     header: int  # stored bytes before the first block
     plain: int  # plaintext size
     blocks: int
+    key_id: str
+    wrapped: bytes
+    aead: Any = None  # set once the data key is unwrapped (sizes need no key)
 
 
 class EncryptedStorage:
@@ -183,11 +185,21 @@ class EncryptedStorage:
         return key
 
     # -- data files ------------------------------------------------------------------------------
-    def _info(self, path: str) -> _FileInfo:
+    def _info(self, path: str, key: bool = True) -> _FileInfo:
+        """The file's layout (from its header and size) and, with ``key``, its unwrapped data
+        key; cached per path (data files are immutable)."""
         with self._lock:
             info = self._files.get(path)
-        if info is not None:
-            return info
+        if info is None:
+            info = self._layout(path)
+        if key and info.aead is None:
+            data_key = self._unwrap(info.key_id, info.wrapped, f"{self.inner.describe(path)} (data key)")
+            info = replace(info, aead=self._aead_mod.AESGCM(data_key))
+        with self._lock:
+            self._files[path] = info
+        return info
+
+    def _layout(self, path: str) -> _FileInfo:
         where = self.inner.describe(path)
         size = self.inner.size(path)
         head = self.inner.read_range(path, 0, min(size, 12))
@@ -218,11 +230,7 @@ class EncryptedStorage:
                 f"{where}: {size} bytes is not a whole number of encrypted blocks (truncated?); "
                 f"restore another step"
             )
-        key = self._unwrap(key_id, wrapped, f"{where} (data key)")
-        info = _FileInfo(self._aead_mod.AESGCM(key), 12 + n, plain, blocks)
-        with self._lock:
-            self._files[path] = info
-        return info
+        return _FileInfo(12 + n, plain, blocks, key_id, wrapped)
 
     def _read_plain(self, path: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with plaintext bytes [offset, offset + len(out)): one ranged read of
@@ -288,7 +296,7 @@ class EncryptedStorage:
         return data
 
     def size(self, path: str) -> int:
-        return self._info(path).plain if is_data_path(path) else self.inner.size(path)
+        return self._info(path, key=False).plain if is_data_path(path) else self.inner.size(path)
 
     def open_writer(self, path: str) -> Writer:
         if not is_data_path(path):
