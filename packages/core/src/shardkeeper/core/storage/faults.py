@@ -77,7 +77,8 @@ from shardkeeper.core.errors import (
     CommitConflictError,
     StorageError,
 )
-from shardkeeper.core.storage.base import Capabilities, Storage, Writer
+from shardkeeper.core.storage.base import Storage, Writer
+from shardkeeper.core.storage.wrapper import StorageWrapper
 
 ErrorSpec = BaseException | type[BaseException] | Callable[[str, str], BaseException]
 
@@ -163,7 +164,7 @@ class _FaultyWriter:
             self.abort()
 
 
-class FaultyStorage:
+class FaultyStorage(StorageWrapper):
     """A ``Storage`` that fails or corrupts chosen operations on chosen paths (see the module)."""
 
     def __init__(
@@ -178,7 +179,7 @@ class FaultyStorage:
         corrupt: str | Iterable[str] | None = None,
         corrupt_offset: int | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.fail_on = {op: _patterns(p) for op, p in (fail_on or {}).items()}
         unknown = sorted(set(self.fail_on) - OPS)
         if unknown:
@@ -199,27 +200,6 @@ class FaultyStorage:
         self._lock = threading.Lock()
 
     # -- the protocol's attributes ------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return self.inner.url
-
-    @url.setter
-    def url(self, value: str) -> None:
-        self.inner.url = value
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @capabilities.setter
-    def capabilities(self, value: Capabilities) -> None:
-        self.inner.capabilities = value
-
-    def __getattr__(self, name: str) -> Any:  # backend extras (``fs``, ``root``, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return f"FaultyStorage({self.inner!r}, fail_on={self.fail_on!r})"
@@ -367,9 +347,6 @@ class FaultyStorage:
     def delete_dir(self, path: str) -> None:
         self._check("delete_dir", path)
         self.inner.delete_dir(path)
-
-    def describe(self, path: str) -> str:
-        return self.inner.describe(path)
 
 
 __all__ = ["OPS", "FaultyStorage"]

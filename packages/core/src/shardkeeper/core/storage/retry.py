@@ -45,7 +45,8 @@ from shardkeeper.core.errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from shardkeeper.core.storage.base import Capabilities, Storage, Writer
+from shardkeeper.core.storage.base import Storage, Writer
+from shardkeeper.core.storage.wrapper import StorageWrapper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -201,7 +202,7 @@ class _RetryingWriter:
             self._inner.abort()
         except Exception:  # best effort: the old upload is gone or will be aborted by gc
             pass
-        self._inner = self._owner._inner.open_writer(self._path)
+        self._inner = self._owner.inner.open_writer(self._path)
         for part in self._parts:
             self._inner.write(part)
 
@@ -251,7 +252,7 @@ class _RetryingWriter:
     def _landed(self) -> bool:
         """A close whose reply was lost may have completed: the file is there, whole."""
         try:
-            return self._owner._inner.size(self._path) == self._written
+            return self._owner.inner.size(self._path) == self._written
         except CheckpointError:
             return False
 
@@ -269,11 +270,11 @@ class _RetryingWriter:
             self.abort()
 
 
-class RetryingStorage:
+class RetryingStorage(StorageWrapper):
     """``inner`` with transient faults retried under ``policy`` (see the module docstring)."""
 
     def __init__(self, inner: Storage, policy: RetryPolicy | None = None, *, seed: int | None = None) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.policy = policy or RetryPolicy()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -282,33 +283,8 @@ class RetryingStorage:
         self.failures = 0
         """Operations that failed for good (transient errors exhausted, or another StorageError)."""
 
-    @property
-    def inner(self) -> Storage:
-        return self._inner
-
-    @property
-    def url(self) -> str:
-        return self._inner.url
-
-    @url.setter
-    def url(self, value: str) -> None:
-        self._inner.url = value
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._inner.capabilities
-
-    @capabilities.setter
-    def capabilities(self, value: Capabilities) -> None:
-        self._inner.capabilities = value
-
-    def __getattr__(self, name: str) -> Any:  # backend extras (``fs``, ``root``, ...)
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
     def __repr__(self) -> str:
-        return f"RetryingStorage({self._inner!r}, {self.policy})"
+        return f"RetryingStorage({self.inner!r}, {self.policy})"
 
     def _count(self, op: str, outcome: str) -> None:
         with self._lock:
@@ -321,53 +297,50 @@ class RetryingStorage:
     def _retry(self, op: str, path: str, fn: Callable[[], T]) -> T:
         return _Attempts(self, op, path).run(fn)
 
-    def describe(self, path: str) -> str:
-        return self._inner.describe(path)
-
     def list_dir(self, path: str) -> list[str]:
-        return self._retry("list_dir", path, lambda: self._inner.list_dir(path))
+        return self._retry("list_dir", path, lambda: self.inner.list_dir(path))
 
     def exists(self, path: str) -> bool:
-        return self._retry("exists", path, lambda: self._inner.exists(path))
+        return self._retry("exists", path, lambda: self.inner.exists(path))
 
     def size(self, path: str) -> int:
-        return self._retry("size", path, lambda: self._inner.size(path))
+        return self._retry("size", path, lambda: self.inner.size(path))
 
     def mtime(self, path: str) -> float:
-        return self._retry("mtime", path, lambda: self._inner.mtime(path))
+        return self._retry("mtime", path, lambda: self.inner.mtime(path))
 
     def read_bytes(self, path: str) -> bytes:
-        return self._retry("read_bytes", path, lambda: self._inner.read_bytes(path))
+        return self._retry("read_bytes", path, lambda: self.inner.read_bytes(path))
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        return self._retry("read_range", path, lambda: self._inner.read_range(path, offset, length))
+        return self._retry("read_range", path, lambda: self.inner.read_range(path, offset, length))
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
-        self._retry("read_into", path, lambda: self._inner.read_into(path, offset, buffer))
+        self._retry("read_into", path, lambda: self.inner.read_into(path, offset, buffer))
 
     def open_writer(self, path: str) -> Writer:
-        inner = self._retry("open_writer", path, lambda: self._inner.open_writer(path))
+        inner = self._retry("open_writer", path, lambda: self.inner.open_writer(path))
         return _RetryingWriter(self, path, inner)
 
     def sync_dir(self, path: str) -> None:
-        self._retry("sync_dir", path, lambda: self._inner.sync_dir(path))
+        self._retry("sync_dir", path, lambda: self.inner.sync_dir(path))
 
     def put(self, path: str, data: bytes) -> None:
-        self._retry("put", path, lambda: self._inner.put(path, data))
+        self._retry("put", path, lambda: self.inner.put(path, data))
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         att = _Attempts(self, "put_if_absent", path)
         while True:
             att.n += 1
             try:
-                self._inner.put_if_absent(path, data)
+                self.inner.put_if_absent(path, data)
                 return
             except CommitConflictError:
                 if att.n == 1:
                     raise
                 # An earlier attempt failed transiently; its write may have landed anyway.
                 try:
-                    existing = self._inner.read_bytes(path)
+                    existing = self.inner.read_bytes(path)
                 except CheckpointError:
                     existing = None
                 if existing == data:
@@ -378,10 +351,10 @@ class RetryingStorage:
                 att.failed(e)
 
     def delete(self, path: str) -> None:
-        self._retry("delete", path, lambda: self._inner.delete(path))
+        self._retry("delete", path, lambda: self.inner.delete(path))
 
     def delete_dir(self, path: str) -> None:
-        self._retry("delete_dir", path, lambda: self._inner.delete_dir(path))
+        self._retry("delete_dir", path, lambda: self.inner.delete_dir(path))
 
 
 def with_retries(storage: Storage, policy: RetryPolicy | None) -> Storage:

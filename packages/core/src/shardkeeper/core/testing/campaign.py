@@ -43,6 +43,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardkeeper.core.storage.wrapper import StorageWrapper
+
 KILL_POINTS = (
     "staging", "open_writer", "mid_write", "close", "before_manifest", "after_manifest", "retention",
     "random_time",
@@ -70,37 +72,16 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class KillingStorage:
+class KillingStorage(StorageWrapper):
     """A storage wrapper that SIGKILLs its own process at the ``n``-th call of kill point ``point``."""
 
     def __init__(self, inner: Any, point: str, n: int, after_bytes: int = 0) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.point = point
         self.n = n
         self.after_bytes = after_bytes
         self._count = 0
         self._lock = threading.Lock()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-    @property
-    def url(self) -> str:
-        return str(self._inner.url)
-
-    @url.setter
-    def url(self, value: str) -> None:
-        self._inner.url = value
-
-    @property
-    def capabilities(self) -> Any:
-        return self._inner.capabilities
-
-    @capabilities.setter
-    def capabilities(self, value: Any) -> None:
-        self._inner.capabilities = value
 
     def _hit(self, point: str) -> bool:
         if point != self.point:
@@ -112,56 +93,53 @@ class KillingStorage:
     def open_writer(self, path: str) -> Any:
         if self._hit("open_writer"):
             _kill_self()
-        return _KillingWriter(self, path, self._inner.open_writer(path))
+        return _KillingWriter(self, path, self.inner.open_writer(path))
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         manifest = path.endswith("manifest.json")
         if manifest and self._hit("before_manifest"):
             _kill_self()
-        self._inner.put_if_absent(path, data)
+        self.inner.put_if_absent(path, data)
         if manifest and self._hit("after_manifest"):
             _kill_self()
 
     def delete(self, path: str) -> None:
         if self._hit("retention"):
             _kill_self()
-        self._inner.delete(path)
+        self.inner.delete(path)
 
     def delete_dir(self, path: str) -> None:
         if self._hit("retention"):
             _kill_self()
-        self._inner.delete_dir(path)
+        self.inner.delete_dir(path)
 
     # everything else passes through (explicit, so that the Storage protocol is met)
     def list_dir(self, path: str) -> list[str]:
-        return list(self._inner.list_dir(path))
+        return list(self.inner.list_dir(path))
 
     def exists(self, path: str) -> bool:
-        return bool(self._inner.exists(path))
+        return bool(self.inner.exists(path))
 
     def size(self, path: str) -> int:
-        return int(self._inner.size(path))
+        return int(self.inner.size(path))
 
     def mtime(self, path: str) -> float:
-        return float(self._inner.mtime(path))
+        return float(self.inner.mtime(path))
 
     def read_bytes(self, path: str) -> bytes:
-        return bytes(self._inner.read_bytes(path))
+        return bytes(self.inner.read_bytes(path))
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        return bytes(self._inner.read_range(path, offset, length))
+        return bytes(self.inner.read_range(path, offset, length))
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
-        self._inner.read_into(path, offset, buffer)
+        self.inner.read_into(path, offset, buffer)
 
     def sync_dir(self, path: str) -> None:
-        self._inner.sync_dir(path)
+        self.inner.sync_dir(path)
 
     def put(self, path: str, data: bytes) -> None:
-        self._inner.put(path, data)
-
-    def describe(self, path: str) -> str:
-        return str(self._inner.describe(path))
+        self.inner.put(path, data)
 
 
 class _KillingWriter:
