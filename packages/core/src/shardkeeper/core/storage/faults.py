@@ -69,7 +69,6 @@ import errno
 import fnmatch
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -153,15 +152,6 @@ class _FaultyWriter:
 
     def abort(self) -> None:
         self._inner.abort()
-
-    def __enter__(self) -> _FaultyWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class FaultyStorage(StorageWrapper):

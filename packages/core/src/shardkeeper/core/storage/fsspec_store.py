@@ -204,15 +204,6 @@ class _FsspecWriter:
         except Exception as e:  # pragma: no cover - best effort; gc removes leftovers
             log.warning("could not remove aborted %s: %s", self._storage.describe(self._path), e)
 
-    def __enter__(self) -> _FsspecWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 class FsspecStorage:
     """A checkpoint root at an fsspec URL.

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import (
@@ -259,15 +259,6 @@ class _RetryingWriter:
     def abort(self) -> None:
         self._parts = []
         self._inner.abort()
-
-    def __enter__(self) -> _RetryingWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class RetryingStorage(StorageWrapper):
