@@ -39,6 +39,7 @@ from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require
 from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardkeeper.core.format.layout import DATA_DIR, parse_step_dir
 from shardkeeper.core.storage.base import Storage, Writer
+from shardkeeper.core.storage.wrapper import StorageWrapper
 
 MAGIC = b"SKCRYPT1"
 ALGORITHM = "AES-256-GCM"
@@ -139,7 +140,7 @@ class _FileInfo:
     aead: Any = None  # set once the data key is unwrapped (sizes need no key)
 
 
-class EncryptedStorage:
+class EncryptedStorage(StorageWrapper):
     """A Storage whose data files are AES-256-GCM encrypted and whose manifests must carry
     a valid MAC (see the module docstring). Everything else passes through."""
 
@@ -148,10 +149,8 @@ class EncryptedStorage:
         from cryptography.exceptions import InvalidTag
 
         self._invalid_tag = InvalidTag
-        self.inner = inner
+        super().__init__(inner)
         self.provider = provider
-        self.url = inner.url
-        self.capabilities = inner.capabilities
         self._files: dict[str, _FileInfo] = {}
         self._keys: dict[tuple[str, bytes], bytes] = {}
         self._lock = threading.Lock()
@@ -312,25 +311,7 @@ class EncryptedStorage:
             MAGIC + struct.pack("<I", len(header)) + header,
         )
 
-    # -- pass-through ----------------------------------------------------------------------------
-    def list_dir(self, path: str) -> list[str]:
-        return self.inner.list_dir(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def mtime(self, path: str) -> float:
-        return self.inner.mtime(path)
-
-    def sync_dir(self, path: str) -> None:
-        self.inner.sync_dir(path)
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        self.inner.put_if_absent(path, data)
-
-    def put(self, path: str, data: bytes) -> None:
-        self.inner.put(path, data)
-
+    # -- everything else passes through (StorageWrapper); cached layouts are dropped on delete
     def delete(self, path: str) -> None:
         with self._lock:
             self._files.pop(path, None)
@@ -341,15 +322,6 @@ class EncryptedStorage:
             for p in [p for p in self._files if p.startswith(path.rstrip("/") + "/")]:
                 del self._files[p]
         self.inner.delete_dir(path)
-
-    def describe(self, path: str) -> str:
-        return self.inner.describe(path)
-
-    def __getattr__(self, name: str) -> Any:  # backend extras (e.g. a local path)
-        inner = self.__dict__.get("inner")
-        if inner is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(inner, name)
 
 
 # -- manifests ---------------------------------------------------------------------------------
