@@ -42,6 +42,24 @@ def test_precedence_argument_env_file_default(cfg: Path, monkeypatch: pytest.Mon
     assert (s["root"], s["keep_last"]) == ("/from/arg", 3)  # None = not given
 
 
+def test_every_core_option_can_be_set_from_the_environment_and_the_file(
+    cfg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Options added to the core (compression, catalog, encryption, staging, retries, ...) are
+    settings too, converted from text; an object (a KeyProvider) passed as an argument is kept."""
+    for k in ("SHARDKEEPER_COMPRESSION", "SHARDKEEPER_STAGING", "SHARDKEEPER_ENCRYPTION"):
+        monkeypatch.delenv(k, raising=False)
+    cfg.write_text("incremental: true\nretry_max_attempts: 7\ncompression_level: 1\n")
+    monkeypatch.setenv("SHARDKEEPER_COMPRESSION", "zstd")
+    monkeypatch.setenv("SHARDKEEPER_STAGING", "overlap")
+    monkeypatch.setenv("SHARDKEEPER_ENCRYPTION", "env:MY_KEK")
+    s = resolve_settings({})
+    assert (s["incremental"], s["retry_max_attempts"], s["compression_level"]) == (True, 7, 1)
+    assert (s["compression"], s["staging"], s["encryption"]) == ("zstd", "overlap", "env:MY_KEK")
+    provider = object()
+    assert resolve_settings({"encryption": provider})["encryption"] is provider
+
+
 def test_bad_settings_name_their_source(cfg: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg.write_text("keep_lats: 3\n")
     with pytest.raises(ValueError, match=r"shardkeeper.yaml: unknown setting\(s\) keep_lats"):

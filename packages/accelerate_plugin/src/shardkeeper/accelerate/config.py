@@ -30,9 +30,19 @@ ADAPTER_SETTINGS: dict[str, tuple[type, Any]] = {
     "storage_options": (dict, None),
     "resume_dataloaders": (bool, True),
 }
-_OPTION_TYPES: dict[str, type] = {
-    f.name: {"bool": bool, "int": int, "float": float, "str": str}[str(f.type)] for f in fields(CheckpointOptions)
-}
+#: CheckpointOptions field annotation -> the type a setting's text converts to; ``object``: taken
+#: as given (``encryption`` is a "env:VAR" / "file:PATH" string or a KeyProvider object).
+_ANNOTATION_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str, "Any": object}
+
+
+def _option_type(annotation: object) -> type:
+    text = str(annotation).removesuffix(" | None")
+    if text not in _ANNOTATION_TYPES:
+        raise TypeError(f"CheckpointOptions has a field of type {annotation!r} this adapter cannot read from text")
+    return _ANNOTATION_TYPES[text]
+
+
+_OPTION_TYPES: dict[str, type] = {f.name: _option_type(f.type) for f in fields(CheckpointOptions)}
 SETTING_TYPES: dict[str, type] = {**{k: t for k, (t, _) in ADAPTER_SETTINGS.items()}, **_OPTION_TYPES}
 
 
@@ -52,6 +62,8 @@ def _convert(name: str, value: Any, source: str) -> Any:
     kind = SETTING_TYPES[name]
     if value is None:
         return None
+    if kind is object:
+        return value
     try:
         if kind is bool:
             if isinstance(value, bool):
