@@ -516,7 +516,7 @@ class CheckpointManager:
                     f"no committed checkpoint under {self.storage.url} (rank {self.rank})"
                 )
             step = steps[-1]
-        return load_manifest(self.storage, step)
+        return load_manifest(self._read_storage, step)  # authenticated when encrypted
 
     def step_url(self, step: int) -> str:
         """Where ``step``'s directory lives (a path or URL), for messages and other tools."""
