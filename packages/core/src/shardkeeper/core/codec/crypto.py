@@ -48,8 +48,9 @@ TAG = 16
 MAX_HEADER = 64 << 10
 _AAD_PREFIX = b"shardkeeper/aes-256-gcm/v1\0"
 _FLUSH = 4 << 20
-#: A ranged read is done in windows of this many blocks (~4 MiB): bounded scratch memory.
-_READ_BLOCKS = 64
+#: A ranged read is done in windows of this many blocks (~16 MiB): bounded scratch memory
+#: per I/O thread, and few enough requests on an object store.
+_READ_BLOCKS = 256
 _MAC_TAIL = len(b'"}}') + 64  # the manifest ends with "mac":"<64 hex>"}}
 
 
