@@ -18,7 +18,10 @@ from shardkeeper.core.format.table import DIGEST_HEX, TABLE_VERSION, ChunkTable,
 
 #: The format_version this code writes, and the newest it reads (2 added chunk encodings;
 #: a version 1 manifest reads exactly as before).
-FORMAT_VERSION = 3  # 3: the chunk table (format/table.py, TABLE_VERSION)
+FORMAT_VERSION = 4  # 3: the chunk table (format/table.py, TABLE_VERSION); 4: encryption
+#: The format_version that introduced encrypted data files and the manifest's "encryption"
+#: member (docs/format.md 4.2): a reader of version 3 would take ciphertext for damage.
+ENCRYPTION_VERSION = 4
 #: Chunk encodings and the format_version that introduced each (docs/codecs.md).
 ENCODINGS: dict[str, int] = {"raw": 1, "zstd": 2, "shuffle-zstd": 2}
 MANIFEST_NAME = "manifest.json"
@@ -277,6 +280,12 @@ class Manifest:
             raise IncompatibleFormatError(
                 f"manifest {where} has format_version {version}, newer than the {FORMAT_VERSION} "
                 f"this shardkeeper reads; upgrade shardkeeper-core to restore it"
+            )
+        if "encryption" in d and version < ENCRYPTION_VERSION:
+            raise CorruptCheckpointError(
+                f"manifest {where} has an encryption member but format_version {version}; "
+                f"encrypted checkpoints are format_version {ENCRYPTION_VERSION} or later, so the "
+                f"manifest was edited or damaged: restore another step"
             )
         try:
             m = cls(
