@@ -318,9 +318,11 @@ def test_export_decrypts_with_the_key_and_refuses_without(tmp_path: Path) -> Non
     from shardkeeper.core.export import export_safetensors
 
     w = torch.randn(128, 64)
-    with CheckpointManager(tmp_path / "r", encryption=_keys(), async_save=False) as mgr:
+    with CheckpointManager(tmp_path / "r", encryption=_keys(), async_save=False, incremental=True) as mgr:
         mgr.save(1, {"model": {"w": w}})
-    res = export_safetensors(tmp_path / "r", to=tmp_path / "hf", encryption=_keys())
+        mgr.save(2, {"model": {"w": w}})  # a reference to step 1's file
+        assert mgr.manifest(2).leaves["model/w"].chunks[0].file.startswith("../")
+    res = export_safetensors(tmp_path / "r", 2, to=tmp_path / "hf", encryption=_keys())
     (name,) = set(res.weight_map.values())
     assert torch.equal(load_file(str(tmp_path / "hf" / name))["w"], w)
     with pytest.raises(EncryptionKeyError, match="is encrypted"):
