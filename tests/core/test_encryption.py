@@ -329,6 +329,35 @@ def test_export_decrypts_with_the_key_and_refuses_without(tmp_path: Path) -> Non
         export_safetensors(tmp_path / "r", to=tmp_path / "hf2")
 
 
+def test_cli_verify_and_export_take_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`shardkeeper verify/export --key env:VAR`: with the key, blocks are authenticated (a
+    flipped ciphertext byte is damage) and export decrypts; without it export refuses."""
+    from safetensors.torch import load_file
+
+    from shardkeeper.core.cli import main
+
+    monkeypatch.setenv("SK_TEST_KEK", base64.b64encode(KEK).decode())
+    w = torch.randn(256, 64)
+    root = tmp_path / "r"
+    with CheckpointManager(root, encryption="env:SK_TEST_KEK", async_save=False) as mgr:
+        mgr.save(3, {"model": {"w": w}})
+    assert main(["verify", str(root), "--key", "env:SK_TEST_KEK"]) == 0
+    assert main(["export", str(root), "--to", str(tmp_path / "hf"), "--key", "env:SK_TEST_KEK"]) == 0
+    (f,) = (tmp_path / "hf").glob("*.safetensors")
+    assert torch.equal(load_file(str(f))["w"], w)
+    assert main(["export", str(root), "--to", str(tmp_path / "hf2")]) != 0
+    assert "is encrypted" in capsys.readouterr().err
+    assert main(["verify", str(root), "--key", "kms"]) == 2  # a usage error, named
+    assert "bad --key 'kms'" in capsys.readouterr().err
+    (data,) = (root / step_dir(3) / "data").iterdir()
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert main(["verify", str(root), "--key", "env:SK_TEST_KEK"]) == 1
+
+
 def test_missing_extra_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
     with pytest.raises(ImportError, match=r"shardkeeper-core\[crypto\]"):

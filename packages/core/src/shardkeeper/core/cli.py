@@ -107,6 +107,12 @@ def _parse_option(text: str) -> tuple[str, Any]:
     return key, value
 
 
+KEY_HELP = (
+    "the key-encryption key of an encrypted checkpoint: env:VAR (base64 in $VAR) or file:PATH; "
+    "with it, data blocks are decrypted and authenticated and the manifest's MAC checked"
+)
+
+
 def _open(args: argparse.Namespace) -> Storage:
     options = dict(_parse_option(o) for o in args.storage_option or ())
     try:
@@ -285,8 +291,25 @@ def _print_problems(problems: Sequence[Problem]) -> None:
         print(f"  - {p.message}")
 
 
+def _with_key(storage: Storage, spec: str | None) -> Storage:
+    """``storage`` that decrypts and authenticates with the key ``spec`` (``--key``)."""
+    if spec is None:
+        return storage
+    from shardkeeper.core.codec.crypto import EncryptedStorage
+    from shardkeeper.core.codec.keys import key_provider
+
+    try:
+        provider = key_provider(spec)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"bad --key {spec!r}: {e}") from None
+    except ImportError as e:
+        raise UsageError(f"--key needs the [crypto] extra: {e}") from None
+    assert provider is not None
+    return EncryptedStorage(storage, provider).authenticated()
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage = _open(args)
+    storage = _with_key(_open(args), args.key)
     if args.step is not None:
         try:
             reports = [verify_step(storage, args.step)]
@@ -350,7 +373,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardkeeper.core.export import export_safetensors
 
-    storage = _open(args)
+    storage = _with_key(_open(args), args.key)
     res = export_safetensors(
         storage, args.step, to=args.to, keys=args.keys or ["model/*"], keep_prefix=args.keep_prefix,
         max_shard_size=args.max_shard_size, progress=None if args.progress is None else args.progress,
@@ -455,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", metavar="STEP", nargs="?", type=_step_arg,
                    help="the step (default: every committed step)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--key", metavar="SPEC", help=KEY_HELP)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", parents=[common],
@@ -478,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
     _progress_flags(p)
+    p.add_argument("--key", metavar="SPEC", help=KEY_HELP)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("advise", parents=[common],
