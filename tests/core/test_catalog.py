@@ -104,6 +104,12 @@ def test_commits_are_recorded_in_etcd(etcd: str, tmp_path: Path) -> None:
     assert steps[20]["world_size"] == 1 and steps[20]["manifest"].endswith("step-000000000020/manifest.json")
     assert steps[20]["size_bytes"] > 0 and steps[20]["created_at"]
     assert EtcdCatalog(etcd).latest(url) is None  # another prefix, another catalog
+    # retention and delete() drop the records of the steps they delete; latest stays
+    with CheckpointManager(root, catalog=cat_url, keep_last=2) as mgr:
+        mgr.save(30, {"w": torch.full((4,), 30.0)}).wait()
+        assert sorted(cat.steps(url)) == [20, 30]
+        assert mgr.delete(20)
+    assert sorted(cat.steps(url)) == [30] and cat.latest(url) == 30
 
 
 def test_latest_moves_only_forward_under_racing_writers(etcd: str) -> None:

@@ -159,4 +159,18 @@ def record_commit(url: str | None, storage: Any, step: int, manifest: Any) -> No
         log.warning("step %d committed under %s, but the catalog was not updated: %s", step, storage.url, e)
 
 
-__all__ = ["CatalogError", "EtcdCatalog", "open_catalog", "record_commit"]
+def forget_deleted(url: str | None, storage: Any, steps: list[int]) -> None:
+    """After retention or ``delete()`` (coordinator): drop the records of deleted ``steps``.
+    A failure is logged, never raised: a stale record is only a hint (restore lists the root)."""
+    if not url or not steps:
+        return
+    try:
+        catalog = open_catalog(url)
+        assert catalog is not None
+        for step in steps:
+            catalog.forget(storage.url, step)
+    except (CatalogError, ValueError) as e:
+        log.warning("steps %s were deleted under %s, but the catalog still lists them: %s", steps, storage.url, e)
+
+
+__all__ = ["CatalogError", "EtcdCatalog", "forget_deleted", "open_catalog", "record_commit"]

@@ -25,7 +25,7 @@ import torch
 from shardkeeper.core import metrics
 from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
-from shardkeeper.core.catalog import record_commit
+from shardkeeper.core.catalog import forget_deleted, record_commit
 from shardkeeper.core.codec import CodecState
 from shardkeeper.core.codec.crypto import EncryptedStorage, seal_manifest
 from shardkeeper.core.codec.keys import EncryptionKeyError, key_provider
@@ -483,9 +483,11 @@ class CheckpointManager:
         if self.retention.keep_last is None and self.retention.keep_every is None:
             return
         try:
-            apply_retention(self.storage, self.retention, protect=[step])
+            deleted = apply_retention(self.storage, self.retention, protect=[step])
         except Exception as e:  # retention must never fail a committed save
             log.warning("retention after step %d failed (will retry after the next save): %s", step, e)
+        else:
+            forget_deleted(self.options.catalog, self.storage, deleted)
 
     def _wait_pending(self, *, raise_error: bool) -> None:
         p = self._pending
@@ -535,7 +537,8 @@ class CheckpointManager:
             try:
                 pending = self._pending
                 protect = [pending.step] if pending is not None and not pending.done() else []
-                apply_retention(self.storage, _DeleteOnly(frozenset([step])), protect=protect)
+                deleted = apply_retention(self.storage, _DeleteOnly(frozenset([step])), protect=protect)
+                forget_deleted(self.options.catalog, self.storage, deleted)
                 code = int(step not in committed_steps(self.storage))
             except Exception as e:
                 code, err = -1, e
