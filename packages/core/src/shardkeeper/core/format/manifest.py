@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
-from shardkeeper.core.format.table import DIGEST_HEX, TABLE_VERSION, ChunkTable, TableLeaves, no_gc
+from shardkeeper.core.format.table import (
+    DIGEST_HEX,
+    TABLE_VERSION,
+    ChunkTable,
+    RawLeaves,
+    TableLeaves,
+    no_gc,
+)
 
 #: The format_version this code writes, and the newest it reads (2 added chunk encodings;
 #: a version 1 manifest reads exactly as before).
@@ -181,31 +188,18 @@ class LeafRecord:
         return math.prod(self.shape) * itemsize(self.dtype) if self.kind != "object" else 0
 
 
-class LazyLeaves(Mapping[str, LeafRecord]):
+class LazyLeaves(RawLeaves):
     """Leaf records made on first access from the manifest's parsed JSON.
 
     A manifest of 100,000 tensors is parsed once; a restore of a few keys, ``ls`` or a
     retention pass then pays only for the leaves it touches.
     """
 
-    def __init__(self, raw: dict[str, Any]) -> None:
-        self.raw = raw
-        self._made: dict[str, LeafRecord] = {}
-
     def __getitem__(self, key: str) -> LeafRecord:
-        leaf = self._made.get(key)
+        leaf: LeafRecord | None = self._made.get(key)
         if leaf is None:
             leaf = self._made[key] = LeafRecord.from_json(self.raw[key])
         return leaf
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.raw)
-
-    def __len__(self) -> int:
-        return len(self.raw)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.raw
 
 
 def _leaves_json(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:

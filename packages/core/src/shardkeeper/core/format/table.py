@@ -16,7 +16,7 @@ import functools
 import gc
 import math
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import accumulate
 from typing import Any, TypeVar, cast
@@ -323,15 +323,8 @@ def leaf_chunks_problem(
             row_bytes = math.prod(shape[1:]) * isz
             if [lengths[i] for i in rows] != [n * row_bytes for n in n0]:
                 return "a chunk's length is not its element count times the item size"
-        spans = sorted(zip([toffs[a] for a in starts], n0))
-        at = 0
-        for o, n in spans:
-            if o != at or n <= 0:
-                break
-            at = o + n
-        else:
-            if at == shape[0]:
-                return None
+        if _slabs_tile(zip([toffs[a] for a in starts], n0), shape[0]):
+            return None
     boxes = [(toffs[a : a + nd], tshape[a : a + nd]) for a in starts]
     if check_lengths and not slab:
         for i, (_, cshape) in zip(rows, boxes):
@@ -355,19 +348,40 @@ def tiling_problem(key: str, shape: Sequence[int], boxes: Sequence[tuple[Sequenc
                 break
             slabs.append((offs[0], bshape[0]))
         else:
-            slabs.sort()
-            at = 0
-            for o, n in slabs:
-                if o != at or n <= 0:
-                    break
-                at = o + n
-            else:
-                if at == shape[0]:
-                    return None
+            if _slabs_tile(slabs, shape[0]):
+                return None
     return check_tiling_boxes(key, shape, boxes)
 
 
-class TableLeaves(Mapping[str, Any]):
+def _slabs_tile(slabs: Iterable[tuple[int, int]], rows: int) -> bool:
+    """Whether the (first row, row count) slabs, in any order, tile rows [0, rows) exactly."""
+    at = 0
+    for o, n in sorted(slabs):
+        if o != at or n <= 0:
+            return False
+        at = o + n
+    return at == rows
+
+
+class RawLeaves(Mapping[str, Any]):
+    """The keys of a parsed manifest's ``leaves`` JSON (``raw``), with leaf records made on
+    first access by the subclass's ``__getitem__`` and kept in ``_made``."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+        self._made: dict[str, Any] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+
+class TableLeaves(RawLeaves):
     """Leaf records of a table-form manifest, made on first access (like ``LazyLeaves``).
 
     ``raw`` maps key -> leaf JSON, where a tensor or bytes leaf lists its chunks' table rows
@@ -375,10 +389,9 @@ class TableLeaves(Mapping[str, Any]):
     """
 
     def __init__(self, raw: dict[str, Any], table: ChunkTable, block: int) -> None:
-        self.raw = raw
+        super().__init__(raw)
         self.table = table
         self.block = block
-        self._made: dict[str, Any] = {}
 
     def _record(self, i: int) -> Any:
         from shardkeeper.core.format.manifest import BlockDigests, ChunkRecord
@@ -402,15 +415,6 @@ class TableLeaves(Mapping[str, Any]):
                 leaf = LeafRecord(d["kind"], d["dtype"], tuple(d["shape"]), tuple([self._record(i) for i in d["rows"]]))
             self._made[key] = leaf
         return leaf
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.raw)
-
-    def __len__(self) -> int:
-        return len(self.raw)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.raw
 
     def head(self, key: str) -> Any:
         """Leaf ``key`` without its chunks (``overlapping`` finds those), or None."""

@@ -11,6 +11,7 @@ to a reader that unpickles it itself (torch.distributed.checkpoint's ``.metadata
 from __future__ import annotations
 
 import os
+import pickle  # only for the restricted unpickler's error type
 from typing import Any
 
 import torch
@@ -26,9 +27,17 @@ def require_trust(what: str, *, trust_pickle: bool) -> None:
 
 
 def load_trusted_pickle(path: str | os.PathLike[str], *, trust_pickle: bool) -> Any:
-    """``torch.load`` of a legacy pickle file, on CPU; ``PermissionError`` unless trusted."""
+    """``torch.load`` of a legacy pickle file, on CPU; ``PermissionError`` unless trusted.
+
+    Even when trusted, torch's restricted ``weights_only`` unpickler (tensors, containers and
+    primitives; it runs no code) is tried first; full unpickling happens only for files that
+    hold other objects (a Lightning ``.ckpt``'s hyperparameters, DeepSpeed's client state).
+    """
     require_trust(os.fspath(path), trust_pickle=trust_pickle)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 __all__ = ["load_trusted_pickle", "require_trust"]
