@@ -32,7 +32,6 @@ import os
 import platform
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -316,13 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                __file__, "--worker", f"--workdir={work}", *fwd]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        from shardkeeper.core.testing.procs import kill_tree
+
         child = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
             child.wait(timeout=args.timeout_s)
         finally:
             if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+                kill_tree(child)
         proc = child
         if proc.returncode != 0:
             print(f"loop benchmark failed (exit {proc.returncode})", file=sys.stderr)

@@ -43,6 +43,8 @@ sys.path.insert(0, str(HERE))
 import _proc  # noqa: E402
 import report  # noqa: E402
 
+from shardkeeper.core.testing.procs import kill_tree  # noqa: E402
+
 NOTES = [
     "Every rank saves and restores its own local state at the same time, as in training.",
     "Every save method starts from what a user holds, the module and the optimizer:",
@@ -101,66 +103,19 @@ def launch(label: str, nproc: int | None, args: list[str], *, timeout_s: float, 
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_tree(proc, grace_s=10)
             raise LaunchError(f"[{label}] timed out after {timeout_s:.0f} s; log: {log}") from None
         except BaseException:
-            _kill_group(proc)
+            kill_tree(proc, grace_s=10)
             raise
         finally:
-            _kill_group(proc)  # anything the launch left behind in its session
+            kill_tree(proc, grace_s=10)  # anything the launch left behind, in any session
     wall = time.perf_counter() - t0
     if rc != 0:
         tail = log.read_text()[-4000:]
         raise LaunchError(f"[{label}] exited with {rc} after {wall:.0f} s; log {log}:\n{tail}")
     print(f"[{label}] done in {wall:.1f} s", flush=True)
     return wall
-
-
-def _descendants(pid: int) -> list[int]:
-    """PIDs of every live descendant of ``pid`` (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    """End the launch: its process group, then any descendant left in another group (by PID)."""
-    stragglers = _descendants(proc.pid)
-    _kill_pg(proc)
-    for pid in stragglers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _kill_pg(proc: subprocess.Popen[Any]) -> None:
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # the leader is gone; members of its group may not be: check once more
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
 
 
 def timeout_for(size_mib: float, world: int, rounds: int, scale: float) -> float:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from shardkeeper.core.testing.procs import kill_tree
 
 
 def run_script(
@@ -14,23 +15,29 @@ def run_script(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` on ``nproc`` gloo ranks under torchrun (plain python when ``nproc`` is 1).
 
-    torchrun ``--standalone`` picks a free port. The whole process group is killed on timeout;
-    stdout and stderr come back together in ``.stdout``.
+    torchrun ``--standalone`` picks a free port. On timeout every process under the launch
+    prints its stacks (faulthandler) and is killed; stdout and stderr come back together in
+    ``.stdout``.
     """
     path = str(script)
     if nproc == 1:
         cmd = [sys.executable, path, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", path, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {
+        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {}),
+    }
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout_s} s; output tail:\n{out[-4000:]}") from None
+        kill_tree(proc, dump_stacks=True)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out = "(no output: a process outside the launch's tree still holds the pipe)"
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout_s} s; output tail:\n{out[-12000:]}") from None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -16,6 +16,7 @@ from shardkeeper.core import CheckpointManager
 from shardkeeper.core.preemption import EXIT_CODE, read_record
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.testing.campaign import _blank_like, deterministic_state
+from shardkeeper.core.testing.procs import kill_tree
 
 from ._launch import DIST_DIR
 
@@ -39,8 +40,8 @@ def _run(root: Path, mode: str) -> tuple[int, str]:
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            kill_tree(proc)
+            proc.communicate(timeout=30)
     return proc.returncode, out
 
 
