@@ -52,7 +52,12 @@ def _measure(workdir: Path, n_tensors: int, n_ranks: int, sharded: bool) -> dict
     from shardkeeper.core.commit import manifest_path
     from shardkeeper.core.format.table import encode_report, no_gc
     from shardkeeper.core.storage import LocalStorage
-    from shardkeeper.core.tensor import restore  # noqa: F401  (imported before timing, as in a restoring process)
+    from shardkeeper.core.tensor import (
+        coordination,
+        restore,  # noqa: F401  (imported before timing, as in a restoring process)
+    )
+
+    _loads = getattr(coordination, "_loads", json.loads)  # how the coordinator parses reports
 
     reports = _reports(n_tensors, n_ranks, sharded)
     # other ranks' reports arrive as JSON via the store, chunks in columns (StoreCoordinator.report)
@@ -60,7 +65,7 @@ def _measure(workdir: Path, n_tensors: int, n_ranks: int, sharded: bool) -> dict
     storage = LocalStorage(workdir / ("sharded" if sharded else "whole"))
     # commit: decode the reports, merge and check tiling, serialize, write the manifest durably
     t0 = time.perf_counter()
-    got = [reports[0]] + [json.loads(w) for w in wire]
+    got = [reports[0]] + [_loads(w.encode()) for w in wire]
     m = assemble_manifest(1, "bench", got, world_size=n_ranks, digest="xxh3_128", block_bytes=65536, metadata={})
     data = m.dumps()
     storage.put_if_absent(manifest_path(1), data)

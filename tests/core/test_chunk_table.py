@@ -1,4 +1,4 @@
-"""The chunk table (format_version 3): the columnar form of large manifests.
+"""The chunk and leaf tables (format_versions 3 and 5): the columnar form of large manifests.
 
 Checkpoints with at least ``TABLE_MIN_CHUNKS`` chunks store their chunk records as columns;
 here the threshold is lowered so that small, real saves take that form. Restores are compared
@@ -21,6 +21,7 @@ from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from shardkeeper.core.format.manifest import FORMAT_VERSION, Manifest
 from shardkeeper.core.format.table import (
+    LEAF_TABLE_VERSION,
     TABLE_VERSION,
     ChunkTable,
     all_slabs,
@@ -64,8 +65,9 @@ def test_table_form_round_trips_bit_for_bit(tmp_path: Path, table_form: None, di
     with CheckpointManager(tmp_path, digest=digest, digest_block_bytes=64) as mgr:
         mgr.save(1, make_state(), async_save=False)
         doc = json.loads((tmp_path / MDIR).read_text())
-        assert doc["format_version"] == FORMAT_VERSION >= TABLE_VERSION and "chunk_table" in doc
-        assert all("rows" in leaf for leaf in doc["leaves"].values() if leaf["kind"] != "object")
+        assert doc["format_version"] == FORMAT_VERSION >= LEAF_TABLE_VERSION > TABLE_VERSION and "chunk_table" in doc
+        assert all(leaf["kind"] == "object" for leaf in doc["leaves"].values())  # tensors: the leaf table
+        assert "model/l1" in doc["leaf_table"]["keys"] and len(doc["leaf_table"]["rows"]) == len(doc["chunk_table"]["file"])
         target = zero_state()
         assert mgr.restore(target) == 1
         # only= reads just the chunks of the keys asked for
@@ -129,10 +131,18 @@ DAMAGE: list[tuple[str, Any, str]] = [
     ("chunk_table.digests", ["x"], "not a string"),
     ("chunk_table.shape.0", 999, ""),
     ("chunk_table.offset.0", 1 << 40, "beyond the end"),
-    ("leaves.model/l1.rows", [0, 0], ""),
-    ("leaves.model/l1.rows", [10**6], "not a list of table rows"),
-    ("leaves.model/l1.rows", [], "cover 0"),
-    ("leaves.model/l1.rows", "0", "not a list of table rows"),
+    ("leaf_table.rows.2", 0, ""),  # a chunk listed twice (for two leaves), another missing
+    ("leaf_table.rows.0", 10**6, "not a list of table rows"),
+    ("leaf_table.rows", "0", "not arrays"),
+    ("leaf_table.nrows.0", 0, "do not match"),
+    ("leaf_table.keys.0", 5, "distinct strings"),
+    ("leaf_table.kind.0", "weird", "unknown leaf kind"),
+    ("leaf_table.dtype.0", "float128", "unknown dtype"),
+    ("leaf_table.shape.0", -1, "non-negative integers"),
+    ("leaf_table.shape.0", 99, ""),
+    ("leaf_table.ndim.0", 70, ""),
+    ("leaf_table", 7, "malformed"),
+    ("leaves.model/l1", {"kind": "tensor"}, "not an object"),
     ("chunk_table.extras", {"encoding": ["bogus"]}, ""),
 ]
 
@@ -148,6 +158,42 @@ def test_damaged_tables_are_refused_when_read(tmp_path: Path, path: str, value: 
     (tmp_path / MDIR).write_text(json.dumps(doc))
     with CheckpointManager(tmp_path) as mgr, pytest.raises(CheckpointError):
         mgr.restore(zero_state(), step=1)
+
+
+def _as_version_4(doc: dict[str, Any]) -> dict[str, Any]:
+    """The same manifest in the form format_versions 3 and 4 write: tensor leaves in
+    ``leaves``, each listing its chunk-table rows."""
+    lt = doc.pop("leaf_table")
+    at_s = at_r = 0
+    for j, key in enumerate(lt["keys"]):
+        nd, nr = lt["ndim"][j], lt["nrows"][j]
+        doc["leaves"][key] = {"kind": lt["kind"][j], "dtype": lt["dtype"][j], "shape": lt["shape"][at_s : at_s + nd],
+                              "rows": lt["rows"][at_r : at_r + nr]}
+        at_s, at_r = at_s + nd, at_r + nr
+    doc["format_version"] = 4
+    return doc
+
+
+def test_version_4_table_manifests_still_restore_bit_for_bit(tmp_path: Path) -> None:
+    doc = _as_version_4(_table_doc(tmp_path))
+    (tmp_path / MDIR).write_text(json.dumps(doc))
+    target = zero_state()
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(target) == 1
+    want = make_state()
+    assert all(torch.equal(target["model"][k], want["model"][k]) for k in want["model"])
+    assert torch.equal(target["ints"], want["ints"]) and target["extra"] == want["extra"]
+    assert not verify_step(LocalStorage(tmp_path), 1, read_bytes=1 << 30).problems
+    doc["leaves"]["model/l1"]["rows"] = [10**6]  # and a damaged one is still refused
+    with pytest.raises(CorruptCheckpointError, match="not a list of table rows"):
+        Manifest.loads(json.dumps(doc).encode())
+
+
+def test_a_leaf_table_needs_format_version_5(tmp_path: Path) -> None:
+    doc = _table_doc(tmp_path)
+    doc["format_version"] = 4
+    with pytest.raises(CorruptCheckpointError, match="leaf_table"):
+        Manifest.loads(json.dumps(doc).encode())
 
 
 def test_a_table_needs_format_version_3(tmp_path: Path) -> None:
@@ -209,11 +255,13 @@ def test_coordinator_merges_columnar_reports(monkeypatch: pytest.MonkeyPatch, th
 
 def test_slab_fast_path_and_the_leaf_by_leaf_check_agree() -> None:
     recs = [_rec([2, 0], [2, 2]), _rec([0, 0], [2, 2]), _rec([0, 0], [1, 2]), _rec([1, 0], [1, 2])]
-    t, _ = decode_report({"a": recs[:2], "b": recs[2:]}, 32)
+    t, _, _ = decode_report({"a": recs[:2], "b": recs[2:]}, 32)
     t = ChunkTable.concat([t], 32)
     # "a" lists its slabs out of order: not the fast path, but a valid tiling
-    assert not all_slabs([([4, 2], 4, [0, 1]), ([2, 2], 4, [2, 3])], t, check_lengths=True)
-    assert all_slabs([([4, 2], 4, [1, 0]), ([2, 2], 4, [2, 3])], t, check_lengths=True)
+    assert not all_slabs([(4, 2), (2, 2)], [4, 4], [2, 2], [0, 1, 2, 3], t, check_lengths=True)
+    assert all_slabs([(4, 2), (2, 2)], [4, 4], [2, 2], [1, 0, 2, 3], t, check_lengths=True)
+    assert not all_slabs([(4, 2), (2, 2)], [8, 4], [2, 2], [1, 0, 2, 3], t, check_lengths=True)  # lengths
+    assert not all_slabs([(4, 2), (3, 2)], [4, 4], [2, 2], [1, 0, 2, 3], t, check_lengths=True)  # coverage
     assert leaf_chunks_problem("a", [4, 2], 4, [0, 1], t) is None
     assert "cover" in str(leaf_chunks_problem("a", [6, 2], 4, [0, 1], t))
     assert "overlap" in str(leaf_chunks_problem("a", [3, 2], 4, [1, 2], t))

@@ -79,7 +79,7 @@ def _assemble(
     layouts: set[str] = set()
     width = DIGEST_HEX.get(digest, 0)
     tables: list[ChunkTable] = []
-    indexes: list[dict[str, tuple[int, int]]] = []
+    reported: list[tuple[list[str], list[int]]] = []  # per rank: its keys and their row counts
     for r in reports:
         rank = r["rank"]
         for key, decl in r.get("declared", {}).items():
@@ -87,9 +87,11 @@ def _assemble(
             if prev != decl:
                 problems.append(f"{key}: rank {owner[key]} has {prev[1]} {prev[2]}, rank {rank} has {decl[1]} {decl[2]}")
             owner.setdefault(key, rank)
-        table, index = decode_report(r["chunks"], width)
+        table, keys, counts = decode_report(r["chunks"], width)
+        if len(keys) != len(counts) or sum(counts) != len(table):
+            problems.append(f"rank {rank}'s report lists {sum(counts)} chunks for {len(keys)} keys in a table of {len(table)} rows")
         tables.append(table)
-        indexes.append(index)
+        reported.append((keys, counts))
         files.update(r["files"])
         for key, val in r["objects"].items():
             objects.setdefault(key, val)
@@ -103,16 +105,16 @@ def _assemble(
     leaves: dict[str, Any] = {}
     raw_only = "encoding" not in table.extras  # encoded chunks' lengths are their own
     items = []
+    rows_of = _rows_by_key(bases, reported)
     for key in sorted(declared):
         kind, dtype, shape = declared[key]
-        rows: list[int] = []
-        for base, index in zip(bases, indexes):
-            got = index.get(key)
-            if got is not None:
-                rows.extend(range(base + got[0], base + got[0] + got[1]))
+        rows = rows_of.get(key, [])
         leaves[key] = {"kind": kind, "dtype": dtype, "shape": shape, "rows": rows}
         items.append((key, shape, DTYPES[dtype][1] if dtype in DTYPES else 1, rows))
-    if not all_slabs([it[1:] for it in items], table, check_lengths=raw_only):
+    shapes, iszs, counts, perm = [it[1] for it in items], [it[2] for it in items], [len(it[3]) for it in items], []
+    for it in items:
+        perm.extend(it[3])
+    if not all_slabs(shapes, iszs, counts, perm, table, check_lengths=raw_only):
         for key, shape, isz, rows in items:
             why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
             if why is not None and len(rows) > 1:
@@ -123,8 +125,7 @@ def _assemble(
                     why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
             if why is not None:
                 problems.append(f"{key}: {why}")
-    chunk_keys = {k for index in indexes for k in index}
-    unknown = sorted(chunk_keys - set(declared))
+    unknown = sorted(rows_of.keys() - declared.keys())
     if unknown:
         problems.append(f"chunks of undeclared keys {unknown[:3]}")
     for key in sorted(objects):
@@ -142,7 +143,7 @@ def _assemble(
         why = table.problem(block_bytes)
         if why is not None:  # what every reader would refuse: never commit it
             raise StateMismatchError(f"step {step}: the ranks' chunk records are inconsistent: {why}")
-        out: Mapping[str, Any] = TableLeaves(dict(sorted(leaves.items())), table, block_bytes)
+        out: Mapping[str, Any] = TableLeaves.from_raw(dict(sorted(leaves.items())), table, block_bytes)
     else:  # the per-chunk form: small manifests stay easy to read by eye
         for leaf in leaves.values():
             if "rows" in leaf:
@@ -162,3 +163,21 @@ def _assemble(
         format_version=FORMAT_VERSION,
     )
 
+
+
+def _rows_by_key(bases: Sequence[int], reported: Sequence[tuple[list[str], list[int]]]) -> dict[str, list[int]]:
+    """Each key's rows in the concatenated table (rank after rank; ``bases``: each rank's
+    first row). When every rank reports one chunk of each of the same keys (FSDP, row
+    sharding), the rows are columns of a grid, built without a per-chunk Python loop."""
+    keys0 = reported[0][0] if reported else []
+    if all(keys == keys0 and counts.count(1) == len(counts) for keys, counts in reported):
+        n = len(keys0)
+        return dict(zip(keys0, map(list, zip(*[range(b, b + n) for b in bases[: len(reported)]]))))
+    rows_of: dict[str, list[int]] = {}
+    for base, (keys, counts) in zip(bases, reported):
+        for key, start, count in zip(keys, accumulate(counts, initial=base), counts):
+            rows = rows_of.get(key)
+            if rows is None:
+                rows_of[key] = rows = []
+            rows.extend(range(start, start + count))
+    return rows_of

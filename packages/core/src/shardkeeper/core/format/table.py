@@ -12,16 +12,19 @@ Ranks also send their chunk records to the coordinator in this form (``encode_re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from itertools import accumulate
+from itertools import accumulate, chain, repeat
 from typing import Any, TypeVar, cast
 
 TABLE_VERSION = 3
+#: The format_version that stores tensor and bytes leaves as columns too (``LeafTable``).
+LEAF_TABLE_VERSION = 5
 #: Below this many chunks a manifest keeps one JSON object per chunk (readable by older
 #: readers, easier to read by eye); at or above it, the columnar table.
 TABLE_MIN_CHUNKS = 4096
@@ -148,7 +151,8 @@ class ChunkTable:
         return self.digests
 
     def to_json(self, *, text: bool = True) -> dict[str, Any]:
-        """The JSON form: ``digests`` concatenated (``text``, the manifest's form) or per row."""
+        """The JSON form, integer columns packed: ``digests`` concatenated (``text``, the
+        manifest's form) or per row (a report's)."""
         d: dict[str, Any] = {"files": self.paths, "file": self.file, "offset": self.offset, "length": self.length,
                              "ndim": self.ndim, "offsets": self.offsets, "shape": self.shape,
                              "digests": self.digest_text() if text else self.digests}
@@ -229,58 +233,71 @@ class ChunkTable:
 
 def encode_report(chunks: Mapping[str, Sequence[Mapping[str, Any]]], width: int) -> dict[str, Any]:
     """A rank's chunk records (key -> records) in the compact form ranks send to the
-    coordinator: ``keys``, ``counts`` (rows per key, in order) and the ``table``."""
+    coordinator: ``keys``, ``counts`` (rows per key, in order) and the ``table`` (its
+    digests concatenated, as in a manifest: the coordinator joins 8 strings, not 800,000)."""
     keys = list(chunks)
     recs = [r for k in keys for r in chunks[k]]
-    table = ChunkTable.from_records(recs, width)
-    return {"keys": keys, "counts": [len(chunks[k]) for k in keys], "table": table.to_json(text=False)}
+    table = ChunkTable.from_records(recs, width).to_json()
+    return {"keys": keys, "counts": [len(chunks[k]) for k in keys], "table": table}
 
 
-def decode_report(chunks: Any, width: int) -> tuple[ChunkTable, dict[str, tuple[int, int]]]:
-    """A report's ``chunks`` (per-key records, or ``encode_report``'s form) as a table and
-    key -> (first row, row count)."""
+def decode_report(chunks: Any, width: int) -> tuple[ChunkTable, list[str], list[int]]:
+    """A report's ``chunks`` (per-key records, or ``encode_report``'s form) as a table, its
+    keys and each key's row count (rows in key order)."""
     if isinstance(chunks, dict) and "table" in chunks and "keys" in chunks:
-        table = ChunkTable.from_json(chunks["table"], width)
-        keys, counts = chunks["keys"], chunks["counts"]
-    else:
-        keys = list(chunks)
-        counts = [len(chunks[k]) for k in keys]
-        table = ChunkTable.from_records([r for k in keys for r in chunks[k]], width)
-    starts = accumulate(counts, initial=0)
-    return table, {k: (s, c) for k, s, c in zip(keys, starts, counts)}
+        return ChunkTable.from_json(chunks["table"], width), list(chunks["keys"]), list(chunks["counts"])
+    keys = list(chunks)
+    table = ChunkTable.from_records([r for k in keys for r in chunks[k]], width)
+    return table, keys, [len(chunks[k]) for k in keys]
 
 
-def all_slabs(items: Sequence[tuple[Sequence[int], int, Sequence[int]]], t: ChunkTable, *, check_lengths: bool) -> bool:
-    """True if for every ``(shape, item size, rows)`` in ``items`` the rows are slabs along
-    dimension 0 listed in order (row sharding, FSDP, or one whole chunk) that tile ``shape``
-    exactly, with raw lengths: the common case, checked in a few passes over all rows. False
-    means "check leaf by leaf" (``leaf_chunks_problem``), not necessarily an error."""
-    perm: list[int] = []
-    first: list[int] = []  # position in perm of each leaf's first row
-    rest: list[tuple[int, ...]] = []  # expected shape beyond dimension 0, per row
-    row_bytes: list[int] = []  # expected bytes per unit of dimension 0, per row
-    sizes0: list[int] = []
-    for shape, isz, rows in items:
-        n = len(rows)
-        if not shape or not n:
-            return False
-        first.append(len(perm))
-        perm.extend(rows)
-        r = tuple(shape[1:])
-        rest.extend([r] * n)
-        row_bytes.extend([math.prod(r) * isz] * n)
-        sizes0.append(shape[0])
+def _gather(col: Sequence[int], idx: Sequence[int]) -> list[int]:
+    """``[col[i] for i in idx]``, in C."""
+    if len(idx) == 1:
+        return [col[idx[0]]]
+    return list(operator.itemgetter(*idx)(col)) if idx else []
+
+
+def _expand(values: Sequence[Any], counts: Sequence[int]) -> list[Any]:
+    """Each of ``values`` repeated its count of times, in C."""
+    return list(chain.from_iterable(map(repeat, values, counts)))
+
+
+def all_slabs(shapes: Sequence[Sequence[int]], iszs: Sequence[int], counts: Sequence[int], perm: Sequence[int],
+              t: ChunkTable, *, check_lengths: bool) -> bool:
+    """True if every leaf ``j`` (``shapes[j]``, item size ``iszs[j]``, whose rows are the
+    next ``counts[j]`` of ``perm``) has rows that are slabs along dimension 0 listed in order
+    (row sharding, FSDP, or one whole chunk) tiling its shape exactly, with raw lengths: the
+    common case, checked in a few passes over all rows, in C where the rows share one number
+    of dimensions. False means "check leaf by leaf" (``leaf_chunks_problem``), not
+    necessarily an error."""
+    if 0 in counts or not all(shapes) or len(perm) != sum(counts):
+        return False
     if not perm:
         return True
-    dims, toffs, tshape = t.dims, t.offsets, t.shape
-    starts = [dims[i] for i in perm]
-    ends = [dims[i + 1] for i in perm]
-    if [tuple(tshape[a + 1 : b]) for a, b in zip(starts, ends)] != rest:
-        return False  # also catches another number of dimensions
-    if any([any(toffs[a + 1 : b]) for a, b in zip(starts, ends)]):
-        return False
-    o0 = [toffs[a] for a in starts]
-    n0 = [tshape[a] for a in starts]
+    first = list(accumulate(counts[:-1], initial=0))  # position in perm of each leaf's first row
+    nds = set(map(len, shapes))
+    nd = len(shapes[0])
+    if nds == {nd} and t.ndim.count(nd) == len(t):
+        # Dimension d of every row is the column slice offsets[d::nd]; gathers run in C.
+        for d in range(1, nd):
+            if any(t.offsets[d::nd]):
+                return False
+            if _gather(t.shape[d::nd], perm) != _expand(list(map(operator.itemgetter(d), shapes)), counts):
+                return False
+        o0 = _gather(t.offsets[0::nd], perm)
+        n0 = _gather(t.shape[0::nd], perm)
+    else:
+        dims, toffs, tshape = t.dims, t.offsets, t.shape
+        starts = _gather(dims, perm)
+        ends = [dims[i + 1] for i in perm]
+        rest = _expand([tuple(s[1:]) for s in shapes], counts)
+        if [tuple(tshape[a + 1 : b]) for a, b in zip(starts, ends)] != rest:
+            return False  # also catches another number of dimensions
+        if any([any(toffs[a + 1 : b]) for a, b in zip(starts, ends)]):
+            return False
+        o0 = _gather(toffs, starts)
+        n0 = _gather(tshape, starts)
     if 0 in n0:
         return False
     stop = list(map(operator.add, o0, n0))
@@ -289,11 +306,13 @@ def all_slabs(items: Sequence[tuple[Sequence[int], int, Sequence[int]]], t: Chun
         expect[k] = 0  # ... and each leaf's first one at 0
     if o0 != expect:
         return False
-    last = [*first[1:], len(perm)]
-    if [stop[k - 1] for k in last] != sizes0:
+    last = [k - 1 for k in [*first[1:], len(perm)]]
+    if _gather(stop, last) != list(map(operator.itemgetter(0), shapes)):
         return False
-    if check_lengths and [t.length[i] for i in perm] != list(map(operator.mul, n0, row_bytes)):
-        return False
+    if check_lengths:
+        row_bytes = _expand([math.prod(s[1:]) * isz for s, isz in zip(shapes, iszs)], counts)
+        if _gather(t.length, perm) != list(map(operator.mul, n0, row_bytes)):
+            return False
     return True
 
 
@@ -304,7 +323,7 @@ def leaf_chunks_problem(
     raw lengths, exact tiling), or None. Gathers columns with list comprehensions and
     recognizes slabs along dimension 0 (row sharding, FSDP) and whole chunks without a
     per-chunk loop; other layouts go through ``check_tiling_boxes``."""
-    from shardkeeper.core.format.manifest import check_tiling_boxes
+    check_tiling_boxes = _manifest.check_tiling_boxes
 
     nd = len(shape)
     ndims = t.ndim
@@ -336,7 +355,7 @@ def leaf_chunks_problem(
 def tiling_problem(key: str, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
     """``check_tiling_boxes``, with a fast path for slabs along dimension 0 (FSDP, row
     sharding): every box spans the other dimensions whole, and the slabs follow each other."""
-    from shardkeeper.core.format.manifest import check_tiling_boxes
+    check_tiling_boxes = _manifest.check_tiling_boxes
 
     ndim = len(shape)
     if ndim >= 1 and len(boxes) > 1:
@@ -381,67 +400,236 @@ class RawLeaves(Mapping[str, Any]):
         return key in self.raw
 
 
-class TableLeaves(RawLeaves):
-    """Leaf records of a table-form manifest, made on first access (like ``LazyLeaves``).
+class LeafTable:
+    """The tensor and bytes leaves of a table-form manifest as columns (format_version 5).
 
-    ``raw`` maps key -> leaf JSON, where a tensor or bytes leaf lists its chunks' table rows
-    under ``rows``; ``overlapping`` finds the chunks a restore needs without making the rest.
+    Leaf ``j``: ``keys[j]``, ``kind[j]``, ``dtype[j]``, shape ``shape[sdims[j]:sdims[j+1]]``
+    (``ndim`` values each), and its chunks: chunk-table rows ``rows[rdims[j]:rdims[j+1]]``
+    (``nrows`` each). 100,000 leaves parse as seven JSON arrays instead of 100,000 objects.
     """
 
-    def __init__(self, raw: dict[str, Any], table: ChunkTable, block: int) -> None:
-        super().__init__(raw)
+    __slots__ = ("keys", "kind", "dtype", "ndim", "shape", "nrows", "rows", "_index", "_sdims", "_rdims")
+
+    def __init__(self, keys: list[str], kind: list[str], dtype: list[str], ndim: list[int], shape: list[int],
+                 nrows: list[int], rows: list[int]) -> None:
+        self.keys, self.kind, self.dtype, self.ndim, self.shape = keys, kind, dtype, ndim, shape
+        self.nrows, self.rows = nrows, rows
+        self._index: dict[str, int] | None = None
+        self._sdims: list[int] | None = None
+        self._rdims: list[int] | None = None
+
+    @classmethod
+    def from_leaves(cls, leaves: Mapping[str, Mapping[str, Any]]) -> LeafTable:
+        """From ``key -> {"kind", "dtype", "shape", "rows"}`` (format_version 3 and 4 store
+        leaves so; the coordinator builds them so)."""
+        vals = list(leaves.values())
+        shape: list[int] = []
+        rows: list[int] = []
+        for d in vals:
+            shape.extend(d["shape"])
+            rows.extend(d["rows"])
+        return cls(list(leaves), [d["kind"] for d in vals], [d["dtype"] for d in vals],
+                   [len(d["shape"]) for d in vals], shape, [len(d["rows"]) for d in vals], rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"keys": self.keys, "kind": self.kind, "dtype": self.dtype, "ndim": self.ndim, "shape": self.shape,
+                "nrows": self.nrows, "rows": self.rows}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LeafTable:
+        """Unchecked: ``problem`` checks a table once, before anything relies on it."""
+        return cls(d["keys"], d["kind"], d["dtype"], d["ndim"], d["shape"], d["nrows"], d["rows"])
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def index(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = {k: j for j, k in enumerate(self.keys)}
+        return self._index
+
+    def shape_of(self, j: int) -> tuple[int, ...]:
+        if self._sdims is None:
+            self._sdims = [0, *accumulate(self.ndim)]
+        return tuple(self.shape[self._sdims[j] : self._sdims[j + 1]])
+
+    def rows_of(self, j: int) -> list[int]:
+        if self._rdims is None:
+            self._rdims = [0, *accumulate(self.nrows)]
+        return self.rows[self._rdims[j] : self._rdims[j + 1]]
+
+    def problem(self, table_rows: int) -> str | None:
+        """Why the columns are inconsistent, or None (types, lengths, ranges; linear)."""
+        DTYPES = _manifest.DTYPES
+
+        n = len(self.keys) if isinstance(self.keys, list) else -1
+        cols = (self.kind, self.dtype, self.ndim, self.shape, self.nrows, self.rows)
+        if n < 0 or not all(isinstance(c, list) for c in cols):
+            return "leaf_table columns are not arrays"
+        if not (len(self.kind) == len(self.dtype) == len(self.ndim) == len(self.nrows) == n):
+            return "leaf_table columns differ in length"
+        if not all(isinstance(k, str) for k in self.keys) or len(self.index) != n:
+            return "leaf_table keys are not distinct strings"
+        for c in (self.ndim, self.shape, self.nrows, self.rows):
+            if c and (not set(map(type, c)) <= {int} or min(c) < 0):
+                return "leaf_table columns hold something other than non-negative integers"
+        if self.ndim and max(self.ndim) > _MAX_NDIM:
+            return f"a leaf has more than {_MAX_NDIM} dimensions"
+        if len(self.shape) != sum(self.ndim) or len(self.rows) != sum(self.nrows):
+            return "leaf_table shape/rows do not match its ndim/nrows columns"
+        if self.rows and max(self.rows) >= table_rows:
+            return "leaf_table rows is not a list of table rows"
+        kinds = set(self.kind)
+        if not kinds <= {"tensor", "bytes"}:
+            return f"unknown leaf kind {sorted(map(str, kinds - {'tensor', 'bytes'}))[0][:40]!r} in leaf_table"
+        if not all(isinstance(d, str) and d in DTYPES for d in set(self.dtype)):
+            return "unknown dtype in leaf_table"
+        if "bytes" in kinds:
+            for j, kind in enumerate(self.kind):
+                if kind == "bytes" and (self.dtype[j] != "uint8" or self.ndim[j] != 1):
+                    return f"{self.keys[j]}: a bytes leaf must be a 1-d uint8 array"
+        return None
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Every leaf's shape (in C when all leaves have one number of dimensions)."""
+        nd = self.ndim[0] if self.ndim else 0
+        if self.ndim.count(nd) == len(self.ndim):
+            if nd == 0:
+                return [()] * len(self.ndim)
+            return list(zip(*[self.shape[d::nd] for d in range(nd)]))
+        sd = [0, *accumulate(self.ndim)]
+        return [tuple(self.shape[a:b]) for a, b in zip(sd, sd[1:])]
+
+    def slabs_tile(self, t: ChunkTable, *, check_lengths: bool) -> bool:
+        """``all_slabs`` over every leaf of this table."""
+        DTYPES = _manifest.DTYPES
+
+        isz = {d: DTYPES[d][1] for d in set(self.dtype)}
+        return all_slabs(self.shapes(), list(map(isz.__getitem__, self.dtype)), self.nrows, self.rows, t,
+                         check_lengths=check_lengths)
+
+    def items(self) -> list[tuple[str, tuple[int, ...], int, list[int]]]:
+        """``(key, shape, item size, rows)`` of every leaf."""
+        DTYPES = _manifest.DTYPES
+
+        isz = {d: DTYPES[d][1] for d in set(self.dtype)}
+        sd = [0, *accumulate(self.ndim)]
+        rd = [0, *accumulate(self.nrows)]
+        shape, rows = self.shape, self.rows
+        return [(k, tuple(shape[sd[j] : sd[j + 1]]), isz[d], rows[rd[j] : rd[j + 1]])
+                for j, (k, d) in enumerate(zip(self.keys, self.dtype))]
+
+
+class TableLeaves(Mapping[str, Any]):
+    """Leaf records of a table-form manifest, made on first access (like ``LazyLeaves``).
+
+    Tensor and bytes leaves are the rows of a ``LeafTable``, whose chunks are rows of the
+    ``ChunkTable``; object leaves keep their JSON form (``objects``). ``overlapping`` finds
+    the chunks a restore needs without making the rest.
+    """
+
+    def __init__(self, objects: dict[str, Any], leaf_table: LeafTable, table: ChunkTable, block: int) -> None:
+        self.object_leaves = objects  # key -> {"kind": "object", "value": ...}
+        self.leaf_table = leaf_table
         self.table = table
         self.block = block
+        self._made: dict[str, Any] = {}
+        self._order: list[str] | None = None
+        self._dims: list[int] | None = None  # the chunk table's, cached for _record
+        self._dig: list[int] | None = None
+        self._dim0: tuple[list[int], list[int]] | None = None  # each row's offset and size along dimension 0
+        self._shapes: list[tuple[int, ...]] | None = None  # each leaf's, for head
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any], table: ChunkTable, block: int) -> TableLeaves:
+        """From the ``leaves`` of format_version 3 and 4, where each tensor or bytes leaf
+        lists its table rows under ``rows``."""
+        objects = {k: d for k, d in raw.items() if isinstance(d, dict) and d.get("kind") == "object"}
+        return cls(objects, LeafTable.from_leaves({k: d for k, d in raw.items() if k not in objects}), table, block)
+
+    def __iter__(self) -> Iterator[str]:
+        if not self.object_leaves:
+            return iter(self.leaf_table.keys)
+        if self._order is None:
+            self._order = sorted([*self.leaf_table.keys, *self.object_leaves])
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self.leaf_table) + len(self.object_leaves)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.object_leaves or key in self.leaf_table.index
 
     def _record(self, i: int) -> Any:
-        from shardkeeper.core.format.manifest import BlockDigests, ChunkRecord
+        BlockDigests, ChunkRecord = _manifest.BlockDigests, _manifest.ChunkRecord
 
         t = self.table
-        a, b = t.dims[i], t.dims[i + 1]
-        text = t.row_digests(i, self.block)
-        extra = {k: col[i] for k, col in t.extras.items() if col[i] is not None}
-        return ChunkRecord(t.paths[t.file[i]], t.offset[i], t.length[i], tuple(t.offsets[a:b]), tuple(t.shape[a:b]),
-                           BlockDigests(text), **extra)
+        if self._dims is None:
+            self._dims = t.dims
+            self._dig = t.digest_starts(self.block) if isinstance(t.digests, str) else None
+        dims, dig = self._dims, self._dig
+        a, b = dims[i], dims[i + 1]
+        if dig is not None:
+            w = t.width
+            digests = BlockDigests.packed(cast(str, t.digests)[dig[i] * w : dig[i + 1] * w], w)
+        else:
+            digests = BlockDigests(t.digests[i])
+        rec = ChunkRecord(t.paths[t.file[i]], t.offset[i], t.length[i], tuple(t.offsets[a:b]), tuple(t.shape[a:b]), digests)
+        if t.extras:
+            extra = {k: col[i] for k, col in t.extras.items() if col[i] is not None}
+            if extra:
+                rec = dataclasses.replace(rec, **extra)
+        return rec
 
     def __getitem__(self, key: str) -> Any:
-        from shardkeeper.core.format.manifest import LeafRecord
+        LeafRecord = _manifest.LeafRecord
 
         leaf = self._made.get(key)
         if leaf is None:
-            d = self.raw[key]
-            if d["kind"] == "object":
-                leaf = LeafRecord(kind="object", value=d.get("value"))
+            obj = self.object_leaves.get(key)
+            if obj is not None:
+                leaf = LeafRecord(kind="object", value=obj.get("value"))
             else:
-                leaf = LeafRecord(d["kind"], d["dtype"], tuple(d["shape"]), tuple([self._record(i) for i in d["rows"]]))
+                lt = self.leaf_table
+                j = lt.index[key]
+                leaf = LeafRecord(lt.kind[j], lt.dtype[j], lt.shape_of(j), tuple([self._record(i) for i in lt.rows_of(j)]))
             self._made[key] = leaf
         return leaf
 
     def head(self, key: str) -> Any:
         """Leaf ``key`` without its chunks (``overlapping`` finds those), or None."""
-        from shardkeeper.core.format.manifest import LeafRecord
+        LeafRecord = _manifest.LeafRecord
 
         made = self._made.get(key)
         if made is not None:
             return made
-        d = self.raw.get(key)
-        if d is None:
-            return None
-        if d["kind"] == "object":
-            return self[key]
-        return LeafRecord(d["kind"], d["dtype"], tuple(d["shape"]))
+        lt = self.leaf_table
+        j = lt.index.get(key)
+        if j is None:
+            return self[key] if key in self.object_leaves else None
+        if self._shapes is None:
+            self._shapes = lt.shapes()
+        return LeafRecord(lt.kind[j], lt.dtype[j], self._shapes[j])
 
     def overlapping(self, key: str, offsets: Sequence[int], shape: Sequence[int]) -> list[Any]:
         """The chunk records of tensor leaf ``key`` whose boxes intersect the box
         ``offsets``/``shape`` (only those are made)."""
-        rows = self.raw[key]["rows"]
-        if math.prod(shape) == 0:
+        lt = self.leaf_table
+        rows = lt.rows_of(lt.index[key])
+        if 0 in shape:
             return []
         t = self.table
+        if self._dim0 is None:
+            self._dim0 = (_gather(t.offsets, t.dims[:-1]), _gather(t.shape, t.dims[:-1])) if len(t) else ([], [])
         dims, toffs, tshape = t.dims, t.offsets, t.shape
         nd = len(offsets)
         if nd:  # dimension 0 first: it rules out most chunks of a sharded tensor
             lo, hi = offsets[0], offsets[0] + shape[0]
-            rows = [i for i in rows if toffs[dims[i]] < hi and lo < toffs[dims[i]] + tshape[dims[i]]]
+            o0, n0 = self._dim0
+            rows = [i for i in rows if o0[i] < hi and lo < o0[i] + n0[i]]
+            if nd == 1:
+                return [self._record(i) for i in rows]
         hits = []
         for i in rows:
             a = dims[i]
@@ -454,23 +642,23 @@ class TableLeaves(RawLeaves):
 
     def objects(self) -> dict[str, Any]:
         """The object leaves (JSON values), for the checks that apply to them."""
-        return {k: d for k, d in self.raw.items() if isinstance(d, dict) and d.get("kind") == "object"}
+        return self.object_leaves
 
     def expanded(self) -> dict[str, Any]:
         """Every leaf in the per-chunk JSON form (for checks of optional columns)."""
-        out = {}
-        for key, d in self.raw.items():
-            if isinstance(d, dict) and "rows" in d:
-                d = {**d, "chunks": [self.table.record_json(i, self.block) for i in d["rows"]]}
-                del d["rows"]
-            out[key] = d
+        out: dict[str, Any] = {}
+        for key, shape, _, rows in self.leaf_table.items():
+            j = self.leaf_table.index[key]
+            out[key] = {"kind": self.leaf_table.kind[j], "dtype": self.leaf_table.dtype[j], "shape": list(shape),
+                        "chunks": [self.table.record_json(i, self.block) for i in rows]}
+        out.update(self.object_leaves)
         return out
 
     def problem(self, files: Mapping[str, Any]) -> str | None:
-        """Why the leaves and the table cannot be trusted, or None (see ``Manifest.problem``);
+        """Why the leaves and the tables cannot be trusted, or None (see ``Manifest.problem``);
         linear in the number of rows. The per-chunk checks of optional columns are left to
         the caller (``expanded`` form) when the table has any."""
-        from shardkeeper.core.format.manifest import DTYPES, safe_relative_path
+        safe_relative_path = _manifest.safe_relative_path
 
         t = self.table
         why = t.problem(self.block)
@@ -485,38 +673,29 @@ class TableLeaves(RawLeaves):
             rec = files.get(p)  # absent: a reference into another step's files
             size = big if rec is None else rec.get("size_bytes", -1)
             ends.append(size if type(size) is int else -1)
-        for f, o, n in zip(t.file, t.offset, t.length):
-            if o + n > ends[f]:
-                return f"chunk [{o}, {o + n}) lies beyond the end of {t.paths[f][:80]!r}"
-        nrows = len(t)
+        if any(map(operator.gt, map(operator.add, t.offset, t.length), _gather(ends, t.file))):
+            for f, o, n in zip(t.file, t.offset, t.length):
+                if o + n > ends[f]:
+                    return f"chunk [{o}, {o + n}) lies beyond the end of {t.paths[f][:80]!r}"
+        lt = self.leaf_table
+        why = lt.problem(len(t))
+        if why is not None:
+            return why
+        for key, d in self.object_leaves.items():
+            if not (isinstance(d, dict) and d.get("kind") == "object"):
+                return f"{key}: a leaf outside the leaf table that is not an object"
+            if key in lt.index:
+                return f"{key}: both an object and a tensor leaf"
         check_lengths = "encoding" not in t.extras
-        items = []
-        key = ""
-        try:
-            for key, leaf in self.raw.items():
-                kind = leaf["kind"]
-                if kind == "object":
-                    continue  # checked by the caller with the other JSON values
-                if kind not in ("tensor", "bytes"):
-                    return f"{key}: unknown leaf kind {kind!r}"
-                dtype = leaf["dtype"]
-                if dtype not in DTYPES:
-                    return f"{key}: unknown dtype {dtype!r}"
-                shape = leaf["shape"]
-                if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
-                    return f"{key}: shape is not a list of sizes"
-                if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
-                    return f"{key}: a bytes leaf must be a 1-d uint8 array"
-                rows = leaf["rows"]
-                if not isinstance(rows, list) or (rows and (not set(map(type, rows)) <= {int} or min(rows) < 0 or max(rows) >= nrows)):
-                    return f"{key}: rows is not a list of table rows"
-                items.append((key, shape, DTYPES[dtype][1], rows))
-            if all_slabs([it[1:] for it in items], t, check_lengths=check_lengths):
-                return None
-            for key, shape, isz, rows in items:
-                why = leaf_chunks_problem(key, shape, isz, rows, t, check_lengths=check_lengths)
-                if why is not None:
-                    return f"{key}: {why}"
-        except (KeyError, TypeError, AttributeError) as e:
-            return f"{key}: malformed leaf ({type(e).__name__}: {e})"
+        if lt.slabs_tile(t, check_lengths=check_lengths):
+            return None
+        for key, shape, isz, rows in lt.items():
+            why = leaf_chunks_problem(key, shape, isz, rows, t, check_lengths=check_lengths)
+            if why is not None:
+                return f"{key}: {why}"
         return None
+
+
+# At the end: manifest.py imports this module, and the functions above use its records and
+# checks through the module object (an import inside a hot function costs ~0.6 us a call).
+from shardkeeper.core.format import manifest as _manifest  # noqa: E402

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import operator
 import posixpath
 import threading
 import warnings
@@ -91,6 +92,9 @@ def _overlap_ops(
     if ndim == 0:
         return [_Op(key, chunk, dtype, piece.local, (), (), 0, isz)]
     if poffs == coffs and pshape == cshape:  # the common case: the piece is the chunk
+        nbytes = math.prod(cshape) * isz
+        if nbytes <= max_read:  # ... and one read: the whole chunk into the whole piece
+            return [_Op(key, chunk, dtype, piece.local, (0,) * ndim, tuple(cshape), 0, nbytes)]
         rel_lo, shape = [0] * ndim, list(cshape)
     else:
         rel_lo, shape = [], []
@@ -158,7 +162,7 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
         chunk = chunk_ops[0].chunk
         if len(chunk_ops) == 1:
             o = chunk_ops[0]
-            lo, hi = block_span(o.start, o.end, block_bytes, chunk.length)
+            lo, hi = (0, o.end) if o.start == 0 and o.end == chunk.length else block_span(o.start, o.end, block_bytes, chunk.length)
             segments.append((file, chunk.offset + lo, _Segment(o.key, chunk, lo, hi, [o])))
             continue
         spans = sorted(
@@ -172,7 +176,7 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
             else:
                 cur = _Segment(chunk_ops[i].key, chunk, lo, hi, [chunk_ops[i]])
                 segments.append((file, chunk.offset + lo, cur))
-    segments.sort(key=lambda s: (s[0], s[1]))  # file order, so adjacent ranges coalesce
+    segments.sort(key=operator.itemgetter(0, 1))  # file order, so adjacent ranges coalesce
     reads: list[_Read] = []
     for file, abs_start, seg in segments:
         abs_end = seg.chunk.offset + seg.end
