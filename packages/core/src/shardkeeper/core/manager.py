@@ -56,10 +56,9 @@ from shardkeeper.core.tensor.overlap import (
 )
 from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
 from shardkeeper.core.tensor.save import (
+    PlanCache,
     SavePlan,
     WriteItem,
-    plan_save,
-    split_files,
     write_shards,
 )
 from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
@@ -238,6 +237,7 @@ class CheckpointManager:
         self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
         self._stager = Stager()
+        self._plans = PlanCache()
         self._gate = StagingGate()
         self._codecs = CodecState(
             incremental=base.incremental, compression=base.compression, level=base.compression_level
@@ -267,8 +267,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._wait_pending(raise_error=True)
         flat = flatten_for_save(state, self.rank)
-        plan = plan_save(flat, self.rank, self.world_size)
-        groups = split_files(plan.items, self.options.max_files_per_rank, self.options.min_file_bytes)
+        plan, groups = self._plans.plan(flat, self.rank, self.world_size, self.options.max_files_per_rank,
+                                        self.options.min_file_bytes)
         synchronous = not (self.options.async_save if async_save is None else async_save)
         self._sync_save = synchronous  # read by this save's _run_save (timings for the advisor)
         # A synchronous save returns after the commit, so the caller cannot change its tensors

@@ -151,6 +151,64 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
     return plan
 
 
+def _signature(flat: FlatState) -> tuple[Any, ...] | None:
+    """What a save plan depends on, or None when the state holds anything but plain torch
+    tensors and JSON objects (DTensors, ShardedTensors, fragments, bytes: planned afresh)."""
+    sig = []
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for key, leaf in flat.leaves.items():
+        if leaf.kind == "object":
+            sig.append((key, leaf.per_rank is not None))
+            continue
+        t = leaf.value
+        if leaf.kind != "tensor" or type(t) not in plain:
+            return None
+        sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device))
+    return (tuple(flat.per_rank_prefixes), *sig)
+
+
+_NO_TENSOR = torch.empty(0)
+
+
+class PlanCache:
+    """The last save plan and file grouping of a manager, reused while the state's structure
+    (every leaf's key, kind, shape, dtype and device) is unchanged: a state of 10,000 small
+    tensors then skips planning, which costs more than copying it. New tensor objects (a
+    fresh ``state_dict()`` each save) are bound into the cached plan; only plain tensors and
+    JSON values are cached, sharded tensors are planned afresh every save."""
+
+    def __init__(self) -> None:
+        self._sig: tuple[Any, ...] | None = None
+        self._plan: SavePlan | None = None
+        self._groups: list[list[int]] = []  # each file's items, as indices into the plan's
+        self.hits = 0
+
+    @without_gc
+    def plan(self, flat: FlatState, rank: int, world_size: int, max_files: int,
+             min_file_bytes: int) -> tuple[SavePlan, list[list[WriteItem]]]:
+        sig = _signature(flat)
+        cached = self._plan
+        if sig is not None and cached is not None and sig == self._sig:
+            self.hits += 1
+            leaves = flat.leaves
+            items = [WriteItem(i.key, i.dtype, i.global_shape, i.offsets, i.shape, leaves[i.key].value, i.nbytes)
+                     for i in cached.items]
+            objects = {k: leaves[k].value for k in cached.objects}
+            plan = SavePlan(items, cached.declared, objects, cached.per_rank_prefixes, cached.layouts,
+                            cached.per_rank_keys)
+            return plan, [[items[j] for j in g] for g in self._groups]
+        plan = plan_save(flat, rank, world_size)
+        groups = split_files(plan.items, max_files, min_file_bytes)
+        self._sig, self._plan = None, None
+        if sig is not None:
+            index = {id(it): j for j, it in enumerate(plan.items)}
+            self._groups = [[index[id(it)] for it in g] for g in groups]
+            # The template holds no tensor or value of this save: nothing stays alive through it.
+            self._sig, self._plan = sig, replace(plan, items=[replace(it, src=_NO_TENSOR) for it in plan.items],
+                                                 objects=dict.fromkeys(plan.objects))
+        return plan, groups
+
+
 def split_files(items: Sequence[WriteItem], max_files: int, min_file_bytes: int) -> list[list[WriteItem]]:
     """Group items into up to ``max_files`` files of at least ``min_file_bytes`` (balanced by
     size), each in file order. Files are written in parallel."""

@@ -1,0 +1,89 @@
+"""The save-plan cache: reused while the state's structure is unchanged, never stale.
+
+A state of many small tensors costs more to plan than to copy, so a manager reuses its last
+plan when every leaf has the same key, kind, shape, dtype and device; the tensors and JSON
+values of each save are bound into it. Every case restores and compares bit for bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardkeeper.core import CheckpointManager
+
+
+def _restored(mgr: CheckpointManager, like: dict[str, Any], step: int) -> dict[str, Any]:
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in like.items()}
+    if "cfg" in target:
+        target["cfg"] = {"lr": 0.0}
+    assert mgr.restore(target, step=step) == step
+    return target
+
+
+def test_new_tensor_objects_and_values_are_bound_into_the_cached_plan(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        states = [{"w": torch.full((64, 3), float(s)), "b": torch.arange(5) + s, "cfg": {"lr": 0.1 * s}}
+                  for s in range(4)]
+        for step, st in enumerate(states):
+            mgr.save(step, st).wait()
+        assert mgr._plans.hits == 3
+        for step, st in enumerate(states):
+            got = _restored(mgr, st, step)
+            assert torch.equal(got["w"], st["w"]) and torch.equal(got["b"], st["b"]) and got["cfg"] == st["cfg"]
+
+
+def test_in_place_changes_between_saves_are_saved(tmp_path: Path) -> None:
+    w = torch.zeros(1000)
+    with CheckpointManager(tmp_path) as mgr:
+        for step in range(3):
+            w.add_(1.0)
+            mgr.save(step, {"w": w}).wait()
+        assert mgr._plans.hits == 2
+        for step in range(3):
+            assert torch.equal(_restored(mgr, {"w": w}, step)["w"], torch.full((1000,), step + 1.0))
+
+
+def test_a_structure_change_is_planned_afresh(tmp_path: Path) -> None:
+    variants = [
+        {"w": torch.ones(8, 4)},
+        {"w": torch.ones(4, 8) * 2},  # same element count, another shape
+        {"w": torch.ones(8, 4, dtype=torch.float64) * 3},  # another dtype
+        {"w": torch.ones(8, 4) * 4, "v": torch.ones(2) * 4},  # a new key
+        {"v": torch.ones(2) * 5},  # a key gone
+        {"v": torch.ones(2) * 6},  # unchanged again: reused
+    ]
+    with CheckpointManager(tmp_path) as mgr:
+        for step, st in enumerate(variants):
+            mgr.save(step, st).wait()
+        assert mgr._plans.hits == 1
+        for step, st in enumerate(variants):
+            got = _restored(mgr, st, step)
+            assert all(torch.equal(got[k], v) for k, v in st.items())
+
+
+def test_states_with_bytes_are_never_cached(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        for step in range(3):
+            mgr.save(step, {"w": torch.ones(4) * step, "blob": bytes([step]) * (step + 1)}).wait()
+        assert mgr._plans.hits == 0
+        target = {"w": torch.zeros(4), "blob": b""}
+        mgr.restore(target, step=2)
+    assert target["blob"] == b"\x02\x02\x02" and torch.equal(target["w"], torch.full((4,), 2.0))
+
+
+def test_the_cache_keeps_no_tensor_of_a_save_alive(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        t = torch.ones(1 << 16)
+        ref = weakref.ref(t)
+        mgr.save(1, {"w": t}).wait()
+        del t
+        gc.collect()
+        assert ref() is None
+        mgr.save(2, {"w": torch.full((1 << 16,), 2.0)}).wait()  # and the cache still serves
+        assert mgr._plans.hits == 1
+        assert torch.equal(_restored(mgr, {"w": torch.zeros(1 << 16)}, 2)["w"], torch.full((1 << 16,), 2.0))
