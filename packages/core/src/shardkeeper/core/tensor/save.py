@@ -154,7 +154,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
 def _signature(flat: FlatState) -> tuple[Any, ...] | None:
     """What a save plan depends on, or None when the state holds anything but plain torch
     tensors and JSON objects (DTensors, ShardedTensors, fragments, bytes: planned afresh)."""
-    sig = []
+    sig: list[tuple[Any, ...]] = []
     plain = (torch.Tensor, torch.nn.Parameter)
     for key, leaf in flat.leaves.items():
         if leaf.kind == "object":
