@@ -251,6 +251,9 @@ def test_coordinator_merges_columnar_reports(monkeypatch: pytest.MonkeyPatch, th
     gap = [reports[0], reports[2], _report(1, {}, {"r": [_rec([0, 0], [2, 2])]}, wire=True)]
     with pytest.raises(StateMismatchError, match=r"step 3.*w: chunks cover 8 of 12"):
         assemble_manifest(3, "a", gap, **kw)
+    clash = [reports[0], {**reports[1], "objects": {"r": 1.0}}, reports[2]]  # "r": a tensor and a JSON value
+    with pytest.raises(StateMismatchError, match=r"keys \['r'\] are tensors on some ranks and JSON values"):
+        assemble_manifest(3, "a", clash, **kw)
 
 
 def test_slab_fast_path_and_the_leaf_by_leaf_check_agree() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Any
 
 import xxhash
@@ -21,6 +21,7 @@ from shardkeeper.core.format.table import (
     DIGEST_HEX,
     TABLE_MIN_CHUNKS,
     ChunkTable,
+    LeafTable,
     TableLeaves,
     all_slabs,
     decode_report,
@@ -102,34 +103,33 @@ def _assemble(
     # Every rank's rows in one table (rank after rank); each leaf lists its rows.
     table = ChunkTable.concat(tables, width)
     bases = list(accumulate([len(t) for t in tables], initial=0))
-    leaves: dict[str, Any] = {}
     raw_only = "encoding" not in table.extras  # encoded chunks' lengths are their own
-    items = []
     rows_of = _rows_by_key(bases, reported)
-    for key in sorted(declared):
-        kind, dtype, shape = declared[key]
-        rows = rows_of.get(key, [])
-        leaves[key] = {"kind": kind, "dtype": dtype, "shape": shape, "rows": rows}
-        items.append((key, shape, DTYPES[dtype][1] if dtype in DTYPES else 1, rows))
-    shapes, iszs, counts, perm = [it[1] for it in items], [it[2] for it in items], [len(it[3]) for it in items], []
-    for it in items:
-        perm.extend(it[3])
-    if not all_slabs(shapes, iszs, counts, perm, table, check_lengths=raw_only):
-        for key, shape, isz, rows in items:
+    # The leaves as columns, in key order (the leaf table's form, format.md 3.7).
+    keys = sorted(declared)
+    decls = [declared[k] for k in keys]
+    shapes = [d[2] for d in decls]
+    iszs = [DTYPES[d[1]][1] if d[1] in DTYPES else 1 for d in decls]
+    rows_list = [rows_of.get(k, []) for k in keys]
+    perm = list(chain.from_iterable(rows_list))
+    if not all_slabs(shapes, iszs, list(map(len, rows_list)), perm, table, check_lengths=raw_only):
+        for j, key in enumerate(keys):
+            rows, shape, isz = rows_list[j], shapes[j], iszs[j]
             why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
             if why is not None and len(rows) > 1:
                 # A replica written by more than one rank counts once.
                 unique = list({table.box(i): i for i in rows}.values())
                 if len(unique) < len(rows):
-                    leaves[key]["rows"] = rows = sorted(unique)
+                    rows_list[j] = rows = sorted(unique)
                     why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
             if why is not None:
                 problems.append(f"{key}: {why}")
     unknown = sorted(rows_of.keys() - declared.keys())
     if unknown:
         problems.append(f"chunks of undeclared keys {unknown[:3]}")
-    for key in sorted(objects):
-        leaves[key] = {"kind": "object", "value": objects[key]}
+    both = sorted(declared.keys() & objects.keys())
+    if both:
+        problems.append(f"keys {both[:3]} are tensors on some ranks and JSON values on others")
     if problems:
         raise StateMismatchError(
             f"step {step}: the ranks' states do not form one checkpoint: "
@@ -138,17 +138,21 @@ def _assemble(
             + ". Every rank must pass the same keys; plain tensors are treated as replicated "
             "(wrap per-rank tensors in PerRank)"
         )
+    object_leaves = {k: {"kind": "object", "value": objects[k]} for k in sorted(objects)}
     if len(table) >= TABLE_MIN_CHUNKS:
         table.digest_text()
         why = table.problem(block_bytes)
         if why is not None:  # what every reader would refuse: never commit it
             raise StateMismatchError(f"step {step}: the ranks' chunk records are inconsistent: {why}")
-        out: Mapping[str, Any] = TableLeaves.from_raw(dict(sorted(leaves.items())), table, block_bytes)
+        lt = LeafTable(keys, [d[0] for d in decls], [d[1] for d in decls], list(map(len, shapes)),
+                       list(chain.from_iterable(shapes)), list(map(len, rows_list)), list(chain.from_iterable(rows_list)))
+        out: Mapping[str, Any] = TableLeaves(object_leaves, lt, table, block_bytes)
     else:  # the per-chunk form: small manifests stay easy to read by eye
-        for leaf in leaves.values():
-            if "rows" in leaf:
-                leaf["chunks"] = [table.record_json(i, block_bytes) for i in leaf.pop("rows")]
-        out = LazyLeaves(dict(sorted(leaves.items())))
+        leaves: dict[str, Any] = {
+            key: {"kind": d[0], "dtype": d[1], "shape": d[2], "chunks": [table.record_json(i, block_bytes) for i in rows]}
+            for key, d, rows in zip(keys, decls, rows_list)
+        }
+        out = LazyLeaves(dict(sorted({**leaves, **object_leaves}.items())))
     return Manifest(
         step=step,
         world_size=world_size,

@@ -179,6 +179,17 @@ class ChunkRecord:
             BlockDigests(d["digests"]), d.get("encoding", "raw"), d.get("content", ""),
         )
 
+    @classmethod
+    def unchecked(cls, file: str, offset: int, length: int, offsets: tuple[int, ...], shape: tuple[int, ...],
+                  digests: Sequence[str]) -> ChunkRecord:
+        """A raw chunk record from fields already checked (a validated chunk table): twice as
+        fast as the frozen ``__init__`` (0.45 us instead of 1 us: restore planning makes one per
+        chunk it reads)."""
+        rec = object.__new__(cls)
+        rec.__dict__.update(file=file, offset=offset, length=length, offsets=offsets, shape=shape, digests=digests,
+                            encoding="raw", content="")
+        return rec
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -212,6 +223,13 @@ class LeafRecord:
         if kind not in ("tensor", "bytes"):
             raise ValueError(f"unknown leaf kind {kind!r}")
         return cls(kind, d["dtype"], tuple(d["shape"]), tuple([ChunkRecord.from_json(c) for c in d["chunks"]]))
+
+    @classmethod
+    def unchecked(cls, kind: str, dtype: str, shape: tuple[int, ...]) -> LeafRecord:
+        """A tensor leaf without chunks from fields already checked (see ``ChunkRecord.unchecked``)."""
+        rec = object.__new__(cls)
+        rec.__dict__.update(kind=kind, dtype=dtype, shape=shape, chunks=(), value=None)
+        return rec
 
     @property
     def nbytes(self) -> int:

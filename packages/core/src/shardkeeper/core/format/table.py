@@ -575,7 +575,8 @@ class TableLeaves(Mapping[str, Any]):
             digests = BlockDigests.packed(cast(str, t.digests)[dig[i] * w : dig[i + 1] * w], w)
         else:
             digests = BlockDigests(t.digests[i])
-        rec = ChunkRecord(t.paths[t.file[i]], t.offset[i], t.length[i], tuple(t.offsets[a:b]), tuple(t.shape[a:b]), digests)
+        rec = ChunkRecord.unchecked(t.paths[t.file[i]], t.offset[i], t.length[i], tuple(t.offsets[a:b]),
+                                    tuple(t.shape[a:b]), digests)
         if t.extras:
             extra = {k: col[i] for k, col in t.extras.items() if col[i] is not None}
             if extra:
@@ -610,7 +611,7 @@ class TableLeaves(Mapping[str, Any]):
             return self[key] if key in self.object_leaves else None
         if self._shapes is None:
             self._shapes = lt.shapes()
-        return LeafRecord(lt.kind[j], lt.dtype[j], self._shapes[j])
+        return LeafRecord.unchecked(lt.kind[j], lt.dtype[j], self._shapes[j])
 
     def overlapping(self, key: str, offsets: Sequence[int], shape: Sequence[int]) -> list[Any]:
         """The chunk records of tensor leaf ``key`` whose boxes intersect the box

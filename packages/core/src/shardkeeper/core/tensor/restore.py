@@ -68,7 +68,7 @@ class RestoreStats:
             self.files.add(file)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     """Copy one box (the overlap of a target piece and a saved chunk) into the target."""
 
@@ -136,7 +136,7 @@ def _join(step_dir: str, file: str) -> str:
     return posixpath.normpath(path) if file.startswith("../") else path
 
 
-@dataclass
+@dataclass(slots=True)
 class _Segment:
     key: str
     chunk: ChunkRecord
@@ -145,7 +145,7 @@ class _Segment:
     ops: list[_Op]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     file: str
     start: int  # absolute file offsets
