@@ -1,11 +1,12 @@
-"""The chunk table: the columnar form of a manifest's chunk records (format_version 3).
+"""The chunk and leaf tables: the columnar form of a large manifest's chunk records
+(format_version 3) and tensor leaves (format_version 5, ``LeafTable``).
 
 A manifest of 100,000 tensors sharded over 8 ranks has 800,000 chunks. As one JSON object
 per chunk it is ~170 MB and takes seconds to write, parse and check in Python. The table
 stores the same records as a few long columns (integers, one string of digests), which JSON
-parses in C, and which are checked in linear passes; leaves list the rows of their chunks.
+parses in C, and which are checked in linear passes; the leaf table lists each leaf's rows.
 Used when a checkpoint has at least ``TABLE_MIN_CHUNKS`` chunks (smaller manifests keep the
-per-chunk form that older readers read). See ``docs/format.md`` section 3.5.
+per-chunk form, easier to read by eye). See ``docs/format.md`` sections 3.6 and 3.7.
 
 Ranks also send their chunk records to the coordinator in this form (``encode_report``).
 """
@@ -25,8 +26,8 @@ from typing import Any, TypeVar, cast
 TABLE_VERSION = 3
 #: The format_version that stores tensor and bytes leaves as columns too (``LeafTable``).
 LEAF_TABLE_VERSION = 5
-#: Below this many chunks a manifest keeps one JSON object per chunk (readable by older
-#: readers, easier to read by eye); at or above it, the columnar table.
+#: Below this many chunks a manifest keeps one JSON object per chunk (easier to read by eye,
+#: and as fast at that size); at or above it, the columnar tables.
 TABLE_MIN_CHUNKS = 4096
 #: Hex digits of one block digest, per algorithm: the table's digests are concatenated.
 DIGEST_HEX = {"xxh3_128": 32, "sha256": 64}
