@@ -24,6 +24,8 @@ from shardkeeper.core.format.table import (
     LEAF_TABLE_VERSION,
     TABLE_VERSION,
     ChunkTable,
+    LeafTable,
+    TableLeaves,
     all_slabs,
     decode_report,
     encode_report,
@@ -282,3 +284,18 @@ def test_two_ranks_commit_and_restore_a_table_form_checkpoint(tmp_path: Path) ->
     for r in range(2):
         res = json.loads((tmp_path / f"result-r{r}.json").read_text())
         assert res["failures"] == [], res
+
+
+def test_overlapping_with_a_scalar_as_the_last_row() -> None:
+    """Rows of no dimensions hold no box columns; looking up another leaf's chunks must not
+    read past the table's box columns (the scalar's row is the last one here)."""
+    recs = {"v": [{"file": "data/f", "offset": 0, "length": 16, "offsets": [0], "shape": [4], "digests": "a" * 32}],
+            "s": [{"file": "data/f", "offset": 16, "length": 4, "offsets": [], "shape": [], "digests": "b" * 32}]}
+    t, _, _ = decode_report(recs, 32)
+    t = ChunkTable.concat([t], 32)
+    lt = LeafTable(["s", "v"], ["tensor", "tensor"], ["float32", "float32"], [0, 1], [4], [1, 1], [1, 0])
+    leaves = TableLeaves({}, lt, t, 1 << 20)
+    assert [c.offsets for c in leaves.overlapping("v", (1,), (2,))] == [(0,)]
+    assert leaves.overlapping("v", (4,), (1,)) == []
+    assert [c.offset for c in leaves.overlapping("s", (), ())] == [16]
+    assert leaves.head("v").shape == (4,) and leaves.head("s").shape == ()

@@ -409,14 +409,14 @@ class LeafTable:
     (``nrows`` each). 100,000 leaves parse as seven JSON arrays instead of 100,000 objects.
     """
 
-    __slots__ = ("keys", "kind", "dtype", "ndim", "shape", "nrows", "rows", "_index", "_sdims", "_rdims")
+    __slots__ = ("keys", "kind", "dtype", "ndim", "shape", "nrows", "rows", "_index", "_shapes", "_rdims")
 
     def __init__(self, keys: list[str], kind: list[str], dtype: list[str], ndim: list[int], shape: list[int],
                  nrows: list[int], rows: list[int]) -> None:
         self.keys, self.kind, self.dtype, self.ndim, self.shape = keys, kind, dtype, ndim, shape
         self.nrows, self.rows = nrows, rows
         self._index: dict[str, int] | None = None
-        self._sdims: list[int] | None = None
+        self._shapes: list[tuple[int, ...]] | None = None
         self._rdims: list[int] | None = None
 
     @classmethod
@@ -450,10 +450,6 @@ class LeafTable:
             self._index = {k: j for j, k in enumerate(self.keys)}
         return self._index
 
-    def shape_of(self, j: int) -> tuple[int, ...]:
-        if self._sdims is None:
-            self._sdims = [0, *accumulate(self.ndim)]
-        return tuple(self.shape[self._sdims[j] : self._sdims[j + 1]])
 
     def rows_of(self, j: int) -> list[int]:
         if self._rdims is None:
@@ -493,14 +489,15 @@ class LeafTable:
         return None
 
     def shapes(self) -> list[tuple[int, ...]]:
-        """Every leaf's shape (in C when all leaves have one number of dimensions)."""
-        nd = self.ndim[0] if self.ndim else 0
-        if self.ndim.count(nd) == len(self.ndim):
-            if nd == 0:
-                return [()] * len(self.ndim)
-            return list(zip(*[self.shape[d::nd] for d in range(nd)]))
-        sd = [0, *accumulate(self.ndim)]
-        return [tuple(self.shape[a:b]) for a, b in zip(sd, sd[1:])]
+        """Every leaf's shape, made once (in C when all leaves have one number of dimensions)."""
+        if self._shapes is None:
+            nd = self.ndim[0] if self.ndim else 0
+            if self.ndim.count(nd) == len(self.ndim):
+                self._shapes = list(zip(*[self.shape[d::nd] for d in range(nd)])) if nd else [()] * len(self.ndim)
+            else:
+                sd = [0, *accumulate(self.ndim)]
+                self._shapes = [tuple(self.shape[a:b]) for a, b in zip(sd, sd[1:])]
+        return self._shapes
 
     def slabs_tile(self, t: ChunkTable, *, check_lengths: bool) -> bool:
         """``all_slabs`` over every leaf of this table."""
@@ -515,11 +512,7 @@ class LeafTable:
         DTYPES = _manifest.DTYPES
 
         isz = {d: DTYPES[d][1] for d in set(self.dtype)}
-        sd = [0, *accumulate(self.ndim)]
-        rd = [0, *accumulate(self.nrows)]
-        shape, rows = self.shape, self.rows
-        return [(k, tuple(shape[sd[j] : sd[j + 1]]), isz[d], rows[rd[j] : rd[j + 1]])
-                for j, (k, d) in enumerate(zip(self.keys, self.dtype))]
+        return [(k, shape, isz[d], self.rows_of(j)) for j, (k, shape, d) in enumerate(zip(self.keys, self.shapes(), self.dtype))]
 
 
 class TableLeaves(Mapping[str, Any]):
@@ -540,7 +533,6 @@ class TableLeaves(Mapping[str, Any]):
         self._dims: list[int] | None = None  # the chunk table's, cached for _record
         self._dig: list[int] | None = None
         self._dim0: tuple[list[int], list[int]] | None = None  # each row's offset and size along dimension 0
-        self._shapes: list[tuple[int, ...]] | None = None  # each leaf's, for head
 
     @classmethod
     def from_raw(cls, raw: dict[str, Any], table: ChunkTable, block: int) -> TableLeaves:
@@ -595,7 +587,7 @@ class TableLeaves(Mapping[str, Any]):
             else:
                 lt = self.leaf_table
                 j = lt.index[key]
-                leaf = LeafRecord(lt.kind[j], lt.dtype[j], lt.shape_of(j), tuple([self._record(i) for i in lt.rows_of(j)]))
+                leaf = LeafRecord(lt.kind[j], lt.dtype[j], lt.shapes()[j], tuple([self._record(i) for i in lt.rows_of(j)]))
             self._made[key] = leaf
         return leaf
 
@@ -610,9 +602,7 @@ class TableLeaves(Mapping[str, Any]):
         j = lt.index.get(key)
         if j is None:
             return self[key] if key in self.object_leaves else None
-        if self._shapes is None:
-            self._shapes = lt.shapes()
-        return LeafRecord.unchecked(lt.kind[j], lt.dtype[j], self._shapes[j])
+        return LeafRecord.unchecked(lt.kind[j], lt.dtype[j], lt.shapes()[j])
 
     def overlapping(self, key: str, offsets: Sequence[int], shape: Sequence[int]) -> list[Any]:
         """The chunk records of tensor leaf ``key`` whose boxes intersect the box
@@ -623,7 +613,10 @@ class TableLeaves(Mapping[str, Any]):
             return []
         t = self.table
         if self._dim0 is None:
-            self._dim0 = (_gather(t.offsets, t.dims[:-1]), _gather(t.shape, t.dims[:-1])) if len(t) else ([], [])
+            # A row of no dimensions (a scalar) starts where the next row does, or at the end:
+            # the padding keeps the gather in range; such rows are never filtered here.
+            firsts = t.dims[:-1]
+            self._dim0 = (_gather([*t.offsets, 0], firsts), _gather([*t.shape, 0], firsts))
         dims, toffs, tshape = t.dims, t.offsets, t.shape
         nd = len(offsets)
         if nd:  # dimension 0 first: it rules out most chunks of a sharded tensor
