@@ -375,3 +375,18 @@ def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> StorageRoot:
         return StorageRoot(str(tmp_path / "root"), {})
     url, options = request.getfixturevalue(f"{request.param}_root")
     return StorageRoot(url, options)
+
+
+@pytest.fixture
+def every_storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, StorageRoot]:
+    """A fresh, empty root on each backend at once (name -> root), for tests that check all
+    backends in one multi-process launch. Backends whose server is not installed are left out
+    (their single-backend tests report the skip); local disk is always there."""
+    roots = {"local": StorageRoot(str(tmp_path / "local-root"), {})}
+    for name in ("s3", "seaweed", "gcs"):
+        try:
+            url, options = request.getfixturevalue(f"{name}_root")
+        except pytest.skip.Exception:
+            continue
+        roots[name] = StorageRoot(url, options)
+    return roots

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from tests.launch import run_script
 
@@ -15,3 +17,15 @@ def run_workers(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``dist/<script>`` on ``nproc`` ranks; see ``tests.launch.run_script``."""
     return run_script(nproc, DIST_DIR / script, *args, timeout_s=timeout_s, env=env)
+
+
+def run_codecs_worker(tmp_path: Path, runs: list[dict[str, Any]], timeout_s: float = 180.0) -> list[dict[str, Any]]:
+    """One 3-rank launch of ``dist/codecs_worker.py`` over ``runs`` (``{"name", "url",
+    "options", "mode"}``); every check of every rank, after asserting the launch succeeded and
+    every check passed."""
+    res = run_workers(3, "codecs_worker.py", str(tmp_path / "results"), json.dumps(runs), timeout_s=timeout_s)
+    assert res.returncode == 0, res.stdout[-4000:]
+    checks = [c for r in range(3) for c in json.loads((tmp_path / "results" / f"r{r}.json").read_text())]
+    bad = [c for c in checks if not c["ok"]]
+    assert not bad, json.dumps(bad, indent=1)[:6000]
+    return checks

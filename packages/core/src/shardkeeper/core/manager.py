@@ -588,13 +588,19 @@ class CheckpointManager:
                 f"{self.rank}). Check the root, or start training from scratch"
             )
         last_error: BaseException | None = None
+        damaged: list[int] = []
         for s in candidates:
             code, err = self._restore_step(state, s, patterns, strict, policy, cast_dtypes, optional_patterns)
             if self.world_size > 1:
                 code = self._coord.agree_int(code, "max")
             if code == 0:
                 if last_error is not None:
-                    log.warning("rank %d restored step %d instead of a newer, damaged step", self.rank, s)
+                    log.warning(
+                        "rank %d restored step %d under %s instead of the newer, damaged step(s) %s "
+                        "(last error: %s); run `shardkeeper verify %s` to see the damage",
+                        self.rank, s, self.storage.url, ", ".join(map(str, damaged)), last_error,
+                        self.storage.url,
+                    )
                 return s
             if err is None:
                 err = CheckpointRestoreError(
@@ -604,6 +610,7 @@ class CheckpointManager:
             if code == 2 or explicit:
                 raise err
             last_error = err
+            damaged.append(s)
             warnings.warn(
                 f"step {s} under {self.storage.url} is damaged ({err}); falling back to the "
                 f"previous committed step",
