@@ -109,10 +109,13 @@ def bench(session: nox.Session) -> None:
 
     Extra arguments after `--` (`-- --quick` for a smoke run; see benchmarks/run.py --help).
     matplotlib draws the chart of the ratios. Then benchmarks/loop.py: the training-loop
-    overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too).
+    overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too), and
+    benchmarks/direct_io.py: buffered against O_DIRECT writes (decisions.md D19).
     """
     _run_script(session, "benchmarks/run.py", "matplotlib")
-    session.run("python", "benchmarks/loop.py", *(["--quick"] if "--quick" in session.posargs else []))
+    quick = ["--quick"] if "--quick" in session.posargs else []
+    session.run("python", "benchmarks/loop.py", *quick)
+    session.run("python", "benchmarks/direct_io.py", *quick)
 
 
 def _run_script(session: nox.Session, script: str, *extra: str) -> None:

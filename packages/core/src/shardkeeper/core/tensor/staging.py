@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from shardkeeper.core.format.safetensors import PAGE_ALIGN, PAGE_ALIGN_MIN_BYTES
 from shardkeeper.core.tensor.chunks import contiguous_strides
 
 if TYPE_CHECKING:
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from shardkeeper.core.tensor.save import WriteItem
 
 _ALIGN = 64
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 #: Where an item's bytes are for the writer: (buffer, start, end).
 Span = tuple[memoryview, int, int]
@@ -35,7 +40,8 @@ class Stager:
     """
 
     def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # a page-aligned view of _raw
+        self._raw: torch.Tensor | None = None
         self.last_stage_s = 0.0
 
     @property
@@ -84,9 +90,12 @@ class Stager:
         pos = 0
         any_cuda = False
         for g in groups:
+            n = sum(it.nbytes for it in g if id(it) not in direct)
+            pos = _round_up(pos, PAGE_ALIGN if n >= PAGE_ALIGN_MIN_BYTES else _ALIGN)
             starts.append(pos)
-            pos += -(-sum(it.nbytes for it in g if id(it) not in direct) // _ALIGN) * _ALIGN
+            pos += n
             any_cuda = any_cuda or any(it.src.is_cuda for it in g)
+        pos = _round_up(pos, _ALIGN)
         spans: list[list[Span]] = []
         if pos == 0:
             spans = [[direct[id(it)] for it in g] for g in groups]
@@ -95,9 +104,15 @@ class Stager:
         buf = self._buffer
         pinned = any_cuda and torch.cuda.is_available()
         if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
-            self._buffer = None  # release before allocating the larger one
-            buf = torch.empty(pos, dtype=torch.uint8, pin_memory=pinned)
-            self._buffer = buf
+            self._buffer = self._raw = None  # release before allocating the larger one
+            # The buffer, and each group of at least PAGE_ALIGN_MIN_BYTES in it, starts on a
+            # page; so does such a file's data (format/safetensors.py): the bytes in the buffer
+            # and in the file are congruent modulo the page size, and local storage writes them
+            # with O_DIRECT.
+            raw = torch.empty(pos + PAGE_ALIGN, dtype=torch.uint8, pin_memory=pinned)
+            shift = -raw.data_ptr() % PAGE_ALIGN
+            buf = raw[shift : shift + pos]
+            self._buffer, self._raw = buf, raw
         whole_bytes = memoryview(cast("Buffer", buf.numpy()))
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
@@ -118,7 +133,8 @@ class Stager:
                     whole = typed[dtype] = buf[: buf.numel() - buf.numel() % size].view(dtype)
                 # Widest dtypes first (see _file_order) keeps every offset a multiple of the
                 # item size, so the bytes can be viewed as the dtype: one view per item.
-                dst = whole.as_strided(it.shape, contiguous_strides(it.shape), off // whole.element_size())
+                dst = whole.as_strided(it.shape, contiguous_strides(it.shape),
+                                       whole.storage_offset() + off // whole.element_size())
                 watch = defer(it) if defer is not None else None
                 if watch is not None:
                     later.add(it, dst, watch)
