@@ -12,6 +12,8 @@ that outlasts the K steps is charged too. Methods:
 - ``sk_blocking``: ``CheckpointManager(staging="blocking")``, the default;
 - ``sk_overlap``: ``staging="overlap"``: the copy runs during the next forward/backward and
   the next ``optimizer.step()`` waits for it (a step pre-hook);
+- ``sk_buffered``: ``sk_blocking`` with ``storage_options={"direct_io": False}``: every byte
+  through the page cache, as before docs/decisions.md D19 (O_DIRECT writes);
 - ``dcp_reuse``: ``dcp.async_save`` with one reused ``DefaultStager`` (blocking staging);
 - ``dcp_async_staging``: the same stager with ``use_async_staging=True``; the loop waits for
   ``staging_completion`` right before the next ``optimizer.step()`` (DCP's contract).
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("none", "sk_blocking", "sk_overlap", "dcp_reuse", "dcp_async_staging")
+METHODS = ("none", "sk_blocking", "sk_overlap", "sk_buffered", "dcp_reuse", "dcp_async_staging")
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -158,6 +160,7 @@ def worker(args: argparse.Namespace) -> None:
     mgrs = {
         "sk_blocking": CheckpointManager(work / "sk_blocking", staging="blocking"),
         "sk_overlap": CheckpointManager(work / "sk_overlap", staging="overlap"),
+        "sk_buffered": CheckpointManager(work / "sk_buffered", staging="blocking", storage_options={"direct_io": False}),
     }
     opts = dict(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
     stagers = {
@@ -251,7 +254,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
                    "overhead_per_raw_copy": over / info["raw_copy_s"] if info["raw_copy_s"] else None,
                    "extra_cpu_s": extra_cpu, "overhead_per_extra_cpu_s": over / extra_cpu if extra_cpu > 0 else None}
     dcp_min = min(rows[m]["overhead_s"] for m in rows if m.startswith("dcp"))
-    for m in ("sk_blocking", "sk_overlap"):
+    for m in ("sk_blocking", "sk_overlap", "sk_buffered"):
         rows[m]["overhead_per_best_dcp"] = rows[m]["overhead_s"] / dcp_min if dcp_min > 0 else None
     return {"info": info, "methods": rows, "samples": samples,
             "target": "CPU: sk overhead <= 0.5x the smallest DCP variant's; GPU: <= 0.25x a raw D2H copy"}
