@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import shutil
 import threading
@@ -24,6 +23,11 @@ from pathlib import Path
 
 from shardkeeper.core.errors import CheckpointNotFoundError, CommitConflictError, StorageError
 from shardkeeper.core.storage.base import Capabilities
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no O_DIRECT either
+    fcntl = None  # type: ignore[assignment]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,7 +43,7 @@ def _fsync_dir(path: Path) -> None:
 DIRECT_ALIGN = 4096
 #: Writes shorter than this stay buffered: O_DIRECT saves nothing worth two fcntl calls there.
 DIRECT_MIN_BYTES = 1 << 20
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0) if fcntl is not None else 0
 
 
 def _address(view: memoryview) -> int | None:
