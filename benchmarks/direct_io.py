@@ -72,6 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workdir", default=None, help="on the disk to measure (default: the system temp dir)")
+    ap.add_argument("--results-dir", default=str(RESULTS), help="where the .json and .md go")
     args = ap.parse_args()
     mib, rounds = (16, 1) if args.quick else (192, 4)
     torch.set_num_threads(1)
@@ -123,10 +124,11 @@ def main() -> None:
         "Process CPU: user + system time of this process over the call. Machine busy: all CPUs' busy time "
         "over the call and the second after it (kernel writeback included; other processes too).",
     ]
-    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
     stem = f"direct-io-{res['date']}{'-quick' if args.quick else ''}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
