@@ -7,7 +7,9 @@
 Two pairs, alternating within each round, the page cache flushed (``os.sync``) before each:
 (1) a raw write + fsync of the bytes into a new file in 8 MiB writes from page-aligned memory,
 buffered and with ``O_DIRECT``; (2) an async shardkeeper save of the same bytes (8 fp32
-tensors; staging copy, digests, write, fsync and commit) with ``direct_io`` on and off. CPU is
+tensors; staging copy, digests, write, fsync and commit) with ``direct_io`` on and off; (3) a
+synchronous save (no staging: written from the tensors' own memory, which with ``direct_io``
+goes through the writer's page-aligned bounce buffer). CPU is
 the process's user + system time; "machine busy" is the busy time of all CPUs over the write
 and one second after it, which includes the kernel's writeback threads. Writes
 ``benchmarks/results/direct-io-<date>.{json,md}``.
@@ -96,10 +98,12 @@ def main() -> None:
                 )
                 path.unlink()
                 mgr = managers[direct]
-                runs.setdefault(f"shardkeeper async save, {label}", []).append(
-                    _measure(lambda: mgr.save(r + 1, state).wait())  # noqa: B023 - called at once
-                )
-                mgr.delete(r + 1)
+                for kind, is_async in (("async", True), ("sync", False)):
+                    step = 2 * r + 1 + (not is_async)
+                    runs.setdefault(f"shardkeeper {kind} save, {label}", []).append(
+                        _measure(lambda: mgr.save(step, state, async_save=is_async).wait())  # noqa: B023 - called at once
+                    )
+                    mgr.delete(step)
         for mgr in managers.values():
             mgr.close()
     finally:

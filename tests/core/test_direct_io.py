@@ -35,8 +35,8 @@ def _aligned(n: int, seed: int) -> memoryview:
         (0, 0, 4 << 20),  # all aligned
         (0, 0, (4 << 20) + 123),  # a partial last page
         (100, 100, 3 << 20),  # unaligned head, congruent buffer
-        (100, 0, 3 << 20),  # not congruent: all buffered
-        (0, 8, 3 << 20),  # misaligned buffer: all buffered
+        (100, 0, 3 << 20),  # not congruent: through the bounce buffer
+        (0, 8, (20 << 20) + 5),  # misaligned buffer, more than one bounce buffer's worth
     ],
 )
 def test_writer_splits_aligned_and_unaligned_bytes(tmp_path: Path, header: int, start: int, length: int) -> None:
@@ -47,21 +47,23 @@ def test_writer_splits_aligned_and_unaligned_bytes(tmp_path: Path, header: int, 
     w.write(b"tail")
     w.close()
     assert (tmp_path / "f.bin").read_bytes() == b"h" * header + bytes(data[start : start + length]) + b"tail"
+    assert w.direct_bytes >= length - 2 * DIRECT_ALIGN, w.direct_bytes
+    assert w.direct_bytes % DIRECT_ALIGN == 0
     congruent = (start - header) % DIRECT_ALIGN == 0
-    if congruent:
-        assert w.direct_bytes >= length - 2 * DIRECT_ALIGN, w.direct_bytes
-        assert w.direct_bytes % DIRECT_ALIGN == 0
-    else:
-        assert w.direct_bytes == 0
+    # Congruent memory goes to the disk as it is; other memory through the bounce buffer.
+    assert w.bounced_bytes == (0 if congruent else w.direct_bytes), (w.bounced_bytes, w.direct_bytes)
 
 
-def test_small_read_only_and_disabled_writes_stay_buffered(tmp_path: Path) -> None:
+def test_small_and_disabled_writes_stay_buffered_bytes_bounce(tmp_path: Path) -> None:
     small = _aligned(DIRECT_MIN_BYTES - DIRECT_ALIGN, seed=1)
+    big = bytes(_aligned(2 << 20, seed=2))  # bytes: read-only memory, copied through the bounce buffer
     w = LocalStorage(tmp_path).open_writer("a")
     w.write(small)
-    w.write(bytes(_aligned(2 << 20, seed=2)))  # bytes: read-only, its address is not ours to pin
-    w.close()
     assert w.direct_bytes == 0
+    w.write(big)
+    w.close()
+    assert w.bounced_bytes == w.direct_bytes >= (2 << 20) - DIRECT_ALIGN
+    assert (tmp_path / "a").read_bytes() == bytes(small) + big
     w = LocalStorage(tmp_path, direct_io=False).open_writer("b")
     w.write(_aligned(2 << 20, seed=3))
     w.close()
@@ -101,23 +103,27 @@ class _Recording(StorageWrapper):
         return w
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_async_saves_write_shards_with_o_direct(tmp_path: Path, direct_io: bool) -> None:
+@pytest.mark.parametrize(("direct_io", "async_save"), [(True, True), (True, False), (False, True)])
+def test_saves_write_shards_with_o_direct(tmp_path: Path, direct_io: bool, async_save: bool) -> None:
+    """Async saves write from the page-aligned staging buffer as it is; synchronous ones write
+    the tensors' own memory, copied through the bounce buffer."""
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(1000, 1000, generator=g), "h": torch.randn(800, 777, generator=g).bfloat16(),
              "small": torch.arange(10), "meta": {"k": 1}}
     storage = _Recording(LocalStorage(tmp_path, direct_io=direct_io))
     with CheckpointManager(storage, max_files_per_rank=2, min_file_bytes=1 << 20) as mgr:  # type: ignore[arg-type]
-        mgr.save(1, state).wait()
+        mgr.save(1, state, async_save=async_save).wait()
         data_writers = [w for w in storage.writers if hasattr(w, "direct_bytes")]
         direct = sum(w.direct_bytes for w in data_writers)
+        bounced = sum(w.bounced_bytes for w in data_writers)
         target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state.items()}
         mgr.restore(target)
     for k in ("w", "h", "small"):
         assert torch.equal(target[k], state[k]), k
     payload = sum(t.numel() * t.element_size() for t in (state["w"], state["h"], state["small"]))
     if direct_io:
-        assert direct >= payload - 2 * len(data_writers) * DIRECT_ALIGN, (direct, payload)
+        assert direct >= payload - 4 * len(data_writers) * DIRECT_ALIGN, (direct, payload)
+        assert bounced == (0 if async_save else direct), (bounced, direct)
     else:
         assert direct == 0
     files = sorted((tmp_path / "step-000000000001" / "data").iterdir())

@@ -39,6 +39,6 @@ def test_quick_direct_io_benchmark_runs(tmp_path: Path) -> None:
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     [path] = (tmp_path / "results").glob("direct-io-*-quick.json")
     med = json.loads(path.read_text())["median"]
-    assert set(med) == {f"{w}, {m}" for w in ("raw write + fsync", "shardkeeper async save")
+    assert set(med) == {f"{w}, {m}" for w in ("raw write + fsync", "shardkeeper async save", "shardkeeper sync save")
                         for m in ("buffered", "O_DIRECT")}
     assert all(v["wall_s"] > 0 for v in med.values()), med
