@@ -28,6 +28,7 @@ _ALIGN = 64
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
+
 #: Where an item's bytes are for the writer: (buffer, start, end).
 Span = tuple[memoryview, int, int]
 
