@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointTimeoutError
-from shardkeeper.core.format.manifest import _orjson
+from shardkeeper.core.format.fastjson import loads_report
 from shardkeeper.core.format.table import encode_report
 from shardkeeper.core.tensor import _torch_compat as tc
 
@@ -128,7 +128,7 @@ class StoreCoordinator:
         while len(got) < self.world_size:
             for r, k in enumerate(keys):
                 if r not in got and store.check([k]):
-                    got[r] = _loads(store.get(k))
+                    got[r] = loads_report(store.get(k))
                     store.delete_key(k)
                     if not got[r].get("ok", False):
                         return [got[r]]
@@ -172,16 +172,6 @@ class StoreCoordinator:
         else:
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
-
-
-def _loads(data: bytes) -> Any:
-    """A report: orjson when installed (the 800,000 chunk rows of 8 ranks in half the time)."""
-    if _orjson is not None:
-        try:
-            return _orjson.loads(data)
-        except _orjson.JSONDecodeError:  # e.g. NaN in an object value: the standard parser decides
-            pass
-    return json.loads(data)
 
 
 def make_coordinator(group: Any = None) -> Coordinator:
