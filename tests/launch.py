@@ -9,6 +9,8 @@ from pathlib import Path
 
 from shardkeeper.core.testing.procs import kill_tree
 
+WORKER_MAIN = Path(__file__).with_name("worker_main.py")
+
 
 def run_script(
     nproc: int, script: str | Path, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
@@ -19,11 +21,11 @@ def run_script(
     prints its stacks (faulthandler) and is killed; stdout and stderr come back together in
     ``.stdout``.
     """
-    path = str(script)
+    entry = [str(WORKER_MAIN), str(script)]  # skips the C++ teardown after a clean exit (see it)
     if nproc == 1:
-        cmd = [sys.executable, path, *args]
+        cmd = [sys.executable, *entry, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", path, *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry, *args]
     full_env = {
         **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {}),
     }

@@ -543,11 +543,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Every check is in the results file and the process groups are destroyed. About one run in
-    # forty then still died in the interpreter's teardown ("terminate called without an active
-    # exception": a gloo thread still joinable when C++ statics are destroyed, the class of
-    # pytorch/pytorch#190489), after all work was done; skip that teardown. An exception in
-    # main() never gets here and fails the launch as before.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

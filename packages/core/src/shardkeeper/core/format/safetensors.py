@@ -2,9 +2,9 @@
 then the tensors' bytes back to back. Any safetensors reader can open an unencoded shard.
 
 The header is padded with spaces to a multiple of 8 bytes so that tensor data starts aligned;
-for files with at least ``PAGE_ALIGN_MIN_BYTES`` of data, to a multiple of 4 KiB, so that the
-data section starts on a page: local storage then writes it with ``O_DIRECT`` straight from the
-page-aligned staging buffer (docs/decisions.md D19).
+for files with at least ``PAGE_ALIGN_MIN_BYTES`` of data (``data_on_a_page``), to a multiple
+of 4 KiB, so that the data section starts on a page: local storage then writes it with
+``O_DIRECT`` straight from the page-aligned staging buffer (docs/decisions.md D19).
 """
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ _ALIGN = 8
 PAGE_ALIGN = 4096
 PAGE_ALIGN_MIN_BYTES = 1 << 20
 
+
+def data_on_a_page(nbytes: int) -> bool:
+    """Whether a shard file with ``nbytes`` of tensor data gets its data section on a page
+    (its header padded to ``PAGE_ALIGN``); the stager places such a file's bytes on a page of
+    its buffer by the same rule."""
+    return nbytes >= PAGE_ALIGN_MIN_BYTES
+
 #: The first 8 bytes of a framed shard file (one holding encoded chunks, docs/codecs.md):
 #: the chunks' stored bytes follow back to back, described by the manifest alone. Read as a
 #: safetensors header length it is absurdly large, so safetensors readers refuse the file.
@@ -33,7 +40,7 @@ def build_header(
 
     Returns the header and each entry's absolute byte offset in the file.
     """
-    align = PAGE_ALIGN if sum(e[3] for e in entries) >= PAGE_ALIGN_MIN_BYTES else _ALIGN
+    align = PAGE_ALIGN if data_on_a_page(sum(e[3] for e in entries)) else _ALIGN
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata

@@ -353,26 +353,6 @@ def leaf_chunks_problem(
     return check_tiling_boxes(key, shape, boxes)
 
 
-def tiling_problem(key: str, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str | None:
-    """``check_tiling_boxes``, with a fast path for slabs along dimension 0 (FSDP, row
-    sharding): every box spans the other dimensions whole, and the slabs follow each other."""
-    check_tiling_boxes = _manifest.check_tiling_boxes
-
-    ndim = len(shape)
-    if ndim >= 1 and len(boxes) > 1:
-        rest = list(shape[1:])
-        zeros = [0] * (ndim - 1)
-        slabs = []
-        for offs, bshape in boxes:
-            if len(offs) != ndim or list(offs[1:]) != zeros or list(bshape[1:]) != rest:
-                break
-            slabs.append((offs[0], bshape[0]))
-        else:
-            if _slabs_tile(slabs, shape[0]):
-                return None
-    return check_tiling_boxes(key, shape, boxes)
-
-
 def _slabs_tile(slabs: Iterable[tuple[int, int]], rows: int) -> bool:
     """Whether the (first row, row count) slabs, in any order, tile rows [0, rows) exactly."""
     at = 0

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from shardkeeper.core.format.safetensors import PAGE_ALIGN, PAGE_ALIGN_MIN_BYTES
+from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_on_a_page
 from shardkeeper.core.tensor.chunks import contiguous_strides
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class Stager:
         any_cuda = False
         for g in groups:
             n = sum(it.nbytes for it in g if id(it) not in direct)
-            pos = _round_up(pos, PAGE_ALIGN if n >= PAGE_ALIGN_MIN_BYTES else _ALIGN)
+            pos = _round_up(pos, PAGE_ALIGN if data_on_a_page(n) else _ALIGN)
             starts.append(pos)
             pos += n
             any_cuda = any_cuda or any(it.src.is_cuda for it in g)
@@ -106,7 +106,7 @@ class Stager:
         pinned = any_cuda and torch.cuda.is_available()
         if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
             self._buffer = self._raw = None  # release before allocating the larger one
-            # The buffer, and each group of at least PAGE_ALIGN_MIN_BYTES in it, starts on a
+            # The buffer, and each group that data_on_a_page says is page-aligned, start on a
             # page; so does such a file's data (format/safetensors.py): the bytes in the buffer
             # and in the file are congruent modulo the page size, and local storage writes them
             # with O_DIRECT.
