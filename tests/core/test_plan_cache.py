@@ -87,3 +87,54 @@ def test_the_cache_keeps_no_tensor_of_a_save_alive(tmp_path: Path) -> None:
         mgr.save(2, {"w": torch.full((1 << 16,), 2.0)}).wait()  # and the cache still serves
         assert mgr._plans.hits == 1
         assert torch.equal(_restored(mgr, {"w": torch.zeros(1 << 16)}, 2)["w"], torch.full((1 << 16,), 2.0))
+
+
+def test_cached_layouts_serve_interleaved_sync_and_async_saves(tmp_path: Path) -> None:
+    """The stager keeps each cached plan's buffer layout (the typed views it copies into);
+    synchronous saves stage only small items, async saves all of them, and a larger state in
+    between reallocates the buffer: every save still restores bit for bit."""
+    from shardkeeper.core.tensor.staging import DIRECT_MIN_BYTES
+
+    big_n = DIRECT_MIN_BYTES // 4 * 2
+    small = {f"s{i}": torch.full((37,), float(i)) for i in range(50)}
+    with CheckpointManager(tmp_path) as mgr:
+        saved = {}
+        for step in range(8):
+            st = {**{k: v + step for k, v in small.items()}, "big": torch.full((big_n,), float(step))}
+            if step == 4:  # another structure: a larger buffer, then back to the first plan
+                st["extra"] = torch.ones(3 * big_n)
+            mgr.save(step, st, async_save=step % 2 == 0).wait()
+            saved[step] = st
+        assert mgr._plans.hits == 5  # steps 1, 2, 3 and 6, 7 (4 and 5 were planned afresh)
+        layouts = list(mgr._stager._layouts.values())
+        assert {lay.key[1] for lay in layouts} == {(), (0,)}  # async: all staged; sync: "big" (item 0) direct
+        for step, st in saved.items():
+            got = _restored(mgr, st, step)
+            assert all(torch.equal(got[k], v) for k, v in st.items()), step
+
+
+def test_a_plan_cache_hit_reuses_the_staging_views(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"a": torch.ones(10), "b": torch.zeros(3, 4)}).wait()
+        (lay,) = mgr._stager._layouts.values()
+        views = list(lay.staged_dsts)
+        mgr.save(2, {"a": torch.full((10,), 2.0), "b": torch.ones(3, 4)}).wait()
+        (again,) = mgr._stager._layouts.values()
+        assert again is lay and all(x is y for x, y in zip(again.staged_dsts, views))
+        got = _restored(mgr, {"a": torch.zeros(10), "b": torch.zeros(3, 4)}, 2)
+    assert torch.equal(got["a"], torch.full((10,), 2.0)) and torch.equal(got["b"], torch.ones(3, 4))
+
+
+def test_box_in_finds_narrowed_views_and_refuses_anything_else() -> None:
+    """How a cached DTensor plan finds an item's source again: the same box of to_local()."""
+    from shardkeeper.core.tensor.save import _box_in, _narrowed
+
+    local = torch.arange(120.0).reshape(2, 3, 20)
+    for view in (local, local[1:2], local[:, 1:3, 5:9], local[1:2, 2:3, 19:20]):
+        box = _box_in(local, view)
+        assert box is not None and torch.equal(_narrowed(local, box), view)
+        assert _narrowed(local, box).data_ptr() == view.data_ptr()
+    assert _box_in(local, local.transpose(0, 1)) is None
+    assert _box_in(local, local[:, :, ::2]) is None
+    assert _box_in(local, torch.ones(2, 3, 20)) is None
+    assert _box_in(local, local.reshape(6, 20)) is None

@@ -111,6 +111,8 @@ def test_stores_and_dtensor_in_a_one_rank_group(tmp_path) -> None:
             mesh = init_device_mesh("cpu", (1,))
             dt = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
             assert tc.is_dtensor(dt) and tc.is_shard_placement(dt.placements[0])
+            assert isinstance(getattr(dt, "_local_tensor", None), torch.Tensor)  # local_shape's fast path
+            assert tc.local_shape(dt) == dt.to_local().shape == (3, 2)
             p = DTensor.from_local(torch.ones(2), mesh, [Partial()])
             assert tc.is_partial(p.placements[0])
         finally:

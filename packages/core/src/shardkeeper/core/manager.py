@@ -280,7 +280,7 @@ class CheckpointManager:
             owned = OptimizerTensors(optimizers)
             if owned:
                 defer = lambda it: owned.owners(it.src)  # noqa: E731
-        spans, deferred = self._stager.stage_split(groups, copy=not synchronous, defer=defer)
+        spans, deferred = self._stager.stage_split(groups, copy=not synchronous, defer=defer, token=plan.token)
         objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
@@ -340,7 +340,7 @@ class CheckpointManager:
             res = write_shards(
                 self.storage, sdir, groups, spans, rank=self.rank, attempt=attempt,
                 algorithm=self.options.digest, block_bytes=self.options.digest_block_bytes,
-                executor=self._io, codecs=codecs,
+                executor=self._io, codecs=codecs, memo=plan.memo,
             )
             payload: dict[str, Any] = {
                 "ok": True,

@@ -28,6 +28,13 @@ def is_dtensor(x: Any) -> TypeGuard[DTensor]:
     return isinstance(x, DTensor)
 
 
+def local_shape(dt: DTensor) -> torch.Size:
+    """The shape of a DTensor's local tensor (padding included), without ``to_local()``'s
+    autograd node."""
+    local = getattr(dt, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else dt.to_local()).shape
+
+
 def is_sharded_tensor(x: Any) -> bool:
     return ShardedTensor is not None and isinstance(x, ShardedTensor)
 

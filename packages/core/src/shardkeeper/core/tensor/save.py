@@ -63,16 +63,24 @@ class SavePlan:
     layouts: set[str] = field(default_factory=set)
     #: keys of per-rank leaves (declared by their rank alone)
     per_rank_keys: set[str] = field(default_factory=set)
+    #: What saves of this plan's structure compute once and reuse while the plan cache hits
+    #: (the declarations' digest, each file's header): shared by every plan bound from one
+    #: cached template, filled by the first save that needs an entry.
+    memo: dict[Any, Any] = field(default_factory=dict)
+    #: The cached template this plan was bound from (None: planned afresh, not cacheable);
+    #: the stager reuses its buffer layout while the token stays the same.
+    token: object | None = None
 
     def report_declarations(self, coordinator: bool) -> dict[str, Any]:
         """What this rank tells the coordinator about its leaves: the coordinator keeps its
         whole table; other ranks send a digest of theirs plus their per-rank keys."""
-        shared = {k: v for k, v in self.declared.items() if k not in self.per_rank_keys}
-        own = {k: v for k, v in self.declared.items() if k in self.per_rank_keys}
-        return {
-            "declared": {**shared, **own} if coordinator else own,
-            "declared_digest": declared_digest(shared),
-        }
+        memo = self.memo.get("declarations")
+        if memo is None:
+            shared = {k: v for k, v in self.declared.items() if k not in self.per_rank_keys}
+            own = {k: v for k, v in self.declared.items() if k in self.per_rank_keys}
+            memo = self.memo["declarations"] = ({**shared, **own}, own, declared_digest(shared))
+        whole, own, digest = memo
+        return {"declared": whole if coordinator else own, "declared_digest": digest}
 
     @property
     def nbytes(self) -> int:
@@ -152,8 +160,12 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
 
 
 def _signature(flat: FlatState) -> tuple[Any, ...] | None:
-    """What a save plan depends on, or None when the state holds anything but plain torch
-    tensors and JSON objects (DTensors, ShardedTensors, fragments, bytes: planned afresh)."""
+    """What a save plan depends on, or None when the state holds a leaf whose plan cannot be
+    rebound to new tensor objects (ShardedTensors, fragments, bytes: planned afresh).
+
+    A plain tensor's plan is its shape, dtype and device. A DTensor's is also its mesh (held
+    by the signature, so compared by identity first), its placements and its local shape.
+    """
     sig: list[tuple[Any, ...]] = []
     plain = (torch.Tensor, torch.nn.Parameter)
     for key, leaf in flat.leaves.items():
@@ -161,26 +173,86 @@ def _signature(flat: FlatState) -> tuple[Any, ...] | None:
             sig.append((key, leaf.per_rank is not None))
             continue
         t = leaf.value
-        if leaf.kind != "tensor" or type(t) not in plain:
+        if leaf.kind != "tensor":
             return None
-        sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device))
+        if type(t) in plain:
+            sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device))
+        elif tc.is_dtensor(t):
+            sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device, t.device_mesh,
+                        tuple(t.placements), tc.local_shape(t)))
+        else:
+            return None
     return (tuple(flat.per_rank_prefixes), *sig)
 
 
 _NO_TENSOR = torch.empty(0)
 
 
+def _box_in(local: torch.Tensor, view: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
+    """``view`` as ``local`` narrowed along each dimension, ``((start, length), ...)``, or
+    None when it is not such a box of it (checked by rebuilding it)."""
+    if view.dim() != local.dim() or view.dtype != local.dtype or not view.numel():
+        return None
+    delta, rem = divmod(view.data_ptr() - local.data_ptr(), local.element_size())
+    if rem or delta < 0:
+        return None
+    box = []
+    strides = local.stride()
+    for d in sorted(range(local.dim()), key=lambda d: -strides[d]):
+        st = strides[d]
+        start = delta // st if st else 0
+        delta -= start * st
+        box.append((d, start))
+    starts = dict(box)
+    out = tuple((starts[d], view.shape[d]) for d in range(local.dim()))
+    if delta:
+        return None
+    try:
+        again = _narrowed(local, out)
+    except (RuntimeError, IndexError):  # a start or length out of range: not a box of it
+        return None
+    same = again.shape == view.shape and again.stride() == view.stride() and again.data_ptr() == view.data_ptr()
+    return out if same else None
+
+
+def _narrowed(local: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    for d, (start, length) in enumerate(box):
+        if start or length != local.shape[d]:
+            local = local.narrow(d, start, length)
+    return local
+
+
+def _rebinder(items: Sequence[WriteItem], flat: FlatState) -> list[Any] | None:
+    """How each item's source is found in a later state of the same structure: ``None`` for
+    a leaf's whole value (a plain tensor), else the box of the DTensor's ``to_local()`` that
+    holds it (``_box_in``). None (do not cache) when a source is no such box."""
+    out: list[Any] = []
+    for it in items:
+        v = flat.leaves[it.key].value
+        if not tc.is_dtensor(v):
+            out.append(None)
+            continue
+        box = _box_in(v.to_local(), it.src)
+        if box is None:
+            return None
+        out.append(box)
+    return out
+
+
 class PlanCache:
     """The last save plan and file grouping of a manager, reused while the state's structure
-    (every leaf's key, kind, shape, dtype and device) is unchanged: a state of 10,000 small
-    tensors then skips planning, which costs more than copying it. New tensor objects (a
-    fresh ``state_dict()`` each save) are bound into the cached plan; only plain tensors and
-    JSON values are cached, sharded tensors are planned afresh every save."""
+    (every leaf's key, kind, shape, dtype and device; for DTensors also the mesh, placements
+    and local shape) is unchanged: a state of 10,000 small tensors then skips planning, which
+    costs more than copying it. New tensor objects (a fresh ``state_dict()`` each save) are
+    bound into the cached plan: a plain tensor as its item's source, a DTensor through the
+    same box of its ``to_local()`` (uneven shards are narrowed). ShardedTensors and fragments
+    are planned afresh every save."""
 
     def __init__(self) -> None:
         self._sig: tuple[Any, ...] | None = None
         self._plan: SavePlan | None = None
         self._groups: list[list[int]] = []  # each file's items, as indices into the plan's
+        self._bind: list[Any] = []
         self.hits = 0
 
     @without_gc
@@ -191,18 +263,24 @@ class PlanCache:
         if sig is not None and cached is not None and sig == self._sig:
             self.hits += 1
             leaves = flat.leaves
-            items = [WriteItem(i.key, i.dtype, i.global_shape, i.offsets, i.shape, leaves[i.key].value, i.nbytes)
-                     for i in cached.items]
+            items = [
+                WriteItem(i.key, i.dtype, i.global_shape, i.offsets, i.shape,
+                          leaves[i.key].value if b is None else _narrowed(leaves[i.key].value.to_local(), b),
+                          i.nbytes)
+                for i, b in zip(cached.items, self._bind)
+            ]
             objects = {k: leaves[k].value for k in cached.objects}
-            plan = SavePlan(items, cached.declared, objects, cached.per_rank_prefixes, cached.layouts,
-                            cached.per_rank_keys)
+            plan = replace(cached, items=items, objects=objects)
             return plan, [[items[j] for j in g] for g in self._groups]
         plan = plan_save(flat, rank, world_size)
         groups = split_files(plan.items, max_files, min_file_bytes)
         self._sig, self._plan = None, None
-        if sig is not None:
+        bind = _rebinder(plan.items, flat) if sig is not None else None
+        if sig is not None and bind is not None:
             index = {id(it): j for j, it in enumerate(plan.items)}
             self._groups = [[index[id(it)] for it in g] for g in groups]
+            self._bind = bind
+            plan.token = object()
             # The template holds no tensor or value of this save: nothing stays alive through it.
             self._sig, self._plan = sig, replace(plan, items=[replace(it, src=_NO_TENSOR) for it in plan.items],
                                                  objects=dict.fromkeys(plan.objects))
@@ -244,6 +322,21 @@ class WriteResult:
 _WRITE_BYTES = 8 << 20
 
 
+def _file_header(items: Sequence[WriteItem], memo: dict[Any, Any] | None, index: int) -> tuple[bytes, list[int]]:
+    """A shard file's header and each item's offset in it; the same for every save of one
+    cached plan, so built once (``memo``: the plan's, None when it is not cached)."""
+    got = memo.get(("header", index)) if memo is not None else None
+    if got is None:
+        entries = [
+            (chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes)
+            for i in items
+        ]
+        got = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
+        if memo is not None:
+            memo[("header", index)] = got
+    return got
+
+
 def _write_one(
     storage: Storage,
     step_dir: str,
@@ -252,15 +345,13 @@ def _write_one(
     spans: Sequence[Span],
     algorithm: str,
     block_bytes: int,
+    memo: dict[Any, Any] | None = None,
+    index: int = 0,
 ) -> tuple[list[tuple[str, dict[str, Any]]], int]:
     """One shard file: the header, then each item's bytes, digested block by block in windows
     of about 8 MiB just before each window is written (the bytes are hot in cache for the
     write). Adjacent spans of one buffer go out in one write."""
-    entries = [
-        (chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes)
-        for i in items
-    ]
-    header, file_offsets = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
+    header, file_offsets = _file_header(items, memo, index)
     digest = digest_function(algorithm)
     window = max(block_bytes, (_WRITE_BYTES // block_bytes) * block_bytes)
     writer = storage.open_writer(f"{step_dir}/{rel}")
@@ -271,26 +362,39 @@ def _write_one(
     try:
         writer.write(header)
         for it, (buf, a, b), off in zip(items, spans, file_offsets):
-            digests = []
-            x = a
-            while x < b:
-                y = min(b, x + window)
-                for z in range(x, y, block_bytes):
-                    digests.append(digest(buf[z : min(z + block_bytes, y)]))
-                if pending and pending[-1][0] is buf and pending[-1][2] == x:
-                    pending[-1][2] = y
+            if 0 < b - a <= block_bytes:  # one block (most items of a state of many small tensors)
+                digests = digest(buf[a:b])
+                if pending and pending[-1][0] is buf and pending[-1][2] == a:
+                    pending[-1][2] = b
                 else:
-                    pending.append([buf, x, y])
-                pending_bytes += y - x
-                if pending_bytes >= _WRITE_BYTES:
-                    for pb, pa, pe in pending:
-                        writer.write(pb[pa:pe])
-                    pending, pending_bytes = [], 0
-                x = y
+                    pending.append([buf, a, b])
+                pending_bytes += b - a
+            else:
+                blocks = []
+                x = a
+                while x < b:
+                    y = min(b, x + window)
+                    for z in range(x, y, block_bytes):
+                        blocks.append(digest(buf[z : min(z + block_bytes, y)]))
+                    if pending and pending[-1][0] is buf and pending[-1][2] == x:
+                        pending[-1][2] = y
+                    else:
+                        pending.append([buf, x, y])
+                    pending_bytes += y - x
+                    if pending_bytes >= _WRITE_BYTES:
+                        for pb, pa, pe in pending:
+                            writer.write(pb[pa:pe])
+                        pending, pending_bytes = [], 0
+                    x = y
+                digests = ",".join(blocks)
+            if pending_bytes >= _WRITE_BYTES:
+                for pb, pa, pe in pending:
+                    writer.write(pb[pa:pe])
+                pending, pending_bytes = [], 0
             total += b - a
             # The chunk record as the manifest stores it (format.md 3.3), built once, here.
             out.append((it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
-                                 "shape": list(it.shape), "digests": ",".join(digests)}))
+                                 "shape": list(it.shape), "digests": digests}))
         for pb, pa, pe in pending:
             writer.write(pb[pa:pe])
         writer.close()
@@ -419,13 +523,16 @@ def write_shards(
     block_bytes: int,
     executor: Executor,
     codecs: Codecs | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> WriteResult:
-    """Write each staged group to its own shard file, in parallel, durably."""
+    """Write each staged group to its own shard file, in parallel, durably. ``memo``: the
+    plan's (``SavePlan.memo``), where file headers are kept for the next save of the plan."""
     coded = codecs if codecs is not None and codecs.active else None
     futures = [
         executor.submit(_write_coded, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, coded)
         if coded is not None else
-        executor.submit(_write_plain, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes)
+        executor.submit(_write_plain, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes,
+                        memo, i)
         for i, (g, r) in enumerate(zip(groups, spans))
     ]
     chunks: dict[str, list[dict[str, Any]]] = {}

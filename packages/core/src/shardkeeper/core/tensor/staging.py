@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     from shardkeeper.core.tensor.save import WriteItem
 
 _ALIGN = 64
+#: Synchronous saves write items of at least this size straight from their own memory; smaller
+#: ones are copied into the staging buffer first, so that they go out in a few large writes.
+DIRECT_MIN_BYTES = 1 << 20
 
 
 def _round_up(n: int, align: int) -> int:
@@ -43,6 +47,7 @@ class Stager:
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None  # a page-aligned view of _raw
         self._raw: torch.Tensor | None = None
+        self._layouts: dict[Any, _Layout] = {}  # by (plan token, direct items): stage_split
         self.last_stage_s = 0.0
 
     @property
@@ -60,6 +65,7 @@ class Stager:
         *,
         copy: bool = True,
         defer: Callable[[WriteItem], Sequence[torch.Tensor] | None] | None = None,
+        token: object | None = None,
     ) -> tuple[list[list[Span]], DeferredCopy | None]:
         """Where each item's bytes are for the writer: one span per item, per group.
 
@@ -69,43 +75,103 @@ class Stager:
         in a few large writes straight from the buffer.
 
         ``copy=False`` (synchronous saves, where the caller waits for the commit and cannot
-        change its tensors meanwhile): items held contiguously in CPU memory are written
-        from their own memory with no copy at all; only the others are staged.
+        change its tensors meanwhile): items of at least ``DIRECT_MIN_BYTES`` held
+        contiguously in CPU memory are written from their own memory with no copy at all;
+        the others are staged (a write per small item costs more than its copy).
 
         ``defer`` (overlapped staging): an item for which it returns tensors (the ones whose
         in-place changes must not race the copy: the source, and the parameter or state
         tensor it belongs to) gets its place in the buffer, but its copy is returned as a
         ``DeferredCopy`` for the caller to run later; every other item (``None``) is copied
         before this returns. The spans are valid once the deferred copy has run.
+
+        ``token`` (``SavePlan.token``): the same token means the same items in the same
+        groups, so the buffer layout (each item's place and typed view) of the last save
+        with it is reused instead of rebuilt.
         """
         t0 = time.perf_counter()
-        direct: dict[int, Span] = {}
+        direct: dict[int, Span] = {}  # flat item index -> the item's own bytes
         if not copy:
+            j = 0
             for g in groups:
                 for it in g:
-                    src = it.src
-                    if src.device.type == "cpu" and src.is_contiguous():
-                        view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
-                        direct[id(it)] = (view, 0, it.nbytes)
+                    if it.nbytes >= DIRECT_MIN_BYTES:
+                        src = it.src
+                        if src.device.type == "cpu" and src.is_contiguous():
+                            view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
+                            direct[j] = (view, 0, it.nbytes)
+                    j += 1
+        key = (token, tuple(direct)) if token is not None else None
+        lay = self._layouts.get(key) if key is not None else None
+        if lay is None or (lay.buffer is not None and lay.buffer is not self._buffer):
+            lay = self._lay_out(groups, direct, key)
+            if key is not None:
+                if len(self._layouts) >= 4:  # a few (e.g. a synchronous and an async one)
+                    self._layouts.clear()
+                self._layouts[key] = lay
+        if direct:
+            spans = []
+            j = 0
+            for placed in lay.spans:
+                row: list[Span] = []
+                for sp in placed:
+                    row.append(direct[j] if sp is None else sp)
+                    j += 1
+                spans.append(row)
+        else:
+            spans = lay.spans  # type: ignore[assignment]  # no direct item: no None in it
+        if not lay.staged:
+            self.last_stage_s = time.perf_counter() - t0
+            return spans, None
+        items = [it for g in groups for it in g]
+        later = DeferredCopy(lay.any_cuda)
+        if defer is None:
+            if len(lay.staged) == len(items):
+                dsts, srcs = lay.staged_dsts, [it.src for it in items]
+            else:
+                dsts, srcs = lay.staged_dsts, [items[j].src for j in lay.staged]
+        else:
+            dsts, srcs = [], []
+            for j in lay.staged:
+                it = items[j]
+                watch = defer(it)
+                if watch is not None:
+                    later.add(it, lay.dsts[j], watch)  # type: ignore[arg-type]
+                else:
+                    dsts.append(lay.dsts[j])  # type: ignore[arg-type]
+                    srcs.append(it.src)
+        if dsts:
+            # One call for all copies: per-tensor Python overhead matters with many small tensors.
+            torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
+        if lay.any_cuda:
+            torch.cuda.synchronize()
+        self.last_stage_s = time.perf_counter() - t0
+        return spans, (later if later.items else None)
+
+    def _lay_out(self, groups: Sequence[Sequence[WriteItem]], direct: dict[int, Span], key: Any) -> _Layout:
+        """Place every staged item in the buffer (growing it if needed) and make its view."""
         starts = []
         pos = 0
         any_cuda = False
+        j = 0
         for g in groups:
-            n = sum(it.nbytes for it in g if id(it) not in direct)
+            n = 0
+            for it in g:
+                if j not in direct:
+                    n += it.nbytes
+                any_cuda = any_cuda or it.src.is_cuda
+                j += 1
             pos = _round_up(pos, PAGE_ALIGN if data_on_a_page(n) else _ALIGN)
             starts.append(pos)
             pos += n
-            any_cuda = any_cuda or any(it.src.is_cuda for it in g)
         pos = _round_up(pos, _ALIGN)
-        spans: list[list[Span]] = []
         if pos == 0:
-            spans = [[direct[id(it)] for it in g] for g in groups]
-            self.last_stage_s = time.perf_counter() - t0
-            return spans, None
+            return _Layout(key, None, [None] * j, [[None] * len(g) for g in groups], [], [], any_cuda)
         buf = self._buffer
         pinned = any_cuda and torch.cuda.is_available()
         if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
             self._buffer = self._raw = None  # release before allocating the larger one
+            self._layouts.clear()
             # The buffer, and each group that data_on_a_page says is page-aligned, start on a
             # page; so does such a file's data (format/safetensors.py): the bytes in the buffer
             # and in the file are congruent modulo the page size, and local storage writes them
@@ -115,17 +181,19 @@ class Stager:
             buf = raw[shift : shift + pos]
             self._buffer, self._raw = buf, raw
         whole_bytes = memoryview(cast("Buffer", buf.numpy()))
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        later = DeferredCopy(any_cuda)
         typed: dict[torch.dtype, torch.Tensor] = {}
+        dsts: list[torch.Tensor | None] = []
+        spans: list[list[Span | None]] = []
+        staged: list[int] = []
+        j = 0
         for g, start in zip(groups, starts):
             off = start
-            group_spans: list[Span] = []
+            group_spans: list[Span | None] = []
             for it in g:
-                span = direct.get(id(it))
-                if span is not None:
-                    group_spans.append(span)
+                if j in direct:
+                    dsts.append(None)
+                    group_spans.append(None)
+                    j += 1
                     continue
                 dtype = it.src.dtype
                 whole = typed.get(dtype)
@@ -134,24 +202,28 @@ class Stager:
                     whole = typed[dtype] = buf[: buf.numel() - buf.numel() % size].view(dtype)
                 # Widest dtypes first (see _file_order) keeps every offset a multiple of the
                 # item size, so the bytes can be viewed as the dtype: one view per item.
-                dst = whole.as_strided(it.shape, contiguous_strides(it.shape),
-                                       whole.storage_offset() + off // whole.element_size())
-                watch = defer(it) if defer is not None else None
-                if watch is not None:
-                    later.add(it, dst, watch)
-                else:
-                    dsts.append(dst)
-                    srcs.append(it.src)
+                dsts.append(whole.as_strided(it.shape, contiguous_strides(it.shape),
+                                             whole.storage_offset() + off // whole.element_size()))
+                staged.append(j)
                 group_spans.append((whole_bytes, off, off + it.nbytes))
                 off += it.nbytes
+                j += 1
             spans.append(group_spans)
-        if dsts:
-            # One call for all copies: per-tensor Python overhead matters with many small tensors.
-            torch._foreach_copy_(dsts, srcs, non_blocking=any_cuda)
-        if any_cuda:
-            torch.cuda.synchronize()
-        self.last_stage_s = time.perf_counter() - t0
-        return spans, (later if later.items else None)
+        staged_dsts = cast("list[torch.Tensor]", [dsts[k] for k in staged])
+        return _Layout(key, buf, dsts, spans, staged, staged_dsts, any_cuda)
+
+
+@dataclass
+class _Layout:
+    """Where each item of one plan goes in the buffer (``Stager.stage_split``)."""
+
+    key: Any
+    buffer: torch.Tensor | None
+    dsts: list[torch.Tensor | None]  # per item (groups flattened); None: written from its own memory
+    spans: list[list[Span | None]]  # per group, per item; None where written from its own memory
+    staged: list[int]  # the items copied into the buffer, as flat indices
+    staged_dsts: list[torch.Tensor]  # their views, in that order
+    any_cuda: bool
 
 
 class DeferredCopy:

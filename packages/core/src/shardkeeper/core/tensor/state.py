@@ -97,11 +97,14 @@ class RNGState:
             torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
 
 
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
 def is_tensor_like(x: Any) -> bool:
     return isinstance(x, (torch.Tensor, np.ndarray, Fragment))
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     """One leaf of a flattened state. ``set`` replaces it in its container (restore only)."""
 
@@ -223,8 +226,19 @@ class Flattener:
         elif isinstance(v, Mapping):
             if not v and not self.restore:
                 self._add(key, {}, "object", per_rank, set_)
+            if self.restore:
+                for k2, v2 in v.items():
+                    self._visit(f"{key}/{k2}", v2, modules, per_rank, self._dict_setter(v, k2))
+                return
+            # Saving needs no setters; plain tensors (the bulk of a large state) are added
+            # inline: with 10,000 small tensors the per-leaf Python cost is most of the stall.
+            leaves = self.out.leaves
             for k2, v2 in v.items():
-                self._visit(f"{key}/{k2}", v2, modules, per_rank, self._dict_setter(v, k2))
+                k = f"{key}/{k2}"
+                if type(v2) in _PLAIN_TENSORS and k not in leaves:
+                    leaves[k] = Leaf(k, v2, "tensor", per_rank)
+                else:
+                    self._visit(k, v2, modules, per_rank, None)
         elif isinstance(v, (list, tuple)) and _contains_tensor(v):
             for i, v2 in enumerate(v):
                 setter = self._dict_setter(v, i) if isinstance(v, list) else self._frozen(key, i)
