@@ -279,8 +279,9 @@ class CheckpointManager:
             self._gate.install(optimizers)
             owned = OptimizerTensors(optimizers)
             if owned:
-                defer = lambda it: owned.owners(it.src)  # noqa: E731
-        spans, deferred = self._stager.stage_split(groups, copy=not synchronous, defer=defer, token=plan.token)
+                defer = owned.owners
+        spans, deferred = self._stager.stage_split(groups, copy=not synchronous, defer=defer, token=plan.token,
+                                                   sources=plan.sources)
         objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()

@@ -70,6 +70,9 @@ class SavePlan:
     #: The cached template this plan was bound from (None: planned afresh, not cacheable);
     #: the stager reuses its buffer layout while the token stays the same.
     token: object | None = None
+    #: A plan bound from the cache: its items are the template's (no tensor) and these are
+    #: their sources, in file-group order (the groups flattened). None: each item's ``src``.
+    sources: list[torch.Tensor] | None = None
 
     def report_declarations(self, coordinator: bool) -> dict[str, Any]:
         """What this rank tells the coordinator about its leaves: the coordinator keeps its
@@ -251,8 +254,8 @@ class PlanCache:
     def __init__(self) -> None:
         self._sig: tuple[Any, ...] | None = None
         self._plan: SavePlan | None = None
-        self._groups: list[list[int]] = []  # each file's items, as indices into the plan's
-        self._bind: list[Any] = []
+        self._groups: list[list[WriteItem]] = []  # each file's template items
+        self._order: list[tuple[str, Any]] = []  # per item in group order: its key and _rebinder's way
         self.hits = 0
 
     @without_gc
@@ -263,26 +266,24 @@ class PlanCache:
         if sig is not None and cached is not None and sig == self._sig:
             self.hits += 1
             leaves = flat.leaves
-            items = [
-                WriteItem(i.key, i.dtype, i.global_shape, i.offsets, i.shape,
-                          leaves[i.key].value if b is None else _narrowed(leaves[i.key].value.to_local(), b),
-                          i.nbytes)
-                for i, b in zip(cached.items, self._bind)
-            ]
+            # No new WriteItem per leaf: the template's items are reused and only the sources
+            # are looked up (with 10,000 tensors, building items cost as much as the copy).
+            sources = [leaves[k].value if b is None else _narrowed(leaves[k].value.to_local(), b)
+                       for k, b in self._order]
             objects = {k: leaves[k].value for k in cached.objects}
-            plan = replace(cached, items=items, objects=objects)
-            return plan, [[items[j] for j in g] for g in self._groups]
+            return replace(cached, objects=objects, sources=sources), self._groups
         plan = plan_save(flat, rank, world_size)
         groups = split_files(plan.items, max_files, min_file_bytes)
         self._sig, self._plan = None, None
         bind = _rebinder(plan.items, flat) if sig is not None else None
         if sig is not None and bind is not None:
-            index = {id(it): j for j, it in enumerate(plan.items)}
-            self._groups = [[index[id(it)] for it in g] for g in groups]
-            self._bind = bind
             plan.token = object()
             # The template holds no tensor or value of this save: nothing stays alive through it.
-            self._sig, self._plan = sig, replace(plan, items=[replace(it, src=_NO_TENSOR) for it in plan.items],
+            template = {id(it): replace(it, src=_NO_TENSOR) for it in plan.items}
+            how = {id(it): b for it, b in zip(plan.items, bind)}
+            self._groups = [[template[id(it)] for it in g] for g in groups]
+            self._order = [(it.key, how[id(it)]) for g in groups for it in g]
+            self._sig, self._plan = sig, replace(plan, items=[template[id(it)] for it in plan.items],
                                                  objects=dict.fromkeys(plan.objects))
         return plan, groups
 

@@ -64,8 +64,9 @@ class Stager:
         groups: Sequence[Sequence[WriteItem]],
         *,
         copy: bool = True,
-        defer: Callable[[WriteItem], Sequence[torch.Tensor] | None] | None = None,
+        defer: Callable[[torch.Tensor], Sequence[torch.Tensor] | None] | None = None,
         token: object | None = None,
+        sources: Sequence[torch.Tensor] | None = None,
     ) -> tuple[list[list[Span]], DeferredCopy | None]:
         """Where each item's bytes are for the writer: one span per item, per group.
 
@@ -87,24 +88,24 @@ class Stager:
 
         ``token`` (``SavePlan.token``): the same token means the same items in the same
         groups, so the buffer layout (each item's place and typed view) of the last save
-        with it is reused instead of rebuilt.
+        with it is reused instead of rebuilt. ``sources`` (``SavePlan.sources``): the items'
+        tensors in group order, for items that do not hold them (a cached plan's).
         """
+        items = [it for g in groups for it in g]
+        srcs_all = list(sources) if sources is not None else [it.src for it in items]
         t0 = time.perf_counter()
         direct: dict[int, Span] = {}  # flat item index -> the item's own bytes
         if not copy:
-            j = 0
-            for g in groups:
-                for it in g:
-                    if it.nbytes >= DIRECT_MIN_BYTES:
-                        src = it.src
-                        if src.device.type == "cpu" and src.is_contiguous():
-                            view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
-                            direct[j] = (view, 0, it.nbytes)
-                    j += 1
+            for j, it in enumerate(items):
+                if it.nbytes >= DIRECT_MIN_BYTES:
+                    src = srcs_all[j]
+                    if src.device.type == "cpu" and src.is_contiguous():
+                        view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
+                        direct[j] = (view, 0, it.nbytes)
         key = (token, tuple(direct)) if token is not None else None
         lay = self._layouts.get(key) if key is not None else None
         if lay is None or (lay.buffer is not None and lay.buffer is not self._buffer):
-            lay = self._lay_out(groups, direct, key)
+            lay = self._lay_out(groups, srcs_all, direct, key)
             if key is not None:
                 if len(self._layouts) >= 4:  # a few (e.g. a synchronous and an async one)
                     self._layouts.clear()
@@ -123,23 +124,22 @@ class Stager:
         if not lay.staged:
             self.last_stage_s = time.perf_counter() - t0
             return spans, None
-        items = [it for g in groups for it in g]
         later = DeferredCopy(lay.any_cuda)
         if defer is None:
             if len(lay.staged) == len(items):
-                dsts, srcs = lay.staged_dsts, [it.src for it in items]
+                dsts, srcs = lay.staged_dsts, srcs_all
             else:
-                dsts, srcs = lay.staged_dsts, [items[j].src for j in lay.staged]
+                dsts, srcs = lay.staged_dsts, [srcs_all[j] for j in lay.staged]
         else:
             dsts, srcs = [], []
             for j in lay.staged:
-                it = items[j]
-                watch = defer(it)
+                src = srcs_all[j]
+                watch = defer(src)
                 if watch is not None:
-                    later.add(it, lay.dsts[j], watch)  # type: ignore[arg-type]
+                    later.add(items[j], lay.dsts[j], watch, src)  # type: ignore[arg-type]
                 else:
                     dsts.append(lay.dsts[j])  # type: ignore[arg-type]
-                    srcs.append(it.src)
+                    srcs.append(src)
         if dsts:
             # One call for all copies: per-tensor Python overhead matters with many small tensors.
             torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
@@ -148,7 +148,8 @@ class Stager:
         self.last_stage_s = time.perf_counter() - t0
         return spans, (later if later.items else None)
 
-    def _lay_out(self, groups: Sequence[Sequence[WriteItem]], direct: dict[int, Span], key: Any) -> _Layout:
+    def _lay_out(self, groups: Sequence[Sequence[WriteItem]], srcs: Sequence[torch.Tensor],
+                 direct: dict[int, Span], key: Any) -> _Layout:
         """Place every staged item in the buffer (growing it if needed) and make its view."""
         starts = []
         pos = 0
@@ -159,7 +160,7 @@ class Stager:
             for it in g:
                 if j not in direct:
                     n += it.nbytes
-                any_cuda = any_cuda or it.src.is_cuda
+                any_cuda = any_cuda or srcs[j].is_cuda
                 j += 1
             pos = _round_up(pos, PAGE_ALIGN if data_on_a_page(n) else _ALIGN)
             starts.append(pos)
@@ -195,7 +196,7 @@ class Stager:
                     group_spans.append(None)
                     j += 1
                     continue
-                dtype = it.src.dtype
+                dtype = srcs[j].dtype
                 whole = typed.get(dtype)
                 if whole is None:
                     size = torch.empty((), dtype=dtype).element_size()
@@ -242,6 +243,7 @@ class DeferredCopy:
 
     def __init__(self, any_cuda: bool) -> None:
         self.items: list[WriteItem] = []
+        self.srcs: list[torch.Tensor] = []
         self.dsts: list[torch.Tensor] = []
         self.watched: list[list[tuple[torch.Tensor, int]]] = []
         self.nbytes = 0
@@ -249,10 +251,15 @@ class DeferredCopy:
         self._any_cuda = any_cuda
         self._ready: torch.cuda.Event | None = None
 
-    def add(self, item: WriteItem, dst: torch.Tensor, watch: Sequence[torch.Tensor] = ()) -> None:
+    def add(self, item: WriteItem, dst: torch.Tensor, watch: Sequence[torch.Tensor] = (),
+            src: torch.Tensor | None = None) -> None:
+        """Copy ``src`` (default: ``item.src``) into ``dst`` later; ``watch``: the tensors whose
+        in-place changes before the copy ends make it torn."""
+        src = item.src if src is None else src
         self.items.append(item)
+        self.srcs.append(src)
         self.dsts.append(dst)
-        self.watched.append([(t, t._version) for t in (item.src, *watch)])
+        self.watched.append([(t, t._version) for t in (src, *watch)])
         self.nbytes += item.nbytes
 
     def mark_ready(self) -> None:
@@ -264,7 +271,7 @@ class DeferredCopy:
     def run(self) -> None:
         """Copy (any thread); raise ``TornStateError`` if a source changed before it ended."""
         t0 = time.perf_counter()
-        srcs = [it.src for it in self.items]
+        srcs = self.srcs
         with torch.no_grad():
             if self._ready is not None:
                 side = torch.cuda.Stream()
