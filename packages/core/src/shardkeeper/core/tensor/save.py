@@ -20,7 +20,7 @@ from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import DATA_DIR, shard_file
 from shardkeeper.core.format.manifest import DTYPES
-from shardkeeper.core.format.safetensors import FRAMED_MAGIC, build_header, chunk_name
+from shardkeeper.core.format.safetensors import FRAMED_MAGIC, ITEM_ALIGN, build_header, chunk_name
 from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
@@ -321,6 +321,7 @@ class WriteResult:
 
 
 _WRITE_BYTES = 8 << 20
+_ZEROS = memoryview(bytes(ITEM_ALIGN))  # alignment padding written from elsewhere than the buffer
 
 
 def _file_header(items: Sequence[WriteItem], memo: dict[Any, Any] | None, index: int) -> tuple[bytes, list[int]]:
@@ -332,7 +333,7 @@ def _file_header(items: Sequence[WriteItem], memo: dict[Any, Any] | None, index:
             (chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes)
             for i in items
         ]
-        got = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
+        got = build_header(entries, {"format": "pt", "writer": "shardkeeper"}, align_items=True)
         if memo is not None:
             memo[("header", index)] = got
     return got
@@ -359,10 +360,16 @@ def _write_one(
     out = []
     pending: list[list[Any]] = []  # [buffer, start, end], adjacent spans merged
     pending_bytes = 0
-    total = 0
+    pos = len(header)  # where the next byte goes in the file
     try:
         writer.write(header)
         for it, (buf, a, b), off in zip(items, spans, file_offsets):
+            if off > pos:  # alignment padding (zeros): in the buffer too when it mirrors the file
+                if pending and pending[-1][0] is buf and pending[-1][2] + off - pos == a:
+                    pending[-1][2] = a
+                else:
+                    pending.append([_ZEROS, 0, off - pos])
+                pending_bytes += off - pos
             if 0 < b - a <= block_bytes:  # one block (most items of a state of many small tensors)
                 digests = digest(buf[a:b])
                 if pending and pending[-1][0] is buf and pending[-1][2] == a:
@@ -392,7 +399,7 @@ def _write_one(
                 for pb, pa, pe in pending:
                     writer.write(pb[pa:pe])
                 pending, pending_bytes = [], 0
-            total += b - a
+            pos = off + b - a
             # The chunk record as the manifest stores it (format.md 3.3), built once, here.
             out.append((it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
                                  "shape": list(it.shape), "digests": digests}))
@@ -402,7 +409,7 @@ def _write_one(
     except BaseException:
         writer.abort()
         raise
-    return out, len(header) + total
+    return out, pos
 
 
 def _write_coded(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_on_a_page
+from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_offsets, data_on_a_page
 from shardkeeper.core.tensor.chunks import contiguous_strides
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ class Stager:
                 else:
                     dsts.append(lay.dsts[j])  # type: ignore[arg-type]
                     srcs.append(src)
+        if lay.pads:
+            torch._foreach_zero_(lay.pads)
         if dsts:
             # One call for all copies: per-tensor Python overhead matters with many small tensors.
             torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
@@ -152,22 +154,26 @@ class Stager:
                  direct: dict[int, Span], key: Any) -> _Layout:
         """Place every staged item in the buffer (growing it if needed) and make its view."""
         starts = []
+        placed: list[list[int]] = []  # per group: each staged item's offset from the group start
         pos = 0
         any_cuda = False
         j = 0
         for g in groups:
-            n = 0
+            sizes = []
             for it in g:
                 if j not in direct:
-                    n += it.nbytes
+                    sizes.append(it.nbytes)
                 any_cuda = any_cuda or srcs[j].is_cuda
                 j += 1
+            # The shard file's data section, byte for byte when every item is staged.
+            rel, n = data_offsets(sizes, align_items=True)
             pos = _round_up(pos, PAGE_ALIGN if data_on_a_page(n) else _ALIGN)
             starts.append(pos)
+            placed.append(rel)
             pos += n
         pos = _round_up(pos, _ALIGN)
         if pos == 0:
-            return _Layout(key, None, [None] * j, [[None] * len(g) for g in groups], [], [], any_cuda)
+            return _Layout(key, None, [None] * j, [[None] * len(g) for g in groups], [], [], any_cuda, [])
         buf = self._buffer
         pinned = any_cuda and torch.cuda.is_available()
         if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
@@ -186,9 +192,11 @@ class Stager:
         dsts: list[torch.Tensor | None] = []
         spans: list[list[Span | None]] = []
         staged: list[int] = []
+        pads: list[torch.Tensor] = []
         j = 0
-        for g, start in zip(groups, starts):
-            off = start
+        for g, start, rel in zip(groups, starts, placed):
+            end = start
+            at = iter(rel)
             group_spans: list[Span | None] = []
             for it in g:
                 if j in direct:
@@ -196,6 +204,9 @@ class Stager:
                     group_spans.append(None)
                     j += 1
                     continue
+                off = start + next(at)
+                if off > end:
+                    pads.append(buf[end:off])
                 dtype = srcs[j].dtype
                 whole = typed.get(dtype)
                 if whole is None:
@@ -207,11 +218,11 @@ class Stager:
                                              whole.storage_offset() + off // whole.element_size()))
                 staged.append(j)
                 group_spans.append((whole_bytes, off, off + it.nbytes))
-                off += it.nbytes
+                end = off + it.nbytes
                 j += 1
             spans.append(group_spans)
         staged_dsts = cast("list[torch.Tensor]", [dsts[k] for k in staged])
-        return _Layout(key, buf, dsts, spans, staged, staged_dsts, any_cuda)
+        return _Layout(key, buf, dsts, spans, staged, staged_dsts, any_cuda, pads)
 
 
 @dataclass
@@ -225,6 +236,9 @@ class _Layout:
     staged: list[int]  # the items copied into the buffer, as flat indices
     staged_dsts: list[torch.Tensor]  # their views, in that order
     any_cuda: bool
+    #: the alignment gaps between staged items (format/safetensors.py ITEM_ALIGN): zeroed at
+    #: every save, since another layout may have used the same bytes meanwhile
+    pads: list[torch.Tensor]
 
 
 class DeferredCopy:
