@@ -284,6 +284,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "How: " + " ".join(results["notes"]),
         "",
+        *([f"**Errors in this run** (samples a launch wrote before failing are kept): "
+           f"{'; '.join(results['errors'])}", ""] if results.get("errors") else []),
         "## Targets (issue 3)",
         "",
         ratio_table(results["ratios"], meta, info=False),
