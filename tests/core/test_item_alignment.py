@@ -108,3 +108,40 @@ def test_gaps_are_zero_after_another_layout_used_the_buffer(tmp_path: Path) -> N
         assert mgr._plans.hits == 2 and len(mgr._stager._layouts) == 2
     for step in (1, 2, 3):
         _check_files(tmp_path / f"step-{step:012d}", _state(float(step)))
+
+
+def test_a_restore_reads_through_the_gaps(tmp_path: Path) -> None:
+    """Gaps under 64 bytes do not split a coalesced read: a few bytes more, not more requests."""
+    n = ITEM_ALIGN_MIN_BYTES // 4 + 1  # 64 KiB + 4 bytes: the second tensor starts after a gap
+    state = {"p": torch.arange(n, dtype=torch.float32), "q": torch.arange(n + 2, dtype=torch.float32) * -1}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state).wait()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(target)
+        stats = mgr.last_restore_stats
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    assert stats is not None and stats.reads == 1, stats
+    assert 0 < stats.bytes_read - stats.bytes_needed < ITEM_ALIGN, stats
+
+
+def test_a_state_key_may_not_take_the_padding_prefix(tmp_path: Path) -> None:
+    from shardkeeper.core.errors import StateMismatchError
+
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError, match="reserve for alignment padding"):
+        mgr.save(1, {f"{PAD_PREFIX}64": torch.ones(2)})
+
+
+def test_parameters_saved_as_leaves_keep_the_staging_buffer_out_of_autograd(tmp_path: Path) -> None:
+    """Raw nn.Parameters (requires_grad) are copied without recording a graph: the staging
+    views would otherwise join autograd and every later save would build a graph."""
+    model = torch.nn.Linear(8, 4)
+    params = dict(model.named_parameters())
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, params, async_save=False)
+        mgr.save(2, {"weight": params["weight"]}, async_save=False)  # another layout, same buffer
+        mgr.save(3, params).wait()
+        for lay in mgr._stager._layouts.values():
+            assert not any(d.requires_grad for d in lay.staged_dsts)
+        target = {k: torch.zeros_like(v) for k, v in params.items()}
+        mgr.restore(target, step=3)
+    assert all(torch.equal(target[k], v.detach()) for k, v in params.items())

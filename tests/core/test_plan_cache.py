@@ -138,3 +138,5 @@ def test_box_in_finds_narrowed_views_and_refuses_anything_else() -> None:
     assert _box_in(local, local[:, :, ::2]) is None
     assert _box_in(local, torch.ones(2, 3, 20)) is None
     assert _box_in(local, local.reshape(6, 20)) is None
+    overlapping = torch.arange(20.0).expand(3, 20)  # rows alias each other: no unique box
+    assert _box_in(overlapping, overlapping[2:3]) is None

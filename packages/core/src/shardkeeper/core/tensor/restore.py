@@ -28,6 +28,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.digest import block_span, digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.safetensors import ITEM_ALIGN
 from shardkeeper.core.format.table import TableLeaves, without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.chunks import Piece, contiguous_strides, layout_of
@@ -181,7 +182,10 @@ def _plan_reads(ops: Iterable[_Op], block_bytes: int, max_read: int) -> list[_Re
     for file, abs_start, seg in segments:
         abs_end = seg.chunk.offset + seg.end
         last = reads[-1] if reads else None
-        if last is not None and last.file == file and last.end == abs_start and abs_end - last.start <= max_read:
+        # Chunks a save aligned (format/safetensors.py ITEM_ALIGN) leave gaps under 64 bytes
+        # between them: read through those rather than split the read.
+        if (last is not None and last.file == file and 0 <= abs_start - last.end < ITEM_ALIGN
+                and abs_end - last.start <= max_read):
             last.end = abs_end
             last.segments.append(seg)
         else:

@@ -20,7 +20,13 @@ from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import DATA_DIR, shard_file
 from shardkeeper.core.format.manifest import DTYPES
-from shardkeeper.core.format.safetensors import FRAMED_MAGIC, ITEM_ALIGN, build_header, chunk_name
+from shardkeeper.core.format.safetensors import (
+    FRAMED_MAGIC,
+    ITEM_ALIGN,
+    PAD_PREFIX,
+    build_header,
+    chunk_name,
+)
 from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
@@ -121,6 +127,11 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
     layouts = {}
     plain_sizes: dict[str, int] = {}
     for key, leaf in flat.leaves.items():
+        if key.startswith(PAD_PREFIX):
+            raise StateMismatchError(
+                f"state key {key!r} starts with {PAD_PREFIX!r}, which shard files reserve for "
+                f"alignment padding (docs/format.md 4); rename it"
+            )
         if leaf.kind == "object":
             if leaf.per_rank is not None or rank == 0:
                 plan.objects[key] = leaf.value
@@ -194,8 +205,8 @@ _NO_TENSOR = torch.empty(0)
 def _box_in(local: torch.Tensor, view: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
     """``view`` as ``local`` narrowed along each dimension, ``((start, length), ...)``, or
     None when it is not such a box of it (checked by rebuilding it)."""
-    if view.dim() != local.dim() or view.dtype != local.dtype or not view.numel():
-        return None
+    if view.dim() != local.dim() or view.dtype != local.dtype or not view.numel() or not local.is_contiguous():
+        return None  # (a non-contiguous local may overlap itself: a box would not be unique)
     delta, rem = divmod(view.data_ptr() - local.data_ptr(), local.element_size())
     if rem or delta < 0:
         return None
@@ -235,6 +246,8 @@ def _rebinder(items: Sequence[WriteItem], flat: FlatState) -> list[Any] | None:
         if not tc.is_dtensor(v):
             out.append(None)
             continue
+        if tc.is_dtensor(it.src):  # a per-rank DTensor leaf is its own source: not rebound
+            return None
         box = _box_in(v.to_local(), it.src)
         if box is None:
             return None

@@ -140,11 +140,12 @@ class Stager:
                 else:
                     dsts.append(lay.dsts[j])  # type: ignore[arg-type]
                     srcs.append(src)
-        if lay.pads:
-            torch._foreach_zero_(lay.pads)
-        if dsts:
-            # One call for all copies: per-tensor Python overhead matters with many small tensors.
-            torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
+        with torch.no_grad():  # sources may be parameters: the buffer must not join their graph
+            if lay.pads:
+                torch._foreach_zero_(lay.pads)
+            if dsts:
+                # One call for all copies: per-tensor Python overhead matters with many small tensors.
+                torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
         if lay.any_cuda:
             torch.cuda.synchronize()
         self.last_stage_s = time.perf_counter() - t0
