@@ -183,3 +183,16 @@ def test_an_encryption_member_needs_format_version_4(tmp_path: Path) -> None:
     m["format_version"] = 3
     with pytest.raises(CorruptCheckpointError, match="encryption member but format_version 3"):
         Manifest.loads(json.dumps(m).encode(), where=str(path))
+
+
+def test_an_unchecked_chunk_record_equals_a_constructed_one() -> None:
+    """ChunkRecord is slotted (restore holds one per chunk it reads); ``unchecked`` sets the
+    slots directly and must give exactly what the frozen constructor gives."""
+    from shardkeeper.core.format.manifest import ChunkRecord
+
+    fields = ("data/r00000-0a1b2c3d-000.safetensors", 4096, 80, (2, 0), (5, 4), ("ab" * 16,))
+    rec = ChunkRecord.unchecked(*fields)
+    assert rec == ChunkRecord(*fields) and hash(rec) == hash(ChunkRecord(*fields))
+    assert (rec.encoding, rec.content) == ("raw", "") and not hasattr(rec, "__dict__")
+    with pytest.raises(AttributeError):
+        rec.offset = 0  # type: ignore[misc]

@@ -139,7 +139,7 @@ class BlockDigests(Sequence[str]):
         return f"BlockDigests({self.text!r})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: restore planning holds one per chunk it reads
 class ChunkRecord:
     """One stored piece of a tensor leaf: a box of the global tensor, row-major bytes."""
 
@@ -178,17 +178,30 @@ class ChunkRecord:
     @classmethod
     def unchecked(cls, file: str, offset: int, length: int, offsets: tuple[int, ...], shape: tuple[int, ...],
                   digests: Sequence[str]) -> ChunkRecord:
-        """A raw chunk record from fields already checked (a validated chunk table): twice as
-        fast as the frozen ``__init__`` (0.45 us instead of 1 us: restore planning makes one per
-        chunk it reads)."""
+        """A raw chunk record from fields already checked (a validated chunk table), set
+        through the slots directly: faster than the frozen ``__init__`` (restore planning makes
+        one per chunk it reads)."""
         rec = object.__new__(cls)
-        rec.__dict__.update(file=file, offset=offset, length=length, offsets=offsets, shape=shape, digests=digests,
-                            encoding="raw", content="")
+        s = _CHUNK_SLOTS
+        s[0](rec, file)
+        s[1](rec, offset)
+        s[2](rec, length)
+        s[3](rec, offsets)
+        s[4](rec, shape)
+        s[5](rec, digests)
+        s[6](rec, "raw")
+        s[7](rec, "")
         return rec
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+
+#: ChunkRecord's slot setters, in field order (``ChunkRecord.unchecked``).
+_CHUNK_SLOTS = tuple(getattr(ChunkRecord, f).__set__ for f in
+                     ("file", "offset", "length", "offsets", "shape", "digests", "encoding", "content"))
 
 
 @dataclass(frozen=True)
