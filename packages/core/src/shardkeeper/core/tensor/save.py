@@ -38,7 +38,7 @@ from shardkeeper.core.tensor.chunks import (
 )
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.staging import Span
-from shardkeeper.core.tensor.state import FlatState, as_torch, torch_dtype_name
+from shardkeeper.core.tensor.state import PLAIN_TENSORS, FlatState, as_torch, torch_dtype_name
 
 if TYPE_CHECKING:
     from shardkeeper.core.codec import Codecs
@@ -181,7 +181,6 @@ def _signature(flat: FlatState) -> tuple[Any, ...] | None:
     by the signature, so compared by identity first), its placements and its local shape.
     """
     sig: list[tuple[Any, ...]] = []
-    plain = (torch.Tensor, torch.nn.Parameter)
     for key, leaf in flat.leaves.items():
         if leaf.kind == "object":
             sig.append((key, leaf.per_rank is not None))
@@ -189,7 +188,7 @@ def _signature(flat: FlatState) -> tuple[Any, ...] | None:
         t = leaf.value
         if leaf.kind != "tensor":
             return None
-        if type(t) in plain:
+        if type(t) in PLAIN_TENSORS:
             sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device))
         elif tc.is_dtensor(t):
             sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device, t.device_mesh,
@@ -373,45 +372,41 @@ def _write_one(
     out = []
     pending: list[list[Any]] = []  # [buffer, start, end], adjacent spans merged
     pending_bytes = 0
+
+    def push(buf: Any, x: int, y: int) -> None:
+        """Queue ``buf[x:y]`` (merged with the last span when adjacent in the same buffer);
+        write the queue once it holds about 8 MiB."""
+        nonlocal pending, pending_bytes
+        if pending and pending[-1][0] is buf and pending[-1][2] == x:
+            pending[-1][2] = y
+        else:
+            pending.append([buf, x, y])
+        pending_bytes += y - x
+        if pending_bytes >= _WRITE_BYTES:
+            for pb, pa, pe in pending:
+                writer.write(pb[pa:pe])
+            pending, pending_bytes = [], 0
+
     pos = len(header)  # where the next byte goes in the file
     try:
         writer.write(header)
         for it, (buf, a, b), off in zip(items, spans, file_offsets):
             if off > pos:  # alignment padding (zeros): in the buffer too when it mirrors the file
                 if pending and pending[-1][0] is buf and pending[-1][2] + off - pos == a:
-                    pending[-1][2] = a
+                    push(buf, a - (off - pos), a)
                 else:
-                    pending.append([_ZEROS, 0, off - pos])
-                pending_bytes += off - pos
+                    push(_ZEROS, 0, off - pos)
             if 0 < b - a <= block_bytes:  # one block (most items of a state of many small tensors)
                 digests = digest(buf[a:b])
-                if pending and pending[-1][0] is buf and pending[-1][2] == a:
-                    pending[-1][2] = b
-                else:
-                    pending.append([buf, a, b])
-                pending_bytes += b - a
+                push(buf, a, b)
             else:
                 blocks = []
-                x = a
-                while x < b:
+                for x in range(a, b, window):
                     y = min(b, x + window)
                     for z in range(x, y, block_bytes):
                         blocks.append(digest(buf[z : min(z + block_bytes, y)]))
-                    if pending and pending[-1][0] is buf and pending[-1][2] == x:
-                        pending[-1][2] = y
-                    else:
-                        pending.append([buf, x, y])
-                    pending_bytes += y - x
-                    if pending_bytes >= _WRITE_BYTES:
-                        for pb, pa, pe in pending:
-                            writer.write(pb[pa:pe])
-                        pending, pending_bytes = [], 0
-                    x = y
+                    push(buf, x, y)
                 digests = ",".join(blocks)
-            if pending_bytes >= _WRITE_BYTES:
-                for pb, pa, pe in pending:
-                    writer.write(pb[pa:pe])
-                pending, pending_bytes = [], 0
             pos = off + b - a
             # The chunk record as the manifest stores it (format.md 3.3), built once, here.
             out.append((it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),

@@ -66,7 +66,7 @@ class Stager:
         copy: bool = True,
         defer: Callable[[torch.Tensor], Sequence[torch.Tensor] | None] | None = None,
         token: object | None = None,
-        sources: Sequence[torch.Tensor] | None = None,
+        sources: list[torch.Tensor] | None = None,
     ) -> tuple[list[list[Span]], DeferredCopy | None]:
         """Where each item's bytes are for the writer: one span per item, per group.
 
@@ -92,7 +92,7 @@ class Stager:
         tensors in group order, for items that do not hold them (a cached plan's).
         """
         items = [it for g in groups for it in g]
-        srcs_all = list(sources) if sources is not None else [it.src for it in items]
+        srcs_all = sources if sources is not None else [it.src for it in items]
         t0 = time.perf_counter()
         direct: dict[int, Span] = {}  # flat item index -> the item's own bytes
         if not copy:
@@ -136,7 +136,7 @@ class Stager:
                 src = srcs_all[j]
                 watch = defer(src)
                 if watch is not None:
-                    later.add(items[j], lay.dsts[j], watch, src)  # type: ignore[arg-type]
+                    later.add(items[j], src, lay.dsts[j], watch)  # type: ignore[arg-type]
                 else:
                     dsts.append(lay.dsts[j])  # type: ignore[arg-type]
                     srcs.append(src)
@@ -266,11 +266,9 @@ class DeferredCopy:
         self._any_cuda = any_cuda
         self._ready: torch.cuda.Event | None = None
 
-    def add(self, item: WriteItem, dst: torch.Tensor, watch: Sequence[torch.Tensor] = (),
-            src: torch.Tensor | None = None) -> None:
-        """Copy ``src`` (default: ``item.src``) into ``dst`` later; ``watch``: the tensors whose
+    def add(self, item: WriteItem, src: torch.Tensor, dst: torch.Tensor, watch: Sequence[torch.Tensor] = ()) -> None:
+        """Copy ``src`` (``item``'s bytes) into ``dst`` later; ``watch``: the tensors whose
         in-place changes before the copy ends make it torn."""
-        src = item.src if src is None else src
         self.items.append(item)
         self.srcs.append(src)
         self.dsts.append(dst)

@@ -97,7 +97,8 @@ class RNGState:
             torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
 
 
-_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+#: The types of plain tensor leaves (flattened inline; their save plans are cached as they are).
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
 def is_tensor_like(x: Any) -> bool:
@@ -246,7 +247,7 @@ class Flattener:
             leaves = self.out.leaves
             for k2, v2 in v.items():
                 k = f"{key}/{k2}"
-                if type(v2) in _PLAIN_TENSORS and k not in leaves:
+                if type(v2) in PLAIN_TENSORS and k not in leaves:
                     leaves[k] = Leaf(k, v2, "tensor", per_rank)
                 else:
                     self._visit(k, v2, modules, per_rank, None)
