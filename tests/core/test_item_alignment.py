@@ -95,7 +95,7 @@ def test_large_tensors_start_on_64_bytes_and_files_stay_safetensors(tmp_path: Pa
         assert mgr._plans.hits == 1
 
 
-def test_gaps_are_zero_after_another_layout_used_the_buffer(tmp_path: Path) -> None:
+def test_gaps_are_zero_after_another_layout_used_the_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A synchronous save of the same plan has its own layout in the same buffer (it stages
     only the tensors under 1 MiB, packed differently) and writes over the async layout's gaps;
     the next async save zeroes them again before they are written."""
@@ -106,7 +106,16 @@ def test_gaps_are_zero_after_another_layout_used_the_buffer(tmp_path: Path) -> N
         assert any(p.any() for p in async_layout.pads)  # the synchronous layout wrote there
         mgr.save(3, _state(3.0)).wait()
         assert mgr._plans.hits == 2 and len(mgr._stager._layouts) == 2
-    for step in (1, 2, 3):
+        # The same layout twice in a row: its gaps are still zero, so they are not zeroed again.
+        zeroed = []
+        real = torch._foreach_zero_
+        monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: (zeroed.append(len(ts)), real(ts)))
+        mgr.save(4, _state(4.0)).wait()
+        assert zeroed == []
+        mgr.save(5, _state(5.0), async_save=False)  # the synchronous layout zeroes its own gaps ...
+        mgr.save(6, _state(6.0)).wait()  # ... and the async one must zero its gaps again
+        assert len(zeroed) == 2 and zeroed[-1] == len(async_layout.pads)
+    for step in range(1, 7):
         _check_files(tmp_path / f"step-{step:012d}", _state(float(step)))
 
 

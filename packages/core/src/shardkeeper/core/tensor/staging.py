@@ -48,6 +48,7 @@ class Stager:
         self._buffer: torch.Tensor | None = None  # a page-aligned view of _raw
         self._raw: torch.Tensor | None = None
         self._layouts: dict[Any, _Layout] = {}  # by (plan token, direct items): stage_split
+        self._last: _Layout | None = None  # the layout whose items the buffer holds now
         self.last_stage_s = 0.0
 
     @property
@@ -141,13 +142,14 @@ class Stager:
                     dsts.append(lay.dsts[j])  # type: ignore[arg-type]
                     srcs.append(src)
         with torch.no_grad():  # sources may be parameters: the buffer must not join their graph
-            if lay.pads:
+            if lay.pads and lay is not self._last:  # still zero since this layout's last save
                 torch._foreach_zero_(lay.pads)
             if dsts:
                 # One call for all copies: per-tensor Python overhead matters with many small tensors.
                 torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
         if lay.any_cuda:
             torch.cuda.synchronize()
+        self._last = lay
         self.last_stage_s = time.perf_counter() - t0
         return spans, (later if later.items else None)
 
@@ -178,7 +180,7 @@ class Stager:
         buf = self._buffer
         pinned = any_cuda and torch.cuda.is_available()
         if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
-            self._buffer = self._raw = None  # release before allocating the larger one
+            self._buffer = self._raw = self._last = None  # release before allocating the larger one
             self._layouts.clear()
             # The buffer, and each group that data_on_a_page says is page-aligned, start on a
             # page; so does such a file's data (format/safetensors.py): the bytes in the buffer
@@ -237,8 +239,9 @@ class _Layout:
     staged: list[int]  # the items copied into the buffer, as flat indices
     staged_dsts: list[torch.Tensor]  # their views, in that order
     any_cuda: bool
-    #: the alignment gaps between staged items (format/safetensors.py ITEM_ALIGN): zeroed at
-    #: every save, since another layout may have used the same bytes meanwhile
+    #: the alignment gaps between staged items (format/safetensors.py ITEM_ALIGN): zeroed
+    #: unless this layout was also the last to fill the buffer (another layout, e.g. a
+    #: synchronous save's of the same plan, may have written there)
     pads: list[torch.Tensor]
 
 
