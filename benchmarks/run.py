@@ -155,7 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache restores")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--no-readme", action="store_true",
-                    help="do not update README.md (it is only updated by a full run that writes to benchmarks/results)")
+                    help="do not update README.md (it is only updated by a full run, every case at the default "
+                         "sizes, that writes to benchmarks/results; other runs write <date>-cases-<cases>.*)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (checkpoints, logs)")
     ap.add_argument("--report-only", metavar="JSON",
                     help="measure nothing: redo the ratios, tables, chart (and README) from a results file")
@@ -362,10 +363,28 @@ def rerender(results: dict[str, Any]) -> None:
     results["medians"] = med
 
 
+#: What a full run measures: only such a run writes ``<date>.*`` and updates the README.
+FULL_RUN = {"cases": ["a", "b", "c", "d", "e"], "sizes": [256.0, 1024.0], "n_tensors": 10_000}
+
+
+def partial_label(run_args: dict[str, Any]) -> str | None:
+    """``None`` for a full run; else a file-name label of what it measured (``cases-b``), so
+    that a run of some cases never writes over the day's full results or the README."""
+    if all(run_args.get(k) == v for k, v in FULL_RUN.items()):
+        return None
+    label = "cases-" + "".join(run_args.get("cases", []))
+    if run_args.get("sizes") != FULL_RUN["sizes"]:
+        label += "-" + "_".join(f"{s:g}" for s in run_args.get("sizes", [])) + "MiB"
+    if run_args.get("n_tensors") != FULL_RUN["n_tensors"]:
+        label += f"-n{run_args.get('n_tensors')}"
+    return label
+
+
 def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
     outdir = Path(args.results_dir)
     outdir.mkdir(parents=True, exist_ok=True)
-    stem = results["date"] + ("-quick" if args.quick else "")
+    partial = None if args.quick else partial_label(results["args"])
+    stem = results["date"] + ("-quick" if args.quick else f"-{partial}" if partial else "")
     jpath, mpath, ppath = outdir / f"{stem}.json", outdir / f"{stem}.md", outdir / f"{stem}.png"
     tmp = jpath.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(results, indent=1, default=str))
@@ -380,7 +399,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
     print()
     print(report.ratio_table(results["ratios"], results["meta"], info=False))
     default_dir = outdir.resolve() == (HERE / "results").resolve()
-    if not args.quick and not args.no_readme and not results["errors"] and default_dir:
+    if not args.quick and partial is None and not args.no_readme and not results["errors"] and default_dir:
         def rel(p: Path) -> str:
             try:
                 return str(p.resolve().relative_to(ROOT))

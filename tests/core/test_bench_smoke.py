@@ -29,3 +29,19 @@ def test_quick_benchmark_runs_and_every_restore_matches_its_save(tmp_path: Path)
     assert data["case_e"]["commit_s"] > 0 and data["case_e"]["plan_s"] > 0
     restores = [s for s in data["samples"] if "verified" in s]
     assert restores and all(s["verified"] for s in restores), "a benchmarked restore did not reproduce the saved state"
+
+
+def test_only_a_full_run_writes_the_days_results_and_the_readme() -> None:
+    """A run of some cases (``--cases b``) is labelled and never replaces the full results."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run as bench_run
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    full = {"cases": ["a", "b", "c", "d", "e"], "sizes": [256.0, 1024.0], "n_tensors": 10_000}
+    assert bench_run.partial_label(full) is None
+    assert bench_run.partial_label(vars(bench_run.parse_args([]))
+                                   | {"cases": sorted(bench_run.parse_args([]).cases)}) is None
+    assert bench_run.partial_label({**full, "cases": ["b"]}) == "cases-b"
+    assert bench_run.partial_label({**full, "sizes": [64.0]}) == "cases-abcde-64MiB"
+    assert bench_run.partial_label({**full, "cases": ["b"], "n_tensors": 1000}) == "cases-b-n1000"
