@@ -525,6 +525,43 @@ def test_damaged_shard_file_latest_falls_back(tmp_path: Path, mode: str) -> None
     assert torch.equal(target["w"], s1["w"]) and target["meta"] == {"seed": 1}
 
 
+def test_restore_of_the_newest_step_reads_only_its_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """restore() without step= finds the newest step by listing, not by reading and validating
+    every manifest of the root; a damaged newest manifest falls back, with a warning."""
+    import shardkeeper.core.commit as commit_mod
+    import shardkeeper.core.manager as manager_mod
+
+    root = tmp_path / "root"
+    states = {s: tensor_state(s) for s in range(1, 6)}
+    with CheckpointManager(str(root)) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st).wait()
+    loaded: list[int] = []
+    real = commit_mod.load_manifest
+
+    def counting(storage: Any, step: int) -> Any:
+        loaded.append(step)
+        return real(storage, step)
+
+    monkeypatch.setattr(commit_mod, "load_manifest", counting)  # committed_steps' is_committed
+    monkeypatch.setattr(manager_mod, "load_manifest", counting)
+    target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.restore(target) == 5
+        assert loaded == [5]
+        assert torch.equal(target["w"], states[5]["w"])
+        (root / step_dir(5) / "manifest.json").write_bytes(b'{"format_version": 5, "step": ')  # damaged
+        loaded.clear()
+        with pytest.warns(UserWarning, match=r"step 5 .*damaged.*falling back"):
+            assert mgr.restore(target) == 4
+        assert loaded == [5, 4]
+        assert torch.equal(target["w"], states[4]["w"]) and target["meta"] == {"seed": 4}
+        assert mgr.steps() == [1, 2, 3, 4]  # steps() still lists only what validates
+        loaded.clear()
+        assert mgr.latest_step() == 4 and loaded == [5, 4]
+        assert not mgr.is_committed(5) and mgr.is_committed(3) and not mgr.is_committed(9)
+
+
 @pytest.mark.parametrize("mode", ["delete", "truncate"])
 def test_damaged_shard_file_error_names_key_file_step_and_remedy(tmp_path: Path, mode: str) -> None:
     root = tmp_path / "root"

@@ -116,7 +116,7 @@ class AcceleratePlugin:
         mgr = self.manager(root)
         n = int(pc.iteration) if step is None else int(step)
         mgr.wait()  # a previous save's failure surfaces here, before a new one starts
-        if n in mgr.steps():
+        if mgr.is_committed(n):
             raise ValueError(
                 f"shardkeeper: step {n} is already committed under {root} (rank {global_rank()}); "
                 f"checkpoints are immutable. Call accelerator.load_state() first to continue the "
@@ -174,15 +174,15 @@ class AcceleratePlugin:
 
 
 def _newest(mgr: CheckpointManager, root: str, rank: int) -> int:
-    steps = mgr.steps()
-    if not steps:
+    step = mgr.latest_step()
+    if step is None:
         from shardkeeper.core import CheckpointNotFoundError
 
         raise CheckpointNotFoundError(
             f"shardkeeper: no committed checkpoint under {root} (rank {rank}); check the root, or "
             f"start from scratch without load_state()"
         )
-    return steps[-1]
+    return step
 
 
 def _versions() -> dict[str, str]:

@@ -70,12 +70,27 @@ def is_committed(storage: Storage, step: int) -> bool:
     return True
 
 
+def manifest_steps(storage: Storage) -> list[int]:
+    """Steps whose directory holds a manifest, ascending, found by listing alone: the
+    committed ones plus any whose manifest is damaged. For callers that load the manifest
+    they pick anyway (restore tries the newest first and falls back on damage), so that
+    finding the newest step does not read and validate every manifest of the root."""
+    return [step for step, name in sorted(step_dirs(storage).items()) if MANIFEST_NAME in storage.list_dir(name)]
+
+
+def newest_committed(storage: Storage) -> int | None:
+    """The newest committed step (None: none), validating manifests newest first only until
+    one validates, not every manifest of the root."""
+    for step in reversed(manifest_steps(storage)):
+        if is_committed(storage, step):
+            return step
+    return None
+
+
 def committed_steps(storage: Storage) -> list[int]:
-    """Committed steps under the root, ascending."""
+    """Committed steps under the root, ascending (every manifest is read and validated)."""
     steps = []
-    for step, name in sorted(step_dirs(storage).items()):
-        if MANIFEST_NAME not in storage.list_dir(name):
-            continue
+    for step in manifest_steps(storage):
         if is_committed(storage, step):
             steps.append(step)
         else:

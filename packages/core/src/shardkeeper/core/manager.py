@@ -29,7 +29,15 @@ from shardkeeper.core.catalog import forget_deleted, record_commit
 from shardkeeper.core.codec import CodecState
 from shardkeeper.core.codec.crypto import EncryptedStorage, seal_manifest
 from shardkeeper.core.codec.keys import EncryptionKeyError, key_provider
-from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, write_latest_hint
+from shardkeeper.core.commit import (
+    committed_steps,
+    is_committed,
+    load_manifest,
+    manifest_path,
+    manifest_steps,
+    newest_committed,
+    write_latest_hint,
+)
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -505,20 +513,29 @@ class CheckpointManager:
 
     # -- restore -----------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending (reads and validates every manifest of the root: to ask
+        about one step or the newest, ``is_committed`` and ``latest_step`` read one)."""
         return committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None; manifests are validated newest first only until
+        one validates."""
+        return newest_committed(self.storage)
+
+    def is_committed(self, step: int) -> bool:
+        """Whether ``step`` is committed under the root (its manifest exists and validates)."""
+        return is_committed(self.storage, step)
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
         kinds, shapes, dtypes), world size and metadata, without reading any tensor data."""
         self._check_open()
         if step is None:
-            steps = committed_steps(self.storage)
-            if not steps:
+            step = newest_committed(self.storage)
+            if step is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint under {self.storage.url} (rank {self.rank})"
                 )
-            step = steps[-1]
         return load_manifest(self._read_storage, step)  # authenticated when encrypted
 
     def step_url(self, step: int) -> str:
@@ -580,7 +597,9 @@ class CheckpointManager:
         optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
         self._wait_pending(raise_error=False)
         explicit = step is not None
-        candidates = [step] if step is not None else sorted(committed_steps(self.storage), reverse=True)
+        # Newest first by listing alone: each candidate's manifest is validated when it is
+        # loaded, and a damaged one falls back to the next (never a parse of every manifest).
+        candidates = [step] if step is not None else sorted(manifest_steps(self.storage), reverse=True)
         if self.world_size > 1:
             candidates = self._agree_candidates(candidates)
         if not candidates:

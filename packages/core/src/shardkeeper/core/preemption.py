@@ -30,7 +30,7 @@ from types import FrameType
 from typing import Any
 
 from shardkeeper.core import metrics
-from shardkeeper.core.commit import committed_steps
+from shardkeeper.core.commit import newest_committed
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ class PreemptionGuard:
             abandoned = pending.step if abandon and pending is not None and not pending.done() else None
             last = None
             try:
-                steps = committed_steps(self.mgr.storage)
-                last = steps[-1] if steps else None
+                last = newest_committed(self.mgr.storage)  # in the grace period: one manifest read
             except Exception as e:  # noqa: BLE001 - the record is best effort; exit anyway
                 log.warning("could not list committed steps while exiting: %s", e)
             record = {

@@ -141,7 +141,7 @@ class DeepSpeedCheckpointHook:
         step = tag_to_step(tag)
         if step is None:
             step = int(self.engine.global_steps)
-        if _rank0_says(step in mgr.steps()):  # one answer for all ranks (listings may lag)
+        if _rank0_says(mgr.is_committed(step)):  # one answer for all ranks (listings may lag)
             raise CommitConflictError(
                 f"step {step} (tag {tag!r}) is already committed under {mgr.storage.url}; "
                 f"checkpoints are immutable: save under another tag, or use another root"
@@ -204,17 +204,18 @@ class DeepSpeedCheckpointHook:
         return mgr.step_url(step), _lists_back(client) if client is not None else {}
 
     def _resolve_step(self, mgr: CheckpointManager, tag: Any) -> int | None:
-        steps = mgr.steps()
         if tag is None:
-            return steps[-1] if steps else None
+            return mgr.latest_step()
         step = tag_to_step(tag)
         if step is not None:
-            if step not in steps:
+            if not mgr.is_committed(step):
+                steps = mgr.steps()
                 raise CheckpointNotFoundError(
                     f"tag {tag!r} (step {step}) is not committed under {mgr.storage.url}; "
                     f"committed steps: {steps[-8:]}"
                 )
             return step
+        steps = mgr.steps()
         for s in reversed(steps):
             if mgr.manifest(s).metadata.get("tag") == str(tag):
                 return s

@@ -126,7 +126,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         trainer = _trainer(strategy)
         known = self._saved.get(step)
         if known is None:
-            committed = strategy.broadcast(step in mgr.steps() if mgr.rank == 0 else False)
+            committed = strategy.broadcast(mgr.is_committed(step) if mgr.rank == 0 else False)
             if committed:
                 log.warning(
                     "step %d is already committed under %s (an earlier run); %s now names that "
@@ -233,8 +233,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             if own and self._handle is not None and (step is None or step == self._handle.step):
                 mgr.wait()  # a save of this process still in flight: let it commit first
             if step is None:
-                steps = mgr.steps()
-                step = strategy.broadcast(steps[-1] if steps else None)
+                step = strategy.broadcast(mgr.latest_step())
                 if step is None:
                     raise CheckpointNotFoundError(
                         f"no committed checkpoint under {target.root} (rank {mgr.rank}); nothing to "
