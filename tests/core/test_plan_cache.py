@@ -140,3 +140,43 @@ def test_box_in_finds_narrowed_views_and_refuses_anything_else() -> None:
     assert _box_in(local, local.reshape(6, 20)) is None
     overlapping = torch.arange(20.0).expand(3, 20)  # rows alias each other: no unique box
     assert _box_in(overlapping, overlapping[2:3]) is None
+
+
+def test_sources_are_bound_to_their_items_whatever_the_file_order(tmp_path: Path) -> None:
+    """Files hold the widest dtypes first, then keys in order, not the state's order: a cache
+    hit binds each item's source across that reordering (and nested dicts)."""
+    def state(s: int) -> dict[str, Any]:
+        return {"z": torch.full((5,), s, dtype=torch.int8), "a": torch.arange(3, dtype=torch.float64) + s,
+                "m": {"w": torch.full((2, 2), float(s)), "step": s}, "b": torch.full((4,), s, dtype=torch.int16)}
+
+    with CheckpointManager(tmp_path) as mgr:
+        for step in range(3):
+            mgr.save(step, state(step)).wait()
+        assert mgr._plans.hits == 2
+        for step in range(3):
+            target = {"z": torch.zeros(5, dtype=torch.int8), "a": torch.zeros(3, dtype=torch.float64),
+                      "m": {"w": torch.zeros(2, 2), "step": -1}, "b": torch.zeros(4, dtype=torch.int16)}
+            mgr.restore(target, step=step)
+            want = state(step)
+            assert target["m"]["step"] == step and torch.equal(target["m"]["w"], want["m"]["w"])
+            assert all(torch.equal(target[k], want[k]) for k in ("z", "a", "b"))
+
+
+def test_which_leaves_are_tensors_and_which_are_per_rank_is_part_of_the_structure(tmp_path: Path) -> None:
+    """The same keys with a tensor and a JSON value swapped, or a dict that produces the keys a
+    PerRank did, are other structures: planned afresh, and saved as what they are now."""
+    from shardkeeper.core import PerRank
+
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(0, {"a": torch.ones(3), "b": 5}).wait()
+        mgr.save(1, {"a": 5, "b": torch.ones(3) * 2}).wait()
+        mgr.save(2, {"p": PerRank({"w": torch.ones(2) * 3})}).wait()
+        mgr.save(3, {"p": {"0": {"w": torch.ones(2) * 4}}}).wait()  # rank 0: the same key p/0/w
+        assert mgr._plans.hits == 0
+        target: dict[str, Any] = {"a": 0, "b": torch.zeros(3)}
+        mgr.restore(target, step=1)
+        assert target["a"] == 5 and torch.equal(target["b"], torch.ones(3) * 2)
+        assert mgr.manifest(2).per_rank_prefixes == ("p",) and mgr.manifest(3).per_rank_prefixes == ()
+        t3 = {"p": {"0": {"w": torch.zeros(2)}}}
+        mgr.restore(t3, step=3)
+        assert torch.equal(t3["p"]["0"]["w"], torch.ones(2) * 4)
