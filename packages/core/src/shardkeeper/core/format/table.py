@@ -51,6 +51,7 @@ def no_gc() -> Iterator[None]:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_V = TypeVar("_V")
 
 
 def without_gc(fn: _F) -> _F:
@@ -144,6 +145,18 @@ class ChunkTable:
         else:
             out.digests = "".join([t.digest_text() for t in tables])
         return out
+
+    def take(self, rows: Sequence[int]) -> ChunkTable:
+        """A table of ``rows`` of this one, in that order (digests per row: list form)."""
+        if not isinstance(self.digests, list):
+            raise TypeError("ChunkTable.take: only a report's table (digests per row) is reordered")
+        dims, digests = self.dims, self.digests
+        return ChunkTable(
+            self.paths, _gather(self.file, rows), _gather(self.offset, rows), _gather(self.length, rows),
+            _gather(self.ndim, rows), [v for i in rows for v in self.offsets[dims[i] : dims[i + 1]]],
+            [v for i in rows for v in self.shape[dims[i] : dims[i + 1]]], _gather(digests, rows),
+            {k: _gather(col, rows) for k, col in self.extras.items()}, self.width,
+        )
 
     def digest_text(self) -> str:
         """Every row's digests, concatenated (the manifest's form)."""
@@ -242,17 +255,46 @@ def encode_report(chunks: Mapping[str, Sequence[Mapping[str, Any]]], width: int)
     return {"keys": keys, "counts": [len(chunks[k]) for k in keys], "table": table}
 
 
+def rows_report(keys: Sequence[str], table: ChunkTable) -> dict[str, Any]:
+    """A rank's chunks as its writer made them, one row of ``table`` per chunk and ``keys[i]``
+    the key of row ``i``, in the report's form (``keys``, ``counts``, ``table``): rows of one
+    key made adjacent. The table stays an object until it is sent (``report_for_wire``)."""
+    first: dict[str, int] = {}
+    for k in keys:
+        first.setdefault(k, len(first))
+    if len(first) != len(keys):  # a key with several chunks in several files: group its rows
+        rows = sorted(range(len(keys)), key=lambda i: first[keys[i]])
+        table = table.take(rows)
+        counts = [0] * len(first)
+        for k in keys:
+            counts[first[k]] += 1
+        return {"keys": list(first), "counts": counts, "table": table}
+    return {"keys": list(keys), "counts": [1] * len(keys), "table": table}
+
+
+def report_for_wire(chunks: Any) -> dict[str, Any]:
+    """A report's chunks in the JSON form sent to the coordinator (``encode_report``'s)."""
+    if isinstance(chunks, dict) and isinstance(chunks.get("table"), ChunkTable):
+        return {**chunks, "table": chunks["table"].to_json()}
+    return encode_report(chunks, 0)
+
+
 def decode_report(chunks: Any, width: int) -> tuple[ChunkTable, list[str], list[int]]:
-    """A report's ``chunks`` (per-key records, or ``encode_report``'s form) as a table, its
-    keys and each key's row count (rows in key order)."""
-    if isinstance(chunks, dict) and "table" in chunks and "keys" in chunks:
-        return ChunkTable.from_json(chunks["table"], width), list(chunks["keys"]), list(chunks["counts"])
+    """A report's ``chunks`` (per-key records, ``encode_report``'s JSON form or ``rows_report``'s
+    with the table as an object) as a table, its keys and each key's row count (rows in key
+    order)."""
+    if isinstance(chunks, dict) and "keys" in chunks and "counts" in chunks:
+        table = chunks.get("table")
+        if isinstance(table, ChunkTable):
+            return table, list(chunks["keys"]), list(chunks["counts"])
+        if isinstance(table, dict):
+            return ChunkTable.from_json(table, width), list(chunks["keys"]), list(chunks["counts"])
     keys = list(chunks)
     table = ChunkTable.from_records([r for k in keys for r in chunks[k]], width)
     return table, keys, [len(chunks[k]) for k in keys]
 
 
-def _gather(col: Sequence[int], idx: Sequence[int]) -> list[int]:
+def _gather(col: Sequence[_V], idx: Sequence[int]) -> list[_V]:
     """``[col[i] for i in idx]``, in C."""
     if len(idx) == 1:
         return [col[idx[0]]]

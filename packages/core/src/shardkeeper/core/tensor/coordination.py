@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.format.fastjson import loads_report
-from shardkeeper.core.format.table import encode_report
+from shardkeeper.core.format.table import report_for_wire
 from shardkeeper.core.tensor import _torch_compat as tc
 
 
@@ -114,7 +114,7 @@ class StoreCoordinator:
         if isinstance(payload.get("chunks"), dict):
             # Columns instead of one JSON object per chunk: the coordinator decodes 100,000
             # chunks of a rank in tens of milliseconds (format/table.py).
-            payload = {**payload, "chunks": encode_report(payload["chunks"], 0)}
+            payload = {**payload, "chunks": report_for_wire(payload["chunks"])}
         self._store.set(self._key(seq, f"report/{self.rank}"), json.dumps(payload))
 
     def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:

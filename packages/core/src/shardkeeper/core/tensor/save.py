@@ -27,7 +27,7 @@ from shardkeeper.core.format.safetensors import (
     build_header,
     chunk_name,
 )
-from shardkeeper.core.format.table import without_gc
+from shardkeeper.core.format.table import ChunkTable, rows_report, without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import (
@@ -326,7 +326,7 @@ def _file_order(it: WriteItem) -> tuple[int, str, tuple[int, ...]]:
 
 @dataclass
 class WriteResult:
-    chunks: dict[str, list[dict[str, Any]]]  # key -> chunk records in their JSON form
+    chunks: dict[str, Any]  # the chunks as a report's table (format/table.py rows_report)
     files: dict[str, dict[str, Any]]
     bytes_written: int
     bytes_reused: int = 0  # raw bytes of chunks stored as references (incremental)
@@ -351,7 +351,7 @@ def _file_header(items: Sequence[WriteItem], memo: dict[Any, Any] | None, index:
     return got
 
 
-def _write_one(
+def _write_file(
     storage: Storage,
     step_dir: str,
     rel: str,
@@ -361,15 +361,17 @@ def _write_one(
     block_bytes: int,
     memo: dict[Any, Any] | None = None,
     index: int = 0,
-) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+) -> tuple[list[int], list[str], int]:
     """One shard file: the header, then each item's bytes, digested block by block in windows
     of about 8 MiB just before each window is written (the bytes are hot in cache for the
-    write). Adjacent spans of one buffer go out in one write."""
+    write). Adjacent spans of one buffer go out in one write. Returns each item's offset in
+    the file, its digests (comma-separated) and the file's size: per item only a string is
+    made, no container (``_report_columns``)."""
     header, file_offsets = _file_header(items, memo, index)
     digest = digest_function(algorithm)
     window = max(block_bytes, (_WRITE_BYTES // block_bytes) * block_bytes)
     writer = storage.open_writer(f"{step_dir}/{rel}")
-    out = []
+    out: list[str] = []
     pending: list[list[Any]] = []  # [buffer, start, end], adjacent spans merged
     pending_bytes = 0
 
@@ -390,7 +392,7 @@ def _write_one(
     pos = len(header)  # where the next byte goes in the file
     try:
         writer.write(header)
-        for it, (buf, a, b), off in zip(items, spans, file_offsets):
+        for (buf, a, b), off in zip(spans, file_offsets):
             if off > pos:  # alignment padding (zeros): in the buffer too when it mirrors the file
                 if pending and pending[-1][0] is buf and pending[-1][2] + off - pos == a:
                     push(buf, a - (off - pos), a)
@@ -408,16 +410,29 @@ def _write_one(
                     push(buf, x, y)
                 digests = ",".join(blocks)
             pos = off + b - a
-            # The chunk record as the manifest stores it (format.md 3.3), built once, here.
-            out.append((it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
-                                 "shape": list(it.shape), "digests": digests}))
+            out.append(digests)
         for pb, pa, pe in pending:
             writer.write(pb[pa:pe])
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    return out, pos
+    return file_offsets, out, pos
+
+
+def _write_one(
+    storage: Storage,
+    step_dir: str,
+    rel: str,
+    items: Sequence[WriteItem],
+    spans: Sequence[Span],
+    algorithm: str,
+    block_bytes: int,
+) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """``_write_file``, its chunks as records in their JSON form (format.md 3.3)."""
+    offsets, digests, size = _write_file(storage, step_dir, rel, items, spans, algorithm, block_bytes)
+    return [(it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
+                      "shape": list(it.shape), "digests": d}) for it, off, d in zip(items, offsets, digests)], size
 
 
 def _write_coded(
@@ -497,9 +512,34 @@ def _write_coded(
     return out, pos, reused
 
 
-def _write_plain(*args: Any) -> tuple[list[tuple[str, dict[str, Any]]], int, int]:
-    recs, size = _write_one(*args)
-    return recs, size, 0
+def _write_plain(
+    storage: Storage, step_dir: str, rel: str, items: Sequence[WriteItem], spans: Sequence[Span], algorithm: str,
+    block_bytes: int, memo: dict[Any, Any] | None, index: int,
+) -> tuple[tuple[list[str], ChunkTable], int, int]:
+    """A raw shard file, its chunks as table rows (see ``_report_columns``)."""
+    offsets, digests, size = _write_file(storage, step_dir, rel, items, spans, algorithm, block_bytes, memo, index)
+    return _report_columns(rel, items, offsets, digests, memo, index), size, 0
+
+
+def _report_columns(
+    rel: str, items: Sequence[WriteItem], offsets: list[int], digests: list[str], memo: dict[Any, Any] | None,
+    index: int,
+) -> tuple[list[str], ChunkTable]:
+    """A file's chunks as rows of a chunk table (and each row's key), the form the report and
+    the manifest use. With 10,000 small tensors a record per chunk (a dict and two lists) was
+    40,000 containers per save: the collector then ran full collections in the writer
+    thread, 120 ms each in a process holding 300,000 objects, every other save. The columns
+    that do not change between saves of a cached plan are built once (``memo``)."""
+    cols = memo.get(("columns", index)) if memo is not None else None
+    if cols is None:
+        cols = ([it.key for it in items], [it.nbytes for it in items], [len(it.shape) for it in items],
+                [o for it in items for o in it.offsets], [n for it in items for n in it.shape])
+        if memo is not None:
+            memo[("columns", index)] = cols
+    keys, length, ndim, box_offsets, box_shape = cols
+    # The table takes its own lists: tables are extended and rewritten downstream.
+    return list(keys), ChunkTable([rel], [0] * len(items), list(offsets), list(length), list(ndim), list(box_offsets),
+                                  list(box_shape), digests, {}, 0)
 
 
 def _slabs(it: WriteItem, view: memoryview) -> list[tuple[WriteItem, memoryview]]:
@@ -551,7 +591,8 @@ def write_shards(
                         memo, i)
         for i, (g, r) in enumerate(zip(groups, spans))
     ]
-    chunks: dict[str, list[dict[str, Any]]] = {}
+    keys: list[str] = []
+    tables: list[ChunkTable] = []
     files: dict[str, dict[str, Any]] = {}
     written = 0
     reused = 0
@@ -562,16 +603,20 @@ def write_shards(
         except BaseException as e:  # collect all, raise the first
             errors.append(e)
             continue
-        recs, size, n_reused = res
+        rows, size, n_reused = res
         reused += n_reused
         if size:  # 0: every chunk is a reference, no file was written
             files[shard_file(rank, attempt, i)] = {"size_bytes": size, "rank": rank}
             written += size
-        for key, rec in recs:
-            chunks.setdefault(key, []).append(rec)
+        if isinstance(rows, tuple):  # a raw file's rows (_write_plain)
+            keys.extend(rows[0])
+            tables.append(rows[1])
+        elif rows:  # a coded file's records
+            keys.extend(k for k, _ in rows)
+            tables.append(ChunkTable.from_records([r for _, r in rows], 0))
     if errors:
         raise errors[0]
     if files:
         storage.sync_dir(f"{step_dir}/{DATA_DIR}")
         storage.sync_dir(step_dir)
-    return WriteResult(chunks, files, written, reused)
+    return WriteResult(rows_report(keys, ChunkTable.concat(tables, 0)), files, written, reused)
