@@ -349,6 +349,7 @@ def flatten_for_save(state: Mapping[str, Any], rank: int) -> FlatState:
     return Flattener(rank, restore=False).flatten(state)
 
 
+@without_gc  # a leaf, a setter and a key per tensor, alive until the restore ends
 def flatten_for_restore(state: Mapping[str, Any], rank: int, *, strict: bool) -> FlatState:
     return Flattener(rank, restore=True, strict=strict).flatten(state)
 
