@@ -747,6 +747,36 @@ def test_restore_fills_a_non_contiguous_numpy_array(tmp_path: Path, layout: str)
     assert np.array_equal(state["arr"], arr), "restore returned success but left the array unchanged"
 
 
+def test_small_targets_restore_through_the_byte_copy_or_copy_(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small overlaps read through a scratch buffer go into a target with one memmove when the
+    target's memory is exactly the saved bytes; any other target (strided, another dtype,
+    a negated view, a slice of the saved tensor) takes copy_. Both, bit for bit."""
+    import shardkeeper.core.tensor.restore as restore_mod
+
+    g = torch.Generator().manual_seed(3)
+    saved = {name: torch.randn(6, 5, generator=g) for name in ("plain", "param", "strided", "cast", "neg", "np")}
+    saved["half"] = torch.randn(8, generator=g).to(torch.float16)
+    moved: list[int] = []
+    real = restore_mod._MEMMOVE
+    monkeypatch.setattr(restore_mod, "_MEMMOVE", lambda d, s, n: (moved.append(n), real(d, s, n))[1])
+    with CheckpointManager(str(tmp_path / "root")) as mgr:
+        mgr.save(1, saved).wait()
+        np_target = np.zeros((6, 5), dtype=np.float32)
+        target: dict[str, Any] = {
+            "plain": torch.zeros(6, 5), "param": nn.Parameter(torch.zeros(6, 5)),
+            "strided": torch.zeros(5, 6).t(), "cast": torch.zeros(6, 5, dtype=torch.float64),
+            "neg": torch._neg_view(torch.zeros(6, 5)), "np": np_target, "half": torch.zeros(8, dtype=torch.float16),
+        }
+        assert mgr.restore(target, step=1, cast_dtypes=True) == 1
+    for name in ("plain", "param", "strided", "half"):
+        assert torch.equal(target[name].detach(), saved[name]), name
+    assert torch.equal(target["cast"], saved["cast"].double())
+    assert torch.equal(target["neg"], saved["neg"]) and target["neg"].is_neg()
+    assert np.array_equal(np_target, saved["np"].numpy())
+    # plain, param, np and half went through memmove; strided, cast and neg through copy_
+    assert sorted(moved) == sorted([120, 120, 120, 16]), moved
+
+
 def test_what_save_accepts_restores_into_the_same_structure(tmp_path: Path) -> None:
     pair = (torch.ones(2), torch.full((3,), 2.0))
     with CheckpointManager(str(tmp_path / "root")) as mgr:
