@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,6 +117,30 @@ def test_gaps_are_zero_after_another_layout_used_the_buffer(tmp_path: Path, monk
         mgr.save(6, _state(6.0)).wait()  # ... and the async one must zero its gaps again
         assert len(zeroed) == 2 and zeroed[-1] == len(async_layout.pads)
     for step in range(1, 7):
+        _check_files(tmp_path / f"step-{step:012d}", _state(float(step)))
+
+
+def test_a_staging_copy_that_failed_part_way_leaves_the_gaps_to_be_zeroed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another layout's copy wrote over this layout's gaps and then failed: the next save of
+    this layout must still zero them (the buffer is nobody's until a copy succeeds)."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state(1.0)).wait()
+        real = torch._foreach_copy_
+
+        def copy_then_fail(dsts: Any, srcs: Any, **kw: Any) -> None:
+            real(dsts, srcs, **kw)
+            raise RuntimeError("injected: the copy failed after writing")
+
+        monkeypatch.setattr(torch, "_foreach_copy_", copy_then_fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            mgr.save(2, _state(2.0), async_save=False)  # the synchronous layout, packed otherwise
+        monkeypatch.setattr(torch, "_foreach_copy_", real)
+        async_layout = next(lay for lay in mgr._stager._layouts.values() if not lay.key[1])
+        assert any(p.any() for p in async_layout.pads)  # the failed copy wrote there
+        mgr.save(3, _state(3.0)).wait()
+    for step in (1, 3):
         _check_files(tmp_path / f"step-{step:012d}", _state(float(step)))
 
 

@@ -777,6 +777,29 @@ def test_small_targets_restore_through_the_byte_copy_or_copy_(tmp_path: Path, mo
     assert sorted(moved) == sorted([120, 120, 120, 16]), moved
 
 
+@pytest.mark.parametrize("size", [6, 1 << 19], ids=["small", "direct-read"])
+def test_restore_writes_without_torch_only_where_copy_would(tmp_path: Path, size: int) -> None:
+    """Where restore writes a target's bytes itself (memmove from a scratch read, or a read
+    straight into its memory), torch's bookkeeping holds as for copy_: the version counter
+    moves (a backward through the old values fails loudly); zero tensors (no memory) and
+    inference tensors go through copy_, which refuses them."""
+    with CheckpointManager(str(tmp_path / "root")) as mgr:
+        mgr.save(1, {"w": torch.arange(size, dtype=torch.float32)}).wait()
+        w = torch.zeros(size, requires_grad=True)
+        loss = (w * w).sum()  # saves w for backward
+        v0 = w._version
+        mgr.restore({"w": w}, step=1)
+        assert w._version > v0 and torch.equal(w.detach(), torch.arange(size, dtype=torch.float32))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        with pytest.raises(Exception, match="(?i)zerotensor|immutable"):
+            mgr.restore({"w": torch._efficientzerotensor(size)}, step=1)  # a segfault before
+        with torch.inference_mode():
+            inf = torch.zeros(size)
+        with pytest.raises(Exception, match="inference"):  # copy_'s own error (it has written by then)
+            mgr.restore({"w": inf}, step=1)
+
+
 def test_what_save_accepts_restores_into_the_same_structure(tmp_path: Path) -> None:
     pair = (torch.ones(2), torch.full((3,), 2.0))
     with CheckpointManager(str(tmp_path / "root")) as mgr:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from shardkeeper.core.errors import (
     CheckpointNotFoundError,
@@ -205,23 +206,32 @@ _BUFFERED_READ_BYTES = 8 << 20
 _DIRECT_MIN_BYTES = 1 << 20
 
 
-def _is_bytes_copy(op: _Op) -> bool:
-    """Are the bytes of ``op`` exactly ``op.dest``'s memory (a CPU tensor of the saved dtype,
-    contiguous, whose values are its bytes)? Then a read's scratch bytes are copied into it
-    with ``memmove``: with 10,000 small tensors, making a source view per tensor and
-    ``copy_`` cost about 10 us each, in threads that share the GIL."""
+def _holds_its_values(op: _Op) -> bool:
+    """Is ``op.dest``'s memory exactly its values, of the saved dtype, so that bytes can be
+    written into it without torch (a read straight into it, a memmove)? A plain CPU tensor,
+    contiguous and strided, not a lazily negated view, not a zero tensor (no memory), not an
+    inference tensor (``copy_`` refuses to write those outside inference mode: so do we), and
+    ``op`` covers all of it."""
     d = op.dest
     return (
         op.chunk.encoding == "raw"
-        and op.end - op.start < _DIRECT_MIN_BYTES
         and type(d) in PLAIN_TENSORS
         and d.device.type == "cpu"
         and d.dtype == op.dtype
         and d.layout == torch.strided
         and d.is_contiguous()
         and not d.is_neg()
+        and not d._is_zerotensor()
+        and not d.is_inference()
         and op.end - op.start == d.numel() * d.element_size()
     )
+
+
+def _is_bytes_copy(op: _Op) -> bool:
+    """Is ``op`` copied out of a scratch read with ``memmove`` (``_holds_its_values``, under
+    ``_DIRECT_MIN_BYTES``)? With 10,000 small tensors, a source view and ``copy_`` per tensor
+    cost about 10 us each, in threads that share the GIL."""
+    return op.end - op.start < _DIRECT_MIN_BYTES and _holds_its_values(op)
 
 
 # memmove through ctypes' PYFUNCTYPE keeps the GIL (a CFUNCTYPE call would release and retake
@@ -233,15 +243,7 @@ _MEMMOVE = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, 
 
 def _is_direct(op: _Op) -> bool:
     """Can the bytes of ``op`` be read straight into the target's memory?"""
-    d = op.dest
-    return (
-        op.chunk.encoding == "raw"
-        and op.end - op.start >= _DIRECT_MIN_BYTES
-        and d.device.type == "cpu"
-        and d.dtype == op.dtype
-        and d.is_contiguous()
-        and op.end - op.start == d.numel() * d.element_size()
-    )
+    return op.end - op.start >= _DIRECT_MIN_BYTES and _holds_its_values(op)
 
 
 def _read_checked(storage: Storage, path: str, offset: int, buffer: memoryview, keys: Sequence[str], step: int) -> None:
@@ -307,6 +309,7 @@ def _execute_direct(
         stats.add_read(chunk.file, len(scratch))
         _check_block(storage, path, chunk, idx, scratch, digest, block, op.key, step)
         dest[lo - start : hi - start] = scratch[lo - bs : hi - bs]
+    increment_version(op.dest)  # written through numpy, not torch: as copy_ would
 
 
 def _missing_or_short(storage: Storage, path: str, end: int) -> bool:
@@ -336,6 +339,7 @@ def _execute_read(
     stats.add_read(rd.file, len(buf))
     base = torch.from_numpy(buf)
     base_ptr = buf.ctypes.data
+    moved: list[torch.Tensor] = []  # written without torch: their version counters bumped below
     for seg in rd.segments:
         off = seg.chunk.offset + seg.start - rd.start
         view = memoryview(cast("Buffer", buf))[off : off + seg.end - seg.start]
@@ -345,6 +349,7 @@ def _execute_read(
         for op in seg.ops:
             if op.as_bytes:  # verified above; the target's memory is exactly these bytes
                 _MEMMOVE(op.dest.data_ptr(), base_ptr + off + op.start - seg.start, op.end - op.start)
+                moved.append(op.dest)
                 continue
             isz = itemsize(torch_dtype_name(op.dtype))
             seg_bytes = base[off : off + seg.end - seg.start]
@@ -354,6 +359,8 @@ def _execute_read(
             first_el = (op.start - seg.start) // isz
             src = flat.as_strided(op.rel_shape, contiguous_strides(op.chunk.shape), flat.storage_offset() + first_el)
             op.dest.copy_(src)
+    if moved:  # as copy_ would: autograd then refuses a backward through tensors changed since
+        increment_version(moved)
 
 
 def _check_file_ends(storage: Storage, step_dir: str, step: int, ends: dict[str, tuple[int, str]]) -> None:

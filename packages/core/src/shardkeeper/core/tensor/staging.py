@@ -141,8 +141,9 @@ class Stager:
                 else:
                     dsts.append(lay.dsts[j])  # type: ignore[arg-type]
                     srcs.append(src)
+        last, self._last = self._last, None  # until this copy succeeds, the buffer is nobody's
         with torch.no_grad():  # sources may be parameters: the buffer must not join their graph
-            if lay.pads and lay is not self._last:  # still zero since this layout's last save
+            if lay.pads and lay is not last:  # still zero since this layout's last save
                 torch._foreach_zero_(lay.pads)
             if dsts:
                 # One call for all copies: per-tensor Python overhead matters with many small tensors.
