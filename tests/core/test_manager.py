@@ -40,6 +40,7 @@ from shardkeeper.core import (
     IncompatibleFormatError,
     RNGState,
     StateMismatchError,
+    StorageError,
 )
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import LocalStorage
@@ -560,6 +561,31 @@ def test_restore_of_the_newest_step_reads_only_its_manifest(tmp_path: Path, monk
         loaded.clear()
         assert mgr.latest_step() == 4 and loaded == [5, 4]
         assert not mgr.is_committed(5) and mgr.is_committed(3) and not mgr.is_committed(9)
+
+
+@pytest.mark.parametrize("what", ["data", "manifest"])
+def test_a_failing_storage_is_raised_not_taken_for_damage(tmp_path: Path, what: str) -> None:
+    """When reads of the newest step fail (retries spent) while its files are whole, restore()
+    raises, naming the step, the rank and the remedy: falling back would resume from older
+    state and lose the newer step's progress. Once the storage answers, the newest restores."""
+    root = tmp_path / "root"
+    s1, s2 = _two_steps(root)
+    pattern = {"data": {"read_into": f"*{step_dir(2)}/data/*"},
+               "manifest": {"read_bytes": f"*{step_dir(2)}/manifest.json"}}[what]
+    faulty = FaultyStorage(LocalStorage(root), fail_on=pattern)
+    target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
+    with CheckpointManager(faulty, retry_max_attempts=2, retry_base_delay_s=0.0) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "falling back" warning either
+            with pytest.raises(StorageError) as e:
+                mgr.restore(target)
+        msg = str(e.value)
+        assert "step 2" in msg and "rank 0" in msg and "retry" in msg.lower() and "step=" in msg
+        assert target["meta"] == {"seed": -1}  # step 1 was not restored instead
+        assert faulty.injected
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.restore(target) == 2
+    assert torch.equal(target["w"], s2["w"]) and target["meta"] == {"seed": 2}
 
 
 @pytest.mark.parametrize("mode", ["delete", "truncate"])

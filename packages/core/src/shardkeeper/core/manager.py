@@ -587,7 +587,8 @@ class CheckpointManager:
         restoring a checkpoint another framework wrote): those keep their values, silently.
         A stateful object gets ``load_state_dict`` only when some of its keys were restored.
         When the newest step turns out damaged, the previous committed one is restored
-        instead, with a warning.
+        instead, with a warning; when the storage fails (after its retries), the error is
+        raised, since the step may be intact.
         """
         self._check_open()
         policy = per_rank or self.options.per_rank
@@ -669,10 +670,19 @@ class CheckpointManager:
                 world_size=self.world_size, only=patterns, strict=strict, optional=optional, per_rank=policy,
                 cast=cast, executor=self._io, max_read_bytes=self.options.max_read_bytes,
             )
-        except (CorruptCheckpointError, StorageError) as e:
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # damaged, or gone since listed
             return 1, e
-        except CheckpointNotFoundError as e:
-            return 1, e
+        except StorageError as e:
+            # The storage failed (its retries are spent); the step may be intact. Falling back
+            # would resume from older state and lose the newer step's progress: fail loudly.
+            err = StorageError(
+                f"restore of step {step} under {self.storage.url} (rank {self.rank}) failed because "
+                f"the storage did: {e}"
+                + ("" if "Retry the restore" in str(e) else
+                   "; the checkpoint may be intact: retry the restore, or pass step= to restore an earlier step")
+            )
+            err.__cause__ = e
+            return 2, err
         except Exception as e:
             return 2, e
         st = self.last_restore_stats

@@ -253,12 +253,17 @@ def _read_checked(storage: Storage, path: str, offset: int, buffer: memoryview, 
     except ChecksumMismatchError as e:  # an encrypted block failed authentication (codec/crypto.py)
         raise ChecksumMismatchError(f"step {step}, {what}: {e}", key=keys[0] if keys else "", file=path) from e
     except (CheckpointNotFoundError, StorageError) as e:
-        cls = CorruptCheckpointError if _missing_or_short(storage, path, offset + len(buffer)) else StorageError
-        raise cls(
-            f"step {step}: cannot read bytes [{offset}, {offset + len(buffer)}) of "
-            f"{storage.describe(path)} for {what}: {e}. The checkpoint is damaged or the storage "
-            f"failed: restore an earlier step (restore() without step= falls back by itself) and "
-            f"run `shardkeeper verify {storage.url}`"
+        where = f"step {step}: cannot read bytes [{offset}, {offset + len(buffer)}) of {storage.describe(path)} for {what}: {e}"
+        if _missing_or_short(storage, path, offset + len(buffer)):
+            raise CorruptCheckpointError(
+                f"{where}. The file is missing or shorter than the manifest says: the checkpoint "
+                f"is damaged. Restore an earlier step (restore() without step= falls back by "
+                f"itself) and run `shardkeeper verify {storage.url}`"
+            ) from e
+        raise StorageError(
+            f"{where}. The file is there, whole in size: the storage failed (after its retries), "
+            f"the checkpoint may be intact. Retry the restore; if the storage keeps failing, "
+            f"pass step= to restore an earlier step"
         ) from e
 
 
