@@ -42,7 +42,7 @@ from shardkeeper.core.format.manifest import (
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.legacy import require_trust
-from shardkeeper.core.tensor.save import WriteItem, _write_one
+from shardkeeper.core.tensor.save import WriteItem, _write_file, chunk_records
 from shardkeeper.core.tensor.state import normalize_fqn, torch_dtype_name
 
 DEFAULT_BATCH_BYTES = 512 << 20
@@ -202,7 +202,9 @@ def import_dcp(
                 spans.append((buf, 0, nbytes))
             rel = shard_file(0, attempt, index)
             written.append(rel)
-            recs, size = pool.submit(_write_one, storage, sdir, rel, items, spans, digest, digest_block_bytes).result()
+            offsets, digests, size = pool.submit(_write_file, storage, sdir, rel, items, spans, digest,
+                                                 digest_block_bytes).result()
+            recs = chunk_records(rel, items, offsets, digests)
             files[rel] = {"size_bytes": size, "rank": 0}
             for (key, rec), (_, _, shape, dtype, nbytes) in zip(recs, batch, strict=True):
                 leaves[key] = {"kind": "tensor", "dtype": dtype, "shape": list(shape), "chunks": [rec] if nbytes else []}

@@ -420,19 +420,13 @@ def _write_file(
     return file_offsets, out, pos
 
 
-def _write_one(
-    storage: Storage,
-    step_dir: str,
-    rel: str,
-    items: Sequence[WriteItem],
-    spans: Sequence[Span],
-    algorithm: str,
-    block_bytes: int,
-) -> tuple[list[tuple[str, dict[str, Any]]], int]:
-    """``_write_file``, its chunks as records in their JSON form (format.md 3.3)."""
-    offsets, digests, size = _write_file(storage, step_dir, rel, items, spans, algorithm, block_bytes)
+def chunk_records(
+    rel: str, items: Sequence[WriteItem], offsets: Sequence[int], digests: Sequence[str]
+) -> list[tuple[str, dict[str, Any]]]:
+    """``_write_file``'s chunks as records in their JSON form (format.md 3.3), with their keys:
+    for writers that assemble a per-chunk manifest themselves (``dcp_import``)."""
     return [(it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
-                      "shape": list(it.shape), "digests": d}) for it, off, d in zip(items, offsets, digests)], size
+                      "shape": list(it.shape), "digests": d}) for it, off, d in zip(items, offsets, digests)]
 
 
 def _write_coded(
