@@ -826,6 +826,21 @@ def test_restore_writes_without_torch_only_where_copy_would(tmp_path: Path, size
             mgr.restore({"w": inf}, step=1)
 
 
+def test_a_leaf_of_another_kind_in_the_target_is_refused_by_name(tmp_path: Path) -> None:
+    """A tensor where the checkpoint holds bytes or a JSON value (or the other way round) is a
+    changed structure: refused naming the key and both kinds, before anything is read."""
+    with CheckpointManager(str(tmp_path / "root")) as mgr:
+        mgr.save(1, {"blob": b"abc", "cfg": {"lr": 0.1}, "w": torch.ones(2)}).wait()
+        for target, key, kinds in (
+            ({"blob": torch.zeros(3, dtype=torch.uint8), "cfg": {"lr": 0.0}, "w": torch.zeros(2)}, "blob", "bytes leaf in the checkpoint but a tensor"),
+            ({"blob": b"", "cfg": {"lr": torch.zeros(1)}, "w": torch.zeros(2)}, "cfg/lr", "object leaf in the checkpoint but a tensor"),
+        ):
+            w = target["w"]
+            with pytest.raises(StateMismatchError, match=rf"'{key}'.*{kinds}.*step 1|'{key}' in .*step 1.*{kinds}"):
+                mgr.restore(target, step=1)
+            assert not w.any()  # nothing was read
+
+
 def test_what_save_accepts_restores_into_the_same_structure(tmp_path: Path) -> None:
     pair = (torch.ones(2), torch.full((3,), 2.0))
     with CheckpointManager(str(tmp_path / "root")) as mgr:

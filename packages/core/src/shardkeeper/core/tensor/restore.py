@@ -559,6 +559,11 @@ def restore_flat(
             deferred.append(fill)
             continue
         if rec.kind == "bytes":
+            if leaf.kind != "bytes":
+                raise StateMismatchError(
+                    f"key {key!r} in {where} is a bytes leaf in the checkpoint but a {leaf.kind} "
+                    f"in the target state; the state's structure changed"
+                )
             bytes_leaves.append((key, leaf, manifest.leaves[src_key]))  # read after every check, with the tensors
             continue
         target = as_torch(leaf.value)

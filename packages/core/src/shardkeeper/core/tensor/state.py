@@ -238,19 +238,18 @@ class Flattener:
         elif isinstance(v, Mapping):
             if not v and not self.restore:
                 self._add(key, {}, "object", per_rank, set_)
-            if self.restore:
-                for k2, v2 in v.items():
-                    self._visit(f"{key}/{k2}", v2, modules, per_rank, self._dict_setter(v, k2))
-                return
-            # Saving needs no setters; plain tensors (the bulk of a large state) are added
-            # inline: with 10,000 small tensors the per-leaf Python cost is most of the stall.
+            # Plain tensors (the bulk of a large state) are added inline, without a setter: a
+            # save needs none, and a restore fills tensors in place. With 10,000 small tensors
+            # the per-leaf Python cost is most of the stall, and setters most of the leaves'
+            # memory on restore.
             leaves = self.out.leaves
+            restore = self.restore
             for k2, v2 in v.items():
                 k = f"{key}/{k2}"
                 if type(v2) in PLAIN_TENSORS and k not in leaves:
                     leaves[k] = Leaf(k, v2, "tensor", per_rank)
                 else:
-                    self._visit(k, v2, modules, per_rank, None)
+                    self._visit(k, v2, modules, per_rank, self._dict_setter(v, k2) if restore else None)
         elif isinstance(v, (list, tuple)) and _contains_tensor(v):
             for i, v2 in enumerate(v):
                 setter = self._dict_setter(v, i) if isinstance(v, list) else self._frozen(key, i)
