@@ -1,6 +1,7 @@
 """Fault injection on 3 real gloo ranks (FSDP2): a write failing on one named rank, a failing
-commit, a rank hanging past the commit timeout, a flipped byte on disk, the async race and a
-partial restore. See dist/faults_worker.py for each check; this test runs them in one launch.
+commit, a rank hanging past the commit timeout, a flipped byte on disk, a damaged newest
+manifest, a storage failing on one rank during a restore, the async race and a partial
+restore. See dist/faults_worker.py for each check; this test runs them in one launch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ EXPECTED = {
     "fallback warns",
     "fallback restored step 5 bit for bit",
     "ref7 differs from ref5 (control)",
+    "damaged newest manifest: falls back to step 5",
+    "damaged newest manifest: warns naming step 8",
+    "damaged newest manifest: step 5 bit for bit",
+    "storage failure on rank 1 is raised everywhere",
     "partial restore changes exactly the selected keys",
     "partial restore restored them exactly",
     "partial restore reads at most 5% more than needed",

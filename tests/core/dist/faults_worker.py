@@ -29,6 +29,7 @@ from shardkeeper.core import (  # noqa: E402
     CheckpointSaveError,
     CheckpointTimeoutError,
     ChecksumMismatchError,
+    StorageError,
 )
 from shardkeeper.core.storage import LocalStorage  # noqa: E402
 from shardkeeper.core.storage.faults import FaultyStorage  # noqa: E402
@@ -147,6 +148,44 @@ def run(root: Path, rank: int) -> None:
         check("fallback restored step 5 bit for bit", not bad, f"differ: {bad[:5]}")
         check("ref7 differs from ref5 (control)", any(not torch.equal(ref5[k], ref7[k]) for k in ref5))
 
+        # 5b. A damaged newest manifest (step 8): every rank falls back past it and past the
+        # damaged step 7, together, to step 5.
+        train_step(model, opt, 2)
+        mgr.save(8, state).wait()
+        dist.barrier()
+        if rank == 0:
+            (root / "ckpt/step-000000000008/manifest.json").write_bytes(b'{"format_version": 5, "step": 8, ')
+        dist.barrier()
+        fb_model, fb_opt = build("fsdp2", seed=6)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            step = mgr.restore({"model": fb_model, "optim": fb_opt})
+        check("damaged newest manifest: falls back to step 5", step == 5, f"restored {step}")
+        check("damaged newest manifest: warns naming step 8",
+              any("step 8" in str(x.message) and "falling back" in str(x.message) for x in w),
+              [str(x.message) for x in w].__repr__())
+        got = full_state(fb_model, fb_opt)
+        check("damaged newest manifest: step 5 bit for bit", all(torch.equal(ref5[k], got[k]) for k in ref5))
+
+    # 5c. The storage fails on rank 1 only while reading step 5's data (its retries spent):
+    # past the damaged steps 8 and 7, every rank raises at step 5 instead of going on to an
+    # older step (step 1, 2, 3 never committed: none; the check is that nothing is restored).
+    broken = FaultyStorage(local, fail_on={"read_into": "*step-000000000005/data/*"}) if rank == 1 else local
+    with CheckpointManager(broken, retry_max_attempts=1) as mgr:
+        sf_model, sf_opt = build("fsdp2", seed=7)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the falls back past steps 8 and 7 (damaged)
+                step = mgr.restore({"model": sf_model, "optim": sf_opt})
+            check("storage failure on rank 1 is raised everywhere", False, f"restored {step}")
+        except CheckpointRestoreError as e:
+            check("storage failure on rank 1 is raised everywhere", rank != 1 and "another rank" in str(e), str(e))
+        except StorageError as e:
+            check("storage failure on rank 1 is raised everywhere", rank == 1 and "step 5" in str(e) and "rank 1" in str(e), str(e))
+        except Exception as e:
+            check("storage failure on rank 1 is raised everywhere", False, f"{type(e).__name__}: {e}")
+
+    with CheckpointManager(local, keep_last=3) as mgr:
         # 6. Partial restore reads only what it needs.
         part_model, part_opt = build("fsdp2", seed=5)
         before = {k: v.clone() for k, v in full_state(part_model, part_opt).items()}
