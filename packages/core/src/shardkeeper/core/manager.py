@@ -677,9 +677,8 @@ class CheckpointManager:
             # would resume from older state and lose the newer step's progress: fail loudly.
             err = StorageError(
                 f"restore of step {step} under {self.storage.url} (rank {self.rank}) failed because "
-                f"the storage did: {e}"
-                + ("" if "Retry the restore" in str(e) else
-                   "; the checkpoint may be intact: retry the restore, or pass step= to restore an earlier step")
+                f"the storage did: {e}; the checkpoint may be intact: retry the restore, or pass "
+                f"step= to restore an earlier step"
             )
             err.__cause__ = e
             return 2, err

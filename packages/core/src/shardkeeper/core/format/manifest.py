@@ -198,7 +198,6 @@ class ChunkRecord:
         return math.prod(self.shape)
 
 
-
 #: ChunkRecord's slot setters, in field order (``ChunkRecord.unchecked``).
 _CHUNK_SLOTS = tuple(getattr(ChunkRecord, f).__set__ for f in
                      ("file", "offset", "length", "offsets", "shape", "digests", "encoding", "content"))

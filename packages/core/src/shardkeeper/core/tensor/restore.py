@@ -84,8 +84,9 @@ class _Op:
     rel_shape: tuple[int, ...]
     start: int  # minimal contiguous byte range within the chunk
     end: int
-    #: the overlap is ``dest``'s whole memory, byte for byte (``_is_bytes_copy``): a buffered
-    #: read copies it with one memmove instead of building source views
+    #: the overlap is ``dest``'s whole memory, byte for byte (``_holds_its_values``), and under
+    #: ``_DIRECT_MIN_BYTES``: a buffered read copies it with one memmove instead of building a
+    #: source view and calling ``copy_`` (about 10 us per tensor, in threads sharing the GIL)
     as_bytes: bool = False
 
 
@@ -227,23 +228,11 @@ def _holds_its_values(op: _Op) -> bool:
     )
 
 
-def _is_bytes_copy(op: _Op) -> bool:
-    """Is ``op`` copied out of a scratch read with ``memmove`` (``_holds_its_values``, under
-    ``_DIRECT_MIN_BYTES``)? With 10,000 small tensors, a source view and ``copy_`` per tensor
-    cost about 10 us each, in threads that share the GIL."""
-    return op.end - op.start < _DIRECT_MIN_BYTES and _holds_its_values(op)
-
-
 # memmove through ctypes' PYFUNCTYPE keeps the GIL (a CFUNCTYPE call would release and retake
 # it per call, and with busy threads each retake may wait a switch interval).
 _MEMMOVE = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
     ctypes._memmove_addr  # type: ignore[attr-defined]
 )
-
-
-def _is_direct(op: _Op) -> bool:
-    """Can the bytes of ``op`` be read straight into the target's memory?"""
-    return op.end - op.start >= _DIRECT_MIN_BYTES and _holds_its_values(op)
 
 
 def _read_checked(storage: Storage, path: str, offset: int, buffer: memoryview, keys: Sequence[str], step: int) -> None:
@@ -260,11 +249,7 @@ def _read_checked(storage: Storage, path: str, offset: int, buffer: memoryview, 
                 f"is damaged. Restore an earlier step (restore() without step= falls back by "
                 f"itself) and run `shardkeeper verify {storage.url}`"
             ) from e
-        raise StorageError(
-            f"{where}. The file is there, whole in size: the storage failed (after its retries), "
-            f"the checkpoint may be intact. Retry the restore; if the storage keeps failing, "
-            f"pass step= to restore an earlier step"
-        ) from e
+        raise StorageError(f"{where}. The file is there, whole in size: the storage failed (after its retries)") from e
 
 
 def _check_block(
@@ -618,14 +603,19 @@ def restore_flat(
         )
     digest = digest_function(manifest.digest_algorithm)
     block = manifest.digest_block_bytes
-    direct = [op for op in ops if _is_direct(op)]
+    direct: list[_Op] = []  # read straight into the target
+    buffered: list[_Op] = []  # read into a scratch buffer, then copied (memmove when as_bytes)
     encoded: dict[tuple[str, int], list[_Op]] = {}
     for op in ops:
         if op.chunk.encoding != "raw":
             encoded.setdefault((op.chunk.file, op.chunk.offset), []).append(op)
-    buffered = [op for op in ops if op.chunk.encoding == "raw" and not _is_direct(op)]
-    for op in buffered:
-        op.as_bytes = _is_bytes_copy(op)
+        elif not _holds_its_values(op):
+            buffered.append(op)  # copy_ into a strided, cast, negated (...) target
+        elif op.end - op.start >= _DIRECT_MIN_BYTES:
+            direct.append(op)
+        else:
+            op.as_bytes = True
+            buffered.append(op)
     # Scratch reads stay within ~5% of what this rank restores (at least 256 KiB each, at
     # most 8 MiB), so restore memory stays close to the target's own size.
     buffered_cap = int(min(_BUFFERED_READ_BYTES, max(256 << 10, stats.bytes_needed // 80)))

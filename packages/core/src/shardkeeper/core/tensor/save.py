@@ -438,7 +438,7 @@ def _write_coded(
     algorithm: str,
     block_bytes: int,
     codecs: Codecs,
-) -> tuple[list[tuple[str, dict[str, Any]]], int, int]:
+) -> tuple[tuple[list[str], ChunkTable], int, int]:
     """One shard file with codecs on: each item is digested first (the digests serve both
     the reuse lookup and the record); chunks the previous checkpoint holds become references;
     the rest are written raw (a safetensors file) or, with compression, as a framed file of
@@ -465,7 +465,7 @@ def _write_coded(
                 continue
         todo.append((it, view, digests))
     if not todo:
-        return out, 0, reused
+        return _record_rows(out), 0, reused
     pre: list[bytes | bool] = [False] * len(todo)
     if codecs.compression is not None:
         pre = [precheck(view, codecs.level, DTYPES[it.dtype][1]) for it, view, _ in todo]
@@ -503,7 +503,12 @@ def _write_coded(
     except BaseException:
         writer.abort()
         raise
-    return out, pos, reused
+    return _record_rows(out), pos, reused
+
+
+def _record_rows(recs: Sequence[tuple[str, dict[str, Any]]]) -> tuple[list[str], ChunkTable]:
+    """Chunk records with their keys as table rows, the form ``_write_plain`` returns."""
+    return [k for k, _ in recs], ChunkTable.from_records([r for _, r in recs], 0)
 
 
 def _write_plain(
@@ -531,9 +536,9 @@ def _report_columns(
         if memo is not None:
             memo[("columns", index)] = cols
     keys, length, ndim, box_offsets, box_shape = cols
-    # The table takes its own lists: tables are extended and rewritten downstream.
-    return list(keys), ChunkTable([rel], [0] * len(items), list(offsets), list(length), list(ndim), list(box_offsets),
-                                  list(box_shape), digests, {}, 0)
+    # The memo's lists go in as they are: write_shards only concatenates these tables, which
+    # copies every column.
+    return keys, ChunkTable([rel], [0] * len(items), offsets, length, ndim, box_offsets, box_shape, digests, {}, 0)
 
 
 def _slabs(it: WriteItem, view: memoryview) -> list[tuple[WriteItem, memoryview]]:
@@ -602,12 +607,8 @@ def write_shards(
         if size:  # 0: every chunk is a reference, no file was written
             files[shard_file(rank, attempt, i)] = {"size_bytes": size, "rank": rank}
             written += size
-        if isinstance(rows, tuple):  # a raw file's rows (_write_plain)
-            keys.extend(rows[0])
-            tables.append(rows[1])
-        elif rows:  # a coded file's records
-            keys.extend(k for k, _ in rows)
-            tables.append(ChunkTable.from_records([r for _, r in rows], 0))
+        keys.extend(rows[0])
+        tables.append(rows[1])
     if errors:
         raise errors[0]
     if files:
