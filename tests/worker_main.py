@@ -9,7 +9,8 @@ called without an active exception", a gloo thread still joinable when C++ stati
 destroyed (the class of pytorch/pytorch#190489). It was seen in the DeepSpeed worker and in the
 core codecs worker. So a worker that returns (or exits with 0) runs the atexit handlers (the
 adapters wait for pending saves there), flushes, and leaves with ``os._exit(0)``. An exception
-or a non-zero exit status fails the launch exactly as before.
+or a non-zero exit status fails the launch exactly as before. The exit runs what the
+interpreter runs, in its order: thread shutdown (where pending saves commit), then atexit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import runpy
 import sys
+import threading
 
 
 def main() -> None:
@@ -30,6 +32,7 @@ def main() -> None:
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
+    threading._shutdown()  # type: ignore[attr-defined] # as the interpreter does first: pending saves commit
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()

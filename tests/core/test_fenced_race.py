@@ -42,7 +42,8 @@ def test_two_writers_racing_one_step_on_every_backend(every_storage_root, tmp_pa
         assert len(winners) == 1, (root_name, outcomes)
         winner, loser = winners[0], ({"a", "b"} - set(winners)).pop()
         error = outcomes[loser]["error"]
-        assert f"step {STEP} is already committed" in error and "files were discarded" in error, (root_name, error)
+        assert f"step {STEP} was committed" in error and "by another writer" in error, (root_name, error)
+        assert "files were discarded" in error, (root_name, error)
         assert root.url.split("://")[-1] in error, (root_name, error)
 
         storage = root.open()

@@ -376,7 +376,7 @@ def test_saves_in_a_row_commit_in_order_with_back_pressure(tmp_path: Path) -> No
 # ---------------------------------------------------------- 4. background failures
 
 
-def test_write_failure_is_raised_exactly_once_by_wait(tmp_path: Path) -> None:
+def test_write_failure_is_raised_by_every_wait_and_once_by_the_manager(tmp_path: Path) -> None:
     root = tmp_path / "root"
     faulty = FaultyStorage(LocalStorage(root), fail_on={"open_writer": "*/data/*"}, times=1)
     with CheckpointManager(faulty) as mgr:
@@ -389,8 +389,9 @@ def test_write_failure_is_raised_exactly_once_by_wait(tmp_path: Path) -> None:
         assert e.value.step == 1
         assert set(e.value.failures) == {0} and e.value.failures[0]["phase"] == "write"
         assert faulty.injected and faulty.injected[0][0] == "open_writer"
-        h.wait()  # delivered once: a second wait does not raise
-        mgr.wait()  # nor does the manager's
+        with pytest.raises(CheckpointSaveError):
+            h.wait()  # a failed save stays failed
+        mgr.wait()  # the manager does not raise what the handle already delivered
         assert not (root / step_dir(1) / "manifest.json").exists()
         assert mgr.steps() == []
 
@@ -408,7 +409,8 @@ def test_unwaited_write_failure_is_raised_by_the_next_save(tmp_path: Path) -> No
         with pytest.raises(CheckpointSaveError) as e:
             mgr.save(2, tensor_state(2))
         assert e.value.step == 1 and "step 1" in str(e.value) and "write" in str(e.value)
-        h1.wait()  # already delivered
+        with pytest.raises(CheckpointSaveError):
+            h1.wait()  # the handle still says the save failed
         # The failed save() did not save step 2; the next one does, without raising again.
         h2 = mgr.save(2, tensor_state(2))
         h3 = mgr.save(3, tensor_state(3))
@@ -423,8 +425,9 @@ def test_unwaited_write_failure_is_raised_by_manager_wait(tmp_path: Path) -> Non
         h = mgr.save(1, tensor_state(1))
         with pytest.raises(CheckpointSaveError, match="step 1"):
             mgr.wait()
-        mgr.wait()
-        h.wait()
+        mgr.wait()  # delivered by the manager once
+        with pytest.raises(CheckpointSaveError):
+            h.wait()  # the handle still says so
         assert mgr.steps() == []
 
 
@@ -443,7 +446,8 @@ def test_commit_failure_leaves_no_manifest_and_no_data(tmp_path: Path) -> None:
         assert not (root / step_dir(1) / "manifest.json").exists()
         assert data_files(root, 1) == set(), "the failed attempt's shard files were left behind"
         assert mgr.steps() == []
-        h.wait()
+        with pytest.raises(CheckpointSaveError):
+            h.wait()
         # Retrying the same step works.
         state = tensor_state(11)
         mgr.save(1, state).wait()
@@ -866,11 +870,12 @@ def test_second_writer_of_a_step_loses_and_cleans_up(tmp_path: Path) -> None:
         winner_files = data_files(root, 5)
         assert winner_files == set(winner["files"])
 
-        h = m2.save(5, b)
+        # The step is committed: refused by save() itself, before a byte is written (a
+        # writer that commits while the save runs is the fenced commit's: test_fenced_race.py).
         with pytest.raises(CommitConflictError) as e:
-            h.wait()
+            m2.save(5, b)
         assert isinstance(e.value, FileExistsError)
-        assert "step 5" in str(e.value) and str(root) in str(e.value)
+        assert "step 5 is already committed" in str(e.value) and str(root) in str(e.value)
 
         after = manifest_json(root, 5)
         assert after["attempt"] == winner["attempt"]

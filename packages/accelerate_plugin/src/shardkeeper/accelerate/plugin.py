@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import re
@@ -213,7 +212,6 @@ def enable(accelerator: Any, root: str | None = None, **options: Any) -> Acceler
         track(dl)
     _wrap_prepare_data_loader(accelerator)
     _wrap_end_training(accelerator, plugin)
-    atexit.register(_wait_quietly, weakref.ref(plugin))
     return plugin
 
 
@@ -240,16 +238,6 @@ def _wrap_end_training(accelerator: Any, plugin: AcceleratePlugin) -> None:
         cls_method(accelerator)
 
     accelerator.end_training = end_training
-
-
-def _wait_quietly(ref: weakref.ref[AcceleratePlugin]) -> None:
-    p = ref()
-    if p is None:
-        return
-    try:
-        p.close()
-    except Exception as e:  # at exit: report, never raise
-        log.error("shardkeeper: a pending checkpoint save failed at exit: %s", e)
 
 
 def plugin_of(accelerator: Any) -> AcceleratePlugin:

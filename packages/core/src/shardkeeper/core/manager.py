@@ -16,13 +16,14 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from shardkeeper.core import metrics
+from shardkeeper.core import at_exit, metrics
 from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.catalog import forget_deleted, record_commit
@@ -147,7 +148,7 @@ class CheckpointOptions:
 
 @dataclass
 class SaveHandle:
-    """A save in flight. ``wait()`` blocks until it is committed and re-raises its failure."""
+    """A save in flight. ``wait()`` blocks until it is committed and raises its failure."""
 
     step: int
     _future: Future[None]
@@ -159,6 +160,7 @@ class SaveHandle:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def done(self) -> bool:
+        """True once the save is committed or has failed (never blocks)."""
         return self._future.done()
 
     def staged(self) -> bool:
@@ -166,25 +168,47 @@ class SaveHandle:
         return self._staged is None or self._staged.is_set()
 
     def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the save is committed; raise its failure (on every call, not once).
+
+        ``timeout_s``: give up waiting after that long with ``CheckpointTimeoutError`` (the
+        save goes on). A Ctrl-C (``KeyboardInterrupt``) or ``SystemExit`` during the wait
+        propagates at once; the save goes on in the background and is still waited for when
+        the interpreter exits.
+        """
         try:
             self._future.result(timeout=timeout_s)
-        except FutureTimeout:
-            if self._future.done():  # the save itself failed with a TimeoutError
-                self._raise_once()
-                return
-            raise CheckpointTimeoutError(
-                f"save of step {self.step} still running after {timeout_s} s"
-            ) from None
-        except BaseException:
-            self._raise_once()
+        except FutureTimeout as e:
+            if not self._is_outcome(e):
+                raise CheckpointTimeoutError(
+                    f"save of step {self.step} still running after {timeout_s} s"
+                ) from None
+            self._deliver()
+            raise
+        except BaseException as e:
+            if not self._is_outcome(e):
+                raise  # an interrupt of the wait, not the save's failure
+            self._deliver()
+            raise
 
-    def _raise_once(self) -> None:
-        err = self._future.exception()
+    def _is_outcome(self, e: BaseException) -> bool:
+        """Is ``e`` the save's own failure (rather than something that interrupted a wait)?"""
+        f = self._future
+        return f.done() and not f.cancelled() and f.exception() is e
+
+    def _deliver(self) -> None:
+        with self._lock:
+            self._delivered = True
+
+    def _undelivered_error(self) -> BaseException | None:
+        """The save's failure if it failed and nobody has seen it yet (marks it seen)."""
+        f = self._future
+        if not f.done() or f.cancelled():
+            return None
+        err = f.exception()
         with self._lock:
             first = not self._delivered
             self._delivered = True
-        if first and err is not None:
-            raise err
+        return err if first else None
 
 
 class _DeleteOnly(RetentionPolicy):
@@ -254,6 +278,7 @@ class CheckpointManager:
         self._seq = 0
         self._closed = False
         self.last_restore_stats: RestoreStats | None = None
+        at_exit.track(self)
 
     # -- save --------------------------------------------------------------------------------
     def save(
@@ -274,6 +299,10 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         self._wait_pending(raise_error=True)
+        refused = self._refuse_committed(step)
+        if refused is not None:
+            self._report_refusal(step, refused)
+            raise refused
         flat = flatten_for_save(state, self.rank)
         plan, groups = self._plans.plan(flat, self.rank, self.world_size, self.options.max_files_per_rank,
                                         self.options.min_file_bytes)
@@ -321,6 +350,47 @@ class CheckpointManager:
         if synchronous:
             handle.wait()
         return handle
+
+    def _refuse_committed(self, step: int) -> CommitConflictError | None:
+        """One stat of the step's manifest: a step that is already committed (an off-by-one
+        after a resume, a fresh run on a used root) is refused before anything is written.
+        The fenced commit stays the real guarantee against a writer racing this one."""
+        path = manifest_path(step)
+        try:
+            if not self.storage.exists(path):
+                return None
+        except CheckpointError:
+            return None  # the commit decides; a failing storage fails the save there
+        newest = self.latest_step()
+        return CommitConflictError(
+            f"step {step} is already committed under {self.storage.url} ({self.storage.describe(path)} "
+            f"exists; rank {self.rank}); this save wrote nothing. The newest committed step is "
+            f"{newest}: after a resume, save the steps after the restored one (restore() returns "
+            f"it); to replace step {step}, delete it first (mgr.delete({step})), or save under "
+            f"another root"
+        )
+
+    def _report_refusal(self, step: int, err: CheckpointError) -> None:
+        """A save refused on this rank still takes its turn in the commit protocol: the
+        coordinator hears a failure report (or publishes one), so no other rank waits for
+        this rank's report until the timeout."""
+        seq, self._seq = self._seq, self._seq + 1
+        future = self._bg.submit(self._run_refused, step, seq, err)
+        handle = SaveHandle(step, future)
+        handle._deliver()  # raised to the caller right now
+        self._pending = handle
+
+    def _run_refused(self, step: int, seq: int, err: CheckpointError) -> None:
+        if self.world_size == 1:
+            raise err
+        payload = {"ok": False, "rank": self.rank, "phase": "check", "path": self.storage.describe(step_dir(step)),
+                   "error": f"{type(err).__name__}: {err}"}
+        if self.rank == 0:
+            self._coord.publish(seq, payload)
+        else:
+            self._coord.report(seq, payload)
+            self._coord.outcome(seq, 2 * self.options.commit_timeout_s + 30.0, step=step)
+        raise err
 
     def _run_save(
         self,
@@ -395,9 +465,9 @@ class CheckpointManager:
             fr = outcome.get("rank")
             if outcome.get("conflict"):
                 raise CommitConflictError(
-                    f"step {step} is already committed under {self.storage.url} by another "
-                    f"writer (a restarted job racing a zombie, or a re-used root); this save's "
-                    f"files were discarded. Save under a new step or another root"
+                    f"step {step} was committed under {self.storage.url} by another writer while "
+                    f"this save ran (two jobs on one root: a restarted job racing a zombie); this "
+                    f"save's files were discarded. Stop the other writer, or save under another root"
                 )
             raise CheckpointSaveError(
                 f"save of step {step} failed on rank {fr} in phase {outcome.get('phase')} at "
@@ -499,17 +569,31 @@ class CheckpointManager:
             forget_deleted(self.options.catalog, self.storage, deleted)
 
     def _wait_pending(self, *, raise_error: bool) -> None:
+        """Wait for the pending save. A Ctrl-C during the wait propagates at once (the save
+        goes on; the handle stays pending, so the next call and the exit still wait for it)."""
         p = self._pending
         if p is None:
             return
-        try:
-            p._future.result()
-        except BaseException:
-            pass
+        futures_wait([p._future])
         if not raise_error:  # keep the handle: its failure reaches the next save() or wait()
             return
         self._pending = None
-        p._raise_once()
+        err = p._undelivered_error()
+        if err is not None:
+            raise err
+
+    def _finish_at_exit(self) -> str | None:
+        """At interpreter exit (``at_exit``): wait for the pending save; describe its failure
+        if nobody has seen it."""
+        p = self._pending
+        if p is None or self._closed:
+            return None
+        futures_wait([p._future])
+        err = p._undelivered_error()
+        if err is None:
+            return None
+        return (f"the save of step {p.step} under {self.storage.url} (rank {self.rank}) failed at exit "
+                f"and was not committed: {type(err).__name__}: {err}")
 
     # -- restore -----------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -712,15 +796,24 @@ class CheckpointManager:
         self._wait_pending(raise_error=True)
 
     def close(self) -> None:
+        """Wait for the pending save (raising its failure if not yet seen), then release the
+        threads. Idempotent. A Ctrl-C during the wait propagates at once and leaves the manager
+        open: the save goes on and is still waited for at exit."""
         if self._closed:
             return
         try:
             self.wait()
-        finally:
-            self._gate.close()
-            self._closed = True
-            self._bg.shutdown(wait=True)
-            self._io.shutdown(wait=True)
+        except Exception:
+            self._shutdown()
+            raise
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._gate.close()
+        self._closed = True
+        at_exit.untrack(self)
+        self._bg.shutdown(wait=True)
+        self._io.shutdown(wait=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -729,7 +822,9 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            return  # Ctrl-C / SystemExit: propagate at once; the exit still waits for the save
         self.close()
 
     def __del__(self) -> None:

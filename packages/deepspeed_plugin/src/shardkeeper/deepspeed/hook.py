@@ -9,11 +9,9 @@ own format is written or read while attached; ``detach()`` puts the originals ba
 
 from __future__ import annotations
 
-import atexit
 import logging
 import re
 import warnings
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,7 +90,6 @@ class DeepSpeedCheckpointHook:
         self._orig_load = engine.__dict__.get("load_checkpoint")
         engine.save_checkpoint = self.save_checkpoint
         engine.load_checkpoint = self.load_checkpoint
-        atexit.register(_wait_at_exit, weakref.ref(self))
 
     # -- managers --------------------------------------------------------------------------
     def manager(self, directory: str | None = None) -> CheckpointManager:
@@ -230,12 +227,6 @@ class DeepSpeedCheckpointHook:
         for m in self.managers.values():
             m.wait()
 
-    def _wait_quietly(self) -> None:
-        try:
-            self.wait()
-        except Exception as e:  # at interpreter exit: report, never raise
-            log.error("shardkeeper: a pending DeepSpeed checkpoint did not commit: %s", e)
-
     def close(self) -> None:
         for m in self.managers.values():
             m.close()
@@ -258,12 +249,6 @@ def _rank0_says(value: Any) -> Any:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _wait_at_exit(ref: weakref.ref[DeepSpeedCheckpointHook]) -> None:
-    hook = ref()
-    if hook is not None:
-        hook._wait_quietly()
 
 
 def check_model_matches(state: Mapping[str, Any], leaves: Mapping[str, Any], *, where: str) -> None:
