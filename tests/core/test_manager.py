@@ -43,6 +43,7 @@ from shardkeeper.core import (
     StorageError,
 )
 from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.manifest import READ_VERSION
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.faults import FaultyStorage
 
@@ -643,7 +644,7 @@ def test_newer_format_version_asks_for_an_upgrade(tmp_path: Path) -> None:
         mgr.save(1, tensor_state(1)).wait()
     mpath = root / step_dir(1) / "manifest.json"
     m = json.loads(mpath.read_text())
-    m["format_version"] += 1
+    m["format_version"] = READ_VERSION + 1
     mpath.write_text(json.dumps(m))
     with CheckpointManager(str(root)) as mgr:
         for step in (None, 1):

@@ -8,7 +8,6 @@ ranged, verified reads -> copy in place; all ranks agree on the step and on succ
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -16,8 +15,8 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +49,7 @@ from shardkeeper.core.errors import (
     StorageError,
 )
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
+from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, same_value, snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata
@@ -263,7 +263,7 @@ class CheckpointManager:
         if self._keys is not None:
             self.storage = EncryptedStorage(self.storage, self._keys)
             self._read_storage = self.storage.authenticated()
-        self.metadata = dict(metadata or {})
+        self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
         self._coord = make_coordinator(process_group)
         self.rank, self.world_size = _rank_world(self._coord)
         self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
@@ -319,17 +319,18 @@ class CheckpointManager:
                 defer = owned.owners
         spans, deferred = self._stager.stage_split(groups, copy=not synchronous, defer=defer, token=plan.token,
                                                    sources=plan.sources)
-        objects = json.loads(json.dumps(plan.objects, allow_nan=False))  # a snapshot, by value
+        objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly
+        meta, _ = snapshot({**self.metadata, **state_metadata(state), **dict(metadata or {})}, "metadata key")
         seq, self._seq = self._seq, self._seq + 1
         attempt = new_attempt_id()
-        meta = {**self.metadata, **state_metadata(state), **dict(metadata or {})}
         # The writer starts once save() is done with its own work: writer threads compete
         # for the GIL, and the caller's last steps should not wait on them.
         released = threading.Event()
         staged = self._gate.begin(deferred) if deferred is not None else None
         try:
             future = self._bg.submit(
-                self._run_save, step, seq, attempt, plan, groups, spans, objects, meta, released, deferred, staged
+                self._run_save, step, seq, attempt, plan, groups, spans, objects, extended, meta, released, deferred,
+                staged,
             )
         except BaseException:
             if staged is not None:
@@ -401,6 +402,7 @@ class CheckpointManager:
         groups: list[list[WriteItem]],
         spans: list[list[Span]],
         objects: dict[str, Any],
+        extended: bool,
         meta: dict[str, Any],
         released: threading.Event,
         deferred: DeferredCopy | None = None,
@@ -429,6 +431,7 @@ class CheckpointManager:
                 "chunks": res.chunks,
                 "files": res.files,
                 "objects": objects,
+                EXTENDED_MEMBER: extended,  # the coordinator then parses the report exactly
                 "per_rank_prefixes": plan.per_rank_prefixes,
                 "layouts": sorted(plan.layouts),
                 # for the interval advisor (manifest metadata "timings"); _pending is this save
@@ -494,12 +497,14 @@ class CheckpointManager:
             manifest = assemble_manifest(
                 step, attempt, reports, world_size=self.world_size, digest=self.options.digest,
                 block_bytes=self.options.digest_block_bytes,
-                metadata={"framework": "torch", "torch_version": torch.__version__, **meta,
+                metadata={"framework": "torch", "torch_version": str(torch.__version__), **meta,
                           "timings": save_timings(reports, time.perf_counter() - t_commit)},
             )
             self._check_files_durable(sdir, manifest)
             data = manifest.dumps()
-            self._put_manifest(step, data if self._keys is None else seal_manifest(data, self._keys))
+            data = data if self._keys is None else seal_manifest(data, self._keys)
+            self._check_reads_back(step, data, manifest)
+            self._put_manifest(step, data)
         except BaseException as e:
             self._discard_attempt(sdir, reports)
             return {
@@ -533,6 +538,27 @@ class CheckpointManager:
                     f"{'missing' if size < 0 else f'{size} bytes'} at commit time, "
                     f"{info['size_bytes']} bytes were written; something removed or truncated it "
                     f"(a `shardkeeper gc` with a --min-age-s shorter than a save?)"
+                )
+
+    def _check_reads_back(self, step: int, data: bytes, manifest: Manifest) -> None:
+        """Parse the exact bytes about to be committed with the reader, and compare every value
+        a user supplied: a manifest that readers would refuse, or a value that would not come
+        back exactly, fails the save instead of being acknowledged and never restorable."""
+        where = self.storage.describe(manifest_path(step))
+        try:
+            back = Manifest.loads(data, where=f"{where} (before the commit)")
+        except CheckpointError as e:
+            raise CheckpointSaveError(
+                f"step {step}: the manifest built for {where} is refused by the reader ({e}); "
+                f"nothing was committed", step=step,
+            ) from e
+        written, read = manifest.object_values(), back.object_values()
+        for key, value in written.items():
+            why = same_value(value, read.get(key))
+            if why is not None:
+                raise CheckpointSaveError(
+                    f"step {step}: the value of {key!r} would not come back exactly from {where} "
+                    f"({why}); nothing was committed: store it in another form", step=step,
                 )
 
     def _put_manifest(self, step: int, data: bytes) -> None:

@@ -15,6 +15,14 @@ from typing import Any
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
 from shardkeeper.core.format.fastjson import orjson as _orjson
+from shardkeeper.core.format.jsonvalue import (
+    EXTENDED_MEMBER,
+    JsonValueError,
+    check_value,
+    describe_problem,
+    dumps_extended,
+    loads_exact,
+)
 from shardkeeper.core.format.table import (
     DIGEST_HEX,
     LEAF_TABLE_VERSION,
@@ -26,9 +34,16 @@ from shardkeeper.core.format.table import (
     no_gc,
 )
 
-#: The format_version this code writes, and the newest it reads (2 added chunk encodings;
-#: a version 1 manifest reads exactly as before).
+#: The format_version this code writes (2 added chunk encodings; a version 1 manifest reads
+#: exactly as before), unless the manifest needs a later one (``EXTENDED_JSON_VERSION``).
 FORMAT_VERSION = 5  # 3: the chunk table (format/table.py, TABLE_VERSION); 4: encryption; 5: the leaf table
+#: The format_version that introduced extended JSON values (format/jsonvalue.py): NaN,
+#: infinities and integers beyond 64 bits in metadata and object leaves, declared by the
+#: top-level ``extended_json`` member. Written only by manifests that hold such a value, so
+#: that every other checkpoint stays readable by readers of version 5.
+EXTENDED_JSON_VERSION = 6
+#: The newest format_version this code reads.
+READ_VERSION = 6
 #: The format_version that introduced encrypted data files and the manifest's "encryption"
 #: member (docs/format.md 4.2): a reader of version 3 would take ciphertext for damage.
 ENCRYPTION_VERSION = 4
@@ -300,15 +315,36 @@ class Manifest:
             **_leaves_fields(self.leaves),
         }
 
+    def object_values(self) -> dict[str, Any]:
+        """Every value a user supplied, as written: ``metadata`` and each object leaf's value."""
+        if isinstance(self.leaves, TableLeaves):
+            objects = self.leaves.objects()
+        elif isinstance(self.leaves, LazyLeaves):
+            objects = {k: v for k, v in self.leaves.raw.items() if isinstance(v, dict) and v.get("kind") == "object"}
+        else:
+            objects = {k: v.to_json() for k, v in self.leaves.items() if v.kind == "object"}
+        return {"metadata": self.metadata, **{k: v.get("value") for k, v in objects.items()}}
+
     def dumps(self) -> bytes:
+        """The manifest's bytes. Values that standard JSON or a fast parser would not give back
+        exactly (NaN, infinities, integers beyond 64 bits) are written in the extended form
+        (format/jsonvalue.py), at format_version ``EXTENDED_JSON_VERSION``; a value that cannot
+        come back at all (a lone surrogate, a non-string key) raises ``ValueError``."""
+        extended = False
+        for key, value in self.object_values().items():
+            try:
+                extended |= check_value(value)
+            except JsonValueError as e:
+                raise ValueError(describe_problem(key, e)) from None
         d = self.to_json()
-        if _orjson is not None and isinstance(self.leaves, TableLeaves):
-            # orjson writes NaN and infinities as null instead of refusing them: the values a
-            # user supplied (metadata, object leaves) are checked the standard way first.
-            json.dumps([self.metadata, self.leaves.objects()], allow_nan=False)
+        if extended:
+            d["format_version"] = max(self.format_version, EXTENDED_JSON_VERSION)
+            d[EXTENDED_MEMBER] = True
+            return dumps_extended(d)
+        if _orjson is not None:
             try:
                 return _orjson.dumps(d)
-            except (TypeError, _orjson.JSONEncodeError):  # e.g. an integer beyond 64 bits
+            except (TypeError, _orjson.JSONEncodeError):
                 pass
         return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
@@ -323,7 +359,7 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(too_large(where, len(data)))
         try:
-            d = _orjson.loads(data) if _orjson is not None else json.loads(data, parse_constant=_no_constant)
+            d = loads_exact(data)  # NaN, infinities, big integers only where declared (jsonvalue.py)
         except (ValueError, RecursionError) as e:  # also UnicodeDecodeError, too many digits
             raise CorruptCheckpointError(
                 f"manifest {where} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the "
@@ -335,10 +371,16 @@ class Manifest:
                 f"manifest or it is damaged: restore another step"
             )
         version = d["format_version"]
-        if version > FORMAT_VERSION:
+        if version > READ_VERSION:
             raise IncompatibleFormatError(
-                f"manifest {where} has format_version {version}, newer than the {FORMAT_VERSION} "
+                f"manifest {where} has format_version {version}, newer than the {READ_VERSION} "
                 f"this shardkeeper reads; upgrade shardkeeper-core to restore it"
+            )
+        if d.get(EXTENDED_MEMBER, False) is not False and (d[EXTENDED_MEMBER] is not True or version < EXTENDED_JSON_VERSION):
+            raise CorruptCheckpointError(
+                f"manifest {where} declares {EXTENDED_MEMBER}={_short(d[EXTENDED_MEMBER])} at format_version "
+                f"{version}; extended JSON values are format_version {EXTENDED_JSON_VERSION} or later (true only), "
+                f"so the manifest was edited or damaged: restore another step"
             )
         if "encryption" in d and version < ENCRYPTION_VERSION:
             raise CorruptCheckpointError(
@@ -522,10 +564,6 @@ def _as_list(x: Any) -> list[Any]:
     if not isinstance(x, list):
         raise TypeError(f"expected an array, got {type(x).__name__}")
     return x
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def _is_sizes(x: Any) -> bool:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointTimeoutError
-from shardkeeper.core.format.fastjson import loads_report
+from shardkeeper.core.format.jsonvalue import loads_exact
 from shardkeeper.core.format.table import report_for_wire
 from shardkeeper.core.tensor import _torch_compat as tc
 
@@ -128,7 +128,7 @@ class StoreCoordinator:
         while len(got) < self.world_size:
             for r, k in enumerate(keys):
                 if r not in got and store.check([k]):
-                    got[r] = loads_report(store.get(k))
+                    got[r] = loads_exact(store.get(k))  # a report with NaN or big integers declares it
                     store.delete_key(k)
                     if not got[r].get("ok", False):
                         return [got[r]]

@@ -127,10 +127,19 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
     layouts = {}
     plain_sizes: dict[str, int] = {}
     for key, leaf in flat.leaves.items():
-        if key.startswith(PAD_PREFIX):
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError as e:  # (only when planning afresh: a cached plan has the same keys)
             raise StateMismatchError(
-                f"state key {key!r} starts with {PAD_PREFIX!r}, which shard files reserve for "
-                f"alignment padding (docs/format.md 4); rename it"
+                f"state key {key!r} holds a lone surrogate ({key[e.start]!r} at position {e.start}, e.g. "
+                f"from os.fsdecode of a non-UTF-8 name), which has no UTF-8 form: the key could not "
+                f"be stored; rename it"
+            ) from None
+        if not key or key.startswith(PAD_PREFIX):
+            raise StateMismatchError(
+                f"state key {key!r} is empty or starts with {PAD_PREFIX!r}, which shard files reserve "
+                f"for alignment padding (docs/format.md 4); rename it" if key else
+                "a state key is empty (a dict with the key ''); give it a name"
             )
         if leaf.kind == "object":
             if leaf.per_rank is not None or rank == 0:

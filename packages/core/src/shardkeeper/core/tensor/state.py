@@ -17,7 +17,6 @@ and stateful objects get ``load_state_dict`` with their own filled state dict.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.jsonvalue import JsonValueError, check_value, describe_problem
 from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.tensor.fragment import Fragment
 
@@ -136,9 +136,13 @@ def _contains_tensor(x: Any) -> bool:
 
 
 def _check_json(key: str, value: Any) -> None:
+    """A JSON leaf must come back exactly (format/jsonvalue.py: valid Unicode, string keys; NaN,
+    infinities and integers of any size are kept)."""
     try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as e:
+        check_value(value)
+    except JsonValueError as e:
+        if "is not a JSON value" not in e.why:
+            raise StateMismatchError(f"state key {describe_problem(key, e)}") from None
         raise StateMismatchError(
             f"state key {key!r} holds a {type(value).__name__} that is not a tensor, bytes or "
             f"JSON value ({e}); nothing is pickled: convert it, or give its owner "
