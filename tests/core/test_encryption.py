@@ -243,7 +243,7 @@ def test_tampered_or_unsealed_manifest_is_refused_before_data_is_read(tmp_path: 
     assert shape in sealed
     del m["encryption"]
     path.write_bytes(json.dumps(m, separators=(",", ":")).encode())  # stripped of its MAC
-    _restore_fails(tmp_path, EncryptionKeyError, "not encrypted/authenticated")
+    _restore_fails(tmp_path, CorruptCheckpointError, "not encrypted/authenticated")  # damage: falls back
     path.write_bytes(sealed)
     target = _target(state)
     with CheckpointManager(tmp_path, encryption=_keys()) as mgr:

@@ -272,7 +272,8 @@ class CheckpointManager:
         self._plans = PlanCache()
         self._gate = StagingGate()
         self._codecs = CodecState(
-            incremental=base.incremental, compression=base.compression, level=base.compression_level
+            incremental=base.incremental, compression=base.compression, level=base.compression_level,
+            encrypted=self._keys is not None,
         )
         self._pending: SaveHandle | None = None
         self._seq = 0

@@ -32,18 +32,22 @@ class CodecState:
     """Per manager: builds each save's ``Codecs``, caching the base manifest between saves
     (it is re-read only when a newer step was committed)."""
 
-    def __init__(self, *, incremental: bool, compression: str | None, level: int) -> None:
+    def __init__(self, *, incremental: bool, compression: str | None, level: int, encrypted: bool = False) -> None:
         from shardkeeper.core.codec.compression import check_options
 
         check_options(compression, level)
         self.incremental = incremental
         self.compression = None if compression in (None, "none") else compression
         self.level = level
+        self.encrypted = encrypted  # the manager writes encrypted files: its base must be encrypted too
         self._base: Manifest | None = None
 
     def for_save(self, storage: Storage, step: int, algorithm: str, block_bytes: int) -> Codecs:
         """The codecs of the save of ``step``: the base of an incremental save is the newest
-        committed step below it (read on the writer's thread, never the caller's)."""
+        committed step below it (read on the writer's thread, never the caller's), and only if
+        its files are what this manager writes: encrypted exactly when it encrypts. A reference
+        to a file of another encryption state would make the new step unreadable (ciphertext
+        taken for data, or data without the key), so such a base is not used: the save is full."""
         reuse = None
         if self.incremental:
             from shardkeeper.core.codec.incremental import (
@@ -57,6 +61,6 @@ class CodecState:
                 self._base = None
             elif self._base is None or self._base.step != newest:
                 self._base = newest_manifest(storage, before=step)
-            if self._base is not None:
+            if self._base is not None and (self._base.encryption is not None) == self.encrypted:
                 reuse = ReuseIndex(self._base, algorithm, block_bytes)
         return Codecs(reuse, self.compression, self.level)

@@ -193,7 +193,15 @@ class EncryptedStorage(StorageWrapper):
         if info is None:
             info = self._layout(path)
         if key and info.aead is None:
-            data_key = self._unwrap(info.key_id, info.wrapped, f"{self.inner.describe(path)} (data key)")
+            try:
+                data_key = self._unwrap(info.key_id, info.wrapped, f"{self.inner.describe(path)} (data key)")
+            except EncryptionKeyError as e:
+                # Data is read only under a manifest that authenticated with this key: a file
+                # under another key was replaced (damage; restore falls back), not a wrong key.
+                raise ChecksumMismatchError(
+                    f"{e}; its manifest authenticated with this key, so the file was replaced or "
+                    f"tampered with: restore another step and run `shardkeeper verify`", file=path,
+                ) from None
             info = replace(info, aead=self._aead_mod.AESGCM(data_key))
         with self._lock:
             self._files[path] = info
@@ -361,10 +369,12 @@ def open_manifest(data: bytes, storage: EncryptedStorage, where: str) -> None:
     from another key, or wrong (the manifest was changed after it was written)."""
     section = manifest_section(data)
     if section is None:
-        raise EncryptionKeyError(
+        # Damage, not a key problem: "restore the newest" falls back past it to a step that
+        # authenticates (a root that was never encrypted fails every step, naming this).
+        raise CorruptCheckpointError(
             f"manifest {where} is not encrypted/authenticated, and this manager reads only "
             f"encrypted checkpoints (encryption= is set): it was written without encryption, or "
-            f"replaced. Restore it without encryption= if it is yours"
+            f"replaced. Restore another step, or restore it without encryption= if it is yours"
         )
     try:
         key_id, wrapped = str(section["key_id"]), base64.b64decode(section["wrapped_mac_key"])
