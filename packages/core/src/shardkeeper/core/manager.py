@@ -63,7 +63,7 @@ from shardkeeper.core.tensor.overlap import (
     StagingGate,
     find_optimizers,
 )
-from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, restore_flat
+from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, TargetWrites, restore_flat
 from shardkeeper.core.tensor.save import (
     PlanCache,
     SavePlan,
@@ -696,10 +696,13 @@ class CheckpointManager:
         ``only`` takes key patterns (``"model/*"``) for a partial restore; ``optional`` takes
         patterns of target keys that may be absent from the checkpoint (``"rng/*"`` when
         restoring a checkpoint another framework wrote): those keep their values, silently.
-        A stateful object gets ``load_state_dict`` only when some of its keys were restored.
+        A stateful object gets ``load_state_dict`` only when some of its keys were restored,
+        and only after every read succeeded.
         When the newest step turns out damaged, the previous committed one is restored
-        instead, with a warning; when the storage fails (after its retries), the error is
-        raised, since the step may be intact.
+        instead, with a warning: it rewrites every key the damaged step's attempt wrote, or
+        the restore fails naming the keys it cannot rewrite. When the storage fails (after its
+        retries), the error is raised, since the step may be intact. An error raised after
+        reads wrote into ``state`` says that it is partly restored.
         """
         self._check_open()
         policy = per_rank or self.options.per_rank
@@ -721,8 +724,9 @@ class CheckpointManager:
             )
         last_error: BaseException | None = None
         damaged: list[int] = []
+        writes = TargetWrites()  # what the attempts wrote into ``state``: a fallback rewrites it all
         for s in candidates:
-            code, err = self._restore_step(state, s, patterns, strict, policy, cast_dtypes, optional_patterns)
+            code, err = self._restore_step(state, s, patterns, strict, policy, cast_dtypes, optional_patterns, writes)
             if self.world_size > 1:
                 code = self._coord.agree_int(code, "max")
             if code == 0:
@@ -740,7 +744,7 @@ class CheckpointManager:
                     f"see that rank's error"
                 )
             if code == 2 or explicit:
-                raise err
+                raise self._partly_restored(err, writes)
             last_error = err
             damaged.append(s)
             warnings.warn(
@@ -749,9 +753,10 @@ class CheckpointManager:
                 stacklevel=2,
             )
         assert last_error is not None
-        raise CheckpointRestoreError(
-            f"no committed step under {self.storage.url} could be restored; the last error: {last_error}"
-        ) from last_error
+        raise self._partly_restored(CheckpointRestoreError(
+            f"no committed step under {self.storage.url} could be restored (rank {self.rank}); the last "
+            f"error: {last_error}"
+        ), writes) from last_error
 
     def _agree_candidates(self, candidates: list[int]) -> list[int]:
         """Every rank uses rank 0's list of steps (its listing may be fresher)."""
@@ -761,9 +766,32 @@ class CheckpointManager:
             out.append(self._coord.agree_int(candidates[i] if i < len(candidates) else -1, "bcast"))
         return out
 
+    @staticmethod
+    def _partly_restored(err: BaseException, writes: TargetWrites) -> BaseException:
+        """``err``, its message extended by a warning when failed restore attempts wrote into the
+        target (its type and attributes kept: callers catch e.g. ``ChecksumMismatchError``)."""
+        if not writes.keys:
+            return err
+        keys = sorted(writes.keys)
+        shown = ", ".join(repr(k) for k in keys[:4]) + (" ..." if len(keys) > 4 else "")
+        note = (
+            f"The target state is partly restored: reads of step(s) {', '.join(map(str, writes.steps))} "
+            f"wrote {len(keys)} of its keys ({shown}) before the restore failed; do not train from it; "
+            f"restore again or rebuild it"
+        )
+        if err.args and isinstance(err.args[0], str) and type(err).__str__ is BaseException.__str__:
+            err.args = (f"{err.args[0].rstrip('. ')}. {note}", *err.args[1:])
+        elif hasattr(err, "add_note"):  # Python >= 3.11
+            err.add_note(note)
+        else:
+            wrapped = CheckpointRestoreError(f"{type(err).__name__}: {err}. {note}")
+            wrapped.__cause__ = err
+            return wrapped
+        return err
+
     def _restore_step(
         self, state: Mapping[str, Any], step: int, patterns: list[str] | None, strict: bool, policy: str,
-        cast: bool, optional: list[str],
+        cast: bool, optional: list[str], writes: TargetWrites,
     ) -> tuple[int, BaseException | None]:
         """0 = restored, 1 = this step is damaged (fall back), 2 = an error no step fixes."""
         t0 = time.perf_counter()
@@ -779,7 +807,7 @@ class CheckpointManager:
             self.last_restore_stats = restore_flat(
                 self.storage, step_dir(step), manifest, flat, rank=self.rank,
                 world_size=self.world_size, only=patterns, strict=strict, optional=optional, per_rank=policy,
-                cast=cast, executor=self._io, max_read_bytes=self.options.max_read_bytes,
+                cast=cast, executor=self._io, max_read_bytes=self.options.max_read_bytes, writes=writes,
             )
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # damaged, or gone since listed
             return 1, e

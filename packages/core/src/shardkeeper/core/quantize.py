@@ -34,6 +34,7 @@ from torch import nn
 
 from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.tensor import _torch_compat as tc
+from shardkeeper.core.tensor.optim_compat import METADATA_KEY, optimizer_classes
 from shardkeeper.core.tensor.state import normalize_fqn
 
 MODES = ("bf16", "int8")
@@ -189,9 +190,17 @@ def quantized(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str =
 
 
 def state_metadata(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"quantized": {key: ...}}`` for the wrappers at the top of ``state`` (for the manifest)."""
+    """What the manifest's metadata records about ``state``: ``{"quantized": {key: ...}}`` for
+    the wrappers at its top, ``{"optimizer_classes": {key: class}}`` for its optimizers (restore
+    refuses another kind of optimizer, tensor/optim_compat.py)."""
+    out: dict[str, Any] = {}
     q = {str(k): v.describe() for k, v in state.items() if isinstance(v, QuantizedOptimizer)}
-    return {"quantized": q} if q else {}
+    if q:
+        out["quantized"] = q
+    classes = optimizer_classes(state)
+    if classes:
+        out[METADATA_KEY] = classes
+    return out
 
 
 def check_restore_target(metadata: Mapping[str, Any], state: Mapping[str, Any], where: str) -> None:

@@ -242,7 +242,8 @@ class EncryptedStorage(StorageWrapper):
 
     def _read_plain(self, path: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with plaintext bytes [offset, offset + len(out)): one ranged read of
-        the blocks they overlap; whole blocks are decrypted straight into ``out``."""
+        the blocks they overlap; whole blocks are decrypted straight into ``out``. A block that
+        fails authentication leaves zeros where its plaintext would go, never the plaintext."""
         info = self._info(path)
         length = len(out)
         if offset < 0 or offset + length > info.plain:
@@ -274,6 +275,9 @@ class EncryptedStorage(StorageWrapper):
                     else:
                         out[pos : pos + hi - lo] = memoryview(info.aead.decrypt(_nonce(i), ct, aad))[lo:hi]
                 except self._invalid_tag as e:
+                    # decrypt_into writes its plaintext before it checks the tag: never leave
+                    # unauthenticated bytes in the caller's buffer.
+                    out[pos : pos + hi - lo] = bytes(hi - lo)
                     raise ChecksumMismatchError(
                         f"{self.inner.describe(path)}: encrypted block {i} (bytes [{i * BLOCK}, "
                         f"{min((i + 1) * BLOCK, info.plain)})) fails authentication: it was tampered "

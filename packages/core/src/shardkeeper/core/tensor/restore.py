@@ -1,5 +1,8 @@
 """Restore, per rank: plan the overlap of target pieces and saved chunks, read only those
 bytes (widened to digest blocks, coalesced, in parallel), verify them, copy in place.
+
+Bytes that fail verification never stay in the target, and what an attempt wrote into it is
+recorded (:class:`TargetWrites`), so that a fallback to another step rewrites all of it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import operator
 import posixpath
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -23,6 +26,7 @@ from torch.autograd.graph import increment_version
 
 from shardkeeper.core.errors import (
     CheckpointNotFoundError,
+    CheckpointRestoreError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     StateMismatchError,
@@ -34,6 +38,7 @@ from shardkeeper.core.format.safetensors import ITEM_ALIGN
 from shardkeeper.core.format.table import TableLeaves, without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.chunks import Piece, contiguous_strides, layout_of
+from shardkeeper.core.tensor.optim_compat import check_optimizers
 from shardkeeper.core.tensor.state import (
     PLAIN_TENSORS,
     FlatState,
@@ -70,6 +75,24 @@ class RestoreStats:
             self.bytes_direct += n if direct else 0
             self.reads += 1
             self.files.add(file)
+
+
+@dataclass
+class TargetWrites:
+    """What the attempts of one ``restore()`` wrote into its target: the target keys whose
+    values an attempt may have changed (in place, or by replacing an object), and the steps
+    those attempts read. A later attempt must rewrite every one of these keys
+    (``restore_flat`` refuses before reading otherwise), so no value of a failed step survives
+    a fallback."""
+
+    keys: set[str] = field(default_factory=set)
+    steps: list[int] = field(default_factory=list)
+
+    def add(self, step: int, keys: Collection[str]) -> None:
+        if keys:
+            self.keys.update(keys)
+            if step not in self.steps:
+                self.steps.append(step)
 
 
 @dataclass(slots=True)
@@ -272,34 +295,45 @@ def _check_block(
 
 def _execute_direct(
     storage: Storage, step_dir: str, op: _Op, digest: Callable[[Any], str], block: int,
-    stats: RestoreStats, step: int,
+    stats: RestoreStats, step: int, wrote: set[str],
 ) -> None:
-    """Read the whole digest blocks of ``op`` straight into the target, verify them there;
-    read the (at most two) partially needed blocks at its ends into a scratch block."""
+    """Read the whole digest blocks of ``op`` straight into the target, verify them there
+    (zeroed again if they fail); read the (at most two) partially needed blocks at its ends
+    into a scratch block."""
+    wrote.add(op.key)
     chunk, start, end, length = op.chunk, op.start, op.end, op.chunk.length
     path = _join(step_dir, chunk.file)
-    dest = memoryview(cast("Buffer", op.dest.reshape(-1).view(torch.uint8).numpy()))
+    target = op.dest.reshape(-1).view(torch.uint8).numpy()
+    dest = memoryview(cast("Buffer", target))
     i_lo = start if start % block == 0 else min(length, (start // block + 1) * block)
     i_hi = end if (end % block == 0 or end == length) else (end // block) * block
-    if i_lo < i_hi:
-        view = dest[i_lo - start : i_hi - start]
-        _read_checked(storage, path, chunk.offset + i_lo, view, [op.key], step)
-        stats.add_read(chunk.file, len(view), direct=True)
-        for b in range(i_lo, i_hi, block):
-            _check_block(storage, path, chunk, b // block, view[b - i_lo : min(b + block, i_hi) - i_lo], digest, block, op.key, step)
-    else:
-        i_lo = i_hi = end
-    for idx in sorted({start // block, (end - 1) // block}):
-        bs, be = idx * block, min((idx + 1) * block, length)
-        lo, hi = max(bs, start), min(be, end)
-        if lo >= hi or (i_lo <= lo and hi <= i_hi):
-            continue  # not needed, or already read directly
-        scratch = memoryview(cast("Buffer", np.empty(be - bs, dtype=np.uint8)))
-        _read_checked(storage, path, chunk.offset + bs, scratch, [op.key], step)
-        stats.add_read(chunk.file, len(scratch))
-        _check_block(storage, path, chunk, idx, scratch, digest, block, op.key, step)
-        dest[lo - start : hi - start] = scratch[lo - bs : hi - bs]
-    increment_version(op.dest)  # written through numpy, not torch: as copy_ would
+    try:
+        if i_lo < i_hi:
+            view = dest[i_lo - start : i_hi - start]
+            try:
+                _read_checked(storage, path, chunk.offset + i_lo, view, [op.key], step)
+                stats.add_read(chunk.file, len(view), direct=True)
+                for b in range(i_lo, i_hi, block):
+                    _check_block(storage, path, chunk, b // block, view[b - i_lo : min(b + block, i_hi) - i_lo],
+                                 digest, block, op.key, step)
+            except BaseException:
+                # What landed in place is unverified, or failed verification: never leave it.
+                target[i_lo - start : i_hi - start] = 0
+                raise
+        else:
+            i_lo = i_hi = end
+        for idx in sorted({start // block, (end - 1) // block}):
+            bs, be = idx * block, min((idx + 1) * block, length)
+            lo, hi = max(bs, start), min(be, end)
+            if lo >= hi or (i_lo <= lo and hi <= i_hi):
+                continue  # not needed, or already read directly
+            scratch = memoryview(cast("Buffer", np.empty(be - bs, dtype=np.uint8)))
+            _read_checked(storage, path, chunk.offset + bs, scratch, [op.key], step)
+            stats.add_read(chunk.file, len(scratch))
+            _check_block(storage, path, chunk, idx, scratch, digest, block, op.key, step)
+            dest[lo - start : hi - start] = scratch[lo - bs : hi - bs]
+    finally:
+        increment_version(op.dest)  # written through numpy, not torch: as copy_ would
 
 
 def _missing_or_short(storage: Storage, path: str, end: int) -> bool:
@@ -321,8 +355,10 @@ def _execute_read(
     block_bytes: int,
     stats: RestoreStats,
     step: int,
+    wrote: set[str],
 ) -> None:
-    """One coalesced read into a scratch buffer; verify its blocks; copy each overlap out."""
+    """One coalesced read into a scratch buffer; verify each segment's blocks, then copy its
+    overlaps out (only verified bytes reach the target)."""
     path = _join(step_dir, rd.file)
     buf = np.empty(rd.end - rd.start, dtype=np.uint8)
     _read_checked(storage, path, rd.start, memoryview(cast("Buffer", buf)), sorted({s.key for s in rd.segments}), step)
@@ -330,27 +366,32 @@ def _execute_read(
     base = torch.from_numpy(buf)
     base_ptr = buf.ctypes.data
     moved: list[torch.Tensor] = []  # written without torch: their version counters bumped below
-    for seg in rd.segments:
-        off = seg.chunk.offset + seg.start - rd.start
-        view = memoryview(cast("Buffer", buf))[off : off + seg.end - seg.start]
-        first_block = seg.start // block_bytes
-        for i in range(0, len(view), block_bytes):
-            _check_block(storage, path, seg.chunk, first_block + i // block_bytes, view[i : i + block_bytes], digest, block_bytes, seg.key, step)
-        for op in seg.ops:
-            if op.as_bytes:  # verified above; the target's memory is exactly these bytes
-                _MEMMOVE(op.dest.data_ptr(), base_ptr + off + op.start - seg.start, op.end - op.start)
-                moved.append(op.dest)
-                continue
-            isz = itemsize(torch_dtype_name(op.dtype))
-            seg_bytes = base[off : off + seg.end - seg.start]
-            if off % isz:  # written by a writer that does not align chunks
-                seg_bytes = seg_bytes.clone()
-            flat = seg_bytes.view(op.dtype)
-            first_el = (op.start - seg.start) // isz
-            src = flat.as_strided(op.rel_shape, contiguous_strides(op.chunk.shape), flat.storage_offset() + first_el)
-            op.dest.copy_(src)
-    if moved:  # as copy_ would: autograd then refuses a backward through tensors changed since
-        increment_version(moved)
+    try:
+        for seg in rd.segments:
+            off = seg.chunk.offset + seg.start - rd.start
+            view = memoryview(cast("Buffer", buf))[off : off + seg.end - seg.start]
+            first_block = seg.start // block_bytes
+            for i in range(0, len(view), block_bytes):
+                _check_block(storage, path, seg.chunk, first_block + i // block_bytes, view[i : i + block_bytes],
+                             digest, block_bytes, seg.key, step)
+            for op in seg.ops:
+                wrote.add(op.key)
+                if op.as_bytes:  # verified above; the target's memory is exactly these bytes
+                    _MEMMOVE(op.dest.data_ptr(), base_ptr + off + op.start - seg.start, op.end - op.start)
+                    moved.append(op.dest)
+                    continue
+                isz = itemsize(torch_dtype_name(op.dtype))
+                seg_bytes = base[off : off + seg.end - seg.start]
+                if off % isz:  # written by a writer that does not align chunks
+                    seg_bytes = seg_bytes.clone()
+                flat = seg_bytes.view(op.dtype)
+                first_el = (op.start - seg.start) // isz
+                strides = contiguous_strides(op.chunk.shape)
+                src = flat.as_strided(op.rel_shape, strides, flat.storage_offset() + first_el)
+                op.dest.copy_(src)
+    finally:
+        if moved:  # as copy_ would: autograd then refuses a backward through tensors changed since
+            increment_version(moved)
 
 
 def _check_file_ends(storage: Storage, step_dir: str, step: int, ends: dict[str, tuple[int, str]]) -> None:
@@ -406,7 +447,7 @@ def _decode(
 
 def _execute_encoded(
     storage: Storage, step_dir: str, ops: Sequence[_Op], digest: Callable[[Any], str], block: int,
-    stats: RestoreStats, step: int,
+    stats: RestoreStats, step: int, wrote: set[str],
 ) -> None:
     """An encoded chunk is read whole (a frame cannot be entered in the middle), verified
     block by block, decoded once, and every overlap copied out of the decoded bytes."""
@@ -424,6 +465,7 @@ def _execute_encoded(
     del stored, view
     flat = torch.from_numpy(raw).view(ops[0].dtype)
     strides = contiguous_strides(chunk.shape)
+    wrote.add(key)
     for op in ops:
         first = sum(lo * st for lo, st in zip(op.rel_lo, strides))
         op.dest.copy_(flat.as_strided(op.rel_shape, strides, first))
@@ -440,10 +482,20 @@ def _listing(items: Sequence[str], limit: int = 20) -> str:
     return "; ".join(items[:limit]) + more
 
 
-def _no_grad(fn: Callable[..., None]) -> Callable[..., None]:
+def _guarded(fn: Callable[..., None], failed: threading.Event) -> Callable[..., None]:
+    """``fn`` (a read into the target) under no_grad (it is per thread: the copies into leaf
+    tensors that require grad run in the pool); it does nothing once another read of the
+    same attempt failed, and a failure of its own sets ``failed``."""
+
     def run(*args: Any) -> None:
-        with torch.no_grad():
-            fn(*args)
+        if failed.is_set():
+            return  # the attempt has failed: write nothing more into the target
+        try:
+            with torch.no_grad():
+                fn(*args)
+        except BaseException:
+            failed.set()
+            raise
 
     return run
 
@@ -494,22 +546,32 @@ def restore_flat(
     cast: bool,
     executor: Executor,
     max_read_bytes: int,
+    writes: TargetWrites | None = None,
 ) -> RestoreStats:
     """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers.
 
     A finalizer (``load_state_dict`` of a stateful object) runs only when some leaf under its
     key was restored, so ``only=`` never hands an object its own current values back. Target
     keys matching ``optional`` that the checkpoint lacks are skipped without a word.
+
+    Tensors are filled by the reads; objects and bytes are set, and finalizers run, only after
+    every read succeeded. ``writes`` collects the target keys this attempt wrote; the keys an
+    earlier attempt wrote (already in it) must all be restored by this one, or it raises
+    before reading anything.
     """
+    writes = TargetWrites() if writes is None else writes
     stats = RestoreStats()
     where = f"{storage.describe(step_dir)} (step {manifest.step}, rank {rank})"
+    if flat.optimizers:
+        check_optimizers(flat.optimizers, manifest, lambda k: _matches(k, only), where)
     missing: list[str] = []
     dropped: list[str] = []
     ops: list[_Op] = []
-    deferred: list[Callable[[], None]] = []
+    deferred: list[tuple[str, Callable[[], None]]] = []
     restored: list[str] = []
     mismatched: list[str] = []
     wrong_dtype: list[str] = []
+    on_meta: list[str] = []
     bytes_leaves: list[tuple[str, Leaf, LeafRecord]] = []
     # A table-form manifest makes only the chunk records that overlap this rank's pieces.
     table = manifest.leaves if isinstance(manifest.leaves, TableLeaves) else None
@@ -541,7 +603,7 @@ def restore_flat(
             ) -> None:
                 s(conform(v, c))
 
-            deferred.append(fill)
+            deferred.append((key, fill))
             continue
         if rec.kind == "bytes":
             if leaf.kind != "bytes":
@@ -553,6 +615,9 @@ def restore_flat(
             continue
         target = as_torch(leaf.value)
         layout = layout_of(target, world_size, rank)
+        if any(p.local.is_meta for p in layout.pieces):
+            on_meta.append(key)  # no memory: a copy into it does nothing
+            continue
         if tuple(layout.global_shape) != tuple(rec.shape):
             mismatched.append(
                 f"{key!r}: checkpoint shape {list(rec.shape)}, target {list(layout.global_shape)}"
@@ -568,6 +633,13 @@ def restore_flat(
             chunks = rec.chunks if table is None else table.overlapping(src_key, piece.offsets, piece.shape)
             for chunk in chunks:
                 ops.extend(_overlap_ops(key, piece, chunk, saved_dtype, isz, max_read_bytes))
+    if on_meta:
+        raise StateMismatchError(
+            f"{len(on_meta)} tensor(s) of the target state are on the meta device (a shape without "
+            f"memory: restoring into them would do nothing), so nothing of {where} was read: "
+            f"{_listing(on_meta, 8)}. Give the model memory first, model.to_empty(device=...) "
+            f"(build the optimizer after that), or build it on a real device, then restore"
+        )
     if mismatched:
         raise StateMismatchError(
             f"{len(mismatched)} key(s) in {where} have another shape than the target state: "
@@ -625,37 +697,67 @@ def restore_flat(
         end = op.chunk.offset + op.chunk.length
         if end > ends.get(op.chunk.file, (-1, ""))[0]:
             ends[op.chunk.file] = (end, op.key)
+    _check_rewrites(writes, restored, where, manifest.step)
     _check_file_ends(storage, step_dir, manifest.step, ends)
-    for key, leaf, rec in bytes_leaves:
-        assert leaf.set is not None
-        leaf.set(_bytes_of(storage, step_dir, rec, manifest, key, stats))
-    with torch.no_grad():
-        # Large reads first: they dominate the time, small ones fill in behind them.
-        # no_grad is per thread: the copies into leaf tensors that require grad run in the pool.
-        futures = [
-            executor.submit(_no_grad(_execute_direct), storage, step_dir, op, digest, block, stats, manifest.step)
-            for op in sorted(direct, key=lambda o: o.start - o.end)
-        ]
-        futures += [
-            executor.submit(_no_grad(_execute_read), storage, step_dir, rd, digest, block, stats, manifest.step)
-            for rd in reads
-        ]
-        futures += [
-            executor.submit(_no_grad(_execute_encoded), storage, step_dir, eops, digest, block, stats, manifest.step)
-            for eops in encoded.values()
-        ]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
-        for fn in deferred:
-            fn()
-        touched = _prefixes(restored)
-        for prefix, fin in flat.finalizers:
-            if prefix in touched:
-                fin()
+    # Bytes leaves are read first but set only with the objects, once every read succeeded.
+    bytes_values = [_bytes_of(storage, step_dir, rec, manifest, key, stats) for key, _, rec in bytes_leaves]
+    wrote: set[str] = set()
+    failed = threading.Event()
+    try:
+        with torch.no_grad():
+            # Large reads first: they dominate the time, small ones fill in behind them.
+            # Each marks in ``wrote`` the keys it writes into (set.add is atomic).
+            futures = [
+                executor.submit(_guarded(_execute_direct, failed), storage, step_dir, op, digest, block, stats,
+                                manifest.step, wrote)
+                for op in sorted(direct, key=lambda o: o.start - o.end)
+            ]
+            futures += [
+                executor.submit(_guarded(_execute_read, failed), storage, step_dir, rd, digest, block, stats,
+                                manifest.step, wrote)
+                for rd in reads
+            ]
+            futures += [
+                executor.submit(_guarded(_execute_encoded, failed), storage, step_dir, eops, digest, block, stats,
+                                manifest.step, wrote)
+                for eops in encoded.values()
+            ]
+            errors = []
+            for f in futures:  # every one, even after a failure: none may still write afterwards
+                try:
+                    f.result()
+                except BaseException as e:
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            for key, fn in deferred:
+                wrote.add(key)
+                fn()
+            for (key, leaf, _), value in zip(bytes_leaves, bytes_values):
+                assert leaf.set is not None
+                wrote.add(key)
+                leaf.set(value)
+            touched = _prefixes(restored)
+            for prefix, fin in flat.finalizers:
+                if prefix in touched:
+                    fin()
+    finally:
+        writes.add(manifest.step, wrote)
     return stats
+
+
+def _check_rewrites(writes: TargetWrites, restored: Sequence[str], where: str, step: int) -> None:
+    """Before a fallback reads anything: it must rewrite every key an earlier attempt wrote,
+    or those would keep a failed step's values next to this step's."""
+    if not writes.keys:
+        return
+    lacking = sorted(writes.keys.difference(restored))
+    if lacking:
+        steps = ", ".join(map(str, writes.steps))
+        raise CheckpointRestoreError(
+            f"{len(lacking)} key(s) of the target were written while restoring step(s) {steps}, "
+            f"which failed, and {where} does not hold them, so they would keep the values of "
+            f"step(s) {steps}: {_listing(lacking, 8)}; nothing of step {step} was read. Rebuild those "
+            f"parts of the state and restore step {step} explicitly (restore(state, step={step}, "
+            f"...)), or repair or delete step {steps}"
+        )

@@ -30,6 +30,7 @@ from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.jsonvalue import JsonValueError, check_value, describe_problem
 from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.tensor.fragment import Fragment
+from shardkeeper.core.tensor.optim_compat import OptimizerTarget, optimizer_class
 
 #: Wrapper path components stripped from FQNs so one model has one set of keys everywhere.
 WRAPPER_PREFIXES = (
@@ -123,6 +124,9 @@ class FlatState:
     #: ``(key prefix, fn)``, run in order after a restore filled the leaves: each pushes state
     #: into a stateful object, and runs only when some leaf under its prefix was restored.
     finalizers: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
+    #: The optimizers of a restore target, by state key: what restore checks the saved
+    #: optimizer state against before it reads anything (``tensor/optim_compat.py``).
+    optimizers: dict[str, OptimizerTarget] = field(default_factory=dict)
 
 
 def _contains_tensor(x: Any) -> bool:
@@ -150,11 +154,12 @@ def _check_json(key: str, value: Any) -> None:
         ) from None
 
 
-def _find_owner(opt: torch.optim.Optimizer, modules: dict[str, nn.Module], key: str) -> nn.Module:
+def _find_owner(opt: torch.optim.Optimizer, modules: dict[str, nn.Module], key: str) -> tuple[str, nn.Module]:
+    """The state key and module that own ``opt``'s parameters."""
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
-    for m in modules.values():
+    for k, m in modules.items():
         if ids <= {id(p) for p in m.parameters()}:
-            return m
+            return k, m
     raise StateMismatchError(
         f"optimizer at state key {key!r} has parameters that no nn.Module in the same state "
         f"owns; optimizer state is keyed by parameter name, so put the model in the same "
@@ -234,7 +239,8 @@ class Flattener:
         if isinstance(v, nn.Module):
             self._module(key, v, per_rank)
         elif isinstance(v, torch.optim.Optimizer):
-            self._optimizer(key, v, _find_owner(v, modules, key), per_rank)
+            owner_key, owner = _find_owner(v, modules, key)
+            self._optimizer(key, v, owner, per_rank, owner_key)
         elif is_tensor_like(v):
             self._add(key, v, "tensor", per_rank, set_)
         elif isinstance(v, (bytes, bytearray)):
@@ -294,7 +300,7 @@ class Flattener:
             )
 
     def _optimizer(
-        self, key: str, opt: torch.optim.Optimizer, owner: nn.Module, per_rank: str | None
+        self, key: str, opt: torch.optim.Optimizer, owner: nn.Module, per_rank: str | None, owner_key: str
     ) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -331,6 +337,12 @@ class Flattener:
 
         self._add(f"{key}/param_groups", norm_groups, "object", per_rank, set_groups)
         if self.restore:
+            self.out.optimizers[key] = OptimizerTarget(
+                optimizer_class(opt),
+                frozenset(k for g in groups for k in g if k != "params"),
+                {normalize_fqn(str(f)): frozenset(per) for f, per in state.items() if per},
+                owner_key,
+            )
             self.out.finalizers.append(
                 (key, lambda: set_optimizer_state_dict(owner, opt, osd, options=StateDictOptions()))
             )

@@ -1,0 +1,158 @@
+"""Is a checkpoint's optimizer state of the same kind as the target's optimizer?
+
+Restoring an optimizer replaces its param groups with the saved ones and fills its state
+tensors by name, so AdamW's state restored into SGD would leave SGD with AdamW's
+hyper-parameters (its first ``step()`` then fails inside torch, or trains wrongly). The save
+records each optimizer's class in the manifest's metadata (``metadata.optimizer_classes``, by state
+key). A restore refuses, before reading any data:
+
+- when the checkpoint records the class: if the class names differ (the same class saved by
+  another torch version passes, whatever its param groups hold: the optimizer's
+  ``__setstate__`` fills the defaults of hyper-parameters it added);
+- when it does not (a checkpoint written before the record, or by another writer): if the
+  saved param groups lack hyper-parameters the target's have *and* have some the target's
+  lack, or likewise a parameter's state names (``exp_avg`` against ``momentum_buffer``) where
+  the target has state for it. Names missing on one side only are version skew and pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardkeeper.core.errors import StateMismatchError
+
+#: The manifest metadata member naming each optimizer's class, by the optimizer's state key.
+METADATA_KEY = "optimizer_classes"
+
+
+@dataclass(frozen=True)
+class OptimizerTarget:
+    """What a restore target's optimizer is: its class, the hyper-parameter names of its
+    param groups, the state names of each parameter that has state, and the state key of
+    the module that owns its parameters (for the remedy)."""
+
+    cls: str
+    group_keys: frozenset[str]
+    state_names: Mapping[str, frozenset[str]]
+    owner: str | None
+
+
+def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer inside wrappers that keep it as ``.optimizer`` (Accelerate, Lightning)."""
+    seen = {id(opt)}
+    inner = getattr(opt, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and id(inner) not in seen:
+        opt, inner = inner, getattr(inner, "optimizer", None)
+        seen.add(id(opt))
+    return opt
+
+
+def optimizer_class(opt: torch.optim.Optimizer) -> str:
+    cls = type(_innermost(opt))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: Value types that hold no optimizer: skipped by type alone (``save()`` calls this on the
+#: caller's thread, and a state may hold 10,000s of plain tensors).
+_NO_OPTIMIZER = frozenset((torch.Tensor, torch.nn.Parameter, int, float, str, bool, bytes, type(None)))
+
+
+def optimizer_classes(state: Mapping[str, Any]) -> dict[str, str]:
+    """The class of every optimizer in ``state``, by the key it is flattened under (dicts,
+    lists and tuples recurse as in ``tensor/state.py``)."""
+    out: dict[str, str] = {}
+    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in state.items()]
+    skip = _NO_OPTIMIZER
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, torch.optim.Optimizer):
+            out[key] = optimizer_class(v)
+        elif isinstance(v, Mapping):
+            if not skip.issuperset(map(type, v.values())):  # one pass in C over a dict of tensors
+                stack.extend([(f"{key}/{k}", x) for k, x in v.items() if type(x) not in skip])
+        elif isinstance(v, (list, tuple)):
+            if not skip.issuperset(map(type, v)):
+                stack.extend([(f"{key}/{i}", x) for i, x in enumerate(v) if type(x) not in skip])
+    return out
+
+
+def _short(cls: str) -> str:
+    return cls.rsplit(".", 1)[-1]
+
+
+def _group_keys(groups: Any) -> frozenset[str] | None:
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        return None
+    return frozenset(k for g in groups for k in g if k != "params")
+
+
+def _state_pairs(leaves: Mapping[str, Any], prefix: str, t: OptimizerTarget) -> list[tuple[set[str], frozenset[str]]]:
+    """(saved, target) state names of each parameter both sides hold state for: one scan of
+    the manifest's keys under ``prefix`` (``<key>/state/<fqn>/<name>...``)."""
+    if not t.state_names:
+        return []
+    saved: dict[str, set[str]] = {}
+    for k in leaves:
+        if k.startswith(prefix):
+            fqn, _, rest = k[len(prefix) :].partition("/")
+            saved.setdefault(fqn, set()).add(rest.split("/", 1)[0])
+    return [(saved[f], names) for f, names in t.state_names.items() if saved.get(f)]
+
+
+def _both_ways(saved: frozenset[str] | set[str], target: frozenset[str] | set[str]) -> bool:
+    return bool(saved - target) and bool(target - saved)
+
+
+def check_optimizers(
+    targets: Mapping[str, OptimizerTarget], manifest: Any, restores: Callable[[str], bool], where: str
+) -> None:
+    """Raise a ``StateMismatchError`` naming the state key, both classes where known, the
+    differing names and the remedy, for the first optimizer of ``targets`` (restored, as
+    ``restores`` says of its keys) whose saved state is of another kind."""
+    recorded = manifest.metadata.get(METADATA_KEY)
+    classes = recorded if isinstance(recorded, Mapping) else {}
+    for key, t in targets.items():
+        groups_key, prefix = f"{key}/param_groups", f"{key}/state/"
+        if not restores(groups_key) and not any(
+            restores(f"{prefix}{fqn}/{n}") for fqn, names in t.state_names.items() for n in names
+        ):
+            continue
+        saved_cls = classes.get(key) if isinstance(classes.get(key), str) else None
+        rec = manifest.leaves.get(groups_key)
+        saved_keys = _group_keys(rec.value) if rec is not None and rec.kind == "object" else None
+        if saved_cls is not None:
+            differs = _short(saved_cls) != _short(t.cls)
+        else:
+            differs = (saved_keys is not None and _both_ways(saved_keys, t.group_keys)) or any(
+                _both_ways(s, names) for s, names in _state_pairs(manifest.leaves, prefix, t)
+            )
+        if not differs:
+            continue
+        pairs = _state_pairs(manifest.leaves, prefix, t)
+        details = []
+        if saved_keys is not None and saved_keys != t.group_keys:
+            details.append(
+                f"param groups: the checkpoint's have {sorted(saved_keys - t.group_keys)}, which the "
+                f"target's lack, and lack {sorted(t.group_keys - saved_keys)}, which the target's have"
+            )
+        if pairs:
+            s_names = sorted(set().union(*(s for s, _ in pairs)))
+            t_names = sorted(set().union(*(n for _, n in pairs)))
+            if s_names != t_names:
+                details.append(f"per-parameter state: the checkpoint has {s_names}, the target {t_names}")
+        saved = saved_cls or "an optimizer of another kind (its class is not recorded)"
+        same = f"the same optimizer class as was saved ({_short(saved_cls)})" if saved_cls else "the saved optimizer"
+        only = f"only=[{(t.owner or 'model') + '/*'!r}]"
+        raise StateMismatchError(
+            f"the optimizer at state key {key!r} in {where} was saved as {saved}, the target is "
+            f"{t.cls}{': ' + '; '.join(details) if details else ''}. Restoring it would give the "
+            f"target another optimizer's hyper-parameters and state; nothing was read. Build "
+            f"{same}, or restore the model without the optimizer: {only}"
+        )
+
+
+__all__ = ["METADATA_KEY", "OptimizerTarget", "check_optimizers", "optimizer_class", "optimizer_classes"]
