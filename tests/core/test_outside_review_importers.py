@@ -11,13 +11,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import shardkeeper.core
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.cli import main
 from shardkeeper.core.dcp_import import import_dcp, load_dcp, read_dcp_metadata
@@ -125,3 +130,82 @@ def test_dcp_keys_that_collide_are_refused_naming_both(tmp_path: Path, sd: dict,
     assert str(src) in msg and "'model/" in msg and "rename or drop one" in msg
     assert f"{first!r}" in msg and f"{second!r}" in msg, msg
     assert not root.exists() or not any(p.is_file() for p in root.rglob("*"))  # nothing written
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI prints no control character from a manifest
+
+HOSTILE = "\x1b[2J\r\x07\u202e"  # clear screen, carriage return, bell, right-to-left override
+
+
+def _raw_controls(text: str) -> set[str]:
+    return {c for c in text if not c.isprintable() and c != "\n"}
+
+
+@pytest.fixture
+def hostile_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    state = {"model": {f"w{HOSTILE}x": torch.arange(4.0)}, "extra": {"note": f"v{HOSTILE}y", f"k{HOSTILE}": 1}}
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state, async_save=False, metadata={f"owner{HOSTILE}": f"m{HOSTILE}z"})
+    with CheckpointManager(root) as mgr:
+        mgr.save(2, {"model": {"w": torch.ones(2)}}, async_save=False)
+    m = root / "step-000000000001" / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["created_at"] = f"2026{HOSTILE}"  # as another writer could have put it
+    m.write_text(json.dumps(doc))
+    m = root / "step-000000000002" / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["leaves"][f"model/w{HOSTILE}"] = doc["leaves"].pop("model/w")
+    doc["leaves"][f"model/w{HOSTILE}"]["shape"] = [3]  # does not tile: an error quoting the key
+    m.write_text(json.dumps(doc))
+    data = next((root / "step-000000000001" / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # a digest mismatch in the tensor: verify names its key
+    data.write_bytes(bytes(raw))
+    return root
+
+
+def test_cli_escapes_control_characters_from_the_manifest(hostile_root: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(hostile_root)
+    runs = {
+        "ls": (["ls", root], 0),
+        "inspect": (["inspect", root, "1"], 0),
+        "inspect-bad": (["inspect", root, "2"], 2),  # the error quotes the key
+        "verify": (["verify", root, "1"], 1),
+        "verify-all": (["verify", root, "-v"], 1),
+    }
+    seen = ""
+    for name, (argv, rc) in runs.items():
+        assert main(argv) == rc, name
+        out = capsys.readouterr()
+        assert not _raw_controls(out.out) and not _raw_controls(out.err), (name, out)
+        seen += out.out + out.err
+    for shown in ("w\\x1b[2J\\r\\x07\\u202ex", "owner\\x1b[2J", "m\\x1b[2J\\r\\x07\\u202ez", "2026\\x1b[2J",
+                  "k\\x1b[2J\\r\\x07\\u202e"):
+        assert shown in seen, shown  # escaped, still readable
+    assert '"v\\u001b[2J\\r\\u0007\\u202ey"' in seen  # the object value, as inspect previews it
+
+
+def test_cli_json_output_is_exact(hostile_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(hostile_root), "1", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert not _raw_controls(out)
+    doc = json.loads(out)
+    assert doc["metadata"][f"owner{HOSTILE}"] == f"m{HOSTILE}z"
+    leaves = {leaf["key"]: leaf for leaf in doc["leaves"]}
+    assert leaves["extra/note"]["value"] == f"v{HOSTILE}y" and f"model/w{HOSTILE}x" in leaves
+    assert main(["ls", str(hostile_root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"][0]["created_at"] == f"2026{HOSTILE}"
+
+
+def test_cli_subprocess_prints_no_control_character(hostile_root: Path) -> None:
+    src = Path(shardkeeper.core.__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    for argv in (["inspect", str(hostile_root), "1"], ["verify", str(hostile_root)]):
+        res = subprocess.run([sys.executable, "-m", "shardkeeper.core.cli", *argv], capture_output=True, text=True,
+                             env=env, timeout=60)
+        assert res.returncode in (0, 1), res.stderr
+        assert not _raw_controls(res.stdout) and not _raw_controls(res.stderr), (res.stdout, res.stderr)
+        assert "w\\x1b[2J\\r\\x07\\u202ex" in res.stdout + res.stderr
