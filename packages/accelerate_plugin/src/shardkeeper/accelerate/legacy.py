@@ -1,9 +1,13 @@
 """Import a folder written by Accelerate's own ``save_state`` into a shardkeeper checkpoint.
 
 Accelerate pickles optimizer, scheduler, RNG, sampler, scaler and registered-object state
-(``*.bin``, ``*.pkl``, ``scaler.pt``); loading those runs code from the file, so the import
-requires ``trust_pickle=True`` and warns. The folder is read by Accelerate's own loader into the
-prepared objects, then written by shardkeeper like any ``save_state()``.
+(``*.bin``, ``*.pkl``, ``scaler.pt``), and its FSDP and DeepSpeed loaders unpickle the files of
+subfolders (a DCP ``.metadata``, DeepSpeed's ``*.pt``); loading those runs code from the file.
+So a folder holding any file, at any depth, that is not known-safe (``legacy.is_known_safe``:
+``*.safetensors``, ``*.json``, ``*.txt``, ``latest``) imports only with ``trust_pickle=True``,
+the bool (the core's ``require_trust``, before Accelerate's loader runs), and warns even then.
+The folder is read by Accelerate's own loader into the prepared objects, then written by
+shardkeeper like any ``save_state()``.
 """
 
 from __future__ import annotations
@@ -14,8 +18,7 @@ import warnings
 from typing import Any
 
 from shardkeeper.accelerate.plugin import plugin_of
-
-PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")
+from shardkeeper.core.tensor.legacy import possible_pickles, require_trust
 
 
 def import_accelerate_checkpoint(
@@ -25,21 +28,20 @@ def import_accelerate_checkpoint(
 
     The objects must be prepared as for ``load_state``. ``step`` defaults to the ``<n>`` of a
     ``checkpoint_<n>`` folder, else the iteration counter. Returns the new step's path.
+    ``PermissionError`` if the folder holds a file that may be unpickled and ``trust_pickle``
+    is not True.
     """
     plugin = plugin_of(accelerator)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"shardkeeper import: {folder} is not a folder written by accelerator.save_state()")
-    pickles = sorted(f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES))
-    if pickles and not trust_pickle:
-        raise ValueError(
-            f"shardkeeper import of {folder}: {', '.join(pickles[:6])}{' ...' if len(pickles) > 6 else ''} "
-            f"are pickles, and loading a pickle runs code from the file. If you trust this folder, "
-            f"pass trust_pickle=True; shardkeeper checkpoints themselves never contain pickles"
-        )
+    pickles = possible_pickles(folder)
     if pickles:
+        require_trust(folder, trust_pickle=trust_pickle, why=(
+            f"it holds files that Accelerate's loader may unpickle ({', '.join(pickles[:6])}"
+            f"{' ...' if len(pickles) > 6 else ''}); shardkeeper checkpoints themselves never contain pickles"))
         warnings.warn(
-            f"shardkeeper import: unpickling {len(pickles)} file(s) of {folder} (trust_pickle=True); "
-            f"this runs code from the files",
+            f"shardkeeper import: unpickling what Accelerate's loader reads of {folder} ({len(pickles)} "
+            f"file(s) that may be pickles; trust_pickle=True): this can run code from the files",
             stacklevel=2,
         )
     type(accelerator).load_state(accelerator, folder)  # Accelerate's own loader, not ours

@@ -21,10 +21,20 @@ import fnmatch
 import json
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
+from shardkeeper.core.display import (
+    PrintableFormatter,
+    human_size,
+    preview,
+    printable,
+    say,
+    table_lines,
+)
+from shardkeeper.core.display import format_table as format_table  # re-exported
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -49,45 +59,15 @@ class UsageError(Exception):
 
 
 # --------------------------------------------------------------------------------------------
-# Formatting
-
-
-def human_size(n: int | None) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str) -> str:
-    """Columns padded to their widest cell; ``align`` is one ``l``/``r`` per column."""
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for r in cells:
-        parts = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(r, widths, align, strict=True)]
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
+# Formatting (human output goes through display.say: manifest strings are untrusted)
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=False))
+    print(json.dumps(data, indent=2, sort_keys=False))  # ASCII escapes: no control character
 
 
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
-def _preview(value: Any, width: int = 60) -> str:
-    text = json.dumps(value, separators=(",", ":"))
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,7 +170,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _print_json({"root": storage.url, "latest_hint": latest, "steps": rows})
         return EXIT_OK
     if not rows:
-        print(f"no checkpoints under {storage.url}")
+        say(f"no checkpoints under {storage.url}")
         return EXIT_OK
     table = [
         [
@@ -204,11 +184,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         for r in rows
     ]
-    print(format_table(["STEP", "STATUS", "SIZE", "LEAVES", "WORLD", "CREATED", ""], table,
-                       "rlrrrll"))
+    say(*table_lines(["STEP", "STATUS", "SIZE", "LEAVES", "WORLD", "CREATED", ""], table, "rlrrrll"))
     if latest is not None and latest not in committed:
-        print(f"note: the LATEST hint says step {latest}, which is not committed; "
-              f"readers ignore it")
+        say(f"note: the LATEST hint says step {latest}, which is not committed; readers ignore it")
     return EXIT_OK
 
 
@@ -269,26 +247,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if m.per_rank_prefixes:
         head.append(("per-rank", ", ".join(m.per_rank_prefixes)))
     for k, v in sorted(m.metadata.items()):
-        head.append((f"metadata.{k}", v if isinstance(v, str) else _preview(v, 80)))
+        head.append((f"metadata.{k}", v if isinstance(v, str) else preview(v, 80)))
+    head = [(printable(k), v) for k, v in head]  # escaped before padding
     width = max(len(k) for k, _ in head)
-    for k, v in head:
-        print(f"{k.ljust(width)}  {v}")
-    print()
+    say(*(f"{k.ljust(width)}  {v}" for k, v in head), "")
     table = []
     for row in leaves:
         if row["kind"] == "object":
-            table.append([row["key"], "object", "", "", "", "", _preview(row["value"])])
+            table.append([row["key"], "object", "", "", "", "", preview(row["value"])])
         else:
             table.append([row["key"], row["kind"], row["dtype"], _shape(row["shape"]),
                           row["chunks"], human_size(row["size_bytes"]), ""])
-    print(format_table(["KEY", "KIND", "DTYPE", "SHAPE", "CHUNKS", "SIZE", "VALUE"], table,
-                       "lllrrrl"))
+    say(*table_lines(["KEY", "KIND", "DTYPE", "SHAPE", "CHUNKS", "SIZE", "VALUE"], table, "lllrrrl"))
     return EXIT_OK
 
 
 def _print_problems(problems: Sequence[Problem]) -> None:
     for p in problems:
-        print(f"  - {p.message}")
+        say(f"  - {p.message}")
 
 
 def _with_key(storage: Storage, spec: str | None) -> Storage:
@@ -330,17 +306,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_OK if root.ok else EXIT_DAMAGED
 
     for p in root.problems:
-        print(f"{p.message}")
+        say(p.message)
     for r in root.steps:
         if r.ok:
-            print(f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
+            say(f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
                   f"{human_size(r.bytes_checked)} checked)")
         else:
-            print(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s))")
+            say(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s))")
             _print_problems(r.problems)
     bad = len(root.all_problems)
     if bad:
-        print(f"verify: {bad} problem(s) under {storage.url}", file=sys.stderr)
+        say(f"verify: {bad} problem(s) under {storage.url}", file=sys.stderr)
         return EXIT_DAMAGED
     return EXIT_OK
 
@@ -355,17 +331,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_DAMAGED if report.errors else EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
     for p in report.removed_paths:
-        print(f"{verb} {storage.describe(p)}")
+        say(f"{verb} {storage.describe(p)}")
     for p in report.skipped_young:
-        print(f"kept {storage.describe(p)} (younger than {args.min_age_s:g} s: a save may be "
+        say(f"kept {storage.describe(p)} (younger than {args.min_age_s:g} s: a save may be "
               f"running)")
     if report.kept_referenced:
-        print(f"kept {len(report.kept_referenced)} file(s) of deleted steps that committed "
+        say(f"kept {len(report.kept_referenced)} file(s) of deleted steps that committed "
               f"steps reference")
     for e in report.errors:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        say(f"{PROG}: error: {e}", file=sys.stderr)
     n = len(report.removed_paths)
-    print(f"gc: {verb} {n} path(s), {human_size(report.removed_bytes)}"
+    say(f"gc: {verb} {n} path(s), {human_size(report.removed_bytes)}"
           + (" (dry run)" if args.dry_run else ""))
     return EXIT_DAMAGED if report.errors else EXIT_OK
 
@@ -378,7 +354,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         storage, args.step, to=args.to, keys=args.keys or ["model/*"], keep_prefix=args.keep_prefix,
         max_shard_size=args.max_shard_size, progress=None if args.progress is None else args.progress,
     )
-    print(f"exported step {res.step}: {len(res.weight_map)} tensors, {human_size(res.total_size)} in "
+    say(f"exported step {res.step}: {len(res.weight_map)} tensors, {human_size(res.total_size)} in "
           f"{len(res.files)} file(s) to {res.directory}")
     return EXIT_OK
 
@@ -389,7 +365,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     storage = _open(args)
     m = import_dcp(args.source, storage, step=args.step, trust_pickle=args.trust_pickle,
                    progress=args.progress)
-    print(f"imported {args.source} as step {m.step} under {storage.url}: {len(m.leaves)} leaves, "
+    say(f"imported {args.source} as step {m.step} under {storage.url}: {len(m.leaves)} leaves, "
           f"{human_size(m.nbytes)}")
     return EXIT_OK
 
@@ -419,7 +395,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(advice.to_json())
     else:
-        print(advice.summary())
+        say(*advice.summary().splitlines())
     return EXIT_OK
 
 
@@ -536,31 +512,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    say(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a usage line on bad arguments
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.ERROR,
-        format=f"{PROG}: %(levelname)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # Log records and warnings reach stderr escaped, like every other line (display.say).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter(f"{PROG}: %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if args.verbose else logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _run(args)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        say(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return EXIT_OK  # `shardkeeper ls ... | head`
     except (UsageError, CheckpointError, OSError, ValueError) as e:
         if args.debug:
             raise
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        say(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - a bug still gets one line; --debug shows it
         if args.debug:
             raise
-        print(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the "
-              f"traceback)", file=sys.stderr)
+        say(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -1,8 +1,8 @@
 """Import a ``torch.distributed.checkpoint`` (DCP) directory as a committed shardkeeper step.
 
 A DCP directory's ``.metadata`` is a pickle, and so are its non-tensor entries: reading them
-can run code. They are read only when the caller passes ``trust_pickle=True`` (refused
-otherwise, before any file is opened).
+can run code. They are read only when the caller passes ``trust_pickle=True``, the bool
+(``legacy.require_trust``: refused otherwise, before any file is opened).
 
 Streaming, in one process: the tensor list (keys, dtypes, global shapes) comes from the
 metadata; tensors are loaded by DCP in batches of at most ``batch_bytes`` (DCP assembles each
@@ -12,7 +12,9 @@ shard file, written and digested as the manager writes its own. Memory stays nea
 
 Keys: DCP's nested paths joined with ``/``, each part FQN-normalized (``model/<fqn>``,
 ``optim/state/<fqn>/<name>``), so a DCP save of ``{"model": ..., "optim": ...}`` from
-``get_state_dict`` restores into a ``{"model": module, "optim": optimizer}`` state.
+``get_state_dict`` restores into a ``{"model": module, "optim": optimizer}`` state. Two
+entries that map to one key (``model.module.x`` and ``model.x``; a tensor and an object) are
+refused before anything is written.
 """
 
 from __future__ import annotations
@@ -49,16 +51,14 @@ DEFAULT_BATCH_BYTES = 512 << 20
 
 
 def _refuse_untrusted(src: str, trust_pickle: bool) -> None:
-    require_trust(
-        f"{src} is a torch.distributed.checkpoint directory: its .metadata (and any non-tensor "
-        f"entry)", trust_pickle=trust_pickle,
-    )
+    require_trust(src, trust_pickle=trust_pickle, why=(
+        "it is a torch.distributed.checkpoint directory, whose .metadata and non-tensor entries are pickles"))
     if not os.path.isfile(os.path.join(src, ".metadata")):
         raise FileNotFoundError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
 
 
 def read_dcp_metadata(path: str | os.PathLike[str], *, trust_pickle: bool) -> Any:
-    """DCP's ``Metadata`` of ``path`` (unpickled: refused unless ``trust_pickle``)."""
+    """DCP's ``Metadata`` of ``path`` (unpickled: refused unless ``trust_pickle is True``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     src = os.fspath(path)
@@ -104,12 +104,13 @@ def _jsonable(value: Any, key: str, src: str) -> Any:
     )
 
 
-def _object_leaves(tree: Any, prefix: list[str], src: str) -> Iterator[tuple[str, Any]]:
-    """Non-tensor entries as object leaves: mappings are walked, anything else is one leaf;
-    ``params`` lists of optimizer groups are FQN-normalized."""
+def _object_leaves(tree: Any, prefix: list[str], raw: list[str], src: str) -> Iterator[tuple[str, Any, str]]:
+    """Non-tensor entries as object leaves ``(key, value, DCP key)``: mappings are walked,
+    anything else is one leaf; ``params`` lists of optimizer groups are FQN-normalized. The
+    DCP key is the entry's path as DCP flattens it (parts joined with ``.``, not normalized)."""
     if isinstance(tree, Mapping) and tree:
         for k, v in tree.items():
-            yield from _object_leaves(v, [*prefix, normalize_fqn(str(k))], src)
+            yield from _object_leaves(v, [*prefix, normalize_fqn(str(k))], [*raw, str(k)], src)
         return
     key = "/".join(prefix)
     value = _jsonable(tree, key, src)
@@ -117,7 +118,19 @@ def _object_leaves(tree: Any, prefix: list[str], src: str) -> Iterator[tuple[str
         for g in value:
             if isinstance(g, dict) and isinstance(g.get("params"), list):
                 g["params"] = [normalize_fqn(p) if isinstance(p, str) else p for p in g["params"]]
-    yield key, value
+    yield key, value, ".".join(raw)
+
+
+def _claim(origin: dict[str, str], key: str, entry: str, src: str) -> None:
+    """Record that DCP entry ``entry`` becomes ``key``; refuse a second entry for the same key."""
+    if key in origin:
+        raise StateMismatchError(
+            f"{src}: DCP entries {origin[key]!r} and {entry!r} both map to the shardkeeper key {key!r} "
+            f"(wrapper prefixes such as 'module.' are dropped from every part); importing both would lose "
+            f"one, so nothing was imported. Load the DCP checkpoint, rename or drop one of them, and save it "
+            f"again before importing"
+        )
+    origin[key] = entry
 
 
 def _batches(tensors: list[tuple[str, str, tuple[int, ...], str, int]], limit: int) -> list[list[tuple[str, str, tuple[int, ...], str, int]]]:
@@ -153,7 +166,8 @@ def import_dcp(
 ) -> Manifest:
     """Write the DCP checkpoint at ``path`` as committed step ``step`` under ``root``; run it in
     one process. Returns the committed manifest. Fails (``CommitConflictError``) if the step
-    is already committed there."""
+    is already committed there; ``PermissionError`` unless ``trust_pickle is True``, before any
+    file is read; ``StateMismatchError`` if two DCP entries map to one key, before any is written."""
     src = os.fspath(path)
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -163,7 +177,7 @@ def import_dcp(
 
     tensors: list[tuple[str, str, tuple[int, ...], str, int]] = []  # flat key, key, shape, dtype, bytes
     object_keys: set[str] = set()
-    seen: dict[str, str] = {}
+    origin: dict[str, str] = {}  # shardkeeper key -> the DCP entry it comes from
     for flat, meta in md.state_dict_metadata.items():
         obj_path = (md.planner_data or {}).get(flat, (flat,))
         key = canonical_key(obj_path)
@@ -171,9 +185,7 @@ def import_dcp(
             dtype = torch_dtype_name(meta.properties.dtype)
             if dtype not in DTYPES:
                 raise StateMismatchError(f"{src}: tensor {flat!r} has dtype {dtype}, which the shardkeeper format does not store")
-            if key in seen:
-                raise StateMismatchError(f"{src}: DCP entries {seen[key]!r} and {flat!r} both map to key {key!r}")
-            seen[key] = flat
+            _claim(origin, key, flat, src)
             shape = tuple(int(s) for s in meta.size)
             tensors.append((flat, key, shape, dtype, math.prod(shape) * DTYPES[dtype][1]))
         elif isinstance(meta, BytesStorageMetadata):
@@ -187,12 +199,13 @@ def import_dcp(
     bar = Progress(sum(t[4] for t in tensors), f"import {os.path.basename(src.rstrip('/')) or src}", progress)
     pool = ThreadPoolExecutor(1)
     try:
-        if object_keys:
-            objs = load_dcp(src, trust_pickle=True, keys=object_keys)
-            for key, value in _object_leaves(objs, [], src):
+        if object_keys:  # before any tensor is written: a key collision loses nothing
+            objs = load_dcp(src, trust_pickle=trust_pickle, keys=object_keys)
+            for key, value, entry in _object_leaves(objs, [], [], src):
+                _claim(origin, key, entry, src)
                 leaves[key] = {"kind": "object", "value": value}
         for index, batch in enumerate(b for b in _batches(tensors, max(1, batch_bytes)) if b):
-            loaded = load_dcp(src, trust_pickle=True, keys={t[0] for t in batch})
+            loaded = load_dcp(src, trust_pickle=trust_pickle, keys={t[0] for t in batch})
             items, spans = [], []
             for flat, key, shape, dtype, nbytes in batch:
                 obj_path = (md.planner_data or {}).get(flat, (flat,))

@@ -1,8 +1,9 @@
 """Import a native DeepSpeed checkpoint directory (``<dir>/global_step<N>/...``, what
 ``engine.save_checkpoint`` writes without shardkeeper) into the shardkeeper format.
 
-DeepSpeed's files are pickles: reading them can run code, so the import refuses unless the
-caller passes ``trust_pickle=True`` (and warns even then). It uses DeepSpeed's own offline
+DeepSpeed's files are pickles: reading them can run code, so the import refuses, before it
+reads anything, unless the caller passes ``trust_pickle=True``, the bool (the core's
+``require_trust``), and warns even then. It uses DeepSpeed's own offline
 converter (``deepspeed.checkpoint.ds_to_universal``) to turn the ZeRO partitions into
 per-parameter fp32 weights and optimizer state, then saves them under the canonical keys in
 one process, so the result restores into any engine, stage and world size, or plain torch.
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.tensor.legacy import load_trusted_pickle
+from shardkeeper.core.tensor.legacy import load_trusted_pickle, require_trust
 from shardkeeper.core.tensor.state import normalize_fqn
 from shardkeeper.deepspeed._ds_internals import SCALER_FIELDS
 from shardkeeper.deepspeed.hook import tag_to_step
@@ -117,12 +118,8 @@ def import_native_checkpoint(
     temporary directory, removed). Run it in one process.
     """
     src = Path(src)
-    if not trust_pickle:
-        raise PermissionError(
-            f"{src} is a native DeepSpeed checkpoint: its files are Python pickles, and loading "
-            f"one can run arbitrary code. Import it only if you trust its origin, with "
-            f"import_native_checkpoint(..., trust_pickle=True)"
-        )
+    # Before anything is read: DeepSpeed's converter unpickles every file it opens.
+    require_trust(src, trust_pickle=trust_pickle, why="it is a native DeepSpeed checkpoint, whose files are pickles")
     if tag is None:
         latest = src / "latest"
         if not latest.is_file():

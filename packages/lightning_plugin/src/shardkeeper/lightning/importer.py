@@ -3,7 +3,8 @@ into the shardkeeper format.
 
 A ``.ckpt`` is a pickle, and so are a sharded directory's ``.metadata`` and ``meta.pt``:
 loading one can run arbitrary code. This is the one place the
-Lightning adapter reads pickles, only with ``trust_pickle=True``, and it warns even then.
+Lightning adapter reads pickles, only with ``trust_pickle=True``, the bool (the core's
+``require_trust``, before anything is read), and it warns even then.
 The imported step holds the same canonical entries the plugin writes, so
 ``fit(ckpt_path=plugin.step_path(step))`` resumes from it.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from shardkeeper.core import CheckpointManager, normalize_fqn
-from shardkeeper.core.tensor.legacy import load_trusted_pickle
+from shardkeeper.core.tensor.legacy import load_trusted_pickle, require_trust
 from shardkeeper.lightning import codec
 
 
@@ -45,13 +46,9 @@ def import_lightning_checkpoint(
     """
     src = os.fspath(path)
     sharded = os.path.isdir(src)
-    if not trust_pickle:
-        what = "a sharded Lightning checkpoint (its DCP .metadata and meta.pt are pickles)" if sharded else "a pickle (a Lightning .ckpt)"
-        raise PermissionError(
-            f"{src} is {what}: loading it can run arbitrary code. If you "
-            f"trust its origin, call import_lightning_checkpoint({src!r}, {os.fspath(root)!r}, "
-            f"trust_pickle=True)"
-        )
+    require_trust(src, trust_pickle=trust_pickle, why=(
+        "it is a sharded Lightning checkpoint, whose DCP .metadata and meta.pt are pickles" if sharded
+        else "it is a Lightning .ckpt, which is a pickle"))
     if sharded and not os.path.isfile(os.path.join(src, ".metadata")):
         raise NotImplementedError(
             f"{src} is a directory without a DCP .metadata file (a DeepSpeed checkpoint?); only "
