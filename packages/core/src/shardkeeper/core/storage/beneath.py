@@ -67,7 +67,7 @@ class Beneath:
     def open(self, path: str) -> int:
         """An fd of ``path`` (relative to the root) opened with the flags given, or -1."""
         global _syscall
-        if _syscall is None:
+        if _syscall is None or "\x00" in path:  # a C string would end at the NUL: let open() refuse it
             return -1
         fd = self._fd if self._owner == os.getpid() else -1
         if fd < 0:
