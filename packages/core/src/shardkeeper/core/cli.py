@@ -162,7 +162,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     created_at=m.created_at or None,
                 )
         else:
-            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
+            try:
+                names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
+            except CorruptCheckpointError:  # cannot be listed for what it is: damage
+                names = [MANIFEST_NAME]
             row["status"] = "invalid" if MANIFEST_NAME in names else "uncommitted"
         rows.append(row)
 

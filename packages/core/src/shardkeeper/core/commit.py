@@ -70,12 +70,25 @@ def is_committed(storage: Storage, step: int) -> bool:
     return True
 
 
+def lists_manifest(storage: Storage, name: str) -> bool:
+    """Whether the step directory ``name`` lists a manifest. A directory that cannot be
+    listed for what it is (damage: a symlink loop, a name too long) lists none, with a
+    warning, so that one bad entry does not break the listing of the root; a storage
+    failure (``StorageError``) is raised."""
+    try:
+        names = storage.list_dir(name)
+    except CorruptCheckpointError as e:
+        log.warning("step directory %s cannot be listed, so its step is not committed: %s", storage.describe(name), e)
+        return False
+    return MANIFEST_NAME in [n.rstrip("/").rsplit("/", 1)[-1] for n in names]
+
+
 def manifest_steps(storage: Storage) -> list[int]:
     """Steps whose directory holds a manifest, ascending, found by listing alone: the
     committed ones plus any whose manifest is damaged. For callers that load the manifest
     they pick anyway (restore tries the newest first and falls back on damage), so that
     finding the newest step does not read and validate every manifest of the root."""
-    return [step for step, name in sorted(step_dirs(storage).items()) if MANIFEST_NAME in storage.list_dir(name)]
+    return [step for step, name in sorted(step_dirs(storage).items()) if lists_manifest(storage, name)]
 
 
 def newest_committed(storage: Storage) -> int | None:

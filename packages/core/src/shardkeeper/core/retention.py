@@ -24,6 +24,7 @@ from typing import Any
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, step_dirs
 from shardkeeper.core.errors import (
     CheckpointError,
+    CorruptCheckpointError,
     IncompatibleFormatError,
     StorageError,
 )
@@ -82,7 +83,9 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
     The storage protocol has no "is a directory" call: names the format gives to files
     (``*.safetensors``, ``*.tmp``, ``manifest.json``) are files; any other entry with entries
     of its own is a directory, and one without is taken for a file (an empty POSIX directory
-    is therefore listed too; deleting it falls back to ``delete_dir``).
+    is therefore listed too; deleting it falls back to ``delete_dir``). A local symbolic link
+    lists as empty (``LocalStorage`` never lists through one), so it is an entry too, and
+    deleting it deletes the link, never what it points at.
     """
     out: list[str] = []
     for raw in storage.list_dir(path):
@@ -93,7 +96,10 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
         if name.endswith(_FILE_SUFFIXES) or _depth >= _MAX_DEPTH:
             out.append(child)  # files by the format's naming: no listing (a request on S3)
             continue
-        sub = storage.list_dir(child)
+        try:
+            sub = storage.list_dir(child)
+        except CorruptCheckpointError:
+            sub = []  # cannot be listed for what it is (a symlink loop...): an entry, as a file
         # Some object-store listings return the object itself when asked to list a file.
         if sub and [_base(s) for s in sub] != [name]:
             out.extend(walk_files(storage, child, _depth + 1))
@@ -105,7 +111,7 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
 def _remove_file(storage: Storage, path: str) -> None:
     try:
         storage.delete(path)
-    except StorageError:
+    except (StorageError, CorruptCheckpointError):  # EISDIR is damage to a reader
         if not storage.capabilities.directories:
             raise
         storage.delete_dir(path)  # an empty directory that walk_files took for a file

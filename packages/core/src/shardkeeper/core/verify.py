@@ -22,6 +22,7 @@ from shardkeeper.core.commit import committed_steps, load_manifest, manifest_pat
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     IncompatibleFormatError,
 )
 from shardkeeper.core.format.digest import digest_function
@@ -441,8 +442,16 @@ def verify_root(storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES) -> Ro
     report = RootVerifyReport(root=storage.url)
     committed = committed_steps(storage)
     for s, name in sorted(step_dirs(storage).items()):
-        if s in committed or MANIFEST_NAME not in [n.rstrip("/").rsplit("/", 1)[-1]
-                                                   for n in storage.list_dir(name)]:
+        if s in committed:
+            continue
+        try:
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
+        except CorruptCheckpointError as e:
+            report.problems.append(Problem(
+                step=s, kind="manifest", file=name,
+                message=f"step {s}: the step directory cannot be listed, so the step is not committed: {e}"))
+            continue
+        if MANIFEST_NAME not in names:
             continue
         try:
             load_manifest(storage, s)

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core.commit import load_manifest, step_dirs
+from shardkeeper.core.commit import lists_manifest, load_manifest, step_dirs
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
@@ -41,7 +41,7 @@ def reference_path(base_step: int, rel: str) -> str:
 def newest_step_below(storage: Storage, before: int) -> int | None:
     """The highest step directory below ``before`` that has a manifest (one listing each)."""
     for step, name in sorted(step_dirs(storage).items(), reverse=True):
-        if step < before and "manifest.json" in storage.list_dir(name):
+        if step < before and lists_manifest(storage, name):
             return step
     return None
 

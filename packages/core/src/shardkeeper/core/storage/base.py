@@ -44,7 +44,8 @@ class Storage(Protocol):
     capabilities: Capabilities
 
     def list_dir(self, path: str) -> list[str]:
-        """Names directly under ``path`` ("" is the root); empty if it does not exist."""
+        """Names directly under ``path`` ("" is the root); empty if it does not exist (and, on
+        local disk, if it is or passes through a symbolic link: what is listed may be deleted)."""
         ...
 
     def exists(self, path: str) -> bool: ...

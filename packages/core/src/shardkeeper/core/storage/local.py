@@ -5,6 +5,13 @@
 - The manifest is written to a temporary file in the destination directory, fsynced, then
   *linked* to its final name: ``link(2)`` fails if the name exists, so the commit is an atomic
   put-if-absent (a rename would silently replace a concurrent winner). The directory is fsynced.
+  Without hard links: ``renameat2(RENAME_NOREPLACE)`` (``noreplace``), as atomic; where the
+  file system refuses that too, an exclusive create (``O_EXCL``) of the final name, written
+  and fsynced in place, still exclusive across processes, though a reader can then see a
+  partial manifest for a moment (it takes it for damage and falls back).
+- Paths stay inside the root (``local_paths``): no read, listing, write or delete through a
+  symbolic link that leaves it, only regular files are read, and entries that are not what
+  the format puts there are damage (``CorruptCheckpointError``), not storage failures.
 - Writes of 1 MiB or more go out with ``O_DIRECT`` (docs/decisions.md D19): no copy into the
   page cache and no writeback later, which is most of the CPU a buffered write costs. Memory
   congruent with the file offset modulo the page size (the staging buffer's) goes to the disk
@@ -21,11 +28,27 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 
-from shardkeeper.core.errors import CheckpointNotFoundError, CommitConflictError, StorageError
+from shardkeeper.core.errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    StorageError,
+)
+from shardkeeper.core.storage import noreplace
 from shardkeeper.core.storage.base import Capabilities
+from shardkeeper.core.storage.local_paths import (
+    NO_HARD_LINKS,
+    O_CLOEXEC,
+    O_NOFOLLOW,
+    RootPaths,
+    pread_some,
+    read_some,
+    write_all,
+)
 
 try:
     import fcntl
@@ -161,7 +184,12 @@ class _LocalWriter:
 
 
 class LocalStorage:
-    """A checkpoint root on a local or network POSIX file system."""
+    """A checkpoint root on a local or network POSIX file system.
+
+    It never reads, lists, writes or deletes through a symbolic link that leaves the root,
+    reads only regular files, and reports entries that are not what the format puts there as
+    damage (``local_paths`` has the rules).
+    """
 
     capabilities = Capabilities(
         atomic_put_if_absent=True, ranged_read=True, durable_writes=True, directories=True
@@ -174,47 +202,55 @@ class LocalStorage:
         self.url = str(self.root)
         self._fsync = fsync
         self._direct = direct_io
-        self._lock = threading.Lock()
-
-    def _p(self, path: str) -> Path:
-        return self.root / path if path else self.root
+        self._paths = RootPaths(self.root)
 
     def describe(self, path: str) -> str:
-        return str(self._p(path))
+        return self._paths.full(path)
 
     def _wrap(self, path: str, e: OSError) -> Exception:
-        if isinstance(e, FileNotFoundError):
-            return CheckpointNotFoundError(f"{self.describe(path)} does not exist")
-        return StorageError(f"local storage failed on {self.describe(path)}: {e}")
+        return self._paths.wrap(path, e)
 
+    # -- reads -------------------------------------------------------------------------------
     def list_dir(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(self._p(path)))
+            if path and self._paths.first_link(path) is not None:
+                return []  # a link, or through one: never listed (what is listed may be deleted)
+            return sorted(os.listdir(self._paths.full(path)))
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as e:
             raise self._wrap(path, e) from e
 
     def exists(self, path: str) -> bool:
-        return self._p(path).exists()
+        try:
+            self._paths.stat(path)
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            return False
+        return True
 
     def size(self, path: str) -> int:
-        try:
-            return self._p(path).stat().st_size
-        except OSError as e:
-            raise self._wrap(path, e) from e
+        return self._paths.stat(path).st_size
 
     def mtime(self, path: str) -> float:
-        try:
-            return self._p(path).stat().st_mtime
-        except OSError as e:
-            raise self._wrap(path, e) from e
+        return self._paths.stat(path).st_mtime
 
     def read_bytes(self, path: str) -> bytes:
+        """The whole file: at most the bytes it held when opened (a file that grows meanwhile
+        is read as it was)."""
+        fd, st = self._paths.open_read(path)
         try:
-            return self._p(path).read_bytes()
+            parts, left = [], st.st_size
+            while left > 0:
+                part = read_some(fd, left)
+                if not part:
+                    break
+                parts.append(part)
+                left -= len(part)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
         except OSError as e:
             raise self._wrap(path, e) from e
+        finally:
+            os.close(fd)
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         buf = bytearray(length)
@@ -223,30 +259,29 @@ class LocalStorage:
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         view = buffer.cast("B") if buffer.format != "B" else buffer
+        fd, _ = self._paths.open_read(path)
         try:
-            fd = os.open(self._p(path), os.O_RDONLY)
-        except OSError as e:
-            raise self._wrap(path, e) from e
-        try:
-            pos = 0
-            while pos < len(view):
-                n = os.preadv(fd, [view[pos:]], offset + pos)
+            pos, want = 0, len(view)
+            while pos < want:
+                n = pread_some(fd, view[pos:], offset + pos)
                 if n == 0:
                     raise StorageError(
                         f"{self.describe(path)} is shorter than expected: wanted bytes "
-                        f"[{offset}, {offset + len(view)}), the file ends at {offset + pos}"
+                        f"[{offset}, {offset + want}), the file ends at {offset + pos}"
                     )
                 pos += n
+        except StorageError:
+            raise
         except OSError as e:
-            if isinstance(e, StorageError):
-                raise
             raise self._wrap(path, e) from e
         finally:
             os.close(fd)
 
+    # -- writes ------------------------------------------------------------------------------
     def open_writer(self, path: str) -> _LocalWriter:
+        full = self._paths.real_dirs(path, "write")
         try:
-            return _LocalWriter(self._p(path), self._fsync, self._direct)
+            return _LocalWriter(Path(full), self._fsync, self._direct)
         except FileExistsError as e:
             raise CommitConflictError(
                 f"{self.describe(path)} already exists; file names are unique per save attempt, "
@@ -256,37 +291,49 @@ class LocalStorage:
             raise self._wrap(path, e) from e
 
     def sync_dir(self, path: str) -> None:
-        if self._fsync and self._p(path).is_dir():
-            _fsync_dir(self._p(path))
+        if not self._fsync:
+            return
+        full = self._paths.full(path)
+        try:
+            if self._paths.first_link(path) is None and os.path.isdir(full):
+                _fsync_dir(Path(full))
+        except OSError as e:
+            raise self._wrap(path, e) from e
 
-    def _write_tmp(self, final: Path, data: bytes) -> Path:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+    def _write_tmp(self, final: str, data: bytes) -> str:
+        parent, name = os.path.split(final)
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, data)
             if self._fsync:
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         return tmp
 
     def put_if_absent(self, path: str, data: bytes) -> None:
-        final = self._p(path)
+        """Atomic and exclusive across processes: ``link(2)`` of a fsynced temporary file;
+        without hard links, ``renameat2(RENAME_NOREPLACE)``; where the file system refuses
+        that too, an exclusive create of the final name, written and fsynced in place (a
+        reader can then see a partial manifest for a moment, and takes it for damage)."""
+        final = self._paths.real_dirs(path, "write")
         try:
             tmp = self._write_tmp(final, data)
         except OSError as e:
             raise self._wrap(path, e) from e
         try:
-            os.link(tmp, final)
+            try:
+                os.link(tmp, final)
+            except OSError as e:
+                if isinstance(e, FileExistsError) or e.errno not in NO_HARD_LINKS:
+                    raise
+                self._put_without_link(tmp, final, data)
         except FileExistsError as e:
             raise CommitConflictError(f"{self.describe(path)} already exists") from e
         except OSError as e:
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                raise self._wrap(path, e) from e
-            # File systems without hard links: exclusive create + copy is the best left.
-            with self._lock:
-                if final.exists():
-                    raise CommitConflictError(f"{self.describe(path)} already exists") from e
-                os.rename(tmp, final)
+            raise self._wrap(path, e) from e
         finally:
             try:
                 os.unlink(tmp)
@@ -294,8 +341,29 @@ class LocalStorage:
                 pass
         self.sync_dir(os.path.dirname(path))
 
+    def _put_without_link(self, tmp: str, final: str, data: bytes) -> None:
+        try:
+            noreplace.rename_noreplace(tmp, final)
+            return
+        except OSError as e:
+            if isinstance(e, FileExistsError) or e.errno not in noreplace.UNSUPPORTED:
+                raise
+        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, data)
+            if self._fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(final)  # ours (created exclusively): a torn manifest must not stay
+            except OSError:
+                pass
+            raise
+        os.close(fd)
+
     def put(self, path: str, data: bytes) -> None:
-        final = self._p(path)
+        final = self._paths.real_dirs(path, "write")
         try:
             tmp = self._write_tmp(final, data)
             os.replace(tmp, final)
@@ -303,21 +371,31 @@ class LocalStorage:
             raise self._wrap(path, e) from e
         self.sync_dir(os.path.dirname(path))
 
+    # -- deletes -----------------------------------------------------------------------------
     def delete(self, path: str) -> None:
+        """Delete the file at ``path``; a link is deleted as a link."""
+        full = self._paths.real_dirs(path, "delete")
         try:
-            self._p(path).unlink()
-        except FileNotFoundError:
+            os.unlink(full)
+        except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError as e:
             raise self._wrap(path, e) from e
 
     def delete_dir(self, path: str) -> None:
-        p = self._p(path)
-        if p == self.root:
-            raise StorageError(f"refusing to delete the checkpoint root {self.url}")
+        """Delete the directory at ``path`` and everything in it; a link is deleted as a link
+        (never the tree it points at), and links below are not followed."""
+        rel = os.path.normpath(path) if path else "."
+        if rel == "." or rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+            raise StorageError(f"refusing to delete the checkpoint root {self.url} (or above it): {path!r}")
+        full = self._paths.real_dirs(path, "delete")
         try:
-            shutil.rmtree(p)
-        except FileNotFoundError:
-            pass
+            if stat.S_ISLNK(os.lstat(full).st_mode):
+                os.unlink(full)
+            else:
+                shutil.rmtree(full)
+        except (FileNotFoundError, NotADirectoryError) as e:
+            if isinstance(e, NotADirectoryError) and os.path.lexists(full):
+                raise self._wrap(path, e) from e
         except OSError as e:
             raise self._wrap(path, e) from e

@@ -264,6 +264,8 @@ def _read_checked(storage: Storage, path: str, offset: int, buffer: memoryview, 
         storage.read_into(path, offset, buffer)
     except ChecksumMismatchError as e:  # an encrypted block failed authentication (codec/crypto.py)
         raise ChecksumMismatchError(f"step {step}, {what}: {e}", key=keys[0] if keys else "", file=path) from e
+    except CorruptCheckpointError as e:  # the entry is not what the format says (a FIFO, a symlink loop...)
+        raise CorruptCheckpointError(f"step {step}, {what}: {e}") from e
     except (CheckpointNotFoundError, StorageError) as e:
         where = f"step {step}: cannot read bytes [{offset}, {offset + len(buffer)}) of {storage.describe(path)} for {what}: {e}"
         if _missing_or_short(storage, path, offset + len(buffer)):
