@@ -174,8 +174,12 @@ def set_mtime(root: str | os.PathLike[str], rel: str, mtime: float) -> None:
         os.utime(top, (mtime, mtime))
 
 
-def age_everything(root: str | os.PathLike[str], seconds: float = 3600.0) -> None:
-    """Make every file under a local root ``seconds`` old."""
+def age_everything(root: str | os.PathLike[str], seconds: float | None = None) -> None:
+    """Make every file under a local root ``seconds`` old (default: an hour beyond gc's default age)."""
+    if seconds is None:
+        from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S
+
+        seconds = DEFAULT_GC_MIN_AGE_S + 3600.0
     t = time.time() - seconds
     for name in os.listdir(root):
         set_mtime(root, name, t)

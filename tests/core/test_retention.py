@@ -175,12 +175,13 @@ def test_manifest_goes_first_and_newer_steps_first(storage):
     write_step(storage, 300, {"c": tensor("float32", (4,), 3)})
     rec = _Recording(storage)
     assert apply_retention(rec, RetentionPolicy(keep_last=1)) == [100, 200]
-    # 200 (which references 100) goes first, each step manifest first then its directory,
-    # so no committed manifest ever points at deleted bytes.
+    # Every doomed manifest first, newest first (200 references 100), then the commits in
+    # progress are read, then the directories: no committed manifest ever points at deleted
+    # bytes, and a commit that references a deleted step sees its manifest gone.
     assert rec.log == [
         ("delete", manifest_path(200)),
-        ("delete_dir", step_dir(200)),
         ("delete", manifest_path(100)),
+        ("delete_dir", step_dir(200)),
         ("delete_dir", step_dir(100)),
     ]
     assert _dirs(storage) == [step_dir(300)]

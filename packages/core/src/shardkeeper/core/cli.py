@@ -43,7 +43,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.layout import LATEST_NAME
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
-from shardkeeper.core.retention import DEFAULT_GC_MIN_AGE_S, collect_garbage
+from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S, collect_garbage
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.verify import Problem, RootVerifyReport, verify_root, verify_step
@@ -341,6 +341,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if report.kept_referenced:
         say(f"kept {len(report.kept_referenced)} file(s) of deleted steps that committed "
               f"steps reference")
+    for p in report.kept_in_flight:
+        say(f"kept {storage.describe(p)} (a commit in progress needs it)")
     for e in report.errors:
         say(f"{PROG}: error: {e}", file=sys.stderr)
     n = len(report.removed_paths)

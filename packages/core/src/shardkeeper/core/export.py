@@ -34,7 +34,7 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
 from shardkeeper.core.format.safetensors import build_header
-from shardkeeper.core.retention import resolve_file
+from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 

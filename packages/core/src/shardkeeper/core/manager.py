@@ -49,9 +49,10 @@ from shardkeeper.core.errors import (
     StorageError,
 )
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
-from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, same_value, snapshot
+from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
 from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
@@ -63,7 +64,12 @@ from shardkeeper.core.tensor.overlap import (
     StagingGate,
     find_optimizers,
 )
-from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats, TargetWrites, restore_flat
+from shardkeeper.core.tensor.restore import (
+    PER_RANK_POLICIES,
+    RestoreStats,
+    TargetWrites,
+    restore_flat,
+)
 from shardkeeper.core.tensor.save import (
     PlanCache,
     SavePlan,
@@ -432,6 +438,8 @@ class CheckpointManager:
                 "chunks": res.chunks,
                 "files": res.files,
                 "objects": objects,
+                # the committed step whose manifest this save's references come from
+                "bases": [codecs.reuse.base.step] if codecs.reuse is not None and codecs.reuse.usable else [],
                 EXTENDED_MEMBER: extended,  # the coordinator then parses the report exactly
                 "per_rank_prefixes": plan.per_rank_prefixes,
                 "layouts": sorted(plan.layouts),
@@ -501,11 +509,10 @@ class CheckpointManager:
                 metadata={"framework": "torch", "torch_version": str(torch.__version__), **meta,
                           "timings": save_timings(reports, time.perf_counter() - t_commit)},
             )
-            self._check_files_durable(sdir, manifest)
             data = manifest.dumps()
             data = data if self._keys is None else seal_manifest(data, self._keys)
-            self._check_reads_back(step, data, manifest)
-            self._put_manifest(step, data)
+            bases = sorted({b for r in reports for b in r.get("bases", ())})
+            commit_manifest(self.storage, step, manifest, data, bases=bases)
         except BaseException as e:
             self._discard_attempt(sdir, reports)
             return {
@@ -519,63 +526,6 @@ class CheckpointManager:
         record_commit(self.options.catalog, self.storage, step, manifest)
         log.info("step %d committed at %s (%d leaves)", step, self.storage.describe(sdir), len(manifest.leaves))
         return {"ok": True, "rank": 0}
-
-    def _check_files_durable(self, sdir: str, manifest: Manifest) -> None:
-        """Right before the commit: every file the manifest lists is there, whole.
-
-        Ranks report a file only after closing it durably, so this catches what happened to
-        it since: a gc that judged a slow save abandoned, an object store that lost a part.
-        A manifest is never written over missing bytes.
-        """
-        for rel, info in manifest.files.items():
-            path = f"{sdir}/{rel}"
-            try:
-                size = self.storage.size(path)
-            except CheckpointNotFoundError:
-                size = -1
-            if size != info["size_bytes"]:
-                raise CorruptCheckpointError(
-                    f"{self.storage.describe(path)} (written by rank {info.get('rank')}) is "
-                    f"{'missing' if size < 0 else f'{size} bytes'} at commit time, "
-                    f"{info['size_bytes']} bytes were written; something removed or truncated it "
-                    f"(a `shardkeeper gc` with a --min-age-s shorter than a save?)"
-                )
-
-    def _check_reads_back(self, step: int, data: bytes, manifest: Manifest) -> None:
-        """Parse the exact bytes about to be committed with the reader, and compare every value
-        a user supplied: a manifest that readers would refuse, or a value that would not come
-        back exactly, fails the save instead of being acknowledged and never restorable."""
-        where = self.storage.describe(manifest_path(step))
-        try:
-            back = Manifest.loads(data, where=f"{where} (before the commit)")
-        except CheckpointError as e:
-            raise CheckpointSaveError(
-                f"step {step}: the manifest built for {where} is refused by the reader ({e}); "
-                f"nothing was committed", step=step,
-            ) from e
-        written, read = manifest.object_values(), back.object_values()
-        for key, value in written.items():
-            why = same_value(value, read.get(key))
-            if why is not None:
-                raise CheckpointSaveError(
-                    f"step {step}: the value of {key!r} would not come back exactly from {where} "
-                    f"({why}); nothing was committed: store it in another form", step=step,
-                )
-
-    def _put_manifest(self, step: int, data: bytes) -> None:
-        """Put-if-absent; a conflict with our own bytes is our own write whose reply was lost
-        (a retried PUT on an object store), so it counts as success."""
-        path = manifest_path(step)
-        try:
-            self.storage.put_if_absent(path, data)
-        except CommitConflictError:
-            try:
-                existing = self.storage.read_bytes(path)
-            except CheckpointError:
-                existing = b""
-            if existing != data:
-                raise
-            log.info("step %d: the manifest was already ours (a retried write); committed", step)
 
     def _discard_attempt(self, sdir: str, reports: Sequence[dict[str, Any]]) -> None:
         for r in reports:
@@ -656,17 +606,19 @@ class CheckpointManager:
     def delete(self, step: int) -> bool:
         """Delete committed ``step`` with retention's guarantees; True if it is gone.
 
-        Call it on every rank (a collective); the coordinator deletes. Never deletes the newest
-        committed step or a step being saved (returns False: ask again later), nor files that
-        another retained step references. A step that is not committed counts as gone.
+        Call it on every rank (a collective); the coordinator deletes. This manager's pending
+        save is waited for first (its failure stays for the next ``wait()``), so it never races
+        the deletion; a commit of another process that references ``step`` keeps the files it
+        needs (``pending.py``). Never deletes the newest committed step, nor files that another
+        retained step references (returns False for the newest: ask again later). A step that
+        is not committed counts as gone.
         """
         self._check_open()
+        self._wait_pending(raise_error=False)
         code, err = 0, None
         if self.rank == 0:
             try:
-                pending = self._pending
-                protect = [pending.step] if pending is not None and not pending.done() else []
-                deleted = apply_retention(self.storage, _DeleteOnly(frozenset([step])), protect=protect)
+                deleted = apply_retention(self.storage, _DeleteOnly(frozenset([step])))
                 forget_deleted(self.options.catalog, self.storage, deleted)
                 code = int(step not in committed_steps(self.storage))
             except Exception as e:

@@ -37,7 +37,7 @@ from shardkeeper.core.format.manifest import (
     itemsize,
 )
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
-from shardkeeper.core.retention import resolve_file
+from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage.base import Storage
 
 #: Bytes read per request while checking digests (rounded down to whole digest blocks).

@@ -414,7 +414,7 @@ def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tup
     the stored size its plaintext size implies, and holds every chunk's byte range. Digests
     and tags need the key. Returns (files checked, [(kind, message, path)])."""
     from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
-    from shardkeeper.core.retention import resolve_file
+    from shardkeeper.core.root_files import resolve_file
 
     ends: dict[str, int] = {}
     for _, c in m.chunks():

@@ -236,7 +236,7 @@ def _writer(root: str, options: dict[str, Any], manager_options: dict[str, Any],
 
 
 def _multipart_uploads(storage: Any) -> list[dict[str, Any]]:
-    from shardkeeper.core.retention import list_incomplete_uploads
+    from shardkeeper.core.garbage import list_incomplete_uploads
 
     return list_incomplete_uploads(storage)
 
@@ -247,7 +247,7 @@ def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summa
 
     from shardkeeper.core.commit import committed_steps, step_dirs
     from shardkeeper.core.manager import CheckpointManager
-    from shardkeeper.core.retention import collect_garbage
+    from shardkeeper.core.garbage import collect_garbage
     from shardkeeper.core.verify import verify_step
 
     where = f"trial {t.index} (kill point {t.point}, n={t.n})"
@@ -275,7 +275,7 @@ def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summa
             s.restores_bit_exact += 1
         else:
             s.failures.append(f"{where}: step {newest} did not restore bit for bit")
-    report = collect_garbage(storage, min_age_s=0.0)
+    report = collect_garbage(storage, min_age_s=0.0, no_running_saves=True)  # the writer is dead
     s.leftovers_removed += len(report.removed_paths)
     s.incomplete_uploads_aborted += len(getattr(report, "aborted_uploads", []))
     after = committed_steps(storage)

@@ -1,0 +1,105 @@
+"""The files of a root: where a manifest's file entries point, and walking and removing what
+lies in step directories (retention, gc and the commit's checks share these rules).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StorageError
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
+from shardkeeper.core.storage.base import Storage
+
+# Names the format gives to files (never to directories): walk_files does not list them.
+_FILE_SUFFIXES = (".safetensors", ".tmp", MANIFEST_NAME)
+
+# How deep ``walk_files`` descends below a step directory (the layout uses one level: data/).
+_MAX_DEPTH = 8
+
+
+# --------------------------------------------------------------------------------------------
+# Paths
+
+
+def resolve_file(step: int, rel: str) -> str | None:
+    """Root-relative path of a manifest ``file`` entry of ``step``, or None if it is invalid.
+
+    ``rel`` is relative to the step directory and may climb into another step directory
+    (``../step-000000001100/data/r00000-ab12cd34-000.safetensors``); a path that leaves the
+    root, or is absolute, is invalid.
+    """
+    if not rel or rel.startswith("/") or "\\" in rel:
+        return None
+    path = posixpath.normpath(f"{step_dir(step)}/{rel}")
+    if path in (".", "..") or path.startswith("../") or path.startswith("/"):
+        return None
+    return path
+
+
+def referenced_paths(step: int, manifest: Manifest) -> set[str]:
+    """Root-relative paths of every file ``manifest`` (of ``step``) lists or points a chunk at."""
+    out = set()
+    for rel in manifest.referenced_files():
+        path = resolve_file(step, rel)
+        if path is not None:
+            out.add(path)
+    return out
+
+
+def _base(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1]
+
+
+def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
+    """Every file under the directory ``path`` (root-relative paths), sorted.
+
+    The storage protocol has no "is a directory" call: names the format gives to files
+    (``*.safetensors``, ``*.tmp``, ``manifest.json``) are files; any other entry with entries
+    of its own is a directory, and one without is taken for a file (an empty POSIX directory
+    is therefore listed too; deleting it falls back to ``delete_dir``). A local symbolic link
+    lists as empty (``LocalStorage`` never lists through one), so it is an entry too, and
+    deleting it deletes the link, never what it points at.
+    """
+    out: list[str] = []
+    for raw in storage.list_dir(path):
+        name = _base(raw)
+        if not name or name in (".", ".."):
+            continue
+        child = f"{path}/{name}" if path else name
+        if name.endswith(_FILE_SUFFIXES) or _depth >= _MAX_DEPTH:
+            out.append(child)  # files by the format's naming: no listing (a request on S3)
+            continue
+        try:
+            sub = storage.list_dir(child)
+        except CorruptCheckpointError:
+            sub = []  # cannot be listed for what it is (a symlink loop...): an entry, as a file
+        # Some object-store listings return the object itself when asked to list a file.
+        if sub and [_base(s) for s in sub] != [name]:
+            out.extend(walk_files(storage, child, _depth + 1))
+        else:
+            out.append(child)
+    return sorted(out)
+
+
+def remove_file(storage: Storage, path: str) -> None:
+    """Delete a file ``walk_files`` listed (an empty POSIX directory listed as one, too)."""
+    try:
+        storage.delete(path)
+    except (StorageError, CorruptCheckpointError):  # EISDIR is damage to a reader
+        if not storage.capabilities.directories:
+            raise
+        storage.delete_dir(path)  # an empty directory that walk_files took for a file
+
+
+def size_or_zero(storage: Storage, path: str) -> int:
+    """A file's size, 0 if it cannot be read (for reports)."""
+    try:
+        return storage.size(path)
+    except CheckpointError:
+        return 0
+
+
+__all__ = ["referenced_paths", "remove_file", "resolve_file", "size_or_zero", "walk_files"]
