@@ -354,21 +354,27 @@ def seal_manifest(data: bytes, provider: KeyProvider) -> bytes:
 
 
 def manifest_section(data: bytes) -> dict[str, Any] | None:
-    """The ``encryption`` member of a sealed manifest (unauthenticated), or None."""
+    """The ``encryption`` member of a sealed manifest (unauthenticated), or None if it has
+    none; a ``ValueError`` says why a member that is there does not parse."""
     at = data.rfind(b',"encryption":{')
     if at < 0 or not data.endswith(b'"}}'):
         return None
-    try:
-        section = loads_untrusted(data[at + len(b',"encryption":') : -1], max_bytes=len(data))
-    except ValueError:  # UntrustedJSONError
-        return None
-    return section if isinstance(section, dict) else None
+    section = loads_untrusted(data[at + len(b',"encryption":') : -1], max_bytes=len(data))
+    if not isinstance(section, dict):
+        raise ValueError("is not an object")
+    return section
 
 
 def open_manifest(data: bytes, storage: EncryptedStorage, where: str) -> None:
     """Check a manifest's MAC with the provider's key; raise a clear error if it is missing,
     from another key, or wrong (the manifest was changed after it was written)."""
-    section = manifest_section(data)
+    try:
+        section = manifest_section(data)
+    except ValueError as e:  # UntrustedJSONError: there, but damaged
+        raise CorruptCheckpointError(
+            f"manifest {where}: its encryption member {e}, so it cannot be authenticated; the "
+            f"manifest is damaged: restore another step"
+        ) from None
     if section is None:
         raise EncryptionKeyError(
             f"manifest {where} is not encrypted/authenticated, and this manager reads only "

@@ -327,8 +327,6 @@ def all_slabs(shapes: Sequence[Sequence[int]], iszs: Sequence[int], counts: Sequ
         return False
     if not perm:
         return True
-    if _gather(t.ndim, perm) != _expand(list(map(len, shapes)), counts):
-        return False  # a row of another number of dimensions than its leaf
     first = list(accumulate(counts[:-1], initial=0))  # position in perm of each leaf's first row
     nds = set(map(len, shapes))
     nd = len(shapes[0])
@@ -342,6 +340,8 @@ def all_slabs(shapes: Sequence[Sequence[int]], iszs: Sequence[int], counts: Sequ
         o0 = _gather(t.offsets[0::nd], perm)
         n0 = _gather(t.shape[0::nd], perm)
     else:
+        if _gather(t.ndim, perm) != _expand(list(map(len, shapes)), counts):
+            return False  # a row of another number of dimensions than its leaf
         dims, toffs, tshape = t.dims, t.offsets, t.shape
         starts = _gather(dims, perm)
         ends = [dims[i + 1] for i in perm]
@@ -713,7 +713,9 @@ class TableLeaves(Mapping[str, Any]):
                 return f"{key}: a leaf outside the leaf table that is not an object"
             if key in lt.index:
                 return f"{key}: both an object and a tensor leaf"
-        if _gather(t.ndim, lt.rows) != _expand(lt.ndim, lt.nrows):
+        nd = lt.ndim[0] if lt.ndim else 0
+        uniform = lt.ndim.count(nd) == len(lt.ndim) and t.ndim.count(nd) == len(t.ndim)  # in C
+        if not uniform and _gather(t.ndim, lt.rows) != _expand(lt.ndim, lt.nrows):
             for key, shape, _, rows in lt.items():
                 for i in rows:
                     if t.ndim[i] != len(shape):
