@@ -555,7 +555,8 @@ def test_the_corner_test_agrees_with_the_pairwise_check_and_with_brute_force(
     in_bounds = all(o >= 0 and n >= 0 and o + n <= g for offs, bs in boxes for o, n, g in zip(offs, bs, shape))
     if in_bounds and all(len(o) == len(shape) for o, _ in boxes):
         cover = coverage(shape, boxes)
-        truth = all(cover[x] == 1 for x in itertools.product(*map(range, shape))) and sum(cover.values()) == math.prod(shape)
+        once = all(cover[x] == 1 for x in itertools.product(*map(range, shape)))
+        truth = once and sum(cover.values()) == math.prod(shape)
         assert (why is None) == truth, (why, shape, boxes)
     m = re.search(r"chunks (\[.*?\]) and (\[.*?\]) of k overlap \(both hold element (\[.*?\])\)", why or "")
     if m:  # the named chunks really hold the named element
@@ -568,7 +569,7 @@ def test_the_corner_test_agrees_with_the_pairwise_check_and_with_brute_force(
 
 
 @pytest.mark.timeout(120)
-def test_200000_column_chunks_tile_in_well_under_a_second_each() -> None:
+def test_200000_column_chunks_are_checked_in_seconds_not_hours() -> None:
     """A [8, 200000] tensor split along dimension 1 (before: hours; 2,000 chunks took ~2 s)."""
     n = 200_000
     boxes = [([0, i], [8, 1]) for i in range(n)]
@@ -576,7 +577,7 @@ def test_200000_column_chunks_tile_in_well_under_a_second_each() -> None:
     assert check_tiling_boxes("k", [8, n], boxes) is None
     boxes[n // 2] = ([0, n // 2 + 1], [8, 1])
     assert "overlap" in str(check_tiling_boxes("k", [8, n], boxes))
-    assert time.process_time() - t < 10
+    assert time.process_time() - t < 20  # measured: ~0.6 s a check
 
 
 def test_a_layout_split_along_13_dimensions_is_refused_not_checked_for_minutes() -> None:
@@ -619,7 +620,7 @@ def test_the_example_manifest_of_format_md_parses_verifies_and_restores(tmp_path
     weight, rng = make_bytes(24, 1), {0: make_bytes(16, 2), 1: make_bytes(16, 3)}
     root = tmp_path / "root"
     for rank, (rel, rec) in enumerate(sorted(doc["files"].items())):
-        lo, hi = 2 * rank, 2 * rank + 2
+        lo = 2 * rank
         entries = [(chunk_name("model/layers.0.weight", (lo, 0), (2, 3), (4, 3)), "bfloat16", (2, 3), 12),
                    (f"rng/{rank}/torch", "uint8", (16,), 16)]
         header, at = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
@@ -669,7 +670,8 @@ def _targeted(d: dict[str, Any], root: Path, data: st.DataObject) -> None:
     elif kind == "ndim":
         leaf = d["leaves"][data.draw(st.sampled_from(["model/w", "model/ints", "extra/blob"]))]
         c = leaf["chunks"][0]
-        c["offsets"], c["shape"] = data.draw(st.sampled_from([([], []), ([0, 0], [*c["shape"], 1]), ([0], c["shape"][:1])]))
+        boxes = [([], []), ([0, 0], [*c["shape"], 1]), ([0], c["shape"][:1])]
+        c["offsets"], c["shape"] = data.draw(st.sampled_from(boxes))
     elif kind == "extras" and table:
         n = len(d["chunk_table"]["offset"])
         name = data.draw(st.sampled_from(["encoding", "content", "future", ""]))
@@ -685,7 +687,8 @@ def _targeted(d: dict[str, Any], root: Path, data: st.DataObject) -> None:
     elif kind == "encoded":
         forged_zstd_blob(d, root, data.draw(st.sampled_from([1 << 10, 32768 * 4, 32768 * 4 + 1, 1 << 30])))
         if not table:
-            d["leaves"]["extra/blob"]["chunks"][0]["encoding"] = data.draw(st.sampled_from(["zstd", "shuffle-zstd", "lz4"]))
+            encoding = data.draw(st.sampled_from(["zstd", "shuffle-zstd", "lz4"]))
+            d["leaves"]["extra/blob"]["chunks"][0]["encoding"] = encoding
     elif kind == "empty-key":
         key = data.draw(st.sampled_from(["extra/cfg/lr", "extra/blob", "model/w"]))
         rename_leaf(key, "")(d, root)
@@ -695,7 +698,8 @@ def _targeted(d: dict[str, Any], root: Path, data: st.DataObject) -> None:
         _apply(d, path, op, data.draw(JSON_VALUES) if op == "replace" else None)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzz_only_checkpoint_errors_escape_and_restore_falls_back_bit_for_bit(
     roots: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject

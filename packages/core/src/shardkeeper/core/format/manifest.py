@@ -354,7 +354,9 @@ class Manifest:
             )
         why = _fields_problem(d)
         if why is not None:
-            raise CorruptCheckpointError(f"manifest {where} is malformed: {why}; the checkpoint is damaged: restore another step")
+            raise CorruptCheckpointError(
+                f"manifest {where} is malformed: {why}; the checkpoint is damaged: restore another step"
+            )
         try:
             m = cls(
                 step=d["step"],

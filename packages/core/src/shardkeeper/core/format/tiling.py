@@ -72,7 +72,9 @@ def check_tiling_boxes(
     return _corners_problem(key, tuple(shape), nonempty)
 
 
-def _corners_problem(key: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+def _corners_problem(
+    key: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> str | None:
     """The signed-corner test (module docstring) for in-bounds, non-empty boxes whose volumes
     add up to the tensor's."""
     starts = list(zip(*[o for o, _ in boxes]))  # per dimension, every box's first index
