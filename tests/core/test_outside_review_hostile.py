@@ -462,6 +462,7 @@ def test_loads_untrusted_bounds_both_parsers(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(untrusted.UntrustedJSONError, match="more than the 10"):
             untrusted.loads_untrusted(b"[1,2,3,4,5]", max_bytes=10)
     assert not untrusted.too_deep({"a": list(range(1000)), "b": [[1.5, True, None, "x"]]}, 3)
+    assert not untrusted.too_deep([1e308, 10**400], 1) and untrusted.too_deep([1e308, 10**400, [[]]], 2)
     assert untrusted.too_deep({"a": [{"b": [[]]}]}, 3)
 
 

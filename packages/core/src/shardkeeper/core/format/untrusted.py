@@ -57,7 +57,7 @@ def too_deep(value: Any, max_depth: int = MAX_JSON_DEPTH) -> bool:
             try:
                 sum(items)
                 continue  # numbers only (containers and strings raise TypeError)
-            except TypeError:
+            except (TypeError, OverflowError):  # OverflowError: a float beside a huge integer
                 pass
             below.extend([x for x in items if type(x) is list or type(x) is dict])
         level = below
