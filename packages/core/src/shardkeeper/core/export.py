@@ -31,6 +31,7 @@ from shardkeeper.core.errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
+from shardkeeper.core.format.bounds import stored_bytes_problem
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
 from shardkeeper.core.format.safetensors import build_header
@@ -187,10 +188,29 @@ def _view(a: np.ndarray) -> memoryview:
     return memoryview(cast("Buffer", a))
 
 
+def _size_or_none(storage: Storage, step: int, file: str) -> int | None:
+    """The size of a chunk's file, None if it is missing or its name unsafe."""
+    path = resolve_file(step, file)
+    if path is None:
+        return None
+    try:
+        return storage.size(path)
+    except CheckpointNotFoundError:
+        return None
+
+
 def _assemble(storage: Storage, m: Manifest, key: str, leaf: LeafRecord) -> np.ndarray:
     """The whole tensor's row-major bytes (uint8), assembled from its chunks."""
     isz = itemsize(leaf.dtype)
     nbytes = leaf.nbytes
+    # The manifest alone sizes the output: before allocating it, check that the files hold
+    # the chunks (validation bounded what each chunk's stored bytes decode to).
+    why = stored_bytes_problem(leaf.chunks, lambda file: _size_or_none(storage, m.step, file))
+    if why is not None:
+        raise CorruptCheckpointError(
+            f"step {m.step} under {storage.url}: key {key!r} ({nbytes} bytes) cannot be exported: {why}; the "
+            f"checkpoint is damaged: export another step and run `shardkeeper verify {storage.url} {m.step}`"
+        )
     out = np.empty(nbytes, dtype=np.uint8)
     grid = out.reshape(*leaf.shape, isz) if leaf.shape else out.reshape(isz)
     for c in leaf.chunks:

@@ -31,10 +31,13 @@ from typing import Any
 
 from shardkeeper.core import metrics
 from shardkeeper.core.commit import newest_committed
+from shardkeeper.core.format.untrusted import loads_untrusted
 
 log = logging.getLogger(__name__)
 
 RECORD_NAME = "preempted.json"
+#: A preemption record is a few hundred bytes; a larger file under that name is not one.
+_MAX_RECORD_BYTES = 1 << 20
 EXIT_CODE = 128 + signal.SIGTERM
 
 
@@ -135,7 +138,7 @@ class PreemptionGuard:
 def read_record(storage: Any) -> dict[str, Any] | None:
     """The last preemption record under a root, if any."""
     try:
-        return dict(json.loads(storage.read_bytes(RECORD_NAME)))
+        return dict(loads_untrusted(storage.read_bytes(RECORD_NAME), max_bytes=_MAX_RECORD_BYTES))
     except Exception:  # noqa: BLE001
         return None
 

@@ -37,6 +37,7 @@ from shardkeeper.core.format.manifest import (
     itemsize,
 )
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
+from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
 from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage.base import Storage
 
@@ -401,13 +402,12 @@ def _check_header(
             out.add("header", f"step {step}: {where}: safetensors header length {n} does not "
                     f"fit the file ({size} bytes)", file=path, start=0, end=8)
             return
-        header = json.loads(storage.read_range(path, 8, n))
+        header = loads_untrusted(storage.read_range(path, 8, n), max_bytes=_MAX_HEADER_BYTES)
     except CheckpointError as e:
         out.add("read", f"step {step}: reading the header of {where} failed: {e}", file=path)
         return
-    except (UnicodeDecodeError, ValueError) as e:
-        out.add("header", f"step {step}: {where}: the safetensors header is not valid JSON "
-                f"({e})", file=path, start=8)
+    except UntrustedJSONError as e:
+        out.add("header", f"step {step}: {where}: the safetensors header {e}", file=path, start=8)
         return
     if not isinstance(header, dict):
         out.add("header", f"step {step}: {where}: the safetensors header is not an object",

@@ -38,6 +38,7 @@ from typing import Any
 from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require_cryptography
 from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardkeeper.core.format.layout import DATA_DIR, parse_step_dir
+from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
@@ -221,9 +222,11 @@ class EncryptedStorage(StorageWrapper):
         if n > MAX_HEADER or 12 + n > size:
             raise CorruptCheckpointError(f"{where}: encryption header of {n} bytes is damaged; restore another step")
         try:
-            h = json.loads(self.inner.read_range(path, 12, n))
-            key_id, wrapped, alg, block = str(h["key_id"]), base64.b64decode(h["wrapped"]), h["alg"], h["block"]
-        except (ValueError, KeyError, TypeError) as e:
+            h = loads_untrusted(self.inner.read_range(path, 12, n), max_bytes=MAX_HEADER)
+            key_id, wrapped, alg, block = h["key_id"], base64.b64decode(h["wrapped"]), h["alg"], h["block"]
+            if type(key_id) is not str:
+                raise TypeError(f"key_id is {type(key_id).__name__}, not a string")
+        except (ValueError, KeyError, TypeError) as e:  # UntrustedJSONError is a ValueError
             raise CorruptCheckpointError(f"{where}: encryption header is damaged ({e}); restore another step") from None
         if alg != ALGORITHM or block != BLOCK:
             raise CorruptCheckpointError(
@@ -240,19 +243,24 @@ class EncryptedStorage(StorageWrapper):
             )
         return _FileInfo(12 + n, plain, blocks, key_id, wrapped)
 
-    def _read_plain(self, path: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with plaintext bytes [offset, offset + len(out)): one ranged read of
-        the blocks they overlap; whole blocks are decrypted straight into ``out``. A block that
-        fails authentication leaves zeros where its plaintext would go, never the plaintext."""
+    def _plain_range(self, path: str, offset: int, length: int) -> _FileInfo:
+        """The file's layout, once plaintext bytes [offset, offset + length) are known to be in it."""
         info = self._info(path)
-        length = len(out)
-        if offset < 0 or offset + length > info.plain:
+        if offset < 0 or length < 0 or offset + length > info.plain:
             from shardkeeper.core.errors import StorageError
 
             raise StorageError(
                 f"{self.inner.describe(path)}: bytes [{offset}, {offset + length}) lie beyond its "
                 f"{info.plain} plaintext bytes"
             )
+        return info
+
+    def _read_plain(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with plaintext bytes [offset, offset + len(out)): one ranged read of
+        the blocks they overlap; whole blocks are decrypted straight into ``out``. A block that
+        fails authentication leaves zeros where its plaintext would go, never the plaintext."""
+        length = len(out)
+        info = self._plain_range(path, offset, length)
         if length == 0:
             return
         i0, i1 = offset // BLOCK, (offset + length - 1) // BLOCK
@@ -288,6 +296,7 @@ class EncryptedStorage(StorageWrapper):
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         if is_data_path(path):
+            self._plain_range(path, offset, length)  # before allocating what the caller asks for
             out = bytearray(length)
             self._read_plain(path, offset, memoryview(out))
             return bytes(out)
@@ -357,21 +366,27 @@ def seal_manifest(data: bytes, provider: KeyProvider) -> bytes:
 
 
 def manifest_section(data: bytes) -> dict[str, Any] | None:
-    """The ``encryption`` member of a sealed manifest (unauthenticated), or None."""
+    """The ``encryption`` member of a sealed manifest (unauthenticated), or None if it has
+    none; a ``ValueError`` says why a member that is there does not parse."""
     at = data.rfind(b',"encryption":{')
     if at < 0 or not data.endswith(b'"}}'):
         return None
-    try:
-        section = json.loads(data[at + len(b',"encryption":') : -1])
-    except ValueError:
-        return None
-    return section if isinstance(section, dict) else None
+    section = loads_untrusted(data[at + len(b',"encryption":') : -1], max_bytes=len(data))
+    if not isinstance(section, dict):
+        raise ValueError("is not an object")
+    return section
 
 
 def open_manifest(data: bytes, storage: EncryptedStorage, where: str) -> None:
     """Check a manifest's MAC with the provider's key; raise a clear error if it is missing,
     from another key, or wrong (the manifest was changed after it was written)."""
-    section = manifest_section(data)
+    try:
+        section = manifest_section(data)
+    except ValueError as e:  # UntrustedJSONError: there, but damaged
+        raise CorruptCheckpointError(
+            f"manifest {where}: its encryption member {e}, so it cannot be authenticated; the "
+            f"manifest is damaged: restore another step"
+        ) from None
     if section is None:
         # Damage, not a key problem: "restore the newest" falls back past it to a step that
         # authenticates (a root that was never encrypted fails every step, naming this).
@@ -402,7 +417,7 @@ def read_header(storage: Storage, path: str) -> tuple[int, dict[str, Any]]:
     (n,) = struct.unpack("<I", head[8:12])
     if n > MAX_HEADER:
         raise ValueError(f"encryption header of {n} bytes")
-    h = json.loads(storage.read_range(path, 12, n))
+    h = loads_untrusted(storage.read_range(path, 12, n), max_bytes=MAX_HEADER)
     if not isinstance(h, dict) or h.get("alg") != ALGORITHM or h.get("block") != BLOCK:
         raise ValueError(f"unknown encryption header {str(h)[:120]}")
     return 12 + n, h

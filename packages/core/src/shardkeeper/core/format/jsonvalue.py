@@ -14,7 +14,8 @@ the same types:
   digit for digit) and says so with the top-level member ``"extended_json": true``; readers
   of such a document use a parser that keeps them (``loads_exact``).
 
-Depth is bounded by ``MAX_JSON_DEPTH`` (readers refuse deeper values).
+Depth is bounded by ``MAX_VALUE_DEPTH``: readers refuse documents nested deeper than
+``untrusted.MAX_JSON_DEPTH`` levels, and a value sits a few levels down in the manifest.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from shardkeeper.core.format.fastjson import orjson
 
 #: The top-level member that marks a document holding NaN/infinities or integers beyond 64 bits.
 EXTENDED_MEMBER = "extended_json"
-#: Nesting limit of JSON values (object leaves, metadata): deeper input would exhaust the stack.
-MAX_JSON_DEPTH = 100
+#: Nesting limit of one JSON value (an object leaf's, a metadata entry's): readers refuse a
+#: document nested more than 100 levels, and an object leaf's value starts at level 4 of the
+#: manifest (top level, "leaves", the leaf record, "value"), so this leaves a margin.
+MAX_VALUE_DEPTH = 90
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what every JSON reader reads as an integer
 
 
@@ -73,8 +76,8 @@ def check_value(value: Any) -> bool:
             if not math.isfinite(v):
                 extended = True
         elif isinstance(v, (dict, list, tuple)):
-            if depth >= MAX_JSON_DEPTH:
-                raise JsonValueError(path, f"nested deeper than {MAX_JSON_DEPTH} levels")
+            if depth >= MAX_VALUE_DEPTH:
+                raise JsonValueError(path, f"nested deeper than {MAX_VALUE_DEPTH} levels")
             if isinstance(v, dict):
                 for k, x in v.items():
                     if type(k) is not str:
@@ -208,7 +211,7 @@ def _short(x: Any) -> str:
 
 __all__ = [
     "EXTENDED_MEMBER",
-    "MAX_JSON_DEPTH",
+    "MAX_VALUE_DEPTH",
     "JsonValueError",
     "check_value",
     "describe_problem",

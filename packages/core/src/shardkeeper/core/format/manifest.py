@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
+from shardkeeper.core.format.bounds import ZSTD_MAX_EXPANSION, max_decoded_bytes
 from shardkeeper.core.format.fastjson import orjson as _orjson
 from shardkeeper.core.format.jsonvalue import (
     EXTENDED_MEMBER,
@@ -21,7 +22,6 @@ from shardkeeper.core.format.jsonvalue import (
     check_value,
     describe_problem,
     dumps_extended,
-    loads_exact,
 )
 from shardkeeper.core.format.table import (
     DIGEST_HEX,
@@ -33,6 +33,8 @@ from shardkeeper.core.format.table import (
     TableLeaves,
     no_gc,
 )
+from shardkeeper.core.format.tiling import check_tiling_boxes
+from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
 
 #: The format_version this code writes (2 added chunk encodings; a version 1 manifest reads
 #: exactly as before), unless the manifest needs a later one (``EXTENDED_JSON_VERSION``).
@@ -55,8 +57,11 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 #: Digest blocks larger than this are refused: a reader holds whole blocks in memory.
 MAX_DIGEST_BLOCK_BYTES = 1 << 30
-#: Nesting limit of JSON values (object leaves, metadata): deeper input would exhaust the stack.
-MAX_JSON_DEPTH = 100
+#: Top-level fields and their JSON types (an integer is never a boolean); the rest is optional.
+_REQUIRED: dict[str, type] = {"step": int, "world_size": int, "digest_algorithm": str, "digest_block_bytes": int,
+                              "files": dict, "leaves": dict}
+_OPTIONAL: dict[str, type] = {"created_at": str, "attempt": str, "per_rank_prefixes": list, "metadata": dict,
+                              "encryption": dict}
 
 #: dtype name -> (safetensors dtype code, item size in bytes).
 DTYPES: dict[str, tuple[str, int]] = {
@@ -359,13 +364,14 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(too_large(where, len(data)))
         try:
-            d = loads_exact(data)  # NaN, infinities, big integers only where declared (jsonvalue.py)
-        except (ValueError, RecursionError) as e:  # also UnicodeDecodeError, too many digits
+            # NaN, infinities and big integers only where declared (jsonvalue.py)
+            d = loads_untrusted(data, max_bytes=MAX_MANIFEST_BYTES, exact=True)
+        except UntrustedJSONError as e:
             raise CorruptCheckpointError(
-                f"manifest {where} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the "
-                f"checkpoint is damaged: restore another step, or run `shardkeeper verify` on the root"
-            ) from e
-        if not isinstance(d, dict) or not isinstance(d.get("format_version"), int):
+                f"manifest {where} {e}; the checkpoint is damaged: restore another step, or run "
+                f"`shardkeeper verify` on the root"
+            ) from None
+        if not isinstance(d, dict) or type(d.get("format_version")) is not int:
             raise CorruptCheckpointError(
                 f"manifest {where} has no integer format_version; it is not a shardkeeper "
                 f"manifest or it is damaged: restore another step"
@@ -388,29 +394,35 @@ class Manifest:
                 f"encrypted checkpoints are format_version {ENCRYPTION_VERSION} or later, so the "
                 f"manifest was edited or damaged: restore another step"
             )
+        why = _fields_problem(d)
+        if why is not None:
+            raise CorruptCheckpointError(
+                f"manifest {where} is malformed: {why}; the checkpoint is damaged: restore another step"
+            )
         try:
             m = cls(
-                step=int(d["step"]),
-                world_size=int(d["world_size"]),
+                step=d["step"],
+                world_size=d["world_size"],
                 leaves=_read_leaves(d, version),
-                files=_as_dict(d["files"]),
-                digest_algorithm=str(d["digest_algorithm"]),
-                digest_block_bytes=int(d["digest_block_bytes"]),
-                per_rank_prefixes=tuple(_as_list(d.get("per_rank_prefixes", []))),
-                metadata=_as_dict(d.get("metadata", {})),
-                created_at=str(d.get("created_at", "")),
-                attempt=str(d.get("attempt", "")),
+                files=d["files"],
+                digest_algorithm=d["digest_algorithm"],
+                digest_block_bytes=d["digest_block_bytes"],
+                per_rank_prefixes=tuple(d.get("per_rank_prefixes", [])),
+                metadata=d.get("metadata", {}),
+                created_at=d.get("created_at", ""),
+                attempt=d.get("attempt", ""),
                 format_version=version,
-                encryption=d["encryption"] if isinstance(d.get("encryption"), dict) else None,
+                encryption=d.get("encryption"),
             )
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        except (LookupError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(
                 f"manifest {where} is malformed ({type(e).__name__}: {str(e)[:200]}); the "
                 f"checkpoint is damaged: restore another step"
             ) from e
         try:
             problem = m.problem()
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+        except (LookupError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            # Every check names what it finds wrong; this is the net under them.
             problem = f"malformed ({type(e).__name__}: {str(e)[:200]})"
         if problem is not None:
             raise CorruptCheckpointError(
@@ -431,26 +443,28 @@ class Manifest:
             return "digest_block_bytes, step or world_size out of range"
         if not all(isinstance(p, str) for p in self.per_rank_prefixes):
             return "per_rank_prefixes is not a list of strings"
-        if _too_deep(self.metadata):
-            return f"metadata is nested deeper than {MAX_JSON_DEPTH} levels"
+        # (JSON nesting was bounded when the manifest was parsed: format/untrusted.py.)
         safe: dict[str, bool] = {}
-        for rel in self.files:
+        for rel, rec in self.files.items():
             if not safe.setdefault(rel, safe_relative_path(rel)):
                 return f"file {_short(rel)} is not a path inside the root"
+            size = rec.get("size_bytes") if type(rec) is dict else None
+            if type(size) is not int or size < 0:
+                return f"file {_short(rel)} has no size_bytes that is a non-negative integer"
         if isinstance(self.leaves, TableLeaves):  # the chunk table: checked in linear passes
-            why = self.leaves.problem(self.files)
+            why = self.leaves.problem(self.files, self.format_version)
             if why is not None:
                 return why
-            raw = self.leaves.expanded() if self.leaves.table.extras else self.leaves.objects()
+            raw = self.leaves.objects()
         else:
             raw = _leaves_json(self.leaves)
+        if "" in self.leaves:
+            return "a leaf has an empty key"
         key = ""
         try:
             for key, leaf in raw.items():
                 kind = leaf["kind"]
                 if kind == "object":
-                    if _too_deep(leaf.get("value")):
-                        return f"{key}: object value is nested deeper than {MAX_JSON_DEPTH} levels"
                     continue
                 if kind not in ("tensor", "bytes"):
                     return f"{key}: unknown leaf kind {kind!r}"
@@ -492,11 +506,9 @@ class Manifest:
                             )
                         if not isinstance(c.get("content", ""), str) or length == 0:
                             return f"{key}: encoded chunk without content id or bytes"
-                        if length >= math.prod(cshape) * isz:  # writers store such chunks raw
-                            return (
-                                f"{key}: chunk with encoding {encoding!r} has {length} stored bytes, "
-                                f"not fewer than its box's {math.prod(cshape) * isz}"
-                            )
+                        why = encoded_length_problem(encoding, length, math.prod(cshape) * isz)
+                        if why is not None:
+                            return f"{key}: {why}"
                     if not isinstance(digests, str):
                         return f"{key}: chunk digests are not a comma-separated string"
                     ndig = digests.count(",") + 1 if digests else 0
@@ -505,12 +517,12 @@ class Manifest:
                     if encoding == "raw" and length != math.prod(cshape) * isz:
                         return f"{key}: chunk of shape {cshape} {dtype} has {length} bytes"
                     rec = self.files.get(f)  # absent: a reference into another step's files
-                    if rec is not None and offset + length > rec.get("size_bytes", -1):
+                    if rec is not None and offset + length > rec["size_bytes"]:
                         return f"{key}: chunk [{offset}, {offset + length}) lies beyond the end of {_short(f)}"
                 why = check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in chunks])
                 if why is not None:
                     return f"{key}: {why}"
-        except (KeyError, TypeError, AttributeError) as e:
+        except (LookupError, TypeError, AttributeError) as e:
             return f"{key}: malformed leaf ({type(e).__name__}: {e})"
         return None
 
@@ -554,15 +566,41 @@ def _read_leaves(d: dict[str, Any], version: int) -> Mapping[str, LeafRecord]:
     return LazyLeaves(_as_dict(d["leaves"]))
 
 
+def encoded_length_problem(encoding: str, length: int, box_bytes: int) -> str | None:
+    """Why an encoded chunk of ``length`` stored bytes cannot hold a box of ``box_bytes``, or
+    None: writers store a chunk that does not shrink raw, and one zstd frame decodes to at most
+    ``ZSTD_MAX_EXPANSION`` times its length (format/bounds.py), so a larger box is damage that
+    would otherwise become an allocation the file cannot back."""
+    if length >= box_bytes:
+        return f"chunk with encoding {encoding!r} has {length} stored bytes, not fewer than its box's {box_bytes}"
+    if box_bytes > max_decoded_bytes(length):
+        return (f"chunk with encoding {encoding!r} claims {box_bytes} bytes decoded from {length} stored bytes, "
+                f"more than a zstd frame can hold (about {ZSTD_MAX_EXPANSION} times its length)")
+    return None
+
+
+def _fields_problem(d: dict[str, Any]) -> str | None:
+    """Which top-level field is missing or of the wrong JSON type, or None."""
+    for name, kind in _REQUIRED.items():
+        if name not in d:
+            return f"it lacks the required field {name!r}"
+        if type(d[name]) is not kind:
+            return f"{name} is {_json_type(d[name])}, not {_json_type(kind())}"
+    for name, kind in _OPTIONAL.items():
+        if name in d and type(d[name]) is not kind:
+            return f"{name} is {_json_type(d[name])}, not {_json_type(kind())}"
+    return None
+
+
+def _json_type(x: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(x), type(x).__name__)
+
+
 def _as_dict(x: Any) -> dict[str, Any]:
     if not isinstance(x, dict):
         raise TypeError(f"expected an object, got {type(x).__name__}")
-    return x
-
-
-def _as_list(x: Any) -> list[Any]:
-    if not isinstance(x, list):
-        raise TypeError(f"expected an array, got {type(x).__name__}")
     return x
 
 
@@ -573,18 +611,6 @@ def _is_sizes(x: Any) -> bool:
 def _short(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _too_deep(value: Any) -> bool:
-    """Is ``value`` nested deeper than MAX_JSON_DEPTH (checked without recursion)?"""
-    stack = [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth >= MAX_JSON_DEPTH:
-                return True
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return False
 
 
 def too_large(where: str, size: int) -> str:
@@ -617,43 +643,3 @@ def safe_relative_path(rel: str) -> bool:
 def check_tiling(key: str, shape: tuple[int, ...], chunks: Iterable[ChunkRecord]) -> str | None:
     """``check_tiling_boxes`` over chunk records."""
     return check_tiling_boxes(key, shape, [(c.offsets, c.shape) for c in chunks])
-
-
-def check_tiling_boxes(
-    key: str, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
-) -> str | None:
-    """Return why the ``(offsets, shape)`` boxes do not tile ``shape`` exactly, or None.
-
-    Exact tiling: every box lies inside the tensor, boxes are pairwise disjoint, and their
-    volumes add up to the tensor's. Identical duplicate boxes are the caller's to drop first.
-    """
-    total = math.prod(shape)
-    ndim = len(shape)
-    if len(boxes) == 1:  # the common case: one whole chunk
-        offs, bshape = boxes[0]
-        if len(offs) == ndim and len(bshape) == ndim and not any(offs) and list(bshape) == list(shape):
-            return None
-    vol = 0
-    for offs, bshape in boxes:
-        if len(offs) != ndim or len(bshape) != ndim:
-            return f"chunk at {list(offs)} has rank {len(bshape)}, tensor has {ndim}"
-        for o, n, g in zip(offs, bshape, shape):
-            if o < 0 or n < 0 or o + n > g:
-                return f"chunk {list(offs)}+{list(bshape)} lies outside shape {list(shape)}"
-        vol += math.prod(bshape)
-    if vol != total:
-        return f"chunks cover {vol} of {total} elements"
-    if len(boxes) > 1 and total > 0:
-        # With the volume equal, an overlap means a hole elsewhere; find it explicitly
-        # (sweep over the first dimension).
-        nonempty = sorted((tuple(o), tuple(n)) for o, n in boxes if math.prod(n) > 0)
-        if ndim == 0:
-            return None if len(nonempty) == 1 else "scalar stored more than once"
-        for i, (ao, an) in enumerate(nonempty):
-            a_end0 = ao[0] + an[0]
-            for bo, bn in nonempty[i + 1 :]:
-                if bo[0] >= a_end0:
-                    break
-                if all(b < a + asz and a < b + bsz for a, asz, b, bsz in zip(ao, an, bo, bn)):
-                    return f"chunks {list(ao)} and {list(bo)} of {key} overlap"
-    return None

@@ -34,6 +34,8 @@ DIGEST_HEX = {"xxh3_128": 32, "sha256": 64}
 #: Per-chunk fields every row has (the table's core columns); any other field of a chunk
 #: record (``encoding``, ``content``, ...) becomes an optional column (null = absent).
 _CORE = ("file", "offset", "length", "offsets", "shape", "digests")
+#: The optional per-chunk fields a table may carry (``extras``); any other is refused.
+EXTRAS = ("encoding", "content")
 _MAX_NDIM = 64
 
 
@@ -242,6 +244,13 @@ class ChunkTable:
                     f"{self.digest_starts(block)[-1]} digests of {self.width}")
         if not isinstance(self.extras, dict) or not all(isinstance(c, list) and len(c) == n for c in self.extras.values()):
             return "chunk_table extras are not columns of its length"
+        unknown = sorted(set(self.extras) - set(EXTRAS))
+        if unknown:
+            return (f"chunk_table extras has the unknown field {unknown[0][:40]!r} (the per-chunk fields of "
+                    f"this format are {', '.join(EXTRAS)})")
+        for k, col in self.extras.items():
+            if not set(map(type, col)) <= {str, type(None)}:
+                return f"chunk_table extras {k!r} holds something other than strings and null"
         return None
 
 
@@ -331,6 +340,8 @@ def all_slabs(shapes: Sequence[Sequence[int]], iszs: Sequence[int], counts: Sequ
         o0 = _gather(t.offsets[0::nd], perm)
         n0 = _gather(t.shape[0::nd], perm)
     else:
+        if _gather(t.ndim, perm) != _expand(list(map(len, shapes)), counts):
+            return False  # a row of another number of dimensions than its leaf
         dims, toffs, tshape = t.dims, t.offsets, t.shape
         starts = _gather(dims, perm)
         ends = [dims[i + 1] for i in perm]
@@ -671,10 +682,9 @@ class TableLeaves(Mapping[str, Any]):
         out.update(self.object_leaves)
         return out
 
-    def problem(self, files: Mapping[str, Any]) -> str | None:
+    def problem(self, files: Mapping[str, Any], version: int) -> str | None:
         """Why the leaves and the tables cannot be trusted, or None (see ``Manifest.problem``);
-        linear in the number of rows. The per-chunk checks of optional columns are left to
-        the caller (``expanded`` form) when the table has any."""
+        linear in the number of rows (``version``: the manifest's format_version)."""
         safe_relative_path = _manifest.safe_relative_path
 
         t = self.table
@@ -703,7 +713,18 @@ class TableLeaves(Mapping[str, Any]):
                 return f"{key}: a leaf outside the leaf table that is not an object"
             if key in lt.index:
                 return f"{key}: both an object and a tensor leaf"
+        nd = lt.ndim[0] if lt.ndim else 0
+        uniform = lt.ndim.count(nd) == len(lt.ndim) and t.ndim.count(nd) == len(t.ndim)  # in C
+        if not uniform and _gather(t.ndim, lt.rows) != _expand(lt.ndim, lt.nrows):
+            for key, shape, _, rows in lt.items():
+                for i in rows:
+                    if t.ndim[i] != len(shape):
+                        return f"{key}: chunk_table row {i} has {t.ndim[i]} dimensions, the leaf has {len(shape)}"
         check_lengths = "encoding" not in t.extras
+        if not check_lengths:  # raw rows' lengths and encoded rows' bounds, row by row
+            why = encoded_rows_problem(lt, t, version)
+            if why is not None:
+                return why
         if lt.slabs_tile(t, check_lengths=check_lengths):
             return None
         for key, shape, isz, rows in lt.items():
@@ -711,6 +732,30 @@ class TableLeaves(Mapping[str, Any]):
             if why is not None:
                 return f"{key}: {why}"
         return None
+
+
+def encoded_rows_problem(lt: LeafTable, t: ChunkTable, version: int) -> str | None:
+    """The checks of ``Manifest.problem`` on the rows of a table with an ``encoding`` column:
+    a raw row's length is its box's bytes; an encoded row's encoding is known to ``version``,
+    its length positive and within what its box allows (``manifest.encoded_length_problem``)."""
+    ENCODINGS, encoded_length_problem = _manifest.ENCODINGS, _manifest.encoded_length_problem
+
+    encoding, dims, shape, length = t.extras["encoding"], t.dims, t.shape, t.length
+    for key, _, isz, rows in lt.items():
+        for i in rows:
+            box = math.prod(shape[dims[i] : dims[i + 1]]) * isz
+            enc = encoding[i]
+            if enc is None or enc == "raw":
+                if length[i] != box:
+                    return f"{key}: chunk_table row {i} has {length[i]} bytes, its box {box}"
+                continue
+            since = ENCODINGS.get(enc)
+            if since is None or since > version:
+                return f"{key}: chunk encoding {enc[:40]!r} is unknown to format_version {version}"
+            why = "encoded chunk without bytes" if length[i] == 0 else encoded_length_problem(enc, length[i], box)
+            if why is not None:
+                return f"{key}: chunk_table row {i}: {why}"
+    return None
 
 
 # At the end: manifest.py imports this module, and the functions above use its records and

@@ -32,6 +32,7 @@ from shardkeeper.core.errors import (
     StateMismatchError,
     StorageError,
 )
+from shardkeeper.core.format.bounds import stored_bytes_problem
 from shardkeeper.core.format.digest import block_span, digest_function
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
 from shardkeeper.core.format.safetensors import ITEM_ALIGN
@@ -396,6 +397,14 @@ def _execute_read(
             increment_version(moved)
 
 
+def _size_or_none(storage: Storage, path: str) -> int | None:
+    """The file's size, None if it is missing (a storage failure is raised: maybe transient)."""
+    try:
+        return storage.size(path)
+    except CheckpointNotFoundError:
+        return None
+
+
 def _check_file_ends(storage: Storage, step_dir: str, step: int, ends: dict[str, tuple[int, str]]) -> None:
     """Before any read: every file exists and reaches the end a chunk of ``key`` claims in it
     (one size query a file), so a hostile or damaged manifest fails before data is read."""
@@ -415,8 +424,15 @@ def _bytes_of(
     """A bytes leaf, read whole and verified block by block (the same checks as tensors)."""
     digest = digest_function(manifest.digest_algorithm)
     block = manifest.digest_block_bytes
-    # The sizes are the manifest's word: check them against storage before allocating.
-    _check_file_ends(storage, step_dir, manifest.step, {c.file: (c.offset + c.length, key) for c in leaf.chunks})
+    # No target sizes a bytes leaf, the manifest does: before allocating it, check that the
+    # files hold its chunks (validation bounded what each chunk's stored bytes decode to).
+    why = stored_bytes_problem(leaf.chunks, lambda file: _size_or_none(storage, _join(step_dir, file)))
+    if why is not None:
+        raise CorruptCheckpointError(
+            f"step {manifest.step}: bytes leaf {key!r} ({math.prod(leaf.shape)} bytes) cannot be read from "
+            f"{storage.describe(step_dir)}: {why}; the checkpoint is damaged: restore an earlier step and run "
+            f"`shardkeeper verify {storage.url}`"
+        )
     out = bytearray(math.prod(leaf.shape))
     for c in leaf.chunks:
         path = _join(step_dir, c.file)

@@ -246,8 +246,8 @@ def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summa
     import torch
 
     from shardkeeper.core.commit import committed_steps, step_dirs
-    from shardkeeper.core.manager import CheckpointManager
     from shardkeeper.core.garbage import collect_garbage
+    from shardkeeper.core.manager import CheckpointManager
     from shardkeeper.core.verify import verify_step
 
     where = f"trial {t.index} (kill point {t.point}, n={t.n})"
