@@ -20,8 +20,8 @@ import torch
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.verify import verify_step
 from shardkeeper.core.storage import open_storage
+from shardkeeper.core.verify import verify_step
 
 SCRIPT = Path(__file__).parent / "dist" / "commit_race.py"
 REPO = Path(__file__).resolve().parents[2]
