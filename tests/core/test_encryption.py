@@ -195,12 +195,15 @@ def test_tampered_swapped_and_truncated_blocks_are_detected(tmp_path: Path) -> N
         with CheckpointManager(roots[name], encryption=_keys(), async_save=False) as mgr:
             mgr.save(1, state)
     files = {n: Path(r) / _data_files(open_storage(str(r)), 1)[0] for n, r in roots.items()}
-    header = 12 + int.from_bytes(files["flip"].read_bytes()[8:12], "little")
+    # each file's header names its root, so its length differs from root to root
+    headers = {n: 12 + int.from_bytes(f.read_bytes()[8:12], "little") for n, f in files.items()}
+    header = headers["flip"]
     _flip(files["flip"], header + (BLOCK + TAG) + 100)  # one byte of block 1
     msg = _restore_fails(roots["flip"], ChecksumMismatchError, "fails authentication", ["frozen"])
     assert "'frozen'" in msg and "block 1" in msg and "step 1" in msg and files["flip"].name in msg, msg
 
     data = bytearray(files["swap"].read_bytes())
+    header = headers["swap"]
     b1 = slice(header + (BLOCK + TAG), header + 2 * (BLOCK + TAG))
     b2 = slice(header + 2 * (BLOCK + TAG), header + 3 * (BLOCK + TAG))
     data[b1], data[b2] = data[b2], data[b1]  # two whole, valid blocks in each other's place
@@ -208,11 +211,13 @@ def test_tampered_swapped_and_truncated_blocks_are_detected(tmp_path: Path) -> N
     _restore_fails(roots["swap"], ChecksumMismatchError, "fails authentication", ["frozen"])
 
     data = files["cut"].read_bytes()
+    header = headers["cut"]
     blocks = -(-(len(data) - header) // (BLOCK + TAG))
     files["cut"].write_bytes(data[: header + (blocks - 1) * (BLOCK + TAG)])  # the last block dropped
     _restore_fails(roots["cut"], CorruptCheckpointError, "shorter than", ["frozen"])
 
     data = bytearray(files["header"].read_bytes())
+    header = headers["header"]
     h = json.loads(data[12:header])
     w = bytearray(base64.b64decode(h["wrapped"]))
     w[3] ^= 1

@@ -116,3 +116,60 @@ def test_a_wrong_key_is_an_error_not_damage(tmp_path: Path) -> None:
     _two_steps(root)
     with CheckpointManager(root, encryption=K2) as mgr, pytest.raises(EncryptionKeyError, match="wrong key"):
         mgr.restore(_target())
+
+
+def _copy_step(src: Path, dst: Path, step: int) -> None:
+    shutil.rmtree(dst / step_dir(step), ignore_errors=True)
+    shutil.copytree(src / step_dir(step), dst / step_dir(step))
+
+
+def test_a_step_of_another_root_under_the_same_key_is_refused(tmp_path: Path) -> None:
+    """Encrypted files and manifests are bound to their root: a whole step of another run
+    sealed with the same key does not restore in its place (it falls back, as damage)."""
+    root, other = tmp_path / "root", tmp_path / "other"
+    _two_steps(root)
+    with CheckpointManager(other, encryption=K1, async_save=False) as mgr:
+        mgr.save(2, _state(9))
+    _copy_step(other, root, 2)
+    target = _target()
+    with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, encryption=K1) as mgr:
+        warnings.simplefilter("always")
+        assert mgr.restore(target) == 1
+        with pytest.raises(Exception, match="written under the root") as e:
+            mgr.restore(_target(), step=2)
+    assert str(other.resolve()) in str(e.value) and "encryption_root=" in str(e.value)
+    assert _equal(_state(1), target)
+    assert any("step 2" in str(w.message) for w in caught)
+
+
+def test_a_data_file_of_another_root_is_refused(tmp_path: Path) -> None:
+    root, other = tmp_path / "root", tmp_path / "other"
+    _two_steps(root)
+    _two_steps(other)
+    ours = sorted((root / step_dir(2) / "data").iterdir())[0]
+    theirs = sorted((other / step_dir(2) / "data").iterdir())[0]
+    shutil.copyfile(theirs, ours)  # the same name, bytes of the other root
+    with CheckpointManager(root, encryption=K1) as mgr:
+        with pytest.raises(Exception, match="another root"):
+            mgr.restore(_target(), step=2)
+        target = _target()
+        assert mgr.restore(target) == 1
+    assert _equal(_state(1), target)
+
+
+def test_a_moved_root_reads_with_the_root_it_was_written_under(tmp_path: Path) -> None:
+    root, moved = tmp_path / "root", tmp_path / "moved"
+    _two_steps(root)
+    shutil.copytree(root, moved)
+    with CheckpointManager(moved, encryption=K1) as mgr:
+        with pytest.raises(Exception, match=r"encryption_root="):
+            mgr.restore(_target())
+    target = _target()
+    with CheckpointManager(moved, encryption=K1, encryption_root=str(root.resolve())) as mgr:
+        assert mgr.restore(target) == 2
+    assert _equal(_state(2), target)
+    # through a symlink to the same directory, nothing needs to be passed
+    link = tmp_path / "link"
+    link.symlink_to(root, target_is_directory=True)
+    with CheckpointManager(link, encryption=K1) as mgr:
+        assert mgr.restore(_target()) == 2

@@ -270,7 +270,7 @@ def _print_problems(problems: Sequence[Problem]) -> None:
         say(f"  - {p.message}")
 
 
-def _with_key(storage: Storage, spec: str | None) -> Storage:
+def _with_key(storage: Storage, spec: str | None, encryption_root: str | None = None) -> Storage:
     """``storage`` that decrypts and authenticates with the key ``spec`` (``--key``)."""
     if spec is None:
         return storage
@@ -284,11 +284,11 @@ def _with_key(storage: Storage, spec: str | None) -> Storage:
     except ImportError as e:
         raise UsageError(f"--key needs the [crypto] extra: {e}") from None
     assert provider is not None
-    return EncryptedStorage(storage, provider).authenticated()
+    return EncryptedStorage(storage, provider, root=encryption_root).authenticated()
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage = _with_key(_open(args), args.key)
+    storage = _with_key(_open(args), args.key, args.encryption_root)
     if args.step is not None:
         try:
             reports = [verify_step(storage, args.step)]
@@ -354,7 +354,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardkeeper.core.export import export_safetensors
 
-    storage = _with_key(_open(args), args.key)
+    storage = _with_key(_open(args), args.key, args.encryption_root)
     res = export_safetensors(
         storage, args.step, to=args.to, keys=args.keys or ["model/*"], keep_prefix=args.keep_prefix,
         max_shard_size=args.max_shard_size, progress=None if args.progress is None else args.progress,
@@ -460,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the step (default: every committed step)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--key", metavar="SPEC", help=KEY_HELP)
+    p.add_argument("--encryption-root", metavar="ROOT", help="the root an encrypted checkpoint was "
+                   "written under, when it was moved or copied since (default: ROOT itself)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", parents=[common],
@@ -484,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
     _progress_flags(p)
     p.add_argument("--key", metavar="SPEC", help=KEY_HELP)
+    p.add_argument("--encryption-root", metavar="ROOT", help="the root an encrypted checkpoint was "
+                   "written under, when it was moved or copied since (default: ROOT itself)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("advise", parents=[common],

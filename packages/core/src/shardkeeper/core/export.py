@@ -241,6 +241,7 @@ def export_safetensors(
     storage_options: Mapping[str, Any] | None = None,
     progress: bool | None = None,
     encryption: Any = None,
+    encryption_root: str | None = None,
 ) -> ExportResult:
     """Write the tensor leaves of ``step`` (default: the newest committed) matching ``keys`` to
     the local directory ``to`` as ``model-0000i-of-0000n.safetensors`` + the index.
@@ -249,7 +250,8 @@ def export_safetensors(
     bounds each shard (a larger tensor gets a shard of its own). Files appear under their final
     names only when complete; the index is written last. ``progress``: a progress line on
     stderr (default: when stderr is a terminal). ``encryption``: the key of an encrypted
-    checkpoint (as ``CheckpointManager(encryption=...)``); its bytes are decrypted.
+    checkpoint (as ``CheckpointManager(encryption=...)``); its bytes are decrypted;
+    ``encryption_root``: the root it was written under, if it was moved or copied since.
     """
     storage = open_storage(root, **dict(storage_options or {}))
     if encryption is not None:
@@ -258,7 +260,7 @@ def export_safetensors(
 
         provider = key_provider(encryption)
         assert provider is not None
-        storage = EncryptedStorage(storage, provider).authenticated()
+        storage = EncryptedStorage(storage, provider, root=encryption_root).authenticated()
     if step is None:
         steps = committed_steps(storage)
         if not steps:

@@ -51,7 +51,7 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
 from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
-from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION, Manifest
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
@@ -120,6 +120,10 @@ class CheckpointOptions:
     encryption: Any = None
     """Client-side AES-256-GCM (the [crypto] extra): ``"env:VAR"``, ``"file:PATH"`` or a
     ``KeyProvider`` (docs/codecs.md, "Encryption"); None: not encrypted."""
+    encryption_root: str | None = None
+    """What encrypted files and manifests are bound to (a file or step of another root under
+    the same key is refused); default: the root's real path or URL. To read a root that was
+    moved or copied, pass the root it was written under."""
     retry_max_attempts: int = 5
     """Attempts per storage call on transient faults (throttling, resets, timeouts); 1: none."""
     retry_base_delay_s: float = 0.2
@@ -267,7 +271,7 @@ class CheckpointManager:
         self._keys = key_provider(base.encryption)
         self._read_storage = self.storage  # manifests read through it are authenticated
         if self._keys is not None:
-            self.storage = EncryptedStorage(self.storage, self._keys)
+            self.storage = EncryptedStorage(self.storage, self._keys, root=base.encryption_root)
             self._read_storage = self.storage.authenticated()
         self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
         self._coord = make_coordinator(process_group)
@@ -509,8 +513,10 @@ class CheckpointManager:
                 metadata={"framework": "torch", "torch_version": str(torch.__version__), **meta,
                           "timings": save_timings(reports, time.perf_counter() - t_commit)},
             )
+            if self._keys is not None:  # bound to its root: readers before version 6 would refuse its files
+                manifest.format_version = max(manifest.format_version, ROOT_BOUND_VERSION)
             data = manifest.dumps()
-            data = data if self._keys is None else seal_manifest(data, self._keys)
+            data = data if self._keys is None else seal_manifest(data, self._keys, self.storage.binding)
             bases = sorted({b for r in reports for b in r.get("bases", ())})
             commit_manifest(self.storage, step, manifest, data, bases=bases)
         except BaseException as e:

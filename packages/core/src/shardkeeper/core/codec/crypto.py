@@ -5,8 +5,9 @@ are encrypted *below* the format: the writer's bytes (a safetensors or framed fi
 frames included, so encryption comes after compression) are cut into ``BLOCK`` (64 KiB)
 plaintext blocks, each sealed with AES-256-GCM under the file's own random 256-bit data key,
 nonce = the block index (unique: a data key encrypts one file once), associated data = the
-file's root-relative path, the block index and a last-block flag (no swapping, reordering,
-truncation or moving of blocks or files). The data key is wrapped by the key provider and
+root's identity (``root_identity``), the file's root-relative path, the block index and a
+last-block flag (no swapping, reordering, truncation or moving of blocks or files, within a
+root or from another root under the same key). The data key is wrapped by the key provider and
 stored in the file's header. Offsets and sizes seen above this layer are plaintext ones, so
 chunk records, digests, ranged and partial reads, references of incremental saves (the
 wrapped key travels in the file that holds the bytes) and compression work unchanged; a
@@ -14,11 +15,12 @@ ranged read reads and opens only the blocks it overlaps.
 
 Manifests stay readable JSON (names, shapes, sizes and digests are visible) and are
 authenticated: :func:`seal_manifest` appends an ``"encryption"`` member whose HMAC-SHA256
-(under a random per-manifest key, wrapped by the provider) covers every other byte;
+(under a random per-manifest key, wrapped by the provider) covers every other byte, the
+root it is bound to included;
 :meth:`EncryptedStorage.read_bytes` checks it before anything of the step is read.
 
 Stored data file: ``SKCRYPT1`` | u32 LE header length | header JSON (``alg``, ``block``,
-``key_id``, ``wrapped``) | blocks, each ciphertext + 16-byte tag; every block holds
+``key_id``, ``wrapped``, ``root``) | blocks, each ciphertext + 16-byte tag; every block holds
 ``block`` plaintext bytes except the last (0 .. block). See docs/format.md, section 4.2.
 """
 
@@ -48,6 +50,8 @@ BLOCK = 64 << 10
 TAG = 16
 MAX_HEADER = 64 << 10
 _AAD_PREFIX = b"shardkeeper/aes-256-gcm/v1\0"
+_AAD_PREFIX_V2 = b"shardkeeper/aes-256-gcm/v2\0"  # v2: the root's identity is bound too
+_SCHEMES = {"gcs": "gs", "s3a": "s3"}
 _FLUSH = 4 << 20
 #: A ranged read is done in windows of this many blocks (~16 MiB): bounded scratch memory
 #: per I/O thread, and few enough requests on an object store.
@@ -69,8 +73,22 @@ def _nonce(i: int) -> bytes:
     return struct.pack(">4xQ", i)
 
 
-def _aad(path: str, i: int, final: bool) -> bytes:
-    return _AAD_PREFIX + path.encode() + struct.pack(">xQ?", i, final)
+def _aad(path: str, i: int, final: bool, root: str | None) -> bytes:
+    """A block's associated data: its file's root (the binding; None in files written before
+    roots were bound), root-relative path, index and last-block flag."""
+    if root is None:
+        return _AAD_PREFIX + path.encode() + struct.pack(">xQ?", i, final)
+    r = root.encode("utf-8", "surrogateescape")
+    return _AAD_PREFIX_V2 + struct.pack(">I", len(r)) + r + path.encode() + struct.pack(">xQ?", i, final)
+
+
+def root_identity(url: str) -> str:
+    """What encrypted files and manifests are bound to by default: the root's real path on
+    local disk (the same through any symlink to it), its normalized URL on an object store."""
+    if "://" not in url or url.startswith("file://"):
+        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url)
+    scheme, rest = url.split("://", 1)
+    return f"{_SCHEMES.get(scheme, scheme)}://{rest.rstrip('/')}"
 
 
 def stored_size(plain: int, header: int) -> int:
@@ -83,8 +101,8 @@ class _EncWriter:
     last block (flagged final in its associated data) is known at ``close``. Ciphertext is
     gathered into fresh ~4 MiB buffers (a retrying writer keeps references to them)."""
 
-    def __init__(self, inner: Writer, path: str, aead: Any, header: bytes) -> None:
-        self._inner, self._path, self._aead = inner, path, aead
+    def __init__(self, inner: Writer, path: str, aead: Any, header: bytes, root: str) -> None:
+        self._inner, self._path, self._aead, self._root = inner, path, aead, root
         self._into = getattr(aead, "encrypt_into", None)
         self._buf = bytearray()
         self._header = header
@@ -97,7 +115,7 @@ class _EncWriter:
             self._inner.write(self._header)
             self._header = b""
         k = len(block) + TAG
-        nonce, aad = _nonce(self._i), _aad(self._path, self._i, final)
+        nonce, aad = _nonce(self._i), _aad(self._path, self._i, final, self._root)
         if self._into is not None:
             self._into(nonce, block, aad, memoryview(self._out)[self._n : self._n + k])
         else:
@@ -139,6 +157,7 @@ class _FileInfo:
     blocks: int
     key_id: str
     wrapped: bytes
+    root: str | None = None  # the root the header says the file was written under (None: unbound)
     aead: Any = None  # set once the data key is unwrapped (sizes need no key)
 
 
@@ -146,7 +165,11 @@ class EncryptedStorage(StorageWrapper):
     """A Storage whose data files are AES-256-GCM encrypted and whose manifests must carry
     a valid MAC (see the module docstring). Everything else passes through."""
 
-    def __init__(self, inner: Storage, provider: KeyProvider, *, authenticate: bool = False) -> None:
+    def __init__(
+        self, inner: Storage, provider: KeyProvider, *, authenticate: bool = False, root: str | None = None
+    ) -> None:
+        """``root``: the identity files and manifests are bound to (default: ``root_identity``
+        of ``inner.url``); pass the original one to read a root that was moved or copied."""
         self._aead_mod = require_cryptography()
         from cryptography.exceptions import InvalidTag
 
@@ -157,6 +180,7 @@ class EncryptedStorage(StorageWrapper):
         self._keys: dict[tuple[str, bytes], bytes] = {}
         self._lock = threading.Lock()
         self.authenticate = authenticate
+        self.binding = root if root is not None else root_identity(inner.url)
 
     def authenticated(self) -> EncryptedStorage:
         """A view (sharing keys and caches) whose manifest reads fail unless the manifest's
@@ -224,8 +248,11 @@ class EncryptedStorage(StorageWrapper):
         try:
             h = loads_untrusted(self.inner.read_range(path, 12, n), max_bytes=MAX_HEADER)
             key_id, wrapped, alg, block = h["key_id"], base64.b64decode(h["wrapped"]), h["alg"], h["block"]
+            root = h.get("root")
             if type(key_id) is not str:
                 raise TypeError(f"key_id is {type(key_id).__name__}, not a string")
+            if root is not None and type(root) is not str:
+                raise TypeError(f"root is {type(root).__name__}, not a string")
         except (ValueError, KeyError, TypeError) as e:  # UntrustedJSONError is a ValueError
             raise CorruptCheckpointError(f"{where}: encryption header is damaged ({e}); restore another step") from None
         if alg != ALGORITHM or block != BLOCK:
@@ -241,7 +268,13 @@ class EncryptedStorage(StorageWrapper):
                 f"{where}: {size} bytes is not a whole number of encrypted blocks (truncated?); "
                 f"restore another step"
             )
-        return _FileInfo(12 + n, plain, blocks, key_id, wrapped)
+        if root is not None and root != self.binding:
+            raise CorruptCheckpointError(
+                f"{where} is an encrypted file of the root {root!r}, read as part of {self.binding!r}: "
+                f"a file of another root was put here (restore another step), or this root was moved "
+                f"or copied from there (then pass encryption_root={root!r})"
+            )
+        return _FileInfo(12 + n, plain, blocks, key_id, wrapped, root)
 
     def _plain_range(self, path: str, offset: int, length: int) -> _FileInfo:
         """The file's layout, once plaintext bytes [offset, offset + length) are known to be in it."""
@@ -276,7 +309,7 @@ class EncryptedStorage(StorageWrapper):
             for i in range(w0, w1):
                 ct = blob[(i - w0) * (BLOCK + TAG) : min((i - w0 + 1) * (BLOCK + TAG), end - start)]
                 lo, hi = max(offset - i * BLOCK, 0), min(offset + length - i * BLOCK, len(ct) - TAG)
-                aad = _aad(path, i, i == info.blocks - 1)
+                aad = _aad(path, i, i == info.blocks - 1, info.root)
                 try:
                     if into is not None and lo == 0 and hi == len(ct) - TAG:
                         into(_nonce(i), ct, aad, out[pos : pos + hi])
@@ -325,12 +358,13 @@ class EncryptedStorage(StorageWrapper):
         key = self._aead_mod.AESGCM.generate_key(bit_length=256)
         key_id, wrapped = self.provider.wrap(key)
         header = json.dumps(
-            {"alg": ALGORITHM, "block": BLOCK, "key_id": key_id, "wrapped": base64.b64encode(wrapped).decode()},
+            {"alg": ALGORITHM, "block": BLOCK, "key_id": key_id, "wrapped": base64.b64encode(wrapped).decode(),
+             "root": self.binding},
             separators=(",", ":"),
         ).encode()
         return _EncWriter(
             self.inner.open_writer(path), path, self._aead_mod.AESGCM(key),
-            MAGIC + struct.pack("<I", len(header)) + header,
+            MAGIC + struct.pack("<I", len(header)) + header, self.binding,
         )
 
     # -- everything else passes through (StorageWrapper); cached layouts are dropped on delete
@@ -349,16 +383,17 @@ class EncryptedStorage(StorageWrapper):
 # -- manifests ---------------------------------------------------------------------------------
 
 
-def seal_manifest(data: bytes, provider: KeyProvider) -> bytes:
+def seal_manifest(data: bytes, provider: KeyProvider, root: str) -> bytes:
     """``data`` (a manifest's JSON object) with an ``"encryption"`` member appended last whose
-    ``mac`` (HMAC-SHA256 under a fresh key wrapped by ``provider``) covers all other bytes."""
+    ``mac`` (HMAC-SHA256 under a fresh key wrapped by ``provider``) covers all other bytes,
+    the ``root`` it is bound to included."""
     if not data.endswith(b"}") or data == b"{}":
         raise ValueError("not a manifest object")
     mac_key = os.urandom(32)
     key_id, wrapped = provider.wrap(mac_key)
     section = {
         "algorithm": ALGORITHM, "block_bytes": BLOCK, "key_id": key_id,
-        "wrapped_mac_key": base64.b64encode(wrapped).decode(), "mac": "0" * 64,
+        "wrapped_mac_key": base64.b64encode(wrapped).decode(), "root": root, "mac": "0" * 64,
     }
     body = data[:-1] + b',"encryption":' + json.dumps(section, separators=(",", ":")).encode() + b"}"
     mac = hmac.new(mac_key, body, hashlib.sha256).hexdigest().encode()
@@ -406,6 +441,13 @@ def open_manifest(data: bytes, storage: EncryptedStorage, where: str) -> None:
         raise CorruptCheckpointError(
             f"manifest {where} fails authentication (HMAC-SHA256 mismatch): it was changed after "
             f"it was written; nothing of it was read. Restore another step and run `shardkeeper verify`"
+        )
+    root = section.get("root")
+    if root is not None and root != storage.binding:
+        raise CorruptCheckpointError(
+            f"manifest {where} was written under the root {root!r} and is read as part of "
+            f"{storage.binding!r}: a step of another root was put here (restore another step), or this "
+            f"root was moved or copied from there (then pass encryption_root={root!r})"
         )
 
 

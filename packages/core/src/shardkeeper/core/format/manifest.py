@@ -44,6 +44,9 @@ FORMAT_VERSION = 5  # 3: the chunk table (format/table.py, TABLE_VERSION); 4: en
 #: top-level ``extended_json`` member. Written only by manifests that hold such a value, so
 #: that every other checkpoint stays readable by readers of version 5.
 EXTENDED_JSON_VERSION = 6
+#: The format_version whose encrypted checkpoints are bound to their root (codec/crypto.py):
+#: the manifest's encryption member names the root, and data files authenticate it.
+ROOT_BOUND_VERSION = 6
 #: The newest format_version this code reads.
 READ_VERSION = 6
 #: The format_version that introduced encrypted data files and the manifest's "encryption"
@@ -387,6 +390,13 @@ class Manifest:
                 f"manifest {where} declares {EXTENDED_MEMBER}={_short(d[EXTENDED_MEMBER])} at format_version "
                 f"{version}; extended JSON values are format_version {EXTENDED_JSON_VERSION} or later (true only), "
                 f"so the manifest was edited or damaged: restore another step"
+            )
+        enc = d.get("encryption")
+        if isinstance(enc, dict) and "root" in enc and version < ROOT_BOUND_VERSION:
+            raise CorruptCheckpointError(
+                f"manifest {where} names the root it is bound to but has format_version {version}; "
+                f"bound checkpoints are format_version {ROOT_BOUND_VERSION} or later, so the manifest "
+                f"was edited or damaged: restore another step"
             )
         if "encryption" in d and version < ENCRYPTION_VERSION:
             raise CorruptCheckpointError(
