@@ -95,9 +95,7 @@ def _jsonable(value: Any, key: str, src: str) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        if not math.isfinite(value):
-            raise StateMismatchError(f"{src}: entry {key!r} holds {value}, which JSON cannot store")
-        return value
+        return value  # non-finite ones too: the manifest keeps them (format.md 3, "Exact values")
     raise StateMismatchError(
         f"{src}: entry {key!r} is a {type(value).__name__}, not a JSON value; shardkeeper stores no "
         f"pickles: convert it before saving, or import the tensors only"

@@ -49,7 +49,7 @@ def _jsonable(key: str, v: Any, dropped: list[str]) -> Any:
     if isinstance(v, dict):
         return {str(k): _jsonable(f"{key}/{k}", x, dropped) for k, x in v.items()}
     try:
-        json.dumps(v, allow_nan=False)
+        json.dumps(v)  # NaN and infinities are kept (the manifest stores them exactly)
         return v
     except (TypeError, ValueError):
         dropped.append(key)
