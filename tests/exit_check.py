@@ -20,3 +20,30 @@ def run_python(script: Path, *args: str, timeout_s: float = 240.0) -> tuple[int,
                           timeout=timeout_s, env=env, cwd=str(REPO))
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     return proc.returncode, results, proc.stderr
+
+
+def saved_at_exit(script: Path, tmp_path: Path, width: int, trials: int) -> list[str]:
+    """Run ``script ROOT WIDTH`` ``trials`` times (a fresh root each), assert each run exited 0
+    after reporting its save; return the roots. The script writes ``ROOT.ref.safetensors``."""
+    roots = []
+    for trial in range(trials):
+        root = str(tmp_path / f"r{trial}")
+        rc, results, err = run_python(script, root, str(width))
+        assert rc == 0 and results == [{"saved": True}], f"trial {trial}: {err[-3000:]}"
+        roots.append(root)
+    return roots
+
+
+def restores_as_saved(root: str, target: dict, module: object) -> None:
+    """The newest step under ``root`` exists and restores ``module`` (inside ``target``) bit
+    for bit to the script's reference."""
+    import torch
+    from safetensors.torch import load_file
+
+    from shardkeeper.core import CheckpointManager
+
+    with CheckpointManager(root) as mgr:
+        assert mgr.latest_step() is not None, f"the last save under {root} was lost at exit"
+        mgr.restore(target, only=["model/*"])
+    ref = load_file(root + ".ref.safetensors")
+    assert all(torch.equal(v, ref[k]) for k, v in module.state_dict().items())  # type: ignore[attr-defined]

@@ -10,9 +10,6 @@ status non-zero.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,18 +19,13 @@ from shardkeeper.core import CheckpointManager, CheckpointSaveError, CommitConfl
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.faults import FaultyStorage
 from tests.core._launch import run_workers
+from tests.exit_check import run_python
 
 SCRIPT = Path(__file__).parent / "dist" / "lifecycle_script.py"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, timeout_s: float = 120.0) -> tuple[int, list[dict], str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=env, cwd=str(REPO))
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return proc.returncode, results, proc.stderr
+    return run_python(SCRIPT, *args, timeout_s=timeout_s)
 
 
 # 4 KiB, 8 MiB and 192 MiB: a large state lost its save 3 times out of 3 before, a tiny one 1 in 5.

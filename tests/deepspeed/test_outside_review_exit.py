@@ -8,24 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from shardkeeper.core import CheckpointManager
-from tests.exit_check import run_python
+from tests.exit_check import restores_as_saved, saved_at_exit
 
 SCRIPT = Path(__file__).parent / "dist" / "exit_script.py"
 
 
 @pytest.mark.parametrize(("width", "trials"), [(8, 2), (1 << 18, 2)])  # 2 KiB and 64 MiB of weights (x3 with Adam)
 def test_save_checkpoint_without_wait_is_committed_at_exit(tmp_path: Path, width: int, trials: int) -> None:
-    for trial in range(trials):
-        root = str(tmp_path / f"r{trial}")
-        rc, results, err = run_python(SCRIPT, root, str(width))
-        assert rc == 0 and results == [{"saved": True}], err[-3000:]
-        mgr = CheckpointManager(root)
-        assert mgr.steps() == [1], f"trial {trial}: the last save_checkpoint() was lost at exit"
+    for root in saved_at_exit(SCRIPT, tmp_path, width, trials):
         model = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
-        mgr.restore({"model": model}, only=["model/*"])
-        ref = load_file(root + ".ref.safetensors")
-        assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
-        mgr.close()
+        restores_as_saved(root, {"model": model}, model)

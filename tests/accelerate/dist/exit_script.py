@@ -23,6 +23,7 @@ model, opt = acc.prepare(model, opt)
 loss = model(torch.randn(4, width)).square().mean()
 acc.backward(loss)
 opt.step()
-acc.save_state()
+# the reference first: anything slow after the save would give it time to finish before the exit
 save_file({k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}, root + ".ref.safetensors")
+acc.save_state()
 print("RESULT {\"saved\": true}", flush=True)
