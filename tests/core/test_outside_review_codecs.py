@@ -173,3 +173,14 @@ def test_a_moved_root_reads_with_the_root_it_was_written_under(tmp_path: Path) -
     link.symlink_to(root, target_is_directory=True)
     with CheckpointManager(link, encryption=K1) as mgr:
         assert mgr.restore(_target()) == 2
+
+
+def test_a_root_name_that_is_not_unicode_is_refused_when_encryption_binds_to_it(tmp_path: Path) -> None:
+    root = str(tmp_path) + "/r\udcff"  # os.fsdecode of a non-UTF-8 directory name
+    with pytest.raises(ValueError, match="not valid Unicode.*encryption_root="):
+        CheckpointManager(root, encryption=K1)
+    with CheckpointManager(root, encryption=K1, encryption_root="run-7", async_save=False) as mgr:
+        mgr.save(1, _state(1))
+        target = _target()
+        assert mgr.restore(target) == 1
+    assert _equal(_state(1), target)

@@ -252,6 +252,12 @@ DAMAGE: dict[str, tuple[Sequence[str], Callable[[dict[str, Any], Path], None], s
     "empty-tensor-key": (("chunks",), rename_leaf("extra/blob", ""), "empty key"),
     "empty-table-key": (("table",), rename_leaf("extra/blob", ""), "empty key"),
     "forged-zstd-64gib": (BOTH, lambda d, r: forged_zstd_blob(d, r, 1 << 36), "more than a zstd frame can hold"),
+    "format-version-0": (BOTH, top("format_version", 0), "versions start at 1"),
+    "object-without-value": (BOTH, lambda d, r: d["leaves"]["extra/cfg/lr"].pop("value"), "object leaf without a value"),
+    "leaf-table-removed": (("table",), lambda d, r: d.pop("leaf_table"), "a chunk_table without a leaf_table"),
+    "chunk-table-removed": (("table",), lambda d, r: d.pop("chunk_table"), "a leaf_table without a chunk_table"),
+    "shared-row": (("table",), lambda d, r: d["leaf_table"]["rows"].__setitem__(1, d["leaf_table"]["rows"][0]),
+                   "belongs to more than one leaf"),
 }
 CASES = [(name, form) for name, (forms, _, _) in DAMAGE.items() for form in forms]
 
@@ -753,3 +759,16 @@ def _quiet():  # type: ignore[no-untyped-def]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+def test_an_encryption_member_added_to_a_plain_step_is_damage(roots: dict[str, Path], tmp_path: Path) -> None:
+    """Without a key, a manifest that claims encryption over plain data files was edited: restore
+    falls back instead of asking for a key that nothing was encrypted with."""
+    root = copy_root(roots, "chunks", tmp_path)
+    doc = step2(root)
+    doc["encryption"] = {"algorithm": "AES-256-GCM", "key_id": "sha256:0", "wrapped_mac_key": "", "mac": "0" * 64}
+    write_step2(root, doc)
+    got = target()
+    with pytest.warns(UserWarning, match="damaged"), CheckpointManager(root) as mgr:
+        assert mgr.restore(got) == 1  # (its first data file's first 8 bytes were read: no magic)
+    assert same_data(got, state(1))

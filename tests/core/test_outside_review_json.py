@@ -167,3 +167,22 @@ def test_extended_values_must_be_declared(tmp_path: Path, edit: str) -> None:
     with pytest.raises(CorruptCheckpointError):
         Manifest.loads(data, where="edited")
     assert manifest_format.READ_VERSION >= EXTENDED_JSON_VERSION
+
+
+def test_an_integer_no_reader_parses_is_refused_by_save(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateMismatchError, match=r"'seed'.*4300 digits.*str\(n\)"):
+            mgr.save(1, {"w": torch.ones(1), "seed": 2**20000})
+        assert not (tmp_path / step_dir(1)).exists()
+        mgr.save(1, {"w": torch.ones(1), "seed": 10**4299}).wait()  # 4300 digits: fine
+        got = {"w": torch.zeros(1), "seed": 0}
+        mgr.restore(got)
+    assert got["seed"] == 10**4299
+
+
+def test_a_lone_surrogate_in_a_top_level_metadata_key_is_refused_by_save(tmp_path: Path) -> None:
+    key = "arg\udcff"
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(StateMismatchError, match=r"metadata key 'arg\\udcff'.*surrogate"):
+            mgr.save(1, {"w": torch.ones(1)}, metadata={key: 1})
+        assert not (tmp_path / step_dir(1)).exists()

@@ -10,6 +10,11 @@ status non-zero.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ from shardkeeper.core import CheckpointManager, CheckpointSaveError, CommitConfl
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.faults import FaultyStorage
 from tests.core._launch import run_workers
-from tests.exit_check import run_python
+from tests.exit_check import REPO, run_python
 
 SCRIPT = Path(__file__).parent / "dist" / "lifecycle_script.py"
 
@@ -123,3 +128,22 @@ def test_conflict_found_at_commit_names_a_concurrent_writer(tmp_path: Path) -> N
         mgr.save(1, {"w": torch.ones(4)}, async_save=False)
     mgr.close()
     other.close()
+
+
+def test_ctrl_c_while_the_exit_waits_abandons_the_save_cleanly(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "slow_at_exit", str(tmp_path / "r")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("RESULT")  # saved; the exit now waits (3 s)
+        time.sleep(0.8)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert "interrupted at exit while waiting for the save of step 1" in err and "abandoned" in err, err[-3000:]
+    assert "terminate called" not in err and "Traceback" not in err, err[-3000:]

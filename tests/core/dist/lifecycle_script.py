@@ -4,6 +4,7 @@ interpreter's own exit is what is tested).
     lifecycle_script.py unclosed ROOT NBYTES [exit]   # save, never close; end normally/raise/exit(3)
     lifecycle_script.py failing ROOT                  # a save that fails, never waited for
     lifecycle_script.py interrupt ROOT HOW            # Ctrl-C while waiting (HOW: handle, sync, ...)
+    lifecycle_script.py slow_at_exit ROOT             # end while a slow save writes
     lifecycle_script.py refused ROOT                  # save a step twice (1 or 2 ranks)
 
 Prints one JSON line per result on stdout (``RESULT {...}``).
@@ -101,6 +102,13 @@ def interrupt(root: str, how: str) -> None:
     result(interrupted=False, after_s=time.monotonic() - t0)
 
 
+def slow_at_exit(root: str) -> None:
+    """A save still writing when the script ends (the test sends Ctrl-C during the exit's wait)."""
+    mgr = CheckpointManager(SlowStorage(open_storage(root)))
+    mgr.save(1, {"w": torch.ones(16)})
+    result(saved=True)
+
+
 def refused(root: str) -> None:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
@@ -137,6 +145,8 @@ if __name__ == "__main__":
         failing(root)
     elif mode == "interrupt":
         interrupt(root, sys.argv[3])
+    elif mode == "slow_at_exit":
+        slow_at_exit(root)
     elif mode == "refused":
         refused(root)
     else:

@@ -12,8 +12,8 @@ pending save.
 A save that fails there is reported on stderr (an ERROR naming the root and the step) and
 the process exits with status 1 once the ``atexit`` handlers have run: a lost checkpoint is
 never a silent exit 0. A save whose failure the caller already saw (``wait()`` raised) is not
-reported twice. A second Ctrl-C during the wait abandons it (the uncommitted files are
-invisible; ``shardkeeper gc`` removes them).
+reported twice. A Ctrl-C during the wait abandons it: an ERROR says so and the process ends
+at once with status 130 (the uncommitted files are invisible; ``shardkeeper gc`` removes them).
 """
 
 from __future__ import annotations
@@ -81,13 +81,32 @@ def _finish_all() -> bool:
             line = m._finish_at_exit()
         except Exception as e:  # noqa: BLE001 - at exit: report every manager, never stop
             line = f"{type(e).__name__}: {e}"
+        except KeyboardInterrupt:  # a second Ctrl-C: abandon the wait, and leave at once
+            _abandon(m)
         if line:
             failures.append(line)
     for line in failures:
-        log.error("shardkeeper: %s", line)
-        # logging may not be configured in a script that never asked for it
+        # stderr always (a script may never have configured logging); the log too where it goes
+        # somewhere (with no handler, logging's last resort would print the line a second time)
+        if log.hasHandlers():
+            log.error("shardkeeper: %s", line)
         print(f"ERROR shardkeeper: {line}", file=sys.stderr, flush=True)
     return bool(failures)
+
+
+def _abandon(manager: Any) -> None:
+    """Ctrl-C while waiting at exit: say what is abandoned and end the process now, with the
+    status of an interrupt (the interpreter's teardown with a save still running could abort)."""
+    p = getattr(manager, "_pending", None)
+    what = f"the save of step {p.step} under {manager.storage.url}" if p is not None else "a pending save"
+    print(f"ERROR shardkeeper: interrupted at exit while waiting for {what}; it is abandoned: not committed "
+          f"unless its commit had already happened (list the root to see); `shardkeeper gc` removes the files "
+          f"of an uncommitted save", file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001, S110
+        pass
+    os._exit(130)
 
 
 def _exit_with_failure() -> None:

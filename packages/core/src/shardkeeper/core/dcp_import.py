@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from shardkeeper.core.commit import manifest_path, write_latest_hint
-from shardkeeper.core.errors import CheckpointError, StateMismatchError
+from shardkeeper.core.errors import CheckpointError, CommitConflictError, StateMismatchError
 from shardkeeper.core.export import Progress
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES
 from shardkeeper.core.format.layout import DATA_DIR, new_attempt_id, shard_file, step_dir
@@ -189,6 +189,11 @@ def import_dcp(
         elif isinstance(meta, BytesStorageMetadata):
             object_keys.add(flat)
     storage = open_storage(root, **dict(storage_options or {}))
+    if storage.exists(manifest_path(step)):  # before a byte is written; the put below stays the fence
+        raise CommitConflictError(
+            f"step {step} is already committed under {storage.url}; nothing was imported. Import under "
+            f"another step (--step), delete that step first, or choose another root"
+        )
     sdir = step_dir(step)
     attempt = new_attempt_id()
     leaves: dict[str, Any] = {}

@@ -20,11 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeeper.core import pending
-from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
+from shardkeeper.core.commit import committed_steps, load_manifest, manifest_steps, step_dirs
 from shardkeeper.core.errors import CheckpointError, IncompatibleFormatError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME
-from shardkeeper.core.root_files import referenced_paths, remove_file, size_or_zero, walk_files
+from shardkeeper.core.root_files import (
+    committed_since,
+    referenced_paths,
+    remove_file,
+    size_or_zero,
+    walk_files,
+)
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -107,6 +113,7 @@ def collect_garbage(
         raise ValueError(f"min_age_s must be >= 0, got {min_age_s}")
     now = time.time() if now is None else float(now)
     report = GcReport(root=storage.url, dry_run=dry_run)
+    listed = set(manifest_steps(storage))  # with a manifest now, valid or not
     committed, referenced = _committed_references(storage)
     plan = _plan(storage, committed, referenced, min_age_s, now, report)
 
@@ -118,11 +125,21 @@ def collect_garbage(
     try:
         records = pending.read_records(storage, now)
         intents = [] if no_running_saves else [r for r in records if r.kind == "intent" and r.live]
-        if any(r.unknown for r in intents):
-            report.errors.append(f"a commit in progress under {storage.url} cannot be read; nothing was removed")
+        unknown = [r for r in intents if r.unknown]
+        if unknown:
+            report.errors.append(
+                f"the record of a commit in progress {storage.describe(unknown[0].path)} cannot be read, so what "
+                f"it protects is unknown; nothing was removed. A writer's records are written whole: if no "
+                f"save is running, remove it (it expires by itself {pending.INTENT_TTL_S:.0f} s after it was "
+                f"written)")
             return report
         busy_steps = {s for r in intents for s in r.steps}
         busy_files = {f for r in intents for f in r.files}
+        # A commit whose intent is already gone put its manifest before removing it: it is
+        # listed now, and what it references is kept (its step too).
+        new_steps, new_refs = committed_since(storage, listed | committed)
+        busy_steps |= new_steps
+        busy_files |= new_refs
 
         def in_time() -> bool:
             if time.monotonic() - t0 < pending.CLAIM_TTL_S / 2:

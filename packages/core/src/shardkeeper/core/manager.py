@@ -27,7 +27,7 @@ from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.catalog import forget_deleted, record_commit
 from shardkeeper.core.codec import CodecState
-from shardkeeper.core.codec.crypto import EncryptedStorage, seal_manifest
+from shardkeeper.core.codec.crypto import EncryptedStorage, files_look_encrypted, seal_manifest
 from shardkeeper.core.codec.keys import EncryptionKeyError, key_provider
 from shardkeeper.core.commit import (
     committed_steps,
@@ -756,6 +756,11 @@ class CheckpointManager:
         try:
             manifest = load_manifest(self._read_storage, step)
             if self._keys is None and manifest.encryption is not None:
+                if not files_look_encrypted(self.storage, step, manifest):
+                    raise CorruptCheckpointError(
+                        f"step {step} under {self.storage.url}: its manifest says it is encrypted, but its data "
+                        f"files are not: the manifest was edited or damaged; restore another step"
+                    )
                 raise EncryptionKeyError(
                     f"step {step} under {self.storage.url} is encrypted (key {manifest.encryption.get('key_id')}); "
                     f"pass its key: CheckpointManager(..., encryption='env:VAR' | 'file:PATH' | a KeyProvider)"

@@ -24,7 +24,8 @@ manifest and fails its save (nothing is committed, nothing acknowledged), or the
 the intent and keeps the files. This needs linearizable writes, listings and reads, which
 POSIX file systems, S3 and GCS provide.
 
-A record is live while younger than its ``ttl_s`` (by the storage's clock); a writer killed
+A record is live while younger than the lifetime of its kind (the reader's own constants,
+by the storage's clock; the ``ttl_s`` a record states is informative); a writer killed
 mid-commit leaves an intent that expires by itself, and gc removes expired records.
 """
 
@@ -124,9 +125,9 @@ def _record(path: str, base: str, body: object, age: float) -> PendingRecord:
         return PendingRecord(path, kind, [], set(), max(INTENT_TTL_S, CLAIM_TTL_S), age, unknown=True)
     steps = [s for s in body.get("steps", []) if type(s) is int]
     files = {f for f in body.get("files", []) if isinstance(f, str)}
-    ttl = body.get("ttl_s")
-    ttl_s = float(ttl) if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0 else INTENT_TTL_S
-    return PendingRecord(path, kind, steps, files, min(ttl_s, 24 * 3600.0), age)
+    # The lifetime is the reader's own: a record cannot pin its step for longer than a commit
+    # (or a gc) may take, whatever it claims.
+    return PendingRecord(path, kind, steps, files, INTENT_TTL_S if kind == "intent" else CLAIM_TTL_S, age)
 
 
 def live_intents(storage: Storage) -> list[PendingRecord]:

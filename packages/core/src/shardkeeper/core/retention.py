@@ -32,7 +32,13 @@ from shardkeeper.core.garbage import (  # gc, once here: still importable from h
     collect_garbage,
     list_incomplete_uploads,
 )
-from shardkeeper.core.root_files import referenced_paths, remove_file, resolve_file, walk_files
+from shardkeeper.core.root_files import (
+    committed_since,
+    referenced_paths,
+    remove_file,
+    resolve_file,
+    walk_files,
+)
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -157,6 +163,12 @@ def apply_retention(
                   "are kept; `shardkeeper gc %s` removes them later", storage.url, deleted, storage.url)
         return sorted(deleted)
     live |= {f for r in intents for f in r.files}  # what commits in progress are about to reference
+    try:  # ... or referenced by manifests put since this pass listed the steps
+        live |= committed_since(storage, set(steps))[1]
+    except CheckpointError as e:
+        log.error("retention under %s: could not list the steps committed meanwhile (%s); the files of "
+                  "deleted steps %s are kept", storage.url, e, deleted)
+        return sorted(deleted)
     for s in deleted:
         name = step_dir(s)
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import posixpath
 
+from shardkeeper.core.commit import load_manifest, manifest_steps
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
@@ -102,4 +103,23 @@ def size_or_zero(storage: Storage, path: str) -> int:
         return 0
 
 
-__all__ = ["referenced_paths", "remove_file", "resolve_file", "size_or_zero", "walk_files"]
+def committed_since(storage: Storage, known: set[int]) -> tuple[set[int], set[str]]:
+    """Steps that have a manifest now but are not in ``known`` (a deleter's earlier listing),
+    and every file their manifests reference. A deleter calls it after reading the intents of
+    commits in progress (pending.py): a commit whose intent it no longer sees put its manifest
+    before removing the intent, so it is listed here. A manifest that does not validate counts
+    too, with no references: its step is left alone."""
+    steps: set[int] = set()
+    refs: set[str] = set()
+    for s in manifest_steps(storage):
+        if s in known:
+            continue
+        steps.add(s)
+        try:
+            refs |= referenced_paths(s, load_manifest(storage, s))
+        except CheckpointError:
+            pass
+    return steps, refs
+
+
+__all__ = ["committed_since", "referenced_paths", "remove_file", "resolve_file", "size_or_zero", "walk_files"]

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require_cryptography
-from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError
+from shardkeeper.core.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
 from shardkeeper.core.format.layout import DATA_DIR, parse_step_dir
 from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.storage.base import Storage, Writer
@@ -181,6 +181,14 @@ class EncryptedStorage(StorageWrapper):
         self._lock = threading.Lock()
         self.authenticate = authenticate
         self.binding = root if root is not None else root_identity(inner.url)
+        try:
+            self.binding.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"encrypted checkpoints are bound to their root's name, and {self.binding!r} is not valid "
+                f"Unicode (a path that is not UTF-8); pass encryption_root= a name that is, e.g. the "
+                f"run's name"
+            ) from None
 
     def authenticated(self) -> EncryptedStorage:
         """A view (sharing keys and caches) whose manifest reads fail unless the manifest's
@@ -449,6 +457,22 @@ def open_manifest(data: bytes, storage: EncryptedStorage, where: str) -> None:
             f"{storage.binding!r}: a step of another root was put here (restore another step), or this "
             f"root was moved or copied from there (then pass encryption_root={root!r})"
         )
+
+
+def files_look_encrypted(storage: Storage, step: int, m: Any) -> bool:
+    """Whether the first data file a manifest of ``step`` lists starts as an encrypted file
+    does (no key needed): a manifest that claims encryption over plain files was edited."""
+    from shardkeeper.core.root_files import resolve_file
+
+    for rel in sorted(m.files):
+        path = resolve_file(step, rel)
+        if path is None:
+            continue
+        try:
+            return storage.read_range(path, 0, len(MAGIC)) == MAGIC
+        except CheckpointError:
+            return True  # unreadable: not evidence of an edit; the key error stands
+    return True
 
 
 def read_header(storage: Storage, path: str) -> tuple[int, dict[str, Any]]:

@@ -7,7 +7,7 @@ the same types:
 - strings and dict keys must be valid Unicode: a lone surrogate (``os.fsdecode`` of a
   non-UTF-8 file name, ``sys.argv``, ``os.environ``) has no UTF-8 form, so it is refused,
   naming the key; dict keys must be strings (JSON would turn ``1`` into ``"1"``);
-- integers of any size and non-finite floats (``float("inf")`` as a best loss, numpy's PCG64
+- integers of up to 4300 digits (what every Python reads by default) and non-finite floats (``float("inf")`` as a best loss, numpy's PCG64
   state of 128-bit integers) are kept exactly. Standard JSON has no NaN or infinity, and fast
   parsers (orjson) read integers beyond 64 bits as floats. A document holding such a value
   is written by the standard library (``NaN``, ``Infinity``, ``-Infinity`` tokens; integers
@@ -35,6 +35,10 @@ EXTENDED_MEMBER = "extended_json"
 #: manifest (top level, "leaves", the leaf record, "value"), so this leaves a margin.
 MAX_VALUE_DEPTH = 90
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what every JSON reader reads as an integer
+#: Python converts integers of at most this many digits to and from text unless a process
+#: raises its limit (sys.set_int_max_str_digits): bigger ones could not be read elsewhere.
+_MAX_INT_DIGITS = 4300
+_MAX_INT_BITS = int(_MAX_INT_DIGITS * 3.3219)  # log2(10): below 10**4300
 
 
 class JsonValueError(ValueError):
@@ -71,6 +75,9 @@ def check_value(value: Any) -> bool:
             pass
         elif isinstance(v, int):
             if not _INT_MIN <= v <= _INT_MAX:
+                if v.bit_length() > _MAX_INT_BITS:
+                    raise JsonValueError(path, f"an integer of {v.bit_length()} bits: readers parse integers of "
+                                               f"at most {_MAX_INT_DIGITS} digits (Python's default limit)")
                 extended = True
         elif isinstance(v, float):
             if not math.isfinite(v):
@@ -97,8 +104,12 @@ def check_value(value: Any) -> bool:
 def describe_problem(key: str, e: JsonValueError) -> str:
     """The message for a state or metadata value that does not come back exactly."""
     where = f"{key}/{e.path}" if e.path else key
-    hint = ("store it as bytes (os.fsencode(s)) or escape it (s.encode('utf-8', 'surrogateescape').hex())"
-            if "surrogate" in e.why else "convert it to a JSON value")
+    if "surrogate" in e.why:
+        hint = "store it as bytes (os.fsencode(s)) or escape it (s.encode('utf-8', 'surrogateescape').hex())"
+    elif "an integer of" in e.why:
+        hint = "store it as a string (str(n)) and convert it back after the restore"
+    else:
+        hint = "convert it to a JSON value"
     return f"{where!r}: {e.why}; it would not come back exactly from the checkpoint: {hint}"
 
 
@@ -109,6 +120,11 @@ def snapshot(values: Mapping[str, Any], what: str) -> tuple[dict[str, Any], bool
     extended = False
     for key, value in values.items():
         try:
+            if not isinstance(key, str):
+                raise JsonValueError("", f"the key {key!r} is a {type(key).__name__}; keys are strings")
+            why = _surrogate(key)
+            if why:
+                raise JsonValueError("", f"the key: {why}")
             extended |= check_value(value)
         except JsonValueError as e:
             raise StateMismatchError(f"{what} {describe_problem(key, e)}") from None

@@ -380,6 +380,11 @@ class Manifest:
                 f"manifest or it is damaged: restore another step"
             )
         version = d["format_version"]
+        if version < 1:
+            raise CorruptCheckpointError(
+                f"manifest {where} has format_version {version}; versions start at 1, so it is damaged: "
+                f"restore another step"
+            )
         if version > READ_VERSION:
             raise IncompatibleFormatError(
                 f"manifest {where} has format_version {version}, newer than the {READ_VERSION} "
@@ -475,6 +480,8 @@ class Manifest:
             for key, leaf in raw.items():
                 kind = leaf["kind"]
                 if kind == "object":
+                    if "value" not in leaf:
+                        return f"{key}: an object leaf without a value"
                     continue
                 if kind not in ("tensor", "bytes"):
                     return f"{key}: unknown leaf kind {kind!r}"
@@ -566,12 +573,16 @@ def _read_leaves(d: dict[str, Any], version: int) -> Mapping[str, LeafRecord]:
     list rows of the ``chunk_table``; or (5) the ``leaf_table`` over the ``chunk_table``."""
     if "leaf_table" in d and version < LEAF_TABLE_VERSION:
         raise ValueError(f"a leaf_table in a format_version {version} manifest (introduced in {LEAF_TABLE_VERSION})")
+    if "leaf_table" in d and "chunk_table" not in d:
+        raise ValueError("a leaf_table without a chunk_table")
     if version >= TABLE_VERSION and "chunk_table" in d:
         width = DIGEST_HEX.get(str(d["digest_algorithm"]), 0)
         table = ChunkTable.from_json(_as_dict(d["chunk_table"]), width)
         block = int(d["digest_block_bytes"])
         if "leaf_table" in d:
             return TableLeaves(_as_dict(d["leaves"]), LeafTable.from_json(_as_dict(d["leaf_table"])), table, block)
+        if version >= LEAF_TABLE_VERSION:  # writers of 5 and later always write both tables
+            raise ValueError(f"a chunk_table without a leaf_table at format_version {version}")
         return TableLeaves.from_raw(_as_dict(d["leaves"]), table, block)
     return LazyLeaves(_as_dict(d["leaves"]))
 

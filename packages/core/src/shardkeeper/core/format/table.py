@@ -708,9 +708,13 @@ class TableLeaves(Mapping[str, Any]):
         why = lt.problem(len(t))
         if why is not None:
             return why
+        if len(set(lt.rows)) != len(lt.rows):
+            return "a chunk_table row belongs to more than one leaf (or twice to one)"
         for key, d in self.object_leaves.items():
             if not (isinstance(d, dict) and d.get("kind") == "object"):
                 return f"{key}: a leaf outside the leaf table that is not an object"
+            if "value" not in d:
+                return f"{key}: an object leaf without a value"
             if key in lt.index:
                 return f"{key}: both an object and a tensor leaf"
         nd = lt.ndim[0] if lt.ndim else 0
