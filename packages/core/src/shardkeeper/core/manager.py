@@ -271,7 +271,9 @@ class CheckpointManager:
         self._keys = key_provider(base.encryption)
         self._read_storage = self.storage  # manifests read through it are authenticated
         if self._keys is not None:
-            self.storage = EncryptedStorage(self.storage, self._keys, root=base.encryption_root)
+            encrypted = EncryptedStorage(self.storage, self._keys, root=base.encryption_root)
+            self._binding = encrypted.binding  # what its manifests are sealed to
+            self.storage = encrypted
             self._read_storage = self.storage.authenticated()
         self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
         self._coord = make_coordinator(process_group)
@@ -516,7 +518,7 @@ class CheckpointManager:
             if self._keys is not None:  # bound to its root: readers before version 6 would refuse its files
                 manifest.format_version = max(manifest.format_version, ROOT_BOUND_VERSION)
             data = manifest.dumps()
-            data = data if self._keys is None else seal_manifest(data, self._keys, self.storage.binding)
+            data = data if self._keys is None else seal_manifest(data, self._keys, self._binding)
             bases = sorted({b for r in reports for b in r.get("bases", ())})
             commit_manifest(self.storage, step, manifest, data, bases=bases)
         except BaseException as e:

@@ -533,8 +533,8 @@ class Manifest:
                         return f"{key}: chunk of {length} bytes has {ndig} digests"
                     if encoding == "raw" and length != math.prod(cshape) * isz:
                         return f"{key}: chunk of shape {cshape} {dtype} has {length} bytes"
-                    rec = self.files.get(f)  # absent: a reference into another step's files
-                    if rec is not None and offset + length > rec["size_bytes"]:
+                    frec = self.files.get(f)  # absent: a reference into another step's files
+                    if frec is not None and offset + length > frec["size_bytes"]:
                         return f"{key}: chunk [{offset}, {offset + length}) lies beyond the end of {_short(f)}"
                 why = check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in chunks])
                 if why is not None:

@@ -34,6 +34,7 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any, cast
 
 #: Most corners (boxes x 2**dimensions split) the tiling check of one tensor counts: a few
 #: seconds of work. A legitimate layout splits a tensor along one to three dimensions.
@@ -103,10 +104,10 @@ def _corners_problem(
         return None
     diff = pos.copy()
     diff.subtract(neg)
-    least = min(c for c, v in diff.items() if v)
+    least: Any = min(cast(Any, c) for c, v in diff.items() if v)  # an int (k == 1) or a tuple of ints
     at = [0] * len(shape)
     for j, d in enumerate(split):
-        at[d] = least if k == 1 else least[j]  # type: ignore[index]
+        at[d] = least if k == 1 else least[j]
     holders = [o for o, n in boxes if all(a <= x < a + s for a, s, x in zip(o, n, at))]
     if len(holders) >= 2:
         return f"chunks {list(holders[0])} and {list(holders[1])} of {key} overlap (both hold element {at})"
