@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from tests.hostile_pickle import UNTRUSTED
 from tests.launch import run_script
@@ -26,22 +25,13 @@ from tests.launch import run_script
 accelerate = pytest.importorskip("accelerate")
 
 import shardkeeper.accelerate as ska  # noqa: E402
+from tests.accelerate._native import native_folder  # noqa: E402
 
 WORKER = Path(__file__).parent / "dist" / "import_worker.py"
 
 
 def test_plain_folder_is_refused_before_accelerate_loads_it(tmp_path: Path) -> None:
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state()
-    acc = Accelerator(cpu=True)
-    lin = nn.Linear(3, 2)
-    model, opt = acc.prepare(lin, torch.optim.Adam(lin.parameters(), lr=0.1))
-    acc.backward(model(torch.randn(4, 3)).sum())
-    opt.step()
-    folder = tmp_path / "checkpoint_3"
-    Accelerator.save_state(acc, str(folder))
+    acc, model, opt, folder = native_folder(tmp_path, "checkpoint_3")
     ska.enable(acc, root=str(tmp_path / "sk"), async_save=False)
     with torch.no_grad():
         model.weight.zero_()

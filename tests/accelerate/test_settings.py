@@ -12,6 +12,7 @@ from torch import nn
 
 import shardkeeper.accelerate as ska
 from shardkeeper.accelerate.config import config_file_path, resolve_settings
+from tests.accelerate._native import native_folder
 
 
 @pytest.fixture
@@ -96,16 +97,7 @@ def test_single_process_roundtrip_and_errors(cfg: Path, tmp_path: Path) -> None:
 
 def test_import_accelerate_save_state_folder(cfg: Path, tmp_path: Path) -> None:
     """A folder from Accelerate's own save_state imports only with trust_pickle=True."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state()
-    acc = Accelerator(cpu=True)
-    lin = nn.Linear(3, 2)
-    model, opt = acc.prepare(lin, torch.optim.Adam(lin.parameters(), lr=0.1))
-    acc.backward(model(torch.randn(4, 3)).sum())
-    opt.step()
-    folder = tmp_path / "checkpoint_7"
-    Accelerator.save_state(acc, str(folder))  # Accelerate's format: safetensors + pickles
+    acc, model, opt, folder = native_folder(tmp_path, "checkpoint_7")
     want_w = model.weight.detach().clone()
     want_m = opt.optimizer.state[model.weight]["exp_avg"].clone()
     ska.enable(acc, root=str(tmp_path / "sk"), async_save=False)
