@@ -58,7 +58,7 @@ def medians(combined: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> dict[s
     return out
 
 
-# -- the ratios of issue 3 ----------------------------------------------------------------------
+# -- the target ratios ------------------------------------------------------------------------------
 def _ratio(combined: dict[str, Any], med: dict[str, Any], case: str, num: tuple[str, str],
            den: tuple[str, str], *, invert: bool = False) -> tuple[float, list[float], float, float] | None:
     """Ratio of medians num/den (den/num with invert), the per-round ratios, and both medians."""
@@ -286,7 +286,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         *([f"**Errors in this run** (samples a launch wrote before failing are kept): "
            f"{'; '.join(results['errors'])}", ""] if results.get("errors") else []),
-        "## Targets (issue 3)",
+        "## Targets",
         "",
         ratio_table(results["ratios"], meta, info=False),
         "",

@@ -1,4 +1,4 @@
-"""Fenced commit on every backend (issue 7, item 1): two writer processes save the same step
+"""Fenced commit on every backend: two writer processes save the same step
 of one root and reach the manifest's conditional write together; exactly one commits, the
 other gets a ``CommitConflictError`` naming the step, and the committed checkpoint holds only
 the winner's files."""

@@ -1,4 +1,4 @@
-"""The core suite's multi-process paths on the real object-store servers (issue 7): a 2-rank
+"""The core suite's multi-process paths on the real object-store servers: a 2-rank
 FSDP2 + DTensor async save restored at 3 ranks whole and in part, then the CLI (`ls`,
 `inspect`, `verify`, `gc`) and damage on the store: a flipped byte and a truncated file are
 reported by key and file, a restore of that step fails naming it, and "restore the newest"

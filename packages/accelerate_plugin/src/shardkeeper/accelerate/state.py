@@ -1,4 +1,4 @@
-"""The Accelerator's state in shardkeeper's canonical namespaces (DESIGN.md section 2).
+"""The Accelerator's state in shardkeeper's canonical namespaces (docs/format.md, 3.3).
 
 | what Accelerate saves            | key                                              |
 |----------------------------------|--------------------------------------------------|

@@ -1,6 +1,6 @@
 """Find an installed framework adapter without importing it by name.
 
-Adapters never import each other (DESIGN.md section 1), yet a Lightning or Accelerate run on
+Adapters never import each other (each depends on the core alone), yet a Lightning or Accelerate run on
 the DeepSpeed engine needs the DeepSpeed adapter's translation of the engine. Each adapter
 registers its module as an entry point in the group ``shardkeeper.adapters``; a consumer asks
 for it here by name, and gets a clear error naming the package to install when it is absent.

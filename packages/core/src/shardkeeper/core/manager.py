@@ -187,18 +187,13 @@ class SaveHandle:
         """
         try:
             self._future.result(timeout=timeout_s)
-        except FutureTimeout as e:
-            if not self._is_outcome(e):
-                raise CheckpointTimeoutError(
-                    f"save of step {self.step} still running after {timeout_s} s"
-                ) from None
-            self._deliver()
-            raise
         except BaseException as e:
-            if not self._is_outcome(e):
-                raise  # an interrupt of the wait, not the save's failure
-            self._deliver()
-            raise
+            if self._is_outcome(e):  # the save's own failure
+                self._deliver()
+                raise
+            if isinstance(e, FutureTimeout):  # the wait ran out, the save goes on
+                raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout_s} s") from None
+            raise  # an interrupt of the wait (Ctrl-C, SystemExit)
 
     def _is_outcome(self, e: BaseException) -> bool:
         """Is ``e`` the save's own failure (rather than something that interrupted a wait)?"""

@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO engine as shardkeeper's canonical state (DESIGN.md section 2).
+"""A DeepSpeed ZeRO engine as shardkeeper's canonical state (the canonical keys: docs/format.md, 3.3).
 
 ``engine_state(engine)`` returns ``{"model", "optim", "sched", "progress"}`` entries for a
 ``CheckpointManager.save`` / ``restore`` state dict:
