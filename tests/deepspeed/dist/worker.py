@@ -35,6 +35,15 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from shardkeeper.core import CheckpointManager, CommitConflictError, StateMismatchError  # noqa: E402
 from shardkeeper.core.adapters import load_adapter  # noqa: E402
 
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+# DeepSpeed's CPU accelerator refuses fp16 engines unless oneDNN has fast fp16 kernels for this
+# CPU (AVX512-FP16/AMX-FP16); torch's generic CPU half kernels run everywhere, so the matrix
+# answers the probe itself and keeps its fp16 engines on every CPU. Recorded in the results.
+FP16_PROBE = bool(get_accelerator().is_fp16_supported())
+if not FP16_PROBE:
+    get_accelerator().is_fp16_supported = lambda: True  # type: ignore[method-assign]
+
 skds = load_adapter("deepspeed")  # the entry point, as the other adapters find it
 from shardkeeper.deepspeed._ds_internals import loss_scaler_state  # noqa: E402
 
@@ -507,7 +516,7 @@ def main() -> None:
                         res.run(f"save {case_name(stage, dtype)}", lambda s=stage, d=dtype: save_case(root, res, s, d))
             working = [s for s in (1, 2, 3) if str(s) not in broken]
             if dist.get_rank() == 0:
-                (root / "stages.json").write_text(json.dumps({"working": working, "broken": broken}))
+                (root / "stages.json").write_text(json.dumps({"working": working, "broken": broken, "fp16_probe": FP16_PROBE}))
             res.run("save plain", lambda: save_plain(root, res))
             res.run("save fsdp2", lambda: save_fsdp2(root, res))
         else:
