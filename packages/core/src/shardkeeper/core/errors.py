@@ -45,6 +45,16 @@ class CommitConflictError(CheckpointError, FileExistsError):
     """Another writer already committed this step (a restarted job racing a zombie)."""
 
 
+class StepOrderError(CommitConflictError):
+    """A save at a step below the newest committed step of its root: a resume from the root
+    would go back to that newer step, not to the state saved now."""
+
+    def __init__(self, message: str, *, step: int, newest: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.newest = newest
+
+
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A rank did not report in time during a save or restore."""
 
@@ -80,5 +90,6 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleFormatError",
     "StateMismatchError",
+    "StepOrderError",
     "StorageError",
 ]

@@ -8,6 +8,7 @@ ranged, verified reads -> copy in place; all ranks agree on the step and on succ
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import threading
@@ -52,6 +53,7 @@ from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTE
 from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
 from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION, Manifest
+from shardkeeper.core.progress import read_progress, split_targets
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
@@ -636,6 +638,34 @@ class CheckpointManager:
         return code == 1
 
     def restore(
+        self,
+        state: Mapping[str, Any],
+        step: int | None = None,
+        only: str | Sequence[str] | None = None,
+        *,
+        strict: bool = True,
+        per_rank: str | None = None,
+        cast_dtypes: bool = False,
+        optional: str | Sequence[str] | None = None,
+    ) -> int:
+        """Restore ``state`` in place from ``step`` (None: the newest committed); return the step.
+
+        See ``_restore_state`` for the rest; a :class:`~shardkeeper.core.progress.ProgressTarget`
+        entry (an adapter's ``progress``) is handed the restored step's progress, read from its
+        manifest, when ``only`` selects ``progress/``.
+        """
+        rest, targets = split_targets(state)
+        restored = self._restore_state(rest, step, only, strict=strict, per_rank=per_rank,
+                                       cast_dtypes=cast_dtypes, optional=optional)
+        patterns = [only] if isinstance(only, str) else list(only or [])
+        if targets and (not patterns or any(fnmatch.fnmatchcase("progress/step", p) or p.rstrip("/*") == "progress"
+                                            for p in patterns)):
+            manifest = self.manifest(restored)
+            for target in targets.values():
+                target.load_progress(read_progress(manifest))
+        return restored
+
+    def _restore_state(
         self,
         state: Mapping[str, Any],
         step: int | None = None,

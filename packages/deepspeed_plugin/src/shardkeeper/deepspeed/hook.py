@@ -20,11 +20,11 @@ import torch
 from shardkeeper.core import (
     CheckpointManager,
     CheckpointNotFoundError,
-    CommitConflictError,
     StateMismatchError,
 )
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 from shardkeeper.deepspeed import _ds_internals as dsi
-from shardkeeper.deepspeed.state import engine_state
+from shardkeeper.deepspeed.state import FRAMEWORK, engine_state
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,17 @@ class DeepSpeedCheckpointHook:
         self.engine = engine
         self.root = root
         self.manager_options = manager_options
-        self.managers: dict[str, CheckpointManager] = {}
-        self._orig_save = engine.__dict__.get("save_checkpoint")
-        self._orig_load = engine.__dict__.get("load_checkpoint")
-        engine.save_checkpoint = self.save_checkpoint
-        engine.load_checkpoint = self.load_checkpoint
+        import deepspeed
+
+        e = engine
+        self.managers = RootManagers(
+            FRAMEWORK, deepspeed.__version__, manager_options, zero_stage=dsi.zero_stage(e),
+            dtype="bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
+            dp_world_size=int(e.dp_world_size),
+        )
+        self._patches = Patches()
+        self._patches.set(engine, "save_checkpoint", self.save_checkpoint)
+        self._patches.set(engine, "load_checkpoint", self.load_checkpoint)
 
     # -- managers --------------------------------------------------------------------------
     def manager(self, directory: str | None = None) -> CheckpointManager:
@@ -100,24 +106,7 @@ class DeepSpeedCheckpointHook:
                 "no checkpoint root: pass one to attach(engine, root) or a directory to "
                 "save_checkpoint / load_checkpoint"
             )
-        root = str(root)
-        if root not in self.managers:
-            opts = dict(self.manager_options)
-            meta = {**dict(opts.pop("metadata", None) or {}), **self._metadata()}
-            self.managers[root] = CheckpointManager(root, metadata=meta, **opts)
-        return self.managers[root]
-
-    def _metadata(self) -> dict[str, Any]:
-        import deepspeed
-
-        e = self.engine
-        return {
-            "framework": "deepspeed",
-            "deepspeed_version": deepspeed.__version__,
-            "zero_stage": dsi.zero_stage(e),
-            "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
-            "dp_world_size": int(e.dp_world_size),
-        }
+        return self.managers.get(str(root))
 
     # -- the engine's methods --------------------------------------------------------------
     def save_checkpoint(
@@ -138,11 +127,10 @@ class DeepSpeedCheckpointHook:
         step = tag_to_step(tag)
         if step is None:
             step = int(self.engine.global_steps)
-        if _rank0_says(mgr.is_committed(step)):  # one answer for all ranks (listings may lag)
-            raise CommitConflictError(
-                f"step {step} (tag {tag!r}) is already committed under {mgr.storage.url}; "
-                f"checkpoints are immutable: save under another tag, or use another root"
-            )
+        check_save_step(mgr, step).raise_if_refused(
+            f"DeepSpeed save_checkpoint (tag {tag!r})",
+            "engine.load_checkpoint(root) resumes the engine's step count from the root.",
+        )
         state = engine_state(self.engine)
         if exclude_frozen_parameters:
             state["model"].exclude_frozen = True
@@ -224,22 +212,17 @@ class DeepSpeedCheckpointHook:
     # -- lifecycle -------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until every pending save is committed (re-raises a background failure)."""
-        for m in self.managers.values():
-            m.wait()
+        self.managers.wait()
 
     def close(self) -> None:
-        for m in self.managers.values():
-            m.close()
-        self.managers.clear()
+        self.managers.close()
 
     def detach(self) -> None:
         """Wait for pending saves, close, and give the engine its own methods back."""
-        self.close()
-        for name, orig in (("save_checkpoint", self._orig_save), ("load_checkpoint", self._orig_load)):
-            if orig is None:
-                self.engine.__dict__.pop(name, None)
-            else:
-                setattr(self.engine, name, orig)
+        try:
+            self.close()
+        finally:
+            self._patches.restore()
 
 
 def _rank0_says(value: Any) -> Any:

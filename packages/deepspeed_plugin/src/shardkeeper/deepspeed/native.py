@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core import CheckpointManager
+from shardkeeper.core.adapter import RootManagers
+from shardkeeper.core.progress import progress_state
 from shardkeeper.core.tensor.legacy import load_trusted_pickle, require_trust
 from shardkeeper.core.tensor.state import normalize_fqn
 from shardkeeper.deepspeed._ds_internals import SCALER_FIELDS
 from shardkeeper.deepspeed.hook import tag_to_step
+from shardkeeper.deepspeed.state import FRAMEWORK
 
 #: Keys of DeepSpeed's model-states file that are DeepSpeed's own (the rest is client state).
 _DS_KEYS = {
@@ -139,9 +141,13 @@ def import_native_checkpoint(
         step = tag_to_step(tag)
     if step is None:
         step = ds_step
-    meta = {"framework": "deepspeed", "imported_from": str(ckpt_dir), "tag": str(tag)}
-    with CheckpointManager(root, **manager_options) as mgr:
-        mgr.save(step, state, async_save=False, metadata=meta)
+    import deepspeed
+
+    managers = RootManagers(FRAMEWORK, deepspeed.__version__, manager_options, imported_from=str(ckpt_dir))
+    try:
+        managers.get(root).save(step, state, async_save=False, metadata={"tag": str(tag)})
+    finally:
+        managers.close()
     return step
 
 
@@ -222,13 +228,13 @@ def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict
     state: dict[str, Any] = {
         "model": model,
         "optim": {"state": optim_state, "param_groups": param_groups},
-        "progress": {
+        "progress": progress_state(step=ds_step, samples=int(ms.get("global_samples", 0)), counters={FRAMEWORK: {
             "global_step": ds_step,
             "global_samples": int(ms.get("global_samples", 0)),
             "skipped_steps": int(ms.get("skipped_steps", 0)),
             "micro_steps": ds_step * gas,
             "loss_scaler": scaler,
-        },
+        }}),
         "extra": {"client_state": client},
     }
     if ms.get("lr_scheduler") is not None:

@@ -27,12 +27,17 @@ from typing import Any
 import torch
 
 from shardkeeper.core import Fragment, StateMismatchError
+from shardkeeper.core.progress import Progress, ProgressTarget, progress_state
 from shardkeeper.core.tensor.state import normalize_fqn
 from shardkeeper.deepspeed import _ds_internals as dsi
 
 
 def _param_names(engine: Any) -> dict[int, str]:
     return {id(p): normalize_fqn(n) for n, p in engine.module.named_parameters()}
+
+
+#: The framework name in the manifest metadata and under ``progress/``.
+FRAMEWORK = "deepspeed"
 
 
 def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -239,29 +244,41 @@ class OptimState:
                     grp[k] = tuple(v) if isinstance(grp.get(k), tuple) and isinstance(v, list) else v
 
 
-class ProgressState:
-    """``progress/...``: the engine's counters and its loss scaler."""
+class ProgressState(ProgressTarget):
+    """``progress/...``: the shared step and samples, and the engine's own counters and loss
+    scaler under ``progress/deepspeed/`` (the core's progress schema)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def state_dict(self) -> dict[str, Any]:
         e = self.engine
-        return {
+        counters = {
             "global_step": int(e.global_steps),
             "global_samples": int(e.global_samples),
             "skipped_steps": int(e.skipped_steps),
             "micro_steps": int(e.micro_steps),
             "loss_scaler": dsi.loss_scaler_state(e),
         }
+        return progress_state(step=int(e.global_steps), samples=int(e.global_samples), counters={FRAMEWORK: counters})
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_progress(self, progress: Progress) -> None:
+        """The engine's counters: its own where it wrote them, else the step count of the
+        checkpoint another framework wrote (samples: as counted there, or the engine's batch
+        size times the steps, which is what the engine counts for a constant batch size)."""
         e = self.engine
-        e.global_steps = int(sd.get("global_step", e.global_steps))
-        e.global_samples = int(sd.get("global_samples", e.global_samples))
-        e.skipped_steps = int(sd.get("skipped_steps", e.skipped_steps))
-        e.micro_steps = int(sd.get("micro_steps", e.micro_steps))
-        dsi.set_loss_scaler_state(e, dict(sd.get("loss_scaler") or {}))
+        own = progress.of(FRAMEWORK)
+        if own:
+            e.global_steps = int(own.get("global_step", progress.step))
+            e.global_samples = int(own.get("global_samples", e.global_samples))
+            e.skipped_steps = int(own.get("skipped_steps", e.skipped_steps))
+            e.micro_steps = int(own.get("micro_steps", e.micro_steps))
+            dsi.set_loss_scaler_state(e, dict(own.get("loss_scaler") or {}))
+            return
+        e.global_steps = int(progress.step)
+        e.global_samples = int(progress.samples if progress.samples is not None
+                               else progress.step * e.train_batch_size())
+        e.micro_steps = int(progress.step * e.gradient_accumulation_steps())
 
 
 def engine_state(engine: Any) -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""One adapter's checkpoint managers: one per root, made with the adapter's options and the
+metadata every adapter writes the same way.
+
+Every checkpoint an adapter writes names its framework in the manifest's metadata with the
+same keys, so tools (``shardkeeper ls``, the other adapters) can tell who wrote it:
+
+- ``framework``: ``deepspeed`` / ``lightning`` / ``accelerate`` (``torch`` for a plain core save)
+- ``framework_version``, and ``<framework>_version`` (the key older checkpoints used)
+- ``shardkeeper_version``, ``torch_version``
+- ``progress_schema``: the version of the ``progress`` layout (:mod:`shardkeeper.core.progress`)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from shardkeeper.core.manager import CheckpointManager
+from shardkeeper.core.progress import PROGRESS_SCHEMA
+
+#: Metadata keys the contract owns: a user's ``metadata=`` cannot replace them.
+OWNED_KEYS = ("framework", "framework_version", "shardkeeper_version", "torch_version", "progress_schema")
+
+
+def shardkeeper_version() -> str:
+    try:
+        return importlib.metadata.version("shardkeeper-core")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+        return "unknown"
+
+
+def adapter_metadata(framework: str, framework_version: str, **more: Any) -> dict[str, Any]:
+    """The metadata of every checkpoint ``framework``'s adapter writes (``more``: its own keys)."""
+    return {
+        **more,
+        "framework": framework,
+        "framework_version": str(framework_version),
+        f"{framework}_version": str(framework_version),
+        "shardkeeper_version": shardkeeper_version(),
+        "torch_version": str(torch.__version__),
+        "progress_schema": PROGRESS_SCHEMA,
+    }
+
+
+class RootManagers:
+    """The managers of one adapter object, one per root, created on first use (a collective:
+    every rank asks for the same root in the same order).
+
+    ``options`` go to every manager (``keep_last``, ``storage_options``, ``async_save``, ...);
+    a ``metadata`` entry among them is the user's, merged under the contract's keys.
+    """
+
+    def __init__(self, framework: str, framework_version: str, options: Mapping[str, Any] | None = None,
+                 **metadata: Any) -> None:
+        self.framework = framework
+        opts = dict(options or {})
+        user = dict(opts.pop("metadata", None) or {})
+        clash = sorted(set(user) & set(OWNED_KEYS))
+        if clash:
+            raise ValueError(
+                f"metadata key(s) {', '.join(clash)} are written by the {framework} adapter itself; "
+                f"use other names for your own metadata"
+            )
+        self.options = opts
+        self.metadata = {**user, **adapter_metadata(framework, framework_version, **metadata)}
+        self._managers: dict[str, CheckpointManager] = {}
+
+    def get(self, root: str, **options: Any) -> CheckpointManager:
+        """The manager of ``root``; ``options`` (first use only) override the adapter's."""
+        root = str(root)
+        mgr = self._managers.get(root)
+        if mgr is None:
+            mgr = CheckpointManager(root, metadata=self.metadata, **{**self.options, **options})
+            self._managers[root] = mgr
+        return mgr
+
+    def __contains__(self, root: object) -> bool:
+        return str(root) in self._managers
+
+    def __iter__(self) -> Iterator[CheckpointManager]:
+        return iter(list(self._managers.values()))
+
+    def __len__(self) -> int:
+        return len(self._managers)
+
+    def wait(self) -> None:
+        """Block until every manager's pending save is committed (re-raises a failure)."""
+        for mgr in self:
+            mgr.wait()
+
+    def close(self) -> None:
+        """Wait for and close every manager (each is created again on next use)."""
+        try:
+            for mgr in self:
+                mgr.close()
+        finally:
+            self._managers.clear()
+
+
+__all__ = ["OWNED_KEYS", "RootManagers", "adapter_metadata", "shardkeeper_version"]
