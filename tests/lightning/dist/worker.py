@@ -394,7 +394,7 @@ def cross_import_sharded(d: str) -> None:
         keys = set(mgr.manifest(step).leaves)
         mgr.restore({"model": plain, "optim": opt}, step=step, only=["model/*", "optim/*"])
     compare("sharded import", "parameters and AdamW moments (via the core)", ref, full_state(plain, opt))
-    want = ("progress/global_step", "progress/loops/fit_loop/", "sched/last_epoch", "extra/callbacks/EarlyStopping", "optim/param_groups")
+    want = ("progress/schema", "progress/step", "progress/lightning/loops/fit_loop/", "sched/last_epoch", "extra/callbacks/EarlyStopping", "optim/param_groups")
     check("sharded import: canonical keys (progress, loops, sched, callbacks)", all(any(k.startswith(w) for k in keys) for w in want), sorted(keys)[:40])
     L.seed_everything(0)
     net = Net()

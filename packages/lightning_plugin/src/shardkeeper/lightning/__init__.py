@@ -5,13 +5,16 @@
 ``fit(ckpt_path=...)`` restore from one, under ddp, ``ModelParallelStrategy`` (FSDP2, TP),
 ``FSDPStrategy`` (sharded) and ``DeepSpeedStrategy`` (through the DeepSpeed adapter's
 ``engine_state``). :func:`import_lightning_checkpoint` imports a ``.ckpt`` or a sharded (DCP) directory. See docs/lightning.md. Importing this module installs the hook
-that connects the plugin to its strategy (:mod:`shardkeeper.lightning.hook`).
+that connects the plugin to its strategy (:mod:`shardkeeper.lightning.hook`); ``uninstall()``
+removes it and ``disconnect(plugin)`` gives a connected strategy its own methods back.
 """
 
-from shardkeeper.lightning.hook import connect, install
+from shardkeeper.lightning.hook import connect, disconnect, install, installed, uninstall
 from shardkeeper.lightning.importer import import_lightning_checkpoint
 from shardkeeper.lightning.plugin import ShardkeeperCheckpointIO
 
 install()
 
-__all__ = ["ShardkeeperCheckpointIO", "connect", "import_lightning_checkpoint"]
+__all__ = [
+    "ShardkeeperCheckpointIO", "connect", "disconnect", "import_lightning_checkpoint", "install", "installed", "uninstall",
+]

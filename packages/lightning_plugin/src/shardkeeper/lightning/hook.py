@@ -20,6 +20,10 @@ removes checkpoints:
 Under ``DeepSpeedStrategy`` the engine's state comes from the DeepSpeed adapter
 (``load_adapter("deepspeed").engine_state(engine)``); DeepSpeed's own checkpoint methods are
 never called. Other strategies and other plugins are untouched.
+
+Both patches are restorable (the core's ``Patches``): :func:`disconnect` gives a strategy its
+own methods back, :func:`uninstall` gives ``Strategy.checkpoint_io`` its own setter back
+(strategies connected until then stay connected until disconnected).
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ import functools
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
+from shardkeeper.core.adapter import Patches
 from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO, is_deepspeed
 
 _UNSUPPORTED = ("XLAStrategy", "SingleDeviceXLAStrategy")
+#: The class-level patch of ``Strategy.checkpoint_io`` (``install`` / ``uninstall``).
+_INSTALLED = Patches()
 
 
 def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
@@ -44,8 +51,11 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         load_adapter("deepspeed")  # fail now, with the install hint, not at the first save
     if getattr(strategy, "_shardkeeper_plugin", None) is plugin:
         return
+    if plugin.strategy is not None and plugin.strategy is not strategy:
+        disconnect(plugin)
     plugin.strategy = strategy
-    strategy._shardkeeper_plugin = plugin
+    patches = plugin._patches
+    patches.set(strategy, "_shardkeeper_plugin", plugin)
     orig_load_model = strategy.load_model_state_dict
     orig_load_optim = strategy.load_optimizer_state_dict
     orig_remove = strategy.remove_checkpoint
@@ -78,20 +88,28 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         finally:
             plugin.wait()
 
-    strategy.save_checkpoint = save_checkpoint
-    strategy.load_checkpoint = load_checkpoint
-    strategy.load_model_state_dict = load_model_state_dict
-    strategy.load_optimizer_state_dict = load_optimizer_state_dict
-    strategy.lightning_module_state_dict = lambda: {}
-    strategy.optimizer_state = lambda optimizer: {}
-    strategy.remove_checkpoint = remove_checkpoint
-    strategy.teardown = teardown
+    for name, fn in (
+        ("save_checkpoint", save_checkpoint), ("load_checkpoint", load_checkpoint),
+        ("load_model_state_dict", load_model_state_dict), ("load_optimizer_state_dict", load_optimizer_state_dict),
+        ("lightning_module_state_dict", lambda: {}), ("optimizer_state", lambda optimizer: {}),
+        ("remove_checkpoint", remove_checkpoint), ("teardown", teardown),
+    ):
+        patches.set(strategy, name, fn)
+
+
+def disconnect(plugin: ShardkeeperCheckpointIO) -> None:
+    """Wait for the plugin's save in flight, then give its strategy its own methods back."""
+    try:
+        plugin.wait()
+    finally:
+        plugin._patches.restore()
+        plugin.strategy = None
 
 
 def install() -> None:
     """Extend ``Strategy.checkpoint_io``'s setter once (see the module docstring)."""
     prop = Strategy.__dict__["checkpoint_io"]
-    if getattr(prop.fset, "_shardkeeper", False):
+    if _INSTALLED.patched(Strategy, "checkpoint_io"):
         return
     fset = prop.fset
 
@@ -100,5 +118,15 @@ def install() -> None:
         if isinstance(io, ShardkeeperCheckpointIO):
             connect(io, self)
 
-    setter._shardkeeper = True  # type: ignore[attr-defined]
-    Strategy.checkpoint_io = property(prop.fget, setter, prop.fdel, prop.__doc__)  # type: ignore[method-assign,assignment]
+    _INSTALLED.set(Strategy, "checkpoint_io", property(prop.fget, setter, prop.fdel, prop.__doc__))
+
+
+def uninstall() -> None:
+    """Give ``Strategy.checkpoint_io`` its own setter back: plugins set from now on are plain
+    ``CheckpointIO`` objects to Lightning (connected strategies stay so until ``disconnect``)."""
+    _INSTALLED.restore()
+
+
+def installed() -> bool:
+    """Whether the hook is installed (importing :mod:`shardkeeper.lightning` installs it)."""
+    return _INSTALLED.patched(Strategy, "checkpoint_io")

@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core import CheckpointManager, normalize_fqn
+from shardkeeper.core import normalize_fqn
+from shardkeeper.core.adapter import RootManagers
+from shardkeeper.core.progress import progress_state
 from shardkeeper.core.tensor.legacy import load_trusted_pickle, require_trust
 from shardkeeper.lightning import codec
+from shardkeeper.lightning.plugin import FRAMEWORK
 
 
 def import_lightning_checkpoint(
@@ -68,10 +71,8 @@ def import_lightning_checkpoint(
     if scheds:
         enc = [codec.encode(s, f"lr_schedulers/{i}") for i, s in enumerate(scheds)]
         state["sched"] = enc[0] if len(enc) == 1 else {str(i): s for i, s in enumerate(enc)}
-    progress: dict[str, Any] = {"global_step": step, "epoch": int(ck.get("epoch", 0))}
-    if "loops" in ck:
-        progress["loops"] = codec.encode(ck["loops"], "loops")
-    state["progress"] = progress
+    ours = {"loops": codec.encode(ck["loops"], "loops")} if "loops" in ck else {}
+    state["progress"] = progress_state(step=step, epoch=int(ck.get("epoch", 0)), counters={FRAMEWORK: ours})
     extra: dict[str, Any] = {"lightning": {
         "version": str(ck.get("pytorch-lightning_version", "")), "weights_only": not n_opt,
         "optimizers": n_opt, "schedulers": len(scheds), "strategy": "imported", "imported_from": src,
@@ -82,11 +83,13 @@ def import_lightning_checkpoint(
     if rest:
         extra["checkpoint"] = rest
     state["extra"] = extra
-    meta = dict(manager_options.pop("metadata", None) or {})
-    meta.setdefault("framework_adapter", "lightning")
-    meta.setdefault("imported_from", src)
-    with CheckpointManager(root, metadata=meta, **manager_options) as mgr:
-        mgr.save(step, state, async_save=False)
+    import lightning
+
+    managers = RootManagers(FRAMEWORK, lightning.__version__, manager_options, imported_from=str(src))
+    try:
+        managers.get(root).save(step, state, async_save=False)
+    finally:
+        managers.close()
     return step
 
 

@@ -20,8 +20,12 @@ import torch
 
 from lightning.fabric.plugins import CheckpointIO
 from shardkeeper.core import CheckpointManager, RNGState
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.progress import progress_state, read_progress
 from shardkeeper.lightning import codec
+from shardkeeper.lightning._loops import fit_loop_at
 from shardkeeper.lightning.paths import (
     PathIndex,
     Target,
@@ -34,6 +38,8 @@ from shardkeeper.lightning.paths import (
 
 log = logging.getLogger(__name__)
 
+#: The framework name in the manifest metadata and under ``progress/``.
+FRAMEWORK = "lightning"
 #: Marks a checkpoint dict this plugin returned from ``load_checkpoint``.
 MARK = "_shardkeeper"
 
@@ -59,6 +65,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         self._saved: dict[int, bool] = {}  # steps this process saved -> weights_only
         self._handle: Any = None
         self._deferred_optim: tuple[CheckpointManager, int] | None = None
+        self._patches = Patches()  # this plugin's patches of its strategy (hook.connect)
 
     # -- CheckpointIO --------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -101,14 +108,11 @@ class ShardkeeperCheckpointIO(CheckpointIO):
     def manager(self) -> CheckpointManager:
         """The manager of the root (created on first use: a collective on every rank)."""
         if self._mgr is None:
-            meta = dict(self.manager_options.pop("metadata", None) or {})
-            meta.setdefault("framework_adapter", "lightning")
             import lightning
 
-            meta.setdefault("lightning_version", lightning.__version__)
-            if self.strategy is not None:
-                meta.setdefault("lightning_strategy", type(self.strategy).__name__)
-            self._mgr = CheckpointManager(self.root, metadata=meta, **self.manager_options)
+            more = {"lightning_strategy": type(self.strategy).__name__} if self.strategy is not None else {}
+            managers = RootManagers(FRAMEWORK, lightning.__version__, self.manager_options, **more)
+            self._mgr = managers.get(self.root)
         return self._mgr
 
     # -- save ----------------------------------------------------------------------------------
@@ -126,8 +130,13 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         trainer = _trainer(strategy)
         known = self._saved.get(step)
         if known is None:
-            committed = strategy.broadcast(mgr.is_committed(step) if mgr.rank == 0 else False)
-            if committed:
+            check = check_save_step(mgr, step)  # rank 0's answer on every rank
+            if not check.committed:
+                check.raise_if_refused(
+                    f"Lightning save at global_step {step} ({path})",
+                    "Trainer.fit(..., ckpt_path=<the root>) resumes the step count from the root.",
+                )
+            else:
                 log.warning(
                     "step %d is already committed under %s (an earlier run); %s now names that "
                     "checkpoint, which is kept as it is. Use a new root for a fresh run", step, self.root, path,
@@ -163,9 +172,9 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         if scheds:
             enc = [codec.encode(s, f"lr_schedulers/{i}") for i, s in enumerate(scheds)]
             lsched = enc[0] if len(enc) == 1 else {str(i): s for i, s in enumerate(enc)}
-        progress: dict[str, Any] = {"global_step": int(ck.get("global_step", 0)), "epoch": int(ck.get("epoch", 0))}
-        if "loops" in ck:
-            progress["loops"] = codec.encode(ck["loops"], "loops")
+        ours: dict[str, Any] = {"loops": codec.encode(ck["loops"], "loops")} if "loops" in ck else {}
+        progress = progress_state(step=int(ck.get("global_step", 0)), epoch=int(ck.get("epoch", 0)),
+                                  counters={FRAMEWORK: ours})
         info: dict[str, Any] = {
             "version": str(ck.get("pytorch-lightning_version", "")),
             "weights_only": weights_only,
@@ -173,12 +182,11 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             "schedulers": len(scheds),
             "strategy": type(strategy).__name__,
         }
+        state["progress"] = progress
         if engine is None:
-            state["progress"] = progress
             if lsched is not None:
                 state["sched"] = lsched
-        else:  # the engine's counters own progress/*: Lightning's go to extra/lightning/progress
-            info["progress"] = progress
+        else:
             if lsched is not None and "sched" in engine:  # the engine steps its own scheduler
                 info["sched"] = lsched
             elif lsched is not None:
@@ -199,7 +207,8 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             state["model"] = _model(strategy)
         else:
             state["model"] = engine["model"]
-            state["progress"] = engine["progress"]
+            # one progress entry: the engine's counters beside Lightning's, the step Lightning's
+            state["progress"] = {**engine["progress"].state_dict(), **state["progress"]}
             if opts:
                 state["optim"] = engine["optim"]
             if "sched" in engine and not weights_only:
@@ -239,12 +248,13 @@ class ShardkeeperCheckpointIO(CheckpointIO):
                         f"no committed checkpoint under {target.root} (rank {mgr.rank}); nothing to "
                         f"resume from. Check the root, or start without ckpt_path"
                     )
-            return self._restore(strategy, mgr, step, mgr.manifest(step).leaves)
+            return self._restore(strategy, mgr, step, mgr.manifest(step))
         finally:
             if not own and self._deferred_optim is None:
                 mgr.close()
 
-    def _restore(self, strategy: Any, mgr: CheckpointManager, step: int, leaves: Mapping[str, Any]) -> dict[str, Any]:
+    def _restore(self, strategy: Any, mgr: CheckpointManager, step: int, manifest: Manifest) -> dict[str, Any]:
+        leaves = manifest.leaves
         lm = strategy.lightning_module
         trainer = _trainer(strategy)
         fitting = trainer is not None and trainer.state.fn.value == "fit"
@@ -252,16 +262,12 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         state: dict[str, Any] = {"model": _model(strategy) if engine is None else engine["model"]}
         only = ["model/*"]
         optional: list[str] = []
-        # Lightning's own progress: progress/* (extra/lightning/progress/* under DeepSpeed,
-        # where the engine's counters own progress/*, see _state)
-        lightning_progress_in_extra = any(k.startswith("extra/lightning/progress/") for k in leaves)
-        for ns in ("progress", "sched", "extra"):
+        if engine is not None:  # the engine's counters, from any checkpoint's progress
+            state["progress"] = engine["progress"]
+            only.append("progress/*")
+        for ns in ("sched", "extra"):
             sk = codec.skeleton(leaves, ns)
-            if ns == "progress" and engine is not None and lightning_progress_in_extra:
-                state[ns] = engine["progress"]  # the engine's counters, saved by this path
-                only.append("progress/*")
-                optional.append("progress/*")
-            elif sk is not None:
+            if sk is not None:
                 state[ns] = sk
                 only.append(f"{ns}/*")
         has_optim = any(k.startswith("optim/") for k in leaves)
@@ -283,23 +289,21 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         mgr.restore(state, step=step, only=only, strict=strict, optional=optional)
         extra = codec.decode(state.get("extra") or {})
         info = extra.get("lightning", {}) if isinstance(extra, dict) else {}
-        if isinstance(info.get("progress"), dict):
-            progress = info["progress"]
-        else:
-            progress = codec.decode(state.get("progress") or {}) if isinstance(state.get("progress"), dict) else {}
-            if engine is not None and "global_step" in progress:  # a checkpoint of another strategy
-                engine["progress"].load_state_dict({"global_step": progress["global_step"]})
+        progress = read_progress(manifest)  # any framework's checkpoint, any layout
+        ours = progress.of(FRAMEWORK)
         import lightning
 
         ck: dict[str, Any] = {
-            "epoch": progress.get("epoch", 0),
-            "global_step": progress.get("global_step", 0),
+            "epoch": progress.epoch,
+            "global_step": progress.step,
             "pytorch-lightning_version": info.get("version") or lightning.__version__,
             "state_dict": {},
             MARK: {"root": mgr.storage.url, "step": step},
         }
-        if "loops" in progress:
-            ck["loops"] = progress["loops"]
+        if "loops" in ours:
+            ck["loops"] = codec.decode(ours["loops"])
+        elif fitting and trainer is not None:  # another framework's checkpoint: resume its step count
+            ck["loops"] = {"fit_loop": fit_loop_at(trainer, step=progress.step, epoch=progress.epoch)}
         if "callbacks" in extra:
             ck["callbacks"] = extra["callbacks"]
         ck.update(extra.get("checkpoint", {}))
