@@ -28,14 +28,20 @@ if TYPE_CHECKING:
     from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, LocalKeyProvider
     from shardkeeper.core.dcp_import import import_dcp
     from shardkeeper.core.export import export_safetensors
-    from shardkeeper.core.manager import CheckpointManager, CheckpointOptions, SaveHandle
+    from shardkeeper.core.manager import CheckpointManager, SaveHandle
+    from shardkeeper.core.options import CheckpointOptions, IneffectiveOptionWarning
     from shardkeeper.core.quantize import quantized
+    from shardkeeper.core.settings import options_from_env, options_from_file, options_from_mapping
     from shardkeeper.core.tensor.fragment import Fragment
     from shardkeeper.core.tensor.state import PerRank, RNGState, dtype_from_name, normalize_fqn
 
 _LAZY = {
     "CheckpointManager": "shardkeeper.core.manager",
-    "CheckpointOptions": "shardkeeper.core.manager",
+    "CheckpointOptions": "shardkeeper.core.options",
+    "IneffectiveOptionWarning": "shardkeeper.core.options",
+    "options_from_env": "shardkeeper.core.settings",
+    "options_from_file": "shardkeeper.core.settings",
+    "options_from_mapping": "shardkeeper.core.settings",
     "SaveHandle": "shardkeeper.core.manager",
     "Fragment": "shardkeeper.core.tensor.fragment",
     "PerRank": "shardkeeper.core.tensor.state",
@@ -77,6 +83,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Fragment",
     "IncompatibleFormatError",
+    "IneffectiveOptionWarning",
     "PerRank",
     "RNGState",
     "SaveHandle",
@@ -87,6 +94,9 @@ __all__ = [
     "export_safetensors",
     "import_dcp",
     "normalize_fqn",
+    "options_from_env",
+    "options_from_file",
+    "options_from_mapping",
     "parse_step_dir",
     "quantized",
     "step_dir",
