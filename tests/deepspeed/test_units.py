@@ -1,4 +1,5 @@
-"""In-process units of the DeepSpeed adapter: tag -> step, the mismatch report, client state."""
+"""In-process units of the DeepSpeed adapter: tag -> step, the mismatch report, client state,
+the settings of the config's "shardkeeper" section."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import torch
 
 from shardkeeper.core import Fragment, StateMismatchError
 from shardkeeper.core.format.manifest import LeafRecord
-from shardkeeper.deepspeed.hook import _lists_back, _rebuild, check_model_matches, tag_to_step
+from shardkeeper.deepspeed.hook import (
+    _lists_back,
+    _rebuild,
+    check_model_matches,
+    config_settings,
+    tag_to_step,
+)
 
 
 @pytest.mark.parametrize(
@@ -63,3 +70,30 @@ def test_client_state_targets_rebuilt_from_the_manifest() -> None:
     back = _lists_back(t)
     assert isinstance(back["ts"], list) and len(back["ts"]) == 2
     assert _rebuild("extra/client_state", {"extra/client_state": LeafRecord("object", value={})}) == {"": None}
+
+
+class _Config:
+    def __init__(self, section: object) -> None:
+        self._param_dict = {"train_batch_size": 4, "shardkeeper": section}
+
+
+class _Engine:
+    def __init__(self, section: object) -> None:
+        self._config = _Config(section)
+
+
+def test_config_section_is_read_by_the_options_types() -> None:
+    """The section's keys convert by CheckpointOptions' declared types (and the hook's own:
+    root, retention, storage options, metadata); errors name the section and the key."""
+    got = config_settings(_Engine({"root": "/r", "keep_last": 3, "async_save": "false", "staging": "overlap",
+                                   "storage_options": {"anon": True}}))
+    assert got == {"root": "/r", "keep_last": 3, "async_save": False, "staging": "overlap",
+                   "storage_options": {"anon": True}}
+    assert config_settings(_Engine(None)) == {}
+    section = "the DeepSpeed config's 'shardkeeper' section"
+    with pytest.raises(ValueError, match=rf"^{section}: unknown setting\(s\) keep_lats \(did you mean keep_last\?\)"):
+        config_settings(_Engine({"keep_lats": 3}))
+    with pytest.raises(ValueError, match=rf"'io_threads' from {section} is 'four', not a valid int"):
+        config_settings(_Engine({"io_threads": "four"}))
+    with pytest.raises(ValueError, match=rf"^{section} must be a mapping of settings, got list"):
+        config_settings(_Engine(["keep_last"]))
