@@ -182,3 +182,32 @@ def private_accesses(package_dir: Path, internals: str) -> list[str]:
 def internals_accesses(package_dir: Path, internals: str) -> list[str]:
     """The same findings inside ``internals`` itself (where they belong): shows the scan sees them."""
     return scan_file(package_dir / internals, adapter_classes(package_dir), internals)
+
+
+def _tests_trust(expr: ast.expr) -> bool:
+    """Whether ``expr`` tests the value of ``trust_pickle`` (as a condition or an operand)."""
+    if isinstance(expr, ast.Name):
+        return expr.id == "trust_pickle"
+    if isinstance(expr, ast.Compare):
+        return any(_tests_trust(e) for e in [expr.left, *expr.comparators])
+    if isinstance(expr, ast.BoolOp):
+        return any(_tests_trust(e) for e in expr.values)
+    if isinstance(expr, ast.UnaryOp):
+        return _tests_trust(expr.operand)
+    return False
+
+
+def own_trust_checks(package_dir: Path) -> list[str]:
+    """``file:line: code`` of every test of ``trust_pickle`` in the package (a condition, a
+    comparison, a ``not``): the core's ``require_trust`` is the one gate; adapters only pass
+    the caller's value on (``require_trust(path, trust_pickle=trust_pickle, ...)``)."""
+    found = []
+    for f in sorted(package_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+                hit = _tests_trust(node.test)
+            else:
+                hit = isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp)) and _tests_trust(node)
+            if hit:
+                found.append(f"{f.name}:{node.lineno}: {ast.unparse(node).splitlines()[0][:100]}")
+    return found

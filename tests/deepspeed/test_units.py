@@ -12,7 +12,7 @@ from shardkeeper.core import Fragment, StateMismatchError
 from shardkeeper.core.format.manifest import LeafRecord
 from shardkeeper.deepspeed import _ds_internals as dsi
 from shardkeeper.deepspeed.hook import _lists_back, _rebuild, check_model_matches, tag_to_step
-from tests.private_access import internals_accesses, private_accesses
+from tests.private_access import internals_accesses, own_trust_checks, private_accesses
 
 
 @pytest.mark.parametrize(
@@ -112,3 +112,12 @@ def test_private_attributes_are_used_only_in_the_internals_module() -> None:
     assert private_accesses(package, "_ds_internals.py") == []
     seen = " ".join(internals_accesses(package, "_ds_internals.py"))
     assert "p._hp_mapping" in seen and "mod._non_persistent_buffers_set" in seen
+
+
+def test_trust_pickle_is_only_passed_to_the_core_gate() -> None:
+    """The core's ``require_trust`` is the one ``trust_pickle`` gate (PermissionError); the
+    adapter never tests the value itself."""
+    from shardkeeper.core.tensor import legacy
+
+    assert own_trust_checks(Path(dsi.__file__).parent) == []
+    assert own_trust_checks(Path(legacy.__file__).parent)  # the scan sees the gate's own test

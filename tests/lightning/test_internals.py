@@ -12,7 +12,7 @@ import pytest
 
 from shardkeeper.lightning import _internals as li
 from tests.lightning.common import Net, loader
-from tests.private_access import internals_accesses, private_accesses
+from tests.private_access import internals_accesses, own_trust_checks, private_accesses
 
 PACKAGE = Path(li.__file__).parent
 
@@ -83,3 +83,12 @@ def test_private_attributes_are_used_only_in_the_internals_module() -> None:
     assert private_accesses(PACKAGE, "_internals.py") == []
     seen = " ".join(internals_accesses(PACKAGE, "_internals.py"))
     assert "lm._trainer" in seen and "_configure_optimizers" in seen
+
+
+def test_trust_pickle_is_only_passed_to_the_core_gate() -> None:
+    """The core's ``require_trust`` is the one ``trust_pickle`` gate (PermissionError); the
+    adapter never tests the value itself."""
+    from shardkeeper.core.tensor import legacy
+
+    assert own_trust_checks(PACKAGE) == []
+    assert own_trust_checks(Path(legacy.__file__).parent)  # the scan sees the gate's own test
