@@ -166,7 +166,8 @@ def scan_file(path: Path, own_classes: set[str], where: str) -> list[str]:
 
 def adapter_classes(package_dir: Path) -> set[str]:
     """Names of the classes the adapter package defines."""
-    return {n.name for f in package_dir.glob("*.py") for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ClassDef)}
+    trees = [ast.parse(f.read_text()) for f in package_dir.glob("*.py")]
+    return {n.name for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
 
 
 def private_accesses(package_dir: Path, internals: str) -> list[str]:

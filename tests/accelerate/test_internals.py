@@ -82,7 +82,8 @@ def test_per_batch_hook_runs_before_each_batch_is_yielded() -> None:
 def test_a_missing_internal_fails_at_enable_naming_it(tmp_path: Path) -> None:
     acc, _, _ = _prepared()
     del acc._custom_objects
-    with pytest.raises(acci.AccelerateInternalsError, match=r"lacks internals .*Accelerator\._custom_objects.*verified"):
+    missing = r"lacks internals .*Accelerator\._custom_objects.*verified"
+    with pytest.raises(acci.AccelerateInternalsError, match=missing):
         ska.enable(acc, root=str(tmp_path / "r"))
 
 

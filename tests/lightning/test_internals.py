@@ -39,7 +39,8 @@ def test_trainer_of_is_the_trainer_running_the_module(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="not attached"):
         _ = net.trainer
     t = L.Trainer(default_root_dir=str(tmp_path), max_steps=2, accelerator="cpu", devices=1, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe()])
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  callbacks=[Probe()])
     t.fit(net, loader())
     assert seen == [True, True]
     assert li.trainer_of(net) is t
