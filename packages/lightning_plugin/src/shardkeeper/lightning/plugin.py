@@ -21,6 +21,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from shardkeeper.core import CheckpointManager, RNGState
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import codec
 from shardkeeper.lightning.paths import (
     PathIndex,
@@ -430,7 +431,7 @@ def _model(strategy: Any) -> torch.nn.Module:
 
 def _trainer(strategy: Any) -> Any:
     lm = strategy.lightning_module
-    return getattr(lm, "_trainer", None) if lm is not None else None
+    return li.trainer_of(lm) if lm is not None else None
 
 
 def _rank(strategy: Any) -> int:
