@@ -7,6 +7,7 @@ any other torch version is a download of several GB.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -19,6 +20,7 @@ CONSTRAINTS = ("-c", "constraints.txt")
 TORCH = "torch==2.13.0"
 RUFF = "ruff==0.17.5"
 MYPY = "mypy==2.4.1"
+IMPORT_LINTER = "import-linter==2.17"
 PIP = "pip>=26"
 
 # Settings for every test run: one BLAS/OpenMP thread per process (the machine has 2 cores
@@ -88,13 +90,16 @@ def tests(session: nox.Session, suite: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff and mypy over the packages."""
+    """ruff, mypy, and import-linter's contracts (the core's layers; see docs/api.md)."""
     _install_torch(session)
     # Third-party packages the sources import, so that mypy checks against their types;
     # the packages' own sources are found through mypy_path (root pyproject.toml).
-    _install(session, RUFF, MYPY, "numpy", "xxhash", "fsspec", "safetensors")
+    _install(session, RUFF, MYPY, IMPORT_LINTER, "numpy", "xxhash", "fsspec", "safetensors")
     session.run("ruff", "check", ".")
     session.run("mypy", *session.posargs)
+    # import-linter finds the packages on sys.path: their sources, not installed copies.
+    sources = [str(ROOT / "packages" / name / "src") for name in ("core", *(f"{a}_plugin" for a in ADAPTERS))]
+    session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(sources)})
 
 
 @nox.session

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkeeper.core import CheckpointManager
-from shardkeeper.core.catalog import CatalogError, EtcdCatalog, open_catalog
+from shardkeeper.core import CatalogError, CheckpointManager
+from shardkeeper.core.catalog import EtcdCatalog, open_catalog
 
 pytestmark = [pytest.mark.timeout(180)]
 

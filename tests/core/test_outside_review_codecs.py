@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkeeper.core import CheckpointManager
-from shardkeeper.core.codec.keys import EncryptionKeyError, LocalKeyProvider
+from shardkeeper.core import CheckpointManager, EncryptionKeyError, LocalKeyProvider
 from shardkeeper.core.format.layout import step_dir
 
 K1 = LocalKeyProvider(b"\x11" * 32, "key one")

@@ -454,6 +454,7 @@ def test_a_deep_encryption_member_is_damage(tmp_path: Path) -> None:
 
 
 def test_loads_untrusted_bounds_both_parsers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkeeper.core.errors import UntrustedJSONError
     from shardkeeper.core.format import untrusted
 
     for parser in (untrusted._orjson, None):
@@ -463,9 +464,9 @@ def test_loads_untrusted_bounds_both_parsers(monkeypatch: pytest.MonkeyPatch) ->
             if why is None:
                 untrusted.loads_untrusted(doc, max_bytes=1 << 20)
             else:
-                with pytest.raises(untrusted.UntrustedJSONError, match=why):
+                with pytest.raises(UntrustedJSONError, match=why):
                     untrusted.loads_untrusted(doc, max_bytes=1 << 20)
-        with pytest.raises(untrusted.UntrustedJSONError, match="more than the 10"):
+        with pytest.raises(UntrustedJSONError, match="more than the 10"):
             untrusted.loads_untrusted(b"[1,2,3,4,5]", max_bytes=10)
     assert not untrusted.too_deep({"a": list(range(1000)), "b": [[1.5, True, None, "x"]]}, 3)
     assert not untrusted.too_deep([1e308, 10**400], 1) and untrusted.too_deep([1e308, 10**400, [[]]], 2)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from shardkeeper.core.cli import format_table, human_size, main
+from shardkeeper.core.cli import main
+from shardkeeper.core.cli.display import format_table, human_size
 from shardkeeper.core.commit import committed_steps
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.layout import step_dir

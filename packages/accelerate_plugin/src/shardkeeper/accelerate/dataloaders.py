@@ -1,8 +1,10 @@
 """Where each prepared DataLoader stands, and resuming there: skip the batches already seen.
 
 Accelerate's ``DataLoaderShard.__iter__`` calls ``self.begin()`` once per epoch, then
-``self._update_state_dict()`` once per batch (before yielding it), then ``self.end()``.
-Instance attributes shadow those methods, so a tracker counts batches without subclassing
+``self._update_state_dict()`` before yielding each batch (once more before the last one),
+then ``self.end()``.
+Instance attributes shadow those methods (the private per-batch one through
+``_internals.hook_per_batch``), so a tracker counts batches without subclassing
 (``DataLoaderAdapter`` fakes its ``__class__``, which rules out swapping the class).
 
 Bit-exact mid-epoch resume also needs the random draws made when the epoch started (the
@@ -18,6 +20,8 @@ import logging
 from typing import Any
 
 import torch
+
+from shardkeeper.accelerate import _internals as acci
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +62,10 @@ class LoaderTracker:
         self._resume: dict[str, Any] | None = None
         self._orig_skip = int(getattr(dl, "skip_batches", 0) or 0)
         self._orig_begin = dl.begin
-        self._orig_update = dl._update_state_dict
         self._orig_end = dl.end
         # Instance attributes: DataLoaderShard.__iter__ calls these through ``self``.
         object.__setattr__(dl, "begin", self._begin)
-        object.__setattr__(dl, "_update_state_dict", self._update)
+        self._orig_update = acci.hook_per_batch(dl, self._update)
         object.__setattr__(dl, "end", self._end)
 
     def _rng_now(self) -> dict[str, torch.Tensor]:

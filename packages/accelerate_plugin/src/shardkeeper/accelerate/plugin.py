@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import weakref
 from typing import Any
 
+from shardkeeper.accelerate import _internals as acci
 from shardkeeper.accelerate.config import resolve_settings, split_settings
 from shardkeeper.accelerate.dataloaders import track
 from shardkeeper.accelerate.state import build_state, global_rank
-from shardkeeper.core import CheckpointManager, SaveHandle
+from shardkeeper.core import CheckpointManager, SaveHandle, parse_step_dir
 
 log = logging.getLogger(__name__)
 
 _ATTR = "_shardkeeper"
-#: A step's folder (``step-000000000042``), the core's name; confirmed with ``mgr.step_url``.
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 #: Distributed types whose state the generic path (torch's state-dict API) handles; DEEPSPEED
 #: delegates the engine to the DeepSpeed adapter (state.deepspeed_engine_state).
 GENERIC_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
@@ -122,7 +120,7 @@ class AcceleratePlugin:
                 f"iteration counter, set accelerator.project_configuration.iteration, or pass "
                 f"save_state(step=...)"
             )
-        for dl in acc._dataloaders:
+        for dl in acci.prepared_dataloaders(acc):
             track(dl)
         state = build_state(acc, next_iteration=int(pc.iteration) + 1)
         self.last_handle = mgr.save(n, state, metadata={"accelerate_distributed_type": _dtype_name(acc)})
@@ -144,15 +142,16 @@ class AcceleratePlugin:
         self._check_supported("load_state")
         root = self.default_root() if input_dir is None else str(input_dir).rstrip("/")
         if input_dir is not None and step is None:
+            # A step's folder (``step-000000000042``, the core's name), confirmed with ``mgr.step_url``.
             parent, _, last = root.rpartition("/")
-            m = _STEP_DIR.match(last)
-            if m and parent:
+            named = parse_step_dir(last)
+            if named is not None and parent:
                 candidate = self.manager(parent)
-                if candidate.step_url(int(m.group(1))).rstrip("/").endswith("/" + last):
-                    root, step = parent, int(m.group(1))
+                if candidate.step_url(named).rstrip("/").endswith("/" + last):
+                    root, step = parent, named
         mgr = self.manager(root)
         mgr.wait()
-        for dl in acc._dataloaders:
+        for dl in acci.prepared_dataloaders(acc):
             track(dl)
         target = step if step is not None else _newest(mgr, root, global_rank())
         present = list(mgr.manifest(target).leaves)
@@ -199,6 +198,8 @@ def enable(accelerator: Any, root: str | None = None, **options: Any) -> Acceler
     (``shardkeeper.config.config_file_path()``) > defaults. Returns the plugin (also at
     ``accelerator._shardkeeper``); idempotent for the same settings.
     """
+    acci.require_accelerator(accelerator)
+    acci.warn_if_untested()
     settings = resolve_settings({"root": root, **options})
     existing: AcceleratePlugin | None = getattr(accelerator, _ATTR, None)
     if existing is not None:
@@ -208,7 +209,7 @@ def enable(accelerator: Any, root: str | None = None, **options: Any) -> Acceler
     setattr(accelerator, _ATTR, plugin)
     accelerator.save_state = plugin.save_state
     accelerator.load_state = plugin.load_state
-    for dl in accelerator._dataloaders:
+    for dl in acci.prepared_dataloaders(accelerator):
         track(dl)
     _wrap_prepare_data_loader(accelerator)
     _wrap_end_training(accelerator, plugin)

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from shardkeeper.accelerate import _internals as acci
 from shardkeeper.accelerate.dataloaders import LoaderPositions
 from shardkeeper.core import PerRank, RNGState
 
@@ -42,7 +43,7 @@ def raw_optimizer(opt: Any) -> Any:
 
 
 def models_entry(accelerator: Any) -> nn.Module | None:
-    models = list(accelerator._models)
+    models = list(acci.prepared_models(accelerator))
     if not models:
         return None
     return models[0] if len(models) == 1 else nn.ModuleList(models)
@@ -100,7 +101,7 @@ def is_deepspeed(accelerator: Any) -> bool:
 
 def deepspeed_engine(accelerator: Any) -> Any:
     """The one DeepSpeed engine Accelerate prepared (it supports one per Accelerator)."""
-    models = list(accelerator._models)
+    models = list(acci.prepared_models(accelerator))
     if len(models) != 1:
         raise NotImplementedError(
             f"shardkeeper.accelerate: {len(models)} prepared models under DistributedType.DEEPSPEED "
@@ -152,12 +153,12 @@ def build_state(
         model = models_entry(accelerator)
         if model is not None:
             state["model"] = model
-        opts = [raw_optimizer(o) for o in accelerator._optimizers]
+        opts = [raw_optimizer(o) for o in acci.prepared_optimizers(accelerator)]
         if opts and has("optim"):
             state["optim"] = _indexed(opts)
     # Under DeepSpeed, a scheduler DeepSpeed owns comes with the engine's state; one Accelerate
     # wraps itself (a torch LRScheduler) is saved like any other.
-    scheds = [s for s in accelerator._schedulers if type(s).__name__ != "DeepSpeedSchedulerWrapper"]
+    scheds = [s for s in acci.prepared_schedulers(accelerator) if type(s).__name__ != "DeepSpeedSchedulerWrapper"]
     if "sched" in engine:
         scheds = [engine["sched"]]
     if scheds and has("sched"):
@@ -165,7 +166,7 @@ def build_state(
     extra: dict[str, Any] = {}
     if accelerator.scaler is not None and has("extra/grad_scaler"):
         extra["grad_scaler"] = accelerator.scaler
-    custom = list(accelerator._custom_objects)
+    custom = list(acci.registered_objects(accelerator))
     if custom and has("extra/custom"):
         extra["custom"] = {str(i): o for i, o in enumerate(custom)}
     if extra:
@@ -176,8 +177,9 @@ def build_state(
     # rng before data: a DataLoader's resume point needs the checkpoint's RNG already set.
     if has("rng"):
         state["rng"] = RNGState()
-    if accelerator._dataloaders and has("data"):
-        state["data"] = PerRank(LoaderPositions(list(accelerator._dataloaders), resume=resume_dataloaders))
+    dataloaders = list(acci.prepared_dataloaders(accelerator))
+    if dataloaders and has("data"):
+        state["data"] = PerRank(LoaderPositions(dataloaders, resume=resume_dataloaders))
     if missing:
         log.warning("shardkeeper: the checkpoint has no %s; those parts of the state keep their current values",
                     ", ".join(missing))

@@ -2,6 +2,9 @@
 
 ``import shardkeeper.core`` is cheap and torch-free; the torch-side names below are loaded
 on first use, so the format, storage, commit and CLI work on machines without torch.
+
+The names in ``__all__`` are the public API (docs/api.md): they keep their meaning across
+releases. Every other module of the core is internal and may change without notice.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardkeeper.core.errors import (
+    CatalogError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointRestoreError,
@@ -17,25 +21,36 @@ from shardkeeper.core.errors import (
     ChecksumMismatchError,
     CommitConflictError,
     CorruptCheckpointError,
+    EncryptionKeyError,
     IncompatibleFormatError,
     StateMismatchError,
     StorageError,
+    TornStateError,
 )
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 
 if TYPE_CHECKING:
-    from shardkeeper.core.advisor import advise
-    from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, LocalKeyProvider
+    from shardkeeper.core import metrics
+    from shardkeeper.core.advisor import advise, advise_root
+    from shardkeeper.core.catalog import open_catalog
+    from shardkeeper.core.codec.keys import KeyProvider, LocalKeyProvider
     from shardkeeper.core.dcp_import import import_dcp
     from shardkeeper.core.export import export_safetensors
-    from shardkeeper.core.manager import CheckpointManager, CheckpointOptions, SaveHandle
+    from shardkeeper.core.manager import CheckpointManager, SaveHandle
+    from shardkeeper.core.options import CheckpointOptions, IneffectiveOptionWarning
+    from shardkeeper.core.preemption import PreemptionGuard
     from shardkeeper.core.quantize import quantized
+    from shardkeeper.core.settings import options_from_env, options_from_file, options_from_mapping
     from shardkeeper.core.tensor.fragment import Fragment
     from shardkeeper.core.tensor.state import PerRank, RNGState, dtype_from_name, normalize_fqn
 
 _LAZY = {
     "CheckpointManager": "shardkeeper.core.manager",
-    "CheckpointOptions": "shardkeeper.core.manager",
+    "CheckpointOptions": "shardkeeper.core.options",
+    "IneffectiveOptionWarning": "shardkeeper.core.options",
+    "options_from_env": "shardkeeper.core.settings",
+    "options_from_file": "shardkeeper.core.settings",
+    "options_from_mapping": "shardkeeper.core.settings",
     "SaveHandle": "shardkeeper.core.manager",
     "Fragment": "shardkeeper.core.tensor.fragment",
     "PerRank": "shardkeeper.core.tensor.state",
@@ -45,26 +60,30 @@ _LAZY = {
     "export_safetensors": "shardkeeper.core.export",
     "import_dcp": "shardkeeper.core.dcp_import",
     "advise": "shardkeeper.core.advisor",
+    "advise_root": "shardkeeper.core.advisor",
+    "open_catalog": "shardkeeper.core.catalog",
+    "PreemptionGuard": "shardkeeper.core.preemption",
     "quantized": "shardkeeper.core.quantize",
     "KeyProvider": "shardkeeper.core.codec.keys",
     "LocalKeyProvider": "shardkeeper.core.codec.keys",
-    "EncryptionKeyError": "shardkeeper.core.codec.keys",
 }
+#: Public submodules, imported on first use: ``from shardkeeper.core import metrics``.
+_LAZY_MODULES = {"metrics": "shardkeeper.core.metrics"}
 
 
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY_MODULES:
+        return importlib.import_module(_LAZY_MODULES[name])
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'shardkeeper.core' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(mod), name)
 
 
 __all__ = [
-    "EncryptionKeyError",
-    "KeyProvider",
-    "LocalKeyProvider",
+    "CatalogError",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
@@ -75,18 +94,30 @@ __all__ = [
     "ChecksumMismatchError",
     "CommitConflictError",
     "CorruptCheckpointError",
+    "EncryptionKeyError",
     "Fragment",
     "IncompatibleFormatError",
+    "IneffectiveOptionWarning",
+    "KeyProvider",
+    "LocalKeyProvider",
     "PerRank",
+    "PreemptionGuard",
     "RNGState",
     "SaveHandle",
     "StateMismatchError",
     "StorageError",
+    "TornStateError",
     "advise",
+    "advise_root",
     "dtype_from_name",
     "export_safetensors",
     "import_dcp",
+    "metrics",
     "normalize_fqn",
+    "open_catalog",
+    "options_from_env",
+    "options_from_file",
+    "options_from_mapping",
     "parse_step_dir",
     "quantized",
     "step_dir",

@@ -185,3 +185,6 @@ def _rows_by_key(bases: Sequence[int], reported: Sequence[tuple[list[str], list[
                 rows_of[key] = rows = []
             rows.extend(range(start, start + count))
     return rows_of
+
+
+__all__ = ["assemble_manifest", "declared_digest"]

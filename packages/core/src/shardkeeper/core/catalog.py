@@ -23,15 +23,11 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.errors import CatalogError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "shardkeeper/"
-
-
-class CatalogError(CheckpointError):
-    """The catalog could not be read or written (the checkpoints themselves are unaffected)."""
 
 
 def _b64(s: str) -> str:
@@ -173,4 +169,4 @@ def forget_deleted(url: str | None, storage: Any, steps: list[int]) -> None:
         log.warning("steps %s were deleted under %s, but the catalog still lists them: %s", steps, storage.url, e)
 
 
-__all__ = ["CatalogError", "EtcdCatalog", "forget_deleted", "open_catalog", "record_commit"]
+__all__ = ["EtcdCatalog", "forget_deleted", "open_catalog", "record_commit"]

@@ -114,3 +114,16 @@ def committed_steps(storage: Storage) -> list[int]:
 def write_latest_hint(storage: Storage, step: int) -> None:
     """LATEST is a hint for humans and fast tools; readers never trust it over the manifests."""
     storage.put(LATEST_NAME, f"{step}\n".encode())
+
+
+__all__ = [
+    "committed_steps",
+    "is_committed",
+    "lists_manifest",
+    "load_manifest",
+    "manifest_path",
+    "manifest_steps",
+    "newest_committed",
+    "step_dirs",
+    "write_latest_hint",
+]

@@ -1,9 +1,11 @@
-"""The exceptions shardkeeper raises.
+"""Every exception class of the core, in one module that imports nothing of the core.
 
-Every error derives from :class:`CheckpointError` and, where one fits, from the matching
-builtin, so callers can catch either ``CheckpointError`` or e.g. ``FileNotFoundError``.
+The errors a caller sees derive from :class:`CheckpointError` and, where one fits, from the
+matching builtin, so callers can catch either ``CheckpointError`` or e.g. ``FileNotFoundError``.
 Messages name the checkpoint root, the step, the rank, the key or file where known, and one
-remedy.
+remedy. The last group are signals between the core's own modules, caught there and turned into
+one of the errors above: ``TornStateError`` becomes the cause of a ``CheckpointSaveError``, the
+JSON ones an error that names the key or the file, and ``UsageError`` the CLI's exit status 2. They derive from builtins only.
 """
 
 from __future__ import annotations
@@ -79,7 +81,52 @@ class CheckpointRestoreError(CheckpointError, RuntimeError):
     """A restore failed on one or more ranks."""
 
 
+class EncryptionKeyError(CheckpointError, PermissionError):
+    """The key provider cannot open a checkpoint: wrong key, no key, or an unknown key id.
+    No earlier step fixes this (restore does not fall back)."""
+
+
+class CatalogError(CheckpointError):
+    """The catalog could not be read or written (the checkpoints themselves are unaffected)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Caught inside the core
+
+
+class JsonValueError(ValueError):
+    """A value that would not come back exactly: ``path`` (``/``-joined below the leaf) says where."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path or '(the value itself)'}: {why}" if path else why)
+        self.path = path
+        self.why = why
+
+
+class TornStateError(RuntimeError):
+    """Tensors of an overlapped save were changed in place before their staging copy ended."""
+
+    def __init__(self, keys: list[str]) -> None:
+        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        super().__init__(
+            f"{len(keys)} tensor(s) were modified in place while overlapped staging was still "
+            f"copying them ({shown}), outside an optimizer step; the copy would be torn, so this "
+            f"save is not committed. Call mgr.wait_staged() before modifying saved tensors "
+            f"outside optimizer.step(), or create the manager with staging='blocking'"
+        )
+        self.keys = keys
+
+
+class UntrustedJSONError(ValueError):
+    """A document from storage was refused; the message says why (without naming the file)."""
+
+
+class UsageError(Exception):
+    """A bad argument to the CLI or nothing to work on: exit 2 with one line on stderr."""
+
+
 __all__ = [
+    "CatalogError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointRestoreError",
@@ -88,8 +135,13 @@ __all__ = [
     "ChecksumMismatchError",
     "CommitConflictError",
     "CorruptCheckpointError",
+    "EncryptionKeyError",
     "IncompatibleFormatError",
+    "JsonValueError",
     "StateMismatchError",
     "StepOrderError",
     "StorageError",
+    "TornStateError",
+    "UntrustedJSONError",
+    "UsageError",
 ]

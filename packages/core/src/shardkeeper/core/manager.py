@@ -49,23 +49,18 @@ from shardkeeper.core.errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
 from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
 from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION, Manifest
+from shardkeeper.core.options import CheckpointOptions
 from shardkeeper.core.progress import read_progress, split_targets
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
 from shardkeeper.core.storage import Storage, open_storage
-from shardkeeper.core.storage.retry import RetryPolicy, with_retries
+from shardkeeper.core.storage.retry import with_retries
 from shardkeeper.core.tensor.coordination import Coordinator, make_coordinator
-from shardkeeper.core.tensor.overlap import (
-    STAGING_MODES,
-    OptimizerTensors,
-    StagingGate,
-    find_optimizers,
-)
+from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.restore import (
     PER_RANK_POLICIES,
     RestoreStats,
@@ -82,80 +77,6 @@ from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
 from shardkeeper.core.tensor.state import flatten_for_restore, flatten_for_save
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    """Knobs of a manager; validated when made. Defaults suit a local disk or an object store."""
-
-    async_save: bool = True
-    """``save()`` returns once the state is staged; writing and commit run in the background."""
-    staging: str = "blocking"
-    """blocking: ``save()`` copies everything before it returns. overlap: the copy of the
-    parameters and state of the optimizers in the saved state runs in the background, and
-    their next ``optimizer.step()`` waits for it; other in-place changes of those tensors
-    need ``mgr.wait_staged()`` first (docs/performance.md, "Overlapped staging")."""
-    per_rank: str = "exact"
-    """Per-rank state (RNG, data position) at another world size: exact | modulo | drop."""
-    digest: str = DEFAULT_ALGORITHM
-    """Chunk digest: xxh3_128 (fast, default) or sha256 (cryptographic)."""
-    digest_block_bytes: int = DEFAULT_BLOCK_BYTES
-    """Digest granularity: a ranged read is widened to these blocks to be verified."""
-    commit_timeout_s: float = 1800.0
-    """How long the coordinator waits for every rank's report, and ranks for the outcome."""
-    io_threads: int = 4
-    """Parallel file writes and ranged reads per rank."""
-    max_files_per_rank: int = 4
-    """A rank's chunks are spread over up to this many files, written in parallel."""
-    min_file_bytes: int = 64 << 20
-    """A rank writes a second file only when it has at least twice this much."""
-    max_read_bytes: int = 64 << 20
-    """Upper bound of one ranged read; bounds restore memory to io_threads x this."""
-    catalog: str | None = None
-    """``etcd://host:2379[/prefix]``: record each commit there too (a hint; the manifest is the truth)."""
-    incremental: bool = False
-    """Chunks equal to the previous checkpoint's are stored as references to its files."""
-    compression: str | None = None
-    """``"zstd"``: compress each chunk where it pays (the [zstd] extra); None: raw."""
-    compression_level: int = 3
-    """zstd level (1 fast ... 19 small; negative: faster still)."""
-    encryption: Any = None
-    """Client-side AES-256-GCM (the [crypto] extra): ``"env:VAR"``, ``"file:PATH"`` or a
-    ``KeyProvider`` (docs/codecs.md, "Encryption"); None: not encrypted."""
-    encryption_root: str | None = None
-    """What encrypted files and manifests are bound to (a file or step of another root under
-    the same key is refused); default: the root's real path or URL. To read a root that was
-    moved or copied, pass the root it was written under."""
-    retry_max_attempts: int = 5
-    """Attempts per storage call on transient faults (throttling, resets, timeouts); 1: none."""
-    retry_base_delay_s: float = 0.2
-    """Backoff before retry n: uniform(0, min(retry_max_delay_s, this * 2**(n-1)))."""
-    retry_max_delay_s: float = 10.0
-    """Cap of one backoff."""
-    retry_deadline_s: float = 120.0
-    """No retry of one storage call starts later than this after its first attempt."""
-
-    def __post_init__(self) -> None:
-        if self.per_rank not in PER_RANK_POLICIES:
-            raise ValueError(f"per_rank={self.per_rank!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
-        if self.staging not in STAGING_MODES:
-            raise ValueError(f"staging={self.staging!r}; choose one of {', '.join(STAGING_MODES)}")
-        if self.digest not in algorithms():
-            raise ValueError(f"digest={self.digest!r}; choose one of {', '.join(algorithms())}")
-        for name in ("digest_block_bytes", "io_threads", "max_files_per_rank", "min_file_bytes", "max_read_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.digest_block_bytes % 8:
-            raise ValueError(f"digest_block_bytes must be a multiple of 8, got {self.digest_block_bytes}")
-        if self.commit_timeout_s <= 0:
-            raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
-        self.retry_policy()  # validates the retry_* fields
-
-    def retry_policy(self) -> RetryPolicy:
-        return RetryPolicy(
-            max_attempts=self.retry_max_attempts, base_delay_s=self.retry_base_delay_s,
-            max_delay_s=self.retry_max_delay_s, deadline_s=self.retry_deadline_s,
-        )
 
 
 @dataclass
@@ -256,12 +177,7 @@ class CheckpointManager:
         options: CheckpointOptions | None = None,
         **option_overrides: Any,
     ) -> None:
-        base = options or CheckpointOptions()
-        if option_overrides:
-            unknown = set(option_overrides) - set(CheckpointOptions.__dataclass_fields__)
-            if unknown:
-                raise TypeError(f"unknown CheckpointManager option(s): {', '.join(sorted(unknown))}")
-            base = CheckpointOptions(**{**base.__dict__, **option_overrides})
+        base = (options or CheckpointOptions()).replace(**option_overrides)
         self.options = base
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
         self.storage: Storage = with_retries(open_storage(root, **dict(storage_options or {})), base.retry_policy())

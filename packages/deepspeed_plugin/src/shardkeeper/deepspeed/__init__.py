@@ -6,12 +6,22 @@
   into plain torch / FSDP2, and the reverse).
 - ``attach(engine, root)``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` go through
   shardkeeper from then on.
+- ``import_native_checkpoint(src, root)``: a native DeepSpeed checkpoint directory as a
+  committed shardkeeper step.
 
 Imports only the public API of shardkeeper.core and DeepSpeed itself, never another adapter;
 every private DeepSpeed attribute it touches is in ``_ds_internals``.
 """
 
 from shardkeeper.deepspeed.hook import DeepSpeedCheckpointHook, attach, tag_to_step
+from shardkeeper.deepspeed.native import import_native_checkpoint
 from shardkeeper.deepspeed.state import engine_state, ensure_optimizer_state
 
-__all__ = ["DeepSpeedCheckpointHook", "attach", "engine_state", "ensure_optimizer_state", "tag_to_step"]
+__all__ = [
+    "DeepSpeedCheckpointHook",
+    "attach",
+    "engine_state",
+    "ensure_optimizer_state",
+    "import_native_checkpoint",
+    "tag_to_step",
+]

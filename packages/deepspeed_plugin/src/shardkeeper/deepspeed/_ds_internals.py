@@ -1,16 +1,19 @@
-"""Every use of a private DeepSpeed attribute, in one place, checked against the tested releases.
+"""Every use of a private DeepSpeed (or torch) attribute, in one place, checked against the tested releases.
 
 DeepSpeed's public tensor-fragment API (``safe_get_local_fp32_param`` ...) covers ZeRO-3 local
 partitions but not ZeRO-1/2, and none of it says where a rank's partition lies in the global
 parameter, restores lazily created optimizer state, or pushes fp32 master weights back into
-the low-precision parameters. Those need the optimizer's internals, listed below.
-``check_engine`` verifies all of them on a live engine; ``tests/deepspeed`` runs it on every
-stage, so a DeepSpeed release that renames or reshapes any of them fails loudly there (bump
-``TESTED_RANGE`` only after that test passes on the new release).
+the low-precision parameters. Those need the optimizer's internals, listed below; the
+functions here were checked on DeepSpeed 0.18.9 and 0.19.8 (torch 2.13).
+``contract_check`` / ``check_engine`` verify all of them on a live engine; ``tests/deepspeed``
+runs it on every stage, so a DeepSpeed release that renames or reshapes any of them fails
+loudly there (bump ``TESTED_RANGE`` only after that test passes on the new release).
+``warn_if_untested`` warns once per process when the installed release is outside the range.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,7 @@ import torch
 
 #: DeepSpeed releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((0, 16), (0, 20))
+_warned_untested = False
 
 #: Per ZeRO stage, the optimizer attributes used here (checked by ``check_engine``).
 ZERO12_ATTRS = ("bit16_groups", "single_partition_of_fp32_groups", "optimizer", "update_lp_params",
@@ -45,6 +49,21 @@ def version_tested() -> bool:
     return lo <= deepspeed_version() < hi
 
 
+def warn_if_untested() -> None:
+    """Warn (once per process) when the installed DeepSpeed is outside ``TESTED_RANGE``."""
+    global _warned_untested
+    if _warned_untested or version_tested():
+        return
+    _warned_untested = True
+    import deepspeed
+
+    warnings.warn(
+        f"shardkeeper.deepspeed was verified with DeepSpeed {TESTED_RANGE}; "
+        f"{deepspeed.__version__} is outside that range (its internals passed the checks)",
+        stacklevel=3,
+    )
+
+
 def _missing(obj: Any, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if not hasattr(obj, n)]
 
@@ -64,29 +83,35 @@ def zero_optimizer(engine: Any) -> Any:
     return engine.optimizer
 
 
-def check_engine(engine: Any) -> list[str]:
-    """Names of the private attributes this adapter needs that ``engine`` lacks (empty = fine)."""
-    import deepspeed
-
+def contract_check(engine: Any) -> dict[str, bool]:
+    """Each private attribute this adapter needs, by name: whether ``engine`` (and torch) has it."""
     opt = zero_optimizer(engine)
-    missing = _missing(opt, ZERO3_ATTRS if zero_stage(engine) == 3 else ZERO12_ATTRS)
+    present = {n: hasattr(opt, n) for n in (ZERO3_ATTRS if zero_stage(engine) == 3 else ZERO12_ATTRS)}
     if zero_stage(engine) != 3:
         for group in getattr(opt, "bit16_groups", []):
             for p in group:
-                if not hasattr(p, "_hp_mapping"):
-                    missing.append("param._hp_mapping")
-                elif p._hp_mapping is not None:
-                    missing += [f"_hp_mapping.{n}" for n in _missing(p._hp_mapping, MAPPING_ATTRS)]
+                has = hasattr(p, "_hp_mapping")
+                present["param._hp_mapping"] = present.get("param._hp_mapping", True) and has
+                if has and p._hp_mapping is not None:
+                    for n in MAPPING_ATTRS:
+                        key = f"_hp_mapping.{n}"
+                        present[key] = present.get(key, True) and hasattr(p._hp_mapping, n)
     else:
         for group in getattr(opt, "fp16_groups", []):
             for p in group:
-                missing += [f"param.{n}" for n in _missing(p, ("ds_tensor", "ds_shape", "ds_numel"))]
+                for n in ("ds_tensor", "ds_shape", "ds_numel"):
+                    present[f"param.{n}"] = present.get(f"param.{n}", True) and hasattr(p, n)
     from deepspeed.utils import mixed_precision_linkage
 
-    if not hasattr(mixed_precision_linkage, "lazy_init_hp_params_optimizer_state"):
-        missing.append("deepspeed.utils.mixed_precision_linkage.lazy_init_hp_params_optimizer_state")
-    del deepspeed
-    return sorted(set(missing))
+    present["deepspeed.utils.mixed_precision_linkage.lazy_init_hp_params_optimizer_state"] = hasattr(
+        mixed_precision_linkage, "lazy_init_hp_params_optimizer_state")
+    present["torch.nn.Module._non_persistent_buffers_set"] = _non_persistent_set_works()
+    return present
+
+
+def check_engine(engine: Any) -> list[str]:
+    """Names of the private attributes this adapter needs that ``engine`` lacks (empty = fine)."""
+    return sorted(n for n, ok in contract_check(engine).items() if not ok)
 
 
 def require_engine(engine: Any) -> None:
@@ -225,6 +250,33 @@ def relink_optimizer_fragments(engine: Any) -> None:
     opt._hp_optimizer_states_linked = True
 
 
+# -- torch ------------------------------------------------------------------------------
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` would hold (persistent ones, of every submodule), by
+    their dotted names, without calling ``state_dict``: that would run the model's state-dict
+    hooks and overrides (and, under ZeRO-3, see partitioned parameters), and ``named_buffers``
+    lists non-persistent buffers too. Torch marks those only in the private
+    ``_non_persistent_buffers_set`` of their module (checked on torch 2.13)."""
+    out = {}
+    for mname, mod in module.named_modules():
+        skip = mod._non_persistent_buffers_set
+        for bname, buf in mod.named_buffers(recurse=False, remove_duplicate=False):
+            if bname not in skip:
+                out[f"{mname}.{bname}" if mname else bname] = buf
+    return out
+
+
+def _non_persistent_set_works() -> bool:
+    """Whether torch still records non-persistent buffers where ``persistent_buffers`` reads them."""
+    probe = torch.nn.Module()
+    probe.register_buffer("kept", torch.zeros(1))
+    probe.register_buffer("dropped", torch.zeros(1), persistent=False)
+    try:
+        return list(persistent_buffers(probe)) == list(probe.state_dict()) == ["kept"]
+    except AttributeError:
+        return False
+
+
 # -- configuration ------------------------------------------------------------------------
 def config_dict(engine: Any) -> dict[str, Any]:
     """The DeepSpeed config as parsed by DeepSpeed (a dict even when given as a file path)."""
@@ -269,14 +321,17 @@ __all__ = [
     "FlatGroup",
     "ParamSlice",
     "check_engine",
+    "contract_check",
     "flat_groups",
     "frozen_zero3_partitions",
     "loss_scaler_state",
     "param_slices",
+    "persistent_buffers",
     "push_master_weights",
     "relink_optimizer_fragments",
     "require_engine",
     "set_loss_scaler_state",
     "version_tested",
+    "warn_if_untested",
     "zero_stage",
 ]

@@ -23,6 +23,7 @@ from shardkeeper.core import (
     StateMismatchError,
 )
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
+from shardkeeper.core.settings import options_from_mapping
 from shardkeeper.deepspeed import _ds_internals as dsi
 from shardkeeper.deepspeed.state import FRAMEWORK, engine_state
 
@@ -32,6 +33,15 @@ _TAG = re.compile(r"(?:global_step)?(\d+)")
 CLIENT_PREFIX = "extra/client_state"
 #: The DeepSpeed config section ``attach`` reads its defaults from.
 CONFIG_KEY = "shardkeeper"
+#: Keys of that section besides the CheckpointOptions fields: the root and the manager's own
+#: arguments, with their types (converted and checked by the core's settings reader).
+SECTION_SETTINGS: dict[str, Any] = {
+    "root": str | None,
+    "keep_last": int | None,
+    "keep_every": int | None,
+    "storage_options": dict[str, Any] | None,
+    "metadata": dict[str, Any] | None,
+}
 
 
 def tag_to_step(tag: Any) -> int | None:
@@ -258,6 +268,15 @@ def check_model_matches(state: Mapping[str, Any], leaves: Mapping[str, Any], *, 
     raise StateMismatchError("\n".join(lines))
 
 
+def config_settings(engine: Any) -> dict[str, Any]:
+    """The settings of the ``"shardkeeper"`` section of the engine's DeepSpeed config, each
+    converted to its type; unknown keys and ill-typed values are errors naming the section."""
+    section = dsi.config_dict(engine).get(CONFIG_KEY)
+    return options_from_mapping(
+        section or {}, source=f"the DeepSpeed config's {CONFIG_KEY!r} section", extra=SECTION_SETTINGS
+    )
+
+
 def attach(engine: Any, root: str | None = None, **manager_options: Any) -> DeepSpeedCheckpointHook:
     """Route ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through shardkeeper.
 
@@ -267,7 +286,7 @@ def attach(engine: Any, root: str | None = None, **manager_options: Any) -> Deep
     a ``"shardkeeper"`` section of the DeepSpeed config (``{"root": ..., "keep_last": 3}``);
     arguments given here win.
     """
-    settings = dict(dsi.config_dict(engine).get(CONFIG_KEY) or {})
+    settings = config_settings(engine)
     if root is None:
         root = settings.pop("root", None)
     settings.pop("root", None)

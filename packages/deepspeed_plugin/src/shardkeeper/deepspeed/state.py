@@ -40,15 +40,6 @@ def _param_names(engine: Any) -> dict[int, str]:
 FRAMEWORK = "deepspeed"
 
 
-def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for mname, mod in module.named_modules():
-        for bname, buf in mod._buffers.items():
-            if buf is not None and bname not in mod._non_persistent_buffers_set:
-                out[normalize_fqn(f"{mname}.{bname}" if mname else bname)] = buf
-    return out
-
-
 def ensure_optimizer_state(engine: Any) -> None:
     """Create optimizer state torch creates lazily at the first step, as a fresh optimizer's.
 
@@ -120,8 +111,8 @@ class ModelState:
                 out[normalize_fqn(name)] = Fragment(local, tuple(p.ds_shape), off)
             else:
                 out[normalize_fqn(name)] = self._fp32(p.data)
-        for name, buf in _persistent_buffers(engine.module).items():
-            out[name] = self._fp32(buf)
+        for name, buf in dsi.persistent_buffers(engine.module).items():
+            out[normalize_fqn(name)] = self._fp32(buf)
         return out
 
     def _fp32(self, t: torch.Tensor) -> torch.Tensor:
@@ -289,14 +280,7 @@ def engine_state(engine: Any) -> dict[str, Any]:
     state if the engine has not stepped yet (see ``ensure_optimizer_state``).
     """
     dsi.require_engine(engine)
-    if not dsi.version_tested():
-        import deepspeed
-
-        warnings.warn(
-            f"shardkeeper.deepspeed was verified with DeepSpeed {dsi.TESTED_RANGE}; "
-            f"{deepspeed.__version__} is outside that range (its internals passed the checks)",
-            stacklevel=2,
-        )
+    dsi.warn_if_untested()
     ensure_optimizer_state(engine)
     state: dict[str, Any] = {"model": ModelState(engine), "optim": OptimState(engine)}
     sched = getattr(engine, "lr_scheduler", None)

@@ -33,6 +33,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 from shardkeeper.core.adapter import Patches
+from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO, is_deepspeed
 
 _UNSUPPORTED = ("XLAStrategy", "SingleDeviceXLAStrategy")
@@ -45,6 +46,7 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
     name = type(strategy).__name__
     if name in _UNSUPPORTED:
         raise TypeError(f"ShardkeeperCheckpointIO does not support {name}")
+    li.warn_if_untested()
     if is_deepspeed(strategy):
         from shardkeeper.core.adapters import load_adapter
 

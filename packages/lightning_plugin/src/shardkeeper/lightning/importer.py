@@ -22,6 +22,7 @@ from shardkeeper.core import normalize_fqn
 from shardkeeper.core.adapter import RootManagers
 from shardkeeper.core.progress import progress_state
 from shardkeeper.core.tensor.legacy import load_trusted_pickle, require_trust
+from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import codec
 from shardkeeper.lightning.plugin import FRAMEWORK
 
@@ -153,16 +154,15 @@ def _read_sharded(src: str, trust_pickle: bool) -> tuple[dict[str, Any], dict[st
 
 
 def _optimizers(module: Any, src: str) -> list[torch.optim.Optimizer]:
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
     try:  # as the Trainer parses configure_optimizers(), without a Trainer
-        opts, _, _ = _configure_optimizers(module.configure_optimizers())
+        return li.parse_optimizers(module.configure_optimizers())
+    except li.LightningInternalsError:
+        raise
     except Exception as e:
         raise RuntimeError(
             f"importing {src}: {type(module).__name__}.configure_optimizers() failed outside a "
             f"Trainer ({type(e).__name__}: {e}); import without module= (weights and loop state only)"
         ) from e
-    return list(opts)
 
 
 __all__ = ["import_lightning_checkpoint"]

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardkeeper.core import parse_step_dir
+
 POINTER_FORMAT = "shardkeeper-lightning-pointer"
 INDEX_NAME = "lightning-paths.json"
 _MAX_POINTER_BYTES = 1 << 16
-_STEP_DIR = re.compile(r"^step-(\d{12,})$")
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,9 @@ def resolve(ckpt_path: Any, root: str) -> Target | None:
     if _same_root(s, root):
         return Target(root, None)
     base = s.rstrip("/").rsplit("/", 1)
-    m = _STEP_DIR.match(base[-1])
-    if m and len(base) == 2:
-        return Target(base[0], int(m.group(1)))
+    named = parse_step_dir(base[-1])
+    if named is not None and len(base) == 2:
+        return Target(base[0], named)
     pointer = read_pointer(s)
     if pointer is None and _is_root(s):
         return Target(s if "://" in s else os.path.abspath(s), None)
@@ -118,7 +118,7 @@ def _is_root(path: str) -> bool:
     if not fs.isdir(p):
         return False
     names = (str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(p, detail=False))
-    return any(_STEP_DIR.match(n) for n in names)
+    return any(parse_step_dir(n) is not None for n in names)
 
 
 class PathIndex:

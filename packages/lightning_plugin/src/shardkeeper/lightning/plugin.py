@@ -24,6 +24,7 @@ from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.progress import progress_state, read_progress
+from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import codec
 from shardkeeper.lightning._loops import fit_loop_at
 from shardkeeper.lightning.paths import (
@@ -434,7 +435,7 @@ def _model(strategy: Any) -> torch.nn.Module:
 
 def _trainer(strategy: Any) -> Any:
     lm = strategy.lightning_module
-    return getattr(lm, "_trainer", None) if lm is not None else None
+    return li.trainer_of(lm) if lm is not None else None
 
 
 def _rank(strategy: Any) -> int:

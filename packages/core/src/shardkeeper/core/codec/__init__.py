@@ -64,3 +64,6 @@ class CodecState:
             if self._base is not None and (self._base.encryption is not None) == self.encrypted:
                 reuse = ReuseIndex(self._base, algorithm, block_bytes)
         return Codecs(reuse, self.compression, self.level)
+
+
+__all__ = ["CodecState", "Codecs"]

@@ -165,3 +165,25 @@ def decompress_into(stored: memoryview | bytes, out: memoryview, where: str, isz
             f"restore an earlier step"
         )
     unshuffle_into(data, out, isz)
+
+
+__all__ = [
+    "COMPRESSIONS",
+    "ENCODING",
+    "ENCODINGS",
+    "KEEP_RAW_RATIO",
+    "MIN_COMPRESS_BYTES",
+    "SAMPLE_BYTES",
+    "SAMPLE_SLICES",
+    "SHUFFLED",
+    "SLAB_BYTES",
+    "check_options",
+    "compress_if_pays",
+    "decompress_into",
+    "encoding_for",
+    "maybe_compress",
+    "precheck",
+    "require_zstd",
+    "shuffle",
+    "unshuffle_into",
+]

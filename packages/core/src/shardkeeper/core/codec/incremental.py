@@ -95,3 +95,6 @@ class ReuseIndex:
             rec["content"] = content
         rec["digests"] = BlockDigests.of(prev.digests).text
         return rec
+
+
+__all__ = ["ReuseIndex", "content_id", "newest_manifest", "newest_step_below", "reference_path"]

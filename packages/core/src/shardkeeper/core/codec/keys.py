@@ -13,12 +13,7 @@ import hashlib
 import os
 from typing import Any, Protocol, runtime_checkable
 
-from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError
-
-
-class EncryptionKeyError(CheckpointError, PermissionError):
-    """The key provider cannot open a checkpoint: wrong key, no key, or an unknown key id.
-    No earlier step fixes this (restore does not fall back)."""
+from shardkeeper.core.errors import CorruptCheckpointError, EncryptionKeyError
 
 
 @runtime_checkable
@@ -143,3 +138,15 @@ def key_provider(spec: Any) -> KeyProvider | None:
         require_cryptography()
         return spec
     raise TypeError(f"encryption= takes 'env:VAR', 'file:PATH' or a KeyProvider, got {type(spec).__name__}")
+
+
+__all__ = [
+    "EncryptionKeyError",  # defined in errors; re-exported for the modules that still import it from here
+    "KeyProvider",
+    "LocalKeyProvider",
+    "env_key",
+    "file_key",
+    "fingerprint",
+    "key_provider",
+    "require_cryptography",
+]

@@ -55,3 +55,13 @@ def block_span(start: int, end: int, block_bytes: int, length: int) -> tuple[int
     lo = (start // block_bytes) * block_bytes
     hi = min(length, -(-end // block_bytes) * block_bytes)
     return lo, hi
+
+
+__all__ = [
+    "DEFAULT_ALGORITHM",
+    "DEFAULT_BLOCK_BYTES",
+    "algorithms",
+    "block_digests",
+    "block_span",
+    "digest_function",
+]

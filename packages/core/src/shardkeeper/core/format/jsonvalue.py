@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.errors import JsonValueError, StateMismatchError
 from shardkeeper.core.format.fastjson import orjson
 
 #: The top-level member that marks a document holding NaN/infinities or integers beyond 64 bits.
@@ -39,15 +39,6 @@ _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what every JSON reader reads a
 #: raises its limit (sys.set_int_max_str_digits): bigger ones could not be read elsewhere.
 _MAX_INT_DIGITS = 4300
 _MAX_INT_BITS = int(_MAX_INT_DIGITS * 3.3219)  # log2(10): below 10**4300
-
-
-class JsonValueError(ValueError):
-    """A value that would not come back exactly: ``path`` (``/``-joined below the leaf) says where."""
-
-    def __init__(self, path: str, why: str) -> None:
-        super().__init__(f"{path or '(the value itself)'}: {why}" if path else why)
-        self.path = path
-        self.why = why
 
 
 def _surrogate(s: str) -> str | None:
@@ -228,7 +219,7 @@ def _short(x: Any) -> str:
 __all__ = [
     "EXTENDED_MEMBER",
     "MAX_VALUE_DEPTH",
-    "JsonValueError",
+    "JsonValueError",  # defined in errors; re-exported for the modules that still import it from here
     "check_value",
     "describe_problem",
     "dumps_extended",

@@ -38,3 +38,15 @@ def new_attempt_id() -> str:
 def shard_file(rank: int, attempt: str, index: int) -> str:
     """Relative to the step directory: ``data/r00000-<attempt>-000.safetensors``."""
     return f"{DATA_DIR}/r{rank:05d}-{attempt}-{index:03d}.safetensors"
+
+
+__all__ = [
+    "DATA_DIR",
+    "LATEST_NAME",
+    "STEP_DIGITS",
+    "STEP_PREFIX",
+    "new_attempt_id",
+    "parse_step_dir",
+    "shard_file",
+    "step_dir",
+]

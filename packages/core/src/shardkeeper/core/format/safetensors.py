@@ -97,3 +97,17 @@ def chunk_name(key: str, offsets: Sequence[int], shape: Sequence[int], global_sh
     if list(offsets) == [0] * len(offsets) and list(shape) == list(global_shape):
         return key
     return key + "[" + ",".join(f"{o}:{o + s}" for o, s in zip(offsets, shape)) + "]"
+
+
+__all__ = [
+    "FRAMED_MAGIC",
+    "ITEM_ALIGN",
+    "ITEM_ALIGN_MIN_BYTES",
+    "PAD_PREFIX",
+    "PAGE_ALIGN",
+    "PAGE_ALIGN_MIN_BYTES",
+    "build_header",
+    "chunk_name",
+    "data_offsets",
+    "data_on_a_page",
+]

@@ -17,16 +17,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shardkeeper.core.errors import UntrustedJSONError
 from shardkeeper.core.format.fastjson import orjson as _orjson
 from shardkeeper.core.format.jsonvalue import loads_exact
 
 #: Nesting limit of a document read from storage (the whole document: an object inside the
 #: top-level object is at level 2). No document shardkeeper writes comes close.
 MAX_JSON_DEPTH = 100
-
-
-class UntrustedJSONError(ValueError):
-    """A document from storage was refused; the message says why (without naming the file)."""
 
 
 def loads_untrusted(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH, exact: bool = False) -> Any:
@@ -74,4 +71,5 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+# UntrustedJSONError: defined in errors; re-exported for the modules that still import it from here
 __all__ = ["MAX_JSON_DEPTH", "UntrustedJSONError", "loads_untrusted", "too_deep"]

@@ -91,3 +91,6 @@ class Storage(Protocol):
     def describe(self, path: str) -> str:
         """The full location of ``path``, for messages."""
         ...
+
+
+__all__ = ["Capabilities", "Storage", "Writer"]

@@ -2,3 +2,5 @@
 
 Everything that imports torch lives here; the format, storage, commit and CLI do not.
 """
+
+__all__: list[str] = []

@@ -88,3 +88,16 @@ def group_store(group: Any) -> Any:
     if entry is not None and len(entry) > 1 and entry[1] is not None:
         return entry[1]
     return default_store()
+
+
+__all__ = [
+    "default_store",
+    "group_store",
+    "is_dtensor",
+    "is_partial",
+    "is_replicate",
+    "is_shard_placement",
+    "is_sharded_tensor",
+    "local_shape",
+    "shard_dim_indices",
+]

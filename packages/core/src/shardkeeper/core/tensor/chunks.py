@@ -188,3 +188,17 @@ def balance_plain(sizes: dict[str, int], world_size: int) -> dict[str, int]:
         out[key] = r
         heapq.heapreplace(heap, (load + max(-neg, 1), r))
     return out
+
+
+__all__ = [
+    "LocalLayout",
+    "Piece",
+    "balance_plain",
+    "contiguous_strides",
+    "dtensor_layout",
+    "fragment_layout",
+    "layout_of",
+    "plain_layout",
+    "replica_writer",
+    "sharded_tensor_layout",
+]

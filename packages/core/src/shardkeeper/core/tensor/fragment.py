@@ -109,3 +109,6 @@ def _split(
         out.append(((*prefix, first_full, *zeros), (*lead, last_full - first_full, *rest), base + first_full * inner - start))
     if end > last_full * inner:  # a partial trailing row
         _split(rest, 0, end - last_full * inner, (*prefix, last_full), base + last_full * inner - start, out)
+
+
+__all__ = ["FlatBox", "Fragment", "flat_range_boxes"]

@@ -211,3 +211,6 @@ class StagingGate:
     @property
     def hooked(self) -> int:
         return len(self._hooks)
+
+
+__all__ = ["OptimizerTensors", "STAGING_MODES", "StagingGate", "find_optimizers"]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from shardkeeper.core.errors import TornStateError
 from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_offsets, data_on_a_page
 from shardkeeper.core.tensor.chunks import contiguous_strides
 
@@ -306,15 +307,4 @@ class DeferredCopy:
             raise TornStateError(sorted(set(changed)))
 
 
-class TornStateError(RuntimeError):
-    """Tensors of an overlapped save were changed in place before their staging copy ended."""
-
-    def __init__(self, keys: list[str]) -> None:
-        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-        super().__init__(
-            f"{len(keys)} tensor(s) were modified in place while overlapped staging was still "
-            f"copying them ({shown}), outside an optimizer step; the copy would be torn, so this "
-            f"save is not committed. Call mgr.wait_staged() before modifying saved tensors "
-            f"outside optimizer.step(), or create the manager with staging='blocking'"
-        )
-        self.keys = keys
+__all__ = ["DIRECT_MIN_BYTES", "DeferredCopy", "Span", "Stager"]

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.jsonvalue import JsonValueError, check_value, describe_problem
+from shardkeeper.core.errors import JsonValueError, StateMismatchError
+from shardkeeper.core.format.jsonvalue import check_value, describe_problem
 from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.optim_compat import OptimizerTarget, optimizer_class
@@ -394,11 +394,18 @@ def as_torch(value: Any) -> torch.Tensor:
 
 __all__ = [
     "FlatState",
+    "Flattener",
     "Leaf",
+    "PLAIN_TENSORS",
     "PerRank",
     "RNGState",
+    "WRAPPER_PREFIXES",
+    "as_torch",
     "conform",
+    "dtype_from_name",
     "flatten_for_restore",
     "flatten_for_save",
+    "is_tensor_like",
     "normalize_fqn",
+    "torch_dtype_name",
 ]

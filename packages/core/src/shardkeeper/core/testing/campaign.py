@@ -393,5 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if summary.failures else 0
 
 
+__all__ = ["KILL_POINTS", "KillingStorage", "Summary", "Trial", "deterministic_state", "main", "run_campaign"]
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -65,3 +65,6 @@ def kill_tree(proc: subprocess.Popen[Any], *, dump_stacks: bool = False, grace_s
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+__all__ = ["descendants", "kill_tree", "signal_all"]

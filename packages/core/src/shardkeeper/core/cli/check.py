@@ -1,0 +1,118 @@
+"""Commands that look after a root: ``verify`` (every file, size and digest; exit 1 on damage)
+and ``gc`` (leftovers of failed saves, never a commit in progress)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shardkeeper.core.cli.common import (
+    EXIT_DAMAGED,
+    EXIT_OK,
+    PROG,
+    add_key_options,
+    open_root,
+    print_json,
+    step_arg,
+    with_key,
+)
+from shardkeeper.core.cli.display import human_size, say
+from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S, collect_garbage
+from shardkeeper.core.verify import Problem, RootVerifyReport, verify_root, verify_step
+
+
+def _print_problems(problems: Sequence[Problem]) -> None:
+    for p in problems:
+        say(f"  - {p.message}")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage = with_key(open_root(args), args.key, args.encryption_root)
+    if args.step is not None:
+        try:
+            reports = [verify_step(storage, args.step)]
+        except CorruptCheckpointError as e:
+            # The manifest exists but does not validate: that is damage, not a usage error.
+            root = RootVerifyReport(root=storage.url, problems=[Problem(
+                step=args.step, kind="manifest", file="",
+                message=f"step {args.step}: the manifest does not validate: {e}")])
+        else:
+            root = RootVerifyReport(root=storage.url, steps=reports)
+    else:
+        root = verify_root(storage)
+        if not root.steps and not root.problems:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
+
+    if args.json:
+        print_json(root.to_json())
+        return EXIT_OK if root.ok else EXIT_DAMAGED
+
+    for p in root.problems:
+        say(p.message)
+    for r in root.steps:
+        if r.ok:
+            say(f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
+                  f"{human_size(r.bytes_checked)} checked)")
+        else:
+            say(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s))")
+            _print_problems(r.problems)
+    bad = len(root.all_problems)
+    if bad:
+        say(f"verify: {bad} problem(s) under {storage.url}", file=sys.stderr)
+        return EXIT_DAMAGED
+    return EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    storage = open_root(args)
+    if args.min_age_s < 0:
+        raise UsageError(f"--min-age-s must be >= 0, got {args.min_age_s}")
+    report = collect_garbage(storage, min_age_s=args.min_age_s, dry_run=args.dry_run)
+    if args.json:
+        print_json(report.to_json())
+        return EXIT_DAMAGED if report.errors else EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for p in report.removed_paths:
+        say(f"{verb} {storage.describe(p)}")
+    for p in report.skipped_young:
+        say(f"kept {storage.describe(p)} (younger than {args.min_age_s:g} s: a save may be "
+              f"running)")
+    if report.kept_referenced:
+        say(f"kept {len(report.kept_referenced)} file(s) of deleted steps that committed "
+              f"steps reference")
+    for p in report.kept_in_flight:
+        say(f"kept {storage.describe(p)} (a commit in progress needs it)")
+    for e in report.errors:
+        say(f"{PROG}: error: {e}", file=sys.stderr)
+    n = len(report.removed_paths)
+    say(f"gc: {verb} {n} path(s), {human_size(report.removed_bytes)}"
+          + (" (dry run)" if args.dry_run else ""))
+    return EXIT_DAMAGED if report.errors else EXIT_OK
+
+
+def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    """``verify ROOT [STEP]``: exit 0 clean, 1 damaged."""
+    p = sub.add_parser("verify", parents=[common],
+                       help="check files, sizes and every digest; exit 1 on damage")
+    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg,
+                   help="the step (default: every committed step)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_key_options(p)
+    p.set_defaults(func=cmd_verify)
+
+
+def add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    """``gc ROOT``: remove what failed saves left behind."""
+    p = sub.add_parser("gc", parents=[common],
+                       help="remove leftovers of failed saves and unreferenced files")
+    p.add_argument("--min-age-s", type=float, default=DEFAULT_GC_MIN_AGE_S, metavar="N",
+                   help=f"only remove leftovers older than N seconds (default "
+                   f"{DEFAULT_GC_MIN_AGE_S:g}); must exceed the longest save")
+    p.add_argument("--dry-run", action="store_true", help="report, remove nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_gc)
+
+
+__all__ = ["add_gc", "add_verify", "cmd_gc", "cmd_verify"]

@@ -1,0 +1,204 @@
+"""Commands that show what is under a root: ``ls`` (every step and its state) and ``inspect``
+(one step's metadata and leaves). Human output goes through ``display.say``: manifest strings
+are untrusted."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+from shardkeeper.core.cli.common import EXIT_OK, open_root, print_json, step_arg
+from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
+from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleFormatError,
+    UsageError,
+)
+from shardkeeper.core.format.layout import LATEST_NAME
+from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
+from shardkeeper.core.storage.base import Storage
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _latest_hint(storage: Storage) -> int | None:
+    try:
+        return int(storage.read_bytes(LATEST_NAME).decode().strip())
+    except (CheckpointError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _resolve_step(storage: Storage, step: int | None) -> int:
+    if step is not None:
+        return step
+    steps = committed_steps(storage)
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
+    return steps[-1]
+
+
+def _stored_bytes(m: Manifest) -> int:
+    return sum(int(f.get("size_bytes", 0)) for f in m.files.values() if isinstance(f, dict))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage = open_root(args)
+    latest = _latest_hint(storage)
+    committed = set(committed_steps(storage))
+    rows: list[dict[str, Any]] = []
+    for step, name in sorted(step_dirs(storage).items()):
+        row: dict[str, Any] = {
+            "step": step,
+            "status": "committed",
+            "size_bytes": None,
+            "logical_bytes": None,
+            "leaves": None,
+            "world_size": None,
+            "created_at": None,
+            "latest_hint": step == latest,
+        }
+        if step in committed:
+            try:
+                m = load_manifest(storage, step)
+            except IncompatibleFormatError:
+                row["status"] = "newer-format"
+            except CheckpointError:
+                row["status"] = "invalid"  # damaged or deleted since the listing
+            else:
+                row.update(
+                    size_bytes=_stored_bytes(m),
+                    logical_bytes=m.nbytes,
+                    leaves=len(m.leaves),
+                    world_size=m.world_size,
+                    created_at=m.created_at or None,
+                )
+        else:
+            try:
+                names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
+            except CorruptCheckpointError:  # cannot be listed for what it is: damage
+                names = [MANIFEST_NAME]
+            row["status"] = "invalid" if MANIFEST_NAME in names else "uncommitted"
+        rows.append(row)
+
+    if args.json:
+        print_json({"root": storage.url, "latest_hint": latest, "steps": rows})
+        return EXIT_OK
+    if not rows:
+        say(f"no checkpoints under {storage.url}")
+        return EXIT_OK
+    table = [
+        [
+            r["step"],
+            r["status"],
+            human_size(r["size_bytes"]) if r["size_bytes"] is not None else "-",
+            r["leaves"] if r["leaves"] is not None else "-",
+            r["world_size"] if r["world_size"] is not None else "-",
+            r["created_at"] or "-",
+            "LATEST" if r["latest_hint"] else "",
+        ]
+        for r in rows
+    ]
+    say(*table_lines(["STEP", "STATUS", "SIZE", "LEAVES", "WORLD", "CREATED", ""], table, "rlrrrll"))
+    if latest is not None and latest not in committed:
+        say(f"note: the LATEST hint says step {latest}, which is not committed; readers ignore it")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    storage = open_root(args)
+    step = _resolve_step(storage, args.step)
+    m = load_manifest(storage, step)
+    patterns = args.keys or []
+    keys = [k for k in m.leaves if not patterns or any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    if patterns and not keys:
+        raise UsageError(f"no key of step {step} matches {' or '.join(patterns)}")
+
+    leaves = []
+    for k in keys:
+        leaf = m.leaves[k]
+        if leaf.kind == "object":
+            leaves.append({"key": k, "kind": "object", "value": leaf.value})
+        else:
+            leaves.append({
+                "key": k,
+                "kind": leaf.kind,
+                "dtype": leaf.dtype,
+                "shape": list(leaf.shape),
+                "chunks": len(leaf.chunks),
+                "size_bytes": leaf.nbytes,
+                "stored_bytes": sum(c.length for c in leaf.chunks),
+            })
+    if args.json:
+        print_json({
+            "root": storage.url,
+            "step": m.step,
+            "format_version": m.format_version,
+            "created_at": m.created_at,
+            "attempt": m.attempt,
+            "world_size": m.world_size,
+            "digest_algorithm": m.digest_algorithm,
+            "digest_block_bytes": m.digest_block_bytes,
+            "per_rank_prefixes": list(m.per_rank_prefixes),
+            "metadata": m.metadata,
+            "files": len(m.files),
+            "size_bytes": _stored_bytes(m),
+            "logical_bytes": m.nbytes,
+            "leaves": leaves,
+        })
+        return EXIT_OK
+
+    head = [
+        ("root", storage.url),
+        ("step", m.step),
+        ("format version", m.format_version),
+        ("created at", m.created_at or "-"),
+        ("attempt", m.attempt or "-"),
+        ("world size", m.world_size),
+        ("digest", f"{m.digest_algorithm}, {human_size(m.digest_block_bytes)} blocks"),
+        ("files", f"{len(m.files)}, {human_size(_stored_bytes(m))}"),
+        ("leaves", f"{len(m.leaves)}, {human_size(m.nbytes)} of tensors and bytes"),
+    ]
+    if m.per_rank_prefixes:
+        head.append(("per-rank", ", ".join(m.per_rank_prefixes)))
+    for k, v in sorted(m.metadata.items()):
+        head.append((f"metadata.{k}", v if isinstance(v, str) else preview(v, 80)))
+    head = [(printable(k), v) for k, v in head]  # escaped before padding
+    width = max(len(k) for k, _ in head)
+    say(*(f"{k.ljust(width)}  {v}" for k, v in head), "")
+    table = []
+    for row in leaves:
+        if row["kind"] == "object":
+            table.append([row["key"], "object", "", "", "", "", preview(row["value"])])
+        else:
+            table.append([row["key"], row["kind"], row["dtype"], _shape(row["shape"]),
+                          row["chunks"], human_size(row["size_bytes"]), ""])
+    say(*table_lines(["KEY", "KIND", "DTYPE", "SHAPE", "CHUNKS", "SIZE", "VALUE"], table, "lllrrrl"))
+    return EXIT_OK
+
+
+def add_ls(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    """``ls ROOT``: every step directory under the root and its state."""
+    p = sub.add_parser("ls", parents=[common], help="list checkpoints under ROOT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+
+def add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    """``inspect ROOT [STEP]``: one step's manifest, leaf by leaf."""
+    p = sub.add_parser("inspect", parents=[common], help="show one checkpoint's metadata and leaves")
+    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg,
+                   help="the step (default: the newest committed)")
+    p.add_argument("--keys", action="append", metavar="PATTERN",
+                   help="only keys matching this glob, e.g. 'model/*' (repeatable)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+
+__all__ = ["add_inspect", "add_ls", "cmd_inspect", "cmd_ls"]

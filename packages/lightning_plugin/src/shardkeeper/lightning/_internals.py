@@ -1,0 +1,122 @@
+"""Every use of a private Lightning attribute, in one place, checked against the tested releases.
+
+The plugin needs the Trainer a LightningModule is attached to, or ``None`` (Lightning's public
+``lm.trainer`` raises when there is none), and the importer parses ``configure_optimizers()``
+outside a Trainer as the Trainer does (Lightning has no public function for that). Each
+function below uses one private name; each was checked on Lightning 2.5.6 and 2.6.6.
+``contract_check`` says which of them the installed Lightning has, and
+``tests/lightning/test_internals.py`` asserts all of them, so a release that renames or
+removes one fails loudly there (bump ``TESTED_RANGE`` only after that test passes on the new
+release). ``warn_if_untested`` warns once per process outside the range.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+#: Lightning releases whose internals this module was verified against: [low, high).
+TESTED_RANGE = ((2, 5), (2, 7))
+_warned_untested = False
+
+
+class LightningInternalsError(RuntimeError):
+    """The installed Lightning does not have the internals this adapter relies on."""
+
+
+def lightning_version() -> tuple[int, int]:
+    import lightning
+
+    major, minor = (int(x) for x in lightning.__version__.split(".")[:2])
+    return major, minor
+
+
+def version_tested() -> bool:
+    lo, hi = TESTED_RANGE
+    return lo <= lightning_version() < hi
+
+
+def warn_if_untested() -> None:
+    """Warn (once per process) when the installed Lightning is outside ``TESTED_RANGE``."""
+    global _warned_untested
+    if _warned_untested or version_tested():
+        return
+    _warned_untested = True
+    import lightning
+
+    warnings.warn(
+        f"shardkeeper.lightning was verified with Lightning {_range_text()}; {lightning.__version__} "
+        f"is outside that range (its internals are checked where they are used)",
+        stacklevel=3,
+    )
+
+
+def _range_text() -> str:
+    (a, b), (c, d) = TESTED_RANGE
+    return f"{a}.{b} to <{c}.{d}"
+
+
+def _missing(what: str) -> LightningInternalsError:
+    import lightning
+
+    return LightningInternalsError(
+        f"Lightning {lightning.__version__} lacks {what}, which shardkeeper.lightning relies on; "
+        f"this adapter was verified with Lightning {_range_text()}. Install a Lightning release in "
+        f"that range, or update shardkeeper-lightning"
+    )
+
+
+# -- the internals ----------------------------------------------------------------------------
+def trainer_of(lm: Any) -> Any:
+    """The Trainer ``lm`` (a LightningModule) is attached to, or ``None``: ``lm._trainer``
+    (2.5.6, 2.6.6), behind the public ``lm.trainer`` that raises when it is unset."""
+    try:
+        return lm._trainer
+    except AttributeError:
+        raise _missing("LightningModule._trainer") from None
+
+
+def parse_optimizers(conf: Any) -> list[Any]:
+    """The optimizers of a ``configure_optimizers()`` return value, as the Trainer reads it:
+    ``lightning.pytorch.core.optimizer._configure_optimizers`` (2.5.6, 2.6.6)."""
+    from lightning.pytorch.core import optimizer
+
+    parse = getattr(optimizer, "_configure_optimizers", None)
+    if parse is None:
+        raise _missing("lightning.pytorch.core.optimizer._configure_optimizers")
+    opts, _, _ = parse(conf)
+    return list(opts)
+
+
+# -- the contract -----------------------------------------------------------------------------
+def contract_check() -> dict[str, bool]:
+    """Each private name this adapter uses: whether the installed Lightning has it as expected."""
+    import torch
+
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.core import optimizer
+
+    present = {"LightningModule._trainer": False, "lightning.pytorch.core.optimizer._configure_optimizers": False}
+    try:
+        present["LightningModule._trainer"] = trainer_of(LightningModule()) is None
+    except LightningInternalsError:
+        pass
+    parse = getattr(optimizer, "_configure_optimizers", None)
+    if callable(parse):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        try:
+            present["lightning.pytorch.core.optimizer._configure_optimizers"] = parse_optimizers(opt) == [opt]
+        except Exception:  # noqa: BLE001 - any failure means the signature changed
+            pass
+    return present
+
+
+__all__ = [
+    "TESTED_RANGE",
+    "LightningInternalsError",
+    "contract_check",
+    "parse_optimizers",
+    "trainer_of",
+    "version_tested",
+    "warn_if_untested",
+]

@@ -1,0 +1,214 @@
+"""Static check that an adapter touches private framework names only in its internals module.
+
+``private_accesses(package_dir, internals)`` parses every module of an adapter package except
+``internals`` and lists each use of a private name (``_x``, not ``__x__``) that is not the
+adapter's own:
+
+- attribute reads and writes ``obj._x``, and ``getattr`` / ``setattr`` / ``hasattr`` /
+  ``delattr`` / ``object.__setattr__`` with a literal (or module-constant) private name;
+- ``from framework... import _x``, and imports of a private module path (``a._b``).
+
+Not reported, as the adapter's own: ``self._x`` / ``cls._x`` in methods of the adapter's
+classes; ``obj._x`` where ``obj`` is annotated with, or built by calling, one of the adapter's
+classes, is one of those classes, or is a ``shardkeeper`` module (module-private names);
+attributes named ``_shardkeeper...`` (markers the adapter sets on framework objects to find
+its own state again).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+_ATTR_FUNCS = {"getattr", "setattr", "hasattr", "delattr"}
+_OBJECT_FUNCS = {"__setattr__", "__getattribute__", "__delattr__"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _ours(module: str | None, level: int) -> bool:
+    return level > 0 or (module or "").split(".")[0] == "shardkeeper"
+
+
+class _Scan(ast.NodeVisitor):
+    def __init__(self, own_classes: set[str], consts: dict[str, str], where: str) -> None:
+        self.own_classes = own_classes
+        self.consts = consts
+        self.where = where
+        self.scopes: list[dict[str, bool]] = [{}]
+        self.found: list[str] = []
+
+    # -- what a name refers to -------------------------------------------------------------
+    def _own(self, node: ast.expr) -> bool:
+        if not isinstance(node, ast.Name):
+            return False
+        for scope in reversed(self.scopes):
+            if node.id in scope:
+                return scope[node.id]
+        return node.id in self.own_classes
+
+    def _names_own_class(self, annotation: ast.expr | None) -> bool:
+        return annotation is not None and bool(set(re.findall(r"\w+", ast.unparse(annotation))) & self.own_classes)
+
+    def _report(self, node: ast.AST, what: str) -> None:
+        self.found.append(f"{self.where}:{getattr(node, 'lineno', 0)}: {what}")
+
+    # -- scopes ----------------------------------------------------------------------------
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for d in node.decorator_list + node.bases + node.keywords:
+            self.visit(d)
+        for stmt in node.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self._function(stmt, method=True)
+            else:
+                self.visit(stmt)
+        self.scopes[-1][node.name] = True
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self._function(node, method=False)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef, *, method: bool) -> None:
+        for d in node.decorator_list:
+            self.visit(d)
+        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+        args += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+        for a in args:
+            if a.annotation is not None:
+                self.visit(a.annotation)
+        for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+            self.visit(default)
+        static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list)
+        scope = {a.arg: self._names_own_class(a.annotation) for a in args}
+        positional = node.args.posonlyargs + node.args.args
+        if method and not static and positional:
+            scope[positional[0].arg] = True  # self / cls of the adapter's own class
+        self.scopes.append(scope)
+        for stmt in node.body:
+            self.visit(stmt)
+        self.scopes.pop()
+        self.scopes[-1][node.name] = False
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        self.scopes.append({a.arg: False for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs})
+        self.visit(node.body)
+        self.scopes.pop()
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.generic_visit(node)
+        built = isinstance(node.value, ast.Call) and self._own(node.value.func)
+        for t in node.targets:
+            if isinstance(t, ast.Name):
+                self.scopes[-1][t.id] = built
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self.generic_visit(node)
+        if isinstance(node.target, ast.Name):
+            self.scopes[-1][node.target.id] = self._names_own_class(node.annotation)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            ours = _ours(alias.name, 0)
+            if not ours and any(_private(part) for part in alias.name.split(".")):
+                self._report(node, f"import {alias.name}")
+            self.scopes[-1][(alias.asname or alias.name).split(".")[0]] = ours
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        ours = _ours(node.module, node.level)
+        if not ours and any(_private(part) for part in (node.module or "").split(".")):
+            self._report(node, f"from {node.module} import ...")
+        for alias in node.names:
+            if not ours and _private(alias.name):
+                self._report(node, f"from {node.module} import {alias.name}")
+            self.scopes[-1][alias.asname or alias.name] = ours
+
+    # -- the accesses ----------------------------------------------------------------------
+    def _check(self, node: ast.AST, obj: ast.expr, name: str) -> None:
+        if _private(name) and not name.startswith("_shardkeeper") and not self._own(obj):
+            self._report(node, ast.unparse(node)[:100])
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self._check(node, node.value, node.attr)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        f = node.func
+        reflective = (isinstance(f, ast.Name) and f.id in _ATTR_FUNCS) or (
+            isinstance(f, ast.Attribute) and f.attr in _OBJECT_FUNCS
+            and isinstance(f.value, ast.Name) and f.value.id == "object"
+        )
+        if reflective and len(node.args) >= 2:
+            arg = node.args[1]
+            name = arg.value if isinstance(arg, ast.Constant) else self.consts.get(getattr(arg, "id", ""))
+            if isinstance(name, str):
+                self._check(node, node.args[0], name)
+        self.generic_visit(node)
+
+
+def _module_consts(tree: ast.Module) -> dict[str, str]:
+    out = {}
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+            out.update({t.id: stmt.value.value for t in stmt.targets if isinstance(t, ast.Name)})
+    return out
+
+
+def scan_file(path: Path, own_classes: set[str], where: str) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    s = _Scan(own_classes, _module_consts(tree), where)
+    s.visit(tree)
+    return s.found
+
+
+def adapter_classes(package_dir: Path) -> set[str]:
+    """Names of the classes the adapter package defines."""
+    trees = [ast.parse(f.read_text()) for f in package_dir.glob("*.py")]
+    return {n.name for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+
+
+def private_accesses(package_dir: Path, internals: str) -> list[str]:
+    """``file:line: code`` of every private-name use outside ``internals`` that is not the adapter's own."""
+    own = adapter_classes(package_dir)
+    found: list[str] = []
+    for f in sorted(package_dir.glob("*.py")):
+        if f.name != internals:
+            found += scan_file(f, own, f.name)
+    return found
+
+
+def internals_accesses(package_dir: Path, internals: str) -> list[str]:
+    """The same findings inside ``internals`` itself (where they belong): shows the scan sees them."""
+    return scan_file(package_dir / internals, adapter_classes(package_dir), internals)
+
+
+def _tests_trust(expr: ast.expr) -> bool:
+    """Whether ``expr`` tests the value of ``trust_pickle`` (as a condition or an operand)."""
+    if isinstance(expr, ast.Name):
+        return expr.id == "trust_pickle"
+    if isinstance(expr, ast.Compare):
+        return any(_tests_trust(e) for e in [expr.left, *expr.comparators])
+    if isinstance(expr, ast.BoolOp):
+        return any(_tests_trust(e) for e in expr.values)
+    if isinstance(expr, ast.UnaryOp):
+        return _tests_trust(expr.operand)
+    return False
+
+
+def own_trust_checks(package_dir: Path) -> list[str]:
+    """``file:line: code`` of every test of ``trust_pickle`` in the package (a condition, a
+    comparison, a ``not``): the core's ``require_trust`` is the one gate; adapters only pass
+    the caller's value on (``require_trust(path, trust_pickle=trust_pickle, ...)``)."""
+    found = []
+    for f in sorted(package_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+                hit = _tests_trust(node.test)
+            else:
+                hit = isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp)) and _tests_trust(node)
+            if hit:
+                found.append(f"{f.name}:{node.lineno}: {ast.unparse(node).splitlines()[0][:100]}")
+    return found
