@@ -10,8 +10,9 @@ from typing import Any
 from shardkeeper.accelerate import _internals as acci
 from shardkeeper.accelerate.config import resolve_settings, split_settings
 from shardkeeper.accelerate.dataloaders import track
-from shardkeeper.accelerate.state import build_state, global_rank
+from shardkeeper.accelerate.state import FRAMEWORK, build_state, global_rank
 from shardkeeper.core import CheckpointManager, SaveHandle, parse_step_dir
+from shardkeeper.core.adapter import RootManagers, check_save_step
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,9 @@ class AcceleratePlugin:
     def __init__(self, accelerator: Any, settings: dict[str, Any]) -> None:
         self._acc = weakref.ref(accelerator)
         self.settings, self.options = split_settings(settings)
-        self._managers: dict[str, CheckpointManager] = {}
+        import accelerate
+
+        self._managers = RootManagers(FRAMEWORK, accelerate.__version__, self.options)
         self.last_handle: SaveHandle | None = None
 
     @property
@@ -61,18 +64,10 @@ class AcceleratePlugin:
         return self.accelerator.project_configuration.total_limit
 
     def manager(self, root: str) -> CheckpointManager:
-        mgr = self._managers.get(root)
-        if mgr is None:
-            mgr = CheckpointManager(
-                root,
-                keep_last=self.keep_last(),
-                keep_every=self.settings.get("keep_every"),
-                storage_options=self.settings.get("storage_options"),
-                metadata={"framework": "accelerate", **_versions()},
-                **self.options,
-            )
-            self._managers[root] = mgr
-        return mgr
+        return self._managers.get(
+            root, keep_last=self.keep_last(), keep_every=self.settings.get("keep_every"),
+            storage_options=self.settings.get("storage_options"),
+        )
 
     def _check_supported(self, what: str) -> None:
         kind = _dtype_name(self.accelerator)
@@ -112,19 +107,17 @@ class AcceleratePlugin:
         root = self.default_root() if (pc.automatic_checkpoint_naming or output_dir is None) else str(output_dir)
         mgr = self.manager(root)
         n = int(pc.iteration) if step is None else int(step)
-        mgr.wait()  # a previous save's failure surfaces here, before a new one starts
-        if mgr.is_committed(n):
-            raise ValueError(
-                f"shardkeeper: step {n} is already committed under {root} (rank {global_rank()}); "
-                f"checkpoints are immutable. Call accelerator.load_state() first to continue the "
-                f"iteration counter, set accelerator.project_configuration.iteration, or pass "
-                f"save_state(step=...)"
-            )
+        # a previous save's failure surfaces here; every rank gets rank 0's answer
+        check_save_step(mgr, n).raise_if_refused(
+            "shardkeeper.accelerate save_state",
+            "Call accelerator.load_state() first to continue the iteration counter, set "
+            "accelerator.project_configuration.iteration, or pass save_state(step=...).",
+        )
         for dl in acci.prepared_dataloaders(acc):
             track(dl)
-        state = build_state(acc, next_iteration=int(pc.iteration) + 1)
+        state = build_state(acc, step=n, next_iteration=max(int(pc.iteration), n) + 1)
         self.last_handle = mgr.save(n, state, metadata={"accelerate_distributed_type": _dtype_name(acc)})
-        pc.iteration = int(pc.iteration) + 1
+        pc.iteration = max(int(pc.iteration), n) + 1
         return mgr.step_url(n)
 
     # -- load --------------------------------------------------------------------------------
@@ -162,13 +155,10 @@ class AcceleratePlugin:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait(self) -> None:
-        for mgr in self._managers.values():
-            mgr.wait()
+        self._managers.wait()
 
     def close(self) -> None:
-        for mgr in self._managers.values():
-            mgr.close()
-        self._managers.clear()
+        self._managers.close()
 
 
 def _newest(mgr: CheckpointManager, root: str, rank: int) -> int:
@@ -181,14 +171,6 @@ def _newest(mgr: CheckpointManager, root: str, rank: int) -> int:
             f"start from scratch without load_state()"
         )
     return step
-
-
-def _versions() -> dict[str, str]:
-    import accelerate
-
-    return {"accelerate_version": accelerate.__version__}
-
-
 
 
 def enable(accelerator: Any, root: str | None = None, **options: Any) -> AcceleratePlugin:

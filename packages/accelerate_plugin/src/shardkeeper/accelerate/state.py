@@ -8,7 +8,8 @@
 | LR scheduler (one / several)     | ``sched/...`` / ``sched/<j>/...``                |
 | gradient scaler                  | ``extra/grad_scaler/...``                        |
 | ``register_for_checkpointing``   | ``extra/custom/<i>/...``                         |
-| save counter, ``accelerator.step``| ``progress/accelerate/{iteration,step}``         |
+| the step, save counter,          | ``progress/step`` (the core's progress schema),  |
+| ``accelerator.step``              | ``progress/accelerate/{iteration,step}``         |
 | DeepSpeed engine (model, optim,  | ``engine_state(engine)`` of the DeepSpeed        |
 | its scheduler, counters)         | adapter: ``model``, ``optim``, ``sched``, ``progress/...`` |
 | RNG of each rank                 | ``rng/<rank>/...``                               |
@@ -26,12 +27,13 @@ from torch import nn
 from shardkeeper.accelerate import _internals as acci
 from shardkeeper.accelerate.dataloaders import LoaderPositions
 from shardkeeper.core import PerRank, RNGState
+from shardkeeper.core.progress import Progress as CheckpointProgress
+from shardkeeper.core.progress import ProgressTarget, progress_state
 
 log = logging.getLogger(__name__)
 
-#: Where checkpoints written before the counters moved to ``progress/accelerate`` keep them.
-LEGACY_PROGRESS = ("progress/iteration", "progress/step")
-
+#: The framework name in the manifest metadata and under ``progress/``.
+FRAMEWORK = "accelerate"
 
 def _indexed(items: list[Any]) -> Any:
     return items[0] if len(items) == 1 else {str(i): x for i, x in enumerate(items)}
@@ -49,41 +51,43 @@ def models_entry(accelerator: Any) -> nn.Module | None:
     return models[0] if len(models) == 1 else nn.ModuleList(models)
 
 
-class Progress:
-    """The counters Accelerate keeps: the save iteration and ``accelerator.step``."""
+class Progress(ProgressTarget):
+    """``progress/``: the save's step, Accelerate's counters under ``accelerate/`` (the save
+    iteration and ``accelerator.step``), and the DeepSpeed engine's counters when there is one.
 
-    def __init__(self, accelerator: Any, keys: Collection[str] = ("iteration", "step")) -> None:
-        # Saved under progress/accelerate/ so that they sit next to the DeepSpeed engine's
-        # progress/global_step, ... without a collision.
+    On restore it continues the step count of any checkpoint: Accelerate's own counters where
+    it wrote them, else (another framework's checkpoint, or a plain core save) the next save
+    iteration follows the checkpoint's step and ``accelerator.step`` is that step's count of
+    micro-steps.
+    """
+
+    def __init__(self, accelerator: Any, *, step: int = 0, next_iteration: int | None = None,
+                 engine_progress: ProgressTarget | None = None) -> None:
         self.accelerator = accelerator
-        self.keys = tuple(keys)
-        self.next_iteration = int(accelerator.project_configuration.iteration)
-
-    def state_dict(self) -> dict[str, Any]:
-        vals = {"iteration": self.next_iteration, "step": int(self.accelerator.step)}
-        return {k: vals[k] for k in self.keys}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if "iteration" in sd:
-            self.accelerator.project_configuration.iteration = int(sd["iteration"])
-        if "step" in sd:
-            self.accelerator.step = int(sd["step"])
-
-
-class MergedProgress:
-    """``progress/``: the DeepSpeed engine's counters and Accelerate's (under ``accelerate/``)."""
-
-    def __init__(self, engine_progress: Any, ours: Progress) -> None:
+        self.step = step
+        self.next_iteration = int(accelerator.project_configuration.iteration) if next_iteration is None else next_iteration
         self.engine_progress = engine_progress
-        self.ours = ours
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.engine_progress.state_dict(), "accelerate": self.ours.state_dict()}
+        ours = {"iteration": self.next_iteration, "step": int(self.accelerator.step)}
+        entry = progress_state(step=self.step, counters={FRAMEWORK: ours})
+        if self.engine_progress is None:
+            return entry
+        return {**self.engine_progress.state_dict(), **entry}  # the engine's samples and counters too
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        rest = dict(sd)
-        self.ours.load_state_dict(rest.pop("accelerate", {}))
-        self.engine_progress.load_state_dict(rest)
+    def load_progress(self, progress: CheckpointProgress) -> None:
+        acc = self.accelerator
+        ours = progress.of(FRAMEWORK)
+        if "iteration" in ours:
+            acc.project_configuration.iteration = int(ours["iteration"])
+        else:
+            acc.project_configuration.iteration = max(progress.step, progress.checkpoint_step or 0) + 1
+        if "step" in ours:
+            acc.step = int(ours["step"])
+        elif not ours:
+            acc.step = int(progress.step) * int(acc.gradient_accumulation_steps)
+        if self.engine_progress is not None:
+            self.engine_progress.load_progress(progress)
 
 
 def global_rank() -> int:
@@ -122,13 +126,14 @@ def deepspeed_engine_state(accelerator: Any) -> dict[str, Any]:
 def build_state(
     accelerator: Any,
     *,
+    step: int = 0,
     next_iteration: int | None = None,
     present: Collection[str] | None = None,
     resume_dataloaders: bool = True,
 ) -> dict[str, Any]:
     """The state dict for ``CheckpointManager.save`` / ``restore`` (same structure for both).
 
-    ``present``: the checkpoint's keys on restore; optional parts it lacks are left out (with
+    ``step``: the step of a save (``progress/step``). ``present``: the checkpoint's keys on restore; optional parts it lacks are left out (with
     a warning) instead of failing, so a checkpoint written elsewhere still restores here.
     """
 
@@ -171,9 +176,8 @@ def build_state(
         extra["custom"] = {str(i): o for i, o in enumerate(custom)}
     if extra:
         state["extra"] = extra
-    progress = _progress_entry(accelerator, engine.get("progress"), present, next_iteration, missing)
-    if progress is not None:
-        state["progress"] = progress
+    state["progress"] = Progress(accelerator, step=step, next_iteration=next_iteration,
+                                 engine_progress=engine.get("progress"))
     # rng before data: a DataLoader's resume point needs the checkpoint's RNG already set.
     if has("rng"):
         state["rng"] = RNGState()
@@ -184,42 +188,3 @@ def build_state(
         log.warning("shardkeeper: the checkpoint has no %s; those parts of the state keep their current values",
                     ", ".join(missing))
     return state
-
-
-def _progress_entry(
-    accelerator: Any, engine_progress: Any, present: Collection[str] | None, next_iteration: int | None,
-    missing: list[str],
-) -> Any:
-    """``progress/``: Accelerate's counters under ``accelerate/``, next to the engine's if any.
-
-    On restore, a checkpoint written before the counters moved keeps them at
-    ``progress/iteration`` / ``progress/step``; those are read from there.
-    """
-    def under(prefix: str) -> list[str]:
-        if present is None:
-            return ["iteration", "step"]
-        return [k for k in ("iteration", "step") if f"{prefix}/{k}" in present]
-
-    keys, legacy = under("progress/accelerate"), False
-    if not keys and present is not None:
-        keys, legacy = [k for k in ("iteration", "step") if f"progress/{k}" in present], True
-    ours: Progress | None = None
-    if keys:
-        ours = Progress(accelerator, keys)
-        if next_iteration is not None:
-            ours.next_iteration = next_iteration
-    else:
-        missing.append("progress/accelerate")
-    if engine_progress is not None and present is not None and not any(
-        k.startswith("progress/") and not k.startswith("progress/accelerate/") and k not in LEGACY_PROGRESS
-        for k in present
-    ):
-        missing.append("progress (the DeepSpeed engine's counters)")
-        engine_progress = None
-    if ours is None:
-        return engine_progress
-    if legacy:  # such a checkpoint predates DeepSpeed support: it has no engine counters
-        return ours
-    if engine_progress is not None:
-        return MergedProgress(engine_progress, ours)
-    return {"accelerate": ours}
