@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardkeeper.core import Fragment, StateMismatchError
-from shardkeeper.core.format.manifest import LeafRecord
+from shardkeeper.core.format.records import LeafRecord
 from shardkeeper.deepspeed.hook import _lists_back, _rebuild, check_model_matches, tag_to_step
 
 

@@ -51,7 +51,8 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
 from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
-from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION, Manifest
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.versions import ROOT_BOUND_VERSION
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata
 from shardkeeper.core.retention import RetentionPolicy, apply_retention
