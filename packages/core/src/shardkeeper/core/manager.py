@@ -27,7 +27,9 @@ from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.catalog import forget_deleted, record_commit
 from shardkeeper.core.codec import CodecState
-from shardkeeper.core.codec.crypto import EncryptedStorage, files_look_encrypted, seal_manifest
+from shardkeeper.core.codec.crypto import EncryptedStorage
+from shardkeeper.core.codec.crypto_format import files_look_encrypted
+from shardkeeper.core.codec.crypto_manifest import seal_manifest
 from shardkeeper.core.codec.keys import EncryptionKeyError, key_provider
 from shardkeeper.core.commit import (
     committed_steps,

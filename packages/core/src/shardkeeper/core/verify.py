@@ -185,7 +185,7 @@ def verify_step(
     out = _Collector(report, storage.describe(base))
     if m.encryption is not None and not getattr(storage, "authenticate", False):
         # Encrypted, no key (codec/crypto.py): structure only; digests and tags need the key.
-        from shardkeeper.core.codec.crypto import keyless_problems
+        from shardkeeper.core.codec.crypto_format import keyless_problems
 
         report.files_checked, found = keyless_problems(storage, m, step)
         for kind, message, where in found:
