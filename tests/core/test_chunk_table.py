@@ -20,20 +20,17 @@ from hypothesis import strategies as st
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from shardkeeper.core.format.manifest import FORMAT_VERSION, Manifest
-from shardkeeper.core.format.table import (
-    LEAF_TABLE_VERSION,
-    TABLE_VERSION,
-    ChunkTable,
-    LeafTable,
-    TableLeaves,
-    all_slabs,
+from shardkeeper.core.format.columns import ChunkTable, LeafTable
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.reports import (
     decode_report,
     encode_report,
-    leaf_chunks_problem,
     report_for_wire,
     rows_report,
 )
+from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
+from shardkeeper.core.format.versions import FORMAT_VERSION, LEAF_TABLE_VERSION, TABLE_VERSION
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.verify import verify_step
 from tests.core.test_hostile import JSON_VALUES, _apply, _parse_ok_or_checkpoint_error, _paths

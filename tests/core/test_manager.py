@@ -43,7 +43,7 @@ from shardkeeper.core import (
     StorageError,
 )
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.manifest import READ_VERSION
+from shardkeeper.core.format.versions import READ_VERSION
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.faults import FaultyStorage
 

@@ -33,7 +33,8 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.bounds import stored_bytes_problem
 from shardkeeper.core.format.digest import digest_function
-from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import ChunkRecord, LeafRecord, itemsize
 from shardkeeper.core.format.safetensors import build_header
 from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage import open_storage

@@ -27,7 +27,9 @@ from shardkeeper.core.advisor import save_timings
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.catalog import forget_deleted, record_commit
 from shardkeeper.core.codec import CodecState
-from shardkeeper.core.codec.crypto import EncryptedStorage, files_look_encrypted, seal_manifest
+from shardkeeper.core.codec.crypto import EncryptedStorage
+from shardkeeper.core.codec.crypto_format import files_look_encrypted
+from shardkeeper.core.codec.crypto_manifest import seal_manifest
 from shardkeeper.core.codec.keys import EncryptionKeyError, key_provider
 from shardkeeper.core.commit import (
     committed_steps,
@@ -50,7 +52,8 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER, snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
-from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION, Manifest
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.versions import ROOT_BOUND_VERSION
 from shardkeeper.core.options import CheckpointOptions
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import check_restore_target, state_metadata

@@ -27,15 +27,8 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.manifest import (
-    DTYPES,
-    MANIFEST_NAME,
-    ChunkRecord,
-    LeafRecord,
-    Manifest,
-    check_tiling,
-    itemsize,
-)
+from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
+from shardkeeper.core.format.records import DTYPES, ChunkRecord, LeafRecord, check_tiling, itemsize
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
 from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
 from shardkeeper.core.root_files import resolve_file
@@ -192,7 +185,7 @@ def verify_step(
     out = _Collector(report, storage.describe(base))
     if m.encryption is not None and not getattr(storage, "authenticate", False):
         # Encrypted, no key (codec/crypto.py): structure only; digests and tags need the key.
-        from shardkeeper.core.codec.crypto import keyless_problems
+        from shardkeeper.core.codec.crypto_format import keyless_problems
 
         report.files_checked, found = keyless_problems(storage, m, step)
         for kind, message, where in found:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.format.jsonvalue import loads_exact
-from shardkeeper.core.format.table import report_for_wire
+from shardkeeper.core.format.reports import report_for_wire
 from shardkeeper.core.tensor import _torch_compat as tc
 
 
@@ -113,7 +113,7 @@ class StoreCoordinator:
     def report(self, seq: int, payload: dict[str, Any]) -> None:
         if isinstance(payload.get("chunks"), dict):
             # Columns instead of one JSON object per chunk: the coordinator decodes 100,000
-            # chunks of a rank in tens of milliseconds (format/table.py).
+            # chunks of a rank in tens of milliseconds (format/reports.py).
             payload = {**payload, "chunks": report_for_wire(payload["chunks"])}
         self._store.set(self._key(seq, f"report/{self.rank}"), json.dumps(payload))
 

@@ -33,10 +33,12 @@ from shardkeeper.core.errors import (
     StorageError,
 )
 from shardkeeper.core.format.bounds import stored_bytes_problem
+from shardkeeper.core.format.columns import without_gc
 from shardkeeper.core.format.digest import block_span, digest_function
-from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import ChunkRecord, LeafRecord, itemsize
 from shardkeeper.core.format.safetensors import ITEM_ALIGN
-from shardkeeper.core.format.table import TableLeaves, without_gc
+from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.chunks import Piece, contiguous_strides, layout_of
 from shardkeeper.core.tensor.optim_compat import check_optimizers

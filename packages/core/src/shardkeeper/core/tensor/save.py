@@ -17,9 +17,11 @@ import torch
 
 from shardkeeper.core.assemble import declared_digest
 from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.columns import ChunkTable, without_gc
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import DATA_DIR, shard_file
-from shardkeeper.core.format.manifest import DTYPES
+from shardkeeper.core.format.records import DTYPES
+from shardkeeper.core.format.reports import rows_report
 from shardkeeper.core.format.safetensors import (
     FRAMED_MAGIC,
     ITEM_ALIGN,
@@ -27,7 +29,6 @@ from shardkeeper.core.format.safetensors import (
     build_header,
     chunk_name,
 )
-from shardkeeper.core.format.table import ChunkTable, rows_report, without_gc
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import (
