@@ -123,7 +123,9 @@ def _layered(names: Iterable[str]) -> bool:
 
 @pytest.mark.parametrize("order", ["alphabetical", "reverse"])
 def test_every_core_module_imports_in_a_fresh_interpreter(order: str) -> None:
-    names = sorted(_modules(CORE, "shardkeeper.core"), reverse=order == "reverse")
+    # ``__main__`` modules are entry points: importing one runs its command
+    names = sorted((n for n in _modules(CORE, "shardkeeper.core") if not n.endswith(".__main__")),
+                   reverse=order == "reverse")
     code = textwrap.dedent(
         """
         import importlib, json, sys, traceback
