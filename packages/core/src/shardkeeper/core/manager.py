@@ -197,7 +197,7 @@ class CheckpointManager:
         refused = self._saver.refusal(step)
         if refused is not None:  # it still takes its turn in the protocol (no rank waits for it)
             seq, self._seq = self._seq, self._seq + 1
-            self._pending = self._saver.submit_refused(self._bg, step, seq, refused)
+            self._pending = self._saver.submit_refused(self._bg, step, seq, refused, owner=self)
             raise refused
         synchronous = not (self.options.async_save if async_save is None else async_save)
         job = self._saver.prepare(step, self._seq, state, sync=synchronous, defaults=self.metadata,
@@ -205,7 +205,7 @@ class CheckpointManager:
         self._seq += 1
         stall_s = 0.0
         try:
-            handle = self._pending = self._saver.submit(self._bg, job)
+            handle = self._pending = self._saver.submit(self._bg, job, owner=self)
             handle.stall_s = stall_s = time.perf_counter() - t0
             metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
             log.info("rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",

@@ -95,6 +95,8 @@ def _object(doc: object, where: str) -> Mapping[str, Any]:
 _KINDS: dict[str, tuple[type, ...]] = {
     "int": (int,), "str": (str,), "bool": (bool,), "number": (int, float), "object": (dict,), "list": (list,),
 }
+_NAMES = {"int": "an integer", "str": "a string", "bool": "true or false", "number": "a number",
+          "object": "an object", "list[int]": "a list of integers", "list[str]": "a list of strings"}
 
 
 def _get(doc: Mapping[str, Any], name: str, kind: str, where: str) -> Any:
@@ -108,8 +110,7 @@ def _get(doc: Mapping[str, Any], name: str, kind: str, where: str) -> Any:
         want = _KINDS[inner.rstrip("]")]
         ok = all(isinstance(v, want) and not isinstance(v, bool) for v in value)
     if not ok:
-        raise malformed(where, f"member {name!r} is {_describe(value)}, not {'a list of ' if inner else 'a '}"
-                           f"{inner.rstrip(']') or kind}")
+        raise malformed(where, f"member {name!r} is {_describe(value)}, not {_NAMES[kind]}")
     return value
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +99,11 @@ def outcome_timeout(commit_timeout_s: float) -> float:
     return 2 * commit_timeout_s + 30.0
 
 
+def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` with ``owner`` referenced until it returns."""
+    fn(*args)
+
+
 class SaveRunner:
     """The save protocol of one manager: its root, coordinator, codecs and staging state."""
 
@@ -157,10 +162,11 @@ class SaveRunner:
             deferred, self._gate.begin(deferred) if deferred is not None else None,
         )
 
-    def submit(self, bg: ThreadPoolExecutor, job: SaveJob) -> SaveHandle:
-        """``job`` handed to the background thread ``bg``; it waits for ``job.start``."""
+    def submit(self, bg: ThreadPoolExecutor, job: SaveJob, *, owner: object) -> SaveHandle:
+        """``job`` handed to the background thread ``bg``; it waits for ``job.start``. ``owner``
+        (the manager) is held until the save ends: at exit only live managers are waited for."""
         try:
-            future = bg.submit(self.run, job)
+            future = bg.submit(_holding, owner, self.run, job)
         except BaseException:
             if job.staged is not None:
                 job.staged.set()  # nothing will copy: never leave an optimizer step waiting
@@ -169,10 +175,12 @@ class SaveRunner:
         handle.deferred_bytes = job.deferred.nbytes if job.deferred is not None else 0
         return handle
 
-    def submit_refused(self, bg: ThreadPoolExecutor, step: int, seq: int, err: CheckpointError) -> SaveHandle:
+    def submit_refused(
+        self, bg: ThreadPoolExecutor, step: int, seq: int, err: CheckpointError, *, owner: object
+    ) -> SaveHandle:
         """The refused save's turn in the protocol (``run_refused``), its error already delivered
-        (the caller raises it right now)."""
-        handle = SaveHandle(step, bg.submit(self.run_refused, step, seq, err))
+        (the caller raises it right now); ``owner`` as for ``submit``."""
+        handle = SaveHandle(step, bg.submit(_holding, owner, self.run_refused, step, seq, err))
         handle._deliver()
         return handle
 
