@@ -2,20 +2,22 @@
 
 A save, on every rank of the process group (``saving.py``; the coordinator is rank 0):
 
-1. Caller's thread, every rank: ``SaveRunner.refusal`` (a step already committed is refused
-   before anything is written), then ``SaveRunner.prepare`` (flatten, plan, stage; no
-   communication). ``save()`` returns here. Every rank numbers its saves alike (``seq``; a
-   refused save takes its number too), so the ranks of one save meet under the same keys.
-2. Background thread, every rank: write this rank's shard files, giving a ``RankReport``
-   or, if a phase failed, a ``Failure`` (``Phase``: ``check``, ``stage``, ``write``).
+1. Caller's thread, every rank: ``SaveRunner.refusal`` (one stat: a step already committed
+   is refused before anything is written), then ``SaveRunner.prepare`` (flatten, plan,
+   stage; no communication). An asynchronous ``save()`` returns here. Every rank numbers
+   its saves alike (``seq``), so the ranks of one save meet under the same store keys.
+2. Background thread, every rank: ``SaveRunner.run`` writes this rank's shard files, giving
+   a ``RankReport``, or a ``Failure`` of phase ``stage`` or ``write``. A refused save takes
+   its number and its turn too (``run_refused``): a ``Failure`` of phase ``check``, so no
+   rank waits for it until the timeout.
 3. Ranks > 0: ``Coordinator.report(seq, report)``, then ``Coordinator.outcome(seq)``, which
    waits longer than the coordinator waits for reports: every rank hears the verdict.
 4. Rank 0: ``Coordinator.collect(seq, own)`` (every report in rank order, or the first
    ``Failure``), merge (``assemble.py``), ``put_manifest.commit_manifest``, then
-   ``Coordinator.publish(seq, outcome)``: an ``Outcome`` of ``COMMITTED``, or the
+   ``Coordinator.publish(seq, outcome)``: ``COMMITTED``, or an ``Outcome`` holding the
    ``Failure`` of the failing rank or of the commit itself (phase ``commit``).
-5. Every rank: its own failure first, else the outcome's, is the save's error. Rank 0
-   applies retention after a commit, never before.
+5. Every rank: its own failure first, else the outcome's, is the save's error (a synchronous
+   ``save()`` returns here). Rank 0 applies retention after a commit, never before.
 
 A restore (``restoring.py``), every rank, on the caller's thread (collectives): rank 0's
 candidate steps are broadcast (``agree_int(.., "bcast")``); after each attempt the ranks
@@ -26,7 +28,7 @@ deletes and broadcasts a ``Deletion``.
 Reports and outcomes cross the c10d store as JSON objects (``to_json``/``from_json``;
 ``tensor/coordination.py`` sends them). Their member names and order are the wire format:
 ``ok`` first, then the record's fields. A message that is not such a record is refused with
-``ProtocolError`` naming the step, the rank and the member. Torch-free.
+``ProtocolError`` naming the step, the rank, the store key and the member. Torch-free.
 """
 
 from __future__ import annotations
