@@ -331,12 +331,12 @@ def test_the_writer_makes_no_container_per_chunk(tmp_path: Path, monkeypatch: py
     file's chunks as columns. Counted: GC-tracked allocations (net) while writing 2,000 chunks."""
     import gc
 
-    import shardkeeper.core.manager as manager_mod
+    import shardkeeper.core.saving as saving_mod
     from shardkeeper.core import CheckpointManager
 
     state = {f"t{i:04d}": torch.full((3,), float(i)) for i in range(2000)}
     seen: list[int] = []
-    real = manager_mod.write_shards
+    real = saving_mod.write_shards
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         was = gc.isenabled()
@@ -350,7 +350,7 @@ def test_the_writer_makes_no_container_per_chunk(tmp_path: Path, monkeypatch: py
                 gc.enable()
         return res
 
-    monkeypatch.setattr(manager_mod, "write_shards", counting)
+    monkeypatch.setattr(saving_mod, "write_shards", counting)
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(0, state).wait()
         mgr.save(1, state).wait()
