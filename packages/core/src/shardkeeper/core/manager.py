@@ -70,12 +70,8 @@ from shardkeeper.core.tensor.restore import (
     TargetWrites,
     restore_flat,
 )
-from shardkeeper.core.tensor.save import (
-    PlanCache,
-    SavePlan,
-    WriteItem,
-    write_shards,
-)
+from shardkeeper.core.tensor.save import write_shards
+from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
 from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
 from shardkeeper.core.tensor.state import flatten_for_restore, flatten_for_save
 
