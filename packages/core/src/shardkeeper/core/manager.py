@@ -64,12 +64,8 @@ from shardkeeper.core.tensor.overlap import (
     StagingGate,
     find_optimizers,
 )
-from shardkeeper.core.tensor.restore import (
-    PER_RANK_POLICIES,
-    RestoreStats,
-    TargetWrites,
-    restore_flat,
-)
+from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
+from shardkeeper.core.tensor.restore_plan import PER_RANK_POLICIES, RestoreStats
 from shardkeeper.core.tensor.save import write_shards
 from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
 from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
