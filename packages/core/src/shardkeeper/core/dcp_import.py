@@ -42,7 +42,8 @@ from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.legacy import require_trust
-from shardkeeper.core.tensor.save import WriteItem, _write_file, chunk_records
+from shardkeeper.core.tensor.save import _write_file, chunk_records
+from shardkeeper.core.tensor.save_plan import WriteItem
 from shardkeeper.core.tensor.state import normalize_fqn, torch_dtype_name
 
 DEFAULT_BATCH_BYTES = 512 << 20

@@ -36,8 +36,8 @@ from shardkeeper.core.saving import SaveRunner
 from shardkeeper.core.storage import Storage
 from shardkeeper.core.tensor.coordination import make_coordinator
 from shardkeeper.core.tensor.overlap import StagingGate
-from shardkeeper.core.tensor.restore import PER_RANK_POLICIES, RestoreStats
-from shardkeeper.core.tensor.save import PlanCache
+from shardkeeper.core.tensor.restore_plan import PER_RANK_POLICIES, RestoreStats
+from shardkeeper.core.tensor.save_plan import PlanCache
 from shardkeeper.core.tensor.staging import Stager
 
 log = logging.getLogger(__name__)

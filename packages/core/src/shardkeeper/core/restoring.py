@@ -31,7 +31,8 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
-from shardkeeper.core.tensor.restore import RestoreStats, TargetWrites, restore_flat
+from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
+from shardkeeper.core.tensor.restore_plan import RestoreStats
 from shardkeeper.core.tensor.state import flatten_for_restore
 
 log = logging.getLogger(__name__)

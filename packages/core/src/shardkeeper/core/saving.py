@@ -46,7 +46,8 @@ from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
-from shardkeeper.core.tensor.save import PlanCache, SavePlan, WriteItem, write_shards
+from shardkeeper.core.tensor.save import write_shards
+from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
 from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
 from shardkeeper.core.tensor.state import flatten_for_save
 
