@@ -88,7 +88,7 @@ def _plan(storage: Any, rows: int, sharded: bool) -> tuple[Any, list[Any], list[
     from shardkeeper.core.commit import load_manifest
     from shardkeeper.core.format.table import TableLeaves
     from shardkeeper.core.tensor.chunks import Piece
-    from shardkeeper.core.tensor.restore import _overlap_ops, _plan_reads
+    from shardkeeper.core.tensor.restore_plan import overlap_ops, plan_reads
 
     local = torch.empty((rows, 256), device="meta")
     manifest = load_manifest(storage, 1)
@@ -100,8 +100,8 @@ def _plan(storage: Any, rows: int, sharded: bool) -> tuple[Any, list[Any], list[
         piece = Piece((0, 0), (rows, 256), local)
         chunks = leaf.chunks if table is None else table.overlapping(key, piece.offsets, piece.shape)
         for c in chunks:
-            ops.extend(_overlap_ops(key, piece, c, torch.float32, 4, 64 << 20))
-    reads = _plan_reads(ops, manifest.digest_block_bytes, 8 << 20)
+            ops.extend(overlap_ops(key, piece, c, torch.float32, 4, 64 << 20))
+    reads = plan_reads(ops, manifest.digest_block_bytes, 8 << 20)
     return manifest, ops, reads
 
 

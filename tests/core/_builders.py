@@ -24,7 +24,8 @@ from typing import Any
 from shardkeeper.core.commit import load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.format.digest import block_digests
 from shardkeeper.core.format.layout import new_attempt_id, shard_file, step_dir
-from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import ChunkRecord, LeafRecord, itemsize
 from shardkeeper.core.format.safetensors import build_header, chunk_name
 from shardkeeper.core.storage.base import Storage
 

@@ -20,20 +20,17 @@ from hypothesis import strategies as st
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from shardkeeper.core.format.manifest import FORMAT_VERSION, Manifest
-from shardkeeper.core.format.table import (
-    LEAF_TABLE_VERSION,
-    TABLE_VERSION,
-    ChunkTable,
-    LeafTable,
-    TableLeaves,
-    all_slabs,
+from shardkeeper.core.format.columns import ChunkTable, LeafTable
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.reports import (
     decode_report,
     encode_report,
-    leaf_chunks_problem,
     report_for_wire,
     rows_report,
 )
+from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
+from shardkeeper.core.format.versions import FORMAT_VERSION, LEAF_TABLE_VERSION, TABLE_VERSION
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.verify import verify_step
 from tests.core.test_hostile import JSON_VALUES, _apply, _parse_ok_or_checkpoint_error, _paths
@@ -334,12 +331,12 @@ def test_the_writer_makes_no_container_per_chunk(tmp_path: Path, monkeypatch: py
     file's chunks as columns. Counted: GC-tracked allocations (net) while writing 2,000 chunks."""
     import gc
 
-    import shardkeeper.core.manager as manager_mod
+    import shardkeeper.core.saving as saving_mod
     from shardkeeper.core import CheckpointManager
 
     state = {f"t{i:04d}": torch.full((3,), float(i)) for i in range(2000)}
     seen: list[int] = []
-    real = manager_mod.write_shards
+    real = saving_mod.write_shards
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         was = gc.isenabled()
@@ -353,7 +350,7 @@ def test_the_writer_makes_no_container_per_chunk(tmp_path: Path, monkeypatch: py
                 gc.enable()
         return res
 
-    monkeypatch.setattr(manager_mod, "write_shards", counting)
+    monkeypatch.setattr(saving_mod, "write_shards", counting)
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(0, state).wait()
         mgr.save(1, state).wait()

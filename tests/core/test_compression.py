@@ -268,9 +268,9 @@ def test_large_chunks_are_compressed_in_slabs_and_read_partially(tmp_path: Path)
 
 
 def test_codecs_survive_the_columnar_chunk_table(tmp_path: Path) -> None:
-    """Manifests of many chunks use the chunk table (format/table.py): encodings, content ids
+    """Manifests of many chunks use the chunk table (format/columns.py): encodings, content ids
     and references must round-trip through it (restore, verify, reuse)."""
-    from shardkeeper.core.format.table import TABLE_MIN_CHUNKS
+    from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS
 
     n = TABLE_MIN_CHUNKS + 8
     state = {f"t{i}": torch.full((1100,), float(i % 5)) for i in range(n)}  # 4400 B: compressed

@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.storage import local
-from shardkeeper.core.storage.local import DIRECT_ALIGN, DIRECT_MIN_BYTES, LocalStorage
+from shardkeeper.core.storage import local_writer
+from shardkeeper.core.storage.local import LocalStorage
+from shardkeeper.core.storage.local_writer import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
@@ -73,16 +74,16 @@ def test_small_and_disabled_writes_stay_buffered_bytes_bounce(tmp_path: Path) ->
 def test_a_file_system_that_refuses_o_direct_falls_back_to_buffered(tmp_path: Path, monkeypatch) -> None:
     """Some file systems refuse O_DIRECT with EINVAL (none here does, hence the patch): the same
     bytes then go out buffered, and later writes do not try again."""
-    real = local.fcntl.fcntl
+    real = local_writer.fcntl.fcntl
     calls = []
 
     def refusing(fd: int, cmd: int, arg: int = 0) -> Any:
-        if cmd == local.fcntl.F_SETFL and arg & os.O_DIRECT:
+        if cmd == local_writer.fcntl.F_SETFL and arg & os.O_DIRECT:
             calls.append(arg)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, cmd, arg)
 
-    monkeypatch.setattr(local.fcntl, "fcntl", refusing)
+    monkeypatch.setattr(local_writer.fcntl, "fcntl", refusing)
     data = _aligned(4 << 20, seed=4)
     w = LocalStorage(tmp_path).open_writer("f")
     w.write(data[: 2 << 20])

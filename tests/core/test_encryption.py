@@ -23,7 +23,8 @@ from shardkeeper.core import (
     EncryptionKeyError,
     LocalKeyProvider,
 )
-from shardkeeper.core.codec.crypto import BLOCK, MAGIC, TAG, EncryptedStorage
+from shardkeeper.core.codec.crypto import EncryptedStorage
+from shardkeeper.core.codec.crypto_format import BLOCK, MAGIC, TAG
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.verify import verify_root, verify_step

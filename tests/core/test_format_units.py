@@ -11,14 +11,9 @@ import torch
 
 from shardkeeper.core import CheckpointManager, CorruptCheckpointError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
-from shardkeeper.core.format.manifest import (
-    ENCRYPTION_VERSION,
-    FORMAT_VERSION,
-    ChunkRecord,
-    Manifest,
-    check_tiling,
-    safe_relative_path,
-)
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import ChunkRecord, check_tiling, safe_relative_path
+from shardkeeper.core.format.versions import ENCRYPTION_VERSION, FORMAT_VERSION
 from shardkeeper.core.tensor.chunks import _runs, balance_plain
 
 
@@ -188,7 +183,7 @@ def test_an_encryption_member_needs_format_version_4(tmp_path: Path) -> None:
 def test_an_unchecked_chunk_record_equals_a_constructed_one() -> None:
     """ChunkRecord is slotted (restore holds one per chunk it reads); ``unchecked`` sets the
     slots directly and must give exactly what the frozen constructor gives."""
-    from shardkeeper.core.format.manifest import ChunkRecord
+    from shardkeeper.core.format.records import ChunkRecord
 
     fields = ("data/r00000-0a1b2c3d-000.safetensors", 4096, 80, (2, 0), (5, 4), ("ab" * 16,))
     rec = ChunkRecord.unchecked(*fields)

@@ -43,7 +43,7 @@ from shardkeeper.core import (
     StorageError,
 )
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.manifest import READ_VERSION
+from shardkeeper.core.format.versions import READ_VERSION
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.faults import FaultyStorage
 
@@ -782,14 +782,14 @@ def test_small_targets_restore_through_the_byte_copy_or_copy_(tmp_path: Path, mo
     """Small overlaps read through a scratch buffer go into a target with one memmove when the
     target's memory is exactly the saved bytes; any other target (strided, another dtype,
     a negated view, a slice of the saved tensor) takes copy_. Both, bit for bit."""
-    import shardkeeper.core.tensor.restore as restore_mod
+    import shardkeeper.core.tensor.restore_fill as fill_mod
 
     g = torch.Generator().manual_seed(3)
     saved = {name: torch.randn(6, 5, generator=g) for name in ("plain", "param", "strided", "cast", "neg", "np")}
     saved["half"] = torch.randn(8, generator=g).to(torch.float16)
     moved: list[int] = []
-    real = restore_mod._MEMMOVE
-    monkeypatch.setattr(restore_mod, "_MEMMOVE", lambda d, s, n: (moved.append(n), real(d, s, n))[1])
+    real = fill_mod._MEMMOVE
+    monkeypatch.setattr(fill_mod, "_MEMMOVE", lambda d, s, n: (moved.append(n), real(d, s, n))[1])
     with CheckpointManager(str(tmp_path / "root")) as mgr:
         mgr.save(1, saved).wait()
         np_target = np.zeros((6, 5), dtype=np.float32)

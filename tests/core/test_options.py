@@ -77,7 +77,7 @@ def test_types_are_resolved_from_the_dataclass_and_match_the_implementation() ->
     from shardkeeper.core.codec.compression import COMPRESSIONS
     from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES, algorithms
     from shardkeeper.core.tensor.overlap import STAGING_MODES
-    from shardkeeper.core.tensor.restore import PER_RANK_POLICIES
+    from shardkeeper.core.tensor.restore_plan import PER_RANK_POLICIES
 
     hints = option_types()
     assert list(hints) == [f.name for f in dataclasses.fields(CheckpointOptions)]

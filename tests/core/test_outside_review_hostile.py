@@ -36,7 +36,8 @@ import shardkeeper.core.assemble as assemble_mod
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.cli import main as cli_main
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, IncompatibleFormatError
-from shardkeeper.core.format.manifest import Manifest, check_tiling_boxes
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.tiling import check_tiling_boxes
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.verify import verify_step
 from tests.core.test_hostile import JSON_VALUES, RecordingStorage, _apply, _paths
@@ -335,7 +336,7 @@ def test_the_zstd_bound_is_the_format_s(tmp_path: Path) -> None:
     compressor output of zeros stays within it."""
     zstandard = pytest.importorskip("zstandard")
     from shardkeeper.core.format.bounds import ZSTD_MAX_EXPANSION, max_decoded_bytes
-    from shardkeeper.core.format.manifest import encoded_length_problem
+    from shardkeeper.core.format.records import encoded_length_problem
 
     k = 64
     header = struct.pack("<I", 0xFD2FB528) + bytes([0b1010_0000]) + struct.pack("<I", k << 17)

@@ -21,9 +21,10 @@ import torch
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.errors import CheckpointSaveError, CorruptCheckpointError, StateMismatchError
 from shardkeeper.core.format import manifest as manifest_format
+from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.manifest import EXTENDED_JSON_VERSION, FORMAT_VERSION, Manifest
-from shardkeeper.core.format.table import TABLE_MIN_CHUNKS
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.versions import EXTENDED_JSON_VERSION, FORMAT_VERSION
 from tests.core._launch import run_workers
 
 BIG = 2**80

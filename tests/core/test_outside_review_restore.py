@@ -233,7 +233,8 @@ def test_bytes_that_fail_authentication_do_not_stay_in_the_target(
     """Encrypted: one ciphertext byte of block k flipped. Neither the restore target nor the
     buffer of a plain ranged read keeps the block's decrypted, unauthenticated plaintext."""
     pytest.importorskip("cryptography")
-    from shardkeeper.core.codec.crypto import BLOCK, TAG, EncryptedStorage
+    from shardkeeper.core.codec.crypto import EncryptedStorage
+    from shardkeeper.core.codec.crypto_format import BLOCK, TAG
     from shardkeeper.core.codec.keys import key_provider
     from shardkeeper.core.storage import open_storage
 

@@ -127,7 +127,7 @@ def test_a_plan_cache_hit_reuses_the_staging_views(tmp_path: Path) -> None:
 
 def test_box_in_finds_narrowed_views_and_refuses_anything_else() -> None:
     """How a cached DTensor plan finds an item's source again: the same box of to_local()."""
-    from shardkeeper.core.tensor.save import _box_in, _narrowed
+    from shardkeeper.core.tensor.save_plan import _box_in, _narrowed
 
     local = torch.arange(120.0).reshape(2, 3, 20)
     for view in (local, local[1:2], local[:, 1:3, 5:9], local[1:2, 2:3, 19:20]):

@@ -27,6 +27,8 @@ except ImportError:
 TORCH_FREE = [
     "shardkeeper.core.retention",
     "shardkeeper.core.verify",
+    "shardkeeper.core.chunk_reader",
+    "shardkeeper.core.export",
     "shardkeeper.core.cli",
     "shardkeeper.core.commit",
     "shardkeeper.core.format.manifest",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardkeeper.core import Fragment, StateMismatchError
-from shardkeeper.core.format.manifest import LeafRecord
+from shardkeeper.core.format.records import LeafRecord
 from shardkeeper.deepspeed import _ds_internals as dsi
 from shardkeeper.deepspeed.hook import (
     _lists_back,

@@ -16,18 +16,20 @@ from typing import Any
 import xxhash
 
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.manifest import DTYPES, FORMAT_VERSION, LazyLeaves, Manifest
-from shardkeeper.core.format.table import (
+from shardkeeper.core.format.columns import (
     DIGEST_HEX,
     TABLE_MIN_CHUNKS,
     ChunkTable,
     LeafTable,
-    TableLeaves,
-    all_slabs,
-    decode_report,
-    leaf_chunks_problem,
     no_gc,
 )
+from shardkeeper.core.format.leaves import LazyLeaves
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import DTYPES
+from shardkeeper.core.format.reports import decode_report
+from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
+from shardkeeper.core.format.versions import FORMAT_VERSION
 
 
 def declared_digest(declared: Mapping[str, Any]) -> str:

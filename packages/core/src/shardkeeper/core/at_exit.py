@@ -41,8 +41,9 @@ _registered = False
 
 
 def track(manager: _Finishing) -> None:
-    """Wait for ``manager``'s pending save at exit (kept weakly: a collected manager's
-    background thread holds what it still needs)."""
+    """Wait for ``manager``'s pending save at exit. Kept weakly: a manager with a save in
+    flight is referenced by its background thread until the save ends (``saving.py``), so a
+    script that drops it still has its save waited for."""
     global _registered
     with _lock:
         _live.add(manager)

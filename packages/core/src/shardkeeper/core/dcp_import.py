@@ -34,17 +34,16 @@ from shardkeeper.core.errors import CheckpointError, CommitConflictError, StateM
 from shardkeeper.core.export import Progress
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES
 from shardkeeper.core.format.layout import DATA_DIR, new_attempt_id, shard_file, step_dir
-from shardkeeper.core.format.manifest import (
-    DTYPES,
-    FORMAT_VERSION,
-    LazyLeaves,
-    Manifest,
-    check_tiling_boxes,
-)
+from shardkeeper.core.format.leaves import LazyLeaves
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import DTYPES
+from shardkeeper.core.format.tiling import check_tiling_boxes
+from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.legacy import require_trust
-from shardkeeper.core.tensor.save import WriteItem, _write_file, chunk_records
+from shardkeeper.core.tensor.save import _write_file, chunk_records
+from shardkeeper.core.tensor.save_plan import WriteItem
 from shardkeeper.core.tensor.state import normalize_fqn, torch_dtype_name
 
 DEFAULT_BATCH_BYTES = 512 << 20

@@ -77,6 +77,11 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
         self.failures: dict[int, Any] = dict(failures or {})
 
 
+class ProtocolError(CheckpointError, ValueError):
+    """A message in the store is not a record of this protocol (another shardkeeper version on
+    some rank, or something else writing under the manager's keys)."""
+
+
 class CheckpointRestoreError(CheckpointError, RuntimeError):
     """A restore failed on one or more ranks."""
 
@@ -137,6 +142,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EncryptionKeyError",
     "IncompatibleFormatError",
+    "ProtocolError",
     "JsonValueError",
     "StateMismatchError",
     "StepOrderError",

@@ -2,7 +2,8 @@
 
 Streaming and torch-free: the shard plan (names, dtypes, shapes, offsets) comes from the
 manifest alone, so each shard's header is written first and then one tensor at a time is
-assembled from its chunks (ranged reads, every digest block checked) and appended. Memory is
+assembled from its chunks and appended. Chunks are read as restore reads them
+(``chunk_reader.py``: ranged reads, every digest block checked, then decoded). Memory is
 bounded by the largest exported tensor plus one chunk, never the whole model.
 
 Names drop the ``model/`` prefix by default, so a checkpoint of a ``transformers`` model
@@ -24,16 +25,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from shardkeeper.core.chunk_reader import ChunkReader, size_or_none
 from shardkeeper.core.commit import committed_steps, load_manifest
 from shardkeeper.core.errors import (
     CheckpointNotFoundError,
-    ChecksumMismatchError,
     CorruptCheckpointError,
     StateMismatchError,
 )
 from shardkeeper.core.format.bounds import stored_bytes_problem
-from shardkeeper.core.format.digest import digest_function
-from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import ChunkRecord, LeafRecord, itemsize
 from shardkeeper.core.format.safetensors import build_header
 from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage import open_storage
@@ -142,48 +143,6 @@ def _plan_shards(items: list[tuple[str, str, LeafRecord]], max_bytes: int) -> li
     return shards
 
 
-def _read_chunk(storage: Storage, m: Manifest, key: str, c: ChunkRecord, out: memoryview, isz: int) -> None:
-    """Read chunk ``c`` of ``key``, check every digest block of its stored bytes, and leave its
-    raw bytes in ``out`` (decoding a compressed chunk)."""
-    where = f"step {m.step} under {storage.url}"
-    path = resolve_file(m.step, c.file)
-    if path is None:
-        raise CorruptCheckpointError(f"{where}: key {key!r} names the unsafe file {c.file!r}; the manifest is damaged")
-    stored = out if c.encoding == "raw" else memoryview(bytearray(c.length))
-    try:
-        storage.read_into(path, c.offset, stored)
-    except CheckpointNotFoundError as e:
-        raise CorruptCheckpointError(
-            f"{where}: {storage.describe(path)} (key {key!r}) is missing: {e}; run `shardkeeper verify {storage.url} {m.step}`"
-        ) from e
-    digest = digest_function(m.digest_algorithm)
-    block = m.digest_block_bytes
-    for k, i in enumerate(range(0, c.length, block)):
-        got = digest(stored[i : i + block])
-        want = c.digests[k] if k < len(c.digests) else "<none>"
-        if got != want:
-            raise ChecksumMismatchError(
-                f"checksum mismatch in {storage.describe(path)} at bytes [{c.offset + i}, "
-                f"{c.offset + min(i + block, c.length)}) of key {key!r}, {where}: expected {want}, "
-                f"read {got}; the stored bytes are damaged: export another step and run "
-                f"`shardkeeper verify {storage.url}`",
-                key=key, file=path,
-            )
-    if c.encoding != "raw":
-        _decode(c, stored, out, f"{where}: key {key!r}, {storage.describe(path)} bytes [{c.offset}, {c.offset + c.length})", isz)
-
-
-def _decode(c: ChunkRecord, stored: memoryview, out: memoryview, where: str, isz: int) -> None:
-    from shardkeeper.core.codec import compression as z
-
-    if c.encoding == z.ENCODING:
-        z.decompress_into(stored, out, where)
-    elif c.encoding == getattr(z, "SHUFFLED", None):  # byte-shuffled zstd
-        z.decompress_into(stored, out, where, isz)  # type: ignore[call-arg,unused-ignore]
-    else:
-        raise CorruptCheckpointError(f"{where}: encoding {c.encoding!r} is not one export can decode; restore the step with CheckpointManager.restore instead")
-
-
 def _view(a: np.ndarray) -> memoryview:
     return memoryview(cast("Buffer", a))
 
@@ -191,16 +150,20 @@ def _view(a: np.ndarray) -> memoryview:
 def _size_or_none(storage: Storage, step: int, file: str) -> int | None:
     """The size of a chunk's file, None if it is missing or its name unsafe."""
     path = resolve_file(step, file)
+    return None if path is None else size_or_none(storage, path)
+
+
+def _path(m: Manifest, key: str, c: ChunkRecord, where: str) -> str:
+    path = resolve_file(m.step, c.file)
     if path is None:
-        return None
-    try:
-        return storage.size(path)
-    except CheckpointNotFoundError:
-        return None
+        raise CorruptCheckpointError(f"{where}: key {key!r} names the unsafe file {c.file!r}; the manifest is damaged")
+    return path
 
 
-def _assemble(storage: Storage, m: Manifest, key: str, leaf: LeafRecord) -> np.ndarray:
-    """The whole tensor's row-major bytes (uint8), assembled from its chunks."""
+def _assemble(reader: ChunkReader, m: Manifest, key: str, leaf: LeafRecord) -> np.ndarray:
+    """The whole tensor's row-major bytes (uint8), assembled from its chunks (each read
+    whole: every digest block checked, decoded when encoded)."""
+    storage = reader.storage
     isz = itemsize(leaf.dtype)
     nbytes = leaf.nbytes
     # The manifest alone sizes the output: before allocating it, check that the files hold
@@ -221,10 +184,10 @@ def _assemble(storage: Storage, m: Manifest, key: str, leaf: LeafRecord) -> np.n
         # straight there; any other box goes through one scratch buffer of its own size.
         if leaf.shape and tuple(c.shape[1:]) == tuple(leaf.shape[1:]):
             start = c.offsets[0] * math.prod(leaf.shape[1:]) * isz
-            _read_chunk(storage, m, key, c, _view(out)[start : start + raw_len], isz)
+            reader.read_chunk(_path(m, key, c, reader.where), c, _view(out)[start : start + raw_len], key, isz)
             continue
         scratch = np.empty(raw_len, dtype=np.uint8)
-        _read_chunk(storage, m, key, c, _view(scratch), isz)
+        reader.read_chunk(_path(m, key, c, reader.where), c, _view(scratch), key, isz)
         box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.shape, strict=True))
         grid[box] = scratch.reshape(*c.shape, isz) if c.shape else scratch
     return out
@@ -283,6 +246,8 @@ def export_safetensors(
     outdir = os.fspath(to)
     os.makedirs(outdir, exist_ok=True)
     res = ExportResult(step=step, directory=outdir)
+    reader = ChunkReader.of(storage, m, where=where,
+                            remedy=f"export another step and run `shardkeeper verify {storage.url}`")
     bar = Progress(sum(it[2].nbytes for it in items), f"export step {step}", progress)
     n = len(shards)
     try:
@@ -297,7 +262,7 @@ def export_safetensors(
             with open(tmp, "wb") as f:
                 f.write(header)
                 for name, key, leaf in shard:
-                    data = _assemble(storage, m, key, leaf)
+                    data = _assemble(reader, m, key, leaf)
                     f.write(_view(data))
                     del data
                     res.weight_map[name] = fname

@@ -1,9 +1,11 @@
 """Verify committed checkpoints end to end: files, sizes, byte ranges, digests, headers.
 
-Reads every chunk's stored bytes in bounded blocks (memory use is one read buffer, about
-16 MiB, whatever the checkpoint's size) and checks every digest block the manifest records.
-Each problem names the step, the key, the file, the byte range, and what was expected
-against what was found.
+Reads every chunk's stored bytes in bounded windows through the chunk reader
+(``chunk_reader.py``, as restore and export read them; memory use is one read buffer of at
+most about 16 MiB at a time, whatever the checkpoint's size) and checks every digest block
+the manifest records. Unlike a restore it does not stop at the first problem: each is
+reported (``verify_report.py``), naming the step, the key, the file, the byte range, and
+what was expected against what was found.
 
 Needs no torch: an operator verifies a bucket from any machine (``shardkeeper verify``).
 """
@@ -15,9 +17,8 @@ import math
 import struct
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
+from shardkeeper.core.chunk_reader import FRAME_HEADER_BYTES, ChunkReader, frame_problem
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, step_dirs
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -27,143 +28,18 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.manifest import (
-    DTYPES,
-    MANIFEST_NAME,
-    ChunkRecord,
-    LeafRecord,
-    Manifest,
-    check_tiling,
-    itemsize,
-)
+from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
+from shardkeeper.core.format.records import DTYPES, ChunkRecord, LeafRecord, check_tiling, itemsize
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
 from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
 from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.verify_report import Collector, Problem, RootVerifyReport, VerifyReport
 
 #: Bytes read per request while checking digests (rounded down to whole digest blocks).
 DEFAULT_READ_BYTES = 16 << 20
-#: At most this many problems of one kind are listed per file; the rest are counted.
-MAX_PROBLEMS_PER_FILE = 10
 #: A safetensors header larger than this is taken for damage (the format's own limit is 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a checkpoint. ``start``/``end`` are byte offsets in ``file``."""
-
-    step: int | None
-    kind: str  # manifest, unsupported-format, missing-file, size, range, length, digests,
-    #            digest, tiling, header, read, path, dtype, encoding, truncated-list
-    message: str
-    key: str = ""
-    file: str = ""
-    start: int | None = None
-    end: int | None = None
-    expected: str = ""
-    found: str = ""
-
-    def __str__(self) -> str:
-        return self.message
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "key": self.key,
-            "file": self.file,
-            "start": self.start,
-            "end": self.end,
-            "expected": self.expected,
-            "found": self.found,
-            "message": self.message,
-        }
-
-
-@dataclass
-class VerifyReport:
-    """The result of verifying one committed step."""
-
-    step: int
-    problems: list[Problem] = field(default_factory=list)
-    files_checked: int = 0
-    chunks_checked: int = 0
-    bytes_checked: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "ok": self.ok,
-            "files_checked": self.files_checked,
-            "chunks_checked": self.chunks_checked,
-            "bytes_checked": self.bytes_checked,
-            "problems": [p.to_json() for p in self.problems],
-        }
-
-
-@dataclass
-class RootVerifyReport:
-    """The result of verifying every committed step under a root, plus root-level problems
-    (a manifest that does not validate, one of a newer format)."""
-
-    root: str
-    steps: list[VerifyReport] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems and all(r.ok for r in self.steps)
-
-    @property
-    def all_problems(self) -> list[Problem]:
-        out = list(self.problems)
-        for r in self.steps:
-            out.extend(r.problems)
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "ok": self.ok,
-            "steps": [r.to_json() for r in self.steps],
-            "problems": [p.to_json() for p in self.problems],
-        }
-
-
-class _Collector:
-    """Adds problems to a report, capping repeats of one kind in one file."""
-
-    def __init__(self, report: VerifyReport, where: str) -> None:
-        self.report = report
-        self.where = where
-        self.counts: dict[tuple[str, str], int] = defaultdict(int)
-
-    def add(self, kind: str, message: str, **kw: Any) -> None:
-        k = (kw.get("file", ""), kind)
-        self.counts[k] += 1
-        if self.counts[k] <= MAX_PROBLEMS_PER_FILE:
-            self.report.problems.append(
-                Problem(step=self.report.step, kind=kind, message=message, **kw)
-            )
-
-    def finish(self) -> None:
-        for (file, kind), n in sorted(self.counts.items()):
-            if n > MAX_PROBLEMS_PER_FILE:
-                more = n - MAX_PROBLEMS_PER_FILE
-                self.report.problems.append(
-                    Problem(
-                        step=self.report.step,
-                        kind="truncated-list",
-                        file=file,
-                        message=f"step {self.report.step}: {more} more {kind} problem(s) in "
-                        f"{file or self.where} not listed",
-                    )
-                )
 
 
 def _rng(a: int, b: int) -> str:
@@ -189,10 +65,10 @@ def verify_step(
     m = manifest if manifest is not None else load_manifest(storage, step)
     report = VerifyReport(step=step)
     base = step_dir(step)
-    out = _Collector(report, storage.describe(base))
+    out = Collector(report, storage.describe(base))
     if m.encryption is not None and not getattr(storage, "authenticate", False):
         # Encrypted, no key (codec/crypto.py): structure only; digests and tags need the key.
-        from shardkeeper.core.codec.crypto import keyless_problems
+        from shardkeeper.core.codec.crypto_format import keyless_problems
 
         report.files_checked, found = keyless_problems(storage, m, step)
         for kind, message, where in found:
@@ -250,7 +126,7 @@ def verify_step(
                 f"checked")
         fn = None
     span = max(block, (max(read_bytes, 1) // block) * block) if block > 0 else 0
-    buf = bytearray(0)
+    reader = None if fn is None else ChunkReader(storage, fn, block, where=f"step {step}", remedy="")
 
     by_file: dict[str, list[tuple[str, LeafRecord, ChunkRecord]]] = defaultdict(list)
 
@@ -290,7 +166,7 @@ def verify_step(
                         f"({size} bytes; truncated?)", key=key, file=path, start=lo, end=hi,
                         expected=f"file of at least {hi} bytes", found=f"{size} bytes")
                 continue
-            if fn is None:
+            if reader is None:
                 continue
             nblocks = math.ceil(c.length / block)
             if len(c.digests) != nblocks:
@@ -300,39 +176,23 @@ def verify_step(
                         expected=f"{nblocks} digests", found=f"{len(c.digests)} digests")
                 continue
             report.chunks_checked += 1
-            pos = 0
             head = b""
-            while pos < c.length:
-                n = min(span, c.length - pos)
-                if len(buf) < n:
-                    buf = bytearray(n)
-                view = memoryview(buf)[:n]
-                try:
-                    storage.read_into(path, lo + pos, view)
-                except CheckpointError as e:
-                    out.add("read", f"step {step}: {where}: reading bytes "
-                            f"{_rng(lo + pos, lo + pos + n)} failed: {e}", key=key, file=path,
-                            start=lo + pos, end=lo + pos + n)
+            for w in reader.scan(path, c, span):
+                if w.data is None:
+                    out.add("read", f"step {step}: {where}: reading bytes {_rng(w.start, w.end)} failed: "
+                            f"{w.error}", key=key, file=path, start=w.start, end=w.end)
                     break
-                report.bytes_checked += n
-                if pos == 0:
-                    head = bytes(view[:_FRAME_HEADER_BYTES])
-                for i in range(0, n, block):
-                    b = (pos + i) // block
-                    got = fn(view[i : i + block])
-                    if got != c.digests[b]:
-                        a = lo + pos + i
-                        z = min(a + block, hi)
-                        out.add("digest", f"step {step}: leaf {key}, file "
-                                f"{storage.describe(path)}: digest mismatch in file bytes "
-                                f"{_rng(a, z)} (block {b} of the chunk at {list(c.offsets)}): "
-                                f"expected {m.digest_algorithm} {c.digests[b]}, found {got}",
-                                key=key, file=path, start=a, end=z,
-                                expected=c.digests[b], found=got)
-                pos += n
+                report.bytes_checked += w.end - w.start
+                if w.start == lo:
+                    head = bytes(w.data[:FRAME_HEADER_BYTES])
+                for bad in w.bad:
+                    out.add("digest", f"step {step}: leaf {key}, file {storage.describe(path)}: digest mismatch "
+                            f"in file bytes {_rng(bad.start, bad.end)} (block {bad.block} of the chunk at "
+                            f"{list(c.offsets)}): expected {m.digest_algorithm} {bad.expected}, found {bad.found}",
+                            key=key, file=path, start=bad.start, end=bad.end, expected=bad.expected, found=bad.found)
 
             if c.encoding != "raw" and head:
-                why = _encoded_problem(c.encoding, head, c.numel * isz)
+                why = frame_problem(c.encoding, head, c.numel * isz)
                 if why is not None:
                     out.add("encoding", f"step {step}: {where}: {why}", key=key, file=path,
                             start=lo, end=hi, expected=f"{c.numel * isz} bytes decoded",
@@ -357,36 +217,13 @@ def verify_step(
     return report
 
 
-#: A zstd frame header is at most 18 bytes (magic, descriptor, window, dictionary id, size).
-_FRAME_HEADER_BYTES = 18
-
-
-def _encoded_problem(encoding: str, head: bytes, raw_bytes: int) -> str | None:
-    """What is wrong with an encoded chunk's first bytes, or None. For ``zstd``: the frame's
-    declared content size must be the box's byte size (the frame is not decoded; without the
-    zstandard package only the digests are checked)."""
-    if encoding not in ("zstd", "shuffle-zstd"):
-        return f"unknown encoding {encoding!r}"
-    try:
-        import zstandard
-    except ImportError:
-        return None
-    try:
-        size = zstandard.frame_content_size(head)
-    except zstandard.ZstdError as e:
-        return f"not a zstd frame ({e})"
-    if size != raw_bytes:
-        return f"the zstd frame declares {size} bytes"
-    return None
-
-
 def _check_header(
     storage: Storage,
     step: int,
     path: str,
     size: int,
     entries: list[tuple[str, LeafRecord, ChunkRecord]],
-    out: _Collector,
+    out: Collector,
 ) -> None:
     where = storage.describe(path)
     if size < 8:

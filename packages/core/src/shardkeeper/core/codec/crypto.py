@@ -11,89 +11,51 @@ root or from another root under the same key). The data key is wrapped by the ke
 stored in the file's header. Offsets and sizes seen above this layer are plaintext ones, so
 chunk records, digests, ranged and partial reads, references of incremental saves (the
 wrapped key travels in the file that holds the bytes) and compression work unchanged; a
-ranged read reads and opens only the blocks it overlaps.
+ranged read reads and opens only the blocks it overlaps. Manifest reads of an authenticated
+view check the manifest's MAC first (codec/crypto_manifest.py).
 
-Manifests stay readable JSON (names, shapes, sizes and digests are visible) and are
-authenticated: :func:`seal_manifest` appends an ``"encryption"`` member whose HMAC-SHA256
-(under a random per-manifest key, wrapped by the provider) covers every other byte, the
-root it is bound to included;
-:meth:`EncryptedStorage.read_bytes` checks it before anything of the step is read.
-
-Stored data file: ``SKCRYPT1`` | u32 LE header length | header JSON (``alg``, ``block``,
-``key_id``, ``wrapped``, ``root``) | blocks, each ciphertext + 16-byte tag; every block holds
-``block`` plaintext bytes except the last (0 .. block). See docs/format.md, section 4.2.
+Layering: the cipher and its storage wrapper only. The stored form of a data file and what
+can be checked of it without a key are in codec/crypto_format.py, the manifests' MAC in
+codec/crypto_manifest.py; both sit below this module, which names their public functions
+too, so ``shardkeeper.core.codec.crypto`` keeps the names it always had.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
-import hashlib
-import hmac
 import json
-import os
 import struct
 import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
+from shardkeeper.core.codec.crypto_format import (
+    ALGORITHM,
+    BLOCK,
+    MAGIC,
+    MAX_HEADER,
+    TAG,
+    block_aad,
+    block_nonce,
+    files_look_encrypted,
+    is_data_path,
+    is_manifest_path,
+    keyless_problems,
+    root_identity,
+    stored_size,
+)
+from shardkeeper.core.codec.crypto_manifest import open_manifest, seal_manifest
 from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require_cryptography
-from shardkeeper.core.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
-from shardkeeper.core.format.layout import DATA_DIR, parse_step_dir
+from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError
 from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
-MAGIC = b"SKCRYPT1"
-ALGORITHM = "AES-256-GCM"
-BLOCK = 64 << 10
-TAG = 16
-MAX_HEADER = 64 << 10
-_AAD_PREFIX = b"shardkeeper/aes-256-gcm/v1\0"
-_AAD_PREFIX_V2 = b"shardkeeper/aes-256-gcm/v2\0"  # v2: the root's identity is bound too
-_SCHEMES = {"gcs": "gs", "s3a": "s3"}
 _FLUSH = 4 << 20
 #: A ranged read is done in windows of this many blocks (~16 MiB): bounded scratch memory
 #: per I/O thread, and few enough requests on an object store.
 _READ_BLOCKS = 256
-_MAC_TAIL = len(b'"}}') + 64  # the manifest ends with "mac":"<64 hex>"}}
-
-
-def is_data_path(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) >= 3 and parts[-2] == DATA_DIR and parse_step_dir(parts[-3]) is not None
-
-
-def is_manifest_path(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 2 and parts[1] == "manifest.json" and parse_step_dir(parts[0]) is not None
-
-
-def _nonce(i: int) -> bytes:
-    return struct.pack(">4xQ", i)
-
-
-def _aad(path: str, i: int, final: bool, root: str | None) -> bytes:
-    """A block's associated data: its file's root (the binding; None in files written before
-    roots were bound), root-relative path, index and last-block flag."""
-    if root is None:
-        return _AAD_PREFIX + path.encode() + struct.pack(">xQ?", i, final)
-    r = root.encode("utf-8", "surrogateescape")
-    return _AAD_PREFIX_V2 + struct.pack(">I", len(r)) + r + path.encode() + struct.pack(">xQ?", i, final)
-
-
-def root_identity(url: str) -> str:
-    """What encrypted files and manifests are bound to by default: the root's real path on
-    local disk (the same through any symlink to it), its normalized URL on an object store."""
-    if "://" not in url or url.startswith("file://"):
-        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url)
-    scheme, rest = url.split("://", 1)
-    return f"{_SCHEMES.get(scheme, scheme)}://{rest.rstrip('/')}"
-
-
-def stored_size(plain: int, header: int) -> int:
-    n = max(1, -(-plain // BLOCK))
-    return header + plain + n * TAG
 
 
 class _EncWriter:
@@ -115,7 +77,7 @@ class _EncWriter:
             self._inner.write(self._header)
             self._header = b""
         k = len(block) + TAG
-        nonce, aad = _nonce(self._i), _aad(self._path, self._i, final, self._root)
+        nonce, aad = block_nonce(self._i), block_aad(self._path, self._i, final, self._root)
         if self._into is not None:
             self._into(nonce, block, aad, memoryview(self._out)[self._n : self._n + k])
         else:
@@ -317,12 +279,12 @@ class EncryptedStorage(StorageWrapper):
             for i in range(w0, w1):
                 ct = blob[(i - w0) * (BLOCK + TAG) : min((i - w0 + 1) * (BLOCK + TAG), end - start)]
                 lo, hi = max(offset - i * BLOCK, 0), min(offset + length - i * BLOCK, len(ct) - TAG)
-                aad = _aad(path, i, i == info.blocks - 1, info.root)
+                aad = block_aad(path, i, i == info.blocks - 1, info.root)
                 try:
                     if into is not None and lo == 0 and hi == len(ct) - TAG:
-                        into(_nonce(i), ct, aad, out[pos : pos + hi])
+                        into(block_nonce(i), ct, aad, out[pos : pos + hi])
                     else:
-                        out[pos : pos + hi - lo] = memoryview(info.aead.decrypt(_nonce(i), ct, aad))[lo:hi]
+                        out[pos : pos + hi - lo] = memoryview(info.aead.decrypt(block_nonce(i), ct, aad))[lo:hi]
                 except self._invalid_tag as e:
                     # decrypt_into writes its plaintext before it checks the tag: never leave
                     # unauthenticated bytes in the caller's buffer.
@@ -354,7 +316,7 @@ class EncryptedStorage(StorageWrapper):
             return self.read_range(path, 0, self._info(path).plain)
         data = self.inner.read_bytes(path)
         if self.authenticate and is_manifest_path(path):
-            open_manifest(data, self, self.inner.describe(path))
+            open_manifest(data, self._unwrap, self.binding, self.inner.describe(path))
         return data
 
     def size(self, path: str) -> int:
@@ -388,141 +350,13 @@ class EncryptedStorage(StorageWrapper):
         self.inner.delete_dir(path)
 
 
-# -- manifests ---------------------------------------------------------------------------------
 
-
-def seal_manifest(data: bytes, provider: KeyProvider, root: str) -> bytes:
-    """``data`` (a manifest's JSON object) with an ``"encryption"`` member appended last whose
-    ``mac`` (HMAC-SHA256 under a fresh key wrapped by ``provider``) covers all other bytes,
-    the ``root`` it is bound to included."""
-    if not data.endswith(b"}") or data == b"{}":
-        raise ValueError("not a manifest object")
-    mac_key = os.urandom(32)
-    key_id, wrapped = provider.wrap(mac_key)
-    section = {
-        "algorithm": ALGORITHM, "block_bytes": BLOCK, "key_id": key_id,
-        "wrapped_mac_key": base64.b64encode(wrapped).decode(), "root": root, "mac": "0" * 64,
-    }
-    body = data[:-1] + b',"encryption":' + json.dumps(section, separators=(",", ":")).encode() + b"}"
-    mac = hmac.new(mac_key, body, hashlib.sha256).hexdigest().encode()
-    return body[:-_MAC_TAIL] + mac + body[-3:]
-
-
-def manifest_section(data: bytes) -> dict[str, Any] | None:
-    """The ``encryption`` member of a sealed manifest (unauthenticated), or None if it has
-    none; a ``ValueError`` says why a member that is there does not parse."""
-    at = data.rfind(b',"encryption":{')
-    if at < 0 or not data.endswith(b'"}}'):
-        return None
-    section = loads_untrusted(data[at + len(b',"encryption":') : -1], max_bytes=len(data))
-    if not isinstance(section, dict):
-        raise ValueError("is not an object")
-    return section
-
-
-def open_manifest(data: bytes, storage: EncryptedStorage, where: str) -> None:
-    """Check a manifest's MAC with the provider's key; raise a clear error if it is missing,
-    from another key, or wrong (the manifest was changed after it was written)."""
-    try:
-        section = manifest_section(data)
-    except ValueError as e:  # UntrustedJSONError: there, but damaged
-        raise CorruptCheckpointError(
-            f"manifest {where}: its encryption member {e}, so it cannot be authenticated; the "
-            f"manifest is damaged: restore another step"
-        ) from None
-    if section is None:
-        # Damage, not a key problem: "restore the newest" falls back past it to a step that
-        # authenticates (a root that was never encrypted fails every step, naming this).
-        raise CorruptCheckpointError(
-            f"manifest {where} is not encrypted/authenticated, and this manager reads only "
-            f"encrypted checkpoints (encryption= is set): it was written without encryption, or "
-            f"replaced. Restore another step, or restore it without encryption= if it is yours"
-        )
-    try:
-        key_id, wrapped = str(section["key_id"]), base64.b64decode(section["wrapped_mac_key"])
-        mac = str(section["mac"]).encode()
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"manifest {where}: encryption member is damaged ({e}); restore another step") from None
-    key = storage._unwrap(key_id, wrapped, f"manifest {where}")
-    body = data[:-_MAC_TAIL] + b"0" * 64 + data[-3:]
-    if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).hexdigest().encode(), mac):
-        raise CorruptCheckpointError(
-            f"manifest {where} fails authentication (HMAC-SHA256 mismatch): it was changed after "
-            f"it was written; nothing of it was read. Restore another step and run `shardkeeper verify`"
-        )
-    root = section.get("root")
-    if root is not None and root != storage.binding:
-        raise CorruptCheckpointError(
-            f"manifest {where} was written under the root {root!r} and is read as part of "
-            f"{storage.binding!r}: a step of another root was put here (restore another step), or this "
-            f"root was moved or copied from there (then pass encryption_root={root!r})"
-        )
-
-
-def files_look_encrypted(storage: Storage, step: int, m: Any) -> bool:
-    """Whether the first data file a manifest of ``step`` lists starts as an encrypted file
-    does (no key needed): a manifest that claims encryption over plain files was edited."""
-    from shardkeeper.core.root_files import resolve_file
-
-    for rel in sorted(m.files):
-        path = resolve_file(step, rel)
-        if path is None:
-            continue
-        try:
-            return storage.read_range(path, 0, len(MAGIC)) == MAGIC
-        except CheckpointError:
-            return True  # unreadable: not evidence of an edit; the key error stands
-    return True
-
-
-def read_header(storage: Storage, path: str) -> tuple[int, dict[str, Any]]:
-    """An encrypted file's header length and fields, without any key (for verify)."""
-    head = storage.read_range(path, 0, 12)
-    if len(head) < 12 or head[:8] != MAGIC:
-        raise ValueError(f"no {MAGIC.decode()} header: not an encrypted shardkeeper file")
-    (n,) = struct.unpack("<I", head[8:12])
-    if n > MAX_HEADER:
-        raise ValueError(f"encryption header of {n} bytes")
-    h = loads_untrusted(storage.read_range(path, 12, n), max_bytes=MAX_HEADER)
-    if not isinstance(h, dict) or h.get("alg") != ALGORITHM or h.get("block") != BLOCK:
-        raise ValueError(f"unknown encryption header {str(h)[:120]}")
-    return 12 + n, h
-
-
-def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tuple[str, str, str]]]:
-    """What ``verify`` checks of an encrypted step without the key: every file the manifest
-    names (its own and referenced ones) exists, has an intact encryption header and exactly
-    the stored size its plaintext size implies, and holds every chunk's byte range. Digests
-    and tags need the key. Returns (files checked, [(kind, message, path)])."""
-    from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
-    from shardkeeper.core.root_files import resolve_file
-
-    ends: dict[str, int] = {}
-    for _, c in m.chunks():
-        path = resolve_file(step, c.file)
-        if path is not None:
-            ends[path] = max(ends.get(path, 0), c.offset + c.length)
-    own = {p: info.get("size_bytes") for rel, info in m.files.items() if (p := resolve_file(step, rel))}
-    problems: list[tuple[str, str, str]] = []
-    paths = sorted(set(ends) | set(own))
-    for path in paths:
-        where = storage.describe(path)
-        try:
-            size = storage.size(path)
-            header, _ = read_header(storage, path)
-        except CheckpointNotFoundError:
-            problems.append(("missing-file", f"step {step}: file {where} is missing", path))
-            continue
-        except (CheckpointError, ValueError) as e:
-            problems.append(("header", f"step {step}: file {where}: {e}", path))
-            continue
-        rest = size - header
-        blocks = max(1, -(-rest // (BLOCK + TAG)))
-        plain = rest - blocks * TAG
-        if plain < 0 or stored_size(plain, header) != size:
-            problems.append(("size", f"step {step}: file {where} is {size} bytes, not a whole number of encrypted blocks (truncated?)", path))
-        elif path in own and own[path] != plain:
-            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, the manifest records {own[path]}", path))
-        elif ends.get(path, 0) > plain:
-            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, its chunks reach {ends[path]}", path))
-    return len(paths), problems
+__all__ = [
+    "BLOCK",
+    "MAGIC",
+    "TAG",
+    "EncryptedStorage",
+    "files_look_encrypted",
+    "keyless_problems",
+    "seal_manifest",
+]

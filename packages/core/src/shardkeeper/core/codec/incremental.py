@@ -20,7 +20,8 @@ from shardkeeper.core.commit import lists_manifest, load_manifest, step_dirs
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.manifest import BlockDigests, ChunkRecord, Manifest
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.format.records import BlockDigests, ChunkRecord
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)

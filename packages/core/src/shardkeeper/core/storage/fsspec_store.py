@@ -25,7 +25,8 @@ What the commit protocol relies on, per backend:
   ``__cause__`` and the message names the full URL.
 
 This module imports neither torch nor a backend library: fsspec loads ``s3fs`` or ``gcsfs``
-when a URL asks for it.
+when a URL asks for it. Layering: the generic store; what only S3 and GCS need (errors, zonal
+buckets, leftover folders) is in storage/object_stores.py, the writer in storage/fsspec_writer.py.
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import fsspec
-import fsspec.asyn
 import fsspec.core
-import fsspec.spec
 
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -51,14 +50,22 @@ from shardkeeper.core.errors import (
     StorageError,
 )
 from shardkeeper.core.storage.base import Capabilities
+from shardkeeper.core.storage.fsspec_writer import FsspecWriter
+from shardkeeper.core.storage.object_stores import (
+    CONFLICT_RETRIES,
+    GCS_PROTOCOLS,
+    OBJECT_STORE_PROTOCOLS,
+    S3_PROTOCOLS,
+    is_conditional_conflict,
+    is_precondition_failure,
+    is_zonal_bucket,
+    remove_empty_folders,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-S3_PROTOCOLS = frozenset({"s3", "s3a"})
-GCS_PROTOCOLS = frozenset({"gs", "gcs"})
-OBJECT_STORE_PROTOCOLS = S3_PROTOCOLS | GCS_PROTOCOLS
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 _VOLATILE_PROTOCOLS = frozenset({"memory"})
 
@@ -66,10 +73,6 @@ _VOLATILE_PROTOCOLS = frozenset({"memory"})
 #: at this size) and needs at least 5 MiB; GCS needs a multiple of 256 KiB. Each open writer
 #: buffers at most about one part.
 DEFAULT_PART_SIZE_BYTES = 32 * 2**20
-
-# S3 answers 409 ConditionalRequestConflict while another conditional write of the same key is
-# in flight; the retry then sees 412 (someone won) or succeeds.
-_CONFLICT_RETRIES = 5
 
 # put_if_absent on backends without a conditional write: serialize within this process.
 _fallback_lock = threading.Lock()
@@ -80,40 +83,6 @@ _warned_lock = threading.Lock()
 def _protocol_of(fs: Any) -> str:
     proto = fs.protocol
     return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
-
-
-def _error_codes(e: BaseException) -> tuple[set[str], set[int]]:
-    """The error codes and HTTP statuses found along ``e``'s chain of causes (botocore style)."""
-    codes: set[str] = set()
-    statuses: set[int] = set()
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        response = getattr(cur, "response", None)
-        if isinstance(response, dict):
-            err = response.get("Error") or {}
-            if err.get("Code"):
-                codes.add(str(err["Code"]))
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if isinstance(status, int):
-                statuses.add(status)
-        for attr in ("status", "code"):  # aiohttp errors (whose .code is deprecated), gcsfs HttpError
-            value = getattr(cur, attr, None)
-            if isinstance(value, int) and 100 <= value < 600:
-                statuses.add(value)
-                break
-        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
-    return codes, statuses
-
-
-def _is_precondition_failure(e: BaseException) -> bool:
-    codes, statuses = _error_codes(e)
-    return "PreconditionFailed" in codes or "412" in codes or 412 in statuses
-
-
-def _is_conditional_conflict(e: BaseException) -> bool:
-    return "ConditionalRequestConflict" in _error_codes(e)[0]
 
 
 def _timestamp(value: Any) -> float:
@@ -127,82 +96,6 @@ def _timestamp(value: Any) -> float:
         return _timestamp(datetime.fromisoformat(value.replace("Z", "+00:00")))
     raise TypeError(f"not a timestamp: {value!r}")
 
-
-class _FsspecWriter:
-    """A streaming upload. Not thread-safe: one writer is fed by one thread."""
-
-    def __init__(self, storage: FsspecStorage, path: str, f: Any) -> None:
-        self._storage = storage
-        self._path = path
-        self._f = f
-        self._state = "open"  # -> "closed" | "aborted"
-
-    def write(self, data: memoryview | bytes) -> None:
-        if self._state != "open":
-            raise StorageError(f"write to {self._storage.describe(self._path)} after {self._state}")
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        try:
-            self._f.write(view)
-        except Exception as e:
-            raise self._storage._translate("write", self._path, e) from e
-
-    def close(self) -> None:
-        if self._state == "closed":
-            return
-        if self._state == "aborted":
-            raise StorageError(f"close of {self._storage.describe(self._path)} after abort()")
-        self._state = "closed"
-        try:
-            self._f.close()
-        except Exception as e:
-            # Do not leave a half-finished multipart upload behind.
-            self._discard_quietly()
-            raise self._storage._translate("close", self._path, e) from e
-        finally:
-            self._storage._invalidate(self._path)
-
-    def abort(self) -> None:
-        if self._state != "open":
-            return
-        self._state = "aborted"
-        try:
-            self._discard_quietly()
-        finally:
-            self._storage._invalidate(self._path)
-
-    def _discard_quietly(self) -> None:
-        f = self._f
-        discard = getattr(f, "discard", None)
-        discarded = False
-        if callable(discard) and isinstance(f, fsspec.spec.AbstractBufferedFile):
-            try:
-                discard()  # s3fs: abort the multipart upload; gcsfs: cancel the resumable session
-                discarded = True
-            except Exception as e:  # pragma: no cover - best effort
-                log.debug("discard of %s failed: %s", self._storage.describe(self._path), e)
-            finally:
-                # Without this, the file's __del__ would close() it: gcsfs would then upload a
-                # small file whose discard() had nothing to cancel.
-                try:
-                    f.closed = True
-                except Exception:  # pragma: no cover
-                    pass
-        if discarded and self._storage._object_store:
-            return  # the object only appears on a completed upload, and this one never will
-        if not discarded:
-            try:
-                f.close()
-            except Exception:
-                pass
-        # Backends that create the file at open or write through (memory://, file://, ...).
-        try:
-            self._storage.fs.rm_file(self._storage._full(self._path))
-        except FileNotFoundError:
-            pass
-        except Exception as e:  # pragma: no cover - best effort; gc removes leftovers
-            log.warning("could not remove aborted %s: %s", self._storage.describe(self._path), e)
 
 
 class FsspecStorage:
@@ -279,12 +172,7 @@ class FsspecStorage:
             if not self._zonal_check_pending:
                 return
             bucket = self.root.split("/", 1)[0]
-            try:
-                zonal = bool(fsspec.asyn.sync(self.fs.loop, self.fs._is_zonal_bucket, bucket))
-            except Exception as e:  # unknown: gcsfs itself then treats the bucket as regular
-                log.debug("could not tell whether gs://%s is a zonal bucket: %s", bucket, e)
-                zonal = False
-            if zonal:
+            if is_zonal_bucket(self.fs, bucket):
                 log.warning(
                     "gs://%s is a zonal bucket: gcsfs cannot make conditional writes to it, so "
                     "put_if_absent on %s is not atomic across processes",
@@ -315,7 +203,7 @@ class FsspecStorage:
             return e
         if isinstance(e, FileNotFoundError):
             return CheckpointNotFoundError(f"{where} does not exist ({op})")
-        if isinstance(e, FileExistsError) or _is_precondition_failure(e):
+        if isinstance(e, FileExistsError) or is_precondition_failure(e):
             return CommitConflictError(
                 f"{where} already exists ({op}: the store refused to replace it)"
             )
@@ -412,7 +300,7 @@ class FsspecStorage:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def open_writer(self, path: str) -> _FsspecWriter:
+    def open_writer(self, path: str) -> FsspecWriter:
         # Best effort "must not exist yet" (a HEAD): names are unique per save attempt, so a
         # hit means two writers share an attempt id. Data files are not written with a
         # precondition on purpose: S3-compatible stores disagree on conditional multipart
@@ -429,7 +317,7 @@ class FsspecStorage:
                 self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
             return self.fs.open(full, "wb", block_size=self.part_size_bytes)
 
-        return _FsspecWriter(self, path, self._call("open", path, _open))
+        return FsspecWriter(self, path, self._call("open", path, _open))
 
     def sync_dir(self, path: str) -> None:
         """Nothing to do: an object is durable when its upload completes."""
@@ -437,12 +325,12 @@ class FsspecStorage:
     def put_if_absent(self, path: str, data: bytes) -> None:
         full = self._full(path)
         if self.capabilities.atomic_put_if_absent:
-            for attempt in range(_CONFLICT_RETRIES + 1):
+            for attempt in range(CONFLICT_RETRIES + 1):
                 try:
                     self.fs.pipe_file(full, data, mode="create")
                     break
                 except Exception as e:
-                    if _is_conditional_conflict(e) and attempt < _CONFLICT_RETRIES:
+                    if is_conditional_conflict(e) and attempt < CONFLICT_RETRIES:
                         time.sleep(0.05 * 2**attempt)
                         continue
                     raise self._translate("put_if_absent", path, e) from e
@@ -498,7 +386,7 @@ class FsspecStorage:
             except FileNotFoundError:
                 pass
             if self.protocol in S3_PROTOCOLS:
-                self._remove_empty_folders(full)
+                remove_empty_folders(self.fs, full, self.root.split("/", 1)[0])
         except FileNotFoundError:  # e.g. no such bucket: nothing to delete
             pass
         except Exception as e:
@@ -506,37 +394,6 @@ class FsspecStorage:
         finally:
             self._invalidate(path)
             self.fs.invalidate_cache(full)
-
-    def _remove_empty_folders(self, full: str) -> None:
-        """Remove ``full`` and the (now empty) folders below it, deepest first.
-
-        S3-compatible stores built on a file system (SeaweedFS) keep a folder when its last
-        object is deleted and list it as a common prefix from then on: a deleted step would
-        still show up in every listing. Deleting the key ``<folder>/`` removes such a folder
-        if it is empty; on AWS S3 that key does not exist and the delete is a no-op. Costs one
-        listing per remaining folder (one in all on AWS S3) and one DeleteObjects request.
-        """
-        folders: list[str] = []
-
-        def walk(folder: str) -> None:
-            try:
-                entries = self.fs.ls(folder, detail=True, refresh=True)
-            except FileNotFoundError:
-                entries = []
-            for entry in entries:
-                name = entry["name"].rstrip("/")
-                if entry.get("type") == "directory" and name != folder:
-                    walk(name)
-            folders.append(folder)
-
-        walk(full)
-        bucket = self.root.split("/", 1)[0]
-        keys = [f.split("/", 1)[1] + "/" for f in folders if "/" in f]
-        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            objects = [{"Key": k} for k in keys[i : i + 1000]]
-            self.fs.call_s3(
-                "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
-            )
 
 
 __all__ = ["DEFAULT_PART_SIZE_BYTES", "FsspecStorage"]

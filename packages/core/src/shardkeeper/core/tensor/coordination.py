@@ -2,8 +2,9 @@
 
 The background thread of every rank *reports* its chunk records (or its failure) to the
 coordinator (rank 0) through the process group's c10d store, and waits for the *outcome*
-the coordinator publishes there. Store operations are point-to-point requests to the store
-server: safe from a background thread, and independent of NCCL/gloo streams.
+the coordinator publishes there (``core/protocol.py``: the order, and the records as JSON).
+Store operations are point-to-point requests to the store server: safe from a background
+thread, and independent of NCCL/gloo streams.
 
 Collectives are used only on the caller's thread: once when a manager is created (to agree
 on a namespace) and during restore (to agree on the step and on success).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -23,7 +25,14 @@ import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.format.jsonvalue import loads_exact
-from shardkeeper.core.format.table import report_for_wire
+from shardkeeper.core.protocol import (
+    Failure,
+    Outcome,
+    RankReport,
+    Report,
+    malformed,
+    report_from_json,
+)
 from shardkeeper.core.tensor import _torch_compat as tc
 
 
@@ -31,18 +40,22 @@ class Coordinator(Protocol):
     rank: int
     world_size: int
 
-    def report(self, seq: int, payload: dict[str, Any]) -> None:
+    def report(self, seq: int, report: Report) -> None:
         """Every rank but the coordinator: send this rank's report (or its failure)."""
         ...
 
-    def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+    def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
         """Coordinator only: its own report and every other rank's, in rank order; fails fast
-        on an error report (then returns just that one)."""
+        on a failure report (then returns that one)."""
         ...
 
-    def publish(self, seq: int, outcome: dict[str, Any]) -> None: ...
+    def publish(self, seq: int, outcome: Outcome) -> None:
+        """Coordinator only: the save's outcome, for every other rank."""
+        ...
 
-    def outcome(self, seq: int, timeout_s: float, *, step: int) -> dict[str, Any]: ...
+    def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
+        """Every rank but the coordinator: wait for the outcome the coordinator publishes."""
+        ...
 
     def agree_int(self, value: int, op: str) -> int:
         """Caller's thread only: ``max``/``min`` of ``value`` over ranks, or rank 0's (``bcast``)."""
@@ -56,18 +69,18 @@ class LocalCoordinator:
     world_size = 1
 
     def __init__(self) -> None:
-        self._outcomes: dict[int, dict[str, Any]] = {}
+        self._outcomes: dict[int, Outcome] = {}
 
-    def report(self, seq: int, payload: dict[str, Any]) -> None:
+    def report(self, seq: int, report: Report) -> None:
         raise AssertionError("the only rank is the coordinator; it does not report to itself")
 
-    def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
+    def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
         return [own]
 
-    def publish(self, seq: int, outcome: dict[str, Any]) -> None:
+    def publish(self, seq: int, outcome: Outcome) -> None:
         self._outcomes[seq] = outcome
 
-    def outcome(self, seq: int, timeout_s: float, *, step: int) -> dict[str, Any]:
+    def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
         return self._outcomes.pop(seq)
 
     def agree_int(self, value: int, op: str) -> int:
@@ -110,28 +123,23 @@ class StoreCoordinator:
     def _key(self, seq: int, name: str) -> str:
         return f"{self.namespace}/{seq}/{name}"
 
-    def report(self, seq: int, payload: dict[str, Any]) -> None:
-        if isinstance(payload.get("chunks"), dict):
-            # Columns instead of one JSON object per chunk: the coordinator decodes 100,000
-            # chunks of a rank in tens of milliseconds (format/table.py).
-            payload = {**payload, "chunks": report_for_wire(payload["chunks"])}
-        self._store.set(self._key(seq, f"report/{self.rank}"), json.dumps(payload))
+    def report(self, seq: int, report: Report) -> None:
+        self._store.set(self._key(seq, f"report/{self.rank}"), json.dumps(report.to_json()))
 
-    def collect(self, seq: int, own: dict[str, Any], timeout_s: float, *, step: int) -> list[dict[str, Any]]:
-        if not own.get("ok", False):
-            return [own]
+    def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
         store = self._store
         keys = [self._key(seq, f"report/{r}") for r in range(self.world_size)]
-        got: dict[int, dict[str, Any]] = {self.rank: own}
+        got: dict[int, RankReport] = {self.rank: own}
         deadline = time.monotonic() + timeout_s
         delay = self.poll_s
         while len(got) < self.world_size:
             for r, k in enumerate(keys):
                 if r not in got and store.check([k]):
-                    got[r] = loads_exact(store.get(k))  # a report with NaN or big integers declares it
+                    report = _read_report(store.get(k), rank=r, where=f"step {step}: the report of rank {r} ({k})")
                     store.delete_key(k)
-                    if not got[r].get("ok", False):
-                        return [got[r]]
+                    if isinstance(report, Failure):
+                        return report
+                    got[r] = report
             if len(got) == self.world_size:
                 break
             if time.monotonic() > deadline:
@@ -145,10 +153,10 @@ class StoreCoordinator:
             delay = min(delay * 1.5, 0.02)
         return [got[r] for r in range(self.world_size)]
 
-    def publish(self, seq: int, outcome: dict[str, Any]) -> None:
-        self._store.set(self._key(seq, "outcome"), json.dumps(outcome))
+    def publish(self, seq: int, outcome: Outcome) -> None:
+        self._store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
 
-    def outcome(self, seq: int, timeout_s: float, *, step: int) -> dict[str, Any]:
+    def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
         store = self._store
         key = self._key(seq, "outcome")
         try:
@@ -158,7 +166,8 @@ class StoreCoordinator:
                 f"step {step}, rank {self.rank}: no commit outcome from the coordinator (rank 0) "
                 f"within {timeout_s:.0f} s; it died or hangs. The checkpoint was not committed"
             ) from e
-        out = json.loads(store.get(key))
+        where = f"step {step}, rank {self.rank}: the outcome ({key})"
+        out = Outcome.from_json(_parse(store.get(key), where, json.loads), where=where)
         if store.add(self._key(seq, "acks"), 1) == self.world_size - 1:  # all but rank 0
             store.delete_key(key)
             store.delete_key(self._key(seq, "acks"))
@@ -174,10 +183,19 @@ class StoreCoordinator:
         return int(t.item())
 
 
+def _parse(data: bytes, where: str, loads: Callable[[bytes], Any] = loads_exact) -> Any:
+    """A message of the store as JSON (reports exactly: one with NaN or big integers declares it)."""
+    try:
+        return loads(data)
+    except (ValueError, RecursionError) as e:
+        raise malformed(where, f"it is not JSON ({e})") from None
+
+
+def _read_report(data: bytes, *, rank: int, where: str) -> Report:
+    return report_from_json(_parse(data, where), rank=rank, where=where)
+
+
 def make_coordinator(group: Any = None) -> Coordinator:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         return StoreCoordinator.create(group)
     return LocalCoordinator()
-
-
-__all__ = ["Coordinator", "LocalCoordinator", "StoreCoordinator", "make_coordinator"]

@@ -18,11 +18,10 @@ import torch
 from shardkeeper.core.errors import TornStateError
 from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_offsets, data_on_a_page
 from shardkeeper.core.tensor.chunks import contiguous_strides
+from shardkeeper.core.tensor.save_plan import WriteItem
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
-
-    from shardkeeper.core.tensor.save import WriteItem
 
 _ALIGN = 64
 #: Synchronous saves write items of at least this size straight from their own memory; smaller

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from shardkeeper.core.errors import JsonValueError, StateMismatchError
+from shardkeeper.core.format.columns import without_gc
 from shardkeeper.core.format.jsonvalue import check_value, describe_problem
-from shardkeeper.core.format.table import without_gc
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.optim_compat import OptimizerTarget, optimizer_class
 

@@ -1,0 +1,141 @@
+"""The stored form of encrypted data files, and what can be checked of it without a key.
+
+Stored data file: ``SKCRYPT1`` | u32 LE header length | header JSON (``alg``, ``block``,
+``key_id``, ``wrapped``, ``root``) | blocks, each ciphertext + 16-byte tag; every block holds
+``block`` plaintext bytes except the last (0 .. block). Block ``i`` is sealed with nonce
+``block_nonce(i)`` and associated data ``block_aad``. See docs/format.md, section 4.2.
+
+Layering: the bottom of the encryption modules: constants, names and sizes, which need no
+key and no cipher. ``EncryptedStorage`` (codec/crypto.py) reads and writes this form;
+``verify`` checks it without a key (``keyless_problems``); the manager asks whether a step's
+files look encrypted (``files_look_encrypted``) without importing the cipher's storage.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.format.layout import DATA_DIR, parse_step_dir
+from shardkeeper.core.format.untrusted import loads_untrusted
+from shardkeeper.core.storage.base import Storage
+
+MAGIC = b"SKCRYPT1"
+ALGORITHM = "AES-256-GCM"
+BLOCK = 64 << 10
+TAG = 16
+MAX_HEADER = 64 << 10
+_AAD_PREFIX = b"shardkeeper/aes-256-gcm/v1\0"
+_AAD_PREFIX_V2 = b"shardkeeper/aes-256-gcm/v2\0"  # v2: the root's identity is bound too
+_SCHEMES = {"gcs": "gs", "s3a": "s3"}
+
+
+def is_data_path(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) >= 3 and parts[-2] == DATA_DIR and parse_step_dir(parts[-3]) is not None
+
+
+def is_manifest_path(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and parts[1] == "manifest.json" and parse_step_dir(parts[0]) is not None
+
+
+def block_nonce(i: int) -> bytes:
+    return struct.pack(">4xQ", i)
+
+
+def block_aad(path: str, i: int, final: bool, root: str | None) -> bytes:
+    """A block's associated data: its file's root (the binding; None in files written before
+    roots were bound), root-relative path, index and last-block flag."""
+    if root is None:
+        return _AAD_PREFIX + path.encode() + struct.pack(">xQ?", i, final)
+    r = root.encode("utf-8", "surrogateescape")
+    return _AAD_PREFIX_V2 + struct.pack(">I", len(r)) + r + path.encode() + struct.pack(">xQ?", i, final)
+
+
+def root_identity(url: str) -> str:
+    """What encrypted files and manifests are bound to by default: the root's real path on
+    local disk (the same through any symlink to it), its normalized URL on an object store."""
+    if "://" not in url or url.startswith("file://"):
+        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url)
+    scheme, rest = url.split("://", 1)
+    return f"{_SCHEMES.get(scheme, scheme)}://{rest.rstrip('/')}"
+
+
+def stored_size(plain: int, header: int) -> int:
+    n = max(1, -(-plain // BLOCK))
+    return header + plain + n * TAG
+
+
+def files_look_encrypted(storage: Storage, step: int, m: Any) -> bool:
+    """Whether the first data file a manifest of ``step`` lists starts as an encrypted file
+    does (no key needed): a manifest that claims encryption over plain files was edited."""
+    from shardkeeper.core.root_files import resolve_file
+
+    for rel in sorted(m.files):
+        path = resolve_file(step, rel)
+        if path is None:
+            continue
+        try:
+            return storage.read_range(path, 0, len(MAGIC)) == MAGIC
+        except CheckpointError:
+            return True  # unreadable: not evidence of an edit; the key error stands
+    return True
+
+
+def read_header(storage: Storage, path: str) -> tuple[int, dict[str, Any]]:
+    """An encrypted file's header length and fields, without any key (for verify)."""
+    head = storage.read_range(path, 0, 12)
+    if len(head) < 12 or head[:8] != MAGIC:
+        raise ValueError(f"no {MAGIC.decode()} header: not an encrypted shardkeeper file")
+    (n,) = struct.unpack("<I", head[8:12])
+    if n > MAX_HEADER:
+        raise ValueError(f"encryption header of {n} bytes")
+    h = loads_untrusted(storage.read_range(path, 12, n), max_bytes=MAX_HEADER)
+    if not isinstance(h, dict) or h.get("alg") != ALGORITHM or h.get("block") != BLOCK:
+        raise ValueError(f"unknown encryption header {str(h)[:120]}")
+    return 12 + n, h
+
+
+def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tuple[str, str, str]]]:
+    """What ``verify`` checks of an encrypted step without the key: every file the manifest
+    names (its own and referenced ones) exists, has an intact encryption header and exactly
+    the stored size its plaintext size implies, and holds every chunk's byte range. Digests
+    and tags need the key. Returns (files checked, [(kind, message, path)])."""
+    from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
+    from shardkeeper.core.root_files import resolve_file
+
+    ends: dict[str, int] = {}
+    for _, c in m.chunks():
+        path = resolve_file(step, c.file)
+        if path is not None:
+            ends[path] = max(ends.get(path, 0), c.offset + c.length)
+    own = {p: info.get("size_bytes") for rel, info in m.files.items() if (p := resolve_file(step, rel))}
+    problems: list[tuple[str, str, str]] = []
+    paths = sorted(set(ends) | set(own))
+    for path in paths:
+        where = storage.describe(path)
+        try:
+            size = storage.size(path)
+            header, _ = read_header(storage, path)
+        except CheckpointNotFoundError:
+            problems.append(("missing-file", f"step {step}: file {where} is missing", path))
+            continue
+        except (CheckpointError, ValueError) as e:
+            problems.append(("header", f"step {step}: file {where}: {e}", path))
+            continue
+        rest = size - header
+        blocks = max(1, -(-rest // (BLOCK + TAG)))
+        plain = rest - blocks * TAG
+        if plain < 0 or stored_size(plain, header) != size:
+            problems.append(("size", f"step {step}: file {where} is {size} bytes, not a whole number of encrypted "
+                                     f"blocks (truncated?)", path))
+        elif path in own and own[path] != plain:
+            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, the manifest "
+                                     f"records {own[path]}", path))
+        elif ends.get(path, 0) > plain:
+            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, its chunks "
+                                     f"reach {ends[path]}", path))
+    return len(paths), problems

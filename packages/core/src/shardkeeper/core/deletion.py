@@ -1,0 +1,72 @@
+"""A manager removing committed steps: retention after each commit, and ``delete()``.
+
+Both run on the coordinator (rank 0) with ``retention.apply_retention``'s guarantees (never
+the newest committed step, never a file another retained step or a commit in progress
+references) and drop the deleted steps from the catalog. ``delete()`` is a collective: the
+coordinator deletes and broadcasts a ``protocol.Deletion``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from shardkeeper.core.catalog import forget_deleted
+from shardkeeper.core.commit import committed_steps
+from shardkeeper.core.context import ManagerContext
+from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.protocol import COORDINATOR, Deletion
+from shardkeeper.core.retention import RetentionPolicy, apply_retention
+from shardkeeper.core.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+class DeleteOnly(RetentionPolicy):
+    """A retention policy that drops exactly the given steps (for ``delete()``)."""
+
+    def __init__(self, steps: frozenset[int]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_drop", steps)
+
+    @property
+    def keeps_all(self) -> bool:
+        return False
+
+    def retained(self, steps: Iterable[int]) -> set[int]:
+        return set(steps) - self._drop  # type: ignore[attr-defined]
+
+
+def retain(storage: Storage, policy: RetentionPolicy, catalog: str | None, step: int) -> None:
+    """Coordinator, after committing ``step``: apply ``policy``. Never fails the save."""
+    if policy.keep_last is None and policy.keep_every is None:
+        return
+    try:
+        deleted = apply_retention(storage, policy, protect=[step])
+    except Exception as e:  # retention must never fail a committed save
+        log.warning("retention after step %d failed (will retry after the next save): %s", step, e)
+    else:
+        forget_deleted(catalog, storage, deleted)
+
+
+def delete_step(ctx: ManagerContext, step: int) -> bool:
+    """Every rank: the coordinator deletes committed ``step``; True on every rank if it is gone."""
+    result, err = Deletion.KEPT, None
+    if ctx.rank == COORDINATOR:
+        try:
+            deleted = apply_retention(ctx.storage, DeleteOnly(frozenset([step])))
+            forget_deleted(ctx.settings.catalog, ctx.storage, deleted)
+            result = Deletion.KEPT if step in committed_steps(ctx.storage) else Deletion.GONE
+        except Exception as e:
+            result, err = Deletion.FAILED, e
+    if ctx.world_size > 1:
+        result = Deletion(ctx.coord.agree_int(result, "bcast"))
+    if result is Deletion.FAILED:
+        raise err or CheckpointError(
+            f"deleting step {step} under {ctx.storage.url} failed on the coordinator (rank 0); "
+            f"see its error (rank {ctx.rank})"
+        )
+    return result is Deletion.GONE
+
+
+__all__ = ["DeleteOnly", "delete_step", "retain"]

@@ -1,0 +1,230 @@
+"""The checks of an untrusted manifest: its envelope (``check_envelope``: format_version,
+the members a version may carry, the top-level fields' JSON types), then everything restore
+relies on (``manifest_problem``: digests, sizes, paths, encodings, tiling), once, so later
+reads need no per-field checks. Each names what it finds wrong.
+
+Layering: below the manifest (format/manifest.py, whose ``loads`` and ``problem`` run these)
+and above the records, the leaves and the versions they compare against; it reads a
+manifest's fields (``ManifestFields``) without importing the ``Manifest`` class, so the
+manifest can import it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
+from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER
+from shardkeeper.core.format.leaves import leaves_json
+from shardkeeper.core.format.records import (
+    DTYPES,
+    LeafRecord,
+    encoded_length_problem,
+    safe_relative_path,
+)
+from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.format.tiling import check_tiling_boxes
+from shardkeeper.core.format.versions import (
+    ENCODINGS,
+    ENCRYPTION_VERSION,
+    EXTENDED_JSON_VERSION,
+    READ_VERSION,
+    ROOT_BOUND_VERSION,
+)
+
+#: Digest blocks larger than this are refused: a reader holds whole blocks in memory.
+MAX_DIGEST_BLOCK_BYTES = 1 << 30
+#: Top-level fields and their JSON types (an integer is never a boolean); the rest is optional.
+_REQUIRED: dict[str, type] = {"step": int, "world_size": int, "digest_algorithm": str, "digest_block_bytes": int,
+                              "files": dict, "leaves": dict}
+_OPTIONAL: dict[str, type] = {"created_at": str, "attempt": str, "per_rank_prefixes": list, "metadata": dict,
+                              "encryption": dict}
+
+
+class ManifestFields(Protocol):
+    """What ``manifest_problem`` reads of a manifest (``Manifest`` has these fields)."""
+
+    step: int
+    world_size: int
+    leaves: Mapping[str, LeafRecord]
+    files: dict[str, dict[str, Any]]
+    digest_algorithm: str
+    digest_block_bytes: int
+    per_rank_prefixes: tuple[str, ...]
+    format_version: int
+
+
+def check_envelope(d: Any, where: str) -> int:
+    """The format_version of a parsed manifest ``d`` (``where`` names it), once its envelope
+    is one this code reads: else ``CorruptCheckpointError`` (or ``IncompatibleFormatError``
+    for a newer version), naming what is wrong and the remedy."""
+    if not isinstance(d, dict) or type(d.get("format_version")) is not int:
+        raise CorruptCheckpointError(
+            f"manifest {where} has no integer format_version; it is not a shardkeeper "
+            f"manifest or it is damaged: restore another step"
+        )
+    version = d["format_version"]
+    if version < 1:
+        raise CorruptCheckpointError(
+            f"manifest {where} has format_version {version}; versions start at 1, so it is damaged: "
+            f"restore another step"
+        )
+    if version > READ_VERSION:
+        raise IncompatibleFormatError(
+            f"manifest {where} has format_version {version}, newer than the {READ_VERSION} "
+            f"this shardkeeper reads; upgrade shardkeeper-core to restore it"
+        )
+    extended = d.get(EXTENDED_MEMBER, False)
+    if extended is not False and (extended is not True or version < EXTENDED_JSON_VERSION):
+        raise CorruptCheckpointError(
+            f"manifest {where} declares {EXTENDED_MEMBER}={_short(d[EXTENDED_MEMBER])} at format_version "
+            f"{version}; extended JSON values are format_version {EXTENDED_JSON_VERSION} or later (true only), "
+            f"so the manifest was edited or damaged: restore another step"
+        )
+    enc = d.get("encryption")
+    if isinstance(enc, dict) and "root" in enc and version < ROOT_BOUND_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {where} names the root it is bound to but has format_version {version}; "
+            f"bound checkpoints are format_version {ROOT_BOUND_VERSION} or later, so the manifest "
+            f"was edited or damaged: restore another step"
+        )
+    if "encryption" in d and version < ENCRYPTION_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {where} has an encryption member but format_version {version}; "
+            f"encrypted checkpoints are format_version {ENCRYPTION_VERSION} or later, so the "
+            f"manifest was edited or damaged: restore another step"
+        )
+    why = _fields_problem(d)
+    if why is not None:
+        raise CorruptCheckpointError(
+            f"manifest {where} is malformed: {why}; the checkpoint is damaged: restore another step"
+        )
+    return version
+
+
+def manifest_problem(m: ManifestFields) -> str | None:
+    """Why manifest ``m`` cannot be trusted, or None: what restore relies on, checked once
+    (types, sizes, digest counts, paths), so later reads need no per-field checks."""
+    from shardkeeper.core.format.digest import algorithms
+
+    if m.digest_algorithm not in algorithms():
+        return f"unknown digest algorithm {m.digest_algorithm!r}"
+    block = m.digest_block_bytes
+    if not 0 < block <= MAX_DIGEST_BLOCK_BYTES or m.step < 0 or m.world_size < 1:
+        return "digest_block_bytes, step or world_size out of range"
+    if not all(isinstance(p, str) for p in m.per_rank_prefixes):
+        return "per_rank_prefixes is not a list of strings"
+    # (JSON nesting was bounded when the manifest was parsed: format/untrusted.py.)
+    safe: dict[str, bool] = {}
+    for rel, rec in m.files.items():
+        if not safe.setdefault(rel, safe_relative_path(rel)):
+            return f"file {_short(rel)} is not a path inside the root"
+        size = rec.get("size_bytes") if type(rec) is dict else None
+        if type(size) is not int or size < 0:
+            return f"file {_short(rel)} has no size_bytes that is a non-negative integer"
+    if isinstance(m.leaves, TableLeaves):  # the chunk table: checked in linear passes
+        why = m.leaves.problem(m.files, m.format_version)
+        if why is not None:
+            return why
+        raw = m.leaves.objects()
+    else:
+        raw = leaves_json(m.leaves)
+    if "" in m.leaves:
+        return "a leaf has an empty key"
+    key = ""
+    try:
+        for key, leaf in raw.items():
+            kind = leaf["kind"]
+            if kind == "object":
+                if "value" not in leaf:
+                    return f"{key}: an object leaf without a value"
+                continue
+            if kind not in ("tensor", "bytes"):
+                return f"{key}: unknown leaf kind {kind!r}"
+            dtype = leaf["dtype"]
+            if dtype not in DTYPES:
+                return f"{key}: unknown dtype {dtype!r}"
+            isz = DTYPES[dtype][1]
+            shape = leaf["shape"]
+            if not _is_sizes(shape):
+                return f"{key}: shape {_short(shape)} is not a list of sizes"
+            if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
+                return f"{key}: a bytes leaf must be a 1-d uint8 array"
+            ndim = len(shape)
+            chunks = leaf["chunks"]
+            if not isinstance(chunks, list):
+                return f"{key}: chunks is not a list"
+            for c in chunks:
+                f, offset, length = c["file"], c["offset"], c["length"]
+                offs, cshape, digests = c["offsets"], c["shape"], c["digests"]
+                ok = safe.get(f) if isinstance(f, str) else False
+                if ok is None:
+                    ok = safe[f] = isinstance(f, str) and safe_relative_path(f)
+                if not ok:
+                    return f"{key}: chunk file {_short(f)} is not a path inside the root"
+                if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+                    return f"{key}: chunk offset/length {offset!r}/{length!r} out of range"
+                if not _is_sizes(offs) or not _is_sizes(cshape) or len(offs) != ndim or len(cshape) != ndim:
+                    return (
+                        f"{key}: chunk offsets/shape {_short(offs)}/{_short(cshape)} are not "
+                        f"{ndim} non-negative integers each (the tensor's rank)"
+                    )
+                encoding = c.get("encoding", "raw")
+                if encoding != "raw":
+                    since = ENCODINGS.get(encoding) if isinstance(encoding, str) else None
+                    if since is None or since > m.format_version:
+                        return (
+                            f"{key}: chunk encoding {_short(encoding)} is unknown to "
+                            f"format_version {m.format_version}"
+                        )
+                    if not isinstance(c.get("content", ""), str) or length == 0:
+                        return f"{key}: encoded chunk without content id or bytes"
+                    why = encoded_length_problem(encoding, length, math.prod(cshape) * isz)
+                    if why is not None:
+                        return f"{key}: {why}"
+                if not isinstance(digests, str):
+                    return f"{key}: chunk digests are not a comma-separated string"
+                ndig = digests.count(",") + 1 if digests else 0
+                if ndig != -(-length // block):
+                    return f"{key}: chunk of {length} bytes has {ndig} digests"
+                if encoding == "raw" and length != math.prod(cshape) * isz:
+                    return f"{key}: chunk of shape {cshape} {dtype} has {length} bytes"
+                frec = m.files.get(f)  # absent: a reference into another step's files
+                if frec is not None and offset + length > frec["size_bytes"]:
+                    return f"{key}: chunk [{offset}, {offset + length}) lies beyond the end of {_short(f)}"
+            why = check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in chunks])
+            if why is not None:
+                return f"{key}: {why}"
+    except (LookupError, TypeError, AttributeError) as e:
+        return f"{key}: malformed leaf ({type(e).__name__}: {e})"
+    return None
+
+
+def _fields_problem(d: dict[str, Any]) -> str | None:
+    """Which top-level field is missing or of the wrong JSON type, or None."""
+    for name, kind in _REQUIRED.items():
+        if name not in d:
+            return f"it lacks the required field {name!r}"
+        if type(d[name]) is not kind:
+            return f"{name} is {_json_type(d[name])}, not {_json_type(kind())}"
+    for name, kind in _OPTIONAL.items():
+        if name in d and type(d[name]) is not kind:
+            return f"{name} is {_json_type(d[name])}, not {_json_type(kind())}"
+    return None
+
+
+def _json_type(x: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(x), type(x).__name__)
+
+
+def _is_sizes(x: Any) -> bool:
+    return isinstance(x, list) and all(type(n) is int and n >= 0 for n in x)
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,78 @@
+"""``SaveHandle``: one save in flight, as the caller holds it.
+
+``wait()`` raises the save's failure on every call; the manager raises it from its next
+``save()``/``wait()``/``close()`` (or reports it at exit, ``at_exit.py``) only if no
+``wait()`` has delivered it yet.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from shardkeeper.core.errors import CheckpointTimeoutError
+
+
+@dataclass
+class SaveHandle:
+    """A save in flight. ``wait()`` blocks until it is committed and raises its failure."""
+
+    step: int
+    _future: Future[None]
+    stall_s: float = 0.0
+    deferred_bytes: int = 0
+    """Bytes whose staging copy ``staging="overlap"`` deferred to the background."""
+    _staged: threading.Event | None = field(default=None, repr=False)
+    _delivered: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed (never blocks)."""
+        return self._future.done()
+
+    def staged(self) -> bool:
+        """True once the state is copied (always, unless ``staging="overlap"`` deferred it)."""
+        return self._staged is None or self._staged.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the save is committed; raise its failure (on every call, not once).
+
+        ``timeout_s``: give up waiting after that long with ``CheckpointTimeoutError`` (the
+        save goes on). A Ctrl-C (``KeyboardInterrupt``) or ``SystemExit`` during the wait
+        propagates at once; the save goes on in the background and is still waited for when
+        the interpreter exits.
+        """
+        try:
+            self._future.result(timeout=timeout_s)
+        except BaseException as e:
+            if self._is_outcome(e):  # the save's own failure
+                self._deliver()
+                raise
+            if isinstance(e, FutureTimeout):  # the wait ran out, the save goes on
+                raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout_s} s") from None
+            raise  # an interrupt of the wait (Ctrl-C, SystemExit)
+
+    def _is_outcome(self, e: BaseException) -> bool:
+        """Is ``e`` the save's own failure (rather than something that interrupted a wait)?"""
+        f = self._future
+        return f.done() and not f.cancelled() and f.exception() is e
+
+    def _deliver(self) -> None:
+        with self._lock:
+            self._delivered = True
+
+    def _undelivered_error(self) -> BaseException | None:
+        """The save's failure if it failed and nobody has seen it yet (marks it seen)."""
+        f = self._future
+        if not f.done() or f.cancelled():
+            return None
+        err = f.exception()
+        with self._lock:
+            first = not self._delivered
+            self._delivered = True
+        return err if first else None
+
+
+__all__ = ["SaveHandle"]

@@ -1,0 +1,181 @@
+"""Restore with fallback, on every rank (``protocol.py``'s restore order).
+
+The candidates are the asked step, or every step whose directory lists a manifest, newest
+first, as rank 0 lists them. Each attempt loads and validates the candidate's manifest and
+reads into the target (``tensor/restore.py``); the ranks then agree on the worst
+``Verdict``: restored, damaged (every rank falls back to the next candidate together, with
+a warning; an asked step raises), or fatal (raised: a failing storage may hold an intact
+step, and falling back would lose its progress). What the attempts wrote into the target is
+tracked (``TargetWrites``): a fallback rewrites all of it, and an error raised after a write
+says that the target is partly restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from shardkeeper.core import commit, metrics
+from shardkeeper.core.codec.crypto import files_look_encrypted
+from shardkeeper.core.codec.keys import EncryptionKeyError
+from shardkeeper.core.context import ManagerContext
+from shardkeeper.core.errors import (
+    CheckpointNotFoundError,
+    CheckpointRestoreError,
+    CorruptCheckpointError,
+    StorageError,
+)
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.protocol import Verdict
+from shardkeeper.core.quantize import check_restore_target
+from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
+from shardkeeper.core.tensor.restore_plan import RestoreStats
+from shardkeeper.core.tensor.state import flatten_for_restore
+
+log = logging.getLogger(__name__)
+
+
+class Restorer:
+    """Restore of one manager. ``last_stats``: what the last attempt that succeeded on this
+    rank read (``CheckpointManager.last_restore_stats``)."""
+
+    def __init__(self, ctx: ManagerContext) -> None:
+        self.ctx = ctx
+        self.last_stats: RestoreStats | None = None
+
+    def restore(
+        self, state: Mapping[str, Any], step: int | None, patterns: list[str] | None, *, strict: bool,
+        per_rank: str, cast: bool, optional: list[str], stacklevel: int = 1,
+    ) -> int:
+        """The step restored into ``state``, or raise (``stacklevel``: of the fallback warning,
+        counted from the caller of this method)."""
+        ctx = self.ctx
+        url = ctx.storage.url
+        explicit = step is not None
+        # Newest first by listing alone: each candidate's manifest is validated when it is
+        # loaded, and a damaged one falls back to the next (never a parse of every manifest).
+        candidates = [step] if step is not None else sorted(commit.manifest_steps(ctx.storage), reverse=True)
+        if ctx.world_size > 1:
+            candidates = self._agree_candidates(candidates)
+        if not candidates:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {url}; nothing to restore (rank "
+                f"{ctx.rank}). Check the root, or start training from scratch"
+            )
+        last_error: BaseException | None = None
+        damaged: list[int] = []
+        writes = TargetWrites()  # what the attempts wrote into ``state``: a fallback rewrites it all
+        for s in candidates:
+            verdict, err = self._attempt(state, s, patterns, strict, per_rank, cast, optional, writes)
+            if ctx.world_size > 1:
+                verdict = Verdict(ctx.coord.agree_int(verdict, "max"))
+            if verdict is Verdict.RESTORED:
+                if last_error is not None:
+                    log.warning(
+                        "rank %d restored step %d under %s instead of the newer, damaged step(s) %s "
+                        "(last error: %s); run `shardkeeper verify %s` to see the damage",
+                        ctx.rank, s, url, ", ".join(map(str, damaged)), last_error, url,
+                    )
+                return s
+            if err is None:
+                err = CheckpointRestoreError(
+                    f"restore of step {s} failed on another rank (rank {ctx.rank} succeeded); "
+                    f"see that rank's error"
+                )
+            if verdict is Verdict.FATAL or explicit:
+                raise partly_restored(err, writes)
+            last_error = err
+            damaged.append(s)
+            warnings.warn(
+                f"step {s} under {url} is damaged ({err}); falling back to the previous committed step",
+                stacklevel=stacklevel + 1,
+            )
+        assert last_error is not None
+        raise partly_restored(CheckpointRestoreError(
+            f"no committed step under {url} could be restored (rank {ctx.rank}); the last "
+            f"error: {last_error}"
+        ), writes) from last_error
+
+    def _agree_candidates(self, candidates: list[int]) -> list[int]:
+        """Every rank uses rank 0's list of steps (its listing may be fresher)."""
+        coord = self.ctx.coord
+        n = coord.agree_int(len(candidates), "bcast")
+        return [coord.agree_int(candidates[i] if i < len(candidates) else -1, "bcast") for i in range(n)]
+
+    def _attempt(
+        self, state: Mapping[str, Any], step: int, patterns: list[str] | None, strict: bool, policy: str,
+        cast: bool, optional: list[str], writes: TargetWrites,
+    ) -> tuple[Verdict, BaseException | None]:
+        """This rank's attempt at ``step``, and its error."""
+        ctx = self.ctx
+        url = ctx.storage.url
+        t0 = time.perf_counter()
+        try:
+            manifest = commit.load_manifest(ctx.read_storage, step)  # authenticated when encrypted
+            if ctx.encryption is None and manifest.encryption is not None:
+                if not files_look_encrypted(ctx.storage, step, manifest):
+                    raise CorruptCheckpointError(
+                        f"step {step} under {url}: its manifest says it is encrypted, but its data "
+                        f"files are not: the manifest was edited or damaged; restore another step"
+                    )
+                raise EncryptionKeyError(
+                    f"step {step} under {url} is encrypted (key {manifest.encryption.get('key_id')}); "
+                    f"pass its key: CheckpointManager(..., encryption='env:VAR' | 'file:PATH' | a KeyProvider)"
+                )
+            check_restore_target(manifest.metadata, state, f"step {step} under {url}")
+            flat = flatten_for_restore(state, ctx.rank, strict=strict)
+            st = self.last_stats = restore_flat(
+                ctx.storage, step_dir(step), manifest, flat, rank=ctx.rank,
+                world_size=ctx.world_size, only=patterns, strict=strict, optional=optional, per_rank=policy,
+                cast=cast, executor=ctx.io, max_read_bytes=ctx.settings.max_read_bytes, writes=writes,
+            )
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # damaged, or gone since listed
+            return Verdict.DAMAGED, e
+        except StorageError as e:
+            # The storage failed (its retries are spent); the step may be intact. Falling back
+            # would resume from older state and lose the newer step's progress: fail loudly.
+            err = StorageError(
+                f"restore of step {step} under {url} (rank {ctx.rank}) failed because "
+                f"the storage did: {e}; the checkpoint may be intact: retry the restore, or pass "
+                f"step= to restore an earlier step"
+            )
+            err.__cause__ = e
+            return Verdict.FATAL, err
+        except Exception as e:
+            return Verdict.FATAL, e
+        metrics.record(metrics.RESTORE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
+        metrics.record(metrics.BYTES_READ, st.bytes_read, rank=ctx.rank, step=step)
+        log.info(
+            "rank %d restored step %d: %d keys, read %d bytes (%d needed) in %.3f s",
+            ctx.rank, step, st.keys, st.bytes_read, st.bytes_needed, time.perf_counter() - t0,
+        )
+        return Verdict.RESTORED, None
+
+
+def partly_restored(err: BaseException, writes: TargetWrites) -> BaseException:
+    """``err``, its message extended by a warning when failed restore attempts wrote into the
+    target (its type and attributes kept: callers catch e.g. ``ChecksumMismatchError``)."""
+    if not writes.keys:
+        return err
+    keys = sorted(writes.keys)
+    shown = ", ".join(repr(k) for k in keys[:4]) + (" ..." if len(keys) > 4 else "")
+    note = (
+        f"The target state is partly restored: reads of step(s) {', '.join(map(str, writes.steps))} "
+        f"wrote {len(keys)} of its keys ({shown}) before the restore failed; do not train from it; "
+        f"restore again or rebuild it"
+    )
+    if err.args and isinstance(err.args[0], str) and type(err).__str__ is BaseException.__str__:
+        err.args = (f"{err.args[0].rstrip('. ')}. {note}", *err.args[1:])
+    elif hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(note)
+    else:
+        wrapped = CheckpointRestoreError(f"{type(err).__name__}: {err}. {note}")
+        wrapped.__cause__ = err
+        return wrapped
+    return err
+
+
+__all__ = ["Restorer", "partly_restored"]

@@ -1,0 +1,326 @@
+"""The save protocol of one rank, in ``protocol.py``'s order.
+
+Caller's thread: ``refusal`` (one stat: a step already committed is refused before anything
+is written; ``run_refused`` then takes the save's turn in the protocol), ``prepare`` (flatten,
+plan, stage: a ``SaveJob``). Background thread: ``run`` (write, report or collect and commit,
+publish or wait for the outcome, raise the save's failure, retain on the coordinator). The
+runner holds no reference to the manager: what one save needs travels in its ``SaveJob``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardkeeper.core import deletion, metrics
+from shardkeeper.core.advisor import save_timings
+from shardkeeper.core.assemble import assemble_manifest
+from shardkeeper.core.catalog import record_commit
+from shardkeeper.core.codec import CodecState
+from shardkeeper.core.codec.crypto import seal_manifest
+from shardkeeper.core.commit import manifest_path, newest_committed, write_latest_hint
+from shardkeeper.core.context import ManagerContext
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError
+from shardkeeper.core.format.jsonvalue import snapshot
+from shardkeeper.core.format.layout import new_attempt_id, step_dir
+from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION
+from shardkeeper.core.handle import SaveHandle
+from shardkeeper.core.protocol import (
+    COMMITTED,
+    COORDINATOR,
+    Failure,
+    Outcome,
+    Phase,
+    RankReport,
+    Report,
+    Timings,
+)
+from shardkeeper.core.put_manifest import commit_manifest
+from shardkeeper.core.quantize import state_metadata
+from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
+from shardkeeper.core.tensor.save import write_shards
+from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
+from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
+from shardkeeper.core.tensor.state import flatten_for_save
+
+log = logging.getLogger(__name__)
+
+
+class Start:
+    """The caller's go-ahead to a save's background thread, with the stall ``save()`` measured:
+    writer threads compete for the GIL, so they start once the caller's own work is done."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._stall_s = 0.0
+
+    def give(self, stall_s: float) -> None:
+        self._stall_s = stall_s
+        self._event.set()
+
+    def wait(self) -> float:
+        self._event.wait()
+        return self._stall_s
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """One save as its background thread gets it."""
+
+    step: int
+    seq: int
+    """The save's number in this manager's sequence: the keys its ranks meet under."""
+    attempt: str
+    plan: SavePlan
+    groups: list[list[WriteItem]]
+    spans: list[list[Span]]
+    objects: dict[str, Any]
+    extended: bool
+    metadata: dict[str, Any]
+    sync: bool
+    """A synchronous save (``async_save=False``): written from the caller's tensors."""
+    retention: RetentionPolicy
+    start: Start
+    deferred: DeferredCopy | None = None
+    staged: threading.Event | None = None
+    """Set once ``deferred`` is copied (``staging="overlap"``); optimizer steps wait for it."""
+
+
+def outcome_timeout(commit_timeout_s: float) -> float:
+    """How long a rank waits for the outcome: the coordinator always publishes one, at the
+    latest when its own wait for the reports times out, so longer than that."""
+    return 2 * commit_timeout_s + 30.0
+
+
+def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` with ``owner`` referenced until it returns."""
+    fn(*args)
+
+
+class SaveRunner:
+    """The save protocol of one manager: its root, coordinator, codecs and staging state."""
+
+    def __init__(self, ctx: ManagerContext, *, codecs: CodecState, stager: Stager, plans: PlanCache,
+                 gate: StagingGate) -> None:
+        self.ctx = ctx
+        self._codecs = codecs
+        self._stager = stager
+        self._plans = plans
+        self._gate = gate
+
+    # -- caller's thread ---------------------------------------------------------------------
+    def refusal(self, step: int) -> CommitConflictError | None:
+        """One stat of the step's manifest: a step that is already committed (an off-by-one
+        after a resume, a fresh run on a used root) is refused before anything is written.
+        The fenced commit stays the real guarantee against a writer racing this one."""
+        storage, path = self.ctx.storage, manifest_path(step)
+        try:
+            if not storage.exists(path):
+                return None
+        except CheckpointError:
+            return None  # the commit decides; a failing storage fails the save there
+        newest = newest_committed(storage)
+        return CommitConflictError(
+            f"step {step} is already committed under {storage.url} ({storage.describe(path)} "
+            f"exists; rank {self.ctx.rank}); this save wrote nothing. The newest committed step is "
+            f"{newest}: after a resume, save the steps after the restored one (restore() returns "
+            f"it); to replace step {step}, delete it first (mgr.delete({step})), or save under "
+            f"another root"
+        )
+
+    def prepare(
+        self, step: int, seq: int, state: Mapping[str, Any], *, sync: bool, defaults: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None, retention: RetentionPolicy,
+    ) -> SaveJob:
+        """Flatten, plan and stage ``state`` (``defaults``: the manager's metadata)."""
+        ctx, settings = self.ctx, self.ctx.settings
+        flat = flatten_for_save(state, ctx.rank)
+        plan, groups = self._plans.plan(flat, ctx.rank, ctx.world_size, settings.max_files_per_rank,
+                                        settings.min_file_bytes)
+        # A synchronous save returns after the commit, so the caller cannot change its tensors
+        # meanwhile: they are written from their own memory, without a staging copy.
+        defer = None
+        if settings.staging == "overlap" and not sync:
+            optimizers = find_optimizers(state)
+            self._gate.install(optimizers)
+            owned = OptimizerTensors(optimizers)
+            if owned:
+                defer = owned.owners
+        spans, deferred = self._stager.stage_split(groups, copy=not sync, defer=defer, token=plan.token,
+                                                   sources=plan.sources)
+        objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly
+        meta, _ = snapshot({**defaults, **state_metadata(state), **dict(metadata or {})}, "metadata key")
+        return SaveJob(
+            step, seq, new_attempt_id(), plan, groups, spans, objects, extended, meta, sync, retention, Start(),
+            deferred, self._gate.begin(deferred) if deferred is not None else None,
+        )
+
+    def submit(self, bg: ThreadPoolExecutor, job: SaveJob, *, owner: object) -> SaveHandle:
+        """``job`` handed to the background thread ``bg``; it waits for ``job.start``. ``owner``
+        (the manager) is held until the save ends: at exit only live managers are waited for."""
+        try:
+            future = bg.submit(_holding, owner, self.run, job)
+        except BaseException:
+            if job.staged is not None:
+                job.staged.set()  # nothing will copy: never leave an optimizer step waiting
+            raise
+        handle = SaveHandle(job.step, future, _staged=job.staged)
+        handle.deferred_bytes = job.deferred.nbytes if job.deferred is not None else 0
+        return handle
+
+    def submit_refused(
+        self, bg: ThreadPoolExecutor, step: int, seq: int, err: CheckpointError, *, owner: object
+    ) -> SaveHandle:
+        """The refused save's turn in the protocol (``run_refused``), its error already delivered
+        (the caller raises it right now); ``owner`` as for ``submit``."""
+        handle = SaveHandle(step, bg.submit(_holding, owner, self.run_refused, step, seq, err))
+        handle._deliver()
+        return handle
+
+    # -- background thread -------------------------------------------------------------------
+    def run_refused(self, step: int, seq: int, err: CheckpointError) -> None:
+        """A save refused on this rank still takes its turn: the coordinator hears a failure
+        report (or publishes one), so no other rank waits for this rank's until the timeout."""
+        ctx = self.ctx
+        if ctx.world_size == 1:
+            raise err
+        failure = Failure.of(ctx.rank, Phase.CHECK, ctx.storage.describe(step_dir(step)), err)
+        if ctx.rank == COORDINATOR:
+            ctx.coord.publish(seq, Outcome(failure))
+        else:
+            ctx.coord.report(seq, failure)
+            ctx.coord.outcome(seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step)
+        raise err
+
+    def run(self, job: SaveJob) -> None:
+        """Write, report (or commit), hear the outcome, and raise the save's failure."""
+        stall_s = job.start.wait()
+        ctx, step = self.ctx, job.step
+        sdir = step_dir(step)
+        t0 = time.perf_counter()
+        phase = Phase.WRITE
+        own: Report
+        try:
+            if job.deferred is not None and job.staged is not None:
+                phase = Phase.STAGE
+                self._gate.run(job.deferred, job.staged)
+                phase = Phase.WRITE
+            own = self._write(job, stall_s, t0)
+        except BaseException as e:
+            own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
+            local_error: BaseException | None = e
+        else:
+            local_error = None
+        if ctx.rank == COORDINATOR:
+            outcome = self._commit(job, own)
+            ctx.coord.publish(job.seq, outcome)
+        else:
+            ctx.coord.report(job.seq, own)
+            outcome = ctx.coord.outcome(job.seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step)
+        if local_error is not None:
+            raise CheckpointSaveError(
+                f"save of step {step} failed on rank {ctx.rank} in phase {phase} at "
+                f"{ctx.storage.describe(sdir)}: {type(local_error).__name__}: {local_error}; "
+                f"the checkpoint was not committed",
+                step=step, failures={ctx.rank: own.to_json()},
+            ) from local_error
+        self._raise_failed(step, outcome)
+        metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
+        metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
+        if ctx.rank == COORDINATOR:
+            deletion.retain(ctx.storage, job.retention, ctx.settings.catalog, step)
+
+    def _write(self, job: SaveJob, stall_s: float, t0: float) -> RankReport:
+        ctx, settings = self.ctx, self.ctx.settings
+        codecs = self._codecs.for_save(ctx.read_storage, job.step, settings.digest, settings.digest_block_bytes)
+        res = write_shards(
+            ctx.storage, step_dir(job.step), job.groups, job.spans, rank=ctx.rank, attempt=job.attempt,
+            algorithm=settings.digest, block_bytes=settings.digest_block_bytes,
+            executor=ctx.io, codecs=codecs, memo=job.plan.memo,
+        )
+        declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
+        report = RankReport(
+            rank=ctx.rank, attempt=job.attempt, declared=declarations["declared"],
+            declared_digest=declarations["declared_digest"], chunks=res.chunks, files=res.files,
+            objects=job.objects,
+            bases=[codecs.reuse.base.step] if codecs.reuse is not None and codecs.reuse.usable else [],
+            extended=job.extended, per_rank_prefixes=job.plan.per_rank_prefixes, layouts=sorted(job.plan.layouts),
+            timings=Timings(stall_s=stall_s, write_s=time.perf_counter() - t0, sync=job.sync),
+        )
+        log.info("rank %d step %d: wrote %d bytes in %.3f s", ctx.rank, job.step, res.bytes_written,
+                 time.perf_counter() - t0)
+        metrics.record(metrics.BYTES_WRITTEN, res.bytes_written, rank=ctx.rank, step=job.step)
+        return report
+
+    def _commit(self, job: SaveJob, own: Report) -> Outcome:
+        """Coordinator: collect reports, check tiling, write the manifest if absent."""
+        if isinstance(own, Failure):
+            return Outcome(own)
+        ctx, settings, step = self.ctx, self.ctx.settings, job.step
+        sdir = step_dir(step)
+        reports: list[RankReport] = []
+        t_commit = time.perf_counter()
+        try:
+            got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step)
+            if isinstance(got, Failure):
+                return Outcome(got)
+            reports = got
+            members = [r.members() for r in reports]
+            manifest = assemble_manifest(
+                step, job.attempt, members, world_size=ctx.world_size, digest=settings.digest,
+                block_bytes=settings.digest_block_bytes,
+                metadata={"framework": "torch", "torch_version": str(torch.__version__), **job.metadata,
+                          "timings": save_timings(members, time.perf_counter() - t_commit)},
+            )
+            enc = ctx.encryption
+            if enc is not None:  # bound to its root: readers before version 6 would refuse its files
+                manifest.format_version = max(manifest.format_version, ROOT_BOUND_VERSION)
+            data = manifest.dumps()
+            data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)
+            commit_manifest(ctx.storage, step, manifest, data, bases=sorted({b for r in reports for b in r.bases}))
+        except BaseException as e:
+            self._discard_attempt(sdir, reports)
+            return Outcome(Failure.of(COORDINATOR, Phase.COMMIT, ctx.storage.describe(sdir), e,
+                                      conflict=isinstance(e, CommitConflictError)))
+        try:
+            write_latest_hint(ctx.storage, step)
+        except CheckpointError as e:  # a hint only; the manifest is the truth
+            log.warning("step %d committed, but the LATEST hint was not updated: %s", step, e)
+        record_commit(settings.catalog, ctx.storage, step, manifest)
+        log.info("step %d committed at %s (%d leaves)", step, ctx.storage.describe(sdir), len(manifest.leaves))
+        return COMMITTED
+
+    def _discard_attempt(self, sdir: str, reports: list[RankReport]) -> None:
+        for r in reports:
+            for rel in r.files:
+                try:
+                    self.ctx.storage.delete(f"{sdir}/{rel}")
+                except CheckpointError:
+                    pass
+
+    def _raise_failed(self, step: int, outcome: Outcome) -> None:
+        f = outcome.failure
+        if f is None:
+            return
+        if f.conflict:
+            raise CommitConflictError(
+                f"step {step} was committed under {self.ctx.storage.url} by another writer while "
+                f"this save ran (two jobs on one root: a restarted job racing a zombie); this "
+                f"save's files were discarded. Stop the other writer, or save under another root"
+            )
+        raise CheckpointSaveError(
+            f"save of step {step} failed on rank {f.rank} in phase {f.phase} at {f.path}: {f.error}; "
+            f"the checkpoint was not committed",
+            step=step, failures={f.rank: f.to_json()},
+        )
+
+
+__all__ = ["SaveJob", "SaveRunner", "Start", "outcome_timeout"]
