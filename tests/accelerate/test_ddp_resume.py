@@ -65,4 +65,5 @@ def test_ddp_checkpoint_restores_in_lightning_and_deepspeed(ddp_run: Path) -> No
     checks = json.loads((ddp_run / "cross.json").read_text())
     failed = {k: v for k, v in checks.items() if v is not True}
     assert not failed, failed
-    assert set(checks) == {"lightning_restores_ddp_checkpoint", "deepspeed_engine_restores_ddp_checkpoint"}
+    assert set(checks) == {"lightning_restores_ddp_checkpoint", "lightning_continues_the_step_count",
+                           "deepspeed_engine_restores_ddp_checkpoint"}

@@ -12,6 +12,7 @@ from torch import nn
 
 import shardkeeper.accelerate as ska
 from shardkeeper.accelerate.config import config_file_path, resolve_settings
+from shardkeeper.core.errors import CommitConflictError, StepOrderError
 from tests.accelerate._native import native_folder
 
 
@@ -102,11 +103,20 @@ def test_single_process_roundtrip_and_errors(cfg: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         model.weight.zero_()
     acc.project_configuration.iteration = 0
-    with pytest.raises(ValueError, match=r"step 0 is already committed under .*proj/checkpoints \(rank 0\)"):
+    with pytest.raises(CommitConflictError, match=r"step 0 is already committed under .*proj/checkpoints \(rank 0\)"):
         acc.save_state()
     assert acc.load_state() == 0
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
     assert acc.project_configuration.iteration == 1  # the counter continues after the restored save
+    # a save below the newest committed step would make a resume go back to that newer step
+    acc.save_state(step=5)
+    assert acc.project_configuration.iteration == 6
+    acc.project_configuration.iteration = 2
+    with pytest.raises(StepOrderError, match=r"step 2 is below the newest committed step 5 under .*proj/checkpoints "
+                                             r"\(rank 0\).*Call accelerator.load_state\(\) first"):
+        acc.save_state()
+    assert acc.load_state() == 5 and acc.project_configuration.iteration == 6
+    assert acc.save_state().endswith("step-000000000006")
     acc.end_training()
 
 

@@ -78,13 +78,20 @@ def lightning() -> None:
     class Grab(Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             opt = trainer.optimizers[0]
+            got["global_step"] = trainer.global_step
             got["params"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             got["opt"] = {NAMES[i]: {k: v.clone() for k, v in opt.state[p].items()}
                           for i, p in enumerate(pl_module.parameters()) if p in opt.state}
 
+    from shardkeeper.core import CheckpointManager
+
+    with CheckpointManager(ROOT) as mgr:
+        step = mgr.latest_step()
+    assert step is not None
     torch.manual_seed(7)  # other initial values: the restore must matter
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+    # the Trainer continues the checkpoint's step count: one more step
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=step + 1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Grab()],
                         plugins=[ShardkeeperCheckpointIO(ROOT, restore_rng=False)])  # rng: 2 ranks saved, 1 here
     trainer.fit(Net(), data, ckpt_path=ROOT)
@@ -92,6 +99,8 @@ def lightning() -> None:
     bad = [k for k in params if not torch.equal(params[k], got["params"].get(k, torch.empty(0)))]
     bad += [f"{n}/{k}" for n in opt for k in opt[n] if not torch.equal(opt[n][k], got["opt"].get(n, {}).get(k, torch.empty(0)))]
     check("lightning_restores_ddp_checkpoint", not bad and set(got["opt"]) == set(opt), f"differ: {bad}")
+    check("lightning_continues_the_step_count", got.get("global_step") == step and trainer.global_step == step + 1,
+          f"resumed at global_step {got.get('global_step')}, ended at {trainer.global_step}; checkpoint step {step}")
 
 
 def deepspeed_engine() -> None:

@@ -170,7 +170,7 @@ def main() -> None:
             m = mgr.manifest()
             keys = set(m.leaves)
         want = {"model/0.weight", "model/3.bias", "optim/state/0.weight/exp_avg_sq", "optim/param_groups",
-                "sched/last_epoch", "progress/global_step", "progress/accelerate/iteration",
+                "sched/last_epoch", "progress/step", "progress/deepspeed/global_step", "progress/accelerate/iteration",
                 "progress/accelerate/step", "extra/custom/0/n", "rng/0/torch", "rng/1/torch", "data/1/0/batches_seen"}
         check("canonical_keys", want <= keys and m.world_size == 2, f"missing {sorted(want - keys)}, world {m.world_size}")
         check("global_shapes", list(m.leaves["model/0.weight"].shape) == [15, 4], str(m.leaves["model/0.weight"].shape))

@@ -131,7 +131,7 @@ def _legacy(manifest: Manifest, tree: dict[str, Any]) -> Progress:
     counters: dict[str, dict[str, Any]] = {}
     if isinstance(tree.get("accelerate"), Mapping):
         counters["accelerate"] = dict(tree.pop("accelerate"))
-    elif written_by == "accelerate":
+    elif written_by == "accelerate" or ("iteration" in tree and "step" in tree and "loops" not in tree):
         counters["accelerate"] = {k: tree[k] for k in _LEGACY_COUNTERS["accelerate"] if k in tree}
     lightning_on_ds = object_tree(manifest.leaves, "extra/lightning/progress")
     if lightning_on_ds:

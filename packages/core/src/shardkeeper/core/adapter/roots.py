@@ -13,6 +13,7 @@ same keys, so tools (``shardkeeper ls``, the other adapters) can tell who wrote 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -68,9 +69,9 @@ class RootManagers:
         self.metadata = {**user, **adapter_metadata(framework, framework_version, **metadata)}
         self._managers: dict[str, CheckpointManager] = {}
 
-    def get(self, root: str, **options: Any) -> CheckpointManager:
+    def get(self, root: str | os.PathLike[str], **options: Any) -> CheckpointManager:
         """The manager of ``root``; ``options`` (first use only) override the adapter's."""
-        root = str(root)
+        root = os.fspath(root)
         mgr = self._managers.get(root)
         if mgr is None:
             mgr = CheckpointManager(root, metadata=self.metadata, **{**self.options, **options})
