@@ -1,7 +1,8 @@
 """Hop 4: ``Accelerator(cpu=True)`` (world size 2) with the shardkeeper plugin
 (``shardkeeper.accelerate.enable(accelerator, root)``, docs/accelerate.md): ``load_state()``
 from the root, train 2 steps (inside ``accelerator.accumulate``, which counts
-``accelerator.step``), ``save_state()``.
+``accelerator.step``), ``save_state()``: it numbers saves (the save iteration), so it lands at
+the step loaded + 1.
 
     accelerate_worker.py ROOT OUT
 """
@@ -50,7 +51,9 @@ def run(hop: Hop, root: str) -> None:
     before = committed_steps(root)
     acc.save_state()
     ska.wait(acc)
-    hop.saved(before, committed_steps(root), step + STEPS, acc_record(acc, model, opt),
+    # save_state() numbers saves (Accelerate's save iteration), which continues from the step loaded
+    hop.counter("project_configuration.iteration - 1", iteration - 1, step)
+    hop.saved(before, committed_steps(root), step + 1, acc_record(acc, model, opt),
               f"save_state() at accelerator.step = {acc.step}, iteration after load {iteration}")
     acc.end_training()
 

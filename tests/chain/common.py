@@ -135,7 +135,7 @@ class Hop:
         from safetensors.torch import save_file
 
         new = sorted(set(after) - set(before))
-        self.check("the save's step is the step loaded + the steps trained",
+        self.check("the save's step continues the step count (Accelerate: its save iteration)",
                    new == [expected], f"new committed steps {new}, expected [{expected}] ({what})")
         newest_before = max(before) if before else None
         newest = max(after) if after else None

@@ -9,7 +9,7 @@
 
 The same model and Adam settings everywhere (tests/chain/common.py). After every hop: the
 framework's step counter after the load equals the step loaded, its save lands at that step +
-the steps trained, the root's newest committed step only increases and is the step just saved;
+the steps trained (Accelerate's ``save_state()`` numbers saves: at that step + 1), the root's newest committed step only increases and is the step just saved;
 the parameters, Adam moments and Adam's ``step`` restored equal, bit for bit, what the previous
 hop held when it saved. One test per hop reports every check of that hop with its values.
 """
@@ -34,7 +34,7 @@ LAUNCHES = {
     "deepspeed": ("ds_worker.py", 2, 4),
     "fsdp2": ("fsdp2_worker.py", 3, 6),
     "lightning": ("lightning_worker.py", 2, 7),
-    "accelerate": ("accelerate_worker.py", 2, 7),
+    "accelerate": ("accelerate_worker.py", 2, 8),
     "plain": ("plain_worker.py", 1, 4),
 }
 ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
