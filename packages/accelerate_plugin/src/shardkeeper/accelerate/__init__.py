@@ -12,6 +12,9 @@ from __future__ import annotations
 from shardkeeper.accelerate.accelerator import ShardkeeperAccelerator
 from shardkeeper.accelerate.config import config_file_path
 from shardkeeper.accelerate.legacy import import_accelerate_checkpoint
-from shardkeeper.accelerate.plugin import AcceleratePlugin, enable, plugin_of, wait
+from shardkeeper.accelerate.plugin import AcceleratePlugin, disable, enable, plugin_of, wait
 
-__all__ = ["AcceleratePlugin", "ShardkeeperAccelerator", "config_file_path", "enable", "import_accelerate_checkpoint", "plugin_of", "wait"]
+__all__ = [
+    "AcceleratePlugin", "ShardkeeperAccelerator", "config_file_path", "disable", "enable", "import_accelerate_checkpoint",
+    "plugin_of", "wait",
+]

@@ -12,7 +12,7 @@ from shardkeeper.accelerate.config import resolve_settings, split_settings
 from shardkeeper.accelerate.dataloaders import track
 from shardkeeper.accelerate.state import FRAMEWORK, build_state, global_rank
 from shardkeeper.core import CheckpointManager, SaveHandle, parse_step_dir
-from shardkeeper.core.adapter import RootManagers, check_save_step
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class AcceleratePlugin:
 
         self._managers = RootManagers(FRAMEWORK, accelerate.__version__, self.options)
         self.last_handle: SaveHandle | None = None
+        self.patches = Patches()  # what enable() replaced on the Accelerator (disable() undoes it)
 
     @property
     def accelerator(self) -> Any:
@@ -178,49 +179,49 @@ def enable(accelerator: Any, root: str | None = None, **options: Any) -> Acceler
 
     Settings, highest first: these arguments > ``SHARDKEEPER_*`` variables > the config file
     (``shardkeeper.config.config_file_path()``) > defaults. Returns the plugin (also at
-    ``accelerator._shardkeeper``); idempotent for the same settings.
+    ``accelerator._shardkeeper``). Enabling again replaces the plugin (its pending saves are
+    committed first); :func:`disable` gives the Accelerator its own methods back.
     """
     acci.require_accelerator(accelerator)
     acci.warn_if_untested()
     settings = resolve_settings({"root": root, **options})
     existing: AcceleratePlugin | None = getattr(accelerator, _ATTR, None)
-    if existing is not None:
-        existing.wait()
+    if existing is not None:  # enabled again: the new settings replace the old plugin
+        disable(accelerator)
     plugin = AcceleratePlugin(accelerator, settings)
     plugin._check_supported("enable()")  # fail at start-up, not at the first save
-    setattr(accelerator, _ATTR, plugin)
-    accelerator.save_state = plugin.save_state
-    accelerator.load_state = plugin.load_state
+    patches = plugin.patches
+    patches.set(accelerator, _ATTR, plugin)
+    patches.set(accelerator, "save_state", plugin.save_state)
+    patches.set(accelerator, "load_state", plugin.load_state)
     for dl in acci.prepared_dataloaders(accelerator):
         track(dl)
-    _wrap_prepare_data_loader(accelerator)
-    _wrap_end_training(accelerator, plugin)
-    return plugin
-
-
-def _wrap_prepare_data_loader(accelerator: Any) -> None:
-    cls_method = type(accelerator).prepare_data_loader
-    if getattr(accelerator.prepare_data_loader, "_shardkeeper", False):
-        return
+    cls = type(accelerator)
 
     def prepare_data_loader(data_loader: Any, *args: Any, **kwargs: Any) -> Any:
-        dl = cls_method(accelerator, data_loader, *args, **kwargs)
+        dl = cls.prepare_data_loader(accelerator, data_loader, *args, **kwargs)
         track(dl)
         return dl
 
-    prepare_data_loader._shardkeeper = True  # type: ignore[attr-defined]
-    accelerator.prepare_data_loader = prepare_data_loader
-
-
-def _wrap_end_training(accelerator: Any, plugin: AcceleratePlugin) -> None:
-    cls_method = type(accelerator).end_training
-
     def end_training() -> None:
-        p = getattr(accelerator, _ATTR, plugin)
-        p.close()
-        cls_method(accelerator)
+        plugin.close()
+        cls.end_training(accelerator)
 
-    accelerator.end_training = end_training
+    patches.set(accelerator, "prepare_data_loader", prepare_data_loader)
+    patches.set(accelerator, "end_training", end_training)
+    return plugin
+
+
+def disable(accelerator: Any) -> None:
+    """Wait for the pending saves, close the managers, and give the Accelerator its own
+    ``save_state`` / ``load_state`` / ``prepare_data_loader`` / ``end_training`` back."""
+    plugin: AcceleratePlugin | None = getattr(accelerator, _ATTR, None)
+    if plugin is None:
+        return
+    try:
+        plugin.close()
+    finally:
+        plugin.patches.restore()
 
 
 def plugin_of(accelerator: Any) -> AcceleratePlugin:

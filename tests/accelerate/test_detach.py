@@ -1,0 +1,35 @@
+"""``disable(accelerator)`` gives the Accelerator back exactly the methods ``enable`` replaced,
+after committing the pending save; enabling again replaces the plugin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from torch import nn
+
+import shardkeeper.accelerate as ska
+from shardkeeper.core import CheckpointManager
+
+REPLACED = ("save_state", "load_state", "prepare_data_loader", "end_training")
+
+
+def test_disable_restores_the_accelerator(tmp_path: Path) -> None:
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    acc.prepare(nn.Linear(3, 2))
+    before = {name: vars(acc).get(name) for name in REPLACED}
+    first = ska.enable(acc, root=str(tmp_path / "a"))
+    second = ska.enable(acc, root=str(tmp_path / "b"))  # again: the new plugin replaces the first
+    assert ska.plugin_of(acc) is second and first.patches.patched(acc, "save_state") is False
+    acc.save_state()  # async: committed by disable()
+    ska.disable(acc)
+    assert {name: vars(acc).get(name) for name in REPLACED} == before
+    assert acc.save_state.__func__ is Accelerator.save_state  # type: ignore[attr-defined]
+    assert not hasattr(acc, "_shardkeeper")
+    with CheckpointManager(str(tmp_path / "b")) as mgr:
+        assert mgr.steps() == [0]
+    assert not (tmp_path / "a").exists()  # the first plugin never saved
+    ska.disable(acc)  # idempotent
+    acc.end_training()
