@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from shardkeeper.core.adapter.versions import in_range, range_text, untested_warning
+
 #: Accelerate releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((1, 14), (1, 16))
 #: The Accelerator's lists of prepared and registered objects (each a ``list``), read live:
@@ -27,16 +29,10 @@ class AccelerateInternalsError(RuntimeError):
     """The installed Accelerate does not have the internals this adapter relies on."""
 
 
-def accelerate_version() -> tuple[int, int]:
+def version_tested() -> bool:
     import accelerate
 
-    major, minor = (int(x) for x in accelerate.__version__.split(".")[:2])
-    return major, minor
-
-
-def version_tested() -> bool:
-    lo, hi = TESTED_RANGE
-    return lo <= accelerate_version() < hi
+    return in_range(accelerate.__version__, TESTED_RANGE)
 
 
 def warn_if_untested() -> None:
@@ -47,16 +43,11 @@ def warn_if_untested() -> None:
     _warned_untested = True
     import accelerate
 
-    warnings.warn(
-        f"shardkeeper.accelerate was verified with Accelerate {_range_text()}; {accelerate.__version__} "
-        f"is outside that range (its internals passed the checks)",
-        stacklevel=3,
-    )
+    warnings.warn(untested_warning("shardkeeper.accelerate", "Accelerate", accelerate.__version__, TESTED_RANGE, "its internals passed the checks"), stacklevel=3)
 
 
 def _range_text() -> str:
-    (a, b), (c, d) = TESTED_RANGE
-    return f"{a}.{b} to <{c}.{d}"
+    return range_text(TESTED_RANGE)
 
 
 # -- what prepare() and register_for_checkpointing() collected -------------------------------

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from shardkeeper.core.adapter.versions import in_range, range_text, untested_warning
+
 #: DeepSpeed releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((0, 16), (0, 20))
 _warned_untested = False
@@ -37,16 +39,10 @@ class DeepSpeedInternalsError(RuntimeError):
     """The installed DeepSpeed does not have the internals this adapter relies on."""
 
 
-def deepspeed_version() -> tuple[int, int]:
+def version_tested() -> bool:
     import deepspeed
 
-    major, minor = (int(x) for x in deepspeed.__version__.split(".")[:2])
-    return major, minor
-
-
-def version_tested() -> bool:
-    lo, hi = TESTED_RANGE
-    return lo <= deepspeed_version() < hi
+    return in_range(deepspeed.__version__, TESTED_RANGE)
 
 
 def warn_if_untested() -> None:
@@ -57,11 +53,8 @@ def warn_if_untested() -> None:
     _warned_untested = True
     import deepspeed
 
-    warnings.warn(
-        f"shardkeeper.deepspeed was verified with DeepSpeed {TESTED_RANGE}; "
-        f"{deepspeed.__version__} is outside that range (its internals passed the checks)",
-        stacklevel=3,
-    )
+    warnings.warn(untested_warning("shardkeeper.deepspeed", "DeepSpeed", deepspeed.__version__, TESTED_RANGE,
+                                   "its internals passed the checks"), stacklevel=3)
 
 
 def _missing(obj: Any, names: tuple[str, ...]) -> list[str]:
@@ -122,7 +115,7 @@ def require_engine(engine: Any) -> None:
         raise DeepSpeedInternalsError(
             f"DeepSpeed {deepspeed.__version__} lacks internals shardkeeper.deepspeed relies on: "
             f"{', '.join(missing)}; this adapter was verified with DeepSpeed "
-            f"{TESTED_RANGE[0][0]}.{TESTED_RANGE[0][1]} to <{TESTED_RANGE[1][0]}.{TESTED_RANGE[1][1]}. "
+            f"{range_text(TESTED_RANGE)}. "
             f"Install a DeepSpeed release in that range, or update shardkeeper-deepspeed"
         )
 

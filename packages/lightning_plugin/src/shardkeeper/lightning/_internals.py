@@ -15,6 +15,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from shardkeeper.core.adapter.versions import in_range, range_text, untested_warning
+
 #: Lightning releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((2, 5), (2, 7))
 _warned_untested = False
@@ -24,16 +26,10 @@ class LightningInternalsError(RuntimeError):
     """The installed Lightning does not have the internals this adapter relies on."""
 
 
-def lightning_version() -> tuple[int, int]:
+def version_tested() -> bool:
     import lightning
 
-    major, minor = (int(x) for x in lightning.__version__.split(".")[:2])
-    return major, minor
-
-
-def version_tested() -> bool:
-    lo, hi = TESTED_RANGE
-    return lo <= lightning_version() < hi
+    return in_range(lightning.__version__, TESTED_RANGE)
 
 
 def warn_if_untested() -> None:
@@ -44,16 +40,11 @@ def warn_if_untested() -> None:
     _warned_untested = True
     import lightning
 
-    warnings.warn(
-        f"shardkeeper.lightning was verified with Lightning {_range_text()}; {lightning.__version__} "
-        f"is outside that range (its internals are checked where they are used)",
-        stacklevel=3,
-    )
+    warnings.warn(untested_warning("shardkeeper.lightning", "Lightning", lightning.__version__, TESTED_RANGE, "its internals are checked where they are used"), stacklevel=3)
 
 
 def _range_text() -> str:
-    (a, b), (c, d) = TESTED_RANGE
-    return f"{a}.{b} to <{c}.{d}"
+    return range_text(TESTED_RANGE)
 
 
 def _missing(what: str) -> LightningInternalsError:

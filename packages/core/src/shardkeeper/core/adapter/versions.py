@@ -34,6 +34,17 @@ def in_range(version: str, tested: tuple[Version, Version]) -> bool:
     return tuple(low) <= v < tuple(high)
 
 
+def range_text(tested: tuple[Version, Version]) -> str:
+    """``((2, 5), (2, 7))`` -> ``"2.5 to <2.7"``."""
+    low, high = (".".join(map(str, t)) for t in tested)
+    return f"{low} to <{high}"
+
+
+def untested_warning(package: str, framework: str, version: str, tested: tuple[Version, Version], why: str) -> str:
+    """The one wording of "this adapter was not verified with the installed framework"."""
+    return f"{package} was verified with {framework} {range_text(tested)}; {version} is outside that range ({why})"
+
+
 def check_tested(framework: str, version: str, tested: tuple[Version, Version], *, stacklevel: int = 3) -> bool:
     """True if ``version`` of ``framework`` is in ``tested``; else warn (once) and return False."""
     if in_range(version, tested):
@@ -41,13 +52,9 @@ def check_tested(framework: str, version: str, tested: tuple[Version, Version], 
     key = (framework, str(version))
     if key not in _warned:
         _warned.add(key)
-        low, high = (".".join(map(str, t)) for t in tested)
-        warnings.warn(
-            f"shardkeeper's {framework} adapter was verified with {framework} >= {low}, < {high}; "
-            f"{version} is outside that range: its internals checks decide whether it works",
-            stacklevel=stacklevel,
-        )
+        warnings.warn(untested_warning(f"shardkeeper's {framework} adapter", framework, version, tested,
+                                       "its internals checks decide whether it works"), stacklevel=stacklevel)
     return False
 
 
-__all__ = ["Version", "check_tested", "in_range", "parse_version"]
+__all__ = ["Version", "check_tested", "in_range", "parse_version", "range_text", "untested_warning"]
