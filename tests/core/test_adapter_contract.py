@@ -178,7 +178,7 @@ def test_patches_restore_exactly_what_was_there() -> None:
 
 def test_version_gate_warns_once_outside_the_range() -> None:
     assert check_tested("fwx", "2.6.0rc1", ((2, 5), (2, 7)))
-    with pytest.warns(UserWarning, match=r"fwx adapter was verified with fwx >= 2.5, < 2.7; 2.7.1 is outside"):
+    with pytest.warns(UserWarning, match=r"fwx adapter was verified with fwx 2.5 to <2.7; 2.7.1 is outside that range"):
         assert not check_tested("fwx", "2.7.1", ((2, 5), (2, 7)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
