@@ -88,12 +88,12 @@ def test_a_missing_internal_fails_at_enable_naming_it(tmp_path: Path) -> None:
 
 
 def test_a_release_outside_the_tested_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(acci, "_warned_untested", False)
+    monkeypatch.setattr(acci.GATE, "warned", False)
     with warnings.catch_warnings(record=True) as inside:
         warnings.simplefilter("always")
         acci.warn_if_untested()
     assert not inside
-    monkeypatch.setattr(acci, "TESTED_RANGE", ((0, 1), (0, 2)))
+    monkeypatch.setattr(acci.GATE, "tested", ((0, 1), (0, 2)))
     with warnings.catch_warnings(record=True) as outside:
         warnings.simplefilter("always")
         acci.warn_if_untested()

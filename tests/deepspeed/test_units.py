@@ -125,12 +125,12 @@ def test_persistent_buffers_are_the_state_dict_buffers_of_every_submodule() -> N
 def test_a_release_outside_the_tested_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import deepspeed
 
-    monkeypatch.setattr(dsi, "_warned_untested", False)
+    monkeypatch.setattr(dsi.GATE, "warned", False)
     with warnings.catch_warnings(record=True) as inside:
         warnings.simplefilter("always")
         dsi.warn_if_untested()
     assert not inside
-    monkeypatch.setattr(dsi, "TESTED_RANGE", ((0, 1), (0, 2)))
+    monkeypatch.setattr(dsi.GATE, "tested", ((0, 1), (0, 2)))
     with warnings.catch_warnings(record=True) as outside:
         warnings.simplefilter("always")
         dsi.warn_if_untested()

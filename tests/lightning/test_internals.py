@@ -64,12 +64,12 @@ def test_a_missing_internal_fails_naming_it() -> None:
 def test_a_release_outside_the_tested_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning
 
-    monkeypatch.setattr(li, "_warned_untested", False)
+    monkeypatch.setattr(li.GATE, "warned", False)
     with warnings.catch_warnings(record=True) as inside:
         warnings.simplefilter("always")
         li.warn_if_untested()
     assert not inside
-    monkeypatch.setattr(li, "TESTED_RANGE", ((0, 1), (0, 2)))
+    monkeypatch.setattr(li.GATE, "tested", ((0, 1), (0, 2)))
     with warnings.catch_warnings(record=True) as outside:
         warnings.simplefilter("always")
         li.warn_if_untested()

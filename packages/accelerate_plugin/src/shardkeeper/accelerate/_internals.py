@@ -11,43 +11,33 @@ test passes on the new release). ``warn_if_untested`` warns once per process out
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-from shardkeeper.core.adapter.versions import in_range, range_text, untested_warning
+from shardkeeper.core.adapter.versions import VersionGate
 
 #: Accelerate releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((1, 14), (1, 16))
 #: The Accelerator's lists of prepared and registered objects (each a ``list``), read live:
 #: ``free_memory()`` replaces them with new lists.
 ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects")
-_warned_untested = False
 
 
 class AccelerateInternalsError(RuntimeError):
     """The installed Accelerate does not have the internals this adapter relies on."""
 
 
-def version_tested() -> bool:
-    import accelerate
+#: The range check and the one warning outside it (``TESTED_RANGE``).
+GATE = VersionGate("shardkeeper.accelerate", "Accelerate", "accelerate", TESTED_RANGE, "its internals passed the checks")
 
-    return in_range(accelerate.__version__, TESTED_RANGE)
+
+def version_tested() -> bool:
+    return GATE.in_range()
 
 
 def warn_if_untested() -> None:
     """Warn (once per process) when the installed Accelerate is outside ``TESTED_RANGE``."""
-    global _warned_untested
-    if _warned_untested or version_tested():
-        return
-    _warned_untested = True
-    import accelerate
-
-    warnings.warn(untested_warning("shardkeeper.accelerate", "Accelerate", accelerate.__version__, TESTED_RANGE, "its internals passed the checks"), stacklevel=3)
-
-
-def _range_text() -> str:
-    return range_text(TESTED_RANGE)
+    GATE.warn_if_untested(stacklevel=4)
 
 
 # -- what prepare() and register_for_checkpointing() collected -------------------------------
@@ -105,7 +95,7 @@ def require_accelerator(accelerator: Any) -> None:
 
         raise AccelerateInternalsError(
             f"Accelerate {accelerate.__version__} lacks internals shardkeeper.accelerate relies on: "
-            f"{', '.join(missing)}; this adapter was verified with Accelerate {_range_text()}. Install "
+            f"{', '.join(missing)}; this adapter was verified with Accelerate {GATE.range_text()}. Install "
             f"an Accelerate release in that range, or update shardkeeper-accelerate"
         )
 

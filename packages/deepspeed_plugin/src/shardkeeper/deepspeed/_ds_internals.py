@@ -13,17 +13,15 @@ loudly there (bump ``TESTED_RANGE`` only after that test passes on the new relea
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardkeeper.core.adapter.versions import in_range, range_text, untested_warning
+from shardkeeper.core.adapter.versions import VersionGate
 
 #: DeepSpeed releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((0, 16), (0, 20))
-_warned_untested = False
 
 #: Per ZeRO stage, the optimizer attributes used here (checked by ``check_engine``).
 ZERO12_ATTRS = ("bit16_groups", "single_partition_of_fp32_groups", "optimizer", "update_lp_params",
@@ -39,22 +37,17 @@ class DeepSpeedInternalsError(RuntimeError):
     """The installed DeepSpeed does not have the internals this adapter relies on."""
 
 
-def version_tested() -> bool:
-    import deepspeed
+#: The range check and the one warning outside it (``TESTED_RANGE``).
+GATE = VersionGate("shardkeeper.deepspeed", "DeepSpeed", "deepspeed", TESTED_RANGE, "its internals passed the checks")
 
-    return in_range(deepspeed.__version__, TESTED_RANGE)
+
+def version_tested() -> bool:
+    return GATE.in_range()
 
 
 def warn_if_untested() -> None:
     """Warn (once per process) when the installed DeepSpeed is outside ``TESTED_RANGE``."""
-    global _warned_untested
-    if _warned_untested or version_tested():
-        return
-    _warned_untested = True
-    import deepspeed
-
-    warnings.warn(untested_warning("shardkeeper.deepspeed", "DeepSpeed", deepspeed.__version__, TESTED_RANGE,
-                                   "its internals passed the checks"), stacklevel=3)
+    GATE.warn_if_untested(stacklevel=4)
 
 
 def _missing(obj: Any, names: tuple[str, ...]) -> list[str]:
@@ -115,7 +108,7 @@ def require_engine(engine: Any) -> None:
         raise DeepSpeedInternalsError(
             f"DeepSpeed {deepspeed.__version__} lacks internals shardkeeper.deepspeed relies on: "
             f"{', '.join(missing)}; this adapter was verified with DeepSpeed "
-            f"{range_text(TESTED_RANGE)}. "
+            f"{GATE.range_text()}. "
             f"Install a DeepSpeed release in that range, or update shardkeeper-deepspeed"
         )
 

@@ -12,39 +12,29 @@ release). ``warn_if_untested`` warns once per process outside the range.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-from shardkeeper.core.adapter.versions import in_range, range_text, untested_warning
+from shardkeeper.core.adapter.versions import VersionGate
 
 #: Lightning releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((2, 5), (2, 7))
-_warned_untested = False
 
 
 class LightningInternalsError(RuntimeError):
     """The installed Lightning does not have the internals this adapter relies on."""
 
 
-def version_tested() -> bool:
-    import lightning
+#: The range check and the one warning outside it (``TESTED_RANGE``).
+GATE = VersionGate("shardkeeper.lightning", "Lightning", "lightning", TESTED_RANGE, "its internals are checked where they are used")
 
-    return in_range(lightning.__version__, TESTED_RANGE)
+
+def version_tested() -> bool:
+    return GATE.in_range()
 
 
 def warn_if_untested() -> None:
     """Warn (once per process) when the installed Lightning is outside ``TESTED_RANGE``."""
-    global _warned_untested
-    if _warned_untested or version_tested():
-        return
-    _warned_untested = True
-    import lightning
-
-    warnings.warn(untested_warning("shardkeeper.lightning", "Lightning", lightning.__version__, TESTED_RANGE, "its internals are checked where they are used"), stacklevel=3)
-
-
-def _range_text() -> str:
-    return range_text(TESTED_RANGE)
+    GATE.warn_if_untested(stacklevel=4)
 
 
 def _missing(what: str) -> LightningInternalsError:
@@ -52,7 +42,7 @@ def _missing(what: str) -> LightningInternalsError:
 
     return LightningInternalsError(
         f"Lightning {lightning.__version__} lacks {what}, which shardkeeper.lightning relies on; "
-        f"this adapter was verified with Lightning {_range_text()}. Install a Lightning release in "
+        f"this adapter was verified with Lightning {GATE.range_text()}. Install a Lightning release in "
         f"that range, or update shardkeeper-lightning"
     )
 

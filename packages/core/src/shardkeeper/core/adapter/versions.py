@@ -45,6 +45,34 @@ def untested_warning(package: str, framework: str, version: str, tested: tuple[V
     return f"{package} was verified with {framework} {range_text(tested)}; {version} is outside that range ({why})"
 
 
+class VersionGate:
+    """One adapter's verified release range of its framework, and its one warning outside it
+    (once per process). The adapter's internals module makes one and uses it."""
+
+    def __init__(self, package: str, framework: str, module: str, tested: tuple[Version, Version], why: str) -> None:
+        self.package, self.framework, self.module, self.tested, self.why = package, framework, module, tested, why
+        self.warned = False
+
+    def version(self) -> str:
+        import importlib
+
+        return str(importlib.import_module(self.module).__version__)
+
+    def in_range(self) -> bool:
+        return in_range(self.version(), self.tested)
+
+    def range_text(self) -> str:
+        return range_text(self.tested)
+
+    def warn_if_untested(self, stacklevel: int = 3) -> None:
+        """Warn (once per process) when the installed release is outside the tested range."""
+        if self.warned or self.in_range():
+            return
+        self.warned = True
+        warnings.warn(untested_warning(self.package, self.framework, self.version(), self.tested, self.why),
+                      stacklevel=stacklevel)
+
+
 def check_tested(framework: str, version: str, tested: tuple[Version, Version], *, stacklevel: int = 3) -> bool:
     """True if ``version`` of ``framework`` is in ``tested``; else warn (once) and return False."""
     if in_range(version, tested):
@@ -57,4 +85,4 @@ def check_tested(framework: str, version: str, tested: tuple[Version, Version], 
     return False
 
 
-__all__ = ["Version", "check_tested", "in_range", "parse_version", "range_text", "untested_warning"]
+__all__ = ["Version", "VersionGate", "check_tested", "in_range", "parse_version", "range_text", "untested_warning"]
