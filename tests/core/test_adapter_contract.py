@@ -113,6 +113,10 @@ def test_a_progress_target_is_handed_the_restored_steps_progress(tmp_path: Path)
         target = _Counter()
         mgr.restore({"w": torch.zeros(2), "progress": target}, only=["w"])  # not selected: untouched
         assert target.seen is None
+        mgr.save(6, {"w": torch.ones(2), "note": "six", "progress": _Counter()}, async_save=False)
+        state = {"w": torch.zeros(2), "note": None, "progress": _Counter()}
+        mgr.restore(state, step=6)  # top-level JSON values still land in the caller's dict
+        assert state["note"] == "six" and torch.equal(state["w"], torch.ones(2))
 
 
 def test_save_step_rule(tmp_path: Path) -> None:

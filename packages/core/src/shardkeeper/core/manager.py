@@ -31,7 +31,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.handle import SaveHandle
 from shardkeeper.core.options import CheckpointOptions
-from shardkeeper.core.progress import read_progress, split_targets
+from shardkeeper.core.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.restoring import Restorer
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.saving import SaveRunner
@@ -240,15 +240,16 @@ class CheckpointManager:
         when ``only`` selects ``progress/``.
         """
         self._check_open()
-        state, targets = split_targets(state)
+        rest, targets = split_targets(state)
         policy = per_rank or self.options.per_rank
         if policy not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
         optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
         self._wait_pending(raise_error=False)
-        restored = self._restorer.restore(state, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes,
+        restored = self._restorer.restore(rest, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes,
                                           optional=optional_patterns, stacklevel=2)
+        merge_back(state, rest)
         if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
             progress = read_progress(self.manifest(restored))
             for target in targets.values():

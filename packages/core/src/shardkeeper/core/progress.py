@@ -24,7 +24,7 @@ the epoch and framework counters come from the older layouts where they exist.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,11 +83,24 @@ class ProgressTarget:
         self.load_progress(from_tree(dict(sd), schema=PROGRESS_SCHEMA))
 
 
-def split_targets(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, ProgressTarget]]:
-    """``state`` without its :class:`ProgressTarget` entries, and those entries."""
-    rest = {k: v for k, v in state.items() if not isinstance(v, ProgressTarget)}
+def split_targets(state: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, ProgressTarget]]:
+    """``state`` without its :class:`ProgressTarget` entries, and those entries. Without any,
+    ``state`` itself (a restore replaces its top-level JSON values in place); with some, a copy
+    whose top-level values the caller copies back (:func:`merge_back`)."""
     targets = {k: v for k, v in state.items() if isinstance(v, ProgressTarget)}
-    return rest, targets
+    if not targets:
+        return state, {}
+    return {k: v for k, v in state.items() if k not in targets}, targets
+
+
+def merge_back(state: Mapping[str, Any], rest: Mapping[str, Any]) -> None:
+    """Top-level values a restore replaced in ``rest`` (the copy :func:`split_targets` made),
+    into ``state``."""
+    if rest is state or not isinstance(state, MutableMapping):
+        return
+    for k, v in rest.items():
+        if state.get(k) is not v:
+            state[k] = v
 
 
 def progress_state(
@@ -203,5 +216,5 @@ def _opt_int(value: Any) -> int | None:
 
 __all__ = [
     "NAMESPACE", "PROGRESS_SCHEMA", "SHARED_KEYS", "Progress", "ProgressTarget", "framework_of", "from_tree",
-    "object_tree", "progress_state", "read_progress", "split_targets",
+    "merge_back", "object_tree", "progress_state", "read_progress", "split_targets",
 ]
