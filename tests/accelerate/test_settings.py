@@ -13,6 +13,7 @@ from torch import nn
 import shardkeeper.accelerate as ska
 from shardkeeper.accelerate.config import config_file_path, resolve_settings
 from tests.accelerate._native import native_folder
+from tests.checks import assert_same_state
 
 
 @pytest.fixture
@@ -90,7 +91,7 @@ def test_single_process_roundtrip_and_errors(cfg: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"step 0 is already committed under .*proj/checkpoints \(rank 0\)"):
         acc.save_state()
     assert acc.load_state() == 0
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+    assert_same_state(model.state_dict(), want, what="the restored model")
     assert acc.project_configuration.iteration == 1  # the counter continues after the restored save
     acc.end_training()
 

@@ -37,6 +37,7 @@ from shardkeeper.core import (
 )
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import LocalStorage
+from tests.checks import assert_same_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,18 +69,7 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> Snapshot:
 
 def _assert_state(model: nn.Module, opt: torch.optim.Optimizer, snap: Snapshot) -> None:
     """Every parameter and every optimizer state tensor bit for bit, and the param groups."""
-    params, osd = snap
-    got = model.state_dict()
-    assert set(got) == set(params)
-    for k, v in params.items():
-        assert torch.equal(got[k], v), f"parameter {k} differs"
-    gs = opt.state_dict()
-    assert set(gs["state"]) == set(osd["state"])
-    for pid, per in osd["state"].items():
-        assert set(gs["state"][pid]) == set(per), pid
-        for name, v in per.items():
-            assert torch.equal(gs["state"][pid][name], v), f"optimizer state {pid}/{name} differs"
-    assert gs["param_groups"] == osd["param_groups"]
+    assert_same_state({"model": model.state_dict(), "optim": opt.state_dict()}, {"model": snap[0], "optim": snap[1]})
 
 
 def _chunk(root: Path, step: int, key: str) -> tuple[Path, dict[str, Any]]:
