@@ -1,9 +1,9 @@
 """What every test and worker uses to judge a run: the full-state compare and the check recorder.
 
 ``state_diff(got, want)`` compares two states leaf by leaf, bit for bit (tensors: the same
-dtype, shape and bytes; other values: the same type and ``==``) and says what differs, first keys first:
-missing and unexpected keys, dtype and shape mismatches, and for the first differing tensors
-how many elements differ and the first one. ``state_of(model, optimizer)`` is the state a
+dtype, shape and bytes; other values: the same type and ``==``) and says what differs, first
+keys first: missing and unexpected keys, type, dtype and shape mismatches, and for the first
+differing tensors how many elements differ and the first one. ``state_of(model, optimizer)`` is the state a
 resume test compares: parameters, buffers and optimizer state keyed by FQN, copied.
 
 A worker records named checks in a ``Checks`` and writes them as one JSON list per rank
@@ -107,7 +107,8 @@ def state_diff(got: Any, want: Any, *, subset: bool = False, limit: int = LIMIT)
     if not bad:
         return ""
     n = len(differing)
-    lines = [f"{n} of {len(w)} wanted keys differ" + (f", {len(found['unexpected'])} unexpected" if found["unexpected"] else "")]
+    extra = f", {len(found['unexpected'])} unexpected" if found["unexpected"] else ""
+    lines = [f"{n} of {len(w)} wanted keys differ{extra}"]
     for kind in ("missing", "unexpected", "type", "dtype", "shape", "values"):
         items = bad.get(kind, [])
         if items:
@@ -230,7 +231,8 @@ class Checks:
 
 
 def _text(detail: object, limit: int = 4000) -> str:
-    text = detail if isinstance(detail, str) else repr(detail) if isinstance(detail, (list, tuple, dict)) else str(detail)
+    text = detail if isinstance(detail, str) else repr(detail) if isinstance(detail, (list, tuple, dict)) \
+        else str(detail)
     return text if len(text) <= limit else f"{text[: limit // 4]}\n[...]\n{text[-(limit * 3 // 4):]}"
 
 
@@ -263,8 +265,10 @@ def assert_checks(checks: list[dict[str, Any]], expected: Iterable[str] = (), *,
         by_rank.setdefault(c.get("rank"), set()).add(c["name"])
     missing = {r: [n for n in want if n not in names] for r, names in sorted(by_rank.items(), key=str)}
     failed = [c for c in checks if not c["ok"]]
-    lines = [f"- [rank {c.get('rank')}] {c['name']}: " + str(c.get("detail", "")).replace("\n", "\n    ") for c in failed]
+    lines = [f"- [rank {c.get('rank')}] {c['name']}: " + str(c.get("detail", "")).replace("\n", "\n    ")
+             for c in failed]
     lines += [f"- [rank {r}] never recorded: {names}" for r, names in missing.items() if names]
     if lines:
-        msg = f"{head}{len(failed)} of {len(checks)} checks failed" + (", some never ran" if any(missing.values()) else "")
+        never = ", some never ran" if any(missing.values()) else ""
+        msg = f"{head}{len(failed)} of {len(checks)} checks failed{never}"
         raise AssertionError((msg + "\n" + "\n".join(lines))[:12000])

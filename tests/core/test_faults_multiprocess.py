@@ -44,5 +44,6 @@ def test_faults_on_three_ranks(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout[-4000:]
     checks = read_checks(*(tmp_path / "results" / f"faults-r{rank}.json" for rank in range(3)), output=res.stdout)
     assert_checks(checks, EXPECTED)
-    damaged = [c for c in checks if c["name"] in ("checksum error names key and file", "other ranks hear of the damage")]
+    errors = ("checksum error names key and file", "other ranks hear of the damage")
+    damaged = [c for c in checks if c["name"] in errors]
     assert sorted(c["rank"] for c in damaged) == [0, 1, 2], "every rank must raise when restoring the damaged step"

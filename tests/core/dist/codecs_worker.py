@@ -134,7 +134,8 @@ def one_run(root: str, mode: str, storage_options: dict[str, Any], rank: int, g2
         with CheckpointManager(root, **opts) as mgr:
             mgr.restore({"model": lin, "extra": extra}, only=["extra/mask", "extra/emb"])
             st = mgr.last_restore_stats
-        got = {"mask": extra["mask"].full_tensor(), "emb": extra["emb"].full_tensor(), "weight": lin.weight.full_tensor()}
+        got = {"mask": extra["mask"].full_tensor(), "emb": extra["emb"].full_tensor(),
+               "weight": lin.weight.full_tensor()}
         assert_same_state(got, {"mask": full["mask"], "emb": full["emb"], "weight": before}, what="the partial restore")
         assert not extra["frozen"].full_tensor().any()
         # A compressed chunk is read whole: honest accounting may exceed what was needed.

@@ -101,7 +101,8 @@ def run(root: Path, rank: int) -> None:
         check("steps after failures", mgr.steps() == [5], f"steps {mgr.steps()}")
         restored_model, restored_opt = build("fsdp2", seed=3)
         mgr.restore({"model": restored_model, "optim": restored_opt}, step=5)
-        checks.same("async race: the checkpoint holds the pre-save values", full_state(restored_model, restored_opt), ref5)
+        checks.same("async race: the checkpoint holds the pre-save values",
+                    full_state(restored_model, restored_opt), ref5)
 
         train_step(model, opt, 1)
         mgr.save(7, state).wait()
@@ -181,7 +182,8 @@ def run(root: Path, rank: int) -> None:
         after = full_state(part_model, part_opt)
         changed = sorted(k for k in after if not torch.equal(after[k], before[k]))
         check("partial restore changes exactly the selected keys", changed == ["model/fc1.bias", "model/fc1.weight"], str(changed))
-        checks.same("partial restore restored them exactly", {k: after[k] for k in changed}, {k: ref5[k] for k in changed})
+        checks.same("partial restore restored them exactly",
+                    {k: after[k] for k in changed}, {k: ref5[k] for k in changed})
         check("partial restore reads at most 5% more than needed", st is not None and st.bytes_read <= 1.05 * st.bytes_needed and st.bytes_needed > 0, str(st))
 
 

@@ -57,7 +57,8 @@ def main(out: Path) -> None:
         want[k] = v
     checks = Checks(out / f"q-restore-r{dist.get_rank()}.json")
     checks.check("int8 restore: the reference holds parameters and moments", len(want) > 10, sorted(want))
-    checks.same("int8 restore at 2 ranks: parameters exact, moments their int8 round trip", full_state(model2, opt2), want)
+    checks.same("int8 restore at 2 ranks: parameters exact, moments their int8 round trip",
+                full_state(model2, opt2), want)
     checks.write()
     dist.barrier()
     dist.destroy_process_group()

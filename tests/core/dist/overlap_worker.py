@@ -56,13 +56,15 @@ def run_layout(root: Path, layout: str) -> None:
         ref = full_state(model, opt)
         ptrs = local_ptrs(model)
         h = mgr.save(1, state)
-        checks.check(f"{layout}: parameters and optimizer state are deferred", (h.deferred_bytes > 0) == defers, str(h.deferred_bytes))
+        checks.check(f"{layout}: parameters and optimizer state are deferred", (h.deferred_bytes > 0) == defers,
+                     str(h.deferred_bytes))
         train_step(model, opt, 1)
         checks.check(f"{layout}: the step waited", mgr.staging_waits == int(defers), str(mgr.staging_waits))
         h.wait()
         checks.check(f"{layout}: local parameter storage persists across steps", local_ptrs(model) == ptrs)
         checks.same(f"{layout}: step after save: checkpoint holds pre-save values", restored(mgr, layout, 1), ref)
-        checks.check(f"{layout}: step changed the live state (control)", state_diff(full_state(model, opt), ref), "no difference")
+        checks.check(f"{layout}: step changed the live state (control)", state_diff(full_state(model, opt), ref),
+                     "no difference")
 
         # 2. A direct in-place change after wait_staged().
         ref = full_state(model, opt)
@@ -86,7 +88,8 @@ def run_layout(root: Path, layout: str) -> None:
                 h.wait()
                 checks.check(f"{layout}: racing change refused", not defers, "save committed")
             except CheckpointSaveError as e:
-                checks.check(f"{layout}: racing change refused", defers and "modified in place" in str(e) and "step 3" in str(e), str(e))
+                checks.check(f"{layout}: racing change refused",
+                             defers and "modified in place" in str(e) and "step 3" in str(e), str(e))
             dist.barrier()
             checks.check(f"{layout}: racing change: not committed", (3 not in mgr.steps()) == defers, str(mgr.steps()))
 
@@ -98,7 +101,8 @@ def run_layout(root: Path, layout: str) -> None:
             for i in (10, 11):
                 x, y = batch(i)
                 (model(x) - y).pow(2).mean().backward()
-            checks.check(f"{layout}: accumulation ran while staging was pending", h.staged() != defers and mgr.staging_waits == waits)
+            checks.check(f"{layout}: accumulation ran while staging was pending",
+                         h.staged() != defers and mgr.staging_waits == waits)
             release.set()
             opt.step()
             opt.zero_grad()

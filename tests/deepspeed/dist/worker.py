@@ -426,8 +426,10 @@ def hook_options(root: Path, res: Checks, stage: int, dtype: str) -> None:
     got = full_state(engine)
     params = state_diff(got, {k: v for k, v in ref.items() if k.startswith("param/")}, subset=True)
     fresh = all(not got[k].any() for k in got if not k.startswith("param/"))
-    res.check(f"{case}: load_module_only restores weights only", not params and fresh and engine.global_steps == 0 and client == {},
-              f"params: {params or 'equal'}; moments zero: {fresh}; global_steps {engine.global_steps}; client {client}")
+    res.check(f"{case}: load_module_only restores weights only",
+              not params and fresh and engine.global_steps == 0 and client == {},
+              f"params: {params or 'equal'}; moments zero: {fresh}; global_steps {engine.global_steps}; "
+              f"client {client}")
     path, client = engine.load_checkpoint(None, load_optimizer_states=False)
     got = full_state(engine)
     fresh = all(not got[k].any() for k in got if not k.startswith("param/"))
@@ -498,7 +500,8 @@ def main() -> None:
                     continue
                 for s_, dtype in SAVED:
                     if s_ == stage:
-                        res.guard(f"save {case_name(stage, dtype)}", lambda s=stage, d=dtype: save_case(root, res, s, d))
+                        res.guard(f"save {case_name(stage, dtype)}",
+                                  lambda s=stage, d=dtype: save_case(root, res, s, d))
             working = [s for s in (1, 2, 3) if str(s) not in broken]
             if dist.get_rank() == 0:
                 (root / "stages.json").write_text(json.dumps({"working": working, "broken": broken, "fp16_probe": FP16_PROBE}))
@@ -511,13 +514,15 @@ def main() -> None:
                 if stage not in W:
                     continue
                 for t in W:
-                    res.guard(f"restore {case_name(stage, dtype)} -> z{t}", lambda s=stage, d=dtype, t=t: restore_case(root, res, s, d, t))
+                    res.guard(f"restore {case_name(stage, dtype)} -> z{t}",
+                              lambda s=stage, d=dtype, t=t: restore_case(root, res, s, d, t))
             for t in (1, 3):
                 if t in W:
                     res.guard(f"plain -> z{t}", lambda t=t: plain_into_engine(root, res, t))
             for stage, dtype in ((3, "fp32"), (3, "bf16"), (1, "fp32")):
                 if stage in W:
-                    res.guard(f"{case_name(stage, dtype)} -> plain", lambda s=stage, d=dtype: engine_into_plain(root, res, s, d))
+                    res.guard(f"{case_name(stage, dtype)} -> plain",
+                              lambda s=stage, d=dtype: engine_into_plain(root, res, s, d))
             for stage, dtype in sorted(NATIVE_CASES):
                 for t in (1, 3):
                     if stage in W and t in W:

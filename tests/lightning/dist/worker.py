@@ -432,7 +432,8 @@ def cross_out_of_lightning(d: str, ref1: dict[str, torch.Tensor]) -> None:
 def main() -> None:
     phase, d = sys.argv[1], sys.argv[2]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    run = {"train": lambda: phase_train(d, world), "resume": lambda: phase_resume(d, world)}.get(phase, lambda: phase_cross(d))
+    phases = {"train": lambda: phase_train(d, world), "resume": lambda: phase_resume(d, world)}
+    run = phases.get(phase, lambda: phase_cross(d))
     if not checks.guard(f"{phase} raised", run):
         print(checks.items[-1]["detail"], file=sys.stderr)
     if rank() == 0:
