@@ -1,1 +1,2 @@
-"""Tools to test checkpointing on your own storage: the kill -9 campaign (``campaign``)."""
+"""Tools to test checkpointing on your own storage: the kill -9 campaign (``campaign``) and
+the storage conformance suite every backend must pass (``storage_conformance``; needs pytest)."""
