@@ -37,13 +37,13 @@ def saved_at_exit(script: Path, tmp_path: Path, width: int, trials: int) -> list
 def restores_as_saved(root: str, target: dict, module: object) -> None:
     """The newest step under ``root`` exists and restores ``module`` (inside ``target``) bit
     for bit to the script's reference."""
-    import torch
     from safetensors.torch import load_file
 
     from shardkeeper.core import CheckpointManager
+    from tests.checks import assert_same_state
 
     with CheckpointManager(root) as mgr:
         assert mgr.latest_step() is not None, f"the last save under {root} was lost at exit"
         mgr.restore(target, only=["model/*"])
     ref = load_file(root + ".ref.safetensors")
-    assert all(torch.equal(v, ref[k]) for k, v in module.state_dict().items())  # type: ignore[attr-defined]
+    assert_same_state(module.state_dict(), ref, what=f"the module restored from {root}")  # type: ignore[attr-defined]

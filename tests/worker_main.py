@@ -11,6 +11,10 @@ core codecs worker. So a worker that returns (or exits with 0) runs the atexit h
 adapters wait for pending saves there), flushes, and leaves with ``os._exit(0)``. An exception
 or a non-zero exit status fails the launch exactly as before. The exit runs what the
 interpreter runs, in its order: thread shutdown (where pending saves commit), then atexit.
+
+The script's folder comes first on ``sys.path``, as when it is run directly, and the
+repository root after it, so that every worker imports the shared helpers as ``tests.*``
+(``tests.checks``: the check recorder and the full-state compare).
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ import runpy
 import sys
 import threading
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def main() -> None:
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(script)  # as when the script is run directly
+    if REPO not in sys.path:
+        sys.path.insert(1, REPO)  # the shared helpers: tests.checks, tests.hostile_pickle, ...
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:

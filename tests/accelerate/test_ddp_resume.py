@@ -9,11 +9,11 @@ restores the DDP checkpoint in a Lightning Trainer and into a DeepSpeed ZeRO-2 e
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
 WORKER = Path(__file__).parent / "dist" / "ddp_worker.py"
@@ -32,13 +32,8 @@ RESUME_CHECKS = {
 def _launch(mode: str, out: Path, expected: set[str]) -> None:
     proc = run_script(2, WORKER, mode, str(out), timeout_s=150)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    for rank in range(2):
-        path = out / f"{mode}-rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no results:\n{proc.stdout[-4000:]}"
-        checks = json.loads(path.read_text())
-        failed = {k: v for k, v in checks.items() if v is not True}
-        assert not failed, f"rank {rank} ({mode}): {failed}"
-        assert expected <= set(checks), f"rank {rank} ({mode}) skipped: {expected - set(checks)}"
+    checks = read_checks(*(out / f"{mode}-rank{rank}.json" for rank in range(2)), output=proc.stdout)
+    assert_checks(checks, sorted(expected), where=mode)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +57,8 @@ def test_ddp_checkpoint_restores_in_lightning_and_deepspeed(ddp_run: Path) -> No
     proc = run_script(1, Path(__file__).parent / "dist" / "cross_worker.py", str(ddp_run), timeout_s=120,
                       env={"DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stdout[-4000:]
-    checks = json.loads((ddp_run / "cross.json").read_text())
-    failed = {k: v for k, v in checks.items() if v is not True}
-    assert not failed, failed
-    assert set(checks) == {"lightning_restores_ddp_checkpoint", "lightning_continues_the_step_count",
-                           "deepspeed_engine_restores_ddp_checkpoint"}
+    checks = read_checks(ddp_run / "cross.json", output=proc.stdout)
+    names = ["lightning_restores_ddp_checkpoint", "lightning_continues_the_step_count",
+             "deepspeed_engine_restores_ddp_checkpoint"]
+    assert_checks(checks, names)
+    assert len(checks) == len(names), [c["name"] for c in checks]

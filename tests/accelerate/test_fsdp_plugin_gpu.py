@@ -6,12 +6,12 @@ Accelerate's FSDP plugin does not run on CPU; the CPU suite covers the same adap
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
 WORKER = Path(__file__).parent / "dist" / "fsdp_plugin_worker.py"
@@ -32,9 +32,5 @@ pytestmark = [
 def test_fsdp_plugin_save_load_bit_exact(version: int, tmp_path: Path) -> None:
     proc = run_script(NPROC, WORKER, str(version), str(tmp_path), timeout_s=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    for rank in range(NPROC):
-        path = tmp_path / f"fsdp{version}-rank{rank}.json"
-        assert path.exists(), proc.stdout[-4000:]
-        checks = json.loads(path.read_text())
-        failed = {k: v for k, v in checks.items() if v is not True}
-        assert not failed and EXPECTED <= set(checks), f"rank {rank}: {failed or EXPECTED - set(checks)}"
+    checks = read_checks(*(tmp_path / f"fsdp{version}-rank{rank}.json" for rank in range(NPROC)), output=proc.stdout)
+    assert_checks(checks, sorted(EXPECTED), where=f"FSDP{version}")

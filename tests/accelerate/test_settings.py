@@ -14,6 +14,7 @@ import shardkeeper.accelerate as ska
 from shardkeeper.accelerate.config import config_file_path, resolve_settings
 from shardkeeper.core.errors import CommitConflictError, StepOrderError
 from tests.accelerate._native import native_folder
+from tests.checks import assert_same_state
 
 
 class _Provider:
@@ -106,7 +107,7 @@ def test_single_process_roundtrip_and_errors(cfg: Path, tmp_path: Path) -> None:
     with pytest.raises(CommitConflictError, match=r"step 0 is already committed under .*proj/checkpoints \(rank 0\)"):
         acc.save_state()
     assert acc.load_state() == 0
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+    assert_same_state(model.state_dict(), want, what="the restored model")
     assert acc.project_configuration.iteration == 1  # the counter continues after the restored save
     # a save below the newest committed step would make a resume go back to that newer step
     acc.save_state(step=5)

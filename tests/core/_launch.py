@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
 DIST_DIR = Path(__file__).parent / "dist"
@@ -25,7 +26,6 @@ def run_codecs_worker(tmp_path: Path, runs: list[dict[str, Any]], timeout_s: flo
     every check passed."""
     res = run_workers(3, "codecs_worker.py", str(tmp_path / "results"), json.dumps(runs), timeout_s=timeout_s)
     assert res.returncode == 0, res.stdout[-4000:]
-    checks = [c for r in range(3) for c in json.loads((tmp_path / "results" / f"r{r}.json").read_text())]
-    bad = [c for c in checks if not c["ok"]]
-    assert not bad, json.dumps(bad, indent=1)[:6000]
+    checks = read_checks(*(tmp_path / "results" / f"r{r}.json" for r in range(3)), output=res.stdout)
+    assert_checks(checks)
     return checks

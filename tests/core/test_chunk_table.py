@@ -33,6 +33,7 @@ from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
 from shardkeeper.core.format.versions import FORMAT_VERSION, LEAF_TABLE_VERSION, TABLE_VERSION
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.verify import verify_step
+from tests.checks import assert_checks, assert_same_state, read_checks
 from tests.core.test_hostile import JSON_VALUES, _apply, _parse_ok_or_checkpoint_error, _paths
 
 MDIR = "step-000000000001/manifest.json"
@@ -76,8 +77,7 @@ def test_table_form_round_trips_bit_for_bit(tmp_path: Path, table_form: None, di
         part = zero_state()
         mgr.restore(part, only=["model/l2"])
     want = make_state()
-    for k in want["model"]:
-        assert torch.equal(target["model"][k], want["model"][k])
+    assert_same_state(target["model"], want["model"], what="the model")
     assert torch.equal(part["model"]["l2"], want["model"]["l2"]) and not part["model"]["l1"].any()
     assert torch.equal(target["scalar"], want["scalar"]) and torch.equal(target["ints"], want["ints"])
     assert target["extra"] == {"blob": b"some bytes", "cfg": {"lr": 0.1}}
@@ -183,7 +183,7 @@ def test_version_4_table_manifests_still_restore_bit_for_bit(tmp_path: Path) -> 
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.restore(target) == 1
     want = make_state()
-    assert all(torch.equal(target["model"][k], want["model"][k]) for k in want["model"])
+    assert_same_state(target["model"], want["model"], what="the model")
     assert torch.equal(target["ints"], want["ints"]) and target["extra"] == want["extra"]
     assert not verify_step(LocalStorage(tmp_path), 1, read_bytes=1 << 30).problems
     doc["leaves"]["model/l1"]["rows"] = [10**6]  # and a damaged one is still refused
@@ -281,9 +281,9 @@ def test_two_ranks_commit_and_restore_a_table_form_checkpoint(tmp_path: Path) ->
 
     proc = run_script(2, Path(__file__).parent / "dist" / "table_worker.py", str(tmp_path), timeout_s=100)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    for r in range(2):
-        res = json.loads((tmp_path / f"result-r{r}.json").read_text())
-        assert res["failures"] == [], res
+    checks = read_checks(*(tmp_path / f"result-r{r}.json" for r in range(2)), output=proc.stdout)
+    assert_checks(checks, ["the manifest is in table form", "sharded and plain restore", "per-rank value",
+                           "whole restore of chunks both ranks wrote"])
 
 
 def test_overlapping_with_a_scalar_as_the_last_row() -> None:
@@ -359,4 +359,4 @@ def test_the_writer_makes_no_container_per_chunk(tmp_path: Path, monkeypatch: py
         assert len(seen) == 2 and seen[1] < 200, seen
         target = {k: torch.zeros(3) for k in state}
         mgr.restore(target, step=1)
-    assert all(torch.equal(target[k], v) for k, v in state.items())
+    assert_same_state(target, state)

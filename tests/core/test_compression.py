@@ -22,6 +22,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.verify import verify_root
+from tests.checks import assert_same_state
 
 pytest.importorskip("zstandard")
 pytestmark = pytest.mark.timeout(300)
@@ -51,14 +52,6 @@ def _encodings(m: dict[str, Any]) -> dict[str, set[str]]:
     return {k: {c.get("encoding", "raw") for c in leaf["chunks"]} for k, leaf in m["leaves"].items() if "chunks" in leaf}
 
 
-def _equal(a: dict[str, Any], b: dict[str, Any]) -> None:
-    for k, v in a.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, b[k]), k
-        else:
-            assert v == b[k], k
-
-
 def test_compressed_round_trip_on_every_backend(storage_root) -> None:
     storage = storage_root.open()
     state = _state()
@@ -80,7 +73,7 @@ def test_compressed_round_trip_on_every_backend(storage_root) -> None:
             assert storage.read_range(f"{step_dir(1)}/{rel}", 0, 8) == FRAMED_MAGIC
         target = _target(state)
         mgr.restore(target)
-        _equal(state, target)
+        assert_same_state(target, state)
         part = _target(state)
         mgr.restore(part, only=["bf16", "noise"])
         assert torch.equal(part["bf16"], state["bf16"]) and torch.equal(part["noise"], state["noise"])
@@ -126,7 +119,7 @@ def test_incremental_and_compression_compose(tmp_path: Path) -> None:
         assert m2.leaves["noise"].chunks[0].file.startswith("data/")
         target = _target(state)
         mgr.restore(target)
-        _equal(state, target)
+        assert_same_state(target, state)
     assert verify_root(open_storage(str(tmp_path))).ok
 
 

@@ -28,6 +28,7 @@ from shardkeeper.core.codec.crypto_format import BLOCK, MAGIC, TAG
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.verify import verify_root, verify_step
+from tests.checks import assert_same_state
 
 pytest.importorskip("cryptography")
 pytestmark = pytest.mark.timeout(300)
@@ -56,14 +57,6 @@ def _target(state: dict[str, Any]) -> dict[str, Any]:
     out["blob"] = b""
     out["step"] = 0
     return out
-
-
-def _equal(a: dict[str, Any], b: dict[str, Any]) -> None:
-    for k, v in a.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, b[k]), k
-        else:
-            assert v == b[k], k
 
 
 def _data_files(storage: Any, step: int) -> list[str]:
@@ -97,7 +90,7 @@ def test_encrypted_round_trip_on_every_backend(storage_root) -> None:
         for step, state in ((1, s1), (2, s2)):
             target = _target(state)
             assert mgr.restore(target, step=step) == step
-            _equal(state, target)
+            assert_same_state(target, state)
         part = _target(s2)
         mgr.restore(part, step=2, only=["w"])
         assert torch.equal(part["w"], s2["w"]) and (part["frozen"] == 3).all()
@@ -254,7 +247,7 @@ def test_tampered_or_unsealed_manifest_is_refused_before_data_is_read(tmp_path: 
     target = _target(state)
     with CheckpointManager(tmp_path, encryption=_keys()) as mgr:
         assert mgr.restore(target) == 1
-    _equal(state, target)
+    assert_same_state(target, state)
 
 
 def test_key_providers_from_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -381,7 +374,7 @@ def test_encrypted_async_incremental_compressed_resharded_2_to_3(tmp_path: Path)
 
     checks = run_codecs_worker(tmp_path, [{"name": "local", "url": str(tmp_path / "root"), "options": {},
                                            "mode": "encrypted"}])
-    assert len(checks) == 2 + 3 * 4, [c["case"] for c in checks]
+    assert len(checks) == 2 + 3 * 4, [c["name"] for c in checks]
     plain = open_storage(str(tmp_path / "root"))
     assert json.loads(plain.read_bytes(f"{step_dir(2)}/manifest.json"))["encryption"]
     for step in (1, 2):
@@ -404,7 +397,7 @@ def test_torn_write_is_replayed_by_the_retrying_writer(tmp_path: Path) -> None:
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     with CheckpointManager(tmp_path, encryption=_keys()) as mgr:
         mgr.restore(target)
-    _equal(state, target)
+    assert_same_state(target, state)
 
 
 def test_files_swapped_between_paths_and_a_chunk_table_manifest(tmp_path: Path) -> None:
@@ -420,7 +413,7 @@ def test_files_swapped_between_paths_and_a_chunk_table_manifest(tmp_path: Path) 
         assert "chunk_table" in m and m["encryption"]
         target = {k: torch.zeros_like(v) for k, v in state.items()}
         mgr.restore(target)
-        _equal(state, target)
+        assert_same_state(target, state)
     a, b = (tmp_path / p for p in _data_files(open_storage(str(tmp_path)), 1)[:2])
     da, db = a.read_bytes(), b.read_bytes()
     a.write_bytes(db)

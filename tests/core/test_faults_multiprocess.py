@@ -6,10 +6,11 @@ restore. See dist/faults_worker.py for each check; this test runs them in one la
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+
+from tests.checks import assert_checks, read_checks
 
 from ._launch import run_workers
 
@@ -41,12 +42,8 @@ EXPECTED = {
 def test_faults_on_three_ranks(tmp_path: Path) -> None:
     res = run_workers(3, "faults_worker.py", str(tmp_path), timeout_s=180)
     assert res.returncode == 0, res.stdout[-4000:]
-    damaged_step_errors = 0
-    for rank in range(3):
-        checks = json.loads((tmp_path / "results" / f"faults-r{rank}.json").read_text())
-        names = {c["case"] for c in checks}
-        assert EXPECTED <= names, f"rank {rank} skipped {sorted(EXPECTED - names)}"
-        bad = [c for c in checks if not c["ok"]]
-        assert not bad, f"rank {rank}: " + json.dumps(bad, indent=1)[:4000]
-        damaged_step_errors += len(names & {"checksum error names key and file", "other ranks hear of the damage"})
-    assert damaged_step_errors == 3, "every rank must raise when restoring the damaged step"
+    checks = read_checks(*(tmp_path / "results" / f"faults-r{rank}.json" for rank in range(3)), output=res.stdout)
+    assert_checks(checks, EXPECTED)
+    errors = ("checksum error names key and file", "other ranks hear of the damage")
+    damaged = [c for c in checks if c["name"] in errors]
+    assert sorted(c["rank"] for c in damaged) == [0, 1, 2], "every rank must raise when restoring the damaged step"

@@ -16,6 +16,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.retention import collect_garbage
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.verify import verify_root
+from tests.checks import assert_same_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,11 +46,6 @@ def _manifest(storage: Any, step: int) -> dict[str, Any]:
 
 def _files(m: dict[str, Any], key: str) -> list[str]:
     return [c["file"] for c in m["leaves"][key]["chunks"]]
-
-
-def _assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
 
 
 def test_unchanged_chunks_become_references_and_retention_keeps_them(storage_root) -> None:
@@ -90,7 +86,7 @@ def test_unchanged_chunks_become_references_and_retention_keeps_them(storage_roo
 
         target = _empty_like(state)
         assert mgr.restore(target) == 3
-        _assert_equal(target, state)
+        assert_same_state(target["model"], state["model"], what="the model")
         assert target["progress"]["step"] == 3
         partial = _empty_like(state)
         mgr.restore(partial, only="model/frozen.*")
@@ -126,7 +122,7 @@ def test_gc_keeps_files_a_retained_step_references(tmp_path: Path) -> None:
         assert storage.exists(f"{step_dir(1)}/{base_file}"), report
         target = _empty_like(state)
         assert mgr.restore(target) == 2
-        _assert_equal(target, state)
+        assert_same_state(target["model"], state["model"], what="the model")
 
 
 def test_damaged_referenced_bytes_are_a_clear_error(tmp_path: Path) -> None:
@@ -163,7 +159,7 @@ def test_no_reuse_across_digest_settings_and_from_old_checkpoints(tmp_path: Path
         assert _files(_manifest(mgr.storage, 4), "model/frozen.weight")[0].startswith(f"../{step_dir(3)}/")
         target = _empty_like(state)
         mgr.restore(target)
-        _assert_equal(target, state)
+        assert_same_state(target["model"], state["model"], what="the model")
     with CheckpointManager(tmp_path, incremental=True) as mgr:  # xxh3 again: 1 is not the newest
         mgr.save(5, state).wait()
         assert _files(_manifest(mgr.storage, 5), "model/frozen.weight")[0].startswith("data/")
@@ -183,7 +179,7 @@ def test_a_changed_box_or_dtype_is_written_again(tmp_path: Path) -> None:
         assert _files(m2, "model/head.weight")[0].startswith("../")
         target = _empty_like(state)
         mgr.restore(target)
-        _assert_equal(target, state)
+        assert_same_state(target["model"], state["model"], what="the model")
 
 
 @pytest.mark.multiprocess
@@ -195,6 +191,6 @@ def test_codecs_with_async_save_and_resharded_partial_restore_2_to_3(tmp_path: P
 
     checks = run_codecs_worker(tmp_path, [{"name": "local", "url": str(tmp_path / "root"), "options": {},
                                            "mode": "codecs"}])
-    cases = {c["case"] for c in checks}
+    cases = {c["name"] for c in checks}
     assert "local: save w2 (async, codecs)" in cases and "local: partial restore at w3" in cases, cases
     assert len(checks) == 2 + 3 * 3

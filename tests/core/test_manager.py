@@ -46,6 +46,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.versions import READ_VERSION
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.faults import FaultyStorage
+from tests.checks import assert_same_state
 
 # ------------------------------------------------------------------------------- helpers
 
@@ -100,32 +101,6 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, i: int)
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_params_equal(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
-    got = model.state_dict()
-    assert set(got) == set(expected)
-    for k, v in expected.items():
-        assert got[k].dtype == v.dtype, k
-        assert torch.equal(got[k], v), f"{k} differs"
-
-
-def assert_optim_equal(opt: torch.optim.Optimizer, expected: dict[str, Any]) -> None:
-    got = opt.state_dict()
-    assert set(got["state"]) == set(expected["state"])
-    for pid, per_param in expected["state"].items():
-        assert set(got["state"][pid]) == set(per_param)
-        for name, v in per_param.items():
-            g = got["state"][pid][name]
-            if isinstance(v, torch.Tensor):
-                assert isinstance(g, torch.Tensor) and g.dtype == v.dtype, (pid, name)
-                assert torch.equal(g, v), f"optimizer state {pid}/{name} differs"
-            else:
-                assert g == v, (pid, name)
-    assert got["param_groups"] == expected["param_groups"]
-    for g, e in zip(got["param_groups"], expected["param_groups"]):
-        for k, v in e.items():
-            assert type(g[k]) is type(v), f"param_groups[{k!r}] is {type(g[k]).__name__}, saved {type(v).__name__}"
 
 
 class SpyStorage:
@@ -249,8 +224,8 @@ def test_round_trip_of_a_training_state(storage_root) -> None:
     with CheckpointManager(storage_root.url, storage_options=storage_root.options) as mgr:
         assert mgr.restore(fresh) == 7
 
-    assert_params_equal(model2, saved_params)
-    assert_optim_equal(opt2, saved_optim)
+    assert_same_state(model2.state_dict(), saved_params, what="parameters")
+    assert_same_state(opt2.state_dict(), saved_optim, what="optimizer state")
     assert isinstance(opt2.param_groups[0]["betas"], tuple)
     assert opt2.param_groups[0]["betas"] == (0.9, 0.99)
     assert opt2.param_groups[0]["lr"] == saved_optim["param_groups"][0]["lr"]
@@ -271,7 +246,7 @@ def test_round_trip_of_a_training_state(storage_root) -> None:
     # Training continues exactly as if it had never stopped.
     losses = [train_step(model2, opt2, sched2, i) for i in (3, 4)]
     assert losses == ref_losses
-    assert_params_equal(model2, ref_params)
+    assert_same_state(model2.state_dict(), ref_params, what="parameters")
 
 
 # ---------------------------------------------------------------------- 2. async saves
@@ -308,8 +283,8 @@ def test_async_save_snapshots_the_state_before_returning(tmp_path: Path) -> None
         model2, opt2, _ = build(1)
         fresh = {"model": model2, "optim": opt2, "progress": {"step": 0, "tags": []}}
         assert mgr.restore(fresh) == 1
-    assert_params_equal(model2, before_params)
-    assert_optim_equal(opt2, before_optim)
+    assert_same_state(model2.state_dict(), before_params, what="parameters")
+    assert_same_state(opt2.state_dict(), before_optim, what="optimizer state")
     assert fresh["progress"] == {"step": 1, "tags": ["a"]}
 
 
@@ -494,8 +469,8 @@ def test_corrupt_chunk_is_caught_and_latest_falls_back(tmp_path: Path) -> None:
         with pytest.warns(UserWarning, match=r"step 2 .*damaged.*falling back"):
             got = mgr.restore({"model": m2, "optim": o2})
         assert got == 1
-    assert_params_equal(m2, p1)
-    assert_optim_equal(o2, opt1)
+    assert_same_state(m2.state_dict(), p1, what="parameters")
+    assert_same_state(o2.state_dict(), opt1, what="optimizer state")
 
 
 def _damage_newest(root: Path, mode: str) -> str:
@@ -925,11 +900,9 @@ def test_partial_restore_reads_only_what_it_needs(storage_root) -> None:
         stats = mgr.last_restore_stats
     assert stats is not None and stats.keys == 2
 
-    got = target_model.state_dict()
-    for k in got:
-        want = saved[k] if k.startswith("fc1.") else before[k]
-        assert torch.equal(got[k], want), k
-    assert_optim_equal(target_opt, before_opt)
+    want = {k: saved[k] if k.startswith("fc1.") else v for k, v in before.items()}
+    assert_same_state(target_model.state_dict(), want, what="parameters (fc1 restored, the rest untouched)")
+    assert_same_state(target_opt.state_dict(), before_opt, what="optimizer state")
 
     reads = spy.data_reads()
     assert reads, "nothing was read"
@@ -953,9 +926,9 @@ def test_partial_restore_with_a_prefix_pattern(tmp_path: Path) -> None:
         progress = {"step": 0}
         mgr.restore({"model": m2, "optim": o2, "progress": progress}, only="progress")
         assert progress == {"step": 1}
-        assert_params_equal(m2, before)
+        assert_same_state(m2.state_dict(), before, what="parameters")
         mgr.restore({"model": m2, "optim": o2, "progress": progress}, only="model/*")
-        assert_params_equal(m2, saved)
+        assert_same_state(m2.state_dict(), saved, what="parameters")
 
 
 # -------------------------------------------------------------------- 9. retention

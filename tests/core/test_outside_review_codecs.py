@@ -15,6 +15,7 @@ import torch
 
 from shardkeeper.core import CheckpointManager, EncryptionKeyError, LocalKeyProvider
 from shardkeeper.core.format.layout import step_dir
+from tests.checks import assert_same_state
 
 K1 = LocalKeyProvider(b"\x11" * 32, "key one")
 K2 = LocalKeyProvider(b"\x22" * 32, "key two")
@@ -27,10 +28,6 @@ def _state(v: float) -> dict:
 
 def _target() -> dict:
     return {"w": torch.zeros(256, 64), "b": torch.zeros(64)}
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _referenced_dirs(root: Path, step: int) -> set[str]:
@@ -52,7 +49,7 @@ def test_incremental_never_references_another_encryption_state(tmp_path: Path, f
         assert _referenced_dirs(tmp_path, 2) == {step_dir(2)}, "step 2 references step 1's files"
         target = _target()
         assert mgr.restore(target) == 2
-    assert _equal(state, target)
+    assert_same_state(target, state)
     assert not (tmp_path / step_dir(1)).exists()
 
 
@@ -64,7 +61,7 @@ def test_incremental_within_one_encryption_state_still_reuses(tmp_path: Path) ->
         assert _referenced_dirs(tmp_path, 2) == {step_dir(1)}
         target = _target()
         assert mgr.restore(target) == 2
-    assert _equal(state, target)
+    assert_same_state(target, state)
 
 
 def _two_steps(root: Path) -> None:
@@ -106,7 +103,7 @@ def test_one_unauthenticated_file_falls_back(tmp_path: Path, damage) -> None:
     with warnings.catch_warnings(record=True) as caught, CheckpointManager(root, encryption=K1) as mgr:
         warnings.simplefilter("always")
         assert mgr.restore(target) == 1
-    assert _equal(_state(1), target)
+    assert_same_state(target, _state(1))
     assert any("step 2" in str(w.message) and "damaged" in str(w.message) for w in caught)
 
 
@@ -137,7 +134,7 @@ def test_a_step_of_another_root_under_the_same_key_is_refused(tmp_path: Path) ->
         with pytest.raises(Exception, match="written under the root") as e:
             mgr.restore(_target(), step=2)
     assert str(other.resolve()) in str(e.value) and "encryption_root=" in str(e.value)
-    assert _equal(_state(1), target)
+    assert_same_state(target, _state(1))
     assert any("step 2" in str(w.message) for w in caught)
 
 
@@ -153,7 +150,7 @@ def test_a_data_file_of_another_root_is_refused(tmp_path: Path) -> None:
             mgr.restore(_target(), step=2)
         target = _target()
         assert mgr.restore(target) == 1
-    assert _equal(_state(1), target)
+    assert_same_state(target, _state(1))
 
 
 def test_a_moved_root_reads_with_the_root_it_was_written_under(tmp_path: Path) -> None:
@@ -166,7 +163,7 @@ def test_a_moved_root_reads_with_the_root_it_was_written_under(tmp_path: Path) -
     target = _target()
     with CheckpointManager(moved, encryption=K1, encryption_root=str(root.resolve())) as mgr:
         assert mgr.restore(target) == 2
-    assert _equal(_state(2), target)
+    assert_same_state(target, _state(2))
     # through a symlink to the same directory, nothing needs to be passed
     link = tmp_path / "link"
     link.symlink_to(root, target_is_directory=True)
@@ -182,4 +179,4 @@ def test_a_root_name_that_is_not_unicode_is_refused_when_encryption_binds_to_it(
         mgr.save(1, _state(1))
         target = _target()
         assert mgr.restore(target) == 1
-    assert _equal(_state(1), target)
+    assert_same_state(target, _state(1))

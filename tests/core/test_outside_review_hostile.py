@@ -40,6 +40,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.tiling import check_tiling_boxes
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.verify import verify_step
+from tests.checks import assert_same_state
 from tests.core.test_hostile import JSON_VALUES, RecordingStorage, _apply, _paths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,10 +66,10 @@ def target() -> dict[str, Any]:
     }
 
 
-def same_data(got: dict[str, Any], want: dict[str, Any]) -> bool:
+def assert_same_data(got: dict[str, Any], want: dict[str, Any]) -> None:
     """Tensors and bytes equal bit for bit (object values carry no digests: not compared)."""
-    return all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"]) and (
-        got["extra"]["blob"] == want["extra"]["blob"])
+    assert_same_state({"model": got["model"], "blob": got["extra"]["blob"]},
+                      {"model": want["model"], "blob": want["extra"]["blob"]})
 
 
 @contextmanager
@@ -283,7 +284,8 @@ def falls_back(root: Path) -> None:
     got = target()
     with pytest.warns(UserWarning, match="damaged"), CheckpointManager(storage) as mgr:
         assert mgr.restore(got) == 1
-    assert same_data(got, state(1)) and got["extra"]["cfg"] == {"lr": 0.1, "names": ["a", "b"]}
+    assert_same_data(got, state(1))
+    assert got["extra"]["cfg"] == {"lr": 0.1, "names": ["a", "b"]}
     assert not [p for p in storage.data_reads if p.startswith(STEP2)], storage.data_reads
 
 
@@ -429,7 +431,7 @@ def test_a_deep_encryption_header_falls_back(tmp_path: Path) -> None:
     got = target()
     with pytest.warns(UserWarning, match="damaged"), CheckpointManager(root, encryption=keys) as mgr:
         assert mgr.restore(got) == 1
-    assert same_data(got, state(1))
+    assert_same_data(got, state(1))
     report = verify_step(LocalStorage(root), 2)
     assert report.problems and {p.kind for p in report.problems} == {"header"}, report.problems
     assert re.search(DEEP, report.problems[0].message), report.problems[0].message
@@ -451,7 +453,7 @@ def test_a_deep_encryption_member_is_damage(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=f"its encryption member is ({DEEP})"), \
             CheckpointManager(root, encryption=keys) as mgr:
         assert mgr.restore(got) == 1
-    assert same_data(got, state(1))
+    assert_same_data(got, state(1))
 
 
 def test_loads_untrusted_bounds_both_parsers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -749,7 +751,7 @@ def test_fuzz_only_checkpoint_errors_escape_and_restore_falls_back_bit_for_bit(
         return
     assert not newer
     event(f"restored step {step}")
-    assert same_data(got, state(step)), step
+    assert_same_data(got, state(step))
     if not valid:
         assert step == 1
 
@@ -773,4 +775,4 @@ def test_an_encryption_member_added_to_a_plain_step_is_damage(roots: dict[str, P
     got = target()
     with pytest.warns(UserWarning, match="damaged"), CheckpointManager(root) as mgr:
         assert mgr.restore(got) == 1  # (its first data file's first 8 bytes were read: no magic)
-    assert same_data(got, state(1))
+    assert_same_data(got, state(1))

@@ -37,6 +37,7 @@ from shardkeeper.core import (
 )
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import LocalStorage
+from tests.checks import assert_same_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,18 +69,7 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> Snapshot:
 
 def _assert_state(model: nn.Module, opt: torch.optim.Optimizer, snap: Snapshot) -> None:
     """Every parameter and every optimizer state tensor bit for bit, and the param groups."""
-    params, osd = snap
-    got = model.state_dict()
-    assert set(got) == set(params)
-    for k, v in params.items():
-        assert torch.equal(got[k], v), f"parameter {k} differs"
-    gs = opt.state_dict()
-    assert set(gs["state"]) == set(osd["state"])
-    for pid, per in osd["state"].items():
-        assert set(gs["state"][pid]) == set(per), pid
-        for name, v in per.items():
-            assert torch.equal(gs["state"][pid][name], v), f"optimizer state {pid}/{name} differs"
-    assert gs["param_groups"] == osd["param_groups"]
+    assert_same_state({"model": model.state_dict(), "optim": opt.state_dict()}, {"model": snap[0], "optim": snap[1]})
 
 
 def _chunk(root: Path, step: int, key: str) -> tuple[Path, dict[str, Any]]:
@@ -346,8 +336,7 @@ def test_a_failed_attempt_sets_no_object_or_bytes_and_calls_no_load_state_dict(t
             assert mgr.restore(target) == 1
     assert [n for n, _ in counter.loaded] == [1] and torch.equal(counter.loaded[0][1], torch.full((3, 5), 1.0))
     assert target["blob"] == b"one" * 100 and target["meta"] == {"seed": 1}
-    for k, v in snap1.items():
-        assert torch.equal(m2.state_dict()[k], v), k
+    assert_same_state(m2.state_dict(), snap1, what="the model after the fallback")
 
 
 # ------------------------------------------------------------------ meta device
@@ -408,14 +397,12 @@ def test_an_adamw_checkpoint_into_sgd_is_refused(tmp_path: Path, recorded: bool)
         assert "only=['model/*']" in msg and "step 1" in msg and str(tmp_path) in msg, msg
         if momentum:  # SGD with momentum has state: its names differ too
             assert "exp_avg" in msg and "momentum_buffer" in msg, msg
-        for k, v in before.items():  # nothing was read
-            assert torch.equal(model.state_dict()[k], v), k
+        assert_same_state(model.state_dict(), before, what="the model (nothing may be read)")
         assert [{k: v for k, v in g.items() if k != "params"} for g in sgd.param_groups] == groups
     # The remedy: the model alone; SGD then trains.
     with CheckpointManager(tmp_path) as mgr:
         assert mgr.restore({"model": model, "optim": sgd}, only=["model/*"]) == 1
-    for k, v in params.items():
-        assert torch.equal(model.state_dict()[k], v), k
+    assert_same_state(model.state_dict(), params, what="the model restored alone")
     _train(model, sgd, 1, seed=3)
 
 

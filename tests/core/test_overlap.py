@@ -18,6 +18,7 @@ from torch import nn
 
 from shardkeeper.core import CheckpointManager, CheckpointSaveError
 from shardkeeper.core.tensor import overlap
+from tests.checks import assert_same_state, state_of
 
 
 class Net(nn.Module):
@@ -48,25 +49,11 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
     opt.zero_grad()
 
 
-def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for pid, st in opt.state_dict()["state"].items():
-        for name, v in st.items():
-            out[f"optim/{pid}/{name}"] = v.detach().clone()
-    return out
-
-
-def restored(mgr: CheckpointManager, step: int) -> dict[str, torch.Tensor]:
+def restored(mgr: CheckpointManager, step: int) -> dict[str, Any]:
     model, opt = build(seed=99)
     train_step(model, opt, 12345)  # creates the optimizer state the restore fills
     mgr.restore({"model": model, "optim": opt}, step=step)
-    return snapshot(model, opt)
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    bad = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not bad, f"differ: {bad}"
+    return state_of(model, opt)
 
 
 @pytest.fixture
@@ -84,7 +71,7 @@ def held() -> Iterator[threading.Event]:
 def test_optimizer_step_waits_and_accumulation_does_not(tmp_path: Path, held: threading.Event) -> None:
     model, opt = build(0)
     train_step(model, opt, 0)
-    ref = snapshot(model, opt)
+    ref = state_of(model, opt)
     with CheckpointManager(tmp_path, staging="overlap") as mgr:
         h = mgr.save(1, {"model": model, "optim": opt})
         assert h.deferred_bytes > 0 and not h.staged()
@@ -92,20 +79,20 @@ def test_optimizer_step_waits_and_accumulation_does_not(tmp_path: Path, held: th
         fwd_bwd(model, 1)
         fwd_bwd(model, 2)
         assert not h.staged() and mgr.staging_waits == 0, "an accumulation step waited"
-        assert not torch.equal(model.bn.running_mean, ref["model/bn.running_mean"])
+        assert not torch.equal(model.bn.running_mean, ref["buffer/bn.running_mean"])
         held.set()
         opt.step()  # waits for the copy through the step pre-hook, then mutates
         opt.zero_grad()
         assert h.staged() and mgr.staging_waits == 1
         h.wait()
-        assert not torch.equal(model.fc1.weight, ref["model/fc1.weight"])  # control
-        assert_same(restored(mgr, 1), ref)
+        assert not torch.equal(model.fc1.weight, ref["param/fc1.weight"])  # control
+        assert_same_state(restored(mgr, 1), ref)
 
 
 def test_direct_mutation_after_wait_staged(tmp_path: Path, held: threading.Event) -> None:
     model, opt = build(1)
     train_step(model, opt, 0)
-    ref = snapshot(model, opt)
+    ref = state_of(model, opt)
     with CheckpointManager(tmp_path, staging="overlap") as mgr:
         h = mgr.save(3, {"model": model, "optim": opt})
         held.set()
@@ -117,7 +104,7 @@ def test_direct_mutation_after_wait_staged(tmp_path: Path, held: threading.Event
             for st in opt.state.values():
                 st["exp_avg"].add_(1.0)
         h.wait()
-        assert_same(restored(mgr, 3), ref)
+        assert_same_state(restored(mgr, 3), ref)
 
 
 def test_mutation_racing_the_copy_is_refused(tmp_path: Path, held: threading.Event) -> None:
@@ -134,10 +121,10 @@ def test_mutation_racing_the_copy_is_refused(tmp_path: Path, held: threading.Eve
         msg = str(ei.value)
         assert "model/fc2.weight" in msg and "wait_staged" in msg and "step 4" in msg and "stage" in msg
         assert mgr.steps() == []
-        ref = snapshot(model, opt)
+        ref = state_of(model, opt)
         mgr.save(5, state).wait()  # the next save commits
         train_step(model, opt, 1)
-        assert_same(restored(mgr, 5), ref)
+        assert_same_state(restored(mgr, 5), ref)
 
 
 def test_failed_copy_surfaces_and_never_blocks_a_step(tmp_path: Path) -> None:
@@ -167,14 +154,14 @@ def test_second_save_and_restore_while_staging(tmp_path: Path) -> None:
     train_step(model, opt, 0)
     state = {"model": model, "optim": opt}
     with CheckpointManager(tmp_path, staging="overlap") as mgr:
-        ref1 = snapshot(model, opt)
+        ref1 = state_of(model, opt)
         mgr.save(1, state)
         train_step(model, opt, 1)
-        ref2 = snapshot(model, opt)
+        ref2 = state_of(model, opt)
         mgr.save(2, state)  # waits for save 1, then stages again into the reused buffer
         train_step(model, opt, 2)
-        assert_same(restored(mgr, 2), ref2)  # restore waits for the pending save
-        assert_same(restored(mgr, 1), ref1)
+        assert_same_state(restored(mgr, 2), ref2)  # restore waits for the pending save
+        assert_same_state(restored(mgr, 1), ref1)
         mgr.save(3, state)
     assert mgr.steps() == [1, 2, 3]  # close() waited for the last one
     assert len(opt._optimizer_step_pre_hooks) == 0, "close() leaves a hook behind"

@@ -3,10 +3,11 @@ launch): see dist/overlap_worker.py for each check."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+
+from tests.checks import assert_checks, read_checks
 
 from ._launch import run_workers
 
@@ -30,9 +31,5 @@ def test_overlap_under_ddp_fsdp2_tp_fsdp1(tmp_path: Path) -> None:
     res = run_workers(2, "overlap_worker.py", str(tmp_path), timeout_s=180)
     assert res.returncode == 0, res.stdout[-4000:]
     expected = {f"{layout}: {case}" for layout in ("plain", "fsdp2", "tp", "fsdp1") for case in CASES}
-    for rank in range(2):
-        checks = json.loads((tmp_path / "results" / f"overlap-r{rank}.json").read_text())
-        names = {c["case"] for c in checks}
-        assert expected <= names, f"rank {rank} skipped {sorted(expected - names)}"
-        bad = [c for c in checks if not c["ok"]]
-        assert not bad, f"rank {rank}: " + json.dumps(bad, indent=1)[:4000]
+    files = [tmp_path / "results" / f"overlap-r{rank}.json" for rank in range(2)]
+    assert_checks(read_checks(*files, output=res.stdout), expected)

@@ -1,13 +1,11 @@
-"""The storage conformance suite (local, memory://, S3 on real moto and SeaweedFS servers, GCS on
-fake-gcs-server) and fault injection."""
+"""Every backend of the project (local, memory://, S3 on real moto and SeaweedFS servers, GCS on
+fake-gcs-server) through the shipped conformance suite (shardkeeper.core.testing.storage_conformance),
+plus what each backend claims beyond it, the S3 and GCS specifics, and fault injection."""
 
 from __future__ import annotations
 
-import array
 import subprocess
 import sys
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,41 +14,18 @@ from typing import Any
 import pytest
 
 from shardkeeper.core.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CommitConflictError,
     StorageError,
 )
-from shardkeeper.core.storage import LocalStorage, Storage, open_storage
+from shardkeeper.core.storage import Capabilities, LocalStorage, Storage, open_storage
 from shardkeeper.core.storage.faults import FaultyStorage
 from shardkeeper.core.storage.fsspec_store import FsspecStorage
+from shardkeeper.core.testing.storage_conformance import PAYLOAD, StorageConformance
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 2**20
-PAYLOAD = bytes(range(256)) * 64  # 16 KiB, every byte value, position-dependent
-
-
-@pytest.fixture(
-    params=[
-        "local",
-        "memory",
-        pytest.param("s3", marks=pytest.mark.s3),
-        pytest.param("seaweed", marks=pytest.mark.s3),
-        pytest.param("gcs", marks=pytest.mark.gcs),
-    ]
-)
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
-    if request.param == "local":
-        yield open_storage(tmp_path / "root")
-    elif request.param == "memory":
-        url = f"memory://sk-test-{uuid.uuid4().hex[:12]}/run"
-        s = open_storage(url)
-        yield s
-        _rm_memory(s, s.root.rsplit("/", 1)[0])  # the memory store is process-global
-    else:
-        url, options = request.getfixturevalue(f"{request.param}_root")
-        yield open_storage(url, **options)
 
 
 def _rm_memory(s: Any, path: str) -> None:
@@ -60,74 +35,10 @@ def _rm_memory(s: Any, path: str) -> None:
         pass
 
 
-def _kind(storage: Storage) -> str:
-    if isinstance(storage, LocalStorage):
-        return "local"
-    assert isinstance(storage, FsspecStorage)
-    return storage.protocol
-
-
 def _write(storage: Storage, path: str, data: bytes) -> None:
     w = storage.open_writer(path)
     w.write(data)
     w.close()
-
-
-# -- conformance ---------------------------------------------------------------------------------
-
-
-def test_is_a_storage_and_describes_full_paths(storage: Storage) -> None:
-    assert isinstance(storage, Storage)
-    assert storage.describe("step-1/manifest.json").endswith("step-1/manifest.json")
-    assert storage.describe("step-1/manifest.json").startswith(storage.url)
-    if _kind(storage) == "s3":
-        assert storage.describe("a/b") == storage.url + "/a/b"
-        assert storage.url.startswith("s3://")
-
-
-def test_capabilities(storage: Storage) -> None:
-    caps = storage.capabilities
-    assert caps.ranged_read
-    kind = _kind(storage)
-    if kind == "local":
-        assert caps.atomic_put_if_absent and caps.directories and caps.durable_writes
-    elif kind in ("s3", "gs", "gcs"):
-        assert caps.atomic_put_if_absent and caps.durable_writes and not caps.directories
-    else:  # memory: no conditional write, nothing durable
-        assert not caps.atomic_put_if_absent and not caps.durable_writes and not caps.directories
-
-
-def test_list_dir(storage: Storage) -> None:
-    assert storage.list_dir("") == []
-    assert storage.list_dir("missing") == []
-    storage.put("a/x", b"1")
-    storage.put("a/y", b"2")
-    storage.put("b/c/z", b"3")
-    storage.put("top.txt", b"4")
-    assert storage.list_dir("") == ["a", "b", "top.txt"]
-    assert storage.list_dir("a") == ["x", "y"]
-    assert storage.list_dir("b") == ["c"]
-    assert storage.list_dir("b/c") == ["z"]
-    assert storage.list_dir("top.txt") == []  # a file is not a directory
-    assert storage.list_dir("missing") == []
-    # Fresh after changes made through the same storage ...
-    storage.delete("a/x")
-    assert storage.list_dir("a") == ["y"]
-    _write(storage, "a/w", b"5")
-    assert storage.list_dir("a") == ["w", "y"]
-
-
-def test_list_dir_sees_writes_by_another_client(storage: Storage) -> None:
-    """Other ranks write through their own clients: listings must never be served from a cache."""
-    assert storage.list_dir("") == []
-    url, options = _reopen_args(storage)
-    other = open_storage(url, **options)
-    other.put("step-000000000001/manifest.json", b"{}")
-    assert storage.list_dir("") == ["step-000000000001"]
-    assert storage.list_dir("step-000000000001") == ["manifest.json"]
-    other.delete_dir("step-000000000001")
-    assert storage.list_dir("") == []
-    assert not storage.exists("step-000000000001/manifest.json")
 
 
 def _reopen_args(storage: Storage) -> tuple[str, dict[str, Any]]:
@@ -150,158 +61,80 @@ def _reopen_args(storage: Storage) -> tuple[str, dict[str, Any]]:
     return storage.url, {}
 
 
-def test_exists_size_mtime(storage: Storage) -> None:
-    before = time.time()
-    storage.put("d/f.bin", PAYLOAD)
-    assert storage.exists("d/f.bin")
-    assert storage.exists("d")  # a directory, or a key prefix on object stores
-    assert not storage.exists("d/missing")
-    assert not storage.exists("nothing/here")
-    assert storage.size("d/f.bin") == len(PAYLOAD)
-    # Server clocks (moto's included) and second-granularity timestamps: be generous.
-    assert before - 120 <= storage.mtime("d/f.bin") <= time.time() + 120
-    with pytest.raises(CheckpointNotFoundError):
-        storage.size("d/missing")
-    with pytest.raises(CheckpointNotFoundError):
-        storage.mtime("d/missing")
+# -- conformance: the shipped suite on every backend of the project ----------------------------
 
 
-def test_read_bytes_range_into(storage: Storage) -> None:
-    storage.put("f", PAYLOAD)
-    assert storage.read_bytes("f") == PAYLOAD
-    assert storage.read_range("f", 0, 10) == PAYLOAD[:10]
-    assert storage.read_range("f", 1000, 3000) == PAYLOAD[1000:4000]
-    assert storage.read_range("f", len(PAYLOAD) - 5, 5) == PAYLOAD[-5:]
-    assert storage.read_range("f", 7, 0) == b""
+class _OurBackend(StorageConformance):
+    """The suite, a second client like another process's, and the capabilities each backend claims."""
 
-    buf = bytearray(4096)
-    storage.read_into("f", 513, memoryview(buf))
-    assert bytes(buf) == PAYLOAD[513 : 513 + 4096]
+    expected: Capabilities
 
-    # A slice of a larger buffer, filled in place.
-    big = bytearray(b"\xaa" * 100)
-    storage.read_into("f", 3, memoryview(big)[10:20])
-    assert big[:10] == b"\xaa" * 10 and big[10:20] == PAYLOAD[3:13] and big[20:] == b"\xaa" * 80
+    def open_again(self, storage: Storage) -> Storage:
+        url, options = _reopen_args(storage)
+        return open_storage(url, **options)
 
-    # A typed view (e.g. a tensor's storage): filled byte for byte.
-    words = array.array("I", [0] * 8)
-    storage.read_into("f", 64, memoryview(words))
-    assert words.tobytes() == PAYLOAD[64:96]
+    def test_claims_its_capabilities(self, storage: Storage) -> None:
+        assert storage.capabilities == self.expected
 
 
-def test_short_read_is_an_error(storage: Storage) -> None:
-    storage.put("f", b"0123456789")
-    with pytest.raises(StorageError):
-        storage.read_range("f", 5, 10)  # ends past the end of the file
-    with pytest.raises(StorageError):
-        storage.read_into("f", 8, memoryview(bytearray(4)))
+class TestLocal(_OurBackend):
+    expected = Capabilities(atomic_put_if_absent=True, ranged_read=True, durable_writes=True, directories=True)
+
+    def make_storage(self, tmp_path: Path) -> Storage:
+        return open_storage(tmp_path / "root")
 
 
-def test_writer_streams_and_appears_on_close(storage: Storage) -> None:
-    w = storage.open_writer("step-1/data/r00000-a-000.safetensors")
-    w.write(PAYLOAD[:100])
-    w.write(memoryview(PAYLOAD)[100:5000])
-    w.write(bytearray(PAYLOAD[5000:]))
-    if _kind(storage) == "s3":  # an object appears only when its upload completes
-        assert not storage.exists("step-1/data/r00000-a-000.safetensors")
-    w.close()
-    assert storage.exists("step-1/data/r00000-a-000.safetensors")
-    assert storage.read_bytes("step-1/data/r00000-a-000.safetensors") == PAYLOAD
-    assert storage.list_dir("step-1/data") == ["r00000-a-000.safetensors"]
+class TestMemory(_OurBackend):
+    # fsspec's memory store: no conditional write, nothing durable
+    expected = Capabilities(atomic_put_if_absent=False, ranged_read=True, durable_writes=False, directories=False)
+
+    def make_storage(self, tmp_path: Path) -> Storage:
+        return open_storage(f"memory://sk-test-{uuid.uuid4().hex[:12]}/run")
+
+    def discard(self, storage: Storage) -> None:
+        _rm_memory(storage, storage.root.rsplit("/", 1)[0])  # type: ignore[attr-defined] # process-global
 
 
-def test_writer_refuses_an_existing_file(storage: Storage) -> None:
-    storage.put("x", b"old")
-    with pytest.raises(CommitConflictError) as info:
-        storage.open_writer("x")
-    assert isinstance(info.value, FileExistsError)
-    assert info.value.__cause__ is not None
-    assert storage.read_bytes("x") == b"old"
+class _OnServer(_OurBackend):
+    """A fresh bucket on a server the session started (the conftest fixture named ``root_fixture``)."""
+
+    root_fixture: str
+    expected = Capabilities(atomic_put_if_absent=True, ranged_read=True, durable_writes=True, directories=False)
+
+    @pytest.fixture(autouse=True)
+    def _server_root(self, request: pytest.FixtureRequest) -> None:
+        self.root = request.getfixturevalue(self.root_fixture)
+
+    def make_storage(self, tmp_path: Path) -> Storage:
+        url, options = self.root
+        return open_storage(url, **options)
 
 
-def test_abort_leaves_nothing(storage: Storage) -> None:
-    w = storage.open_writer("step-1/data/r00000-a-000.safetensors")
-    w.write(PAYLOAD)
-    w.abort()
-    w.abort()  # idempotent
-    assert not storage.exists("step-1/data/r00000-a-000.safetensors")
-    assert "r00000-a-000.safetensors" not in storage.list_dir("step-1/data")
+class _S3(_OnServer):
+    def test_describes_s3_urls(self, storage: Storage) -> None:
+        assert storage.url.startswith("s3://") and storage.describe("a/b") == storage.url + "/a/b"
+
+    def test_an_object_appears_only_when_its_upload_completes(self, storage: Storage) -> None:
+        w = storage.open_writer("step-1/data/r0")
+        w.write(PAYLOAD)
+        assert not storage.exists("step-1/data/r0")
+        w.close()
+        assert storage.read_bytes("step-1/data/r0") == PAYLOAD
 
 
-def test_put_if_absent_twice_conflicts(storage: Storage) -> None:
-    storage.put_if_absent("step-1/manifest.json", b"first")
-    with pytest.raises(CommitConflictError) as info:
-        storage.put_if_absent("step-1/manifest.json", b"second")
-    err = info.value
-    assert isinstance(err, FileExistsError) and isinstance(err, CheckpointError)
-    assert err.__cause__ is not None
-    assert storage.describe("step-1/manifest.json") in str(err)
-    assert storage.read_bytes("step-1/manifest.json") == b"first"
+@pytest.mark.s3
+class TestS3(_S3):
+    root_fixture = "s3_root"
 
 
-def test_put_if_absent_concurrent_exactly_one_wins(storage: Storage) -> None:
-    n = 8
-    barrier = threading.Barrier(n)
-    results: list[object] = [None] * n
-
-    def commit(i: int) -> None:
-        barrier.wait()
-        try:
-            storage.put_if_absent("step-7/manifest.json", f"writer {i}".encode())
-            results[i] = "won"
-        except BaseException as e:  # noqa: BLE001 - recorded and checked below
-            results[i] = e
-
-    threads = [threading.Thread(target=commit, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    winners = [i for i, r in enumerate(results) if r == "won"]
-    losers = [r for r in results if r != "won"]
-    assert len(winners) == 1, results
-    assert all(isinstance(r, CommitConflictError) for r in losers), losers
-    assert storage.read_bytes("step-7/manifest.json") == f"writer {winners[0]}".encode()
+@pytest.mark.s3
+class TestSeaweed(_S3):
+    root_fixture = "seaweed_root"
 
 
-def test_put_overwrites(storage: Storage) -> None:
-    storage.put("LATEST", b"100\n")
-    storage.put("LATEST", b"200\n")
-    assert storage.read_bytes("LATEST") == b"200\n"
-    storage.put("deep/er/file", b"x")  # parents are created where they exist
-    assert storage.read_bytes("deep/er/file") == b"x"
-
-
-def test_delete_and_delete_dir_are_idempotent(storage: Storage) -> None:
-    storage.put("step-1/data/a", b"a")
-    storage.put("step-1/manifest.json", b"m")
-    storage.put("step-10/manifest.json", b"m10")  # shares a prefix with step-1
-    storage.delete("step-1/data/a")
-    storage.delete("step-1/data/a")
-    storage.delete("never/existed")
-    assert not storage.exists("step-1/data/a")
-    storage.delete_dir("step-1")
-    storage.delete_dir("step-1")
-    storage.delete_dir("never/existed")
-    assert not storage.exists("step-1/manifest.json")
-    assert storage.list_dir("") == ["step-10"]
-    assert storage.read_bytes("step-10/manifest.json") == b"m10"
-    with pytest.raises(StorageError):
-        storage.delete_dir("")  # never the root
-
-
-def test_missing_read_is_not_found_with_cause(storage: Storage) -> None:
-    for call in (
-        lambda: storage.read_bytes("step-1/manifest.json"),
-        lambda: storage.read_range("step-1/data/x", 0, 4),
-        lambda: storage.read_into("step-1/data/x", 0, memoryview(bytearray(4))),
-    ):
-        with pytest.raises(CheckpointNotFoundError) as info:
-            call()
-        err = info.value
-        assert isinstance(err, FileNotFoundError) and isinstance(err, CheckpointError)
-        assert err.__cause__ is not None
-        assert "step-1/" in str(err) and storage.url in str(err)
+@pytest.mark.gcs
+class TestGCS(_OnServer):
+    root_fixture = "gcs_root"
 
 
 # -- S3 specifics -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.lightning import ShardkeeperCheckpointIO, codec
+from tests.checks import assert_same_state
 from tests.lightning.common import Net, loader
 
 
@@ -81,7 +82,7 @@ def test_save_twice_at_one_step_writes_once_and_resume_from_root(tmp_path: Path)
     t2 = _trainer(ShardkeeperCheckpointIO(tmp_path / "root2"), 1)
     t2.fit(net2, loader(), ckpt_path=str(tmp_path / "root"))  # the root: its newest step
     assert t2.global_step == t.global_step  # nothing left to train: max_epochs reached
-    assert all(torch.equal(before[k], v) for k, v in net2.state_dict().items())
+    assert_same_state(net2.state_dict(), before, what="the module resumed from the root")
 
 
 def test_clear_errors_for_paths_that_are_not_ours(tmp_path: Path) -> None:

@@ -12,11 +12,11 @@ Lightning .ckpt and a Lightning sharded directory (stock ModelParallel, saved at
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
 WORKER = Path(__file__).parent / "dist" / "worker.py"
@@ -24,16 +24,10 @@ WORKER = Path(__file__).parent / "dist" / "worker.py"
 
 def _run(nproc: int, phase: str, d: Path) -> list[dict]:
     proc = run_script(nproc, WORKER, phase, str(d), timeout_s=240)
-    out = d / f"{phase}.json"
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-6000:]
-    checks = json.loads(out.read_text())
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    checks = read_checks(d / f"{phase}.json", output=proc.stdout)
     assert checks, proc.stdout[-3000:]
     return checks
-
-
-def _assert_all(checks: list[dict]) -> None:
-    bad = [c for c in checks if not c["ok"]]
-    assert not bad, "\n".join(f"{c['name']}: {c['detail']}" for c in bad)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +41,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 
 @pytest.mark.timeout(600)
 def test_uninterrupted_runs_save_only_through_the_plugin(runs: dict[str, list[dict]]) -> None:
-    _assert_all(runs["train"])
+    assert_checks(runs["train"])
     assert len(runs["train"]) == 26
 
 
@@ -56,7 +50,7 @@ def test_uninterrupted_runs_save_only_through_the_plugin(runs: dict[str, list[di
 def test_resume_matches_uninterrupted_run_bit_for_bit(runs: dict[str, list[dict]], strategy: str) -> None:
     mine = [c for c in runs["resume"] if c["name"].startswith(f"{strategy} ") or "raised" in c["name"]]
     assert len(mine) == 12, runs["resume"]
-    _assert_all(mine)
+    assert_checks(mine)
 
 
 def _cross(runs: dict[str, list[dict]], *words: str) -> list[dict]:
@@ -67,14 +61,14 @@ def _cross(runs: dict[str, list[dict]], *words: str) -> list[dict]:
 def test_resume_at_another_world_size_and_from_a_core_checkpoint(runs: dict[str, list[dict]]) -> None:
     mine = _cross(runs, "fsdp2 dp=2", "fsdp2 -> ddp", "core-written", "raised")
     assert len(mine) == 3, runs["cross"]
-    _assert_all(mine)
+    assert_checks(mine)
 
 
 @pytest.mark.timeout(600)
 def test_imported_lightning_ckpt_resumes_like_the_ckpt(runs: dict[str, list[dict]]) -> None:
     mine = [c for c in _cross(runs, "import", "raised") if "sharded" not in c["name"]]
     assert len(mine) == 7, runs["cross"]
-    _assert_all(mine)
+    assert_checks(mine)
 
 
 @pytest.mark.timeout(600)
@@ -83,11 +77,11 @@ def test_imported_sharded_directory_matches_and_resumes(runs: dict[str, list[dic
     launch) imported in one process: state bit for bit, canonical keys, a Trainer resumes."""
     mine = _cross(runs, "sharded import", "raised") + [c for c in runs["train"] if "sharded directory" in c["name"]]
     assert len(mine) == 7, runs["cross"]
-    _assert_all(mine)
+    assert_checks(mine)
 
 
 @pytest.mark.timeout(600)
 def test_plugin_fsdp2_checkpoint_restores_in_plain_torch_and_deepspeed(runs: dict[str, list[dict]]) -> None:
     mine = _cross(runs, "-> plain torch", "-> DeepSpeed", "raised")
     assert len(mine) == 2, runs["cross"]
-    _assert_all(mine)
+    assert_checks(mine)

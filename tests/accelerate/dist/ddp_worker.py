@@ -4,16 +4,14 @@
 then the same run interrupted after step 5 with save_state() after steps 1, 3 and 5
 (total_limit=2). ``resume OUT``: a new process with other seeds load_state()s, trains steps
 6..12 and compares with the reference bit for bit; then the retention, plain-torch, core-written,
-step-folder, several-models and fully_shard (FSDP2) checks. Each rank writes
-``OUT/<mode>-rank<r>.json``: check name -> true or a string saying what differed.
+step-folder, several-models and fully_shard (FSDP2) checks. Each rank writes its checks
+(``tests.checks.Checks``) to ``OUT/<mode>-rank<r>.json``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -24,15 +22,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardkeeper.accelerate as ska
 from shardkeeper.core import CheckpointManager
+from tests.checks import Checks, state_diff, state_of
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 TOTAL, STOP = 12, 5
 SAVE_AT = (1, 3, STOP)
-checks: dict[str, object] = {}
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    checks[name] = True if ok else (detail or "failed")
+checks = Checks()
+check = checks.check
 
 
 class Counter:
@@ -93,25 +89,8 @@ def train(acc, model, opt, sched, dl, counter, start: int, end: int, save_at=())
 
 
 def snapshot(model, opt) -> dict:
-    raw = model.module if hasattr(model, "module") else model
-    inner = getattr(opt, "optimizer", opt)
-    return {
-        "params": {k: v.detach().clone() for k, v in raw.state_dict().items()},
-        "opt": {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(inner.state.values())},
-    }
-
-
-def same_state(a: dict, b: dict) -> str:
-    for k in a["params"]:
-        if not torch.equal(a["params"][k], b["params"][k]):
-            return f"parameter {k} differs"
-    if a["opt"].keys() != b["opt"].keys():
-        return "optimizer state has other parameters"
-    for i in a["opt"]:
-        for k in a["opt"][i]:
-            if not torch.equal(a["opt"][i][k], b["opt"][i][k]):
-                return f"optimizer state {i}/{k} differs"
-    return ""
+    """The unwrapped model's parameters and the inner optimizer's state, by FQN (``state_of``)."""
+    return state_of(getattr(model, "module", model), getattr(opt, "optimizer", opt))
 
 
 def main() -> None:
@@ -153,8 +132,7 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
     check("restored_newest_step", step == 2, str(step))
     check("iteration_counter_restored", acc.project_configuration.iteration == 3,
           str(acc.project_configuration.iteration))
-    err = same_state(snapshot(model, opt), before["at_save"])
-    check("params_and_optimizer_bit_exact_after_load", not err, err)
+    checks.same("params_and_optimizer_bit_exact_after_load", snapshot(model, opt), before["at_save"])
     check("registered_object_restored", counter.n == STOP and torch.equal(counter.t, torch.full((3,), float(STOP))),
           f"n={counter.n} t={counter.t}")
     # AcceleratedScheduler steps the scheduler once per process per step (split_batches=False)
@@ -168,16 +146,15 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
     psched = torch.optim.lr_scheduler.StepLR(popt, step_size=3, gamma=0.5)
     with CheckpointManager(root) as mgr:
         mgr.restore({"model": pm, "optim": popt, "sched": psched}, step=2, only=["model/*", "optim/*", "sched/*"])
-    err = same_state({"params": pm.state_dict(), "opt": {i: s for i, s in enumerate(popt.state.values())}},
-                     before["at_save"])
-    check("plain_torch_restores_accelerate_checkpoint", not err and psched.last_epoch == sched_steps, f"{err} {psched.last_epoch}")
+    err = state_diff(state_of(pm, popt), before["at_save"])
+    check("plain_torch_restores_accelerate_checkpoint", not err and psched.last_epoch == sched_steps,
+          f"{err or 'state equal'}; scheduler last_epoch {psched.last_epoch}, want {sched_steps}")
 
     losses, seen = train(acc, model, opt, sched, dl, counter, STOP, TOTAL, save_at=(8, 10))
     check("dataloader_resumes_at_right_batch", seen == ref["seen"][STOP:], f"{seen} vs {ref['seen'][STOP:]}")
     bad = [i for i, (a, b) in enumerate(zip(losses, ref["losses"][STOP:])) if not torch.equal(a, b)]
     check("next_losses_bit_exact", len(losses) == TOTAL - STOP and not bad, f"steps differ: {bad}")
-    err = same_state(snapshot(model, opt), ref["final"])
-    check("final_params_and_optimizer_bit_exact", not err, err)
+    checks.same("final_params_and_optimizer_bit_exact", snapshot(model, opt), ref["final"])
     check("registered_object_final", counter.n == ref["n"], f"{counter.n} vs {ref['n']}")
     with CheckpointManager(root) as mgr:
         check("retention_across_restart", mgr.steps() == [3, 4], str(mgr.steps()))
@@ -201,8 +178,8 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step = acc.load_state(core_root)
-    err = same_state(snapshot(model, opt), want)
-    check("core_written_checkpoint_restores", step == 7 and not err, f"step={step} {err}")
+    err = state_diff(snapshot(model, opt), want)
+    check("core_written_checkpoint_restores", step == 7 and not err, f"step={step}; {err or 'state equal'}")
 
     # for the cross-framework test (dist/cross_worker.py): a DDP checkpoint and its state
     acc.project_configuration.automatic_checkpoint_naming = False
@@ -234,7 +211,7 @@ def several_models(acc: Accelerator) -> None:
         for p in [*a.parameters(), *b.parameters()]:
             p.zero_()
     acc.load_state(root)
-    errs = [same_state(snapshot(m, o), w) for (m, o), w in zip([(a, oa), (b, ob)], want)]
+    errs = [e for e in (state_diff(snapshot(m, o), w) for (m, o), w in zip([(a, oa), (b, ob)], want)) if e]
     with CheckpointManager(root) as mgr:
         keys = set(mgr.manifest().leaves)
     expected = {"model/0.weight", "model/1.bias", "optim/0/state/0.weight/momentum_buffer", "optim/1/state/1.bias/exp_avg",
@@ -275,8 +252,7 @@ def fsdp2(acc: Accelerator) -> None:
     want = full()
     first = steps(3)
     acc.load_state(root)
-    err = [k for k, v in full().items() if not torch.equal(v, want[k])]
-    check("fsdp2_params_bit_exact_after_load", not err, str(err))
+    checks.same("fsdp2_params_bit_exact_after_load", full(), want)
     it = iter(dl)  # the restored position: batch 3 of epoch 0
     again = steps(3)
     check("fsdp2_next_losses_bit_exact", all(torch.equal(a, b) for a, b in zip(first, again)),
@@ -288,10 +264,5 @@ def fsdp2(acc: Accelerator) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        checks["exception"] = traceback.format_exc()
-    rank = int(os.environ.get("RANK", "0"))
-    with open(os.path.join(OUT, f"{MODE}-rank{rank}.json"), "w") as f:
-        json.dump(checks, f, indent=1)
+    checks.guard("whole run", main)
+    checks.write(os.path.join(OUT, f"{MODE}-rank{checks.rank}.json"))

@@ -10,20 +10,18 @@ the batches and the final state with the reference bit for bit.
 On CPU, Accelerate's own bookkeeping sees one process per rank (``num_processes == 1``), so
 its DataLoader is not split and its computed ``train_batch_size`` would be a rank's; the
 DeepSpeed config therefore gives the batch sizes explicitly. DeepSpeed itself runs on the
-2-rank gloo group torchrun made. Each rank writes ``OUT/ds<stage>-<mode>-rank<r>.json``.
+2-rank gloo group torchrun made. Each rank writes its checks to ``OUT/ds<stage>-<mode>-rank<r>.json``.
 If DeepSpeed itself cannot train the stage (the reference run, which involves no shardkeeper
-call but ``enable()``, fails) on a DeepSpeed older than 0.19, the save records
-``deepspeed_cannot_train`` and the test skips: DeepSpeed 0.18's ZeRO-1/2 step fails on torch
+call but ``enable()``, fails) on a DeepSpeed older than 0.19, the save records a skip,
+``deepspeed_cannot_train``, and the test skips: DeepSpeed 0.18's ZeRO-1/2 step fails on torch
 2.13 on CPU ("Output 0 of Split is a view and is being modified inplace").
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -44,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import shardkeeper.accelerate as ska  # noqa: E402
 from shardkeeper.core import CheckpointManager  # noqa: E402
+from tests.checks import Checks, state_diff  # noqa: E402
 
 MODE, OUT, STAGE = sys.argv[1], sys.argv[2], int(sys.argv[3])
 TOTAL, STOP = 10, 5
@@ -53,11 +52,8 @@ DS_CONFIG = {
     "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
     "zero_optimization": {"stage": STAGE}, "steps_per_print": 10**9,
 }
-checks: dict[str, object] = {}
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    checks[name] = True if ok else (detail or "failed")
+checks = Checks()
+check = checks.check
 
 
 class Counter:
@@ -125,12 +121,6 @@ def snapshot(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def diff(a: dict, b: dict) -> str:
-    if a.keys() != b.keys():
-        return f"keys differ: {sorted(a)} vs {sorted(b)}"
-    return ", ".join(k for k in a if not torch.equal(a[k], b[k]))
-
-
 def make_accelerator(proj: str) -> Accelerator:
     return Accelerator(
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(DS_CONFIG)),
@@ -151,7 +141,7 @@ def main() -> None:
         except RuntimeError as e:
             if tuple(int(x) for x in deepspeed.__version__.split(".")[:2]) >= (0, 19):
                 raise
-            checks["deepspeed_cannot_train"] = f"DeepSpeed {deepspeed.__version__} ZeRO-{STAGE}: {e}"
+            checks.skip("deepspeed_cannot_train", f"DeepSpeed {deepspeed.__version__} ZeRO-{STAGE}: {e}")
             return
         torch.save({"losses": losses, "seen": seen, "final": snapshot(parts[0]), "n": parts[4].n},
                    os.path.join(OUT, f"ds{STAGE}-ref-{rank}.pt"))
@@ -189,12 +179,11 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
     check("iteration_counter_restored", acc.project_configuration.iteration == 3,
           str(acc.project_configuration.iteration))
     check("engine_global_steps_restored", engine.global_steps == STOP, str(engine.global_steps))
-    err = diff(snapshot(engine), before["at_save"])
-    check("fp32_masters_and_moments_bit_exact_after_load", not err, err)
+    checks.same("fp32_masters_and_moments_bit_exact_after_load", snapshot(engine), before["at_save"])
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO-3: partitioned
         lp = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    err = ", ".join(n for n, v in lp.items() if not torch.equal(v, before["at_save"][f"param/{n}"]))
-    check("module_params_equal_masters", not err, err)
+    masters = {k: v for k, v in before["at_save"].items() if k.startswith("param/")}
+    checks.same("module_params_equal_masters", {f"param/{n}": v for n, v in lp.items()}, masters)
     check("registered_object_restored", counter.n == STOP, str(counter.n))
     check("scheduler_restored", sched.scheduler.last_epoch == STOP, str(sched.scheduler.last_epoch))
     check("dataloader_epoch_restored", dl.iteration == 0, str(dl.iteration))
@@ -209,16 +198,15 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
     for n, p in pm.named_parameters():
         got[f"param/{n}"] = p.detach()
         got.update({f"{m}/{n}": popt.state[p][m] for m in MOMENTS if p in popt.state})
-    err = diff(got, before["at_save"])
+    err = state_diff(got, before["at_save"])
     check("plain_torch_restores_deepspeed_checkpoint", not err and psched.last_epoch == STOP,
-          f"{err} last_epoch={psched.last_epoch}")
+          f"{err or 'state equal'}; last_epoch={psched.last_epoch}")
 
     losses, seen = train(acc, engine, opt, sched, dl, counter, STOP, TOTAL, save_at=(7,))
     check("dataloader_resumes_at_right_batch", seen == ref["seen"][STOP:], f"{seen} vs {ref['seen'][STOP:]}")
     bad = [i for i, (a, b) in enumerate(zip(losses, ref["losses"][STOP:])) if not torch.equal(a, b)]
     check("next_losses_bit_exact", len(losses) == TOTAL - STOP and not bad, f"steps differ: {bad}")
-    err = diff(snapshot(engine), ref["final"])
-    check("final_state_bit_exact", not err, err)
+    checks.same("final_state_bit_exact", snapshot(engine), ref["final"])
     check("registered_object_final", counter.n == ref["n"], f"{counter.n} vs {ref['n']}")
     with CheckpointManager(os.path.join(proj, "checkpoints")) as mgr:
         check("retention_across_restart", mgr.steps() == [2, 3], str(mgr.steps()))
@@ -226,10 +214,5 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        checks["exception"] = traceback.format_exc()
-    rank = int(os.environ.get("RANK", "0"))
-    with open(os.path.join(OUT, f"ds{STAGE}-{MODE}-rank{rank}.json"), "w") as f:
-        json.dump(checks, f, indent=1)
+    checks.guard("whole run", main)
+    checks.write(os.path.join(OUT, f"ds{STAGE}-{MODE}-rank{checks.rank}.json"))

@@ -2,7 +2,7 @@
 with its own ``save_state``, whose DeepSpeed files sit in a subfolder; the import of that
 folder must unpickle nothing unless ``trust_pickle is True``.
 
-    import_worker.py OUT     writes OUT/results.json: {check: true or what went wrong}
+    import_worker.py OUT     writes its checks (tests.checks.Checks) to OUT/results.json
 
 The folder keeps only what Accelerate's DeepSpeed loader reads: ``latest`` (a text file) and
 ``pytorch_model/`` (DeepSpeed's ``*.pt``, read with full unpickling); the model-states file
@@ -12,12 +12,10 @@ only a check of the subfolders sees what will be unpickled.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import sys
-import traceback
 import warnings
 
 with socket.socket() as s:  # a world of one, before Accelerate sets up DeepSpeed's group
@@ -38,17 +36,14 @@ from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 import shardkeeper.accelerate as ska  # noqa: E402
 from shardkeeper.core import CheckpointManager  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+from tests.checks import Checks  # noqa: E402
 from tests.hostile_pickle import UNTRUSTED, Trace  # noqa: E402
 
 OUT = sys.argv[1]
 DS_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
-checks: dict[str, object] = {}
-
-
-def check(name: str, ok: bool, detail: object = "") -> None:
-    checks[name] = True if ok else (str(detail) or "failed")
+checks = Checks(rank=0)
+check = checks.check
 
 
 def main() -> None:
@@ -99,9 +94,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        checks["exception"] = traceback.format_exc()
-    with open(os.path.join(OUT, "results.json"), "w") as f:
-        json.dump(checks, f, indent=1)
+    checks.guard("whole run", main)
+    checks.write(os.path.join(OUT, "results.json"))

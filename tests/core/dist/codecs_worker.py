@@ -9,15 +9,13 @@ process group, an FSDP2 module (``fully_shard`` on a 2-rank mesh) and DTensors s
 the same mesh, two steps, asynchronously; rank 2 waits. Then all 3 ranks restore into an FSDP2
 module and DTensors on a 3-rank mesh (resharded 2 -> 3), whole and partially; with
 ``encrypted`` a restore with a wrong key must fail on every rank. Each rank writes
-``RESULTS/r<rank>.json``: a list of checks ``{"case", "ok", "error"}``, cases prefixed with
-the run's name.
+``RESULTS/r<rank>.json``: its checks (``tests.checks.Checks``), named after the run first.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from shardkeeper.core import CheckpointManager
+from tests.checks import Checks, assert_same_state
 
 ROWS, COLS = 96, 64
 
@@ -59,21 +58,16 @@ def _dtensors(full: dict[str, torch.Tensor], mesh: DeviceMesh, rank: int, n: int
 def main(results: Path, spec: list[dict[str, Any]]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    checks: list[dict[str, Any]] = []
+    checks = Checks(results / f"r{rank}.json", rank=rank)
     g2 = dist.new_group([0, 1])
     mesh3 = init_device_mesh("cpu", (3,))
     for run in spec:
 
         def check(case: str, fn: Any, name: str = run["name"]) -> None:
-            try:
-                fn()
-                checks.append({"case": f"{name}: {case}", "ok": True})
-            except Exception:
-                checks.append({"case": f"{name}: {case}", "ok": False, "error": traceback.format_exc()[-3000:]})
+            checks.run(f"{name}: {case}", fn)
 
         one_run(run["url"], run["mode"], run["options"], rank, g2, mesh3, check)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"r{rank}.json").write_text(json.dumps(checks))
+    checks.write()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -124,10 +118,9 @@ def one_run(root: str, mode: str, storage_options: dict[str, Any], rank: int, g2
         with CheckpointManager(root, **opts) as mgr:
             assert mgr.restore({"model": lin, "extra": extra}, step=step) == step
             st = mgr.last_restore_stats
-        assert torch.equal(lin.weight.full_tensor(), weight)
-        assert torch.equal(lin.bias.full_tensor(), ref_b)
-        for k, t in full.items():
-            assert torch.equal(extra[k].full_tensor(), t), k
+        got = {"weight": lin.weight.full_tensor(), "bias": lin.bias.full_tensor(),
+               **{k: v.full_tensor() for k, v in extra.items()}}
+        assert_same_state(got, {"weight": weight, "bias": ref_b, **full}, what=f"step {step} restored at w3")
         assert st is not None and st.bytes_read > 0
 
     check("restore step 1 at w3 (resharded 2 -> 3)", lambda: restore(1, ref_w))
@@ -141,10 +134,10 @@ def one_run(root: str, mode: str, storage_options: dict[str, Any], rank: int, g2
         with CheckpointManager(root, **opts) as mgr:
             mgr.restore({"model": lin, "extra": extra}, only=["extra/mask", "extra/emb"])
             st = mgr.last_restore_stats
-        assert torch.equal(extra["mask"].full_tensor(), full["mask"])
-        assert torch.equal(extra["emb"].full_tensor(), full["emb"])
+        got = {"mask": extra["mask"].full_tensor(), "emb": extra["emb"].full_tensor(),
+               "weight": lin.weight.full_tensor()}
+        assert_same_state(got, {"mask": full["mask"], "emb": full["emb"], "weight": before}, what="the partial restore")
         assert not extra["frozen"].full_tensor().any()
-        assert torch.equal(lin.weight.full_tensor(), before)
         # A compressed chunk is read whole: honest accounting may exceed what was needed.
         assert st is not None and st.bytes_needed > 0 and st.bytes_read > 0
         if not codecs:  # ranged reads: a third of the rows plus whole 64 KiB digest blocks at the ends

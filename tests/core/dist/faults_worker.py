@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -33,12 +32,10 @@ from shardkeeper.core import (  # noqa: E402
 )
 from shardkeeper.core.storage import LocalStorage  # noqa: E402
 from shardkeeper.core.storage.faults import FaultyStorage  # noqa: E402
+from tests.checks import Checks, state_diff  # noqa: E402
 
-checks: list[dict] = []
-
-
-def check(name: str, cond: bool, detail: str = "") -> None:
-    checks.append({"case": name, "ok": bool(cond), "problems": [] if cond else [detail]})
+checks = Checks()
+check = checks.check
 
 
 def expect_save_error(name: str, mgr: CheckpointManager, step: int, state: dict, *needles: str, kind: type = CheckpointSaveError) -> None:
@@ -62,13 +59,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    try:
-        run(root, rank)
-    except Exception:
-        check("whole run", False, traceback.format_exc())
-    out = root / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"faults-r{rank}.json").write_text(json.dumps(checks, indent=1))
+    checks.guard("whole run", lambda: run(root, rank))
+    checks.write(root / "results" / f"faults-r{rank}.json")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -109,9 +101,8 @@ def run(root: Path, rank: int) -> None:
         check("steps after failures", mgr.steps() == [5], f"steps {mgr.steps()}")
         restored_model, restored_opt = build("fsdp2", seed=3)
         mgr.restore({"model": restored_model, "optim": restored_opt}, step=5)
-        got = full_state(restored_model, restored_opt)
-        bad = [k for k in ref5 if not torch.equal(ref5[k], got[k])]
-        check("async race: the checkpoint holds the pre-save values", not bad, f"differ: {bad[:5]}")
+        checks.same("async race: the checkpoint holds the pre-save values",
+                    full_state(restored_model, restored_opt), ref5)
 
         train_step(model, opt, 1)
         mgr.save(7, state).wait()
@@ -143,10 +134,8 @@ def run(root: Path, rank: int) -> None:
             step = mgr.restore(target)
         check("latest falls back to step 5", step == 5, f"restored {step}")
         check("fallback warns", any("falling back" in str(x.message) for x in w), [str(x.message) for x in w].__repr__())
-        got = full_state(target_model, target_opt)
-        bad = [k for k in ref5 if not torch.equal(ref5[k], got[k])]
-        check("fallback restored step 5 bit for bit", not bad, f"differ: {bad[:5]}")
-        check("ref7 differs from ref5 (control)", any(not torch.equal(ref5[k], ref7[k]) for k in ref5))
+        checks.same("fallback restored step 5 bit for bit", full_state(target_model, target_opt), ref5)
+        check("ref7 differs from ref5 (control)", state_diff(ref7, ref5), "no difference")
 
         # 5b. A damaged newest manifest (step 8): every rank falls back past it and past the
         # damaged step 7, together, to step 5.
@@ -164,8 +153,7 @@ def run(root: Path, rank: int) -> None:
         check("damaged newest manifest: warns naming step 8",
               any("step 8" in str(x.message) and "falling back" in str(x.message) for x in w),
               [str(x.message) for x in w].__repr__())
-        got = full_state(fb_model, fb_opt)
-        check("damaged newest manifest: step 5 bit for bit", all(torch.equal(ref5[k], got[k]) for k in ref5))
+        checks.same("damaged newest manifest: step 5 bit for bit", full_state(fb_model, fb_opt), ref5)
 
     # 5c. The storage fails on rank 1 only while reading step 5's data (its retries spent):
     # past the damaged steps 8 and 7, every rank raises at step 5 instead of going on to an
@@ -194,7 +182,8 @@ def run(root: Path, rank: int) -> None:
         after = full_state(part_model, part_opt)
         changed = sorted(k for k in after if not torch.equal(after[k], before[k]))
         check("partial restore changes exactly the selected keys", changed == ["model/fc1.bias", "model/fc1.weight"], str(changed))
-        check("partial restore restored them exactly", all(torch.equal(after[k], ref5[k]) for k in changed))
+        checks.same("partial restore restored them exactly",
+                    {k: after[k] for k in changed}, {k: ref5[k] for k in changed})
         check("partial restore reads at most 5% more than needed", st is not None and st.bytes_read <= 1.05 * st.bytes_needed and st.bytes_needed > 0, str(st))
 
 

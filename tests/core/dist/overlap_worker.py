@@ -12,10 +12,8 @@ bit for bit. Each rank writes ``ROOT/results/overlap-r<R>.json``.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 import torch
@@ -26,18 +24,10 @@ from layouts import batch, build, full_state, train_step  # noqa: E402
 
 from shardkeeper.core import CheckpointManager, CheckpointSaveError  # noqa: E402
 from shardkeeper.core.tensor import overlap  # noqa: E402
+from tests.checks import Checks, state_diff  # noqa: E402
 
 LAYOUTS = ("plain", "fsdp2", "tp", "fsdp1")
-checks: list[dict] = []
-
-
-def check(name: str, cond: bool, detail: str = "") -> None:
-    checks.append({"case": name, "ok": bool(cond), "problems": [] if cond else [detail]})
-
-
-def same(name: str, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
-    check(name, not bad and ref.keys() == got.keys(), f"differ: {bad[:5]}")
+checks = Checks()
 
 
 def restored(mgr: CheckpointManager, layout: str, step: int) -> dict[str, torch.Tensor]:
@@ -66,13 +56,15 @@ def run_layout(root: Path, layout: str) -> None:
         ref = full_state(model, opt)
         ptrs = local_ptrs(model)
         h = mgr.save(1, state)
-        check(f"{layout}: parameters and optimizer state are deferred", (h.deferred_bytes > 0) == defers, str(h.deferred_bytes))
+        checks.check(f"{layout}: parameters and optimizer state are deferred", (h.deferred_bytes > 0) == defers,
+                     str(h.deferred_bytes))
         train_step(model, opt, 1)
-        check(f"{layout}: the step waited", mgr.staging_waits == int(defers), str(mgr.staging_waits))
+        checks.check(f"{layout}: the step waited", mgr.staging_waits == int(defers), str(mgr.staging_waits))
         h.wait()
-        check(f"{layout}: local parameter storage persists across steps", local_ptrs(model) == ptrs)
-        same(f"{layout}: step after save: checkpoint holds pre-save values", ref, restored(mgr, layout, 1))
-        check(f"{layout}: step changed the live state (control)", any(not torch.equal(ref[k], v) for k, v in full_state(model, opt).items()))
+        checks.check(f"{layout}: local parameter storage persists across steps", local_ptrs(model) == ptrs)
+        checks.same(f"{layout}: step after save: checkpoint holds pre-save values", restored(mgr, layout, 1), ref)
+        checks.check(f"{layout}: step changed the live state (control)", state_diff(full_state(model, opt), ref),
+                     "no difference")
 
         # 2. A direct in-place change after wait_staged().
         ref = full_state(model, opt)
@@ -82,7 +74,7 @@ def run_layout(root: Path, layout: str) -> None:
             for p in model.parameters():
                 p.add_(1.0)
         h.wait()
-        same(f"{layout}: direct change after wait_staged: pre-save values", ref, restored(mgr, layout, 2))
+        checks.same(f"{layout}: direct change after wait_staged: pre-save values", restored(mgr, layout, 2), ref)
 
         # 3. The same change racing the held-back copy: refused on every rank, not torn.
         overlap._before_copy = lambda: release.wait(60)
@@ -94,11 +86,12 @@ def run_layout(root: Path, layout: str) -> None:
             release.set()
             try:
                 h.wait()
-                check(f"{layout}: racing change refused", not defers, "save committed")
+                checks.check(f"{layout}: racing change refused", not defers, "save committed")
             except CheckpointSaveError as e:
-                check(f"{layout}: racing change refused", defers and "modified in place" in str(e) and "step 3" in str(e), str(e))
+                checks.check(f"{layout}: racing change refused",
+                             defers and "modified in place" in str(e) and "step 3" in str(e), str(e))
             dist.barrier()
-            check(f"{layout}: racing change: not committed", (3 not in mgr.steps()) == defers, str(mgr.steps()))
+            checks.check(f"{layout}: racing change: not committed", (3 not in mgr.steps()) == defers, str(mgr.steps()))
 
             # 4. Gradient accumulation while the copy is held back: forward/backward, no wait.
             release.clear()
@@ -108,12 +101,13 @@ def run_layout(root: Path, layout: str) -> None:
             for i in (10, 11):
                 x, y = batch(i)
                 (model(x) - y).pow(2).mean().backward()
-            check(f"{layout}: accumulation ran while staging was pending", h.staged() != defers and mgr.staging_waits == waits)
+            checks.check(f"{layout}: accumulation ran while staging was pending",
+                         h.staged() != defers and mgr.staging_waits == waits)
             release.set()
             opt.step()
             opt.zero_grad()
             h.wait()
-            same(f"{layout}: accumulation then step: pre-save values", ref, restored(mgr, layout, 4))
+            checks.same(f"{layout}: accumulation then step: pre-save values", restored(mgr, layout, 4), ref)
         finally:
             release.set()
             overlap._before_copy = None
@@ -125,14 +119,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for layout in LAYOUTS:
-        try:
-            run_layout(root, layout)
-        except Exception:
-            check(f"{layout}: whole case", False, traceback.format_exc())
+        checks.guard(f"{layout}: whole case", lambda layout=layout: run_layout(root, layout))
         dist.barrier()
-    out = root / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"overlap-r{rank}.json").write_text(json.dumps(checks, indent=1))
+    checks.write(root / "results" / f"overlap-r{rank}.json")
     dist.barrier()
     dist.destroy_process_group()
 

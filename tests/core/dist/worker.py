@@ -3,7 +3,7 @@
     worker.py save ROOT           # train each layout 3 steps, save, write the references
     worker.py restore ROOT        # restore every saved checkpoint into every layout
 
-Each rank writes ``ROOT/results/<phase>-w<W>-r<R>.json``: the list of checks and failures.
+Each rank writes ``ROOT/results/<phase>-w<W>-r<R>.json``: its checks (``tests.checks.Checks``).
 A check compares full parameters and AdamW state bit for bit with the reference written at
 save time; where the layout and world size match the saver's, it also trains one more step
 and compares the loss with the uninterrupted run's.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import fragments  # noqa: E402
 from layouts import LAYOUTS, build, full_state, supported, train_step  # noqa: E402
 
 from shardkeeper.core import CheckpointManager, PerRank, RNGState  # noqa: E402
+from tests.checks import Checks, state_diff  # noqa: E402
 
 STEPS = 3
 
@@ -43,9 +43,8 @@ def _layouts_here(world: int) -> list[str]:
     return [n for n in names if supported(n, world)]
 
 
-def phase_save(root: Path) -> list[dict]:
+def phase_save(root: Path, checks: Checks) -> None:
     rank, world = _world()
-    checks = []
     for layout in _layouts_here(world):
         name = f"{layout}-w{world}"
         model, opt = build(layout, seed=1)
@@ -77,22 +76,20 @@ def phase_save(root: Path) -> list[dict]:
             save_file(ref, str(root / f"{name}.ref.safetensors"))
             (root / f"{name}.json").write_text(json.dumps({"next_loss": next_loss, "world": world, "layout": layout}))
         want = 0 if layout == "fsdp1" else 1
-        checks.append({"case": name, "ok": hits == want, "problems": [f"plan cache hits {hits}, expected {want}"]})
+        checks.check(name, hits == want, f"plan cache hits {hits}, expected {want}")
     frags, _ = fragments.partition(world, rank, fill=True)
     with CheckpointManager(root / f"fragments-w{world}", digest_block_bytes=3000) as mgr:
         mgr.save(1, dict(frags))
-    checks.append({"case": f"fragments-w{world}", "ok": True})
-    return checks
+    checks.check(f"fragments-w{world}", True)
 
 
-def restore_fragments(root: Path) -> list[dict]:
+def restore_fragments(root: Path, checks: Checks) -> None:
     """Every ZeRO-style checkpoint into fragments, plain tensors and Shard(0) DTensors here."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     rank, world = _world()
     ref = fragments.tensors()
-    checks = []
     for src in sorted(p.name for p in root.iterdir() if p.name.startswith("fragments-w")):
         targets: dict[str, dict] = {}
         frags, _ = fragments.partition(world, rank, fill=False)
@@ -106,7 +103,8 @@ def restore_fragments(root: Path) -> list[dict]:
             }
         for kind, state in targets.items():
             case = f"{src} -> {kind}-w{world}"
-            try:
+
+            def one(kind: str = kind, state: dict = state, case: str = case) -> None:
                 with CheckpointManager(root / src) as mgr:
                     mgr.restore(state)
                 if kind == "fragments":
@@ -115,29 +113,15 @@ def restore_fragments(root: Path) -> list[dict]:
                     got = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
                 else:
                     got = state
-                problems = _compare(got, ref)
-            except Exception:
-                problems = [traceback.format_exc()]
-            checks.append({"case": case, "ok": not problems, "problems": problems})
-    return checks
+                checks.same(case, got, ref)
+
+            checks.guard(case, one)
 
 
-def _compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[str]:
-    problems = []
-    if set(got) != set(ref):
-        problems.append(f"keys differ: only restored {sorted(set(got) - set(ref))[:5]}, only saved {sorted(set(ref) - set(got))[:5]}")
-    for k in sorted(set(got) & set(ref)):
-        a, b = got[k], ref[k]
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            problems.append(f"{k}: not bit-exact (max abs diff {(a.float() - b.float()).abs().max().item() if a.shape == b.shape else 'shape'})")
-    return problems
-
-
-def phase_restore(root: Path) -> list[dict]:
+def phase_restore(root: Path, checks: Checks) -> None:
     from safetensors.torch import load_file
 
     rank, world = _world()
-    checks = []
     sources = sorted(
         p.name for p in root.iterdir()
         if p.is_dir() and "-w" in p.name and p.name != "results" and not p.name.startswith("fragments")
@@ -146,21 +130,22 @@ def phase_restore(root: Path) -> list[dict]:
     # comparison proves nothing.
     model, opt = build("plain", seed=2)
     train_step(model, opt, 0)
-    control = _compare(full_state(model, opt), load_file(str(root / f"{sources[0]}.ref.safetensors")))
-    checks.append({"case": "control: unrestored model differs", "ok": bool(control), "problems": ["no difference found"]})
+    control = state_diff(full_state(model, opt), load_file(str(root / f"{sources[0]}.ref.safetensors")))
+    checks.check("control: unrestored model differs", bool(control), "no difference found")
     for src in sources:
         info = json.loads((root / f"{src}.json").read_text())
         ref = load_file(str(root / f"{src}.ref.safetensors"))
         for layout in _layouts_here(world):
             case = f"{src} -> {layout}-w{world}"
-            try:
+
+            def one(layout: str = layout, case: str = case, info: dict = info, ref: dict = ref) -> None:
                 model, opt = build(layout, seed=2)
                 note = PerRank({"rank": -1})
                 state = {"model": model, "optim": opt, "progress": {"step": 0}, "rng": RNGState(), "note": note}
                 with CheckpointManager(root / src, per_rank="modulo") as mgr:
                     step = mgr.restore(state)
                     stats = mgr.last_restore_stats
-                problems = _compare(full_state(model, opt), ref)
+                problems = [d for d in [state_diff(full_state(model, opt), ref)] if d]
                 if step != STEPS or state["progress"]["step"] != STEPS:
                     problems.append(f"restored step {step}, progress {state['progress']}")
                 if note.value["rank"] != rank % info["world"]:
@@ -169,11 +154,10 @@ def phase_restore(root: Path) -> list[dict]:
                     loss = train_step(model, opt, STEPS)
                     if loss != info["next_loss"]:
                         problems.append(f"next loss {loss!r} != uninterrupted {info['next_loss']!r}")
-                checks.append({"case": case, "ok": not problems, "problems": problems,
-                               "bytes_direct": stats.bytes_direct if stats else 0})
-            except Exception:
-                checks.append({"case": case, "ok": False, "problems": [traceback.format_exc()]})
-    return checks + restore_fragments(root)
+                checks.check(case, not problems, "\n".join(problems), bytes_direct=stats.bytes_direct if stats else 0)
+
+            checks.guard(case, one)
+    restore_fragments(root, checks)
 
 
 def main() -> None:
@@ -182,13 +166,9 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = _world()
     torch.set_num_threads(1)
-    try:
-        checks = phase_save(root) if phase == "save" else phase_restore(root)
-    except Exception:
-        checks = [{"case": f"{phase} (whole phase)", "ok": False, "problems": [traceback.format_exc()]}]
-    out = root / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{phase}-w{world}-r{rank}.json").write_text(json.dumps(checks, indent=1))
+    checks = Checks(root / "results" / f"{phase}-w{world}-r{rank}.json", rank=rank)
+    checks.guard(f"{phase} (whole phase)", lambda: (phase_save if phase == "save" else phase_restore)(root, checks))
+    checks.write()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

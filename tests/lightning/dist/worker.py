@@ -14,7 +14,7 @@ are compared bit for bit with the uninterrupted run.
 1; a checkpoint written by the core directly resumes in a Trainer; a Lightning .ckpt and a
 Lightning sharded directory (stock ModelParallel, written at the end of ``train``) are imported.
 
-Rank 0 writes ``DIR/<phase>.json``: a list of checks ``{"name", "ok", "detail"}``.
+Rank 0 writes its checks (``tests.checks.Checks``) to ``DIR/<phase>.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import sys
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
@@ -37,6 +36,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from shardkeeper.lightning import ShardkeeperCheckpointIO  # noqa: E402
+from tests.checks import Checks  # noqa: E402
 from tests.lightning.common import (  # noqa: E402
     Net,
     cpu_deepspeed_strategy,
@@ -49,11 +49,8 @@ from tests.lightning.common import (  # noqa: E402
 EPOCHS = 4
 STRATEGIES = tuple(os.environ.get("SK_STRATEGIES", "ddp,fsdp2,tp,fsdp1,ds2,ds3").split(","))  # a subset: debugging
 MODE = {"ddp": "none", "fsdp1": "none", "ds2": "none", "ds3": "none"}
-checks: list[dict[str, Any]] = []
-
-
-def check(name: str, ok: bool, detail: Any = "") -> None:
-    checks.append({"name": name, "ok": bool(ok), "detail": str(detail)[:500]})
+checks = Checks()
+check = checks.check
 
 
 def rank() -> int:
@@ -228,8 +225,7 @@ def stock_sharded_save(d: str, world: int) -> None:
 
 
 def compare(name: str, label: str, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
-    check(f"{name} {label}: {len(ref)} parameter/optimizer tensors bit for bit", not bad and len(ref) == len(got), bad[:5])
+    checks.same(f"{name} {label}: {len(ref)} parameter/optimizer tensors bit for bit", got, ref)
 
 
 class AtStart(Recorder):
@@ -436,21 +432,12 @@ def cross_out_of_lightning(d: str, ref1: dict[str, torch.Tensor]) -> None:
 def main() -> None:
     phase, d = sys.argv[1], sys.argv[2]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        if phase == "train":
-            phase_train(d, world)
-        elif phase == "resume":
-            phase_resume(d, world)
-        else:
-            phase_cross(d)
-    except BaseException as e:
-        import traceback
-
-        traceback.print_exc()
-        check(f"{phase} raised", False, f"{type(e).__name__}: {e}")
+    phases = {"train": lambda: phase_train(d, world), "resume": lambda: phase_resume(d, world)}
+    run = phases.get(phase, lambda: phase_cross(d))
+    if not checks.guard(f"{phase} raised", run):
+        print(checks.items[-1]["detail"], file=sys.stderr)
     if rank() == 0:
-        with open(f"{d}/{phase}.json", "w") as f:
-            json.dump(checks, f, indent=1)
+        checks.write(f"{d}/{phase}.json")
 
 
 if __name__ == "__main__":

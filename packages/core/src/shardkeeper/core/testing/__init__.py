@@ -1,4 +1,5 @@
-"""Tools to test checkpointing on your own storage: the kill -9 campaign (``campaign``).
+"""Tools to test checkpointing on your own storage: the kill -9 campaign (``campaign``) and
+the storage conformance suite every backend must pass (``storage_conformance``; needs pytest).
 
 ``python -m shardkeeper.core.testing.campaign ROOT --trials 50`` runs it from the command line
 (docs/reliability.md). The names below are loaded on first use, so that importing this package
