@@ -156,6 +156,8 @@ def test_root_managers_write_the_shared_metadata(tmp_path: Path) -> None:
     assert len(managers) == 0
     with pytest.raises(ValueError, match=r"metadata key\(s\) framework are written by the fw adapter itself"):
         RootManagers("fw", "1", {"metadata": {"framework": "mine"}})
+    with pytest.raises(ValueError, match=r"metadata key\(s\) extra_key, fw_version are written by the fw adapter"):
+        RootManagers("fw", "1", {"metadata": {"fw_version": "0", "extra_key": 1}}, extra_key="x")
 
 
 def test_patches_restore_exactly_what_was_there() -> None:

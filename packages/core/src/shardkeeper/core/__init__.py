@@ -24,6 +24,7 @@ from shardkeeper.core.errors import (
     EncryptionKeyError,
     IncompatibleFormatError,
     StateMismatchError,
+    StepOrderError,
     StorageError,
     TornStateError,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "RNGState",
     "SaveHandle",
     "StateMismatchError",
+    "StepOrderError",
     "StorageError",
     "TornStateError",
     "advise",

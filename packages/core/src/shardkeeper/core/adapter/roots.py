@@ -22,7 +22,8 @@ import torch
 from shardkeeper.core.manager import CheckpointManager
 from shardkeeper.core.progress import PROGRESS_SCHEMA
 
-#: Metadata keys the contract owns: a user's ``metadata=`` cannot replace them.
+#: Metadata keys the contract owns for every adapter (with ``<framework>_version`` and the
+#: adapter's own keys): a user's ``metadata=`` cannot replace them.
 OWNED_KEYS = ("framework", "framework_version", "shardkeeper_version", "torch_version", "progress_schema")
 
 
@@ -59,14 +60,15 @@ class RootManagers:
         self.framework = framework
         opts = dict(options or {})
         user = dict(opts.pop("metadata", None) or {})
-        clash = sorted(set(user) & set(OWNED_KEYS))
+        owned = adapter_metadata(framework, framework_version, **metadata)
+        clash = sorted(set(user) & set(owned))
         if clash:
             raise ValueError(
                 f"metadata key(s) {', '.join(clash)} are written by the {framework} adapter itself; "
                 f"use other names for your own metadata"
             )
         self.options = opts
-        self.metadata = {**user, **adapter_metadata(framework, framework_version, **metadata)}
+        self.metadata = {**user, **owned}
         self._managers: dict[str, CheckpointManager] = {}
 
     def get(self, root: str | os.PathLike[str], **options: Any) -> CheckpointManager:

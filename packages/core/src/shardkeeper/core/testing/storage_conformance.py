@@ -314,3 +314,6 @@ class StorageConformance:
                  "its prefix (step-10) must stay")
         _require(storage, storage.read_bytes("step-10/manifest.json") == b"m10", "delete_dir('step-1') touched step-10")
         _raises(storage, StorageError, lambda: storage.delete_dir(""), "delete_dir('') (the root itself)")
+
+
+__all__ = ["StorageConformance"]
