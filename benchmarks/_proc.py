@@ -70,8 +70,7 @@ def usage_delta(before: tuple[float, float, int, int]) -> dict[str, float]:
     """What went on between ``before`` and now: CPU split and page faults, to explain outliers
     (on a VM, first-touch page faults and reclaim show up as system time)."""
     u, s, mi, ma = usage()
-    return {"cpu_user_s": u - before[0], "cpu_sys_s": s - before[1],
-            "minflt": mi - before[2], "majflt": ma - before[3]}
+    return {"cpu_user_s": u - before[0], "cpu_sys_s": s - before[1], "minflt": mi - before[2], "majflt": ma - before[3]}
 
 
 def cpu_busy(interval_s: float = 1.0) -> float:
@@ -176,7 +175,9 @@ def _git_rev(root: Path) -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "packages"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         return rev + ("+dirty(packages)" if dirty else "")
     except (OSError, subprocess.SubprocessError):

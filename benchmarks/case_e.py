@@ -24,7 +24,9 @@ def _reports(n_tensors: int, n_ranks: int, sharded: bool) -> list[dict[str, Any]
     from shardkeeper.core.assemble import declared_digest
 
     rows = 1024 // n_ranks
-    declared = {f"model/layers.{i // 100}.block.{i % 100}.weight": ["tensor", "float32", [1024, 256]] for i in range(n_tensors)}
+    declared = {
+        f"model/layers.{i // 100}.block.{i % 100}.weight": ["tensor", "float32", [1024, 256]] for i in range(n_tensors)
+    }
     digest = declared_digest(declared)
     out = []
     for r in range(n_ranks):
@@ -33,16 +35,42 @@ def _reports(n_tensors: int, n_ranks: int, sharded: bool) -> list[dict[str, Any]
         for i, key in enumerate(declared):
             if sharded:
                 n = rows * 256 * 4
-                chunks[key] = [{"file": f, "offset": 4096 + i * n, "length": n, "offsets": [r * rows, 0], "shape": [rows, 256],
-                                "digests": ",".join([f"{i:032x}"] * (-(-n // 65536)))}]
+                chunks[key] = [
+                    {
+                        "file": f,
+                        "offset": 4096 + i * n,
+                        "length": n,
+                        "offsets": [r * rows, 0],
+                        "shape": [rows, 256],
+                        "digests": ",".join([f"{i:032x}"] * (-(-n // 65536))),
+                    }
+                ]
             elif i % n_ranks == r:
                 n = 1024 * 256 * 4
-                chunks[key] = [{"file": f, "offset": 4096 + i * n, "length": n, "offsets": [0, 0], "shape": [1024, 256],
-                                "digests": ",".join([f"{i:032x}"] * (n // 65536))}]
+                chunks[key] = [
+                    {
+                        "file": f,
+                        "offset": 4096 + i * n,
+                        "length": n,
+                        "offsets": [0, 0],
+                        "shape": [1024, 256],
+                        "digests": ",".join([f"{i:032x}"] * (n // 65536)),
+                    }
+                ]
         # the size the file would have: readers check every chunk lies inside its file
         size = max((c["offset"] + c["length"] for cs in chunks.values() for c in cs), default=0)
-        out.append({"ok": True, "rank": r, "declared": declared if r == 0 else {}, "declared_digest": digest,
-                    "chunks": chunks, "files": {f: {"size_bytes": size, "rank": r}}, "objects": {}, "per_rank_prefixes": []})
+        out.append(
+            {
+                "ok": True,
+                "rank": r,
+                "declared": declared if r == 0 else {},
+                "declared_digest": digest,
+                "chunks": chunks,
+                "files": {f: {"size_bytes": size, "rank": r}},
+                "objects": {},
+                "per_rank_prefixes": [],
+            }
+        )
     return out
 
 
@@ -78,8 +106,14 @@ def _measure(workdir: Path, n_tensors: int, n_ranks: int, sharded: bool) -> dict
     with no_gc():  # restore_flat plans with garbage collection paused, too
         manifest, ops, reads = _plan(storage, rows, sharded)
     plan_s = time.perf_counter() - t1
-    return {"commit_s": commit_s, "plan_s": plan_s, "manifest_bytes": len(data), "chunks": sum(len(r["chunks"]) for r in reports),
-            "overlaps": len(ops), "reads": len(reads)}
+    return {
+        "commit_s": commit_s,
+        "plan_s": plan_s,
+        "manifest_bytes": len(data),
+        "chunks": sum(len(r["chunks"]) for r in reports),
+        "overlaps": len(ops),
+        "reads": len(reads),
+    }
 
 
 def _plan(storage: Any, rows: int, sharded: bool) -> tuple[Any, list[Any], list[Any]]:

@@ -80,7 +80,9 @@ def main() -> None:
     torch.set_num_threads(1)
     n = mib << 20
     mem = mmap.mmap(-1, n)
-    mem.write(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes())
+    mem.write(
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    )
     data = memoryview(mem)
     state = {f"t{i}": torch.randn(n // 32, generator=torch.Generator().manual_seed(i)) for i in range(8)}
     work = Path(tempfile.mkdtemp(prefix="sk-dio-", dir=args.workdir))
@@ -113,7 +115,10 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/direct_io.py" + (" --quick" if args.quick else ""),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "bytes": n, "rounds": rounds, "median": med, "runs": runs,
+        "bytes": n,
+        "rounds": rounds,
+        "median": med,
+        "runs": runs,
     }
     lines = [
         f"# Buffered against O_DIRECT writes, {res['date']}",

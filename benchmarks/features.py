@@ -96,7 +96,10 @@ def bench_incremental(work: Path, *, depth: int, width: int, saves: int) -> dict
     trainable = [p for p in params if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3)
     out: dict[str, Any] = {
-        "params": total, "frozen_fraction": frozen / total, "saves": saves, "train_steps_between_saves": 5,
+        "params": total,
+        "frozen_fraction": frozen / total,
+        "saves": saves,
+        "train_steps_between_saves": 5,
     }
     qopt = quantized(opt, model, mode="int8")
     for name, state_of, codecs in (
@@ -165,8 +168,9 @@ def bench_compression(work: Path, *, depth: int, width: int, steps: int) -> dict
             root = work / f"z-{name.replace(' ', '_')}-{level}"
             save_s, restore_s = [], []
             for r in range(3):
-                with CheckpointManager(root, compression=compression, compression_level=level or 3,
-                                       async_save=False) as mgr:
+                with CheckpointManager(
+                    root, compression=compression, compression_level=level or 3, async_save=False
+                ) as mgr:
                     t0 = time.perf_counter()
                     mgr.save(r, dict(tensors))
                     save_s.append(time.perf_counter() - t0)
@@ -205,8 +209,11 @@ def bench_encryption(work: Path, *, mib: int) -> dict[str, Any]:
     for i in range(n):
         aead.encrypt(i.to_bytes(12, "big"), block, b"aad")
     cipher_mbps = n * 65536 / (time.perf_counter() - t0) / 1e6
-    out: dict[str, Any] = {"state_bytes": nbytes, "cryptography": cryptography.__version__,
-                           "aes_gcm_one_core_MBps": round(cipher_mbps, 1)}
+    out: dict[str, Any] = {
+        "state_bytes": nbytes,
+        "cryptography": cryptography.__version__,
+        "aes_gcm_one_core_MBps": round(cipher_mbps, 1),
+    }
     for label, enc in (("plain", None), ("encrypted", LocalKeyProvider(bytes(range(32))))):
         save_s, restore_s = [], []
         for r in range(3):
@@ -262,14 +269,14 @@ def _markdown(res: dict[str, Any]) -> str:
             "",
             "Lossless, the model + AdamW rows cannot reach 15 %: the moments of the trainable 10 % (twice its "
             "size) change at every step, so about 0.3 P of 1.2 P changes. With the moments stored as blockwise "
-            "int8 (`quantized(opt, model, mode=\"int8\")`, lossy: see the quantized benchmark for the loss after "
+            'int8 (`quantized(opt, model, mode="int8")`, lossy: see the quantized benchmark for the loss after '
             f"resume), an incremental save writes {q['fraction_of_exact_full']:.1%} of an exact full save.",
         ]
     lines += [
         "",
         f"## zstd per chunk on a trained MLP ({comp['train_steps']} AdamW steps, zstandard {comp['zstandard']})",
         "",
-        "ratio = stored / raw bytes; zstd-N = `compression=\"zstd\", compression_level=N` (multi-byte dtypes are "
+        'ratio = stored / raw bytes; zstd-N = `compression="zstd", compression_level=N` (multi-byte dtypes are '
         "byte-shuffled first: encoding shuffle-zstd; a chunk whose sample does not shrink below 0.9 stays raw). "
         "Times: median of 3 synchronous (durable) saves and of 3 restores (warm page cache) on local disk, one "
         "process, 2 shared cores: noisy, compare within a row group. MB/s of raw bytes.",
@@ -319,8 +326,9 @@ def main() -> None:
             "command": "python benchmarks/features.py" + (" --quick" if args.quick else ""),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
             "incremental": bench_incremental(work, depth=depth, width=width, saves=3 if args.quick else 5),
-            "compression": bench_compression(work, depth=max(4, depth // 4), width=width * 2,
-                                             steps=50 if args.quick else 200),
+            "compression": bench_compression(
+                work, depth=max(4, depth // 4), width=width * 2, steps=50 if args.quick else 200
+            ),
             "encryption": bench_encryption(work, mib=32 if args.quick else 256),
         }
     finally:

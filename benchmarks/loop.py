@@ -160,7 +160,9 @@ def worker(args: argparse.Namespace) -> None:
     mgrs = {
         "sk_blocking": CheckpointManager(work / "sk_blocking", staging="blocking"),
         "sk_overlap": CheckpointManager(work / "sk_overlap", staging="overlap"),
-        "sk_buffered": CheckpointManager(work / "sk_buffered", staging="blocking", storage_options={"direct_io": False}),
+        "sk_buffered": CheckpointManager(
+            work / "sk_buffered", staging="blocking", storage_options={"direct_io": False}
+        ),
     }
     opts = dict(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
     stagers = {
@@ -190,8 +192,12 @@ def worker(args: argparse.Namespace) -> None:
                 pending = mgrs[method].save(n, {"model": model, "optim": opt})
             else:
                 msd, osd = get_state_dict(model, opt)
-                resp = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(work / f"dcp-{n}"),
-                                      process_group=dcp_group, async_stager=stagers[method])
+                resp = dcp.async_save(
+                    {"model": msd, "optim": osd},
+                    checkpoint_id=str(work / f"dcp-{n}"),
+                    process_group=dcp_group,
+                    async_stager=stagers[method],
+                )
                 if hasattr(resp, "staging_completion"):
                     wait = resp.staging_completion.result
                     pending = resp.upload_completion
@@ -212,8 +218,11 @@ def worker(args: argparse.Namespace) -> None:
             shutil.rmtree(work / f"dcp-{n}", ignore_errors=True)
             for mgr in mgrs.values():
                 shutil.rmtree(mgr.step_url(n), ignore_errors=True)
-        return {"loop_s": max(float(g[0]) for g in gathered), "cpu_s": sum(float(g[1]) for g in gathered) / world,
-                "stall_s": max(float(g[2]) for g in gathered)}
+        return {
+            "loop_s": max(float(g[0]) for g in gathered),
+            "cpu_s": sum(float(g[1]) for g in gathered) / world,
+            "stall_s": max(float(g[2]) for g in gathered),
+        }
 
     samples: list[dict[str, Any]] = []
     for r in range(-1, args.repeats):  # round -1 warms every method up (buffers, files)
@@ -227,10 +236,20 @@ def worker(args: argparse.Namespace) -> None:
     for st in stagers.values():
         st.close()
     if rank == 0:
-        info = {"world_size": world, "device": args.device, "dim": dim, "layers": args.layers,
-                "state_bytes_per_rank": state_bytes, "raw_copy_s": statistics.median(raw),
-                "raw_copy_samples_s": raw, "steps": args.steps, "save_after": args.save_after,
-                "batch": args.batch, "seq": args.seq, "torch": torch.__version__}
+        info = {
+            "world_size": world,
+            "device": args.device,
+            "dim": dim,
+            "layers": args.layers,
+            "state_bytes_per_rank": state_bytes,
+            "raw_copy_s": statistics.median(raw),
+            "raw_copy_samples_s": raw,
+            "steps": args.steps,
+            "save_after": args.save_after,
+            "batch": args.batch,
+            "seq": args.seq,
+            "torch": torch.__version__,
+        }
         (work / "loop-raw.json").write_text(json.dumps({"info": info, "samples": samples}))
     dist.barrier()
     dist.destroy_process_group()
@@ -240,7 +259,9 @@ def worker(args: argparse.Namespace) -> None:
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     info, samples = raw["info"], raw["samples"]
     by = {m: [s for s in samples if s["method"] == m] for m in METHODS}
-    med = {m: {k: statistics.median(s[k] for s in v) for k in ("loop_s", "cpu_s", "stall_s")} for m, v in by.items() if v}
+    med = {
+        m: {k: statistics.median(s[k] for s in v) for k in ("loop_s", "cpu_s", "stall_s")} for m, v in by.items() if v
+    }
     base = med["none"]
     rows = {}
     for m, v in med.items():
@@ -250,14 +271,23 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             s["loop_s"] - next(b["loop_s"] for b in by["none"] if b["round"] == s["round"]) for s in by[m]
         )
         extra_cpu = v["cpu_s"] - base["cpu_s"]
-        rows[m] = {**v, "overhead_s": over, "overhead_paired_s": paired,
-                   "overhead_per_raw_copy": over / info["raw_copy_s"] if info["raw_copy_s"] else None,
-                   "extra_cpu_s": extra_cpu, "overhead_per_extra_cpu_s": over / extra_cpu if extra_cpu > 0 else None}
+        rows[m] = {
+            **v,
+            "overhead_s": over,
+            "overhead_paired_s": paired,
+            "overhead_per_raw_copy": over / info["raw_copy_s"] if info["raw_copy_s"] else None,
+            "extra_cpu_s": extra_cpu,
+            "overhead_per_extra_cpu_s": over / extra_cpu if extra_cpu > 0 else None,
+        }
     dcp_min = min(rows[m]["overhead_s"] for m in rows if m.startswith("dcp"))
     for m in ("sk_blocking", "sk_overlap", "sk_buffered"):
         rows[m]["overhead_per_best_dcp"] = rows[m]["overhead_s"] / dcp_min if dcp_min > 0 else None
-    return {"info": info, "methods": rows, "samples": samples,
-            "target": "CPU: sk overhead <= 0.5x the smallest DCP variant's; GPU: <= 0.25x a raw D2H copy"}
+    return {
+        "info": info,
+        "methods": rows,
+        "samples": samples,
+        "target": "CPU: sk overhead <= 0.5x the smallest DCP variant's; GPU: <= 0.25x a raw D2H copy",
+    }
 
 
 def markdown(res: dict[str, Any], command: str) -> str:
@@ -275,6 +305,7 @@ def markdown(res: dict[str, Any], command: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for m, r in res["methods"].items():
+
         def f(v: Any, fmt: str = "{:.3f}") -> str:
             return "" if v is None else fmt.format(v)
 
@@ -283,8 +314,12 @@ def markdown(res: dict[str, Any], command: str) -> str:
             f"{f(r['overhead_per_raw_copy'], '{:.1f}x')} | {f(r.get('overhead_per_best_dcp'), '{:.2f}')} | "
             f"{r['stall_s']:.3f} | {f(r['extra_cpu_s'])} |"
         )
-    lines += ["", "Overhead = loop with one save (ended when the save is committed) - loop without; "
-              "extra CPU = CPU seconds of the process (all threads) with the save - without, per rank.", ""]
+    lines += [
+        "",
+        "Overhead = loop with one save (ended when the save is committed) - loop without; "
+        "extra CPU = CPU seconds of the process (all threads) with the save - without, per rank.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -299,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 16 MiB, 3 steps, 1 round (results: *-quick.json)")
+    ap.add_argument(
+        "--quick", action="store_true", help="a smoke run: 16 MiB, 3 steps, 1 round (results: *-quick.json)"
+    )
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--timeout-s", type=float, default=540.0)
@@ -313,10 +350,22 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/loop.py " + " ".join(argv if argv is not None else sys.argv[1:])
     work = Path(tempfile.mkdtemp(prefix="sk-loop-", dir=args.workdir))
     try:
-        fwd = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-               if k not in ("quick", "worker", "workdir", "results_dir", "timeout_s", "nproc")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--worker", f"--workdir={work}", *fwd]
+        fwd = [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k not in ("quick", "worker", "workdir", "results_dir", "timeout_s", "nproc")
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            __file__,
+            "--worker",
+            f"--workdir={work}",
+            *fwd,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         from shardkeeper.core.testing.procs import kill_tree
 

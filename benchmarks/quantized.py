@@ -57,8 +57,12 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> float:
 
 def stored_bytes(root: Path, step_: int) -> tuple[int, int]:
     m = load_manifest(open_storage(str(root)), step_)
-    moments = sum(c.length for k in m.leaves if k.startswith("optim/state/") and m.leaves[k].kind == "tensor"
-                  for c in m.leaves[k].chunks)
+    moments = sum(
+        c.length
+        for k in m.leaves
+        if k.startswith("optim/state/") and m.leaves[k].kind == "tensor"
+        for c in m.leaves[k].chunks
+    )
     return moments, sum(int(f["size_bytes"]) for f in m.files.values())
 
 
@@ -122,7 +126,12 @@ def main() -> None:
     print(text)
     if not args.quick:
         out = HERE / "results" / f"quantized-{dt.date.today().isoformat()}"
-        out.with_suffix(".json").write_text(json.dumps({"params": params, "steps": n, "exact_is_uninterrupted": exact_is_uninterrupted, "rows": rows}, indent=1) + "\n")
+        out.with_suffix(".json").write_text(
+            json.dumps(
+                {"params": params, "steps": n, "exact_is_uninterrupted": exact_is_uninterrupted, "rows": rows}, indent=1
+            )
+            + "\n"
+        )
         out.with_suffix(".md").write_text(text)
         print(f"wrote {out}.json and .md")
 

@@ -16,8 +16,20 @@ from pathlib import Path
 from typing import Any
 
 MAX_KEYS = {"stall_s", "committed_s", "wall_s", "sk_stall_s"}
-SUM_KEYS = {"cpu_s", "cpu_user_s", "cpu_sys_s", "minflt", "majflt", "bytes_read", "bytes_needed", "sk_bytes_read", "sk_bytes_needed", "bytes_written",
-            "state_bytes", "sk_reads"}
+SUM_KEYS = {
+    "cpu_s",
+    "cpu_user_s",
+    "cpu_sys_s",
+    "minflt",
+    "majflt",
+    "bytes_read",
+    "bytes_needed",
+    "sk_bytes_read",
+    "sk_bytes_needed",
+    "bytes_written",
+    "state_bytes",
+    "sk_reads",
+}
 WORST_KEYS = {"peak_rss_ratio", "extra_rss_ratio"}
 
 
@@ -59,8 +71,15 @@ def medians(combined: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> dict[s
 
 
 # -- the target ratios ------------------------------------------------------------------------------
-def _ratio(combined: dict[str, Any], med: dict[str, Any], case: str, num: tuple[str, str],
-           den: tuple[str, str], *, invert: bool = False) -> tuple[float, list[float], float, float] | None:
+def _ratio(
+    combined: dict[str, Any],
+    med: dict[str, Any],
+    case: str,
+    num: tuple[str, str],
+    den: tuple[str, str],
+    *,
+    invert: bool = False,
+) -> tuple[float, list[float], float, float] | None:
     """Ratio of medians num/den (den/num with invert), the per-round ratios, and both medians."""
     try:
         a = med[case][num[0]][num[1]]
@@ -81,66 +100,305 @@ def _ratio(combined: dict[str, Any], med: dict[str, Any], case: str, num: tuple[
 def ratios(combined: dict[str, Any], med: dict[str, Any], case_e: dict[str, Any] | None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
 
-    def add(metric: str, case: str, num: tuple[str, str], den: tuple[str, str], op: str, target: float,
-            *, invert: bool = False, info: bool = False, unit: str = "s") -> None:
+    def add(
+        metric: str,
+        case: str,
+        num: tuple[str, str],
+        den: tuple[str, str],
+        op: str,
+        target: float,
+        *,
+        invert: bool = False,
+        info: bool = False,
+        unit: str = "s",
+    ) -> None:
         r = _ratio(combined, med, case, num, den, invert=invert)
         if r is None:
             return
         value, per, a, b = r
         ok = value <= target if op == "<=" else value >= target
-        rows.append({
-            "metric": metric, "case": case, "value": value, "target": target, "op": op,
-            "pass": ok, "info": info, "sk": a, "anchor": b, "unit": unit,
-            "num": f"{num[0]}.{num[1]}", "den": f"{den[0]}.{den[1]}",
-            "per_round": per, "spread": [min(per), max(per)] if per else None,
-        })
+        rows.append(
+            {
+                "metric": metric,
+                "case": case,
+                "value": value,
+                "target": target,
+                "op": op,
+                "pass": ok,
+                "info": info,
+                "sk": a,
+                "anchor": b,
+                "unit": unit,
+                "num": f"{num[0]}.{num[1]}",
+                "den": f"{den[0]}.{den[1]}",
+                "per_round": per,
+                "spread": [min(per), max(per)] if per else None,
+            }
+        )
 
     cases = sorted(med, key=_case_order)
     for case in cases:
         kind = case.split("-")[0]
         if kind in ("a", "b"):
-            add("async stall / raw copy into reused buffers", case, ("sk_async", "stall_s"), ("raw_copy", "stall_s"), "<=", 1.25)
-            add("async stall / DCP async_save stall (reused stager)", case, ("sk_async", "stall_s"), ("dcp_async_reuse", "stall_s"), "<=", 1.0)
+            add(
+                "async stall / raw copy into reused buffers",
+                case,
+                ("sk_async", "stall_s"),
+                ("raw_copy", "stall_s"),
+                "<=",
+                1.25,
+            )
+            add(
+                "async stall / DCP async_save stall (reused stager)",
+                case,
+                ("sk_async", "stall_s"),
+                ("dcp_async_reuse", "stall_s"),
+                "<=",
+                1.0,
+            )
             add("sync save time / DCP save", case, ("sk_sync", "committed_s"), ("dcp_save", "committed_s"), "<=", 1.0)
-            add("sync save throughput / raw write+fsync", case, ("sk_sync", "committed_s"), ("raw_write", "committed_s"), ">=", 0.8, invert=True)
-            add("restore time / DCP load (same world size, cold cache)", case, ("sk_restore", "wall_s"), ("dcp_load", "wall_s"), "<=", 1.0)
-            add("peak RSS during restore / state size on the rank", case, ("sk_restore", "peak_rss_ratio"), ("sk_restore", "one"), "<=", 1.1, unit="x")
+            add(
+                "sync save throughput / raw write+fsync",
+                case,
+                ("sk_sync", "committed_s"),
+                ("raw_write", "committed_s"),
+                ">=",
+                0.8,
+                invert=True,
+            )
+            add(
+                "restore time / DCP load (same world size, cold cache)",
+                case,
+                ("sk_restore", "wall_s"),
+                ("dcp_load", "wall_s"),
+                "<=",
+                1.0,
+            )
+            add(
+                "peak RSS during restore / state size on the rank",
+                case,
+                ("sk_restore", "peak_rss_ratio"),
+                ("sk_restore", "one"),
+                "<=",
+                1.1,
+                unit="x",
+            )
             add("digest cost / save time", case, ("digest", "wall_s"), ("sk_sync", "committed_s"), "<=", 0.1)
             # context, no target of their own
-            add("restore time / DCP load (warm cache)", case, ("sk_restore@warm", "wall_s"), ("dcp_load@warm", "wall_s"), "<=", 1.0, info=True)
-            add("async stall / DCP async_save stall (default stager)", case, ("sk_async", "stall_s"), ("dcp_async", "stall_s"), "<=", 1.0, info=True)
-            add("async time to committed / DCP async_save (reused stager)", case, ("sk_async", "committed_s"), ("dcp_async_reuse", "committed_s"), "<=", 1.0, info=True)
-            add("sync save time / torch.save (+fsync)", case, ("sk_sync", "committed_s"), ("torch_save", "committed_s"), "<=", 1.0, info=True)
-            add("restore time / torch.load (+copy in place)", case, ("sk_restore", "wall_s"), ("torch_load", "wall_s"), "<=", 1.0, info=True)
-            add("restore time / raw read of the same bytes", case, ("sk_restore", "wall_s"), ("raw_read", "wall_s"), "<=", 1.25, info=True)
+            add(
+                "restore time / DCP load (warm cache)",
+                case,
+                ("sk_restore@warm", "wall_s"),
+                ("dcp_load@warm", "wall_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "async stall / DCP async_save stall (default stager)",
+                case,
+                ("sk_async", "stall_s"),
+                ("dcp_async", "stall_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "async time to committed / DCP async_save (reused stager)",
+                case,
+                ("sk_async", "committed_s"),
+                ("dcp_async_reuse", "committed_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "sync save time / torch.save (+fsync)",
+                case,
+                ("sk_sync", "committed_s"),
+                ("torch_save", "committed_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "restore time / torch.load (+copy in place)",
+                case,
+                ("sk_restore", "wall_s"),
+                ("torch_load", "wall_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "restore time / raw read of the same bytes",
+                case,
+                ("sk_restore", "wall_s"),
+                ("raw_read", "wall_s"),
+                "<=",
+                1.25,
+                info=True,
+            )
             add("save CPU seconds / DCP save", case, ("sk_sync", "cpu_s"), ("dcp_save", "cpu_s"), "<=", 1.0, info=True)
-            add("restore CPU seconds / DCP load", case, ("sk_restore", "cpu_s"), ("dcp_load", "cpu_s"), "<=", 1.0, info=True)
-            add("DCP load: peak RSS / state size", case, ("dcp_load", "peak_rss_ratio"), ("dcp_load", "one"), "<=", 1.1, unit="x", info=True)
-            add("torch.load: peak RSS / state size", case, ("torch_load", "peak_rss_ratio"), ("torch_load", "one"), "<=", 1.1, unit="x", info=True)
+            add(
+                "restore CPU seconds / DCP load",
+                case,
+                ("sk_restore", "cpu_s"),
+                ("dcp_load", "cpu_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "DCP load: peak RSS / state size",
+                case,
+                ("dcp_load", "peak_rss_ratio"),
+                ("dcp_load", "one"),
+                "<=",
+                1.1,
+                unit="x",
+                info=True,
+            )
+            add(
+                "torch.load: peak RSS / state size",
+                case,
+                ("torch_load", "peak_rss_ratio"),
+                ("torch_load", "one"),
+                "<=",
+                1.1,
+                unit="x",
+                info=True,
+            )
         elif kind == "c":
-            add("restore time / DCP load (resharded 2 -> 3, cold cache)", case, ("sk_restore", "wall_s"), ("dcp_load", "wall_s"), "<=", 1.0)
-            add("bytes read / bytes needed (resharded 2 -> 3)", case, ("sk_restore", "sk_bytes_read"), ("sk_restore", "bytes_needed"), "<=", 1.05, unit="B")
-            add("peak RSS during restore / state size on the rank (2 -> 3)", case, ("sk_restore", "peak_rss_ratio"), ("sk_restore", "one"), "<=", 1.1, unit="x")
-            add("restore time / DCP load (resharded 2 -> 3, warm cache)", case, ("sk_restore@warm", "wall_s"), ("dcp_load@warm", "wall_s"), "<=", 1.0, info=True)
-            add("bytes read (syscalls, rchar) / needed (resharded 2 -> 3)", case, ("sk_restore", "bytes_read"), ("sk_restore", "bytes_needed"), "<=", 1.05, unit="B", info=True)
-            add("DCP load: bytes read (rchar) / needed (2 -> 3)", case, ("dcp_load", "bytes_read"), ("dcp_load", "bytes_needed"), "<=", 1.05, unit="B", info=True)
-            add("DCP load: peak RSS / state size (2 -> 3)", case, ("dcp_load", "peak_rss_ratio"), ("dcp_load", "one"), "<=", 1.1, unit="x", info=True)
+            add(
+                "restore time / DCP load (resharded 2 -> 3, cold cache)",
+                case,
+                ("sk_restore", "wall_s"),
+                ("dcp_load", "wall_s"),
+                "<=",
+                1.0,
+            )
+            add(
+                "bytes read / bytes needed (resharded 2 -> 3)",
+                case,
+                ("sk_restore", "sk_bytes_read"),
+                ("sk_restore", "bytes_needed"),
+                "<=",
+                1.05,
+                unit="B",
+            )
+            add(
+                "peak RSS during restore / state size on the rank (2 -> 3)",
+                case,
+                ("sk_restore", "peak_rss_ratio"),
+                ("sk_restore", "one"),
+                "<=",
+                1.1,
+                unit="x",
+            )
+            add(
+                "restore time / DCP load (resharded 2 -> 3, warm cache)",
+                case,
+                ("sk_restore@warm", "wall_s"),
+                ("dcp_load@warm", "wall_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "bytes read (syscalls, rchar) / needed (resharded 2 -> 3)",
+                case,
+                ("sk_restore", "bytes_read"),
+                ("sk_restore", "bytes_needed"),
+                "<=",
+                1.05,
+                unit="B",
+                info=True,
+            )
+            add(
+                "DCP load: bytes read (rchar) / needed (2 -> 3)",
+                case,
+                ("dcp_load", "bytes_read"),
+                ("dcp_load", "bytes_needed"),
+                "<=",
+                1.05,
+                unit="B",
+                info=True,
+            )
+            add(
+                "DCP load: peak RSS / state size (2 -> 3)",
+                case,
+                ("dcp_load", "peak_rss_ratio"),
+                ("dcp_load", "one"),
+                "<=",
+                1.1,
+                unit="x",
+                info=True,
+            )
         elif kind == "d":
-            add("bytes read / bytes needed (partial: one layer)", case, ("sk_partial", "sk_bytes_read"), ("sk_partial", "bytes_needed"), "<=", 1.05, unit="B")
-            add("bytes read (syscalls, rchar) / needed (partial)", case, ("sk_partial", "bytes_read"), ("sk_partial", "bytes_needed"), "<=", 1.05, unit="B", info=True)
-            add("partial restore time / DCP load of the layer's keys", case, ("sk_partial", "wall_s"), ("dcp_partial", "wall_s"), "<=", 1.0, info=True)
-            add("DCP load: bytes read (rchar) / needed (partial)", case, ("dcp_partial", "bytes_read"), ("dcp_partial", "bytes_needed"), "<=", 1.05, unit="B", info=True)
+            add(
+                "bytes read / bytes needed (partial: one layer)",
+                case,
+                ("sk_partial", "sk_bytes_read"),
+                ("sk_partial", "bytes_needed"),
+                "<=",
+                1.05,
+                unit="B",
+            )
+            add(
+                "bytes read (syscalls, rchar) / needed (partial)",
+                case,
+                ("sk_partial", "bytes_read"),
+                ("sk_partial", "bytes_needed"),
+                "<=",
+                1.05,
+                unit="B",
+                info=True,
+            )
+            add(
+                "partial restore time / DCP load of the layer's keys",
+                case,
+                ("sk_partial", "wall_s"),
+                ("dcp_partial", "wall_s"),
+                "<=",
+                1.0,
+                info=True,
+            )
+            add(
+                "DCP load: bytes read (rchar) / needed (partial)",
+                case,
+                ("dcp_partial", "bytes_read"),
+                ("dcp_partial", "bytes_needed"),
+                "<=",
+                1.05,
+                unit="B",
+                info=True,
+            )
     if case_e is not None:
-        for key, metric in (("commit_s", "manifest, 100,000 tensors from 8 ranks: commit time"),
-                            ("plan_s", "manifest, 100,000 tensors from 8 ranks: restore planning time")):
+        for key, metric in (
+            ("commit_s", "manifest, 100,000 tensors from 8 ranks: commit time"),
+            ("plan_s", "manifest, 100,000 tensors from 8 ranks: restore planning time"),
+        ):
             v = case_e.get(key)
-            rows.append({
-                "metric": metric, "case": "e", "value": v, "target": 2.0, "op": "<=",
-                "pass": (v <= 2.0) if isinstance(v, (int, float)) else None, "info": False,
-                "sk": v, "anchor": None, "unit": "s (absolute)", "num": key, "den": None,
-                "per_round": [], "spread": None,
-                "note": None if isinstance(v, (int, float)) else case_e.get("status", "not measured"),
-            })
+            rows.append(
+                {
+                    "metric": metric,
+                    "case": "e",
+                    "value": v,
+                    "target": 2.0,
+                    "op": "<=",
+                    "pass": (v <= 2.0) if isinstance(v, (int, float)) else None,
+                    "info": False,
+                    "sk": v,
+                    "anchor": None,
+                    "unit": "s (absolute)",
+                    "num": key,
+                    "den": None,
+                    "per_round": [],
+                    "spread": None,
+                    "note": None if isinstance(v, (int, float)) else case_e.get("status", "not measured"),
+                }
+            )
     return rows
 
 
@@ -239,7 +497,9 @@ def method_table(med: dict[str, Any], meta: dict[str, Any]) -> str:
     out = []
     for case in sorted(med, key=_case_order):
         out.append(f"**{case}: {case_title(case, meta)}**\n")
-        out.append("| method | stall | to committed / restore | warm restore | CPU s | read / needed | peak RSS / state | n |")
+        out.append(
+            "| method | stall | to committed / restore | warm restore | CPU s | read / needed | peak RSS / state | n |"
+        )
         out.append("|---|---|---|---|---|---|---|---|")
         for m, label in METHOD_ROWS:
             v = med[case].get(m)
@@ -284,8 +544,15 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "How: " + " ".join(results["notes"]),
         "",
-        *([f"**Errors in this run** (samples a launch wrote before failing are kept): "
-           f"{'; '.join(results['errors'])}", ""] if results.get("errors") else []),
+        *(
+            [
+                f"**Errors in this run** (samples a launch wrote before failing are kept): "
+                f"{'; '.join(results['errors'])}",
+                "",
+            ]
+            if results.get("errors")
+            else []
+        ),
         "## Targets",
         "",
         ratio_table(results["ratios"], meta, info=False),
@@ -346,22 +613,24 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 def readme_section(results: dict[str, Any], md_rel: str, png_rel: str, json_rel: str) -> str:
     mach = results["machine"]
-    return "\n".join([
-        START,
-        f"Latest run: {results['date']}, `{results['command']}` (through nox: "
-        f"`python3 -m nox -s bench{' -- ' + results['command'].split(' ', 2)[2] if results['command'].count(' ') >= 2 else ''}`), "
-        f"{results['wall_s'] / 60:.0f} min on {mach['cores']} cores ({mach['cpu_model']}), "
-        f"{mach['ram_bytes'] / 2**30:.0f} GiB RAM, {mach['disk']['fs']} disk, torch {mach['torch']}, CPU only; "
-        f"core: {_core_desc(mach)}. "
-        "Medians over rounds; cold page cache for restores (every file dropped with "
-        "POSIX_FADV_DONTNEED after fsync). Full tables: "
-        f"[{md_rel}]({md_rel}); raw samples: [{json_rel}]({json_rel}).",
-        "",
-        ratio_table(results["ratios"], results.get("meta", {}), info=False),
-        "",
-        f"![ratios vs targets]({png_rel})",
-        END,
-    ])
+    return "\n".join(
+        [
+            START,
+            f"Latest run: {results['date']}, `{results['command']}` (through nox: "
+            f"`python3 -m nox -s bench{' -- ' + results['command'].split(' ', 2)[2] if results['command'].count(' ') >= 2 else ''}`), "
+            f"{results['wall_s'] / 60:.0f} min on {mach['cores']} cores ({mach['cpu_model']}), "
+            f"{mach['ram_bytes'] / 2**30:.0f} GiB RAM, {mach['disk']['fs']} disk, torch {mach['torch']}, CPU only; "
+            f"core: {_core_desc(mach)}. "
+            "Medians over rounds; cold page cache for restores (every file dropped with "
+            "POSIX_FADV_DONTNEED after fsync). Full tables: "
+            f"[{md_rel}]({md_rel}); raw samples: [{json_rel}]({json_rel}).",
+            "",
+            ratio_table(results["ratios"], results.get("meta", {}), info=False),
+            "",
+            f"![ratios vs targets]({png_rel})",
+            END,
+        ]
+    )
 
 
 def update_readme(readme: Path, section: str) -> None:
@@ -373,7 +642,7 @@ def update_readme(readme: Path, section: str) -> None:
         if m is None:
             text = text.rstrip("\n") + "\n\n## Benchmarks\n\n" + section + "\n"
         else:
-            nxt = re.search(r"^## ", text[m.end():], flags=re.M)
+            nxt = re.search(r"^## ", text[m.end() :], flags=re.M)
             end = m.end() + nxt.start() if nxt else len(text)
             tail = text[end:]
             text = text[: m.end()] + "\n" + section + "\n" + ("\n" + tail if tail else "")

@@ -85,21 +85,30 @@ def launch(label: str, nproc: int | None, args: list[str], *, timeout_s: float, 
     if nproc is None:
         cmd = [sys.executable, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(HERE / "worker.py"), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(HERE / "worker.py"),
+            *args,
+        ]
     logdir.mkdir(parents=True, exist_ok=True)
     log = logdir / f"{label}.log"
     busy = _proc.cpu_busy(1.0)  # nothing of ours runs now: this is everybody else
     LAUNCH_CONTEXT[label] = {"others_cpu_busy": busy, "load_avg": os.getloadavg()}
-    print(f"[{label}] {'world ' + str(nproc) if nproc else 'one process'}, timeout {timeout_s:.0f} s; "
-          f"other processes kept {busy:.0%} of the CPUs busy"
-          f"{' (a busy machine: numbers may be noisy)' if busy > 0.25 else ''}", flush=True)
+    print(
+        f"[{label}] {'world ' + str(nproc) if nproc else 'one process'}, timeout {timeout_s:.0f} s; "
+        f"other processes kept {busy:.0%} of the CPUs busy"
+        f"{' (a busy machine: numbers may be noisy)' if busy > 0.25 else ''}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     with open(log, "w") as out:
         out.write("$ " + shlex.join(cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -140,26 +149,44 @@ def mem_available() -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="256,1024", help="MiB of state per rank for cases a, c, d (default 256,1024)")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="measured rounds per case (default: 5 up to 256 MiB, 3 above; 5 for case b)")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 16 MiB, 1,000 small tensors, 1 round, no warm-up round, no warm-cache restores; "
-                         "results as <date>-quick.*, README untouched")
-    ap.add_argument("--workdir", default=None, help="where the run's fresh work dir is made (default: the system temp dir, /tmp)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measured rounds per case (default: 5 up to 256 MiB, 3 above; 5 for case b)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 16 MiB, 1,000 small tensors, 1 round, no warm-up round, no warm-cache restores; "
+        "results as <date>-quick.*, README untouched",
+    )
+    ap.add_argument(
+        "--workdir", default=None, help="where the run's fresh work dir is made (default: the system temp dir, /tmp)"
+    )
     ap.add_argument("--cases", default="a,b,c,d,e")
-    ap.add_argument("--core", default="tree",
-                    help="which shardkeeper core to measure: 'tree' (default: a copy of packages/core/src "
-                         "taken at the start, so edits during the run do not mix versions), a git revision "
-                         "(e.g. HEAD: that commit's packages/core/src), or 'installed' (whatever imports)")
+    ap.add_argument(
+        "--core",
+        default="tree",
+        help="which shardkeeper core to measure: 'tree' (default: a copy of packages/core/src "
+        "taken at the start, so edits during the run do not mix versions), a git revision "
+        "(e.g. HEAD: that commit's packages/core/src), or 'installed' (whatever imports)",
+    )
     ap.add_argument("--n-tensors", type=int, default=10_000, help="case b")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm-cache restores")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
-    ap.add_argument("--no-readme", action="store_true",
-                    help="do not update README.md (it is only updated by a full run, every case at the default "
-                         "sizes, that writes to benchmarks/results; other runs write <date>-cases-<cases>.*)")
+    ap.add_argument(
+        "--no-readme",
+        action="store_true",
+        help="do not update README.md (it is only updated by a full run, every case at the default "
+        "sizes, that writes to benchmarks/results; other runs write <date>-cases-<cases>.*)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work dir (checkpoints, logs)")
-    ap.add_argument("--report-only", metavar="JSON",
-                    help="measure nothing: redo the ratios, tables, chart (and README) from a results file")
+    ap.add_argument(
+        "--report-only",
+        metavar="JSON",
+        help="measure nothing: redo the ratios, tables, chart (and README) from a results file",
+    )
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every launch's timeout")
     args = ap.parse_args(argv)
     args.cases = {c.strip() for c in args.cases.split(",") if c.strip()}
@@ -197,11 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="shardkeeper-bench-", dir=base))
     logs = work / "logs"
-    command = "python benchmarks/run.py" + ("" if not (argv or sys.argv[1:]) else " " + shlex.join(argv or sys.argv[1:]))
-    print(f"shardkeeper benchmark: {command}\nwork dir {work} (deleted at the end{'; kept: --keep' if args.keep else ''})", flush=True)
-    print("restores are cold: before each, every file written is fsync'ed and dropped from the page "
-          "cache with posix_fadvise(POSIX_FADV_DONTNEED), so reads hit the disk; warm-cache restores "
-          "follow" + (" (--no-warm: skipped)" if args.no_warm else ""), flush=True)
+    command = "python benchmarks/run.py" + (
+        "" if not (argv or sys.argv[1:]) else " " + shlex.join(argv or sys.argv[1:])
+    )
+    print(
+        f"shardkeeper benchmark: {command}\nwork dir {work} (deleted at the end{'; kept: --keep' if args.keep else ''})",
+        flush=True,
+    )
+    print(
+        "restores are cold: before each, every file written is fsync'ed and dropped from the page "
+        "cache with posix_fadvise(POSIX_FADV_DONTNEED), so reads hit the disk; warm-cache restores "
+        "follow" + (" (--no-warm: skipped)" if args.no_warm else ""),
+        flush=True,
+    )
     machine = _proc.machine_info(str(work), ROOT)
     machine["core_source"] = snapshot_core(args.core, work / "core-src")
     samples: list[dict[str, Any]] = []
@@ -213,13 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     def run_launch(label: str, nproc: int | None, wargs: list[str], timeout_s: float, out: Path | None) -> None:
         try:
             wall = launch(label, nproc, wargs, timeout_s=timeout_s, logdir=logs)
-            launches.append({"label": label, "world": nproc, "wall_s": wall, "ok": True,
-                             **LAUNCH_CONTEXT.get(label, {})})
+            launches.append(
+                {"label": label, "world": nproc, "wall_s": wall, "ok": True, **LAUNCH_CONTEXT.get(label, {})}
+            )
         except LaunchError as e:
             print(str(e), file=sys.stderr, flush=True)
             errors.append(str(e).splitlines()[0])
-            launches.append({"label": label, "world": nproc, "ok": False, "error": str(e)[:4000],
-                             **LAUNCH_CONTEXT.get(label, {})})
+            launches.append(
+                {"label": label, "world": nproc, "ok": False, "error": str(e)[:4000], **LAUNCH_CONTEXT.get(label, {})}
+            )
         if out is not None and out.exists():  # what it measured before failing counts too
             for r in read_ranks(out):
                 infos.setdefault(label, []).append(r["info"])
@@ -240,38 +277,115 @@ def main(argv: list[str] | None = None) -> int:
                     errors.append(msg)
                     continue
                 if mem_available() < 2 * size * 2**20 * 6:
-                    print(f"[a-{sl}] warning: {mem_available() / 2**30:.1f} GiB RAM available, "
-                          f"~{2 * size * 6 / 1024:.1f} GiB wanted", flush=True)
-                common = ["--state", "fsdp", "--size-mib", str(size), "--world-save", "2",
-                          "--repeats", str(rounds), "--dir", str(cdir)]
+                    print(
+                        f"[a-{sl}] warning: {mem_available() / 2**30:.1f} GiB RAM available, "
+                        f"~{2 * size * 6 / 1024:.1f} GiB wanted",
+                        flush=True,
+                    )
+                common = [
+                    "--state",
+                    "fsdp",
+                    "--size-mib",
+                    str(size),
+                    "--world-save",
+                    "2",
+                    "--repeats",
+                    str(rounds),
+                    "--dir",
+                    str(cdir),
+                ]
                 save_methods = [] if "a" in args.cases else ["--save-methods", "dcp_save,sk_sync"]
                 restore_methods = [] if "a" in args.cases else ["--restore-methods", ""]
                 partial = ["--partial-label", f"d-{sl}"] if "d" in args.cases else []
                 out = work / "out" / f"a-{sl}"
-                run_launch(f"a-{sl}", 2, [*common, "--out", str(out), "--phases", "save,restore",
-                                          "--save-label", f"a-{sl}", "--restore-label", f"a-{sl}",
-                                          *save_methods, *restore_methods, *partial, *warm],
-                           timeout_for(size, 2, rounds, args.timeout_scale), out)
+                run_launch(
+                    f"a-{sl}",
+                    2,
+                    [
+                        *common,
+                        "--out",
+                        str(out),
+                        "--phases",
+                        "save,restore",
+                        "--save-label",
+                        f"a-{sl}",
+                        "--restore-label",
+                        f"a-{sl}",
+                        *save_methods,
+                        *restore_methods,
+                        *partial,
+                        *warm,
+                    ],
+                    timeout_for(size, 2, rounds, args.timeout_scale),
+                    out,
+                )
                 if "c" in args.cases and launches[-1]["ok"]:
                     out = work / "out" / f"c-{sl}"
-                    run_launch(f"c-{sl}", 3, [*common, "--out", str(out), "--phases", "restore",
-                                              "--restore-label", f"c-{sl}", "--restore-methods",
-                                              "dcp_load,sk_restore", *warm],
-                               timeout_for(size, 3, rounds, args.timeout_scale), out)
+                    run_launch(
+                        f"c-{sl}",
+                        3,
+                        [
+                            *common,
+                            "--out",
+                            str(out),
+                            "--phases",
+                            "restore",
+                            "--restore-label",
+                            f"c-{sl}",
+                            "--restore-methods",
+                            "dcp_load,sk_restore",
+                            *warm,
+                        ],
+                        timeout_for(size, 3, rounds, args.timeout_scale),
+                        out,
+                    )
                 shutil.rmtree(cdir, ignore_errors=True)
         if "b" in args.cases:
             rounds = args.repeats or 5
             out = work / "out" / "b"
-            run_launch("b", 1, ["--state", "small", "--n-tensors", str(args.n_tensors), "--repeats", str(rounds),
-                                "--dir", str(work / "small"), "--out", str(out), "--phases", "save,restore",
-                                "--save-label", "b", "--restore-label", "b", *warm],
-                       timeout_for(args.n_tensors * 4.5 / 1024, 1, rounds, args.timeout_scale) + 120, out)
+            run_launch(
+                "b",
+                1,
+                [
+                    "--state",
+                    "small",
+                    "--n-tensors",
+                    str(args.n_tensors),
+                    "--repeats",
+                    str(rounds),
+                    "--dir",
+                    str(work / "small"),
+                    "--out",
+                    str(out),
+                    "--phases",
+                    "save,restore",
+                    "--save-label",
+                    "b",
+                    "--restore-label",
+                    "b",
+                    *warm,
+                ],
+                timeout_for(args.n_tensors * 4.5 / 1024, 1, rounds, args.timeout_scale) + 120,
+                out,
+            )
             shutil.rmtree(work / "small", ignore_errors=True)
         if "e" in args.cases:
             out_e = work / "out" / "e.json"
             out_e.parent.mkdir(parents=True, exist_ok=True)
-            run_launch("e", None, [str(HERE / "case_e.py"), "--workdir", str(work / "e"), "--out", str(out_e),
-                                   *(["--quick"] if args.quick else [])], 600 * args.timeout_scale, None)
+            run_launch(
+                "e",
+                None,
+                [
+                    str(HERE / "case_e.py"),
+                    "--workdir",
+                    str(work / "e"),
+                    "--out",
+                    str(out_e),
+                    *(["--quick"] if args.quick else []),
+                ],
+                600 * args.timeout_scale,
+                None,
+            )
             case_e = json.loads(out_e.read_text()) if out_e.exists() else {"status": "failed", "error": "no output"}
     except KeyboardInterrupt:
         errors.append("interrupted")
@@ -296,15 +410,25 @@ def snapshot_core(which: str, dest: Path) -> dict[str, Any]:
         return {"mode": "installed"}
     dest.mkdir(parents=True)
     if which == "tree":
-        shutil.copytree(src / "shardkeeper", dest / "shardkeeper",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(
+            src / "shardkeeper", dest / "shardkeeper", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
         desc = {"mode": "working tree", "rev": machine_rev()}
     else:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", which, "packages/core/src/shardkeeper"],
-                                 capture_output=True, check=True, timeout=60).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", which, "packages/core/src/shardkeeper"],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(dest), "--strip-components=3"], input=archive, check=True, timeout=60)
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", which], capture_output=True,
-                             text=True, check=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", which],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
         desc = {"mode": "git revision", "rev": rev}
     h = hashlib.sha256()
     for p in sorted(dest.rglob("*.py")):
@@ -316,15 +440,27 @@ def snapshot_core(which: str, dest: Path) -> dict[str, Any]:
 
 def machine_rev() -> str:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() + "+working-tree"
+        return (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            + "+working-tree"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-def assemble(args: argparse.Namespace, command: str, machine: dict[str, Any], samples: list[dict[str, Any]],
-             infos: dict[str, list[dict[str, Any]]], launches: list[dict[str, Any]], errors: list[str],
-             case_e: dict[str, Any] | None, wall: float) -> dict[str, Any]:
+def assemble(
+    args: argparse.Namespace,
+    command: str,
+    machine: dict[str, Any],
+    samples: list[dict[str, Any]],
+    infos: dict[str, list[dict[str, Any]]],
+    launches: list[dict[str, Any]],
+    errors: list[str],
+    case_e: dict[str, Any] | None,
+    wall: float,
+) -> dict[str, Any]:
     combined = report.combine(samples)
     med = report.medians(combined)
     report.add_unit_rows(med)
@@ -400,6 +536,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
     print(report.ratio_table(results["ratios"], results["meta"], info=False))
     default_dir = outdir.resolve() == (HERE / "results").resolve()
     if not args.quick and partial is None and not args.no_readme and not results["errors"] and default_dir:
+
         def rel(p: Path) -> str:
             try:
                 return str(p.resolve().relative_to(ROOT))

@@ -138,9 +138,7 @@ class FsdpState:
 
     def partial_bytes(self) -> int:
         p = self.layer_prefix()
-        return sum(
-            _to_local(v).nbytes for k, v in self.model.state_dict().items() if k.startswith(p)
-        )
+        return sum(_to_local(v).nbytes for k, v in self.model.state_dict().items() if k.startswith(p))
 
     @property
     def state_bytes(self) -> int:

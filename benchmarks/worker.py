@@ -46,8 +46,15 @@ from shardkeeper.core import CheckpointManager  # noqa: E402
 warnings.filterwarnings("ignore")  # DCP and FSDP warn about experimental APIs on every call
 
 SAVE_METHODS = [
-    "raw_copy", "raw_write", "torch_save", "dcp_save", "dcp_async", "dcp_async_reuse",
-    "sk_async", "sk_sync", "digest",
+    "raw_copy",
+    "raw_write",
+    "torch_save",
+    "dcp_save",
+    "dcp_async",
+    "dcp_async_reuse",
+    "sk_async",
+    "sk_sync",
+    "digest",
 ]
 RESTORE_METHODS = ["raw_read", "torch_load", "dcp_load", "sk_restore"]
 PARTIAL_METHODS = ["dcp_partial", "sk_partial"]
@@ -159,8 +166,11 @@ class Bench:
 
         # DCP's reused stager: created once, handed to every async_save (torch 2.13 API). On CPU
         # pinned/shared memory and non-blocking copies are unavailable; staging is synchronous.
-        reuse = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                             use_async_staging=False, use_non_blocking_copy=False))
+        reuse = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
         mgr = CheckpointManager(self.dir / "sk")
         self.info["sk_options"] = {k: v for k, v in mgr.options.__dict__.items()}
 
@@ -213,8 +223,9 @@ class Bench:
                     dcp.save(sd, checkpoint_id=str(path))
                     dt = time.perf_counter() - t0
                     return {"stall_s": dt, "committed_s": dt}
-                fut = dcp.async_save(sd, checkpoint_id=str(path),
-                                     async_stager=reuse if m == "dcp_async_reuse" else None)
+                fut = dcp.async_save(
+                    sd, checkpoint_id=str(path), async_stager=reuse if m == "dcp_async_reuse" else None
+                )
                 stall = time.perf_counter() - t0
                 fut.result()
                 return {"stall_s": stall, "committed_s": time.perf_counter() - t0, "_rm": path}
@@ -224,8 +235,12 @@ class Bench:
                 h = mgr.save(step, st.sk_state())
                 stall = time.perf_counter() - t0
                 h.wait()
-                return {"stall_s": stall, "committed_s": time.perf_counter() - t0,
-                        "sk_stall_s": h.stall_s, "_rm_step": step}
+                return {
+                    "stall_s": stall,
+                    "committed_s": time.perf_counter() - t0,
+                    "sk_stall_s": h.stall_s,
+                    "_rm_step": step,
+                }
             if m == "sk_sync":
                 step = r if r != WARMUP else ASYNC_STEP_BASE - 1
                 t0 = time.perf_counter()
@@ -244,8 +259,7 @@ class Bench:
                 cpu = _proc.cpu_s() - c0
                 res.update(_proc.usage_delta(u0))
                 rm, rm_step = res.pop("_rm", None), res.pop("_rm_step", None)
-                self.record(phase="save", case=a.save_label, method=m, rep=r, cpu_s=cpu,
-                            state_bytes=nbytes, **res)
+                self.record(phase="save", case=a.save_label, method=m, rep=r, cpu_s=cpu, state_bytes=nbytes, **res)
                 if rm is not None:
                     self.rm(rm)
                 if rm_step is not None:
@@ -256,8 +270,10 @@ class Bench:
             barrier()
         # on-disk size of what each method wrote (rank 0, the whole job)
         if rank() == 0:
-            sizes = {"torch": _proc.tree_bytes(self.dir / "rep0" / "torch"),
-                     "dcp": _proc.tree_bytes(self.dir / "rep0" / "dcp")}
+            sizes = {
+                "torch": _proc.tree_bytes(self.dir / "rep0" / "torch"),
+                "dcp": _proc.tree_bytes(self.dir / "rep0" / "dcp"),
+            }
             p = self.sk_step_dir(0)
             sizes["sk"] = _proc.tree_bytes(p) if p else 0
             self.info["bytes_on_disk_rep0"] = sizes
@@ -296,9 +312,14 @@ class Bench:
         _proc.malloc_trim()
         rss_after_target = _proc.rss_bytes()
         partial_bytes = st.partial_bytes() if isinstance(st, FsdpState) else 0
-        self.info.update(st.info, restore_state_bytes=nbytes, rss_before_target=rss_before_target,
-                         rss_after_target=rss_after_target, partial_bytes=partial_bytes,
-                         hwm_reset_ok=_proc.reset_hwm())
+        self.info.update(
+            st.info,
+            restore_state_bytes=nbytes,
+            rss_before_target=rss_before_target,
+            rss_after_target=rss_after_target,
+            partial_bytes=partial_bytes,
+            hwm_reset_ok=_proc.reset_hwm(),
+        )
         saved_fp = self.info.get("fingerprint_saved")
         mgr = CheckpointManager(self.dir / "sk")
         raw = None
@@ -338,8 +359,13 @@ class Bench:
                 mgr.restore(st.sk_state(), step=max(r, 0))
                 dt = time.perf_counter() - t0
                 s = mgr.last_restore_stats
-                return {"wall_s": dt, "bytes_needed": nbytes, "sk_bytes_read": s.bytes_read,
-                        "sk_bytes_needed": s.bytes_needed, "sk_reads": s.reads}
+                return {
+                    "wall_s": dt,
+                    "bytes_needed": nbytes,
+                    "sk_bytes_read": s.bytes_read,
+                    "sk_bytes_needed": s.bytes_needed,
+                    "sk_reads": s.reads,
+                }
             if m == "dcp_partial":
                 from torch.distributed.checkpoint.state_dict import (
                     StateDictOptions,
@@ -358,8 +384,13 @@ class Bench:
                 mgr.restore(st.sk_state(), step=max(r, 0), only=[f"model/{st.layer_prefix()}*"])
                 dt = time.perf_counter() - t0
                 s = mgr.last_restore_stats
-                return {"wall_s": dt, "bytes_needed": partial_bytes, "sk_bytes_read": s.bytes_read,
-                        "sk_bytes_needed": s.bytes_needed, "sk_reads": s.reads}
+                return {
+                    "wall_s": dt,
+                    "bytes_needed": partial_bytes,
+                    "sk_bytes_read": s.bytes_read,
+                    "sk_bytes_needed": s.bytes_needed,
+                    "sk_reads": s.reads,
+                }
             raise ValueError(m)
 
         full = [m for m in RESTORE_METHODS if m in a.restore_methods]
@@ -369,8 +400,7 @@ class Bench:
             for i in range(len(plan)):
                 m, label = plan[(i + max(r, 0)) % len(plan)]
                 for cache in ("cold", "warm") if (a.warm and m in full) else ("cold",):
-                    check = (cache == "cold" and m in full and m != "raw_read"
-                             and saved_fp is not None and r != WARMUP)
+                    check = cache == "cold" and m in full and m != "raw_read" and saved_fp is not None and r != WARMUP
                     if check:  # so that a restore that restored nothing cannot pass
                         with torch.no_grad():
                             for t in st.local_tensors().values():
@@ -389,10 +419,21 @@ class Bench:
                     cpu, rch = _proc.cpu_s() - c0, _proc.rchar() - r0
                     res.update(_proc.usage_delta(u0))
                     hwm = _proc.hwm_bytes()
-                    sample = dict(phase="restore", case=label, method=m, rep=r, cache=cache, cpu_s=cpu,
-                                  bytes_read=rch, state_bytes=nbytes, rss_pre=rss_pre, hwm=hwm,
-                                  rss_before_target=rss_before_target,
-                                  rss_after_target=rss_after_target, **res)
+                    sample = dict(
+                        phase="restore",
+                        case=label,
+                        method=m,
+                        rep=r,
+                        cache=cache,
+                        cpu_s=cpu,
+                        bytes_read=rch,
+                        state_bytes=nbytes,
+                        rss_pre=rss_pre,
+                        hwm=hwm,
+                        rss_before_target=rss_before_target,
+                        rss_after_target=rss_after_target,
+                        **res,
+                    )
                     if cache == "cold":
                         # (VmHWM - RSS before the target state was allocated) / state size, as
                         # (the target's own RSS + what the restore added on top) / state size:

@@ -28,7 +28,12 @@ def run(cmd: list[str], *, expect_ok: bool = True, timeout_s: float = 300) -> in
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, env=env, timeout=timeout_s, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
-        if line.startswith("[world") or not expect_ok and "SIGKILL" in line or line.startswith(("STEP", "step-", " ", "ok", "committed", "removed", "would")):
+        if (
+            line.startswith("[world")
+            or not expect_ok
+            and "SIGKILL" in line
+            or line.startswith(("STEP", "step-", " ", "ok", "committed", "removed", "would"))
+        ):
             print("  " + line)
     if expect_ok and proc.returncode != 0:
         print(proc.stdout[-3000:])
@@ -37,7 +42,18 @@ def run(cmd: list[str], *, expect_ok: bool = True, timeout_s: float = 300) -> in
 
 
 def torchrun(nproc: int, *args: str, expect_ok: bool = True) -> int:
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(HERE / "train.py"), *args], expect_ok=expect_ok)
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(HERE / "train.py"),
+            *args,
+        ],
+        expect_ok=expect_ok,
+    )
 
 
 def cli(*args: str) -> None:
@@ -75,7 +91,9 @@ def main() -> None:
     for e in restored:
         same = saved.get(e["step"]) == e["fingerprint"]
         ok = ok and same
-        print(f"  {'world size ' + str(e['world']):<22}{e['step']:>6}  {saved.get(e['step'], '?'):<18}  {e['fingerprint']:<20}  {'IDENTICAL' if same else 'DIFFERENT'}")
+        print(
+            f"  {'world size ' + str(e['world']):<22}{e['step']:>6}  {saved.get(e['step'], '?'):<18}  {e['fingerprint']:<20}  {'IDENTICAL' if same else 'DIFFERENT'}"
+        )
 
     banner("6. verify every committed step's bytes, then clean up what the killed save left behind")
     cli("verify", str(root))

@@ -116,7 +116,9 @@ def main() -> None:
     model, opt = build()
     progress = {"step": 0}
     state = {"model": model, "optim": opt, "progress": progress, "rng": RNGState()}
-    mgr = CheckpointManager(root, keep_last=3, per_rank="modulo", metadata={"run": "demo", "layout": "fsdp2" if world > 1 else "plain"})
+    mgr = CheckpointManager(
+        root, keep_last=3, per_rank="modulo", metadata={"run": "demo", "layout": "fsdp2" if world > 1 else "plain"}
+    )
     start = 0
     if mgr.steps():
         start = mgr.restore(state)
@@ -133,7 +135,10 @@ def main() -> None:
             fp = fingerprint(model, opt)  # the state being saved, for the demo's comparison
             handle = mgr.save(step, state)
             if rank == 0:
-                print(f"[world {world}] step {step}: loss {loss:.4f}, save() returned after {handle.stall_s * 1e3:.1f} ms", flush=True)
+                print(
+                    f"[world {world}] step {step}: loss {loss:.4f}, save() returned after {handle.stall_s * 1e3:.1f} ms",
+                    flush=True,
+                )
                 with open(log, "a") as f:
                     f.write(json.dumps({"event": "saved", "world": world, "step": step, "fingerprint": fp}) + "\n")
             if args.die_at == step and rank == 0:

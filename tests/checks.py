@@ -231,9 +231,10 @@ class Checks:
 
 
 def _text(detail: object, limit: int = 4000) -> str:
-    text = detail if isinstance(detail, str) else repr(detail) if isinstance(detail, (list, tuple, dict)) \
-        else str(detail)
-    return text if len(text) <= limit else f"{text[: limit // 4]}\n[...]\n{text[-(limit * 3 // 4):]}"
+    text = (
+        detail if isinstance(detail, str) else repr(detail) if isinstance(detail, (list, tuple, dict)) else str(detail)
+    )
+    return text if len(text) <= limit else f"{text[: limit // 4]}\n[...]\n{text[-(limit * 3 // 4) :]}"
 
 
 def read_checks(*paths: str | os.PathLike[str], output: str = "") -> list[dict[str, Any]]:
@@ -265,8 +266,9 @@ def assert_checks(checks: list[dict[str, Any]], expected: Iterable[str] = (), *,
         by_rank.setdefault(c.get("rank"), set()).add(c["name"])
     missing = {r: [n for n in want if n not in names] for r, names in sorted(by_rank.items(), key=str)}
     failed = [c for c in checks if not c["ok"]]
-    lines = [f"- [rank {c.get('rank')}] {c['name']}: " + str(c.get("detail", "")).replace("\n", "\n    ")
-             for c in failed]
+    lines = [
+        f"- [rank {c.get('rank')}] {c['name']}: " + str(c.get("detail", "")).replace("\n", "\n    ") for c in failed
+    ]
     lines += [f"- [rank {r}] never recorded: {names}" for r, names in missing.items() if names]
     if lines:
         never = ", some never ran" if any(missing.values()) else ""

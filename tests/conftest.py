@@ -248,19 +248,35 @@ def seaweed_server() -> Iterator[str]:
     work = Path(tempfile.mkdtemp(prefix="sk-weed-"))  # short: unix socket paths live in it
     (work / "data").mkdir()
     config = work / "s3.json"
-    config.write_text(json.dumps({"identities": [{
-        "name": "shardkeeper-test",
-        "credentials": [{"accessKey": SEAWEED_ACCESS_KEY, "secretKey": SEAWEED_SECRET_KEY}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-    }]}))
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "shardkeeper-test",
+                        "credentials": [{"accessKey": SEAWEED_ACCESS_KEY, "secretKey": SEAWEED_SECRET_KEY}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
     ports = _seaweed_ports()
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     cmd = [
-        str(binary), "mini", f"-dir={work / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        str(binary),
+        "mini",
+        f"-dir={work / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
         *(f"-{flag}={port}" for flag, port in ports.items()),
-        f"-s3.config={config}", f"-s3.localSocket={work / 's3.sock'}",
+        f"-s3.config={config}",
+        f"-s3.localSocket={work / 's3.sock'}",
         f"-filer.localSocket={work / 'filer.sock'}",
-        "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-webdav=false",
+        "-admin.ui=false",
         "-master.telemetry=false",
     ]
     log_path = work / "weed.log"
@@ -269,8 +285,7 @@ def seaweed_server() -> Iterator[str]:
     try:
         _wait_ready(proc, f"{endpoint}/", log_path, "weed mini")  # answers 403 to an unsigned request
         # The gateway answers before the filer behind it serves: wait for a signed listing.
-        fs = s3fs.S3FileSystem(**seaweed_storage_options(endpoint), use_listings_cache=False,
-                               skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(**seaweed_storage_options(endpoint), use_listings_cache=False, skip_instance_cache=True)
         deadline = time.monotonic() + MOTO_START_TIMEOUT_S
         while True:
             try:
@@ -335,8 +350,21 @@ def gcs_server() -> Iterator[str]:
     endpoint = f"http://127.0.0.1:{port}"
     log_dir = Path(tempfile.mkdtemp(prefix="shardkeeper-gcs-"))
     log_path = log_dir / "fake-gcs-server.log"
-    cmd = [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-           "-backend", "memory", "-external-url", endpoint, "-log-level", "warn"]
+    cmd = [
+        str(binary),
+        "-scheme",
+        "http",
+        "-host",
+        "127.0.0.1",
+        "-port",
+        str(port),
+        "-backend",
+        "memory",
+        "-external-url",
+        endpoint,
+        "-log-level",
+        "warn",
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:

@@ -138,8 +138,10 @@ class _Scan(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         f = node.func
         reflective = (isinstance(f, ast.Name) and f.id in _ATTR_FUNCS) or (
-            isinstance(f, ast.Attribute) and f.attr in _OBJECT_FUNCS
-            and isinstance(f.value, ast.Name) and f.value.id == "object"
+            isinstance(f, ast.Attribute)
+            and f.attr in _OBJECT_FUNCS
+            and isinstance(f.value, ast.Name)
+            and f.value.id == "object"
         )
         if reflective and len(node.args) >= 2:
             arg = node.args[1]

@@ -22,7 +22,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+os.environ.update(
+    {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+)
 
 from tests.conftest import _free_port, _moto_command, _stop, _wait_ready, s3_storage_options  # noqa: E402
 
@@ -45,8 +47,14 @@ def _proxy_run(endpoint: str, saves: int, seed: int) -> dict[str, Any]:
     with FaultProxy(endpoint, rate=0.2, seed=seed, delay_s=1.5) as proxy:
         opts = s3_storage_options(proxy.endpoint)
         opts["config_kwargs"] = {"retries": {"total_max_attempts": 1}, "read_timeout": 1.0, "connect_timeout": 1.0}
-        mgr = CheckpointManager(f"s3://{bucket}/run", storage_options=opts, keep_last=2, retry_max_attempts=8,
-                                retry_base_delay_s=0.01, retry_max_delay_s=0.1)
+        mgr = CheckpointManager(
+            f"s3://{bucket}/run",
+            storage_options=opts,
+            keep_last=2,
+            retry_max_attempts=8,
+            retry_base_delay_s=0.01,
+            retry_max_delay_s=0.1,
+        )
         mgr.storage.fs.retries = 1  # type: ignore[attr-defined]
         for step in range(saves):
             mgr.save(step, deterministic_state(step, 256 << 10)).wait()
@@ -57,8 +65,11 @@ def _proxy_run(endpoint: str, saves: int, seed: int) -> dict[str, Any]:
         mgr.close()
     fs.rm(bucket, recursive=True)
     return {
-        "saves": saves, "restores_bit_exact": exact, "requests": proxy.requests,
-        "faults_injected": dict(proxy.injected), "errors_counted": metrics.UPLOAD_ERRORS.total() - before,
+        "saves": saves,
+        "restores_bit_exact": exact,
+        "requests": proxy.requests,
+        "faults_injected": dict(proxy.injected),
+        "errors_counted": metrics.UPLOAD_ERRORS.total() - before,
         "lost": saves - exact,
     }
 
@@ -81,8 +92,10 @@ def _table(res: dict[str, Any]) -> str:
         f"{px['restores_bit_exact']} | - | {px['lost']} |"
     )
     when = time.strftime("%Y-%m-%d", time.gmtime())
-    return (f"Generated {when} by tests/reliability.py, what `nox -s reliability` runs (seed {res['seed']}, "
-            f"{res['seconds']:.0f} s on this machine; {res['args']}).\n\n" + "\n".join(rows) + "\n")
+    return (
+        f"Generated {when} by tests/reliability.py, what `nox -s reliability` runs (seed {res['seed']}, "
+        f"{res['seconds']:.0f} s on this machine; {res['args']}).\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def main() -> int:
@@ -99,7 +112,9 @@ def main() -> int:
     t0 = time.monotonic()
     res: dict[str, Any] = {"seed": a.seed, "args": " ".join(sys.argv[1:]) or "defaults"}
     with tempfile.TemporaryDirectory() as tmp:
-        res["campaign_local"] = run_campaign(f"{tmp}/root", trials=a.trials, seed=a.seed, tensor_bytes=256 << 10).to_json()
+        res["campaign_local"] = run_campaign(
+            f"{tmp}/root", trials=a.trials, seed=a.seed, tensor_bytes=256 << 10
+        ).to_json()
     port = _free_port()
     log_path = Path(tempfile.mkdtemp()) / "moto.log"
     with open(log_path, "wb") as log:
@@ -113,7 +128,10 @@ def main() -> int:
         bucket = f"sk-rel-{uuid.uuid4().hex[:10]}"
         fs.mkdir(bucket)
         res["campaign_s3"] = run_campaign(
-            f"s3://{bucket}/run", trials=a.s3_trials, seed=a.seed, tensor_bytes=6 << 20,
+            f"s3://{bucket}/run",
+            trials=a.s3_trials,
+            seed=a.seed,
+            tensor_bytes=6 << 20,
             storage_options={**s3_storage_options(endpoint), "part_size_bytes": 5 << 20},
             manager_options={"max_files_per_rank": 1},
         ).to_json()

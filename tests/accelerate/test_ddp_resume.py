@@ -19,13 +19,26 @@ from tests.launch import run_script
 WORKER = Path(__file__).parent / "dist" / "ddp_worker.py"
 SAVE_CHECKS = {"distributed_type", "interrupted_run_matches_reference_so_far", "retention_total_limit_2"}
 RESUME_CHECKS = {
-    "distributed_type", "restored_newest_step", "iteration_counter_restored",
-    "params_and_optimizer_bit_exact_after_load", "registered_object_restored", "scheduler_restored",
-    "dataloader_epoch_restored", "plain_torch_restores_accelerate_checkpoint",
-    "dataloader_resumes_at_right_batch", "next_losses_bit_exact", "final_params_and_optimizer_bit_exact",
-    "registered_object_final", "retention_across_restart", "retention_removed_folders",
-    "step_folder_input_dir", "core_written_checkpoint_restores", "several_models_roundtrip",
-    "fsdp2_params_bit_exact_after_load", "fsdp2_next_losses_bit_exact", "fsdp2_saved_global_shapes",
+    "distributed_type",
+    "restored_newest_step",
+    "iteration_counter_restored",
+    "params_and_optimizer_bit_exact_after_load",
+    "registered_object_restored",
+    "scheduler_restored",
+    "dataloader_epoch_restored",
+    "plain_torch_restores_accelerate_checkpoint",
+    "dataloader_resumes_at_right_batch",
+    "next_losses_bit_exact",
+    "final_params_and_optimizer_bit_exact",
+    "registered_object_final",
+    "retention_across_restart",
+    "retention_removed_folders",
+    "step_folder_input_dir",
+    "core_written_checkpoint_restores",
+    "several_models_roundtrip",
+    "fsdp2_params_bit_exact_after_load",
+    "fsdp2_next_losses_bit_exact",
+    "fsdp2_saved_global_shapes",
 }
 
 
@@ -54,11 +67,19 @@ def test_ddp_save_resume_in_new_process(ddp_run: Path) -> None:
 def test_ddp_checkpoint_restores_in_lightning_and_deepspeed(ddp_run: Path) -> None:
     pytest.importorskip("deepspeed")
     pytest.importorskip("shardkeeper.lightning")
-    proc = run_script(1, Path(__file__).parent / "dist" / "cross_worker.py", str(ddp_run), timeout_s=120,
-                      env={"DS_ACCELERATOR": "cpu"})
+    proc = run_script(
+        1,
+        Path(__file__).parent / "dist" / "cross_worker.py",
+        str(ddp_run),
+        timeout_s=120,
+        env={"DS_ACCELERATOR": "cpu"},
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     checks = read_checks(ddp_run / "cross.json", output=proc.stdout)
-    names = ["lightning_restores_ddp_checkpoint", "lightning_continues_the_step_count",
-             "deepspeed_engine_restores_ddp_checkpoint"]
+    names = [
+        "lightning_restores_ddp_checkpoint",
+        "lightning_continues_the_step_count",
+        "deepspeed_engine_restores_ddp_checkpoint",
+    ]
     assert_checks(checks, names)
     assert len(checks) == len(names), [c["name"] for c in checks]

@@ -23,13 +23,30 @@ pytestmark = [pytest.mark.multiprocess]
 
 WORKER = Path(__file__).parent / "dist" / "ds_worker.py"
 ENV = {"DS_ACCELERATOR": "cpu"}
-SAVE_CHECKS = {"distributed_type", "world_size_2", "interrupted_run_matches_reference_so_far",
-               "retention_total_limit_2", "canonical_keys", "global_shapes"}
+SAVE_CHECKS = {
+    "distributed_type",
+    "world_size_2",
+    "interrupted_run_matches_reference_so_far",
+    "retention_total_limit_2",
+    "canonical_keys",
+    "global_shapes",
+}
 RESUME_CHECKS = {
-    "distributed_type", "restored_newest_step", "iteration_counter_restored", "engine_global_steps_restored",
-    "fp32_masters_and_moments_bit_exact_after_load", "module_params_equal_masters", "registered_object_restored",
-    "scheduler_restored", "dataloader_epoch_restored", "plain_torch_restores_deepspeed_checkpoint", "dataloader_resumes_at_right_batch",
-    "next_losses_bit_exact", "final_state_bit_exact", "registered_object_final", "retention_across_restart",
+    "distributed_type",
+    "restored_newest_step",
+    "iteration_counter_restored",
+    "engine_global_steps_restored",
+    "fp32_masters_and_moments_bit_exact_after_load",
+    "module_params_equal_masters",
+    "registered_object_restored",
+    "scheduler_restored",
+    "dataloader_epoch_restored",
+    "plain_torch_restores_deepspeed_checkpoint",
+    "dataloader_resumes_at_right_batch",
+    "next_losses_bit_exact",
+    "final_state_bit_exact",
+    "registered_object_final",
+    "retention_across_restart",
 }
 
 

@@ -22,8 +22,14 @@ def test_exported_llama_loads_with_from_pretrained(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # no two parameters alike, so a swapped name cannot pass

@@ -53,7 +53,15 @@ def test_deepspeed_subfolder_pickles_need_trust(tmp_path: Path) -> None:
     pytest.importorskip("transformers")  # Accelerate's DeepSpeed integration imports it
     res = run_script(1, WORKER, str(tmp_path), timeout_s=180, env={"DS_ACCELERATOR": "cpu"})
     assert res.returncode == 0, res.stdout[-4000:]
-    want = [f"refused {t!r}" for t in UNTRUSTED] + [f"nothing unpickled with {t!r}" for t in UNTRUSTED] + [
-        "folder_as_written", "nothing saved while refused", "trusted import runs DeepSpeed's loader",
-        "trusted import commits the step", "imported keys"]
+    want = (
+        [f"refused {t!r}" for t in UNTRUSTED]
+        + [f"nothing unpickled with {t!r}" for t in UNTRUSTED]
+        + [
+            "folder_as_written",
+            "nothing saved while refused",
+            "trusted import runs DeepSpeed's loader",
+            "trusted import commits the step",
+            "imported keys",
+        ]
+    )
     assert_checks(read_checks(tmp_path / "results.json", output=res.stdout), want)

@@ -113,8 +113,11 @@ def test_single_process_roundtrip_and_errors(cfg: Path, tmp_path: Path) -> None:
     acc.save_state(step=5)
     assert acc.project_configuration.iteration == 6
     acc.project_configuration.iteration = 2
-    with pytest.raises(StepOrderError, match=r"step 2 is below the newest committed step 5 under .*proj/checkpoints "
-                                             r"\(rank 0\).*Call accelerator.load_state\(\) first"):
+    with pytest.raises(
+        StepOrderError,
+        match=r"step 2 is below the newest committed step 5 under .*proj/checkpoints "
+        r"\(rank 0\).*Call accelerator.load_state\(\) first",
+    ):
         acc.save_state()
     assert acc.load_state() == 5 and acc.project_configuration.iteration == 6
     assert acc.save_state().endswith("step-000000000006")

@@ -33,8 +33,11 @@ def acc_record(acc: Accelerator, model, opt) -> dict[str, torch.Tensor]:
 
 def run(hop: Hop, root: str) -> None:
     acc = Accelerator(cpu=True)
-    hop.check("Accelerate runs MULTI_CPU on every rank", str(acc.distributed_type.value) == "MULTI_CPU",
-              str(acc.distributed_type))
+    hop.check(
+        "Accelerate runs MULTI_CPU on every rank",
+        str(acc.distributed_type.value) == "MULTI_CPU",
+        str(acc.distributed_type),
+    )
     ska.enable(acc, root)
     torch.manual_seed(100 + hop.index)
     model = Net()
@@ -53,8 +56,13 @@ def run(hop: Hop, root: str) -> None:
     ska.wait(acc)
     # save_state() numbers saves (Accelerate's save iteration), which continues from the step loaded
     hop.counter("project_configuration.iteration - 1", iteration - 1, step)
-    hop.saved(before, committed_steps(root), step + 1, acc_record(acc, model, opt),
-              f"save_state() at accelerator.step = {acc.step}, iteration after load {iteration}")
+    hop.saved(
+        before,
+        committed_steps(root),
+        step + 1,
+        acc_record(acc, model, opt),
+        f"save_state() at accelerator.step = {acc.step}, iteration after load {iteration}",
+    )
     acc.end_training()
 
 

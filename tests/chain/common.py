@@ -86,7 +86,9 @@ class Hop:
         self.items: list[dict[str, Any]] = []
 
     def check(self, name: str, ok: bool, detail: Any = "") -> bool:
-        self.items.append({"hop": f"{self.index}-{self.name}", "check": name, "ok": bool(ok), "detail": str(detail)[:2000]})
+        self.items.append(
+            {"hop": f"{self.index}-{self.name}", "check": name, "ok": bool(ok), "detail": str(detail)[:2000]}
+        )
         return bool(ok)
 
     def guard(self, name: str, fn: Callable[[], None]) -> None:
@@ -114,39 +116,55 @@ class Hop:
     def loaded(self, step: int | None, got: dict[str, torch.Tensor]) -> None:
         """What this hop restored: the previous hop's step, its parameters, moments and Adam step."""
         want, meta = self.previous()
-        self.check("restored the newest committed step, the one the previous hop saved",
-                   step == meta["step"], f"restored step {step}; previous hop saved step {meta['step']}")
+        self.check(
+            "restored the newest committed step, the one the previous hop saved",
+            step == meta["step"],
+            f"restored step {step}; previous hop saved step {meta['step']}",
+        )
         names = [k for k in want if not k.startswith("step/")]
         bad = [k for k in names if k not in got or not torch.equal(got[k], want[k])]
-        self.check("parameters and Adam moments bit-exact vs the previous hop's save",
-                   len(names) == len(FQNS) * 3 and not bad, f"differ or missing: {bad} (of {len(names)})")
+        self.check(
+            "parameters and Adam moments bit-exact vs the previous hop's save",
+            len(names) == len(FQNS) * 3 and not bad,
+            f"differ or missing: {bad} (of {len(names)})",
+        )
         steps = {k: (float(got[k]) if k in got else None, float(v)) for k, v in want.items() if k.startswith("step/")}
-        self.check("Adam step restored equals the saved one",
-                   len(steps) == len(FQNS) and all(a == b for a, b in steps.values()),
-                   "restored vs saved: " + ", ".join(f"{k[5:]}: {a} vs {b}" for k, (a, b) in steps.items()))
+        self.check(
+            "Adam step restored equals the saved one",
+            len(steps) == len(FQNS) and all(a == b for a, b in steps.values()),
+            "restored vs saved: " + ", ".join(f"{k[5:]}: {a} vs {b}" for k, (a, b) in steps.items()),
+        )
 
     def counter(self, what: str, value: int, expected: int, note: str = "") -> None:
-        self.check(f"step count resumes: {what}, after the load, equals the step loaded",
-                   value == expected, f"{what} = {value}, step loaded = {expected}{note}")
+        self.check(
+            f"step count resumes: {what}, after the load, equals the step loaded",
+            value == expected,
+            f"{what} = {value}, step loaded = {expected}{note}",
+        )
 
-    def saved(self, before: list[int], after: list[int], expected: int, state: dict[str, torch.Tensor],
-              what: str) -> None:
+    def saved(
+        self, before: list[int], after: list[int], expected: int, state: dict[str, torch.Tensor], what: str
+    ) -> None:
         """The save just made: its step, the root's newest step, and the record for the next hop."""
         from safetensors.torch import save_file
 
         new = sorted(set(after) - set(before))
-        self.check("the save's step continues the step count (Accelerate: its save iteration)",
-                   new == [expected], f"new committed steps {new}, expected [{expected}] ({what})")
+        self.check(
+            "the save's step continues the step count (Accelerate: its save iteration)",
+            new == [expected],
+            f"new committed steps {new}, expected [{expected}] ({what})",
+        )
         newest_before = max(before) if before else None
         newest = max(after) if after else None
-        self.check("the root's newest committed step increased and equals the step just saved",
-                   newest == expected and (newest_before is None or newest > newest_before),
-                   f"newest committed before {newest_before}, after {newest}; steps {after}; this save {new}")
+        self.check(
+            "the root's newest committed step increased and equals the step just saved",
+            newest == expected and (newest_before is None or newest > newest_before),
+            f"newest committed before {newest_before}, after {newest}; steps {after}; this save {new}",
+        )
         if self.rank == 0:
             save_file(state, self.path(self.index, "saved.safetensors"))
             with open(self.path(self.index, "saved.json"), "w") as f:
                 json.dump({"step": new[0] if len(new) == 1 else None, "steps_after": after}, f)
-
 
 
 def committed_steps(root: str) -> list[int]:

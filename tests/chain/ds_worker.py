@@ -62,8 +62,11 @@ def run(hop: Hop, root: str) -> None:
     for k in range(STEPS):
         engine.backward(loss_of(engine, k, dist.get_rank()))
         engine.step()
-    hop.check("step count: engine.global_steps after training equals the steps trained",
-              engine.global_steps == STEPS, f"engine.global_steps = {engine.global_steps}, trained {STEPS}")
+    hop.check(
+        "step count: engine.global_steps after training equals the steps trained",
+        engine.global_steps == STEPS,
+        f"engine.global_steps = {engine.global_steps}, trained {STEPS}",
+    )
     before = committed_steps(root)
     hook = shardkeeper.deepspeed.attach(engine)  # the directory given to save_checkpoint is the root
     engine.save_checkpoint(root)  # tag None: the step is engine.global_steps

@@ -71,8 +71,11 @@ class Probe(Callback):
         self.batches = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.at_start = {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
-                         "state": module_record(pl_module, trainer.optimizers[0])}
+        self.at_start = {
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "state": module_record(pl_module, trainer.optimizers[0]),
+        }
 
     def on_train_batch_end(self, trainer, pl_module, outputs, b, batch_idx) -> None:
         self.batches += 1
@@ -87,22 +90,37 @@ def run(hop: Hop, root: str) -> None:
     probe = Probe()
     plugin = ShardkeeperCheckpointIO(root)
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", plugins=[plugin],
-        max_epochs=1000, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[probe],
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy="ddp",
+        plugins=[plugin],
+        max_epochs=1000,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
     )
     data = DataLoader(Batches(newest, hop.rank), batch_size=1, shuffle=False)
     trainer.fit(LitNet(), data, ckpt_path=root)
     lm = trainer.lightning_module
     hop.loaded(newest, probe.at_start["state"])
     hop.counter("trainer.global_step", probe.at_start["global_step"], newest)
-    hop.check("trained exactly 2 optimizer steps", trainer.global_step - probe.at_start["global_step"] == STEPS,
-              f"global_step {probe.at_start['global_step']} -> {trainer.global_step}")
+    hop.check(
+        "trained exactly 2 optimizer steps",
+        trainer.global_step - probe.at_start["global_step"] == STEPS,
+        f"global_step {probe.at_start['global_step']} -> {trainer.global_step}",
+    )
     before = committed_steps(root)
     trainer.save_checkpoint(os.path.join(hop.out, "lightning", "after-fit.ckpt"))  # a pointer file; the state: the root
     plugin.wait()
-    hop.saved(before, committed_steps(root), newest + STEPS, module_record(lm, trainer.optimizers[0]),
-              f"trainer.global_step = {trainer.global_step}")
+    hop.saved(
+        before,
+        committed_steps(root),
+        newest + STEPS,
+        module_record(lm, trainer.optimizers[0]),
+        f"trainer.global_step = {trainer.global_step}",
+    )
 
 
 def main() -> None:

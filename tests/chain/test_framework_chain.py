@@ -75,8 +75,14 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         t0 = time.monotonic()
         proc = run_script(world, HERE / script, root, str(out), timeout_s=180, env=ENV)
         checks, missing = _merge(out, index, world)
-        report[name] = {"rc": proc.returncode, "checks": checks, "missing": missing, "tail": proc.stdout[-4000:],
-                        "wall_s": time.monotonic() - t0, "world": world}
+        report[name] = {
+            "rc": proc.returncode,
+            "checks": checks,
+            "missing": missing,
+            "tail": proc.stdout[-4000:],
+            "wall_s": time.monotonic() - t0,
+            "world": world,
+        }
     with CheckpointManager(root) as mgr:
         report["_root"] = {"steps": mgr.steps()}
     return report
@@ -100,6 +106,8 @@ def test_hop_resumes_step_count_and_state(chain: dict[str, dict], name: str) -> 
     assert hop["rc"] == 0, table + tail
     expected = LAUNCHES[name][2]
     assert not hop["missing"] and len(hop["checks"]) == expected, (
-        f"{table}\n(expected {expected} checks; the root's committed steps at the end: {chain['_root']['steps']})")
+        f"{table}\n(expected {expected} checks; the root's committed steps at the end: {chain['_root']['steps']})"
+    )
     assert all(c["ok"] for c in hop["checks"]), (
-        f"{table}\n(the root's committed steps at the end: {chain['_root']['steps']})")
+        f"{table}\n(the root's committed steps at the end: {chain['_root']['steps']})"
+    )

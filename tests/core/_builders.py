@@ -96,8 +96,7 @@ def write_step(
         assert len(data) == math.prod(shape) * itemsize(dtype), f"{key}: wrong byte count"
         leaves_meta[key] = (kind, dtype, shape)
         if key in placement or not shape or shape[0] < world_size:
-            per_rank[placement.get(key, 0)].append(
-                (key, dtype, shape, (0,) * len(shape), shape, data))
+            per_rank[placement.get(key, 0)].append((key, dtype, shape, (0,) * len(shape), shape, data))
             continue
         row = math.prod(shape[1:]) * itemsize(dtype)
         for r, (a, b) in enumerate(_row_split(shape[0], world_size)):
@@ -121,10 +120,16 @@ def write_step(
         w.write(header)
         for (key, _d, _g, o, s, b), at in zip(entries, offsets_in_file, strict=True):
             w.write(b)
-            chunks[key].append(ChunkRecord(
-                file=rel, offset=at, length=len(b), offsets=o, shape=s,
-                digests=tuple(block_digests(memoryview(b), algorithm, block_bytes)),
-            ))
+            chunks[key].append(
+                ChunkRecord(
+                    file=rel,
+                    offset=at,
+                    length=len(b),
+                    offsets=o,
+                    shape=s,
+                    digests=tuple(block_digests(memoryview(b), algorithm, block_bytes)),
+                )
+            )
         w.close()
         files[rel] = {"size_bytes": len(header) + sum(len(e[5]) for e in entries), "rank": rank}
     storage.sync_dir(f"{base}/data")
@@ -137,11 +142,18 @@ def write_step(
         moved = []
         for c in old.chunks:
             target = posixpath.normpath(f"{step_dir(prev)}/{c.file}")
-            moved.append(ChunkRecord(
-                file=f"../{target}", offset=c.offset, length=c.length, offsets=c.offsets,
-                shape=c.shape, digests=c.digests, encoding=c.encoding))
-        leaves[key] = LeafRecord(kind=old.kind, dtype=old.dtype, shape=old.shape,
-                                 chunks=tuple(moved))
+            moved.append(
+                ChunkRecord(
+                    file=f"../{target}",
+                    offset=c.offset,
+                    length=c.length,
+                    offsets=c.offsets,
+                    shape=c.shape,
+                    digests=c.digests,
+                    encoding=c.encoding,
+                )
+            )
+        leaves[key] = LeafRecord(kind=old.kind, dtype=old.dtype, shape=old.shape, chunks=tuple(moved))
     for key, value in (objects or {}).items():
         leaves[key] = LeafRecord(kind="object", value=value)
 

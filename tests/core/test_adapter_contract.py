@@ -38,8 +38,15 @@ def _progress(root: Path, step: int) -> Progress:
 
 
 def test_schema_round_trip_with_every_framework_counters(tmp_path: Path) -> None:
-    entry = progress_state(step=12, epoch=2, samples=96, counters={
-        "deepspeed": {"global_step": 12, "loss_scaler": {"cur_scale": 256.0}}, "lightning": {"loops": {"a": 1}}})
+    entry = progress_state(
+        step=12,
+        epoch=2,
+        samples=96,
+        counters={
+            "deepspeed": {"global_step": 12, "loss_scaler": {"cur_scale": 256.0}},
+            "lightning": {"loops": {"a": 1}},
+        },
+    )
     _save(tmp_path, 12, {"progress": entry})
     p = _progress(tmp_path, 12)
     assert (p.step, p.epoch, p.samples, p.schema, p.checkpoint_step) == (12, 2, 96, PROGRESS_SCHEMA, 12)
@@ -53,20 +60,39 @@ def test_a_checkpoint_without_progress_resumes_at_its_step_number(tmp_path: Path
     assert (p.step, p.epoch, p.samples, p.schema, dict(p.counters)) == (5, 0, None, None, {})
 
 
-@pytest.mark.parametrize(("meta", "progress", "want_step", "framework", "counters"), [
-    # DeepSpeed's counters at the top of progress/ (also saved through plain core managers)
-    ({}, {"global_step": 7, "global_samples": 56, "skipped_steps": 0, "micro_steps": 7}, 7, "deepspeed",
-     {"global_step": 7, "global_samples": 56, "skipped_steps": 0, "micro_steps": 7}),
-    # Lightning's, labelled by the older metadata key
-    ({"framework_adapter": "lightning"}, {"global_step": 4, "epoch": 1, "loops": {"x": 1}}, 4, "lightning",
-     {"global_step": 4, "epoch": 1, "loops": {"x": 1}}),
-    # Accelerate's under progress/accelerate/, and its oldest layout at the top
-    ({"framework": "accelerate"}, {"accelerate": {"iteration": 3, "step": 9}}, 2, "accelerate",
-     {"iteration": 3, "step": 9}),
-    ({}, {"iteration": 5, "step": 17}, 2, "accelerate", {"iteration": 5, "step": 17}),
-])
-def test_older_layouts_are_read(tmp_path: Path, meta: dict, progress: dict, want_step: int, framework: str,
-                                counters: dict) -> None:
+@pytest.mark.parametrize(
+    ("meta", "progress", "want_step", "framework", "counters"),
+    [
+        # DeepSpeed's counters at the top of progress/ (also saved through plain core managers)
+        (
+            {},
+            {"global_step": 7, "global_samples": 56, "skipped_steps": 0, "micro_steps": 7},
+            7,
+            "deepspeed",
+            {"global_step": 7, "global_samples": 56, "skipped_steps": 0, "micro_steps": 7},
+        ),
+        # Lightning's, labelled by the older metadata key
+        (
+            {"framework_adapter": "lightning"},
+            {"global_step": 4, "epoch": 1, "loops": {"x": 1}},
+            4,
+            "lightning",
+            {"global_step": 4, "epoch": 1, "loops": {"x": 1}},
+        ),
+        # Accelerate's under progress/accelerate/, and its oldest layout at the top
+        (
+            {"framework": "accelerate"},
+            {"accelerate": {"iteration": 3, "step": 9}},
+            2,
+            "accelerate",
+            {"iteration": 3, "step": 9},
+        ),
+        ({}, {"iteration": 5, "step": 17}, 2, "accelerate", {"iteration": 5, "step": 17}),
+    ],
+)
+def test_older_layouts_are_read(
+    tmp_path: Path, meta: dict, progress: dict, want_step: int, framework: str, counters: dict
+) -> None:
     step = progress.get("global_step", 2)
     _save(tmp_path, step, {"progress": progress}, **meta)
     p = _progress(tmp_path, step)
@@ -74,8 +100,14 @@ def test_older_layouts_are_read(tmp_path: Path, meta: dict, progress: dict, want
 
 
 def test_lightning_on_deepspeed_older_layout(tmp_path: Path) -> None:
-    _save(tmp_path, 6, {"progress": {"global_step": 6, "global_samples": 48, "skipped_steps": 1, "micro_steps": 6},
-                        "extra": {"lightning": {"progress": {"global_step": 6, "epoch": 2}}}})
+    _save(
+        tmp_path,
+        6,
+        {
+            "progress": {"global_step": 6, "global_samples": 48, "skipped_steps": 1, "micro_steps": 6},
+            "extra": {"lightning": {"progress": {"global_step": 6, "epoch": 2}}},
+        },
+    )
     p = _progress(tmp_path, 6)
     assert (p.step, p.epoch, p.samples) == (6, 2, 48)
     assert p.of("lightning") == {"global_step": 6, "epoch": 2} and p.of("deepspeed")["skipped_steps"] == 1
@@ -132,8 +164,11 @@ def test_save_step_rule(tmp_path: Path) -> None:
             same.raise_if_refused("Fw", "Fix it.")
         lower = check_save_step(mgr, 7)
         assert lower.refused and not lower.committed
-        with pytest.raises(StepOrderError, match=r"step 7 is below the newest committed step 9 under .* \(rank 0\): a "
-                                                 r"resume from this root would go back to step 9") as e:
+        with pytest.raises(
+            StepOrderError,
+            match=r"step 7 is below the newest committed step 9 under .* \(rank 0\): a "
+            r"resume from this root would go back to step 9",
+        ) as e:
             lower.raise_if_refused("Fw")
         assert (e.value.step, e.value.newest) == (7, 9) and isinstance(e.value, CommitConflictError)
         assert check_save_step(mgr, 5).committed  # an older committed step is named as committed
@@ -147,9 +182,16 @@ def test_root_managers_write_the_shared_metadata(tmp_path: Path) -> None:
     assert managers.get(str(tmp_path / "r")) is mgr and len(managers) == 1 and mgr.retention.keep_last == 2
     mgr.save(1, {"w": torch.ones(1)}, async_save=False)
     meta = mgr.manifest(1).metadata
-    assert {k: meta[k] for k in ("framework", "framework_version", "fw_version", "progress_schema", "run",
-                                 "extra_key")} == {"framework": "fw", "framework_version": "1.2.3", "fw_version": "1.2.3",
-                                                   "progress_schema": PROGRESS_SCHEMA, "run": "a", "extra_key": "x"}
+    assert {
+        k: meta[k] for k in ("framework", "framework_version", "fw_version", "progress_schema", "run", "extra_key")
+    } == {
+        "framework": "fw",
+        "framework_version": "1.2.3",
+        "fw_version": "1.2.3",
+        "progress_schema": PROGRESS_SCHEMA,
+        "run": "a",
+        "extra_key": "x",
+    }
     assert meta["torch_version"] == str(torch.__version__) and "shardkeeper_version" in meta
     assert framework_of(mgr.manifest(1)) == "fw"
     managers.close()

@@ -86,7 +86,8 @@ def test_commits_record_timings_and_advise_reads_them(tmp_path: Path, capsys: py
     out = json.loads(capsys.readouterr().out)
     assert out["samples"] == 2 and out["sync"] is True  # the newest save was synchronous
     cost = (max(t[1]["stall_s"], t[2]["stall_s"]) + min(t[1]["stall_s"], t[2]["stall_s"])) / 2 + (
-        (t[1]["save_s"] + t[2]["save_s"]) / 2)
+        (t[1]["save_s"] + t[2]["save_s"]) / 2
+    )
     assert out["cost_s"] == pytest.approx(cost)
     assert out["young_s"] == pytest.approx(math.sqrt(2 * cost * 10800))
     assert out["interval_s"] == 1800

@@ -16,8 +16,16 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
 def test_quick_benchmark_runs_and_every_restore_matches_its_save(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--no-readme",
-           "--results-dir", str(tmp_path / "results"), "--workdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "run.py"),
+        "--quick",
+        "--no-readme",
+        "--results-dir",
+        str(tmp_path / "results"),
+        "--workdir",
+        str(tmp_path),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     [path] = (tmp_path / "results").glob("*-quick.json")
@@ -40,8 +48,10 @@ def test_only_a_full_run_writes_the_days_results_and_the_readme() -> None:
         sys.path.remove(str(ROOT / "benchmarks"))
     full = {"cases": ["a", "b", "c", "d", "e"], "sizes": [256.0, 1024.0], "n_tensors": 10_000}
     assert bench_run.partial_label(full) is None
-    assert bench_run.partial_label(vars(bench_run.parse_args([]))
-                                   | {"cases": sorted(bench_run.parse_args([]).cases)}) is None
+    assert (
+        bench_run.partial_label(vars(bench_run.parse_args([])) | {"cases": sorted(bench_run.parse_args([]).cases)})
+        is None
+    )
     assert bench_run.partial_label({**full, "cases": ["b"]}) == "cases-b"
     assert bench_run.partial_label({**full, "sizes": [64.0]}) == "cases-abcde-64MiB"
     assert bench_run.partial_label({**full, "cases": ["b"], "n_tensors": 1000}) == "cases-b-n1000"

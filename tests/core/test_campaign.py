@@ -44,7 +44,10 @@ def test_campaign_on_s3_kills_mid_multipart(s3_server: str, s3_fs: Any) -> None:
     s3_fs.mkdir(bucket)
     try:
         summary = run_campaign(
-            f"s3://{bucket}/run", trials=10, seed=5, tensor_bytes=6 << 20,
+            f"s3://{bucket}/run",
+            trials=10,
+            seed=5,
+            tensor_bytes=6 << 20,
             points=("mid_write", "before_manifest", "retention", "after_manifest", "close"),
             storage_options={**s3_storage_options(s3_server), "part_size_bytes": PART},
             manager_options={"max_files_per_rank": 1},
@@ -79,9 +82,22 @@ def test_gc_aborts_only_old_incomplete_multipart_uploads(server: str, request: p
 @pytest.mark.timeout(60)
 def test_campaign_command_prints_a_json_summary(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "shardkeeper.core.testing.campaign", str(tmp_path / "r"), "--trials", "3",
-         "--seed", "2", "--tensor-bytes", "4096"],
-        capture_output=True, text=True, timeout=50, check=False,
+        [
+            sys.executable,
+            "-m",
+            "shardkeeper.core.testing.campaign",
+            str(tmp_path / "r"),
+            "--trials",
+            "3",
+            "--seed",
+            "2",
+            "--tensor-bytes",
+            "4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     js = json.loads(out.stdout)

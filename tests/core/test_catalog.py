@@ -60,12 +60,27 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     client, peer = _free_port(), _free_port()
     url = f"http://127.0.0.1:{client}"
     log = open(data / "etcd.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([
-        str(binary), "--name", "sk", "--data-dir", str(data / "d"),
-        "--listen-client-urls", url, "--advertise-client-urls", url,
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"sk=http://127.0.0.1:{peer}",
-    ], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--name",
+            "sk",
+            "--data-dir",
+            str(data / "d"),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"sk=http://127.0.0.1:{peer}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:

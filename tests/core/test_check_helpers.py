@@ -77,8 +77,14 @@ def test_bit_for_bit_means_bytes_signed_zeros_differ_and_nans_match() -> None:
 
 def test_every_kind_of_difference_is_named() -> None:
     want = {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2, 3), "d": 1, "e": 0.5, "gone": torch.ones(1)}
-    got = {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.float64), "c": torch.zeros(3, 2), "d": 1.0,
-           "e": torch.tensor(0.5), "new": 3}
+    got = {
+        "a": torch.zeros(2),
+        "b": torch.zeros(2, dtype=torch.float64),
+        "c": torch.zeros(3, 2),
+        "d": 1.0,
+        "e": torch.tensor(0.5),
+        "new": 3,
+    }
     diff = state_diff(got, want)
     lines = dict(line.strip().split(": ", 1) for line in diff.splitlines()[1:])
     assert diff.splitlines()[0] == "5 of 6 wanted keys differ, 1 unexpected", diff
@@ -114,8 +120,13 @@ def test_checks_record_write_and_fail_naming_each_check(tmp_path: Path) -> None:
     other.write(tmp_path / "r0.json")
     got = read_checks(tmp_path / "r0.json", tmp_path / "r1.json")
     assert [(c["name"], c["ok"], c["rank"]) for c in got] == [
-        ("fine", True, 0), ("fine", True, 1), ("bad", False, 1), ("state", False, 1), ("runs through", True, 1),
-        ("raises", False, 1)]
+        ("fine", True, 0),
+        ("fine", True, 1),
+        ("bad", False, 1),
+        ("state", False, 1),
+        ("runs through", True, 1),
+        ("raises", False, 1),
+    ]
     assert got[0]["extra_field"] == 7 and "detail" not in got[1]
     with pytest.raises(AssertionError) as info:
         assert_checks(got, ["fine", "runs through"], where="phase x")

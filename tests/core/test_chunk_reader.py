@@ -55,8 +55,12 @@ print(json.dumps(out))
 
 
 def _child(root: Path, step: int, key: str, expect: Path) -> dict:
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(root), str(step), key, str(expect)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(root), str(step), key, str(expect)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

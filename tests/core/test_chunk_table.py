@@ -70,7 +70,9 @@ def test_table_form_round_trips_bit_for_bit(tmp_path: Path, table_form: None, di
         doc = json.loads((tmp_path / MDIR).read_text())
         assert doc["format_version"] == FORMAT_VERSION >= LEAF_TABLE_VERSION > TABLE_VERSION and "chunk_table" in doc
         assert all(leaf["kind"] == "object" for leaf in doc["leaves"].values())  # tensors: the leaf table
-        assert "model/l1" in doc["leaf_table"]["keys"] and len(doc["leaf_table"]["rows"]) == len(doc["chunk_table"]["file"])
+        assert "model/l1" in doc["leaf_table"]["keys"] and len(doc["leaf_table"]["rows"]) == len(
+            doc["chunk_table"]["file"]
+        )
         target = zero_state()
         assert mgr.restore(target) == 1
         # only= reads just the chunks of the keys asked for
@@ -169,8 +171,12 @@ def _as_version_4(doc: dict[str, Any]) -> dict[str, Any]:
     at_s = at_r = 0
     for j, key in enumerate(lt["keys"]):
         nd, nr = lt["ndim"][j], lt["nrows"][j]
-        doc["leaves"][key] = {"kind": lt["kind"][j], "dtype": lt["dtype"][j], "shape": lt["shape"][at_s : at_s + nd],
-                              "rows": lt["rows"][at_r : at_r + nr]}
+        doc["leaves"][key] = {
+            "kind": lt["kind"][j],
+            "dtype": lt["dtype"][j],
+            "shape": lt["shape"][at_s : at_s + nd],
+            "rows": lt["rows"][at_r : at_r + nr],
+        }
         at_s, at_r = at_s + nd, at_r + nr
     doc["format_version"] = 4
     return doc
@@ -205,7 +211,9 @@ def test_a_table_needs_format_version_3(tmp_path: Path) -> None:
         Manifest.loads(json.dumps(doc).encode())
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_fuzz_table_mutations(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
     doc = _TABLE_DOC.get("doc") or _TABLE_DOC.setdefault("doc", _table_doc(tmp_path_factory.mktemp("t")))
@@ -231,8 +239,14 @@ def _rec(offsets: list[int], shape: list[int], file: str = "data/f") -> dict[str
 
 def _report(rank: int, declared: dict[str, Any], chunks: dict[str, Any], wire: bool) -> dict[str, Any]:
     c = json.loads(json.dumps(encode_report(chunks, 0))) if wire else chunks
-    return {"rank": rank, "declared": declared, "chunks": c, "files": {"data/f": {"size_bytes": 1 << 20, "rank": rank}},
-            "objects": {}, "per_rank_prefixes": []}
+    return {
+        "rank": rank,
+        "declared": declared,
+        "chunks": c,
+        "files": {"data/f": {"size_bytes": 1 << 20, "rank": rank}},
+        "objects": {},
+        "per_rank_prefixes": [],
+    }
 
 
 @pytest.mark.parametrize("threshold", [1, 10**9], ids=["table", "per-chunk"])
@@ -282,15 +296,24 @@ def test_two_ranks_commit_and_restore_a_table_form_checkpoint(tmp_path: Path) ->
     proc = run_script(2, Path(__file__).parent / "dist" / "table_worker.py", str(tmp_path), timeout_s=100)
     assert proc.returncode == 0, proc.stdout[-3000:]
     checks = read_checks(*(tmp_path / f"result-r{r}.json" for r in range(2)), output=proc.stdout)
-    assert_checks(checks, ["the manifest is in table form", "sharded and plain restore", "per-rank value",
-                           "whole restore of chunks both ranks wrote"])
+    assert_checks(
+        checks,
+        [
+            "the manifest is in table form",
+            "sharded and plain restore",
+            "per-rank value",
+            "whole restore of chunks both ranks wrote",
+        ],
+    )
 
 
 def test_overlapping_with_a_scalar_as_the_last_row() -> None:
     """Rows of no dimensions hold no box columns; looking up another leaf's chunks must not
     read past the table's box columns (the scalar's row is the last one here)."""
-    recs = {"v": [{"file": "data/f", "offset": 0, "length": 16, "offsets": [0], "shape": [4], "digests": "a" * 32}],
-            "s": [{"file": "data/f", "offset": 16, "length": 4, "offsets": [], "shape": [], "digests": "b" * 32}]}
+    recs = {
+        "v": [{"file": "data/f", "offset": 0, "length": 16, "offsets": [0], "shape": [4], "digests": "a" * 32}],
+        "s": [{"file": "data/f", "offset": 16, "length": 4, "offsets": [], "shape": [], "digests": "b" * 32}],
+    }
     t, _, _ = decode_report(recs, 32)
     t = ChunkTable.concat([t], 32)
     lt = LeafTable(["s", "v"], ["tensor", "tensor"], ["float32", "float32"], [0, 1], [4], [1, 1], [1, 0])
@@ -305,8 +328,10 @@ def test_a_writers_rows_become_a_report_grouped_by_key_on_the_wire_and_off() -> 
     """The writer hands rows in file order (a key's chunks may sit in several files); the
     report groups each key's rows, keeps the table an object for the coordinator's own report
     and sends it as JSON columns: both decode to the same records."""
-    recs = {"a": [_rec([0, 0], [2, 2], "data/f0"), _rec([2, 0], [2, 2], "data/f1")],
-            "b": [_rec([0, 0], [1, 2], "data/f0")]}
+    recs = {
+        "a": [_rec([0, 0], [2, 2], "data/f0"), _rec([2, 0], [2, 2], "data/f1")],
+        "b": [_rec([0, 0], [1, 2], "data/f0")],
+    }
     f0 = ChunkTable.from_records([recs["a"][0], recs["b"][0]], 0)
     f1 = ChunkTable.from_records([recs["a"][1]], 0)
     rep = rows_report(["a", "b", "a"], ChunkTable.concat([f0, f1], 0))

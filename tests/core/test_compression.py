@@ -49,14 +49,17 @@ def _target(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _encodings(m: dict[str, Any]) -> dict[str, set[str]]:
-    return {k: {c.get("encoding", "raw") for c in leaf["chunks"]} for k, leaf in m["leaves"].items() if "chunks" in leaf}
+    return {
+        k: {c.get("encoding", "raw") for c in leaf["chunks"]} for k, leaf in m["leaves"].items() if "chunks" in leaf
+    }
 
 
 def test_compressed_round_trip_on_every_backend(storage_root) -> None:
     storage = storage_root.open()
     state = _state()
-    with CheckpointManager(storage_root.url, storage_options=storage_root.options,
-                           compression="zstd", compression_level=3) as mgr:
+    with CheckpointManager(
+        storage_root.url, storage_options=storage_root.options, compression="zstd", compression_level=3
+    ) as mgr:
         mgr.save(1, state)  # async
         mgr.wait()
         m = json.loads(storage.read_bytes(f"{step_dir(1)}/manifest.json"))

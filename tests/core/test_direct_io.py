@@ -26,7 +26,9 @@ pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIR
 def _aligned(n: int, seed: int) -> memoryview:
     """``n`` random bytes in page-aligned (anonymous mmap) memory."""
     m = mmap.mmap(-1, n)
-    m.write(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes())
+    m.write(
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+    )
     return memoryview(m)
 
 
@@ -123,9 +125,12 @@ def test_saves_write_shards_with_o_direct(tmp_path: Path, direct_io: bool, async
     """Async saves write from the page-aligned staging buffer as it is; synchronous ones write
     the tensors' own memory, copied through the bounce buffer."""
     g = torch.Generator().manual_seed(0)
-    state = {"w": _off_the_grid(torch.randn(1000, 1000, generator=g)),
-             "h": _off_the_grid(torch.randn(800, 777, generator=g).bfloat16()),
-             "small": torch.arange(10), "meta": {"k": 1}}
+    state = {
+        "w": _off_the_grid(torch.randn(1000, 1000, generator=g)),
+        "h": _off_the_grid(torch.randn(800, 777, generator=g).bfloat16()),
+        "small": torch.arange(10),
+        "meta": {"k": 1},
+    }
     storage = _Recording(LocalStorage(tmp_path, direct_io=direct_io))
     with CheckpointManager(storage, max_files_per_rank=2, min_file_bytes=1 << 20) as mgr:  # type: ignore[arg-type]
         mgr.save(1, state, async_save=async_save).wait()

@@ -72,8 +72,9 @@ def test_encrypted_round_trip_on_every_backend(storage_root) -> None:
     pytest.importorskip("zstandard")
     plain = storage_root.open()
     s1, s2 = _state(1), _state(2)
-    with CheckpointManager(storage_root.url, storage_options=storage_root.options, encryption=_keys(),
-                           compression="zstd", incremental=True) as mgr:
+    with CheckpointManager(
+        storage_root.url, storage_options=storage_root.options, encryption=_keys(), compression="zstd", incremental=True
+    ) as mgr:
         mgr.save(1, s1)
         mgr.save(2, s2)
         mgr.wait()
@@ -154,8 +155,7 @@ def test_wrong_key_and_no_key_are_clear_errors(tmp_path: Path) -> None:
         mgr.save(1, state)
     for step in (1, None):
         target = _target(state)
-        with CheckpointManager(tmp_path, encryption=_keys(bytes(32))) as other, \
-                pytest.raises(EncryptionKeyError) as e:
+        with CheckpointManager(tmp_path, encryption=_keys(bytes(32))) as other, pytest.raises(EncryptionKeyError) as e:
             other.restore(target, step=step)
         msg = str(e.value)
         assert "wrong key" in msg and _keys().key_id in msg and str(tmp_path) in msg, msg
@@ -306,8 +306,10 @@ def test_a_kms_style_provider_with_key_rotation(tmp_path: Path) -> None:
             mgr.restore(target, step=step)
             assert torch.equal(target["w"], want)
     assert json.loads((tmp_path / step_dir(2) / "manifest.json").read_bytes())["encryption"]["key_id"] == "k2"
-    with CheckpointManager(tmp_path, encryption=_ToyKms({"k2": bytes(range(32))}, "k2")) as mgr, \
-            pytest.raises(EncryptionKeyError, match="no key k1"):
+    with (
+        CheckpointManager(tmp_path, encryption=_ToyKms({"k2": bytes(range(32))}, "k2")) as mgr,
+        pytest.raises(EncryptionKeyError, match="no key k1"),
+    ):
         mgr.restore({"w": torch.zeros(300, 300)}, step=1)
 
 
@@ -372,8 +374,9 @@ def test_encrypted_async_incremental_compressed_resharded_2_to_3(tmp_path: Path)
     bit; a wrong key fails on every rank."""
     from ._launch import run_codecs_worker
 
-    checks = run_codecs_worker(tmp_path, [{"name": "local", "url": str(tmp_path / "root"), "options": {},
-                                           "mode": "encrypted"}])
+    checks = run_codecs_worker(
+        tmp_path, [{"name": "local", "url": str(tmp_path / "root"), "options": {}, "mode": "encrypted"}]
+    )
     assert len(checks) == 2 + 3 * 4, [c["name"] for c in checks]
     plain = open_storage(str(tmp_path / "root"))
     assert json.loads(plain.read_bytes(f"{step_dir(2)}/manifest.json"))["encryption"]
@@ -388,8 +391,9 @@ def test_torn_write_is_replayed_by_the_retrying_writer(tmp_path: Path) -> None:
     from shardkeeper.core.storage.faults import FaultyStorage
     from shardkeeper.core.storage.local import LocalStorage
 
-    faulty = FaultyStorage(LocalStorage(tmp_path), fail_on={"write": "*/data/*"}, after_bytes=3 << 20,
-                           times=1, error=ConnectionResetError)
+    faulty = FaultyStorage(
+        LocalStorage(tmp_path), fail_on={"write": "*/data/*"}, after_bytes=3 << 20, times=1, error=ConnectionResetError
+    )
     state = {"a": torch.randn(1024, 2048), "b": torch.arange(100_000)}
     with CheckpointManager(faulty, encryption=_keys(), retry_base_delay_s=0.01) as mgr:  # type: ignore[arg-type]
         mgr.save(1, state)
@@ -418,6 +422,5 @@ def test_files_swapped_between_paths_and_a_chunk_table_manifest(tmp_path: Path) 
     da, db = a.read_bytes(), b.read_bytes()
     a.write_bytes(db)
     b.write_bytes(da)
-    with CheckpointManager(tmp_path, encryption=_keys()) as mgr, \
-            pytest.raises(CorruptCheckpointError):
+    with CheckpointManager(tmp_path, encryption=_keys()) as mgr, pytest.raises(CorruptCheckpointError):
         mgr.restore({k: torch.zeros_like(v) for k, v in state.items()}, step=1)

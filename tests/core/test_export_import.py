@@ -30,8 +30,11 @@ from ..conftest import StorageRoot
 from ._launch import run_workers
 from .dist.layouts import build, full_state
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:unpickling .* \\(trust_pickle=True\\)"),
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:unpickling .* \\(trust_pickle=True\\)"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +73,24 @@ def test_export_of_a_two_rank_checkpoint_loads_bit_for_bit(saved: Path, tmp_path
 
 
 @pytest.mark.multiprocess
-def test_export_selected_keys_with_prefix_through_the_cli(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_selected_keys_with_prefix_through_the_cli(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ref = load_file(str(saved / "ref.safetensors"))
     want = {k: v for k, v in ref.items() if k.startswith("optim/state/fc1.")}
-    rc = main(["export", str(saved / "sk"), "2", "--to", str(tmp_path / "o"), "--keys", "optim/state/fc1.*",
-               "--keep-prefix", "--no-progress"])
+    rc = main(
+        [
+            "export",
+            str(saved / "sk"),
+            "2",
+            "--to",
+            str(tmp_path / "o"),
+            "--keys",
+            "optim/state/fc1.*",
+            "--keep-prefix",
+            "--no-progress",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert "exported step 2" in capsys.readouterr().out
     assert_same_state(_load_export(tmp_path / "o"), want)
@@ -177,8 +193,14 @@ def test_export_and_import_on_every_backend(storage_root: StorageRoot, tmp_path:
     assert res.step == 4
     assert_same_state(_load_export(tmp_path / "hf"), w)
     dcp.save({"model": dict(w)}, checkpoint_id=str(tmp_path / "dcp"))
-    import_dcp(tmp_path / "dcp", storage_root.url, step=9, trust_pickle=True, storage_options=storage_root.options,
-               progress=False)
+    import_dcp(
+        tmp_path / "dcp",
+        storage_root.url,
+        step=9,
+        trust_pickle=True,
+        storage_options=storage_root.options,
+        progress=False,
+    )
     back = {k: torch.zeros_like(v) for k, v in w.items()}
     with CheckpointManager(storage_root.url, storage_options=storage_root.options) as mgr:
         assert mgr.restore({"model": back}) == 9

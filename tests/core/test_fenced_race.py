@@ -24,8 +24,15 @@ def test_two_writers_racing_one_step_on_every_backend(every_storage_root, tmp_pa
     spec = [{"name": n, "url": r.url, "options": r.options} for n, r in every_storage_root.items()]
     procs = []
     for name, seed in (("a", 1), ("b", 2)):
-        cmd = [sys.executable, str(WORKER), name, str(seed), str(tmp_path / "barrier"), str(tmp_path / f"{name}.json"),
-               json.dumps(spec)]
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            name,
+            str(seed),
+            str(tmp_path / "barrier"),
+            str(tmp_path / f"{name}.json"),
+            json.dumps(spec),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         try:

@@ -56,8 +56,15 @@ def test_step_names_are_canonical() -> None:
 
 @pytest.mark.parametrize(
     "path, ok",
-    [("data/r00000-ab-000.safetensors", True), ("../step-000000000100/data/x.safetensors", True),
-     ("/etc/passwd", False), ("../../etc/passwd", False), ("data/../../x", False), ("../step-1/data/x", False), ("", False)],
+    [
+        ("data/r00000-ab-000.safetensors", True),
+        ("../step-000000000100/data/x.safetensors", True),
+        ("/etc/passwd", False),
+        ("../../etc/passwd", False),
+        ("data/../../x", False),
+        ("../step-1/data/x", False),
+        ("", False),
+    ],
 )
 def test_manifest_file_paths_stay_inside_the_root(path: str, ok: bool) -> None:
     assert safe_relative_path(path) is ok
@@ -123,7 +130,9 @@ def test_ranks_send_a_digest_of_their_declarations_and_a_mismatch_names_them() -
     same = {**_report(1, {}, {"w": [_chunk([2, 0], [2, 2])]}), "declared_digest": declared_digest(decl)}
     other = {**_report(2, {}, {}), "declared_digest": declared_digest({"w": ["tensor", "float32", [4, 3]]})}
     assert assemble_manifest(7, "a", [coord, same], **{**kw, "world_size": 2}).leaves["w"].shape == (4, 2)
-    with pytest.raises(StateMismatchError, match=r"ranks \[2\] hold states whose keys, dtypes or shapes differ from rank 0's"):
+    with pytest.raises(
+        StateMismatchError, match=r"ranks \[2\] hold states whose keys, dtypes or shapes differ from rank 0's"
+    ):
         assemble_manifest(7, "a", [coord, same, other], **kw)
 
 
@@ -136,7 +145,9 @@ def test_bytes_leaves_are_verified_like_tensors(tmp_path: Path) -> None:
         target = {"blob": b""}
         mgr.restore(target)
         assert target["blob"] == blob
-        chunk = json.loads((tmp_path / "step-000000000001" / "manifest.json").read_text())["leaves"]["blob"]["chunks"][0]
+        chunk = json.loads((tmp_path / "step-000000000001" / "manifest.json").read_text())["leaves"]["blob"]["chunks"][
+            0
+        ]
         with open(tmp_path / "step-000000000001" / chunk["file"], "r+b") as f:
             f.seek(chunk["offset"] + 5000)
             f.write(b"\xff")
@@ -151,8 +162,13 @@ def test_synchronous_saves_write_from_the_tensors_own_memory(tmp_path: Path) -> 
 
     rows = DIRECT_MIN_BYTES // (4 * 256)  # 1 MiB of float32 in rows of 256
     base = torch.arange(rows * 256, dtype=torch.float32).reshape(rows, 256)
-    state = {"t": base.t(), "c": base + 1, "h": (base / 7).to(torch.bfloat16).repeat(2, 1),
-             "b": base[:4] > 5, "s": torch.tensor(3)}
+    state = {
+        "t": base.t(),
+        "c": base + 1,
+        "h": (base / 7).to(torch.bfloat16).repeat(2, 1),
+        "b": base[:4] > 5,
+        "s": torch.tensor(3),
+    }
     assert not state["t"].is_contiguous()
     staged = state["t"].nbytes + state["b"].nbytes + state["s"].nbytes
     with CheckpointManager(tmp_path) as mgr:

@@ -190,7 +190,9 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any], Path], None], str]] = {
     "float-shape": (_set_chunk("shape", [4.0, 3.0]), "non-negative integers"),
     "absurd-length": (_set_chunk("length", 10**15), "digests"),
     "absurd-length-unlisted-file": (
-        lambda d, s: (d["files"].clear(), _first_chunk(d).update(length=10**15)), "digests"),
+        lambda d, s: (d["files"].clear(), _first_chunk(d).update(length=10**15)),
+        "digests",
+    ),
     "negative-byte-offset": (_set_chunk("offset", -8), "out of range"),
     "negative-global-offset": (_set_chunk("offsets", [-1, 0]), "non-negative integers"),
     # found by test_fuzz_end_to_end_restore_never_escapes (a TypeError deep in restore before)
@@ -267,7 +269,9 @@ def test_hostile_manifest_is_refused_before_any_read(
 
 @pytest.mark.parametrize("case", list(RAW_HOSTILE))
 def test_hostile_manifest_bytes_are_refused(
-    case: str, world: tuple[Path, Path, dict[str, Any]], saved: tuple[Path, bytes],
+    case: str,
+    world: tuple[Path, Path, dict[str, Any]],
+    saved: tuple[Path, bytes],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     root, sentinel, _ = world
@@ -306,12 +310,30 @@ def test_the_untouched_checkpoint_restores(world: tuple[Path, Path, dict[str, An
 # (a) fuzzing the parser
 
 JSON_SCALARS = st.one_of(
-    st.none(), st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70), st.sampled_from([0, -1, 1, 2**63, 10**30]),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, -1, 1, 2**63, 10**30]),
     st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=20),
-    st.sampled_from(["../../sentinel.txt", "/etc/passwd", "s3://b/k", "data/../../x", "C:\\x", "float128",
-                     "raw", "zstd", "tensor", "bytes", "object", "data/x.safetensors", "", ","]),
+    st.sampled_from(
+        [
+            "../../sentinel.txt",
+            "/etc/passwd",
+            "s3://b/k",
+            "data/../../x",
+            "C:\\x",
+            "float128",
+            "raw",
+            "zstd",
+            "tensor",
+            "bytes",
+            "object",
+            "data/x.safetensors",
+            "",
+            ",",
+        ]
+    ),
 )
 JSON_VALUES = st.recursive(
     JSON_SCALARS,
@@ -362,7 +384,9 @@ def _parse_ok_or_checkpoint_error(data: bytes) -> None:
     m.referenced_files()
 
 
-FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @FUZZ

@@ -54,8 +54,9 @@ def test_unchanged_chunks_become_references_and_retention_keeps_them(storage_roo
     nothing references the base's files any more, they go."""
     storage = storage_root.open()
     state = _state()
-    with CheckpointManager(storage_root.url, storage_options=storage_root.options, keep_last=1,
-                           incremental=True) as mgr:
+    with CheckpointManager(
+        storage_root.url, storage_options=storage_root.options, keep_last=1, incremental=True
+    ) as mgr:
         mgr.save(1, state).wait()
         base = _manifest(storage, 1)
         base_file = _files(base, "model/frozen.weight")[0]
@@ -97,8 +98,11 @@ def test_unchanged_chunks_become_references_and_retention_keeps_them(storage_roo
         for t in state["model"].values():
             t.add_(1)
         mgr.save(4, state).wait()
-        assert all(c["file"].startswith("data/") for leaf in _manifest(storage, 4)["leaves"].values()
-                   for c in leaf.get("chunks", []))
+        assert all(
+            c["file"].startswith("data/")
+            for leaf in _manifest(storage, 4)["leaves"].values()
+            for c in leaf.get("chunks", [])
+        )
     # Retention deleted step 3; the tombstone files of steps 1 and 2 are referenced by no
     # committed manifest now: ordinary garbage, which gc removes (D4).
     assert storage.exists(f"{step_dir(1)}/{base_file}")
@@ -189,8 +193,9 @@ def test_codecs_with_async_save_and_resharded_partial_restore_2_to_3(tmp_path: P
     (async), restored at 3 ranks whole and partially, bit for bit (dist/codecs_worker.py)."""
     from ._launch import run_codecs_worker
 
-    checks = run_codecs_worker(tmp_path, [{"name": "local", "url": str(tmp_path / "root"), "options": {},
-                                           "mode": "codecs"}])
+    checks = run_codecs_worker(
+        tmp_path, [{"name": "local", "url": str(tmp_path / "root"), "options": {}, "mode": "codecs"}]
+    )
     cases = {c["name"] for c in checks}
     assert "local: save w2 (async, codecs)" in cases and "local: partial restore at w3" in cases, cases
     assert len(checks) == 2 + 3 * 3

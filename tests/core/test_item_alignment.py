@@ -86,8 +86,11 @@ def test_large_tensors_start_on_64_bytes_and_files_stay_safetensors(tmp_path: Pa
             mgr.save(step, state, async_save=async_save).wait()
             if async_save:  # the buffer mirrors the file: large items are aligned in memory too
                 (lay,) = mgr._stager._layouts.values()
-                ptrs = [d.data_ptr() % ITEM_ALIGN for d, j in zip(lay.staged_dsts, lay.staged)
-                        if d.numel() * d.element_size() >= ITEM_ALIGN_MIN_BYTES]
+                ptrs = [
+                    d.data_ptr() % ITEM_ALIGN
+                    for d, j in zip(lay.staged_dsts, lay.staged)
+                    if d.numel() * d.element_size() >= ITEM_ALIGN_MIN_BYTES
+                ]
                 assert len(ptrs) == 3 and set(ptrs) == {0}
             _check_files(tmp_path / f"step-{step:012d}", state)
             target = {k: torch.zeros_like(v) for k, v in state.items()}

@@ -124,8 +124,9 @@ def _layered(names: Iterable[str]) -> bool:
 @pytest.mark.parametrize("order", ["alphabetical", "reverse"])
 def test_every_core_module_imports_in_a_fresh_interpreter(order: str) -> None:
     # ``__main__`` modules are entry points: importing one runs its command
-    names = sorted((n for n in _modules(CORE, "shardkeeper.core") if not n.endswith(".__main__")),
-                   reverse=order == "reverse")
+    names = sorted(
+        (n for n in _modules(CORE, "shardkeeper.core") if not n.endswith(".__main__")), reverse=order == "reverse"
+    )
     code = textwrap.dedent(
         """
         import importlib, json, sys, traceback
@@ -138,8 +139,7 @@ def test_every_core_module_imports_in_a_fresh_interpreter(order: str) -> None:
         print(json.dumps(failed))
         """
     )
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(names)], capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     failed = json.loads(res.stdout.strip().splitlines()[-1])
     assert not failed, f"{len(failed)} of {len(names)} modules fail to import ({order}):\n" + "\n".join(failed)

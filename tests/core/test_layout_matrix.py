@@ -43,9 +43,10 @@ def test_restore_every_checkpoint_into_every_layout(matrix_root: Path, world: in
     if res.returncode != 0:  # say whether the ranks got through their checks (a crash at exit?)
         files = sorted((matrix_root / "results").glob(f"restore-w{world}-r*.json"))
         failed = [c["name"] for c in (read_checks(*files) if files else []) if not c["ok"]]
-        pytest.fail(f"exit code {res.returncode}; results written: {[p.name for p in files]}; "
-                    f"failed checks: {failed[:20]}\n"
-                    + res.stdout[-4000:])
+        pytest.fail(
+            f"exit code {res.returncode}; results written: {[p.name for p in files]}; "
+            f"failed checks: {failed[:20]}\n" + res.stdout[-4000:]
+        )
     checks = _checks(matrix_root, "restore", world, res.stdout)
     cases = {c["name"] for c in checks}
     # every saved checkpoint was restored here, including the negative control

@@ -550,8 +550,10 @@ def test_a_failing_storage_is_raised_not_taken_for_damage(tmp_path: Path, what: 
     state and lose the newer step's progress. Once the storage answers, the newest restores."""
     root = tmp_path / "root"
     s1, s2 = _two_steps(root)
-    pattern = {"data": {"read_into": f"*{step_dir(2)}/data/*"},
-               "manifest": {"read_bytes": f"*{step_dir(2)}/manifest.json"}}[what]
+    pattern = {
+        "data": {"read_into": f"*{step_dir(2)}/data/*"},
+        "manifest": {"read_bytes": f"*{step_dir(2)}/manifest.json"},
+    }[what]
     faulty = FaultyStorage(LocalStorage(root), fail_on=pattern)
     target = {"w": torch.zeros(3, 4), "meta": {"seed": -1}}
     with CheckpointManager(faulty, retry_max_attempts=2, retry_base_delay_s=0.0) as mgr:
@@ -646,7 +648,9 @@ def test_extra_target_key_strict_and_not_strict(tmp_path: Path, caplog) -> None:
             with warnings.catch_warnings(record=True) as record:
                 warnings.simplefilter("always")
                 assert mgr.restore(target, strict=False) == 1
-        told = [str(w.message) for w in record] + [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        told = [str(w.message) for w in record] + [
+            r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+        ]
         assert any("new/t" in t for t in told), f"no warning names the skipped key: {told}"
         assert torch.equal(target["w"], saved["w"]) and target["meta"] == {"seed": 1}
         assert torch.equal(target["new"]["t"], torch.ones(2))
@@ -769,9 +773,13 @@ def test_small_targets_restore_through_the_byte_copy_or_copy_(tmp_path: Path, mo
         mgr.save(1, saved).wait()
         np_target = np.zeros((6, 5), dtype=np.float32)
         target: dict[str, Any] = {
-            "plain": torch.zeros(6, 5), "param": nn.Parameter(torch.zeros(6, 5)),
-            "strided": torch.zeros(5, 6).t(), "cast": torch.zeros(6, 5, dtype=torch.float64),
-            "neg": torch._neg_view(torch.zeros(6, 5)), "np": np_target, "half": torch.zeros(8, dtype=torch.float16),
+            "plain": torch.zeros(6, 5),
+            "param": nn.Parameter(torch.zeros(6, 5)),
+            "strided": torch.zeros(5, 6).t(),
+            "cast": torch.zeros(6, 5, dtype=torch.float64),
+            "neg": torch._neg_view(torch.zeros(6, 5)),
+            "np": np_target,
+            "half": torch.zeros(8, dtype=torch.float16),
         }
         assert mgr.restore(target, step=1, cast_dtypes=True) == 1
     for name in ("plain", "param", "strided", "half"):
@@ -812,8 +820,16 @@ def test_a_leaf_of_another_kind_in_the_target_is_refused_by_name(tmp_path: Path)
     with CheckpointManager(str(tmp_path / "root")) as mgr:
         mgr.save(1, {"blob": b"abc", "cfg": {"lr": 0.1}, "w": torch.ones(2)}).wait()
         for target, key, kinds in (
-            ({"blob": torch.zeros(3, dtype=torch.uint8), "cfg": {"lr": 0.0}, "w": torch.zeros(2)}, "blob", "bytes leaf in the checkpoint but a tensor"),
-            ({"blob": b"", "cfg": {"lr": torch.zeros(1)}, "w": torch.zeros(2)}, "cfg/lr", "object leaf in the checkpoint but a tensor"),
+            (
+                {"blob": torch.zeros(3, dtype=torch.uint8), "cfg": {"lr": 0.0}, "w": torch.zeros(2)},
+                "blob",
+                "bytes leaf in the checkpoint but a tensor",
+            ),
+            (
+                {"blob": b"", "cfg": {"lr": torch.zeros(1)}, "w": torch.zeros(2)},
+                "cfg/lr",
+                "object leaf in the checkpoint but a tensor",
+            ),
         ):
             w = target["w"]
             with pytest.raises(StateMismatchError, match=rf"'{key}'.*{kinds}.*step 1|'{key}' in .*step 1.*{kinds}"):
@@ -954,7 +970,9 @@ def test_keep_every_with_keep_last(tmp_path: Path) -> None:
         mgr.wait()
         assert mgr.steps() == [2, 4, 5]
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
-        step_dir(2), step_dir(4), step_dir(5)
+        step_dir(2),
+        step_dir(4),
+        step_dir(5),
     ]
 
 
@@ -1070,7 +1088,9 @@ def test_every_shape_and_dtype_mismatch_in_one_error(tmp_path) -> None:
         assert "2 key(s)" in msg and "'a'" in msg and "'b'" in msg and "'c'" not in msg
         assert "step 1" in msg and "rank 0" in msg and "only=" in msg
         with pytest.raises(StateMismatchError, match=r"2 key\(s\).*dtype.*cast_dtypes=True"):
-            mgr.restore({"a": torch.zeros(3, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.int64), "c": torch.zeros(2)})
+            mgr.restore(
+                {"a": torch.zeros(3, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.int64), "c": torch.zeros(2)}
+            )
 
 
 def test_restore_fills_views_of_leaves_that_require_grad(tmp_path) -> None:

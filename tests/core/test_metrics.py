@@ -76,5 +76,5 @@ def test_registry_rejects_misuse() -> None:
     h = reg.metric("h", "histogram", "h")
     h.observe(0.02)
     h.observe(1000.0)
-    (_, (cum, count, total)), = h.samples()
+    ((_, (cum, count, total)),) = h.samples()
     assert count == 2 and cum[-1] == 2 and cum[0] == 0 and total == pytest.approx(1000.02)

@@ -34,8 +34,11 @@ def _restore_whole(url: str, options: dict, step: int | None = None) -> tuple[in
     extra = {k: torch.zeros_like(t) for k, t in _full().items()}
     with CheckpointManager(url, storage_options=options) as mgr:
         got = mgr.restore({"model": lin, "extra": extra}, step=step)
-    return got, {"model/weight": lin.weight.detach(), "model/bias": lin.bias.detach(),
-                 **{f"extra/{k}": v for k, v in extra.items()}}
+    return got, {
+        "model/weight": lin.weight.detach(),
+        "model/bias": lin.bias.detach(),
+        **{f"extra/{k}": v for k, v in extra.items()},
+    }
 
 
 def test_object_stores_reshard_cli_and_damage(every_storage_root, tmp_path, capsys, caplog) -> None:
@@ -44,16 +47,25 @@ def test_object_stores_reshard_cli_and_damage(every_storage_root, tmp_path, caps
         pytest.skip("no object-store server is installed")
     runs = [{"name": n, "url": r.url, "options": r.options, "mode": "plain"} for n, r in stores.items()]
     if "s3" in stores:  # incremental references and zstd frames through an object store too
-        runs.append({"name": "s3-codecs", "url": stores["s3"].url + "-codecs", "options": stores["s3"].options,
-                     "mode": "codecs"})
+        runs.append(
+            {
+                "name": "s3-codecs",
+                "url": stores["s3"].url + "-codecs",
+                "options": stores["s3"].options,
+                "mode": "codecs",
+            }
+        )
     from ._launch import run_codecs_worker
 
     checks = run_codecs_worker(tmp_path, runs, timeout_s=240)
     assert len(checks) == len(runs) * (2 + 3 * 3), [c["name"] for c in checks]
 
     full, ref = _full(), _linear(1)
-    step1 = {"model/weight": ref.weight.detach(), "model/bias": ref.bias.detach(),
-             **{f"extra/{k}": v for k, v in full.items()}}
+    step1 = {
+        "model/weight": ref.weight.detach(),
+        "model/bias": ref.bias.detach(),
+        **{f"extra/{k}": v for k, v in full.items()},
+    }
     for name, root in stores.items():
         url, options = root.url, root.options
         code, out = _cli(capsys, url, options, "ls", "--json")
@@ -82,8 +94,9 @@ def test_object_stores_reshard_cli_and_damage(every_storage_root, tmp_path, caps
         by_step = {s["step"]: s for s in doc["steps"]}
         assert by_step[1]["problems"] == [], (name, by_step[1])
         problems = by_step[2]["problems"]
-        assert any(p["key"] == "model/weight" and p["kind"] == "digest" and flipped.file in p["file"]
-                   for p in problems), (name, problems)
+        assert any(
+            p["key"] == "model/weight" and p["kind"] == "digest" and flipped.file in p["file"] for p in problems
+        ), (name, problems)
         assert any(p["kind"] == "size" and truncated.file in p["file"] for p in problems), (name, problems)
 
         with pytest.raises(CorruptCheckpointError) as e:
@@ -93,8 +106,10 @@ def test_object_stores_reshard_cli_and_damage(every_storage_root, tmp_path, caps
         with caplog.at_level(logging.WARNING), pytest.warns(UserWarning, match=r"step 2 under .* is damaged"):
             got, restored = _restore_whole(url, options)
         assert got == 1, name
-        assert any("restored step 1" in r.getMessage() and "damaged step(s) 2" in r.getMessage()
-                   and url in r.getMessage() for r in caplog.records), caplog.text
+        assert any(
+            "restored step 1" in r.getMessage() and "damaged step(s) 2" in r.getMessage() and url in r.getMessage()
+            for r in caplog.records
+        ), caplog.text
         assert_same_state(restored, step1, what=f"{name}: the fallback restore of step 1")
 
         code, out = _cli(capsys, url, options, "gc", "--min-age-s", "0", "--json")

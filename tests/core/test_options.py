@@ -46,9 +46,11 @@ def test_one_class_under_every_import_path_and_torch_free() -> None:
     from shardkeeper.core.options import CheckpointOptions as from_options
 
     assert from_manager is from_options is CheckpointOptions
-    code = ("import sys, shardkeeper.core.options, shardkeeper.core.settings, shardkeeper.core as c; "
-            "c.CheckpointOptions(catalog='etcd://h:1', encryption='env:K'); "
-            "print(sorted(m for m in ('torch', 'numpy', 'yaml') if m in sys.modules))")
+    code = (
+        "import sys, shardkeeper.core.options, shardkeeper.core.settings, shardkeeper.core as c; "
+        "c.CheckpointOptions(catalog='etcd://h:1', encryption='env:K'); "
+        "print(sorted(m for m in ('torch', 'numpy', 'yaml') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -143,14 +145,20 @@ def test_encryption_root_without_encryption_raises() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"staging": "overlap", "async_save": False},
-         "staging='overlap' with async_save=False: a synchronous save writes the tensors themselves"),
+        (
+            {"staging": "overlap", "async_save": False},
+            "staging='overlap' with async_save=False: a synchronous save writes the tensors themselves",
+        ),
         ({"compression_level": 1}, "compression_level=1 without compression='zstd': chunks are stored raw"),
         ({"compression": "none", "compression_level": 9}, "compression_level=9 without compression='zstd'"),
-        ({"max_files_per_rank": 1, "min_file_bytes": 1 << 20},
-         "min_file_bytes=1048576 with max_files_per_rank=1: a rank always writes one file"),
-        ({"retry_max_attempts": 1, "retry_deadline_s": 5.0, "retry_max_delay_s": 1.0},
-         "retry_max_delay_s=1.0, retry_deadline_s=5.0 with retry_max_attempts=1: nothing is retried"),
+        (
+            {"max_files_per_rank": 1, "min_file_bytes": 1 << 20},
+            "min_file_bytes=1048576 with max_files_per_rank=1: a rank always writes one file",
+        ),
+        (
+            {"retry_max_attempts": 1, "retry_deadline_s": 5.0, "retry_max_delay_s": 1.0},
+            "retry_max_delay_s=1.0, retry_deadline_s=5.0 with retry_max_attempts=1: nothing is retried",
+        ),
     ],
 )
 def test_ineffective_combinations_warn_at_the_caller(options: dict[str, Any], message: str) -> None:
@@ -163,8 +171,13 @@ def test_ineffective_combinations_warn_at_the_caller(options: dict[str, Any], me
 @pytest.mark.parametrize(
     "options",
     [
-        {}, {"staging": "overlap"}, {"async_save": False}, {"compression": "zstd", "compression_level": 1},
-        {"max_files_per_rank": 1}, {"retry_max_attempts": 1}, {"compression_level": 3},
+        {},
+        {"staging": "overlap"},
+        {"async_save": False},
+        {"compression": "zstd", "compression_level": 1},
+        {"max_files_per_rank": 1},
+        {"retry_max_attempts": 1},
+        {"compression_level": 3},
         {"encryption": "env:K", "encryption_root": "r"},
     ],
 )
@@ -181,8 +194,10 @@ def test_manager_warns_at_its_caller_and_lists_close_matches(tmp_path: Path) -> 
     with pytest.raises(TypeError) as e:
         CheckpointManager(tmp_path / "b", asynch_save=True)
     msg = str(e.value)
-    assert msg.startswith("unknown CheckpointManager option(s): asynch_save (did you mean async_save?); "
-                          "the options, by group: saving: async_save, staging, commit_timeout_s; layout:"), msg
+    assert msg.startswith(
+        "unknown CheckpointManager option(s): asynch_save (did you mean async_save?); "
+        "the options, by group: saving: async_save, staging, commit_timeout_s; layout:"
+    ), msg
     with pytest.raises(TypeError, match=r"option\(s\): no_such_option; the options"):
         CheckpointManager(tmp_path / "b", no_such_option=1)
     assert not (tmp_path / "b").exists()  # refused before the root is touched
@@ -205,14 +220,33 @@ def test_every_option_reads_back_from_its_text() -> None:
 def test_mapping_converts_text_and_checks_parsed_values() -> None:
     provider = _Provider()
     got = options_from_mapping(
-        {"async_save": "on", "incremental": 1, "io_threads": " 8 ", "retry_base_delay_s": "0.5",
-         "staging": "overlap", "compression": None, "digest": " sha256", "encryption": provider,
-         "storage_options": '{"anon": true}', "keep_last": 3},
-        source="test", extra={"storage_options": dict[str, Any] | None, "keep_last": int | None},
+        {
+            "async_save": "on",
+            "incremental": 1,
+            "io_threads": " 8 ",
+            "retry_base_delay_s": "0.5",
+            "staging": "overlap",
+            "compression": None,
+            "digest": " sha256",
+            "encryption": provider,
+            "storage_options": '{"anon": true}',
+            "keep_last": 3,
+        },
+        source="test",
+        extra={"storage_options": dict[str, Any] | None, "keep_last": int | None},
     )
-    assert got == {"async_save": True, "incremental": True, "io_threads": 8, "retry_base_delay_s": 0.5,
-                   "staging": "overlap", "compression": None, "digest": "sha256", "encryption": provider,
-                   "storage_options": {"anon": True}, "keep_last": 3}
+    assert got == {
+        "async_save": True,
+        "incremental": True,
+        "io_threads": 8,
+        "retry_base_delay_s": 0.5,
+        "staging": "overlap",
+        "compression": None,
+        "digest": "sha256",
+        "encryption": provider,
+        "storage_options": {"anon": True},
+        "keep_last": 3,
+    }
     CheckpointOptions(**{k: v for k, v in got.items() if k in OPTION_NAMES})  # builds as read
 
 
@@ -241,19 +275,28 @@ def test_mapping_errors_name_source_key_and_type(key: str, value: Any, message: 
 
 def test_mapping_unknown_keys_list_close_matches_and_groups() -> None:
     with pytest.raises(ValueError) as e:
-        options_from_mapping({"asynch_save": 1, "keep_lats": 3, "zzz": 0}, source="config file /x.yaml",
-                             extra={"keep_last": int | None})
+        options_from_mapping(
+            {"asynch_save": 1, "keep_lats": 3, "zzz": 0}, source="config file /x.yaml", extra={"keep_last": int | None}
+        )
     msg = str(e.value)
-    assert msg.startswith("config file /x.yaml: unknown setting(s) asynch_save (did you mean async_save?), "
-                          "keep_lats (did you mean keep_last?), zzz; known, by group: saving: async_save"), msg
+    assert msg.startswith(
+        "config file /x.yaml: unknown setting(s) asynch_save (did you mean async_save?), "
+        "keep_lats (did you mean keep_last?), zzz; known, by group: saving: async_save"
+    ), msg
     assert msg.endswith("catalog: catalog; others: keep_last"), msg
     with pytest.raises(ValueError, match=r"^the section must be a mapping of settings, got list$"):
         options_from_mapping(["io_threads"], source="the section")  # type: ignore[arg-type]
 
 
 def test_env_reads_shardkeeper_variables_by_declared_type() -> None:
-    env = {"SHARDKEEPER_IO_THREADS": "8", "SHARDKEEPER_ASYNC_SAVE": "0", "SHARDKEEPER_STAGING": "",
-           "SHARDKEEPER_ROOT": "/r", "SHARDKEEPER_ASYNCH_SAVE": "1", "OTHER": "x"}
+    env = {
+        "SHARDKEEPER_IO_THREADS": "8",
+        "SHARDKEEPER_ASYNC_SAVE": "0",
+        "SHARDKEEPER_STAGING": "",
+        "SHARDKEEPER_ROOT": "/r",
+        "SHARDKEEPER_ASYNCH_SAVE": "1",
+        "OTHER": "x",
+    }
     assert options_from_env(env, extra={"root": str | None}) == {"io_threads": 8, "async_save": False, "root": "/r"}
     assert options_from_env({"X_IO_THREADS": "2"}, prefix="X_") == {"io_threads": 2}
     with pytest.raises(ValueError, match=r"'digest' from \$SHARDKEEPER_DIGEST is 'md5', not one of xxh3_128, sha256"):

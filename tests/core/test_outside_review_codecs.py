@@ -36,8 +36,11 @@ def _referenced_dirs(root: Path, step: int) -> set[str]:
     return {f.split("/")[1] if f.startswith("../") else step_dir(step) for f in files}
 
 
-@pytest.mark.parametrize(("first", "second"), [(K1, None), (None, K1), (K1, K2)],
-                         ids=["encrypted-then-plain", "plain-then-encrypted", "other-key"])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(K1, None), (None, K1), (K1, K2)],
+    ids=["encrypted-then-plain", "plain-then-encrypted", "other-key"],
+)
 def test_incremental_never_references_another_encryption_state(tmp_path: Path, first, second) -> None:
     state = _state(1)
     with CheckpointManager(tmp_path, encryption=first, async_save=False) as mgr:
@@ -93,8 +96,11 @@ def _plaintext_data(root: Path, tmp: Path) -> None:
     f.write_bytes(b"\0" * f.stat().st_size)
 
 
-@pytest.mark.parametrize("damage", [_unsealed, _data_under_another_key, _plaintext_data],
-                         ids=["unsealed-manifest", "data-under-another-key", "plaintext-data"])
+@pytest.mark.parametrize(
+    "damage",
+    [_unsealed, _data_under_another_key, _plaintext_data],
+    ids=["unsealed-manifest", "data-under-another-key", "plaintext-data"],
+)
 def test_one_unauthenticated_file_falls_back(tmp_path: Path, damage) -> None:
     root = tmp_path / "root"
     _two_steps(root)

@@ -53,8 +53,11 @@ DEEP = r"nested deeper than 100 levels|not valid JSON \(JSONDecodeError: depth l
 def state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {
-        "model": {"w": torch.randn(4, 3, generator=g), "ints": torch.arange(7, dtype=torch.int64) * seed,
-                  "cols": torch.randn(2, 6, generator=g)},
+        "model": {
+            "w": torch.randn(4, 3, generator=g),
+            "ints": torch.arange(7, dtype=torch.int64) * seed,
+            "cols": torch.randn(2, 6, generator=g),
+        },
         "extra": {"blob": f"blob of step {seed}; ".encode() * 4, "cfg": {"lr": 0.1 * seed, "names": ["a", "b"]}},
     }
 
@@ -68,8 +71,9 @@ def target() -> dict[str, Any]:
 
 def assert_same_data(got: dict[str, Any], want: dict[str, Any]) -> None:
     """Tensors and bytes equal bit for bit (object values carry no digests: not compared)."""
-    assert_same_state({"model": got["model"], "blob": got["extra"]["blob"]},
-                      {"model": want["model"], "blob": want["extra"]["blob"]})
+    assert_same_state(
+        {"model": got["model"], "blob": got["extra"]["blob"]}, {"model": want["model"], "blob": want["extra"]["blob"]}
+    )
 
 
 @contextmanager
@@ -121,6 +125,7 @@ def step2(root: Path) -> dict[str, Any]:
 
 
 # -- the table's columns ---------------------------------------------------------------------
+
 
 def leaf_rows(d: dict[str, Any], key: str) -> list[int]:
     lt = d["leaf_table"]
@@ -255,11 +260,18 @@ DAMAGE: dict[str, tuple[Sequence[str], Callable[[dict[str, Any], Path], None], s
     "empty-table-key": (("table",), rename_leaf("extra/blob", ""), "empty key"),
     "forged-zstd-64gib": (BOTH, lambda d, r: forged_zstd_blob(d, r, 1 << 36), "more than a zstd frame can hold"),
     "format-version-0": (BOTH, top("format_version", 0), "versions start at 1"),
-    "object-without-value": (BOTH, lambda d, r: d["leaves"]["extra/cfg/lr"].pop("value"), "object leaf without a value"),
+    "object-without-value": (
+        BOTH,
+        lambda d, r: d["leaves"]["extra/cfg/lr"].pop("value"),
+        "object leaf without a value",
+    ),
     "leaf-table-removed": (("table",), lambda d, r: d.pop("leaf_table"), "a chunk_table without a leaf_table"),
     "chunk-table-removed": (("table",), lambda d, r: d.pop("chunk_table"), "a leaf_table without a chunk_table"),
-    "shared-row": (("table",), lambda d, r: d["leaf_table"]["rows"].__setitem__(1, d["leaf_table"]["rows"][0]),
-                   "belongs to more than one leaf"),
+    "shared-row": (
+        ("table",),
+        lambda d, r: d["leaf_table"]["rows"].__setitem__(1, d["leaf_table"]["rows"][0]),
+        "belongs to more than one leaf",
+    ),
 }
 CASES = [(name, form) for name, (forms, _, _) in DAMAGE.items() for form in forms]
 
@@ -267,8 +279,12 @@ CASES = [(name, form) for name, (forms, _, _) in DAMAGE.items() for form in form
 def tools_survive(root: Path) -> None:
     """The CLI (with --debug: anything but a CheckpointError propagates), steps() and the
     commit check treat step 2 as damaged and never raise anything else."""
-    for argv in (["ls", str(root)], ["inspect", str(root), "2"], ["verify", str(root)],
-                 ["gc", str(root), "--dry-run", "--min-age-s", "0"]):
+    for argv in (
+        ["ls", str(root)],
+        ["inspect", str(root), "2"],
+        ["verify", str(root)],
+        ["gc", str(root), "--dry-run", "--min-age-s", "0"],
+    ):
         try:
             cli_main([*argv, "--debug"])
         except CheckpointError:
@@ -366,9 +382,7 @@ def shared_bytes_blob(d: dict[str, Any], root: Path, copies: int = 200) -> None:
     leaf["chunks"] = [dict(c, offsets=[i * n]) for i in range(copies)]
 
 
-def test_chunks_that_share_stored_bytes_are_refused_before_allocating(
-    roots: dict[str, Path], tmp_path: Path
-) -> None:
+def test_chunks_that_share_stored_bytes_are_refused_before_allocating(roots: dict[str, Path], tmp_path: Path) -> None:
     """Every chunk lies inside its file and its digests match, but together they claim more
     bytes than the files hold: restore (a bytes leaf) and export (a tensor) refuse before
     allocating (before, restore returned the forged blob and export the forged tensor)."""
@@ -450,8 +464,10 @@ def test_a_deep_encryption_member_is_damage(tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data.replace(b',"encryption":{', b',"encryption":{"x":' + b"[" * 2000 + b"]" * 2000 + b",", 1))
     got = target()
-    with pytest.warns(UserWarning, match=f"its encryption member is ({DEEP})"), \
-            CheckpointManager(root, encryption=keys) as mgr:
+    with (
+        pytest.warns(UserWarning, match=f"its encryption member is ({DEEP})"),
+        CheckpointManager(root, encryption=keys) as mgr,
+    ):
         assert mgr.restore(got) == 1
     assert_same_data(got, state(1))
 
@@ -477,6 +493,7 @@ def test_loads_untrusted_bounds_both_parsers(monkeypatch: pytest.MonkeyPatch) ->
 
 
 # -- tiling ----------------------------------------------------------------------------------
+
 
 def reference_tiling(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bool:
     """The pairwise check ``check_tiling_boxes`` had before the signed-corner test (quadratic:
@@ -602,6 +619,7 @@ def test_a_layout_split_along_13_dimensions_is_refused_not_checked_for_minutes()
 
 # -- docs/format.md --------------------------------------------------------------------------
 
+
 def format_md_json() -> list[Any]:
     text = (REPO / "docs" / "format.md").read_text()
     out = []
@@ -632,8 +650,10 @@ def test_the_example_manifest_of_format_md_parses_verifies_and_restores(tmp_path
     root = tmp_path / "root"
     for rank, (rel, rec) in enumerate(sorted(doc["files"].items())):
         lo = 2 * rank
-        entries = [(chunk_name("model/layers.0.weight", (lo, 0), (2, 3), (4, 3)), "bfloat16", (2, 3), 12),
-                   (f"rng/{rank}/torch", "uint8", (16,), 16)]
+        entries = [
+            (chunk_name("model/layers.0.weight", (lo, 0), (2, 3), (4, 3)), "bfloat16", (2, 3), 12),
+            (f"rng/{rank}/torch", "uint8", (16,), 16),
+        ]
         header, at = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
         assert at == [216, 228] and len(header) + 28 == rec["size_bytes"] == 244
         if rank == 0:
@@ -657,6 +677,7 @@ def test_the_example_manifest_of_format_md_parses_verifies_and_restores(tmp_path
 
 
 # -- fuzzing ---------------------------------------------------------------------------------
+
 
 def _int_paths(doc: Any) -> list[tuple[Any, ...]]:
     out = []
@@ -709,8 +730,9 @@ def _targeted(d: dict[str, Any], root: Path, data: st.DataObject) -> None:
         _apply(d, path, op, data.draw(JSON_VALUES) if op == "replace" else None)
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_fuzz_only_checkpoint_errors_escape_and_restore_falls_back_bit_for_bit(
     roots: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject

@@ -30,9 +30,11 @@ from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.tensor.legacy import require_trust
 from tests.hostile_pickle import UNTRUSTED, Trace
 
-pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.filterwarnings("ignore:unpickling .* \\(trust_pickle=True\\)"),
-              pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed.checkpoint")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore:unpickling .* \\(trust_pickle=True\\)"),
+    pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed.checkpoint"),
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,8 +45,9 @@ def _traced_dcp(tmp_path: Path) -> tuple[Path, Path, Path]:
     """A DCP directory whose object entry and whose ``.metadata`` each create a folder when
     unpickled: (directory, object trace, metadata trace)."""
     src, obj_trace, md_trace = tmp_path / "dcp", tmp_path / "trace-object", tmp_path / "trace-metadata"
-    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "extra": {"note": Trace(obj_trace)}},
-             checkpoint_id=str(src))
+    dcp.save(
+        {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "extra": {"note": Trace(obj_trace)}}, checkpoint_id=str(src)
+    )
     with open(src / ".metadata", "rb") as f:
         md = pickle.load(f)  # DCP's own metadata, written back with one more (traced) attribute
     md.__dict__["trace"] = Trace(md_trace)
@@ -58,14 +61,17 @@ def _traced_dcp(tmp_path: Path) -> tuple[Path, Path, Path]:
 def test_dcp_import_unpickles_nothing_unless_trust_is_true(tmp_path: Path, trust: object) -> None:
     src, obj_trace, md_trace = _traced_dcp(tmp_path)
     root = tmp_path / "root"
-    for call in (lambda: import_dcp(src, root, step=1, trust_pickle=trust, progress=False),  # type: ignore[arg-type]
-                 lambda: read_dcp_metadata(src, trust_pickle=trust),  # type: ignore[arg-type]
-                 lambda: load_dcp(src, trust_pickle=trust)):  # type: ignore[arg-type]
+    for call in (
+        lambda: import_dcp(src, root, step=1, trust_pickle=trust, progress=False),  # type: ignore[arg-type]
+        lambda: read_dcp_metadata(src, trust_pickle=trust),  # type: ignore[arg-type]
+        lambda: load_dcp(src, trust_pickle=trust),
+    ):  # type: ignore[arg-type]
         with pytest.raises(PermissionError) as refused:
             call()
         assert not obj_trace.exists() and not md_trace.exists(), f"unpickled before the refusal: {refused.value}"
         assert str(refused.value).startswith(f"{src}: ") and "trust_pickle=True (CLI: --trust-pickle)" in str(
-            refused.value), refused.value
+            refused.value
+        ), refused.value
     assert not root.exists()
 
 
@@ -100,8 +106,19 @@ def test_the_gate_names_a_truthy_value_it_refuses(tmp_path: Path) -> None:
 def test_possible_pickles_lists_every_file_not_known_safe_at_any_depth(tmp_path: Path) -> None:
     from shardkeeper.core.tensor.legacy import possible_pickles
 
-    for rel in ("model.safetensors", "config.json", "notes.txt", "pytorch_model/latest",
-                "a/b/.metadata", "a/b/__0_0.distcp", "x.pt", "opt.bin", "r.pkl", "w.pth", "sub/unknown"):
+    for rel in (
+        "model.safetensors",
+        "config.json",
+        "notes.txt",
+        "pytorch_model/latest",
+        "a/b/.metadata",
+        "a/b/__0_0.distcp",
+        "x.pt",
+        "opt.bin",
+        "r.pkl",
+        "w.pth",
+        "sub/unknown",
+    ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"")
     outside = tmp_path.parent / f"{tmp_path.name}-linked"
@@ -109,19 +126,24 @@ def test_possible_pickles_lists_every_file_not_known_safe_at_any_depth(tmp_path:
     (outside / "state.pt").write_bytes(b"")
     (tmp_path / "link").symlink_to(outside, target_is_directory=True)
     (outside / "loop").symlink_to(outside, target_is_directory=True)  # followed once only
-    assert possible_pickles(tmp_path) == sorted([
-        "a/b/.metadata", "a/b/__0_0.distcp", "link/state.pt", "opt.bin", "r.pkl", "sub/unknown", "w.pth", "x.pt"])
+    assert possible_pickles(tmp_path) == sorted(
+        ["a/b/.metadata", "a/b/__0_0.distcp", "link/state.pt", "opt.bin", "r.pkl", "sub/unknown", "w.pth", "x.pt"]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # DCP keys that collide after normalization
 
 
-@pytest.mark.parametrize("sd, first, second", [
-    ({"model": {"module.x": 1, "x": 2}}, "model.module.x", "model.x"),  # two objects
-    ({"model": {"module.w": torch.ones(2), "w": 5}}, "model.module.w", "model.w"),  # a tensor and an object
-    ({"model": {"module.w": torch.ones(2), "w": torch.zeros(2)}}, "model.module.w", "model.w"),  # two tensors
-], ids=["object-object", "tensor-object", "tensor-tensor"])
+@pytest.mark.parametrize(
+    "sd, first, second",
+    [
+        ({"model": {"module.x": 1, "x": 2}}, "model.module.x", "model.x"),  # two objects
+        ({"model": {"module.w": torch.ones(2), "w": 5}}, "model.module.w", "model.w"),  # a tensor and an object
+        ({"model": {"module.w": torch.ones(2), "w": torch.zeros(2)}}, "model.module.w", "model.w"),  # two tensors
+    ],
+    ids=["object-object", "tensor-object", "tensor-tensor"],
+)
 def test_dcp_keys_that_collide_are_refused_naming_both(tmp_path: Path, sd: dict, first: str, second: str) -> None:
     src = tmp_path / "dcp"
     dcp.save(sd, checkpoint_id=str(src))
@@ -168,8 +190,9 @@ def hostile_root(tmp_path: Path) -> Path:
     return root
 
 
-def test_cli_escapes_control_characters_from_the_manifest(hostile_root: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_escapes_control_characters_from_the_manifest(
+    hostile_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = str(hostile_root)
     runs = {
         "ls": (["ls", root], 0),
@@ -184,8 +207,13 @@ def test_cli_escapes_control_characters_from_the_manifest(hostile_root: Path,
         out = capsys.readouterr()
         assert not _raw_controls(out.out) and not _raw_controls(out.err), (name, out)
         seen += out.out + out.err
-    for shown in ("w\\x1b[2J\\r\\x07\\u202ex", "owner\\x1b[2J", "m\\x1b[2J\\r\\x07\\u202ez", "2026\\x1b[2J",
-                  "k\\x1b[2J\\r\\x07\\u202e"):
+    for shown in (
+        "w\\x1b[2J\\r\\x07\\u202ex",
+        "owner\\x1b[2J",
+        "m\\x1b[2J\\r\\x07\\u202ez",
+        "2026\\x1b[2J",
+        "k\\x1b[2J\\r\\x07\\u202e",
+    ):
         assert shown in seen, shown  # escaped, still readable
     assert '"v\\u001b[2J\\r\\u0007\\u202ey"' in seen  # the object value, as inspect previews it
 
@@ -206,8 +234,9 @@ def test_cli_subprocess_prints_no_control_character(hostile_root: Path) -> None:
     src = Path(shardkeeper.core.__file__).parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     for argv in (["inspect", str(hostile_root), "1"], ["verify", str(hostile_root)]):
-        res = subprocess.run([sys.executable, "-m", "shardkeeper.core.cli", *argv], capture_output=True, text=True,
-                             env=env, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-m", "shardkeeper.core.cli", *argv], capture_output=True, text=True, env=env, timeout=60
+        )
         assert res.returncode in (0, 1), res.stderr
         assert not _raw_controls(res.stdout) and not _raw_controls(res.stderr), (res.stdout, res.stderr)
         assert "w\\x1b[2J\\r\\x07\\u202ex" in res.stdout + res.stderr

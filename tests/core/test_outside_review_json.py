@@ -34,9 +34,15 @@ def _values() -> dict:
     rng = np.random.default_rng(1234)
     rng.random(3)  # a state in the middle of the stream
     return {
-        "best_val_loss": float("inf"), "worst": float("-inf"), "undefined": float("nan"),
-        "run_id": BIG, "neg": -(2**70), "u64_max": 2**64 - 1, "i64_min": -(2**63),
-        "pcg64": rng.bit_generator.state, "entropy": np.random.SeedSequence(99).entropy,
+        "best_val_loss": float("inf"),
+        "worst": float("-inf"),
+        "undefined": float("nan"),
+        "run_id": BIG,
+        "neg": -(2**70),
+        "u64_max": 2**64 - 1,
+        "i64_min": -(2**63),
+        "pcg64": rng.bit_generator.state,
+        "entropy": np.random.SeedSequence(99).entropy,
         "nested": {"list": [1, 2.5, float("inf"), 2**100, "é ✓ 😀"]},
     }
 
@@ -117,7 +123,11 @@ def test_a_lone_surrogate_is_refused_by_save_naming_the_key(tmp_path: Path, stat
         mgr.save(1, {"w": torch.ones(1)}).wait()
         with pytest.raises(StateMismatchError) as e:
             mgr.save(2, state)
-        assert key in str(e.value) and "surrogate" in str(e.value) and ("fsencode" in str(e.value) or "rename" in str(e.value))
+        assert (
+            key in str(e.value)
+            and "surrogate" in str(e.value)
+            and ("fsencode" in str(e.value) or "rename" in str(e.value))
+        )
         assert not (tmp_path / step_dir(2)).exists(), "the refused save wrote something"
         mgr.save(2, {"w": torch.ones(1)}).wait()  # nothing is stuck: later saves commit
         assert mgr.steps() == [1, 2]
@@ -137,6 +147,7 @@ def test_the_coordinator_parses_what_it_commits(tmp_path: Path, monkeypatch: pyt
     """A writer that loses a value (here: the dumps of a version that wrote big integers
     without declaring them, which a fast reader takes for floats) must fail the save, naming
     the key, instead of committing a step whose value comes back different."""
+
     def undeclared(self: Manifest) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
 

@@ -131,10 +131,18 @@ def test_conflict_found_at_commit_names_a_concurrent_writer(tmp_path: Path) -> N
 
 
 def test_ctrl_c_while_the_exit_waits_abandons_the_save_cleanly(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "slow_at_exit", str(tmp_path / "r")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "slow_at_exit", str(tmp_path / "r")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().startswith("RESULT")  # saved; the exit now waits (3 s)

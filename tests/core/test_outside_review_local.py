@@ -336,8 +336,13 @@ def test_a_link_to_dev_zero_is_refused_before_reading(tmp_path, capsys):
     os.symlink("/dev/zero", data / name)
     paths = [f"{step_dir(3)}/manifest.json", f"{step_dir(2)}/data/{name}"]
     # In a child first, with its memory bounded: a read without bound fails there, not here.
-    proc = subprocess.run([sys.executable, "-c", _READ_IN_A_SUBPROCESS, str(root), *paths],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": SOURCES})
+    proc = subprocess.run(
+        [sys.executable, "-c", _READ_IN_A_SUBPROCESS, str(root), *paths],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": SOURCES},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout)
     for p in paths:
@@ -390,12 +395,19 @@ def test_one_bad_entry_marks_one_step_damaged_not_the_root_broken(tmp_path, caps
     rc, out = _cli("ls", str(root), "--json", capsys=capsys)
     assert rc == 0, out
     assert {r["step"]: r["status"] for r in json.loads(out)["steps"]} == {
-        1: "committed", 2: "committed", 3: "invalid", 4: "uncommitted", 5: "committed", 6: "committed",
-        7: "invalid"}
+        1: "committed",
+        2: "committed",
+        3: "invalid",
+        4: "uncommitted",
+        5: "committed",
+        6: "committed",
+        7: "invalid",
+    }
     rc, out = _cli("verify", str(root), "--json", capsys=capsys)
     assert rc == 1, out  # damage found, reported step by step (not an error that stops it)
     problems = {p["step"] for p in json.loads(out)["problems"]} | {
-        s["step"] for s in json.loads(out)["steps"] if not s["ok"]}
+        s["step"] for s in json.loads(out)["steps"] if not s["ok"]
+    }
     assert problems == {3, 5, 6, 7}, out
     rc, out = _cli("gc", str(root), "--min-age-s", "0", capsys=capsys)
     assert rc == 0, out
@@ -407,8 +419,12 @@ def test_damage_is_not_retried_and_an_io_error_is_not_fallen_back_from(tmp_path,
     root = _damaged_root(tmp_path)
     storage = RetryingStorage(LocalStorage(root), RetryPolicy(max_attempts=4, base_delay_s=2.0))
     t0 = time.monotonic()
-    for path in (f"{step_dir(3)}/manifest.json", f"{step_dir(4)}/manifest.json", f"{step_dir(7)}/manifest.json",
-                 f"{step_dir(5)}/data/x.safetensors"):
+    for path in (
+        f"{step_dir(3)}/manifest.json",
+        f"{step_dir(4)}/manifest.json",
+        f"{step_dir(7)}/manifest.json",
+        f"{step_dir(5)}/data/x.safetensors",
+    ):
         with pytest.raises(CorruptCheckpointError):
             storage.read_bytes(path)
     assert storage.retries == 0 and time.monotonic() - t0 < 1.0
@@ -464,9 +480,23 @@ def test_put_if_absent_without_hard_links_is_exclusive_across_processes(tmp_path
     root.mkdir()
     rounds, start = 1000, time.time() + 1.5
     procs = [
-        subprocess.Popen([sys.executable, str(RACER), name, mode, str(root), str(start), str(rounds), "0.003",
-                          str(tmp_path / f"{name}.json")], env={**os.environ, "PYTHONPATH": SOURCES},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(RACER),
+                name,
+                mode,
+                str(root),
+                str(start),
+                str(rounds),
+                "0.003",
+                str(tmp_path / f"{name}.json"),
+            ],
+            env={**os.environ, "PYTHONPATH": SOURCES},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for name in ("a", "b")
     ]
     for p in procs:

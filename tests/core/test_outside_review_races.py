@@ -32,8 +32,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
 
 
 def _race(tmp_path: Path, point: str, kind: str, deleter: list[str]) -> tuple[dict, dict, Path]:
@@ -96,8 +99,6 @@ def test_gc_before_the_commit_makes_that_save_fail_cleanly(tmp_path: Path) -> No
         assert mgr.steps() == [1, 5]
 
 
-
-
 class _Before(StorageWrapper):
     """Runs ``hook`` once, right before the first ``op`` on a path that ``match`` accepts."""
 
@@ -151,8 +152,9 @@ def test_a_commit_between_retentions_listing_and_its_deletes_keeps_its_reference
         w.save(10, state(10.0))
     saver = CheckpointManager(root, incremental=True)
     handle = saver.save(5, state(5.0))  # its base is step 1, below the newest
-    deleter_storage = _Before(open_storage(str(root)), "delete",
-                              lambda p: p == f"{step_dir(1)}/manifest.json", handle.wait)
+    deleter_storage = _Before(
+        open_storage(str(root)), "delete", lambda p: p == f"{step_dir(1)}/manifest.json", handle.wait
+    )
     with CheckpointManager(deleter_storage) as deleter:
         assert deleter.delete(1)
     got = {"frozen": torch.zeros_like(frozen), "live": torch.zeros(1 << 18)}
@@ -211,8 +213,16 @@ def _leftover(root: Path) -> None:
 def test_a_record_cannot_pin_a_step_longer_than_a_commit_may_take(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _leftover(root)
-    (root / f"pending.intent.{step_dir(3)}.deadbeef.json").write_text(json.dumps(
-        {"kind": "intent", "steps": [3], "ttl_s": 1e308, "files": [f"{step_dir(3)}/data/r00000-00000000-000.safetensors"]}))
+    (root / f"pending.intent.{step_dir(3)}.deadbeef.json").write_text(
+        json.dumps(
+            {
+                "kind": "intent",
+                "steps": [3],
+                "ttl_s": 1e308,
+                "files": [f"{step_dir(3)}/data/r00000-00000000-000.safetensors"],
+            }
+        )
+    )
     storage = open_storage(str(root))
     assert step_dir(3) in collect_garbage(storage, min_age_s=0.0).kept_in_flight  # live while young
     later = collect_garbage(storage, min_age_s=0.0, now=time.time() + 3600)  # its claim of 1e308 s is ignored

@@ -18,8 +18,17 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 def test_quick_loop_benchmark_runs_every_method(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "loop.py"), "--quick",
-           "--results-dir", str(tmp_path / "results"), "--workdir", str(tmp_path), "--timeout-s", "240"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "loop.py"),
+        "--quick",
+        "--results-dir",
+        str(tmp_path / "results"),
+        "--workdir",
+        str(tmp_path),
+        "--timeout-s",
+        "240",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     [path] = (tmp_path / "results").glob("loop-*-quick.json")
@@ -33,12 +42,22 @@ def test_quick_loop_benchmark_runs_every_method(tmp_path: Path) -> None:
 
 
 def test_quick_direct_io_benchmark_runs(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "direct_io.py"), "--quick",
-           "--results-dir", str(tmp_path / "results"), "--workdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "direct_io.py"),
+        "--quick",
+        "--results-dir",
+        str(tmp_path / "results"),
+        "--workdir",
+        str(tmp_path),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     [path] = (tmp_path / "results").glob("direct-io-*-quick.json")
     med = json.loads(path.read_text())["median"]
-    assert set(med) == {f"{w}, {m}" for w in ("raw write + fsync", "shardkeeper async save", "shardkeeper sync save")
-                        for m in ("buffered", "O_DIRECT")}
+    assert set(med) == {
+        f"{w}, {m}"
+        for w in ("raw write + fsync", "shardkeeper async save", "shardkeeper sync save")
+        for m in ("buffered", "O_DIRECT")
+    }
     assert all(v["wall_s"] > 0 for v in med.values()), med

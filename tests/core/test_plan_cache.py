@@ -27,8 +27,9 @@ def _restored(mgr: CheckpointManager, like: dict[str, Any], step: int) -> dict[s
 
 def test_new_tensor_objects_and_values_are_bound_into_the_cached_plan(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
-        states = [{"w": torch.full((64, 3), float(s)), "b": torch.arange(5) + s, "cfg": {"lr": 0.1 * s}}
-                  for s in range(4)]
+        states = [
+            {"w": torch.full((64, 3), float(s)), "b": torch.arange(5) + s, "cfg": {"lr": 0.1 * s}} for s in range(4)
+        ]
         for step, st in enumerate(states):
             mgr.save(step, st).wait()
         assert mgr._plans.hits == 3
@@ -145,17 +146,26 @@ def test_box_in_finds_narrowed_views_and_refuses_anything_else() -> None:
 def test_sources_are_bound_to_their_items_whatever_the_file_order(tmp_path: Path) -> None:
     """Files hold the widest dtypes first, then keys in order, not the state's order: a cache
     hit binds each item's source across that reordering (and nested dicts)."""
+
     def state(s: int) -> dict[str, Any]:
-        return {"z": torch.full((5,), s, dtype=torch.int8), "a": torch.arange(3, dtype=torch.float64) + s,
-                "m": {"w": torch.full((2, 2), float(s)), "step": s}, "b": torch.full((4,), s, dtype=torch.int16)}
+        return {
+            "z": torch.full((5,), s, dtype=torch.int8),
+            "a": torch.arange(3, dtype=torch.float64) + s,
+            "m": {"w": torch.full((2, 2), float(s)), "step": s},
+            "b": torch.full((4,), s, dtype=torch.int16),
+        }
 
     with CheckpointManager(tmp_path) as mgr:
         for step in range(3):
             mgr.save(step, state(step)).wait()
         assert mgr._plans.hits == 2
         for step in range(3):
-            target = {"z": torch.zeros(5, dtype=torch.int8), "a": torch.zeros(3, dtype=torch.float64),
-                      "m": {"w": torch.zeros(2, 2), "step": -1}, "b": torch.zeros(4, dtype=torch.int16)}
+            target = {
+                "z": torch.zeros(5, dtype=torch.int8),
+                "a": torch.zeros(3, dtype=torch.float64),
+                "m": {"w": torch.zeros(2, 2), "step": -1},
+                "b": torch.zeros(4, dtype=torch.int16),
+            }
             mgr.restore(target, step=step)
             want = state(step)
             assert target["m"]["step"] == step and torch.equal(target["m"]["w"], want["m"]["w"])

@@ -24,11 +24,20 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
 
 def _run(root: Path, mode: str) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(DIST_DIR / "preempt_worker.py"), str(root), mode]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(DIST_DIR / "preempt_worker.py"),
+        str(root),
+        mode,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 90
         while not (root / "ready").exists():

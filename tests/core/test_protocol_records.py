@@ -76,16 +76,36 @@ def _pair(world: int = 2) -> tuple[_Store, _OnStore, _OnStore]:
 
 
 def _report(rank: int = 1, **changes: Any) -> RankReport:
-    recs = [{"file": "data/r1-0.skt", "offset": 64, "length": 24, "offsets": [0, 0], "shape": [2, 3],
-             "digests": "0123456789abcdef0123456789abcdef"},
-            {"file": "data/r1-0.skt", "offset": 88, "length": 8, "offsets": [0], "shape": [2],
-             "digests": "fedcba9876543210fedcba9876543210"}]
+    recs = [
+        {
+            "file": "data/r1-0.skt",
+            "offset": 64,
+            "length": 24,
+            "offsets": [0, 0],
+            "shape": [2, 3],
+            "digests": "0123456789abcdef0123456789abcdef",
+        },
+        {
+            "file": "data/r1-0.skt",
+            "offset": 88,
+            "length": 8,
+            "offsets": [0],
+            "shape": [2],
+            "digests": "fedcba9876543210fedcba9876543210",
+        },
+    ]
     report = RankReport(
-        rank=rank, attempt="a1b2c3", declared={"rng/1": ["per_rank", "uint8", [16]]}, declared_digest="9f" * 16,
+        rank=rank,
+        attempt="a1b2c3",
+        declared={"rng/1": ["per_rank", "uint8", [16]]},
+        declared_digest="9f" * 16,
         chunks=rows_report(["model/w", "model/b"], ChunkTable.from_records(recs, 0)),
         files={"data/r1-0.skt": {"size_bytes": 96, "rank": rank}},
         objects={"epoch": 3, "lr": 1e-3, "nan": math.nan, "big": 1 << 70, "text": "é\n"},
-        bases=[4], extended=True, per_rank_prefixes=["rng/"], layouts=["DTensor(mesh=(2,), placements=(Shard(0),))"],
+        bases=[4],
+        extended=True,
+        per_rank_prefixes=["rng/"],
+        layouts=["DTensor(mesh=(2,), placements=(Shard(0),))"],
         timings=Timings(stall_s=0.25, write_s=1.5, sync=False),
     )
     return replace(report, **changes)
@@ -103,9 +123,18 @@ def test_a_report_crosses_the_store_unchanged_in_the_bytes_it_always_had() -> No
     key = f"{NS}/7/report/1"
     # The wire format: the dict the protocol sent before it was typed, member for member.
     before = {
-        "ok": True, "rank": 1, "attempt": "a1b2c3", "declared": sent.declared, "declared_digest": sent.declared_digest,
-        "chunks": report_for_wire(sent.chunks), "files": sent.files, "objects": sent.objects, "bases": [4],
-        "extended_json": True, "per_rank_prefixes": ["rng/"], "layouts": sent.layouts,
+        "ok": True,
+        "rank": 1,
+        "attempt": "a1b2c3",
+        "declared": sent.declared,
+        "declared_digest": sent.declared_digest,
+        "chunks": report_for_wire(sent.chunks),
+        "files": sent.files,
+        "objects": sent.objects,
+        "bases": [4],
+        "extended_json": True,
+        "per_rank_prefixes": ["rng/"],
+        "layouts": sent.layouts,
         "timings": {"stall_s": 0.25, "write_s": 1.5, "sync": False},
     }
     assert store.data[key] == json.dumps(before).encode()
@@ -126,8 +155,9 @@ def test_a_report_crosses_the_store_unchanged_in_the_bytes_it_always_had() -> No
 
 @pytest.mark.parametrize("phase", list(Phase))
 def test_a_failure_round_trips_and_says_conflict_only_for_a_commit(phase: Phase) -> None:
-    f = Failure.of(1, phase, "/ckpt/step-00000007", OSError(28, "No space left on device"),
-                   conflict=phase is Phase.COMMIT)
+    f = Failure.of(
+        1, phase, "/ckpt/step-00000007", OSError(28, "No space left on device"), conflict=phase is Phase.COMMIT
+    )
     doc = f.to_json()
     assert list(doc) == ["ok", "rank", "phase", "path", "error"] + (["conflict"] if phase is Phase.COMMIT else [])
     assert doc["phase"] == phase.value and doc["error"] == "OSError: [Errno 28] No space left on device"
@@ -139,9 +169,12 @@ def test_a_failure_report_ends_the_collection_and_the_outcome_reaches_every_rank
     store, coord0, coord1 = _pair(world=3)
     failure = Failure(1, Phase.WRITE, "/ckpt/step-00000007", "OSError: disk full")
     coord1.report(7, failure)
-    assert store.data[f"{NS}/7/report/1"] == json.dumps(
-        {"ok": False, "rank": 1, "phase": "write", "path": "/ckpt/step-00000007", "error": "OSError: disk full"}
-    ).encode()
+    assert (
+        store.data[f"{NS}/7/report/1"]
+        == json.dumps(
+            {"ok": False, "rank": 1, "phase": "write", "path": "/ckpt/step-00000007", "error": "OSError: disk full"}
+        ).encode()
+    )
     assert coord0.collect(7, _report(rank=0), 5.0, step=7) == failure  # before rank 2 reported
     coord0.publish(7, Outcome(failure))
     assert coord1.outcome(7, 1.0, step=7) == Outcome(failure)
@@ -157,10 +190,19 @@ def test_the_outcomes_bytes_and_round_trip() -> None:
     assert coord1.outcome(3, 1.0, step=3) == COMMITTED and COMMITTED.ok
     conflict = Outcome(Failure(0, Phase.COMMIT, "s3://b/r/step-00000003", "CommitConflictError: exists", True))
     coord0.publish(4, conflict)
-    assert store.data[f"{NS}/4/outcome"] == json.dumps(
-        {"ok": False, "rank": 0, "phase": "commit", "path": "s3://b/r/step-00000003",
-         "error": "CommitConflictError: exists", "conflict": True}
-    ).encode()
+    assert (
+        store.data[f"{NS}/4/outcome"]
+        == json.dumps(
+            {
+                "ok": False,
+                "rank": 0,
+                "phase": "commit",
+                "path": "s3://b/r/step-00000003",
+                "error": "CommitConflictError: exists",
+                "conflict": True,
+            }
+        ).encode()
+    )
     got = coord1.outcome(4, 1.0, step=4)
     assert got == conflict and not got.ok and got.failure is not None and got.failure.conflict
 

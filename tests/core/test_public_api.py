@@ -19,8 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 #: The core's public packages: their ``__all__`` is the core's public API.
-CORE_PUBLIC = ("shardkeeper.core", "shardkeeper.core.storage", "shardkeeper.core.testing",
-               "shardkeeper.core.testing.storage_conformance")
+CORE_PUBLIC = (
+    "shardkeeper.core",
+    "shardkeeper.core.storage",
+    "shardkeeper.core.testing",
+    "shardkeeper.core.testing.storage_conformance",
+)
 #: The adapters' top-level packages, by source file.
 ADAPTERS = {
     f"shardkeeper.{name}": REPO / "packages" / f"{name}_plugin" / "src" / "shardkeeper" / name / "__init__.py"

@@ -46,9 +46,18 @@ def _dirs(storage):
 # ---------------------------------------------------------------------------- the policy
 
 
-@pytest.mark.parametrize("field,value", [("keep_last", 0), ("keep_last", -2), ("keep_every", 0),
-                                         ("keep_every", -1), ("keep_last", True),
-                                         ("keep_every", 2.5), ("keep_last", "3")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("keep_last", 0),
+        ("keep_last", -2),
+        ("keep_every", 0),
+        ("keep_every", -1),
+        ("keep_last", True),
+        ("keep_every", 2.5),
+        ("keep_last", "3"),
+    ],
+)
 def test_policy_rejects_bad_values(field, value):
     with pytest.raises(ValueError) as e:
         RetentionPolicy(**{field: value})
@@ -114,8 +123,13 @@ def test_protect(storage):
 
 def test_reference_aware_deletion(storage):
     # Step 100: "a" on rank 0's file, "b" on rank 1's. Step 200 references 100's "a" chunks.
-    write_step(storage, 100, {"a": tensor("float32", (4, 4), 1), "b": tensor("int64", (3,), 2)},
-               world_size=2, placement={"a": 0, "b": 1})
+    write_step(
+        storage,
+        100,
+        {"a": tensor("float32", (4, 4), 1), "b": tensor("int64", (3,), 2)},
+        world_size=2,
+        placement={"a": 0, "b": 1},
+    )
     write_step(storage, 200, {"c": tensor("float16", (5,), 3)}, reuse={"a": 100})
     ref = resolve_file(200, "../" + step_dir(100) + "/data/x")
     assert ref == f"{step_dir(100)}/data/x"
@@ -206,8 +220,7 @@ def test_failure_on_one_step_continues(storage, caplog):
 def test_retention_refuses_with_newer_format(storage, caplog):
     _steps(storage, [100, 200])
     (storage.root / step_dir(300)).mkdir()
-    (storage.root / step_dir(300) / "manifest.json").write_text(
-        '{"format_version": 99, "step": 300}')
+    (storage.root / step_dir(300) / "manifest.json").write_text('{"format_version": 99, "step": 300}')
     assert committed_steps(storage) == [100, 200, 300]  # a newer format still counts
     assert apply_retention(storage, RetentionPolicy(keep_last=1)) == []
     assert committed_steps(storage) == [100, 200, 300]
@@ -254,8 +267,7 @@ def test_gc_files_in_committed_dirs(storage):
     for p in (loser, tmp):
         os.utime(p, (old, old))
     report = collect_garbage(storage, min_age_s=900)
-    assert sorted(report.removed_files) == sorted(
-        [f"{step_dir(100)}/data/{loser.name}", f"{step_dir(100)}/{tmp.name}"])
+    assert sorted(report.removed_files) == sorted([f"{step_dir(100)}/data/{loser.name}", f"{step_dir(100)}/{tmp.name}"])
     assert report.removed_bytes == 102
     assert report.skipped_young == [f"{step_dir(100)}/data/{young.name}"]
     assert young.exists() and not loser.exists() and not tmp.exists()
@@ -310,8 +322,13 @@ def test_gc_leaves_non_canonical_step_names_alone(storage):
 def test_on_any_backend(storage_root):
     """Retention, gc and verify through the storage protocol only (local and S3 via moto)."""
     st = storage_root.open()
-    write_step(st, 100, {"a": tensor("float32", (4, 4), 1), "b": tensor("int64", (3,), 2)},
-               world_size=2, placement={"a": 0, "b": 1})
+    write_step(
+        st,
+        100,
+        {"a": tensor("float32", (4, 4), 1), "b": tensor("int64", (3,), 2)},
+        world_size=2,
+        placement={"a": 0, "b": 1},
+    )
     write_step(st, 200, {"c": tensor("float16", (5,), 3)}, reuse={"a": 100})
     write_step(st, 300, {"c": tensor("float16", (5,), 4)}, commit=False)
     assert apply_retention(st, RetentionPolicy(keep_last=1)) == [100]

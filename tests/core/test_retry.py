@@ -171,14 +171,18 @@ def test_persistent_throttling_fails_clearly_and_keeps_the_previous_step(s3_serv
         mgr = _manager(s3_bucket_url, proxy)
         mgr.save(1, _state(1))
         proxy.forced = "503"
-        before = metrics.UPLOAD_ERRORS.value(op="open_writer", outcome="failed") + metrics.UPLOAD_ERRORS.value(
-            op="close", outcome="failed"
-        ) + metrics.UPLOAD_ERRORS.value(op="write", outcome="failed")
+        before = (
+            metrics.UPLOAD_ERRORS.value(op="open_writer", outcome="failed")
+            + metrics.UPLOAD_ERRORS.value(op="close", outcome="failed")
+            + metrics.UPLOAD_ERRORS.value(op="write", outcome="failed")
+        )
         with pytest.raises(CheckpointSaveError, match=r"step 2.*transient errors and was given up"):
             mgr.save(2, _state(2))
-        after = metrics.UPLOAD_ERRORS.value(op="open_writer", outcome="failed") + metrics.UPLOAD_ERRORS.value(
-            op="close", outcome="failed"
-        ) + metrics.UPLOAD_ERRORS.value(op="write", outcome="failed")
+        after = (
+            metrics.UPLOAD_ERRORS.value(op="open_writer", outcome="failed")
+            + metrics.UPLOAD_ERRORS.value(op="close", outcome="failed")
+            + metrics.UPLOAD_ERRORS.value(op="write", outcome="failed")
+        )
         assert after > before
         assert proxy.injected["503"] >= FAST_OPTS["retry_max_attempts"]
         proxy.forced = None

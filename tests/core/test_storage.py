@@ -56,8 +56,12 @@ def _reopen_args(storage: Storage) -> tuple[str, dict[str, Any]]:
         return storage.url, opts
     if storage.protocol in ("gs", "gcs"):
         fs = storage.fs
-        return storage.url, {"endpoint_url": fs._endpoint, "token": "anon", "project": fs.project,
-                             "skip_instance_cache": True}
+        return storage.url, {
+            "endpoint_url": fs._endpoint,
+            "token": "anon",
+            "project": fs.project,
+            "skip_instance_cache": True,
+        }
     return storage.url, {}
 
 
@@ -163,10 +167,7 @@ def test_s3_writer_uses_multipart_upload(s3_storage: FsspecStorage) -> None:
     w.close()
     assert _open_uploads(s3_storage) == []
     assert s3_storage.size("step-1/data/big") == len(data)
-    assert (
-        s3_storage.read_range("step-1/data/big", 5 * MiB - 7, 20)
-        == data[5 * MiB - 7 : 5 * MiB + 13]
-    )
+    assert s3_storage.read_range("step-1/data/big", 5 * MiB - 7, 20) == data[5 * MiB - 7 : 5 * MiB + 13]
     info = s3_storage.fs.info(s3_storage._full("step-1/data/big"))
     assert "-" in info["ETag"]  # a multipart ETag: "<md5>-<parts>"
 
@@ -207,9 +208,7 @@ def test_s3_conditional_write_is_enforced_by_the_server(s3_storage: FsspecStorag
     bucket, key = s3_storage._full("m").split("/", 1)
     with pytest.raises(OSError) as info:
         s3_storage.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"2", IfNoneMatch="*")
-    assert isinstance(info.value, FileExistsError) or "PreconditionFailed" in repr(
-        info.value.__cause__
-    )
+    assert isinstance(info.value, FileExistsError) or "PreconditionFailed" in repr(info.value.__cause__)
     assert s3_storage.read_bytes("m") == b"1"
 
 
@@ -363,9 +362,7 @@ def test_faulty_fails_named_ops_on_matching_paths(inner: Storage) -> None:
     err = info.value
     assert type(err) is StorageError and isinstance(err, OSError)
     assert isinstance(err.__cause__, OSError) and "injected" in str(err.__cause__)
-    assert "open_writer" in str(err) and inner.describe(
-        "step-1/data/r00001-a-000.safetensors"
-    ) in str(err)
+    assert "open_writer" in str(err) and inner.describe("step-1/data/r00001-a-000.safetensors") in str(err)
     with pytest.raises(StorageError):
         f.put_if_absent("step-1/manifest.json", b"{}")
     assert not inner.exists("step-1/manifest.json")
@@ -386,9 +383,7 @@ def test_faulty_error_kinds_translate_like_backends(inner: Storage) -> None:
     with pytest.raises(CommitConflictError) as cc:
         f.put_if_absent("y", b"1")
     assert isinstance(cc.value, FileExistsError) and isinstance(cc.value.__cause__, FileExistsError)
-    f = FaultyStorage(
-        inner, fail_on={"size": "*"}, error=lambda op, path: TimeoutError(f"{op} {path} slow")
-    )
+    f = FaultyStorage(inner, fail_on={"size": "*"}, error=lambda op, path: TimeoutError(f"{op} {path} slow"))
     with pytest.raises(StorageError, match="size slow|size x slow") as to:
         f.size("x")
     assert isinstance(to.value.__cause__, TimeoutError)
@@ -449,9 +444,7 @@ def test_faulty_close_failure_leaves_nothing(inner: Storage) -> None:
 
 
 def test_faulty_torn_put(inner: Storage) -> None:
-    f = FaultyStorage(
-        inner, fail_on={"put": "LATEST", "put_if_absent": "*manifest.json"}, after_bytes=3
-    )
+    f = FaultyStorage(inner, fail_on={"put": "LATEST", "put_if_absent": "*manifest.json"}, after_bytes=3)
     with pytest.raises(StorageError):
         f.put("LATEST", b"12345\n")
     assert inner.read_bytes("LATEST") == b"123"

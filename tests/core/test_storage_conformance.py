@@ -46,7 +46,7 @@ class DictStorage:
     def list_dir(self, path: str) -> list[str]:
         prefix = f"{path}/" if path else ""
         with self.lock:
-            return sorted({k[len(prefix):].split("/", 1)[0] for k in self.files if k.startswith(prefix)})
+            return sorted({k[len(prefix) :].split("/", 1)[0] for k in self.files if k.startswith(prefix)})
 
     def exists(self, path: str) -> bool:
         with self.lock:
@@ -141,21 +141,35 @@ def test_a_put_if_absent_that_overwrites_fails_the_suite_naming_the_rule(tmp_pat
         "        return OverwritingStorage()\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    cmd = [sys.executable, "-m", "pytest", str(module), "-q", "-rfs", "-p", "no:cacheprovider",
-           "--rootdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(module),
+        "-q",
+        "-rfs",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     n = sum(name.startswith("test_") for name in dir(StorageConformance))
     assert proc.returncode == 1 and f"2 failed, {n - 3} passed, 1 skipped" in out, out[-6000:]
     failed = sorted(line.split("::")[-1] for line in out.splitlines() if line.startswith("FAILED "))
     assert failed == ["test_put_if_absent_concurrent_exactly_one_wins", "test_put_if_absent_twice_conflicts"], out
-    assert ("dict://test: put_if_absent('step-1/manifest.json') over an existing file returned; the protocol wants "
-            "it to raise CommitConflictError") in out, out[-6000:]
+    assert (
+        "dict://test: put_if_absent('step-1/manifest.json') over an existing file returned; the protocol wants "
+        "it to raise CommitConflictError"
+    ) in out, out[-6000:]
     assert "dict://test: 8 threads racing put_if_absent('step-7/manifest.json'): 8 won, exactly one must" in out, out
     assert "open_again() gives no second client" in out, out[-6000:]
 
 
 def test_only_the_suite_imports_pytest() -> None:
-    code = ("import sys, shardkeeper.core, shardkeeper.core.storage, shardkeeper.core.testing, "
-            "shardkeeper.core.testing.campaign; sys.exit('pytest' in sys.modules)")
+    code = (
+        "import sys, shardkeeper.core, shardkeeper.core.storage, shardkeeper.core.testing, "
+        "shardkeeper.core.testing.campaign; sys.exit('pytest' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -56,8 +56,13 @@ def test_get_shard_size_and_offsets_signature() -> None:
 
     params = list(inspect.signature(_get_shard_size_and_offsets).parameters)
     assert params[:7] == [
-        "curr_local_size", "mesh_dim_size", "rank", "placement", "previous_offsets",
-        "zero_global_offset", "skip_offset",
+        "curr_local_size",
+        "mesh_dim_size",
+        "rank",
+        "placement",
+        "previous_offsets",
+        "zero_global_offset",
+        "skip_offset",
     ], params
 
 

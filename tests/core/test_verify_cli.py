@@ -55,9 +55,13 @@ def _w(seed=0):
 
 def _checkpoint(storage, step=100, **kw):
     return write_step(
-        storage, step,
-        {"model/w": _w(step), "model/b": tensor("bfloat16", (5,), step + 1),
-         "optim/state/w/exp_avg": tensor("float32", (6, 5), step + 2)},
+        storage,
+        step,
+        {
+            "model/w": _w(step),
+            "model/b": tensor("bfloat16", (5,), step + 1),
+            "optim/state/w/exp_avg": tensor("float32", (6, 5), step + 2),
+        },
         objects={"progress/global_step": step, "optim/param_groups": [{"lr": 0.1}]},
         blobs={"extra/blob": b"\x00\x01binary\xff"},
         **kw,
@@ -97,8 +101,12 @@ def test_modules_do_not_import_torch():
 def test_builder_shards_are_valid_safetensors(storage):
     w = np.arange(30, dtype=np.float32).reshape(6, 5)
     i = np.array([[1, -2], [3, 4]], dtype=np.int64)
-    m = write_step(storage, 7, {"model/w": ("float32", (6, 5), w.tobytes()),
-                                "model/i": ("int64", (2, 2), i.tobytes())}, world_size=2)
+    m = write_step(
+        storage,
+        7,
+        {"model/w": ("float32", (6, 5), w.tobytes()), "model/i": ("int64", (2, 2), i.tobytes())},
+        world_size=2,
+    )
     assert committed_steps(storage) == [7]
     got: dict[str, np.ndarray] = {}
     for rel in m.files:
@@ -107,12 +115,9 @@ def test_builder_shards_are_valid_safetensors(storage):
             for name in f.keys():
                 got[name] = f.get_tensor(name)
     # model/w split over two ranks along dim 0; model/i (2 rows) too.
-    assert set(got) == {"model/w[0:3,0:5]", "model/w[3:6,0:5]", "model/i[0:1,0:2]",
-                        "model/i[1:2,0:2]"}
-    np.testing.assert_array_equal(np.concatenate([got["model/w[0:3,0:5]"],
-                                                  got["model/w[3:6,0:5]"]]), w)
-    np.testing.assert_array_equal(np.concatenate([got["model/i[0:1,0:2]"],
-                                                  got["model/i[1:2,0:2]"]]), i)
+    assert set(got) == {"model/w[0:3,0:5]", "model/w[3:6,0:5]", "model/i[0:1,0:2]", "model/i[1:2,0:2]"}
+    np.testing.assert_array_equal(np.concatenate([got["model/w[0:3,0:5]"], got["model/w[3:6,0:5]"]]), w)
+    np.testing.assert_array_equal(np.concatenate([got["model/i[0:1,0:2]"], got["model/i[1:2,0:2]"]]), i)
     # A whole tensor keeps its plain key.
     m2 = write_step(storage, 8, {"model/w": ("float32", (6, 5), w.tobytes())})
     (rel,) = m2.files
@@ -140,9 +145,13 @@ def test_verify_clean(storage):
 
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
 def test_verify_flipped_byte(storage, capsys, algorithm):
-    m = write_step(storage, 100, {"model/w": tensor("float32", (40, 10), 1),
-                                  "model/b": tensor("float32", (10,), 2)},
-                   algorithm=algorithm, block_bytes=256)
+    m = write_step(
+        storage,
+        100,
+        {"model/w": tensor("float32", (40, 10), 1), "model/b": tensor("float32", (10,), 2)},
+        algorithm=algorithm,
+        block_bytes=256,
+    )
     c, path = _chunk(m, "model/w")
     flip_at = c.offset + 700  # block 2 of the chunk: bytes [512, 768)
     p = storage.root / path
@@ -308,12 +317,18 @@ def test_inspect(storage, capsys):
     assert doc["step"] == 100 and doc["world_size"] == 2
     assert {leaf["key"] for leaf in doc["leaves"]} == {"model/w", "model/b"}
     w = next(leaf for leaf in doc["leaves"] if leaf["key"] == "model/w")
-    assert w == {"key": "model/w", "kind": "tensor", "dtype": "float32", "shape": [6, 5],
-                 "chunks": 2, "size_bytes": 120, "stored_bytes": 120}
+    assert w == {
+        "key": "model/w",
+        "kind": "tensor",
+        "dtype": "float32",
+        "shape": [6, 5],
+        "chunks": 2,
+        "size_bytes": 120,
+        "stored_bytes": 120,
+    }
 
     code, out, _ = run(capsys, "inspect", storage.root, "--json", "--keys", "progress/*")
-    assert json.loads(out)["leaves"] == [
-        {"key": "progress/global_step", "kind": "object", "value": 200}]
+    assert json.loads(out)["leaves"] == [{"key": "progress/global_step", "kind": "object", "value": 200}]
 
     code, _, err = run(capsys, "inspect", storage.root, "--keys", "nope/*")
     assert code == 2 and "nope/*" in err
@@ -364,13 +379,22 @@ def test_usage_errors(storage, capsys):
 def test_entry_point_subprocess(storage):
     _checkpoint(storage, 100)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "shardkeeper.core.cli", "verify",
-                        str(storage.root), "42"], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardkeeper.core.cli", "verify", str(storage.root), "42"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("shardkeeper: error: step 42 is not committed")
-    r = subprocess.run([sys.executable, "-m", "shardkeeper.core.cli", "ls", str(storage.root)],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardkeeper.core.cli", "ls", str(storage.root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0 and "100" in r.stdout
 
 
@@ -407,7 +431,6 @@ def test_cli_on_s3_with_storage_options(s3_root, capsys):
     assert "step 100: OK" in out
     code, out, _ = run(capsys, "ls", url, *opts, "--json")
     doc = json.loads(out)
-    assert [(s["step"], s["status"]) for s in doc["steps"]] == [(100, "committed"),
-                                                                (200, "uncommitted")]
+    assert [(s["step"], s["status"]) for s in doc["steps"]] == [(100, "committed"), (200, "uncommitted")]
     code, out, _ = run(capsys, "gc", url, *opts, "--min-age-s", "0", "--json")
     assert code == 0 and json.loads(out)["removed_dirs"] == [step_dir(200) + "/"]

@@ -21,8 +21,11 @@ from tests.launch import run_script
 
 pytest.importorskip("deepspeed")
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::FutureWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 WORKER = Path(__file__).parent / "dist" / "native_worker.py"
 OPTIM = "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -49,8 +52,9 @@ def traced(native: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("trust", UNTRUSTED, ids=repr)
-def test_native_import_unpickles_nothing_unless_trust_is_true(traced: tuple[Path, Path], tmp_path: Path,
-                                                              trust: object) -> None:
+def test_native_import_unpickles_nothing_unless_trust_is_true(
+    traced: tuple[Path, Path], tmp_path: Path, trust: object
+) -> None:
     from shardkeeper.deepspeed.native import import_native_checkpoint
 
     src, trace = traced

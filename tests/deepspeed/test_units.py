@@ -39,11 +39,15 @@ class _Model:
 
 
 def test_mismatch_lists_every_name_and_shape() -> None:
-    state = {"model": _Model({
-        "a.weight": Fragment(torch.zeros(3), (4, 5), 6),
-        "b.bias": torch.zeros(2),
-        "new.weight": torch.zeros(1),
-    })}
+    state = {
+        "model": _Model(
+            {
+                "a.weight": Fragment(torch.zeros(3), (4, 5), 6),
+                "b.bias": torch.zeros(2),
+                "new.weight": torch.zeros(1),
+            }
+        )
+    }
     leaves = {
         "model/a.weight": LeafRecord("tensor", "float32", (4, 6)),
         "model/b.bias": LeafRecord("tensor", "float32", (2,)),
@@ -53,8 +57,13 @@ def test_mismatch_lists_every_name_and_shape() -> None:
     with pytest.raises(StateMismatchError) as e:
         check_model_matches(state, leaves, where="ROOT/step-1 (step 1)")
     msg = str(e.value)
-    for want in ("ROOT/step-1", "rank 0", "model/new.weight", "model/old.weight",
-                 "model/a.weight: checkpoint shape [4, 6], engine shape [4, 5]"):
+    for want in (
+        "ROOT/step-1",
+        "rank 0",
+        "model/new.weight",
+        "model/old.weight",
+        "model/a.weight: checkpoint shape [4, 6], engine shape [4, 5]",
+    ):
         assert want in msg, msg
     assert "b.bias" not in msg
     del state["model"].sd["new.weight"], leaves["model/old.weight"]
@@ -90,10 +99,24 @@ class _Engine:
 def test_config_section_is_read_by_the_options_types() -> None:
     """The section's keys convert by CheckpointOptions' declared types (and the hook's own:
     root, retention, storage options, metadata); errors name the section and the key."""
-    got = config_settings(_Engine({"root": "/r", "keep_last": 3, "async_save": "false", "staging": "overlap",
-                                   "storage_options": {"anon": True}}))
-    assert got == {"root": "/r", "keep_last": 3, "async_save": False, "staging": "overlap",
-                   "storage_options": {"anon": True}}
+    got = config_settings(
+        _Engine(
+            {
+                "root": "/r",
+                "keep_last": 3,
+                "async_save": "false",
+                "staging": "overlap",
+                "storage_options": {"anon": True},
+            }
+        )
+    )
+    assert got == {
+        "root": "/r",
+        "keep_last": 3,
+        "async_save": False,
+        "staging": "overlap",
+        "storage_options": {"anon": True},
+    }
     assert config_settings(_Engine(None)) == {}
     section = "the DeepSpeed config's 'shardkeeper' section"
     with pytest.raises(ValueError, match=rf"^{section}: unknown setting\(s\) keep_lats \(did you mean keep_last\?\)"):

@@ -49,7 +49,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
             continue
         with pytest.warns(UserWarning, match="unpickling"):
             step = import_native_checkpoint(
-                root / "native" / name, str(root / "ckpt" / f"imported-{name}"), trust_pickle=True,
+                root / "native" / name,
+                str(root / "ckpt" / f"imported-{name}"),
+                trust_pickle=True,
                 universal_dir=root / "universal" / name,
             )
         assert step == 3
@@ -63,11 +65,17 @@ def test_stages_deepspeed_cannot_train_are_its_own_failure(saved: Path) -> None:
     assert 3 in info["working"], info["broken"]
     for stage, tb in info["broken"].items():
         assert "deepspeed/runtime" in tb and "shardkeeper" not in tb, tb
-        warnings.warn(f"DeepSpeed {deepspeed.__version__} cannot train ZeRO-{stage} with this torch "
-                      f"(left out of the matrix): {tb.strip().splitlines()[-1]}", stacklevel=1)
+        warnings.warn(
+            f"DeepSpeed {deepspeed.__version__} cannot train ZeRO-{stage} with this torch "
+            f"(left out of the matrix): {tb.strip().splitlines()[-1]}",
+            stacklevel=1,
+        )
     if not info["fp16_probe"]:
-        warnings.warn("DeepSpeed's CPU accelerator finds no oneDNN fp16 kernels on this CPU; the fp16 "
-                      "engines ran on torch's generic half kernels", stacklevel=1)
+        warnings.warn(
+            "DeepSpeed's CPU accelerator finds no oneDNN fp16 kernels on this CPU; the fp16 "
+            "engines ran on torch's generic half kernels",
+            stacklevel=1,
+        )
     if tuple(int(x) for x in deepspeed.__version__.split(".")[:2]) >= (0, 19):
         assert info["working"] == [1, 2, 3], info["broken"]
 
@@ -113,15 +121,21 @@ def test_restore_at_any_world_size_and_stage(saved: Path, world: int) -> None:
     assert f"plain-w2 -> z3-fp32-w{world}: params and moments bit-exact" in cases
     assert f"z3-bf16-w2 -> plain-w{world}: params and moments bit-exact" in cases
     assert f"z3-bf16-w2 -> fsdp2-w{world}: params and moments bit-exact" in cases
-    assert any(c.startswith("fsdp2-w2 -> z") and c.endswith(f"-fp32-w{world}: params and moments bit-exact") for c in cases)
+    assert any(
+        c.startswith("fsdp2-w2 -> z") and c.endswith(f"-fp32-w{world}: params and moments bit-exact") for c in cases
+    )
     assert f"mismatch-w{world}: clear error listing every mismatch" in cases
     for name, t in (("z2-fp32", 1), ("z2-fp32", 3), ("z3-bf16", 1), ("z3-bf16", 3)):
         if int(name[1]) in stages and t in stages:
             d = name.split("-")[1]
             assert f"imported-{name}-w2 -> z{t}-{d}-w{world}: fp32 masters and Adam moments bit-exact" in cases
-    for opt in ("load_module_only restores weights only", "load_optimizer_states=False keeps the optimizer",
-                "nothing committed -> (None, None) and a warning",
-                "a named tag saves at global_steps and loads by name", "saving a committed step again is refused"):
+    for opt in (
+        "load_module_only restores weights only",
+        "load_optimizer_states=False keeps the optimizer",
+        "nothing committed -> (None, None) and a warning",
+        "a named tag saves at global_steps and loads by name",
+        "saving a committed step again is refused",
+    ):
         assert f"hook-options-w{world}: {opt}" in cases
     if world != 2 and 2 in stages:
         assert f"z2-fp32-w2 -> z2-fp32-w{world} vs DeepSpeed universal: next losses equal" in cases

@@ -40,7 +40,9 @@ class Net(L.LightningModule):
                 parallelize_module,
             )
 
-            parallelize_module(self.model, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            parallelize_module(
+                self.model, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -128,8 +130,12 @@ def cpu_deepspeed_strategy(stage: int) -> Any:
             import deepspeed  # as Lightning's, without args.device_rank (None on CPU)
 
             engine, opt, _, _ = deepspeed.initialize(
-                config=self.config, model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
             )
             # Lightning 2.5.6 + DeepSpeed 0.18.9 on CPU: ZeRO-2's step all-gathers into views of a
             # split and fails ("Output 0 of Split is a view and is being modified inplace");

@@ -9,8 +9,16 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 
 import shardkeeper.lightning as skl
 
-PATCHED = ("save_checkpoint", "load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict",
-           "lightning_module_state_dict", "optimizer_state", "remove_checkpoint", "teardown")
+PATCHED = (
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+    "lightning_module_state_dict",
+    "optimizer_state",
+    "remove_checkpoint",
+    "teardown",
+)
 
 
 def test_disconnect_and_uninstall_restore_lightning(tmp_path: Path) -> None:

@@ -38,9 +38,17 @@ def test_trainer_of_is_the_trainer_running_the_module(tmp_path: Path) -> None:
     assert li.trainer_of(net) is None  # not attached: None, where the public lm.trainer raises
     with pytest.raises(RuntimeError, match="not attached"):
         _ = net.trainer
-    t = L.Trainer(default_root_dir=str(tmp_path), max_steps=2, accelerator="cpu", devices=1, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                  callbacks=[Probe()])
+    t = L.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[Probe()],
+    )
     t.fit(net, loader())
     assert seen == [True, True]
     assert li.trainer_of(net) is t
@@ -48,8 +56,16 @@ def test_trainer_of_is_the_trainer_running_the_module(tmp_path: Path) -> None:
 
 def test_parse_optimizers_reads_configure_optimizers_as_the_trainer_does(tmp_path: Path) -> None:
     net = Net()
-    t = L.Trainer(default_root_dir=str(tmp_path), max_steps=1, accelerator="cpu", devices=1, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    t = L.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     t.fit(net, loader())
     conf = net.configure_optimizers()  # {"optimizer": ..., "lr_scheduler": {...}}
     assert li.parse_optimizers(conf) == [conf["optimizer"]]

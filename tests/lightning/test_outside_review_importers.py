@@ -27,8 +27,16 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore::User
 
 def _ckpt(tmp_path: Path) -> tuple[Path, list[Path]]:
     path, trace = tmp_path / "last.ckpt", tmp_path / "trace-ckpt"
-    trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=1, accelerator="cpu", devices=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Net(), loader())
     trainer.save_checkpoint(path)  # Lightning's own .ckpt, one entry added
     ck = torch.load(path, weights_only=False)
@@ -43,8 +51,10 @@ def _sharded(tmp_path: Path) -> tuple[Path, list[Path]]:
     src, traces = tmp_path / "sharded.ckpt", [tmp_path / "trace-meta", tmp_path / "trace-metadata"]
     net = Net()
     dcp.save({"model": net.state_dict()}, checkpoint_id=str(src))
-    torch.save({"global_step": 4, "epoch": 0, "pytorch-lightning_version": L.__version__, "trace": Trace(traces[0])},
-               src / "meta.pt")
+    torch.save(
+        {"global_step": 4, "epoch": 0, "pytorch-lightning_version": L.__version__, "trace": Trace(traces[0])},
+        src / "meta.pt",
+    )
     with open(src / ".metadata", "rb") as f:
         md = pickle.load(f)
     md.__dict__["trace"] = Trace(traces[1])

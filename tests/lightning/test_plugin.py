@@ -21,16 +21,33 @@ from tests.lightning.common import Net, loader
 
 def _trainer(plugin: ShardkeeperCheckpointIO, epochs: int, *callbacks: object) -> L.Trainer:
     return L.Trainer(
-        default_root_dir=os.path.dirname(plugin.root), max_epochs=epochs, accelerator="cpu", devices=1, plugins=[plugin], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+        default_root_dir=os.path.dirname(plugin.root),
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
     )
 
 
 def test_codec_roundtrips_what_json_cannot_hold(tmp_path: Path) -> None:
     value = {
-        "a/b": 1, "50%": 2, "#x": 3, "__seq__": "not a marker", 7: "int key",
-        "inf": math.inf, "ninf": -math.inf, "pair": (torch.arange(3), "s"), "lst": [torch.ones(2)],
-        "plain": (1, 2), "t": torch.tensor(2.5), "empty": {}, "none": None,
+        "a/b": 1,
+        "50%": 2,
+        "#x": 3,
+        "__seq__": "not a marker",
+        7: "int key",
+        "inf": math.inf,
+        "ninf": -math.inf,
+        "pair": (torch.arange(3), "s"),
+        "lst": [torch.ones(2)],
+        "plain": (1, 2),
+        "t": torch.tensor(2.5),
+        "empty": {},
+        "none": None,
     }
     with CheckpointManager(tmp_path / "r") as mgr:
         mgr.save(1, {"extra": codec.encode(value)}, async_save=False)
@@ -42,7 +59,12 @@ def test_codec_roundtrips_what_json_cannot_hold(tmp_path: Path) -> None:
     assert got["__seq__"] == "not a marker" and got["inf"] == math.inf and got["ninf"] == -math.inf
     assert isinstance(got["pair"], tuple) and torch.equal(got["pair"][0], torch.arange(3)) and got["pair"][1] == "s"
     assert isinstance(got["lst"], list) and torch.equal(got["lst"][0], torch.ones(2))
-    assert got["plain"] == [1, 2] and torch.equal(got["t"], torch.tensor(2.5)) and got["empty"] == {} and got["none"] is None
+    assert (
+        got["plain"] == [1, 2]
+        and torch.equal(got["t"], torch.tensor(2.5))
+        and got["empty"] == {}
+        and got["none"] is None
+    )
     with pytest.raises(TypeError, match="cannot store without pickling"):
         codec.encode({"k": object()})
 

@@ -15,6 +15,12 @@ from shardkeeper.accelerate.legacy import import_accelerate_checkpoint
 from shardkeeper.accelerate.plugin import AcceleratePlugin, disable, enable, plugin_of, wait
 
 __all__ = [
-    "AcceleratePlugin", "ShardkeeperAccelerator", "config_file_path", "disable", "enable", "import_accelerate_checkpoint",
-    "plugin_of", "wait",
+    "AcceleratePlugin",
+    "ShardkeeperAccelerator",
+    "config_file_path",
+    "disable",
+    "enable",
+    "import_accelerate_checkpoint",
+    "plugin_of",
+    "wait",
 ]

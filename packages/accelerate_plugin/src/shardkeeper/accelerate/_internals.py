@@ -28,7 +28,9 @@ class AccelerateInternalsError(RuntimeError):
 
 
 #: The range check and the one warning outside it (``TESTED_RANGE``).
-GATE = VersionGate("shardkeeper.accelerate", "Accelerate", "accelerate", TESTED_RANGE, "its internals passed the checks")
+GATE = VersionGate(
+    "shardkeeper.accelerate", "Accelerate", "accelerate", TESTED_RANGE, "its internals passed the checks"
+)
 
 
 def version_tested() -> bool:

@@ -17,8 +17,11 @@ class ShardkeeperAccelerator(Accelerator):
     """
 
     def __init__(
-        self, *args: Any, shardkeeper_root: str | None = None,
-        shardkeeper_options: Mapping[str, Any] | None = None, **kwargs: Any,
+        self,
+        *args: Any,
+        shardkeeper_root: str | None = None,
+        shardkeeper_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.shardkeeper = enable(self, root=shardkeeper_root, **dict(shardkeeper_options or {}))

@@ -143,7 +143,8 @@ def track(dl: Any) -> LoaderTracker | None:
     if kind != "DataLoaderShard":
         log.warning(
             "shardkeeper: %s is not tracked batch by batch (only DataLoaderShard is); its epoch is "
-            "saved, a resume restarts the epoch from its first batch", kind,
+            "saved, a resume restarts the epoch from its first batch",
+            kind,
         )
         return None
     t = LoaderTracker(dl)

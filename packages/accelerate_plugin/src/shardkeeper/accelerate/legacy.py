@@ -36,9 +36,14 @@ def import_accelerate_checkpoint(
         raise FileNotFoundError(f"shardkeeper import: {folder} is not a folder written by accelerator.save_state()")
     pickles = possible_pickles(folder)
     if pickles:
-        require_trust(folder, trust_pickle=trust_pickle, why=(
-            f"it holds files that Accelerate's loader may unpickle ({', '.join(pickles[:6])}"
-            f"{' ...' if len(pickles) > 6 else ''}); shardkeeper checkpoints themselves never contain pickles"))
+        require_trust(
+            folder,
+            trust_pickle=trust_pickle,
+            why=(
+                f"it holds files that Accelerate's loader may unpickle ({', '.join(pickles[:6])}"
+                f"{' ...' if len(pickles) > 6 else ''}); shardkeeper checkpoints themselves never contain pickles"
+            ),
+        )
         warnings.warn(
             f"shardkeeper import: unpickling what Accelerate's loader reads of {folder} ({len(pickles)} "
             f"file(s) that may be pickles; trust_pickle=True): this can run code from the files",

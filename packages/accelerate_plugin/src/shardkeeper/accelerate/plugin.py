@@ -19,8 +19,19 @@ log = logging.getLogger(__name__)
 _ATTR = "_shardkeeper"
 #: Distributed types whose state the generic path (torch's state-dict API) handles; DEEPSPEED
 #: delegates the engine to the DeepSpeed adapter (state.deepspeed_engine_state).
-GENERIC_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
-                 "MULTI_NPU", "MULTI_HPU", "MULTI_NEURON", "FSDP"}
+GENERIC_TYPES = {
+    "NO",
+    "MULTI_CPU",
+    "MULTI_GPU",
+    "MULTI_XPU",
+    "MULTI_MLU",
+    "MULTI_SDAA",
+    "MULTI_MUSA",
+    "MULTI_NPU",
+    "MULTI_HPU",
+    "MULTI_NEURON",
+    "FSDP",
+}
 
 
 def _dtype_name(accelerator: Any) -> str:
@@ -66,7 +77,9 @@ class AcceleratePlugin:
 
     def manager(self, root: str) -> CheckpointManager:
         return self._managers.get(
-            root, keep_last=self.keep_last(), keep_every=self.settings.get("keep_every"),
+            root,
+            keep_last=self.keep_last(),
+            keep_every=self.settings.get("keep_every"),
             storage_options=self.settings.get("storage_options"),
         )
 
@@ -91,8 +104,9 @@ class AcceleratePlugin:
         )
 
     # -- save --------------------------------------------------------------------------------
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *,
-                   step: int | None = None, **kwargs: Any) -> str:
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, *, step: int | None = None, **kwargs: Any
+    ) -> str:
         """Save everything Accelerate would save, as one shardkeeper checkpoint; return its path.
 
         The step is ``step`` if given, else ``project_configuration.iteration`` (the counter
@@ -122,8 +136,15 @@ class AcceleratePlugin:
         return mgr.step_url(n)
 
     # -- load --------------------------------------------------------------------------------
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, *,
-                   step: int | None = None, strict: bool = True, **kwargs: Any) -> int:
+    def load_state(
+        self,
+        input_dir: str | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        *,
+        step: int | None = None,
+        strict: bool = True,
+        **kwargs: Any,
+    ) -> int:
         """Restore everything ``save_state`` saved, in place; return the step restored.
 
         ``input_dir``: a root (newest committed step, or ``step``) or one step's folder.
@@ -227,7 +248,9 @@ def disable(accelerator: Any) -> None:
 def plugin_of(accelerator: Any) -> AcceleratePlugin:
     p = getattr(accelerator, _ATTR, None)
     if p is None:
-        raise RuntimeError("shardkeeper is not enabled on this Accelerator: call shardkeeper.accelerate.enable(accelerator)")
+        raise RuntimeError(
+            "shardkeeper is not enabled on this Accelerator: call shardkeeper.accelerate.enable(accelerator)"
+        )
     return p
 
 

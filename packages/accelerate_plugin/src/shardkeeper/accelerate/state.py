@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 #: The framework name in the manifest metadata and under ``progress/``.
 FRAMEWORK = "accelerate"
 
+
 def _indexed(items: list[Any]) -> Any:
     return items[0] if len(items) == 1 else {str(i): x for i, x in enumerate(items)}
 
@@ -61,11 +62,19 @@ class Progress(ProgressTarget):
     micro-steps.
     """
 
-    def __init__(self, accelerator: Any, *, step: int = 0, next_iteration: int | None = None,
-                 engine_progress: ProgressTarget | None = None) -> None:
+    def __init__(
+        self,
+        accelerator: Any,
+        *,
+        step: int = 0,
+        next_iteration: int | None = None,
+        engine_progress: ProgressTarget | None = None,
+    ) -> None:
         self.accelerator = accelerator
         self.step = step
-        self.next_iteration = int(accelerator.project_configuration.iteration) if next_iteration is None else next_iteration
+        self.next_iteration = (
+            int(accelerator.project_configuration.iteration) if next_iteration is None else next_iteration
+        )
         self.engine_progress = engine_progress
 
     def state_dict(self) -> dict[str, Any]:
@@ -176,8 +185,9 @@ def build_state(
         extra["custom"] = {str(i): o for i, o in enumerate(custom)}
     if extra:
         state["extra"] = extra
-    state["progress"] = Progress(accelerator, step=step, next_iteration=next_iteration,
-                                 engine_progress=engine.get("progress"))
+    state["progress"] = Progress(
+        accelerator, step=step, next_iteration=next_iteration, engine_progress=engine.get("progress")
+    )
     # rng before data: a DataLoader's resume point needs the checkpoint's RNG already set.
     if has("rng"):
         state["rng"] = RNGState()
@@ -185,6 +195,8 @@ def build_state(
     if dataloaders and has("data"):
         state["data"] = PerRank(LoaderPositions(dataloaders, resume=resume_dataloaders))
     if missing:
-        log.warning("shardkeeper: the checkpoint has no %s; those parts of the state keep their current values",
-                    ", ".join(missing))
+        log.warning(
+            "shardkeeper: the checkpoint has no %s; those parts of the state keep their current values",
+            ", ".join(missing),
+        )
     return state

@@ -83,7 +83,9 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - cost_s
 
 
-def expected_lost_work(interval_s: float, *, cost_s: float, durable_s: float, sync: bool, restart_s: float = 0.0) -> float:
+def expected_lost_work(
+    interval_s: float, *, cost_s: float, durable_s: float, sync: bool, restart_s: float = 0.0
+) -> float:
     """Mean work lost per failure: ``T/2 + W + R`` (async), ``(T + C)/2 + R`` (synchronous)."""
     if sync:
         return (interval_s + cost_s) / 2.0 + restart_s
@@ -153,11 +155,16 @@ class Advice:
         lines = [
             f"MTBF {_fmt(self.mtbf_s)}; per checkpoint: training blocked {_fmt(self.cost_s)} (C), "
             f"durable {_fmt(self.durable_s)} later (W), {'synchronous' if self.sync else 'async'} "
-            f"saves; from {self.samples} recorded save(s)" if self.samples else
-            f"MTBF {_fmt(self.mtbf_s)}; per checkpoint: C {_fmt(self.cost_s)}, W {_fmt(self.durable_s)}",
+            f"saves; from {self.samples} recorded save(s)"
+            if self.samples
+            else f"MTBF {_fmt(self.mtbf_s)}; per checkpoint: C {_fmt(self.cost_s)}, W {_fmt(self.durable_s)}",
             f"Young interval {_fmt(self.young_s)}; Daly interval {_fmt(self.daly_s)}",
             f"recommended: save every {_fmt(self.recommended_s)}"
-            + (f" (~{self.recommended_steps} steps at {self.seconds_per_step:.3g} s/step)" if self.recommended_steps else "")
+            + (
+                f" (~{self.recommended_steps} steps at {self.seconds_per_step:.3g} s/step)"
+                if self.recommended_steps
+                else ""
+            )
             + f"; expected lost work per failure {_fmt(self.lost_work_s)}; {100 * self.waste:.2f}% of wall time lost",
         ]
         if self.interval_s is not None and self.interval_lost_work_s is not None and self.interval_waste is not None:
@@ -196,8 +203,17 @@ def recent_samples(storage: Any, last: int = 10) -> list[SaveSample]:
         if not isinstance(t, dict):
             continue
         try:
-            out.append(SaveSample(step, float(t["stall_s"]), float(t["write_s"]), float(t.get("commit_s", 0.0)),
-                                  float(t["save_s"] if "save_s" in t else t["write_s"]), bool(t.get("sync", False)), m.created_at))
+            out.append(
+                SaveSample(
+                    step,
+                    float(t["stall_s"]),
+                    float(t["write_s"]),
+                    float(t.get("commit_s", 0.0)),
+                    float(t["save_s"] if "save_s" in t else t["write_s"]),
+                    bool(t.get("sync", False)),
+                    m.created_at,
+                )
+            )
         except (KeyError, TypeError, ValueError):
             continue
     return out[::-1]
@@ -255,10 +271,19 @@ def advise(
     lost = expected_lost_work(rec, cost_s=c, durable_s=w, sync=is_sync, restart_s=restart_s)
     sps = _seconds_per_step(samples)
     adv = Advice(
-        mtbf_s=mtbf_s, cost_s=c, durable_s=w, sync=is_sync, young_s=young, daly_s=daly,
-        recommended_s=rec, lost_work_s=lost, waste=waste_fraction(rec, cost_s=c, lost_s=lost, mtbf_s=mtbf_s),
-        samples=len(samples), seconds_per_step=sps,
-        recommended_steps=max(1, round(rec / sps)) if sps else None, warnings=warnings,
+        mtbf_s=mtbf_s,
+        cost_s=c,
+        durable_s=w,
+        sync=is_sync,
+        young_s=young,
+        daly_s=daly,
+        recommended_s=rec,
+        lost_work_s=lost,
+        waste=waste_fraction(rec, cost_s=c, lost_s=lost, mtbf_s=mtbf_s),
+        samples=len(samples),
+        seconds_per_step=sps,
+        recommended_steps=max(1, round(rec / sps)) if sps else None,
+        warnings=warnings,
     )
     if interval_s is not None:
         if interval_s <= 0:
@@ -277,8 +302,13 @@ def advise(
 
 
 def advise_root(
-    root: Any, *, mtbf_s: float, interval_s: float | None = None, last: int = 10,
-    restart_s: float = 0.0, storage_options: Mapping[str, Any] | None = None,
+    root: Any,
+    *,
+    mtbf_s: float,
+    interval_s: float | None = None,
+    last: int = 10,
+    restart_s: float = 0.0,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Advice:
     """``advise`` on the timings recorded under ``root`` (a path, URL or Storage); an adapter
     can log ``advise_root(...).summary()`` at start."""
@@ -295,7 +325,16 @@ def advise_root(
 
 
 __all__ = [
-    "Advice", "SaveSample", "advise", "advise_root", "daly_interval", "expected_lost_work",
-    "mtbf_from_restarts", "parse_duration", "recent_samples", "save_timings", "waste_fraction",
+    "Advice",
+    "SaveSample",
+    "advise",
+    "advise_root",
+    "daly_interval",
+    "expected_lost_work",
+    "mtbf_from_restarts",
+    "parse_duration",
+    "recent_samples",
+    "save_timings",
+    "waste_fraction",
     "young_interval",
 ]

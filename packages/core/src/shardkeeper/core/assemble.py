@@ -63,8 +63,13 @@ def assemble_manifest(
 
 
 def _assemble(
-    step: int, attempt: str, reports: Sequence[Mapping[str, Any]], world_size: int, digest: str,
-    block_bytes: int, metadata: Mapping[str, Any],
+    step: int,
+    attempt: str,
+    reports: Sequence[Mapping[str, Any]],
+    world_size: int,
+    digest: str,
+    block_bytes: int,
+    metadata: Mapping[str, Any],
 ) -> Manifest:
     problems: list[str] = []
     declared: dict[str, list[Any]] = {}
@@ -73,8 +78,7 @@ def _assemble(
     differing = [r["rank"] for r in reports[1:] if "declared_digest" in r and r["declared_digest"] != ref]
     if differing:
         problems.append(
-            f"ranks {differing} hold states whose keys, dtypes or shapes differ from rank "
-            f"{reports[0]['rank']}'s"
+            f"ranks {differing} hold states whose keys, dtypes or shapes differ from rank {reports[0]['rank']}'s"
         )
     files: dict[str, dict[str, Any]] = {}
     objects: dict[str, Any] = {}
@@ -88,11 +92,15 @@ def _assemble(
         for key, decl in r.get("declared", {}).items():
             prev = declared.setdefault(key, decl)
             if prev != decl:
-                problems.append(f"{key}: rank {owner[key]} has {prev[1]} {prev[2]}, rank {rank} has {decl[1]} {decl[2]}")
+                problems.append(
+                    f"{key}: rank {owner[key]} has {prev[1]} {prev[2]}, rank {rank} has {decl[1]} {decl[2]}"
+                )
             owner.setdefault(key, rank)
         table, keys, counts = decode_report(r["chunks"], width)
         if len(keys) != len(counts) or sum(counts) != len(table):
-            problems.append(f"rank {rank}'s report lists {sum(counts)} chunks for {len(keys)} keys in a table of {len(table)} rows")
+            problems.append(
+                f"rank {rank}'s report lists {sum(counts)} chunks for {len(keys)} keys in a table of {len(table)} rows"
+            )
         tables.append(table)
         reported.append((keys, counts))
         files.update(r["files"])
@@ -146,12 +154,24 @@ def _assemble(
         why = table.problem(block_bytes)
         if why is not None:  # what every reader would refuse: never commit it
             raise StateMismatchError(f"step {step}: the ranks' chunk records are inconsistent: {why}")
-        lt = LeafTable(keys, [d[0] for d in decls], [d[1] for d in decls], list(map(len, shapes)),
-                       list(chain.from_iterable(shapes)), list(map(len, rows_list)), list(chain.from_iterable(rows_list)))
+        lt = LeafTable(
+            keys,
+            [d[0] for d in decls],
+            [d[1] for d in decls],
+            list(map(len, shapes)),
+            list(chain.from_iterable(shapes)),
+            list(map(len, rows_list)),
+            list(chain.from_iterable(rows_list)),
+        )
         out: Mapping[str, Any] = TableLeaves(object_leaves, lt, table, block_bytes)
     else:  # the per-chunk form: small manifests stay easy to read by eye
         leaves: dict[str, Any] = {
-            key: {"kind": d[0], "dtype": d[1], "shape": d[2], "chunks": [table.record_json(i, block_bytes) for i in rows]}
+            key: {
+                "kind": d[0],
+                "dtype": d[1],
+                "shape": d[2],
+                "chunks": [table.record_json(i, block_bytes) for i in rows],
+            }
             for key, d, rows in zip(keys, decls, rows_list)
         }
         out = LazyLeaves(dict(sorted({**leaves, **object_leaves}.items())))
@@ -168,7 +188,6 @@ def _assemble(
         attempt=attempt,
         format_version=FORMAT_VERSION,
     )
-
 
 
 def _rows_by_key(bases: Sequence[int], reported: Sequence[tuple[list[str], list[int]]]) -> dict[str, list[int]]:

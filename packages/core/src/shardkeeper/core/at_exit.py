@@ -100,9 +100,13 @@ def _abandon(manager: Any) -> None:
     status of an interrupt (the interpreter's teardown with a save still running could abort)."""
     p = getattr(manager, "_pending", None)
     what = f"the save of step {p.step} under {manager.storage.url}" if p is not None else "a pending save"
-    print(f"ERROR shardkeeper: interrupted at exit while waiting for {what}; it is abandoned: not committed "
-          f"unless its commit had already happened (list the root to see); `shardkeeper gc` removes the files "
-          f"of an uncommitted save", file=sys.stderr, flush=True)
+    print(
+        f"ERROR shardkeeper: interrupted at exit while waiting for {what}; it is abandoned: not committed "
+        f"unless its commit had already happened (list the root to see); `shardkeeper gc` removes the files "
+        f"of an uncommitted save",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001, S110

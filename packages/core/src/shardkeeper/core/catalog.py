@@ -48,7 +48,9 @@ def _prefix_end(key: str) -> str:
 class EtcdCatalog:
     """A catalog in etcd at ``endpoint`` (``http://host:2379``), through its v3 JSON gateway."""
 
-    def __init__(self, endpoint: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0, max_retries: int = 20) -> None:
+    def __init__(
+        self, endpoint: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0, max_retries: int = 20
+    ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -57,7 +59,9 @@ class EtcdCatalog:
     # -- transport ---------------------------------------------------------------------------
     def _call(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(
-            f"{self.endpoint}/v3/{path}", data=json.dumps(body).encode(), method="POST",
+            f"{self.endpoint}/v3/{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
             headers={"Content-Type": "application/json"},
         )
         try:
@@ -65,8 +69,10 @@ class EtcdCatalog:
                 out: dict[str, Any] = json.loads(resp.read().decode() or "{}")
                 return out
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise CatalogError(f"etcd catalog at {self.endpoint}: {path} failed: {e}; the checkpoints "
-                               f"are unaffected (the manifests are the truth)") from e
+            raise CatalogError(
+                f"etcd catalog at {self.endpoint}: {path} failed: {e}; the checkpoints "
+                f"are unaffected (the manifests are the truth)"
+            ) from e
 
     def _key(self, root: str, rest: str) -> str:
         return f"{self.prefix}{root.rstrip('/')}/{rest}"
@@ -92,16 +98,23 @@ class EtcdCatalog:
                 self._call("kv/put", {"key": _b64(step_key), "value": _b64(value)})
                 return int(current) == step
             # absent: its create_revision is 0; present: nobody changed it since we read it
-            compare = ({"key": _b64(latest_key), "target": "CREATE", "create_revision": "0", "result": "EQUAL"}
-                       if current is None else
-                       {"key": _b64(latest_key), "target": "MOD", "mod_revision": str(rev), "result": "EQUAL"})
-            res = self._call("kv/txn", {
-                "compare": [compare],
-                "success": [put_step, {"request_put": {"key": _b64(latest_key), "value": _b64(str(step))}}],
-            })
+            compare = (
+                {"key": _b64(latest_key), "target": "CREATE", "create_revision": "0", "result": "EQUAL"}
+                if current is None
+                else {"key": _b64(latest_key), "target": "MOD", "mod_revision": str(rev), "result": "EQUAL"}
+            )
+            res = self._call(
+                "kv/txn",
+                {
+                    "compare": [compare],
+                    "success": [put_step, {"request_put": {"key": _b64(latest_key), "value": _b64(str(step))}}],
+                },
+            )
             if res.get("succeeded"):
                 return True
-        raise CatalogError(f"etcd catalog at {self.endpoint}: latest of {root} kept changing; gave up after {self.max_retries} tries")
+        raise CatalogError(
+            f"etcd catalog at {self.endpoint}: latest of {root} kept changing; gave up after {self.max_retries} tries"
+        )
 
     def latest(self, root: str) -> int | None:
         """The newest step recorded for ``root`` (a hint: list the root for certainty)."""
@@ -137,7 +150,6 @@ def open_catalog(url: str | None, **options: Any) -> EtcdCatalog | None:
     return EtcdCatalog(endpoint, **options)
 
 
-
 def record_commit(url: str | None, storage: Any, step: int, manifest: Any) -> None:
     """After a commit (coordinator): record it in the catalog at ``url``, if one is set. A
     failure is logged, never raised: the manifest is already the truth."""
@@ -146,11 +158,16 @@ def record_commit(url: str | None, storage: Any, step: int, manifest: Any) -> No
     try:
         catalog = open_catalog(url)
         assert catalog is not None
-        catalog.record(storage.url, step, {
-            "created_at": manifest.created_at, "world_size": manifest.world_size,
-            "manifest": storage.describe(f"step-{step:012d}/manifest.json"),
-            "size_bytes": sum(int(f.get("size_bytes", 0)) for f in manifest.files.values()),
-        })
+        catalog.record(
+            storage.url,
+            step,
+            {
+                "created_at": manifest.created_at,
+                "world_size": manifest.world_size,
+                "manifest": storage.describe(f"step-{step:012d}/manifest.json"),
+                "size_bytes": sum(int(f.get("size_bytes", 0)) for f in manifest.files.values()),
+            },
+        )
     except (CatalogError, ValueError) as e:
         log.warning("step %d committed under %s, but the catalog was not updated: %s", step, storage.url, e)
 

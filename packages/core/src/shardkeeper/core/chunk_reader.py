@@ -129,8 +129,10 @@ class ChunkReader:
         except CorruptCheckpointError as e:  # the entry is not what the format says (a FIFO, a symlink loop...)
             raise CorruptCheckpointError(f"{self.where}, {what}: {e}") from e
         except (CheckpointNotFoundError, StorageError) as e:
-            where = (f"{self.where}: cannot read bytes [{offset}, {offset + len(buffer)}) of "
-                     f"{storage.describe(path)} for {what}: {e}")
+            where = (
+                f"{self.where}: cannot read bytes [{offset}, {offset + len(buffer)}) of "
+                f"{storage.describe(path)} for {what}: {e}"
+            )
             if self.missing_or_short(path, offset + len(buffer)):
                 raise CorruptCheckpointError(
                     f"{where}. The file is missing or shorter than the manifest says: the checkpoint "
@@ -200,8 +202,9 @@ class ChunkReader:
             except CheckpointError as e:
                 yield Window(start, start + n, None, e, [])
                 return
-            yield Window(start, start + n, view, None,
-                         list(mismatches(self.digest, chunk, pos // self.block, view, self.block)))
+            yield Window(
+                start, start + n, view, None, list(mismatches(self.digest, chunk, pos // self.block, view, self.block))
+            )
 
 
 __all__ = ["FRAME_HEADER_BYTES", "ChunkReader", "Mismatch", "Window", "frame_problem", "mismatches", "size_or_none"]

@@ -72,8 +72,12 @@ class ManagerContext:
 
 
 def open_root(
-    root: str | os.PathLike[str] | Storage, storage_options: Mapping[str, Any] | None, *, retry: RetryPolicy,
-    encryption: Any, bound_to: str | None,
+    root: str | os.PathLike[str] | Storage,
+    storage_options: Mapping[str, Any] | None,
+    *,
+    retry: RetryPolicy,
+    encryption: Any,
+    bound_to: str | None,
 ) -> tuple[Storage, Storage, Encryption | None]:
     """The manager's root with retried calls (encrypting when ``encryption`` names a key,
     bound to ``bound_to`` or the root's own name), the view manifests are read through

@@ -50,8 +50,11 @@ DEFAULT_BATCH_BYTES = 512 << 20
 
 
 def _refuse_untrusted(src: str, trust_pickle: bool) -> None:
-    require_trust(src, trust_pickle=trust_pickle, why=(
-        "it is a torch.distributed.checkpoint directory, whose .metadata and non-tensor entries are pickles"))
+    require_trust(
+        src,
+        trust_pickle=trust_pickle,
+        why=("it is a torch.distributed.checkpoint directory, whose .metadata and non-tensor entries are pickles"),
+    )
     if not os.path.isfile(os.path.join(src, ".metadata")):
         raise FileNotFoundError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
 
@@ -75,7 +78,9 @@ def load_dcp(path: str | os.PathLike[str], *, trust_pickle: bool, keys: set[str]
     src = os.fspath(path)
     _refuse_untrusted(src, trust_pickle)
     sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    _load_state_dict(
+        sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
+    )
     return sd
 
 
@@ -86,7 +91,9 @@ def canonical_key(path: Sequence[Any]) -> str:
 
 def _jsonable(value: Any, key: str, src: str) -> Any:
     if isinstance(value, torch.Tensor):
-        raise StateMismatchError(f"{src}: entry {key!r} holds a tensor inside a non-tensor value; not imported by this version")
+        raise StateMismatchError(
+            f"{src}: entry {key!r} holds a tensor inside a non-tensor value; not imported by this version"
+        )
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v, key, src) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -130,7 +137,9 @@ def _claim(origin: dict[str, str], key: str, entry: str, src: str) -> None:
     origin[key] = entry
 
 
-def _batches(tensors: list[tuple[str, str, tuple[int, ...], str, int]], limit: int) -> list[list[tuple[str, str, tuple[int, ...], str, int]]]:
+def _batches(
+    tensors: list[tuple[str, str, tuple[int, ...], str, int]], limit: int
+) -> list[list[tuple[str, str, tuple[int, ...], str, int]]]:
     out: list[list[tuple[str, str, tuple[int, ...], str, int]]] = [[]]
     size = 0
     for t in tensors:
@@ -169,7 +178,9 @@ def import_dcp(
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     md = read_dcp_metadata(src, trust_pickle=trust_pickle)
-    warnings.warn(f"unpickling {src}/.metadata (trust_pickle=True): only do this for checkpoints you trust", stacklevel=2)
+    warnings.warn(
+        f"unpickling {src}/.metadata (trust_pickle=True): only do this for checkpoints you trust", stacklevel=2
+    )
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     tensors: list[tuple[str, str, tuple[int, ...], str, int]] = []  # flat key, key, shape, dtype, bytes
@@ -181,7 +192,9 @@ def import_dcp(
         if isinstance(meta, TensorStorageMetadata):
             dtype = torch_dtype_name(meta.properties.dtype)
             if dtype not in DTYPES:
-                raise StateMismatchError(f"{src}: tensor {flat!r} has dtype {dtype}, which the shardkeeper format does not store")
+                raise StateMismatchError(
+                    f"{src}: tensor {flat!r} has dtype {dtype}, which the shardkeeper format does not store"
+                )
             _claim(origin, key, flat, src)
             shape = tuple(int(s) for s in meta.size)
             tensors.append((flat, key, shape, dtype, math.prod(shape) * DTYPES[dtype][1]))
@@ -217,12 +230,18 @@ def import_dcp(
                 spans.append((buf, 0, nbytes))
             rel = shard_file(0, attempt, index)
             written.append(rel)
-            offsets, digests, size = pool.submit(_write_file, storage, sdir, rel, items, spans, digest,
-                                                 digest_block_bytes).result()
+            offsets, digests, size = pool.submit(
+                _write_file, storage, sdir, rel, items, spans, digest, digest_block_bytes
+            ).result()
             recs = chunk_records(rel, items, offsets, digests)
             files[rel] = {"size_bytes": size, "rank": 0}
             for (key, rec), (_, _, shape, dtype, nbytes) in zip(recs, batch, strict=True):
-                leaves[key] = {"kind": "tensor", "dtype": dtype, "shape": list(shape), "chunks": [rec] if nbytes else []}
+                leaves[key] = {
+                    "kind": "tensor",
+                    "dtype": dtype,
+                    "shape": list(shape),
+                    "chunks": [rec] if nbytes else [],
+                }
                 bar.update(nbytes)
             del loaded, items, spans
         if written:
@@ -234,12 +253,22 @@ def import_dcp(
                 if why is not None:
                     raise StateMismatchError(f"{src}: {key}: {why}")
         manifest = Manifest(
-            step=step, world_size=1, leaves=LazyLeaves(dict(sorted(leaves.items()))),
-            files=dict(sorted(files.items())), digest_algorithm=digest, digest_block_bytes=digest_block_bytes,
-            metadata={"framework": "torch", "torch_version": torch.__version__, "world_size": 1,
-                      "imported_from": src, "imported_format": "torch.distributed.checkpoint",
-                      **dict(metadata or {})},
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), attempt=attempt,
+            step=step,
+            world_size=1,
+            leaves=LazyLeaves(dict(sorted(leaves.items()))),
+            files=dict(sorted(files.items())),
+            digest_algorithm=digest,
+            digest_block_bytes=digest_block_bytes,
+            metadata={
+                "framework": "torch",
+                "torch_version": torch.__version__,
+                "world_size": 1,
+                "imported_from": src,
+                "imported_format": "torch.distributed.checkpoint",
+                **dict(metadata or {}),
+            },
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            attempt=attempt,
             format_version=FORMAT_VERSION,
         )
         data = manifest.dumps()

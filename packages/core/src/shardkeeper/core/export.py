@@ -45,8 +45,18 @@ if TYPE_CHECKING:
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained uses ("5GB")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -107,7 +117,9 @@ class ExportResult:
     total_size: int = 0
 
 
-def _select(m: Manifest, keys: Sequence[str], strip_prefix: str | None, where: str) -> list[tuple[str, str, LeafRecord]]:
+def _select(
+    m: Manifest, keys: Sequence[str], strip_prefix: str | None, where: str
+) -> list[tuple[str, str, LeafRecord]]:
     """``(exported name, key, leaf)`` for every tensor leaf matching ``keys``, in key order."""
     out: list[tuple[str, str, LeafRecord]] = []
     seen: dict[str, str] = {}
@@ -117,9 +129,11 @@ def _select(m: Manifest, keys: Sequence[str], strip_prefix: str | None, where: s
         leaf = m.leaves[key]
         if leaf.kind != "tensor":
             continue
-        name = key[len(strip_prefix):] if strip_prefix and key.startswith(strip_prefix) else key
+        name = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
         if name in seen:
-            raise StateMismatchError(f"{where}: keys {seen[name]!r} and {key!r} both export as {name!r}; keep the prefix (keep_prefix / --keep-prefix) or narrow --keys")
+            raise StateMismatchError(
+                f"{where}: keys {seen[name]!r} and {key!r} both export as {name!r}; keep the prefix (keep_prefix / --keep-prefix) or narrow --keys"
+            )
         seen[name] = key
         out.append((name, key, leaf))
     if not out:
@@ -179,7 +193,9 @@ def _assemble(reader: ChunkReader, m: Manifest, key: str, leaf: LeafRecord) -> n
     for c in leaf.chunks:
         raw_len = c.numel * isz
         if c.encoding == "raw" and c.length != raw_len:
-            raise CorruptCheckpointError(f"step {m.step}: chunk of {key!r} holds {c.length} bytes for {c.numel} elements")
+            raise CorruptCheckpointError(
+                f"step {m.step}: chunk of {key!r} holds {c.length} bytes for {c.numel} elements"
+            )
         # A box spanning every dimension but the first is contiguous in the output: read it
         # straight there; any other box goes through one scratch buffer of its own size.
         if leaf.shape and tuple(c.shape[1:]) == tuple(leaf.shape[1:]):
@@ -246,8 +262,9 @@ def export_safetensors(
     outdir = os.fspath(to)
     os.makedirs(outdir, exist_ok=True)
     res = ExportResult(step=step, directory=outdir)
-    reader = ChunkReader.of(storage, m, where=where,
-                            remedy=f"export another step and run `shardkeeper verify {storage.url}`")
+    reader = ChunkReader.of(
+        storage, m, where=where, remedy=f"export another step and run `shardkeeper verify {storage.url}`"
+    )
     bar = Progress(sum(it[2].nbytes for it in items), f"export step {step}", progress)
     n = len(shards)
     try:
@@ -274,8 +291,10 @@ def export_safetensors(
             res.files.append(fname)
     finally:
         bar.close()
-    index = {"metadata": {"total_size": res.total_size, "shardkeeper_step": step},
-             "weight_map": dict(sorted(res.weight_map.items()))}
+    index = {
+        "metadata": {"total_size": res.total_size, "shardkeeper_step": step},
+        "weight_map": dict(sorted(res.weight_map.items())),
+    }
     tmp = os.path.join(outdir, INDEX_NAME + ".partial")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)

@@ -131,7 +131,8 @@ def collect_garbage(
                 f"the record of a commit in progress {storage.describe(unknown[0].path)} cannot be read, so what "
                 f"it protects is unknown; nothing was removed. A writer's records are written whole: if no "
                 f"save is running, remove it (it expires by itself {pending.INTENT_TTL_S:.0f} s after it was "
-                f"written)")
+                f"written)"
+            )
             return report
         busy_steps = {s for r in intents for s in r.steps}
         busy_files = {f for r in intents for f in r.files}
@@ -266,14 +267,23 @@ def _remove_dir(storage: Storage, name: str, files: list[str], dry_run: bool, re
         except Exception as e:  # noqa: BLE001
             report.errors.append(f"could not remove {storage.describe(name)}: {e}")
             return
-    log.info("gc: %s %s (%d files, %d bytes)", "would remove" if dry_run else "removed",
-             storage.describe(name), len(files), size)
+    log.info(
+        "gc: %s %s (%d files, %d bytes)",
+        "would remove" if dry_run else "removed",
+        storage.describe(name),
+        len(files),
+        size,
+    )
     report.removed_dirs.append(name + "/")
     report.removed_bytes += size
 
 
 def _remove_stale_records(
-    storage: Storage, records: list[pending.PendingRecord], own: str | None, no_running_saves: bool, dry_run: bool,
+    storage: Storage,
+    records: list[pending.PendingRecord],
+    own: str | None,
+    no_running_saves: bool,
+    dry_run: bool,
     report: GcReport,
 ) -> None:
     """Expired intents and claims (their writers died), or every intent when no save runs."""
@@ -304,14 +314,18 @@ def list_incomplete_uploads(storage: Storage) -> list[dict[str, Any]]:
     while True:
         page = fs.call_s3("list_multipart_uploads", **kwargs)
         for u in page.get("Uploads") or []:
-            rel = str(u["Key"])[len(prefix):]
+            rel = str(u["Key"])[len(prefix) :]
             if parse_step_dir(rel.split("/", 1)[0]) is None:
                 continue  # only what the format writes is ours to judge
             initiated = u.get("Initiated")
-            out.append({
-                "path": rel, "key": u["Key"], "upload_id": u["UploadId"],
-                "initiated": initiated.timestamp() if hasattr(initiated, "timestamp") else None,
-            })
+            out.append(
+                {
+                    "path": rel,
+                    "key": u["Key"],
+                    "upload_id": u["UploadId"],
+                    "initiated": initiated.timestamp() if hasattr(initiated, "timestamp") else None,
+                }
+            )
         if not page.get("IsTruncated"):
             return out
         kwargs["KeyMarker"] = page.get("NextKeyMarker")
@@ -342,8 +356,11 @@ def _abort_incomplete_uploads(
             except Exception as e:  # noqa: BLE001
                 report.errors.append(f"could not abort the multipart upload of {storage.describe(u['path'])}: {e}")
                 continue
-        log.info("gc: %s incomplete multipart upload of %s", "would abort" if dry_run else "aborted",
-                 storage.describe(u["path"]))
+        log.info(
+            "gc: %s incomplete multipart upload of %s",
+            "would abort" if dry_run else "aborted",
+            storage.describe(u["path"]),
+        )
         report.aborted_uploads.append(u["path"])
 
 

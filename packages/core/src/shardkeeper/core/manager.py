@@ -83,8 +83,12 @@ class CheckpointManager:
         self._plans = PlanCache()
         self._gate = StagingGate()
         ctx = ManagerContext(self.storage, read_storage, self._coord, base, self._io, encryption)
-        codecs = CodecState(incremental=base.incremental, compression=base.compression,
-                            level=base.compression_level, encrypted=encryption is not None)
+        codecs = CodecState(
+            incremental=base.incremental,
+            compression=base.compression,
+            level=base.compression_level,
+            encrypted=encryption is not None,
+        )
         self._saver = SaveRunner(ctx, codecs=codecs, stager=self._stager, plans=self._plans, gate=self._gate)
         self._restorer = Restorer(ctx)
         self._ctx = ctx
@@ -123,16 +127,29 @@ class CheckpointManager:
             self._pending = self._saver.submit_refused(self._bg, step, seq, refused, owner=self)
             raise refused
         synchronous = not (self.options.async_save if async_save is None else async_save)
-        job = self._saver.prepare(step, self._seq, state, sync=synchronous, defaults=self.metadata,
-                                  metadata=metadata, retention=self.retention)
+        job = self._saver.prepare(
+            step,
+            self._seq,
+            state,
+            sync=synchronous,
+            defaults=self.metadata,
+            metadata=metadata,
+            retention=self.retention,
+        )
         self._seq += 1
         stall_s = 0.0
         try:
             handle = self._pending = self._saver.submit(self._bg, job, owner=self)
             handle.stall_s = stall_s = time.perf_counter() - t0
             metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
-            log.info("rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
-                     self.rank, step, len(job.plan.items), job.plan.nbytes, stall_s)
+            log.info(
+                "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
+                self.rank,
+                step,
+                len(job.plan.items),
+                job.plan.nbytes,
+                stall_s,
+            )
         finally:
             job.start.give(stall_s)  # the writer starts once save() is done with its own work
         if synchronous:
@@ -163,8 +180,10 @@ class CheckpointManager:
         err = p._undelivered_error()
         if err is None:
             return None
-        return (f"the save of step {p.step} under {self.storage.url} (rank {self.rank}) failed at exit "
-                f"and was not committed: {type(err).__name__}: {err}")
+        return (
+            f"the save of step {p.step} under {self.storage.url} (rank {self.rank}) failed at exit "
+            f"and was not committed: {type(err).__name__}: {err}"
+        )
 
     # -- what is committed; delete -----------------------------------------------------------
     def steps(self) -> list[int]:
@@ -188,9 +207,7 @@ class CheckpointManager:
         if step is None:
             step = newest_committed(self.storage)
             if step is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint under {self.storage.url} (rank {self.rank})"
-                )
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.storage.url} (rank {self.rank})")
         return load_manifest(self._ctx.read_storage, step)  # authenticated when encrypted
 
     def step_url(self, step: int) -> str:
@@ -247,8 +264,16 @@ class CheckpointManager:
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
         optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
         self._wait_pending(raise_error=False)
-        restored = self._restorer.restore(rest, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes,
-                                          optional=optional_patterns, stacklevel=2)
+        restored = self._restorer.restore(
+            rest,
+            step,
+            patterns,
+            strict=strict,
+            per_rank=policy,
+            cast=cast_dtypes,
+            optional=optional_patterns,
+            stacklevel=2,
+        )
         merge_back(state, rest)
         if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
             progress = read_progress(self.manifest(restored))

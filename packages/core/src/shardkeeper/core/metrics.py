@@ -165,7 +165,10 @@ def record(metric: Metric, value: float, *, rank: int | None = None, step: int |
         metric.observe(value, **labels)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
-            "%s %s %g", metric.name, labels or "", value,
+            "%s %s %g",
+            metric.name,
+            labels or "",
+            value,
             extra={"metric": metric.name, "value": value, "labels": dict(labels), "rank": rank, "step": step},
         )
 

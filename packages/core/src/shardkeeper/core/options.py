@@ -113,8 +113,10 @@ class CheckpointOptions:
         from shardkeeper.core.storage.retry import RetryPolicy
 
         return RetryPolicy(
-            max_attempts=self.retry_max_attempts, base_delay_s=self.retry_base_delay_s,
-            max_delay_s=self.retry_max_delay_s, deadline_s=self.retry_deadline_s,
+            max_attempts=self.retry_max_attempts,
+            base_delay_s=self.retry_base_delay_s,
+            max_delay_s=self.retry_max_delay_s,
+            deadline_s=self.retry_deadline_s,
         )
 
     def replace(self, **overrides: Any) -> CheckpointOptions:

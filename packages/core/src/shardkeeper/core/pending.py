@@ -73,8 +73,14 @@ class PendingRecord:
 def write_intent(storage: Storage, step: int, attempt: str, files: Iterable[str]) -> str:
     """Announce the commit of ``step`` over ``files`` (root-relative); returns the record's path."""
     path = f"{PREFIX}intent.{step_dir(step)}.{attempt}.json"
-    body = {"kind": "intent", "steps": [step], "attempt": attempt, "ttl_s": INTENT_TTL_S,
-            "files": sorted(files), "created_at": time.time()}
+    body = {
+        "kind": "intent",
+        "steps": [step],
+        "attempt": attempt,
+        "ttl_s": INTENT_TTL_S,
+        "files": sorted(files),
+        "created_at": time.time(),
+    }
     storage.put(path, json.dumps(body, separators=(",", ":")).encode())
     return path
 

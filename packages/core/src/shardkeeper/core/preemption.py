@@ -117,14 +117,21 @@ class PreemptionGuard:
             except Exception as e:  # noqa: BLE001 - the record is best effort; exit anyway
                 log.warning("could not list committed steps while exiting: %s", e)
             record = {
-                "last_committed_step": last, "abandoned_step": abandoned,
-                "signal_time": self._signal_time, "exit_time": time.time(), "rank": self.mgr.rank,
+                "last_committed_step": last,
+                "abandoned_step": abandoned,
+                "signal_time": self._signal_time,
+                "exit_time": time.time(),
+                "rank": self.mgr.rank,
             }
             if last is not None:
                 metrics.record(metrics.LAST_COMMITTED_STEP, last, rank=self.mgr.rank, step=last)
-            log.warning("rank %d: preempted; last committed step %s%s", self.mgr.rank, last,
-                        f", save of step {abandoned} abandoned" if abandoned is not None else "",
-                        extra={"preemption": record})
+            log.warning(
+                "rank %d: preempted; last committed step %s%s",
+                self.mgr.rank,
+                last,
+                f", save of step {abandoned} abandoned" if abandoned is not None else "",
+                extra={"preemption": record},
+            )
             if self.mgr.rank == 0:
                 try:
                     self.mgr.storage.put(RECORD_NAME, json.dumps(record).encode())

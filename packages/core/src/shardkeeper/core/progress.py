@@ -155,17 +155,27 @@ def _legacy(manifest: Manifest, tree: dict[str, Any]) -> Progress:
         counters["deepspeed"] = {k: tree[k] for k in _LEGACY_COUNTERS["deepspeed"] if k in tree}
     lightning = counters.get("lightning", {})
     step = lightning.get("global_step", counters.get("deepspeed", {}).get("global_step"))
-    return Progress(step=_int(step, int(manifest.step)), epoch=_int(lightning.get("epoch"), 0),
-                    samples=_opt_int(tree.get("global_samples")), counters={k: v for k, v in counters.items() if v},
-                    schema=None, checkpoint_step=manifest.step)
+    return Progress(
+        step=_int(step, int(manifest.step)),
+        epoch=_int(lightning.get("epoch"), 0),
+        samples=_opt_int(tree.get("global_samples")),
+        counters={k: v for k, v in counters.items() if v},
+        schema=None,
+        checkpoint_step=manifest.step,
+    )
 
 
 def from_tree(tree: Mapping[str, Any], *, schema: int | None, checkpoint_step: int | None = None) -> Progress:
     """A :class:`Progress` from the nested values of a schema ``progress`` entry."""
     counters = {k: dict(v) for k, v in tree.items() if k not in SHARED_KEYS and isinstance(v, Mapping)}
-    return Progress(step=_int(tree.get("step"), 0), epoch=_int(tree.get("epoch"), 0),
-                    samples=_opt_int(tree.get("samples")), counters=counters, schema=schema,
-                    checkpoint_step=checkpoint_step)
+    return Progress(
+        step=_int(tree.get("step"), 0),
+        epoch=_int(tree.get("epoch"), 0),
+        samples=_opt_int(tree.get("samples")),
+        counters=counters,
+        schema=schema,
+        checkpoint_step=checkpoint_step,
+    )
 
 
 def framework_of(manifest: Manifest) -> str:
@@ -186,7 +196,7 @@ def object_tree(leaves: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     for key, rec in leaves.items():
         if not key.startswith(head) or rec.kind != "object":
             continue
-        parts = key[len(head):].split("/")
+        parts = key[len(head) :].split("/")
         node = out
         for p in parts[:-1]:
             nxt = node.get(p)
@@ -215,6 +225,16 @@ def _opt_int(value: Any) -> int | None:
 
 
 __all__ = [
-    "NAMESPACE", "PROGRESS_SCHEMA", "SHARED_KEYS", "Progress", "ProgressTarget", "framework_of", "from_tree",
-    "merge_back", "object_tree", "progress_state", "read_progress", "split_targets",
+    "NAMESPACE",
+    "PROGRESS_SCHEMA",
+    "SHARED_KEYS",
+    "Progress",
+    "ProgressTarget",
+    "framework_of",
+    "from_tree",
+    "merge_back",
+    "object_tree",
+    "progress_state",
+    "read_progress",
+    "split_targets",
 ]

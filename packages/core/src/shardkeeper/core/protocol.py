@@ -91,10 +91,22 @@ def _object(doc: object, where: str) -> Mapping[str, Any]:
 
 
 _KINDS: dict[str, tuple[type, ...]] = {
-    "int": (int,), "str": (str,), "bool": (bool,), "number": (int, float), "object": (dict,), "list": (list,),
+    "int": (int,),
+    "str": (str,),
+    "bool": (bool,),
+    "number": (int, float),
+    "object": (dict,),
+    "list": (list,),
 }
-_NAMES = {"int": "an integer", "str": "a string", "bool": "true or false", "number": "a number",
-          "object": "an object", "list[int]": "a list of integers", "list[str]": "a list of strings"}
+_NAMES = {
+    "int": "an integer",
+    "str": "a string",
+    "bool": "true or false",
+    "number": "a number",
+    "object": "an object",
+    "list[int]": "a list of integers",
+    "list[str]": "a list of strings",
+}
 
 
 def _get(doc: Mapping[str, Any], name: str, kind: str, where: str) -> Any:
@@ -135,8 +147,13 @@ class Failure:
 
     def to_json(self) -> dict[str, Any]:
         """``conflict`` is a member of commit failures only (as the wire has it)."""
-        doc: dict[str, Any] = {"ok": False, "rank": self.rank, "phase": self.phase.value, "path": self.path,
-                               "error": self.error}
+        doc: dict[str, Any] = {
+            "ok": False,
+            "rank": self.rank,
+            "phase": self.phase.value,
+            "path": self.path,
+            "error": self.error,
+        }
         if self.phase is Phase.COMMIT:
             doc["conflict"] = self.conflict
         return doc
@@ -150,8 +167,13 @@ class Failure:
         if phase not in {p.value for p in Phase}:
             raise malformed(where, f"phase {phase!r} is none of {', '.join(p.value for p in Phase)}")
         conflict = _get(d, "conflict", "bool", where) if "conflict" in d else False
-        return cls(_get(d, "rank", "int", where), Phase(phase), _get(d, "path", "str", where),
-                   _get(d, "error", "str", where), conflict)
+        return cls(
+            _get(d, "rank", "int", where),
+            Phase(phase),
+            _get(d, "path", "str", where),
+            _get(d, "error", "str", where),
+            conflict,
+        )
 
 
 @dataclass(frozen=True)
@@ -168,8 +190,11 @@ class Timings:
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> Timings:
         d = _object(doc, where)
-        return cls(float(_get(d, "stall_s", "number", where)), float(_get(d, "write_s", "number", where)),
-                   _get(d, "sync", "bool", where))
+        return cls(
+            float(_get(d, "stall_s", "number", where)),
+            float(_get(d, "write_s", "number", where)),
+            _get(d, "sync", "bool", where),
+        )
 
 
 @dataclass(frozen=True)
@@ -201,10 +226,19 @@ class RankReport:
         """The report by its wire member names, ``chunks`` as held (the coordinator's own
         report is merged from memory, never encoded)."""
         return {
-            "ok": True, "rank": self.rank, "attempt": self.attempt, "declared": self.declared,
-            "declared_digest": self.declared_digest, "chunks": self.chunks, "files": self.files,
-            "objects": self.objects, "bases": self.bases, EXTENDED_MEMBER: self.extended,
-            "per_rank_prefixes": self.per_rank_prefixes, "layouts": self.layouts, "timings": self.timings.to_json(),
+            "ok": True,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "declared": self.declared,
+            "declared_digest": self.declared_digest,
+            "chunks": self.chunks,
+            "files": self.files,
+            "objects": self.objects,
+            "bases": self.bases,
+            EXTENDED_MEMBER: self.extended,
+            "per_rank_prefixes": self.per_rank_prefixes,
+            "layouts": self.layouts,
+            "timings": self.timings.to_json(),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -232,9 +266,14 @@ class RankReport:
             if not isinstance(info, dict):
                 raise malformed(where, f"the record of file {rel!r} is {_describe(info)}, not an object")
         return cls(
-            rank=_get(d, "rank", "int", where), attempt=_get(d, "attempt", "str", where), declared=declared,
-            declared_digest=_get(d, "declared_digest", "str", where), chunks=chunks, files=files,
-            objects=_get(d, "objects", "object", where), bases=_get(d, "bases", "list[int]", where),
+            rank=_get(d, "rank", "int", where),
+            attempt=_get(d, "attempt", "str", where),
+            declared=declared,
+            declared_digest=_get(d, "declared_digest", "str", where),
+            chunks=chunks,
+            files=files,
+            objects=_get(d, "objects", "object", where),
+            bases=_get(d, "bases", "list[int]", where),
             extended=_get(d, EXTENDED_MEMBER, "bool", where),
             per_rank_prefixes=_get(d, "per_rank_prefixes", "list[str]", where),
             layouts=_get(d, "layouts", "list[str]", where),

@@ -52,7 +52,8 @@ def commit_manifest(storage: Storage, step: int, manifest: Manifest, data: bytes
             raise CheckpointSaveError(
                 f"step {step}: the checks before the commit under {storage.url} took {elapsed:.0f} s, more than "
                 f"half the {pending.INTENT_TTL_S:.0f} s a commit intent protects its files; nothing was "
-                f"committed (the storage is very slow: retry the save)", step=step,
+                f"committed (the storage is very slow: retry the save)",
+                step=step,
             )
         _put_if_absent(storage, step, data)
     finally:
@@ -79,7 +80,8 @@ def _check_not_claimed(storage: Storage, step: int) -> None:
         raise CheckpointSaveError(
             f"step {step}: a `shardkeeper gc` is removing the files of {storage.describe(step_dir(step))} "
             f"(it judged this save abandoned: its --min-age-s is shorter than this save took); nothing "
-            f"was committed. Raise gc's --min-age-s above your slowest save, and save again", step=step,
+            f"was committed. Raise gc's --min-age-s above your slowest save, and save again",
+            step=step,
         )
 
 
@@ -92,7 +94,8 @@ def _check_bases(storage: Storage, step: int, bases: list[int]) -> None:
             raise CheckpointSaveError(
                 f"step {step}: it references files of step {base} under {storage.url} (an incremental save), "
                 f"and step {base} was deleted while this save ran; nothing was committed. Save again: the "
-                f"next save finds another base", step=step,
+                f"next save finds another base",
+                step=step,
             )
 
 
@@ -135,7 +138,8 @@ def check_reads_back(storage: Storage, step: int, data: bytes, manifest: Manifes
         if why is not None:
             raise CheckpointSaveError(
                 f"step {step}: the value of {key!r} would not come back exactly from {where} ({why}); "
-                f"nothing was committed: store it in another form", step=step,
+                f"nothing was committed: store it in another form",
+                step=step,
             )
 
 

@@ -58,7 +58,9 @@ def _like(t: torch.Tensor, local: torch.Tensor, last: int) -> torch.Tensor:
 
     shape = (*t.shape[:-1], last)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(
+        local, t.device_mesh, t.placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
 def _check_layout(t: torch.Tensor, where: str) -> None:
@@ -105,8 +107,15 @@ class QuantizedOptimizer:
     """A stateful wrapper of ``optimizer`` (whose parameters ``model`` owns) for the state:
     the moments go through bf16 or int8 on save and come back in their own dtype."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "bf16",
-                 block: int = 64, names: Sequence[str] = DEFAULT_NAMES) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        *,
+        mode: str = "bf16",
+        block: int = 64,
+        names: Sequence[str] = DEFAULT_NAMES,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; choose one of {', '.join(MODES)}")
         if block < 1:
@@ -115,8 +124,13 @@ class QuantizedOptimizer:
 
     def describe(self) -> dict[str, Any]:
         """What the manifest's metadata records (``metadata.quantized.<key>``)."""
-        return {"mode": self.mode, "block": self.block, "names": list(self.names), "lossy": True,
-                "sqrt": sorted(_ROOT & set(self.names))}
+        return {
+            "mode": self.mode,
+            "block": self.block,
+            "names": list(self.names),
+            "lossy": True,
+            "sqrt": sorted(_ROOT & set(self.names)),
+        }
 
     def _osd(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
@@ -143,7 +157,9 @@ class QuantizedOptimizer:
                     q, s = quantize_int8(_local(t), self.block, name in _ROOT)
                     out[name] = {"q": _like(t, q, t.shape[-1]), "scale": _like(t, s, s.shape[-1])}
             state[nfqn] = out
-        groups = [{**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]} for g in osd.get("param_groups", [])]
+        groups = [
+            {**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]} for g in osd.get("param_groups", [])
+        ]
         return {"quantization": self.describe(), "state": state, "param_groups": groups}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -164,12 +180,16 @@ class QuantizedOptimizer:
             for nfqn, per in sd["state"].items():
                 fqn = by_norm.get(nfqn)
                 if fqn is None:
-                    raise StateMismatchError(f"quantized optimizer state names {nfqn!r}, which the optimizer does not hold")
+                    raise StateMismatchError(
+                        f"quantized optimizer state names {nfqn!r}, which the optimizer does not hold"
+                    )
                 target = osd["state"][fqn]
                 for name, saved in per.items():
                     cur = target[name]
                     if isinstance(saved, Mapping):
-                        vals = dequantize_int8(_local(saved["q"]), _local(saved["scale"]), self.block, name in _ROOT, cur.dtype)
+                        vals = dequantize_int8(
+                            _local(saved["q"]), _local(saved["scale"]), self.block, name in _ROOT, cur.dtype
+                        )
                         _local(cur).copy_(vals)
                     elif isinstance(cur, torch.Tensor) and isinstance(saved, torch.Tensor):
                         if cur is not saved:
@@ -177,14 +197,22 @@ class QuantizedOptimizer:
                     else:
                         target[name] = saved
         by_norm_p = {normalize_fqn(str(p)): p for g in osd.get("param_groups", []) for p in g.get("params", [])}
-        groups = [{**g, "params": [by_norm_p.get(p, p) for p in g.get("params", [])]} for g in sd.get("param_groups", [])]
+        groups = [
+            {**g, "params": [by_norm_p.get(p, p) for p in g.get("params", [])]} for g in sd.get("param_groups", [])
+        ]
         if len(groups) == len(osd.get("param_groups", [])):
             osd["param_groups"] = [{**t, **g} for t, g in zip(osd["param_groups"], groups, strict=True)]
         set_optimizer_state_dict(self.model, self.optimizer, osd, options=StateDictOptions())
 
 
-def quantized(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "bf16", block: int = 64,
-              names: Sequence[str] = DEFAULT_NAMES) -> QuantizedOptimizer:
+def quantized(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    *,
+    mode: str = "bf16",
+    block: int = 64,
+    names: Sequence[str] = DEFAULT_NAMES,
+) -> QuantizedOptimizer:
     """Wrap ``optimizer`` so that its moments are saved quantized (LOSSY; see the module doc)."""
     return QuantizedOptimizer(optimizer, model, mode=mode, block=block, names=names)
 
@@ -217,4 +245,12 @@ def check_restore_target(metadata: Mapping[str, Any], state: Mapping[str, Any], 
             )
 
 
-__all__ = ["MODES", "QuantizedOptimizer", "check_restore_target", "dequantize_int8", "quantize_int8", "quantized", "state_metadata"]
+__all__ = [
+    "MODES",
+    "QuantizedOptimizer",
+    "check_restore_target",
+    "dequantize_int8",
+    "quantize_int8",
+    "quantized",
+    "state_metadata",
+]

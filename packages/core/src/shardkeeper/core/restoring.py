@@ -47,8 +47,16 @@ class Restorer:
         self.last_stats: RestoreStats | None = None
 
     def restore(
-        self, state: Mapping[str, Any], step: int | None, patterns: list[str] | None, *, strict: bool,
-        per_rank: str, cast: bool, optional: list[str], stacklevel: int = 1,
+        self,
+        state: Mapping[str, Any],
+        step: int | None,
+        patterns: list[str] | None,
+        *,
+        strict: bool,
+        per_rank: str,
+        cast: bool,
+        optional: list[str],
+        stacklevel: int = 1,
     ) -> int:
         """The step restored into ``state``, or raise (``stacklevel``: of the fallback warning,
         counted from the caller of this method)."""
@@ -77,13 +85,17 @@ class Restorer:
                     log.warning(
                         "rank %d restored step %d under %s instead of the newer, damaged step(s) %s "
                         "(last error: %s); run `shardkeeper verify %s` to see the damage",
-                        ctx.rank, s, url, ", ".join(map(str, damaged)), last_error, url,
+                        ctx.rank,
+                        s,
+                        url,
+                        ", ".join(map(str, damaged)),
+                        last_error,
+                        url,
                     )
                 return s
             if err is None:
                 err = CheckpointRestoreError(
-                    f"restore of step {s} failed on another rank (rank {ctx.rank} succeeded); "
-                    f"see that rank's error"
+                    f"restore of step {s} failed on another rank (rank {ctx.rank} succeeded); see that rank's error"
                 )
             if verdict is Verdict.FATAL or explicit:
                 raise partly_restored(err, writes)
@@ -94,10 +106,12 @@ class Restorer:
                 stacklevel=stacklevel + 1,
             )
         assert last_error is not None
-        raise partly_restored(CheckpointRestoreError(
-            f"no committed step under {url} could be restored (rank {ctx.rank}); the last "
-            f"error: {last_error}"
-        ), writes) from last_error
+        raise partly_restored(
+            CheckpointRestoreError(
+                f"no committed step under {url} could be restored (rank {ctx.rank}); the last error: {last_error}"
+            ),
+            writes,
+        ) from last_error
 
     def _agree_candidates(self, candidates: list[int]) -> list[int]:
         """Every rank uses rank 0's list of steps (its listing may be fresher)."""
@@ -106,8 +120,15 @@ class Restorer:
         return [coord.agree_int(candidates[i] if i < len(candidates) else -1, "bcast") for i in range(n)]
 
     def _attempt(
-        self, state: Mapping[str, Any], step: int, patterns: list[str] | None, strict: bool, policy: str,
-        cast: bool, optional: list[str], writes: TargetWrites,
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        patterns: list[str] | None,
+        strict: bool,
+        policy: str,
+        cast: bool,
+        optional: list[str],
+        writes: TargetWrites,
     ) -> tuple[Verdict, BaseException | None]:
         """This rank's attempt at ``step``, and its error."""
         ctx = self.ctx
@@ -128,9 +149,20 @@ class Restorer:
             check_restore_target(manifest.metadata, state, f"step {step} under {url}")
             flat = flatten_for_restore(state, ctx.rank, strict=strict)
             st = self.last_stats = restore_flat(
-                ctx.storage, step_dir(step), manifest, flat, rank=ctx.rank,
-                world_size=ctx.world_size, only=patterns, strict=strict, optional=optional, per_rank=policy,
-                cast=cast, executor=ctx.io, max_read_bytes=ctx.settings.max_read_bytes, writes=writes,
+                ctx.storage,
+                step_dir(step),
+                manifest,
+                flat,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                only=patterns,
+                strict=strict,
+                optional=optional,
+                per_rank=policy,
+                cast=cast,
+                executor=ctx.io,
+                max_read_bytes=ctx.settings.max_read_bytes,
+                writes=writes,
             )
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # damaged, or gone since listed
             return Verdict.DAMAGED, e
@@ -150,7 +182,12 @@ class Restorer:
         metrics.record(metrics.BYTES_READ, st.bytes_read, rank=ctx.rank, step=step)
         log.info(
             "rank %d restored step %d: %d keys, read %d bytes (%d needed) in %.3f s",
-            ctx.rank, step, st.keys, st.bytes_read, st.bytes_needed, time.perf_counter() - t0,
+            ctx.rank,
+            step,
+            st.keys,
+            st.bytes_read,
+            st.bytes_needed,
+            time.perf_counter() - t0,
         )
         return Verdict.RESTORED, None
 

@@ -90,9 +90,7 @@ class RetentionPolicy:
         return keep
 
 
-def apply_retention(
-    storage: Storage, policy: RetentionPolicy, *, protect: Iterable[int] = ()
-) -> list[int]:
+def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Iterable[int] = ()) -> list[int]:
     """Delete the committed steps ``policy`` does not retain; returns them, ascending.
 
     Never deletes the newest committed step, a step in ``protect`` (saves in flight, and the
@@ -124,18 +122,22 @@ def apply_retention(
         except IncompatibleFormatError as e:
             log.error(
                 "retention under %s skipped: step %d cannot be read by this version, so the "
-                "files it references are unknown (%s)", storage.url, s, e
+                "files it references are unknown (%s)",
+                storage.url,
+                s,
+                e,
             )
             return []
         except CheckpointError as e:
             if s in keep:
                 log.error(
                     "retention under %s skipped: retained step %d could not be read (%s)",
-                    storage.url, s, e,
+                    storage.url,
+                    s,
+                    e,
                 )
                 return []
-            log.warning("step %d under %s vanished or broke while applying retention: %s",
-                        s, storage.url, e)
+            log.warning("step %d under %s vanished or broke while applying retention: %s", s, storage.url, e)
             doomed.remove(s)
 
     # Every doomed manifest first (newest first): the steps stop being committed, and a
@@ -145,8 +147,12 @@ def apply_retention(
         try:
             storage.delete(manifest_path(s))
         except Exception as e:  # noqa: BLE001 - one step's failure must not stop the rest
-            log.error("retention: could not delete the manifest of step %d under %s: %s; "
-                      "the step stays committed", s, storage.url, e)
+            log.error(
+                "retention: could not delete the manifest of step %d under %s: %s; the step stays committed",
+                s,
+                storage.url,
+                e,
+            )
             continue
         refs.pop(s, None)
         deleted.append(s)
@@ -159,15 +165,25 @@ def apply_retention(
         intents = [pending.PendingRecord("", "intent", [], set(), unknown=True)]
         log.error("retention under %s: could not read the commits in progress (%s)", storage.url, e)
     if any(r.unknown for r in intents):
-        log.error("retention under %s: a commit in progress cannot be read, so the files of deleted steps %s "
-                  "are kept; `shardkeeper gc %s` removes them later", storage.url, deleted, storage.url)
+        log.error(
+            "retention under %s: a commit in progress cannot be read, so the files of deleted steps %s "
+            "are kept; `shardkeeper gc %s` removes them later",
+            storage.url,
+            deleted,
+            storage.url,
+        )
         return sorted(deleted)
     live |= {f for r in intents for f in r.files}  # what commits in progress are about to reference
     try:  # ... or referenced by manifests put since this pass listed the steps
         live |= committed_since(storage, set(steps))[1]
     except CheckpointError as e:
-        log.error("retention under %s: could not list the steps committed meanwhile (%s); the files of "
-                  "deleted steps %s are kept", storage.url, e, deleted)
+        log.error(
+            "retention under %s: could not list the steps committed meanwhile (%s); the files of "
+            "deleted steps %s are kept",
+            storage.url,
+            e,
+            deleted,
+        )
         return sorted(deleted)
     for s in deleted:
         name = step_dir(s)
@@ -181,13 +197,23 @@ def apply_retention(
                     if f not in live:
                         remove_file(storage, f)
         except Exception as e:  # noqa: BLE001
-            log.error("retention: step %d under %s is uncommitted now, but deleting its files "
-                      "failed (%s); `shardkeeper gc %s` removes the leftovers",
-                      s, storage.url, e, storage.url)
+            log.error(
+                "retention: step %d under %s is uncommitted now, but deleting its files "
+                "failed (%s); `shardkeeper gc %s` removes the leftovers",
+                s,
+                storage.url,
+                e,
+                storage.url,
+            )
             continue
         if kept:
-            log.info("retention: deleted step %d under %s (kept %d file(s) that retained steps or "
-                     "commits in progress reference)", s, storage.url, len(kept))
+            log.info(
+                "retention: deleted step %d under %s (kept %d file(s) that retained steps or "
+                "commits in progress reference)",
+                s,
+                storage.url,
+                len(kept),
+            )
         else:
             log.info("retention: deleted step %d under %s", s, storage.url)
     return sorted(deleted)

@@ -108,8 +108,9 @@ def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
 class SaveRunner:
     """The save protocol of one manager: its root, coordinator, codecs and staging state."""
 
-    def __init__(self, ctx: ManagerContext, *, codecs: CodecState, stager: Stager, plans: PlanCache,
-                 gate: StagingGate) -> None:
+    def __init__(
+        self, ctx: ManagerContext, *, codecs: CodecState, stager: Stager, plans: PlanCache, gate: StagingGate
+    ) -> None:
         self.ctx = ctx
         self._codecs = codecs
         self._stager = stager
@@ -137,14 +138,22 @@ class SaveRunner:
         )
 
     def prepare(
-        self, step: int, seq: int, state: Mapping[str, Any], *, sync: bool, defaults: Mapping[str, Any],
-        metadata: Mapping[str, Any] | None, retention: RetentionPolicy,
+        self,
+        step: int,
+        seq: int,
+        state: Mapping[str, Any],
+        *,
+        sync: bool,
+        defaults: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None,
+        retention: RetentionPolicy,
     ) -> SaveJob:
         """Flatten, plan and stage ``state`` (``defaults``: the manager's metadata)."""
         ctx, settings = self.ctx, self.ctx.settings
         flat = flatten_for_save(state, ctx.rank)
-        plan, groups = self._plans.plan(flat, ctx.rank, ctx.world_size, settings.max_files_per_rank,
-                                        settings.min_file_bytes)
+        plan, groups = self._plans.plan(
+            flat, ctx.rank, ctx.world_size, settings.max_files_per_rank, settings.min_file_bytes
+        )
         # A synchronous save returns after the commit, so the caller cannot change its tensors
         # meanwhile: they are written from their own memory, without a staging copy.
         defer = None
@@ -154,13 +163,26 @@ class SaveRunner:
             owned = OptimizerTensors(optimizers)
             if owned:
                 defer = owned.owners
-        spans, deferred = self._stager.stage_split(groups, copy=not sync, defer=defer, token=plan.token,
-                                                   sources=plan.sources)
+        spans, deferred = self._stager.stage_split(
+            groups, copy=not sync, defer=defer, token=plan.token, sources=plan.sources
+        )
         objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly
         meta, _ = snapshot({**defaults, **state_metadata(state), **dict(metadata or {})}, "metadata key")
         return SaveJob(
-            step, seq, new_attempt_id(), plan, groups, spans, objects, extended, meta, sync, retention, Start(),
-            deferred, self._gate.begin(deferred) if deferred is not None else None,
+            step,
+            seq,
+            new_attempt_id(),
+            plan,
+            groups,
+            spans,
+            objects,
+            extended,
+            meta,
+            sync,
+            retention,
+            Start(),
+            deferred,
+            self._gate.begin(deferred) if deferred is not None else None,
         )
 
     def submit(self, bg: ThreadPoolExecutor, job: SaveJob, *, owner: object) -> SaveHandle:
@@ -230,7 +252,8 @@ class SaveRunner:
                 f"save of step {step} failed on rank {ctx.rank} in phase {phase} at "
                 f"{ctx.storage.describe(sdir)}: {type(local_error).__name__}: {local_error}; "
                 f"the checkpoint was not committed",
-                step=step, failures={ctx.rank: own.to_json()},
+                step=step,
+                failures={ctx.rank: own.to_json()},
             ) from local_error
         self._raise_failed(step, outcome)
         metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
@@ -242,21 +265,36 @@ class SaveRunner:
         ctx, settings = self.ctx, self.ctx.settings
         codecs = self._codecs.for_save(ctx.read_storage, job.step, settings.digest, settings.digest_block_bytes)
         res = write_shards(
-            ctx.storage, step_dir(job.step), job.groups, job.spans, rank=ctx.rank, attempt=job.attempt,
-            algorithm=settings.digest, block_bytes=settings.digest_block_bytes,
-            executor=ctx.io, codecs=codecs, memo=job.plan.memo,
+            ctx.storage,
+            step_dir(job.step),
+            job.groups,
+            job.spans,
+            rank=ctx.rank,
+            attempt=job.attempt,
+            algorithm=settings.digest,
+            block_bytes=settings.digest_block_bytes,
+            executor=ctx.io,
+            codecs=codecs,
+            memo=job.plan.memo,
         )
         declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
         report = RankReport(
-            rank=ctx.rank, attempt=job.attempt, declared=declarations["declared"],
-            declared_digest=declarations["declared_digest"], chunks=res.chunks, files=res.files,
+            rank=ctx.rank,
+            attempt=job.attempt,
+            declared=declarations["declared"],
+            declared_digest=declarations["declared_digest"],
+            chunks=res.chunks,
+            files=res.files,
             objects=job.objects,
             bases=[codecs.reuse.base.step] if codecs.reuse is not None and codecs.reuse.usable else [],
-            extended=job.extended, per_rank_prefixes=job.plan.per_rank_prefixes, layouts=sorted(job.plan.layouts),
+            extended=job.extended,
+            per_rank_prefixes=job.plan.per_rank_prefixes,
+            layouts=sorted(job.plan.layouts),
             timings=Timings(stall_s=stall_s, write_s=time.perf_counter() - t0, sync=job.sync),
         )
-        log.info("rank %d step %d: wrote %d bytes in %.3f s", ctx.rank, job.step, res.bytes_written,
-                 time.perf_counter() - t0)
+        log.info(
+            "rank %d step %d: wrote %d bytes in %.3f s", ctx.rank, job.step, res.bytes_written, time.perf_counter() - t0
+        )
         metrics.record(metrics.BYTES_WRITTEN, res.bytes_written, rank=ctx.rank, step=job.step)
         return report
 
@@ -275,10 +313,18 @@ class SaveRunner:
             reports = got
             members = [r.members() for r in reports]
             manifest = assemble_manifest(
-                step, job.attempt, members, world_size=ctx.world_size, digest=settings.digest,
+                step,
+                job.attempt,
+                members,
+                world_size=ctx.world_size,
+                digest=settings.digest,
                 block_bytes=settings.digest_block_bytes,
-                metadata={"framework": "torch", "torch_version": str(torch.__version__), **job.metadata,
-                          "timings": save_timings(members, time.perf_counter() - t_commit)},
+                metadata={
+                    "framework": "torch",
+                    "torch_version": str(torch.__version__),
+                    **job.metadata,
+                    "timings": save_timings(members, time.perf_counter() - t_commit),
+                },
             )
             enc = ctx.encryption
             if enc is not None:  # bound to its root: readers before version 6 would refuse its files
@@ -288,8 +334,15 @@ class SaveRunner:
             commit_manifest(ctx.storage, step, manifest, data, bases=sorted({b for r in reports for b in r.bases}))
         except BaseException as e:
             self._discard_attempt(sdir, reports)
-            return Outcome(Failure.of(COORDINATOR, Phase.COMMIT, ctx.storage.describe(sdir), e,
-                                      conflict=isinstance(e, CommitConflictError)))
+            return Outcome(
+                Failure.of(
+                    COORDINATOR,
+                    Phase.COMMIT,
+                    ctx.storage.describe(sdir),
+                    e,
+                    conflict=isinstance(e, CommitConflictError),
+                )
+            )
         try:
             write_latest_hint(ctx.storage, step)
         except CheckpointError as e:  # a hint only; the manifest is the truth
@@ -319,7 +372,8 @@ class SaveRunner:
         raise CheckpointSaveError(
             f"save of step {step} failed on rank {f.rank} in phase {f.phase} at {f.path}: {f.error}; "
             f"the checkpoint was not committed",
-            step=step, failures={f.rank: f.to_json()},
+            step=step,
+            failures={f.rank: f.to_json()},
         )
 
 

@@ -94,8 +94,10 @@ def options_from_file(path: str | os.PathLike[str], *, extra: Mapping[str, Any] 
         try:
             import yaml
         except ImportError as e:
-            raise ImportError(f"reading the YAML config file {path} needs PyYAML (pip install pyyaml); "
-                              f"or write it as JSON (a .json file)") from e
+            raise ImportError(
+                f"reading the YAML config file {path} needs PyYAML (pip install pyyaml); "
+                f"or write it as JSON (a .json file)"
+            ) from e
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -86,8 +86,7 @@ def verify_step(
             except CheckpointNotFoundError:
                 sizes[path] = None
             except CheckpointError as e:
-                out.add("read", f"step {step}: cannot stat {storage.describe(path)}: {e}",
-                        file=path)
+                out.add("read", f"step {step}: cannot stat {storage.describe(path)}: {e}", file=path)
                 sizes[path] = None
         return sizes[path]
 
@@ -95,24 +94,30 @@ def verify_step(
     for rel, info in sorted(m.files.items()):
         path = resolve_file(step, rel)
         if path is None:
-            out.add("path", f"step {step}: file entry {rel!r} is not a path inside the root",
-                    file=rel)
+            out.add("path", f"step {step}: file entry {rel!r} is not a path inside the root", file=rel)
             continue
         report.files_checked += 1
         size = actual_size(path)
         expected = info.get("size_bytes") if isinstance(info, dict) else None
         if size is None:
-            out.add("missing-file", f"step {step}: file {storage.describe(path)} is missing "
-                    f"(the manifest records {expected} bytes)", file=path,
-                    expected=f"{expected} bytes", found="missing")
+            out.add(
+                "missing-file",
+                f"step {step}: file {storage.describe(path)} is missing (the manifest records {expected} bytes)",
+                file=path,
+                expected=f"{expected} bytes",
+                found="missing",
+            )
         elif isinstance(expected, int) and size != expected:
             what = "truncated" if size < expected else "longer than recorded"
-            out.add("size", f"step {step}: file {storage.describe(path)} is {what}: "
-                    f"{size} bytes, the manifest records {expected}", file=path,
-                    expected=f"{expected} bytes", found=f"{size} bytes")
+            out.add(
+                "size",
+                f"step {step}: file {storage.describe(path)} is {what}: {size} bytes, the manifest records {expected}",
+                file=path,
+                expected=f"{expected} bytes",
+                found=f"{size} bytes",
+            )
         elif not isinstance(expected, int):
-            out.add("manifest", f"step {step}: file entry {rel!r} has no integer size_bytes",
-                    file=path)
+            out.add("manifest", f"step {step}: file entry {rel!r} has no integer size_bytes", file=path)
 
     # Digest parameters.
     fn: Callable[[memoryview | bytes], str] | None = None
@@ -122,8 +127,7 @@ def verify_step(
         out.add("manifest", f"step {step}: {e}; digests cannot be checked")
     block = m.digest_block_bytes
     if block <= 0:
-        out.add("manifest", f"step {step}: digest_block_bytes is {block}; digests cannot be "
-                f"checked")
+        out.add("manifest", f"step {step}: digest_block_bytes is {block}; digests cannot be checked")
         fn = None
     span = max(block, (max(read_bytes, 1) // block) * block) if block > 0 else 0
     reader = None if fn is None else ChunkReader(storage, fn, block, where=f"step {step}", remedy="")
@@ -140,13 +144,20 @@ def verify_step(
             continue
         why = check_tiling(key, leaf.shape, leaf.chunks)
         if why is not None:
-            out.add("tiling", f"step {step}: leaf {key} (shape {list(leaf.shape)}): chunks do "
-                    f"not tile the tensor: {why}", key=key)
+            out.add(
+                "tiling",
+                f"step {step}: leaf {key} (shape {list(leaf.shape)}): chunks do not tile the tensor: {why}",
+                key=key,
+            )
         for c in leaf.chunks:
             path = resolve_file(step, c.file)
             if path is None:
-                out.add("path", f"step {step}: leaf {key}: chunk file {c.file!r} is not a path "
-                        f"inside the root", key=key, file=c.file)
+                out.add(
+                    "path",
+                    f"step {step}: leaf {key}: chunk file {c.file!r} is not a path inside the root",
+                    key=key,
+                    file=c.file,
+                )
                 continue
             by_file[path].append((key, leaf, c))
             lo, hi = c.offset, c.offset + c.length
@@ -156,54 +167,102 @@ def verify_step(
                 missing_keys[path].append(key)
                 continue
             if c.encoding == "raw" and c.length != c.numel * isz:
-                out.add("length", f"step {step}: {where}: the chunk {list(c.offsets)}+"
-                        f"{list(c.shape)} of {leaf.dtype} needs {c.numel * isz} bytes, the "
-                        f"manifest records {c.length}", key=key, file=path, start=lo, end=hi,
-                        expected=f"{c.numel * isz} bytes", found=f"{c.length} bytes")
+                out.add(
+                    "length",
+                    f"step {step}: {where}: the chunk {list(c.offsets)}+"
+                    f"{list(c.shape)} of {leaf.dtype} needs {c.numel * isz} bytes, the "
+                    f"manifest records {c.length}",
+                    key=key,
+                    file=path,
+                    start=lo,
+                    end=hi,
+                    expected=f"{c.numel * isz} bytes",
+                    found=f"{c.length} bytes",
+                )
                 continue
             if lo < 0 or c.length < 0 or hi > size:
-                out.add("range", f"step {step}: {where}: the range lies outside the file "
-                        f"({size} bytes; truncated?)", key=key, file=path, start=lo, end=hi,
-                        expected=f"file of at least {hi} bytes", found=f"{size} bytes")
+                out.add(
+                    "range",
+                    f"step {step}: {where}: the range lies outside the file ({size} bytes; truncated?)",
+                    key=key,
+                    file=path,
+                    start=lo,
+                    end=hi,
+                    expected=f"file of at least {hi} bytes",
+                    found=f"{size} bytes",
+                )
                 continue
             if reader is None:
                 continue
             nblocks = math.ceil(c.length / block)
             if len(c.digests) != nblocks:
-                out.add("digests", f"step {step}: {where}: {len(c.digests)} digests recorded, "
-                        f"{nblocks} expected for {c.length} bytes in {block}-byte blocks",
-                        key=key, file=path, start=lo, end=hi,
-                        expected=f"{nblocks} digests", found=f"{len(c.digests)} digests")
+                out.add(
+                    "digests",
+                    f"step {step}: {where}: {len(c.digests)} digests recorded, "
+                    f"{nblocks} expected for {c.length} bytes in {block}-byte blocks",
+                    key=key,
+                    file=path,
+                    start=lo,
+                    end=hi,
+                    expected=f"{nblocks} digests",
+                    found=f"{len(c.digests)} digests",
+                )
                 continue
             report.chunks_checked += 1
             head = b""
             for w in reader.scan(path, c, span):
                 if w.data is None:
-                    out.add("read", f"step {step}: {where}: reading bytes {_rng(w.start, w.end)} failed: "
-                            f"{w.error}", key=key, file=path, start=w.start, end=w.end)
+                    out.add(
+                        "read",
+                        f"step {step}: {where}: reading bytes {_rng(w.start, w.end)} failed: {w.error}",
+                        key=key,
+                        file=path,
+                        start=w.start,
+                        end=w.end,
+                    )
                     break
                 report.bytes_checked += w.end - w.start
                 if w.start == lo:
                     head = bytes(w.data[:FRAME_HEADER_BYTES])
                 for bad in w.bad:
-                    out.add("digest", f"step {step}: leaf {key}, file {storage.describe(path)}: digest mismatch "
-                            f"in file bytes {_rng(bad.start, bad.end)} (block {bad.block} of the chunk at "
-                            f"{list(c.offsets)}): expected {m.digest_algorithm} {bad.expected}, found {bad.found}",
-                            key=key, file=path, start=bad.start, end=bad.end, expected=bad.expected, found=bad.found)
+                    out.add(
+                        "digest",
+                        f"step {step}: leaf {key}, file {storage.describe(path)}: digest mismatch "
+                        f"in file bytes {_rng(bad.start, bad.end)} (block {bad.block} of the chunk at "
+                        f"{list(c.offsets)}): expected {m.digest_algorithm} {bad.expected}, found {bad.found}",
+                        key=key,
+                        file=path,
+                        start=bad.start,
+                        end=bad.end,
+                        expected=bad.expected,
+                        found=bad.found,
+                    )
 
             if c.encoding != "raw" and head:
                 why = frame_problem(c.encoding, head, c.numel * isz)
                 if why is not None:
-                    out.add("encoding", f"step {step}: {where}: {why}", key=key, file=path,
-                            start=lo, end=hi, expected=f"{c.numel * isz} bytes decoded",
-                            found=why)
+                    out.add(
+                        "encoding",
+                        f"step {step}: {where}: {why}",
+                        key=key,
+                        file=path,
+                        start=lo,
+                        end=hi,
+                        expected=f"{c.numel * isz} bytes decoded",
+                        found=why,
+                    )
 
     for path, keys in sorted(missing_keys.items()):
         uniq = sorted(set(keys))
         shown = ", ".join(uniq[:5]) + (f" and {len(uniq) - 5} more" if len(uniq) > 5 else "")
-        out.add("missing-file", f"step {step}: file {storage.describe(path)} is missing; "
-                f"{len(keys)} chunk(s) of {shown} cannot be read", key=uniq[0], file=path,
-                expected="file", found="missing")
+        out.add(
+            "missing-file",
+            f"step {step}: file {storage.describe(path)} is missing; {len(keys)} chunk(s) of {shown} cannot be read",
+            key=uniq[0],
+            file=path,
+            expected="file",
+            found="missing",
+        )
 
     # Safetensors headers of this step's own unencoded shard files.
     for path, entries in sorted(by_file.items()):
@@ -227,8 +286,13 @@ def _check_header(
 ) -> None:
     where = storage.describe(path)
     if size < 8:
-        out.add("header", f"step {step}: {where} is {size} bytes, too short for a "
-                f"safetensors header", file=path, start=0, end=8)
+        out.add(
+            "header",
+            f"step {step}: {where} is {size} bytes, too short for a safetensors header",
+            file=path,
+            start=0,
+            end=8,
+        )
         return
     try:
         first = storage.read_range(path, 0, 8)
@@ -236,8 +300,13 @@ def _check_header(
             return
         (n,) = struct.unpack("<Q", first)
         if n > _MAX_HEADER_BYTES or 8 + n > size:
-            out.add("header", f"step {step}: {where}: safetensors header length {n} does not "
-                    f"fit the file ({size} bytes)", file=path, start=0, end=8)
+            out.add(
+                "header",
+                f"step {step}: {where}: safetensors header length {n} does not fit the file ({size} bytes)",
+                file=path,
+                start=0,
+                end=8,
+            )
             return
         header = loads_untrusted(storage.read_range(path, 8, n), max_bytes=_MAX_HEADER_BYTES)
     except CheckpointError as e:
@@ -247,8 +316,9 @@ def _check_header(
         out.add("header", f"step {step}: {where}: the safetensors header {e}", file=path, start=8)
         return
     if not isinstance(header, dict):
-        out.add("header", f"step {step}: {where}: the safetensors header is not an object",
-                file=path, start=8, end=8 + n)
+        out.add(
+            "header", f"step {step}: {where}: the safetensors header is not an object", file=path, start=8, end=8 + n
+        )
         return
     data_start = 8 + n
     for key, leaf, c in entries:
@@ -261,16 +331,31 @@ def _check_header(
         }
         rng = _rng(c.offset, c.offset + c.length)
         if not isinstance(entry, dict):
-            out.add("header", f"step {step}: leaf {key}, file {where}, bytes {rng}: the "
-                    f"safetensors header has no tensor {name!r}", key=key, file=path,
-                    start=c.offset, end=c.offset + c.length, expected=name, found="absent")
+            out.add(
+                "header",
+                f"step {step}: leaf {key}, file {where}, bytes {rng}: the safetensors header has no tensor {name!r}",
+                key=key,
+                file=path,
+                start=c.offset,
+                end=c.offset + c.length,
+                expected=name,
+                found="absent",
+            )
             continue
         got = {k: entry.get(k) for k in want}
         if got != want:
-            out.add("header", f"step {step}: leaf {key}, file {where}, bytes {rng}: the "
-                    f"safetensors header says {json.dumps(got)} for {name!r}, the manifest "
-                    f"{json.dumps(want)}", key=key, file=path, start=c.offset,
-                    end=c.offset + c.length, expected=json.dumps(want), found=json.dumps(got))
+            out.add(
+                "header",
+                f"step {step}: leaf {key}, file {where}, bytes {rng}: the "
+                f"safetensors header says {json.dumps(got)} for {name!r}, the manifest "
+                f"{json.dumps(want)}",
+                key=key,
+                file=path,
+                start=c.offset,
+                end=c.offset + c.length,
+                expected=json.dumps(want),
+                found=json.dumps(got),
+            )
 
 
 def verify_root(storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES) -> RootVerifyReport:
@@ -284,31 +369,50 @@ def verify_root(storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES) -> Ro
         try:
             names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
         except CorruptCheckpointError as e:
-            report.problems.append(Problem(
-                step=s, kind="manifest", file=name,
-                message=f"step {s}: the step directory cannot be listed, so the step is not committed: {e}"))
+            report.problems.append(
+                Problem(
+                    step=s,
+                    kind="manifest",
+                    file=name,
+                    message=f"step {s}: the step directory cannot be listed, so the step is not committed: {e}",
+                )
+            )
             continue
         if MANIFEST_NAME not in names:
             continue
         try:
             load_manifest(storage, s)
         except CheckpointError as e:
-            report.problems.append(Problem(
-                step=s, kind="manifest", file=manifest_path(s),
-                message=f"step {s}: the manifest does not validate, so the step is not "
-                f"committed: {e}"))
+            report.problems.append(
+                Problem(
+                    step=s,
+                    kind="manifest",
+                    file=manifest_path(s),
+                    message=f"step {s}: the manifest does not validate, so the step is not committed: {e}",
+                )
+            )
     for s in committed:
         try:
             m = load_manifest(storage, s)
         except IncompatibleFormatError as e:
-            report.problems.append(Problem(
-                step=s, kind="unsupported-format", file=manifest_path(s),
-                message=f"step {s}: cannot be verified by this version: {e}"))
+            report.problems.append(
+                Problem(
+                    step=s,
+                    kind="unsupported-format",
+                    file=manifest_path(s),
+                    message=f"step {s}: cannot be verified by this version: {e}",
+                )
+            )
             continue
         except CheckpointError as e:
-            report.problems.append(Problem(
-                step=s, kind="manifest", file=manifest_path(s),
-                message=f"step {s}: the manifest could not be read: {e}"))
+            report.problems.append(
+                Problem(
+                    step=s,
+                    kind="manifest",
+                    file=manifest_path(s),
+                    message=f"step {s}: the manifest could not be read: {e}",
+                )
+            )
             continue
         report.steps.append(verify_step(storage, s, manifest=m, read_bytes=read_bytes))
     report.problems.sort(key=lambda p: p.step if p.step is not None else -1)

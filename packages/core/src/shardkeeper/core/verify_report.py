@@ -112,9 +112,7 @@ class Collector:
         k = (kw.get("file", ""), kind)
         self.counts[k] += 1
         if self.counts[k] <= MAX_PROBLEMS_PER_FILE:
-            self.report.problems.append(
-                Problem(step=self.report.step, kind=kind, message=message, **kw)
-            )
+            self.report.problems.append(Problem(step=self.report.step, kind=kind, message=message, **kw))
 
     def finish(self) -> None:
         for (file, kind), n in sorted(self.counts.items()):

@@ -24,12 +24,24 @@ from shardkeeper.core.adapter.versions import VersionGate
 TESTED_RANGE = ((0, 16), (0, 20))
 
 #: Per ZeRO stage, the optimizer attributes used here (checked by ``check_engine``).
-ZERO12_ATTRS = ("bit16_groups", "single_partition_of_fp32_groups", "optimizer", "update_lp_params",
-                "_hp_optimizer_states_linked")
-ZERO3_ATTRS = ("fp16_groups", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat",
-               "sub_group_to_group_id", "grad_position", "get_param_id", "optimizer",
-               "_reassign_or_swap_out_partitioned_parameters",
-               "persistent_parameters")
+ZERO12_ATTRS = (
+    "bit16_groups",
+    "single_partition_of_fp32_groups",
+    "optimizer",
+    "update_lp_params",
+    "_hp_optimizer_states_linked",
+)
+ZERO3_ATTRS = (
+    "fp16_groups",
+    "fp32_partitioned_groups_flat",
+    "fp16_partitioned_groups_flat",
+    "sub_group_to_group_id",
+    "grad_position",
+    "get_param_id",
+    "optimizer",
+    "_reassign_or_swap_out_partitioned_parameters",
+    "persistent_parameters",
+)
 MAPPING_ATTRS = ("lp_fragment_address", "hp_fragment_address", "set_optim_state_fragment")
 
 
@@ -90,7 +102,8 @@ def contract_check(engine: Any) -> dict[str, bool]:
     from deepspeed.utils import mixed_precision_linkage
 
     present["deepspeed.utils.mixed_precision_linkage.lazy_init_hp_params_optimizer_state"] = hasattr(
-        mixed_precision_linkage, "lazy_init_hp_params_optimizer_state")
+        mixed_precision_linkage, "lazy_init_hp_params_optimizer_state"
+    )
     present["torch.nn.Module._non_persistent_buffers_set"] = _non_persistent_set_works()
     return present
 
@@ -151,10 +164,7 @@ def flat_groups(engine: Any) -> list[FlatGroup]:
             FlatGroup(flat, int(opt.sub_group_to_group_id[i]), list(opt.fp16_groups[i]))
             for i, flat in enumerate(opt.fp32_partitioned_groups_flat)
         ]
-    return [
-        FlatGroup(flat, i, list(opt.bit16_groups[i]))
-        for i, flat in enumerate(opt.single_partition_of_fp32_groups)
-    ]
+    return [FlatGroup(flat, i, list(opt.bit16_groups[i])) for i, flat in enumerate(opt.single_partition_of_fp32_groups)]
 
 
 def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
@@ -176,8 +186,16 @@ def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
                 if hm is None:
                     out.append(ParamSlice(p, shape, gi, 0, 0, 0))
                 else:
-                    out.append(ParamSlice(p, shape, gi, int(hm.hp_fragment_address.start),
-                                          int(hm.lp_fragment_address.start), int(hm.lp_fragment_address.numel)))
+                    out.append(
+                        ParamSlice(
+                            p,
+                            shape,
+                            gi,
+                            int(hm.hp_fragment_address.start),
+                            int(hm.lp_fragment_address.start),
+                            int(hm.lp_fragment_address.numel),
+                        )
+                    )
     return out
 
 

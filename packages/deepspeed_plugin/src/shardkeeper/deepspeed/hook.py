@@ -99,7 +99,10 @@ class DeepSpeedCheckpointHook:
 
         e = engine
         self.managers = RootManagers(
-            FRAMEWORK, deepspeed.__version__, manager_options, zero_stage=dsi.zero_stage(e),
+            FRAMEWORK,
+            deepspeed.__version__,
+            manager_options,
+            zero_stage=dsi.zero_stage(e),
             dtype="bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
             dp_world_size=int(e.dp_world_size),
         )
@@ -162,9 +165,7 @@ class DeepSpeedCheckpointHook:
         """``engine.load_checkpoint``: returns ``(load_path, client_state)``, or ``(None, None)``
         when nothing is committed yet (as DeepSpeed does)."""
         if custom_load_fn is not None:
-            raise NotImplementedError(
-                "custom_load_fn is not supported while shardkeeper is attached; detach() first"
-            )
+            raise NotImplementedError("custom_load_fn is not supported while shardkeeper is attached; detach() first")
         mgr = self.manager(load_dir)
         try:
             found: tuple[int | None, str | None] = (self._resolve_step(mgr, tag), None)
@@ -174,9 +175,7 @@ class DeepSpeedCheckpointHook:
         if error is not None:
             raise CheckpointNotFoundError(error)
         if step is None:
-            warnings.warn(
-                f"no committed checkpoint under {mgr.storage.url}; nothing loaded", stacklevel=2
-            )
+            warnings.warn(f"no committed checkpoint under {mgr.storage.url}; nothing loaded", stacklevel=2)
             return None, None
         manifest = mgr.manifest(step)
         state = engine_state(self.engine)
@@ -206,8 +205,7 @@ class DeepSpeedCheckpointHook:
             if not mgr.is_committed(step):
                 steps = mgr.steps()
                 raise CheckpointNotFoundError(
-                    f"tag {tag!r} (step {step}) is not committed under {mgr.storage.url}; "
-                    f"committed steps: {steps[-8:]}"
+                    f"tag {tag!r} (step {step}) is not committed under {mgr.storage.url}; committed steps: {steps[-8:]}"
                 )
             return step
         steps = mgr.steps()
@@ -215,8 +213,7 @@ class DeepSpeedCheckpointHook:
             if mgr.manifest(s).metadata.get("tag") == str(tag):
                 return s
         raise CheckpointNotFoundError(
-            f"no committed checkpoint under {mgr.storage.url} was saved with tag {tag!r}; "
-            f"committed steps: {steps[-8:]}"
+            f"no committed checkpoint under {mgr.storage.url} was saved with tag {tag!r}; committed steps: {steps[-8:]}"
         )
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -34,9 +34,23 @@ from shardkeeper.deepspeed.state import FRAMEWORK
 
 #: Keys of DeepSpeed's model-states file that are DeepSpeed's own (the rest is client state).
 _DS_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
-    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
     "universal_checkpoint_info",
 }
 
@@ -75,6 +89,7 @@ def _find_step(obj: Any) -> Any:
 
 def _zero3_frozen(ckpt_dir: Path, name: str, numel: int, trust_pickle: bool) -> torch.Tensor | None:
     """A frozen ZeRO-3 parameter from every rank's ``frozen_param_fragments``, in rank order."""
+
     def rank_of(f: Path) -> int:
         m = re.search(r"zero_pp_rank_(\d+)_", f.name)
         return int(m.group(1)) if m else 0
@@ -96,8 +111,13 @@ def _to_universal(ckpt_dir: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(
-        input_folder=str(ckpt_dir), output_folder=str(out), num_extract_workers=1,
-        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+        input_folder=str(ckpt_dir),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
     )
     with contextlib.redirect_stdout(io.StringIO()):
         ds_to_universal.main(args)
@@ -130,9 +150,7 @@ def import_native_checkpoint(
     ckpt_dir = src / str(tag)
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no DeepSpeed checkpoint at {ckpt_dir}")
-    warnings.warn(
-        f"unpickling the native DeepSpeed checkpoint {ckpt_dir} (trust_pickle=True)", stacklevel=2
-    )
+    warnings.warn(f"unpickling the native DeepSpeed checkpoint {ckpt_dir} (trust_pickle=True)", stacklevel=2)
     with tempfile.TemporaryDirectory(prefix="sk-ds-universal-") as tmp:
         out = Path(universal_dir) if universal_dir is not None else Path(tmp) / "universal"
         _to_universal(ckpt_dir, out)
@@ -213,11 +231,21 @@ def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict
         for g, fqns in zip(saved_groups, group_fqns):
             param_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
     dropped: list[str] = []
-    client = {k: _jsonable(k, v, dropped) for k, v in ms.items() if k not in _DS_KEYS and not k.endswith(("_degree", "_world_size"))}
+    client = {
+        k: _jsonable(k, v, dropped)
+        for k, v in ms.items()
+        if k not in _DS_KEYS and not k.endswith(("_degree", "_world_size"))
+    }
     if dropped:
-        warnings.warn(f"client state entries that are neither tensors nor JSON were not imported: {dropped}", stacklevel=3)
+        warnings.warn(
+            f"client state entries that are neither tensors nor JSON were not imported: {dropped}", stacklevel=3
+        )
     ds_step = int(ms.get("global_steps", 0))
-    gas = int((ms.get("ds_config") or {}).get("gradient_accumulation_steps", 1) or 1) if isinstance(ms.get("ds_config"), dict) else 1
+    gas = (
+        int((ms.get("ds_config") or {}).get("gradient_accumulation_steps", 1) or 1)
+        if isinstance(ms.get("ds_config"), dict)
+        else 1
+    )
     scaler: dict[str, Any] = {}
     if opt_sd:
         ls = opt_sd.get("loss_scaler")
@@ -228,13 +256,19 @@ def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict
     state: dict[str, Any] = {
         "model": model,
         "optim": {"state": optim_state, "param_groups": param_groups},
-        "progress": progress_state(step=ds_step, samples=int(ms.get("global_samples", 0)), counters={FRAMEWORK: {
-            "global_step": ds_step,
-            "global_samples": int(ms.get("global_samples", 0)),
-            "skipped_steps": int(ms.get("skipped_steps", 0)),
-            "micro_steps": ds_step * gas,
-            "loss_scaler": scaler,
-        }}),
+        "progress": progress_state(
+            step=ds_step,
+            samples=int(ms.get("global_samples", 0)),
+            counters={
+                FRAMEWORK: {
+                    "global_step": ds_step,
+                    "global_samples": int(ms.get("global_samples", 0)),
+                    "skipped_steps": int(ms.get("skipped_steps", 0)),
+                    "micro_steps": ds_step * gas,
+                    "loss_scaler": scaler,
+                }
+            },
+        ),
         "extra": {"client_state": client},
     }
     if ms.get("lr_scheduler") is not None:

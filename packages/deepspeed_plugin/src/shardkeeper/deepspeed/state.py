@@ -197,7 +197,11 @@ class OptimState:
                     continue
                 if id(flat) in done:
                     cur = target.get(k)
-                    same = torch.equal(cur, v) if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) else cur == v
+                    same = (
+                        torch.equal(cur, v)
+                        if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor)
+                        else cur == v
+                    )
                     if not same:
                         warnings.warn(
                             f"optimizer state {k!r} of {names[id(s.param)]} differs from that of "
@@ -267,8 +271,9 @@ class ProgressState(ProgressTarget):
             dsi.set_loss_scaler_state(e, dict(own.get("loss_scaler") or {}))
             return
         e.global_steps = int(progress.step)
-        e.global_samples = int(progress.samples if progress.samples is not None
-                               else progress.step * e.train_batch_size())
+        e.global_samples = int(
+            progress.samples if progress.samples is not None else progress.step * e.train_batch_size()
+        )
         e.micro_steps = int(progress.step * e.gradient_accumulation_steps())
 
 

@@ -16,5 +16,11 @@ from shardkeeper.lightning.plugin import ShardkeeperCheckpointIO
 install()
 
 __all__ = [
-    "ShardkeeperCheckpointIO", "connect", "disconnect", "import_lightning_checkpoint", "install", "installed", "uninstall",
+    "ShardkeeperCheckpointIO",
+    "connect",
+    "disconnect",
+    "import_lightning_checkpoint",
+    "install",
+    "installed",
+    "uninstall",
 ]

@@ -25,7 +25,9 @@ class LightningInternalsError(RuntimeError):
 
 
 #: The range check and the one warning outside it (``TESTED_RANGE``).
-GATE = VersionGate("shardkeeper.lightning", "Lightning", "lightning", TESTED_RANGE, "its internals are checked where they are used")
+GATE = VersionGate(
+    "shardkeeper.lightning", "Lightning", "lightning", TESTED_RANGE, "its internals are checked where they are used"
+)
 
 
 def version_tested() -> bool:

@@ -115,7 +115,7 @@ def skeleton(leaves: Mapping[str, Any], prefix: str) -> Any:
         found = True
         if key == prefix:
             return value
-        parts = key[len(head):].split("/")
+        parts = key[len(head) :].split("/")
         node = root
         for p in parts[:-1]:
             node = node.setdefault(p, {})
@@ -133,11 +133,29 @@ def _placeholder(rec: Any) -> Any:
 
 #: Keys of Lightning's checkpoint dict that map onto canonical namespaces (the rest of the
 #: dict goes to ``extra/checkpoint``).
-MAPPED = frozenset({"epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops",
-                    "callbacks", "optimizer_states", "lr_schedulers"})
+MAPPED = frozenset(
+    {
+        "epoch",
+        "global_step",
+        "pytorch-lightning_version",
+        "state_dict",
+        "loops",
+        "callbacks",
+        "optimizer_states",
+        "lr_schedulers",
+    }
+)
 #: Hyperparameter entries: stored when they are JSON-like, skipped with a warning otherwise.
-BEST_EFFORT = frozenset({"hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
-                         "datamodule_hparams_name", "datamodule_hparams_type"})
+BEST_EFFORT = frozenset(
+    {
+        "hyper_parameters",
+        "hparams_name",
+        "hparams_type",
+        "datamodule_hyper_parameters",
+        "datamodule_hparams_name",
+        "datamodule_hparams_type",
+    }
+)
 
 
 def encode_rest(ck: Mapping[str, Any], *, skip: Iterable[str] = (), where: str, stacklevel: int) -> dict[str, Any]:

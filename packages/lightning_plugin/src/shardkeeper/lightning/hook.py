@@ -91,10 +91,14 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
             plugin.wait()
 
     for name, fn in (
-        ("save_checkpoint", save_checkpoint), ("load_checkpoint", load_checkpoint),
-        ("load_model_state_dict", load_model_state_dict), ("load_optimizer_state_dict", load_optimizer_state_dict),
-        ("lightning_module_state_dict", lambda: {}), ("optimizer_state", lambda optimizer: {}),
-        ("remove_checkpoint", remove_checkpoint), ("teardown", teardown),
+        ("save_checkpoint", save_checkpoint),
+        ("load_checkpoint", load_checkpoint),
+        ("load_model_state_dict", load_model_state_dict),
+        ("load_optimizer_state_dict", load_optimizer_state_dict),
+        ("lightning_module_state_dict", lambda: {}),
+        ("optimizer_state", lambda optimizer: {}),
+        ("remove_checkpoint", remove_checkpoint),
+        ("teardown", teardown),
     ):
         patches.set(strategy, name, fn)
 

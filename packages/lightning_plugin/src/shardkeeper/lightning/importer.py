@@ -50,9 +50,15 @@ def import_lightning_checkpoint(
     """
     src = os.fspath(path)
     sharded = os.path.isdir(src)
-    require_trust(src, trust_pickle=trust_pickle, why=(
-        "it is a sharded Lightning checkpoint, whose DCP .metadata and meta.pt are pickles" if sharded
-        else "it is a Lightning .ckpt, which is a pickle"))
+    require_trust(
+        src,
+        trust_pickle=trust_pickle,
+        why=(
+            "it is a sharded Lightning checkpoint, whose DCP .metadata and meta.pt are pickles"
+            if sharded
+            else "it is a Lightning .ckpt, which is a pickle"
+        ),
+    )
     if sharded and not os.path.isfile(os.path.join(src, ".metadata")):
         raise NotImplementedError(
             f"{src} is a directory without a DCP .metadata file (a DeepSpeed checkpoint?); only "
@@ -74,10 +80,16 @@ def import_lightning_checkpoint(
         state["sched"] = enc[0] if len(enc) == 1 else {str(i): s for i, s in enumerate(enc)}
     ours = {"loops": codec.encode(ck["loops"], "loops")} if "loops" in ck else {}
     state["progress"] = progress_state(step=step, epoch=int(ck.get("epoch", 0)), counters={FRAMEWORK: ours})
-    extra: dict[str, Any] = {"lightning": {
-        "version": str(ck.get("pytorch-lightning_version", "")), "weights_only": not n_opt,
-        "optimizers": n_opt, "schedulers": len(scheds), "strategy": "imported", "imported_from": src,
-    }}
+    extra: dict[str, Any] = {
+        "lightning": {
+            "version": str(ck.get("pytorch-lightning_version", "")),
+            "weights_only": not n_opt,
+            "optimizers": n_opt,
+            "schedulers": len(scheds),
+            "strategy": "imported",
+            "imported_from": src,
+        }
+    }
     if "callbacks" in ck:
         extra["callbacks"] = codec.encode(ck["callbacks"], "callbacks")
     rest = codec.encode_rest(ck, where=str(src), stacklevel=2)
@@ -129,27 +141,37 @@ def _read_sharded(src: str, trust_pickle: bool) -> tuple[dict[str, Any], dict[st
 
     meta_path = os.path.join(src, "meta.pt")
     if not os.path.isfile(meta_path):
-        raise ValueError(f"{src}: no meta.pt (the trainer state Lightning writes beside the DCP files); not a Lightning sharded checkpoint")
-    warnings.warn(f"unpickling {src}/.metadata and {meta_path} (trust_pickle=True): only do this for files you trust", stacklevel=3)
+        raise ValueError(
+            f"{src}: no meta.pt (the trainer state Lightning writes beside the DCP files); not a Lightning sharded checkpoint"
+        )
+    warnings.warn(
+        f"unpickling {src}/.metadata and {meta_path} (trust_pickle=True): only do this for files you trust",
+        stacklevel=3,
+    )
     ck = load_trusted_pickle(meta_path, trust_pickle=trust_pickle)
     if not isinstance(ck, dict):
         raise ValueError(f"{meta_path} holds a {type(ck).__name__}, not Lightning's checkpoint dict")
     sd = load_dcp(src, trust_pickle=trust_pickle)  # core's DCP reader, behind the same opt-in
     key = "state_dict" if "state_dict" in sd else "model"  # ModelParallelStrategy / FSDPStrategy
     if key not in sd:
-        raise ValueError(f"{src}: the DCP checkpoint has no 'state_dict' or 'model' entry (it holds {sorted(sd)}); not written by Lightning")
+        raise ValueError(
+            f"{src}: the DCP checkpoint has no 'state_dict' or 'model' entry (it holds {sorted(sd)}); not written by Lightning"
+        )
     model = {normalize_fqn(str(k)): v for k, v in sd[key].items()}
     optims = []
     for i in range(sum(1 for k in sd if re.fullmatch(r"optimizer_\d+", k))):
         osd = sd.get(f"optimizer_{i}")
         if not isinstance(osd, dict) or "state" not in osd:
             raise ValueError(f"{src}: DCP entry optimizer_{i} is missing or not an optimizer state dict")
-        optims.append({
-            "state": {normalize_fqn(str(f)): dict(st) for f, st in osd["state"].items()},
-            "param_groups": [
-                {**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]} for g in osd.get("param_groups", [])
-            ],
-        })
+        optims.append(
+            {
+                "state": {normalize_fqn(str(f)): dict(st) for f, st in osd["state"].items()},
+                "param_groups": [
+                    {**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]}
+                    for g in osd.get("param_groups", [])
+                ],
+            }
+        )
     return ck, model, optims
 
 

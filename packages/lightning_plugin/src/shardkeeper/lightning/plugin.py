@@ -74,7 +74,9 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             raise RuntimeError(_NOT_CONNECTED)
         self.strategy.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if self.strategy is None:
             raise RuntimeError(_NOT_CONNECTED)
         return self.strategy.load_checkpoint(path)
@@ -140,7 +142,10 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             else:
                 log.warning(
                     "step %d is already committed under %s (an earlier run); %s now names that "
-                    "checkpoint, which is kept as it is. Use a new root for a fresh run", step, self.root, path,
+                    "checkpoint, which is kept as it is. Use a new root for a fresh run",
+                    step,
+                    self.root,
+                    path,
                 )
                 known = weights_only
         if known is not None:
@@ -174,8 +179,9 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             enc = [codec.encode(s, f"lr_schedulers/{i}") for i, s in enumerate(scheds)]
             lsched = enc[0] if len(enc) == 1 else {str(i): s for i, s in enumerate(enc)}
         ours: dict[str, Any] = {"loops": codec.encode(ck["loops"], "loops")} if "loops" in ck else {}
-        progress = progress_state(step=int(ck.get("global_step", 0)), epoch=int(ck.get("epoch", 0)),
-                                  counters={FRAMEWORK: ours})
+        progress = progress_state(
+            step=int(ck.get("global_step", 0)), epoch=int(ck.get("epoch", 0)), counters={FRAMEWORK: ours}
+        )
         info: dict[str, Any] = {
             "version": str(ck.get("pytorch-lightning_version", "")),
             "weights_only": weights_only,
@@ -318,7 +324,8 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             if not info:
                 warnings.warn(
                     f"step {step} under {mgr.storage.url} holds no LR scheduler state (not written "
-                    f"by the Lightning plugin); schedulers keep their initial state", stacklevel=3,
+                    f"by the Lightning plugin); schedulers keep their initial state",
+                    stacklevel=3,
                 )
             ck["lr_schedulers"] = []
         return ck
@@ -330,7 +337,10 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         self._deferred_optim = None
         leaves = mgr.manifest(step).leaves
         opts = list(strategy.optimizers)
-        state = {"model": _model(strategy), "optim": _optim_target(opts, _count(leaves, "optim", "param_groups"), mgr, step)}
+        state = {
+            "model": _model(strategy),
+            "optim": _optim_target(opts, _count(leaves, "optim", "param_groups"), mgr, step),
+        }
         mgr.restore(state, step=step, only=["optim/*"])
         if mgr is not self._mgr:
             mgr.close()

@@ -55,8 +55,9 @@ class RootManagers:
     a ``metadata`` entry among them is the user's, merged under the contract's keys.
     """
 
-    def __init__(self, framework: str, framework_version: str, options: Mapping[str, Any] | None = None,
-                 **metadata: Any) -> None:
+    def __init__(
+        self, framework: str, framework_version: str, options: Mapping[str, Any] | None = None, **metadata: Any
+    ) -> None:
         self.framework = framework
         opts = dict(options or {})
         user = dict(opts.pop("metadata", None) or {})

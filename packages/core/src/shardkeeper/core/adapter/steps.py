@@ -51,7 +51,8 @@ class StepCheck:
                 f"{self.newest}, not to the state saved now. Resume from the root first (the step count "
                 f"then continues from {self.newest}), save at a step above {self.newest}, or use another "
                 f"root.{tail}",
-                step=self.step, newest=self.newest,
+                step=self.step,
+                newest=self.newest,
             )
         return None
 
@@ -77,8 +78,9 @@ def check_save_step(mgr: CheckpointManager, step: int) -> StepCheck:
         committed = int(newest == step or (newest > step and mgr.is_committed(step)))
     newest = agree(mgr, newest)
     committed = agree(mgr, committed)
-    return StepCheck(root=mgr.storage.url, rank=mgr.rank, step=step, newest=None if newest < 0 else newest,
-                     committed=bool(committed))
+    return StepCheck(
+        root=mgr.storage.url, rank=mgr.rank, step=step, newest=None if newest < 0 else newest, committed=bool(committed)
+    )
 
 
 def newest_step(mgr: CheckpointManager) -> int | None:

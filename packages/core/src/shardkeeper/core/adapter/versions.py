@@ -69,8 +69,9 @@ class VersionGate:
         if self.warned or self.in_range():
             return
         self.warned = True
-        warnings.warn(untested_warning(self.package, self.framework, self.version(), self.tested, self.why),
-                      stacklevel=stacklevel)
+        warnings.warn(
+            untested_warning(self.package, self.framework, self.version(), self.tested, self.why), stacklevel=stacklevel
+        )
 
 
 def check_tested(framework: str, version: str, tested: tuple[Version, Version], *, stacklevel: int = 3) -> bool:
@@ -80,8 +81,16 @@ def check_tested(framework: str, version: str, tested: tuple[Version, Version], 
     key = (framework, str(version))
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(untested_warning(f"shardkeeper's {framework} adapter", framework, version, tested,
-                                       "its internals checks decide whether it works"), stacklevel=stacklevel)
+        warnings.warn(
+            untested_warning(
+                f"shardkeeper's {framework} adapter",
+                framework,
+                version,
+                tested,
+                "its internals checks decide whether it works",
+            ),
+            stacklevel=stacklevel,
+        )
     return False
 
 

@@ -38,27 +38,42 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("root", metavar="ROOT", help="checkpoint root: a path or an fsspec URL")
     common.add_argument(
-        "--storage-option", "-o", action="append", metavar="KEY=VALUE", default=[],
+        "--storage-option",
+        "-o",
+        action="append",
+        metavar="KEY=VALUE",
+        default=[],
         help="passed to the storage backend (repeatable); VALUE is parsed as JSON when it can be, "
-        "e.g. -o anon=true -o 'client_kwargs={\"endpoint_url\": \"http://minio:9000\"}'",
+        'e.g. -o anon=true -o \'client_kwargs={"endpoint_url": "http://minio:9000"}\'',
     )
     common.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Inspect, verify and clean shardkeeper checkpoint roots."
-    )
+    parser = argparse.ArgumentParser(prog=PROG, description="Inspect, verify and clean shardkeeper checkpoint roots.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     # The order of `shardkeeper --help`.
-    for add in (view.add_ls, view.add_inspect, check.add_verify, check.add_gc, convert.add_export,
-                advise.add_advise, convert.add_import):
+    for add in (
+        view.add_ls,
+        view.add_inspect,
+        check.add_verify,
+        check.add_gc,
+        convert.add_export,
+        advise.add_advise,
+        convert.add_import,
+    ):
         add(sub, common)
     return parser
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                  file: Any = None, line: str | None = None) -> None:
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
     say(f"{PROG}: warning: {message}", file=sys.stderr)
 
 
@@ -97,8 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - a bug still gets one line; --debug shows it
         if args.debug:
             raise
-        say(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
-            file=sys.stderr)
+        say(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -24,12 +24,16 @@ def cmd_advise(args: argparse.Namespace) -> int:
         restart = advisor.parse_duration(args.restart_cost) if args.restart_cost is not None else 0.0
         if args.cost is not None:
             advice = advisor.advise(
-                mtbf_s=mtbf, interval_s=interval, cost_s=advisor.parse_duration(args.cost),
-                durable_s=advisor.parse_duration(args.durable or "0"), sync=args.sync, restart_s=restart)
+                mtbf_s=mtbf,
+                interval_s=interval,
+                cost_s=advisor.parse_duration(args.cost),
+                durable_s=advisor.parse_duration(args.durable or "0"),
+                sync=args.sync,
+                restart_s=restart,
+            )
         else:
             storage = open_root(args)
-            advice = advisor.advise_root(storage, mtbf_s=mtbf, interval_s=interval, last=args.last,
-                                         restart_s=restart)
+            advice = advisor.advise_root(storage, mtbf_s=mtbf, interval_s=interval, last=args.last, restart_s=restart)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.json:
@@ -41,20 +45,25 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 def add_advise(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """``advise ROOT --mtbf DURATION [--interval DURATION]``."""
-    p = sub.add_parser("advise", parents=[common],
-                       help="the optimal checkpoint interval (Young/Daly) from recorded save timings")
+    p = sub.add_parser(
+        "advise", parents=[common], help="the optimal checkpoint interval (Young/Daly) from recorded save timings"
+    )
     p.add_argument("--mtbf", metavar="DURATION", help="mean time between failures, e.g. 3h, 45m, 2d")
-    p.add_argument("--restarts", type=int, metavar="N",
-                   help="instead of --mtbf: failures (restarts) the job had in --elapsed")
+    p.add_argument(
+        "--restarts", type=int, metavar="N", help="instead of --mtbf: failures (restarts) the job had in --elapsed"
+    )
     p.add_argument("--elapsed", metavar="DURATION", help="wall time over which --restarts happened")
     p.add_argument("--interval", metavar="DURATION", help="the current interval, to compare")
     p.add_argument("--restart-cost", metavar="DURATION", help="time to restart after a failure")
-    p.add_argument("--last", type=int, default=10, metavar="N",
-                   help="use the timings of the newest N steps (default 10)")
-    p.add_argument("--cost", metavar="DURATION",
-                   help="instead of the recorded timings: training time lost per checkpoint")
-    p.add_argument("--durable", metavar="DURATION",
-                   help="with --cost: how long after the stall a checkpoint is committed")
+    p.add_argument(
+        "--last", type=int, default=10, metavar="N", help="use the timings of the newest N steps (default 10)"
+    )
+    p.add_argument(
+        "--cost", metavar="DURATION", help="instead of the recorded timings: training time lost per checkpoint"
+    )
+    p.add_argument(
+        "--durable", metavar="DURATION", help="with --cost: how long after the stall a checkpoint is committed"
+    )
     p.add_argument("--sync", action="store_true", default=None, help="with --cost: synchronous saves")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_advise)

@@ -35,9 +35,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
             reports = [verify_step(storage, args.step)]
         except CorruptCheckpointError as e:
             # The manifest exists but does not validate: that is damage, not a usage error.
-            root = RootVerifyReport(root=storage.url, problems=[Problem(
-                step=args.step, kind="manifest", file="",
-                message=f"step {args.step}: the manifest does not validate: {e}")])
+            root = RootVerifyReport(
+                root=storage.url,
+                problems=[
+                    Problem(
+                        step=args.step,
+                        kind="manifest",
+                        file="",
+                        message=f"step {args.step}: the manifest does not validate: {e}",
+                    )
+                ],
+            )
         else:
             root = RootVerifyReport(root=storage.url, steps=reports)
     else:
@@ -53,8 +61,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         say(p.message)
     for r in root.steps:
         if r.ok:
-            say(f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
-                  f"{human_size(r.bytes_checked)} checked)")
+            say(
+                f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
+                f"{human_size(r.bytes_checked)} checked)"
+            )
         else:
             say(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s))")
             _print_problems(r.problems)
@@ -77,27 +87,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for p in report.removed_paths:
         say(f"{verb} {storage.describe(p)}")
     for p in report.skipped_young:
-        say(f"kept {storage.describe(p)} (younger than {args.min_age_s:g} s: a save may be "
-              f"running)")
+        say(f"kept {storage.describe(p)} (younger than {args.min_age_s:g} s: a save may be running)")
     if report.kept_referenced:
-        say(f"kept {len(report.kept_referenced)} file(s) of deleted steps that committed "
-              f"steps reference")
+        say(f"kept {len(report.kept_referenced)} file(s) of deleted steps that committed steps reference")
     for p in report.kept_in_flight:
         say(f"kept {storage.describe(p)} (a commit in progress needs it)")
     for e in report.errors:
         say(f"{PROG}: error: {e}", file=sys.stderr)
     n = len(report.removed_paths)
-    say(f"gc: {verb} {n} path(s), {human_size(report.removed_bytes)}"
-          + (" (dry run)" if args.dry_run else ""))
+    say(f"gc: {verb} {n} path(s), {human_size(report.removed_bytes)}" + (" (dry run)" if args.dry_run else ""))
     return EXIT_DAMAGED if report.errors else EXIT_OK
 
 
 def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """``verify ROOT [STEP]``: exit 0 clean, 1 damaged."""
-    p = sub.add_parser("verify", parents=[common],
-                       help="check files, sizes and every digest; exit 1 on damage")
-    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg,
-                   help="the step (default: every committed step)")
+    p = sub.add_parser("verify", parents=[common], help="check files, sizes and every digest; exit 1 on damage")
+    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg, help="the step (default: every committed step)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_key_options(p)
     p.set_defaults(func=cmd_verify)
@@ -105,11 +110,15 @@ def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
 
 def add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """``gc ROOT``: remove what failed saves left behind."""
-    p = sub.add_parser("gc", parents=[common],
-                       help="remove leftovers of failed saves and unreferenced files")
-    p.add_argument("--min-age-s", type=float, default=DEFAULT_GC_MIN_AGE_S, metavar="N",
-                   help=f"only remove leftovers older than N seconds (default "
-                   f"{DEFAULT_GC_MIN_AGE_S:g}); must exceed the longest save")
+    p = sub.add_parser("gc", parents=[common], help="remove leftovers of failed saves and unreferenced files")
+    p.add_argument(
+        "--min-age-s",
+        type=float,
+        default=DEFAULT_GC_MIN_AGE_S,
+        metavar="N",
+        help=f"only remove leftovers older than N seconds (default "
+        f"{DEFAULT_GC_MIN_AGE_S:g}); must exceed the longest save",
+    )
     p.add_argument("--dry-run", action="store_true", help="report, remove nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gc)

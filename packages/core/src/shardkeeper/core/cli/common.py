@@ -73,8 +73,12 @@ def with_key(storage: Storage, spec: str | None, encryption_root: str | None = N
 def add_key_options(p: argparse.ArgumentParser) -> None:
     """``--key`` and ``--encryption-root``, for the commands that read encrypted data."""
     p.add_argument("--key", metavar="SPEC", help=KEY_HELP)
-    p.add_argument("--encryption-root", metavar="ROOT", help="the root an encrypted checkpoint was "
-                   "written under, when it was moved or copied since (default: ROOT itself)")
+    p.add_argument(
+        "--encryption-root",
+        metavar="ROOT",
+        help="the root an encrypted checkpoint was "
+        "written under, when it was moved or copied since (default: ROOT itself)",
+    )
 
 
 def step_arg(text: str) -> int:

@@ -12,8 +12,13 @@ from shardkeeper.core.cli.display import human_size, say
 
 def _progress_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="progress on stderr (default: when stderr is a terminal)")
+    g.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="progress on stderr (default: when stderr is a terminal)",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_false")
 
 
@@ -22,11 +27,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     storage = with_key(open_root(args), args.key, args.encryption_root)
     res = export_safetensors(
-        storage, args.step, to=args.to, keys=args.keys or ["model/*"], keep_prefix=args.keep_prefix,
-        max_shard_size=args.max_shard_size, progress=None if args.progress is None else args.progress,
+        storage,
+        args.step,
+        to=args.to,
+        keys=args.keys or ["model/*"],
+        keep_prefix=args.keep_prefix,
+        max_shard_size=args.max_shard_size,
+        progress=None if args.progress is None else args.progress,
     )
-    say(f"exported step {res.step}: {len(res.weight_map)} tensors, {human_size(res.total_size)} in "
-          f"{len(res.files)} file(s) to {res.directory}")
+    say(
+        f"exported step {res.step}: {len(res.weight_map)} tensors, {human_size(res.total_size)} in "
+        f"{len(res.files)} file(s) to {res.directory}"
+    )
     return EXIT_OK
 
 
@@ -34,26 +46,23 @@ def cmd_import(args: argparse.Namespace) -> int:
     from shardkeeper.core.dcp_import import import_dcp
 
     storage = open_root(args)
-    m = import_dcp(args.source, storage, step=args.step, trust_pickle=args.trust_pickle,
-                   progress=args.progress)
-    say(f"imported {args.source} as step {m.step} under {storage.url}: {len(m.leaves)} leaves, "
-          f"{human_size(m.nbytes)}")
+    m = import_dcp(args.source, storage, step=args.step, trust_pickle=args.trust_pickle, progress=args.progress)
+    say(f"imported {args.source} as step {m.step} under {storage.url}: {len(m.leaves)} leaves, {human_size(m.nbytes)}")
     return EXIT_OK
 
 
 def add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """``export ROOT [STEP] --to DIR``."""
-    p = sub.add_parser("export", parents=[common],
-                       help="write a step as Hugging Face safetensors shards + index")
-    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg,
-                   help="the step (default: the newest committed)")
+    p = sub.add_parser("export", parents=[common], help="write a step as Hugging Face safetensors shards + index")
+    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg, help="the step (default: the newest committed)")
     p.add_argument("--to", required=True, metavar="DIR", help="output directory (local)")
-    p.add_argument("--keys", action="append", metavar="PATTERN",
-                   help="tensor keys to export (glob, repeatable; default 'model/*')")
-    p.add_argument("--keep-prefix", action="store_true",
-                   help="keep the 'model/' prefix in the exported names")
-    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                   help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument(
+        "--keys", action="append", metavar="PATTERN", help="tensor keys to export (glob, repeatable; default 'model/*')"
+    )
+    p.add_argument("--keep-prefix", action="store_true", help="keep the 'model/' prefix in the exported names")
+    p.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE", help="largest shard file, e.g. 5GB, 500MB (default 5GB)"
+    )
     _progress_flags(p)
     add_key_options(p)
     p.set_defaults(func=cmd_export)
@@ -63,12 +72,15 @@ def add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
     """``import DCP_DIR ROOT --step N --trust-pickle``."""
     imp = argparse.ArgumentParser(add_help=False)
     imp.add_argument("source", metavar="DCP_DIR", help="a torch.distributed.checkpoint directory")
-    p = sub.add_parser("import", parents=[imp, common],
-                       help="write a torch.distributed.checkpoint directory as a committed step")
+    p = sub.add_parser(
+        "import", parents=[imp, common], help="write a torch.distributed.checkpoint directory as a committed step"
+    )
     p.add_argument("--step", type=step_arg, required=True, metavar="N", help="the step to commit")
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="required: DCP's .metadata is a pickle, which can run code; pass it "
-                   "only for checkpoints you trust")
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="required: DCP's .metadata is a pickle, which can run code; pass it only for checkpoints you trust",
+    )
     _progress_flags(p)
     p.set_defaults(func=cmd_import)
 

@@ -126,32 +126,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if leaf.kind == "object":
             leaves.append({"key": k, "kind": "object", "value": leaf.value})
         else:
-            leaves.append({
-                "key": k,
-                "kind": leaf.kind,
-                "dtype": leaf.dtype,
-                "shape": list(leaf.shape),
-                "chunks": len(leaf.chunks),
-                "size_bytes": leaf.nbytes,
-                "stored_bytes": sum(c.length for c in leaf.chunks),
-            })
+            leaves.append(
+                {
+                    "key": k,
+                    "kind": leaf.kind,
+                    "dtype": leaf.dtype,
+                    "shape": list(leaf.shape),
+                    "chunks": len(leaf.chunks),
+                    "size_bytes": leaf.nbytes,
+                    "stored_bytes": sum(c.length for c in leaf.chunks),
+                }
+            )
     if args.json:
-        print_json({
-            "root": storage.url,
-            "step": m.step,
-            "format_version": m.format_version,
-            "created_at": m.created_at,
-            "attempt": m.attempt,
-            "world_size": m.world_size,
-            "digest_algorithm": m.digest_algorithm,
-            "digest_block_bytes": m.digest_block_bytes,
-            "per_rank_prefixes": list(m.per_rank_prefixes),
-            "metadata": m.metadata,
-            "files": len(m.files),
-            "size_bytes": _stored_bytes(m),
-            "logical_bytes": m.nbytes,
-            "leaves": leaves,
-        })
+        print_json(
+            {
+                "root": storage.url,
+                "step": m.step,
+                "format_version": m.format_version,
+                "created_at": m.created_at,
+                "attempt": m.attempt,
+                "world_size": m.world_size,
+                "digest_algorithm": m.digest_algorithm,
+                "digest_block_bytes": m.digest_block_bytes,
+                "per_rank_prefixes": list(m.per_rank_prefixes),
+                "metadata": m.metadata,
+                "files": len(m.files),
+                "size_bytes": _stored_bytes(m),
+                "logical_bytes": m.nbytes,
+                "leaves": leaves,
+            }
+        )
         return EXIT_OK
 
     head = [
@@ -177,8 +181,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if row["kind"] == "object":
             table.append([row["key"], "object", "", "", "", "", preview(row["value"])])
         else:
-            table.append([row["key"], row["kind"], row["dtype"], _shape(row["shape"]),
-                          row["chunks"], human_size(row["size_bytes"]), ""])
+            table.append(
+                [
+                    row["key"],
+                    row["kind"],
+                    row["dtype"],
+                    _shape(row["shape"]),
+                    row["chunks"],
+                    human_size(row["size_bytes"]),
+                    "",
+                ]
+            )
     say(*table_lines(["KEY", "KIND", "DTYPE", "SHAPE", "CHUNKS", "SIZE", "VALUE"], table, "lllrrrl"))
     return EXIT_OK
 
@@ -193,10 +206,10 @@ def add_ls(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: arg
 def add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """``inspect ROOT [STEP]``: one step's manifest, leaf by leaf."""
     p = sub.add_parser("inspect", parents=[common], help="show one checkpoint's metadata and leaves")
-    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg,
-                   help="the step (default: the newest committed)")
-    p.add_argument("--keys", action="append", metavar="PATTERN",
-                   help="only keys matching this glob, e.g. 'model/*' (repeatable)")
+    p.add_argument("step", metavar="STEP", nargs="?", type=step_arg, help="the step (default: the newest committed)")
+    p.add_argument(
+        "--keys", action="append", metavar="PATTERN", help="only keys matching this glob, e.g. 'model/*' (repeatable)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 

@@ -161,8 +161,7 @@ def decompress_into(stored: memoryview | bytes, out: memoryview, where: str, isz
         ) from e
     if len(data) != len(out):
         raise CorruptCheckpointError(
-            f"{where}: the zstd frame decodes to {len(data)} bytes, the chunk needs {len(out)}; "
-            f"restore an earlier step"
+            f"{where}: the zstd frame decodes to {len(data)} bytes, the chunk needs {len(out)}; restore an earlier step"
         )
     unshuffle_into(data, out, isz)
 

@@ -195,7 +195,8 @@ class EncryptedStorage(StorageWrapper):
                 # under another key was replaced (damage; restore falls back), not a wrong key.
                 raise ChecksumMismatchError(
                     f"{e}; its manifest authenticated with this key, so the file was replaced or "
-                    f"tampered with: restore another step and run `shardkeeper verify`", file=path,
+                    f"tampered with: restore another step and run `shardkeeper verify`",
+                    file=path,
                 ) from None
             info = replace(info, aead=self._aead_mod.AESGCM(data_key))
         with self._lock:
@@ -235,8 +236,7 @@ class EncryptedStorage(StorageWrapper):
         plain = rest - blocks * TAG
         if plain < 0 or stored_size(plain, 12 + n) != size:
             raise CorruptCheckpointError(
-                f"{where}: {size} bytes is not a whole number of encrypted blocks (truncated?); "
-                f"restore another step"
+                f"{where}: {size} bytes is not a whole number of encrypted blocks (truncated?); restore another step"
             )
         if root is not None and root != self.binding:
             raise CorruptCheckpointError(
@@ -328,13 +328,21 @@ class EncryptedStorage(StorageWrapper):
         key = self._aead_mod.AESGCM.generate_key(bit_length=256)
         key_id, wrapped = self.provider.wrap(key)
         header = json.dumps(
-            {"alg": ALGORITHM, "block": BLOCK, "key_id": key_id, "wrapped": base64.b64encode(wrapped).decode(),
-             "root": self.binding},
+            {
+                "alg": ALGORITHM,
+                "block": BLOCK,
+                "key_id": key_id,
+                "wrapped": base64.b64encode(wrapped).decode(),
+                "root": self.binding,
+            },
             separators=(",", ":"),
         ).encode()
         return _EncWriter(
-            self.inner.open_writer(path), path, self._aead_mod.AESGCM(key),
-            MAGIC + struct.pack("<I", len(header)) + header, self.binding,
+            self.inner.open_writer(path),
+            path,
+            self._aead_mod.AESGCM(key),
+            MAGIC + struct.pack("<I", len(header)) + header,
+            self.binding,
         )
 
     # -- everything else passes through (StorageWrapper); cached layouts are dropped on delete
@@ -348,7 +356,6 @@ class EncryptedStorage(StorageWrapper):
             for p in [p for p in self._files if p.startswith(path.rstrip("/") + "/")]:
                 del self._files[p]
         self.inner.delete_dir(path)
-
 
 
 __all__ = [

@@ -59,7 +59,7 @@ def root_identity(url: str) -> str:
     """What encrypted files and manifests are bound to by default: the root's real path on
     local disk (the same through any symlink to it), its normalized URL on an object store."""
     if "://" not in url or url.startswith("file://"):
-        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url)
+        return os.path.realpath(url[len("file://") :] if url.startswith("file://") else url)
     scheme, rest = url.split("://", 1)
     return f"{_SCHEMES.get(scheme, scheme)}://{rest.rstrip('/')}"
 
@@ -130,12 +130,27 @@ def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tup
         blocks = max(1, -(-rest // (BLOCK + TAG)))
         plain = rest - blocks * TAG
         if plain < 0 or stored_size(plain, header) != size:
-            problems.append(("size", f"step {step}: file {where} is {size} bytes, not a whole number of encrypted "
-                                     f"blocks (truncated?)", path))
+            problems.append(
+                (
+                    "size",
+                    f"step {step}: file {where} is {size} bytes, not a whole number of encrypted blocks (truncated?)",
+                    path,
+                )
+            )
         elif path in own and own[path] != plain:
-            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, the manifest "
-                                     f"records {own[path]}", path))
+            problems.append(
+                (
+                    "size",
+                    f"step {step}: file {where} holds {plain} plaintext bytes, the manifest records {own[path]}",
+                    path,
+                )
+            )
         elif ends.get(path, 0) > plain:
-            problems.append(("size", f"step {step}: file {where} holds {plain} plaintext bytes, its chunks "
-                                     f"reach {ends[path]}", path))
+            problems.append(
+                (
+                    "size",
+                    f"step {step}: file {where} holds {plain} plaintext bytes, its chunks reach {ends[path]}",
+                    path,
+                )
+            )
     return len(paths), problems

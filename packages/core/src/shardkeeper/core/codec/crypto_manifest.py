@@ -38,8 +38,12 @@ def seal_manifest(data: bytes, provider: KeyProvider, root: str) -> bytes:
     mac_key = os.urandom(32)
     key_id, wrapped = provider.wrap(mac_key)
     section = {
-        "algorithm": ALGORITHM, "block_bytes": BLOCK, "key_id": key_id,
-        "wrapped_mac_key": base64.b64encode(wrapped).decode(), "root": root, "mac": "0" * 64,
+        "algorithm": ALGORITHM,
+        "block_bytes": BLOCK,
+        "key_id": key_id,
+        "wrapped_mac_key": base64.b64encode(wrapped).decode(),
+        "root": root,
+        "mac": "0" * 64,
     }
     body = data[:-1] + b',"encryption":' + json.dumps(section, separators=(",", ":")).encode() + b"}"
     mac = hmac.new(mac_key, body, hashlib.sha256).hexdigest().encode()
@@ -98,4 +102,3 @@ def open_manifest(data: bytes, unwrap: Callable[[str, bytes, str], bytes], bindi
             f"{binding!r}: a step of another root was put here (restore another step), or this "
             f"root was moved or copied from there (then pass encryption_root={root!r})"
         )
-

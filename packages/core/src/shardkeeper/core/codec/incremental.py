@@ -85,9 +85,7 @@ class ReuseIndex:
         prev = boxes.get((tuple(offsets), tuple(shape)))
         if prev is None:
             return None
-        prev_content = prev.content or (
-            content_id(prev.digests, self.algorithm) if prev.encoding == "raw" else ""
-        )
+        prev_content = prev.content or (content_id(prev.digests, self.algorithm) if prev.encoding == "raw" else "")
         if prev_content != content:
             return None
         rec = prev.to_json()

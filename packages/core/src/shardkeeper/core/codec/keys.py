@@ -75,9 +75,7 @@ class LocalKeyProvider:
         from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap
 
         if key_id != self.key_id:
-            raise EncryptionKeyError(
-                f"encrypted with key {key_id}, but {self.source} is key {self.key_id}: wrong key"
-            )
+            raise EncryptionKeyError(f"encrypted with key {key_id}, but {self.source} is key {self.key_id}: wrong key")
         try:
             return aes_key_unwrap(self._kek, wrapped)
         except (InvalidUnwrap, ValueError) as e:
@@ -97,8 +95,7 @@ def _decode_key(text: str, source: str) -> bytes:
         raise ValueError(f"{source} is not base64 ({e}); make one with: head -c 32 /dev/urandom | base64") from None
     if len(kek) != 32:
         raise ValueError(
-            f"{source} holds {len(kek)} bytes, an AES-256 key is 32; make one with: "
-            f"head -c 32 /dev/urandom | base64"
+            f"{source} holds {len(kek)} bytes, an AES-256 key is 32; make one with: head -c 32 /dev/urandom | base64"
         )
     return kek
 

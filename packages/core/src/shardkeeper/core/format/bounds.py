@@ -52,8 +52,10 @@ def stored_bytes_problem(chunks: Sequence[Any], size_of: Callable[[str], int | N
     stored = sum(c.length for c in chunks)
     held = sum(sizes.values())
     if stored > held:
-        return (f"its {len(chunks)} chunks claim {stored} stored bytes, more than the {held} their "
-                f"{len(sizes)} file(s) hold: chunks share stored bytes, which no writer does")
+        return (
+            f"its {len(chunks)} chunks claim {stored} stored bytes, more than the {held} their "
+            f"{len(sizes)} file(s) hold: chunks share stored bytes, which no writer does"
+        )
     return None
 
 

@@ -75,12 +75,34 @@ class ChunkTable:
     each). Built from records (a report), ``digests`` is instead the list of each row's
     comma-separated digests, passed through unchanged to per-chunk records."""
 
-    __slots__ = ("paths", "file", "offset", "length", "ndim", "offsets", "shape", "digests", "extras",
-                 "width", "_dims", "_dig")
+    __slots__ = (
+        "paths",
+        "file",
+        "offset",
+        "length",
+        "ndim",
+        "offsets",
+        "shape",
+        "digests",
+        "extras",
+        "width",
+        "_dims",
+        "_dig",
+    )
 
-    def __init__(self, paths: list[str], file: list[int], offset: list[int], length: list[int], ndim: list[int],
-                 offsets: list[int], shape: list[int], digests: str | list[str], extras: dict[str, list[Any]],
-                 width: int) -> None:
+    def __init__(
+        self,
+        paths: list[str],
+        file: list[int],
+        offset: list[int],
+        length: list[int],
+        ndim: list[int],
+        offsets: list[int],
+        shape: list[int],
+        digests: str | list[str],
+        extras: dict[str, list[Any]],
+        width: int,
+    ) -> None:
         self.paths, self.file, self.offset, self.length, self.ndim = paths, file, offset, length, ndim
         self.offsets, self.shape, self.digests, self.extras, self.width = offsets, shape, digests, extras, width
         self._dims: list[int] | None = None
@@ -114,8 +136,16 @@ class ChunkTable:
                     if k not in _CORE:
                         extras.setdefault(k, [None] * len(recs))[n] = v
         return cls(
-            paths, file, [r["offset"] for r in recs], [r["length"] for r in recs], [len(r["shape"]) for r in recs],
-            offsets, shape, [r["digests"] for r in recs], extras, width,
+            paths,
+            file,
+            [r["offset"] for r in recs],
+            [r["length"] for r in recs],
+            [len(r["shape"]) for r in recs],
+            offsets,
+            shape,
+            [r["digests"] for r in recs],
+            extras,
+            width,
         )
 
     @classmethod
@@ -156,10 +186,16 @@ class ChunkTable:
             raise TypeError("ChunkTable.take: only a report's table (digests per row) is reordered")
         dims, digests = self.dims, self.digests
         return ChunkTable(
-            self.paths, gather(self.file, rows), gather(self.offset, rows), gather(self.length, rows),
-            gather(self.ndim, rows), [v for i in rows for v in self.offsets[dims[i] : dims[i + 1]]],
-            [v for i in rows for v in self.shape[dims[i] : dims[i + 1]]], gather(digests, rows),
-            {k: gather(col, rows) for k, col in self.extras.items()}, self.width,
+            self.paths,
+            gather(self.file, rows),
+            gather(self.offset, rows),
+            gather(self.length, rows),
+            gather(self.ndim, rows),
+            [v for i in rows for v in self.offsets[dims[i] : dims[i + 1]]],
+            [v for i in rows for v in self.shape[dims[i] : dims[i + 1]]],
+            gather(digests, rows),
+            {k: gather(col, rows) for k, col in self.extras.items()},
+            self.width,
         )
 
     def digest_text(self) -> str:
@@ -171,9 +207,16 @@ class ChunkTable:
     def to_json(self, *, text: bool = True) -> dict[str, Any]:
         """The JSON form, integer columns packed: ``digests`` concatenated (``text``, the
         manifest's form) or per row (a report's)."""
-        d: dict[str, Any] = {"files": self.paths, "file": self.file, "offset": self.offset, "length": self.length,
-                             "ndim": self.ndim, "offsets": self.offsets, "shape": self.shape,
-                             "digests": self.digest_text() if text else self.digests}
+        d: dict[str, Any] = {
+            "files": self.paths,
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "ndim": self.ndim,
+            "offsets": self.offsets,
+            "shape": self.shape,
+            "digests": self.digest_text() if text else self.digests,
+        }
         if self.extras:
             d["extras"] = self.extras
         return d
@@ -181,8 +224,18 @@ class ChunkTable:
     @classmethod
     def from_json(cls, d: Mapping[str, Any], width: int) -> ChunkTable:
         """Unchecked: ``problem`` checks a table once, before anything relies on it."""
-        return cls(d["files"], d["file"], d["offset"], d["length"], d["ndim"], d["offsets"], d["shape"],
-                   d["digests"], d.get("extras", {}), width)
+        return cls(
+            d["files"],
+            d["file"],
+            d["offset"],
+            d["length"],
+            d["ndim"],
+            d["offsets"],
+            d["shape"],
+            d["digests"],
+            d.get("extras", {}),
+            width,
+        )
 
     @property
     def dims(self) -> list[int]:
@@ -204,8 +257,12 @@ class ChunkTable:
         """Row ``i`` as a chunk record in its JSON form."""
         offs, shape = self.box(i)
         rec: dict[str, Any] = {
-            "file": self.paths[self.file[i]], "offset": self.offset[i], "length": self.length[i],
-            "offsets": list(offs), "shape": list(shape), "digests": self.row_digests(i, block),
+            "file": self.paths[self.file[i]],
+            "offset": self.offset[i],
+            "length": self.length[i],
+            "offsets": list(offs),
+            "shape": list(shape),
+            "digests": self.row_digests(i, block),
         }
         for k, col in self.extras.items():
             if col[i] is not None:
@@ -242,16 +299,20 @@ class ChunkTable:
         if not isinstance(self.digests, str) or not self.digests.isascii():
             return "chunk_table digests are not a string of hex digits"
         if len(self.digests) != self.digest_starts(block)[-1] * self.width:
-            return (f"chunk_table digests hold {len(self.digests)} hex digits, its rows need "
-                    f"{self.digest_starts(block)[-1]} digests of {self.width}")
+            return (
+                f"chunk_table digests hold {len(self.digests)} hex digits, its rows need "
+                f"{self.digest_starts(block)[-1]} digests of {self.width}"
+            )
         if not isinstance(self.extras, dict) or not all(
             isinstance(c, list) and len(c) == n for c in self.extras.values()
         ):
             return "chunk_table extras are not columns of its length"
         unknown = sorted(set(self.extras) - set(EXTRAS))
         if unknown:
-            return (f"chunk_table extras has the unknown field {unknown[0][:40]!r} (the per-chunk fields of "
-                    f"this format are {', '.join(EXTRAS)})")
+            return (
+                f"chunk_table extras has the unknown field {unknown[0][:40]!r} (the per-chunk fields of "
+                f"this format are {', '.join(EXTRAS)})"
+            )
         for k, col in self.extras.items():
             if not set(map(type, col)) <= {str, type(None)}:
                 return f"chunk_table extras {k!r} holds something other than strings and null"
@@ -268,8 +329,16 @@ class LeafTable:
 
     __slots__ = ("keys", "kind", "dtype", "ndim", "shape", "nrows", "rows", "_index", "_shapes", "_rdims")
 
-    def __init__(self, keys: list[str], kind: list[str], dtype: list[str], ndim: list[int], shape: list[int],
-                 nrows: list[int], rows: list[int]) -> None:
+    def __init__(
+        self,
+        keys: list[str],
+        kind: list[str],
+        dtype: list[str],
+        ndim: list[int],
+        shape: list[int],
+        nrows: list[int],
+        rows: list[int],
+    ) -> None:
         self.keys, self.kind, self.dtype, self.ndim, self.shape = keys, kind, dtype, ndim, shape
         self.nrows, self.rows = nrows, rows
         self._index: dict[str, int] | None = None
@@ -286,12 +355,26 @@ class LeafTable:
         for d in vals:
             shape.extend(d["shape"])
             rows.extend(d["rows"])
-        return cls(list(leaves), [d["kind"] for d in vals], [d["dtype"] for d in vals],
-                   [len(d["shape"]) for d in vals], shape, [len(d["rows"]) for d in vals], rows)
+        return cls(
+            list(leaves),
+            [d["kind"] for d in vals],
+            [d["dtype"] for d in vals],
+            [len(d["shape"]) for d in vals],
+            shape,
+            [len(d["rows"]) for d in vals],
+            rows,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"keys": self.keys, "kind": self.kind, "dtype": self.dtype, "ndim": self.ndim, "shape": self.shape,
-                "nrows": self.nrows, "rows": self.rows}
+        return {
+            "keys": self.keys,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "ndim": self.ndim,
+            "shape": self.shape,
+            "nrows": self.nrows,
+            "rows": self.rows,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LeafTable:
@@ -306,7 +389,6 @@ class LeafTable:
         if self._index is None:
             self._index = {k: j for j, k in enumerate(self.keys)}
         return self._index
-
 
     def rows_of(self, j: int) -> list[int]:
         if self._rdims is None:
@@ -357,8 +439,10 @@ class LeafTable:
     def items(self) -> list[tuple[str, tuple[int, ...], int, list[int]]]:
         """``(key, shape, item size, rows)`` of every leaf."""
         isz = {d: DTYPES[d][1] for d in set(self.dtype)}
-        return [(k, shape, isz[d], self.rows_of(j))
-                for j, (k, shape, d) in enumerate(zip(self.keys, self.shapes(), self.dtype))]
+        return [
+            (k, shape, isz[d], self.rows_of(j))
+            for j, (k, shape, d) in enumerate(zip(self.keys, self.shapes(), self.dtype))
+        ]
 
 
 def gather(col: Sequence[_V], idx: Sequence[int]) -> list[_V]:
@@ -371,4 +455,3 @@ def gather(col: Sequence[_V], idx: Sequence[int]) -> list[_V]:
 def expand(values: Sequence[Any], counts: Sequence[int]) -> list[Any]:
     """Each of ``values`` repeated its count of times, in C."""
     return list(chain.from_iterable(map(repeat, values, counts)))
-

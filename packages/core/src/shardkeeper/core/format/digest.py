@@ -37,9 +37,7 @@ def digest_function(name: str) -> Callable[[memoryview | bytes], str]:
     try:
         return _ALGORITHMS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown digest algorithm {name!r}; choose one of {', '.join(_ALGORITHMS)}"
-        ) from None
+        raise ValueError(f"unknown digest algorithm {name!r}; choose one of {', '.join(_ALGORITHMS)}") from None
 
 
 def block_digests(data: memoryview, algorithm: str, block_bytes: int) -> list[str]:

@@ -45,8 +45,10 @@ def _surrogate(s: str) -> str | None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        return (f"the string {s[max(0, e.start - 20):e.end + 20]!r} holds a lone surrogate "
-                f"({s[e.start]!r} at position {e.start}), which has no UTF-8 form")
+        return (
+            f"the string {s[max(0, e.start - 20) : e.end + 20]!r} holds a lone surrogate "
+            f"({s[e.start]!r} at position {e.start}), which has no UTF-8 form"
+        )
     return None
 
 
@@ -67,8 +69,11 @@ def check_value(value: Any) -> bool:
         elif isinstance(v, int):
             if not _INT_MIN <= v <= _INT_MAX:
                 if v.bit_length() > _MAX_INT_BITS:
-                    raise JsonValueError(path, f"an integer of {v.bit_length()} bits: readers parse integers of "
-                                               f"at most {_MAX_INT_DIGITS} digits (Python's default limit)")
+                    raise JsonValueError(
+                        path,
+                        f"an integer of {v.bit_length()} bits: readers parse integers of "
+                        f"at most {_MAX_INT_DIGITS} digits (Python's default limit)",
+                    )
                 extended = True
         elif isinstance(v, float):
             if not math.isfinite(v):
@@ -79,8 +84,11 @@ def check_value(value: Any) -> bool:
             if isinstance(v, dict):
                 for k, x in v.items():
                     if type(k) is not str:
-                        raise JsonValueError(path, f"dict key {k!r} is a {type(k).__name__}; JSON keys are strings "
-                                                   f"(it would come back as {str(k)!r}): use string keys")
+                        raise JsonValueError(
+                            path,
+                            f"dict key {k!r} is a {type(k).__name__}; JSON keys are strings "
+                            f"(it would come back as {str(k)!r}): use string keys",
+                        )
                     why = _surrogate(k)
                     if why:
                         raise JsonValueError(path, f"dict key: {why}")

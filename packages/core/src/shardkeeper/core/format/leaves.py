@@ -63,8 +63,11 @@ def leaves_json(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
 
 def leaves_fields(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
     if isinstance(leaves, TableLeaves):
-        return {"leaves": leaves.object_leaves, "leaf_table": leaves.leaf_table.to_json(),
-                "chunk_table": leaves.table.to_json()}
+        return {
+            "leaves": leaves.object_leaves,
+            "leaf_table": leaves.leaf_table.to_json(),
+            "chunk_table": leaves.table.to_json(),
+        }
     return {"leaves": leaves_json(leaves)}
 
 

@@ -172,8 +172,7 @@ class Manifest:
             problem = f"malformed ({type(e).__name__}: {str(e)[:200]})"
         if problem is not None:
             raise CorruptCheckpointError(
-                f"manifest {where} is inconsistent: {problem}; the checkpoint is damaged: "
-                f"restore another step"
+                f"manifest {where} is inconsistent: {problem}; the checkpoint is damaged: restore another step"
             )
         return m
 

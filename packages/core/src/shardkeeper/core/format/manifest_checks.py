@@ -37,10 +37,21 @@ from shardkeeper.core.format.versions import (
 #: Digest blocks larger than this are refused: a reader holds whole blocks in memory.
 MAX_DIGEST_BLOCK_BYTES = 1 << 30
 #: Top-level fields and their JSON types (an integer is never a boolean); the rest is optional.
-_REQUIRED: dict[str, type] = {"step": int, "world_size": int, "digest_algorithm": str, "digest_block_bytes": int,
-                              "files": dict, "leaves": dict}
-_OPTIONAL: dict[str, type] = {"created_at": str, "attempt": str, "per_rank_prefixes": list, "metadata": dict,
-                              "encryption": dict}
+_REQUIRED: dict[str, type] = {
+    "step": int,
+    "world_size": int,
+    "digest_algorithm": str,
+    "digest_block_bytes": int,
+    "files": dict,
+    "leaves": dict,
+}
+_OPTIONAL: dict[str, type] = {
+    "created_at": str,
+    "attempt": str,
+    "per_rank_prefixes": list,
+    "metadata": dict,
+    "encryption": dict,
+}
 
 
 class ManifestFields(Protocol):
@@ -176,8 +187,7 @@ def manifest_problem(m: ManifestFields) -> str | None:
                     since = ENCODINGS.get(encoding) if isinstance(encoding, str) else None
                     if since is None or since > m.format_version:
                         return (
-                            f"{key}: chunk encoding {_short(encoding)} is unknown to "
-                            f"format_version {m.format_version}"
+                            f"{key}: chunk encoding {_short(encoding)} is unknown to format_version {m.format_version}"
                         )
                     if not isinstance(c.get("content", ""), str) or length == 0:
                         return f"{key}: encoded chunk without content id or bytes"
@@ -216,8 +226,15 @@ def _fields_problem(d: dict[str, Any]) -> str | None:
 
 
 def _json_type(x: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-             dict: "an object", type(None): "null"}
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }
     return names.get(type(x), type(x).__name__)
 
 

@@ -44,8 +44,7 @@ def itemsize(dtype: str) -> int:
         return DTYPES[dtype][1]
     except KeyError:
         raise ValueError(
-            f"dtype {dtype!r} is not supported by the shardkeeper format; supported: "
-            f"{', '.join(DTYPES)}"
+            f"dtype {dtype!r} is not supported by the shardkeeper format; supported: {', '.join(DTYPES)}"
         ) from None
 
 
@@ -147,13 +146,26 @@ class ChunkRecord:
     def from_json(cls, d: dict[str, Any]) -> ChunkRecord:
         # Types were checked once for the whole manifest (Manifest.problem); no per-field casts.
         return cls(
-            d["file"], d["offset"], d["length"], tuple(d["offsets"]), tuple(d["shape"]),
-            BlockDigests(d["digests"]), d.get("encoding", "raw"), d.get("content", ""),
+            d["file"],
+            d["offset"],
+            d["length"],
+            tuple(d["offsets"]),
+            tuple(d["shape"]),
+            BlockDigests(d["digests"]),
+            d.get("encoding", "raw"),
+            d.get("content", ""),
         )
 
     @classmethod
-    def unchecked(cls, file: str, offset: int, length: int, offsets: tuple[int, ...], shape: tuple[int, ...],
-                  digests: Sequence[str]) -> ChunkRecord:
+    def unchecked(
+        cls,
+        file: str,
+        offset: int,
+        length: int,
+        offsets: tuple[int, ...],
+        shape: tuple[int, ...],
+        digests: Sequence[str],
+    ) -> ChunkRecord:
         """A raw chunk record from fields already checked (a validated chunk table), set
         through the slots directly: faster than the frozen ``__init__`` (restore planning makes
         one per chunk it reads)."""
@@ -175,8 +187,10 @@ class ChunkRecord:
 
 
 #: ChunkRecord's slot setters, in field order (``ChunkRecord.unchecked``).
-_CHUNK_SLOTS = tuple(getattr(ChunkRecord, f).__set__ for f in
-                     ("file", "offset", "length", "offsets", "shape", "digests", "encoding", "content"))
+_CHUNK_SLOTS = tuple(
+    getattr(ChunkRecord, f).__set__
+    for f in ("file", "offset", "length", "offsets", "shape", "digests", "encoding", "content")
+)
 
 
 @dataclass(frozen=True)
@@ -228,8 +242,10 @@ def encoded_length_problem(encoding: str, length: int, box_bytes: int) -> str | 
     if length >= box_bytes:
         return f"chunk with encoding {encoding!r} has {length} stored bytes, not fewer than its box's {box_bytes}"
     if box_bytes > max_decoded_bytes(length):
-        return (f"chunk with encoding {encoding!r} claims {box_bytes} bytes decoded from {length} stored bytes, "
-                f"more than a zstd frame can hold (about {ZSTD_MAX_EXPANSION} times its length)")
+        return (
+            f"chunk with encoding {encoding!r} claims {box_bytes} bytes decoded from {length} stored bytes, "
+            f"more than a zstd frame can hold (about {ZSTD_MAX_EXPANSION} times its length)"
+        )
     return None
 
 

@@ -61,4 +61,3 @@ def decode_report(chunks: Any, width: int) -> tuple[ChunkTable, list[str], list[
     keys = list(chunks)
     table = ChunkTable.from_records([r for k in keys for r in chunks[k]], width)
     return table, keys, [len(chunks[k]) for k in keys]
-

@@ -28,6 +28,7 @@ def data_on_a_page(nbytes: int) -> bool:
     its buffer by the same rule."""
     return nbytes >= PAGE_ALIGN_MIN_BYTES
 
+
 #: The first 8 bytes of a framed shard file (one holding encoded chunks, docs/codecs.md):
 #: the chunks' stored bytes follow back to back, described by the manifest alone. Read as a
 #: safetensors header length it is absurdly large, so safetensors readers refuse the file.

@@ -85,8 +85,9 @@ class TableLeaves(Mapping[str, Any]):
             digests = BlockDigests.packed(cast(str, t.digests)[dig[i] * w : dig[i + 1] * w], w)
         else:
             digests = BlockDigests(t.digests[i])
-        rec = ChunkRecord.unchecked(t.paths[t.file[i]], t.offset[i], t.length[i], tuple(t.offsets[a:b]),
-                                    tuple(t.shape[a:b]), digests)
+        rec = ChunkRecord.unchecked(
+            t.paths[t.file[i]], t.offset[i], t.length[i], tuple(t.offsets[a:b]), tuple(t.shape[a:b]), digests
+        )
         if t.extras:
             extra = {k: col[i] for k, col in t.extras.items() if col[i] is not None}
             if extra:
@@ -102,8 +103,9 @@ class TableLeaves(Mapping[str, Any]):
             else:
                 lt = self.leaf_table
                 j = lt.index[key]
-                leaf = LeafRecord(lt.kind[j], lt.dtype[j], lt.shapes()[j],
-                                  tuple([self._record(i) for i in lt.rows_of(j)]))
+                leaf = LeafRecord(
+                    lt.kind[j], lt.dtype[j], lt.shapes()[j], tuple([self._record(i) for i in lt.rows_of(j)])
+                )
             self._made[key] = leaf
         return leaf
 
@@ -158,10 +160,15 @@ class TableLeaves(Mapping[str, Any]):
         out: dict[str, Any] = {}
         for key, shape, _, rows in self.leaf_table.items():
             j = self.leaf_table.index[key]
-            out[key] = {"kind": self.leaf_table.kind[j], "dtype": self.leaf_table.dtype[j], "shape": list(shape),
-                        "chunks": [self.table.record_json(i, self.block) for i in rows]}
+            out[key] = {
+                "kind": self.leaf_table.kind[j],
+                "dtype": self.leaf_table.dtype[j],
+                "shape": list(shape),
+                "chunks": [self.table.record_json(i, self.block) for i in rows],
+            }
         out.update(self.object_leaves)
         return out
+
     def problem(self, files: Mapping[str, Any], version: int) -> str | None:
         """Why the leaves and the tables cannot be trusted, or None (see ``Manifest.problem``);
         linear in the number of rows (``version``: the manifest's format_version)."""

@@ -23,8 +23,15 @@ from shardkeeper.core.format.tiling import check_tiling_boxes
 from shardkeeper.core.format.versions import ENCODINGS
 
 
-def all_slabs(shapes: Sequence[Sequence[int]], iszs: Sequence[int], counts: Sequence[int], perm: Sequence[int],
-              t: ChunkTable, *, check_lengths: bool) -> bool:
+def all_slabs(
+    shapes: Sequence[Sequence[int]],
+    iszs: Sequence[int],
+    counts: Sequence[int],
+    perm: Sequence[int],
+    t: ChunkTable,
+    *,
+    check_lengths: bool,
+) -> bool:
     """True if every leaf ``j`` (``shapes[j]``, item size ``iszs[j]``, whose rows are the
     next ``counts[j]`` of ``perm``) has rows that are slabs along dimension 0 listed in order
     (row sharding, FSDP, or one whole chunk) tiling its shape exactly, with raw lengths: the
@@ -125,8 +132,9 @@ def _slabs_tile(slabs: Iterable[tuple[int, int]], rows: int) -> bool:
 def leaf_table_slabs(lt: LeafTable, t: ChunkTable, *, check_lengths: bool) -> bool:
     """``all_slabs`` over every leaf of ``lt``."""
     isz = {d: DTYPES[d][1] for d in set(lt.dtype)}
-    return all_slabs(lt.shapes(), list(map(isz.__getitem__, lt.dtype)), lt.nrows, lt.rows, t,
-                     check_lengths=check_lengths)
+    return all_slabs(
+        lt.shapes(), list(map(isz.__getitem__, lt.dtype)), lt.nrows, lt.rows, t, check_lengths=check_lengths
+    )
 
 
 def encoded_rows_problem(lt: LeafTable, t: ChunkTable, version: int) -> str | None:
@@ -151,8 +159,9 @@ def encoded_rows_problem(lt: LeafTable, t: ChunkTable, version: int) -> str | No
     return None
 
 
-def tables_problem(objects: Mapping[str, Any], lt: LeafTable, t: ChunkTable, block: int,
-                   files: Mapping[str, Any], version: int) -> str | None:
+def tables_problem(
+    objects: Mapping[str, Any], lt: LeafTable, t: ChunkTable, block: int, files: Mapping[str, Any], version: int
+) -> str | None:
     """Why the leaves of a table-form manifest (``objects``: its object leaves, ``lt`` over
     ``t``, in digest blocks of ``block`` bytes) cannot be trusted, or None (see
     ``Manifest.problem``); linear in the number of rows (``version``: the format_version)."""

@@ -86,9 +86,11 @@ def _corners_problem(
         return None
     work = len(boxes) << k
     if work > MAX_TILING_CORNERS:
-        return (f"{len(boxes)} chunks split the tensor along {k} dimensions: checking that they tile it "
-                f"takes {work} steps, more than the {MAX_TILING_CORNERS} a reader spends on one tensor "
-                f"(no writer makes such a layout)")
+        return (
+            f"{len(boxes)} chunks split the tensor along {k} dimensions: checking that they tile it "
+            f"takes {work} steps, more than the {MAX_TILING_CORNERS} a reader spends on one tensor "
+            f"(no writer makes such a layout)"
+        )
     lo = [starts[d] for d in split]
     hi = [tuple(map(operator.add, starts[d], sizes[d])) for d in split]
     pos: Counter[object] = Counter()  # corners with sign +1 (even count of upper coordinates)
@@ -111,8 +113,10 @@ def _corners_problem(
     holders = [o for o, n in boxes if all(a <= x < a + s for a, s, x in zip(o, n, at))]
     if len(holders) >= 2:
         return f"chunks {list(holders[0])} and {list(holders[1])} of {key} overlap (both hold element {at})"
-    return (f"no chunk of {key} holds element {at}, although the chunks' element counts add up to "
-            f"the tensor's: some chunks overlap")
+    return (
+        f"no chunk of {key} holds element {at}, although the chunks' element counts add up to "
+        f"the tensor's: some chunks overlap"
+    )
 
 
 __all__ = ["MAX_TILING_CORNERS", "check_tiling_boxes"]

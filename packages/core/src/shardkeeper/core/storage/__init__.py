@@ -14,9 +14,7 @@ def open_storage(root: str | os.PathLike[str] | Storage, **options: Any) -> Stor
 
     ``s3://`` needs ``shardkeeper-core[s3]``, ``gs://`` needs ``shardkeeper-core[gcs]``.
     """
-    if isinstance(root, (LocalStorage,)) or (
-        not isinstance(root, (str, os.PathLike)) and isinstance(root, Storage)
-    ):
+    if isinstance(root, (LocalStorage,)) or (not isinstance(root, (str, os.PathLike)) and isinstance(root, Storage)):
         return root
     text = os.fspath(root)
     if "://" not in text or text.startswith("file://"):

@@ -97,7 +97,6 @@ def _timestamp(value: Any) -> float:
     raise TypeError(f"not a timestamp: {value!r}")
 
 
-
 class FsspecStorage:
     """A checkpoint root at an fsspec URL.
 
@@ -125,9 +124,7 @@ class FsspecStorage:
         try:
             fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except ImportError as e:
-            extra = (
-                "s3" if protocol in S3_PROTOCOLS else "gcs" if protocol in GCS_PROTOCOLS else None
-            )
+            extra = "s3" if protocol in S3_PROTOCOLS else "gcs" if protocol in GCS_PROTOCOLS else None
             hint = f"; install shardkeeper-core[{extra}]" if extra else ""
             raise StorageError(f"cannot open {url}: {e}{hint}") from e
         self.fs = fs
@@ -179,9 +176,7 @@ class FsspecStorage:
                     bucket,
                     self.url,
                 )
-                self._capabilities = dataclasses.replace(
-                    self._capabilities, atomic_put_if_absent=False
-                )
+                self._capabilities = dataclasses.replace(self._capabilities, atomic_put_if_absent=False)
             self._zonal_check_pending = False
 
     def __repr__(self) -> str:
@@ -204,9 +199,7 @@ class FsspecStorage:
         if isinstance(e, FileNotFoundError):
             return CheckpointNotFoundError(f"{where} does not exist ({op})")
         if isinstance(e, FileExistsError) or is_precondition_failure(e):
-            return CommitConflictError(
-                f"{where} already exists ({op}: the store refused to replace it)"
-            )
+            return CommitConflictError(f"{where} already exists ({op}: the store refused to replace it)")
         detail = str(e) or type(e).__name__
         return StorageError(f"{op} failed on {where}: {type(e).__name__}: {detail}")
 
@@ -282,9 +275,7 @@ class FsspecStorage:
         if length == 0:
             return b""
         full = self._full(path)
-        data = self._call(
-            "read", path, lambda: self.fs.cat_file(full, start=offset, end=offset + length)
-        )
+        data = self._call("read", path, lambda: self.fs.cat_file(full, start=offset, end=offset + length))
         if len(data) != length:
             raise StorageError(
                 f"{self.describe(path)} is shorter than expected: wanted bytes "
@@ -339,9 +330,9 @@ class FsspecStorage:
         self._warn_not_atomic()
         with _fallback_lock:
             if self.exists(path):
-                raise CommitConflictError(
-                    f"{self.describe(path)} already exists (put_if_absent)"
-                ) from FileExistsError(errno.EEXIST, "object exists", full)
+                raise CommitConflictError(f"{self.describe(path)} already exists (put_if_absent)") from FileExistsError(
+                    errno.EEXIST, "object exists", full
+                )
             self._call("put_if_absent", path, lambda: self.fs.pipe_file(full, data))
         self._invalidate(path)
 

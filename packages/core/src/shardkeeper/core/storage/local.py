@@ -63,9 +63,7 @@ class LocalStorage:
     damage (``local_paths`` has the rules).
     """
 
-    capabilities = Capabilities(
-        atomic_put_if_absent=True, ranged_read=True, durable_writes=True, directories=True
-    )
+    capabilities = Capabilities(atomic_put_if_absent=True, ranged_read=True, durable_writes=True, directories=True)
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, direct_io: bool = True) -> None:
         """``fsync=False`` gives up durability against power loss (docs/reliability.md);

@@ -48,8 +48,11 @@ DAMAGE_ERRNOS = {
 }
 _PROC_FD = "/proc/self/fd/" if os.path.isdir("/proc/self/fd") else None
 _KINDS = (
-    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
 )
 
 
@@ -195,11 +198,15 @@ class RootPaths:
         except OSError:
             target = "?"
         if action == "read":
-            why = (f"outside the checkpoint root {self.real_root()}; shardkeeper never reads through a link that "
-                   f"leaves the root, so the entry counts as damage (its step is not committed or not restorable)")
+            why = (
+                f"outside the checkpoint root {self.real_root()}; shardkeeper never reads through a link that "
+                f"leaves the root, so the entry counts as damage (its step is not committed or not restorable)"
+            )
         elif action == "write":
-            why = ("shardkeeper writes only into real directories of the root (listing, which gc and retention "
-                   "use, never goes through a link, so what it wrote there would be invisible)")
+            why = (
+                "shardkeeper writes only into real directories of the root (listing, which gc and retention "
+                "use, never goes through a link, so what it wrote there would be invisible)"
+            )
         else:
             why = "shardkeeper never deletes through a link (it would delete what the link points at)"
         return CorruptCheckpointError(
@@ -233,8 +240,7 @@ class RootPaths:
 # --------------------------------------------------------------------------------------------
 # fd helpers
 
-READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-               | getattr(os, "O_CLOEXEC", 0))
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # link(2) errors of file systems without hard links (FAT, some FUSE and network mounts).
@@ -266,10 +272,18 @@ def read_some(fd: int, n: int) -> bytes:
 def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while len(view):
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 __all__ = [
-    "DAMAGE_ERRNOS", "NO_HARD_LINKS", "O_CLOEXEC", "O_NOFOLLOW", "READ_FLAGS", "RootPaths", "kind", "pread_some",
-    "read_some", "write_all",
+    "DAMAGE_ERRNOS",
+    "NO_HARD_LINKS",
+    "O_CLOEXEC",
+    "O_NOFOLLOW",
+    "READ_FLAGS",
+    "RootPaths",
+    "kind",
+    "pread_some",
+    "read_some",
+    "write_all",
 ]

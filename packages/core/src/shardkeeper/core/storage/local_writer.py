@@ -143,4 +143,3 @@ class LocalWriter:
             os.unlink(self._path)
         except FileNotFoundError:
             pass
-

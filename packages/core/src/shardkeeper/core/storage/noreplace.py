@@ -44,10 +44,16 @@ def _load() -> Callable[[bytes, bytes], int] | None:
         return None
     syscall = libc.syscall
     syscall.restype = ctypes.c_long
-    return lambda src, dst: int(syscall(
-        ctypes.c_long(number), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(src), ctypes.c_int(_AT_FDCWD),
-        ctypes.c_char_p(dst), ctypes.c_uint(RENAME_NOREPLACE),
-    ))
+    return lambda src, dst: int(
+        syscall(
+            ctypes.c_long(number),
+            ctypes.c_int(_AT_FDCWD),
+            ctypes.c_char_p(src),
+            ctypes.c_int(_AT_FDCWD),
+            ctypes.c_char_p(dst),
+            ctypes.c_uint(RENAME_NOREPLACE),
+        )
+    )
 
 
 _RENAMEAT2 = _load()

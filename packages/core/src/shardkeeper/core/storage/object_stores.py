@@ -95,6 +95,4 @@ def remove_empty_folders(fs: Any, full: str, bucket: str) -> None:
     keys = [f.split("/", 1)[1] + "/" for f in folders if "/" in f]
     for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
         objects = [{"Key": k} for k in keys[i : i + 1000]]
-        fs.call_s3(
-            "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
-        )
+        fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})

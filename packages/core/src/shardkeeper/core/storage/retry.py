@@ -54,19 +54,42 @@ T = TypeVar("T")
 _TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _TRANSIENT_CODES = frozenset(
     {
-        "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
-        "RequestTimeoutException", "InternalError", "ServiceUnavailable", "TooManyRequests",
-        "503", "500", "502", "504", "429",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "TooManyRequests",
+        "503",
+        "500",
+        "502",
+        "504",
+        "429",
     }
 )
 # Exception classes (by name, so that no client library is imported) of dropped connections,
 # timeouts and truncated responses in botocore, aiohttp, urllib3, requests and fsspec.
 _TRANSIENT_CLASSES = frozenset(
     {
-        "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-        "ResponseStreamingError", "IncompleteReadError", "IncompleteRead", "ProtocolError",
-        "ServerDisconnectedError", "ClientConnectionError", "ClientOSError", "ClientPayloadError",
-        "ServerTimeoutError", "ClientConnectorError", "FSTimeoutError", "ChunkedEncodingError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "IncompleteRead",
+        "ProtocolError",
+        "ServerDisconnectedError",
+        "ClientConnectionError",
+        "ClientOSError",
+        "ClientPayloadError",
+        "ServerTimeoutError",
+        "ClientConnectorError",
+        "FSTimeoutError",
+        "ChunkedEncodingError",
         "RemoteDisconnected",
     }
 )
@@ -167,7 +190,11 @@ class _Attempts:
         owner._count(self.op, "retried")
         log.info(
             "%s of %s: transient error (%s), retry %d in %.2f s",
-            self.op, owner.describe(self.path), e, self.n, delay,
+            self.op,
+            owner.describe(self.path),
+            e,
+            self.n,
+            delay,
         )
         time.sleep(delay)
 

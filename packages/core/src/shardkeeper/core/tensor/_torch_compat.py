@@ -61,9 +61,7 @@ def shard_dim_indices(
     """
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 
-    size, index = _get_shard_size_and_offsets(
-        curr_local_size, mesh_dim_size, coord, placement, previous, 0, False
-    )
+    size, index = _get_shard_size_and_offsets(curr_local_size, mesh_dim_size, coord, placement, previous, 0, False)
     if size == 0:
         return 0, torch.empty(0, dtype=torch.long)
     assert index is not None

@@ -111,9 +111,7 @@ def dtensor_layout(dt: torch.Tensor) -> LocalLayout:
     for mesh_dim, p in enumerate(placements):
         if tc.is_shard_placement(p):
             d = p.dim
-            size, index = tc.shard_dim_indices(
-                local_size[d], mesh.size(mesh_dim), coord[mesh_dim], p, dim_index.get(d)
-            )
+            size, index = tc.shard_dim_indices(local_size[d], mesh.size(mesh_dim), coord[mesh_dim], p, dim_index.get(d))
             local_size[d] = size
             dim_index[d] = index
         elif tc.is_partial(p):

@@ -106,7 +106,9 @@ def _split(
         _split(rest, start - row * inner, inner, (*prefix, row), base, out)
     if last_full > first_full:
         zeros = (0,) * len(rest)
-        out.append(((*prefix, first_full, *zeros), (*lead, last_full - first_full, *rest), base + first_full * inner - start))
+        out.append(
+            ((*prefix, first_full, *zeros), (*lead, last_full - first_full, *rest), base + first_full * inner - start)
+        )
     if end > last_full * inner:  # a partial trailing row
         _split(rest, 0, end - last_full * inner, (*prefix, last_full), base + last_full * inner - start, out)
 

@@ -130,8 +130,20 @@ def restore_flat(
     """
     writes = TargetWrites() if writes is None else writes
     where = f"{storage.describe(step_dir)} (step {manifest.step}, rank {rank})"
-    plan = plan_restore(storage, manifest, flat, rank=rank, world_size=world_size, only=only, strict=strict,
-                        optional=optional, per_rank=per_rank, cast=cast, max_read_bytes=max_read_bytes, where=where)
+    plan = plan_restore(
+        storage,
+        manifest,
+        flat,
+        rank=rank,
+        world_size=world_size,
+        only=only,
+        strict=strict,
+        optional=optional,
+        per_rank=per_rank,
+        cast=cast,
+        max_read_bytes=max_read_bytes,
+        where=where,
+    )
     stats = plan.stats
     if plan.missing:  # (strict: plan_restore raised)
         warnings.warn(
@@ -142,10 +154,15 @@ def restore_flat(
     if plan.dropped:
         log.warning(
             "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",
-            rank, manifest.world_size, world_size, ", ".join(plan.dropped[:8]),
+            rank,
+            manifest.world_size,
+            world_size,
+            ", ".join(plan.dropped[:8]),
         )
     reader = ChunkReader.of(
-        storage, manifest, where=f"step {manifest.step}",
+        storage,
+        manifest,
+        where=f"step {manifest.step}",
         remedy=f"restore an earlier step (restore() without step= falls back by itself) and run "
         f"`shardkeeper verify {storage.url}`",
     )
@@ -160,8 +177,9 @@ def restore_flat(
         with torch.no_grad():
             # Large reads first: they dominate the time, small ones fill in behind them.
             futures = [
-                executor.submit(_guarded(execute_direct, failed), reader, _join(step_dir, op.chunk.file), op,
-                                stats, wrote)
+                executor.submit(
+                    _guarded(execute_direct, failed), reader, _join(step_dir, op.chunk.file), op, stats, wrote
+                )
                 for op in sorted(direct, key=lambda o: o.start - o.end)
             ]
             futures += [
@@ -169,8 +187,9 @@ def restore_flat(
                 for rd in reads
             ]
             futures += [
-                executor.submit(_guarded(execute_encoded, failed), reader, _join(step_dir, eops[0].chunk.file),
-                                eops, stats, wrote)
+                executor.submit(
+                    _guarded(execute_encoded, failed), reader, _join(step_dir, eops[0].chunk.file), eops, stats, wrote
+                )
                 for eops in encoded
             ]
             errors = []

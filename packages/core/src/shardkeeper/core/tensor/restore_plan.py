@@ -86,9 +86,7 @@ class Op:
     as_bytes: bool = False
 
 
-def overlap_ops(
-    key: str, piece: Piece, chunk: ChunkRecord, dtype: torch.dtype, isz: int, max_read: int
-) -> list[Op]:
+def overlap_ops(key: str, piece: Piece, chunk: ChunkRecord, dtype: torch.dtype, isz: int, max_read: int) -> list[Op]:
     """The copies that move the overlap of ``piece`` and ``chunk`` (split along dimension 0
     so that no single read exceeds ``max_read`` bytes); none if they do not overlap."""
     poffs, pshape, coffs, cshape = piece.offsets, piece.shape, chunk.offsets, chunk.shape
@@ -169,9 +167,7 @@ def plan_reads(ops: Iterable[Op], block_bytes: int, max_read: int) -> list[Read]
             lo, hi = (0, o.end) if whole else block_span(o.start, o.end, block_bytes, chunk.length)
             segments.append((file, chunk.offset + lo, Segment(o.key, chunk, lo, hi, [o])))
             continue
-        spans = sorted(
-            (block_span(o.start, o.end, block_bytes, chunk.length), i) for i, o in enumerate(chunk_ops)
-        )
+        spans = sorted((block_span(o.start, o.end, block_bytes, chunk.length), i) for i, o in enumerate(chunk_ops))
         cur: Segment | None = None
         for (lo, hi), i in spans:
             if cur is not None and lo <= cur.end and hi - cur.start <= max(max_read, cur.end - cur.start):
@@ -187,8 +183,12 @@ def plan_reads(ops: Iterable[Op], block_bytes: int, max_read: int) -> list[Read]
         last = reads[-1] if reads else None
         # Chunks a save aligned (format/safetensors.py ITEM_ALIGN) leave gaps under 64 bytes
         # between them: read through those rather than split the read.
-        if (last is not None and last.file == file and 0 <= abs_start - last.end < ITEM_ALIGN
-                and abs_end - last.start <= max_read):
+        if (
+            last is not None
+            and last.file == file
+            and 0 <= abs_start - last.end < ITEM_ALIGN
+            and abs_end - last.start <= max_read
+        ):
             last.end = abs_end
             last.segments.append(seg)
         else:
@@ -287,8 +287,19 @@ class RestorePlan:
 
 
 def plan_restore(
-    storage: Storage, manifest: Manifest, flat: FlatState, *, rank: int, world_size: int, only: Sequence[str] | None,
-    strict: bool, optional: Sequence[str] | None, per_rank: str, cast: bool, max_read_bytes: int, where: str,
+    storage: Storage,
+    manifest: Manifest,
+    flat: FlatState,
+    *,
+    rank: int,
+    world_size: int,
+    only: Sequence[str] | None,
+    strict: bool,
+    optional: Sequence[str] | None,
+    per_rank: str,
+    cast: bool,
+    max_read_bytes: int,
+    where: str,
 ) -> RestorePlan:
     """Match ``flat``'s leaves with ``manifest``'s; raise ``StateMismatchError`` for what the
     target cannot take, before anything is read. ``where`` names the step and rank."""
@@ -324,9 +335,7 @@ def plan_restore(
             assert leaf.set is not None
             setter, value, current = leaf.set, rec.value, leaf.value
 
-            def fill(
-                s: Callable[[Any], None] = setter, v: Any = value, c: Any = current
-            ) -> None:
+            def fill(s: Callable[[Any], None] = setter, v: Any = value, c: Any = current) -> None:
                 s(conform(v, c))
 
             plan.deferred.append((key, fill))
@@ -345,9 +354,7 @@ def plan_restore(
             on_meta.append(key)  # no memory: a copy into it does nothing
             continue
         if tuple(layout.global_shape) != tuple(rec.shape):
-            mismatched.append(
-                f"{key!r}: checkpoint shape {list(rec.shape)}, target {list(layout.global_shape)}"
-            )
+            mismatched.append(f"{key!r}: checkpoint shape {list(rec.shape)}, target {list(layout.global_shape)}")
             continue
         saved_dtype = dtype_from_name(rec.dtype)
         if saved_dtype != layout.dtype and not cast:

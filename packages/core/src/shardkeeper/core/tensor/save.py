@@ -47,10 +47,7 @@ def _file_header(items: Sequence[WriteItem], memo: dict[Any, Any] | None, index:
     cached plan, so built once (``memo``: the plan's, None when it is not cached)."""
     got = memo.get(("header", index)) if memo is not None else None
     if got is None:
-        entries = [
-            (chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes)
-            for i in items
-        ]
+        entries = [(chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes) for i in items]
         got = build_header(entries, {"format": "pt", "writer": "shardkeeper"}, align_items=True)
         if memo is not None:
             memo[("header", index)] = got
@@ -131,8 +128,20 @@ def chunk_records(
 ) -> list[tuple[str, dict[str, Any]]]:
     """``_write_file``'s chunks as records in their JSON form (format.md 3.3), with their keys:
     for writers that assemble a per-chunk manifest themselves (``dcp_import``)."""
-    return [(it.key, {"file": rel, "offset": off, "length": it.nbytes, "offsets": list(it.offsets),
-                      "shape": list(it.shape), "digests": d}) for it, off, d in zip(items, offsets, digests)]
+    return [
+        (
+            it.key,
+            {
+                "file": rel,
+                "offset": off,
+                "length": it.nbytes,
+                "offsets": list(it.offsets),
+                "shape": list(it.shape),
+                "digests": d,
+            },
+        )
+        for it, off, d in zip(items, offsets, digests)
+    ]
 
 
 def _write_coded(
@@ -178,7 +187,9 @@ def _write_coded(
     writer = storage.open_writer(f"{step_dir}/{rel}")
     try:
         if not any(pre):  # every chunk stays raw: a plain safetensors file
-            entries = [(chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes) for i, _, _ in todo]
+            entries = [
+                (chunk_name(i.key, i.offsets, i.shape, i.global_shape), i.dtype, i.shape, i.nbytes) for i, _, _ in todo
+            ]
             header, file_offsets = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
             writer.write(header)
             pos = len(header)
@@ -218,8 +229,15 @@ def _record_rows(recs: Sequence[tuple[str, dict[str, Any]]]) -> tuple[list[str],
 
 
 def _write_plain(
-    storage: Storage, step_dir: str, rel: str, items: Sequence[WriteItem], spans: Sequence[Span], algorithm: str,
-    block_bytes: int, memo: dict[Any, Any] | None, index: int,
+    storage: Storage,
+    step_dir: str,
+    rel: str,
+    items: Sequence[WriteItem],
+    spans: Sequence[Span],
+    algorithm: str,
+    block_bytes: int,
+    memo: dict[Any, Any] | None,
+    index: int,
 ) -> tuple[tuple[list[str], ChunkTable], int, int]:
     """A raw shard file, its chunks as table rows (see ``_report_columns``)."""
     offsets, digests, size = _write_file(storage, step_dir, rel, items, spans, algorithm, block_bytes, memo, index)
@@ -227,7 +245,11 @@ def _write_plain(
 
 
 def _report_columns(
-    rel: str, items: Sequence[WriteItem], offsets: list[int], digests: list[str], memo: dict[Any, Any] | None,
+    rel: str,
+    items: Sequence[WriteItem],
+    offsets: list[int],
+    digests: list[str],
+    memo: dict[Any, Any] | None,
     index: int,
 ) -> tuple[list[str], ChunkTable]:
     """A file's chunks as rows of a chunk table (and each row's key), the form the report and
@@ -237,8 +259,13 @@ def _report_columns(
     that do not change between saves of a cached plan are built once (``memo``)."""
     cols = memo.get(("columns", index)) if memo is not None else None
     if cols is None:
-        cols = ([it.key for it in items], [it.nbytes for it in items], [len(it.shape) for it in items],
-                [o for it in items for o in it.offsets], [n for it in items for n in it.shape])
+        cols = (
+            [it.key for it in items],
+            [it.nbytes for it in items],
+            [len(it.shape) for it in items],
+            [o for it in items for o in it.offsets],
+            [n for it in items for n in it.shape],
+        )
         if memo is not None:
             memo[("columns", index)] = cols
     keys, length, ndim, box_offsets, box_shape = cols
@@ -268,8 +295,14 @@ def _slabs(it: WriteItem, view: memoryview) -> list[tuple[WriteItem, memoryview]
 
 
 def _record(rel: str, offset: int, it: WriteItem, length: int, digests: Sequence[str]) -> dict[str, Any]:
-    return {"file": rel, "offset": offset, "length": length, "offsets": list(it.offsets),
-            "shape": list(it.shape), "digests": ",".join(digests)}
+    return {
+        "file": rel,
+        "offset": offset,
+        "length": length,
+        "offsets": list(it.offsets),
+        "shape": list(it.shape),
+        "digests": ",".join(digests),
+    }
 
 
 def write_shards(
@@ -290,10 +323,13 @@ def write_shards(
     plan's (``SavePlan.memo``), where file headers are kept for the next save of the plan."""
     coded = codecs if codecs is not None and codecs.active else None
     futures = [
-        executor.submit(_write_coded, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, coded)
-        if coded is not None else
-        executor.submit(_write_plain, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes,
-                        memo, i)
+        executor.submit(
+            _write_coded, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, coded
+        )
+        if coded is not None
+        else executor.submit(
+            _write_plain, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, memo, i
+        )
         for i, (g, r) in enumerate(zip(groups, spans))
     ]
     keys: list[str] = []

@@ -125,16 +125,20 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
         if not key or key.startswith(PAD_PREFIX):
             raise StateMismatchError(
                 f"state key {key!r} is empty or starts with {PAD_PREFIX!r}, which shard files reserve "
-                f"for alignment padding (docs/format.md 4); rename it" if key else
-                "a state key is empty (a dict with the key ''); give it a name"
+                f"for alignment padding (docs/format.md 4); rename it"
+                if key
+                else "a state key is empty (a dict with the key ''); give it a name"
             )
         if leaf.kind == "object":
             if leaf.per_rank is not None or rank == 0:
                 plan.objects[key] = leaf.value
             continue
         if leaf.kind == "bytes":
-            t = (torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8) if leaf.value
-                 else torch.empty(0, dtype=torch.uint8))
+            t = (
+                torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8)
+                if leaf.value
+                else torch.empty(0, dtype=torch.uint8)
+            )
         else:
             t = as_torch(leaf.value)
             if tc.is_dtensor(t) and any(tc.is_partial(p) for p in t.placements):
@@ -164,9 +168,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
             n = p.numel
             if n == 0:
                 continue
-            plan.items.append(
-                WriteItem(key, dtype, layout.global_shape, p.offsets, p.shape, p.local, n * size)
-            )
+            plan.items.append(WriteItem(key, dtype, layout.global_shape, p.offsets, p.shape, p.local, n * size))
     return plan
 
 
@@ -188,8 +190,18 @@ def _signature(flat: FlatState) -> tuple[Any, ...] | None:
         if type(t) in PLAIN_TENSORS:
             sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device))
         elif tc.is_dtensor(t):
-            sig.append((key, leaf.per_rank is not None, t.shape, t.dtype, t.device, t.device_mesh,
-                        tuple(t.placements), tc.local_shape(t)))
+            sig.append(
+                (
+                    key,
+                    leaf.per_rank is not None,
+                    t.shape,
+                    t.dtype,
+                    t.device,
+                    t.device_mesh,
+                    tuple(t.placements),
+                    tc.local_shape(t),
+                )
+            )
         else:
             return None
     return (tuple(flat.per_rank_prefixes), *sig)
@@ -268,8 +280,9 @@ class PlanCache:
         self.hits = 0
 
     @without_gc
-    def plan(self, flat: FlatState, rank: int, world_size: int, max_files: int,
-             min_file_bytes: int) -> tuple[SavePlan, list[list[WriteItem]]]:
+    def plan(
+        self, flat: FlatState, rank: int, world_size: int, max_files: int, min_file_bytes: int
+    ) -> tuple[SavePlan, list[list[WriteItem]]]:
         sig = _signature(flat)
         cached = self._plan
         if sig is not None and cached is not None and sig == self._sig:
@@ -277,8 +290,9 @@ class PlanCache:
             leaves = flat.leaves
             # No new WriteItem per leaf: the template's items are reused and only the sources
             # are looked up (with 10,000 tensors, building items cost as much as the copy).
-            sources = [leaves[k].value if b is None else _narrowed(leaves[k].value.to_local(), b)
-                       for k, b in self._order]
+            sources = [
+                leaves[k].value if b is None else _narrowed(leaves[k].value.to_local(), b) for k, b in self._order
+            ]
             objects = {k: leaves[k].value for k in cached.objects}
             return replace(cached, objects=objects, sources=sources), self._groups
         plan = plan_save(flat, rank, world_size)
@@ -292,8 +306,10 @@ class PlanCache:
             how = {id(it): b for it, b in zip(plan.items, bind)}
             self._groups = [[template[id(it)] for it in g] for g in groups]
             self._order = [(it.key, how[id(it)]) for g in groups for it in g]
-            self._sig, self._plan = sig, replace(plan, items=[template[id(it)] for it in plan.items],
-                                                 objects=dict.fromkeys(plan.objects))
+            self._sig, self._plan = (
+                sig,
+                replace(plan, items=[template[id(it)] for it in plan.items], objects=dict.fromkeys(plan.objects)),
+            )
         return plan, groups
 
 

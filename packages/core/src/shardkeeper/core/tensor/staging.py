@@ -154,8 +154,9 @@ class Stager:
         self.last_stage_s = time.perf_counter() - t0
         return spans, (later if later.items else None)
 
-    def _lay_out(self, groups: Sequence[Sequence[WriteItem]], srcs: Sequence[torch.Tensor],
-                 direct: dict[int, Span], key: Any) -> _Layout:
+    def _lay_out(
+        self, groups: Sequence[Sequence[WriteItem]], srcs: Sequence[torch.Tensor], direct: dict[int, Span], key: Any
+    ) -> _Layout:
         """Place every staged item in the buffer (growing it if needed) and make its view."""
         starts = []
         placed: list[list[int]] = []  # per group: each staged item's offset from the group start
@@ -218,8 +219,11 @@ class Stager:
                     whole = typed[dtype] = buf[: buf.numel() - buf.numel() % size].view(dtype)
                 # Widest dtypes first (see _file_order) keeps every offset a multiple of the
                 # item size, so the bytes can be viewed as the dtype: one view per item.
-                dsts.append(whole.as_strided(it.shape, contiguous_strides(it.shape),
-                                             whole.storage_offset() + off // whole.element_size()))
+                dsts.append(
+                    whole.as_strided(
+                        it.shape, contiguous_strides(it.shape), whole.storage_offset() + off // whole.element_size()
+                    )
+                )
                 staged.append(j)
                 group_spans.append((whole_bytes, off, off + it.nbytes))
                 end = off + it.nbytes
@@ -299,9 +303,7 @@ class DeferredCopy:
             else:
                 torch._foreach_copy_(self.dsts, srcs)
         self.copy_s = time.perf_counter() - t0
-        changed = [
-            it.key for it, w in zip(self.items, self.watched) if any(t._version != v for t, v in w)
-        ]
+        changed = [it.key for it, w in zip(self.items, self.watched) if any(t._version != v for t, v in w)]
         if changed:
             raise TornStateError(sorted(set(changed)))
 

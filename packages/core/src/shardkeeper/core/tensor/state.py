@@ -65,9 +65,7 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         # The legacy (default) form: a tuple, as long as the global generator is MT19937.
-        np_state = cast(
-            "tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state()
-        )
+        np_state = cast("tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state())
         py_state = random.getstate()
         out: dict[str, Any] = {
             "torch": torch.get_rng_state(),
@@ -88,8 +86,13 @@ class RNGState:
         torch.set_rng_state(sd["torch"].to(torch.uint8))
         n = sd["numpy"]
         np.random.set_state(
-            (n["kind"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
-             float(n["cached_gaussian"]))
+            (
+                n["kind"],
+                n["keys"].numpy().astype(np.uint32),
+                int(n["pos"]),
+                int(n["has_gauss"]),
+                float(n["cached_gaussian"]),
+            )
         )
         p = sd["python"]
         random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
@@ -223,9 +226,7 @@ class Flattener:
             raise StateMismatchError(f"state key {key!r} appears twice after flattening")
         self.out.leaves[key] = Leaf(key, value, kind, per_rank, set_ if self.restore else None)
 
-    def _visit(
-        self, key: str, v: Any, modules: dict[str, nn.Module], per_rank: str | None, set_: Any
-    ) -> None:
+    def _visit(self, key: str, v: Any, modules: dict[str, nn.Module], per_rank: str | None, set_: Any) -> None:
         if isinstance(v, PerRank) or getattr(v, "__shardkeeper_per_rank__", False):
             if per_rank is not None:
                 raise StateMismatchError(f"state key {key!r}: PerRank inside PerRank")
@@ -275,8 +276,7 @@ class Flattener:
         sd = obj.state_dict()
         if not isinstance(sd, dict):
             raise StateMismatchError(
-                f"{type(obj).__name__}.state_dict() at state key {key!r} returned "
-                f"{type(sd).__name__}, not a dict"
+                f"{type(obj).__name__}.state_dict() at state key {key!r} returned {type(sd).__name__}, not a dict"
             )
         holder = {"sd": sd}
         self._visit(key, sd, {}, per_rank, self._dict_setter(holder, "sd"))
@@ -315,13 +315,9 @@ class Flattener:
         for fqn, per_param in state.items():
             nfqn = normalize_fqn(str(fqn))
             for name, val in per_param.items():
-                self._visit(
-                    f"{key}/state/{nfqn}/{name}", val, {}, per_rank, self._dict_setter(per_param, name)
-                )
+                self._visit(f"{key}/state/{nfqn}/{name}", val, {}, per_rank, self._dict_setter(per_param, name))
         groups = cast("list[dict[str, Any]]", osd.get("param_groups", []))
-        norm_groups = [
-            {**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]} for g in groups
-        ]
+        norm_groups = [{**g, "params": [normalize_fqn(str(p)) for p in g.get("params", [])]} for g in groups]
         if not self.restore:
             _check_json(f"{key}/param_groups", norm_groups)
 

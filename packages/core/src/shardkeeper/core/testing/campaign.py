@@ -46,7 +46,13 @@ from typing import Any
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
 KILL_POINTS = (
-    "staging", "open_writer", "mid_write", "close", "before_manifest", "after_manifest", "retention",
+    "staging",
+    "open_writer",
+    "mid_write",
+    "close",
+    "before_manifest",
+    "after_manifest",
+    "retention",
     "random_time",
 )
 
@@ -199,13 +205,21 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "root": self.root, "seed": self.seed, "trials": self.trials, "killed": self.killed,
-            "completed_without_kill": self.completed, "kill_points_drawn": dict(sorted(self.points.items())),
+            "root": self.root,
+            "seed": self.seed,
+            "trials": self.trials,
+            "killed": self.killed,
+            "completed_without_kill": self.completed,
+            "kill_points_drawn": dict(sorted(self.points.items())),
             "kill_points_hit": dict(sorted(self.points_hit.items())),
-            "commits_acknowledged": self.commits_acknowledged, "steps_verified": self.steps_verified,
-            "restores_bit_exact": self.restores_bit_exact, "leftovers_removed": self.leftovers_removed,
+            "commits_acknowledged": self.commits_acknowledged,
+            "steps_verified": self.steps_verified,
+            "restores_bit_exact": self.restores_bit_exact,
+            "leftovers_removed": self.leftovers_removed,
             "incomplete_uploads_aborted": self.incomplete_uploads_aborted,
-            "lost_or_damaged": len(self.failures), "failures": self.failures, "seconds": round(self.seconds, 2),
+            "lost_or_damaged": len(self.failures),
+            "failures": self.failures,
+            "seconds": round(self.seconds, 2),
         }
 
 
@@ -214,13 +228,20 @@ def _draw(rng: random.Random, index: int, first_step: int, points: Sequence[str]
     point = points[index % len(points)] if index < len(points) else rng.choice(points)
     n = rng.randint(1, steps)
     return Trial(
-        index=index, point=point, n=n, after_bytes=rng.randint(1, max(1, tensor_bytes)),
-        delay_s=rng.uniform(0.0, 1.0), first_step=first_step, steps=steps, async_save=rng.random() < 0.5,
+        index=index,
+        point=point,
+        n=n,
+        after_bytes=rng.randint(1, max(1, tensor_bytes)),
+        delay_s=rng.uniform(0.0, 1.0),
+        first_step=first_step,
+        steps=steps,
+        async_save=rng.random() < 0.5,
     )
 
 
-def _writer(root: str, options: dict[str, Any], manager_options: dict[str, Any], t: Trial, tensor_bytes: int,
-            wfd: int) -> None:
+def _writer(
+    root: str, options: dict[str, Any], manager_options: dict[str, Any], t: Trial, tensor_bytes: int, wfd: int
+) -> None:
     from shardkeeper.core import CheckpointManager
     from shardkeeper.core.storage import open_storage
 
@@ -268,8 +289,10 @@ def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summa
         got = _blank_like(want)
         with CheckpointManager(storage) as mgr:
             restored = mgr.restore(got)
-        exact = restored == newest and got["step"] == newest and all(
-            torch.equal(got["model"][k], v) for k, v in want["model"].items()
+        exact = (
+            restored == newest
+            and got["step"] == newest
+            and all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
         )
         if exact:
             s.restores_bit_exact += 1
@@ -385,8 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--manager-options", default="{}", help="JSON: CheckpointManager options")
     a = p.parse_args(argv)
     summary = run_campaign(
-        a.root, trials=a.trials, seed=a.seed, tensor_bytes=a.tensor_bytes, points=a.points.split(","),
-        storage_options=json.loads(a.storage_options), manager_options=json.loads(a.manager_options),
+        a.root,
+        trials=a.trials,
+        seed=a.seed,
+        tensor_bytes=a.tensor_bytes,
+        points=a.points.split(","),
+        storage_options=json.loads(a.storage_options),
+        manager_options=json.loads(a.manager_options),
     )
     json.dump(summary.to_json(), sys.stdout, indent=2)
     print()

@@ -92,8 +92,12 @@ class StorageConformance:
     @pytest.fixture
     def storage(self, tmp_path: Path) -> Iterator[Storage]:
         s = self.make_storage(tmp_path)
-        _require(s, isinstance(s, Storage), f"make_storage returned {type(s).__name__}, which lacks part of the "
-                 "Storage protocol (shardkeeper.core.storage.base.Storage: url, capabilities and the operations)")
+        _require(
+            s,
+            isinstance(s, Storage),
+            f"make_storage returned {type(s).__name__}, which lacks part of the "
+            "Storage protocol (shardkeeper.core.storage.base.Storage: url, capabilities and the operations)",
+        )
         try:
             yield s
         finally:
@@ -103,8 +107,11 @@ class StorageConformance:
 
     def test_describes_full_paths_under_its_url(self, storage: Storage) -> None:
         where = storage.describe("step-1/manifest.json")
-        _require(storage, where.startswith(storage.url) and where.endswith("step-1/manifest.json"),
-                 f"describe('step-1/manifest.json') is {where!r}: messages need the url followed by the path")
+        _require(
+            storage,
+            where.startswith(storage.url) and where.endswith("step-1/manifest.json"),
+            f"describe('step-1/manifest.json') is {where!r}: messages need the url followed by the path",
+        )
 
     def test_capabilities_are_declared(self, storage: Storage) -> None:
         caps = storage.capabilities
@@ -117,8 +124,11 @@ class StorageConformance:
     def test_list_dir(self, storage: Storage) -> None:
         def listed(path: str, want: list[str], when: str) -> None:
             got = storage.list_dir(path)
-            _require(storage, got == want,
-                     f"list_dir({path!r}) {when} is {got!r}, want {want!r} (sorted names directly under it)")
+            _require(
+                storage,
+                got == want,
+                f"list_dir({path!r}) {when} is {got!r}, want {want!r} (sorted names directly under it)",
+            )
 
         listed("", [], "of an empty root")
         listed("missing", [], "of a missing directory")
@@ -146,13 +156,17 @@ class StorageConformance:
         got = storage.list_dir("")
         _require(storage, got == ["step-000000000001"], f"list_dir('') after another client's put is {got!r}")
         got = storage.list_dir("step-000000000001")
-        _require(storage, got == ["manifest.json"],
-                 f"list_dir('step-000000000001') after another client's put is {got!r}")
+        _require(
+            storage, got == ["manifest.json"], f"list_dir('step-000000000001') after another client's put is {got!r}"
+        )
         other.delete_dir("step-000000000001")
         got = storage.list_dir("")
         _require(storage, got == [], f"list_dir('') after another client's delete_dir is {got!r}, want []")
-        _require(storage, not storage.exists("step-000000000001/manifest.json"),
-                 "exists() is true for a file another client deleted")
+        _require(
+            storage,
+            not storage.exists("step-000000000001/manifest.json"),
+            "exists() is true for a file another client deleted",
+        )
 
     def test_exists_size_mtime(self, storage: Storage) -> None:
         before = time.time()
@@ -164,8 +178,9 @@ class StorageConformance:
         size = storage.size("d/f.bin")
         _require(storage, size == len(PAYLOAD), f"size() is {size}, want {len(PAYLOAD)}")
         mtime = storage.mtime("d/f.bin")  # server clocks and second-granularity stamps: generous
-        _require(storage, before - 120 <= mtime <= time.time() + 120,
-                 f"mtime() is {mtime}, not seconds since the epoch now")
+        _require(
+            storage, before - 120 <= mtime <= time.time() + 120, f"mtime() is {mtime}, not seconds since the epoch now"
+        )
         _raises(storage, CheckpointNotFoundError, lambda: storage.size("d/missing"), "size() of a missing file")
         _raises(storage, CheckpointNotFoundError, lambda: storage.mtime("d/missing"), "mtime() of a missing file")
 
@@ -176,40 +191,64 @@ class StorageConformance:
         _require(storage, storage.read_bytes("f") == PAYLOAD, "read_bytes() does not return the bytes put")
         for offset, length in ((0, 10), (1000, 3000), (len(PAYLOAD) - 5, 5), (7, 0)):
             got = storage.read_range("f", offset, length)
-            _require(storage, got == PAYLOAD[offset : offset + length],
-                     f"read_range('f', {offset}, {length}) returned {len(got)} other bytes")
+            _require(
+                storage,
+                got == PAYLOAD[offset : offset + length],
+                f"read_range('f', {offset}, {length}) returned {len(got)} other bytes",
+            )
         buf = bytearray(4096)
         storage.read_into("f", 513, memoryview(buf))
-        _require(storage, bytes(buf) == PAYLOAD[513 : 513 + 4096],
-                 "read_into() did not fill the buffer with the bytes at the offset")
+        _require(
+            storage,
+            bytes(buf) == PAYLOAD[513 : 513 + 4096],
+            "read_into() did not fill the buffer with the bytes at the offset",
+        )
         big = bytearray(b"\xaa" * 100)  # a slice of a larger buffer, filled in place
         storage.read_into("f", 3, memoryview(big)[10:20])
-        _require(storage, big[:10] == b"\xaa" * 10 and big[10:20] == PAYLOAD[3:13] and big[20:] == b"\xaa" * 80,
-                 "read_into() of a slice wrote outside the slice or other bytes into it")
+        _require(
+            storage,
+            big[:10] == b"\xaa" * 10 and big[10:20] == PAYLOAD[3:13] and big[20:] == b"\xaa" * 80,
+            "read_into() of a slice wrote outside the slice or other bytes into it",
+        )
         words = array.array("I", [0] * 8)  # a typed view, like a tensor's storage: byte for byte
         storage.read_into("f", 64, memoryview(words))
-        _require(storage, words.tobytes() == PAYLOAD[64:96],
-                 "read_into() of a typed (non-byte) view did not fill it byte for byte")
+        _require(
+            storage,
+            words.tobytes() == PAYLOAD[64:96],
+            "read_into() of a typed (non-byte) view did not fill it byte for byte",
+        )
 
     def test_short_read_is_an_error(self, storage: Storage) -> None:
         storage.put("f", b"0123456789")
         _raises(storage, StorageError, lambda: storage.read_range("f", 5, 10), "read_range() past the end of the file")
-        _raises(storage, StorageError, lambda: storage.read_into("f", 8, memoryview(bytearray(4))),
-                "read_into() past the end of the file")
+        _raises(
+            storage,
+            StorageError,
+            lambda: storage.read_into("f", 8, memoryview(bytearray(4))),
+            "read_into() past the end of the file",
+        )
 
     def test_missing_read_is_not_found_with_cause(self, storage: Storage) -> None:
         for what, call in (
             ("read_bytes('step-1/manifest.json')", lambda: storage.read_bytes("step-1/manifest.json")),
             ("read_range('step-1/data/x', 0, 4)", lambda: storage.read_range("step-1/data/x", 0, 4)),
-            ("read_into('step-1/data/x', 0, ...)",
-             lambda: storage.read_into("step-1/data/x", 0, memoryview(bytearray(4)))),
+            (
+                "read_into('step-1/data/x', 0, ...)",
+                lambda: storage.read_into("step-1/data/x", 0, memoryview(bytearray(4))),
+            ),
         ):
             err = _raises(storage, CheckpointNotFoundError, call, f"{what} of a missing file")
-            _require(storage, isinstance(err, FileNotFoundError) and isinstance(err, CheckpointError),
-                     f"{what}: CheckpointNotFoundError must stay a FileNotFoundError and a CheckpointError")
+            _require(
+                storage,
+                isinstance(err, FileNotFoundError) and isinstance(err, CheckpointError),
+                f"{what}: CheckpointNotFoundError must stay a FileNotFoundError and a CheckpointError",
+            )
             _require(storage, err.__cause__ is not None, f"{what}: the backend's own error is not kept as __cause__")
-            _require(storage, "step-1/" in str(err) and storage.url in str(err),
-                     f"{what}: the message {str(err)!r} does not name the location (url and path)")
+            _require(
+                storage,
+                "step-1/" in str(err) and storage.url in str(err),
+                f"{what}: the message {str(err)!r} does not name the location (url and path)",
+            )
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -221,16 +260,21 @@ class StorageConformance:
         w.write(bytearray(PAYLOAD[5000:]))  # type: ignore[arg-type] # a bytearray too
         w.close()
         _require(storage, storage.exists(path), "a closed writer's file does not exist")
-        _require(storage, storage.read_bytes(path) == PAYLOAD, "a writer fed bytes, a memoryview and a bytearray "
-                 "did not store them in order")
+        _require(
+            storage,
+            storage.read_bytes(path) == PAYLOAD,
+            "a writer fed bytes, a memoryview and a bytearray did not store them in order",
+        )
         got = storage.list_dir("step-1/data")
-        _require(storage, got == ["r00000-a-000.safetensors"],
-                 f"list_dir('step-1/data') after the writer closed is {got!r}")
+        _require(
+            storage, got == ["r00000-a-000.safetensors"], f"list_dir('step-1/data') after the writer closed is {got!r}"
+        )
 
     def test_writer_refuses_an_existing_file(self, storage: Storage) -> None:
         storage.put("x", b"old")
-        err = _raises(storage, CommitConflictError, lambda: storage.open_writer("x"),
-                      "open_writer() of an existing file")
+        err = _raises(
+            storage, CommitConflictError, lambda: storage.open_writer("x"), "open_writer() of an existing file"
+        )
         _require(storage, isinstance(err, FileExistsError), "CommitConflictError must stay a FileExistsError")
         _require(storage, err.__cause__ is not None, "open_writer(): the backend's own error is not kept as __cause__")
         _require(storage, storage.read_bytes("x") == b"old", "open_writer() of an existing file changed it")
@@ -242,23 +286,41 @@ class StorageConformance:
         w.abort()
         w.abort()  # idempotent
         _require(storage, not storage.exists(path), "an aborted writer's file exists")
-        _require(storage, "r00000-a-000.safetensors" not in storage.list_dir("step-1/data"),
-                 "an aborted writer's file is listed")
+        _require(
+            storage,
+            "r00000-a-000.safetensors" not in storage.list_dir("step-1/data"),
+            "an aborted writer's file is listed",
+        )
 
     def test_put_if_absent_twice_conflicts(self, storage: Storage) -> None:
         path = "step-1/manifest.json"
         storage.put_if_absent(path, b"first")
-        err = _raises(storage, CommitConflictError, lambda: storage.put_if_absent(path, b"second"),
-                      f"put_if_absent({path!r}) over an existing file")
-        _require(storage, isinstance(err, FileExistsError) and isinstance(err, CheckpointError),
-                 "CommitConflictError must stay a FileExistsError and a CheckpointError")
-        _require(storage, err.__cause__ is not None,
-                 "put_if_absent(): the backend's own error is not kept as __cause__")
-        _require(storage, storage.describe(path) in str(err),
-                 f"the conflict {str(err)!r} does not name {storage.describe(path)}")
+        err = _raises(
+            storage,
+            CommitConflictError,
+            lambda: storage.put_if_absent(path, b"second"),
+            f"put_if_absent({path!r}) over an existing file",
+        )
+        _require(
+            storage,
+            isinstance(err, FileExistsError) and isinstance(err, CheckpointError),
+            "CommitConflictError must stay a FileExistsError and a CheckpointError",
+        )
+        _require(
+            storage, err.__cause__ is not None, "put_if_absent(): the backend's own error is not kept as __cause__"
+        )
+        _require(
+            storage,
+            storage.describe(path) in str(err),
+            f"the conflict {str(err)!r} does not name {storage.describe(path)}",
+        )
         kept = storage.read_bytes(path)
-        _require(storage, kept == b"first", f"put_if_absent({path!r}) replaced the first writer's bytes "
-                 f"(now {kept!r}): a commit must never overwrite another")
+        _require(
+            storage,
+            kept == b"first",
+            f"put_if_absent({path!r}) replaced the first writer's bytes "
+            f"(now {kept!r}): a commit must never overwrite another",
+        )
 
     def test_put_if_absent_concurrent_exactly_one_wins(self, storage: Storage) -> None:
         n, path = 8, "step-7/manifest.json"
@@ -280,10 +342,16 @@ class StorageConformance:
             t.join(60)
         winners = [i for i, r in enumerate(results) if r == "won"]
         losers = [r for r in results if r != "won"]
-        _require(storage, len(winners) == 1, f"{n} threads racing put_if_absent({path!r}): {len(winners)} won, "
-                 f"exactly one must ({results!r})")
-        _require(storage, all(isinstance(r, CommitConflictError) for r in losers),
-                 f"the losers of the put_if_absent race must raise CommitConflictError: {losers!r}")
+        _require(
+            storage,
+            len(winners) == 1,
+            f"{n} threads racing put_if_absent({path!r}): {len(winners)} won, exactly one must ({results!r})",
+        )
+        _require(
+            storage,
+            all(isinstance(r, CommitConflictError) for r in losers),
+            f"the losers of the put_if_absent race must raise CommitConflictError: {losers!r}",
+        )
         kept = storage.read_bytes(path)
         _require(storage, kept == f"writer {winners[0]}".encode(), f"the stored bytes {kept!r} are not the winner's")
 
@@ -310,8 +378,11 @@ class StorageConformance:
         storage.delete_dir("never/existed")
         _require(storage, not storage.exists("step-1/manifest.json"), "delete_dir('step-1') left a file under it")
         got = storage.list_dir("")
-        _require(storage, got == ["step-10"], f"after delete_dir('step-1') the root lists {got!r}: a name sharing "
-                 "its prefix (step-10) must stay")
+        _require(
+            storage,
+            got == ["step-10"],
+            f"after delete_dir('step-1') the root lists {got!r}: a name sharing its prefix (step-10) must stay",
+        )
         _require(storage, storage.read_bytes("step-10/manifest.json") == b"m10", "delete_dir('step-1') touched step-10")
         _raises(storage, StorageError, lambda: storage.delete_dir(""), "delete_dir('') (the root itself)")
 
