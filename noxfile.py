@@ -91,7 +91,11 @@ def tests(session: nox.Session, suite: str) -> None:
     plugins = [f"packages/{name}_plugin" for name in ADAPTERS]
     editable = [arg for path in plugins for arg in ("-e", path)]
     _install(session, "-e", "packages/core[torch,s3,gcs]", *editable, *versions, *TEST_DEPS)
-    suites = [f"tests/{name}" for name in (*ADAPTERS, "chain") if (ROOT / "tests" / name).is_dir()]
+    names = (*ADAPTERS, "chain")
+    if versions[0] == FRAMEWORKS["newest"][0] and suite != "adapters-newest":
+        # the same DeepSpeed release as the newest set: its own suite would only run twice
+        names = tuple(n for n in names if n != "deepspeed")
+    suites = [f"tests/{name}" for name in names if (ROOT / "tests" / name).is_dir()]
     if not suites:
         session.error("no adapter test suite found under tests/")
     session.run("pytest", *suites, "-q", *session.posargs, env={**TEST_ENV, **ADAPTER_ENV})
