@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from shardkeeper.core.format.columns import ChunkTable, LeafTable
+from shardkeeper.core.format.columns import ChunkTable
+from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.reports import (
     decode_report,

@@ -20,9 +20,9 @@ from shardkeeper.core.format.columns import (
     DIGEST_HEX,
     TABLE_MIN_CHUNKS,
     ChunkTable,
-    LeafTable,
     no_gc,
 )
+from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.leaves import LazyLeaves
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import DTYPES

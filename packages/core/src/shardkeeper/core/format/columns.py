@@ -1,5 +1,6 @@
 """The chunk and leaf tables as columns: the columnar form of a large manifest's chunk
-records (format_version 3, ``ChunkTable``) and tensor leaves (format_version 5, ``LeafTable``).
+records (format_version 3, ``ChunkTable``); the tensor leaves' table (format_version 5) is in
+format/leaf_table.py.
 
 A manifest of 100,000 tensors sharded over 8 ranks has 800,000 chunks. As one JSON object
 per chunk it is ~170 MB and takes seconds to write, parse and check in Python. The table
@@ -25,8 +26,6 @@ from contextlib import contextmanager
 from itertools import accumulate, chain, repeat
 from typing import Any, TypeVar, cast
 
-from shardkeeper.core.format.records import DTYPES
-
 #: Below this many chunks a manifest keeps one JSON object per chunk (easier to read by eye,
 #: and as fast at that size); at or above it, the columnar tables.
 TABLE_MIN_CHUNKS = 4096
@@ -37,7 +36,7 @@ DIGEST_HEX = {"xxh3_128": 32, "sha256": 64}
 _CORE = ("file", "offset", "length", "offsets", "shape", "digests")
 #: The optional per-chunk fields a table may carry (``extras``); any other is refused.
 EXTRAS = ("encoding", "content")
-_MAX_NDIM = 64
+MAX_NDIM = 64
 
 
 @contextmanager
@@ -292,8 +291,8 @@ class ChunkTable:
                 return "chunk_table columns hold something other than non-negative integers"
         if self.file and max(self.file) >= len(self.paths):
             return "chunk_table row names a file beyond its files"
-        if self.ndim and max(self.ndim) > _MAX_NDIM:
-            return f"chunk_table row has more than {_MAX_NDIM} dimensions"
+        if self.ndim and max(self.ndim) > MAX_NDIM:
+            return f"chunk_table row has more than {MAX_NDIM} dimensions"
         if len(self.offsets) != self.dims[-1] or len(self.shape) != self.dims[-1]:
             return "chunk_table offsets/shape do not match its ndim column"
         if not isinstance(self.digests, str) or not self.digests.isascii():
@@ -317,132 +316,6 @@ class ChunkTable:
             if not set(map(type, col)) <= {str, type(None)}:
                 return f"chunk_table extras {k!r} holds something other than strings and null"
         return None
-
-
-class LeafTable:
-    """The tensor and bytes leaves of a table-form manifest as columns (format_version 5).
-
-    Leaf ``j``: ``keys[j]``, ``kind[j]``, ``dtype[j]``, shape ``shape[sdims[j]:sdims[j+1]]``
-    (``ndim`` values each), and its chunks: chunk-table rows ``rows[rdims[j]:rdims[j+1]]``
-    (``nrows`` each). 100,000 leaves parse as seven JSON arrays instead of 100,000 objects.
-    """
-
-    __slots__ = ("keys", "kind", "dtype", "ndim", "shape", "nrows", "rows", "_index", "_shapes", "_rdims")
-
-    def __init__(
-        self,
-        keys: list[str],
-        kind: list[str],
-        dtype: list[str],
-        ndim: list[int],
-        shape: list[int],
-        nrows: list[int],
-        rows: list[int],
-    ) -> None:
-        self.keys, self.kind, self.dtype, self.ndim, self.shape = keys, kind, dtype, ndim, shape
-        self.nrows, self.rows = nrows, rows
-        self._index: dict[str, int] | None = None
-        self._shapes: list[tuple[int, ...]] | None = None
-        self._rdims: list[int] | None = None
-
-    @classmethod
-    def from_leaves(cls, leaves: Mapping[str, Mapping[str, Any]]) -> LeafTable:
-        """From ``key -> {"kind", "dtype", "shape", "rows"}`` (format_version 3 and 4 store
-        leaves so; the coordinator builds them so)."""
-        vals = list(leaves.values())
-        shape: list[int] = []
-        rows: list[int] = []
-        for d in vals:
-            shape.extend(d["shape"])
-            rows.extend(d["rows"])
-        return cls(
-            list(leaves),
-            [d["kind"] for d in vals],
-            [d["dtype"] for d in vals],
-            [len(d["shape"]) for d in vals],
-            shape,
-            [len(d["rows"]) for d in vals],
-            rows,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "keys": self.keys,
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "ndim": self.ndim,
-            "shape": self.shape,
-            "nrows": self.nrows,
-            "rows": self.rows,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> LeafTable:
-        """Unchecked: ``problem`` checks a table once, before anything relies on it."""
-        return cls(d["keys"], d["kind"], d["dtype"], d["ndim"], d["shape"], d["nrows"], d["rows"])
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def index(self) -> dict[str, int]:
-        if self._index is None:
-            self._index = {k: j for j, k in enumerate(self.keys)}
-        return self._index
-
-    def rows_of(self, j: int) -> list[int]:
-        if self._rdims is None:
-            self._rdims = [0, *accumulate(self.nrows)]
-        return self.rows[self._rdims[j] : self._rdims[j + 1]]
-
-    def problem(self, table_rows: int) -> str | None:
-        """Why the columns are inconsistent, or None (types, lengths, ranges; linear)."""
-        n = len(self.keys) if isinstance(self.keys, list) else -1
-        cols = (self.kind, self.dtype, self.ndim, self.shape, self.nrows, self.rows)
-        if n < 0 or not all(isinstance(c, list) for c in cols):
-            return "leaf_table columns are not arrays"
-        if not (len(self.kind) == len(self.dtype) == len(self.ndim) == len(self.nrows) == n):
-            return "leaf_table columns differ in length"
-        if not all(isinstance(k, str) for k in self.keys) or len(self.index) != n:
-            return "leaf_table keys are not distinct strings"
-        for c in (self.ndim, self.shape, self.nrows, self.rows):
-            if c and (not set(map(type, c)) <= {int} or min(c) < 0):
-                return "leaf_table columns hold something other than non-negative integers"
-        if self.ndim and max(self.ndim) > _MAX_NDIM:
-            return f"a leaf has more than {_MAX_NDIM} dimensions"
-        if len(self.shape) != sum(self.ndim) or len(self.rows) != sum(self.nrows):
-            return "leaf_table shape/rows do not match its ndim/nrows columns"
-        if self.rows and max(self.rows) >= table_rows:
-            return "leaf_table rows is not a list of table rows"
-        kinds = set(self.kind)
-        if not kinds <= {"tensor", "bytes"}:
-            return f"unknown leaf kind {sorted(map(str, kinds - {'tensor', 'bytes'}))[0][:40]!r} in leaf_table"
-        if not all(isinstance(d, str) and d in DTYPES for d in set(self.dtype)):
-            return "unknown dtype in leaf_table"
-        if "bytes" in kinds:
-            for j, kind in enumerate(self.kind):
-                if kind == "bytes" and (self.dtype[j] != "uint8" or self.ndim[j] != 1):
-                    return f"{self.keys[j]}: a bytes leaf must be a 1-d uint8 array"
-        return None
-
-    def shapes(self) -> list[tuple[int, ...]]:
-        """Every leaf's shape, made once (in C when all leaves have one number of dimensions)."""
-        if self._shapes is None:
-            nd = self.ndim[0] if self.ndim else 0
-            if self.ndim.count(nd) == len(self.ndim):
-                self._shapes = list(zip(*[self.shape[d::nd] for d in range(nd)])) if nd else [()] * len(self.ndim)
-            else:
-                sd = [0, *accumulate(self.ndim)]
-                self._shapes = [tuple(self.shape[a:b]) for a, b in zip(sd, sd[1:])]
-        return self._shapes
-
-    def items(self) -> list[tuple[str, tuple[int, ...], int, list[int]]]:
-        """``(key, shape, item size, rows)`` of every leaf."""
-        isz = {d: DTYPES[d][1] for d in set(self.dtype)}
-        return [
-            (k, shape, isz[d], self.rows_of(j))
-            for j, (k, shape, d) in enumerate(zip(self.keys, self.shapes(), self.dtype))
-        ]
 
 
 def gather(col: Sequence[_V], idx: Sequence[int]) -> list[_V]:

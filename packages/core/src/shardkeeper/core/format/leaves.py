@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from shardkeeper.core.format.columns import DIGEST_HEX, ChunkTable, LeafTable
+from shardkeeper.core.format.columns import DIGEST_HEX, ChunkTable
+from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import LeafRecord
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.format.versions import LEAF_TABLE_VERSION, TABLE_VERSION

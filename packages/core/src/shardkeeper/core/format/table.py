@@ -18,11 +18,11 @@ from shardkeeper.core.format.columns import (
     DIGEST_HEX,
     TABLE_MIN_CHUNKS,
     ChunkTable,
-    LeafTable,
     gather,
     no_gc,
     without_gc,
 )
+from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import BlockDigests, ChunkRecord, LeafRecord
 from shardkeeper.core.format.reports import (
     decode_report,

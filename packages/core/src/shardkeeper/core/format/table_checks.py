@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
-from shardkeeper.core.format.columns import ChunkTable, LeafTable, expand, gather
+from shardkeeper.core.format.columns import ChunkTable, expand, gather
+from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import DTYPES, encoded_length_problem, safe_relative_path
 from shardkeeper.core.format.tiling import check_tiling_boxes
 from shardkeeper.core.format.versions import ENCODINGS
