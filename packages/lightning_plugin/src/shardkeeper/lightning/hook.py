@@ -34,7 +34,8 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy
 from shardkeeper.core.adapter import Patches
 from shardkeeper.lightning import _internals as li
-from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO, is_deepspeed
+from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO
+from shardkeeper.lightning.strategy import is_deepspeed
 
 _UNSUPPORTED = ("XLAStrategy", "SingleDeviceXLAStrategy")
 #: The class-level patch of ``Strategy.checkpoint_io`` (``install`` / ``uninstall``).

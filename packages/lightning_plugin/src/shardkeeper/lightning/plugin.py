@@ -13,10 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from lightning.fabric.plugins import CheckpointIO
 from shardkeeper.core import CheckpointManager, RNGState
@@ -24,8 +21,8 @@ from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.progress import progress_state, read_progress
-from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import codec
+from shardkeeper.lightning import strategy as st
 from shardkeeper.lightning._loops import fit_loop_at
 from shardkeeper.lightning.paths import (
     PathIndex,
@@ -130,7 +127,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         weights_only = "optimizer_states" not in checkpoint
         mgr = self.manager()
-        trainer = _trainer(strategy)
+        trainer = st.trainer(strategy)
         known = self._saved.get(step)
         if known is None:
             check = check_save_step(mgr, step)  # rank 0's answer on every rank
@@ -168,7 +165,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         self._delete_orphans(strategy)
 
     def _state(self, strategy: Any, ck: dict[str, Any], weights_only: bool) -> dict[str, Any]:
-        engine = _engine_state(strategy)  # DeepSpeed: the adapter's model/optim/progress(/sched)
+        engine = st.engine_state(strategy)  # DeepSpeed: the adapter's model/optim/progress(/sched)
         state: dict[str, Any] = {}
         opts = [] if weights_only else list(strategy.optimizers)
         scheds = [] if weights_only else list(ck.get("lr_schedulers", []))
@@ -211,7 +208,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         shared = strategy.broadcast({k: state[k] for k in ("sched", "progress", "extra") if k in state})
         state.update(shared)
         if engine is None:
-            state["model"] = _model(strategy)
+            state["model"] = st.model(strategy)
         else:
             state["model"] = engine["model"]
             # one progress entry: the engine's counters beside Lightning's, the step Lightning's
@@ -227,11 +224,11 @@ class ShardkeeperCheckpointIO(CheckpointIO):
     def _resolve(self, strategy: Any, ckpt_path: Any) -> Target:
         err = None
         target = None
-        if _rank(strategy) == 0:
+        if st.rank(strategy) == 0:
             try:
                 target = resolve(ckpt_path, self.root)
                 if target is None:
-                    err = _not_ours(ckpt_path, self.root)
+                    err = st.not_ours(ckpt_path, self.root)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 err = f"{type(e).__name__}: {e}"
         target, err = strategy.broadcast((target, err))
@@ -243,7 +240,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
     def _load(self, strategy: Any, ckpt_path: Any) -> dict[str, Any]:
         target = self._resolve(strategy, ckpt_path)
         own = target.root == self.root
-        mgr = self.manager() if own else CheckpointManager(target.root, **_read_options(self.manager_options))
+        mgr = self.manager() if own else CheckpointManager(target.root, **st.read_options(self.manager_options))
         try:
             step = target.step
             if own and self._handle is not None and (step is None or step == self._handle.step):
@@ -263,10 +260,10 @@ class ShardkeeperCheckpointIO(CheckpointIO):
     def _restore(self, strategy: Any, mgr: CheckpointManager, step: int, manifest: Manifest) -> dict[str, Any]:
         leaves = manifest.leaves
         lm = strategy.lightning_module
-        trainer = _trainer(strategy)
+        trainer = st.trainer(strategy)
         fitting = trainer is not None and trainer.state.fn.value == "fit"
-        engine = _engine_state(strategy)
-        state: dict[str, Any] = {"model": _model(strategy) if engine is None else engine["model"]}
+        engine = st.engine_state(strategy)
+        state: dict[str, Any] = {"model": st.model(strategy) if engine is None else engine["model"]}
         only = ["model/*"]
         optional: list[str] = []
         if engine is not None:  # the engine's counters, from any checkpoint's progress
@@ -278,14 +275,14 @@ class ShardkeeperCheckpointIO(CheckpointIO):
                 state[ns] = sk
                 only.append(f"{ns}/*")
         has_optim = any(k.startswith("optim/") for k in leaves)
-        n_opt = _count(leaves, "optim", "param_groups")
+        n_opt = st.count(leaves, "optim", "param_groups")
         self._deferred_optim = None
         if fitting and has_optim and engine is not None:
             state["optim"] = engine["optim"]
             only.append("optim/*")
         elif fitting and has_optim:
             if strategy.restore_checkpoint_after_setup and strategy.optimizers:
-                state["optim"] = _optim_target(list(strategy.optimizers), n_opt, mgr, step)
+                state["optim"] = st.optim_target(list(strategy.optimizers), n_opt, mgr, step)
                 only.append("optim/*")
             else:  # the optimizers do not exist yet: load_optimizer_state_dict() restores them
                 self._deferred_optim = (mgr, step)
@@ -338,8 +335,8 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         leaves = mgr.manifest(step).leaves
         opts = list(strategy.optimizers)
         state = {
-            "model": _model(strategy),
-            "optim": _optim_target(opts, _count(leaves, "optim", "param_groups"), mgr, step),
+            "model": st.model(strategy),
+            "optim": st.optim_target(opts, st.count(leaves, "optim", "param_groups"), mgr, step),
         }
         mgr.restore(state, step=step, only=["optim/*"])
         if mgr is not self._mgr:
@@ -351,7 +348,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         deletion is collective). False: not one of our pointers."""
         path = norm_path(filepath)
         ours = None
-        if _rank(strategy) == 0:
+        if st.rank(strategy) == 0:
             target = read_pointer(path)
             if target is not None:
                 remove_pointer(path)
@@ -390,93 +387,10 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             idx.flush()
 
 
-def _engine_state(strategy: Any) -> dict[str, Any] | None:
-    """Under ``DeepSpeedStrategy``: the DeepSpeed adapter's canonical state of the engine
-    (``model``, ``optim``, ``progress``, maybe ``sched``); ``None`` for other strategies."""
-    if not is_deepspeed(strategy):
-        return None
-    from shardkeeper.core.adapters import load_adapter
-
-    engine = getattr(strategy, "model", None)
-    if engine is None or not hasattr(engine, "optimizer"):
-        raise RuntimeError(
-            "DeepSpeedStrategy has no DeepSpeed engine yet (Trainer.fit() builds it); the "
-            "shardkeeper Lightning plugin saves and restores the engine's state"
-        )
-    return load_adapter("deepspeed").engine_state(engine)
-
-
-def is_deepspeed(strategy: Any) -> bool:
-    return any(c.__name__ == "DeepSpeedStrategy" for c in type(strategy).__mro__)
-
-
-def _optim_target(opts: list[Any], n_saved: int, mgr: CheckpointManager, step: int) -> Any:
-    if len(opts) != max(n_saved, 1):
-        raise ValueError(
-            f"step {step} under {mgr.storage.url} (rank {mgr.rank}) holds {n_saved} optimizer(s), "
-            f"the LightningModule configures {len(opts)}; configure_optimizers() must return as "
-            f"many optimizers as when it was saved"
-        )
-    return opts[0] if len(opts) == 1 else {str(i): o for i, o in enumerate(opts)}
-
-
-def _count(leaves: Mapping[str, Any], ns: str, marker: str) -> int:
-    if f"{ns}/{marker}" in leaves:
-        return 1
-    n = 0
-    while f"{ns}/{n}/{marker}" in leaves:
-        n += 1
-    return n
-
-
-def _model(strategy: Any) -> torch.nn.Module:
-    """The module whose state is saved: the FSDP1 root when there is one, else the
-    LightningModule (its FQNs are the canonical ones; wrapper prefixes are normalized away)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    m = strategy.model
-    if isinstance(m, FullyShardedDataParallel):
-        return m
-    lm = strategy.lightning_module
-    if lm is None:
-        raise RuntimeError("the strategy has no LightningModule attached; nothing to checkpoint")
-    return lm
-
-
-def _trainer(strategy: Any) -> Any:
-    lm = strategy.lightning_module
-    return li.trainer_of(lm) if lm is not None else None
-
-
-def _rank(strategy: Any) -> int:
-    return int(getattr(strategy, "global_rank", 0))
-
-
-def _read_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Options for a manager that only restores from another root: no retention there."""
-    return {k: v for k, v in options.items() if k not in ("keep_last", "keep_every", "metadata")}
-
-
-def _not_ours(ckpt_path: Any, root: str) -> str:
-    p = os.fspath(ckpt_path) if isinstance(ckpt_path, (str, os.PathLike)) else str(ckpt_path)
-    if os.path.exists(p) or "://" in p:
-        return (
-            f"{p} is not a shardkeeper checkpoint (not a pointer file, not {root} or a step "
-            f"under it). A Lightning .ckpt or sharded checkpoint directory is imported once with "
-            f"shardkeeper.lightning.import_lightning_checkpoint({p!r}, {root!r}, "
-            f"module=<your LightningModule> (for a .ckpt), trust_pickle=True), then resumed "
-            f"from the step it returns (plugin.step_path(step))"
-        )
-    return (
-        f"checkpoint path {p} does not exist, and it names no step under {root}; pass a path "
-        f"ModelCheckpoint wrote, the root (newest committed step) or a step number"
-    )
-
-
 _NOT_CONNECTED = (
     "ShardkeeperCheckpointIO is not connected to a strategy: pass it to the Trainer "
     "(Trainer(plugins=[ShardkeeperCheckpointIO(root)])) and import shardkeeper.lightning "
     "before the Trainer is built"
 )
 
-__all__ = ["MARK", "ShardkeeperCheckpointIO", "is_deepspeed"]
+__all__ = ["MARK", "ShardkeeperCheckpointIO"]

@@ -1,0 +1,114 @@
+"""What the Lightning plugin reads from a strategy, and its messages about paths.
+
+Apart from the plugin (plugin.py) so that the plugin holds only the save, load and removal
+flows: the DeepSpeed engine's canonical state (through the DeepSpeed adapter's entry point),
+the module whose state is saved, the Trainer, the rank, the optimizer targets, and the error
+text for a path that names no shardkeeper checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardkeeper.core import CheckpointManager
+from shardkeeper.lightning import _internals as li
+
+
+def engine_state(strategy: Any) -> dict[str, Any] | None:
+    """Under ``DeepSpeedStrategy``: the DeepSpeed adapter's canonical state of the engine
+    (``model``, ``optim``, ``progress``, maybe ``sched``); ``None`` for other strategies."""
+    if not is_deepspeed(strategy):
+        return None
+    from shardkeeper.core.adapters import load_adapter
+
+    engine = getattr(strategy, "model", None)
+    if engine is None or not hasattr(engine, "optimizer"):
+        raise RuntimeError(
+            "DeepSpeedStrategy has no DeepSpeed engine yet (Trainer.fit() builds it); the "
+            "shardkeeper Lightning plugin saves and restores the engine's state"
+        )
+    return load_adapter("deepspeed").engine_state(engine)
+
+
+def is_deepspeed(strategy: Any) -> bool:
+    return any(c.__name__ == "DeepSpeedStrategy" for c in type(strategy).__mro__)
+
+
+def optim_target(opts: list[Any], n_saved: int, mgr: CheckpointManager, step: int) -> Any:
+    if len(opts) != max(n_saved, 1):
+        raise ValueError(
+            f"step {step} under {mgr.storage.url} (rank {mgr.rank}) holds {n_saved} optimizer(s), "
+            f"the LightningModule configures {len(opts)}; configure_optimizers() must return as "
+            f"many optimizers as when it was saved"
+        )
+    return opts[0] if len(opts) == 1 else {str(i): o for i, o in enumerate(opts)}
+
+
+def count(leaves: Mapping[str, Any], ns: str, marker: str) -> int:
+    if f"{ns}/{marker}" in leaves:
+        return 1
+    n = 0
+    while f"{ns}/{n}/{marker}" in leaves:
+        n += 1
+    return n
+
+
+def model(strategy: Any) -> torch.nn.Module:
+    """The module whose state is saved: the FSDP1 root when there is one, else the
+    LightningModule (its FQNs are the canonical ones; wrapper prefixes are normalized away)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    m = strategy.model
+    if isinstance(m, FullyShardedDataParallel):
+        return m
+    lm = strategy.lightning_module
+    if lm is None:
+        raise RuntimeError("the strategy has no LightningModule attached; nothing to checkpoint")
+    return lm
+
+
+def trainer(strategy: Any) -> Any:
+    lm = strategy.lightning_module
+    return li.trainer_of(lm) if lm is not None else None
+
+
+def rank(strategy: Any) -> int:
+    return int(getattr(strategy, "global_rank", 0))
+
+
+def read_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Options for a manager that only restores from another root: no retention there."""
+    return {k: v for k, v in options.items() if k not in ("keep_last", "keep_every", "metadata")}
+
+
+def not_ours(ckpt_path: Any, root: str) -> str:
+    p = os.fspath(ckpt_path) if isinstance(ckpt_path, (str, os.PathLike)) else str(ckpt_path)
+    if os.path.exists(p) or "://" in p:
+        return (
+            f"{p} is not a shardkeeper checkpoint (not a pointer file, not {root} or a step "
+            f"under it). A Lightning .ckpt or sharded checkpoint directory is imported once with "
+            f"shardkeeper.lightning.import_lightning_checkpoint({p!r}, {root!r}, "
+            f"module=<your LightningModule> (for a .ckpt), trust_pickle=True), then resumed "
+            f"from the step it returns (plugin.step_path(step))"
+        )
+    return (
+        f"checkpoint path {p} does not exist, and it names no step under {root}; pass a path "
+        f"ModelCheckpoint wrote, the root (newest committed step) or a step number"
+    )
+
+
+__all__ = [
+    "count",
+    "engine_state",
+    "is_deepspeed",
+    "model",
+    "not_ours",
+    "optim_target",
+    "rank",
+    "read_options",
+    "trainer",
+]
