@@ -174,3 +174,13 @@ def test_every_adapter_public_name_exists(module: str) -> None:
             if origin[1] not in _bound_names(sibling):
                 bad.append(f"{name}: {origin[0]} has no {origin[1]}")
     assert not bad, f"{module}.__all__:\n" + "\n".join(bad)
+
+
+def test_every_module_of_every_package_says_what_it_exports() -> None:
+    """``__all__`` in every module of the core and the adapters (the public/internal line is drawn
+    on those lists)."""
+    missing = []
+    for path in sorted((REPO / "packages").glob("*/src/shardkeeper/**/*.py")):
+        if not any(line.startswith("__all__") for line in path.read_text().splitlines()):
+            missing.append(str(path.relative_to(REPO)))
+    assert not missing, missing

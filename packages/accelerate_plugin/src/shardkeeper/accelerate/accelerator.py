@@ -25,3 +25,6 @@ class ShardkeeperAccelerator(Accelerator):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.shardkeeper = enable(self, root=shardkeeper_root, **dict(shardkeeper_options or {}))
+
+
+__all__ = ["ShardkeeperAccelerator"]

@@ -80,3 +80,18 @@ def split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[st
     adapter = {k: settings.get(k) for k in ADAPTER_SETTINGS}
     options = {k: v for k, v in settings.items() if k in option_types()}
     return adapter, options
+
+
+__all__ = [
+    "ADAPTER_SETTINGS",
+    "CONFIG_FILE_ENV",
+    "CONFIG_FILE_NAME",
+    "ENV_PREFIX",
+    "SETTING_TYPES",
+    "accelerate_config_dir",
+    "config_file_path",
+    "read_config_file",
+    "read_env",
+    "resolve_settings",
+    "split_settings",
+]

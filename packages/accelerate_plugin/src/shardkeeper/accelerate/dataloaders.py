@@ -173,3 +173,6 @@ class LoaderPositions:
                 t.load_state_dict(sd[str(i)], resume=self.resume)
             elif hasattr(dl, "iteration"):
                 dl.iteration = int(sd[str(i)]["epoch"])
+
+
+__all__ = ["LoaderPositions", "LoaderTracker", "log", "track"]

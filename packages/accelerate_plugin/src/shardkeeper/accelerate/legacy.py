@@ -56,3 +56,6 @@ def import_accelerate_checkpoint(
             step = int(m.group(1))
             accelerator.project_configuration.iteration = step
     return plugin.save_state(step=step)
+
+
+__all__ = ["import_accelerate_checkpoint"]

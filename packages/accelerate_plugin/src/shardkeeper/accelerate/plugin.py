@@ -257,3 +257,6 @@ def plugin_of(accelerator: Any) -> AcceleratePlugin:
 def wait(accelerator: Any) -> None:
     """Block until the accelerator's pending checkpoint saves are committed (re-raise failures)."""
     plugin_of(accelerator).wait()
+
+
+__all__ = ["AcceleratePlugin", "GENERIC_TYPES", "disable", "enable", "log", "plugin_of", "wait"]

@@ -200,3 +200,17 @@ def build_state(
             ", ".join(missing),
         )
     return state
+
+
+__all__ = [
+    "FRAMEWORK",
+    "Progress",
+    "build_state",
+    "deepspeed_engine",
+    "deepspeed_engine_state",
+    "global_rank",
+    "is_deepspeed",
+    "log",
+    "models_entry",
+    "raw_optimizer",
+]

@@ -351,3 +351,23 @@ def _check_combinations(o: CheckpointOptions) -> None:
             f"{', '.join(f'{n}={getattr(o, n)}' for n in delays)} with retry_max_attempts=1: nothing is "
             f"retried, so the backoff settings are unused; raise retry_max_attempts or drop them"
         )
+
+
+__all__ = [
+    "CheckpointOptions",
+    "Compression",
+    "DigestAlgorithm",
+    "GROUPS",
+    "IneffectiveOptionWarning",
+    "Mismatch",
+    "OPTION_NAMES",
+    "PerRankPolicy",
+    "Staging",
+    "check_value",
+    "conform",
+    "describe_groups",
+    "describe_unknown",
+    "group_of",
+    "option_types",
+    "type_name",
+]

@@ -107,3 +107,13 @@ def options_from_file(path: str | os.PathLike[str], *, extra: Mapping[str, Any] 
     if not isinstance(data, Mapping):
         raise ValueError(f"shardkeeper config file {path} must hold a mapping of settings, got {type(data).__name__}")
     return options_from_mapping(data, source=f"config file {path}", extra=extra)
+
+
+__all__ = [
+    "ENV_PREFIX",
+    "convert_setting",
+    "options_from_env",
+    "options_from_file",
+    "options_from_mapping",
+    "setting_types",
+]

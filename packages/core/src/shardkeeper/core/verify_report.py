@@ -127,3 +127,6 @@ class Collector:
                         f"{file or self.where} not listed",
                     )
                 )
+
+
+__all__ = ["Collector", "MAX_PROBLEMS_PER_FILE", "Problem", "RootVerifyReport", "VerifyReport"]

@@ -137,3 +137,6 @@ def uninstall() -> None:
 def installed() -> bool:
     """Whether the hook is installed (importing :mod:`shardkeeper.lightning` installs it)."""
     return _INSTALLED.patched(Strategy, "checkpoint_io")
+
+
+__all__ = ["connect", "disconnect", "install", "installed", "uninstall"]

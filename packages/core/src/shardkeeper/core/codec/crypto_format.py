@@ -154,3 +154,21 @@ def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tup
                 )
             )
     return len(paths), problems
+
+
+__all__ = [
+    "ALGORITHM",
+    "BLOCK",
+    "MAGIC",
+    "MAX_HEADER",
+    "TAG",
+    "block_aad",
+    "block_nonce",
+    "files_look_encrypted",
+    "is_data_path",
+    "is_manifest_path",
+    "keyless_problems",
+    "read_header",
+    "root_identity",
+    "stored_size",
+]

@@ -102,3 +102,6 @@ def open_manifest(data: bytes, unwrap: Callable[[str, bytes, str], bytes], bindi
             f"{binding!r}: a step of another root was put here (restore another step), or this "
             f"root was moved or copied from there (then pass encryption_root={root!r})"
         )
+
+
+__all__ = ["manifest_section", "open_manifest", "seal_manifest"]

@@ -328,3 +328,16 @@ def gather(col: Sequence[_V], idx: Sequence[int]) -> list[_V]:
 def expand(values: Sequence[Any], counts: Sequence[int]) -> list[Any]:
     """Each of ``values`` repeated its count of times, in C."""
     return list(chain.from_iterable(map(repeat, values, counts)))
+
+
+__all__ = [
+    "ChunkTable",
+    "DIGEST_HEX",
+    "EXTRAS",
+    "MAX_NDIM",
+    "TABLE_MIN_CHUNKS",
+    "expand",
+    "gather",
+    "no_gc",
+    "without_gc",
+]

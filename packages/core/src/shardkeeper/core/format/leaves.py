@@ -95,3 +95,6 @@ def _as_dict(x: Any) -> dict[str, Any]:
     if not isinstance(x, dict):
         raise TypeError(f"expected an object, got {type(x).__name__}")
     return x
+
+
+__all__ = ["LazyLeaves", "RawLeaves", "leaves_fields", "leaves_json", "read_leaves"]

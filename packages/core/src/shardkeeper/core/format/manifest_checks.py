@@ -245,3 +245,6 @@ def _is_sizes(x: Any) -> bool:
 def _short(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+__all__ = ["MAX_DIGEST_BLOCK_BYTES", "ManifestFields", "check_envelope", "manifest_problem"]

@@ -270,3 +270,15 @@ def safe_relative_path(rel: str) -> bool:
 def check_tiling(key: str, shape: tuple[int, ...], chunks: Iterable[ChunkRecord]) -> str | None:
     """``check_tiling_boxes`` over chunk records."""
     return check_tiling_boxes(key, shape, [(c.offsets, c.shape) for c in chunks])
+
+
+__all__ = [
+    "BlockDigests",
+    "ChunkRecord",
+    "DTYPES",
+    "LeafRecord",
+    "check_tiling",
+    "encoded_length_problem",
+    "itemsize",
+    "safe_relative_path",
+]

@@ -61,3 +61,6 @@ def decode_report(chunks: Any, width: int) -> tuple[ChunkTable, list[str], list[
     keys = list(chunks)
     table = ChunkTable.from_records([r for k in keys for r in chunks[k]], width)
     return table, keys, [len(chunks[k]) for k in keys]
+
+
+__all__ = ["decode_report", "encode_report", "report_for_wire", "rows_report"]

@@ -213,3 +213,6 @@ def tables_problem(
         if why is not None:
             return f"{key}: {why}"
     return None
+
+
+__all__ = ["all_slabs", "encoded_rows_problem", "leaf_chunks_problem", "leaf_table_slabs", "tables_problem"]

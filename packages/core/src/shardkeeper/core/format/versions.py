@@ -29,3 +29,15 @@ ROOT_BOUND_VERSION = 6
 READ_VERSION = 6
 #: Chunk encodings and the format_version that introduced each (docs/codecs.md).
 ENCODINGS: dict[str, int] = {"raw": 1, "zstd": 2, "shuffle-zstd": 2}
+
+
+__all__ = [
+    "ENCODINGS",
+    "ENCRYPTION_VERSION",
+    "EXTENDED_JSON_VERSION",
+    "FORMAT_VERSION",
+    "LEAF_TABLE_VERSION",
+    "READ_VERSION",
+    "ROOT_BOUND_VERSION",
+    "TABLE_VERSION",
+]

@@ -108,3 +108,6 @@ class FsspecWriter:
             pass
         except Exception as e:  # pragma: no cover - best effort; gc removes leftovers
             log.warning("could not remove aborted %s: %s", self._storage.describe(self._path), e)
+
+
+__all__ = ["FsspecWriter", "WriterRoot", "log"]

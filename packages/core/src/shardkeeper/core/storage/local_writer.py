@@ -143,3 +143,6 @@ class LocalWriter:
             os.unlink(self._path)
         except FileNotFoundError:
             pass
+
+
+__all__ = ["BOUNCE_BYTES", "DIRECT_ALIGN", "DIRECT_MIN_BYTES", "LocalWriter"]

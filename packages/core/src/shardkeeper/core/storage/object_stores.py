@@ -96,3 +96,17 @@ def remove_empty_folders(fs: Any, full: str, bucket: str) -> None:
     for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
         objects = [{"Key": k} for k in keys[i : i + 1000]]
         fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+
+
+__all__ = [
+    "CONFLICT_RETRIES",
+    "GCS_PROTOCOLS",
+    "OBJECT_STORE_PROTOCOLS",
+    "S3_PROTOCOLS",
+    "error_codes",
+    "is_conditional_conflict",
+    "is_precondition_failure",
+    "is_zonal_bucket",
+    "log",
+    "remove_empty_folders",
+]

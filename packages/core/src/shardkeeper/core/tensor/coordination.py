@@ -199,3 +199,6 @@ def make_coordinator(group: Any = None) -> Coordinator:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         return StoreCoordinator.create(group)
     return LocalCoordinator()
+
+
+__all__ = ["Coordinator", "LocalCoordinator", "StoreCoordinator", "make_coordinator"]

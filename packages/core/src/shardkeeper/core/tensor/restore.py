@@ -265,3 +265,6 @@ def _bytes_of(reader: ChunkReader, step_dir: str, leaf: LeafRecord, step: int, k
             f"`shardkeeper verify {storage.url}`"
         )
     return read_bytes_leaf(reader, [_join(step_dir, c.file) for c in leaf.chunks], leaf, key, stats)
+
+
+__all__ = ["TargetWrites", "log", "restore_flat"]

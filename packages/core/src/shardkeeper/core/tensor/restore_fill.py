@@ -137,3 +137,6 @@ def read_bytes_leaf(
         reader.read_chunk(path, c, memoryview(out)[c.offsets[0] : c.offsets[0] + c.numel], key, 1)
         stats.add_read(c.file, c.length, direct=c.encoding == "raw")
     return bytes(out)
+
+
+__all__ = ["execute_direct", "execute_encoded", "execute_read", "read_bytes_leaf"]

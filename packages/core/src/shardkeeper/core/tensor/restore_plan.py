@@ -400,3 +400,20 @@ def plan_restore(
 def missing_list(missing: Sequence[str]) -> str:
     """The first missing keys, as messages list them."""
     return f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+
+
+__all__ = [
+    "Op",
+    "PER_RANK_POLICIES",
+    "Read",
+    "RestorePlan",
+    "RestoreStats",
+    "Segment",
+    "listing",
+    "matches",
+    "missing_list",
+    "overlap_ops",
+    "plan_reads",
+    "plan_restore",
+    "schedule",
+]

@@ -357,3 +357,6 @@ def write_shards(
         storage.sync_dir(f"{step_dir}/{DATA_DIR}")
         storage.sync_dir(step_dir)
     return WriteResult(rows_report(keys, ChunkTable.concat(tables, 0)), files, written, reused)
+
+
+__all__ = ["WriteResult", "chunk_records", "write_shards"]

@@ -335,3 +335,6 @@ def _file_order(it: WriteItem) -> tuple[int, str, tuple[int, ...]]:
     """Widest dtypes first: with the header padded to 8 bytes, every chunk then starts at a
     multiple of its item size, so readers can view the bytes as the dtype without a copy."""
     return (-DTYPES[it.dtype][1], it.key, it.offsets)
+
+
+__all__ = ["PlanCache", "SavePlan", "WriteItem", "describe_layout", "plan_save", "split_files"]
