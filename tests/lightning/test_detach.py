@@ -41,3 +41,47 @@ def test_disconnect_and_uninstall_restore_lightning(tmp_path: Path) -> None:
     finally:
         skl.install()
     assert skl.installed()
+
+
+def test_a_save_below_the_newest_committed_step_is_refused_and_a_resume_continues(tmp_path: Path) -> None:
+    """A fresh run into a root whose newest step is 5 cannot commit step 2 (a resume from the
+    root would go back to 5); resumed from the root, the Trainer continues at global_step 5."""
+    import lightning as L
+    import pytest
+
+    from shardkeeper.core import CheckpointManager, StepOrderError
+    from tests.lightning.common import Net, loader
+
+    root = tmp_path / "root"
+
+    def trainer(steps: int) -> L.Trainer:
+        return L.Trainer(
+            default_root_dir=str(tmp_path),
+            max_steps=steps,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            plugins=[skl.ShardkeeperCheckpointIO(root, async_save=False)],
+        )
+
+    first = trainer(5)
+    first.fit(Net(), loader())
+    first.save_checkpoint(str(tmp_path / "five.ckpt"))
+    fresh = trainer(2)
+    fresh.fit(Net(), loader())
+    with pytest.raises(
+        StepOrderError,
+        match=r"global_step 2 .* step 2 is below the newest committed step 5 under "
+        r".*root \(rank 0\).*ckpt_path=<the root>",
+    ):
+        fresh.save_checkpoint(str(tmp_path / "two.ckpt"))
+    resumed = trainer(7)
+    resumed.fit(Net(), loader(), ckpt_path=str(root))
+    assert resumed.global_step == 7
+    resumed.save_checkpoint(str(tmp_path / "seven.ckpt"))
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [5, 7]
+        assert mgr.manifest(7).metadata["framework"] == "lightning"
