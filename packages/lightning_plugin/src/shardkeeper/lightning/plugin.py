@@ -20,7 +20,7 @@ from shardkeeper.core import CheckpointManager, RNGState
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.progress import progress_state, read_progress
+from shardkeeper.core.progress import framework_of, progress_state, read_progress
 from shardkeeper.lightning import codec
 from shardkeeper.lightning import strategy as st
 from shardkeeper.lightning._loops import fit_loop_at
@@ -64,6 +64,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         self._handle: Any = None
         self._deferred_optim: tuple[CheckpointManager, int] | None = None
         self._patches = Patches()  # this plugin's patches of its strategy (hook.connect)
+        self._resumed: int | None = None  # the step of this root this run resumed from
 
     # -- CheckpointIO --------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -131,20 +132,21 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         known = self._saved.get(step)
         if known is None:
             check = check_save_step(mgr, step)  # rank 0's answer on every rank
-            if not check.committed:
-                check.raise_if_refused(
-                    f"Lightning save at global_step {step} ({path})",
-                    "Trainer.fit(..., ckpt_path=<the root>) resumes the step count from the root.",
-                )
-            else:
+            if check.committed and step == self._resumed:
+                # ModelCheckpoint saving again at the step this run resumed from: that state
                 log.warning(
-                    "step %d is already committed under %s (an earlier run); %s now names that "
-                    "checkpoint, which is kept as it is. Use a new root for a fresh run",
+                    "step %d is the committed step this run resumed from under %s; %s now names "
+                    "that checkpoint, which is kept as it is",
                     step,
                     self.root,
                     path,
                 )
                 known = weights_only
+            else:
+                check.raise_if_refused(
+                    f"Lightning save at global_step {step} ({path})",
+                    "Trainer.fit(..., ckpt_path=<the root>) resumes the step count from the root.",
+                )
         if known is not None:
             if known and not weights_only:
                 raise ValueError(
@@ -252,7 +254,10 @@ class ShardkeeperCheckpointIO(CheckpointIO):
                         f"no committed checkpoint under {target.root} (rank {mgr.rank}); nothing to "
                         f"resume from. Check the root, or start without ckpt_path"
                     )
-            return self._restore(strategy, mgr, step, mgr.manifest(step))
+            ck = self._restore(strategy, mgr, step, mgr.manifest(step))
+            if own:
+                self._resumed = step
+            return ck
         finally:
             if not own and self._deferred_optim is None:
                 mgr.close()
@@ -364,6 +369,21 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             self._delete_orphans(strategy)
         return True
 
+    def _ours(self, mgr: CheckpointManager, step: int, idx: PathIndex) -> bool:
+        """Whether ModelCheckpoint's retention may delete ``step``: only a step the Lightning
+        plugin wrote (this run or an earlier one); a step another framework or a plain core
+        save committed stays, and is forgotten as an orphan."""
+        if step in self._saved:
+            return True
+        try:
+            ours = framework_of(mgr.manifest(step)) == FRAMEWORK
+        except CheckpointNotFoundError:
+            ours = False  # gone already
+        if not ours:
+            idx.orphans.discard(step)
+            log.info("step %d under %s was not written by the Lightning plugin: retention keeps it", step, self.root)
+        return ours
+
     def _path_index(self) -> PathIndex:
         if self._index is None:
             self._index = PathIndex(self.manager().storage)
@@ -376,7 +396,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         doomed: list[int] = []
         if mgr.rank == 0:
             idx = self._path_index()
-            doomed = sorted(s for s in idx.orphans if not idx.named(s))
+            doomed = sorted(s for s in list(idx.orphans) if not idx.named(s) and self._ours(mgr, s, idx))
         doomed = strategy.broadcast(doomed)
         if not doomed:
             return

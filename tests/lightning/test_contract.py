@@ -1,10 +1,13 @@
-"""The Lightning adapter can be detached: ``uninstall()`` gives ``Strategy.checkpoint_io`` its
-own setter back, ``disconnect(plugin)`` gives a connected strategy its own methods back."""
+"""The Lightning adapter under the core's adapter contract: it can be detached (``uninstall()``
+gives ``Strategy.checkpoint_io`` its own setter back, ``disconnect(plugin)`` gives a connected
+strategy its own methods back), it keeps the step rule, and its retention deletes only steps
+the Lightning plugin wrote."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 
 import shardkeeper.lightning as skl
@@ -85,3 +88,69 @@ def test_a_save_below_the_newest_committed_step_is_refused_and_a_resume_continue
     with CheckpointManager(str(root)) as mgr:
         assert mgr.steps() == [5, 7]
         assert mgr.manifest(7).metadata["framework"] == "lightning"
+
+
+def _trainer(tmp_path: Path, root: Path, steps: int, **kw: object):
+    import lightning as L
+
+    return L.Trainer(
+        default_root_dir=str(tmp_path),
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        plugins=[skl.ShardkeeperCheckpointIO(root, async_save=False)],
+        **kw,
+    )
+
+
+def _core_save(root: Path, step: int) -> None:
+    from shardkeeper.core import CheckpointManager
+    from tests.lightning.common import Net
+
+    net = Net()
+    opt = net.configure_optimizers()["optimizer"]
+    net.model(torch.randn(2, 8)).sum().backward()
+    opt.step()  # Adam state exists: a full checkpoint, as another framework writes one
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(step, {"model": net, "optim": opt}, async_save=False)
+
+
+def test_a_fresh_run_at_a_committed_step_is_refused(tmp_path: Path) -> None:
+    """Only the step a run resumed from may be 'saved' again (kept as it is); a fresh run whose
+    save lands on another run's committed step would otherwise persist nothing."""
+    import pytest
+
+    from shardkeeper.core import CommitConflictError
+    from tests.lightning.common import Net, loader
+
+    root = tmp_path / "root"
+    _core_save(root, 2)
+    fresh = _trainer(tmp_path, root, 2)
+    fresh.fit(Net(), loader())
+    with pytest.raises(CommitConflictError, match=r"step 2 is already committed under .*root \(rank 0\)"):
+        fresh.save_checkpoint(str(tmp_path / "two.ckpt"))
+
+
+def test_retention_never_deletes_a_step_another_framework_wrote(tmp_path: Path) -> None:
+    from shardkeeper.core import CheckpointManager
+    from tests.lightning.common import Net, loader
+
+    root = tmp_path / "root"
+    _core_save(root, 3)
+    at3 = _trainer(tmp_path, root, 3)
+    at3.fit(Net(), loader(), ckpt_path=str(root))  # resumes at 3, nothing to train
+    at3.save_checkpoint(str(tmp_path / "three.ckpt"))  # the step it resumed from: a pointer to it
+    t = _trainer(tmp_path, root, 5)
+    t.fit(Net(), loader(), ckpt_path=str(root))  # resumes at 3, trains to 5
+    t.save_checkpoint(str(tmp_path / "five.ckpt"))
+    t.strategy.remove_checkpoint(str(tmp_path / "three.ckpt"))  # ModelCheckpoint's top-k drops it
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [3, 5]  # step 3 is the core's: not the plugin's to delete
+    t.save_checkpoint(str(tmp_path / "five-again.ckpt"))
+    t.strategy.remove_checkpoint(str(tmp_path / "five.ckpt"))
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [3, 5]  # still named by five-again.ckpt
