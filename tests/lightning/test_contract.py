@@ -35,12 +35,14 @@ def test_disconnect_and_uninstall_restore_lightning(tmp_path: Path) -> None:
     skl.disconnect(plugin)
     assert {name: vars(strategy).get(name) for name in PATCHED} == before and plugin.strategy is None
     assert not hasattr(strategy, "_shardkeeper_plugin")
+    assert type(strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # the strategy saves natively again
     skl.uninstall()
     try:
         assert not skl.installed() and vars(Strategy)["checkpoint_io"] is not patched
-        other = SingleDeviceStrategy("cpu")
-        other.checkpoint_io = skl.ShardkeeperCheckpointIO(tmp_path / "root")  # a plain CheckpointIO now
-        assert "save_checkpoint" not in vars(other)
+        import pytest
+
+        with pytest.raises(RuntimeError, match=r"uninstall\(\) was called.*call shardkeeper.lightning.install\(\)"):
+            skl.ShardkeeperCheckpointIO(tmp_path / "root")  # a Trainer would never connect it: fail now
     finally:
         skl.install()
     assert skl.installed()

@@ -105,12 +105,18 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
 
 
 def disconnect(plugin: ShardkeeperCheckpointIO) -> None:
-    """Wait for the plugin's save in flight, then give its strategy its own methods back."""
+    """Wait for the plugin's save in flight, then give its strategy its own methods back, and
+    Lightning's own ``TorchCheckpointIO`` in place of the plugin (so the strategy saves natively)."""
+    strategy = plugin.strategy
     try:
         plugin.wait()
     finally:
         plugin._patches.restore()
         plugin.strategy = None
+        if strategy is not None and strategy.checkpoint_io is plugin:
+            from lightning.fabric.plugins import TorchCheckpointIO
+
+            strategy.checkpoint_io = TorchCheckpointIO()
 
 
 def install() -> None:

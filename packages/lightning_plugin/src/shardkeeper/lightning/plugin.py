@@ -53,6 +53,13 @@ class ShardkeeperCheckpointIO(CheckpointIO):
 
     def __init__(self, root: str | os.PathLike[str], *, restore_rng: bool = True, **manager_options: Any) -> None:
         super().__init__()
+        from shardkeeper.lightning.hook import installed
+
+        if not installed():
+            raise RuntimeError(
+                "shardkeeper.lightning.uninstall() was called, so a Trainer would never connect this "
+                "plugin to its strategy; call shardkeeper.lightning.install() before building the Trainer"
+            )
         s = os.fspath(root)
         self.root = s if "://" in s else os.path.abspath(s)
         self.restore_rng = restore_rng
@@ -408,7 +415,8 @@ class ShardkeeperCheckpointIO(CheckpointIO):
 
 
 _NOT_CONNECTED = (
-    "ShardkeeperCheckpointIO is not connected to a strategy: pass it to the Trainer "
+    "ShardkeeperCheckpointIO is not connected to a strategy (shardkeeper.lightning.disconnect() was called, "
+    "or the plugin was never handed to a Trainer): pass it to the Trainer "
     "(Trainer(plugins=[ShardkeeperCheckpointIO(root)])) and import shardkeeper.lightning "
     "before the Trainer is built"
 )
