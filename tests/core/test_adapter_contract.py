@@ -231,3 +231,42 @@ def test_version_gate_warns_once_outside_the_range() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not check_tested("fwx", "2.7.1", ((2, 5), (2, 7)))  # once per framework and version
+
+
+@pytest.mark.parametrize(
+    "progress",
+    [
+        {"schema": 1, "step": -5},
+        {"schema": 1, "step": "7"},
+        {"schema": 1, "step": 2.5},
+        {"schema": 1, "step": True},
+        {"schema": 1, "step": 10**30},
+        {"schema": 2, "step": 9},
+        {"schema": "1", "step": 9},
+        {"schema": 1, "step": 9, "epoch": -1},
+        {"schema": 1, "step": 9, "samples": 2**64},
+    ],
+)
+def test_an_untrustworthy_progress_entry_warns_and_resumes_at_the_step_number(tmp_path: Path, progress: dict) -> None:
+    _save(tmp_path, 3, {"progress": {**progress, "accelerate": {"iteration": 10**30}}})
+    with pytest.warns(
+        UserWarning,
+        match=r"the checkpoint of step 3: progress/.* its step count resumes from the "
+        r"checkpoint's step number 3",
+    ):
+        p = _progress(tmp_path, 3)
+    assert (p.step, p.epoch, p.samples, p.schema, dict(p.counters)) == (3, 0, None, None, {})
+
+
+def test_a_framework_counter_that_is_not_a_count_falls_back_with_a_warning(tmp_path: Path) -> None:
+    _save(tmp_path, 4, {"progress": progress_state(step=4, counters={"fw": {"n": 10**30, "m": 7, "s": "x"}})})
+    p = _progress(tmp_path, 4)
+    assert p.count("fw", "m", 0) == 7 and p.count("fw", "absent", 1) == 1
+    with pytest.warns(
+        UserWarning,
+        match=r"step 4: progress/fw/n is 1000000000000000000000000000000, not a count; "
+        r"5 is used instead",
+    ):
+        assert p.count("fw", "n", 5) == 5
+    with pytest.warns(UserWarning, match=r"progress/fw/s is 'x', not a count"):
+        assert p.count("fw", "s", 0) == 0

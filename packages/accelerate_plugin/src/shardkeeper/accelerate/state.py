@@ -87,14 +87,11 @@ class Progress(ProgressTarget):
     def load_progress(self, progress: CheckpointProgress) -> None:
         acc = self.accelerator
         ours = progress.of(FRAMEWORK)
-        if "iteration" in ours:
-            acc.project_configuration.iteration = int(ours["iteration"])
-        else:
-            acc.project_configuration.iteration = max(progress.step, progress.checkpoint_step or 0) + 1
-        if "step" in ours:
-            acc.step = int(ours["step"])
-        elif not ours:
-            acc.step = int(progress.step) * int(acc.gradient_accumulation_steps)
+        after = max(progress.step, progress.checkpoint_step or 0) + 1  # the next save's step
+        acc.project_configuration.iteration = progress.count(FRAMEWORK, "iteration", after)
+        acc.step = progress.count(
+            FRAMEWORK, "step", int(progress.step) * int(acc.gradient_accumulation_steps) if not ours else int(acc.step)
+        )
         if self.engine_progress is not None:
             self.engine_progress.load_progress(progress)
 

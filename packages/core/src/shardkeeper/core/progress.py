@@ -24,6 +24,7 @@ the epoch and framework counters come from the older layouts where they exist.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ from shardkeeper.core.format.manifest import Manifest
 PROGRESS_SCHEMA = 1
 #: The namespace of the progress entry in the canonical state.
 NAMESPACE = "progress"
+#: The largest count read back (the frameworks keep their counters as int64).
+MAX_COUNT = 2**63 - 1
 #: The keys every framework shares; any other key under ``progress/`` names a framework.
 SHARED_KEYS = ("schema", "step", "epoch", "samples")
 
@@ -63,6 +66,20 @@ class Progress:
     def of(self, framework: str) -> dict[str, Any]:
         """``framework``'s own counters (``{}``: the checkpoint holds none of them)."""
         return dict(self.counters.get(framework) or {})
+
+    def count(self, framework: str, key: str, default: int) -> int:
+        """``framework``'s counter ``key`` if it is a count (an int from 0 to 2**63 - 1), else
+        ``default``, with a warning when the checkpoint holds something else there."""
+        value: Any = (self.counters.get(framework) or {}).get(key)
+        if _is_count(value):
+            return int(value)
+        if value is not None:
+            warnings.warn(
+                f"the checkpoint of step {self.checkpoint_step}: progress/{framework}/{key} is {_shown(value)}, "
+                f"not a count; {default} is used instead",
+                stacklevel=3,
+            )
+        return default
 
 
 class ProgressTarget:
@@ -132,9 +149,34 @@ def read_progress(manifest: Manifest) -> Progress:
     Lightning's under ``extra/lightning/progress/`` when it ran on DeepSpeed).
     """
     tree = object_tree(manifest.leaves, NAMESPACE)
-    if tree.get("schema") == PROGRESS_SCHEMA and _is_count(tree.get("step")):
-        return from_tree(tree, schema=PROGRESS_SCHEMA, checkpoint_step=manifest.step)
-    return _legacy(manifest, tree)
+    if "schema" not in tree:
+        return _legacy(manifest, tree)
+    bad = _problems(tree)
+    if bad:
+        warnings.warn(
+            f"the checkpoint of step {manifest.step}: {'; '.join(bad)}; its step count resumes from the "
+            f"checkpoint's step number {manifest.step} (a counter that is not a count is not trusted)",
+            stacklevel=3,
+        )
+        return _legacy(manifest, {})
+    return from_tree(tree, schema=PROGRESS_SCHEMA, checkpoint_step=manifest.step)
+
+
+def _problems(tree: Mapping[str, Any]) -> list[str]:
+    """What makes a schema ``progress`` entry untrustworthy (empty: nothing)."""
+    schema = tree.get("schema")
+    if schema != PROGRESS_SCHEMA or isinstance(schema, bool):
+        return [f"progress/schema is {schema!r}, not one this shardkeeper reads ({PROGRESS_SCHEMA})"]
+    bad = []
+    for key in SHARED_KEYS[1:]:
+        if (key in tree or key == "step") and not _is_count(tree.get(key)):
+            bad.append(f"progress/{key} is {_shown(tree.get(key))}, not a count (an int from 0 to 2**63 - 1)")
+    return bad
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _legacy(manifest: Manifest, tree: dict[str, Any]) -> Progress:
@@ -208,12 +250,13 @@ def object_tree(leaves: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A non-negative int that fits a framework's int64 counters."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
 def _check_count(name: str, value: Any) -> None:
     if not _is_count(value):
-        raise ValueError(f"progress: {name} must be a non-negative int, got {value!r}")
+        raise ValueError(f"progress: {name} must be a non-negative int below 2**63, got {value!r}")
 
 
 def _int(value: Any, default: int) -> int:

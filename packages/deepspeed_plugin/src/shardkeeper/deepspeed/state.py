@@ -264,10 +264,10 @@ class ProgressState(ProgressTarget):
         e = self.engine
         own = progress.of(FRAMEWORK)
         if own:
-            e.global_steps = int(own.get("global_step", progress.step))
-            e.global_samples = int(own.get("global_samples", e.global_samples))
-            e.skipped_steps = int(own.get("skipped_steps", e.skipped_steps))
-            e.micro_steps = int(own.get("micro_steps", e.micro_steps))
+            e.global_steps = progress.count(FRAMEWORK, "global_step", progress.step)
+            e.global_samples = progress.count(FRAMEWORK, "global_samples", int(e.global_samples))
+            e.skipped_steps = progress.count(FRAMEWORK, "skipped_steps", int(e.skipped_steps))
+            e.micro_steps = progress.count(FRAMEWORK, "micro_steps", int(e.micro_steps))
             dsi.set_loss_scaler_state(e, dict(own.get("loss_scaler") or {}))
             return
         e.global_steps = int(progress.step)
