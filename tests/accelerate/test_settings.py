@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration
 from torch import nn
 
@@ -167,4 +168,20 @@ def test_counters_in_the_layout_before_progress_accelerate(cfg: Path, tmp_path: 
         m = mgr.manifest(5)
     assert {"progress/accelerate/iteration", "progress/accelerate/step"} <= set(m.leaves)
     assert "progress/iteration" not in m.leaves
+    acc.end_training()
+
+
+def test_metadata_setting_reaches_the_manifest_and_cannot_spoof_the_adapter(cfg: Path, tmp_path: Path) -> None:
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    acc.prepare(nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"metadata key\(s\) framework are written by the accelerate adapter"):
+        ska.enable(acc, root=str(tmp_path / "r"), metadata={"framework": "lightning"})
+    ska.enable(acc, root=str(tmp_path / "r"), async_save=False, metadata={"run": "a"})
+    acc.save_state()
+    from shardkeeper.core import CheckpointManager
+
+    with CheckpointManager(str(tmp_path / "r")) as mgr:
+        meta = mgr.manifest(0).metadata
+    assert meta["run"] == "a" and meta["framework"] == "accelerate" and meta["progress_schema"] == 1
     acc.end_training()

@@ -57,6 +57,9 @@ def test_schema_round_trip_with_every_framework_counters(tmp_path: Path) -> None
 def test_a_checkpoint_without_progress_resumes_at_its_step_number(tmp_path: Path) -> None:
     _save(tmp_path, 5, {})
     p = _progress(tmp_path, 5)
+    with CheckpointManager(str(tmp_path)) as mgr:  # a plain core save names its writer too
+        meta = mgr.manifest(5).metadata
+    assert meta["framework"] == "torch" and meta["shardkeeper_version"] and meta["torch_version"]
     assert (p.step, p.epoch, p.samples, p.schema, dict(p.counters)) == (5, 0, None, None, {})
 
 

@@ -29,6 +29,7 @@ ADAPTER_SETTINGS: dict[str, tuple[Any, Any]] = {
     "keep_every": (int | None, None),
     "storage_options": (dict[str, Any] | None, None),
     "resume_dataloaders": (bool, True),
+    "metadata": (dict[str, Any] | None, None),
 }
 _ADAPTER_TYPES: dict[str, Any] = {k: t for k, (t, _) in ADAPTER_SETTINGS.items()}
 #: Every setting -> its declared type (the CheckpointOptions fields' from the dataclass itself).

@@ -46,7 +46,9 @@ class AcceleratePlugin:
         self.settings, self.options = split_settings(settings)
         import accelerate
 
-        self._managers = RootManagers(FRAMEWORK, accelerate.__version__, self.options)
+        self._managers = RootManagers(
+            FRAMEWORK, accelerate.__version__, {**self.options, "metadata": self.settings.get("metadata")}
+        )
         self.last_handle: SaveHandle | None = None
         self.patches = Patches()  # what enable() replaced on the Accelerator (disable() undoes it)
 

@@ -50,6 +50,7 @@ from shardkeeper.core.tensor.save import write_shards
 from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
 from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
 from shardkeeper.core.tensor.state import flatten_for_save
+from shardkeeper.core.version import shardkeeper_version
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,7 @@ class SaveRunner:
                 metadata={
                     "framework": "torch",
                     "torch_version": str(torch.__version__),
+                    "shardkeeper_version": shardkeeper_version(),
                     **job.metadata,
                     "timings": save_timings(members, time.perf_counter() - t_commit),
                 },

@@ -12,7 +12,6 @@ same keys, so tools (``shardkeeper ls``, the other adapters) can tell who wrote 
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,17 +20,11 @@ import torch
 
 from shardkeeper.core.manager import CheckpointManager
 from shardkeeper.core.progress import PROGRESS_SCHEMA
+from shardkeeper.core.version import shardkeeper_version
 
 #: Metadata keys the contract owns for every adapter (with ``<framework>_version`` and the
 #: adapter's own keys): a user's ``metadata=`` cannot replace them.
 OWNED_KEYS = ("framework", "framework_version", "shardkeeper_version", "torch_version", "progress_schema")
-
-
-def shardkeeper_version() -> str:
-    try:
-        return importlib.metadata.version("shardkeeper-core")
-    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
-        return "unknown"
 
 
 def adapter_metadata(framework: str, framework_version: str, **more: Any) -> dict[str, Any]:
@@ -104,4 +97,4 @@ class RootManagers:
             self._managers.clear()
 
 
-__all__ = ["OWNED_KEYS", "RootManagers", "adapter_metadata", "shardkeeper_version"]
+__all__ = ["OWNED_KEYS", "RootManagers", "adapter_metadata"]
