@@ -78,6 +78,11 @@ def hook_per_batch(dl: Any, hook: Callable[[], None]) -> Callable[[], None]:
     return original
 
 
+def unhook_per_batch(dl: Any) -> None:
+    """Undo :func:`hook_per_batch`: the class's ``_update_state_dict`` shows through again."""
+    vars(dl).pop("_update_state_dict", None)
+
+
 # -- the contract -----------------------------------------------------------------------------
 def contract_check(accelerator: Any) -> dict[str, bool]:
     """Each private attribute this adapter reads, by name: whether ``accelerator`` (and the
@@ -107,6 +112,7 @@ __all__ = [
     "AccelerateInternalsError",
     "contract_check",
     "hook_per_batch",
+    "unhook_per_batch",
     "prepared_dataloaders",
     "prepared_models",
     "prepared_optimizers",

@@ -105,6 +105,16 @@ class LoaderTracker:
         self.dl.skip_batches = self._orig_skip
         self._resume = None
 
+    def detach(self) -> None:
+        """Give the DataLoader its own methods back (a pending resume skip is dropped)."""
+        if self._resume is not None:
+            self.dl.skip_batches = self._orig_skip
+            self._resume = None
+        for name in ("begin", "end"):
+            vars(self.dl).pop(name, None)
+        acci.unhook_per_batch(self.dl)
+        vars(self.dl).pop(_ATTR, None)
+
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -152,6 +162,13 @@ def track(dl: Any) -> LoaderTracker | None:
     return t
 
 
+def untrack(dl: Any) -> None:
+    """Remove :func:`track`'s tracker from ``dl`` (nothing if it has none)."""
+    t = getattr(dl, "__dict__", {}).get(_ATTR)
+    if t is not None:
+        t.detach()
+
+
 class LoaderPositions:
     """All prepared DataLoaders of one accelerator, as one stateful object (``data/<rank>/<i>``)."""
 
@@ -175,4 +192,4 @@ class LoaderPositions:
                 dl.iteration = int(sd[str(i)]["epoch"])
 
 
-__all__ = ["LoaderPositions", "LoaderTracker", "log", "track"]
+__all__ = ["LoaderPositions", "LoaderTracker", "track", "untrack"]

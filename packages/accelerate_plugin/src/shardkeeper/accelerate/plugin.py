@@ -9,7 +9,7 @@ from typing import Any
 
 from shardkeeper.accelerate import _internals as acci
 from shardkeeper.accelerate.config import resolve_settings, split_settings
-from shardkeeper.accelerate.dataloaders import track
+from shardkeeper.accelerate.dataloaders import track, untrack
 from shardkeeper.accelerate.state import FRAMEWORK, build_state, global_rank
 from shardkeeper.core import CheckpointManager, SaveHandle, parse_step_dir
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
@@ -245,6 +245,8 @@ def disable(accelerator: Any) -> None:
         plugin.close()
     finally:
         plugin.patches.restore()
+        for dl in acci.prepared_dataloaders(accelerator):
+            untrack(dl)
 
 
 def plugin_of(accelerator: Any) -> AcceleratePlugin:
