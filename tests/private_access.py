@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Any
 
 _ATTR_FUNCS = {"getattr", "setattr", "hasattr", "delattr"}
 _OBJECT_FUNCS = {"__setattr__", "__getattribute__", "__delattr__"}
@@ -214,3 +215,20 @@ def own_trust_checks(package_dir: Path) -> list[str]:
             if hit:
                 found.append(f"{f.name}:{node.lineno}: {ast.unparse(node).splitlines()[0][:100]}")
     return found
+
+
+def gate_warnings(internals: Any, monkeypatch: Any) -> tuple[list[str], list[str]]:
+    """The warnings an adapter's ``warn_if_untested()`` gives inside its tested range (once) and
+    outside it (called twice, with ``TESTED_RANGE`` moved to 0.1 to <0.2)."""
+    import warnings
+
+    monkeypatch.setattr(internals.GATE, "warned", False)
+    with warnings.catch_warnings(record=True) as inside:
+        warnings.simplefilter("always")
+        internals.warn_if_untested()
+    monkeypatch.setattr(internals.GATE, "tested", ((0, 1), (0, 2)))
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        internals.warn_if_untested()
+        internals.warn_if_untested()
+    return [str(w.message) for w in inside], [str(w.message) for w in outside]

@@ -3,7 +3,6 @@ only in ``_internals.py``, and a clear error or warning when a release differs."
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardkeeper.accelerate as ska
 from shardkeeper.accelerate import _internals as acci
-from tests.private_access import internals_accesses, own_trust_checks, private_accesses
+from tests.private_access import gate_warnings, internals_accesses, own_trust_checks, private_accesses
 
 PACKAGE = Path(acci.__file__).parent
 
@@ -88,19 +87,13 @@ def test_a_missing_internal_fails_at_enable_naming_it(tmp_path: Path) -> None:
 
 
 def test_a_release_outside_the_tested_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(acci.GATE, "warned", False)
-    with warnings.catch_warnings(record=True) as inside:
-        warnings.simplefilter("always")
-        acci.warn_if_untested()
-    assert not inside
-    monkeypatch.setattr(acci.GATE, "tested", ((0, 1), (0, 2)))
-    with warnings.catch_warnings(record=True) as outside:
-        warnings.simplefilter("always")
-        acci.warn_if_untested()
-        acci.warn_if_untested()
-    assert [str(w.message) for w in outside] == [
-        f"shardkeeper.accelerate was verified with Accelerate 0.1 to <0.2; {__import__('accelerate').__version__} "
-        "is outside that range (its internals passed the checks)"
+    import accelerate
+
+    inside, outside = gate_warnings(acci, monkeypatch)
+    assert inside == []
+    assert outside == [
+        f"shardkeeper.accelerate was verified with Accelerate 0.1 to <0.2; {accelerate.__version__} is outside that range "
+        "(its internals passed the checks)"
     ]
 
 

@@ -18,9 +18,11 @@ from shardkeeper.core.adapter import (
     Progress,
     ProgressTarget,
     RootManagers,
+    VersionGate,
     check_save_step,
-    check_tested,
     framework_of,
+    in_range,
+    parse_version,
     progress_state,
     read_progress,
 )
@@ -228,12 +230,24 @@ def test_patches_restore_exactly_what_was_there() -> None:
 
 
 def test_version_gate_warns_once_outside_the_range() -> None:
-    assert check_tested("fwx", "2.6.0rc1", ((2, 5), (2, 7)))
-    with pytest.warns(UserWarning, match=r"fwx adapter was verified with fwx 2.5 to <2.7; 2.7.1 is outside that range"):
-        assert not check_tested("fwx", "2.7.1", ((2, 5), (2, 7)))
+    inside = VersionGate("pkg", "Torch", "torch", ((2, 13), (2, 14)), "why")  # the installed torch 2.13
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not check_tested("fwx", "2.7.1", ((2, 5), (2, 7)))  # once per framework and version
+        inside.warn_if_untested()
+    assert inside.in_range() and inside.range_text() == "2.13 to <2.14"
+    outside = VersionGate("pkg", "Torch", "torch", ((2, 5), (2, 7)), "its internals decide")
+    with pytest.warns(
+        UserWarning,
+        match=r"^pkg was verified with Torch 2.5 to <2.7; 2.13\S* is outside that range "
+        r"\(its internals decide\)$",
+    ):
+        outside.warn_if_untested()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outside.warn_if_untested()  # once per gate
+    assert (
+        not outside.in_range() and in_range("2.6.0rc1", ((2, 5), (2, 7))) and parse_version("5.24.0.dev0") == (5, 24, 0)
+    )
 
 
 @pytest.mark.parametrize(

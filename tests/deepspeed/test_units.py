@@ -3,7 +3,6 @@ the settings of the config's "shardkeeper" section, internals."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from shardkeeper.deepspeed.hook import (
     config_settings,
     tag_to_step,
 )
-from tests.private_access import internals_accesses, own_trust_checks, private_accesses
+from tests.private_access import gate_warnings, internals_accesses, own_trust_checks, private_accesses
 
 
 @pytest.mark.parametrize(
@@ -148,19 +147,11 @@ def test_persistent_buffers_are_the_state_dict_buffers_of_every_submodule() -> N
 def test_a_release_outside_the_tested_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import deepspeed
 
-    monkeypatch.setattr(dsi.GATE, "warned", False)
-    with warnings.catch_warnings(record=True) as inside:
-        warnings.simplefilter("always")
-        dsi.warn_if_untested()
-    assert not inside
-    monkeypatch.setattr(dsi.GATE, "tested", ((0, 1), (0, 2)))
-    with warnings.catch_warnings(record=True) as outside:
-        warnings.simplefilter("always")
-        dsi.warn_if_untested()
-        dsi.warn_if_untested()
-    assert [str(w.message) for w in outside] == [
-        f"shardkeeper.deepspeed was verified with DeepSpeed 0.1 to <0.2; {deepspeed.__version__} is "
-        "outside that range (its internals passed the checks)"
+    inside, outside = gate_warnings(dsi, monkeypatch)
+    assert inside == []
+    assert outside == [
+        f"shardkeeper.deepspeed was verified with DeepSpeed 0.1 to <0.2; {deepspeed.__version__} is outside that range "
+        "(its internals passed the checks)"
     ]
 
 

@@ -51,7 +51,6 @@ def test_disconnect_and_uninstall_restore_lightning(tmp_path: Path) -> None:
 def test_a_save_below_the_newest_committed_step_is_refused_and_a_resume_continues(tmp_path: Path) -> None:
     """A fresh run into a root whose newest step is 5 cannot commit step 2 (a resume from the
     root would go back to 5); resumed from the root, the Trainer continues at global_step 5."""
-    import lightning as L
     import pytest
 
     from shardkeeper.core import CheckpointManager, StepOrderError
@@ -59,23 +58,10 @@ def test_a_save_below_the_newest_committed_step_is_refused_and_a_resume_continue
 
     root = tmp_path / "root"
 
-    def trainer(steps: int) -> L.Trainer:
-        return L.Trainer(
-            default_root_dir=str(tmp_path),
-            max_steps=steps,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            plugins=[skl.ShardkeeperCheckpointIO(root, async_save=False)],
-        )
-
-    first = trainer(5)
+    first = _trainer(tmp_path, root, 5)
     first.fit(Net(), loader())
     first.save_checkpoint(str(tmp_path / "five.ckpt"))
-    fresh = trainer(2)
+    fresh = _trainer(tmp_path, root, 2)
     fresh.fit(Net(), loader())
     with pytest.raises(
         StepOrderError,
@@ -83,7 +69,7 @@ def test_a_save_below_the_newest_committed_step_is_refused_and_a_resume_continue
         r".*root \(rank 0\).*ckpt_path=<the root>",
     ):
         fresh.save_checkpoint(str(tmp_path / "two.ckpt"))
-    resumed = trainer(7)
+    resumed = _trainer(tmp_path, root, 7)
     resumed.fit(Net(), loader(), ckpt_path=str(root))
     assert resumed.global_step == 7
     resumed.save_checkpoint(str(tmp_path / "seven.ckpt"))

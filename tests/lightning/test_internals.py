@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 
 from shardkeeper.lightning import _internals as li
 from tests.lightning.common import Net, loader
-from tests.private_access import internals_accesses, own_trust_checks, private_accesses
+from tests.private_access import gate_warnings, internals_accesses, own_trust_checks, private_accesses
 
 PACKAGE = Path(li.__file__).parent
 
@@ -80,19 +79,11 @@ def test_a_missing_internal_fails_naming_it() -> None:
 def test_a_release_outside_the_tested_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning
 
-    monkeypatch.setattr(li.GATE, "warned", False)
-    with warnings.catch_warnings(record=True) as inside:
-        warnings.simplefilter("always")
-        li.warn_if_untested()
-    assert not inside
-    monkeypatch.setattr(li.GATE, "tested", ((0, 1), (0, 2)))
-    with warnings.catch_warnings(record=True) as outside:
-        warnings.simplefilter("always")
-        li.warn_if_untested()
-        li.warn_if_untested()
-    assert [str(w.message) for w in outside] == [
-        f"shardkeeper.lightning was verified with Lightning 0.1 to <0.2; {lightning.__version__} is outside "
-        "that range (its internals are checked where they are used)"
+    inside, outside = gate_warnings(li, monkeypatch)
+    assert inside == []
+    assert outside == [
+        f"shardkeeper.lightning was verified with Lightning 0.1 to <0.2; {lightning.__version__} is outside that range "
+        "(its internals are checked where they are used)"
     ]
 
 

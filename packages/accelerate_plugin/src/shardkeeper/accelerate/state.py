@@ -86,12 +86,12 @@ class Progress(ProgressTarget):
 
     def load_progress(self, progress: CheckpointProgress) -> None:
         acc = self.accelerator
-        ours = progress.of(FRAMEWORK)
         after = max(progress.step, progress.checkpoint_step or 0) + 1  # the next save's step
         acc.project_configuration.iteration = progress.count(FRAMEWORK, "iteration", after)
-        acc.step = progress.count(
-            FRAMEWORK, "step", int(progress.step) * int(acc.gradient_accumulation_steps) if not ours else int(acc.step)
-        )
+        # another framework's checkpoint: the micro-steps of its steps (Accelerate's own: as saved)
+        foreign = not progress.of(FRAMEWORK)
+        micro = progress.step * int(acc.gradient_accumulation_steps) if foreign else int(acc.step)
+        acc.step = progress.count(FRAMEWORK, "step", micro)
         if self.engine_progress is not None:
             self.engine_progress.load_progress(progress)
 

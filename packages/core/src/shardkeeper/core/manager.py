@@ -276,7 +276,9 @@ class CheckpointManager:
         )
         merge_back(state, rest)
         if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
-            progress = read_progress(self.manifest(restored))
+            manifest = self._restorer.last_manifest  # the restored step's, read by the restore
+            assert manifest is not None and manifest.step == restored
+            progress = read_progress(manifest)
             for target in targets.values():
                 target.load_progress(progress)
         return restored

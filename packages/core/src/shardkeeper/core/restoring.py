@@ -29,6 +29,7 @@ from shardkeeper.core.errors import (
     StorageError,
 )
 from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
@@ -40,11 +41,14 @@ log = logging.getLogger(__name__)
 
 class Restorer:
     """Restore of one manager. ``last_stats``: what the last attempt that succeeded on this
-    rank read (``CheckpointManager.last_restore_stats``)."""
+    rank read (``CheckpointManager.last_restore_stats``); ``last_manifest``: the manifest of the
+    step it restored (read once per attempt, kept for the caller)."""
 
     def __init__(self, ctx: ManagerContext) -> None:
         self.ctx = ctx
         self.last_stats: RestoreStats | None = None
+        self.last_manifest: Manifest | None = None
+        self._loaded: Manifest | None = None
 
     def restore(
         self,
@@ -81,6 +85,7 @@ class Restorer:
             if ctx.world_size > 1:
                 verdict = Verdict(ctx.coord.agree_int(verdict, "max"))
             if verdict is Verdict.RESTORED:
+                self.last_manifest = self._loaded
                 if last_error is not None:
                     log.warning(
                         "rank %d restored step %d under %s instead of the newer, damaged step(s) %s "
@@ -135,7 +140,7 @@ class Restorer:
         url = ctx.storage.url
         t0 = time.perf_counter()
         try:
-            manifest = commit.load_manifest(ctx.read_storage, step)  # authenticated when encrypted
+            manifest = self._loaded = commit.load_manifest(ctx.read_storage, step)  # authenticated when encrypted
             if ctx.encryption is None and manifest.encryption is not None:
                 if not files_look_encrypted(ctx.storage, step, manifest):
                     raise CorruptCheckpointError(

@@ -18,8 +18,8 @@ The core never imports a framework: adapters pass their framework's name and ver
 
 from shardkeeper.core.adapter.patching import Patches
 from shardkeeper.core.adapter.roots import RootManagers, adapter_metadata
-from shardkeeper.core.adapter.steps import StepCheck, agree, check_save_step, newest_step
-from shardkeeper.core.adapter.versions import check_tested, in_range, parse_version
+from shardkeeper.core.adapter.steps import StepCheck, agree, check_save_step
+from shardkeeper.core.adapter.versions import VersionGate, in_range, parse_version
 from shardkeeper.core.adapters import available_adapters, load_adapter
 from shardkeeper.core.progress import (
     PROGRESS_SCHEMA,
@@ -39,15 +39,14 @@ __all__ = [
     "ProgressTarget",
     "RootManagers",
     "StepCheck",
+    "VersionGate",
     "adapter_metadata",
     "agree",
     "available_adapters",
     "check_save_step",
-    "check_tested",
     "framework_of",
     "in_range",
     "load_adapter",
-    "newest_step",
     "object_tree",
     "parse_version",
     "progress_state",

@@ -22,10 +22,6 @@ from shardkeeper.core.manager import CheckpointManager
 from shardkeeper.core.progress import PROGRESS_SCHEMA
 from shardkeeper.core.version import shardkeeper_version
 
-#: Metadata keys the contract owns for every adapter (with ``<framework>_version`` and the
-#: adapter's own keys): a user's ``metadata=`` cannot replace them.
-OWNED_KEYS = ("framework", "framework_version", "shardkeeper_version", "torch_version", "progress_schema")
-
 
 def adapter_metadata(framework: str, framework_version: str, **more: Any) -> dict[str, Any]:
     """The metadata of every checkpoint ``framework``'s adapter writes (``more``: its own keys)."""
@@ -74,9 +70,6 @@ class RootManagers:
             self._managers[root] = mgr
         return mgr
 
-    def __contains__(self, root: object) -> bool:
-        return str(root) in self._managers
-
     def __iter__(self) -> Iterator[CheckpointManager]:
         return iter(list(self._managers.values()))
 
@@ -97,4 +90,4 @@ class RootManagers:
             self._managers.clear()
 
 
-__all__ = ["OWNED_KEYS", "RootManagers", "adapter_metadata"]
+__all__ = ["RootManagers", "adapter_metadata"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardkeeper.core.commit import manifest_steps
 from shardkeeper.core.errors import CommitConflictError, StepOrderError
 from shardkeeper.core.manager import CheckpointManager
 
@@ -66,31 +67,23 @@ def check_save_step(mgr: CheckpointManager, step: int) -> StepCheck:
     """Whether a save at ``step`` may go ahead, as rank 0 sees the root; call it on every rank.
 
     The manager's pending save is waited for first (``save()`` would wait for it anyway), so
-    its step counts, and its failure is raised here.
+    its step counts, and its failure is raised here. The steps are found by listing alone (no
+    manifest is read: this runs on every save), as restore orders its candidates: a step whose
+    manifest is damaged still counts (remove it, or ``shardkeeper verify`` the root).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r} (root {mgr.storage.url}, rank {mgr.rank})")
     mgr.wait()
     newest, committed = -1, 0
     if mgr.rank == 0:
-        latest = mgr.latest_step()
-        newest = -1 if latest is None else latest
-        committed = int(newest == step or (newest > step and mgr.is_committed(step)))
+        steps = manifest_steps(mgr.storage)
+        newest = steps[-1] if steps else -1
+        committed = int(step in steps)
     newest = agree(mgr, newest)
     committed = agree(mgr, committed)
     return StepCheck(
         root=mgr.storage.url, rank=mgr.rank, step=step, newest=None if newest < 0 else newest, committed=bool(committed)
     )
-
-
-def newest_step(mgr: CheckpointManager) -> int | None:
-    """The newest committed step under the manager's root, rank 0's answer on every rank."""
-    value = -1
-    if mgr.rank == 0:
-        latest = mgr.latest_step()
-        value = -1 if latest is None else latest
-    value = agree(mgr, value)
-    return None if value < 0 else value
 
 
 def agree(mgr: CheckpointManager, value: int) -> int:
@@ -100,4 +93,4 @@ def agree(mgr: CheckpointManager, value: int) -> int:
     return mgr._coord.agree_int(value, "bcast")
 
 
-__all__ = ["StepCheck", "agree", "check_save_step", "newest_step"]
+__all__ = ["StepCheck", "agree", "check_save_step"]

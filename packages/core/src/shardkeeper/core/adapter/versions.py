@@ -1,7 +1,7 @@
 """The framework versions an adapter's internals were checked on, and one warning outside them.
 
 Each adapter keeps the private framework attributes it needs in one internals module, with
-the range of framework versions they were verified on; :func:`check_tested` warns once per
+the range of framework versions they were verified on; a :class:`VersionGate` warns once per
 framework and version when the installed one lies outside that range (the adapter still runs:
 its internals module's contract checks say whether the attributes it needs are there).
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import re
 import warnings
-
-_warned: set[tuple[str, str]] = set()
 
 Version = tuple[int, ...]
 
@@ -74,24 +72,4 @@ class VersionGate:
         )
 
 
-def check_tested(framework: str, version: str, tested: tuple[Version, Version], *, stacklevel: int = 3) -> bool:
-    """True if ``version`` of ``framework`` is in ``tested``; else warn (once) and return False."""
-    if in_range(version, tested):
-        return True
-    key = (framework, str(version))
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(
-            untested_warning(
-                f"shardkeeper's {framework} adapter",
-                framework,
-                version,
-                tested,
-                "its internals checks decide whether it works",
-            ),
-            stacklevel=stacklevel,
-        )
-    return False
-
-
-__all__ = ["Version", "VersionGate", "check_tested", "in_range", "parse_version", "range_text", "untested_warning"]
+__all__ = ["Version", "VersionGate", "in_range", "parse_version", "range_text", "untested_warning"]
