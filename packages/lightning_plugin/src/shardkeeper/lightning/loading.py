@@ -39,8 +39,11 @@ from shardkeeper.lightning.paths import Target, check_pointer, is_root, read_poi
 
 
 def is_pointer(path: Any) -> bool:
-    """Whether ``path`` is a pointer file the plugin wrote."""
-    return isinstance(path, (str, Path)) and read_pointer(os.fspath(path)) is not None
+    """Whether ``path`` is a pointer file the plugin wrote (never for a file object or an
+    ``http(s)`` URL, which Lightning fetches through ``torch.hub``)."""
+    if not isinstance(path, (str, Path)) or str(path).startswith("http"):
+        return False
+    return read_pointer(os.fspath(path)) is not None
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = None, **manager_options: Any) -> dict[str, Any]:
@@ -140,7 +143,9 @@ def _plain_optim(optim: Any) -> list[dict[str, Any]] | None:
     parts = [optim] if "param_groups" in optim else [optim.get(str(i)) for i in range(len(optim))]
     out = []
     for o in parts:
-        groups = o.get("param_groups") if isinstance(o, dict) else None
+        if not isinstance(o, dict):
+            return None
+        groups = o.get("param_groups")
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             return None
         fqns = [f for g in groups for f in g.get("params", [])]
