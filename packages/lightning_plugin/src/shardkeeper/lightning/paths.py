@@ -83,7 +83,8 @@ def write_pointer(path: str, root: str, step: int) -> None:
 
 
 def _local(path: str) -> bool:
-    return "://" not in path or path.startswith("file://")
+    """A plain local path (a URL, ``file://`` included, is left to fsspec as it is)."""
+    return "://" not in path
 
 
 def read_pointer(path: str) -> Target | None:
