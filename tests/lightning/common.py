@@ -57,6 +57,24 @@ class Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
 
 
+class HNet(Net):
+    """``Net`` whose constructor arguments are saved with ``save_hyperparameters()`` (what
+    ``load_from_checkpoint`` rebuilds it from), with validation, test and predict steps."""
+
+    def __init__(self, mode: str = "none", lr: float = 0.05, tag: str = "h") -> None:
+        super().__init__(mode=mode, lr=lr)
+        self.save_hyperparameters()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.mse_loss(self.model(batch[0]), batch[1]))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", F.mse_loss(self.model(batch[0]), batch[1]))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0])
+
+
 def loader() -> DataLoader:
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(N_SAMPLES, 8, generator=g)

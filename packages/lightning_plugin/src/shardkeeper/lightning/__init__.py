@@ -7,10 +7,14 @@
 ``engine_state``). :func:`import_lightning_checkpoint` imports a ``.ckpt`` or a sharded (DCP) directory. See docs/lightning.md. Importing this module installs the hook
 that connects the plugin to its strategy (:mod:`shardkeeper.lightning.hook`); ``uninstall()``
 removes it and ``disconnect(plugin)`` gives a connected strategy its own methods back.
+The hook also makes ``LightningModule.load_from_checkpoint("last.ckpt")`` and
+``trainer.test(model, ckpt_path="last.ckpt")`` read the plugin's pointer files;
+:func:`load_checkpoint` returns a pointer's checkpoint as Lightning's dict of full CPU tensors.
 """
 
 from shardkeeper.lightning.hook import connect, disconnect, install, installed, uninstall
 from shardkeeper.lightning.importer import import_lightning_checkpoint
+from shardkeeper.lightning.loading import load_checkpoint
 from shardkeeper.lightning.plugin import ShardkeeperCheckpointIO
 
 install()
@@ -22,5 +26,6 @@ __all__ = [
     "import_lightning_checkpoint",
     "install",
     "installed",
+    "load_checkpoint",
     "uninstall",
 ]

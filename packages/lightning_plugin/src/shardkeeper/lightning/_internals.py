@@ -2,8 +2,10 @@
 
 The plugin needs the Trainer a LightningModule is attached to, or ``None`` (Lightning's public
 ``lm.trainer`` raises when there is none), and the importer parses ``configure_optimizers()``
-outside a Trainer as the Trainer does (Lightning has no public function for that). Each
-function below uses one private name; each was checked on Lightning 2.5.6 and 2.6.6.
+outside a Trainer as the Trainer does (Lightning has no public function for that); the
+loader of pointer files wraps the function Lightning reads ``.ckpt`` files with. Each
+function below uses one private name (``checkpoint_loaders``: one function, by the names it
+is imported as); each was checked on Lightning 2.5.6 and 2.6.6.
 ``contract_check`` says which of them the installed Lightning has, and
 ``tests/lightning/test_internals.py`` asserts all of them, so a release that renames or
 removes one fails loudly there (bump ``TESTED_RANGE`` only after that test passes on the new
@@ -71,6 +73,22 @@ def parse_optimizers(conf: Any) -> list[Any]:
     return list(opts)
 
 
+def checkpoint_loaders() -> list[tuple[Any, str]]:
+    """Where Lightning loads a ``.ckpt`` file, as ``(module, name)``: the function
+    ``lightning.fabric.utilities.cloud_io._load`` and its imports as ``pl_load`` in
+    ``lightning.pytorch.core.saving`` (``load_from_checkpoint``) and
+    ``lightning.fabric.plugins.io.torch_io`` (``TorchCheckpointIO``) (2.5.6, 2.6.6)."""
+    from lightning.fabric.plugins.io import torch_io
+    from lightning.fabric.utilities import cloud_io
+    from lightning.pytorch.core import saving
+
+    found = [(cloud_io, "_load"), (saving, "pl_load"), (torch_io, "pl_load")]
+    for module, name in found:
+        if not callable(getattr(module, name, None)):
+            raise _missing(f"{module.__name__}.{name}")
+    return found
+
+
 # -- the contract -----------------------------------------------------------------------------
 def contract_check() -> dict[str, bool]:
     """Each private name this adapter uses: whether the installed Lightning has it as expected."""
@@ -79,7 +97,15 @@ def contract_check() -> dict[str, bool]:
     from lightning.pytorch import LightningModule
     from lightning.pytorch.core import optimizer
 
-    present = {"LightningModule._trainer": False, "lightning.pytorch.core.optimizer._configure_optimizers": False}
+    present = {
+        "LightningModule._trainer": False,
+        "lightning.pytorch.core.optimizer._configure_optimizers": False,
+        "the .ckpt loaders (cloud_io._load, saving.pl_load, torch_io.pl_load)": False,
+    }
+    try:
+        present["the .ckpt loaders (cloud_io._load, saving.pl_load, torch_io.pl_load)"] = len(checkpoint_loaders()) == 3
+    except LightningInternalsError:
+        pass
     try:
         present["LightningModule._trainer"] = trainer_of(LightningModule()) is None
     except LightningInternalsError:
@@ -97,6 +123,7 @@ def contract_check() -> dict[str, bool]:
 __all__ = [
     "TESTED_RANGE",
     "LightningInternalsError",
+    "checkpoint_loaders",
     "contract_check",
     "parse_optimizers",
     "trainer_of",

@@ -21,9 +21,12 @@ Under ``DeepSpeedStrategy`` the engine's state comes from the DeepSpeed adapter
 (``load_adapter("deepspeed").engine_state(engine)``); DeepSpeed's own checkpoint methods are
 never called. Other strategies and other plugins are untouched.
 
+:func:`install` also wraps Lightning's ``.ckpt`` loader so that ``load_from_checkpoint`` and
+``TorchCheckpointIO`` read the plugin's pointer files (:mod:`shardkeeper.lightning.loading`).
 Both patches are restorable (the core's ``Patches``): :func:`disconnect` gives a strategy its
-own methods back, :func:`uninstall` gives ``Strategy.checkpoint_io`` its own setter back
-(strategies connected until then stay connected until disconnected).
+own methods back, :func:`uninstall` gives ``Strategy.checkpoint_io`` its own setter and
+Lightning its own loader back (strategies connected until then stay connected until
+disconnected).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy
 from shardkeeper.core.adapter import Patches
 from shardkeeper.lightning import _internals as li
+from shardkeeper.lightning.loading import hook_loaders
 from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO
 from shardkeeper.lightning.strategy import is_deepspeed
 
@@ -120,7 +124,8 @@ def disconnect(plugin: ShardkeeperCheckpointIO) -> None:
 
 
 def install() -> None:
-    """Extend ``Strategy.checkpoint_io``'s setter once (see the module docstring)."""
+    """Extend ``Strategy.checkpoint_io``'s setter and wrap the ``.ckpt`` loader, once (see the
+    module docstring)."""
     prop = Strategy.__dict__["checkpoint_io"]
     if _INSTALLED.patched(Strategy, "checkpoint_io"):
         return
@@ -132,11 +137,14 @@ def install() -> None:
             connect(io, self)
 
     _INSTALLED.set(Strategy, "checkpoint_io", property(prop.fget, setter, prop.fdel, prop.__doc__))
+    hook_loaders(_INSTALLED)
 
 
 def uninstall() -> None:
-    """Give ``Strategy.checkpoint_io`` its own setter back: plugins set from now on are plain
-    ``CheckpointIO`` objects to Lightning (connected strategies stay so until ``disconnect``)."""
+    """Give ``Strategy.checkpoint_io`` its own setter and Lightning its own ``.ckpt`` loader
+    back: plugins set from now on are plain ``CheckpointIO`` objects to Lightning (connected
+    strategies stay so until ``disconnect``), and pointer files load only through
+    :func:`shardkeeper.lightning.load_checkpoint`."""
     _INSTALLED.restore()
 
 

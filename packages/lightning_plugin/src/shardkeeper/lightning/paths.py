@@ -9,18 +9,30 @@ step under the root. Pointers hold no tensors and are never unpickled.
 The root also keeps an index of the paths that name each step (``lightning-paths.json``, a
 file the format tells readers to ignore), so a step is deleted only when no path names it
 any more, across runs.
+
+A pointer names its root twice: ``root`` (absolute, or a URL) and, for a local root,
+``root_relative`` (from the pointer's directory). A run directory that was copied or moved
+whole keeps resuming: the absolute root is tried first, then the relative one; for pointers
+written before ``root_relative`` the root's last path components are looked for beside the
+pointer's directory and its parents. A pointer whose root or step is found nowhere raises
+:class:`~shardkeeper.core.errors.CheckpointNotFoundError` naming the pointer, the root, the
+step and the remedy (:func:`check_pointer`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkeeper.core import parse_step_dir
+from shardkeeper.core import parse_step_dir, step_dir
+from shardkeeper.core.errors import CheckpointNotFoundError
+
+log = logging.getLogger(__name__)
 
 POINTER_FORMAT = "shardkeeper-lightning-pointer"
 INDEX_NAME = "lightning-paths.json"
@@ -29,10 +41,15 @@ _MAX_POINTER_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class Target:
-    """What a ``ckpt_path`` names: a root, and a step (``None``: the newest committed)."""
+    """What a ``ckpt_path`` names: a root, and a step (``None``: the newest committed).
+
+    ``pointer``: the pointer file it was read from; ``named``: the root that pointer names
+    (``root`` is where that root was found, or ``named`` when it was found nowhere)."""
 
     root: str
     step: int | None
+    pointer: str | None = None
+    named: str | None = None
 
 
 def _fs(path: str) -> tuple[Any, str]:
@@ -43,7 +60,10 @@ def _fs(path: str) -> tuple[Any, str]:
 
 def write_pointer(path: str, root: str, step: int) -> None:
     """Write the pointer at ``path`` (atomically on a local disk), creating its directory."""
-    data = json.dumps({"format": POINTER_FORMAT, "version": 1, "root": root, "step": step}).encode()
+    doc: dict[str, Any] = {"format": POINTER_FORMAT, "version": 1, "root": root, "step": step}
+    if _local(root) and _local(path):
+        doc["root_relative"] = os.path.relpath(root, os.path.dirname(os.path.abspath(path))).replace(os.sep, "/")
+    data = json.dumps(doc).encode()
     fs, p = _fs(path)
     parent = p.rsplit("/", 1)[0] if "/" in p else ""
     if parent:
@@ -62,8 +82,14 @@ def write_pointer(path: str, root: str, step: int) -> None:
         fs.pipe_file(p, data)
 
 
+def _local(path: str) -> bool:
+    """A plain local path (a URL, ``file://`` included, is left to fsspec as it is)."""
+    return "://" not in path
+
+
 def read_pointer(path: str) -> Target | None:
-    """The target of a pointer file, or ``None`` when ``path`` is not a pointer file."""
+    """The target of a pointer file (its root found as the module docstring says), or ``None``
+    when ``path`` is not a pointer file."""
     fs, p = _fs(path)
     if not fs.isfile(p) or fs.size(p) > _MAX_POINTER_BYTES:
         return None
@@ -73,7 +99,52 @@ def read_pointer(path: str) -> Target | None:
         return None
     if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
         return None
-    return Target(str(doc["root"]), int(doc["step"]))
+    named, step = str(doc["root"]), int(doc["step"])
+    rel = doc.get("root_relative")
+    return Target(_locate(path, named, step, rel if isinstance(rel, str) else None), step, path, named)
+
+
+def _locate(pointer: str, named: str, step: int, rel: str | None) -> str:
+    """Where the root ``named`` is: itself, else relative to the pointer, else ``named``."""
+    if not _local(named) or os.path.isdir(named):
+        return named
+    here = os.path.dirname(os.path.abspath(pointer))
+    if rel is not None:
+        moved = os.path.normpath(os.path.join(here, rel))
+        return moved if os.path.isdir(moved) else named
+    # an older pointer: the root's last components beside the pointer's directory or a parent
+    tail = Path(named).parts[1:]
+    for up in Path(here, "_").parents[:4]:
+        for n in range(1, min(3, len(tail)) + 1):
+            guess = up.joinpath(*tail[-n:])
+            if (guess / step_dir(step)).is_dir():
+                log.warning(
+                    "pointer %s names root %s, which is gone; using %s (holds step %d)", pointer, named, guess, step
+                )
+                return str(guess)
+    return named
+
+
+def check_pointer(target: Target) -> Target:
+    """``target`` when it names no pointer, or its root and step exist; else raise."""
+    if target.pointer is None or target.step is None or not _local(target.root):
+        return target
+    where = os.path.join(target.root, step_dir(target.step))
+    if os.path.isdir(where):
+        return target
+    pointer, step = target.pointer, target.step
+    if not os.path.isdir(target.root):
+        raise CheckpointNotFoundError(
+            f"pointer {pointer} names step {step} under root {target.named}, which does not exist "
+            f"(nor at the pointer's relative location: a run directory moved without its root?). "
+            f"Copy or move the root back to {target.named} (or beside the pointer, as it was), or "
+            f"resume from the root where it is now: ckpt_path='<root>/{step_dir(step)}'"
+        )
+    raise CheckpointNotFoundError(
+        f"pointer {pointer} names step {step} under root {target.root}, which has no such step "
+        f"(deleted by retention or by hand?). Resume from the root's newest committed step "
+        f"(ckpt_path={target.root!r}) or another pointer"
+    )
 
 
 def remove_pointer(path: str) -> None:
@@ -107,12 +178,12 @@ def resolve(ckpt_path: Any, root: str) -> Target | None:
     if named is not None and len(base) == 2:
         return Target(base[0], named)
     pointer = read_pointer(s)
-    if pointer is None and _is_root(s):
+    if pointer is None and is_root(s):
         return Target(s if "://" in s else os.path.abspath(s), None)
-    return pointer
+    return None if pointer is None else check_pointer(pointer)
 
 
-def _is_root(path: str) -> bool:
+def is_root(path: str) -> bool:
     """A directory holding step directories (another run's root): its newest step."""
     fs, p = _fs(path)
     if not fs.isdir(p):
@@ -166,4 +237,14 @@ def norm_path(path: Any) -> str:
     return s if "://" in s else os.path.abspath(s)
 
 
-__all__ = ["PathIndex", "Target", "norm_path", "read_pointer", "remove_pointer", "resolve", "write_pointer"]
+__all__ = [
+    "PathIndex",
+    "Target",
+    "check_pointer",
+    "is_root",
+    "norm_path",
+    "read_pointer",
+    "remove_pointer",
+    "resolve",
+    "write_pointer",
+]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
@@ -24,6 +23,7 @@ from shardkeeper.core.progress import framework_of, progress_state, read_progres
 from shardkeeper.lightning import codec
 from shardkeeper.lightning import strategy as st
 from shardkeeper.lightning._loops import fit_loop_at
+from shardkeeper.lightning.loading import lightning_dict
 from shardkeeper.lightning.paths import (
     PathIndex,
     Target,
@@ -304,39 +304,15 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         strict = bool(getattr(lm, "strict_loading", True))
         mgr.restore(state, step=step, only=only, strict=strict, optional=optional)
         extra = codec.decode(state.get("extra") or {})
-        info = extra.get("lightning", {}) if isinstance(extra, dict) else {}
-        progress = read_progress(manifest)  # any framework's checkpoint, any layout
-        ours = progress.of(FRAMEWORK)
-        import lightning
-
-        ck: dict[str, Any] = {
-            "epoch": progress.epoch,
-            "global_step": progress.step,
-            "pytorch-lightning_version": info.get("version") or lightning.__version__,
-            "state_dict": {},
-            MARK: {"root": mgr.storage.url, "step": step},
-        }
-        if "loops" in ours:
-            ck["loops"] = codec.decode(ours["loops"])
-        elif fitting and trainer is not None:  # another framework's checkpoint: resume its step count
+        ck = lightning_dict(manifest, extra, state.get("sched"), step, mgr.storage.url)
+        ck["state_dict"] = {}
+        ck[MARK] = {"root": mgr.storage.url, "step": step}
+        if "loops" not in ck and fitting and trainer is not None:
+            # another framework's checkpoint: resume its step count
+            progress = read_progress(manifest)
             ck["loops"] = {"fit_loop": fit_loop_at(trainer, step=progress.step, epoch=progress.epoch)}
-        if "callbacks" in extra:
-            ck["callbacks"] = extra["callbacks"]
-        ck.update(extra.get("checkpoint", {}))
         if has_optim:
             ck["optimizer_states"] = []
-        if isinstance(info.get("sched"), dict) or "sched" in state:
-            s = info["sched"] if isinstance(info.get("sched"), dict) else codec.decode(state["sched"])
-            n = info.get("schedulers", 1)
-            ck["lr_schedulers"] = [s] if n == 1 else [s[str(i)] if str(i) in s else s[i] for i in range(n)]
-        elif has_optim:
-            if not info:
-                warnings.warn(
-                    f"step {step} under {mgr.storage.url} holds no LR scheduler state (not written "
-                    f"by the Lightning plugin); schedulers keep their initial state",
-                    stacklevel=3,
-                )
-            ck["lr_schedulers"] = []
         return ck
 
     def _restore_deferred_optim(self, strategy: Any) -> None:
