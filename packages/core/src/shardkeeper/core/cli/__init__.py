@@ -40,15 +40,16 @@ from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage.retry import wait_log
 from shardkeeper.core.version import shardkeeper_version
 
-#: The extra that installs a module the CLI can miss (``pip install 'shardkeeper-core[EXTRA]'``).
-_EXTRAS = {
-    "numpy": "torch",
-    "torch": "torch",
-    "s3fs": "s3",
-    "gcsfs": "gcs",
-    "zstandard": "zstd",
-    "cryptography": "crypto",
-    "prometheus_client": "metrics",
+#: How to install a module a command can miss on a torch-free install: the core's extra that
+#: brings it (numpy alone also does: it is all that export and verify need of the [torch] extra).
+_INSTALL = {
+    "numpy": "pip install numpy (or 'shardkeeper-core[torch]')",
+    "torch": "pip install 'shardkeeper-core[torch]'",
+    "s3fs": "pip install 'shardkeeper-core[s3]'",
+    "gcsfs": "pip install 'shardkeeper-core[gcs]'",
+    "zstandard": "pip install 'shardkeeper-core[zstd]'",
+    "cryptography": "pip install 'shardkeeper-core[crypto]'",
+    "prometheus_client": "pip install 'shardkeeper-core[metrics]'",
 }
 
 
@@ -159,13 +160,9 @@ def _run(args: argparse.Namespace) -> int:
         name = (e.name or "").split(".")[0]
         if args.debug:
             raise
-        if name not in _EXTRAS:
+        if name not in _INSTALL:
             return _internal_error(e)
-        extra = _EXTRAS[name]
-        say(
-            f"{PROG}: error: {PROG} {args.command} needs {name}: pip install 'shardkeeper-core[{extra}]'",
-            file=sys.stderr,
-        )
+        say(f"{PROG}: error: {PROG} {args.command} needs {name}: {_INSTALL[name]}", file=sys.stderr)
         return EXIT_USAGE
     except (UsageError, CheckpointError, OSError, ValueError) as e:
         if args.debug:

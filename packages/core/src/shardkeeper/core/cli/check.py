@@ -23,7 +23,7 @@ from shardkeeper.core.cli.progress import make_bar
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S, collect_garbage
-from shardkeeper.core.verify import Problem, RootVerifyReport, stored_bytes, verify_root, verify_step
+from shardkeeper.core.verify_report import Problem, RootVerifyReport
 
 
 def _print_problems(problems: Sequence[Problem]) -> None:
@@ -32,6 +32,8 @@ def _print_problems(problems: Sequence[Problem]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from shardkeeper.core.verify import stored_bytes, verify_root, verify_step  # numpy (the chunk reader)
+
     storage = with_key(open_root(args), args.key, args.encryption_root)
     if args.step is not None:
         try:

@@ -18,6 +18,7 @@ from shardkeeper.core.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleFormatError,
+    StorageError,
     UsageError,
 )
 from shardkeeper.core.format.layout import LATEST_NAME
@@ -32,6 +33,8 @@ def _shape(shape: Sequence[int]) -> str:
 def _latest_hint(storage: Storage) -> int | None:
     try:
         return int(storage.read_bytes(LATEST_NAME).decode().strip())
+    except StorageError:
+        raise  # the store did not answer (after its retries): the listing would fail the same way
     except (CheckpointError, ValueError, UnicodeDecodeError):
         return None
 
