@@ -7,6 +7,7 @@ Runs without torch, so an operator can look after a bucket from any machine::
     shardkeeper verify /data/run            # exit 0 clean, 1 damaged, 2 usage / nothing there
     shardkeeper gc /data/run --dry-run
     shardkeeper export /data/run 1200 --to ./hf-model      # Hugging Face safetensors + index
+    shardkeeper --version
     shardkeeper import ./dcp-ckpt /data/run --step 1200 --trust-pickle
     shardkeeper advise /data/run --mtbf 3h --interval 30m   # Young/Daly checkpoint interval
 

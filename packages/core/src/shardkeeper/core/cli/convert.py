@@ -57,7 +57,9 @@ def add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
     """``export ROOT [STEP] --to DIR``."""
     p = sub.add_parser("export", parents=[common], help="write a step as Hugging Face safetensors shards + index")
     p.add_argument("step", metavar="STEP", nargs="?", type=step_arg, help="the step (default: the newest committed)")
-    p.add_argument("--to", required=True, metavar="DIR", help="output directory (local)")
+    p.add_argument(
+        "--to", required=True, metavar="DIR", help="output directory (local; new or empty, unless --overwrite)"
+    )
     p.add_argument(
         "--keys", action="append", metavar="PATTERN", help="tensor keys to export (glob, repeatable; default 'model/*')"
     )
