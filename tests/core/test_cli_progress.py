@@ -19,9 +19,9 @@ import pytest
 from shardkeeper.core.storage import LocalStorage
 
 try:
-    from ._builders import tensor, write_step
+    from ._builders import age_everything, tensor, write_step
 except ImportError:
-    from _builders import tensor, write_step
+    from _builders import age_everything, tensor, write_step
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,3 +117,17 @@ def test_export_bar_and_json(root: Path, tmp_path: Path) -> None:
     code, out, err = _cli("export", root, "1", "--to", tmp_path / "hf1", "--json", "--progress", tty_stderr=True)
     assert code == 0 and BAR in err
     assert json.loads(out)["step"] == 1
+
+
+def test_gc_bar_by_paths(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    storage = LocalStorage(root, fsync=False)
+    write_step(storage, 1, {"model/w": tensor("float32", (4, 4))})
+    for step in (2, 3):  # failed saves: shard files, no manifest
+        write_step(storage, step, {"model/w": tensor("float32", (4, 4))}, commit=False, latest=False)
+    age_everything(root)
+    code, out, err = _cli("gc", root, "--dry-run", tty_stderr=True)
+    assert code == 0 and "gc (dry run) under" in err and "2/2" in err and BAR in err
+    assert "gc: would remove 2 path(s)" in out and BAR not in out
+    code, out, err = _cli("gc", root, tty_stderr=False)
+    assert code == 0 and err == "" and "gc: removed 2 path(s)" in out
