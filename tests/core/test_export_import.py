@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.cli import main
+from shardkeeper.core.cli.progress import make_bar
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.dcp_import import import_dcp
 from shardkeeper.core.errors import ChecksumMismatchError, CommitConflictError, StateMismatchError
-from shardkeeper.core.export import INDEX_NAME, Progress, export_safetensors, parse_size
+from shardkeeper.core.export import INDEX_NAME, export_safetensors, parse_size
 from shardkeeper.core.quantize import dequantize_int8, quantize_int8, quantized
 from shardkeeper.core.storage import open_storage
 from tests.checks import assert_checks, assert_same_state, read_checks
@@ -208,15 +209,16 @@ def test_export_and_import_on_every_backend(storage_root: StorageRoot, tmp_path:
 
 
 def test_progress_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    bar = Progress(3 << 20, "export step 1", enabled=True)
-    bar._bar = None  # the own line, even where tqdm is installed
+    """The bar (tqdm's, cli/progress.py) goes to stderr when enabled, nowhere when not."""
+    bar = make_bar(3 << 20, "export step 1", enabled=True)
     bar.update(3 << 20)
     bar.close()
-    assert "export step 1: 3.0/3.0 MiB (100%)" in capsys.readouterr().err
-    quiet = Progress(10, "x", enabled=False)
+    out, err = capsys.readouterr()
+    assert out == "" and "export step 1" in err and "100%" in err and "3.00M/3.00M" in err
+    quiet = make_bar(10, "x", enabled=False)
     quiet.update(10)
     quiet.close()
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr() == ("", "")
 
 
 def test_export_of_a_compressed_incremental_checkpoint(tmp_path: Path) -> None:

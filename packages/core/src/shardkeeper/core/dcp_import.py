@@ -31,7 +31,6 @@ import torch
 
 from shardkeeper.core.commit import manifest_path, write_latest_hint
 from shardkeeper.core.errors import CheckpointError, CommitConflictError, StateMismatchError
-from shardkeeper.core.export import Progress
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES
 from shardkeeper.core.format.layout import DATA_DIR, new_attempt_id, shard_file, step_dir
 from shardkeeper.core.format.leaves import LazyLeaves
@@ -211,7 +210,9 @@ def import_dcp(
     leaves: dict[str, Any] = {}
     files: dict[str, dict[str, Any]] = {}
     written: list[str] = []
-    bar = Progress(sum(t[4] for t in tensors), f"import {os.path.basename(src.rstrip('/')) or src}", progress)
+    from shardkeeper.core.cli.progress import make_bar
+
+    bar = make_bar(sum(t[4] for t in tensors), f"import {os.path.basename(src.rstrip('/')) or src}", progress)
     pool = ThreadPoolExecutor(1)
     try:
         if object_keys:  # before any tensor is written: a key collision loses nothing

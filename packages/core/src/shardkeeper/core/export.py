@@ -17,8 +17,6 @@ import json
 import math
 import os
 import re
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -69,43 +67,6 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
-class Progress:
-    """A progress line on stderr for long work: tqdm when installed, else an own line, and
-    only when stderr is a terminal (logs and CI output stay clean)."""
-
-    def __init__(self, total: int, desc: str, enabled: bool | None = None) -> None:
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.total, self.desc, self.done, self._last = total, desc, 0, 0.0
-        self._bar: Any = None
-        if self.enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr)
-            except ImportError:
-                self._bar = None
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= 0.2 or self.done >= self.total:
-            self._last = now
-            pct = 100.0 * self.done / self.total if self.total else 100.0
-            sys.stderr.write(f"\r{self.desc}: {self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB ({pct:.0f}%)")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        elif self.enabled:
-            sys.stderr.write("\n")
-
-
 @dataclass
 class ExportResult:
     """What ``export_safetensors`` wrote."""
@@ -115,6 +76,63 @@ class ExportResult:
     files: list[str] = field(default_factory=list)
     weight_map: dict[str, str] = field(default_factory=dict)  # exported name -> file
     total_size: int = 0
+    removed: list[str] = field(default_factory=list)  # files of an earlier export (overwrite=True)
+
+    @property
+    def index_path(self) -> str:
+        return os.path.join(self.directory, INDEX_NAME)
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``shardkeeper export --json`` prints."""
+        return {
+            "step": self.step,
+            "directory": self.directory,
+            "index": self.index_path,
+            "files": list(self.files),
+            "tensors": len(self.weight_map),
+            "total_size": self.total_size,
+            "removed": list(self.removed),
+        }
+
+
+#: The files an export writes (and all that ``overwrite=True`` removes from its folder).
+EXPORT_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.safetensors.partial",
+    "*.safetensors.index.json.partial",
+)
+
+
+def _prepare_dir(outdir: str, overwrite: bool) -> list[str]:
+    """Create ``outdir``, or check that it is empty; with ``overwrite``, remove the safetensors
+    files and indexes in it (an earlier export's), and nothing else. Returns what was removed.
+
+    A folder that holds other shards is refused: loaders that read an index follow it, but
+    those that read every ``*.safetensors`` file would load stale tensors with the new ones."""
+    if not os.path.exists(outdir):
+        os.makedirs(outdir)
+        return []
+    if not os.path.isdir(outdir):
+        raise NotADirectoryError(f"export to {outdir}: it is a file, not a folder; give a new or empty folder")
+    entries = sorted(os.listdir(outdir))
+    if not entries:
+        return []
+    if not overwrite:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise FileExistsError(
+            f"export to {outdir}: the folder is not empty ({shown}); a loader that reads every *.safetensors "
+            f"file there would mix stale shards with this export. Export into a new or empty folder, or pass "
+            f"--overwrite (overwrite=True) to first remove the *.safetensors files and indexes there (other "
+            f"files, such as config.json, are kept)"
+        )
+    removed = []
+    for name in entries:
+        path = os.path.join(outdir, name)
+        if os.path.isfile(path) and any(fnmatch.fnmatchcase(name, p) for p in EXPORT_PATTERNS):
+            os.remove(path)
+            removed.append(name)
+    return removed
 
 
 def _select(
@@ -221,16 +239,19 @@ def export_safetensors(
     progress: bool | None = None,
     encryption: Any = None,
     encryption_root: str | None = None,
+    overwrite: bool = False,
 ) -> ExportResult:
     """Write the tensor leaves of ``step`` (default: the newest committed) matching ``keys`` to
     the local directory ``to`` as ``model-0000i-of-0000n.safetensors`` + the index.
 
     Names lose the ``model/`` prefix unless ``keep_prefix``; ``max_shard_size`` ("5GB", bytes)
     bounds each shard (a larger tensor gets a shard of its own). Files appear under their final
-    names only when complete; the index is written last. ``progress``: a progress line on
-    stderr (default: when stderr is a terminal). ``encryption``: the key of an encrypted
+    names only when complete; the index is written last. ``progress``: a progress bar on
+    stderr, by bytes (default: when stderr is a terminal). ``encryption``: the key of an encrypted
     checkpoint (as ``CheckpointManager(encryption=...)``); its bytes are decrypted;
     ``encryption_root``: the root it was written under, if it was moved or copied since.
+    ``to`` must be new or empty (``FileExistsError`` otherwise, before anything is read);
+    ``overwrite=True`` first removes the ``*.safetensors`` files and indexes in it, only those.
     """
     storage = open_storage(root, **dict(storage_options or {}))
     if encryption is not None:
@@ -260,12 +281,14 @@ def export_safetensors(
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
     shards = _plan_shards(items, limit)
     outdir = os.fspath(to)
-    os.makedirs(outdir, exist_ok=True)
-    res = ExportResult(step=step, directory=outdir)
+    removed = _prepare_dir(outdir, overwrite)
+    res = ExportResult(step=step, directory=outdir, removed=removed)
     reader = ChunkReader.of(
         storage, m, where=where, remedy=f"export another step and run `shardkeeper verify {storage.url}`"
     )
-    bar = Progress(sum(it[2].nbytes for it in items), f"export step {step}", progress)
+    from shardkeeper.core.cli.progress import make_bar
+
+    bar = make_bar(sum(it[2].nbytes for it in items), f"export step {step}", progress)
     n = len(shards)
     try:
         for i, shard in enumerate(shards, 1):
@@ -303,4 +326,11 @@ def export_safetensors(
     return res
 
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME", "ExportResult", "Progress", "export_safetensors", "parse_size"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "EXPORT_PATTERNS",
+    "INDEX_NAME",
+    "ExportResult",
+    "export_safetensors",
+    "parse_size",
+]

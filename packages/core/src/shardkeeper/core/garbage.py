@@ -90,6 +90,7 @@ def collect_garbage(
     dry_run: bool = False,
     now: float | None = None,
     no_running_saves: bool = False,
+    progress: bool | None = False,
 ) -> GcReport:
     """Remove what no committed checkpoint needs and no running save can still be writing.
 
@@ -106,6 +107,8 @@ def collect_garbage(
     save can take (staging to commit); ``no_running_saves=True`` says that no save is running
     on the root (the caller stopped every writer): records of commits in progress are then
     stale, and removed like any leftover. ``now`` (seconds since the epoch) is for tests.
+    ``progress``: a bar on stderr over the paths removed (None: when stderr is a terminal;
+    default off).
     Raises ``IncompatibleFormatError`` if a committed manifest is of a newer format: the files
     it references are unknown, so nothing is removed.
     """
@@ -122,6 +125,12 @@ def collect_garbage(
     if touched and not dry_run:
         claim = pending.write_claim(storage, touched, "gc")
     t0 = time.monotonic()
+    bar = None
+    if progress is not False and (plan.files or plan.dirs):
+        from shardkeeper.core.cli.progress import make_bar
+
+        verb = "gc (dry run)" if dry_run else "gc removing"
+        bar = make_bar(len(plan.files) + len(plan.dirs), f"{verb} under {storage.url}", progress, unit="path")
     try:
         records = pending.read_records(storage, now)
         intents = [] if no_running_saves else [r for r in records if r.kind == "intent" and r.live]
@@ -153,7 +162,11 @@ def collect_garbage(
                 report.kept_in_flight.append(f)
             elif in_time():
                 _remove(storage, f, dry_run, report)
+            if bar is not None:
+                bar.update(1)
         for s, files in sorted(plan.dirs.items()):
+            if bar is not None:
+                bar.update(1)
             if s in busy_steps:
                 report.kept_in_flight.append(step_dir(s))
                 continue
@@ -169,6 +182,8 @@ def collect_garbage(
             _remove_dir(storage, step_dir(s), files, dry_run, report)
         _remove_stale_records(storage, records, claim, no_running_saves, dry_run, report)
     finally:
+        if bar is not None:
+            bar.close()
         if claim is not None:
             pending.remove(storage, claim)
     _abort_incomplete_uploads(storage, referenced, min_age_s, now, dry_run, report)

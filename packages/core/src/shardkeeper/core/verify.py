@@ -13,8 +13,10 @@ Needs no torch: an operator verifies a bucket from any machine (``shardkeeper ve
 from __future__ import annotations
 
 import json
+import logging
 import math
 import struct
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -36,6 +38,8 @@ from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.verify_report import Collector, Problem, RootVerifyReport, VerifyReport
 
+log = logging.getLogger(__name__)
+
 #: Bytes read per request while checking digests (rounded down to whole digest blocks).
 DEFAULT_READ_BYTES = 16 << 20
 #: A safetensors header larger than this is taken for damage (the format's own limit is 100 MB).
@@ -52,6 +56,7 @@ def verify_step(
     *,
     manifest: Manifest | None = None,
     read_bytes: int = DEFAULT_READ_BYTES,
+    on_bytes: Callable[[int], object] | None = None,
 ) -> VerifyReport:
     """Check one committed step; raises ``CheckpointNotFoundError`` if it is not committed and
     ``CorruptCheckpointError`` if its manifest does not validate (``verify_root`` turns that
@@ -61,8 +66,46 @@ def verify_step(
     chunk's byte range lies inside its file and (unencoded) holds exactly its box's bytes;
     that the chunks of every tensor tile its shape; every digest block of every chunk; and,
     for unencoded shard files of this step, that the safetensors header agrees.
+
+    ``on_bytes(n)`` is called as each window of ``n`` stored bytes has been checked (a progress
+    bar's ``update``). The result (counts, time, problems) is logged at INFO on this module's
+    logger, the problems named.
     """
+    t0 = time.monotonic()
     m = manifest if manifest is not None else load_manifest(storage, step)
+    report = _verify(storage, step, m, read_bytes, on_bytes)
+    report.seconds = time.monotonic() - t0
+    if report.ok:
+        log.info(
+            "step %d: OK: %d files, %d chunks, %.1f MiB checked in %.2f s",
+            step,
+            report.files_checked,
+            report.chunks_checked,
+            report.bytes_checked / 2**20,
+            report.seconds,
+        )
+    else:
+        log.info(
+            "step %d: DAMAGED: %d problem(s) in %.2f s (%d files, %d chunks, %.1f MiB checked): %s",
+            step,
+            len(report.problems),
+            report.seconds,
+            report.files_checked,
+            report.chunks_checked,
+            report.bytes_checked / 2**20,
+            "; ".join(p.message for p in report.problems[:3]) + ("; ..." if len(report.problems) > 3 else ""),
+        )
+    return report
+
+
+def stored_bytes(m: Manifest) -> int:
+    """The stored bytes of every chunk of ``m`` (what verifying it reads): a bar's total."""
+    return sum(c.length for leaf in m.leaves.values() if leaf.kind != "object" for c in leaf.chunks)
+
+
+def _verify(
+    storage: Storage, step: int, m: Manifest, read_bytes: int, on_bytes: Callable[[int], object] | None
+) -> VerifyReport:
     report = VerifyReport(step=step)
     base = step_dir(step)
     out = Collector(report, storage.describe(base))
@@ -222,6 +265,8 @@ def verify_step(
                     )
                     break
                 report.bytes_checked += w.end - w.start
+                if on_bytes is not None:
+                    on_bytes(w.end - w.start)
                 if w.start == lo:
                     head = bytes(w.data[:FRAME_HEADER_BYTES])
                 for bad in w.bad:
@@ -358,9 +403,13 @@ def _check_header(
             )
 
 
-def verify_root(storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES) -> RootVerifyReport:
+def verify_root(
+    storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES, progress: bool | None = False
+) -> RootVerifyReport:
     """Verify every committed step under the root, and report every step directory whose
-    manifest exists but does not validate (or is of a newer format than this version reads)."""
+    manifest exists but does not validate (or is of a newer format than this version reads).
+    ``progress``: a bar on stderr over the stored bytes of every step (None: when stderr is a
+    terminal; default off)."""
     report = RootVerifyReport(root=storage.url)
     committed = committed_steps(storage)
     for s, name in sorted(step_dirs(storage).items()):
@@ -391,6 +440,7 @@ def verify_root(storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES) -> Ro
                     message=f"step {s}: the manifest does not validate, so the step is not committed: {e}",
                 )
             )
+    manifests: list[tuple[int, Manifest]] = []
     for s in committed:
         try:
             m = load_manifest(storage, s)
@@ -414,7 +464,19 @@ def verify_root(storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES) -> Ro
                 )
             )
             continue
-        report.steps.append(verify_step(storage, s, manifest=m, read_bytes=read_bytes))
+        manifests.append((s, m))
+    bar = None
+    if progress is not False:
+        from shardkeeper.core.cli.progress import make_bar
+
+        bar = make_bar(sum(stored_bytes(m) for _, m in manifests), f"verify {storage.url}", progress)
+    try:
+        for s, m in manifests:
+            on_bytes = None if bar is None else bar.update
+            report.steps.append(verify_step(storage, s, manifest=m, read_bytes=read_bytes, on_bytes=on_bytes))
+    finally:
+        if bar is not None:
+            bar.close()
     report.problems.sort(key=lambda p: p.step if p.step is not None else -1)
     return report
 
@@ -424,6 +486,7 @@ __all__ = [
     "Problem",
     "RootVerifyReport",
     "VerifyReport",
+    "stored_bytes",
     "verify_root",
     "verify_step",
 ]

@@ -55,6 +55,7 @@ class VerifyReport:
     files_checked: int = 0
     chunks_checked: int = 0
     bytes_checked: int = 0
+    seconds: float = 0.0  # wall time of the check
 
     @property
     def ok(self) -> bool:
@@ -67,6 +68,7 @@ class VerifyReport:
             "files_checked": self.files_checked,
             "chunks_checked": self.chunks_checked,
             "bytes_checked": self.bytes_checked,
+            "seconds": round(self.seconds, 3),
             "problems": [p.to_json() for p in self.problems],
         }
 

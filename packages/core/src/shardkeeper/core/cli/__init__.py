@@ -7,16 +7,20 @@ Runs without torch, so an operator can look after a bucket from any machine::
     shardkeeper verify /data/run            # exit 0 clean, 1 damaged, 2 usage / nothing there
     shardkeeper gc /data/run --dry-run
     shardkeeper export /data/run 1200 --to ./hf-model      # Hugging Face safetensors + index
+    shardkeeper --version
     shardkeeper import ./dcp-ckpt /data/run --step 1200 --trust-pickle
     shardkeeper advise /data/run --mtbf 3h --interval 30m   # Young/Daly checkpoint interval
 
 Exit codes: 0 success; 1 damage found (verify) or a removal failed (gc); 2 usage error, no
-checkpoint where one was asked for, or any other error (one line on stderr, no traceback).
+checkpoint where one was asked for, a missing extra, or any other error (one line on stderr,
+no traceback). Results go to stdout; progress bars, notices ("waiting for s3://...") and
+errors to stderr.
 
 This module is the entry point (``main``: the parser, logging, the exit status of an error);
 each command lives in the module of its group: ``view`` (ls, inspect), ``check`` (verify, gc),
-``convert`` (export, import), ``advise``; ``common`` holds what they share, ``display`` how a
-person is shown untrusted text.
+``convert`` (export, import), ``advise``; ``common`` holds what they share, ``roots`` the
+mistakes about ROOT it catches, ``progress`` the bars, ``display`` how a person is shown
+untrusted text.
 """
 
 from __future__ import annotations
@@ -31,7 +35,23 @@ from typing import Any
 from shardkeeper.core.cli import advise, check, convert, view
 from shardkeeper.core.cli.common import EXIT_OK, EXIT_USAGE, PROG
 from shardkeeper.core.cli.display import PrintableFormatter, say
+from shardkeeper.core.cli.progress import BarSafeHandler
 from shardkeeper.core.errors import CheckpointError, UsageError
+from shardkeeper.core.format.versions import FORMAT_VERSION
+from shardkeeper.core.storage.retry import wait_log
+from shardkeeper.core.version import shardkeeper_version
+
+#: How to install a module a command can miss on a torch-free install: the core's extra that
+#: brings it (numpy alone also does: it is all that export and verify need of the [torch] extra).
+_INSTALL = {
+    "numpy": "pip install numpy (or 'shardkeeper-core[torch]')",
+    "torch": "pip install 'shardkeeper-core[torch]'",
+    "s3fs": "pip install 'shardkeeper-core[s3]'",
+    "gcsfs": "pip install 'shardkeeper-core[gcs]'",
+    "zstandard": "pip install 'shardkeeper-core[zstd]'",
+    "cryptography": "pip install 'shardkeeper-core[crypto]'",
+    "prometheus_client": "pip install 'shardkeeper-core[metrics]'",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="passed to the storage backend (repeatable); VALUE is parsed as JSON when it can be, "
         'e.g. -o anon=true -o \'client_kwargs={"endpoint_url": "http://minio:9000"}\'',
     )
-    common.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    common.add_argument(
+        "-v", "--verbose", action="store_true", help="log what is done to stderr (verify: each step's result and time)"
+    )
+    common.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars or waiting notices on stderr (errors still show)"
+    )
+    bars = common.add_mutually_exclusive_group()
+    bars.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="progress bars on stderr (default: when stderr is a terminal, and not with --json or --quiet)",
+    )
+    bars.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
     parser = argparse.ArgumentParser(prog=PROG, description="Inspect, verify and clean shardkeeper checkpoint roots.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     # The order of `shardkeeper --help`.
@@ -66,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version_line() -> str:
+    """``shardkeeper 0.1.0 (checkpoint format 5)``: the core's release and the newest format
+    version it writes and reads."""
+    return f"{PROG} {shardkeeper_version()} (checkpoint format {FORMAT_VERSION})"
+
+
 def _show_warning(
     message: Warning | str,
     category: type[Warning],
@@ -80,18 +121,29 @@ def _show_warning(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a usage line on bad arguments
-    # Log records and warnings reach stderr escaped, like every other line (display.say).
-    handler = logging.StreamHandler(sys.stderr)
+    # Log records and warnings reach stderr escaped, like every other line (display.say), and
+    # without tearing a progress bar (BarSafeHandler).
+    handler = BarSafeHandler(sys.stderr)
     handler.setFormatter(PrintableFormatter(f"{PROG}: %(levelname)s: %(message)s"))
     root = logging.getLogger()
     level = root.level
     root.addHandler(handler)
     root.setLevel(logging.INFO if args.verbose else logging.ERROR)
+    # What a storage call is waiting for (storage/retry.py's wait_log): shown unless --quiet.
+    waiting = BarSafeHandler(sys.stderr)
+    waiting.setFormatter(PrintableFormatter(f"{PROG}: %(message)s, Ctrl-C to stop"))
+    wait_level, wait_propagate = wait_log.level, wait_log.propagate
+    wait_log.addHandler(waiting)
+    wait_log.setLevel(logging.ERROR if args.quiet else logging.INFO)
+    wait_log.propagate = False
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
             return _run(args)
     finally:
+        wait_log.removeHandler(waiting)
+        wait_log.setLevel(wait_level)
+        wait_log.propagate = wait_propagate
         root.removeHandler(handler)
         root.setLevel(level)
 
@@ -104,6 +156,15 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_OK  # `shardkeeper ls ... | head`
+    except ModuleNotFoundError as e:
+        # A torch-free install running a command (or reading a codec) that needs an extra.
+        name = (e.name or "").split(".")[0]
+        if args.debug:
+            raise
+        if name not in _INSTALL:
+            return _internal_error(e)
+        say(f"{PROG}: error: {PROG} {args.command} needs {name}: {_INSTALL[name]}", file=sys.stderr)
+        return EXIT_USAGE
     except (UsageError, CheckpointError, OSError, ValueError) as e:
         if args.debug:
             raise
@@ -112,8 +173,12 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - a bug still gets one line; --debug shows it
         if args.debug:
             raise
-        say(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
-        return EXIT_USAGE
+        return _internal_error(e)
 
 
-__all__ = ["build_parser", "main"]
+def _internal_error(e: BaseException) -> int:
+    say(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+    return EXIT_USAGE
+
+
+__all__ = ["build_parser", "main", "version_line"]

@@ -14,13 +14,16 @@ from shardkeeper.core.cli.common import (
     add_key_options,
     open_root,
     print_json,
+    show_progress,
     step_arg,
     with_key,
 )
 from shardkeeper.core.cli.display import human_size, say
+from shardkeeper.core.cli.progress import make_bar
+from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S, collect_garbage
-from shardkeeper.core.verify import Problem, RootVerifyReport, verify_root, verify_step
+from shardkeeper.core.verify_report import Problem, RootVerifyReport
 
 
 def _print_problems(problems: Sequence[Problem]) -> None:
@@ -29,10 +32,17 @@ def _print_problems(problems: Sequence[Problem]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from shardkeeper.core.verify import stored_bytes, verify_root, verify_step  # numpy (the chunk reader)
+
     storage = with_key(open_root(args), args.key, args.encryption_root)
     if args.step is not None:
         try:
-            reports = [verify_step(storage, args.step)]
+            m = load_manifest(storage, args.step)
+            bar = make_bar(stored_bytes(m), f"verify step {args.step}", show_progress(args))
+            try:
+                reports = [verify_step(storage, args.step, manifest=m, on_bytes=bar.update)]
+            finally:
+                bar.close()
         except CorruptCheckpointError as e:
             # The manifest exists but does not validate: that is damage, not a usage error.
             root = RootVerifyReport(
@@ -49,7 +59,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             root = RootVerifyReport(root=storage.url, steps=reports)
     else:
-        root = verify_root(storage)
+        root = verify_root(storage, progress=show_progress(args))
         if not root.steps and not root.problems:
             raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
 
@@ -63,7 +73,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if r.ok:
             say(
                 f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
-                f"{human_size(r.bytes_checked)} checked)"
+                f"{human_size(r.bytes_checked)} checked in {r.seconds:.2f} s)"
             )
         else:
             say(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s))")
@@ -79,7 +89,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     storage = open_root(args)
     if args.min_age_s < 0:
         raise UsageError(f"--min-age-s must be >= 0, got {args.min_age_s}")
-    report = collect_garbage(storage, min_age_s=args.min_age_s, dry_run=args.dry_run)
+    report = collect_garbage(storage, min_age_s=args.min_age_s, dry_run=args.dry_run, progress=show_progress(args))
     if args.json:
         print_json(report.to_json())
         return EXIT_DAMAGED if report.errors else EXIT_OK

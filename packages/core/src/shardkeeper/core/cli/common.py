@@ -1,4 +1,5 @@
-"""What every command of the CLI shares: exit codes, opening ROOT, ``--key``, argument types."""
+"""What every command of the CLI shares: exit codes, opening ROOT (and catching the usual
+mistakes about it), ``--key``, argument types, whether to show progress."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import argparse
 import json
 from typing import Any
 
+from shardkeeper.core.cli.progress import want_progress
+from shardkeeper.core.cli.roots import check_root
 from shardkeeper.core.errors import UsageError
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.storage.object_stores import OBJECT_STORE_PROTOCOLS
+from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 
 PROG = "shardkeeper"
 EXIT_OK = 0
@@ -39,11 +44,35 @@ def _parse_option(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def open_root(args: argparse.Namespace) -> Storage:
-    """The storage of ``args.root`` with the ``-o KEY=VALUE`` options."""
-    options = dict(_parse_option(o) for o in args.storage_option or ())
+#: The CLI's patience with a store that does not answer: up to 8 attempts, backoff capped at
+#: 10 s (about 15-35 s in all), each wait announced on stderr (``-o retry_max_attempts=N`` etc.).
+CLI_RETRY = RetryPolicy(max_attempts=8, base_delay_s=0.5, max_delay_s=10.0, deadline_s=120.0)
+_RETRY_OPTIONS = ("retry_max_attempts", "retry_base_delay_s", "retry_max_delay_s", "retry_deadline_s")
+
+
+def _retry_policy(options: dict[str, Any]) -> RetryPolicy:
+    """``CLI_RETRY`` with the ``-o retry_*`` options (removed from ``options``) applied."""
+    given = {name[len("retry_") :]: options.pop(name) for name in _RETRY_OPTIONS if name in options}
+    defaults = {f: getattr(CLI_RETRY, f) for f in ("max_attempts", "base_delay_s", "max_delay_s", "deadline_s")}
     try:
-        return open_storage(args.root, **options)
+        return RetryPolicy(**{**defaults, **given})
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"bad -o retry_* option: {e}") from None
+
+
+def open_root(args: argparse.Namespace, *, must_exist: bool = True) -> Storage:
+    """The storage of ``args.root`` with the ``-o KEY=VALUE`` options, after ``check_root``
+    (a step directory given for a root, a local root that is not there: an error with the
+    remedy). Object stores are opened with retries that announce themselves (``CLI_RETRY``):
+    the client's own silent retries are cut to one attempt."""
+    check_root(args.root, getattr(args, "command", None) or "ls", must_exist=must_exist)
+    options = dict(_parse_option(o) for o in args.storage_option or ())
+    policy = _retry_policy(options)
+    remote = args.root.split("://", 1)[0] in OBJECT_STORE_PROTOCOLS if "://" in args.root else False
+    if remote:
+        options.setdefault("client_retries", 1)
+    try:
+        storage = open_storage(args.root, **options)
     except TypeError as e:
         raise UsageError(f"bad --storage-option for {args.root}: {e}") from None
     except ImportError as e:
@@ -51,6 +80,14 @@ def open_root(args: argparse.Namespace) -> Storage:
             f"cannot open {args.root}: {e}; install the backend's extra, e.g. "
             f"`pip install 'shardkeeper-core[s3]'` or `'shardkeeper-core[gcs]'`"
         ) from None
+    return with_retries(storage, policy) if remote else storage
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Whether this command shows progress bars (``cli/progress.py``: stderr, terminals only
+    unless ``--progress``; never with ``--no-progress``, and by default not with ``--json``
+    or ``--quiet``)."""
+    return want_progress(getattr(args, "progress", None), json=getattr(args, "json", False), quiet=args.quiet)
 
 
 def with_key(storage: Storage, spec: str | None, encryption_root: str | None = None) -> Storage:
@@ -93,6 +130,7 @@ def step_arg(text: str) -> int:
 
 
 __all__ = [
+    "CLI_RETRY",
     "EXIT_DAMAGED",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -101,6 +139,7 @@ __all__ = [
     "add_key_options",
     "open_root",
     "print_json",
+    "show_progress",
     "step_arg",
     "with_key",
 ]

@@ -9,14 +9,16 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core.cli.common import EXIT_OK, open_root, print_json, step_arg
+from shardkeeper.core.cli.common import EXIT_OK, open_root, print_json, show_progress, step_arg
 from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
+from shardkeeper.core.cli.progress import make_bar
 from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleFormatError,
+    StorageError,
     UsageError,
 )
 from shardkeeper.core.format.layout import LATEST_NAME
@@ -31,6 +33,8 @@ def _shape(shape: Sequence[int]) -> str:
 def _latest_hint(storage: Storage) -> int | None:
     try:
         return int(storage.read_bytes(LATEST_NAME).decode().strip())
+    except StorageError:
+        raise  # the store did not answer (after its retries): the listing would fail the same way
     except (CheckpointError, ValueError, UnicodeDecodeError):
         return None
 
@@ -53,7 +57,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     latest = _latest_hint(storage)
     committed = set(committed_steps(storage))
     rows: list[dict[str, Any]] = []
-    for step, name in sorted(step_dirs(storage).items()):
+    dirs = sorted(step_dirs(storage).items())
+    bar = make_bar(len(dirs), f"ls {storage.url}", show_progress(args), unit="step", leave=False)
+    for step, name in dirs:
+        bar.update(1)
         row: dict[str, Any] = {
             "step": step,
             "status": "committed",
@@ -86,6 +93,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 names = [MANIFEST_NAME]
             row["status"] = "invalid" if MANIFEST_NAME in names else "uncommitted"
         rows.append(row)
+    bar.close()
 
     if args.json:
         print_json({"root": storage.url, "latest_hint": latest, "steps": rows})

@@ -108,6 +108,10 @@ class FsspecStorage:
       conditional writes); ``False`` forces the non-atomic fallback, for S3-compatible stores
       that ignore ``If-None-Match``; ``True`` asserts that ``pipe_file(mode="create")`` is
       atomic on some other backend.
+    - ``client_retries``: on S3, the attempts s3fs and botocore each make before an error
+      reaches shardkeeper (``None``, the default, keeps theirs: about 25 attempts over 15 s
+      against an unreachable endpoint, in silence). The CLI sets 1 and retries in
+      ``RetryingStorage``, which says what it is waiting for. Other backends ignore it.
     """
 
     def __init__(
@@ -116,17 +120,27 @@ class FsspecStorage:
         *,
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
         conditional_writes: bool | None = None,
+        client_retries: int | None = None,
         **storage_options: Any,
     ) -> None:
         protocol = fsspec.core.split_protocol(url)[0] or "file"
         if protocol in OBJECT_STORE_PROTOCOLS:
             storage_options.setdefault("use_listings_cache", False)
+        if client_retries is not None:
+            if client_retries < 1:
+                raise ValueError(f"client_retries must be >= 1, got {client_retries}")
+            if protocol in S3_PROTOCOLS:
+                config = dict(storage_options.get("config_kwargs") or {})
+                config.setdefault("retries", {"max_attempts": client_retries - 1})  # botocore: retries only
+                storage_options["config_kwargs"] = config
         try:
             fs, root = fsspec.core.url_to_fs(url, **storage_options)
         except ImportError as e:
             extra = "s3" if protocol in S3_PROTOCOLS else "gcs" if protocol in GCS_PROTOCOLS else None
             hint = f"; install shardkeeper-core[{extra}]" if extra else ""
             raise StorageError(f"cannot open {url}: {e}{hint}") from e
+        if client_retries is not None and protocol in S3_PROTOCOLS and hasattr(fs, "retries"):
+            fs.retries = client_retries  # s3fs's own loop around every call
         self.fs = fs
         self.url = url.rstrip("/")
         self.root = root.rstrip("/")

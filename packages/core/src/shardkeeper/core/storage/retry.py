@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import (
@@ -49,6 +50,10 @@ from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
 log = logging.getLogger(__name__)
+#: On the first retry of a call, one INFO record here says what is being waited for and why
+#: (``waiting for s3://b/run (connection refused to 127.0.0.1:9000); retrying, attempt 2/5``).
+#: A program that waits on a person shows it (the CLI prints it on stderr); the library never prints.
+wait_log = logging.getLogger("shardkeeper.core.storage.waiting")
 T = TypeVar("T")
 
 _TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -158,6 +163,40 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
+def reason(e: BaseException) -> str:
+    """A short why of a transient error, for a person: ``connection refused to host:port``,
+    ``timed out``, ``HTTP 503 SlowDown``, else the error's class and first line."""
+    chain = _chain(e)
+    what = None
+    for cur in chain:
+        if isinstance(cur, ConnectionRefusedError):
+            what = "connection refused"
+        elif isinstance(cur, TimeoutError) or "Timeout" in type(cur).__name__:
+            what = "timed out"
+        else:
+            response = getattr(cur, "response", None)
+            if isinstance(response, dict):
+                code = str((response.get("Error") or {}).get("Code") or "")
+                status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+                what = " ".join(x for x in (f"HTTP {status}" if status else "", code) if x) or None
+        if what:
+            break
+    host = None
+    for cur in chain:
+        h, port = getattr(cur, "host", None), getattr(cur, "port", None)
+        kwargs = getattr(cur, "kwargs", None)  # botocore: EndpointConnectionError(endpoint_url=...)
+        if isinstance(h, str) and isinstance(port, int):
+            host = f"{h}:{port}"
+        elif isinstance(kwargs, dict) and isinstance(kwargs.get("endpoint_url"), str):
+            host = urlsplit(kwargs["endpoint_url"]).netloc or None
+        if host:
+            break
+    if what is None:
+        first = (str(e).splitlines() or [""])[0][:120]
+        what = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return f"{what} to {host}" if host else what
+
+
 class _Attempts:
     """One retried operation: counts, sleeps, and gives up with a clear error."""
 
@@ -188,6 +227,14 @@ class _Attempts:
                 f"or raise retry_max_attempts / retry_deadline_s"
             ) from e
         owner._count(self.op, "retried")
+        if self.n == 1:
+            wait_log.info(
+                "waiting for %s (%s); retrying, attempt %d/%d",
+                owner.url,
+                reason(e),
+                self.n + 1,
+                policy.max_attempts,
+            )
         log.info(
             "%s of %s: transient error (%s), retry %d in %.2f s",
             self.op,
@@ -382,4 +429,4 @@ def with_retries(storage: Storage, policy: RetryPolicy | None) -> Storage:
     return RetryingStorage(storage, policy)
 
 
-__all__ = ["RetryPolicy", "RetryingStorage", "is_transient", "with_retries"]
+__all__ = ["RetryPolicy", "RetryingStorage", "is_transient", "reason", "wait_log", "with_retries"]
