@@ -1,4 +1,4 @@
-"""Progress bars of the CLI (cli/progress.py): on stderr when it is a terminal, never on a pipe,
+"""Progress bars of the CLI (core/bars.py): on stderr when it is a terminal, never on a pipe,
 never in stdout; --json stdout stays JSON. Real processes, stderr on a pseudo-terminal."""
 
 from __future__ import annotations

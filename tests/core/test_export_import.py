@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.cli import main
-from shardkeeper.core.cli.progress import make_bar
+from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.dcp_import import import_dcp
 from shardkeeper.core.errors import ChecksumMismatchError, CommitConflictError, StateMismatchError
@@ -209,7 +209,7 @@ def test_export_and_import_on_every_backend(storage_root: StorageRoot, tmp_path:
 
 
 def test_progress_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    """The bar (tqdm's, cli/progress.py) goes to stderr when enabled, nowhere when not."""
+    """The bar (tqdm's, core/bars.py) goes to stderr when enabled, nowhere when not."""
     bar = make_bar(3 << 20, "export step 1", enabled=True)
     bar.update(3 << 20)
     bar.close()

@@ -210,7 +210,7 @@ def import_dcp(
     leaves: dict[str, Any] = {}
     files: dict[str, dict[str, Any]] = {}
     written: list[str] = []
-    from shardkeeper.core.cli.progress import make_bar
+    from shardkeeper.core.bars import make_bar
 
     bar = make_bar(sum(t[4] for t in tensors), f"import {os.path.basename(src.rstrip('/')) or src}", progress)
     pool = ThreadPoolExecutor(1)

@@ -286,7 +286,7 @@ def export_safetensors(
     reader = ChunkReader.of(
         storage, m, where=where, remedy=f"export another step and run `shardkeeper verify {storage.url}`"
     )
-    from shardkeeper.core.cli.progress import make_bar
+    from shardkeeper.core.bars import make_bar
 
     bar = make_bar(sum(it[2].nbytes for it in items), f"export step {step}", progress)
     n = len(shards)

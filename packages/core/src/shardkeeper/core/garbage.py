@@ -127,7 +127,7 @@ def collect_garbage(
     t0 = time.monotonic()
     bar = None
     if progress is not False and (plan.files or plan.dirs):
-        from shardkeeper.core.cli.progress import make_bar
+        from shardkeeper.core.bars import make_bar
 
         verb = "gc (dry run)" if dry_run else "gc removing"
         bar = make_bar(len(plan.files) + len(plan.dirs), f"{verb} under {storage.url}", progress, unit="path")

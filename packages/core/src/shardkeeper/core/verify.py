@@ -467,7 +467,7 @@ def verify_root(
         manifests.append((s, m))
     bar = None
     if progress is not False:
-        from shardkeeper.core.cli.progress import make_bar
+        from shardkeeper.core.bars import make_bar
 
         bar = make_bar(sum(stored_bytes(m) for _, m in manifests), f"verify {storage.url}", progress)
     try:

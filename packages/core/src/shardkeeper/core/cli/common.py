@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from shardkeeper.core.cli.progress import want_progress
+from shardkeeper.core.bars import want_progress
 from shardkeeper.core.cli.roots import check_root
 from shardkeeper.core.errors import UsageError
 from shardkeeper.core.storage import open_storage
@@ -84,7 +84,7 @@ def open_root(args: argparse.Namespace, *, must_exist: bool = True) -> Storage:
 
 
 def show_progress(args: argparse.Namespace) -> bool:
-    """Whether this command shows progress bars (``cli/progress.py``: stderr, terminals only
+    """Whether this command shows progress bars (``core/bars.py``: stderr, terminals only
     unless ``--progress``; never with ``--no-progress``, and by default not with ``--json``
     or ``--quiet``)."""
     return want_progress(getattr(args, "progress", None), json=getattr(args, "json", False), quiet=args.quiet)

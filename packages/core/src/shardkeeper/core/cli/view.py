@@ -11,7 +11,7 @@ from typing import Any
 
 from shardkeeper.core.cli.common import EXIT_OK, open_root, print_json, show_progress, step_arg
 from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
-from shardkeeper.core.cli.progress import make_bar
+from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
 from shardkeeper.core.errors import (
     CheckpointError,

@@ -7,7 +7,7 @@ one with ``--json``: it goes to stderr). The library functions that do long work
 (``export_safetensors``, ``import_dcp``, ``verify_root``, ``collect_garbage``) make their bar
 here too when asked (``progress=True``), so the Python API and the CLI show the same bar.
 
-This module imports nothing of the CLI's (no cycle when the library imports it lazily).
+It sits at the bottom layer of the core (it imports only tqdm), so the library and the CLI share it.
 """
 
 from __future__ import annotations
