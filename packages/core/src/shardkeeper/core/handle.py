@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -71,9 +72,18 @@ class SaveHandle:
                 raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout_s} s") from None
             raise  # an interrupt of the wait (Ctrl-C, SystemExit)
 
-    def unchecked(self) -> bool:
-        """True when nobody waited for this save's outcome (nor did its manager)."""
-        return not self._waited
+    def warn_if_unwaited(self, manager: str) -> None:
+        """Warn (``UnwaitedSaveWarning``) when nobody waited for this save's outcome, nor did
+        its manager, which ``manager`` names: it is being collected, and whether the save
+        committed or failed was never checked (a failure is reported nowhere else)."""
+        if not self._waited:
+            warnings.warn(
+                f"{manager} was garbage-collected with the save of step {self.step} never waited for, "
+                f"so whether it committed or failed was never checked; call mgr.wait() (or "
+                f"handle.wait()) after save(), or mgr.close()",
+                UnwaitedSaveWarning,
+                stacklevel=3,
+            )
 
     def _is_outcome(self, e: BaseException) -> bool:
         """Is ``e`` the save's own failure (rather than something that interrupted a wait)?"""

@@ -11,11 +11,9 @@ back to the previous committed step when a step is damaged.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import os
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -31,7 +29,7 @@ from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.handle import SaveHandle, UnwaitedSaveWarning
+from shardkeeper.core.handle import SaveHandle
 from shardkeeper.core.load import load_step
 from shardkeeper.core.options import (
     DEFAULT,
@@ -42,7 +40,6 @@ from shardkeeper.core.options import (
     Staging,
     given_options,
 )
-from shardkeeper.core.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.restoring import Restorer
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.saving import SaveRunner
@@ -54,10 +51,6 @@ from shardkeeper.core.tensor.save_plan import PlanCache
 from shardkeeper.core.tensor.staging import Stager
 
 log = logging.getLogger(__name__)
-
-
-def _selects_progress(pattern: str) -> bool:
-    return fnmatch.fnmatchcase("progress/step", pattern) or pattern.rstrip("/*") == "progress"
 
 
 class CheckpointManager:
@@ -100,28 +93,23 @@ class CheckpointManager:
         retry_deadline_s: float = DEFAULT.retry_deadline_s,
         **unknown_options: NoReturn,
     ) -> None:
-        """Open ``root`` (a collective in a process group: every rank, in the same order).
+        """Open ``root`` (in a process group a collective: every rank, in the same order).
 
-        ``keep_last`` / ``keep_every``: retention (docs/retention.md); ``process_group``: the
-        group whose ranks save together (default: the world, or none); ``storage_options``:
-        fsspec options of a URL root; ``metadata``: written into every manifest.
+        ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save
+        together (default: the world, or none); ``storage_options``: fsspec options of a URL
+        root; ``metadata``: written into every manifest. Every other keyword is a field of
+        :class:`CheckpointOptions` (docs/api.md, "Options"), and overrides ``options=``:
 
-        Every other keyword is a field of :class:`CheckpointOptions` (the fields' docstrings
-        and docs/api.md, "Options", say more); a keyword given here overrides ``options``:
-
-        - saving: ``async_save`` (save() returns once the state is staged, default True),
-          ``staging`` ("blocking" | "overlap" the copy with the next steps), ``commit_timeout_s``;
-        - layout: ``max_files_per_rank``, ``min_file_bytes`` (files per rank and when to split);
-        - io: ``io_threads``, ``max_read_bytes`` (parallel reads and writes, one read's bound);
-        - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop);
-        - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``;
+        - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``
+        - layout: ``max_files_per_rank``, ``min_file_bytes``; io: ``io_threads``, ``max_read_bytes``
+        - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop)
+        - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``
         - codecs: ``incremental``, ``compression`` ("zstd"), ``compression_level``,
-          ``encryption`` ("env:VAR" | "file:PATH" | a KeyProvider), ``encryption_root``;
-        - retry: ``retry_max_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``,
-          ``retry_deadline_s`` (transient storage faults);
-        - catalog: ``catalog`` (``etcd://host:2379``: record commits there too).
+          ``encryption`` ("env:VAR" | "file:PATH" | a KeyProvider), ``encryption_root``
+        - retry: ``retry_max_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``, ``retry_deadline_s``
+        - catalog: ``catalog`` (``etcd://host:2379``: record commits there too)
 
-        Wrong types raise ``TypeError``, bad values ``ValueError``; an unknown keyword is a
+        A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
         ``TypeError`` naming the close matches.
         """
         given = given_options(locals())
@@ -200,14 +188,8 @@ class CheckpointManager:
             handle = self._pending = self._saver.submit(self._bg, job, owner=self)
             handle.stall_s = stall_s = time.perf_counter() - t0
             metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
-            log.info(
-                "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
-                self.rank,
-                step,
-                len(job.plan.items),
-                job.plan.nbytes,
-                stall_s,
-            )
+            msg = "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)"
+            log.info(msg, self.rank, step, len(job.plan.items), job.plan.nbytes, stall_s)
         finally:
             job.start.give(stall_s)  # the writer starts once save() is done with its own work
         if synchronous:
@@ -325,32 +307,15 @@ class CheckpointManager:
         self._check_open()
         check_state("restore", state)
         check_step("restore", step, optional=True)
-        rest, targets = split_targets(state)
         policy = per_rank or self.options.per_rank
         if policy not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
         optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
         self._wait_pending(raise_error=False)
-        restored = self._restorer.restore(
-            rest,
-            step,
-            patterns,
-            strict=strict,
-            per_rank=policy,
-            cast=cast_dtypes,
-            optional=optional_patterns,
-            stacklevel=2,
-            allow_empty=bool(targets),
+        return self._restorer.restore_state(
+            state, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes, optional=optional_patterns
         )
-        merge_back(state, rest)
-        if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
-            manifest = self._restorer.last_manifest  # the restored step's, read by the restore
-            assert manifest is not None and manifest.step == restored
-            progress = read_progress(manifest)
-            for target in targets.values():
-                target.load_progress(progress)
-        return restored
 
     def load(
         self,
@@ -361,18 +326,12 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         """``step`` (None: the newest committed) read into a NEW nested dict, without a target.
 
-        Like ``torch.load``: no model or optimizer needed. Tensors come back whole (assembled
-        from every saving rank's shards, whatever the layout: DDP, FSDP, TP, ZeRO), on the CPU,
-        in the dtype they were saved in; JSON values and bytes as saved. The dict nests by the
-        ``/`` key paths, as the state was given (``load()["model"]["fc.weight"]``); lists that
-        held tensors come back as dicts keyed ``"0"``, ``"1"``...; per-rank state (``PerRank``,
-        ``RNGState``) one entry per saving rank (``load()["rng"]["0"]``).
-
-        ``only``: key patterns as for ``restore`` (``"model/*"``). ``max_bytes``: refuse up
-        front, naming the total, when the selected tensors would take more memory than this
-        (default None: no bound, as ``torch.load``). Not a collective: any process may call it,
-        alone (each caller reads everything it selects). Reads are verified as restore's are;
-        encrypted steps need the manager's key. A damaged step raises (no fallback).
+        Like ``torch.load``: full CPU tensors in their saved dtype (assembled from every
+        saving rank's shards, whatever the layout), JSON values and bytes, nested by the ``/``
+        key paths (``load()["model"]["fc.weight"]``); per-rank state one entry per saving rank
+        (``load()["rng"]["0"]``). ``only``: key patterns, as ``restore``'s. ``max_bytes``:
+        refuse up front when the selection takes more memory (None: no bound). Not a
+        collective: one process may call it alone. Reads are verified; a damaged step raises.
         """
         self._check_open()
         check_step("load", step, optional=True)
@@ -445,18 +404,10 @@ class CheckpointManager:
         self.close()
 
     def __del__(self) -> None:
-        # Only a save nobody waited for warns: its outcome (committed or failed) was never
-        # checked, and the failure of a manager collected before exit is reported nowhere else.
         # A manager holds itself alive while its save runs, so this runs once the save is over.
         p = getattr(self, "_pending", None)
-        if p is not None and not getattr(self, "_closed", True) and p.unchecked():
-            warnings.warn(
-                f"CheckpointManager for {self.storage.url} (rank {self.rank}) was garbage-collected "
-                f"with the save of step {p.step} never waited for, so whether it committed or failed "
-                f"was never checked; call mgr.wait() (or handle.wait()) after save(), or mgr.close()",
-                UnwaitedSaveWarning,
-                stacklevel=1,
-            )
+        if p is not None and not getattr(self, "_closed", True):
+            p.warn_if_unwaited(f"CheckpointManager for {self.storage.url} (rank {self.rank})")
 
 
 __all__ = ["CheckpointManager", "CheckpointOptions", "SaveHandle"]

@@ -12,6 +12,7 @@ says that the target is partly restored.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 import warnings
@@ -30,6 +31,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
@@ -37,6 +39,10 @@ from shardkeeper.core.tensor.restore_plan import RestoreStats
 from shardkeeper.core.tensor.state import flatten_for_restore
 
 log = logging.getLogger(__name__)
+
+
+def _selects_progress(pattern: str) -> bool:
+    return fnmatch.fnmatchcase("progress/step", pattern) or pattern.rstrip("/*") == "progress"
 
 
 class Restorer:
@@ -49,6 +55,40 @@ class Restorer:
         self.last_stats: RestoreStats | None = None
         self.last_manifest: Manifest | None = None
         self._loaded: Manifest | None = None
+
+    def restore_state(
+        self,
+        state: Mapping[str, Any],
+        step: int | None,
+        patterns: list[str] | None,
+        *,
+        strict: bool,
+        per_rank: str,
+        cast: bool,
+        optional: list[str],
+    ) -> int:
+        """``CheckpointManager.restore``: ``restore`` of ``state`` without its progress
+        targets, which are handed the restored step's progress when ``patterns`` select it."""
+        rest, targets = split_targets(state)
+        restored = self.restore(
+            rest,
+            step,
+            patterns,
+            strict=strict,
+            per_rank=per_rank,
+            cast=cast,
+            optional=optional,
+            stacklevel=3,  # the warning names the manager's caller
+            allow_empty=bool(targets),
+        )
+        merge_back(state, rest)
+        if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
+            manifest = self.last_manifest  # the restored step's, read by the restore
+            assert manifest is not None and manifest.step == restored
+            progress = read_progress(manifest)
+            for target in targets.values():
+                target.load_progress(progress)
+        return restored
 
     def restore(
         self,
