@@ -98,7 +98,7 @@ class CheckpointManager:
         ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save
         together (default: the world, or none); ``storage_options``: fsspec options of a URL
         root; ``metadata``: written into every manifest. Every other keyword is a field of
-        :class:`CheckpointOptions` (docs/api.md, "Options"), and overrides ``options=``:
+        :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
 
         - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``
         - layout: ``max_files_per_rank``, ``min_file_bytes``; io: ``io_threads``, ``max_read_bytes``
