@@ -44,9 +44,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", NAMES)
-def test_load_assembles_every_ranks_shards_bit_for_bit(
-    saved: Path, name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_load_assembles_every_ranks_shards_bit_for_bit(saved: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SK_LOAD_KEY", KEY)
     ref = torch.load(saved / f"{name}.ref.pt", weights_only=True)
     encryption = "env:SK_LOAD_KEY" if name.endswith("enc") else None
