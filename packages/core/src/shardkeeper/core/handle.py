@@ -2,12 +2,14 @@
 
 ``wait()`` raises the save's failure on every call; the manager raises it from its next
 ``save()``/``wait()``/``close()`` (or reports it at exit, ``at_exit.py``) only if no
-``wait()`` has delivered it yet.
+``wait()`` has delivered it yet. A manager collected with a save nobody waited for warns
+(``UnwaitedSaveWarning``).
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -15,9 +17,20 @@ from dataclasses import dataclass, field
 from shardkeeper.core.errors import CheckpointTimeoutError
 
 
+class UnwaitedSaveWarning(RuntimeWarning):
+    """A manager was garbage-collected with a save nobody waited for: whether it committed
+    was never checked. A ``RuntimeWarning``, so Python shows it by default."""
+
+
 @dataclass
 class SaveHandle:
-    """A save in flight. ``wait()`` blocks until it is committed and raises its failure."""
+    """One save, as ``CheckpointManager.save()`` returns it.
+
+    ``step``: the step saved; ``stall_s``: how long ``save()`` blocked the caller;
+    ``done()`` / ``staged()`` ask without blocking; ``wait()`` blocks until the save is
+    committed and raises its failure. Waiting is optional per save: the manager's next
+    ``save()``, ``wait()`` or ``close()`` waits for it too (and the interpreter's exit does).
+    """
 
     step: int
     _future: Future[None]
@@ -26,6 +39,7 @@ class SaveHandle:
     """Bytes whose staging copy ``staging="overlap"`` deferred to the background."""
     _staged: threading.Event | None = field(default=None, repr=False)
     _delivered: bool = field(default=False, repr=False)
+    _waited: bool = field(default=False, repr=False)  # someone waited for the outcome
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def done(self) -> bool:
@@ -37,22 +51,39 @@ class SaveHandle:
         return self._staged is None or self._staged.is_set()
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the save is committed; raise its failure (on every call, not once).
+        """Block until this save is written and committed (on every rank: the commit needs
+        every rank's part), or has failed.
 
-        ``timeout_s``: give up waiting after that long with ``CheckpointTimeoutError`` (the
-        save goes on). A Ctrl-C (``KeyboardInterrupt``) or ``SystemExit`` during the wait
-        propagates at once; the save goes on in the background and is still waited for when
-        the interpreter exits.
+        Raises the save's failure, ``CheckpointSaveError`` and the like, on every call (not
+        once; the manager then no longer raises it). ``timeout_s``: give up waiting after that
+        long with ``CheckpointTimeoutError`` (the save goes on). A Ctrl-C
+        (``KeyboardInterrupt``) or ``SystemExit`` during the wait propagates at once; the save
+        goes on in the background and is still waited for when the interpreter exits.
         """
         try:
             self._future.result(timeout=timeout_s)
+            self._waited = True
         except BaseException as e:
             if self._is_outcome(e):  # the save's own failure
+                self._waited = True
                 self._deliver()
                 raise
             if isinstance(e, FutureTimeout):  # the wait ran out, the save goes on
                 raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout_s} s") from None
             raise  # an interrupt of the wait (Ctrl-C, SystemExit)
+
+    def warn_if_unwaited(self, manager: str) -> None:
+        """Warn (``UnwaitedSaveWarning``) when nobody waited for this save's outcome, nor did
+        its manager, which ``manager`` names: it is being collected, and whether the save
+        committed or failed was never checked (a failure is reported nowhere else)."""
+        if not self._waited:
+            warnings.warn(
+                f"{manager} was garbage-collected with the save of step {self.step} never waited for, "
+                f"so whether it committed or failed was never checked; call mgr.wait() (or "
+                f"handle.wait()) after save(), or mgr.close()",
+                UnwaitedSaveWarning,
+                stacklevel=3,
+            )
 
     def _is_outcome(self, e: BaseException) -> bool:
         """Is ``e`` the save's own failure (rather than something that interrupted a wait)?"""
@@ -75,4 +106,4 @@ class SaveHandle:
         return err if first else None
 
 
-__all__ = ["SaveHandle"]
+__all__ = ["SaveHandle", "UnwaitedSaveWarning"]

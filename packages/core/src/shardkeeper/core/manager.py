@@ -11,18 +11,18 @@ back to the previous committed step when a step is damaged.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import os
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any
+from typing import Any, NoReturn
 
 from shardkeeper.core import at_exit, deletion, metrics
+from shardkeeper.core.arguments import check_state, check_step
 from shardkeeper.core.codec import CodecState
+from shardkeeper.core.codec.keys import KeyProvider
 from shardkeeper.core.commit import committed_steps, is_committed, load_manifest, newest_committed
 from shardkeeper.core.context import ManagerContext, open_root
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
@@ -30,8 +30,16 @@ from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.handle import SaveHandle
-from shardkeeper.core.options import CheckpointOptions
-from shardkeeper.core.progress import merge_back, read_progress, split_targets
+from shardkeeper.core.load import load_step
+from shardkeeper.core.options import (
+    DEFAULT,
+    CheckpointOptions,
+    Compression,
+    DigestAlgorithm,
+    PerRankPolicy,
+    Staging,
+    given_options,
+)
 from shardkeeper.core.restoring import Restorer
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.saving import SaveRunner
@@ -43,10 +51,6 @@ from shardkeeper.core.tensor.save_plan import PlanCache
 from shardkeeper.core.tensor.staging import Stager
 
 log = logging.getLogger(__name__)
-
-
-def _selects_progress(pattern: str) -> bool:
-    return fnmatch.fnmatchcase("progress/step", pattern) or pattern.rstrip("/*") == "progress"
 
 
 class CheckpointManager:
@@ -66,12 +70,53 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         options: CheckpointOptions | None = None,
-        **option_overrides: Any,
+        # The fields of CheckpointOptions, one keyword each (a test holds them equal).
+        async_save: bool = DEFAULT.async_save,
+        staging: Staging = DEFAULT.staging,
+        per_rank: PerRankPolicy = DEFAULT.per_rank,
+        digest: DigestAlgorithm = DEFAULT.digest,
+        digest_block_bytes: int = DEFAULT.digest_block_bytes,
+        commit_timeout_s: float = DEFAULT.commit_timeout_s,
+        io_threads: int = DEFAULT.io_threads,
+        max_files_per_rank: int = DEFAULT.max_files_per_rank,
+        min_file_bytes: int = DEFAULT.min_file_bytes,
+        max_read_bytes: int = DEFAULT.max_read_bytes,
+        catalog: str | None = DEFAULT.catalog,
+        incremental: bool = DEFAULT.incremental,
+        compression: Compression | None = DEFAULT.compression,
+        compression_level: int = DEFAULT.compression_level,
+        encryption: str | KeyProvider | None = DEFAULT.encryption,
+        encryption_root: str | None = DEFAULT.encryption_root,
+        retry_max_attempts: int = DEFAULT.retry_max_attempts,
+        retry_base_delay_s: float = DEFAULT.retry_base_delay_s,
+        retry_max_delay_s: float = DEFAULT.retry_max_delay_s,
+        retry_deadline_s: float = DEFAULT.retry_deadline_s,
+        **unknown_options: NoReturn,
     ) -> None:
-        base = (options or CheckpointOptions()).replace(**option_overrides)
+        """Open ``root`` (in a process group a collective: every rank, in the same order).
+
+        ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save
+        together (default: the world, or none); ``storage_options``: fsspec options of a URL
+        root; ``metadata``: written into every manifest. Every other keyword is a field of
+        :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
+
+        - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``
+        - layout: ``max_files_per_rank``, ``min_file_bytes``; io: ``io_threads``, ``max_read_bytes``
+        - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop)
+        - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``
+        - codecs: ``incremental``, ``compression`` ("zstd"), ``compression_level``,
+          ``encryption`` ("env:VAR" | "file:PATH" | a KeyProvider), ``encryption_root``
+        - retry: ``retry_max_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``, ``retry_deadline_s``
+        - catalog: ``catalog`` (``etcd://host:2379``: record commits there too)
+
+        A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
+        ``TypeError`` naming the close matches.
+        """
+        given = given_options(locals())
+        base = (options or CheckpointOptions()).replace(**given, **unknown_options)
         self.options = base
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
-        self.storage, read_storage, encryption = open_root(
+        self.storage, read_storage, keyed = open_root(
             root, storage_options, retry=base.retry_policy(), encryption=base.encryption, bound_to=base.encryption_root
         )
         self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
@@ -82,12 +127,12 @@ class CheckpointManager:
         self._stager = Stager()
         self._plans = PlanCache()
         self._gate = StagingGate()
-        ctx = ManagerContext(self.storage, read_storage, self._coord, base, self._io, encryption)
+        ctx = ManagerContext(self.storage, read_storage, self._coord, base, self._io, keyed)
         codecs = CodecState(
             incremental=base.incremental,
             compression=base.compression,
             level=base.compression_level,
-            encrypted=encryption is not None,
+            encrypted=keyed is not None,
         )
         self._saver = SaveRunner(ctx, codecs=codecs, stager=self._stager, plans=self._plans, gate=self._gate)
         self._restorer = Restorer(ctx)
@@ -117,14 +162,15 @@ class CheckpointManager:
         counts as stall), and raises the previous save's failure if nobody has seen it yet.
         """
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        check_step("save", step)
+        check_state("save", state)
         t0 = time.perf_counter()
         self._wait_pending(raise_error=True)
         refused = self._saver.refusal(step)
         if refused is not None:  # it still takes its turn in the protocol (no rank waits for it)
             seq, self._seq = self._seq, self._seq + 1
             self._pending = self._saver.submit_refused(self._bg, step, seq, refused, owner=self)
+            self._pending._waited = True  # its outcome is the refusal, raised right here
             raise refused
         synchronous = not (self.options.async_save if async_save is None else async_save)
         job = self._saver.prepare(
@@ -142,14 +188,8 @@ class CheckpointManager:
             handle = self._pending = self._saver.submit(self._bg, job, owner=self)
             handle.stall_s = stall_s = time.perf_counter() - t0
             metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
-            log.info(
-                "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)",
-                self.rank,
-                step,
-                len(job.plan.items),
-                job.plan.nbytes,
-                stall_s,
-            )
+            msg = "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)"
+            log.info(msg, self.rank, step, len(job.plan.items), job.plan.nbytes, stall_s)
         finally:
             job.start.give(stall_s)  # the writer starts once save() is done with its own work
         if synchronous:
@@ -163,6 +203,7 @@ class CheckpointManager:
         if p is None:
             return
         futures_wait([p._future])
+        p._waited = True
         if not raise_error:  # keep the handle: its failure reaches the next save() or wait()
             return
         self._pending = None
@@ -177,6 +218,7 @@ class CheckpointManager:
         if p is None or self._closed:
             return None
         futures_wait([p._future])
+        p._waited = True
         err = p._undelivered_error()
         if err is None:
             return None
@@ -198,12 +240,14 @@ class CheckpointManager:
 
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` is committed under the root (its manifest exists and validates)."""
+        check_step("is_committed", step)
         return is_committed(self.storage, step)
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
         kinds, shapes, dtypes), world size and metadata, without reading any tensor data."""
         self._check_open()
+        check_step("manifest", step, optional=True)
         if step is None:
             step = newest_committed(self.storage)
             if step is None:
@@ -212,6 +256,7 @@ class CheckpointManager:
 
     def step_url(self, step: int) -> str:
         """Where ``step``'s directory lives (a path or URL), for messages and other tools."""
+        check_step("step_url", step)
         return self.storage.describe(step_dir(step))
 
     def delete(self, step: int) -> bool:
@@ -225,6 +270,7 @@ class CheckpointManager:
         is not committed counts as gone.
         """
         self._check_open()
+        check_step("delete", step)
         self._wait_pending(raise_error=False)
         return deletion.delete_step(self._ctx, step)
 
@@ -255,33 +301,46 @@ class CheckpointManager:
         A :class:`~shardkeeper.core.progress.ProgressTarget` entry (an adapter's ``progress``) is
         handed the restored step's progress, read from its manifest (any framework's layout),
         when ``only`` selects ``progress/``.
+        A target that holds nothing to fill (``{}``) is a ``ValueError``: to read a checkpoint
+        without a model, use :meth:`load`.
         """
         self._check_open()
-        rest, targets = split_targets(state)
+        check_state("restore", state)
+        check_step("restore", step, optional=True)
         policy = per_rank or self.options.per_rank
         if policy not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
         optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
         self._wait_pending(raise_error=False)
-        restored = self._restorer.restore(
-            rest,
-            step,
-            patterns,
-            strict=strict,
-            per_rank=policy,
-            cast=cast_dtypes,
-            optional=optional_patterns,
-            stacklevel=2,
+        return self._restorer.restore_state(
+            state, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes, optional=optional_patterns
         )
-        merge_back(state, rest)
-        if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
-            manifest = self._restorer.last_manifest  # the restored step's, read by the restore
-            assert manifest is not None and manifest.step == restored
-            progress = read_progress(manifest)
-            for target in targets.values():
-                target.load_progress(progress)
-        return restored
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        only: str | Sequence[str] | None = None,
+        max_bytes: int | None = None,
+    ) -> dict[str, Any]:
+        """``step`` (None: the newest committed) read into a NEW nested dict, without a target.
+
+        Like ``torch.load``: full CPU tensors in their saved dtype (assembled from every
+        saving rank's shards, whatever the layout), JSON values and bytes, nested by the ``/``
+        key paths (``load()["model"]["fc.weight"]``); per-rank state one entry per saving rank
+        (``load()["rng"]["0"]``). ``only``: key patterns, as ``restore``'s. ``max_bytes``:
+        refuse up front when the selection takes more memory (None: no bound). Not a
+        collective: one process may call it alone. Reads are verified; a damaged step raises.
+        """
+        self._check_open()
+        check_step("load", step, optional=True)
+        patterns = [only] if isinstance(only, str) else (list(only) if only else None)
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+            raise ValueError(f"load(): max_bytes must be an int >= 0 or None (no bound), got {max_bytes!r}")
+        self._wait_pending(raise_error=False)
+        out, _ = load_step(self._ctx, step, patterns, max_bytes)
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------------
     def wait_staged(self) -> None:
@@ -298,13 +357,24 @@ class CheckpointManager:
         return self._gate.waits
 
     def wait(self) -> None:
-        """Block until the pending save is committed; raise its failure if not yet seen."""
+        """Block until the pending save (the last one started) is committed or has failed.
+
+        Raises that save's failure (``CheckpointSaveError`` and the like) unless a
+        ``SaveHandle.wait()`` already raised it; returns at once when nothing is pending. A
+        Ctrl-C during the wait propagates at once: the save goes on in the background, stays
+        pending (the next ``wait()``/``save()``/``close()`` waits for it again) and is waited
+        for at interpreter exit. Collective in effect: the commit needs every rank's save.
+        """
         self._wait_pending(raise_error=True)
 
     def close(self) -> None:
-        """Wait for the pending save (raising its failure if not yet seen), then release the
-        threads. Idempotent. A Ctrl-C during the wait propagates at once and leaves the manager
-        open: the save goes on and is still waited for at exit."""
+        """Wait for the pending save as ``wait()`` does, then release the manager's threads.
+
+        Raises the pending save's failure if nobody has seen it (the manager is closed all the
+        same). Idempotent; after it, every other method raises ``CheckpointError``. A Ctrl-C
+        during the wait propagates at once and leaves the manager open: the save goes on and
+        is still waited for at exit. ``with CheckpointManager(...) as mgr:`` calls it.
+        """
         if self._closed:
             return
         try:
@@ -334,14 +404,10 @@ class CheckpointManager:
         self.close()
 
     def __del__(self) -> None:
+        # A manager holds itself alive while its save runs, so this runs once the save is over.
         p = getattr(self, "_pending", None)
         if p is not None and not getattr(self, "_closed", True):
-            warnings.warn(
-                f"CheckpointManager for {self.storage.url} was garbage-collected with a save of "
-                f"step {p.step} never waited for; call mgr.wait() or mgr.close()",
-                ResourceWarning,
-                stacklevel=1,
-            )
+            p.warn_if_unwaited(f"CheckpointManager for {self.storage.url} (rank {self.rank})")
 
 
 __all__ = ["CheckpointManager", "CheckpointOptions", "SaveHandle"]

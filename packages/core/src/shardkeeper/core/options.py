@@ -146,6 +146,42 @@ OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(CheckpointOptions))
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(CheckpointOptions)}
 
 
+class OptionDefault:
+    """The default of a ``CheckpointManager`` keyword option: "not given", so that an
+    ``options=`` object's value stands. Its repr is the ``CheckpointOptions`` default, which is
+    what ``help(CheckpointManager)`` and ``inspect.signature`` show."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @property
+    def value(self) -> Any:
+        return _DEFAULTS[self.name]
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class _Defaults:
+    """``DEFAULT.<option>``: the ``OptionDefault`` of each option (typed ``Any``, so a keyword
+    parameter keeps its option's type)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _DEFAULTS:
+            raise AttributeError(name)
+        return OptionDefault(name)
+
+
+DEFAULT: Any = _Defaults()
+
+
+def given_options(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The options among ``values`` (a signature's arguments) that the caller gave."""
+    return {k: v for k, v in values.items() if k in _DEFAULTS and not isinstance(v, OptionDefault)}
+
+
 def group_of(name: str) -> str:
     """The group of option ``name`` (a key of ``GROUPS``)."""
     for group, names in GROUPS.items():
@@ -356,17 +392,20 @@ def _check_combinations(o: CheckpointOptions) -> None:
 __all__ = [
     "CheckpointOptions",
     "Compression",
+    "DEFAULT",
     "DigestAlgorithm",
     "GROUPS",
     "IneffectiveOptionWarning",
     "Mismatch",
     "OPTION_NAMES",
+    "OptionDefault",
     "PerRankPolicy",
     "Staging",
     "check_value",
     "conform",
     "describe_groups",
     "describe_unknown",
+    "given_options",
     "group_of",
     "option_types",
     "type_name",

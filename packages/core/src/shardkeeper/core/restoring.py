@@ -12,6 +12,7 @@ says that the target is partly restored.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 import warnings
@@ -30,6 +31,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
@@ -37,6 +39,10 @@ from shardkeeper.core.tensor.restore_plan import RestoreStats
 from shardkeeper.core.tensor.state import flatten_for_restore
 
 log = logging.getLogger(__name__)
+
+
+def _selects_progress(pattern: str) -> bool:
+    return fnmatch.fnmatchcase("progress/step", pattern) or pattern.rstrip("/*") == "progress"
 
 
 class Restorer:
@@ -50,6 +56,40 @@ class Restorer:
         self.last_manifest: Manifest | None = None
         self._loaded: Manifest | None = None
 
+    def restore_state(
+        self,
+        state: Mapping[str, Any],
+        step: int | None,
+        patterns: list[str] | None,
+        *,
+        strict: bool,
+        per_rank: str,
+        cast: bool,
+        optional: list[str],
+    ) -> int:
+        """``CheckpointManager.restore``: ``restore`` of ``state`` without its progress
+        targets, which are handed the restored step's progress when ``patterns`` select it."""
+        rest, targets = split_targets(state)
+        restored = self.restore(
+            rest,
+            step,
+            patterns,
+            strict=strict,
+            per_rank=per_rank,
+            cast=cast,
+            optional=optional,
+            stacklevel=3,  # the warning names the manager's caller
+            allow_empty=bool(targets),
+        )
+        merge_back(state, rest)
+        if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
+            manifest = self.last_manifest  # the restored step's, read by the restore
+            assert manifest is not None and manifest.step == restored
+            progress = read_progress(manifest)
+            for target in targets.values():
+                target.load_progress(progress)
+        return restored
+
     def restore(
         self,
         state: Mapping[str, Any],
@@ -61,9 +101,12 @@ class Restorer:
         cast: bool,
         optional: list[str],
         stacklevel: int = 1,
+        allow_empty: bool = False,
     ) -> int:
         """The step restored into ``state``, or raise (``stacklevel``: of the fallback warning,
-        counted from the caller of this method)."""
+        counted from the caller of this method). A ``state`` without leaves is a ``ValueError``
+        (it would restore nothing, silently) unless ``allow_empty`` (the manager's restore of
+        progress targets alone, which read the manifest)."""
         ctx = self.ctx
         url = ctx.storage.url
         explicit = step is not None
@@ -81,7 +124,7 @@ class Restorer:
         damaged: list[int] = []
         writes = TargetWrites()  # what the attempts wrote into ``state``: a fallback rewrites it all
         for s in candidates:
-            verdict, err = self._attempt(state, s, patterns, strict, per_rank, cast, optional, writes)
+            verdict, err = self._attempt(state, s, patterns, strict, per_rank, cast, optional, writes, allow_empty)
             if ctx.world_size > 1:
                 verdict = Verdict(ctx.coord.agree_int(verdict, "max"))
             if verdict is Verdict.RESTORED:
@@ -134,25 +177,23 @@ class Restorer:
         cast: bool,
         optional: list[str],
         writes: TargetWrites,
+        allow_empty: bool,
     ) -> tuple[Verdict, BaseException | None]:
         """This rank's attempt at ``step``, and its error."""
         ctx = self.ctx
         url = ctx.storage.url
         t0 = time.perf_counter()
         try:
-            manifest = self._loaded = commit.load_manifest(ctx.read_storage, step)  # authenticated when encrypted
-            if ctx.encryption is None and manifest.encryption is not None:
-                if not files_look_encrypted(ctx.storage, step, manifest):
-                    raise CorruptCheckpointError(
-                        f"step {step} under {url}: its manifest says it is encrypted, but its data "
-                        f"files are not: the manifest was edited or damaged; restore another step"
-                    )
-                raise EncryptionKeyError(
-                    f"step {step} under {url} is encrypted (key {manifest.encryption.get('key_id')}); "
-                    f"pass its key: CheckpointManager(..., encryption='env:VAR' | 'file:PATH' | a KeyProvider)"
-                )
+            manifest = self._loaded = readable_manifest(ctx, step)
             check_restore_target(manifest.metadata, state, f"step {step} under {url}")
             flat = flatten_for_restore(state, ctx.rank, strict=strict)
+            if not flat.leaves and not allow_empty:
+                raise ValueError(
+                    f"restore(): the target state holds nothing to fill (an empty mapping, or only "
+                    f"empty ones), so nothing of step {step} under {url} would be restored (rank "
+                    f"{ctx.rank}); pass the state to fill in place, e.g. mgr.restore({{'model': model, "
+                    f"'optim': optimizer}}), or read the checkpoint into a new dict with mgr.load()"
+                )
             st = self.last_stats = restore_flat(
                 ctx.storage,
                 step_dir(step),
@@ -197,6 +238,24 @@ class Restorer:
         return Verdict.RESTORED, None
 
 
+def readable_manifest(ctx: ManagerContext, step: int) -> Manifest:
+    """``step``'s validated manifest (authenticated when encrypted); an encrypted step without
+    its key is an ``EncryptionKeyError`` naming the remedy, before any data is read."""
+    url = ctx.storage.url
+    manifest = commit.load_manifest(ctx.read_storage, step)
+    if ctx.encryption is None and manifest.encryption is not None:
+        if not files_look_encrypted(ctx.storage, step, manifest):
+            raise CorruptCheckpointError(
+                f"step {step} under {url}: its manifest says it is encrypted, but its data "
+                f"files are not: the manifest was edited or damaged; restore another step"
+            )
+        raise EncryptionKeyError(
+            f"step {step} under {url} is encrypted (key {manifest.encryption.get('key_id')}); "
+            f"pass its key: CheckpointManager(..., encryption='env:VAR' | 'file:PATH' | a KeyProvider)"
+        )
+    return manifest
+
+
 def partly_restored(err: BaseException, writes: TargetWrites) -> BaseException:
     """``err``, its message extended by a warning when failed restore attempts wrote into the
     target (its type and attributes kept: callers catch e.g. ``ChecksumMismatchError``)."""
@@ -220,4 +279,4 @@ def partly_restored(err: BaseException, writes: TargetWrites) -> BaseException:
     return err
 
 
-__all__ = ["Restorer", "partly_restored"]
+__all__ = ["Restorer", "partly_restored", "readable_manifest"]

@@ -1,0 +1,149 @@
+"""Target-free load: a committed step read into a new nested dict (``CheckpointManager.load``).
+
+Like ``torch.load`` or a restore without a target: no model or optimizer is needed, and a
+step saved by any number of ranks in any layout (DDP, FSDP, TP, ZeRO fragments) comes back
+whole in one process. The target is made from the manifest, one full CPU tensor of the saved
+shape and dtype per tensor leaf, and filled by the restore machinery itself
+(``tensor/restore.py``: planned overlaps of every rank's chunks, ranged, verified reads,
+decoding of compressed and encrypted chunks), so there is one reader, not two.
+
+The dict is nested by the ``/`` key paths, as the state was given: ``{"model": {"fc.weight":
+tensor}, "meta": {"step": 3}}``. Lists and tuples that held tensors come back as dicts keyed
+``"0"``, ``"1"``, ...; per-rank state (``PerRank``, ``RNGState``) as it is stored, one entry
+per saving rank: ``{"rng": {"0": {...}, "1": {...}}}``. A quantized optimizer entry comes back
+as stored (its int8 values and scales).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardkeeper.core.commit import newest_committed
+from shardkeeper.core.context import ManagerContext
+from shardkeeper.core.errors import CheckpointNotFoundError, CheckpointRestoreError, CorruptCheckpointError
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.manifest import Manifest, itemsize
+from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.restoring import readable_manifest
+from shardkeeper.core.tensor.restore import restore_flat
+from shardkeeper.core.tensor.restore_plan import RestoreStats, listing, matches
+from shardkeeper.core.tensor.state import FlatState, Leaf, dtype_from_name
+
+
+def _head(manifest: Manifest, key: str) -> Any:
+    """Leaf ``key``'s record without materializing a table-form manifest's chunk records."""
+    leaves = manifest.leaves
+    return leaves.head(key) if isinstance(leaves, TableLeaves) else leaves[key]
+
+
+def _nbytes(rec: Any) -> int:
+    return 0 if rec.kind == "object" else math.prod(rec.shape) * itemsize(rec.dtype)
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+class _Put:
+    """Sets one leaf's value at its key path in the nested result (a leaf setter)."""
+
+    __slots__ = ("parent", "name")
+
+    def __init__(self, parent: dict[str, Any], name: str) -> None:
+        self.parent = parent
+        self.name = name
+
+    def __call__(self, value: Any) -> None:
+        self.parent[self.name] = value
+
+
+def _slot(out: dict[str, Any], key: str, where: str) -> _Put:
+    """The container and name of ``key`` in ``out`` (``a/b/c``: ``out["a"]["b"]``, ``"c"``)."""
+    *path, name = key.split("/")
+    node = out
+    for part in path:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise CorruptCheckpointError(f"{where}: key {key!r} lies under the leaf {part!r}; the manifest is damaged")
+        node = child
+    if name in node:
+        raise CorruptCheckpointError(f"{where}: key {key!r} is both a leaf and a prefix; the manifest is damaged")
+    return _Put(node, name)
+
+
+def resolve_step(ctx: ManagerContext, step: int | None) -> int:
+    """``step``, or the newest committed one (a ``CheckpointNotFoundError`` when none is)."""
+    if step is not None:
+        return step
+    newest = newest_committed(ctx.storage)
+    if newest is None:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint under {ctx.storage.url}; nothing to load. Check the root "
+            f"(`shardkeeper ls {ctx.storage.url}`)"
+        )
+    return newest
+
+
+def load_step(
+    ctx: ManagerContext, step: int | None, only: Sequence[str] | None, max_bytes: int | None
+) -> tuple[dict[str, Any], RestoreStats]:
+    """``step`` (None: the newest committed) as a new nested dict, and what was read.
+
+    ``only``: key patterns as ``restore``'s; ``max_bytes``: refuse, before allocating or
+    reading anything, when the selected tensors and bytes would take more memory than this.
+    """
+    step = resolve_step(ctx, step)
+    url = ctx.storage.url
+    where = f"step {step} under {url}"
+    manifest = readable_manifest(ctx, step)
+    keys = [k for k in manifest.leaves if matches(k, only)]
+    if only and not keys:
+        raise CheckpointRestoreError(
+            f"load(): only={list(only)} matches no key of {where}; list its keys with "
+            f"`shardkeeper inspect {url} {step}`"
+        )
+    records = {k: _head(manifest, k) for k in keys}
+    total = sum(_nbytes(r) for r in records.values())
+    if max_bytes is not None and total > max_bytes:
+        big = sorted(records, key=lambda k: -_nbytes(records[k]))[:4]
+        raise CheckpointRestoreError(
+            f"load(): the selected tensors of {where} take {total} bytes ({format_bytes(total)}), more "
+            f"than max_bytes={max_bytes} ({format_bytes(max_bytes)}); nothing was read. The largest: "
+            f"{listing([f'{k} ({format_bytes(_nbytes(records[k]))})' for k in big], 4)}. Load a part "
+            f"with only=['model/*'], or pass a larger max_bytes= (None: no bound)"
+        )
+    out: dict[str, Any] = {}
+    flat = FlatState()
+    for key, rec in records.items():
+        put = _slot(out, key, where)
+        if rec.kind == "tensor":
+            tensor = torch.empty(tuple(rec.shape), dtype=dtype_from_name(rec.dtype))
+            put(tensor)
+            flat.leaves[key] = Leaf(key, tensor, "tensor")
+        else:  # bytes and JSON values are set once every read succeeded
+            flat.leaves[key] = Leaf(key, None, rec.kind, set=put)
+    stats = restore_flat(
+        ctx.storage,
+        step_dir(step),
+        manifest,
+        flat,
+        rank=0,
+        world_size=1,
+        only=None,
+        strict=True,
+        per_rank="exact",  # per-rank keys are read as stored (every leaf's per_rank is None)
+        cast=False,
+        executor=ctx.io,
+        max_read_bytes=ctx.settings.max_read_bytes,
+    )
+    return out, stats
+
+
+__all__ = ["format_bytes", "load_step", "resolve_step"]
