@@ -63,6 +63,14 @@ def test_load_assembles_every_ranks_shards_bit_for_bit(saved: Path, name: str, m
     assert got["note"] == {"0": {"rank": 0}, "1": {"rank": 1}}  # one entry per saving rank
     assert set(got["rng"]) == {"0", "1"} and got["rng"]["0"]["torch"].dtype == torch.uint8
     assert isinstance(got["optim"]["param_groups"], list)
+    assert (saved / f"{name}.lone-ok").exists()  # rank 1 loaded it alone inside the live group
+
+
+def test_process_group_names_only_local(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "r", process_group="local") as mgr:
+        assert (mgr.rank, mgr.world_size) == (0, 1)
+    with pytest.raises(ValueError, match="'local'"):
+        CheckpointManager(tmp_path / "r", process_group="world")
 
 
 @pytest.mark.multiprocess

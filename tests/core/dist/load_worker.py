@@ -6,7 +6,8 @@ For each layout (FSDP2 and TP: every tensor sharded across the ranks) and each c
 (raw; zstd with encryption under the key in ``SK_LOAD_KEY``), trains two steps and saves a
 state with JSON values, bytes and per-rank entries under ``ROOT/<layout>-<codec>``; rank 0
 writes the full tensors (gathered from the shards) to ``ROOT/<layout>-<codec>.ref.pt``, the
-reference the single-process ``load()`` is compared with bit for bit.
+reference the single-process ``load()`` is compared with bit for bit. Rank 1 also loads each
+step alone with ``process_group="local"`` while the group is up, and leaves ``<name>.lone-ok``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def main(root: Path) -> None:
                 mgr.save(2, state).wait()
             if rank == 0:
                 torch.save(ref, root / f"{name}.ref.pt")
+            if rank == 1:  # one rank alone while the group is up: a "local" manager is no collective
+                with CheckpointManager(root / name, process_group="local", **options) as lone:
+                    got = lone.load(only=["model/*"])["model"]
+                bad = [k for k, v in got.items() if not torch.equal(v, ref[f"model/{k}"])]
+                if bad or len(got) != sum(k.startswith("model/") for k in ref):
+                    raise SystemExit(f"{name}: rank 1's lone load() differs from the gathered state: {bad}")
+                (root / f"{name}.lone-ok").write_text("ok")
             dist.barrier()
     dist.destroy_process_group()
 

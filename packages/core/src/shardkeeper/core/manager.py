@@ -96,7 +96,8 @@ class CheckpointManager:
         """Open ``root`` (in a process group a collective: every rank, in the same order).
 
         ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save
-        together (default: the world, or none); ``storage_options``: fsspec options of a URL
+        together (default: the world, or none; ``"local"``: this process alone, not a
+        collective even in a process group, e.g. one rank that only loads); ``storage_options``: fsspec options of a URL
         root; ``metadata``: written into every manifest. Every other keyword is a field of
         :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
 

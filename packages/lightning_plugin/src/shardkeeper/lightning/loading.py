@@ -14,8 +14,8 @@ ddp, FSDP2/TP shards, FSDP1, DeepSpeed fragments), ``hyper_parameters``, ``epoch
 so that it sends pointers here and every other file to Lightning's loader unchanged.
 ``shardkeeper.lightning.install()`` installs the wrapper, ``uninstall()`` removes it.
 
-Nothing here unpickles. Inside a process group every rank must call it (the core's restore is
-collective there, as under Lightning's Trainer, which loads on every rank).
+Nothing here unpickles. The step is read with the core's target-free ``CheckpointManager.load``,
+which is not a collective: one process may call it alone, inside a process group or not.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = None, **ma
             f"{s} is neither a shardkeeper pointer file (a .ckpt the Lightning plugin wrote), a "
             f"checkpoint root nor a step directory under one; a Lightning .ckpt loads with torch.load"
         )
-    with CheckpointManager(target.root, **st.read_options(manager_options)) as mgr:
+    opts = {"process_group": "local", **st.read_options(manager_options)}  # this process reads alone
+    with CheckpointManager(target.root, **opts) as mgr:
         step = target.step if target.step is not None else mgr.latest_step()
         if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {target.root}: nothing to load from {s}")
@@ -80,20 +81,39 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = None, **ma
 
 def _read(mgr: CheckpointManager, step: int, manifest: Manifest) -> dict[str, Any]:
     leaves = manifest.leaves
-    state: dict[str, Any] = {}
-    for ns in ("model", "optim", "sched", "extra"):
-        sk = codec.skeleton(leaves, ns)
-        if sk is not None:
-            state[ns] = sk
-    optim = state.get("optim")
-    if optim is not None and _plain_optim(optim) is None:
-        del state["optim"]  # another layout (a DeepSpeed engine's): a Trainer with the plugin resumes it
-    mgr.restore(state, step=step, only=[f"{ns}/*" for ns in state])
+    names = [ns for ns in ("model", "optim", "sched", "extra") if any(_under(k, ns) for k in leaves)]
+    if "optim" in names and _plain_optim(_objects(leaves, "optim")) is None:
+        names.remove("optim")  # another layout (a DeepSpeed engine's): a Trainer with the plugin resumes it
+    # the core's target-free load: full tensors from any saved layout, read by this process alone
+    state = mgr.load(step, only=[f"{ns}/*" for ns in names]) if names else {}
     ck = lightning_dict(manifest, codec.decode(state.get("extra") or {}), state.get("sched"), step, mgr.storage.url)
     ck["state_dict"] = dict(state.get("model") or {})
     if "optim" in state:
         ck["optimizer_states"] = _plain_optim(state["optim"])
     return ck
+
+
+def _under(key: str, ns: str) -> bool:
+    return key.startswith(ns + "/")
+
+
+def _objects(leaves: Any, ns: str) -> dict[str, Any]:
+    """The JSON leaves under ``ns`` nested by key path, from the manifest alone (no read): enough
+    to tell the optimizer layout (``param_groups``) before any tensor is read."""
+    out: dict[str, Any] = {}
+    for key in leaves:
+        if not _under(key, ns):
+            continue
+        *path, name = key[len(ns) + 1 :].split("/")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            rec = leaves[key]
+            node[name] = rec.value if rec.kind == "object" else {}
+    return out
 
 
 def lightning_dict(

@@ -196,6 +196,13 @@ def _read_report(data: bytes, *, rank: int, where: str) -> Report:
 
 
 def make_coordinator(group: Any = None) -> Coordinator:
+    """The coordinator for ``group``: ``"local"`` is this process alone, even inside an
+    initialised process group (a lone reader: ``load()``, ``manifest()``); otherwise the
+    group's ranks (default: the world) when there are several, else this process."""
+    if isinstance(group, str):
+        if group != "local":
+            raise ValueError(f"process_group must be a torch ProcessGroup, None or 'local', not {group!r}")
+        return LocalCoordinator()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         return StoreCoordinator.create(group)
     return LocalCoordinator()
