@@ -83,14 +83,21 @@ DISTRIBUTIONS = {"core": "core", **{name: f"{name}_plugin" for name in ADAPTERS}
 def _build_dists(session: nox.Session, names: tuple[str, ...]) -> Path:
     """Build a wheel and an sdist of each named distribution into a fresh folder; return it.
 
+    Each builds from a copy of its folder, so that the build's ``*.egg-info`` stays out of the
+    sources (on sys.path it would be a second copy of the distribution's metadata), and
+    ``python -m build`` makes the wheel from the sdist, as an installer of the sdist would.
     ``--no-isolation`` builds in the session's venv (setuptools installed once there) rather
     than a throwaway venv per distribution: the same backend, seconds instead of a minute.
     """
     _install(session, *BUILD)
-    dist = Path(session.create_tmp()) / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
+    tmp = Path(session.create_tmp())
+    dist, sources = tmp / "dist", tmp / "sources"
+    for path in (dist, sources):
+        shutil.rmtree(path, ignore_errors=True)
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
     for name in names:
-        folder = ROOT / "packages" / DISTRIBUTIONS[name]
+        folder = sources / DISTRIBUTIONS[name]
+        shutil.copytree(ROOT / "packages" / DISTRIBUTIONS[name], folder, ignore=skip)
         session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(folder), silent=True)
     return dist
 

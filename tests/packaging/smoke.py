@@ -9,7 +9,7 @@ For each named distribution it checks that the installed copy came from a wheel 
 sources, not an editable install), that the wheel installed every source file and ``py.typed``,
 and that the sdist in DIR holds the sources, ``pyproject.toml`` and ``README.md``. For the core:
 the ``shardkeeper`` console script runs (``--help``), and a save and a restore through the
-installed core are bit-exact (then ``shardkeeper verify`` on that checkpoint). For an adapter: it
+installed core are bit-exact (then ``python -m shardkeeper.core.cli verify`` on it). For an adapter: it
 imports (with its framework installed), and the DeepSpeed adapter's entry point is found.
 Exits non-zero, naming every failure.
 """
@@ -144,10 +144,11 @@ def check_roundtrip() -> list[str]:
         if before.keys() != after.keys() or len(before) < 6:
             bad.append(f"restored keys differ: {sorted(before)} vs {sorted(after)}")
         bad += [f"{k} differs after the restore" for k in before if after.get(k) != before[k]]
-        script = shutil.which("shardkeeper", path=str(Path(sys.executable).parent)) or "shardkeeper"
-        res = subprocess.run([script, "verify", root], capture_output=True, text=True, timeout=300)
+        # through the module, so that a missing console script (check_cli) is reported once
+        verify = [sys.executable, "-m", "shardkeeper.core.cli", "verify", root]
+        res = subprocess.run(verify, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
-            bad.append(f"shardkeeper verify {root} exited {res.returncode}: {res.stdout[-500:]} {res.stderr[-2000:]}")
+            bad.append(f"verify {root} exited {res.returncode}: {res.stdout[-500:]} {res.stderr[-2000:]}")
     return bad
 
 
