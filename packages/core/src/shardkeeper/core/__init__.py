@@ -72,15 +72,38 @@ _LAZY = {
 _LAZY_MODULES = {"metrics": "shardkeeper.core.metrics"}
 
 
-def __getattr__(name: str) -> Any:
+#: Top-level modules of the ``[torch]`` extra: a lazy name that fails to import one of these
+#: says which extra to install, instead of a bare ModuleNotFoundError from deep inside.
+_TORCH_EXTRA = frozenset({"torch", "numpy"})
+
+
+def _import_lazy(module: str, public: str) -> Any:
+    """Import ``module`` for the lazy name ``public``. A missing torch or numpy becomes a
+    ModuleNotFoundError (still an ImportError, with ``name`` kept) that names the extra;
+    any other import error inside passes through unchanged."""
     import importlib
 
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in _TORCH_EXTRA:
+            raise
+        raise ModuleNotFoundError(
+            f"shardkeeper.core.{public} needs {missing}, which is not installed: "
+            f"pip install 'shardkeeper-core[torch]' (brings torch and numpy), "
+            f"or install them yourself (e.g. torch==2.13.0 numpy)",
+            name=exc.name,
+        ) from exc
+
+
+def __getattr__(name: str) -> Any:
     if name in _LAZY_MODULES:
-        return importlib.import_module(_LAZY_MODULES[name])
+        return _import_lazy(_LAZY_MODULES[name], name)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'shardkeeper.core' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+    return getattr(_import_lazy(mod, name), name)
 
 
 __all__ = [
