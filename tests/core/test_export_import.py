@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.cli import main
 from shardkeeper.core.bars import make_bar
+from shardkeeper.core.cli import main
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.dcp_import import import_dcp
 from shardkeeper.core.errors import ChecksumMismatchError, CommitConflictError, StateMismatchError

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from shardkeeper.core.codec.keys import KeyProvider, LocalKeyProvider
     from shardkeeper.core.dcp_import import import_dcp
     from shardkeeper.core.export import export_safetensors
+    from shardkeeper.core.handle import UnwaitedSaveWarning
     from shardkeeper.core.manager import CheckpointManager, SaveHandle
     from shardkeeper.core.options import CheckpointOptions, IneffectiveOptionWarning
     from shardkeeper.core.preemption import PreemptionGuard
@@ -53,6 +54,7 @@ _LAZY = {
     "options_from_file": "shardkeeper.core.settings",
     "options_from_mapping": "shardkeeper.core.settings",
     "SaveHandle": "shardkeeper.core.manager",
+    "UnwaitedSaveWarning": "shardkeeper.core.handle",
     "Fragment": "shardkeeper.core.tensor.fragment",
     "PerRank": "shardkeeper.core.tensor.state",
     "RNGState": "shardkeeper.core.tensor.state",
@@ -132,6 +134,7 @@ __all__ = [
     "StepOrderError",
     "StorageError",
     "TornStateError",
+    "UnwaitedSaveWarning",
     "advise",
     "advise_root",
     "dtype_from_name",

@@ -32,10 +32,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from shardkeeper.core.bars import BarSafeHandler
 from shardkeeper.core.cli import advise, check, convert, view
 from shardkeeper.core.cli.common import EXIT_OK, EXIT_USAGE, PROG
 from shardkeeper.core.cli.display import PrintableFormatter, say
-from shardkeeper.core.bars import BarSafeHandler
 from shardkeeper.core.errors import CheckpointError, UsageError
 from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage.retry import wait_log

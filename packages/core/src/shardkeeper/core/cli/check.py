@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from shardkeeper.core.bars import make_bar
 from shardkeeper.core.cli.common import (
     EXIT_DAMAGED,
     EXIT_OK,
@@ -19,7 +20,6 @@ from shardkeeper.core.cli.common import (
     with_key,
 )
 from shardkeeper.core.cli.display import human_size, say
-from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S, collect_garbage

@@ -9,9 +9,9 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
+from shardkeeper.core.bars import make_bar
 from shardkeeper.core.cli.common import EXIT_OK, open_root, print_json, show_progress, step_arg
 from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
-from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
 from shardkeeper.core.errors import (
     CheckpointError,
