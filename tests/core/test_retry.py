@@ -20,7 +20,8 @@ from shardkeeper.core import CheckpointManager, metrics
 from shardkeeper.core.errors import CheckpointSaveError, CommitConflictError, StorageError
 from shardkeeper.core.storage import LocalStorage, open_storage
 from shardkeeper.core.storage.faults import FaultyStorage
-from shardkeeper.core.storage.retry import RetryingStorage, RetryPolicy, is_transient
+from shardkeeper.core.storage.retry import RetryingStorage, RetryPolicy
+from shardkeeper.core.storage.transient import is_transient
 from tests.conftest import s3_storage_options
 from tests.faultproxy import FaultProxy
 
