@@ -21,7 +21,7 @@ from shardkeeper.core import (
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC
 from shardkeeper.core.storage import open_storage
-from shardkeeper.core.verify import verify_root
+from shardkeeper.core.verify_all import verify_root
 from tests.checks import assert_same_state
 
 pytest.importorskip("zstandard")

@@ -27,7 +27,8 @@ from shardkeeper.core.codec.crypto import EncryptedStorage
 from shardkeeper.core.codec.crypto_format import BLOCK, MAGIC, TAG
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import open_storage
-from shardkeeper.core.verify import verify_root, verify_step
+from shardkeeper.core.verify import verify_step
+from shardkeeper.core.verify_all import verify_root
 from tests.checks import assert_same_state
 
 pytest.importorskip("cryptography")

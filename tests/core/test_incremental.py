@@ -15,7 +15,7 @@ from shardkeeper.core import CheckpointManager, ChecksumMismatchError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.retention import collect_garbage
 from shardkeeper.core.storage import open_storage
-from shardkeeper.core.verify import verify_root
+from shardkeeper.core.verify_all import verify_root
 from tests.checks import assert_same_state
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,8 @@ from shardkeeper.core.commit import committed_steps
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import LocalStorage
-from shardkeeper.core.verify import verify_root, verify_step
+from shardkeeper.core.verify import verify_step
+from shardkeeper.core.verify_all import verify_root
 
 try:
     from ._builders import age_everything, tensor, write_step

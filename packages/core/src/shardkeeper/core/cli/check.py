@@ -32,7 +32,8 @@ def _print_problems(problems: Sequence[Problem]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from shardkeeper.core.verify import stored_bytes, verify_root, verify_step  # numpy (the chunk reader)
+    from shardkeeper.core.verify import stored_bytes, verify_step  # numpy (the chunk reader)
+    from shardkeeper.core.verify_all import verify_root
 
     storage = with_key(open_root(args), args.key, args.encryption_root)
     if args.step is not None:
