@@ -65,7 +65,7 @@ def test_verify_verbose_prints_each_step(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 0
     lines = [line for line in err.splitlines() if ": OK: " in line]
     assert len(lines) == 2, err
-    assert re.search(r"step 10: OK: 1 files, 1 chunks, 0\.0 MiB checked in \d+\.\d\d s", lines[0]), lines[0]
+    assert re.search(r"step 10: OK: 1 files, 1 chunks, 4\.0 KiB checked in \d+\.\d\d s", lines[0]), lines[0]
     assert "step 20: OK" in lines[1]
     assert re.search(r"step 20: OK \(1 files, 1 chunks, 4\.0 KiB checked in \d+\.\d\d s\)", out)
 

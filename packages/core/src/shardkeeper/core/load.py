@@ -29,6 +29,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest, itemsize
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.restoring import readable_manifest
+from shardkeeper.core.sizes import human_size
 from shardkeeper.core.tensor.restore import restore_flat
 from shardkeeper.core.tensor.restore_plan import RestoreStats, listing, matches
 from shardkeeper.core.tensor.state import FlatState, Leaf, dtype_from_name
@@ -42,13 +43,6 @@ def _head(manifest: Manifest, key: str) -> Any:
 
 def _nbytes(rec: Any) -> int:
     return 0 if rec.kind == "object" else math.prod(rec.shape) * itemsize(rec.dtype)
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 class _Put:
@@ -114,9 +108,9 @@ def load_step(
     if max_bytes is not None and total > max_bytes:
         big = sorted(records, key=lambda k: -_nbytes(records[k]))[:4]
         raise CheckpointRestoreError(
-            f"load(): the selected tensors of {where} take {total} bytes ({format_bytes(total)}), more "
-            f"than max_bytes={max_bytes} ({format_bytes(max_bytes)}); nothing was read. The largest: "
-            f"{listing([f'{k} ({format_bytes(_nbytes(records[k]))})' for k in big], 4)}. Load a part "
+            f"load(): the selected tensors of {where} take {total} bytes ({human_size(total)}), more "
+            f"than max_bytes={max_bytes} ({human_size(max_bytes)}); nothing was read. The largest: "
+            f"{listing([f'{k} ({human_size(_nbytes(records[k]))})' for k in big], 4)}. Load a part "
             f"with only=['model/*'], or pass a larger max_bytes= (None: no bound)"
         )
     out: dict[str, Any] = {}
@@ -146,4 +140,4 @@ def load_step(
     return out, stats
 
 
-__all__ = ["format_bytes", "load_step", "resolve_step"]
+__all__ = ["load_step", "resolve_step"]

@@ -33,6 +33,7 @@ from shardkeeper.core.format.records import DTYPES, ChunkRecord, LeafRecord, che
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
 from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
 from shardkeeper.core.root_files import resolve_file
+from shardkeeper.core.sizes import human_size
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.verify_report import Collector, Problem, RootVerifyReport, VerifyReport
 
@@ -75,22 +76,22 @@ def verify_step(
     report.seconds = time.monotonic() - t0
     if report.ok:
         log.info(
-            "step %d: OK: %d files, %d chunks, %.1f MiB checked in %.2f s",
+            "step %d: OK: %d files, %d chunks, %s checked in %.2f s",
             step,
             report.files_checked,
             report.chunks_checked,
-            report.bytes_checked / 2**20,
+            human_size(report.bytes_checked),
             report.seconds,
         )
     else:
         log.info(
-            "step %d: DAMAGED: %d problem(s) in %.2f s (%d files, %d chunks, %.1f MiB checked): %s",
+            "step %d: DAMAGED: %d problem(s) in %.2f s (%d files, %d chunks, %s checked): %s",
             step,
             len(report.problems),
             report.seconds,
             report.files_checked,
             report.chunks_checked,
-            report.bytes_checked / 2**20,
+            human_size(report.bytes_checked),
             "; ".join(p.message for p in report.problems[:3]) + ("; ..." if len(report.problems) > 3 else ""),
         )
     return report

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
+from shardkeeper.core.sizes import human_size
+
 
 def printable(text: str) -> str:
     """``text`` with every character that ``str.isprintable`` rejects written as its Python
@@ -38,20 +40,6 @@ class PrintableFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return printable(super().format(record))
-
-
-def human_size(n: int | None) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def table_lines(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str) -> list[str]:
