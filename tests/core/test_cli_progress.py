@@ -127,7 +127,7 @@ def test_gc_bar_by_paths(tmp_path: Path) -> None:
         write_step(storage, step, {"model/w": tensor("float32", (4, 4))}, commit=False, latest=False)
     age_everything(root)
     code, out, err = _cli("gc", root, "--dry-run", tty_stderr=True)
-    assert code == 0 and "gc (dry run) under" in err and "2/2" in err and BAR in err
+    assert code == 0 and "gc (dry run)" in err and "2/2" in err and BAR in err
     assert "gc: would remove 2 path(s)" in out and BAR not in out
     code, out, err = _cli("gc", root, tty_stderr=False)
     assert code == 0 and err == "" and "gc: removed 2 path(s)" in out

@@ -130,7 +130,7 @@ def collect_garbage(
         from shardkeeper.core.bars import make_bar
 
         verb = "gc (dry run)" if dry_run else "gc removing"
-        bar = make_bar(len(plan.files) + len(plan.dirs), f"{verb} under {storage.url}", progress, unit="path")
+        bar = make_bar(len(plan.files) + len(plan.dirs), verb, progress, unit="path")
     try:
         records = pending.read_records(storage, now)
         intents = [] if no_running_saves else [r for r in records if r.kind == "intent" and r.live]

@@ -78,7 +78,9 @@ def verify_root(
     if progress is not False:
         from shardkeeper.core.bars import make_bar
 
-        bar = make_bar(sum(stored_bytes(m) for _, m in manifests), f"verify {storage.url}", progress)
+        bar = make_bar(
+            sum(stored_bytes(m) for _, m in manifests), "verify", progress
+        )  # short: a long root would squeeze the bar out
     try:
         for s, m in manifests:
             on_bytes = None if bar is None else bar.update

@@ -58,7 +58,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     committed = set(committed_steps(storage))
     rows: list[dict[str, Any]] = []
     dirs = sorted(step_dirs(storage).items())
-    bar = make_bar(len(dirs), f"ls {storage.url}", show_progress(args), unit="step", leave=False)
+    bar = make_bar(len(dirs), "ls", show_progress(args), unit="step", leave=False)
     for step, name in dirs:
         bar.update(1)
         row: dict[str, Any] = {
