@@ -157,3 +157,28 @@ def test_load_waits_for_the_pending_save(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:  # async: load() waits for the save in flight
         mgr.save(4, {"x": torch.arange(3)})
         assert torch.equal(mgr.load(4)["x"], torch.arange(3))
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"extra": {"lr": 0.1, "lr/warmup": torch.ones(3)}},  # a JSON value at a tensor's prefix
+        {"m": {"w": torch.zeros(2), "w/b": torch.ones(2)}},  # a tensor at a tensor's prefix
+    ],
+)
+def test_load_refuses_keys_that_cannot_nest_instead_of_dropping_one(tmp_path: Path, state: dict[str, Any]) -> None:
+    """A dict key holding '/' saves a key under another key: load() says so and reads nothing;
+    it never drops one of them nor calls the step damaged. restore() into the target reads both."""
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(3, state)
+        with pytest.raises(CheckpointRestoreError, match=r"holds both .*restore\(state, step=3\)") as info:
+            mgr.load()
+        assert "damaged" not in str(info.value)
+        target = {
+            k: ({kk: (v.clone().zero_() if isinstance(v, torch.Tensor) else v) for kk, v in d.items()})
+            for k, d in state.items()
+        }
+        mgr.restore(target, step=3)
+    for k, d in state.items():
+        for kk, v in d.items():
+            assert torch.equal(target[k][kk], v) if isinstance(v, torch.Tensor) else target[k][kk] == v

@@ -24,7 +24,7 @@ import torch
 
 from shardkeeper.core.commit import newest_committed
 from shardkeeper.core.context import ManagerContext
-from shardkeeper.core.errors import CheckpointNotFoundError, CheckpointRestoreError, CorruptCheckpointError
+from shardkeeper.core.errors import CheckpointNotFoundError, CheckpointRestoreError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest, itemsize
 from shardkeeper.core.format.table import TableLeaves
@@ -58,18 +58,28 @@ class _Put:
         self.parent[self.name] = value
 
 
-def _slot(out: dict[str, Any], key: str, where: str) -> _Put:
-    """The container and name of ``key`` in ``out`` (``a/b/c``: ``out["a"]["b"]``, ``"c"``)."""
+def _slot(out: dict[str, Any], key: str) -> _Put:
+    """The container and name of ``key`` in ``out`` (``a/b/c``: ``out["a"]["b"]``, ``"c"``).
+    Keys are checked first (``_nesting_clash``), so every path on the way is a dict."""
     *path, name = key.split("/")
     node = out
     for part in path:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise CorruptCheckpointError(f"{where}: key {key!r} lies under the leaf {part!r}; the manifest is damaged")
-        node = child
-    if name in node:
-        raise CorruptCheckpointError(f"{where}: key {key!r} is both a leaf and a prefix; the manifest is damaged")
+        node = node.setdefault(part, {})
     return _Put(node, name)
+
+
+def _nesting_clash(keys: Sequence[str]) -> tuple[str, str] | None:
+    """Two keys of which one lies under the other (``lr`` and ``lr/warmup``): a nested dict
+    cannot hold a value and keys under it at one path. A state saved from a dict whose keys
+    hold ``/`` has them; ``restore()`` into such a target reads them, a nested result cannot."""
+    present = set(keys)
+    for key in keys:
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if prefix in present:
+                return prefix, key
+    return None
 
 
 def resolve_step(ctx: ManagerContext, step: int | None) -> int:
@@ -103,6 +113,14 @@ def load_step(
             f"load(): only={list(only)} matches no key of {where}; list its keys with "
             f"`shardkeeper inspect {url} {step}`"
         )
+    clash = _nesting_clash(keys)
+    if clash is not None:
+        raise CheckpointRestoreError(
+            f"load(): {where} holds both {clash[0]!r} and {clash[1]!r}, so one is a value and a prefix of "
+            f"the other: a nested dict cannot hold both (a key with '/' in it, saved from a dict); nothing "
+            f"was read. Restore into a target that has both (restore(state, step={step})), or load the "
+            f"other keys with only=[...] leaving one of them out"
+        )
     records = {k: _head(manifest, k) for k in keys}
     total = sum(_nbytes(r) for r in records.values())
     if max_bytes is not None and total > max_bytes:
@@ -116,7 +134,7 @@ def load_step(
     out: dict[str, Any] = {}
     flat = FlatState()
     for key, rec in records.items():
-        put = _slot(out, key, where)
+        put = _slot(out, key)
         if rec.kind == "tensor":
             tensor = torch.empty(tuple(rec.shape), dtype=dtype_from_name(rec.dtype))
             put(tensor)
