@@ -149,7 +149,7 @@ def test_an_unreachable_store_says_what_it_waits_for() -> None:
     lines = p.stderr.splitlines()
     want = (
         f"shardkeeper: waiting for s3://bucket/run (connection refused to 127.0.0.1:{port}); "
-        f"retrying, attempt 2/3, Ctrl-C to stop"
+        f"retrying, attempt 2/3 within 120 s, Ctrl-C to stop"
     )
     assert lines[0] == want, p.stderr
     assert lines[-1].startswith("shardkeeper: error: ") and "failed 3 time(s)" in lines[-1]
@@ -184,5 +184,5 @@ def test_the_library_logs_the_wait_and_prints_nothing(
         assert storage.read_bytes("x") == b"1"
     waits = [r for r in caplog.records if r.name == wait_log.name]
     assert len(waits) == 1  # the first retry of the call only
-    assert waits[0].getMessage() == f"waiting for {inner.url} (connection refused); retrying, attempt 2/4"
+    assert waits[0].getMessage() == f"waiting for {inner.url} (connection refused); retrying, attempt 2/4 within 120 s"
     assert capsys.readouterr() == ("", "")

@@ -45,7 +45,7 @@ from shardkeeper.core.storage.wrapper import StorageWrapper
 
 log = logging.getLogger(__name__)
 #: On the first retry of a call, one INFO record here says what is being waited for and why
-#: (``waiting for s3://b/run (connection refused to 127.0.0.1:9000); retrying, attempt 2/5``).
+#: (``waiting for s3://b/run (connection refused to 127.0.0.1:9000); retrying, attempt 2/5 within 120 s``).
 #: A program that waits on a person shows it (the CLI prints it on stderr); the library never prints.
 wait_log = logging.getLogger("shardkeeper.core.storage.waiting")
 T = TypeVar("T")
@@ -109,11 +109,12 @@ class _Attempts:
         owner._count(self.op, "retried")
         if self.n == 1:
             wait_log.info(
-                "waiting for %s (%s); retrying, attempt %d/%d",
+                "waiting for %s (%s); retrying, attempt %d/%d within %g s",
                 owner.url,
                 reason(e),
                 self.n + 1,
                 policy.max_attempts,
+                policy.deadline_s,
             )
         log.info(
             "%s of %s: transient error (%s), retry %d in %.2f s",
