@@ -190,3 +190,18 @@ def test_object_store_roots_are_kept_http_roots_refused(run: dict[str, Any], tmp
             CorruptCheckpointError, match=rf"pointer {re.escape(str(bad))} is damaged: field 'root' is an http\(s\) URL"
         ):
             skl.load_checkpoint(bad)
+
+
+def test_removing_a_damaged_pointer_removes_it_and_forgets_its_path(tmp_path: Path) -> None:
+    """Lightning removing (or overwriting) a path whose pointer is damaged: rank 0 must not
+    raise alone inside the collective removal; the file goes and the root's index forgets it."""
+    L.seed_everything(0)
+    t = _trainer(tmp_path, skl.ShardkeeperCheckpointIO(tmp_path / "root"))
+    t.fit(HNet(), loader())
+    path = tmp_path / "a.ckpt"
+    t.save_checkpoint(path)
+    path.write_bytes(path.read_bytes()[:10])
+    t.strategy.remove_checkpoint(path)
+    assert not path.exists()
+    index = json.loads((tmp_path / "root" / "lightning-paths.json").read_text())
+    assert str(path) not in index["paths"]
