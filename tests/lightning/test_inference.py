@@ -113,7 +113,7 @@ def test_load_checkpoint_returns_lightnings_dict_of_cpu_tensors(run: dict[str, A
     (opt,) = ck["optimizer_states"]  # torch's index-keyed form, loadable into the optimizer
     assert [g["params"] for g in opt["param_groups"]] == [g["params"] for g in run["param_groups"]]
     assert [g["lr"] for g in opt["param_groups"]] == [g["lr"] for g in run["param_groups"]]
-    assert set(opt["state"]) == set(run["optim"])
+    assert list(opt["state"]) == list(run["optim"]) == sorted(run["optim"])  # ascending, as torch orders it
     for i, s in run["optim"].items():
         assert_same_state(opt["state"][i], s, what=f"optimizer state of parameter {i}")
     assert ck["lr_schedulers"] and "loops" in ck and "callbacks" in ck

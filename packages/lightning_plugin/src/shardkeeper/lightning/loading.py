@@ -40,7 +40,9 @@ from shardkeeper.lightning.paths import Target, check_pointer, is_root, read_poi
 
 def is_pointer(path: Any) -> bool:
     """Whether ``path`` is a pointer file the plugin wrote (never for a file object or an
-    ``http(s)`` URL, which Lightning fetches through ``torch.hub``)."""
+    ``http(s)`` URL, which Lightning fetches through ``torch.hub``). A file that starts like a
+    pointer (``{``) but is damaged raises :class:`~shardkeeper.core.errors.CorruptCheckpointError`
+    rather than going on to ``torch.load``."""
     if not isinstance(path, (str, Path)) or str(path).startswith("http"):
         return False
     return read_pointer(os.fspath(path)) is not None
@@ -179,7 +181,9 @@ def _plain_optim(optim: Any) -> list[dict[str, Any]] | None:
             new_groups.append({**g, "params": list(range(n, n + k))})
             n += k
         saved = o.get("state", {})
-        out.append({"state": {index[f]: dict(v) for f, v in saved.items() if f in index}, "param_groups": new_groups})
+        state = {index[f]: dict(v) for f, v in saved.items() if f in index}
+        # ascending index, as torch's state_dict() orders it (the saved dict is ordered by name)
+        out.append({"state": {i: state[i] for i in sorted(state)}, "param_groups": new_groups})
     return out
 
 

@@ -31,12 +31,11 @@ from typing import Any
 
 from shardkeeper.core import parse_step_dir, step_dir
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.lightning.pointer_doc import MAX_POINTER_BYTES, POINTER_FORMAT, POINTER_VERSION, parse_pointer
 
 log = logging.getLogger(__name__)
 
-POINTER_FORMAT = "shardkeeper-lightning-pointer"
 INDEX_NAME = "lightning-paths.json"
-_MAX_POINTER_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def _fs(path: str) -> tuple[Any, str]:
 
 def write_pointer(path: str, root: str, step: int) -> None:
     """Write the pointer at ``path`` (atomically on a local disk), creating its directory."""
-    doc: dict[str, Any] = {"format": POINTER_FORMAT, "version": 1, "root": root, "step": step}
+    doc: dict[str, Any] = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "root": root, "step": step}
     if _local(root) and _local(path):
         doc["root_relative"] = os.path.relpath(root, os.path.dirname(os.path.abspath(path))).replace(os.sep, "/")
     data = json.dumps(doc).encode()
@@ -89,19 +88,20 @@ def _local(path: str) -> bool:
 
 def read_pointer(path: str) -> Target | None:
     """The target of a pointer file (its root found as the module docstring says), or ``None``
-    when ``path`` is not a pointer file."""
+    when ``path`` is not a pointer file: not a file, or one whose first non-space byte is not
+    ``{`` (a Lightning ``.ckpt`` is a zip or a pickle, never JSON). A file that starts like a
+    pointer but is not a valid one raises (:func:`parse_pointer`): it must never reach
+    ``torch.load``."""
     fs, p = _fs(path)
-    if not fs.isfile(p) or fs.size(p) > _MAX_POINTER_BYTES:
+    if not fs.isfile(p):
         return None
-    try:
-        doc = json.loads(fs.cat_file(p))
-    except (ValueError, UnicodeDecodeError):
+    with fs.open(p, "rb") as f:
+        data = f.read(MAX_POINTER_BYTES + 1)
+    if data.lstrip()[:1] != b"{":
         return None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
-        return None
-    named, step = str(doc["root"]), int(doc["step"])
-    rel = doc.get("root_relative")
-    return Target(_locate(path, named, step, rel if isinstance(rel, str) else None), step, path, named)
+    doc = parse_pointer(path, data)
+    named, step, rel = doc["root"], doc["step"], doc.get("root_relative")
+    return Target(_locate(path, named, step, rel), step, path, named)
 
 
 def _locate(pointer: str, named: str, step: int, rel: str | None) -> str:
@@ -243,6 +243,7 @@ __all__ = [
     "check_pointer",
     "is_root",
     "norm_path",
+    "parse_pointer",
     "read_pointer",
     "remove_pointer",
     "resolve",

@@ -15,9 +15,9 @@ import os
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
-from shardkeeper.core import CheckpointManager, RNGState
+from shardkeeper.core import CheckpointManager, RNGState, errors
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
-from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.progress import framework_of, progress_state, read_progress
 from shardkeeper.lightning import codec
@@ -232,17 +232,20 @@ class ShardkeeperCheckpointIO(CheckpointIO):
     # -- load ----------------------------------------------------------------------------------
     def _resolve(self, strategy: Any, ckpt_path: Any) -> Target:
         err = None
+        kind = "CheckpointNotFoundError"
         target = None
         if st.rank(strategy) == 0:
             try:
                 target = resolve(ckpt_path, self.root)
                 if target is None:
                     err = st.not_ours(ckpt_path, self.root)
+            except _RESOLVE_KINDS as e:  # a damaged or newer pointer: raised as such on every rank
+                err, kind = str(e), next(c.__name__ for c in _RESOLVE_KINDS if isinstance(e, c))
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 err = f"{type(e).__name__}: {e}"
-        target, err = strategy.broadcast((target, err))
+        target, err, kind = strategy.broadcast((target, err, kind))
         if err is not None:
-            raise CheckpointNotFoundError(err)
+            raise getattr(errors, kind)(err)  # the class rank 0 met
         assert target is not None
         return target
 
@@ -337,7 +340,13 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         path = norm_path(filepath)
         ours = None
         if st.rank(strategy) == 0:
-            target = read_pointer(path)
+            try:
+                target = read_pointer(path)
+            except CheckpointError as e:  # a damaged pointer: remove the path Lightning removes
+                log.warning("removing %s, a damaged shardkeeper pointer: %s", path, e)
+                remove_pointer(path)
+                target, ours = None, self._path_index().drop(path) is not None  # its step may go
+                self._path_index().flush()
             if target is not None:
                 remove_pointer(path)
                 ours = target.root == self.root
@@ -389,6 +398,8 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             idx.orphans = {s for s in idx.orphans if s not in gone and not idx.named(s)}
             idx.flush()
 
+
+_RESOLVE_KINDS = (errors.CorruptCheckpointError, errors.IncompatibleFormatError)  # raised as such by _resolve
 
 _NOT_CONNECTED = (
     "ShardkeeperCheckpointIO is not connected to a strategy (shardkeeper.lightning.disconnect() was called, "
