@@ -88,6 +88,21 @@ def test_retention_follows_model_checkpoint_top_k_and_last(tmp_path: Path) -> No
     assert t.global_step in plugin.steps()
 
 
+def test_removing_a_file_that_is_not_a_pointer_removes_it_as_lightning_would(tmp_path: Path) -> None:
+    """A file the strategy removes that is not one of the plugin's pointers (a plain .ckpt of an
+    earlier run beside them) is removed as TorchCheckpointIO removes it; the strategy's removal
+    went through the plugin back into itself before (RecursionError)."""
+    plugin = ShardkeeperCheckpointIO(tmp_path / "root")
+    t = _trainer(plugin, 1, ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True))
+    t.fit(Net(), loader())
+    steps = plugin.steps()
+    foreign = tmp_path / "ck" / "from-an-earlier-run.ckpt"
+    torch.save({"state_dict": {}}, foreign)
+    t.strategy.remove_checkpoint(str(foreign))
+    assert not foreign.exists() and (tmp_path / "ck" / "last.ckpt").exists()
+    assert plugin.steps() == steps  # nothing of the root touched
+
+
 def test_save_twice_at_one_step_writes_once_and_resume_from_root(tmp_path: Path) -> None:
     L.seed_everything(0)
     plugin = ShardkeeperCheckpointIO(tmp_path / "root")

@@ -85,8 +85,15 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         plugin._restore_deferred_optim(strategy)
 
     def remove_checkpoint(filepath: Any) -> None:
-        if not plugin._remove(filepath, strategy):
+        if plugin._remove(filepath, strategy):
+            return
+        # not our pointer: the strategy removes it through its checkpoint_io, this plugin, which
+        # then removes the file as Lightning's TorchCheckpointIO would (instead of coming back here)
+        plugin._foreign_removal = True
+        try:
             orig_remove(filepath)
+        finally:
+            plugin._foreign_removal = False
 
     @functools.wraps(orig_teardown)
     def teardown() -> None:

@@ -71,6 +71,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         self._handle: Any = None
         self._deferred_optim: tuple[CheckpointManager, int] | None = None
         self._patches = Patches()  # this plugin's patches of its strategy (hook.connect)
+        self._foreign_removal = False  # the strategy is removing a path that is not one of ours
         self._resumed: int | None = None  # the step of this root this run resumed from
 
     # -- CheckpointIO --------------------------------------------------------------------------
@@ -87,6 +88,11 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         return self.strategy.load_checkpoint(path)
 
     def remove_checkpoint(self, path: Any) -> None:
+        if self._foreign_removal:  # the strategy's own removal of a file that is not our pointer
+            from lightning.fabric.plugins import TorchCheckpointIO
+
+            TorchCheckpointIO().remove_checkpoint(path)
+            return
         if self.strategy is None:
             raise RuntimeError(_NOT_CONNECTED)
         self.strategy.remove_checkpoint(path)  # every rank: a step deletion is collective
