@@ -17,6 +17,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -27,6 +28,14 @@ from shardkeeper.core.progress import ProgressTarget, progress_state
 
 #: The manager's own keywords; every other one is a CheckpointOptions field.
 OWN = ("keep_last", "keep_every", "process_group", "storage_options", "metadata", "options")
+
+
+class _LargeModel:
+    """An object whose repr would be huge: errors name its type only."""
+
+    def __repr__(self) -> str:
+        return "Linear(" * 1000
+
 
 # -- the options in the signature ------------------------------------------------------------
 
@@ -66,6 +75,88 @@ def test_unknown_and_mistyped_options_are_named(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, io_threads="4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="staging='fast'; choose one of blocking, overlap"):
         CheckpointManager(tmp_path, staging="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        (
+            {"metadata": [1]},
+            TypeError,
+            r"^CheckpointManager\(\): metadata must be a mapping \(dict\) or None, got list$",
+        ),
+        ({"storage_options": "x"}, TypeError, r"storage_options must be a mapping \(dict\) or None, got str 'x'$"),
+        (
+            {"options": {"async_save": False}},
+            TypeError,
+            r"options must be a CheckpointOptions or None, got dict \(pass",
+        ),
+        ({"options": _LargeModel()}, TypeError, r"options must be a CheckpointOptions or None, got _LargeModel$"),
+        ({"keep_last": "3"}, TypeError, r"keep_last must be an int >= 1 or None, got str '3'$"),
+        ({"keep_every": 2.0}, TypeError, r"keep_every must be an int >= 1 or None, got float 2\.0$"),
+        ({"keep_last": True}, TypeError, r"keep_last must be an int >= 1 or None, got bool True$"),
+        ({"keep_last": 0}, ValueError, r"keep_last must be >= 1 or None \(no limit\), got 0$"),
+        ({"keep_every": np.int64(-1)}, ValueError, r"keep_every must be >= 1 or None \(no limit\), got -1$"),
+        (
+            {"process_group": 3},
+            TypeError,
+            r"process_group must be a torch\.distributed ProcessGroup, None or 'local', got int 3",
+        ),
+        ({"process_group": _LargeModel()}, TypeError, r"process_group must be .*, got _LargeModel$"),
+    ],
+)
+def test_the_managers_own_keywords_are_type_checked(tmp_path: Path, kwargs: Any, error: type, text: str) -> None:
+    with pytest.raises(error, match=text) as e:
+        CheckpointManager(tmp_path / "r", **kwargs)
+    assert "Linear(" not in str(e.value)  # the type's name, never the object's repr
+    assert not (tmp_path / "r").exists()  # refused before the root is touched
+
+
+def test_a_root_of_the_wrong_type_is_named() -> None:
+    with pytest.raises(
+        TypeError, match=r"root must be a path \(str or os\.PathLike\), an fsspec URL or a Storage, got int 3"
+    ):
+        CheckpointManager(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("wrong", "right"),
+    [
+        ("keep_lst", "keep_last"),
+        ("keepevery", "keep_every"),
+        ("proces_group", "process_group"),
+        ("storage_option", "storage_options"),
+        ("asynch_save", "async_save"),
+    ],
+)
+def test_a_misspelt_keyword_gets_the_close_match_among_all_keywords(tmp_path: Path, wrong: str, right: str) -> None:
+    with pytest.raises(TypeError) as e:
+        CheckpointManager(tmp_path / "r", **{wrong: 3})
+    msg = str(e.value)
+    assert msg.startswith(f"unknown CheckpointManager keyword(s): {wrong} (did you mean {right}"), msg
+    assert "; the manager's own: " + ", ".join(OWN) + "; the options, by group: saving: async_save" in msg, msg
+    assert not (tmp_path / "r").exists()
+
+
+def test_steps_of_any_integral_type_are_taken_as_ints(tmp_path: Path) -> None:
+    w = torch.arange(4.0)
+    with CheckpointManager(tmp_path, async_save=False, keep_last=np.int64(2)) as mgr:
+        assert mgr.retention.keep_last == 2 and type(mgr.retention.keep_last) is int
+        for step in np.arange(3):  # numpy.int64 steps
+            mgr.save(step, {"w": w * int(step)})
+        assert mgr.steps() == [1, 2]
+        assert mgr.is_committed(np.int64(2)) and mgr.manifest(np.int32(2)).step == 2
+        assert mgr.step_url(np.uint8(2)) == mgr.step_url(2)
+        target = {"w": torch.zeros(4)}
+        assert mgr.restore(target, step=np.int64(1)) == 1 and torch.equal(target["w"], w)
+        assert torch.equal(mgr.load(np.int16(2))["w"], w * 2)
+        assert mgr.delete(np.int64(1)) and mgr.steps() == [2]
+        with pytest.raises(ValueError, match=r"save\(\): step must be >= 0, got -3"):
+            mgr.save(np.int64(-3), {"w": w})
+        with pytest.raises(TypeError, match=r"save\(\): step must be an int >= 0, got bool;"):
+            mgr.save(np.bool_(True), {"w": w})
+        with pytest.raises(TypeError, match=r"save\(\): step must be an int >= 0, got float64"):
+            mgr.save(np.float64(3.0), {"w": w})
 
 
 def test_wait_close_and_the_handle_say_what_they_block_on_and_raise() -> None:

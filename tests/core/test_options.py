@@ -187,6 +187,38 @@ def test_effective_combinations_do_not_warn(options: dict[str, Any]) -> None:
         CheckpointOptions(**options)
 
 
+FLOAT_OPTIONS = [n for n, h in option_types().items() if h is float]
+
+
+@pytest.mark.parametrize("name", FLOAT_OPTIONS)
+def test_nan_is_refused_for_every_float_option(tmp_path: Path, name: str) -> None:
+    assert len(FLOAT_OPTIONS) == 4  # the durations: commit_timeout_s and the retry_* delays
+    with pytest.raises(ValueError, match=rf"^{name}=nan; {name} takes a number of seconds, not nan$"):
+        CheckpointManager(tmp_path / "r", **{name: float("nan")})
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match=rf"^{name}=nan"):
+        CheckpointOptions().replace(**{name: float("nan")})
+
+
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [
+        ("commit_timeout_s", True),
+        ("retry_base_delay_s", True),
+        ("retry_max_delay_s", False),
+        ("retry_deadline_s", False),
+    ],
+)
+def test_infinity_only_where_it_means_no_bound(tmp_path: Path, name: str, refused: bool) -> None:
+    if refused:
+        with pytest.raises(ValueError, match=rf"^{name}=inf; {name} takes a finite number of seconds$"):
+            CheckpointManager(tmp_path, **{name: float("inf")})
+    else:  # no cap on one backoff / no deadline: a save still works
+        with CheckpointManager(tmp_path, async_save=False, **{name: float("inf")}) as mgr:
+            mgr.save(1, {"x": 1})
+            assert mgr.steps() == [1]
+
+
 def test_manager_warns_at_its_caller_and_lists_close_matches(tmp_path: Path) -> None:
     with pytest.warns(IneffectiveOptionWarning, match="staging='overlap' with async_save=False") as record:
         CheckpointManager(tmp_path / "a", staging="overlap", async_save=False).close()
@@ -195,10 +227,11 @@ def test_manager_warns_at_its_caller_and_lists_close_matches(tmp_path: Path) -> 
         CheckpointManager(tmp_path / "b", asynch_save=True)
     msg = str(e.value)
     assert msg.startswith(
-        "unknown CheckpointManager option(s): asynch_save (did you mean async_save?); "
+        "unknown CheckpointManager keyword(s): asynch_save (did you mean async_save?); "
+        "the manager's own: keep_last, keep_every, process_group, storage_options, metadata, options; "
         "the options, by group: saving: async_save, staging, commit_timeout_s; layout:"
     ), msg
-    with pytest.raises(TypeError, match=r"option\(s\): no_such_option; the options"):
+    with pytest.raises(TypeError, match=r"keyword\(s\): no_such_option; the manager's own"):
         CheckpointManager(tmp_path / "b", no_such_option=1)
     assert not (tmp_path / "b").exists()  # refused before the root is touched
     base = CheckpointOptions(io_threads=2)

@@ -20,7 +20,14 @@ from concurrent.futures import wait as futures_wait
 from typing import Any, NoReturn
 
 from shardkeeper.core import at_exit, deletion, metrics
-from shardkeeper.core.arguments import check_state, check_step
+from shardkeeper.core.arguments import (
+    MANAGER_PARAMETERS,
+    check_count,
+    check_manager_arguments,
+    check_state,
+    check_step,
+    describe_keywords,
+)
 from shardkeeper.core.codec import CodecState
 from shardkeeper.core.codec.keys import KeyProvider
 from shardkeeper.core.commit import committed_steps, is_committed, load_manifest, newest_committed
@@ -33,11 +40,13 @@ from shardkeeper.core.handle import SaveHandle
 from shardkeeper.core.load import load_step
 from shardkeeper.core.options import (
     DEFAULT,
+    OPTION_NAMES,
     CheckpointOptions,
     Compression,
     DigestAlgorithm,
     PerRankPolicy,
     Staging,
+    describe_unknown,
     given_options,
 )
 from shardkeeper.core.restoring import Restorer
@@ -111,10 +120,17 @@ class CheckpointManager:
         - catalog: ``catalog`` (``etcd://host:2379``: record commits there too)
 
         A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
-        ``TypeError`` naming the close matches.
+        ``TypeError`` naming the close matches; all before the root is touched.
         """
         given = given_options(locals())
-        base = (options or CheckpointOptions()).replace(**given, **unknown_options)
+        if unknown_options:
+            names = describe_unknown(unknown_options, MANAGER_PARAMETERS + OPTION_NAMES)
+            raise TypeError(f"unknown CheckpointManager keyword(s): {names}; {describe_keywords()}")
+        keep_last, keep_every = check_count("keep_last", keep_last), check_count("keep_every", keep_every)
+        check_manager_arguments(
+            root=root, storage_options=storage_options, metadata=metadata, options=options, process_group=process_group
+        )
+        base = (options or CheckpointOptions()).replace(**given)
         self.options = base
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
         self.storage, read_storage, keyed = open_root(
@@ -163,7 +179,7 @@ class CheckpointManager:
         counts as stall), and raises the previous save's failure if nobody has seen it yet.
         """
         self._check_open()
-        check_step("save", step)
+        step = check_step("save", step)
         check_state("save", state)
         t0 = time.perf_counter()
         self._wait_pending(raise_error=True)
@@ -241,14 +257,14 @@ class CheckpointManager:
 
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` is committed under the root (its manifest exists and validates)."""
-        check_step("is_committed", step)
+        step = check_step("is_committed", step)
         return is_committed(self.storage, step)
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
         kinds, shapes, dtypes), world size and metadata, without reading any tensor data."""
         self._check_open()
-        check_step("manifest", step, optional=True)
+        step = check_step("manifest", step, optional=True)
         if step is None:
             step = newest_committed(self.storage)
             if step is None:
@@ -257,7 +273,7 @@ class CheckpointManager:
 
     def step_url(self, step: int) -> str:
         """Where ``step``'s directory lives (a path or URL), for messages and other tools."""
-        check_step("step_url", step)
+        step = check_step("step_url", step)
         return self.storage.describe(step_dir(step))
 
     def delete(self, step: int) -> bool:
@@ -271,7 +287,7 @@ class CheckpointManager:
         is not committed counts as gone.
         """
         self._check_open()
-        check_step("delete", step)
+        step = check_step("delete", step)
         self._wait_pending(raise_error=False)
         return deletion.delete_step(self._ctx, step)
 
@@ -307,7 +323,7 @@ class CheckpointManager:
         """
         self._check_open()
         check_state("restore", state)
-        check_step("restore", step, optional=True)
+        step = check_step("restore", step, optional=True)
         policy = per_rank or self.options.per_rank
         if policy not in PER_RANK_POLICIES:
             raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
@@ -335,7 +351,7 @@ class CheckpointManager:
         collective: one process may call it alone. Reads are verified; a damaged step raises.
         """
         self._check_open()
-        check_step("load", step, optional=True)
+        step = check_step("load", step, optional=True)
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"load(): max_bytes must be an int >= 0 or None (no bound), got {max_bytes!r}")

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import sys
 import types
 import warnings
@@ -98,6 +99,8 @@ class CheckpointOptions:
             value = check_value(name, getattr(self, name), hint)
             if value is not getattr(self, name):  # an int given for a float field
                 object.__setattr__(self, name, value)
+            if hint is float:
+                _check_number(name, value)
         for name in ("digest_block_bytes", "io_threads", "max_files_per_rank", "min_file_bytes", "max_read_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -129,6 +132,20 @@ class CheckpointOptions:
                 f"the options, by group: {describe_groups()}"
             )
         return dataclasses.replace(self, **overrides) if overrides else self
+
+
+#: Float options that infinity makes meaningless: a commit wait past any clock (waits on a
+#: store or an event refuse it), a backoff that never ends. ``retry_max_delay_s`` (no cap)
+#: and ``retry_deadline_s`` (no deadline) take it.
+_FINITE = ("commit_timeout_s", "retry_base_delay_s")
+
+
+def _check_number(name: str, value: float) -> None:
+    """nan is no duration (every comparison with it is false: bounds would silently not hold)."""
+    if math.isnan(value):
+        raise ValueError(f"{name}=nan; {name} takes a number of seconds, not nan")
+    if math.isinf(value) and name in _FINITE:
+        raise ValueError(f"{name}={value}; {name} takes a finite number of seconds")
 
 
 #: The fields of ``CheckpointOptions`` by what they are about (docs/protocol.md, "Options").

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from shardkeeper.core.errors import TornStateError
+from shardkeeper.core.errors import StateMismatchError, TornStateError
 from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_offsets, data_on_a_page
 from shardkeeper.core.tensor.chunks import contiguous_strides
 from shardkeeper.core.tensor.save_plan import WriteItem
@@ -31,6 +31,34 @@ DIRECT_MIN_BYTES = 1 << 20
 
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
+
+
+def unreadable(key: str, t: torch.Tensor) -> StateMismatchError | None:
+    """Why the bytes of ``t`` (state key ``key``) cannot be staged, or None: the format stores
+    dense (strided) tensors with data, so a sparse or mkldnn layout, or a tensor on the meta
+    device, is refused before anything is written, naming the remedy, as a dtype the format
+    does not store is (``tensor/save_plan.py``)."""
+    if t.layout is not torch.strided:
+        layout = str(t.layout).removeprefix("torch.").lstrip("_")
+        return StateMismatchError(
+            f"state key {key!r} is a tensor of layout {layout}, which the format does not store (only dense, strided "
+            f"tensors); convert it first: .to_dense()"
+        )
+    if t.device.type == "meta":
+        return StateMismatchError(
+            f"state key {key!r} is a tensor on the meta device, which holds no data to save; materialise it "
+            f"first (e.g. module.to_empty(device='cpu') then initialise or load its values)"
+        )
+    return None
+
+
+def _check_readable(items: Sequence[WriteItem], srcs: Sequence[torch.Tensor]) -> None:
+    """Raise ``unreadable``'s error for the first such source (after a failed copy: checking
+    every source up front would cost a fifth of a many-small-tensors stall)."""
+    for it, src in zip(items, srcs):
+        err = unreadable(it.key, src)
+        if err is not None:
+            raise err
 
 
 #: Where an item's bytes are for the writer: (buffer, start, end).
@@ -100,6 +128,7 @@ class Stager:
             for j, it in enumerate(items):
                 if it.nbytes >= DIRECT_MIN_BYTES:
                     src = srcs_all[j]
+                    _check_readable((it,), (src,))  # before is_contiguous(), which a sparse tensor lacks
                     if src.device.type == "cpu" and src.is_contiguous():
                         view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
                         direct[j] = (view, 0, it.nbytes)
@@ -147,7 +176,13 @@ class Stager:
                 torch._foreach_zero_(lay.pads)
             if dsts:
                 # One call for all copies: per-tensor Python overhead matters with many small tensors.
-                torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
+                try:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
+                except (RuntimeError, NotImplementedError):
+                    # (Never deferred: a meta or storage-less tensor has no storage for
+                    # tensor/overlap.py to match, so its copy fails here, on the caller's thread.)
+                    _check_readable(items, srcs_all)
+                    raise
         if lay.any_cuda:
             torch.cuda.synchronize()
         self._last = lay
@@ -308,4 +343,4 @@ class DeferredCopy:
             raise TornStateError(sorted(set(changed)))
 
 
-__all__ = ["DIRECT_MIN_BYTES", "DeferredCopy", "Span", "Stager"]
+__all__ = ["DIRECT_MIN_BYTES", "DeferredCopy", "Span", "Stager", "unreadable"]
