@@ -96,7 +96,7 @@ def test_gc_before_the_commit_makes_that_save_fail_cleanly(tmp_path: Path) -> No
     assert not saved["committed"]
     assert "step 3" in saved["error"] and ("missing" in saved["error"] or "gc" in saved["error"]), saved
     with CheckpointManager(root) as mgr:
-        assert mgr.steps() == [1, 5]
+        assert mgr.steps() == [1]
 
 
 class _Before(StorageWrapper):
@@ -137,6 +137,19 @@ def test_a_commit_between_gcs_listing_and_its_claim_is_not_collected(tmp_path: P
     mgr.close()
 
 
+class _Held(StorageWrapper):
+    """Holds the commit's first record (its intent, ``pending.*``) until ``release`` is set."""
+
+    def __init__(self, inner: object, release: threading.Event) -> None:
+        super().__init__(inner)  # type: ignore[arg-type]
+        self._release = release
+
+    def put(self, path: str, data: bytes) -> None:
+        if path.startswith("pending."):
+            assert self._release.wait(60), "the commit was never released"
+        self.inner.put(path, data)
+
+
 def test_a_commit_between_retentions_listing_and_its_deletes_keeps_its_references(tmp_path: Path) -> None:
     """delete() of the base of an incremental save listed the remaining steps' references;
     the save then committed (and removed its intent) before the base's manifest was deleted:
@@ -149,11 +162,18 @@ def test_a_commit_between_retentions_listing_and_its_deletes_keeps_its_reference
 
     with CheckpointManager(root, async_save=False) as w:
         w.save(1, state(1.0))
-        w.save(10, state(10.0))
-    saver = CheckpointManager(root, incremental=True)
-    handle = saver.save(5, state(5.0))  # its base is step 1, below the newest
+    release = threading.Event()
+    saver = CheckpointManager(_Held(open_storage(str(root)), release), incremental=True)
+    handle = saver.save(5, state(5.0))  # its base is step 1; held before its commit's first record
+    with CheckpointManager(root, async_save=False) as w:
+        w.save(10, state(10.0))  # another writer on the root: step 1 is no longer the newest
+
+    def commit_now() -> None:
+        release.set()
+        handle.wait()
+
     deleter_storage = _Before(
-        open_storage(str(root)), "delete", lambda p: p == f"{step_dir(1)}/manifest.json", handle.wait
+        open_storage(str(root)), "delete", lambda p: p == f"{step_dir(1)}/manifest.json", commit_now
     )
     with CheckpointManager(deleter_storage) as deleter:
         assert deleter.delete(1)

@@ -1,12 +1,14 @@
 """Processes that race a commit: a saver paused at a chosen point of its commit, and a deleter
 (``delete()`` of another manager, or gc) that runs in that window.
 
-    commit_race.py setup ROOT                     # steps 1 and 5 committed (full saves)
+    commit_race.py setup ROOT                     # step 1 committed (a full save)
     commit_race.py save ROOT CTL POINT KIND       # save step 3 (KIND: incremental | full), pausing
                                                   # at POINT: put (right before the manifest's put,
                                                   # after every check) | intent (before the commit's
                                                   # first write) | none
-    commit_race.py delete ROOT CTL STEP           # once the saver is paused: delete(STEP), then go
+    commit_race.py delete ROOT CTL STEP           # once the saver is paused: commit step 5 (another
+                                                  # writer on the root, so STEP need not be the
+                                                  # newest), delete(STEP), then go
     commit_race.py gc ROOT CTL                    # once the saver is paused: gc --min-age-s 0, then go
 
 The saver writes CTL/saved.json: {"committed": bool, "error": str}; the deleter CTL/deleter.json.
@@ -69,7 +71,6 @@ class Pausing(StorageWrapper):
 def setup(root: str) -> None:
     with CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, state(1))
-        mgr.save(5, state(5))
 
 
 def save(root: str, ctl: Path, point: str, kind: str) -> None:
@@ -87,7 +88,8 @@ def save(root: str, ctl: Path, point: str, kind: str) -> None:
 
 def delete(root: str, ctl: Path, step: int) -> None:
     wait_for(ctl / "paused")
-    with CheckpointManager(root) as mgr:
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(5, state(5))  # a save's base is the newest step below it: only a newer commit frees it
         gone = mgr.delete(step)
     (ctl / "deleter.json").write_text(json.dumps({"deleted": gone}))
     (ctl / "go").write_text("1")

@@ -1,8 +1,8 @@
 """The save protocol of one rank, in ``protocol.py``'s order.
 
-Caller's thread: ``refusal`` (one stat: a step already committed is refused before anything
-is written; ``run_refused`` then takes the save's turn in the protocol), ``prepare`` (flatten,
-plan, stage: a ``SaveJob``). Background thread: ``run`` (write, report or collect and commit,
+Caller's thread: ``refusal`` (``step_order.py``: a step already committed, or below the
+newest committed one, is refused before anything is written; ``run_refused`` then takes the
+save's turn in the protocol), ``prepare`` (flatten, plan, stage: a ``SaveJob``). Background thread: ``run`` (write, report or collect and commit,
 publish or wait for the outcome, raise the save's failure, retain on the coordinator). The
 runner holds no reference to the manager: what one save needs travels in its ``SaveJob``.
 """
@@ -25,7 +25,7 @@ from shardkeeper.core.assemble import assemble_manifest
 from shardkeeper.core.catalog import record_commit
 from shardkeeper.core.codec import CodecState
 from shardkeeper.core.codec.crypto import seal_manifest
-from shardkeeper.core.commit import manifest_path, newest_committed, write_latest_hint
+from shardkeeper.core.commit import write_latest_hint
 from shardkeeper.core.context import ManagerContext
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError
 from shardkeeper.core.format.jsonvalue import snapshot
@@ -45,6 +45,7 @@ from shardkeeper.core.protocol import (
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.step_order import StepOrder
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
 from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
@@ -117,26 +118,12 @@ class SaveRunner:
         self._stager = stager
         self._plans = plans
         self._gate = gate
+        self._order = StepOrder(ctx.storage, ctx.rank)
 
     # -- caller's thread ---------------------------------------------------------------------
     def refusal(self, step: int) -> CommitConflictError | None:
-        """One stat of the step's manifest: a step that is already committed (an off-by-one
-        after a resume, a fresh run on a used root) is refused before anything is written.
-        The fenced commit stays the real guarantee against a writer racing this one."""
-        storage, path = self.ctx.storage, manifest_path(step)
-        try:
-            if not storage.exists(path):
-                return None
-        except CheckpointError:
-            return None  # the commit decides; a failing storage fails the save there
-        newest = newest_committed(storage)
-        return CommitConflictError(
-            f"step {step} is already committed under {storage.url} ({storage.describe(path)} "
-            f"exists; rank {self.ctx.rank}); this save wrote nothing. The newest committed step is "
-            f"{newest}: after a resume, save the steps after the restored one (restore() returns "
-            f"it); to replace step {step}, delete it first (mgr.delete({step})), or save under "
-            f"another root"
-        )
+        """The root's refusal of a save at ``step`` (``step_order.py``), before anything is written."""
+        return self._order.refusal(step)
 
     def prepare(
         self,
@@ -257,6 +244,7 @@ class SaveRunner:
                 failures={ctx.rank: own.to_json()},
             ) from local_error
         self._raise_failed(step, outcome)
+        self._order.committed(step)
         metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
         metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
         if ctx.rank == COORDINATOR:
