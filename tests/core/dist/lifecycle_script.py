@@ -79,6 +79,9 @@ def failing(root: str) -> None:
 
 
 def interrupt(root: str, how: str) -> None:
+    # Ctrl-C as in a terminal, however the test run was started: a shell's background job
+    # starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mgr = CheckpointManager(SlowStorage(open_storage(root)))
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     t0 = time.monotonic()
