@@ -78,10 +78,14 @@ def failing(root: str) -> None:
     result(saved=True)
 
 
-def interrupt(root: str, how: str) -> None:
-    # Ctrl-C as in a terminal, however the test run was started: a shell's background job
-    # starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT raises KeyboardInterrupt however the test run was started: a shell's background
+    job starts with SIGINT ignored, and Python then installs no handler for it."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def interrupt(root: str, how: str) -> None:
+    _ctrl_c_as_in_a_terminal()
     mgr = CheckpointManager(SlowStorage(open_storage(root)))
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     t0 = time.monotonic()
@@ -107,6 +111,7 @@ def interrupt(root: str, how: str) -> None:
 
 def slow_at_exit(root: str) -> None:
     """A save still writing when the script ends (the test sends Ctrl-C during the exit's wait)."""
+    _ctrl_c_as_in_a_terminal()
     mgr = CheckpointManager(SlowStorage(open_storage(root)))
     mgr.save(1, {"w": torch.ones(16)})
     result(saved=True)
@@ -132,8 +137,14 @@ def refused(root: str) -> None:
     restored = {"w": torch.empty(1024)}
     step = mgr.restore(restored)
     mgr.close()
-    out = {"rank": rank, "message": message, "took_s": took, "files_unchanged": before == after,
-           "restored_step": step, "restored_ok": bool(torch.equal(restored["w"], torch.full((1024,), 2.0)))}
+    out = {
+        "rank": rank,
+        "message": message,
+        "took_s": took,
+        "files_unchanged": before == after,
+        "restored_step": step,
+        "restored_ok": bool(torch.equal(restored["w"], torch.full((1024,), 2.0))),
+    }
     with open(os.path.join(os.path.dirname(root), f"refused-r{rank}.json"), "w") as f:
         json.dump(out, f)  # ranks' stdout interleave under torchrun
     if dist.is_initialized():
