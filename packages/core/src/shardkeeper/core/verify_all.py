@@ -4,7 +4,8 @@ manifest exists but does not validate, so that damage hidden from ``steps()`` is
 
 from __future__ import annotations
 
-from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, step_dirs
+from shardkeeper.core.bars import make_bar
+from shardkeeper.core.commit import load_manifest, manifest_path, step_dirs
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, IncompatibleFormatError
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
 from shardkeeper.core.storage.base import Storage
@@ -18,78 +19,38 @@ def verify_root(
     """Verify every committed step under the root, and report every step directory whose
     manifest exists but does not validate (or is of a newer format than this version reads).
     ``progress``: a bar on stderr over the stored bytes of every step (None: when stderr is a
-    terminal; default off)."""
+    terminal; default off). One listing of the root and one read of each manifest."""
     report = RootVerifyReport(root=storage.url)
-    committed = committed_steps(storage)
+    manifests: list[tuple[int, Manifest]] = []
     for s, name in sorted(step_dirs(storage).items()):
-        if s in committed:
-            continue
         try:
             names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
         except CorruptCheckpointError as e:
             report.problems.append(
-                Problem(
-                    step=s,
-                    kind="manifest",
-                    file=name,
-                    message=f"step {s}: the step directory cannot be listed, so the step is not committed: {e}",
-                )
+                _problem(s, name, f"the step directory cannot be listed, so the step is not committed: {e}")
             )
             continue
         if MANIFEST_NAME not in names:
-            continue
+            continue  # a save in progress or abandoned: gc's business
         try:
-            load_manifest(storage, s)
+            manifests.append((s, load_manifest(storage, s)))
+        except IncompatibleFormatError as e:  # committed, but of a newer format
+            report.problems.append(
+                _problem(s, manifest_path(s), f"cannot be verified by this version: {e}", "unsupported-format")
+            )
         except CheckpointError as e:
             report.problems.append(
-                Problem(
-                    step=s,
-                    kind="manifest",
-                    file=manifest_path(s),
-                    message=f"step {s}: the manifest does not validate, so the step is not committed: {e}",
-                )
+                _problem(s, manifest_path(s), f"the manifest does not validate, so the step is not committed: {e}")
             )
-    manifests: list[tuple[int, Manifest]] = []
-    for s in committed:
-        try:
-            m = load_manifest(storage, s)
-        except IncompatibleFormatError as e:
-            report.problems.append(
-                Problem(
-                    step=s,
-                    kind="unsupported-format",
-                    file=manifest_path(s),
-                    message=f"step {s}: cannot be verified by this version: {e}",
-                )
-            )
-            continue
-        except CheckpointError as e:
-            report.problems.append(
-                Problem(
-                    step=s,
-                    kind="manifest",
-                    file=manifest_path(s),
-                    message=f"step {s}: the manifest could not be read: {e}",
-                )
-            )
-            continue
-        manifests.append((s, m))
-    bar = None
-    if progress is not False:
-        from shardkeeper.core.bars import make_bar
-
-        bar = make_bar(
-            sum(stored_bytes(m) for _, m in manifests), "verify", progress
-        )  # short: a long root would squeeze the bar out
-    try:
+    # labelled by the command, not the root: a long root would squeeze the bar out
+    with make_bar(sum(stored_bytes(m) for _, m in manifests), "verify", progress) as bar:
         for s, m in manifests:
-            on_bytes = None if bar is None else bar.update
-            report.steps.append(verify_step(storage, s, manifest=m, read_bytes=read_bytes, on_bytes=on_bytes))
-    finally:
-        if bar is not None:
-            bar.close()
-    report.problems.sort(key=lambda p: p.step if p.step is not None else -1)
+            report.steps.append(verify_step(storage, s, manifest=m, read_bytes=read_bytes, on_bytes=bar.update))
     return report
+
+
+def _problem(step: int, file: str, what: str, kind: str = "manifest") -> Problem:
+    return Problem(step=step, kind=kind, file=file, message=f"step {step}: {what}")
 
 
 __all__ = ["verify_root"]
