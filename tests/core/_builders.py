@@ -21,6 +21,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pytest
+
 from shardkeeper.core.commit import load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.format.digest import block_digests
 from shardkeeper.core.format.layout import new_attempt_id, shard_file, step_dir
@@ -30,6 +32,15 @@ from shardkeeper.core.format.safetensors import build_header, chunk_name
 from shardkeeper.core.storage.base import Storage
 
 TensorData = tuple[str, Sequence[int], bytes]  # (dtype, global shape, row-major bytes)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    """``shardkeeper ARGV...`` in this process: its exit code, stdout and stderr."""
+    from shardkeeper.core.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def make_bytes(n: int, seed: int = 0) -> bytes:

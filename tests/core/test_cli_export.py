@@ -12,20 +12,15 @@ import pytest
 pytest.importorskip("numpy")
 from safetensors import safe_open  # noqa: E402
 
-from shardkeeper.core.cli import main  # noqa: E402
 from shardkeeper.core.export import INDEX_NAME  # noqa: E402
 from shardkeeper.core.storage import LocalStorage  # noqa: E402
 
 try:
+    from ._builders import run_cli as run
     from ._builders import tensor, write_step
 except ImportError:
+    from _builders import run_cli as run
     from _builders import tensor, write_step
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

@@ -22,17 +22,13 @@ from shardkeeper.core.storage.retry import RetryingStorage, RetryPolicy, wait_lo
 from shardkeeper.core.version import shardkeeper_version
 
 try:
+    from ._builders import run_cli as run
     from ._builders import tensor, write_step
 except ImportError:
+    from _builders import run_cli as run
     from _builders import tensor, write_step
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _env(**extra: str) -> dict[str, str]:

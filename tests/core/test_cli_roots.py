@@ -8,22 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from shardkeeper.core.cli import main
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage import LocalStorage
 
 try:
     from ._builders import age_everything, tensor, write_step
+    from ._builders import run_cli as run
 except ImportError:
     from _builders import age_everything, tensor, write_step
+    from _builders import run_cli as run
 
 READERS = (["ls"], ["inspect"], ["verify"], ["gc", "--dry-run"], ["advise", "--mtbf", "3h"])
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

@@ -22,8 +22,10 @@ from shardkeeper.core.verify_all import verify_root
 
 try:
     from ._builders import age_everything, tensor, write_step
+    from ._builders import run_cli as run
 except ImportError:
     from _builders import age_everything, tensor, write_step
+    from _builders import run_cli as run
 
 TORCH_FREE = [
     "shardkeeper.core.retention",
@@ -72,12 +74,6 @@ def _checkpoint(storage, step=100, **kw):
 def _chunk(m, key, i=0):
     c = m.leaves[key].chunks[i]
     return c, f"{step_dir(m.step)}/{c.file}"
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------------------- no torch
