@@ -187,3 +187,19 @@ def deepspeed_full_state(engine: Any) -> dict[str, torch.Tensor]:
         for k in ("exp_avg", "exp_avg_sq"):
             out[f"optim/{n}/{k}"] = safe_get_full_optimizer_state(p, k).detach().clone()
     return out
+
+
+def cpu_trainer(tmp: Any, *plugins: Any, epochs: int = 1, callbacks: list[Any] | None = None) -> L.Trainer:
+    """A quiet one-device CPU Trainer under ``tmp``; checkpointing only with ``callbacks``."""
+    return L.Trainer(
+        default_root_dir=str(tmp),
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        plugins=list(plugins),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks or [],
+    )

@@ -20,7 +20,7 @@ import shardkeeper.lightning as skl
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.lightning.paths import write_pointer
 from tests.checks import assert_same_state
-from tests.lightning.common import HNet, loader
+from tests.lightning.common import HNet, cpu_trainer, loader
 
 
 class DataModule(L.LightningDataModule):
@@ -40,21 +40,6 @@ class Wider(HNet):
         self.extra = torch.nn.Parameter(torch.zeros(3))
 
 
-def _trainer(tmp: Path, *plugins: Any, epochs: int = 1, callbacks: list[Any] | None = None) -> L.Trainer:
-    return L.Trainer(
-        default_root_dir=str(tmp),
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        plugins=list(plugins),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=bool(callbacks),
-        callbacks=callbacks or [],
-    )
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A run saved through the plugin: ModelCheckpoint's last.ckpt, and the state it names."""
@@ -62,7 +47,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     L.seed_everything(0)
     net = HNet(lr=0.01, tag="run")
     plugin = skl.ShardkeeperCheckpointIO(tmp / "root")
-    t = _trainer(tmp, plugin, callbacks=[ModelCheckpoint(dirpath=tmp / "ck", save_last=True)])
+    t = cpu_trainer(tmp, plugin, callbacks=[ModelCheckpoint(dirpath=tmp / "ck", save_last=True)])
     t.fit(net, datamodule=DataModule(batch_size=4, seed=7))
     opt = t.optimizers[0].state_dict()
     return {
@@ -129,7 +114,7 @@ def test_load_checkpoint_returns_lightnings_dict_of_cpu_tensors(run: dict[str, A
 @pytest.mark.parametrize("with_plugin", [False, True])
 def test_trainer_test_validate_predict_from_a_pointer(run: dict[str, Any], tmp_path: Path, with_plugin: bool) -> None:
     plugins = [skl.ShardkeeperCheckpointIO(tmp_path / "other-root")] if with_plugin else []
-    t = _trainer(tmp_path, *plugins)
+    t = cpu_trainer(tmp_path, *plugins)
     for call in (t.test, t.validate):
         L.seed_everything(9)
         net = HNet()
@@ -144,14 +129,14 @@ def test_trainer_test_validate_predict_from_a_pointer(run: dict[str, Any], tmp_p
 def test_a_plain_ckpt_still_loads_as_lightning_loads_it(tmp_path: Path) -> None:
     L.seed_everything(0)
     net = HNet(tag="plain")
-    t = _trainer(tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
+    t = cpu_trainer(tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
     t.fit(net, loader())
     path = tmp_path / "ck" / "last.ckpt"
     assert os.path.getsize(path) > 1024  # Lightning's own torch file
     lm = HNet.load_from_checkpoint(path)
     assert lm.hparams.tag == "plain"
     assert_same_state(lm.state_dict(), net.state_dict(), what="a plain .ckpt")
-    t2 = _trainer(tmp_path)
+    t2 = cpu_trainer(tmp_path)
     net2 = HNet()
     t2.test(net2, dataloaders=loader(), ckpt_path=str(path))
     assert_same_state(net2.state_dict(), net.state_dict(), what="trainer.test(plain .ckpt)")
@@ -190,7 +175,7 @@ def test_a_pointer_whose_root_or_step_is_gone_names_pointer_root_and_step(run: d
     with pytest.raises(CheckpointNotFoundError, match=rf"last\.ckpt names {step}.*Copy or move the root back"):
         HNet.load_from_checkpoint(copy / "ck" / "last.ckpt")
     with pytest.raises(CheckpointNotFoundError, match=rf"last\.ckpt names {step}"):
-        _trainer(tmp_path).test(HNet(), dataloaders=loader(), ckpt_path=str(copy / "ck" / "last.ckpt"))
+        cpu_trainer(tmp_path).test(HNet(), dataloaders=loader(), ckpt_path=str(copy / "ck" / "last.ckpt"))
 
 
 @pytest.mark.timeout(300)

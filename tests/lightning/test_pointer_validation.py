@@ -20,23 +20,9 @@ from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatEr
 from shardkeeper.lightning.loading import is_pointer
 from shardkeeper.lightning.paths import read_pointer
 from tests.checks import assert_same_state
-from tests.lightning.common import HNet, loader
+from tests.lightning.common import HNet, cpu_trainer, loader
 
 REMEDY = r"Resume from the checkpoint root itself.*ckpt_path=.*load_checkpoint\("
-
-
-def _trainer(tmp: Path, *plugins: Any, epochs: int = 1) -> L.Trainer:
-    return L.Trainer(
-        default_root_dir=str(tmp),
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        plugins=list(plugins),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +31,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("pointers")
     L.seed_everything(0)
     net = HNet(lr=0.01)
-    t = _trainer(tmp, skl.ShardkeeperCheckpointIO(tmp / "root"))
+    t = cpu_trainer(tmp, skl.ShardkeeperCheckpointIO(tmp / "root"))
     t.fit(net, loader())
     t.save_checkpoint(tmp / "good.ckpt")
     return {
@@ -147,7 +133,7 @@ def test_a_damaged_pointer_raises_the_clear_error_never_torch_loads_error(
         with pytest.raises(CorruptCheckpointError, match=pattern) as e:
             load(bad)
         assert "weights_only" not in str(e.value)  # torch.load's hint to unpickle the file: never reached
-    t = _trainer(tmp_path)
+    t = cpu_trainer(tmp_path)
     with pytest.raises(CorruptCheckpointError, match=pattern):
         t.test(HNet(), dataloaders=loader(), ckpt_path=str(bad))  # no plugin: the hooked loader
 
@@ -155,12 +141,12 @@ def test_a_damaged_pointer_raises_the_clear_error_never_torch_loads_error(
 def test_fit_from_a_bad_pointer_raises_the_same_error_on_every_path(run: dict[str, Any], tmp_path: Path) -> None:
     for fields, cls in (({"step": True}, CorruptCheckpointError), ({"version": 99}, IncompatibleFormatError)):
         bad = _pointer(run, tmp_path, **fields)
-        t = _trainer(tmp_path / "resume", skl.ShardkeeperCheckpointIO(tmp_path / "resume-root"), epochs=2)
+        t = cpu_trainer(tmp_path / "resume", skl.ShardkeeperCheckpointIO(tmp_path / "resume-root"), epochs=2)
         with pytest.raises(cls, match=rf"pointer {re.escape(str(bad))} .*{REMEDY}"):
             t.fit(HNet(lr=0.01), loader(), ckpt_path=str(bad))
     damaged = tmp_path / "damaged.ckpt"
     damaged.write_bytes(json.dumps(run["doc"]).encode()[:20])
-    t = _trainer(tmp_path / "resume", skl.ShardkeeperCheckpointIO(tmp_path / "resume-root"), epochs=2)
+    t = cpu_trainer(tmp_path / "resume", skl.ShardkeeperCheckpointIO(tmp_path / "resume-root"), epochs=2)
     with pytest.raises(
         CorruptCheckpointError, match=rf"pointer {re.escape(str(damaged))} is damaged: .*does not parse"
     ):
@@ -196,7 +182,7 @@ def test_removing_a_damaged_pointer_removes_it_and_forgets_its_path(tmp_path: Pa
     """Lightning removing (or overwriting) a path whose pointer is damaged: rank 0 must not
     raise alone inside the collective removal; the file goes and the root's index forgets it."""
     L.seed_everything(0)
-    t = _trainer(tmp_path, skl.ShardkeeperCheckpointIO(tmp_path / "root"))
+    t = cpu_trainer(tmp_path, skl.ShardkeeperCheckpointIO(tmp_path / "root"))
     t.fit(HNet(), loader())
     path = tmp_path / "a.ckpt"
     t.save_checkpoint(path)
