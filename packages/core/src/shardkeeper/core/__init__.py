@@ -28,6 +28,7 @@ from shardkeeper.core.errors import (
     StorageError,
     TornStateError,
 )
+from shardkeeper.core.extras import EXTRA_OF
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ _LAZY_MODULES = {"metrics": "shardkeeper.core.metrics"}
 
 #: Top-level modules of the ``[torch]`` extra: a lazy name that fails to import one of these
 #: says which extra to install, instead of a bare ModuleNotFoundError from deep inside.
-_TORCH_EXTRA = frozenset({"torch", "numpy"})
+_TORCH_EXTRA = frozenset(m for m, extra in EXTRA_OF.items() if extra == "torch")
 
 
 def _import_lazy(module: str, public: str) -> Any:

@@ -37,21 +37,10 @@ from shardkeeper.core.cli import advise, check, convert, view
 from shardkeeper.core.cli.common import EXIT_OK, EXIT_USAGE, PROG
 from shardkeeper.core.cli.display import PrintableFormatter, say
 from shardkeeper.core.errors import CheckpointError, UsageError
+from shardkeeper.core.extras import EXTRA_OF, install_hint
 from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage.retry import wait_log
 from shardkeeper.core.version import shardkeeper_version
-
-#: How to install a module a command can miss on a torch-free install: the core's extra that
-#: brings it (numpy alone also does: it is all that export and verify need of the [torch] extra).
-_INSTALL = {
-    "numpy": "pip install numpy (or 'shardkeeper-core[torch]')",
-    "torch": "pip install 'shardkeeper-core[torch]'",
-    "s3fs": "pip install 'shardkeeper-core[s3]'",
-    "gcsfs": "pip install 'shardkeeper-core[gcs]'",
-    "zstandard": "pip install 'shardkeeper-core[zstd]'",
-    "cryptography": "pip install 'shardkeeper-core[crypto]'",
-    "prometheus_client": "pip install 'shardkeeper-core[metrics]'",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,9 +150,9 @@ def _run(args: argparse.Namespace) -> int:
         name = (e.name or "").split(".")[0]
         if args.debug:
             raise
-        if name not in _INSTALL:
+        if name not in EXTRA_OF:
             return _internal_error(e)
-        say(f"{PROG}: error: {PROG} {args.command} needs {name}: {_INSTALL[name]}", file=sys.stderr)
+        say(f"{PROG}: error: {PROG} {args.command} needs {name}: {install_hint(name)}", file=sys.stderr)
         return EXIT_USAGE
     except (UsageError, CheckpointError, OSError, ValueError) as e:
         if args.debug:
