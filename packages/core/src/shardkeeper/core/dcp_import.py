@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import manifest_path, write_latest_hint
 from shardkeeper.core.errors import CheckpointError, CommitConflictError, StateMismatchError
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES
@@ -210,8 +211,6 @@ def import_dcp(
     leaves: dict[str, Any] = {}
     files: dict[str, dict[str, Any]] = {}
     written: list[str] = []
-    from shardkeeper.core.bars import make_bar
-
     bar = make_bar(sum(t[4] for t in tensors), f"import {os.path.basename(src.rstrip('/')) or src}", progress)
     pool = ThreadPoolExecutor(1)
     try:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from shardkeeper.core.bars import make_bar
 from shardkeeper.core.chunk_reader import ChunkReader, size_or_none
 from shardkeeper.core.commit import committed_steps, load_manifest
 from shardkeeper.core.errors import (
@@ -286,8 +287,6 @@ def export_safetensors(
     reader = ChunkReader.of(
         storage, m, where=where, remedy=f"export another step and run `shardkeeper verify {storage.url}`"
     )
-    from shardkeeper.core.bars import make_bar
-
     bar = make_bar(sum(it[2].nbytes for it in items), f"export step {step}", progress)
     n = len(shards)
     try:

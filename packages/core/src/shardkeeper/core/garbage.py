@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeeper.core import pending
+from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_steps, step_dirs
 from shardkeeper.core.errors import CheckpointError, IncompatibleFormatError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
@@ -125,12 +126,9 @@ def collect_garbage(
     if touched and not dry_run:
         claim = pending.write_claim(storage, touched, "gc")
     t0 = time.monotonic()
-    bar = None
-    if progress is not False and (plan.files or plan.dirs):
-        from shardkeeper.core.bars import make_bar
-
-        verb = "gc (dry run)" if dry_run else "gc removing"
-        bar = make_bar(len(plan.files) + len(plan.dirs), verb, progress, unit="path")
+    verb = "gc (dry run)" if dry_run else "gc removing"
+    shown = progress if plan.files or plan.dirs else False  # no bar for nothing to do
+    bar = make_bar(len(plan.files) + len(plan.dirs), verb, shown, unit="path")
     try:
         records = pending.read_records(storage, now)
         intents = [] if no_running_saves else [r for r in records if r.kind == "intent" and r.live]
@@ -162,11 +160,9 @@ def collect_garbage(
                 report.kept_in_flight.append(f)
             elif in_time():
                 _remove(storage, f, dry_run, report)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
         for s, files in sorted(plan.dirs.items()):
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             if s in busy_steps:
                 report.kept_in_flight.append(step_dir(s))
                 continue
@@ -182,8 +178,7 @@ def collect_garbage(
             _remove_dir(storage, step_dir(s), files, dry_run, report)
         _remove_stale_records(storage, records, claim, no_running_saves, dry_run, report)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         if claim is not None:
             pending.remove(storage, claim)
     _abort_incomplete_uploads(storage, referenced, min_age_s, now, dry_run, report)
