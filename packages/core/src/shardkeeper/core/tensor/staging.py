@@ -18,6 +18,7 @@ import torch
 from shardkeeper.core.errors import StateMismatchError, TornStateError
 from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_offsets, data_on_a_page
 from shardkeeper.core.tensor.chunks import contiguous_strides
+from shardkeeper.core.tensor.pinned import cuda_devices, pinned_host_buffer
 from shardkeeper.core.tensor.save_plan import WriteItem
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class Stager:
 
     The buffer is allocated once and reused while the state's size does not grow, so steady
     state saves allocate nothing. Staging is the only part of a save that blocks training.
+    A pinned buffer is pinned at its exact size (``tensor/pinned.py``); ``pinned_how`` says
+    how (``"registered"``, ``"allocator"``), None while the buffer is not pinned.
     """
 
     def __init__(self) -> None:
@@ -77,6 +80,7 @@ class Stager:
         self._raw: torch.Tensor | None = None
         self._layouts: dict[Any, _Layout] = {}  # by (plan token, direct items): stage_split
         self._last: _Layout | None = None  # the layout whose items the buffer holds now
+        self.pinned_how: str | None = None
         self.last_stage_s = 0.0
 
     @property
@@ -154,7 +158,7 @@ class Stager:
         if not lay.staged:
             self.last_stage_s = time.perf_counter() - t0
             return spans, None
-        later = DeferredCopy(lay.any_cuda)
+        later = DeferredCopy(lay.cuda)
         if defer is None:
             if len(lay.staged) == len(items):
                 dsts, srcs = lay.staged_dsts, srcs_all
@@ -177,14 +181,14 @@ class Stager:
             if dsts:
                 # One call for all copies: per-tensor Python overhead matters with many small tensors.
                 try:
-                    torch._foreach_copy_(dsts, srcs, non_blocking=lay.any_cuda)
+                    torch._foreach_copy_(dsts, srcs, non_blocking=bool(lay.cuda))
                 except (RuntimeError, NotImplementedError):
                     # (Never deferred: a meta or storage-less tensor has no storage for
                     # tensor/overlap.py to match, so its copy fails here, on the caller's thread.)
                     _check_readable(items, srcs_all)
                     raise
-        if lay.any_cuda:
-            torch.cuda.synchronize()
+        for device in lay.cuda:  # every device the sources are on, not only the current one
+            torch.cuda.synchronize(device)
         self._last = lay
         self.last_stage_s = time.perf_counter() - t0
         return spans, (later if later.items else None)
@@ -196,14 +200,12 @@ class Stager:
         starts = []
         placed: list[list[int]] = []  # per group: each staged item's offset from the group start
         pos = 0
-        any_cuda = False
         j = 0
         for g in groups:
             sizes = []
             for it in g:
                 if j not in direct:
                     sizes.append(it.nbytes)
-                any_cuda = any_cuda or srcs[j].is_cuda
                 j += 1
             # The shard file's data section, byte for byte when every item is staged.
             rel, n = data_offsets(sizes, align_items=True)
@@ -212,18 +214,21 @@ class Stager:
             placed.append(rel)
             pos += n
         pos = _round_up(pos, _ALIGN)
+        cuda = cuda_devices(srcs)
         if pos == 0:
-            return _Layout(key, None, [None] * j, [[None] * len(g) for g in groups], [], [], any_cuda, [])
+            return _Layout(key, None, [None] * j, [[None] * len(g) for g in groups], [], [], cuda, [])
         buf = self._buffer
-        pinned = any_cuda and torch.cuda.is_available()
-        if buf is None or buf.numel() < pos or (pinned and not buf.is_pinned()):
+        if buf is None or buf.numel() < pos or (cuda and self.pinned_how is None):
             self._buffer = self._raw = self._last = None  # release before allocating the larger one
             self._layouts.clear()
             # The buffer, and each group that data_on_a_page says is page-aligned, start on a
             # page; so does such a file's data (format/safetensors.py): the bytes in the buffer
             # and in the file are congruent modulo the page size, and local storage writes them
             # with O_DIRECT.
-            raw = torch.empty(pos + PAGE_ALIGN, dtype=torch.uint8, pin_memory=pinned)
+            if cuda:
+                raw, self.pinned_how = pinned_host_buffer(pos + PAGE_ALIGN, cuda[0])
+            else:
+                raw, self.pinned_how = torch.empty(pos + PAGE_ALIGN, dtype=torch.uint8), None
             shift = -raw.data_ptr() % PAGE_ALIGN
             buf = raw[shift : shift + pos]
             self._buffer, self._raw = buf, raw
@@ -265,7 +270,7 @@ class Stager:
                 j += 1
             spans.append(group_spans)
         staged_dsts = cast("list[torch.Tensor]", [dsts[k] for k in staged])
-        return _Layout(key, buf, dsts, spans, staged, staged_dsts, any_cuda, pads)
+        return _Layout(key, buf, dsts, spans, staged, staged_dsts, cuda, pads)
 
 
 @dataclass
@@ -278,7 +283,7 @@ class _Layout:
     spans: list[list[Span | None]]  # per group, per item; None where written from its own memory
     staged: list[int]  # the items copied into the buffer, as flat indices
     staged_dsts: list[torch.Tensor]  # their views, in that order
-    any_cuda: bool
+    cuda: tuple[int, ...]  # the CUDA devices the sources are on
     #: the alignment gaps between staged items (format/safetensors.py ITEM_ALIGN): zeroed
     #: unless this layout was also the last to fill the buffer (another layout, e.g. a
     #: synchronous save's of the same plan, may have written there)
@@ -289,25 +294,27 @@ class DeferredCopy:
     """The part of a staging copy that runs later, off the caller's thread.
 
     Made on the caller's thread, which records the version counters of each source and of the
-    tensors it belongs to (and, on CUDA, an event on its current stream). ``run()`` copies every source into its place in the
-    staging buffer in one call (on CUDA: on a side stream, after that event) and then checks
-    that no source was changed in place meanwhile: a torch in-place op bumps a tensor's
-    version counter, so a mutation that raced the copy is an error naming the keys, never a
-    silently torn checkpoint. (Writes through ``.data``, numpy views or raw pointers do not
-    bump it, nor do kernels that update their inputs internally, like BatchNorm's running
-    statistics, which is why only optimizer-owned tensors are ever deferred; the rest is what
-    ``wait_staged()`` is for.)
+    tensors it belongs to (and, on CUDA, an event on the current stream of each device the
+    sources are on). ``run()`` copies every source into its place in the staging buffer, one
+    call per device (on CUDA: on a side stream of that device, after its event; the
+    background thread binds the device itself, since a new thread starts on device 0), and
+    then checks that no source was changed in place meanwhile: a torch in-place op bumps a
+    tensor's version counter, so a mutation that raced the copy is an error naming the keys,
+    never a silently torn checkpoint. (Writes through ``.data``, numpy views or raw pointers
+    do not bump it, nor do kernels that update their inputs internally, like BatchNorm's
+    running statistics, which is why only optimizer-owned tensors are ever deferred; the rest
+    is what ``wait_staged()`` is for.)
     """
 
-    def __init__(self, any_cuda: bool) -> None:
+    def __init__(self, cuda: tuple[int, ...] = ()) -> None:
         self.items: list[WriteItem] = []
         self.srcs: list[torch.Tensor] = []
         self.dsts: list[torch.Tensor] = []
         self.watched: list[list[tuple[torch.Tensor, int]]] = []
         self.nbytes = 0
         self.copy_s = 0.0
-        self._any_cuda = any_cuda
-        self._ready: torch.cuda.Event | None = None
+        self._cuda = cuda
+        self._ready: dict[int, torch.cuda.Event] = {}  # by device: where its sources are final
 
     def add(self, item: WriteItem, src: torch.Tensor, dst: torch.Tensor, watch: Sequence[torch.Tensor] = ()) -> None:
         """Copy ``src`` (``item``'s bytes) into ``dst`` later; ``watch``: the tensors whose
@@ -320,23 +327,31 @@ class DeferredCopy:
 
     def mark_ready(self) -> None:
         """Caller's thread, once every item is added: on CUDA, where the sources are final."""
-        if self._any_cuda and torch.cuda.is_available():
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        for device in cuda_devices(self.srcs) if self._cuda else ():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._ready[device] = event
 
     def run(self) -> None:
         """Copy (any thread); raise ``TornStateError`` if a source changed before it ended."""
         t0 = time.perf_counter()
-        srcs = self.srcs
         with torch.no_grad():
-            if self._ready is not None:
-                side = torch.cuda.Stream()
-                with torch.cuda.stream(side):
-                    side.wait_event(self._ready)
-                    torch._foreach_copy_(self.dsts, srcs, non_blocking=True)
-                side.synchronize()
+            if self._ready:
+                for device, event in self._ready.items():
+                    idx = [i for i, s in enumerate(self.srcs) if s.is_cuda and s.device.index == device]
+                    with torch.cuda.device(device):
+                        side = torch.cuda.Stream(device)
+                        side.wait_event(event)
+                        with torch.cuda.stream(side):
+                            torch._foreach_copy_(
+                                [self.dsts[i] for i in idx], [self.srcs[i] for i in idx], non_blocking=True
+                            )
+                        side.synchronize()
+                rest = [i for i, s in enumerate(self.srcs) if not s.is_cuda]
+                if rest:
+                    torch._foreach_copy_([self.dsts[i] for i in rest], [self.srcs[i] for i in rest])
             else:
-                torch._foreach_copy_(self.dsts, srcs)
+                torch._foreach_copy_(self.dsts, self.srcs)
         self.copy_s = time.perf_counter() - t0
         changed = [it.key for it, w in zip(self.items, self.watched) if any(t._version != v for t, v in w)]
         if changed:
