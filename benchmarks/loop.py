@@ -157,17 +157,20 @@ def worker(args: argparse.Namespace) -> None:
         raw.append(time.perf_counter() - t0)
     del bufs
 
-    mgrs = {
-        "sk_blocking": CheckpointManager(work / "sk_blocking", staging="blocking"),
-        "sk_overlap": CheckpointManager(work / "sk_overlap", staging="overlap"),
-        "sk_buffered": CheckpointManager(
+    methods = tuple(m for m in METHODS if m in args.methods.split(","))
+    builders = {
+        "sk_blocking": lambda: CheckpointManager(work / "sk_blocking", staging="blocking"),
+        "sk_overlap": lambda: CheckpointManager(work / "sk_overlap", staging="overlap"),
+        "sk_buffered": lambda: CheckpointManager(
             work / "sk_buffered", staging="blocking", storage_options={"direct_io": False}
         ),
     }
+    mgrs = {m: build() for m, build in builders.items() if m in methods}
     opts = dict(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
     stagers = {
-        "dcp_reuse": DefaultStager(StagingOptions(use_async_staging=False, **opts)),
-        "dcp_async_staging": DefaultStager(StagingOptions(use_async_staging=True, **opts)),
+        m: DefaultStager(StagingOptions(use_async_staging=m == "dcp_async_staging", **opts))
+        for m in ("dcp_reuse", "dcp_async_staging")
+        if m in methods
     }
     counter = [0]
 
@@ -226,8 +229,8 @@ def worker(args: argparse.Namespace) -> None:
 
     samples: list[dict[str, Any]] = []
     for r in range(-1, args.repeats):  # round -1 warms every method up (buffers, files)
-        k = max(r, 0) % len(METHODS)
-        for m in METHODS[k:] + METHODS[:k]:
+        k = max(r, 0) % len(methods)
+        for m in methods[k:] + methods[:k]:
             res = run(m)
             if r >= 0:
                 samples.append({"round": r, "method": m, **res})
@@ -258,7 +261,7 @@ def worker(args: argparse.Namespace) -> None:
 # -- the parent: launch, summarize, write results -------------------------------------------
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     info, samples = raw["info"], raw["samples"]
-    by = {m: [s for s in samples if s["method"] == m] for m in METHODS}
+    by = {m: [s for s in samples if s["method"] == m] for m in METHODS if any(s["method"] == m for s in samples)}
     med = {
         m: {k: statistics.median(s[k] for s in v) for k in ("loop_s", "cpu_s", "stall_s")} for m, v in by.items() if v
     }
@@ -279,9 +282,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "extra_cpu_s": extra_cpu,
             "overhead_per_extra_cpu_s": over / extra_cpu if extra_cpu > 0 else None,
         }
-    dcp_min = min(rows[m]["overhead_s"] for m in rows if m.startswith("dcp"))
-    for m in ("sk_blocking", "sk_overlap", "sk_buffered"):
-        rows[m]["overhead_per_best_dcp"] = rows[m]["overhead_s"] / dcp_min if dcp_min > 0 else None
+    dcp_min = min((rows[m]["overhead_s"] for m in rows if m.startswith("dcp")), default=0.0)
+    for m in rows:
+        if m.startswith("sk_"):
+            rows[m]["overhead_per_best_dcp"] = rows[m]["overhead_s"] / dcp_min if dcp_min > 0 else None
     return {
         "info": info,
         "methods": rows,
@@ -335,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)} ('none' is kept)"
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="a smoke run: 16 MiB, 3 steps, 1 round (results: *-quick.json)"
     )
     ap.add_argument("--results-dir", default=str(HERE / "results"))
@@ -344,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mib, args.steps, args.repeats = 16.0, 3, 1
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    args.methods = ",".join(dict.fromkeys(["none", *args.methods.split(",")]))
     if args.worker:
         worker(args)
         return 0
