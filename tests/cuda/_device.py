@@ -1,0 +1,39 @@
+"""Which device the CUDA tests use, for the tests and for the scripts they launch.
+
+``cuda:0`` normally. With ``SHARDKEEPER_CUDA_ON_CPU=1`` (the dry run) the same tests run their
+logic on the CPU, so that they are known to be right before a GPU ever runs them. Launched
+workers inherit the environment, so they choose the same device as the test that started them.
+Only the standard library is imported at the top: collection must work without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ON_CPU_ENV = "SHARDKEEPER_CUDA_ON_CPU"
+SKIP_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def on_cpu() -> bool:
+    """True in the dry run: the CUDA tests run on the CPU."""
+    return os.environ.get(ON_CPU_ENV) == "1"
+
+
+def runnable() -> bool:
+    """Whether the CUDA tests can run here: a GPU, or the dry run."""
+    if on_cpu():
+        return True
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def test_device() -> Any:
+    """``torch.device("cuda", 0)``, or ``torch.device("cpu")`` in the dry run."""
+    import torch
+
+    return torch.device("cpu") if on_cpu() else torch.device("cuda", 0)
+
+
+test_device.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
