@@ -140,7 +140,7 @@ def tests(session: nox.Session, suite: str) -> None:
         dist = _build_dists(session, ("core",))
         _install_wheels(session, [_wheel(dist, "core", "torch,s3,gcs,zstd,crypto")], *TEST_DEPS)
         session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), "core", env=env)
-        session.run("pytest", "tests/core", "tests/packaging", "-x", "-q", *session.posargs, env=env)
+        session.run("pytest", "tests/core", "tests/cuda", "tests/packaging", "-x", "-q", *session.posargs, env=env)
         return
     versions = FRAMEWORKS[suite.removeprefix("adapters-")]
     dist = _build_dists(session, tuple(DISTRIBUTIONS))

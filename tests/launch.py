@@ -13,16 +13,22 @@ WORKER_MAIN = Path(__file__).with_name("worker_main.py")
 
 
 def run_script(
-    nproc: int, script: str | Path, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
+    nproc: int,
+    script: str | Path,
+    *args: str,
+    timeout_s: float = 240.0,
+    env: dict[str, str] | None = None,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` on ``nproc`` gloo ranks under torchrun (plain python when ``nproc`` is 1).
+    """Run ``script`` on ``nproc`` gloo ranks under torchrun (plain python when ``nproc`` is 1,
+    unless ``torchrun``: a framework that needs the launcher's environment even for one rank).
 
     torchrun ``--standalone`` picks a free port. On timeout every process under the launch
     prints its stacks (faulthandler) and is killed; stdout and stderr come back together in
     ``.stdout``.
     """
     entry = [str(WORKER_MAIN), str(script)]  # skips the C++ teardown after a clean exit (see it)
-    if nproc == 1:
+    if nproc == 1 and not torchrun:
         cmd = [sys.executable, *entry, *args]
     else:
         cmd = [

@@ -6,4 +6,4 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped on CPU-only machines")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one")

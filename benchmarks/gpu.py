@@ -1,0 +1,257 @@
+"""The CUDA paths, proven in one run on one GPU: correctness, stall and loop overhead vs DCP, host memory.
+
+    PYTHONPATH=packages/core/src:. python benchmarks/gpu.py              # on a GPU machine, < 8 min
+    python benchmarks/gpu.py --dry-run --results-dir /tmp/r               # anywhere: everything up to CUDA
+
+Runs from the source tree (no install step) on the torch it finds, CUDA builds from 2.6 on,
+with or without orjson. It checks ``torch.cuda.is_available()`` first and says what is
+missing otherwise. Then, in this order, each part under its own time limit (a part that
+fails or runs out of time is recorded and the next one runs):
+
+1. **Correctness on CUDA**: ``pytest -m cuda tests/cuda`` (save and restore of CUDA
+   parameters and AdamW state at world size 1 and 2, NCCL at world size 1, the overlapped
+   staging race, restores into CUDA targets; see tests/cuda), every test's outcome recorded.
+2. **Stall and loop overhead vs DCP** (``benchmarks/loop.py --device cuda --nproc 1``, per
+   ``--sizes-gib``, default 1 and 4 GiB of weights + AdamW state): the time ``save()``
+   blocks, against a raw device-to-host copy of the same tensors into reused pinned buffers,
+   and the overhead of one save on a K-step loop, (K steps with a save) - (K steps without),
+   in units of that copy, for shardkeeper's blocking and overlapped staging and DCP
+   ``async_save`` with a pinned ``DefaultStager`` (blocking and async staging). Targets:
+   stall <= 1.1x the raw copy; loop overhead <= 0.25x the raw copy and below every DCP variant.
+3. **Host memory** (``benchmarks/gpu_memory.py``): RSS and pinned bytes after each of N saves
+   do not grow (target: pinned-allocator growth 0, RSS growth < 1% of the state).
+
+Writes ``benchmarks/results/gpu-<date>.json`` and ``.md`` (``--results-dir``).
+``--dry-run`` (no GPU needed) runs the same script on CPU: the environment report, the
+collection of the CUDA tests, the loop and memory parts at a tiny size on CPU and the writer
+(results ``gpu-<date>-dry-run.*``); its figures say nothing about CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from gpu_report import markdown, targets  # noqa: E402
+
+#: The packages' sources, first on the children's path: the script runs from the source tree.
+SOURCES = [
+    ROOT / "packages" / name / "src" for name in ("core", "accelerate_plugin", "lightning_plugin", "deepspeed_plugin")
+]
+
+
+def environment() -> dict[str, Any]:
+    """What this machine has: torch and its CUDA build, the GPU, the optional packages."""
+    env: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
+    env["cpus"] = os.cpu_count()
+    try:
+        import torch
+    except ImportError as e:
+        env["missing"] = f"torch is not installed ({e}); install a CUDA build of torch"
+        return env
+    env["torch"] = torch.__version__
+    env["torch_cuda"] = torch.version.cuda
+    env["cuda_available"] = bool(torch.cuda.is_available())
+    if env["cuda_available"]:
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+    elif torch.version.cuda is None:
+        env["missing"] = (
+            f"torch {torch.__version__} is a CPU build (torch.version.cuda is None): run on a machine with a CUDA "
+            "build of torch, or pass --dry-run"
+        )
+    else:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["missing"] = (
+            f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but torch.cuda.is_available() is "
+            f"False: no GPU or driver is visible (CUDA_VISIBLE_DEVICES={visible!r}; check nvidia-smi), or pass --dry-run"
+        )
+    from importlib import metadata
+
+    env["packages"] = {}
+    for name in ("numpy", "xxhash", "fsspec", "orjson", "safetensors", "pytest", "pytest-timeout", "tqdm"):
+        try:
+            env["packages"][name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            env["packages"][name] = None
+    return env
+
+
+def _child_env() -> dict[str, str]:
+    paths = [*map(str, SOURCES), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``cmd`` in its own session; on timeout kill its whole process group."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env or _child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        rc: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        rc = None
+    return {
+        "cmd": " ".join(cmd),
+        "rc": rc,
+        "timed_out": rc is None,
+        "seconds": time.perf_counter() - t0,
+        "tail": out[-6000:],
+    }
+
+
+def part_tests(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Part 1: the CUDA-marked tests (collected only, in a dry run)."""
+    junit = work / "junit.xml"
+    suites = ["tests/cuda"]
+    if importlib.util.find_spec("accelerate") is not None:  # Accelerate's FSDP plugin needs CUDA
+        suites.append("tests/accelerate/test_fsdp_plugin_gpu.py")
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", *suites, "-q", "-rA", "-p", "no:cacheprovider"]
+    cmd += [f"--junitxml={junit}"]
+    if args.dry_run:
+        cmd.append("--collect-only")
+    res = _run(cmd, args.tests_timeout_s)
+    tests: list[dict[str, Any]] = []
+    if junit.is_file():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            outcome, message = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    outcome = {"failure": "failed"}.get(tag, tag)
+                    message = (el.get("message") or el.text or "")[:2000]
+                    break
+            name = f"{case.get('classname')}::{case.get('name')}"
+            tests.append(
+                {"name": name, "outcome": outcome, "seconds": float(case.get("time") or 0), "message": message}
+            )
+    if args.dry_run:  # --collect-only writes no test cases: take the names from the listing
+        tests = [{"name": ln.strip(), "outcome": "collected"} for ln in res["tail"].splitlines() if "::" in ln]
+    res["tests"] = tests
+    return res
+
+
+def part_loop(args: argparse.Namespace, work: Path, size_mib: float) -> dict[str, Any]:
+    """Part 2, one size: benchmarks/loop.py on one rank, its results read back."""
+    out = work / f"loop-{size_mib:g}"
+    device = "cpu" if args.dry_run else "cuda"
+    cmd = [sys.executable, str(HERE / "loop.py"), f"--device={device}", "--nproc=1", f"--size-mib={size_mib:g}"]
+    cmd += [f"--steps={args.steps}", "--save-after=1", f"--batch={args.batch}", f"--seq={args.seq}"]
+    cmd += [f"--repeats={args.repeats}", "--methods=sk_blocking,sk_overlap,dcp_reuse,dcp_async_staging"]
+    cmd += [f"--results-dir={out}", f"--workdir={args.workdir}", f"--timeout-s={args.loop_timeout_s - 10:g}"]
+    res = _run(cmd, args.loop_timeout_s)
+    found = sorted(out.glob("loop-*.json"))
+    if found:
+        data = json.loads(found[0].read_text())
+        res["info"], res["methods"] = data["info"], data["methods"]
+    return res
+
+
+def part_memory(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Part 3: host memory across repeated saves."""
+    out = work / "memory.json"
+    device = "cpu" if args.dry_run else "cuda"
+    cmd = [sys.executable, str(HERE / "gpu_memory.py"), f"--out={out}", f"--device={device}"]
+    cmd += [f"--size-mib={args.memory_mib:g}", f"--saves={args.saves}", f"--workdir={args.workdir}"]
+    res = _run(cmd, args.memory_timeout_s)
+    if out.is_file():
+        res["result"] = json.loads(out.read_text())
+    return res
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: everything up to the first CUDA call, on CPU")
+    ap.add_argument("--sizes-gib", default="1,4", help="part 2's state sizes (weights + AdamW), GiB")
+    ap.add_argument("--steps", type=int, default=24, help="part 2: K, the steps of one timed loop")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--memory-mib", type=float, default=512.0)
+    ap.add_argument("--saves", type=int, default=10)
+    ap.add_argument("--tests-timeout-s", type=float, default=150.0)
+    ap.add_argument("--loop-timeout-s", type=float, default=120.0, help="per size; the largest gets twice this")
+    ap.add_argument("--memory-timeout-s", type=float, default=60.0)
+    ap.add_argument("--results-dir", default=str(HERE / "results"))
+    ap.add_argument("--workdir", default=None, help="checkpoints go here (default: /dev/shm when it has room)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.sizes_gib, args.steps, args.batch, args.seq, args.repeats = "0.015625", 3, 2, 16, 1
+        args.memory_mib, args.saves = 8.0, 3
+    return args
+
+
+def _workdir(args: argparse.Namespace) -> str:
+    if args.workdir:
+        return str(args.workdir)
+    need = 3 * max(float(s) for s in args.sizes_gib.split(",")) * (1 << 30)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need:
+        return str(shm)
+    return tempfile.gettempdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    env = environment()
+    print(json.dumps(env, indent=1), flush=True)
+    if "missing" in env and not (args.dry_run and "torch" in env):
+        print(f"benchmarks/gpu.py: {env['missing']}", file=sys.stderr)
+        return 2
+    args.workdir = _workdir(args)
+    work = Path(tempfile.mkdtemp(prefix="sk-gpu-", dir=args.workdir))
+    res: dict[str, Any] = {"started": started, "dry_run": args.dry_run, "environment": env, "workdir": args.workdir}
+    res["command"] = "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    t0 = time.perf_counter()
+    try:
+        print("== part 1: CUDA tests", flush=True)
+        res["tests"] = part_tests(args, work)
+        res["loop"] = {}
+        sizes = [float(s) for s in args.sizes_gib.split(",")]
+        for i, gib in enumerate(sizes):
+            print(f"== part 2: stall and loop overhead, {gib:g} GiB", flush=True)
+            if i == len(sizes) - 1 and len(sizes) > 1:
+                args.loop_timeout_s *= 2
+            res["loop"][f"{gib:g}"] = part_loop(args, work, gib * 1024)
+        print("== part 3: host memory across saves", flush=True)
+        res["memory"] = part_memory(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["seconds"] = time.perf_counter() - t0
+    res["targets"] = targets(res)
+    md = markdown(res)
+    print(md)
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu-{time.strftime('%Y-%m-%d')}" + ("-dry-run" if args.dry_run else "")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text(md)
+    print(f"wrote {out / stem}.json and .md")
+    # Non-zero when a test failed or a part did not run; a missed speed target is a figure, not an error.
+    return 1 if any(r["pass"] is False and (r["part"] == "tests" or r["what"] == "ran") for r in res["targets"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
