@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.format.table import ChunkTable, report_for_wire, rows_report
 from shardkeeper.core.protocol import (
     COMMITTED,
@@ -34,10 +35,20 @@ NS = "shardkeeper/00ff"
 
 
 class _Store:
-    """The c10d store calls the coordinator makes, in memory (values come back as bytes)."""
+    """The c10d store calls the coordinator makes, in memory (values come back as bytes);
+    ``calls`` counts them by caller rank (``as_rank``): each is a round trip to the server."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.calls: dict[int, int] = {}
+        self.as_rank = 0
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("set", "get", "check", "delete_key", "add", "wait", "multi_get"):
+            calls = object.__getattribute__(self, "calls")
+            rank = object.__getattribute__(self, "as_rank")
+            calls[rank] = calls.get(rank, 0) + 1
+        return object.__getattribute__(self, name)
 
     def set(self, key: str, value: str | bytes) -> None:
         self.data[key] = value.encode() if isinstance(value, str) else value
@@ -57,8 +68,11 @@ class _Store:
         return value
 
     def wait(self, keys: list[str], timeout: timedelta) -> None:
-        if not self.check(keys):
+        if not all(k in self.data for k in keys):
             raise RuntimeError(f"timeout after {timeout}")
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.data[k] for k in keys]
 
 
 @dataclass
@@ -67,6 +81,7 @@ class _OnStore(StoreCoordinator):
 
     @property
     def _store(self) -> Any:
+        self.store.as_rank = self.rank
         return self.store
 
 
@@ -140,7 +155,9 @@ def test_a_report_crosses_the_store_unchanged_in_the_bytes_it_always_had() -> No
     assert store.data[key] == json.dumps(before).encode()
     own = _report(rank=0)
     got = coord0.collect(7, own, 5.0, step=7)
-    assert isinstance(got, list) and got[0] is own and key not in store.data
+    assert isinstance(got, list) and got[0] is own
+    coord1.report(8, sent)  # a rank's next report deletes its previous one, already read
+    assert key not in store.data and f"{NS}/8/report/1" in store.data
     back = got[1]
     assert isinstance(back, RankReport)
     assert _same(back.objects, sent.objects) and back.objects["big"] == 1 << 70  # exact: declared extended
@@ -231,8 +248,9 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_a_malformed_report_in_the_store_is_refused_naming_step_rank_and_key(case: str) -> None:
-    store, coord0, _ = _pair()
+    store, coord0, coord1 = _pair()
     key = f"{NS}/9/report/1"
+    coord1.report(9, _report())
     store.data[key] = MALFORMED[case]
     with pytest.raises(ProtocolError) as e:
         coord0.collect(9, _report(rank=0), 5.0, step=9)
@@ -269,3 +287,30 @@ def test_the_ranks_agree_on_the_worst_verdict() -> None:
     """The restore agreement is one all_reduce max: its order is the severity."""
     assert sorted(Verdict) == [Verdict.RESTORED, Verdict.DAMAGED, Verdict.FATAL]
     assert Verdict(max(int(Verdict.RESTORED), int(Verdict.DAMAGED))) is Verdict.DAMAGED
+
+
+@pytest.mark.parametrize("world", [2, 64])
+def test_the_coordinator_makes_the_same_few_round_trips_at_any_world_size(world: int) -> None:
+    """The coordinator neither polls the ranks one by one nor deletes their reports: one
+    wait, one count, one multi_get, and its own outcome and clean-up, at 2 ranks as at 64."""
+    store = _Store()
+    coords = [_OnStore(None, r, world, NS, store=store) for r in range(world)]
+    for c in coords[1:]:
+        c.report(7, _report(rank=c.rank))
+    # each rank: set its report, count it in; the last one to count in also sets the wake key
+    assert [store.calls[r] for r in range(1, world)] == [2] * (world - 2) + [3]
+    store.calls[0] = 0
+    got = coords[0].collect(7, _report(rank=0), 5.0, step=7)
+    assert isinstance(got, list) and [g.rank for g in got] == list(range(world))
+    coords[0].publish(7, COMMITTED)
+    assert store.calls[0] == 7  # wait, add, multi_get; set the outcome, delete count/wake/failed
+    assert not [k for k in store.data if k.endswith(("/7/count", "/7/wake", "/7/failed"))]
+
+
+def test_a_late_rank_is_named_by_the_timeout() -> None:
+    store = _Store()
+    coords = [_OnStore(None, r, 4, NS, store=store) for r in range(4)]
+    coords[1].report(3, _report(rank=1))
+    coords[3].report(3, _report(rank=3))
+    with pytest.raises(CheckpointTimeoutError, match=r"step 3: ranks \[2\] did not report within 5 s"):
+        coords[0].collect(3, _report(rank=0), 5.0, step=3)

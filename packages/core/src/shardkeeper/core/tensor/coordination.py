@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -102,7 +101,7 @@ class StoreCoordinator:
     rank: int
     world_size: int
     namespace: str
-    poll_s: float = 0.005
+    _reported: int | None = field(default=None, init=False)  # the seq of this rank's last report
 
     @classmethod
     def create(cls, group: Any = None) -> StoreCoordinator:
@@ -124,37 +123,57 @@ class StoreCoordinator:
         return f"{self.namespace}/{seq}/{name}"
 
     def report(self, seq: int, report: Report) -> None:
-        self._store.set(self._key(seq, f"report/{self.rank}"), json.dumps(report.to_json()))
+        """Set this rank's report, then count it in; the last rank to count in, or a failing
+        rank (which also names itself), wakes the coordinator. This rank's previous report is
+        deleted here: the coordinator read it before it published the outcome this rank waited
+        for, so the coordinator never spends a round trip per rank on deleting."""
+        store = self._store
+        if self._reported is not None:
+            store.delete_key(self._key(self._reported, f"report/{self.rank}"))
+        self._reported = seq
+        store.set(self._key(seq, f"report/{self.rank}"), json.dumps(report.to_json()))
+        if isinstance(report, Failure):
+            store.set(self._key(seq, "failed"), str(self.rank))
+            store.set(self._key(seq, "wake"), "1")
+        elif store.add(self._key(seq, "count"), 1) == self.world_size - 1:
+            store.set(self._key(seq, "wake"), "1")
 
     def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
+        """A constant number of store round trips, whatever the world size: one blocking wait
+        for the wake key, the count, then every report in one ``multi_get`` (or the failing
+        rank's report alone). Only a timeout looks at the ranks one by one, to name them."""
         store = self._store
-        keys = [self._key(seq, f"report/{r}") for r in range(self.world_size)]
+        try:
+            store.wait([self._key(seq, "wake")], timedelta(seconds=timeout_s))
+        except Exception:  # the store raises its own timeout type
+            missing = [r for r in range(1, self.world_size) if not store.check([self._key(seq, f"report/{r}")])]
+            raise CheckpointTimeoutError(
+                f"step {step}: ranks {missing} did not report within {timeout_s:.0f} s "
+                f"(phase: report); a rank died or hangs in its write. Raise commit_timeout_s "
+                f"if writes are slow; the checkpoint was not committed"
+            ) from None
+        if store.add(self._key(seq, "count"), 0) < self.world_size - 1:  # woken by a failure
+            r = int(store.get(self._key(seq, "failed")))
+            key = self._key(seq, f"report/{r}")
+            report = _read_report(store.get(key), rank=r, where=f"step {step}: the report of rank {r} ({key})")
+            if isinstance(report, Failure):
+                return report
+            raise malformed(f"step {step}: the report of rank {r} ({key})", "it names a failure but reports success")
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [self._key(seq, f"report/{r}") for r in others]
         got: dict[int, RankReport] = {self.rank: own}
-        deadline = time.monotonic() + timeout_s
-        delay = self.poll_s
-        while len(got) < self.world_size:
-            for r, k in enumerate(keys):
-                if r not in got and store.check([k]):
-                    report = _read_report(store.get(k), rank=r, where=f"step {step}: the report of rank {r} ({k})")
-                    store.delete_key(k)
-                    if isinstance(report, Failure):
-                        return report
-                    got[r] = report
-            if len(got) == self.world_size:
-                break
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(got))
-                raise CheckpointTimeoutError(
-                    f"step {step}: ranks {missing} did not report within {timeout_s:.0f} s "
-                    f"(phase: report); a rank died or hangs in its write. Raise commit_timeout_s "
-                    f"if writes are slow; the checkpoint was not committed"
-                )
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.02)
+        for r, k, data in zip(others, keys, _multi_get(store, keys)):
+            report = _read_report(data, rank=r, where=f"step {step}: the report of rank {r} ({k})")
+            if isinstance(report, Failure):
+                return report
+            got[r] = report
         return [got[r] for r in range(self.world_size)]
 
     def publish(self, seq: int, outcome: Outcome) -> None:
-        self._store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
+        store = self._store
+        store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
+        for name in ("count", "wake", "failed"):
+            store.delete_key(self._key(seq, name))
 
     def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
         store = self._store
@@ -181,6 +200,14 @@ class StoreCoordinator:
         else:
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+
+def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
+    """Every key's value in one round trip where the store can (``multi_get``), else one each."""
+    try:
+        return list(store.multi_get(keys))
+    except (AttributeError, NotImplementedError):
+        return [store.get(k) for k in keys]
 
 
 def _parse(data: bytes, where: str, loads: Callable[[bytes], Any] = loads_exact) -> Any:
