@@ -46,7 +46,8 @@ def _pinned_allocator_bytes(torch: Any) -> int | None:
     if stats is None or not torch.cuda.is_available():
         return None
     try:
-        return int(stats().get("allocated_bytes.all.current", 0))
+        value = stats().get("allocated_bytes.current")  # the host allocator's name (not .all.)
+        return None if value is None else int(value)
     except RuntimeError:  # a torch without the stats for this allocator
         return None
 

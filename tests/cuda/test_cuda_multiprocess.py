@@ -21,7 +21,7 @@ from tests.launch import run_script
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 DIST = Path(__file__).parent / "dist"
-LAUNCH_TIMEOUT_S = 180.0
+LAUNCH_TIMEOUT_S = 60.0  # within benchmarks/gpu.py's part limit, so a hang is named, not cut
 
 
 def test_nccl_world_size_1_save_restore(tmp_path: Path) -> None:

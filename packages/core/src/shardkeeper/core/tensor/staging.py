@@ -187,8 +187,8 @@ class Stager:
                     # tensor/overlap.py to match, so its copy fails here, on the caller's thread.)
                     _check_readable(items, srcs_all)
                     raise
-        for device in lay.cuda:  # every device the sources are on, not only the current one
-            torch.cuda.synchronize(device)
+            if dsts and lay.cuda:
+                _wait_for_copies(lay.cuda)
         self._last = lay
         self.last_stage_s = time.perf_counter() - t0
         return spans, (later if later.items else None)
@@ -271,6 +271,16 @@ class Stager:
             spans.append(group_spans)
         staged_dsts = cast("list[torch.Tensor]", [dsts[k] for k in staged])
         return _Layout(key, buf, dsts, spans, staged, staged_dsts, cuda, pads)
+
+
+def _wait_for_copies(devices: Sequence[int]) -> None:
+    """Block until the copies just queued on each device's current stream have landed: an
+    event on that stream, not a device-wide synchronize, which would also wait for every other
+    stream's work (collectives, prefetches) and, when every copy was deferred, for nothing."""
+    for device in devices:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
 
 
 @dataclass
