@@ -165,6 +165,7 @@ def measure_point(workdir: Path, ranks: int, tensors: int, layout: str = "sharde
     coord = _coordinator_class()
     coords = [coord(None, r, ranks, "shardkeeper/bench", store=store) for r in range(ranks)]
     commit_s: list[float] = []
+    commit_cpu: list[float] = []
     phases: dict[str, dict[str, int]] = {}
     data, chunks, report_bytes = b"", 0, [0]
     for k in range(repeats):
@@ -175,7 +176,7 @@ def measure_point(workdir: Path, ranks: int, tensors: int, layout: str = "sharde
             coords[r].report(seq, rank_report(ranks, tensors, layout, r, declared, digest))
         own = rank_report(ranks, tensors, layout, 0, declared, digest)
         after_report = Counter(store.calls)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         got = coords[0].collect(seq, own, 600.0, step=step)
         after_collect = Counter(store.calls)
         if not isinstance(got, list):
@@ -193,6 +194,7 @@ def measure_point(workdir: Path, ranks: int, tensors: int, layout: str = "sharde
         data = m.dumps()
         storage.put_if_absent(manifest_path(step), data)
         commit_s.append(time.perf_counter() - t0)
+        commit_cpu.append(time.process_time() - c0)
         chunks = sum(len(rep.chunks["keys"]) for rep in got)
         del got, members, m, own
         coords[0].publish(seq, COMMITTED)
@@ -205,14 +207,16 @@ def measure_point(workdir: Path, ranks: int, tensors: int, layout: str = "sharde
         }
         report_bytes = store.report_bytes or [0]
     plan_s: list[float] = []
+    plan_cpu: list[float] = []
     ops: list[Any] = []
     reads: list[Any] = []
     start, count = row_split(rows, ranks, 0) if layout == "sharded" else (0, rows)
     for _ in range(repeats):
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         with no_gc():  # restore_flat plans with garbage collection paused, too
             ops, reads = _plan(storage, start, count)
         plan_s.append(time.perf_counter() - t1)
+        plan_cpu.append(time.process_time() - c1)
     res: dict[str, Any] = {
         "ranks": ranks,
         "tensors": tensors,
@@ -222,6 +226,8 @@ def measure_point(workdir: Path, ranks: int, tensors: int, layout: str = "sharde
         "chunks": chunks,
         "commit_s": _median(commit_s),
         "plan_s": _median(plan_s),
+        "commit_cpu_s": _median(commit_cpu),  # this process's CPU time: less skewed by a loaded machine
+        "plan_cpu_s": _median(plan_cpu),
         "manifest_bytes": len(data),
         "store_bytes": sum(report_bytes),
         "store_bytes_max_rank": max(report_bytes),
