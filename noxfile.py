@@ -185,12 +185,15 @@ def bench(session: nox.Session) -> None:
     Extra arguments after `--` (`-- --quick` for a smoke run; see benchmarks/run.py --help).
     matplotlib draws the chart of the ratios. Then benchmarks/loop.py: the training-loop
     overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too), and
-    benchmarks/direct_io.py: buffered against O_DIRECT writes (decisions.md D19).
+    benchmarks/direct_io.py: buffered against O_DIRECT writes (decisions.md D19), then
+    benchmarks/scale.py: commit, planning, manifest and store bytes against the world size,
+    DCP's metadata beside them (`--quick`: small points).
     """
     _run_script(session, "benchmarks/run.py", "matplotlib")
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "benchmarks/loop.py", *quick)
     session.run("python", "benchmarks/direct_io.py", *quick)
+    session.run("python", "benchmarks/scale.py", *quick)
 
 
 def _run_script(session: nox.Session, script: str, *extra: str) -> None:

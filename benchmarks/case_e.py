@@ -1,122 +1,258 @@
-"""Case (e): a manifest with 100,000 tensors from 8 ranks: commit time and restore planning time.
+"""Case (e), and one point of the world-size sweep: commit and restore planning at R ranks.
 
-    python benchmarks/case_e.py --workdir DIR --out result.json [--quick]
+    python benchmarks/case_e.py --workdir DIR --out result.json [--quick]      # case (e), run.py's
+    python benchmarks/case_e.py --ranks R --tensors T --out FILE [--layout sharded|whole]
+                                [--workdir DIR] [--repeats N]                   # one point (scale.py's)
 
-run.py runs this in its own process (with a timeout) and puts what it prints into the results.
+Case (e) is 100,000 tensors (10,000 with ``--quick``) from 8 ranks, in both layouts; run.py
+runs it in its own process (with a timeout) and puts what it writes into the results.
 
+Synthetic rank reports (``_scale_layout.py``), real code: every rank but 0 sends its report
+through the real ``StoreCoordinator.report`` into a counting wrapper around an in-process
+c10d ``HashStore``; then, timed as ``commit_s``, rank 0's real ``StoreCoordinator.collect``
+(poll, read, parse, validate, delete), the merge and tiling check (``assemble_manifest``), the
+manifest's serialization and its durable write; then ``publish`` and every rank's ``outcome``
+(counted, not timed). ``plan_s``: rank 0 reads and validates the manifest and plans the reads
+of its own shard. DCP's ``.metadata`` for the same chunks beside it (``dcp_*``). Timings are
+medians over ``--repeats``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import sys
+import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _scale_layout import BLOCK, COLS, ITEM, dcp_figures, key, n_rows, rank_chunks, row_split  # noqa: E402
+
 N_TENSORS = 100_000
 N_RANKS = 8
+BIG_CHUNKS = 1_000_000  # points with more chunks are timed once by default
+
+COUNTED = (
+    "what crosses the store in one save, counted by a wrapper around a c10d HashStore driven by the real "
+    "StoreCoordinator (report on every rank > 0, collect on rank 0, publish, outcome on every rank > 0); "
+    "every report is in the store before collect starts, so collect polls once (the best case; each further "
+    "poll round adds one check per rank still missing). Every call is one request/response to the store "
+    "server on a TCPStore. store_bytes: the report messages as rank 0 receives them (store.get)"
+)
 
 
-def _reports(n_tensors: int, n_ranks: int, sharded: bool) -> list[dict[str, Any]]:
-    """What 8 ranks report for a state of ``n_tensors`` [1024, 256] float32 tensors: each
-    tensor row-sharded over all ranks (FSDP: 8 chunks a tensor), or owned whole by one rank."""
-    from shardkeeper.core.assemble import declared_digest
+class CountingStore:
+    """A c10d store that counts its calls (each one request to a TCPStore's server) and bytes."""
 
-    rows = 1024 // n_ranks
-    declared = {
-        f"model/layers.{i // 100}.block.{i % 100}.weight": ["tensor", "float32", [1024, 256]] for i in range(n_tensors)
-    }
-    digest = declared_digest(declared)
-    out = []
-    for r in range(n_ranks):
-        f = f"data/r{r:05d}-0123abcd-000.safetensors"
-        chunks: dict[str, list[dict[str, Any]]] = {}
-        for i, key in enumerate(declared):
-            if sharded:
-                n = rows * 256 * 4
-                chunks[key] = [
-                    {
-                        "file": f,
-                        "offset": 4096 + i * n,
-                        "length": n,
-                        "offsets": [r * rows, 0],
-                        "shape": [rows, 256],
-                        "digests": ",".join([f"{i:032x}"] * (-(-n // 65536))),
-                    }
-                ]
-            elif i % n_ranks == r:
-                n = 1024 * 256 * 4
-                chunks[key] = [
-                    {
-                        "file": f,
-                        "offset": 4096 + i * n,
-                        "length": n,
-                        "offsets": [0, 0],
-                        "shape": [1024, 256],
-                        "digests": ",".join([f"{i:032x}"] * (n // 65536)),
-                    }
-                ]
-        # the size the file would have: readers check every chunk lies inside its file
-        size = max((c["offset"] + c["length"] for cs in chunks.values() for c in cs), default=0)
-        out.append(
-            {
-                "ok": True,
-                "rank": r,
-                "declared": declared if r == 0 else {},
-                "declared_digest": digest,
-                "chunks": chunks,
-                "files": {f: {"size_bytes": size, "rank": r}},
-                "objects": {},
-                "per_rank_prefixes": [],
-            }
-        )
-    return out
+    def __init__(self, store: Any) -> None:
+        self._s = store
+        self.calls: Counter[str] = Counter()
+        self.sent = 0
+        self.received = 0
+        self.report_bytes: list[int] = []
+
+    def set(self, k: str, v: str | bytes) -> None:
+        self.calls["set"] += 1
+        self.sent += len(v.encode() if isinstance(v, str) else v)
+        self._s.set(k, v)
+
+    def get(self, k: str) -> bytes:
+        self.calls["get"] += 1
+        v = self._s.get(k)
+        self.received += len(v)
+        if "/report/" in k:
+            self.report_bytes.append(len(v))
+        return v  # type: ignore[no-any-return]
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls["check"] += 1
+        return self._s.check(keys)  # type: ignore[no-any-return]
+
+    def delete_key(self, k: str) -> bool:
+        self.calls["delete_key"] += 1
+        return self._s.delete_key(k)  # type: ignore[no-any-return]
+
+    def add(self, k: str, n: int) -> int:
+        self.calls["add"] += 1
+        return self._s.add(k, n)  # type: ignore[no-any-return]
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self.calls["wait"] += 1
+        self._s.wait(keys, timeout)
 
 
-def _measure(workdir: Path, n_tensors: int, n_ranks: int, sharded: bool) -> dict[str, Any]:
+def _coordinator_class() -> Any:
+    from shardkeeper.core.tensor.coordination import StoreCoordinator
 
-    from shardkeeper.core.assemble import assemble_manifest
-    from shardkeeper.core.commit import manifest_path
-    from shardkeeper.core.format.table import encode_report, no_gc
-    from shardkeeper.core.storage import LocalStorage
-    from shardkeeper.core.tensor import (
-        coordination,
-        restore,  # noqa: F401  (imported before timing, as in a restoring process)
+    @dataclass
+    class BenchCoordinator(StoreCoordinator):
+        """The real coordinator on a given store instead of a process group's."""
+
+        store: Any = None
+
+        @property
+        def _store(self) -> Any:
+            return self.store
+
+    return BenchCoordinator
+
+
+def rank_report(ranks: int, tensors: int, layout: str, r: int, declared: dict[str, Any], digest: str) -> Any:
+    """Rank ``r``'s ``RankReport`` as its writer makes it (``tensor/save.py``: a ``ChunkTable``
+    in ``rows_report``'s form); rank 0 declares every leaf, the others send the digest."""
+    from shardkeeper.core.format.columns import ChunkTable
+    from shardkeeper.core.format.table import rows_report
+    from shardkeeper.core.protocol import RankReport
+
+    rel = f"data/r{r:05d}-0123abcd-000.safetensors"
+    keys, offset, length, offsets, shape, digests = [], [], [], [], [], []
+    for i, start, count, at in rank_chunks(ranks, tensors, layout, r):
+        n = count * COLS * ITEM
+        keys.append(key(i))
+        offset.append(at)
+        length.append(n)
+        offsets += [start, 0]
+        shape += [count, COLS]
+        digests.append(",".join([f"{(i * 7919 + r) & (2**128 - 1):032x}"] * (-(-n // BLOCK))))
+    table = ChunkTable([rel], [0] * len(keys), offset, length, [2] * len(keys), offsets, shape, digests, {}, 0)
+    size = offset[-1] + length[-1] if keys else 0  # readers check every chunk lies inside its file
+    return RankReport(
+        rank=r,
+        attempt="bench",
+        declared=declared if r == 0 else {},
+        declared_digest=digest,
+        chunks=rows_report(keys, table),
+        files={rel: {"size_bytes": size, "rank": r}} if keys else {},
+        objects={},
+        bases=[],
+        extended=False,
+        per_rank_prefixes=[],
+        layouts=[],
     )
 
-    _loads = getattr(coordination, "_loads", json.loads)  # how the coordinator parses reports
 
-    reports = _reports(n_tensors, n_ranks, sharded)
-    # other ranks' reports arrive as JSON via the store, chunks in columns (StoreCoordinator.report)
-    wire = [json.dumps({**r, "chunks": encode_report(r["chunks"], 0)}) for r in reports[1:]]
-    storage = LocalStorage(workdir / ("sharded" if sharded else "whole"))
-    # commit: decode the reports, merge and check tiling, serialize, write the manifest durably
-    t0 = time.perf_counter()
-    got = [reports[0]] + [_loads(w.encode()) for w in wire]
-    m = assemble_manifest(1, "bench", got, world_size=n_ranks, digest="xxh3_128", block_bytes=65536, metadata={})
-    data = m.dumps()
-    storage.put_if_absent(manifest_path(1), data)
-    commit_s = time.perf_counter() - t0
-    del got, m
-    # planning, for rank 0 of the same layout: read and validate the manifest, then find the
-    # byte ranges of each of its 100,000 target pieces (the reads themselves not included)
-    rows = 1024 // n_ranks if sharded else 1024
-    t1 = time.perf_counter()
-    with no_gc():  # restore_flat plans with garbage collection paused, too
-        manifest, ops, reads = _plan(storage, rows, sharded)
-    plan_s = time.perf_counter() - t1
-    return {
-        "commit_s": commit_s,
-        "plan_s": plan_s,
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def measure_point(
+    workdir: Path, ranks: int, tensors: int, layout: str = "sharded", repeats: int = 3, dcp_repeats: int | None = None
+) -> dict[str, Any]:
+    """One point: ``ranks`` x ``tensors`` in ``layout``; see the module docstring. DCP's figures
+    are medians of ``dcp_repeats`` (default ``repeats``; 0 leaves them out)."""
+    import torch.distributed as dist
+
+    from shardkeeper.core.advisor import save_timings
+    from shardkeeper.core.assemble import assemble_manifest, declared_digest
+    from shardkeeper.core.commit import manifest_path
+    from shardkeeper.core.format.table import no_gc
+    from shardkeeper.core.protocol import COMMITTED
+    from shardkeeper.core.storage import LocalStorage
+    from shardkeeper.core.tensor import restore  # noqa: F401  (imported before timing, as in a restoring process)
+
+    if layout not in ("sharded", "whole"):
+        raise ValueError(f"layout must be 'sharded' or 'whole', not {layout!r}")
+    rows = n_rows(ranks)
+    declared = {key(i): ["tensor", "float32", [rows, COLS]] for i in range(tensors)}
+    digest = declared_digest(declared)
+    storage = LocalStorage(workdir / f"{layout}-{ranks}x{tensors}")
+    store = CountingStore(dist.HashStore())
+    coord = _coordinator_class()
+    coords = [coord(None, r, ranks, "shardkeeper/bench", store=store) for r in range(ranks)]
+    commit_s: list[float] = []
+    commit_cpu: list[float] = []
+    phases: dict[str, dict[str, int]] = {}
+    data, chunks, report_bytes = b"", 0, [0]
+    for k in range(repeats):
+        seq, step = k, k + 1
+        store.report_bytes = []
+        before = Counter(store.calls)
+        for r in range(1, ranks):  # every other rank's report, as its background thread sends it
+            coords[r].report(seq, rank_report(ranks, tensors, layout, r, declared, digest))
+        own = rank_report(ranks, tensors, layout, 0, declared, digest)
+        after_report = Counter(store.calls)
+        t0, c0 = time.perf_counter(), time.process_time()
+        got = coords[0].collect(seq, own, 600.0, step=step)
+        after_collect = Counter(store.calls)
+        if not isinstance(got, list):
+            raise RuntimeError(f"collect failed: {got}")
+        members = [rep.members() for rep in got]
+        m = assemble_manifest(
+            step,
+            "bench",
+            members,
+            world_size=ranks,
+            digest="xxh3_128",
+            block_bytes=BLOCK,
+            metadata={"timings": save_timings(members, time.perf_counter() - t0)},
+        )
+        data = m.dumps()
+        storage.put_if_absent(manifest_path(step), data)
+        commit_s.append(time.perf_counter() - t0)
+        commit_cpu.append(time.process_time() - c0)
+        chunks = sum(len(rep.chunks["keys"]) for rep in got)
+        del got, members, m, own
+        coords[0].publish(seq, COMMITTED)
+        for r in range(1, ranks):
+            coords[r].outcome(seq, 60.0, step=step)
+        phases = {
+            "report": dict(after_report - before),
+            "collect": dict(after_collect - after_report),
+            "outcome": dict(Counter(store.calls) - after_collect),
+        }
+        report_bytes = store.report_bytes or [0]
+    plan_s: list[float] = []
+    plan_cpu: list[float] = []
+    ops: list[Any] = []
+    reads: list[Any] = []
+    start, count = row_split(rows, ranks, 0) if layout == "sharded" else (0, rows)
+    for _ in range(repeats):
+        t1, c1 = time.perf_counter(), time.process_time()
+        with no_gc():  # restore_flat plans with garbage collection paused, too
+            ops, reads = _plan(storage, start, count)
+        plan_s.append(time.perf_counter() - t1)
+        plan_cpu.append(time.process_time() - c1)
+    res: dict[str, Any] = {
+        "ranks": ranks,
+        "tensors": tensors,
+        "layout": layout,
+        "rows": rows,
+        "repeats": repeats,
+        "chunks": chunks,
+        "commit_s": _median(commit_s),
+        "plan_s": _median(plan_s),
+        "commit_cpu_s": _median(commit_cpu),  # this process's CPU time: less skewed by a loaded machine
+        "plan_cpu_s": _median(plan_cpu),
         "manifest_bytes": len(data),
-        "chunks": sum(len(r["chunks"]) for r in reports),
+        "store_bytes": sum(report_bytes),
+        "store_bytes_max_rank": max(report_bytes),
+        "store_round_trips": sum(sum(p.values()) for p in phases.values()),
+        "store_round_trips_by_phase": phases,
+        "store_poll_rounds": 1,
+        "store_counted": COUNTED,
         "overlaps": len(ops),
         "reads": len(reads),
     }
+    dcp_n = repeats if dcp_repeats is None else dcp_repeats
+    if dcp_n > 0:
+        res.update(
+            dcp_figures(ranks, tensors, layout, str(workdir / f"dcp-{layout}-{ranks}x{tensors}.metadata"), dcp_n)
+        )
+    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return res
 
 
-def _plan(storage: Any, rows: int, sharded: bool) -> tuple[Any, list[Any], list[Any]]:
+def _plan(storage: Any, start: int, rows: int) -> tuple[list[Any], list[Any]]:
+    """Rank 0's restore plan: read and validate the manifest, find the byte ranges of each of
+    its target pieces (the reads themselves not included)."""
     import torch
 
     from shardkeeper.core.commit import load_manifest
@@ -124,48 +260,57 @@ def _plan(storage: Any, rows: int, sharded: bool) -> tuple[Any, list[Any], list[
     from shardkeeper.core.tensor.chunks import Piece
     from shardkeeper.core.tensor.restore_plan import overlap_ops, plan_reads
 
-    local = torch.empty((rows, 256), device="meta")
+    local = torch.empty((rows, COLS), device="meta")
     manifest = load_manifest(storage, 1)
     ops = []
     leaves = manifest.leaves
     table = leaves if isinstance(leaves, TableLeaves) else None  # as restore_flat does
-    for key in leaves:
-        leaf = table.head(key) if table is not None else leaves[key]
-        piece = Piece((0, 0), (rows, 256), local)
-        chunks = leaf.chunks if table is None else table.overlapping(key, piece.offsets, piece.shape)
+    for k in leaves:  # whole tensors: rank 0 restores every one (a replicated target)
+        leaf = table.head(k) if table is not None else leaves[k]
+        piece = Piece((start, 0), (rows, COLS), local)
+        chunks = leaf.chunks if table is None else table.overlapping(k, piece.offsets, piece.shape)
         for c in chunks:
-            ops.extend(overlap_ops(key, piece, c, torch.float32, 4, 64 << 20))
+            ops.extend(overlap_ops(k, piece, c, torch.float32, ITEM, 64 << 20))
     reads = plan_reads(ops, manifest.digest_block_bytes, 8 << 20)
-    return manifest, ops, reads
+    return ops, reads
 
 
 def measure_manifest_scale(workdir: Path, *, n_tensors: int = N_TENSORS, n_ranks: int = N_RANKS) -> dict[str, Any]:
-    """Case (e): commit time and restore planning time of a 100,000-tensor, 8-rank manifest.
-
-    Two layouts: every tensor row-sharded over the 8 ranks (FSDP; 800,000 chunks, the
-    reported ``commit_s``/``plan_s``), and every tensor owned whole by one rank (100,000
-    chunks, reported as ``whole``). Synthetic reports, real code: the coordinator's merge,
-    the manifest's serialization and durable write, its parse and validation, and restore
-    planning for one rank.
-    """
-    sharded = _measure(workdir, n_tensors, n_ranks, sharded=True)
-    whole = _measure(workdir, n_tensors, n_ranks, sharded=False)
+    """Case (e): the row-sharded point (FSDP; ``n_ranks`` chunks a tensor: the reported
+    ``commit_s``/``plan_s``) and the whole-tensor one (one chunk a tensor, as ``whole``). DCP's
+    figures once, for the sharded one only: within run.py's time limit for this case."""
+    reps = _default_repeats(n_ranks, n_tensors)
+    sharded = measure_point(workdir, n_ranks, n_tensors, "sharded", reps, dcp_repeats=1)
+    whole = measure_point(workdir, n_ranks, n_tensors, "whole", reps, dcp_repeats=0)
     return {**sharded, "layout": "row-sharded over all ranks", "whole": whole}
 
 
+def _default_repeats(ranks: int, tensors: int) -> int:
+    return 1 if ranks * tensors > BIG_CHUNKS else 3
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", required=True)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", help="where manifests and .metadata files go (default: a temporary dir)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true", help="10,000 tensors instead of 100,000")
+    ap.add_argument("--quick", action="store_true", help="case (e) with 10,000 tensors instead of 100,000")
+    ap.add_argument("--ranks", type=int, help="one point at this world size (else: case (e))")
+    ap.add_argument("--tensors", type=int, default=2000)
+    ap.add_argument("--layout", choices=("sharded", "whole"), default="sharded")
+    ap.add_argument("--repeats", type=int, help="timings are medians of this many (default 3, 1 above 1M chunks)")
     args = ap.parse_args()
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    n = N_TENSORS // 10 if args.quick else N_TENSORS
-    try:
-        res = measure_manifest_scale(work, n_tensors=n, n_ranks=N_RANKS)
-    except Exception as e:  # a broken measurement must not lose the rest of the run
-        res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+    with tempfile.TemporaryDirectory(prefix="case-e-") as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            if args.ranks is None:
+                n = N_TENSORS // 10 if args.quick else N_TENSORS
+                res = measure_manifest_scale(work, n_tensors=n, n_ranks=N_RANKS)
+            else:
+                reps = args.repeats or _default_repeats(args.ranks, args.tensors)
+                res = measure_point(work, args.ranks, args.tensors, args.layout, reps)
+        except Exception as e:  # a broken measurement must not lose the rest of the run
+            res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
     Path(args.out).write_text(json.dumps(res, indent=1, default=str))
 
 
