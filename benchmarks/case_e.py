@@ -41,10 +41,9 @@ BIG_CHUNKS = 1_000_000  # points with more chunks are timed once by default
 
 COUNTED = (
     "what crosses the store in one save, counted by a wrapper around a c10d HashStore driven by the real "
-    "StoreCoordinator (report on every rank > 0, collect on rank 0, publish, outcome on every rank > 0); "
-    "every report is in the store before collect starts, so collect polls once (the best case; each further "
-    "poll round adds one check per rank still missing). Every call is one request/response to the store "
-    "server on a TCPStore. store_bytes: the report messages as rank 0 receives them (store.get)"
+    "StoreCoordinator (report on every rank > 0, collect on rank 0, publish, outcome on every rank > 0), "
+    "in the point's last save (from the second save on, a rank's report also deletes its previous one). Every call is one request/response "
+    "to the store server on a TCPStore. store_bytes: the report messages as rank 0 receives them (multi_get)"
 )
 
 
@@ -86,6 +85,13 @@ class CountingStore:
     def wait(self, keys: list[str], timeout: timedelta) -> None:
         self.calls["wait"] += 1
         self._s.wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls["multi_get"] += 1
+        values = [bytes(v) for v in self._s.multi_get(keys)]
+        self.received += sum(map(len, values))
+        self.report_bytes.extend(len(v) for k, v in zip(keys, values) if "/report/" in k)
+        return values
 
 
 def _coordinator_class() -> Any:
@@ -236,7 +242,6 @@ def measure_point(
         "store_bytes_max_rank": max(report_bytes),
         "store_round_trips": sum(sum(p.values()) for p in phases.values()),
         "store_round_trips_by_phase": phases,
-        "store_poll_rounds": 1,
         "store_counted": COUNTED,
         "overlaps": len(ops),
         "reads": len(reads),
