@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -418,3 +419,19 @@ def every_storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> dict[s
             continue
         roots[name] = StorageRoot(url, options)
     return roots
+
+
+@pytest.fixture
+def held() -> Iterator[threading.Event]:
+    """While the event is not set, every deferred copy of overlapped staging waits before it
+    starts (the ``overlap._before_copy`` seam): "the mutation ran before the copy" becomes a
+    fact of the test, not a timing."""
+    from shardkeeper.core.tensor import overlap
+
+    release = threading.Event()
+    overlap._before_copy = lambda: release.wait(60)
+    try:
+        yield release
+    finally:
+        release.set()
+        overlap._before_copy = None

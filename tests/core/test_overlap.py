@@ -8,7 +8,6 @@ test seam), so "the mutation ran before the copy" is a fact of each test, not a 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +53,6 @@ def restored(mgr: CheckpointManager, step: int) -> dict[str, Any]:
     train_step(model, opt, 12345)  # creates the optimizer state the restore fills
     mgr.restore({"model": model, "optim": opt}, step=step)
     return state_of(model, opt)
-
-
-@pytest.fixture
-def held() -> Iterator[threading.Event]:
-    """While the event is not set, every deferred copy waits before it starts."""
-    release = threading.Event()
-    overlap._before_copy = lambda: release.wait(60)
-    try:
-        yield release
-    finally:
-        release.set()
-        overlap._before_copy = None
 
 
 def test_optimizer_step_waits_and_accumulation_does_not(tmp_path: Path, held: threading.Event) -> None:

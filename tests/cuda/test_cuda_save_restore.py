@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from shardkeeper.core import CheckpointManager, CheckpointSaveError, IneffectiveOptionWarning
-from shardkeeper.core.tensor import overlap
 from tests.checks import assert_same_state, state_of
 from tests.cuda._model import devices_of, fresh, fwd_bwd, train_step, trained
 
@@ -138,18 +136,6 @@ def test_host_memory_does_not_grow_over_saves(tmp_path: Path, device: Any) -> No
 
 
 # -- overlapped staging on the device ------------------------------------------------------------
-
-
-@pytest.fixture
-def held() -> Iterator[threading.Event]:
-    """While the event is not set, every deferred copy waits before it starts."""
-    release = threading.Event()
-    overlap._before_copy = lambda: release.wait(60)
-    try:
-        yield release
-    finally:
-        release.set()
-        overlap._before_copy = None
 
 
 def test_overlap_step_waits_for_the_deferred_copy(tmp_path: Path, device: Any, held: threading.Event) -> None:
