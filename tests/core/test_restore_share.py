@@ -2,7 +2,8 @@
 and 4 real gloo ranks at replication 4, 2 and 1 (``dist/share_worker.py``): bit-exact, each
 shared byte read from storage once (summed over the ranks, at most 1.05 x what the step's
 files hold; about 4 x without sharing at replication 4), a flipped byte in a shared range
-failing every rank as without sharing, and a partial restore on one rank only.
+failing every rank as without sharing, a partial restore on one rank only, and an owner's
+failed read (once: the others read the piece themselves; always: every rank raises).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def test_deduplicated_restore_on_four_ranks(tmp_path: Path) -> None:
         "flipped shared byte, step=2: raises on every rank",
         "partial on one rank: restored keys bit for bit",
         "partial on one rank: the others untouched",
+        "owner read fails once: every rank restores",
+        "owner read fails once: the fault was hit",
+        "owner read fails always: every rank raises",
     }
     assert_checks(checks, expected)
     print(

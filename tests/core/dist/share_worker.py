@@ -16,6 +16,7 @@ writes the measured ratios to ``ROOT/ratios.json``; every rank its checks to
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import warnings
@@ -26,7 +27,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from shardkeeper.core import CheckpointManager, CorruptCheckpointError
+from shardkeeper.core import CheckpointManager, CheckpointRestoreError, CorruptCheckpointError, StorageError
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.storage.faults import FaultyStorage
 from tests.checks import Checks
 
 checks = Checks()
@@ -135,6 +138,7 @@ def run(root: Path, rank: int) -> None:
         (root / "ratios.json").write_text(json.dumps(ratios))
     corrupt_shared(root / "rep4", rank)
     partial_on_one_rank(root / "rep4", rank)
+    owner_read_fails(root / "rep4", rank)
 
 
 def corrupt_shared(ckpt: Path, rank: int) -> None:
@@ -186,6 +190,41 @@ def partial_on_one_rank(ckpt: Path, rank: int) -> None:
     check("partial on one rank: restored keys bit for bit", not same_bits(target, v1, keys), "")
     rest = [k for k in SHAPES if k not in keys]
     check("partial on one rank: the others untouched", all(not local(target[k]).any() for k in rest), rest)
+
+
+def owner_read_fails(ckpt: Path, rank: int) -> None:
+    """Rank 0 owns the first shared piece (owners go to the least loaded, lowest rank first).
+    Its read failing once: the ranks that need the piece read it themselves, and rank 0 again
+    in its own fill: all restore. Failing always: rank 0 raises its storage error naming the
+    step, its rank and the file; the others hear of it; none hangs."""
+    v1 = placed(full_values(4), 4)
+    local = LocalStorage(ckpt)
+    hits: list[str] = []
+
+    def fault(op: str, path: str) -> OSError:
+        hits.append(path)
+        return OSError(errno.EIO, "injected fault")
+
+    once = FaultyStorage(local, fail_on={"read_into": "*/data/*"}, times=1, error=fault) if rank == 0 else local
+    target = zeroed(v1)
+    with CheckpointManager(once, retry_max_attempts=1) as mgr:
+        got = mgr.restore(target, step=1)
+    check("owner read fails once: every rank restores", got == 1 and not same_bits(target, v1, list(SHAPES)), "")
+    check("owner read fails once: the fault was hit", rank != 0 or len(hits) == 1, hits)
+    always = FaultyStorage(local, fail_on={"read_into": "*/data/*"}) if rank == 0 else local
+    name = "owner read fails always: every rank raises"
+    try:
+        with CheckpointManager(always, retry_max_attempts=1) as mgr:
+            mgr.restore(zeroed(v1), step=1)
+    except StorageError as e:
+        msg = str(e)
+        check(name, rank == 0 and "step 1" in msg and "rank 0" in msg and "/data/" in msg, msg)
+    except CheckpointRestoreError as e:
+        check(name, rank != 0 and "another rank" in str(e), str(e))
+    except Exception as e:
+        check(name, False, f"{type(e).__name__}: {e}")
+    else:
+        check(name, False, "restored")
 
 
 if __name__ == "__main__":
