@@ -6,10 +6,10 @@ one file range. The ranks exchange those ranges (``ReadShare.negotiate``, tensor
 pickle) and cut the ranges two or more ranks need into pieces, each owned by one of them (the
 least loaded so far: reading spreads over the ranks). In rounds of at most ``ROUND_BYTES``
 of pieces, the owners read their pieces straight from storage, the ranks agree which reads
-failed, and the owners send the rest to the ranks that need them (gloo isend/irecv, bounded
-by the group's timeout); then each rank runs the fill jobs of the round. Those read through
-``SharedStorage``: a range held in the round's cache comes from it, anything else from the
-storage. The chunk reader then checks every byte against the manifest's digests exactly as
+failed, and the owners send the rest to the ranks that need them (a broadcast when all do,
+else gloo isend/irecv; bounded by the group's timeout); then each rank runs the fill jobs of
+the round. Those read through ``SharedStorage``: a range held in the round's cache comes from
+it, anything else from the storage. The chunk reader then checks every byte against the manifest's digests exactly as
 if it had read it (``ChunkReader.check``), so a peer can never inject unverified bytes: a
 damaged piece fails every rank that uses it, as a damaged file would. A piece whose owner
 could not read it is read by each rank that needs it itself (a warning names the step, the
@@ -291,16 +291,20 @@ class ReadShare:
                     list(p.needers),
                 )
                 continue
-            if p.owner == me:
-                assert p.data is not None
-                t = torch.from_numpy(p.data)
+            if p.owner != me:
+                p.data = np.empty(p.hi - p.lo, dtype=np.uint8)
+            assert p.data is not None
+            t = torch.from_numpy(p.data)
+            owner = dist.get_global_rank(g, p.owner)
+            if len(p.needers) == self.world_size:  # every rank needs it: one broadcast, not sends one by one
+                works.append((dist.broadcast(t, src=owner, group=g, async_op=True), p, p.owner))
+            elif p.owner == me:
                 for n in p.needers:
                     if n != me:
                         works.append((dist.isend(t, dst=dist.get_global_rank(g, n), group=g, tag=i), p, n))
             else:
-                p.data = np.empty(p.hi - p.lo, dtype=np.uint8)
-                src = dist.get_global_rank(g, p.owner)
-                works.append((dist.irecv(torch.from_numpy(p.data), src=src, group=g, tag=i), p, p.owner))
+                works.append((dist.irecv(t, src=owner, group=g, tag=i), p, p.owner))
+            if p.owner != me:
                 with stats._lock:
                     stats.bytes_received += p.hi - p.lo
             held.append(p)
