@@ -103,7 +103,7 @@ class StoreCoordinator:
     world_size: int
     namespace: str
     poll_s: float = 0.005
-    share_group: Any = None  # restore's dedicated gloo group (``tensor/restore_share.py``), made at first use
+    share_group: Any = None  # restore's own gloo group (``tensor/restore_share.py``), made at first use
 
     @classmethod
     def create(cls, group: Any = None) -> StoreCoordinator:

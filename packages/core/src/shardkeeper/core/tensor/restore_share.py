@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.restore_plan import RestoreStats
 
 if TYPE_CHECKING:
@@ -80,16 +81,41 @@ def _fid(path: str) -> int:
     return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def peer_group(coord: Any, timeout_s: float) -> Any:
-    """The coordinator's dedicated gloo group for restore exchanges, created the first time
-    (a collective of the coordinator's ranks: restore is one); never the training group."""
+class PeerGroup:
+    """A gloo group of the coordinator's ranks (group ranks 0..n-1) for restore exchanges
+    alone: built on a prefix of the coordinator's store, so creating it is a collective of
+    those ranks only (no ``new_group``, which every rank of the world would have to call), and
+    never the training group. ``timeout_s`` bounds each of its operations."""
+
+    def __init__(self, coord: Any, timeout_s: float) -> None:
+        store = dist.PrefixStore(f"{coord.namespace}/restore-share", tc.group_store(coord.group))
+        self.pg: Any = dist.ProcessGroupGloo(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s))
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        self.pg.allgather([out], [t]).wait()
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stubs: RedOpType vs ReduceOp
+        self.pg.allreduce([t], opts).wait()
+
+    def broadcast(self, t: torch.Tensor, root: int) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        return self.pg.broadcast([t], opts)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        return self.pg.send([t], dst, tag)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int) -> Any:
+        return self.pg.recv([t], src, tag)
+
+
+def peer_group(coord: Any, timeout_s: float) -> PeerGroup:
+    """``coord``'s ``PeerGroup``, created at its first restore (every rank restores together)."""
     group = getattr(coord, "share_group", None)
     if group is None:
-        ranks = sorted(dist.get_process_group_ranks(coord.group)) if coord.group is not None else None
-        group = dist.new_group(
-            ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
-        )
-        coord.share_group = group
+        group = coord.share_group = PeerGroup(coord, timeout_s)
     return group
 
 
@@ -178,7 +204,7 @@ class SharedStorage:
 class ReadShare:
     """One restore attempt's exchange on this rank (``group``: from ``peer_group``)."""
 
-    group: Any
+    group: PeerGroup
     rank: int
     world_size: int
     step: int = -1
@@ -192,7 +218,7 @@ class ReadShare:
         g = self.group
         arr = np.array([(_fid(j.path), j.lo, j.hi) for j in jobs or ()], dtype=np.int64).reshape(-1, 3)
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(counts, torch.tensor([len(arr) if jobs is not None else -1]), group=g)
+        g.all_gather(counts, torch.tensor([len(arr) if jobs is not None else -1]))
         ns = [int(c.item()) for c in counts]
         if min(ns) < 0 or sum(ns) == 0:
             return False
@@ -200,7 +226,7 @@ class ReadShare:
         mine = torch.zeros((width, 3), dtype=torch.int64)
         mine[: len(arr)] = torch.from_numpy(arr)
         got = [torch.zeros((width, 3), dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(got, mine, group=g)
+        g.all_gather(got, mine)
         needs = [t[:n].numpy() for t, n in zip(got, ns)]
         self.pieces = make_pieces(needs, PIECE_BYTES, ROUND_BYTES)
         return bool(self.pieces)
@@ -272,7 +298,7 @@ class ReadShare:
         failed = torch.zeros(max(1, len(pieces)), dtype=torch.int8)
         for i in errors:
             failed[i] = 1
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=g)
+        g.all_reduce_max(failed)
         works: list[tuple[Any, Piece, int]] = []
         held: list[Piece] = []
         for i, p in enumerate(pieces):
@@ -295,15 +321,14 @@ class ReadShare:
                 p.data = np.empty(p.hi - p.lo, dtype=np.uint8)
             assert p.data is not None
             t = torch.from_numpy(p.data)
-            owner = dist.get_global_rank(g, p.owner)
             if len(p.needers) == self.world_size:  # every rank needs it: one broadcast, not sends one by one
-                works.append((dist.broadcast(t, src=owner, group=g, async_op=True), p, p.owner))
+                works.append((g.broadcast(t, p.owner), p, p.owner))
             elif p.owner == me:
                 for n in p.needers:
                     if n != me:
-                        works.append((dist.isend(t, dst=dist.get_global_rank(g, n), group=g, tag=i), p, n))
+                        works.append((g.send(t, n, i), p, n))
             else:
-                works.append((dist.irecv(t, src=owner, group=g, tag=i), p, p.owner))
+                works.append((g.recv(t, p.owner, i), p, p.owner))
             if p.owner != me:
                 with stats._lock:
                     stats.bytes_received += p.hi - p.lo
@@ -320,4 +345,4 @@ class ReadShare:
         return held
 
 
-__all__ = ["PIECE_BYTES", "ROUND_BYTES", "Job", "ReadShare", "SharedStorage", "make_pieces", "peer_group"]
+__all__ = ["PIECE_BYTES", "ROUND_BYTES", "Job", "PeerGroup", "ReadShare", "SharedStorage", "make_pieces", "peer_group"]
