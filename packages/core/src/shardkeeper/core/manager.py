@@ -83,6 +83,7 @@ class CheckpointManager:
         async_save: bool = DEFAULT.async_save,
         staging: Staging = DEFAULT.staging,
         per_rank: PerRankPolicy = DEFAULT.per_rank,
+        share_restore_reads: bool = DEFAULT.share_restore_reads,
         digest: DigestAlgorithm = DEFAULT.digest,
         digest_block_bytes: int = DEFAULT.digest_block_bytes,
         commit_timeout_s: float = DEFAULT.commit_timeout_s,
@@ -112,7 +113,8 @@ class CheckpointManager:
 
         - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``
         - layout: ``max_files_per_rank``, ``min_file_bytes``; io: ``io_threads``, ``max_read_bytes``
-        - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop)
+        - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop),
+          ``share_restore_reads`` (a range several ranks restore is read once and sent to the others)
         - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``
         - codecs: ``incremental``, ``compression`` ("zstd"), ``compression_level``,
           ``encryption`` ("env:VAR" | "file:PATH" | a KeyProvider), ``encryption_root``

@@ -56,6 +56,10 @@ class CheckpointOptions:
     calls alone, and making such options warns."""
     per_rank: PerRankPolicy = "exact"
     """Per-rank state (RNG, data position) at another world size: exact | modulo | drop."""
+    share_restore_reads: bool = True
+    """In a group: a byte range several ranks restore is read from storage by one of them and
+    sent to the others over a dedicated gloo group, verified by each (docs/performance.md,
+    "Replica-deduplicated restore"); False: every rank reads all it restores itself."""
     digest: DigestAlgorithm = "xxh3_128"
     """Chunk digest: xxh3_128 (fast, default) or sha256 (cryptographic)."""
     digest_block_bytes: int = 64 << 10
@@ -153,7 +157,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "saving": ("async_save", "staging", "commit_timeout_s"),
     "layout": ("max_files_per_rank", "min_file_bytes"),
     "io": ("io_threads", "max_read_bytes"),
-    "restore": ("per_rank",),
+    "restore": ("per_rank", "share_restore_reads"),
     "integrity": ("digest", "digest_block_bytes"),
     "codecs": ("incremental", "compression", "compression_level", "encryption", "encryption_root"),
     "retry": ("retry_max_attempts", "retry_base_delay_s", "retry_max_delay_s", "retry_deadline_s"),

@@ -36,6 +36,7 @@ from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
 from shardkeeper.core.tensor.restore_plan import RestoreStats
+from shardkeeper.core.tensor.restore_share import ReadShare, peer_group
 from shardkeeper.core.tensor.state import flatten_for_restore
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,12 @@ class Restorer:
         last_error: BaseException | None = None
         damaged: list[int] = []
         writes = TargetWrites()  # what the attempts wrote into ``state``: a fallback rewrites it all
+        share = self._share_group()
         for s in candidates:
-            verdict, err = self._attempt(state, s, patterns, strict, per_rank, cast, optional, writes, allow_empty)
+            attempt_share = None if share is None else ReadShare(share, ctx.rank, ctx.world_size, s)
+            verdict, err = self._attempt(
+                state, s, patterns, strict, per_rank, cast, optional, writes, allow_empty, attempt_share
+            )
             if ctx.world_size > 1:
                 verdict = Verdict(ctx.coord.agree_int(verdict, "max"))
             if verdict is Verdict.RESTORED:
@@ -161,6 +166,14 @@ class Restorer:
             writes,
         ) from last_error
 
+    def _share_group(self) -> Any:
+        """The dedicated group of replica-deduplicated reads, or None: alone, or turned off on
+        some rank (agreed, so that no rank waits in an exchange the others skip)."""
+        ctx = self.ctx
+        if ctx.world_size == 1 or not ctx.coord.agree_int(int(ctx.settings.share_restore_reads), "min"):
+            return None
+        return peer_group(ctx.coord, ctx.settings.commit_timeout_s)
+
     def _agree_candidates(self, candidates: list[int]) -> list[int]:
         """Every rank uses rank 0's list of steps (its listing may be fresher)."""
         coord = self.ctx.coord
@@ -178,8 +191,10 @@ class Restorer:
         optional: list[str],
         writes: TargetWrites,
         allow_empty: bool,
+        share: ReadShare | None,
     ) -> tuple[Verdict, BaseException | None]:
-        """This rank's attempt at ``step``, and its error."""
+        """This rank's attempt at ``step``, and its error (``share``: its part in the exchange
+        of shared reads, which it joins even when it fails first)."""
         ctx = self.ctx
         url = ctx.storage.url
         t0 = time.perf_counter()
@@ -209,6 +224,7 @@ class Restorer:
                 executor=ctx.io,
                 max_read_bytes=ctx.settings.max_read_bytes,
                 writes=writes,
+                share=share,
             )
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # damaged, or gone since listed
             return Verdict.DAMAGED, e
@@ -224,6 +240,9 @@ class Restorer:
             return Verdict.FATAL, err
         except Exception as e:
             return Verdict.FATAL, e
+        finally:
+            if share is not None:
+                share.finish()
         metrics.record(metrics.RESTORE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
         metrics.record(metrics.BYTES_READ, st.bytes_read, rank=ctx.rank, step=step)
         log.info(

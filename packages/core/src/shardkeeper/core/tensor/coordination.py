@@ -102,6 +102,7 @@ class StoreCoordinator:
     world_size: int
     namespace: str
     _reported: int | None = field(default=None, init=False)  # the seq of this rank's last report
+    share_group: Any = None  # restore's own gloo group (``tensor/restore_share.py``), made at first use
 
     @classmethod
     def create(cls, group: Any = None) -> StoreCoordinator:

@@ -7,12 +7,13 @@ recorded (:class:`TargetWrites`), so that a fallback to another step rewrites al
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import posixpath
 import threading
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,12 +35,14 @@ from shardkeeper.core.tensor.restore_fill import (
 )
 from shardkeeper.core.tensor.restore_plan import (
     Op,
+    Read,
     RestoreStats,
     listing,
     missing_list,
     plan_restore,
     schedule,
 )
+from shardkeeper.core.tensor.restore_share import Job, ReadShare
 from shardkeeper.core.tensor.state import FlatState
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,7 @@ def restore_flat(
     executor: Executor,
     max_read_bytes: int,
     writes: TargetWrites | None = None,
+    share: ReadShare | None = None,
 ) -> RestoreStats:
     """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers.
 
@@ -126,78 +130,76 @@ def restore_flat(
     Tensors are filled by the reads; objects and bytes are set, and finalizers run, only after
     every read succeeded. ``writes`` collects the target keys this attempt wrote; the keys an
     earlier attempt wrote (already in it) must all be restored by this one, or it raises
-    before reading anything.
+    before reading anything. ``share``: this rank's part in a replica-deduplicated restore
+    (``tensor/restore_share.py``), which every rank of its group calls together.
     """
     writes = TargetWrites() if writes is None else writes
     where = f"{storage.describe(step_dir)} (step {manifest.step}, rank {rank})"
-    plan = plan_restore(
-        storage,
-        manifest,
-        flat,
-        rank=rank,
-        world_size=world_size,
-        only=only,
-        strict=strict,
-        optional=optional,
-        per_rank=per_rank,
-        cast=cast,
-        max_read_bytes=max_read_bytes,
-        where=where,
-    )
-    stats = plan.stats
-    if plan.missing:  # (strict: plan_restore raised)
-        warnings.warn(
-            f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "
-            f"keep their current values: {missing_list(plan.missing)}",
-            stacklevel=3,
+    try:
+        plan = plan_restore(
+            storage,
+            manifest,
+            flat,
+            rank=rank,
+            world_size=world_size,
+            only=only,
+            strict=strict,
+            optional=optional,
+            per_rank=per_rank,
+            cast=cast,
+            max_read_bytes=max_read_bytes,
+            where=where,
         )
-    if plan.dropped:
-        log.warning(
-            "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",
-            rank,
-            manifest.world_size,
-            world_size,
-            ", ".join(plan.dropped[:8]),
+        stats = plan.stats
+        if plan.missing:  # (strict: plan_restore raised)
+            warnings.warn(
+                f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "
+                f"keep their current values: {missing_list(plan.missing)}",
+                stacklevel=3,
+            )
+        if plan.dropped:
+            log.warning(
+                "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",
+                rank,
+                manifest.world_size,
+                world_size,
+                ", ".join(plan.dropped[:8]),
+            )
+        reader = ChunkReader.of(
+            storage,
+            manifest,
+            where=f"step {manifest.step}",
+            remedy=f"restore an earlier step (restore() without step= falls back by itself) and run "
+            f"`shardkeeper verify {storage.url}`",
         )
-    reader = ChunkReader.of(
-        storage,
-        manifest,
-        where=f"step {manifest.step}",
-        remedy=f"restore an earlier step (restore() without step= falls back by itself) and run "
-        f"`shardkeeper verify {storage.url}`",
-    )
-    direct, reads, encoded = schedule(plan.ops, reader.block, stats.bytes_needed, max_read_bytes)
-    _check_rewrites(writes, plan.restored, where, manifest.step)
-    _check_file_ends(reader, step_dir, manifest.step, plan.ops)
-    # Bytes leaves are read first but set only with the objects, once every read succeeded.
-    bytes_values = [_bytes_of(reader, step_dir, rec, manifest.step, key, stats) for key, _, rec in plan.bytes_leaves]
+        direct, reads, encoded = schedule(plan.ops, reader.block, stats.bytes_needed, max_read_bytes)
+        _check_rewrites(writes, plan.restored, where, manifest.step)
+        _check_file_ends(reader, step_dir, manifest.step, plan.ops)
+        # Bytes leaves are read first but set only with the objects, once every read succeeded.
+        bytes_values = [
+            _bytes_of(reader, step_dir, rec, manifest.step, key, stats) for key, _, rec in plan.bytes_leaves
+        ]
+    except BaseException:
+        if share is not None:
+            share.finish()  # the other ranks' exchange hears that this one has nothing
+        raise
+    jobs = _jobs(step_dir, reader.block, direct, reads, encoded)
+    batches: Iterable[tuple[ChunkReader, Sequence[Job]]] = [(reader, jobs)]
+    if share is not None and share.negotiate(jobs, manifest.step):
+        rounds = share.rounds(jobs, storage, executor, stats)
+        batches = ((dataclasses.replace(reader, storage=st), js) for st, js in rounds)
     wrote: set[str] = set()
     failed = threading.Event()
     try:
         with torch.no_grad():
-            # Large reads first: they dominate the time, small ones fill in behind them.
-            futures = [
-                executor.submit(
-                    _guarded(execute_direct, failed), reader, _join(step_dir, op.chunk.file), op, stats, wrote
-                )
-                for op in sorted(direct, key=lambda o: o.start - o.end)
-            ]
-            futures += [
-                executor.submit(_guarded(execute_read, failed), reader, _join(step_dir, rd.file), rd, stats, wrote)
-                for rd in reads
-            ]
-            futures += [
-                executor.submit(
-                    _guarded(execute_encoded, failed), reader, _join(step_dir, eops[0].chunk.file), eops, stats, wrote
-                )
-                for eops in encoded
-            ]
-            errors = []
-            for f in futures:  # every one, even after a failure: none may still write afterwards
-                try:
-                    f.result()
-                except BaseException as e:
-                    errors.append(e)
+            errors: list[BaseException] = []
+            for rd, js in batches:  # every round, even after a failure: the other ranks wait on it
+                futures = [executor.submit(_guarded(j.fn, failed), rd, j.path, j.item, stats, wrote) for j in js]
+                for f in futures:  # every one, even after a failure: none may still write afterwards
+                    try:
+                        f.result()
+                    except BaseException as e:
+                        errors.append(e)
             if errors:
                 raise errors[0]
             for key, fn in plan.deferred:
@@ -214,6 +216,25 @@ def restore_flat(
     finally:
         writes.add(manifest.step, wrote)
     return stats
+
+
+def _jobs(
+    step_dir: str, block: int, direct: Sequence[Op], reads: Sequence[Read], encoded: Sequence[list[Op]]
+) -> list[Job]:
+    """The fill's calls, each with the file range it reads: large direct reads first (they
+    dominate the time, small ones fill in behind them), then the coalesced, then the encoded."""
+    jobs = []
+    for op in sorted(direct, key=lambda o: o.start - o.end):
+        c = op.chunk  # execute_direct reads the digest blocks that the op's bytes touch
+        hi = min(-(-op.end // block) * block, c.length)
+        jobs.append(
+            Job(execute_direct, op, _join(step_dir, c.file), c.offset + op.start // block * block, c.offset + hi)
+        )
+    jobs += [Job(execute_read, rd, _join(step_dir, rd.file), rd.start, rd.end) for rd in reads]
+    for eops in encoded:
+        c = eops[0].chunk
+        jobs.append(Job(execute_encoded, eops, _join(step_dir, c.file), c.offset, c.offset + c.length))
+    return jobs
 
 
 def _check_rewrites(writes: TargetWrites, restored: Sequence[str], where: str, step: int) -> None:

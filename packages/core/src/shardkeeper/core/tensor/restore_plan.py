@@ -55,6 +55,7 @@ class RestoreStats:
     bytes_read: int = 0
     bytes_needed: int = 0
     bytes_direct: int = 0  # read straight into the target's memory, no scratch buffer
+    bytes_received: int = 0  # from the rank that read them (``tensor/restore_share.py``), not in bytes_read
     reads: int = 0
     files: set[str] = field(default_factory=set)
     keys: int = 0
