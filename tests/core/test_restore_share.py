@@ -77,3 +77,16 @@ def test_deduplicated_restore_on_four_ranks(tmp_path: Path) -> None:
     print(
         "bytes read from storage over the ranks / checkpoint bytes:", json.loads((tmp_path / "ratios.json").read_text())
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_a_rank_lost_mid_exchange_is_a_timeout_error_on_every_survivor(tmp_path: Path, mode: str) -> None:
+    """Not a raw gloo error, and not after the training group's own timeout as well: each
+    survivor raises CheckpointTimeoutError naming the step, its rank and the remedy."""
+    res = run_workers(3, "share_peer_loss.py", str(tmp_path), mode, timeout_s=150)
+    assert res.returncode == 0, res.stdout[-4000:]
+    files = [tmp_path / "results" / f"loss-{mode}-r{r}.json" for r in (0, 2)]
+    names = ["a CheckpointTimeoutError", "it names the step and this rank", "it names the remedy"]
+    assert_checks(read_checks(*files, output=res.stdout), [*names, "within about commit_timeout_s"])

@@ -36,7 +36,7 @@ from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
 from shardkeeper.core.tensor.restore_plan import RestoreStats
-from shardkeeper.core.tensor.restore_share import ReadShare, peer_group
+from shardkeeper.core.tensor.restore_share import PeerExchangeError, ReadShare, peer_group
 from shardkeeper.core.tensor.state import flatten_for_restore
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,8 @@ class Restorer:
             verdict, err = self._attempt(
                 state, s, patterns, strict, per_rank, cast, optional, writes, allow_empty, attempt_share
             )
+            if isinstance(err, PeerExchangeError):  # a rank is gone: every survivor meets this, agree on nothing
+                raise partly_restored(err, writes)
             if ctx.world_size > 1:
                 verdict = Verdict(ctx.coord.agree_int(verdict, "max"))
             if verdict is Verdict.RESTORED:

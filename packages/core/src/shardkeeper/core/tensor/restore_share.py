@@ -81,6 +81,23 @@ def _fid(path: str) -> int:
     return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little", signed=True)
 
 
+class PeerExchangeError(CheckpointTimeoutError):
+    """An operation of the restore exchange failed or timed out: a rank of the group died or
+    hangs. Every surviving rank meets it (each round ends in an operation of all ranks), so
+    restore raises it at once rather than agree on a verdict over the training group, which
+    would wait for the missing rank again."""
+
+
+def _waited(work: Any, where: str) -> Any:
+    try:
+        return work.wait()
+    except Exception as e:  # gloo's own error types: connection closed, timeout
+        raise PeerExchangeError(
+            f"{where} failed or timed out ({e}); a rank died or hangs. Restart the job and restore again, "
+            f"or pass share_restore_reads=False to read every byte from storage"
+        ) from e
+
+
 class PeerGroup:
     """A gloo group of the coordinator's ranks (group ranks 0..n-1) for restore exchanges
     alone: built on a prefix of the coordinator's store, so creating it is a collective of
@@ -91,13 +108,13 @@ class PeerGroup:
         store = dist.PrefixStore(f"{coord.namespace}/restore-share", tc.group_store(coord.group))
         self.pg: Any = dist.ProcessGroupGloo(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s))
 
-    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
-        self.pg.allgather([out], [t]).wait()
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, where: str) -> None:
+        _waited(self.pg.allgather([out], [t]), where)
 
-    def all_reduce_max(self, t: torch.Tensor) -> None:
+    def all_reduce_max(self, t: torch.Tensor, where: str) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stubs: RedOpType vs ReduceOp
-        self.pg.allreduce([t], opts).wait()
+        _waited(self.pg.allreduce([t], opts), where)
 
     def broadcast(self, t: torch.Tensor, root: int) -> Any:
         opts = dist.BroadcastOptions()
@@ -218,7 +235,8 @@ class ReadShare:
         g = self.group
         arr = np.array([(_fid(j.path), j.lo, j.hi) for j in jobs or ()], dtype=np.int64).reshape(-1, 3)
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        g.all_gather(counts, torch.tensor([len(arr) if jobs is not None else -1]))
+        where = f"step {step}, rank {self.rank}: the restore exchange (the ranks' read lists)"
+        g.all_gather(counts, torch.tensor([len(arr) if jobs is not None else -1]), where)
         ns = [int(c.item()) for c in counts]
         if min(ns) < 0 or sum(ns) == 0:
             return False
@@ -226,7 +244,7 @@ class ReadShare:
         mine = torch.zeros((width, 3), dtype=torch.int64)
         mine[: len(arr)] = torch.from_numpy(arr)
         got = [torch.zeros((width, 3), dtype=torch.int64) for _ in range(self.world_size)]
-        g.all_gather(got, mine)
+        g.all_gather(got, mine, where)
         needs = [t[:n].numpy() for t, n in zip(got, ns)]
         self.pieces = make_pieces(needs, PIECE_BYTES, ROUND_BYTES)
         return bool(self.pieces)
@@ -298,7 +316,7 @@ class ReadShare:
         failed = torch.zeros(max(1, len(pieces)), dtype=torch.int8)
         for i in errors:
             failed[i] = 1
-        g.all_reduce_max(failed)
+        g.all_reduce_max(failed, f"step {self.step}, rank {me}: the restore exchange (which reads failed)")
         works: list[tuple[Any, Piece, int]] = []
         held: list[Piece] = []
         for i, p in enumerate(pieces):
@@ -334,15 +352,19 @@ class ReadShare:
                     stats.bytes_received += p.hi - p.lo
             held.append(p)
         for work, p, peer in works:
-            try:
-                work.wait()
-            except Exception as e:
-                raise CheckpointTimeoutError(
-                    f"step {self.step}, rank {me}: the restore exchange of bytes [{p.lo}, {p.hi}) of "
-                    f"{p.path} with rank {peer} failed or timed out ({e}); that rank died or hangs. "
-                    f"Restore again, or pass share_restore_reads=False to read every byte from storage"
-                ) from e
+            where = f"step {self.step}, rank {me}: the restore exchange of bytes [{p.lo}, {p.hi}) of {p.path} with rank {peer}"
+            _waited(work, where)
         return held
 
 
-__all__ = ["PIECE_BYTES", "ROUND_BYTES", "Job", "PeerGroup", "ReadShare", "SharedStorage", "make_pieces", "peer_group"]
+__all__ = [
+    "PIECE_BYTES",
+    "ROUND_BYTES",
+    "Job",
+    "PeerExchangeError",
+    "PeerGroup",
+    "ReadShare",
+    "SharedStorage",
+    "make_pieces",
+    "peer_group",
+]
