@@ -280,12 +280,15 @@ def _plan(storage: Any, start: int, rows: int) -> tuple[list[Any], list[Any]]:
     return ops, reads
 
 
-def measure_manifest_scale(workdir: Path, *, n_tensors: int = N_TENSORS, n_ranks: int = N_RANKS) -> dict[str, Any]:
+def measure_manifest_scale(
+    workdir: Path, *, n_tensors: int = N_TENSORS, n_ranks: int = N_RANKS, quick: bool = False
+) -> dict[str, Any]:
     """Case (e): the row-sharded point (FSDP; ``n_ranks`` chunks a tensor: the reported
     ``commit_s``/``plan_s``) and the whole-tensor one (one chunk a tensor, as ``whole``). DCP's
-    figures once, for the sharded one only: within run.py's time limit for this case."""
-    reps = _default_repeats(n_ranks, n_tensors)
-    sharded = measure_point(workdir, n_ranks, n_tensors, "sharded", reps, dcp_repeats=1)
+    figures once, for the sharded one only: within run.py's time limit for this case. ``quick``
+    (the smoke run): one repeat, no DCP figures."""
+    reps = 1 if quick else _default_repeats(n_ranks, n_tensors)
+    sharded = measure_point(workdir, n_ranks, n_tensors, "sharded", reps, dcp_repeats=0 if quick else 1)
     whole = measure_point(workdir, n_ranks, n_tensors, "whole", reps, dcp_repeats=0)
     return {**sharded, "layout": "row-sharded over all ranks", "whole": whole}
 
@@ -310,7 +313,7 @@ def main() -> None:
         try:
             if args.ranks is None:
                 n = N_TENSORS // 10 if args.quick else N_TENSORS
-                res = measure_manifest_scale(work, n_tensors=n, n_ranks=N_RANKS)
+                res = measure_manifest_scale(work, n_tensors=n, n_ranks=N_RANKS, quick=args.quick)
             else:
                 reps = args.repeats or _default_repeats(args.ranks, args.tensors)
                 res = measure_point(work, args.ranks, args.tensors, args.layout, reps)
