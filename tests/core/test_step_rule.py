@@ -164,3 +164,11 @@ def test_every_rank_refuses_a_save_below_the_newest(tmp_path: Path) -> None:
             assert got is not None, f"rank {rank}: save({step}) below the newest step 10 was not refused"
             assert (got["step"], got["newest"]) == (step, 10) and f"rank {rank}" in got["message"], got
         assert seen["steps"] == [5, 10, 11]
+        # Ranks that ask for different steps: every rank refuses, reading nothing (rank 0's
+        # step used to be restored everywhere, silently).
+        for name in ("5 vs 10", "newest vs 10"):
+            got = seen[f"restore {name}"]
+            assert got is not None, f"rank {rank}: a restore of {name} went through"
+            assert got["untouched"] and f"rank {rank} asked for" in got["message"], got
+            assert "same step=" in got["message"], got
+        assert seen["restore 10 everywhere"] is True

@@ -3,7 +3,8 @@
     step_rule_worker.py ROOT OUT_DIR
 
 Saves steps 5 and 10, then 7 (below the newest, never committed) and 5 (committed, below the
-newest); each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
+newest); then restores whose ranks ask for different steps, and one they agree on. Each rank
+writes what it saw to ``OUT_DIR/r<rank>.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def main(root: str, out: str) -> None:
             seen[str(step)] = None
     mgr.save(11, {"w": torch.full((64,), 11.0)}, async_save=False)  # the protocol is still in step
     seen["steps"] = mgr.steps()
+    # Restores whose ranks ask for different steps are refused on every rank, none read.
+    for name, asked in (("5 vs 10", [5, 10]), ("newest vs 10", [None, 10])):
+        target = {"w": torch.zeros(64)}
+        try:
+            mgr.restore(target, step=asked[rank])
+        except ValueError as e:
+            seen[f"restore {name}"] = {"message": str(e), "untouched": bool((target["w"] == 0).all())}
+        else:
+            seen[f"restore {name}"] = None
+    target = {"w": torch.zeros(64)}
+    seen["restore 10 everywhere"] = mgr.restore(target, step=10) == 10 and bool((target["w"] == 10).all())
     mgr.close()
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump(seen, f)

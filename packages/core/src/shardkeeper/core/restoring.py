@@ -113,6 +113,8 @@ class Restorer:
         explicit = step is not None
         # Newest first by listing alone: each candidate's manifest is validated when it is
         # loaded, and a damaged one falls back to the next (never a parse of every manifest).
+        if ctx.world_size > 1:
+            self._same_step_everywhere(step)
         candidates = [step] if step is not None else sorted(commit.manifest_steps(ctx.storage), reverse=True)
         if ctx.world_size > 1:
             candidates = self._agree_candidates(candidates)
@@ -167,6 +169,20 @@ class Restorer:
             ),
             writes,
         ) from last_error
+
+    def _same_step_everywhere(self, step: int | None) -> None:
+        """Collective: refuse, on every rank, a restore whose ranks asked for different steps
+        (or some for a step and some for the newest): rank 0's choice would otherwise be
+        restored everywhere, silently."""
+        coord, asked = self.ctx.coord, -1 if step is None else step
+        lo, hi = coord.agree_int(asked, "min"), coord.agree_int(asked, "max")
+        if lo != hi:
+            what = "the newest step" if step is None else f"step={step}"
+            raise ValueError(
+                f"restore under {self.ctx.storage.url}: rank {self.ctx.rank} asked for {what}, but the ranks did not "
+                f"all ask for the same step (from {'the newest' if lo < 0 else lo} to {hi}); nothing was read. Pass "
+                f"the same step= on every rank (or step=None everywhere for the newest committed step)"
+            )
 
     def _share_group(self) -> Any:
         """The dedicated group of replica-deduplicated reads, or None: alone, or turned off on

@@ -151,7 +151,7 @@ class StoreCoordinator:
             raise CheckpointTimeoutError(
                 f"step {step}: ranks {missing} did not report within {timeout_s:.0f} s "
                 f"(phase: report); a rank died or hangs in its write. Raise commit_timeout_s "
-                f"if writes are slow; the checkpoint was not committed"
+                f"if writes are slow"
             ) from None
         if store.add(self._key(seq, "count"), 0) < self.world_size - 1:  # woken by a failure
             r = int(store.get(self._key(seq, "failed")))
