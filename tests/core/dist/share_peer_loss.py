@@ -7,7 +7,7 @@ Rank 1, when the exchange's first round begins (after the owners' reads), exits 
 status 0, so that torchrun leaves the other ranks running) or sleeps past the exchange's
 timeout. The survivors must raise a
 ``CheckpointTimeoutError`` that names the step, their rank and the remedy, within about
-``commit_timeout_s`` (here 5 s), not a raw gloo error after the training group's timeout.
+``commit_timeout_s`` (here 3 s), not a raw gloo error after the training group's timeout.
 Every rank but 1 writes its checks to ``ROOT/results/loss-<MODE>-r<R>.json``.
 """
 
@@ -34,13 +34,13 @@ def main() -> None:
     checks = Checks(ROOT / "results" / f"loss-{MODE}-r{rank}.json", rank=rank)
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(512, 256, generator=g), "b": torch.randn(4096, generator=g)}
-    with CheckpointManager(ROOT / f"ckpt-{MODE}", async_save=False, commit_timeout_s=5.0) as mgr:
+    with CheckpointManager(ROOT / f"ckpt-{MODE}", async_save=False, commit_timeout_s=3.0) as mgr:
         mgr.save(1, state)
         if rank == 1:
 
             def lost(self: object, *args: object) -> None:
                 if MODE == "hang":
-                    time.sleep(12)  # past the exchange timeout (5 s)
+                    time.sleep(8)  # past the exchange timeout (3 s)
                 os._exit(0)
 
             restore_share.PeerGroup.all_reduce_max = lost  # type: ignore[method-assign]
