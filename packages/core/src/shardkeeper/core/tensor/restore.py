@@ -131,58 +131,52 @@ def restore_flat(
     every read succeeded. ``writes`` collects the target keys this attempt wrote; the keys an
     earlier attempt wrote (already in it) must all be restored by this one, or it raises
     before reading anything. ``share``: this rank's part in a replica-deduplicated restore
-    (``tensor/restore_share.py``), which every rank of its group calls together.
+    (``tensor/restore_share.py``), which every rank of its group calls together; when this
+    raises before the exchange, the caller's ``share.finish()`` joins it for this rank.
     """
     writes = TargetWrites() if writes is None else writes
     where = f"{storage.describe(step_dir)} (step {manifest.step}, rank {rank})"
-    try:
-        plan = plan_restore(
-            storage,
-            manifest,
-            flat,
-            rank=rank,
-            world_size=world_size,
-            only=only,
-            strict=strict,
-            optional=optional,
-            per_rank=per_rank,
-            cast=cast,
-            max_read_bytes=max_read_bytes,
-            where=where,
+    plan = plan_restore(
+        storage,
+        manifest,
+        flat,
+        rank=rank,
+        world_size=world_size,
+        only=only,
+        strict=strict,
+        optional=optional,
+        per_rank=per_rank,
+        cast=cast,
+        max_read_bytes=max_read_bytes,
+        where=where,
+    )
+    stats = plan.stats
+    if plan.missing:  # (strict: plan_restore raised)
+        warnings.warn(
+            f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "
+            f"keep their current values: {missing_list(plan.missing)}",
+            stacklevel=3,
         )
-        stats = plan.stats
-        if plan.missing:  # (strict: plan_restore raised)
-            warnings.warn(
-                f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "
-                f"keep their current values: {missing_list(plan.missing)}",
-                stacklevel=3,
-            )
-        if plan.dropped:
-            log.warning(
-                "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",
-                rank,
-                manifest.world_size,
-                world_size,
-                ", ".join(plan.dropped[:8]),
-            )
-        reader = ChunkReader.of(
-            storage,
-            manifest,
-            where=f"step {manifest.step}",
-            remedy=f"restore an earlier step (restore() without step= falls back by itself) and run "
-            f"`shardkeeper verify {storage.url}`",
+    if plan.dropped:
+        log.warning(
+            "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",
+            rank,
+            manifest.world_size,
+            world_size,
+            ", ".join(plan.dropped[:8]),
         )
-        direct, reads, encoded = schedule(plan.ops, reader.block, stats.bytes_needed, max_read_bytes)
-        _check_rewrites(writes, plan.restored, where, manifest.step)
-        _check_file_ends(reader, step_dir, manifest.step, plan.ops)
-        # Bytes leaves are read first but set only with the objects, once every read succeeded.
-        bytes_values = [
-            _bytes_of(reader, step_dir, rec, manifest.step, key, stats) for key, _, rec in plan.bytes_leaves
-        ]
-    except BaseException:
-        if share is not None:
-            share.finish()  # the other ranks' exchange hears that this one has nothing
-        raise
+    reader = ChunkReader.of(
+        storage,
+        manifest,
+        where=f"step {manifest.step}",
+        remedy=f"restore an earlier step (restore() without step= falls back by itself) and run "
+        f"`shardkeeper verify {storage.url}`",
+    )
+    direct, reads, encoded = schedule(plan.ops, reader.block, stats.bytes_needed, max_read_bytes)
+    _check_rewrites(writes, plan.restored, where, manifest.step)
+    _check_file_ends(reader, step_dir, manifest.step, plan.ops)
+    # Bytes leaves are read first but set only with the objects, once every read succeeded.
+    bytes_values = [_bytes_of(reader, step_dir, rec, manifest.step, key, stats) for key, _, rec in plan.bytes_leaves]
     jobs = _jobs(step_dir, reader.block, direct, reads, encoded)
     batches: Iterable[tuple[ChunkReader, Sequence[Job]]] = [(reader, jobs)]
     if share is not None and share.negotiate(jobs, manifest.step):

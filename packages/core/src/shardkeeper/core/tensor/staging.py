@@ -158,7 +158,7 @@ class Stager:
         if not lay.staged:
             self.last_stage_s = time.perf_counter() - t0
             return spans, None
-        later = DeferredCopy(lay.cuda)
+        later = DeferredCopy()
         if defer is None:
             if len(lay.staged) == len(items):
                 dsts, srcs = lay.staged_dsts, srcs_all
@@ -316,14 +316,13 @@ class DeferredCopy:
     is what ``wait_staged()`` is for.)
     """
 
-    def __init__(self, cuda: tuple[int, ...] = ()) -> None:
+    def __init__(self) -> None:
         self.items: list[WriteItem] = []
         self.srcs: list[torch.Tensor] = []
         self.dsts: list[torch.Tensor] = []
         self.watched: list[list[tuple[torch.Tensor, int]]] = []
         self.nbytes = 0
         self.copy_s = 0.0
-        self._cuda = cuda
         self._ready: dict[int, torch.cuda.Event] = {}  # by device: where its sources are final
 
     def add(self, item: WriteItem, src: torch.Tensor, dst: torch.Tensor, watch: Sequence[torch.Tensor] = ()) -> None:
@@ -337,7 +336,7 @@ class DeferredCopy:
 
     def mark_ready(self) -> None:
         """Caller's thread, once every item is added: on CUDA, where the sources are final."""
-        for device in cuda_devices(self.srcs) if self._cuda else ():
+        for device in cuda_devices(self.srcs):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self._ready[device] = event
