@@ -22,6 +22,7 @@ from shardkeeper.core.format.columns import (
     ChunkTable,
     no_gc,
 )
+from shardkeeper.core.format.described import DescribedLeaves
 from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.leaves import LazyLeaves
 from shardkeeper.core.format.manifest import Manifest
@@ -29,7 +30,7 @@ from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.format.reports import decode_report
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
-from shardkeeper.core.format.versions import FORMAT_VERSION
+from shardkeeper.core.format.versions import DESCRIBED_VERSION, FORMAT_VERSION
 
 
 def declared_digest(declared: Mapping[str, Any]) -> str:
@@ -49,6 +50,7 @@ def assemble_manifest(
     digest: str,
     block_bytes: int,
     metadata: Mapping[str, Any],
+    described: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """Merge the ranks' reports (see ``docs/protocol.md``) into a manifest, or raise.
 
@@ -56,10 +58,12 @@ def assemble_manifest(
     key -> [kind, dtype, global shape]); other ranks send ``declared_digest`` of their shared
     declarations plus ``declared`` for their per-rank keys only. Each report carries its
     ``chunks`` (key -> chunk records as JSON, or their columnar ``encode_report`` form),
-    ``files``, ``objects``, ``per_rank_prefixes`` and ``layouts``.
+    ``files``, ``objects``, ``per_rank_prefixes`` and ``layouts``. ``described``: the
+    coordinator's described leaves (key -> (mesh, placements, replica), tensor/describe.py),
+    whose chunks the ranks' index files hold (their reports' ``described``).
     """
     with no_gc():
-        return _assemble(step, attempt, reports, world_size, digest, block_bytes, metadata)
+        return _assemble(step, attempt, reports, world_size, digest, block_bytes, metadata, described or {})
 
 
 def _assemble(
@@ -70,6 +74,7 @@ def _assemble(
     digest: str,
     block_bytes: int,
     metadata: Mapping[str, Any],
+    described: Mapping[str, Any],
 ) -> Manifest:
     problems: list[str] = []
     declared: dict[str, list[Any]] = {}
@@ -115,8 +120,10 @@ def _assemble(
     bases = list(accumulate([len(t) for t in tables], initial=0))
     raw_only = "encoding" not in table.extras  # encoded chunks' lengths are their own
     rows_of = _rows_by_key(bases, reported)
+    if described or any(r.get("described") for r in reports):
+        problems.extend(_described_problems(reports, described, declared, rows_of))
     # The leaves as columns, in key order (the leaf table's form, format.md 3.7).
-    keys = sorted(declared)
+    keys = sorted(declared.keys() - described.keys())
     decls = [declared[k] for k in keys]
     shapes = [d[2] for d in decls]
     iszs = [DTYPES[d[1]][1] if d[1] in DTYPES else 1 for d in decls]
@@ -149,7 +156,8 @@ def _assemble(
             "(wrap per-rank tensors in PerRank)"
         )
     object_leaves = {k: {"kind": "object", "value": objects[k]} for k in sorted(objects)}
-    if len(table) >= TABLE_MIN_CHUNKS:
+    version = FORMAT_VERSION
+    if len(table) >= TABLE_MIN_CHUNKS or described:
         table.digest_text()
         why = table.problem(block_bytes)
         if why is not None:  # what every reader would refuse: never commit it
@@ -163,7 +171,11 @@ def _assemble(
             list(map(len, rows_list)),
             list(chain.from_iterable(rows_list)),
         )
-        out: Mapping[str, Any] = TableLeaves(object_leaves, lt, table, block_bytes)
+        dl = None
+        if described:
+            dl = DescribedLeaves(_described_json(described, declared, reports, world_size), width, block_bytes)
+            version = DESCRIBED_VERSION
+        out: Mapping[str, Any] = TableLeaves(object_leaves, lt, table, block_bytes, dl)
     else:  # the per-chunk form: small manifests stay easy to read by eye
         leaves: dict[str, Any] = {
             key: {
@@ -186,8 +198,81 @@ def _assemble(
         metadata={**metadata, "world_size": world_size, "layouts": sorted(layouts)},
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         attempt=attempt,
-        format_version=FORMAT_VERSION,
+        format_version=version,
     )
+
+
+def _described_problems(
+    reports: Sequence[Mapping[str, Any]],
+    described: Mapping[str, Any],
+    declared: Mapping[str, Any],
+    rows_of: Mapping[str, Any],
+) -> list[str]:
+    """What keeps the ranks' described leaves from one manifest: ranks that describe other
+    leaves (or describe them otherwise) than the coordinator, and described leaves that are
+    not tensors every rank declared, or that a rank also reported as enumerated chunks."""
+    ref = reports[0].get("described", {}).get("digest")
+    differing = [r["rank"] for r in reports if r.get("described", {}).get("digest") != ref]
+    out = []
+    if differing:
+        out.append(
+            f"ranks {differing[:8]} record other leaves by their layout rule than rank {reports[0]['rank']} "
+            f"(a DTensor whose local shard is not the one its placements give); pass describe_layouts=False"
+        )
+    odd = sorted(k for k in described if declared.get(k, [""])[0] != "tensor" or k in rows_of)
+    if odd:
+        out.append(f"described leaves {odd[:3]} are not tensors recorded by their rule alone")
+    return out
+
+
+def _described_json(
+    described: Mapping[str, Any],
+    declared: Mapping[str, Any],
+    reports: Sequence[Mapping[str, Any]],
+    world_size: int,
+) -> dict[str, Any]:
+    """The manifest's ``described`` member (format.md 3.8) from the coordinator's described
+    leaves and every rank's index file."""
+    meshes: list[Any] = []
+    mesh_at: dict[Any, int] = {}
+    layouts: list[Any] = []
+    layout_at: dict[Any, int] = {}
+    keys = sorted(described)
+    layout_col, replica_col, shape = [], [], []
+    for key in keys:
+        mesh, placements, replica = described[key]
+        m = mesh_at.get(id(mesh))
+        if m is None:
+            m = mesh_at[id(mesh)] = len(meshes)
+            meshes.append(mesh.to_json())
+        spec = (m, tuple(map(tuple, placements)))
+        li = layout_at.get(spec)
+        if li is None:
+            li = layout_at[spec] = len(layouts)
+            layouts.append([m, [list(p) for p in placements]])
+        layout_col.append(li)
+        replica_col.append(replica)
+        shape.extend(declared[key][2])
+    index: list[Any] = [None] * world_size
+    chunk_files: dict[str, int] = {}
+    for r in reports:
+        d = r.get("described") or {}
+        index[r["rank"]] = d.get("index")
+        for rel, end in d.get("chunk_files", ()):
+            chunk_files[rel] = max(chunk_files.get(rel, 0), end)
+    return {
+        "keys": keys,
+        "kind": [declared[k][0] for k in keys],
+        "dtype": [declared[k][1] for k in keys],
+        "ndim": [len(declared[k][2]) for k in keys],
+        "shape": shape,
+        "layout": layout_col,
+        "replica": replica_col,
+        "layouts": layouts,
+        "meshes": meshes,
+        "index": index,
+        "chunk_files": [[p, chunk_files[p]] for p in sorted(chunk_files)],
+    }
 
 
 def _rows_by_key(bases: Sequence[int], reported: Sequence[tuple[list[str], list[int]]]) -> dict[str, list[int]]:

@@ -16,6 +16,7 @@ from shardkeeper.core.errors import (
     IncompatibleFormatError,
 )
 from shardkeeper.core.format import manifest as manifest_format
+from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import LATEST_NAME, parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
 from shardkeeper.core.storage.base import Storage
@@ -56,7 +57,23 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
             f"manifest {storage.describe(path)} says step {m.step}, its directory says {step}; "
             f"the root was edited by hand: restore another step"
         )
+    attach_index_files(storage, m)
     return m
+
+
+def attach_index_files(storage: Storage, m: Manifest) -> None:
+    """Let ``m``'s described leaves (format_version 7) read their index files from ``storage``."""
+    described = getattr(m.leaves, "described", None)
+    if described is None:
+        return
+    sdir = step_dir(m.step)
+    fn = digest_function(m.digest_algorithm)
+    described.attach(
+        lambda rel: storage.read_bytes(f"{sdir}/{rel}"),
+        lambda data: fn(data),
+        m.files,
+        lambda rel: storage.describe(f"{sdir}/{rel}"),
+    )
 
 
 def is_committed(storage: Storage, step: int) -> bool:
@@ -117,6 +134,7 @@ def write_latest_hint(storage: Storage, step: int) -> None:
 
 
 __all__ = [
+    "attach_index_files",
     "committed_steps",
     "is_committed",
     "lists_manifest",

@@ -72,6 +72,12 @@ class CheckpointOptions:
     """A rank's chunks are spread over up to this many files, written in parallel."""
     min_file_bytes: int = 64 << 20
     """A rank writes a second file only when it has at least twice this much."""
+    describe_layouts: bool | None = None
+    """DTensors sharded by Shard/Replicate placements are recorded by their rule (mesh,
+    placements) with their chunks in per-rank index files, so that the manifest and restore
+    planning do not grow with ranks x tensors (docs/format.md 3.8, format_version 7). None:
+    when such tensors x ranks reach 4096 (and compression is off); True: always (except with
+    compression); False: never (every chunk listed in the manifest)."""
     max_read_bytes: int = 64 << 20
     """Upper bound of one ranged read; bounds restore memory to io_threads x this."""
     catalog: str | None = None
@@ -155,7 +161,7 @@ def _check_number(name: str, value: float) -> None:
 #: The fields of ``CheckpointOptions`` by what they are about (docs/protocol.md, "Options").
 GROUPS: dict[str, tuple[str, ...]] = {
     "saving": ("async_save", "staging", "commit_timeout_s"),
-    "layout": ("max_files_per_rank", "min_file_bytes"),
+    "layout": ("max_files_per_rank", "min_file_bytes", "describe_layouts"),
     "io": ("io_threads", "max_read_bytes"),
     "restore": ("per_rank", "share_restore_reads"),
     "integrity": ("digest", "digest_block_bytes"),

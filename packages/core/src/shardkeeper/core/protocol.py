@@ -104,6 +104,7 @@ _NAMES = {
     "bool": "true or false",
     "number": "a number",
     "object": "an object",
+    "list": "a list",
     "list[int]": "a list of integers",
     "list[str]": "a list of strings",
 }
@@ -221,6 +222,9 @@ class RankReport:
     per_rank_prefixes: list[str]
     layouts: list[str]
     timings: Timings = field(default_factory=Timings)
+    described: dict[str, Any] = field(default_factory=dict)
+    """Described leaves (format_version 7): ``digest`` of which and how, this rank's ``index``
+    file (``[path, size, digest]``, or None) and the ``chunk_files`` its rows name; {}: none."""
 
     def members(self) -> dict[str, Any]:
         """The report by its wire member names, ``chunks`` as held (the coordinator's own
@@ -239,6 +243,7 @@ class RankReport:
             "per_rank_prefixes": self.per_rank_prefixes,
             "layouts": self.layouts,
             "timings": self.timings.to_json(),
+            "described": self.described,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -278,7 +283,30 @@ class RankReport:
             per_rank_prefixes=_get(d, "per_rank_prefixes", "list[str]", where),
             layouts=_get(d, "layouts", "list[str]", where),
             timings=Timings.from_json(_get(d, "timings", "object", where), where=f"{where}, member 'timings'"),
+            described=_described(d.get("described", {}), where),
         )
+
+
+def _described(doc: object, where: str) -> dict[str, Any]:
+    """A report's ``described`` member, checked for its shape."""
+    d = _object(doc, f"{where}, member 'described'")
+    if not d:
+        return {}
+    w = f"{where}, member 'described'"
+    _get(d, "digest", "str", w)
+    files = _get(d, "chunk_files", "list", w)
+    if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int for e in files):
+        raise malformed(where, "the chunk_files of 'described' are not [path, end] pairs")
+    entry = d.get("index")
+    if entry is not None and not (
+        isinstance(entry, list)
+        and len(entry) == 3
+        and isinstance(entry[0], str)
+        and type(entry[1]) is int
+        and isinstance(entry[2], str)
+    ):
+        raise malformed(where, f"the index entry is {_describe(entry)}, not [path, size, digest]")
+    return d
 
 
 Report = RankReport | Failure

@@ -64,10 +64,10 @@ def _file_ends(step: int, manifest: Manifest) -> dict[str, int]:
     """Every file the manifest references (root-relative) and the end of its last chunk; its
     own files with their recorded sizes."""
     ends: dict[str, int] = {}
-    for _, c in manifest.chunks():
-        path = resolve_file(step, c.file)
+    for rel, end in manifest.chunk_file_ends().items():
+        path = resolve_file(step, rel)
         if path is not None:
-            ends[path] = max(ends.get(path, 0), c.offset + c.length)
+            ends[path] = max(ends.get(path, 0), end)
     for rel in manifest.files:
         path = resolve_file(step, rel)
         if path is not None:

@@ -46,6 +46,7 @@ from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.step_order import StepOrder
+from shardkeeper.core.tensor.describe import split_report, write_index
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
 from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
@@ -139,8 +140,9 @@ class SaveRunner:
         """Flatten, plan and stage ``state`` (``defaults``: the manager's metadata)."""
         ctx, settings = self.ctx, self.ctx.settings
         flat = flatten_for_save(state, ctx.rank)
+        describe = settings.describe_layouts if settings.compression in (None, "none") else False
         plan, groups = self._plans.plan(
-            flat, ctx.rank, ctx.world_size, settings.max_files_per_rank, settings.min_file_bytes
+            flat, ctx.rank, ctx.world_size, settings.max_files_per_rank, settings.min_file_bytes, describe
         )
         # A synchronous save returns after the commit, so the caller cannot change its tensors
         # meanwhile: they are written from their own memory, without a staging copy.
@@ -267,19 +269,39 @@ class SaveRunner:
             memo=job.plan.memo,
         )
         declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
+        chunks, files, described = res.chunks, res.files, {}
+        if job.plan.described:
+            chunks, index_keys, index_table = split_report(res.chunks, job.plan.described)
+            entry: list[Any] | None = None
+            chunk_files: list[str] = []
+            if index_table is not None:
+                rel, size, digest, chunk_files = write_index(
+                    ctx.storage,
+                    step_dir(job.step),
+                    job.step,
+                    ctx.rank,
+                    job.attempt,
+                    index_keys,
+                    index_table,
+                    settings.digest,
+                )
+                files = {**files, rel: {"size_bytes": size, "rank": ctx.rank}}
+                entry = [rel, size, digest]
+            described = {"digest": job.plan.described_digest(), "index": entry, "chunk_files": chunk_files}
         report = RankReport(
             rank=ctx.rank,
             attempt=job.attempt,
             declared=declarations["declared"],
             declared_digest=declarations["declared_digest"],
-            chunks=res.chunks,
-            files=res.files,
+            chunks=chunks,
+            files=files,
             objects=job.objects,
             bases=[codecs.reuse.base.step] if codecs.reuse is not None and codecs.reuse.usable else [],
             extended=job.extended,
             per_rank_prefixes=job.plan.per_rank_prefixes,
             layouts=sorted(job.plan.layouts),
             timings=Timings(stall_s=stall_s, write_s=time.perf_counter() - t0, sync=job.sync),
+            described=described,
         )
         log.info(
             "rank %d step %d: wrote %d bytes in %.3f s", ctx.rank, job.step, res.bytes_written, time.perf_counter() - t0
@@ -308,6 +330,7 @@ class SaveRunner:
                 world_size=ctx.world_size,
                 digest=settings.digest,
                 block_bytes=settings.digest_block_bytes,
+                described=job.plan.described,
                 metadata={
                     "framework": "torch",
                     "torch_version": str(torch.__version__),

@@ -108,10 +108,10 @@ def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tup
     from shardkeeper.core.root_files import resolve_file
 
     ends: dict[str, int] = {}
-    for _, c in m.chunks():
-        path = resolve_file(step, c.file)
+    for rel, end in m.chunk_file_ends().items():
+        path = resolve_file(step, rel)
         if path is not None:
-            ends[path] = max(ends.get(path, 0), c.offset + c.length)
+            ends[path] = max(ends.get(path, 0), end)
     own = {p: info.get("size_bytes") for rel, info in m.files.items() if (p := resolve_file(step, rel))}
     problems: list[tuple[str, str, str]] = []
     paths = sorted(set(ends) | set(own))

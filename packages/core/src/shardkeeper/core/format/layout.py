@@ -40,8 +40,15 @@ def shard_file(rank: int, attempt: str, index: int) -> str:
     return f"{DATA_DIR}/r{rank:05d}-{attempt}-{index:03d}.safetensors"
 
 
+def index_file(rank: int, attempt: str) -> str:
+    """Relative to the step directory: ``data/r00000-<attempt>.index.json``, a rank's chunks
+    of described leaves (format_version 7)."""
+    return f"{DATA_DIR}/r{rank:05d}-{attempt}.index.json"
+
+
 __all__ = [
     "DATA_DIR",
+    "index_file",
     "LATEST_NAME",
     "STEP_DIGITS",
     "STEP_PREFIX",

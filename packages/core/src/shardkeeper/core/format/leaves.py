@@ -16,10 +16,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from shardkeeper.core.format.columns import DIGEST_HEX, ChunkTable
+from shardkeeper.core.format.described import DescribedLeaves
 from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import LeafRecord
 from shardkeeper.core.format.table import TableLeaves
-from shardkeeper.core.format.versions import LEAF_TABLE_VERSION, TABLE_VERSION
+from shardkeeper.core.format.versions import DESCRIBED_VERSION, LEAF_TABLE_VERSION, TABLE_VERSION
 
 
 class RawLeaves(Mapping[str, Any]):
@@ -64,11 +65,14 @@ def leaves_json(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
 
 def leaves_fields(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
     if isinstance(leaves, TableLeaves):
-        return {
+        out = {
             "leaves": leaves.object_leaves,
             "leaf_table": leaves.leaf_table.to_json(),
             "chunk_table": leaves.table.to_json(),
         }
+        if leaves.described is not None:
+            out["described"] = leaves.described.to_json()
+        return out
     return {"leaves": leaves_json(leaves)}
 
 
@@ -79,12 +83,16 @@ def read_leaves(d: dict[str, Any], version: int) -> Mapping[str, LeafRecord]:
         raise ValueError(f"a leaf_table in a format_version {version} manifest (introduced in {LEAF_TABLE_VERSION})")
     if "leaf_table" in d and "chunk_table" not in d:
         raise ValueError("a leaf_table without a chunk_table")
+    if "described" in d and (version < DESCRIBED_VERSION or "leaf_table" not in d):
+        raise ValueError(f"a described member in a format_version {version} manifest without a leaf_table")
     if version >= TABLE_VERSION and "chunk_table" in d:
         width = DIGEST_HEX.get(str(d["digest_algorithm"]), 0)
         table = ChunkTable.from_json(_as_dict(d["chunk_table"]), width)
         block = int(d["digest_block_bytes"])
         if "leaf_table" in d:
-            return TableLeaves(_as_dict(d["leaves"]), LeafTable.from_json(_as_dict(d["leaf_table"])), table, block)
+            described = DescribedLeaves(_as_dict(d["described"]), width, block) if "described" in d else None
+            lt = LeafTable.from_json(_as_dict(d["leaf_table"]))
+            return TableLeaves(_as_dict(d["leaves"]), lt, table, block, described)
         if version >= LEAF_TABLE_VERSION:  # writers of 5 and later always write both tables
             raise ValueError(f"a chunk_table without a leaf_table at format_version {version}")
         return TableLeaves.from_raw(_as_dict(d["leaves"]), table, block)

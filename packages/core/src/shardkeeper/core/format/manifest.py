@@ -187,11 +187,28 @@ class Manifest:
             for c in leaf.chunks:
                 yield key, c
 
+    def chunk_file_ends(self) -> dict[str, int]:
+        """Every file (relative to the step directory) a chunk lies in, with the end of the
+        last chunk byte in it; for described leaves from the manifest alone (their index
+        files are not read: ``verify`` without the key, the commit's checks)."""
+        ends: dict[str, int] = {}
+        described = self.leaves.described if isinstance(self.leaves, TableLeaves) else None
+        for key, leaf in self.leaves.items():
+            if described is not None and key in described.pos:
+                continue
+            for c in leaf.chunks:
+                ends[c.file] = max(ends.get(c.file, 0), c.offset + c.length)
+        if described is not None:
+            for rel, end in described.chunk_files:
+                ends[rel] = max(ends.get(rel, 0), end)
+        return ends
+
     def referenced_files(self) -> set[str]:
         """Files (relative to the step directory) this manifest's chunks point at."""
         out = set(self.files)
         if isinstance(self.leaves, TableLeaves):
-            return out | set(self.leaves.table.paths)
+            more = [p for p, _ in self.leaves.described.chunk_files] if self.leaves.described is not None else []
+            return out | set(self.leaves.table.paths) | set(more)
         out.update(c.file for _, c in self.chunks())
         return out
 

@@ -136,7 +136,7 @@ def manifest_problem(m: ManifestFields) -> str | None:
         if type(size) is not int or size < 0:
             return f"file {_short(rel)} has no size_bytes that is a non-negative integer"
     if isinstance(m.leaves, TableLeaves):  # the chunk table: checked in linear passes
-        why = m.leaves.problem(m.files, m.format_version)
+        why = m.leaves.problem(m.files, m.format_version, m.world_size)
         if why is not None:
             return why
         raw = m.leaves.objects()

@@ -22,6 +22,7 @@ from shardkeeper.core.format.columns import (
     no_gc,
     without_gc,
 )
+from shardkeeper.core.format.described import DescribedLeaves
 from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import BlockDigests, ChunkRecord, LeafRecord
 from shardkeeper.core.format.reports import (
@@ -42,11 +43,20 @@ class TableLeaves(Mapping[str, Any]):
     the chunks a restore needs without making the rest.
     """
 
-    def __init__(self, objects: dict[str, Any], leaf_table: LeafTable, table: ChunkTable, block: int) -> None:
+    def __init__(
+        self,
+        objects: dict[str, Any],
+        leaf_table: LeafTable,
+        table: ChunkTable,
+        block: int,
+        described: DescribedLeaves | None = None,
+    ) -> None:
         self.object_leaves = objects  # key -> {"kind": "object", "value": ...}
         self.leaf_table = leaf_table
         self.table = table
         self.block = block
+        #: format_version 7: leaves whose chunks follow a rule, in index files (format/described.py)
+        self.described = described
         self._made: dict[str, Any] = {}
         self._order: list[str] | None = None
         self._dims: list[int] | None = None  # the chunk table's, cached for _record
@@ -61,17 +71,22 @@ class TableLeaves(Mapping[str, Any]):
         return cls(objects, LeafTable.from_leaves({k: d for k, d in raw.items() if k not in objects}), table, block)
 
     def __iter__(self) -> Iterator[str]:
-        if not self.object_leaves:
+        if not self.object_leaves and self.described is None:
             return iter(self.leaf_table.keys)
         if self._order is None:
-            self._order = sorted([*self.leaf_table.keys, *self.object_leaves])
+            more = self.described.keys if self.described is not None else []
+            self._order = sorted([*self.leaf_table.keys, *self.object_leaves, *more])
         return iter(self._order)
 
     def __len__(self) -> int:
-        return len(self.leaf_table) + len(self.object_leaves)
+        return len(self.leaf_table) + len(self.object_leaves) + (len(self.described) if self.described else 0)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.object_leaves or key in self.leaf_table.index
+        return (
+            key in self.object_leaves
+            or key in self.leaf_table.index
+            or (self.described is not None and key in self.described.pos)
+        )
 
     def _record(self, i: int) -> Any:
         t = self.table
@@ -100,6 +115,8 @@ class TableLeaves(Mapping[str, Any]):
             obj = self.object_leaves.get(key)
             if obj is not None:
                 leaf = LeafRecord(kind="object", value=obj.get("value"))
+            elif self.described is not None and key in self.described.pos:
+                leaf = self.described.record(key)
             else:
                 lt = self.leaf_table
                 j = lt.index[key]
@@ -117,6 +134,8 @@ class TableLeaves(Mapping[str, Any]):
         lt = self.leaf_table
         j = lt.index.get(key)
         if j is None:
+            if self.described is not None and key in self.described.pos:
+                return self.described.head(key)
             return self[key] if key in self.object_leaves else None
         return LeafRecord.unchecked(lt.kind[j], lt.dtype[j], lt.shapes()[j])
 
@@ -124,6 +143,8 @@ class TableLeaves(Mapping[str, Any]):
         """The chunk records of tensor leaf ``key`` whose boxes intersect the box
         ``offsets``/``shape`` (only those are made)."""
         lt = self.leaf_table
+        if self.described is not None and key not in lt.index:
+            return self.described.overlapping(key, offsets, shape)
         rows = lt.rows_of(lt.index[key])
         if 0 in shape:
             return []
@@ -167,12 +188,22 @@ class TableLeaves(Mapping[str, Any]):
                 "chunks": [self.table.record_json(i, self.block) for i in rows],
             }
         out.update(self.object_leaves)
+        if self.described is not None:
+            for key in self.described.keys:
+                out[key] = self[key].to_json()
         return out
 
-    def problem(self, files: Mapping[str, Any], version: int) -> str | None:
+    def problem(self, files: Mapping[str, Any], version: int, world_size: int = 1) -> str | None:
         """Why the leaves and the tables cannot be trusted, or None (see ``Manifest.problem``);
-        linear in the number of rows (``version``: the manifest's format_version)."""
-        return tables_problem(self.object_leaves, self.leaf_table, self.table, self.block, files, version)
+        linear in the number of rows (``version``: the manifest's format_version). Described
+        leaves' chunks are checked when their index files are read."""
+        why = tables_problem(self.object_leaves, self.leaf_table, self.table, self.block, files, version)
+        if why is None and self.described is not None:
+            why = self.described.problem(world_size, files)
+            both = [k for k in self.described.keys if k in self.leaf_table.index or k in self.object_leaves]
+            if why is None and both:
+                why = f"{both[0]}: both a described leaf and another leaf"
+        return why
 
 
 __all__ = [

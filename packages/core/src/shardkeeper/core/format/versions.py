@@ -25,13 +25,17 @@ EXTENDED_JSON_VERSION = 6
 #: The format_version whose encrypted checkpoints are bound to their root (codec/crypto.py):
 #: the manifest's encryption member names the root, and data files authenticate it.
 ROOT_BOUND_VERSION = 6
+#: The format_version of described leaves (format/described.py): chunks that follow a
+#: rule, kept in per-rank index files. Written only by manifests that hold such leaves.
+DESCRIBED_VERSION = 7
 #: The newest format_version this code reads.
-READ_VERSION = 6
+READ_VERSION = 7
 #: Chunk encodings and the format_version that introduced each (docs/codecs.md).
 ENCODINGS: dict[str, int] = {"raw": 1, "zstd": 2, "shuffle-zstd": 2}
 
 
 __all__ = [
+    "DESCRIBED_VERSION",
     "ENCODINGS",
     "ENCRYPTION_VERSION",
     "EXTENDED_JSON_VERSION",

@@ -47,6 +47,22 @@ def is_replicate(p: Any) -> bool:
     return isinstance(p, Replicate)
 
 
+def placement_rule(p: Any) -> tuple[Any, ...] | None:
+    """A placement in the described-layout rule's terms (format/grid.py): ``("S", dim)`` for a
+    plain Shard, ``("R",)`` for Replicate; None for any other (``_StridedShard``, Partial)."""
+    if isinstance(p, Replicate):
+        return ("R",)
+    if isinstance(p, Shard) and not (_StridedShard is not None and isinstance(p, _StridedShard)):
+        return ("S", int(p.dim))
+    return None
+
+
+def mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DeviceMesh's shape and the global rank at each coordinate, row-major."""
+    ranks = mesh.mesh
+    return tuple(int(s) for s in ranks.shape), tuple(int(r) for r in ranks.flatten().tolist())
+
+
 def is_partial(p: Any) -> bool:
     return isinstance(p, Partial)
 
@@ -97,5 +113,7 @@ __all__ = [
     "is_shard_placement",
     "is_sharded_tensor",
     "local_shape",
+    "mesh_ranks",
+    "placement_rule",
     "shard_dim_indices",
 ]

@@ -17,6 +17,7 @@ import torch
 
 from shardkeeper.core.assemble import declared_digest
 from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.grid import Mesh
 from shardkeeper.core.format.manifest import DTYPES
 from shardkeeper.core.format.safetensors import PAD_PREFIX
 from shardkeeper.core.format.table import without_gc
@@ -27,6 +28,7 @@ from shardkeeper.core.tensor.chunks import (
     plain_layout,
     replica_writer,
 )
+from shardkeeper.core.tensor.describe import Described, choose, describe_leaf, described_digest
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.state import PLAIN_TENSORS, FlatState, as_torch, torch_dtype_name
 
@@ -56,6 +58,9 @@ class SavePlan:
     layouts: set[str] = field(default_factory=set)
     #: keys of per-rank leaves (declared by their rank alone)
     per_rank_keys: set[str] = field(default_factory=set)
+    #: leaves recorded by their rule (tensor/describe.py): key -> (mesh, placements, replica);
+    #: their chunks go to this rank's index file, not its report
+    described: dict[str, Described] = field(default_factory=dict)
     #: What saves of this plan's structure compute once and reuse while the plan cache hits
     #: (the declarations' digest, each file's header): shared by every plan bound from one
     #: cached template, filled by the first save that needs an entry.
@@ -77,6 +82,13 @@ class SavePlan:
             memo = self.memo["declarations"] = ({**shared, **own}, own, declared_digest(shared))
         whole, own, digest = memo
         return {"declared": whole if coordinator else own, "declared_digest": digest}
+
+    def described_digest(self) -> str:
+        """``describe.described_digest`` of this plan, computed once per cached plan."""
+        got = self.memo.get("described")
+        if got is None:
+            got = self.memo["described"] = described_digest(self.described)
+        return str(got)
 
     @property
     def nbytes(self) -> int:
@@ -108,10 +120,13 @@ def describe_layout(t: torch.Tensor) -> str:
 
 
 @without_gc  # one object per leaf: full collections over a large state would cost more
-def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
-    """Decide which chunks this rank writes. Deterministic: needs no communication."""
+def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None = False) -> SavePlan:
+    """Decide which chunks this rank writes, and (``describe``: the ``describe_layouts``
+    option) which leaves are recorded by their rule. Deterministic: needs no communication."""
     plan = SavePlan(per_rank_prefixes=list(flat.per_rank_prefixes))
     layouts = {}
+    candidates: dict[str, Described] = {}
+    meshes: dict[int, Mesh] = {}
     plain_sizes: dict[str, int] = {}
     for key, leaf in flat.leaves.items():
         try:
@@ -155,6 +170,11 @@ def plan_save(flat: FlatState, rank: int, world_size: int) -> SavePlan:
         layouts[key] = layout
         if layout.plain and leaf.per_rank is None:
             plain_sizes[key] = math.prod(layout.global_shape) * DTYPES[dtype][1]
+        elif describe is not False and leaf.per_rank is None and leaf.kind == "tensor" and tc.is_dtensor(t):
+            rule = describe_leaf(key, t, layout, meshes)
+            if rule is not None:
+                candidates[key] = rule
+    plan.described = choose(candidates, world_size, describe)
     writers = balance_plain(plain_sizes, world_size)
     for key, layout in layouts.items():
         if key in writers:
@@ -281,9 +301,17 @@ class PlanCache:
 
     @without_gc
     def plan(
-        self, flat: FlatState, rank: int, world_size: int, max_files: int, min_file_bytes: int
+        self,
+        flat: FlatState,
+        rank: int,
+        world_size: int,
+        max_files: int,
+        min_file_bytes: int,
+        describe: bool | None = False,
     ) -> tuple[SavePlan, list[list[WriteItem]]]:
         sig = _signature(flat)
+        if sig is not None:
+            sig = (describe, *sig)
         cached = self._plan
         if sig is not None and cached is not None and sig == self._sig:
             self.hits += 1
@@ -295,7 +323,7 @@ class PlanCache:
             ]
             objects = {k: leaves[k].value for k in cached.objects}
             return replace(cached, objects=objects, sources=sources), self._groups
-        plan = plan_save(flat, rank, world_size)
+        plan = plan_save(flat, rank, world_size, describe)
         groups = split_files(plan.items, max_files, min_file_bytes)
         self._sig, self._plan = None, None
         bind = _rebinder(plan.items, flat) if sig is not None else None

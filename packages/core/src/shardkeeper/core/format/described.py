@@ -1,0 +1,323 @@
+"""Described leaves (format_version 7, docs/format.md 3.8): tensor leaves whose chunks follow
+the closed-form rule of format/grid.py, listed once per leaf, with their per-chunk fields
+(file, byte range, digests) in one *index file* per rank instead of the manifest.
+
+A checkpoint of 2,000 tensors row-sharded over 16,384 ranks has 32 million chunks; listed in
+the manifest they make gigabytes that every rank parses. Described, the manifest holds the
+leaves (O(tensors)), the meshes and each rank's index file with its digest (O(ranks)); a
+restoring rank derives which ranks wrote the boxes it needs and reads only their index files,
+checked against the manifest's digests, and every row against the rule.
+
+Layering: over format/grid.py and the chunk table's columns (format/columns.py); below the
+table-form leaves (format/table.py), which serve these leaves beside the enumerated ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
+from typing import Any
+
+from shardkeeper.core.errors import CorruptCheckpointError, UntrustedJSONError
+from shardkeeper.core.format.columns import MAX_NDIM, ChunkTable
+from shardkeeper.core.format.grid import Mesh, overlapping_cells, placements_problem, replicas
+from shardkeeper.core.format.records import (
+    DTYPES,
+    BlockDigests,
+    ChunkRecord,
+    LeafRecord,
+    encoded_length_problem,
+    safe_relative_path,
+)
+from shardkeeper.core.format.untrusted import loads_untrusted
+from shardkeeper.core.format.versions import ENCODINGS
+
+#: An index file larger than this is refused before it is read.
+MAX_INDEX_BYTES = 1 << 28
+INDEX_SCHEMA = 1
+
+
+def encode_index(step: int, rank: int, keys: Sequence[str], table: ChunkTable) -> bytes:
+    """A rank's index file: its chunks of described leaves, row ``i`` the one of ``keys[i]``."""
+    doc = {"index_schema": INDEX_SCHEMA, "step": step, "rank": rank, "keys": list(keys), "table": table.to_json()}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+class DescribedLeaves:
+    """The described leaves of a manifest as columns, and the index files that hold their
+    chunks (read through ``attach``'s reader, each once, on demand)."""
+
+    def __init__(self, d: Mapping[str, Any], width: int, block: int) -> None:
+        self.keys: list[str] = d["keys"]
+        self.kind: list[str] = d["kind"]
+        self.dtype: list[str] = d["dtype"]
+        self.ndim: list[int] = d["ndim"]
+        self.shape: list[int] = d["shape"]
+        self.layout: list[int] = d["layout"]
+        self.replica: list[int] = d["replica"]
+        self.layouts: list[Any] = d["layouts"]  # [mesh index, placements]
+        self.meshes = [Mesh.from_json(m) for m in d["meshes"]]
+        self.index: list[Any] = d["index"]  # per rank: [path, size, digest] or null
+        self.chunk_files: list[str] = d["chunk_files"]
+        self.width, self.block = width, block
+        self._pos: dict[str, int] | None = None
+        self._shapes: list[tuple[int, ...]] | None = None
+        self._read: Callable[[str], bytes] | None = None
+        self._digest: Callable[[bytes], str] | None = None
+        self._where: Callable[[str], str] = str
+        self._files: Mapping[str, Any] = {}
+        self._ends: dict[str, int] = {}  # chunk_files, once checked
+        self._loaded: dict[int, tuple[dict[str, int], ChunkTable, list[int]]] = {}
+        self._lock = threading.Lock()
+        self.index_reads = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "keys": self.keys,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "ndim": self.ndim,
+            "shape": self.shape,
+            "layout": self.layout,
+            "replica": self.replica,
+            "layouts": self.layouts,
+            "meshes": [m.to_json() for m in self.meshes],
+            "index": self.index,
+            "chunk_files": self.chunk_files,
+        }
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def pos(self) -> dict[str, int]:
+        if self._pos is None:
+            self._pos = {k: j for j, k in enumerate(self.keys)}
+        return self._pos
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        if self._shapes is None:
+            sd = [0, *accumulate(self.ndim)]
+            self._shapes = [tuple(self.shape[a:b]) for a, b in zip(sd, sd[1:])]
+        return self._shapes
+
+    def attach(
+        self,
+        read: Callable[[str], bytes],
+        digest: Callable[[bytes], str],
+        files: Mapping[str, Any],
+        where: Callable[[str], str] = str,
+    ) -> None:
+        """Where the index files are read from (``read(path)``, paths relative to the step
+        directory), how they are digested, the manifest's ``files`` (their sizes) and how a
+        path is named in errors."""
+        self._read, self._digest, self._files, self._where = read, digest, files, where
+
+    def problem(self, world_size: int, files: Mapping[str, Any]) -> str | None:
+        """Why the columns cannot be trusted, or None (types, lengths, the rule's fields)."""
+        n = len(self.keys) if isinstance(self.keys, list) else -1
+        cols = (self.kind, self.dtype, self.ndim, self.shape, self.layout, self.replica)
+        if n < 0 or not all(isinstance(c, list) for c in cols):
+            return "described columns are not arrays"
+        if not (len(self.kind) == len(self.dtype) == len(self.ndim) == len(self.layout) == len(self.replica) == n):
+            return "described columns differ in length"
+        if not all(isinstance(k, str) for k in self.keys) or len(self.pos) != n:
+            return "described keys are not distinct strings"
+        for c in (self.ndim, self.shape, self.layout, self.replica):
+            if c and (not set(map(type, c)) <= {int} or min(c) < 0):
+                return "described columns hold something other than non-negative integers"
+        if (self.ndim and max(self.ndim) > MAX_NDIM) or len(self.shape) != sum(self.ndim):
+            return "described shape does not match its ndim column"
+        if not set(self.kind) <= {"tensor"} or not all(d in DTYPES for d in set(self.dtype)):
+            return "a described leaf is not a tensor of a known dtype"
+        for m in self.meshes:
+            why = m.problem(world_size)
+            if why is not None:
+                return why
+        specs = []
+        for spec in self.layouts:
+            if not (
+                isinstance(spec, list) and len(spec) == 2 and type(spec[0]) is int and 0 <= spec[0] < len(self.meshes)
+            ):
+                return "a described layout is not [mesh index, placements]"
+            specs.append(
+                (self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]) if isinstance(spec[1], list) else None)
+            )
+        for j, (li, rep) in enumerate(zip(self.layout, self.replica)):
+            if li >= len(specs):
+                return f"{self.keys[j]}: layout {li} is not one of the {len(specs)} described layouts"
+            mesh, pl = specs[li]
+            why = placements_problem(pl, mesh, self.ndim[j])
+            if why is not None:
+                return f"{self.keys[j]}: {why}"
+            assert pl is not None
+            if rep >= replicas(mesh, pl):
+                return f"{self.keys[j]}: replica {rep} of a layout with {replicas(mesh, pl)} replicas"
+        if not isinstance(self.index, list) or len(self.index) != world_size:
+            return f"described index lists {len(self.index) if isinstance(self.index, list) else '?'} ranks, not {world_size}"
+        for entry in self.index:
+            if entry is None:
+                continue
+            if not (
+                isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)
+            ):
+                return "a described index entry is not [path, size, digest]"
+            if not safe_relative_path(entry[0]) or entry[0].startswith("../"):
+                return f"index file {entry[0][:80]!r} is not a path in its step"
+            if files.get(entry[0], {}).get("size_bytes") != entry[1]:
+                return f"index file {entry[0][:80]!r} is not listed in files with its size"
+        if not isinstance(self.chunk_files, list) or not all(
+            isinstance(e, list)
+            and len(e) == 2
+            and isinstance(e[0], str)
+            and safe_relative_path(e[0])
+            and type(e[1]) is int
+            and e[1] >= 0
+            for e in self.chunk_files
+        ):
+            return "described chunk_files are not [path inside the root, end] pairs"
+        for rel, end in self.chunk_files:
+            size = files.get(rel, {}).get("size_bytes") if not rel.startswith("../") else None
+            if size is not None and end > size:
+                return f"described chunks reach byte {end} of {rel[:80]!r}, which has {size}"
+        self._ends = dict(map(tuple, self.chunk_files))
+        return None
+
+    def _spec(self, j: int) -> tuple[Mesh, tuple[tuple[Any, ...], ...]]:
+        mesh_i, pl = self.layouts[self.layout[j]]
+        return self.meshes[mesh_i], tuple(tuple(p) for p in pl)
+
+    def head(self, key: str) -> LeafRecord | None:
+        j = self.pos.get(key)
+        if j is None:
+            return None
+        return LeafRecord.unchecked(self.kind[j], self.dtype[j], self.shapes()[j])
+
+    def overlapping(self, key: str, offsets: Sequence[int], shape: Sequence[int]) -> list[ChunkRecord]:
+        """The chunks of leaf ``key`` that meet the box ``offsets``/``shape``: derived from
+        the rule, their fields read from the index files of the ranks that wrote them."""
+        j = self.pos[key]
+        mesh, pl = self._spec(j)
+        cells = overlapping_cells(self.shapes()[j], mesh, pl, self.replica[j], offsets, shape)
+        return [self._chunk(j, rank, offs, box) for rank, offs, box in cells]
+
+    def record(self, key: str) -> LeafRecord:
+        """Leaf ``key``, whose ``chunks``, on first access, read the index file of every rank
+        that wrote one (its kind, dtype and shape need none)."""
+        j = self.pos[key]
+        rec = object.__new__(DescribedRecord)
+        rec.__dict__.update(kind=self.kind[j], dtype=self.dtype[j], shape=self.shapes()[j], value=None)
+        rec.__dict__.update(_source=self, _key=key, _chunks=None)
+        return rec
+
+    def all_chunks(self, key: str) -> tuple[ChunkRecord, ...]:
+        shape = self.shapes()[self.pos[key]]
+        return tuple(self.overlapping(key, (0,) * len(shape), shape)) if math.prod(shape) else ()
+
+    def _chunk(self, j: int, rank: int, offs: tuple[int, ...], box: tuple[int, ...]) -> ChunkRecord:
+        key = self.keys[j]
+        rows, table, starts = self._load(rank)
+        path = self.index[rank][0]
+        i = rows.get(key)
+        if i is None:
+            raise self._damage(path, rank, f"has no chunk of {key!r}, which the layout says rank {rank} wrote")
+        a, b = table.dims[i], table.dims[i + 1]
+        if tuple(table.offsets[a:b]) != offs or tuple(table.shape[a:b]) != box:
+            raise self._damage(
+                path,
+                rank,
+                f"gives {key!r} the box {table.offsets[a:b]}+{table.shape[a:b]}, its layout {list(offs)}+{list(box)}",
+            )
+        file, offset, length = table.paths[table.file[i]], table.offset[i], table.length[i]
+        enc = table.extras.get("encoding", [None] * len(table))[i] or "raw"
+        raw = math.prod(box) * DTYPES[self.dtype[j]][1]
+        why = None
+        if enc == "raw":
+            why = None if length == raw else f"has {length} bytes for a box of {raw}"
+        elif enc not in ENCODINGS:
+            why = f"has the unknown encoding {enc[:40]!r}"
+        else:
+            why = encoded_length_problem(enc, length, raw)
+        if why is None and offset + length > self._ends.get(file, -1):
+            why = f"points at {file[:80]!r} [{offset}, {offset + length}), outside the files the manifest lists"
+        if why is not None:
+            raise self._damage(path, rank, f"chunk of {key!r} {why}")
+        w = table.width
+        digests = BlockDigests.packed(table.digests[starts[i] * w : starts[i + 1] * w], w)  # type: ignore[index]
+        rec = ChunkRecord.unchecked(file, offset, length, offs, box, digests)
+        if enc != "raw":
+            rec = ChunkRecord(
+                file, offset, length, offs, box, digests, enc, table.extras.get("content", [None] * len(table))[i] or ""
+            )
+        return rec
+
+    def _load(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int]]:
+        with self._lock:
+            got = self._loaded.get(rank)
+            if got is None:
+                got = self._loaded[rank] = self._parse(rank)
+            return got
+
+    def _parse(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int]]:
+        entry = self.index[rank] if 0 <= rank < len(self.index) else None
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"the manifest's layout says rank {rank} wrote chunks, but it lists no index file of rank "
+                f"{rank}; the checkpoint is damaged: restore another step"
+            )
+        if self._read is None or self._digest is None:
+            raise CorruptCheckpointError(
+                "this manifest's described leaves keep their chunks in index files, and it was parsed "
+                "without its storage: load it with shardkeeper.core.commit.load_manifest"
+            )
+        path, size, digest = entry
+        if size > MAX_INDEX_BYTES:
+            raise self._damage(path, rank, f"is {size} bytes, more than the {MAX_INDEX_BYTES} a reader accepts")
+        data = self._read(path)
+        self.index_reads += 1
+        if len(data) != size or self._digest(data) != digest:
+            raise self._damage(path, rank, "does not match the size and digest the manifest records for it")
+        try:
+            doc = loads_untrusted(data, max_bytes=MAX_INDEX_BYTES)
+            keys = doc["keys"]
+            table = ChunkTable.from_json(doc["table"], self.width)
+            why = table.problem(self.block)
+            if why is None and (not isinstance(keys, list) or len(keys) != len(table)):
+                why = "lists another number of keys than rows"
+            if why is None and doc.get("rank") != rank:
+                why = f"says it is rank {doc.get('rank')!r}'s"
+        except UntrustedJSONError as e:
+            why = str(e)
+        except (ValueError, TypeError, LookupError, AttributeError) as e:
+            why = f"is malformed ({type(e).__name__}: {str(e)[:120]})"
+        if why is not None:
+            raise self._damage(path, rank, why)
+        rows = {k: i for i, k in enumerate(keys) if isinstance(k, str)}
+        if len(rows) != len(keys):
+            raise self._damage(path, rank, "lists a key twice, or one that is not a string")
+        return rows, table, table.digest_starts(self.block)
+
+    def _damage(self, path: str, rank: int, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"index file {self._where(path)} of rank {rank} {why}; the checkpoint is damaged: restore "
+            f"another step, or run `shardkeeper verify` on the root"
+        )
+
+
+class DescribedRecord(LeafRecord):
+    """A described tensor leaf: a ``LeafRecord`` whose chunks are read from the index files
+    when first asked for, so that walking a manifest's leaves reads none."""
+
+    @property  # type: ignore[override]
+    def chunks(self) -> tuple[ChunkRecord, ...]:
+        got = self.__dict__["_chunks"]
+        if got is None:
+            got = self.__dict__["_source"].all_chunks(self.__dict__["_key"])
+            self.__dict__["_chunks"] = got
+        return got  # type: ignore[no-any-return]
+
+
+__all__ = ["DescribedRecord", "INDEX_SCHEMA", "MAX_INDEX_BYTES", "DescribedLeaves", "encode_index"]

@@ -1,0 +1,203 @@
+"""The closed-form rule of a described layout (format_version 7, docs/format.md 3.8): which
+box of a tensor each rank of a device mesh holds, and which rank writes it.
+
+A described leaf records a mesh (its shape and the rank at each coordinate, row-major), one
+placement per mesh dimension (``["S", d]``: that mesh dimension splits tensor dimension
+``d``; ``["R"]``: it replicates) and a replica index. Mesh dimensions that split the same
+tensor dimension apply in mesh-dimension order, each to the range the previous one left,
+by torch's chunk rule: a range of ``n`` elements split ``k`` ways gives part ``c`` the
+elements ``[c * f, min(n, (c + 1) * f))`` with ``f = ceil(n / k)`` (empty past the end).
+Of the ranks that hold the same box (they differ only in replicating coordinates), the one
+whose replicating coordinates, read as a row-major number in mesh-dimension order, equal
+the replica index writes it.
+
+Torch-free and storage-free: writers check their own boxes against it, readers derive the
+chunks a restore needs from it (``overlapping_cells``), with work proportional to the cells
+found, never to the mesh's size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SHARD, REPLICATE = "S", "R"
+#: Most ranks a mesh of a manifest may hold (every coordinate's rank is listed).
+MAX_MESH_RANKS = 1 << 24
+
+
+def chunk_part(length: int, parts: int, c: int) -> tuple[int, int]:
+    """Torch's chunk rule: part ``c`` of ``parts`` of a range of ``length`` elements, as
+    (start, size); a part past the end is empty (start ``length``, size 0)."""
+    full = -(-length // parts) if length else 0
+    start = full * c
+    if start >= length:
+        return length, 0
+    return start, min(length, start + full) - start
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A device mesh: its shape, and the rank at each coordinate (row-major)."""
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    _where: dict[int, int] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Mesh:
+        return cls(tuple(d["shape"]), tuple(d["ranks"]))
+
+    def problem(self, world_size: int) -> str | None:
+        shape, ranks = self.shape, self.ranks
+        if not shape or not all(type(s) is int and s > 0 for s in shape):
+            return "a mesh's shape is not a list of positive integers"
+        if math.prod(shape) != len(ranks) or len(ranks) > MAX_MESH_RANKS:
+            return f"a mesh of shape {list(shape)[:8]} lists {len(ranks)} ranks"
+        if not all(type(r) is int and 0 <= r < world_size for r in ranks) or len(set(ranks)) != len(ranks):
+            return f"a mesh's ranks are not distinct ranks of the world of {world_size}"
+        return None
+
+    def strides(self) -> tuple[int, ...]:
+        out, acc = [], 1
+        for s in reversed(self.shape):
+            out.append(acc)
+            acc *= s
+        return tuple(reversed(out))
+
+    def coordinate(self, rank: int) -> tuple[int, ...] | None:
+        """The coordinate of ``rank`` in the mesh, or None when it is not part of it."""
+        if not self._where:
+            self._where.update({r: i for i, r in enumerate(self.ranks)})
+        i = self._where.get(rank)
+        if i is None:
+            return None
+        out = []
+        for st in self.strides():
+            c, i = divmod(i, st)
+            out.append(c)
+        return tuple(out)
+
+
+Placements = tuple[tuple[Any, ...], ...]
+
+
+def placements_problem(placements: Any, mesh: Mesh, ndim: int) -> str | None:
+    """Why ``placements`` (JSON) is not a placement per mesh dimension of a tensor of
+    ``ndim`` dimensions, or None."""
+    if not isinstance(placements, (list, tuple)) or len(placements) != len(mesh.shape):
+        return "a layout's placements are not one per mesh dimension"
+    for p in placements:
+        ok = isinstance(p, (list, tuple)) and (
+            tuple(p) == (REPLICATE,) or (len(p) == 2 and p[0] == SHARD and type(p[1]) is int and 0 <= p[1] < ndim)
+        )
+        if not ok:
+            return (
+                f"placement {str(p)[:40]} is neither [{SHARD!r}, d] (d a dimension of the tensor) nor [{REPLICATE!r}]"
+            )
+    return None
+
+
+def replicas(mesh: Mesh, placements: Placements) -> int:
+    """How many ranks hold each box: the product of the replicating mesh dimensions."""
+    return math.prod(s for s, p in zip(mesh.shape, placements) if p[0] == REPLICATE)
+
+
+def replica_index(mesh: Mesh, placements: Placements, coord: Sequence[int]) -> int:
+    """The replica index of the rank at ``coord`` (its replicating coordinates, row-major)."""
+    out = 0
+    for s, p, c in zip(mesh.shape, placements, coord):
+        if p[0] == REPLICATE:
+            out = out * s + c
+    return out
+
+
+def cell_box(
+    shape: Sequence[int], mesh: Mesh, placements: Placements, coord: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box (offsets, shape) the rank at ``coord`` holds of a tensor of ``shape``."""
+    start = [0] * len(shape)
+    size = list(shape)
+    for m, p in enumerate(placements):
+        if p[0] == SHARD:
+            d = p[1]
+            off, n = chunk_part(size[d], mesh.shape[m], coord[m])
+            start[d] += off
+            size[d] = n
+    return tuple(start), tuple(size)
+
+
+def _dim_options(
+    length: int, splits: Sequence[tuple[int, int]], lo: int, hi: int
+) -> list[tuple[tuple[int, ...], int, int]]:
+    """The parts of ``[0, length)`` under the nested splits ``(mesh dim, ways)`` that meet
+    ``[lo, hi)``: (coordinate along each splitting mesh dim, start, size), found directly
+    (the parts a range meets are a run of indices: no loop over every part)."""
+    cur: list[tuple[tuple[int, ...], int, int]] = [((), 0, length)]
+    for _, ways in splits:
+        nxt = []
+        for coords, st, n in cur:
+            full = -(-n // ways) if n else 0
+            a, b = max(lo - st, 0), min(hi - st, n)
+            if full == 0 or a >= b:
+                continue
+            for c in range(a // full, min(ways - 1, (b - 1) // full) + 1):
+                off, sz = chunk_part(n, ways, c)
+                if sz:
+                    nxt.append(((*coords, c), st + off, sz))
+        cur = nxt
+    return cur
+
+
+def overlapping_cells(
+    shape: Sequence[int],
+    mesh: Mesh,
+    placements: Placements,
+    replica: int,
+    offsets: Sequence[int],
+    box: Sequence[int],
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Every non-empty saved box of a described leaf that meets the box ``offsets``/``box``,
+    as (the rank that wrote it, its offsets, its shape)."""
+    if 0 in box:
+        return []
+    by_dim: list[list[tuple[int, int]]] = [[] for _ in shape]
+    for m, p in enumerate(placements):
+        if p[0] == SHARD:
+            by_dim[p[1]].append((m, mesh.shape[m]))
+    coord = [0] * len(mesh.shape)
+    rest = replica  # the replicating coordinates, last one fastest
+    for m in reversed(range(len(mesh.shape))):
+        if placements[m][0] == REPLICATE:
+            rest, coord[m] = divmod(rest, mesh.shape[m])
+    per_dim = [_dim_options(shape[d], by_dim[d], offsets[d], offsets[d] + box[d]) for d in range(len(shape))]
+    strides = mesh.strides()
+    out = []
+    for combo in itertools.product(*per_dim):
+        for d, (coords, _, _) in enumerate(combo):
+            for (m, _), c in zip(by_dim[d], coords):
+                coord[m] = c
+        rank = mesh.ranks[sum(c * s for c, s in zip(coord, strides))]
+        out.append((rank, tuple(o[1] for o in combo), tuple(o[2] for o in combo)))
+    return out
+
+
+__all__ = [
+    "MAX_MESH_RANKS",
+    "Mesh",
+    "Placements",
+    "REPLICATE",
+    "SHARD",
+    "cell_box",
+    "chunk_part",
+    "overlapping_cells",
+    "placements_problem",
+    "replica_index",
+    "replicas",
+]
