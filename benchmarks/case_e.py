@@ -1,7 +1,7 @@
 """Case (e), and one point of the world-size sweep: commit and restore planning at R ranks.
 
     python benchmarks/case_e.py --workdir DIR --out result.json [--quick]      # case (e), run.py's
-    python benchmarks/case_e.py --ranks R --tensors T --out FILE [--layout sharded|whole]
+    python benchmarks/case_e.py --ranks R --tensors T --out FILE [--layout sharded|whole|described]
                                 [--workdir DIR] [--repeats N]                   # one point (scale.py's)
 
 Case (e) is 100,000 tensors (10,000 with ``--quick``) from 8 ranks, in both layouts; run.py
@@ -14,7 +14,9 @@ c10d ``HashStore``; then, timed as ``commit_s``, rank 0's real ``StoreCoordinato
 manifest's serialization and its durable write; then ``publish`` and every rank's ``outcome``
 (counted, not timed). ``plan_s``: rank 0 reads and validates the manifest and plans the reads
 of its own shard. DCP's ``.metadata`` for the same chunks beside it (``dcp_*``). Timings are
-medians over ``--repeats``.
+medians over ``--repeats``. ``described``: the row-sharded chunks recorded by their layout
+rule (format_version 7), each rank's chunk table in its index file; rank 0's is written for
+real (its plan reads it), the others' are placeholders no measured step reads.
 """
 
 from __future__ import annotations
@@ -110,16 +112,21 @@ def _coordinator_class() -> Any:
     return BenchCoordinator
 
 
-def rank_report(ranks: int, tensors: int, layout: str, r: int, declared: dict[str, Any], digest: str) -> Any:
+def rank_report(
+    ranks: int, tensors: int, layout: str, r: int, declared: dict[str, Any], digest: str, index: Any = None
+) -> Any:
     """Rank ``r``'s ``RankReport`` as its writer makes it (``tensor/save.py``: a ``ChunkTable``
-    in ``rows_report``'s form); rank 0 declares every leaf, the others send the digest."""
+    in ``rows_report``'s form); rank 0 declares every leaf, the others send the digest.
+    ``described``: the row-sharded chunks recorded by their rule, the table going to the rank's
+    index file instead: ``index(keys, table)`` writes it and returns its ``[path, size,
+    digest]`` (None: not written, a placeholder entry; nothing measured reads it)."""
     from shardkeeper.core.format.columns import ChunkTable
     from shardkeeper.core.format.table import rows_report
     from shardkeeper.core.protocol import RankReport
 
     rel = f"data/r{r:05d}-0123abcd-000.safetensors"
     keys, offset, length, offsets, shape, digests = [], [], [], [], [], []
-    for i, start, count, at in rank_chunks(ranks, tensors, layout, r):
+    for i, start, count, at in rank_chunks(ranks, tensors, "sharded" if layout == "described" else layout, r):
         n = count * COLS * ITEM
         keys.append(key(i))
         offset.append(at)
@@ -129,18 +136,29 @@ def rank_report(ranks: int, tensors: int, layout: str, r: int, declared: dict[st
         digests.append(",".join([f"{(i * 7919 + r) & (2**128 - 1):032x}"] * (-(-n // BLOCK))))
     table = ChunkTable([rel], [0] * len(keys), offset, length, [2] * len(keys), offsets, shape, digests, {}, 0)
     size = offset[-1] + length[-1] if keys else 0  # readers check every chunk lies inside its file
+    files = {rel: {"size_bytes": size, "rank": r}} if keys else {}
+    chunks = rows_report(keys, table)
+    described: dict[str, Any] = {}
+    if layout == "described":
+        entry = None
+        if keys:
+            entry = index(keys, table) if index is not None else [f"data/r{r:05d}-0123abcd.index.json", 1, "0" * 32]
+            files[entry[0]] = {"size_bytes": entry[1], "rank": r}
+        chunks = rows_report([], ChunkTable([], [], [], [], [], [], [], [], {}, 0))
+        described = {"digest": "rule", "index": entry, "chunk_files": [[rel, size]] if keys else []}
     return RankReport(
         rank=r,
         attempt="bench",
         declared=declared if r == 0 else {},
         declared_digest=digest,
-        chunks=rows_report(keys, table),
-        files={rel: {"size_bytes": size, "rank": r}} if keys else {},
+        chunks=chunks,
+        files=files,
         objects={},
         bases=[],
         extended=False,
         per_rank_prefixes=[],
         layouts=[],
+        described=described,
     )
 
 
@@ -164,8 +182,8 @@ def measure_point(
     from shardkeeper.core.storage import LocalStorage
     from shardkeeper.core.tensor import restore  # noqa: F401  (imported before timing, as in a restoring process)
 
-    if layout not in ("sharded", "whole"):
-        raise ValueError(f"layout must be 'sharded' or 'whole', not {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     rows = n_rows(ranks)
     declared = {key(i): ["tensor", "float32", [rows, COLS]] for i in range(tensors)}
     digest = declared_digest(declared)
@@ -173,6 +191,12 @@ def measure_point(
     store = CountingStore(dist.HashStore())
     coord = _coordinator_class()
     coords = [coord(None, r, ranks, "shardkeeper/bench", store=store) for r in range(ranks)]
+    rule: dict[str, Any] = {}
+    if layout == "described":  # the coordinator's own plan: every tensor by the chunk rule
+        from shardkeeper.core.format.grid import Mesh, Rule
+
+        mesh = Mesh((ranks,), tuple(range(ranks)))
+        rule = {key(i): Rule(mesh, (("S", 0),), 0) for i in range(tensors)}
     commit_s: list[float] = []
     commit_cpu: list[float] = []
     phases: dict[str, dict[str, int]] = {}
@@ -183,7 +207,7 @@ def measure_point(
         before = Counter(store.calls)
         for r in range(1, ranks):  # every other rank's report, as its background thread sends it
             coords[r].report(seq, rank_report(ranks, tensors, layout, r, declared, digest))
-        own = rank_report(ranks, tensors, layout, 0, declared, digest)
+        own = rank_report(ranks, tensors, layout, 0, declared, digest, index=_index_writer(storage, step))
         after_report = Counter(store.calls)
         t0, c0 = time.perf_counter(), time.process_time()
         got = coords[0].collect(seq, own, 600.0, step=step)
@@ -199,12 +223,13 @@ def measure_point(
             digest="xxh3_128",
             block_bytes=BLOCK,
             metadata={"timings": save_timings(members, time.perf_counter() - t0)},
+            described=rule,
         )
         data = m.dumps()
         storage.put_if_absent(manifest_path(step), data)
         commit_s.append(time.perf_counter() - t0)
         commit_cpu.append(time.process_time() - c0)
-        chunks = sum(len(rep.chunks["keys"]) for rep in got)
+        chunks = sum(len(rep.chunks["keys"]) for rep in got) if layout != "described" else tensors * min(ranks, rows)
         del got, members, m, own
         coords[0].publish(seq, COMMITTED)
         for r in range(1, ranks):
@@ -219,7 +244,7 @@ def measure_point(
     plan_cpu: list[float] = []
     ops: list[Any] = []
     reads: list[Any] = []
-    start, count = row_split(rows, ranks, 0) if layout == "sharded" else (0, rows)
+    start, count = row_split(rows, ranks, 0) if layout != "whole" else (0, rows)
     for _ in range(repeats):
         t1, c1 = time.perf_counter(), time.process_time()
         with no_gc():  # restore_flat plans with garbage collection paused, too
@@ -249,10 +274,32 @@ def measure_point(
     dcp_n = repeats if dcp_repeats is None else dcp_repeats
     if dcp_n > 0:
         res.update(
-            dcp_figures(ranks, tensors, layout, str(workdir / f"dcp-{layout}-{ranks}x{tensors}.metadata"), dcp_n)
+            dcp_figures(  # DCP has no rule: its metadata enumerates the described layout's chunks
+                ranks,
+                tensors,
+                "sharded" if layout == "described" else layout,
+                str(workdir / f"dcp-{layout}-{ranks}x{tensors}.metadata"),
+                dcp_n,
+            )
         )
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
+
+
+LAYOUTS = ("sharded", "whole", "described")
+
+
+def _index_writer(storage: Any, step: int) -> Any:
+    """Rank 0's index file of ``step``, written as a rank writes it (tensor/describe.py)."""
+
+    def write(keys: list[str], table: Any) -> list[Any]:
+        from shardkeeper.core.format.layout import step_dir
+        from shardkeeper.core.tensor.index_write import write_index
+
+        rel, size, digest, _ = write_index(storage, step_dir(step), step, 0, "0123abcd", keys, table, "xxh3_128")
+        return [rel, size, digest]
+
+    return write
 
 
 def _plan(storage: Any, start: int, rows: int) -> tuple[list[Any], list[Any]]:
@@ -284,13 +331,15 @@ def measure_manifest_scale(
     workdir: Path, *, n_tensors: int = N_TENSORS, n_ranks: int = N_RANKS, quick: bool = False
 ) -> dict[str, Any]:
     """Case (e): the row-sharded point (FSDP; ``n_ranks`` chunks a tensor: the reported
-    ``commit_s``/``plan_s``) and the whole-tensor one (one chunk a tensor, as ``whole``). DCP's
+    ``commit_s``/``plan_s``), the whole-tensor one (one chunk a tensor, as ``whole``) and the
+    row-sharded one recorded by its rule (as ``described``). DCP's
     figures once, for the sharded one only: within run.py's time limit for this case. ``quick``
     (the smoke run): one repeat, no DCP figures."""
     reps = 1 if quick else _default_repeats(n_ranks, n_tensors)
     sharded = measure_point(workdir, n_ranks, n_tensors, "sharded", reps, dcp_repeats=0 if quick else 1)
     whole = measure_point(workdir, n_ranks, n_tensors, "whole", reps, dcp_repeats=0)
-    return {**sharded, "layout": "row-sharded over all ranks", "whole": whole}
+    described = measure_point(workdir, n_ranks, n_tensors, "described", reps, dcp_repeats=0)
+    return {**sharded, "layout": "row-sharded over all ranks", "whole": whole, "described": described}
 
 
 def _default_repeats(ranks: int, tensors: int) -> int:
@@ -304,8 +353,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="case (e) with 10,000 tensors instead of 100,000")
     ap.add_argument("--ranks", type=int, help="one point at this world size (else: case (e))")
     ap.add_argument("--tensors", type=int, default=2000)
-    ap.add_argument("--layout", choices=("sharded", "whole"), default="sharded")
+    ap.add_argument("--layout", choices=LAYOUTS, default="sharded")
     ap.add_argument("--repeats", type=int, help="timings are medians of this many (default 3, 1 above 1M chunks)")
+    ap.add_argument("--no-dcp", action="store_true", help="leave DCP's figures out (they enumerate every chunk)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="case-e-") as tmp:
         work = Path(args.workdir or tmp)
@@ -316,7 +366,7 @@ def main() -> None:
                 res = measure_manifest_scale(work, n_tensors=n, n_ranks=N_RANKS, quick=args.quick)
             else:
                 reps = args.repeats or _default_repeats(args.ranks, args.tensors)
-                res = measure_point(work, args.ranks, args.tensors, args.layout, reps)
+                res = measure_point(work, args.ranks, args.tensors, args.layout, reps, 0 if args.no_dcp else None)
         except Exception as e:  # a broken measurement must not lose the rest of the run
             res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
     Path(args.out).write_text(json.dumps(res, indent=1, default=str))

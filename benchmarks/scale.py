@@ -1,11 +1,14 @@
 """How commit, restore planning, manifest size and store traffic grow with the world size.
 
-    python benchmarks/scale.py [--ranks 8,64,256,1024] [--tensors 2000] [--extra 100000x8]
-                               [--layout sharded] [--out-dir benchmarks/results] [--quick]
+    python benchmarks/scale.py [--ranks 8,64,256,1024,4096,16384] [--tensors 2000] [--extra 100000x8]
+                               [--layouts described,sharded] [--out-dir benchmarks/results] [--quick]
 
-Every point is ``case_e.py --ranks R --tensors T`` in its own process, with a timeout; a
-point whose predicted memory (the largest bytes per chunk measured so far, times its chunks)
-exceeds 85% of the available memory is skipped and recorded as such. Writes
+Every point is ``case_e.py --ranks R --tensors T --layout L`` in its own process, with a
+timeout, for each layout: ``described`` (row sharding recorded by its rule, format_version
+7) and ``sharded`` (the same chunks enumerated in the manifest). An enumerated point whose
+predicted memory (the largest bytes per chunk measured so far, times its chunks) exceeds 85%
+of the available memory is skipped and recorded as such; DCP's figures (the same chunks) are
+measured in the first layout's points up to ``--dcp-max-chunks``. Writes
 ``scale-<date>[-quick].json`` (every point as case_e.py gives it), ``.md`` (the table) and
 ``.png`` (log-log, time and size against ranks, shardkeeper and DCP; skipped without
 matplotlib; ``--render FILE.json`` writes the .md and .png again from any Python, torch not
@@ -52,12 +55,13 @@ def parse_points(ranks: str, tensors: int, extra: str) -> list[tuple[int, int]]:
 
 
 def run_point(
-    ranks: int, tensors: int, layout: str, work: Path, timeout_s: float, repeats: int | None
+    ranks: int, tensors: int, layout: str, work: Path, timeout_s: float, repeats: int | None, dcp: bool = True
 ) -> dict[str, Any]:
-    out = work / f"point-{ranks}x{tensors}.json"
+    out = work / f"point-{layout}-{ranks}x{tensors}.json"
     cmd = [sys.executable, str(HERE / "case_e.py"), "--ranks", str(ranks), "--tensors", str(tensors)]
-    cmd += ["--layout", layout, "--out", str(out), "--workdir", str(work / f"w-{ranks}x{tensors}")]
+    cmd += ["--layout", layout, "--out", str(out), "--workdir", str(work / f"w-{layout}-{ranks}x{tensors}")]
     cmd += ["--repeats", str(repeats)] if repeats else []
+    cmd += [] if dcp else ["--no-dcp"]
     print(f"scale: {ranks} ranks x {tensors} tensors ({layout}) ...", flush=True)
     try:
         proc = subprocess.run(cmd, timeout=timeout_s, capture_output=True, text=True)
@@ -73,12 +77,22 @@ def run_point(
     return res
 
 
-def sweep(points: list[tuple[int, int]], layout: str, work: Path, timeout_s: float, repeats: int | None) -> list[Any]:
+def sweep(
+    points: list[tuple[int, int]],
+    layout: str,
+    work: Path,
+    timeout_s: float,
+    repeats: int | None,
+    dcp_max_chunks: int = 0,
+) -> list[Any]:
     per_chunk = float(FIRST_GUESS)
     results = []
     for ranks, tensors in points:
         chunks = ranks * tensors
-        need = BASE_RSS + per_chunk * chunks
+        # described: the manifest and plan hold ranks + tensors entries, not chunks (the guard
+        # is for the enumerated form); DCP's figures enumerate every chunk either way
+        dcp = chunks <= dcp_max_chunks
+        need = BASE_RSS + per_chunk * (chunks if layout != "described" or dcp else ranks + tensors)
         avail = _available()
         if need > 0.85 * avail:
             results.append(
@@ -90,8 +104,11 @@ def sweep(points: list[tuple[int, int]], layout: str, work: Path, timeout_s: flo
                 }
             )
             continue
-        res = run_point(ranks, tensors, layout, work, timeout_s, repeats)
-        if isinstance(res.get("peak_rss_bytes"), int) and res.get("chunks", 0) >= 100_000:  # base RSS dominates below
+        res = run_point(ranks, tensors, layout, work, timeout_s, repeats, dcp)
+        if not dcp and "status" not in res:
+            res["dcp_note"] = f"DCP not measured: {chunks:,} chunks, above --dcp-max-chunks {dcp_max_chunks:,}"
+        measured_all = layout != "described" or dcp
+        if measured_all and isinstance(res.get("peak_rss_bytes"), int) and res.get("chunks", 0) >= 100_000:
             per_chunk = max(per_chunk, (res["peak_rss_bytes"] - BASE_RSS) / res["chunks"])
         print(f"scale:   {_line(res)}", flush=True)
         results.append(res)
@@ -114,19 +131,20 @@ def _line(p: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "| ranks | tensors | chunks | commit_s (CPU) | plan_s (CPU) | manifest MB | store MB | store round trips "
-    "| DCP .metadata MB | DCP unpickle s | DCP plan s (CPU) | load |\n|" + "---|" * 12
+    "| layout | ranks | tensors | chunks | commit_s (CPU) | plan_s (CPU) | manifest MB | store MB | store round trips "
+    "| DCP .metadata MB | DCP unpickle s | DCP plan s (CPU) | load |\n|" + "---|" * 13
 )
 
 
 def table(points: list[dict[str, Any]]) -> str:
     rows = [HEADER]
     for p in points:
+        lay = p.get("layout", "")
         if "status" in p:
-            rows.append(f"| {p['ranks']} | {p['tensors']} | {p['status']}: {p.get('error', '')} |" + " |" * 9)
+            rows.append(f"| {lay} | {p['ranks']} | {p['tensors']} | {p['status']}: {p.get('error', '')} |" + " |" * 9)
             continue
         rows.append(
-            f"| {p['ranks']} | {p['tensors']} | {p['chunks']:,} | {_t(p, 'commit')} | {_t(p, 'plan')} "
+            f"| {lay} | {p['ranks']} | {p['tensors']} | {p['chunks']:,} | {_t(p, 'commit')} | {_t(p, 'plan')} "
             f"| {_f(p['manifest_bytes'], MB, '{:.2f}')} | {_f(p['store_bytes'], MB, '{:.2f}')} "
             f"| {p['store_round_trips']:,} | {_f(p.get('dcp_metadata_bytes'), MB, '{:.2f}')} "
             f"| {_f(p.get('dcp_unpickle_s'))} | {_t(p, 'dcp_plan')} "
@@ -141,13 +159,18 @@ def markdown(doc: dict[str, Any]) -> str:
     return (
         f"# World-size sweep, {doc['date']}\n\n`{doc['command']}`\n\n"
         f"Machine: {doc['machine']['cpus']} CPUs, {doc['machine']['mem_available_gib']:.0f} GiB available; "
-        f"layout {doc['layout']}, float32 tensors of max(1024, ranks) x 256 rows split by torch.chunk's rule.\n\n"
+        f"layouts {', '.join(_layouts(doc))}, float32 tensors of max(1024, ranks) x 256 rows split by torch.chunk's "
+        f"rule (described: recorded by that rule, format_version 7; sharded: every chunk enumerated).\n\n"
         f"{table(pts)}\n\ncommit_s: rank 0 collects the reports from the store, merges and checks the tiling, "
         f"serializes and durably writes the manifest. plan_s: rank 0 reads and validates the manifest and plans "
         f"the reads of its shard. DCP: the same chunks' pickled Metadata; plan = read + unpickle + "
         f"create_default_local_load_plan for rank 0. load: the machine's 1-minute load average after the point "
         f"(other work on it skews the timings). Store: {counted}.\n"
     )
+
+
+def _layouts(doc: dict[str, Any]) -> list[str]:
+    return list(doc.get("layouts") or [doc.get("layout", "sharded")])
 
 
 def chart(doc: dict[str, Any], path: Path) -> str | None:
@@ -159,25 +182,26 @@ def chart(doc: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no chart"
-    pts = [p for p in doc["points"] if "status" not in p and p["tensors"] == doc["tensors"]]
-    if len(pts) < 2:
+    all_pts = [p for p in doc["points"] if "status" not in p and p["tensors"] == doc["tensors"]]
+    if len(all_pts) < 2:
         return "fewer than two measured points at --tensors: no chart"
-    pts.sort(key=lambda p: p["ranks"])
-    x = [p["ranks"] for p in pts]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     # CPU seconds of the point's process (wall seconds where a point lacks them): steadier on a shared machine
-    for k, label, st in (
-        ("commit", "shardkeeper commit", "o-"),
-        ("plan", "shardkeeper plan (1 rank)", "o-"),
-        ("dcp_plan", "DCP read + unpickle + plan (1 rank)", "s--"),
-    ):
-        a.plot(x, [p.get(k + "_cpu_s", p[k + "_s"]) for p in pts], st, label=label)
-    for k, label, st in (
-        ("manifest_bytes", "shardkeeper manifest", "o-"),
-        ("store_bytes", "shardkeeper store traffic", "o-"),
-        ("dcp_metadata_bytes", "DCP .metadata", "s--"),
-    ):
-        b.plot(x, [p[k] / MB for p in pts], st, label=label)
+    for layout in _layouts(doc):
+        pts = sorted((p for p in all_pts if p.get("layout", layout) == layout), key=lambda p: p["ranks"])
+        x = [p["ranks"] for p in pts]
+        for k, label in (("commit", "commit"), ("plan", "plan (1 rank)")):
+            a.plot(x, [p.get(k + "_cpu_s", p[k + "_s"]) for p in pts], "o-", label=f"shardkeeper {layout} {label}")
+        for k, label in (("manifest_bytes", "manifest"), ("store_bytes", "store traffic")):
+            b.plot(x, [p[k] / MB for p in pts], "o-", label=f"shardkeeper {layout} {label}")
+    dcp = sorted((p for p in all_pts if "dcp_plan_s" in p), key=lambda p: p["ranks"])
+    a.plot(
+        [p["ranks"] for p in dcp],
+        [p.get("dcp_plan_cpu_s", p["dcp_plan_s"]) for p in dcp],
+        "s--",
+        label="DCP read + unpickle + plan (1 rank)",
+    )
+    b.plot([p["ranks"] for p in dcp], [p["dcp_metadata_bytes"] / MB for p in dcp], "s--", label="DCP .metadata")
     for ax, ylabel in ((a, "CPU seconds"), (b, "MB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -185,7 +209,7 @@ def chart(doc: dict[str, Any], path: Path) -> str | None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{doc['tensors']} tensors, {doc['layout']}: metadata cost vs world size")
+    fig.suptitle(f"{doc['tensors']} tensors, row-sharded: metadata cost vs world size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -194,10 +218,11 @@ def chart(doc: dict[str, Any], path: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default="8,64,256,1024")
+    ap.add_argument("--ranks", default="8,64,256,1024,4096,16384")
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--extra", default="100000x8", help="more points, TENSORSxRANKS, comma-separated ('' for none)")
-    ap.add_argument("--layout", choices=("sharded", "whole"), default="sharded")
+    ap.add_argument("--layouts", default="described,sharded", help="comma-separated: described, sharded, whole")
+    ap.add_argument("--dcp-max-chunks", type=int, default=2_100_000, help="DCP's figures up to this many chunks")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--name", help="output file stem (default scale-<date>[-quick])")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
@@ -213,12 +238,20 @@ def main(argv: list[str] | None = None) -> Path:
         return src
     if args.quick:
         args.ranks, args.tensors, args.extra = "4,16,64", 200, ""
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in ("described", "sharded", "whole")]
+    if bad or not layouts:
+        ap.error(f"--layouts: unknown {bad} (described, sharded, whole)")
     points = parse_points(args.ranks, args.tensors, args.extra)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"scale-{_dt.date.today().isoformat()}{'-quick' if args.quick else ''}"
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
-        results = sweep(points, args.layout, Path(tmp), args.timeout, args.repeats)
+        results = []
+        for i, layout in enumerate(layouts):  # DCP's figures (the same chunks) in the first layout's points
+            results += sweep(
+                points, layout, Path(tmp), args.timeout, args.repeats, args.dcp_max_chunks if i == 0 else 0
+            )
     doc = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/scale.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -227,7 +260,7 @@ def main(argv: list[str] | None = None) -> Path:
             "mem_available_gib": round(_available() / 2**30, 1),
             "python": platform.python_version(),
         },
-        "layout": args.layout,
+        "layouts": layouts,
         "tensors": args.tensors,
         "points": results,
     }

@@ -32,12 +32,12 @@ def bench() -> Iterator[Any]:
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
-def _check_point(p: dict[str, Any], ranks: int, tensors: int) -> None:
+def _check_point(p: dict[str, Any], ranks: int, tensors: int, dcp: bool = True) -> None:
     assert "status" not in p, p
     assert (p["ranks"], p["tensors"], p["chunks"]) == (ranks, tensors, ranks * tensors)
-    for k in ("manifest_bytes", "store_bytes", "dcp_metadata_bytes", "store_round_trips"):
+    for k in ("manifest_bytes", "store_bytes", "store_round_trips", *(("dcp_metadata_bytes",) if dcp else ())):
         assert isinstance(p[k], int) and p[k] > 0, k
-    for k in ("commit_s", "plan_s", "dcp_unpickle_s", "dcp_plan_s"):
+    for k in ("commit_s", "plan_s", *(("dcp_unpickle_s", "dcp_plan_s") if dcp else ())):
         assert isinstance(p[k], float) and p[k] > 0, k
     phases = p["store_round_trips_by_phase"]
     assert sum(sum(ph.values()) for ph in phases.values()) == p["store_round_trips"]
@@ -46,7 +46,7 @@ def _check_point(p: dict[str, Any], ranks: int, tensors: int) -> None:
     assert phases["report"] == {"set": ranks, "add": ranks - 1, **deletes}
     assert phases["collect"] == {"wait": 1, "add": 1, "multi_get": 1}
     assert p["overlaps"] == tensors  # rank 0's shard of every tensor lies in exactly one chunk
-    assert p["dcp_plan_items"] == tensors
+    assert not dcp or p["dcp_plan_items"] == tensors
 
 
 def test_one_point_measures_both_formats_of_the_same_chunks(bench: Any, tmp_path: Path) -> None:
@@ -58,6 +58,18 @@ def test_one_point_measures_both_formats_of_the_same_chunks(bench: Any, tmp_path
     assert len(md.state_dict_metadata) == 40 and len(md.storage_data) == 3 * 40
     for tmd in md.state_dict_metadata.values():
         assert [c.sizes[0] for c in tmd.chunks] == [342, 342, 340] and tmd.size == torch.Size([1024, 256])
+
+
+def test_a_described_point_plans_from_rank_0s_index_file(bench: Any, tmp_path: Path) -> None:
+    """The rule's form of the same chunks: the manifest lists no chunk, rank 0 plans the same
+    overlaps from its index file, and DCP's figures are of the enumerated chunks."""
+    case_e, _, _ = bench
+    p = case_e.measure_point(tmp_path, 3, 40, "described", 1)
+    _check_point(p, 3, 40)
+    e = case_e.measure_point(tmp_path, 3, 40, "sharded", 1, dcp_repeats=0)
+    assert p["dcp_metadata_bytes"] > 0 and p["reads"] == e["reads"]
+    man = json.loads((tmp_path / "described-3x40" / "step-000000000001" / "manifest.json").read_text())
+    assert man["format_version"] == 7 and len(man["described"]["keys"]) == 40 and man["chunk_table"]["offset"] == []
 
 
 def test_rows_split_as_torch_chunk_does(bench: Any) -> None:
@@ -74,14 +86,18 @@ def test_case_e_keeps_the_keys_run_py_reads(bench: Any, tmp_path: Path) -> None:
     _check_point(res, 8, 16)
     assert res["whole"]["chunks"] == 16 and res["whole"]["manifest_bytes"] > 0
     assert isinstance(res["whole"]["commit_s"], float) and isinstance(res["whole"]["plan_s"], float)
+    assert res["described"]["chunks"] == 8 * 16 and res["described"]["plan_s"] > 0
 
 
 def test_sweep_writes_every_point_and_its_table(bench: Any, tmp_path: Path) -> None:
     _, scale, _ = bench
-    out = scale.main(["--ranks", "2,4", "--tensors", "20", "--extra", "", "--out-dir", str(tmp_path), "--name", "s"])
+    argv = ["--ranks", "2,4", "--tensors", "20", "--extra", "", "--out-dir", str(tmp_path), "--name", "s"]
+    out = scale.main([*argv, "--dcp-max-chunks", "50"])
     doc = json.loads(out.read_text())
-    assert [(p["ranks"], p["tensors"]) for p in doc["points"]] == [(2, 20), (4, 20)]
-    for p in doc["points"]:
-        _check_point(p, p["ranks"], 20)
+    got = [(p["layout"], p["ranks"], p["tensors"]) for p in doc["points"]]
+    assert got == [("described", 2, 20), ("described", 4, 20), ("sharded", 2, 20), ("sharded", 4, 20)]
+    for p in doc["points"]:  # DCP beside the first layout's points, up to --dcp-max-chunks
+        _check_point(p, p["ranks"], 20, dcp=p["layout"] == "described" and p["ranks"] == 2)
+    assert "dcp_note" in doc["points"][1] and "dcp_metadata_bytes" not in doc["points"][3]
     md = (tmp_path / "s.md").read_text()
-    assert "| 2 | 20 | 40 |" in md and "| 4 | 20 | 80 |" in md
+    assert "| described | 2 | 20 | 40 |" in md and "| sharded | 4 | 20 | 80 |" in md

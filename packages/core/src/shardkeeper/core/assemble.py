@@ -59,7 +59,7 @@ def assemble_manifest(
     declarations plus ``declared`` for their per-rank keys only. Each report carries its
     ``chunks`` (key -> chunk records as JSON, or their columnar ``encode_report`` form),
     ``files``, ``objects``, ``per_rank_prefixes`` and ``layouts``. ``described``: the
-    coordinator's described leaves (key -> (mesh, placements, replica), tensor/describe.py),
+    coordinator's described leaves (key -> ``format.grid.Rule``, tensor/describe.py),
     whose chunks the ranks' index files hold (their reports' ``described``).
     """
     with no_gc():
@@ -232,7 +232,7 @@ def _described_json(
     world_size: int,
 ) -> dict[str, Any]:
     """The manifest's ``described`` member (format.md 3.8) from the coordinator's described
-    leaves and every rank's index file."""
+    leaves (key -> ``format.grid.Rule``) and every rank's index file."""
     meshes: list[Any] = []
     mesh_at: dict[Any, int] = {}
     layouts: list[Any] = []
@@ -240,18 +240,18 @@ def _described_json(
     keys = sorted(described)
     layout_col, replica_col, shape = [], [], []
     for key in keys:
-        mesh, placements, replica = described[key]
-        m = mesh_at.get(id(mesh))
+        rule = described[key]
+        m = mesh_at.get(id(rule.mesh))
         if m is None:
-            m = mesh_at[id(mesh)] = len(meshes)
-            meshes.append(mesh.to_json())
-        spec = (m, tuple(map(tuple, placements)))
-        li = layout_at.get(spec)
+            m = mesh_at[id(rule.mesh)] = len(meshes)
+            meshes.append(rule.mesh.to_json())
+        spec = rule.spec(m)
+        li = layout_at.get(str(spec))
         if li is None:
-            li = layout_at[spec] = len(layouts)
-            layouts.append([m, [list(p) for p in placements]])
+            li = layout_at[str(spec)] = len(layouts)
+            layouts.append(spec)
         layout_col.append(li)
-        replica_col.append(replica)
+        replica_col.append(rule.replica)
         shape.extend(declared[key][2])
     index: list[Any] = [None] * world_size
     chunk_files: dict[str, int] = {}

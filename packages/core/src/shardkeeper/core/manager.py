@@ -90,6 +90,7 @@ class CheckpointManager:
         io_threads: int = DEFAULT.io_threads,
         max_files_per_rank: int = DEFAULT.max_files_per_rank,
         min_file_bytes: int = DEFAULT.min_file_bytes,
+        data_prefixes: int | None = DEFAULT.data_prefixes,
         describe_layouts: bool | None = DEFAULT.describe_layouts,
         max_read_bytes: int = DEFAULT.max_read_bytes,
         catalog: str | None = DEFAULT.catalog,
@@ -113,7 +114,7 @@ class CheckpointManager:
         :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
 
         - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``
-        - layout: ``max_files_per_rank``, ``min_file_bytes``, ``describe_layouts``; io: ``io_threads``, ``max_read_bytes``
+        - layout: ``max_files_per_rank``, ``min_file_bytes``, ``data_prefixes``, ``describe_layouts``; io: ``io_threads``, ``max_read_bytes``
         - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop),
           ``share_restore_reads`` (a range several ranks restore is read once and sent to the others)
         - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from shardkeeper.core.codec.keys import KeyProvider
+from shardkeeper.core.format.layout import MAX_DATA_PREFIXES
 
 if TYPE_CHECKING:
     from shardkeeper.core.storage.retry import RetryPolicy
@@ -72,6 +73,10 @@ class CheckpointOptions:
     """A rank's chunks are spread over up to this many files, written in parallel."""
     min_file_bytes: int = 64 << 20
     """A rank writes a second file only when it has at least twice this much."""
+    data_prefixes: int | None = None
+    """Spread each save's files over this many hashed subdirectories of ``data/`` (an object
+    store serves about 3,500 writes a second per key prefix). None: one per 64 ranks, rounded
+    up to a power of two (flat up to 64 ranks, 256 at 16,384), at most 4096."""
     describe_layouts: bool | None = None
     """DTensors sharded by Shard/Replicate placements are recorded by their rule (mesh,
     placements) with their chunks in per-rank index files, so that the manifest and restore
@@ -116,6 +121,10 @@ class CheckpointOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.digest_block_bytes % 8:
             raise ValueError(f"digest_block_bytes must be a multiple of 8, got {self.digest_block_bytes}")
+        if self.data_prefixes is not None and not 1 <= self.data_prefixes <= MAX_DATA_PREFIXES:
+            raise ValueError(
+                f"data_prefixes must be between 1 and {MAX_DATA_PREFIXES} (or None), got {self.data_prefixes}"
+            )
         if self.commit_timeout_s <= 0:
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         self.retry_policy()  # validates the retry_* fields
@@ -161,7 +170,7 @@ def _check_number(name: str, value: float) -> None:
 #: The fields of ``CheckpointOptions`` by what they are about (docs/protocol.md, "Options").
 GROUPS: dict[str, tuple[str, ...]] = {
     "saving": ("async_save", "staging", "commit_timeout_s"),
-    "layout": ("max_files_per_rank", "min_file_bytes", "describe_layouts"),
+    "layout": ("max_files_per_rank", "min_file_bytes", "data_prefixes", "describe_layouts"),
     "io": ("io_threads", "max_read_bytes"),
     "restore": ("per_rank", "share_restore_reads"),
     "integrity": ("digest", "digest_block_bytes"),

@@ -15,7 +15,7 @@ from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
 from shardkeeper.core.storage.base import Storage
 
 # Names the format gives to files (never to directories): walk_files does not list them.
-_FILE_SUFFIXES = (".safetensors", ".tmp", MANIFEST_NAME)
+_FILE_SUFFIXES = (".safetensors", ".index.json", ".tmp", MANIFEST_NAME)
 
 # How deep ``walk_files`` descends below a step directory (the layout uses one level: data/).
 _MAX_DEPTH = 8
@@ -58,7 +58,7 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
     """Every file under the directory ``path`` (root-relative paths), sorted.
 
     The storage protocol has no "is a directory" call: names the format gives to files
-    (``*.safetensors``, ``*.tmp``, ``manifest.json``) are files; any other entry with entries
+    (``*.safetensors``, ``*.index.json``, ``*.tmp``, ``manifest.json``) are files; any other entry with entries
     of its own is a directory, and one without is taken for a file (an empty POSIX directory
     is therefore listed too; deleting it falls back to ``delete_dir``). A local symbolic link
     lists as empty (``LocalStorage`` never lists through one), so it is an entry too, and

@@ -29,7 +29,7 @@ from shardkeeper.core.commit import write_latest_hint
 from shardkeeper.core.context import ManagerContext
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError
 from shardkeeper.core.format.jsonvalue import snapshot
-from shardkeeper.core.format.layout import new_attempt_id, step_dir
+from shardkeeper.core.format.layout import data_prefixes, new_attempt_id, step_dir
 from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION
 from shardkeeper.core.handle import SaveHandle
 from shardkeeper.core.protocol import (
@@ -46,7 +46,7 @@ from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.step_order import StepOrder
-from shardkeeper.core.tensor.describe import split_report, write_index
+from shardkeeper.core.tensor.index_write import split_report, write_index
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
 from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
@@ -267,6 +267,7 @@ class SaveRunner:
             executor=ctx.io,
             codecs=codecs,
             memo=job.plan.memo,
+            prefixes=data_prefixes(settings.data_prefixes, ctx.world_size),
         )
         declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
         chunks, files, described = res.chunks, res.files, {}
@@ -284,6 +285,7 @@ class SaveRunner:
                     index_keys,
                     index_table,
                     settings.digest,
+                    data_prefixes(settings.data_prefixes, ctx.world_size),
                 )
                 files = {**files, rel: {"size_bytes": size, "rank": ctx.rank}}
                 entry = [rel, size, digest]

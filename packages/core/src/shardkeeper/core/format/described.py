@@ -58,7 +58,7 @@ class DescribedLeaves:
         self.shape: list[int] = d["shape"]
         self.layout: list[int] = d["layout"]
         self.replica: list[int] = d["replica"]
-        self.layouts: list[Any] = d["layouts"]  # [mesh index, placements]
+        self.layouts: list[Any] = d["layouts"]  # [mesh index, placements(, order)]
         self.meshes = [Mesh.from_json(m) for m in d["meshes"]]
         self.index: list[Any] = d["index"]  # per rank: [path, size, digest] or null
         self.chunk_files: list[str] = d["chunk_files"]
@@ -71,6 +71,7 @@ class DescribedLeaves:
         self._files: Mapping[str, Any] = {}
         self._ends: dict[str, int] = {}  # chunk_files, once checked
         self._loaded: dict[int, tuple[dict[str, int], ChunkTable, list[int]]] = {}
+        self._failed: dict[int, CorruptCheckpointError] = {}
         self._lock = threading.Lock()
         self.index_reads = 0
 
@@ -149,8 +150,8 @@ class DescribedLeaves:
         for j, (li, rep) in enumerate(zip(self.layout, self.replica)):
             if li >= len(specs):
                 return f"{self.keys[j]}: layout {li} is not one of the {len(specs)} described layouts"
-            mesh, pl = specs[li]
-            why = placements_problem(pl, mesh, self.ndim[j])
+            mesh, pl, order = specs[li]
+            why = placements_problem(pl, mesh, self.ndim[j], order)
             if why is not None:
                 return f"{self.keys[j]}: {why}"
             assert pl is not None
@@ -186,9 +187,9 @@ class DescribedLeaves:
         self._ends = dict(map(tuple, self.chunk_files))
         return None
 
-    def _spec(self, j: int) -> tuple[Mesh, tuple[tuple[Any, ...], ...]]:
-        mesh_i, pl = self.layouts[self.layout[j]]
-        return self.meshes[mesh_i], tuple(tuple(p) for p in pl)
+    def _spec(self, j: int) -> tuple[Mesh, tuple[tuple[Any, ...], ...], list[int] | None]:
+        spec = self.layouts[self.layout[j]]
+        return self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None
 
     def head(self, key: str) -> LeafRecord | None:
         j = self.pos.get(key)
@@ -200,8 +201,8 @@ class DescribedLeaves:
         """The chunks of leaf ``key`` that meet the box ``offsets``/``shape``: derived from
         the rule, their fields read from the index files of the ranks that wrote them."""
         j = self.pos[key]
-        mesh, pl = self._spec(j)
-        cells = overlapping_cells(self.shapes()[j], mesh, pl, self.replica[j], offsets, shape)
+        mesh, pl, order = self._spec(j)
+        cells = overlapping_cells(self.shapes()[j], mesh, pl, self.replica[j], offsets, shape, order)
         return [self._chunk(j, rank, offs, box) for rank, offs, box in cells]
 
     def record(self, key: str) -> LeafRecord:
@@ -258,7 +259,14 @@ class DescribedLeaves:
         with self._lock:
             got = self._loaded.get(rank)
             if got is None:
-                got = self._loaded[rank] = self._parse(rank)
+                failed = self._failed.get(rank)
+                if failed is not None:  # damage is read once, then said again for each leaf
+                    raise CorruptCheckpointError(str(failed))
+                try:
+                    got = self._loaded[rank] = self._parse(rank)
+                except CorruptCheckpointError as e:
+                    self._failed[rank] = e
+                    raise
             return got
 
     def _parse(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int]]:

@@ -3,9 +3,11 @@ box of a tensor each rank of a device mesh holds, and which rank writes it.
 
 A described leaf records a mesh (its shape and the rank at each coordinate, row-major), one
 placement per mesh dimension (``["S", d]``: that mesh dimension splits tensor dimension
-``d``; ``["R"]``: it replicates) and a replica index. Mesh dimensions that split the same
-tensor dimension apply in mesh-dimension order, each to the range the previous one left,
-by torch's chunk rule: a range of ``n`` elements split ``k`` ways gives part ``c`` the
+``d``; ``["R"]``: it replicates), optionally the order in which the mesh dimensions apply
+(default: mesh-dimension order; FSDP2 over TP on one dimension, torch's ``_StridedShard``,
+applies the TP split first), and a replica index. Mesh dimensions that split the same tensor
+dimension apply in that order, each to the range the previous one left, by torch's chunk
+rule: a range of ``n`` elements split ``k`` ways gives part ``c`` the
 elements ``[c * f, min(n, (c + 1) * f))`` with ``f = ceil(n / k)`` (empty past the end).
 Of the ranks that hold the same box (they differ only in replicating coordinates), the one
 whose replicating coordinates, read as a row-major number in mesh-dimension order, equal
@@ -88,11 +90,36 @@ class Mesh:
 Placements = tuple[tuple[Any, ...], ...]
 
 
-def placements_problem(placements: Any, mesh: Mesh, ndim: int) -> str | None:
+@dataclass(frozen=True)
+class Rule:
+    """How a described leaf is laid out: its mesh, a placement per mesh dimension, the order
+    they apply in (None: mesh-dimension order) and the replica that writes each box."""
+
+    mesh: Mesh
+    placements: Placements
+    replica: int = 0
+    order: tuple[int, ...] | None = None
+
+    def spec(self, mesh_index: int) -> list[Any]:
+        """The manifest's ``layouts`` entry, with the mesh at ``mesh_index``."""
+        out: list[Any] = [mesh_index, [list(p) for p in self.placements]]
+        if self.order is not None and list(self.order) != list(range(len(self.placements))):
+            out.append(list(self.order))
+        return out
+
+
+def placements_problem(placements: Any, mesh: Mesh, ndim: int, order: Any = None) -> str | None:
     """Why ``placements`` (JSON) is not a placement per mesh dimension of a tensor of
-    ``ndim`` dimensions, or None."""
+    ``ndim`` dimensions (applied in ``order``, a permutation of the mesh dimensions, or None),
+    or None."""
     if not isinstance(placements, (list, tuple)) or len(placements) != len(mesh.shape):
         return "a layout's placements are not one per mesh dimension"
+    if order is not None and (
+        not isinstance(order, (list, tuple))
+        or sorted(order) != list(range(len(mesh.shape)))
+        or not all(type(m) is int for m in order)
+    ):
+        return "a layout's order is not a permutation of its mesh dimensions"
     for p in placements:
         ok = isinstance(p, (list, tuple)) and (
             tuple(p) == (REPLICATE,) or (len(p) == 2 and p[0] == SHARD and type(p[1]) is int and 0 <= p[1] < ndim)
@@ -118,13 +145,22 @@ def replica_index(mesh: Mesh, placements: Placements, coord: Sequence[int]) -> i
     return out
 
 
+def _order(placements: Placements, order: Sequence[int] | None) -> Sequence[int]:
+    return range(len(placements)) if order is None else order
+
+
 def cell_box(
-    shape: Sequence[int], mesh: Mesh, placements: Placements, coord: Sequence[int]
+    shape: Sequence[int],
+    mesh: Mesh,
+    placements: Placements,
+    coord: Sequence[int],
+    order: Sequence[int] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The box (offsets, shape) the rank at ``coord`` holds of a tensor of ``shape``."""
     start = [0] * len(shape)
     size = list(shape)
-    for m, p in enumerate(placements):
+    for m in _order(placements, order):
+        p = placements[m]
         if p[0] == SHARD:
             d = p[1]
             off, n = chunk_part(size[d], mesh.shape[m], coord[m])
@@ -162,13 +198,15 @@ def overlapping_cells(
     replica: int,
     offsets: Sequence[int],
     box: Sequence[int],
+    order: Sequence[int] | None = None,
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """Every non-empty saved box of a described leaf that meets the box ``offsets``/``box``,
     as (the rank that wrote it, its offsets, its shape)."""
     if 0 in box:
         return []
     by_dim: list[list[tuple[int, int]]] = [[] for _ in shape]
-    for m, p in enumerate(placements):
+    for m in _order(placements, order):
+        p = placements[m]
         if p[0] == SHARD:
             by_dim[p[1]].append((m, mesh.shape[m]))
     coord = [0] * len(mesh.shape)
@@ -192,6 +230,7 @@ __all__ = [
     "MAX_MESH_RANKS",
     "Mesh",
     "Placements",
+    "Rule",
     "REPLICATE",
     "SHARD",
     "cell_box",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import secrets
 
+import xxhash
+
 STEP_PREFIX = "step-"
 STEP_DIGITS = 12
 LATEST_NAME = "LATEST"
@@ -35,19 +37,51 @@ def new_attempt_id() -> str:
     return secrets.token_hex(4)
 
 
-def shard_file(rank: int, attempt: str, index: int) -> str:
-    """Relative to the step directory: ``data/r00000-<attempt>-000.safetensors``."""
-    return f"{DATA_DIR}/r{rank:05d}-{attempt}-{index:03d}.safetensors"
+#: Most hashed subdirectories of ``data/`` a save spreads its files over.
+MAX_DATA_PREFIXES = 4096
+#: Ranks per hashed subdirectory that ``data_prefixes=None`` aims at.
+RANKS_PER_PREFIX = 64
 
 
-def index_file(rank: int, attempt: str) -> str:
+def data_prefixes(option: int | None, world_size: int) -> int:
+    """How many hashed subdirectories of ``data/`` a save of ``world_size`` ranks spreads its
+    files over: ``option``, or by default one per 64 ranks (rounded up to a power of two, at
+    most 4096; 1, a flat ``data/``, up to 64 ranks). An object store serves about 3,500
+    writes a second per key prefix; 16,384 ranks writing into one return 503 SlowDown."""
+    if option is not None:
+        return option
+    n = 1
+    while n * RANKS_PER_PREFIX < world_size and n < MAX_DATA_PREFIXES:
+        n *= 2
+    return n
+
+
+def data_dir(rank: int, prefixes: int = 1) -> str:
+    """``data`` or, spread over ``prefixes`` hashed subdirectories, ``data/<hex>``: where rank
+    ``rank`` writes (by a hash of the rank, so that the ranks of one node spread too)."""
+    if prefixes <= 1:
+        return DATA_DIR
+    width = len(f"{prefixes - 1:x}")
+    return f"{DATA_DIR}/{xxhash.xxh3_64_intdigest(str(rank).encode()) % prefixes:0{width}x}"
+
+
+def shard_file(rank: int, attempt: str, index: int, prefixes: int = 1) -> str:
+    """Relative to the step directory: ``data/r00000-<attempt>-000.safetensors`` (``data/<hex>/...``
+    with hashed prefixes, ``data_dir``)."""
+    return f"{data_dir(rank, prefixes)}/r{rank:05d}-{attempt}-{index:03d}.safetensors"
+
+
+def index_file(rank: int, attempt: str, prefixes: int = 1) -> str:
     """Relative to the step directory: ``data/r00000-<attempt>.index.json``, a rank's chunks
-    of described leaves (format_version 7)."""
-    return f"{DATA_DIR}/r{rank:05d}-{attempt}.index.json"
+    of described leaves (format_version 7), beside its shard files."""
+    return f"{data_dir(rank, prefixes)}/r{rank:05d}-{attempt}.index.json"
 
 
 __all__ = [
     "DATA_DIR",
+    "MAX_DATA_PREFIXES",
+    "data_dir",
+    "data_prefixes",
     "index_file",
     "LATEST_NAME",
     "STEP_DIGITS",

@@ -57,6 +57,14 @@ def placement_rule(p: Any) -> tuple[Any, ...] | None:
     return None
 
 
+def strided_split_factor(p: Any) -> int | None:
+    """A ``_StridedShard``'s split factor (FSDP2 over TP on one dimension), or None for any
+    other placement."""
+    if _StridedShard is not None and isinstance(p, _StridedShard):
+        return int(p.split_factor)
+    return None
+
+
 def mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A DeviceMesh's shape and the global rank at each coordinate, row-major."""
     ranks = mesh.mesh
@@ -115,5 +123,6 @@ __all__ = [
     "local_shape",
     "mesh_ranks",
     "placement_rule",
+    "strided_split_factor",
     "shard_dim_indices",
 ]

@@ -1,5 +1,6 @@
 """Which tensor leaves a save records by their rule (described layouts, format/grid.py), and
-the split of a rank's chunks between its report and its index file.
+the digest by which the coordinator compares the ranks' choices. (A rank's index file is
+written by tensor/index_write.py.)
 
 A DTensor whose placements are plain Shard and Replicate has chunks that follow torch's
 chunk rule; its rank checks its own box against the rule (``describe_leaf``) and, when they
@@ -11,47 +12,107 @@ rank decides from the same state alone; the coordinator compares the ranks' deci
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import xxhash
 
-from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS, ChunkTable
-from shardkeeper.core.format.described import encode_index
-from shardkeeper.core.format.digest import digest_function
-from shardkeeper.core.format.grid import Mesh, cell_box, replicas
-from shardkeeper.core.format.layout import DATA_DIR, index_file
-from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS
+from shardkeeper.core.format.grid import Mesh, Rule, cell_box, replicas
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import LocalLayout, replica_writer
 
-#: A described leaf: its mesh, its placements in the rule's terms and the replica that writes.
-Described = tuple[Mesh, tuple[tuple[Any, ...], ...], int]
+#: A described leaf's rule (format/grid.py): mesh, placements, order and writing replica.
+Described = Rule
 
 
-def describe_leaf(key: str, t: torch.Tensor, layout: LocalLayout, meshes: dict[int, Mesh]) -> Described | None:
+def describe_leaf(key: str, t: torch.Tensor, layout: LocalLayout, meshes: dict[Any, Any]) -> Rule | None:
     """The rule of DTensor ``t`` (``layout``: this rank's pieces of it), or None when it has
-    no rule (another placement) or this rank's pieces are not the rule's box. ``meshes``
-    caches each DeviceMesh's ranks by identity."""
-    rules = tuple(tc.placement_rule(p) for p in t.placements)  # type: ignore[attr-defined]
-    if any(r is None for r in rules):
-        return None
+    none (a placement the rule has no word for, or this rank's pieces are not the rule's box).
+    ``meshes`` caches each DeviceMesh's ranks and, for ``_StridedShard`` layouts, torch's
+    verdict on every coordinate, by identity and signature."""
     dm = t.device_mesh  # type: ignore[attr-defined]
     mesh = meshes.get(id(dm))
     if mesh is None:
         mesh = meshes[id(dm)] = Mesh(*tc.mesh_ranks(dm))
-    placements: tuple[tuple[Any, ...], ...] = tuple(r for r in rules if r is not None)
+    got = _placements(tuple(t.placements))  # type: ignore[attr-defined]
+    if got is None:
+        return None
+    placements, order, strided = got
+    shape = tuple(t.shape)
     coord = dm.get_coordinate()
     if coord is not None:
-        offs, box = cell_box(tuple(t.shape), mesh, placements, coord)
+        offs, box = cell_box(shape, mesh, placements, coord, order)
         expect = [] if 0 in box else [(offs, box)]
         if [(p.offsets, p.shape) for p in layout.pieces] != expect:
             return None
-    return mesh, placements, replica_writer(key, replicas(mesh, placements))
+    if strided:  # the reordering holds on this rank; torch decides it for every other one
+        sig = ("strided", id(dm), shape, tuple(map(str, t.placements)))  # type: ignore[attr-defined]
+        ok = meshes.get(sig)
+        if ok is None:
+            ok = meshes[sig] = _every_coordinate_agrees(shape, mesh, tuple(t.placements), placements, order)  # type: ignore[attr-defined]
+        if not ok:
+            return None
+    return Rule(mesh, placements, replica_writer(key, replicas(mesh, placements)), order)
 
 
-def choose(candidates: dict[str, Described], world_size: int, describe: bool | None) -> dict[str, Described]:
+def _placements(
+    placements: tuple[Any, ...],
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[int, ...] | None, bool] | None:
+    """DTensor placements in the rule's terms, the order the mesh dimensions apply in, and
+    whether a ``_StridedShard`` was reordered; None where the rule has no word for them.
+
+    ``_StridedShard(d, sf)`` on mesh dimension ``m`` (FSDP2 over TP on dimension ``d``) is a
+    split of ``d`` that applies after the later mesh dimensions splitting ``d``, when their
+    sizes multiply to ``sf``: it moves behind them in the order."""
+    rules = [tc.placement_rule(p) for p in placements]
+    order = list(range(len(placements)))
+    strided = False
+    for m, p in enumerate(placements):
+        if rules[m] is not None:
+            continue
+        sf = tc.strided_split_factor(p)
+        if sf is None:
+            return None
+        d = int(p.dim)
+        rules[m] = ("S", d)
+        if sf == 1:  # splits nothing before it: a plain Shard
+            continue
+        later = [k for k in range(m + 1, len(placements)) if tc.placement_rule(placements[k]) == ("S", d)]
+        strided = True
+        order.remove(m)
+        order.insert(order.index(later[-1]) + 1 if later else len(order), m)
+    return tuple(r for r in rules if r is not None), tuple(order) if strided else None, strided
+
+
+def _every_coordinate_agrees(
+    shape: tuple[int, ...], mesh: Mesh, torch_placements: tuple[Any, ...], placements: Any, order: Any
+) -> bool:
+    """Whether torch's own placement arithmetic gives every coordinate of the mesh exactly
+    the rule's box (one contiguous box, or none): a layout described wrongly on any rank would
+    make a checkpoint that restores wrong, so the rule is used only where torch agrees."""
+    import itertools
+
+    for coord in itertools.product(*map(range, mesh.shape)):
+        local = list(shape)
+        index: dict[int, torch.Tensor] = {}
+        for m, p in enumerate(torch_placements):
+            if tc.is_shard_placement(p):
+                d = int(p.dim)
+                local[d], index[d] = tc.shard_dim_indices(local[d], mesh.shape[m], coord[m], p, index.get(d))
+        offs, box = cell_box(shape, mesh, placements, coord, order)
+        if tuple(local) != box:
+            return False
+        if 0 in box:
+            continue
+        for d, idx in index.items():
+            if int(idx[0]) != offs[d] or int(idx[-1]) != offs[d] + box[d] - 1:
+                return False  # (a run of box[d] indices from its first to its last: contiguous)
+    return True
+
+
+def choose(candidates: dict[str, Rule], world_size: int, describe: bool | None) -> dict[str, Rule]:
     """The leaves a save describes: all candidates (``describe`` True), none (False), or,
     by default, all once they would make at least ``TABLE_MIN_CHUNKS`` chunks."""
     if describe is False or not candidates:
@@ -61,74 +122,17 @@ def choose(candidates: dict[str, Described], world_size: int, describe: bool | N
     return candidates
 
 
-def described_digest(described: Mapping[str, Described]) -> str:
+def described_digest(described: Mapping[str, Rule]) -> str:
     """A digest of which leaves a rank describes and how: equal on every rank of a save."""
     mesh_ids: dict[int, str] = {}
     rows = []
     for key in sorted(described):
-        mesh, placements, replica = described[key]
-        mid = mesh_ids.get(id(mesh))
+        rule = described[key]
+        mid = mesh_ids.get(id(rule.mesh))
         if mid is None:
-            mid = mesh_ids[id(mesh)] = xxhash.xxh3_64_hexdigest(json.dumps(mesh.to_json()).encode())
-        rows.append([key, mid, [list(p) for p in placements], replica])
+            mid = mesh_ids[id(rule.mesh)] = xxhash.xxh3_64_hexdigest(json.dumps(rule.mesh.to_json()).encode())
+        rows.append([key, mid, rule.spec(0)[1:], rule.replica])
     return str(xxhash.xxh3_128_hexdigest(json.dumps(rows, separators=(",", ":")).encode()))
 
 
-def split_report(
-    chunks: dict[str, Any], described: Mapping[str, Described]
-) -> tuple[dict[str, Any], list[str], ChunkTable | None]:
-    """A rank's chunks (a report's ``keys``/``counts``/``table``) split into the report of its
-    enumerated leaves and the rows of its described ones (their keys and table)."""
-    if not described:
-        return chunks, [], None
-    keys, counts, table = chunks["keys"], chunks["counts"], chunks["table"]
-    keep_rows: list[int] = []
-    index_rows: list[int] = []
-    keep_keys, keep_counts, index_keys = [], [], []
-    row = 0
-    for key, n in zip(keys, counts):
-        if key in described:
-            index_rows.extend(range(row, row + n))
-            index_keys.extend([key] * n)
-        else:
-            keep_rows.extend(range(row, row + n))
-            keep_keys.append(key)
-            keep_counts.append(n)
-        row += n
-    if not index_rows:
-        return chunks, [], None
-    rest = {"keys": keep_keys, "counts": keep_counts, "table": table.take(keep_rows)}
-    return rest, index_keys, table.take(index_rows)
-
-
-def write_index(
-    storage: Storage,
-    step_dir: str,
-    step: int,
-    rank: int,
-    attempt: str,
-    keys: Sequence[str],
-    table: ChunkTable,
-    algorithm: str,
-) -> tuple[str, int, str, list[list[Any]]]:
-    """Write a rank's index file durably: its path, size, digest and the chunk files it names
-    with the end of the last byte it references in each."""
-    rel = index_file(rank, attempt)
-    ends: dict[str, int] = {}
-    for f, o, n in zip(table.file, table.offset, table.length):
-        p = table.paths[f]
-        ends[p] = max(ends.get(p, 0), o + n)
-    files = [[p, ends[p]] for p in sorted(ends)]
-    data = encode_index(step, rank, keys, table)
-    writer = storage.open_writer(f"{step_dir}/{rel}")
-    try:
-        writer.write(data)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    storage.sync_dir(f"{step_dir}/{DATA_DIR}")
-    return rel, len(data), digest_function(algorithm)(data), files
-
-
-__all__ = ["Described", "choose", "describe_leaf", "described_digest", "split_report", "write_index"]
+__all__ = ["Described", "Rule", "choose", "describe_leaf", "described_digest"]

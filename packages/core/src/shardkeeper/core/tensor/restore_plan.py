@@ -57,6 +57,9 @@ class RestoreStats:
     bytes_direct: int = 0  # read straight into the target's memory, no scratch buffer
     bytes_received: int = 0  # from the rank that read them (``tensor/restore_share.py``), not in bytes_read
     reads: int = 0
+    #: index files of described leaves (format.md 3.8) read to plan: the ranks that wrote what
+    #: this rank restores, never every rank's
+    index_files: int = 0
     files: set[str] = field(default_factory=set)
     keys: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -16,7 +16,7 @@ from typing import Any
 from shardkeeper.core.codec import Codecs
 from shardkeeper.core.format.columns import ChunkTable
 from shardkeeper.core.format.digest import digest_function
-from shardkeeper.core.format.layout import DATA_DIR, shard_file
+from shardkeeper.core.format.layout import data_dir, shard_file
 from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.format.reports import rows_report
 from shardkeeper.core.format.safetensors import (
@@ -305,6 +305,15 @@ def _record(rel: str, offset: int, it: WriteItem, length: int, digests: Sequence
     }
 
 
+def sync_data_dirs(storage: Storage, step_dir: str, rel: str) -> None:
+    """Make the directory ``rel`` of a step (``data`` or ``data/<hex>``) durable, and each
+    directory above it up to the step's: every entry a new file needs."""
+    parts = rel.split("/")
+    for n in range(len(parts), 0, -1):
+        storage.sync_dir(f"{step_dir}/{'/'.join(parts[:n])}")
+    storage.sync_dir(step_dir)
+
+
 def write_shards(
     storage: Storage,
     step_dir: str,
@@ -318,17 +327,28 @@ def write_shards(
     executor: Executor,
     codecs: Codecs | None = None,
     memo: dict[Any, Any] | None = None,
+    prefixes: int = 1,
 ) -> WriteResult:
     """Write each staged group to its own shard file, in parallel, durably. ``memo``: the
-    plan's (``SavePlan.memo``), where file headers are kept for the next save of the plan."""
+    plan's (``SavePlan.memo``), where file headers are kept for the next save of the plan;
+    ``prefixes``: the hashed subdirectories of ``data/`` (format/layout.py ``data_dir``)."""
     coded = codecs if codecs is not None and codecs.active else None
     futures = [
         executor.submit(
-            _write_coded, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, coded
+            _write_coded, storage, step_dir, shard_file(rank, attempt, i, prefixes), g, r, algorithm, block_bytes, coded
         )
         if coded is not None
         else executor.submit(
-            _write_plain, storage, step_dir, shard_file(rank, attempt, i), g, r, algorithm, block_bytes, memo, i
+            _write_plain,
+            storage,
+            step_dir,
+            shard_file(rank, attempt, i, prefixes),
+            g,
+            r,
+            algorithm,
+            block_bytes,
+            memo,
+            i,
         )
         for i, (g, r) in enumerate(zip(groups, spans))
     ]
@@ -347,16 +367,15 @@ def write_shards(
         rows, size, n_reused = res
         reused += n_reused
         if size:  # 0: every chunk is a reference, no file was written
-            files[shard_file(rank, attempt, i)] = {"size_bytes": size, "rank": rank}
+            files[shard_file(rank, attempt, i, prefixes)] = {"size_bytes": size, "rank": rank}
             written += size
         keys.extend(rows[0])
         tables.append(rows[1])
     if errors:
         raise errors[0]
     if files:
-        storage.sync_dir(f"{step_dir}/{DATA_DIR}")
-        storage.sync_dir(step_dir)
+        sync_data_dirs(storage, step_dir, data_dir(rank, prefixes))
     return WriteResult(rows_report(keys, ChunkTable.concat(tables, 0)), files, written, reused)
 
 
-__all__ = ["WriteResult", "chunk_records", "write_shards"]
+__all__ = ["WriteResult", "chunk_records", "sync_data_dirs", "write_shards"]

@@ -17,7 +17,6 @@ import torch
 
 from shardkeeper.core.assemble import declared_digest
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.grid import Mesh
 from shardkeeper.core.format.manifest import DTYPES
 from shardkeeper.core.format.safetensors import PAD_PREFIX
 from shardkeeper.core.format.table import without_gc
@@ -58,7 +57,7 @@ class SavePlan:
     layouts: set[str] = field(default_factory=set)
     #: keys of per-rank leaves (declared by their rank alone)
     per_rank_keys: set[str] = field(default_factory=set)
-    #: leaves recorded by their rule (tensor/describe.py): key -> (mesh, placements, replica);
+    #: leaves recorded by their rule (tensor/describe.py): key -> format.grid.Rule;
     #: their chunks go to this rank's index file, not its report
     described: dict[str, Described] = field(default_factory=dict)
     #: What saves of this plan's structure compute once and reuse while the plan cache hits
@@ -126,7 +125,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
     plan = SavePlan(per_rank_prefixes=list(flat.per_rank_prefixes))
     layouts = {}
     candidates: dict[str, Described] = {}
-    meshes: dict[int, Mesh] = {}
+    meshes: dict[Any, Any] = {}
     plain_sizes: dict[str, int] = {}
     for key, leaf in flat.leaves.items():
         try:

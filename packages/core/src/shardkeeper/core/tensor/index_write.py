@@ -1,0 +1,75 @@
+"""A rank's chunks of described leaves (format/described.py): split from its report and
+written, durably, to its index file beside its shard files, before it reports."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardkeeper.core.format.columns import ChunkTable
+from shardkeeper.core.format.described import encode_index
+from shardkeeper.core.format.digest import digest_function
+from shardkeeper.core.format.layout import data_dir, index_file
+from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.save import sync_data_dirs
+
+
+def split_report(
+    chunks: dict[str, Any], described: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str], ChunkTable | None]:
+    """A rank's chunks (a report's ``keys``/``counts``/``table``) split into the report of its
+    enumerated leaves and the rows of its described ones (their keys and table)."""
+    if not described:
+        return chunks, [], None
+    keys, counts, table = chunks["keys"], chunks["counts"], chunks["table"]
+    keep_rows: list[int] = []
+    index_rows: list[int] = []
+    keep_keys, keep_counts, index_keys = [], [], []
+    row = 0
+    for key, n in zip(keys, counts):
+        if key in described:
+            index_rows.extend(range(row, row + n))
+            index_keys.extend([key] * n)
+        else:
+            keep_rows.extend(range(row, row + n))
+            keep_keys.append(key)
+            keep_counts.append(n)
+        row += n
+    if not index_rows:
+        return chunks, [], None
+    rest = {"keys": keep_keys, "counts": keep_counts, "table": table.take(keep_rows)}
+    return rest, index_keys, table.take(index_rows)
+
+
+def write_index(
+    storage: Storage,
+    step_dir: str,
+    step: int,
+    rank: int,
+    attempt: str,
+    keys: Sequence[str],
+    table: ChunkTable,
+    algorithm: str,
+    prefixes: int = 1,
+) -> tuple[str, int, str, list[list[Any]]]:
+    """Write a rank's index file durably: its path, size, digest and the chunk files it names
+    with the end of the last byte it references in each."""
+    rel = index_file(rank, attempt, prefixes)
+    ends: dict[str, int] = {}
+    for f, o, n in zip(table.file, table.offset, table.length):
+        p = table.paths[f]
+        ends[p] = max(ends.get(p, 0), o + n)
+    files = [[p, ends[p]] for p in sorted(ends)]
+    data = encode_index(step, rank, keys, table)
+    writer = storage.open_writer(f"{step_dir}/{rel}")
+    try:
+        writer.write(data)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    sync_data_dirs(storage, step_dir, data_dir(rank, prefixes))
+    return rel, len(data), digest_function(algorithm)(data), files
+
+
+__all__ = ["split_report", "write_index"]

@@ -1,0 +1,136 @@
+"""Described layouts on real process groups (test_described.py).
+
+    described_worker.py ROOT OUT_DIR
+
+At 4 ranks: a state of DTensors in several layouts (row and column shards, uneven and empty
+shards, 2-D, HSDP's Replicate + Shard, a scalar) plus a plain tensor, saved with
+``describe_layouts`` True, False and by default; restored into the same layout, into others
+and into plain tensors, bit for bit; the index files each restore read; ``verify``; and a
+damaged index file. Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardkeeper.core import CheckpointManager, CorruptCheckpointError
+from shardkeeper.core.storage.local import LocalStorage
+from shardkeeper.core.verify import verify_step
+
+
+def full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "rows": torch.randn(20, 12, generator=g),  # uneven over 4: 5 5 5 5; over 3: 7 7 6
+        "few": torch.randn(3, 8, generator=g),  # fewer rows than ranks: an empty shard
+        "cols": torch.randn(6, 37, generator=g),
+        "grid": torch.randn(10, 9, generator=g),
+        "hsdp": torch.randn(11, 4, generator=g),
+        "scalar": torch.tensor(2.5),
+        "ids": torch.arange(24, dtype=torch.int64).reshape(4, 6),
+        "strided": torch.randn(22, 3, generator=g),  # FSDP2 over TP on one dimension
+        "plain": torch.randn(7, generator=g),
+    }
+
+
+def layout_a(w: int) -> dict:
+    m1, m2 = init_device_mesh("cpu", (w,)), init_device_mesh("cpu", (2, w // 2))
+    f = full()
+    return {
+        "rows": distribute_tensor(f["rows"], m1, [Shard(0)]),
+        "few": distribute_tensor(f["few"], m1, [Shard(0)]),
+        "cols": distribute_tensor(f["cols"], m1, [Shard(1)]),
+        "grid": distribute_tensor(f["grid"], m2, [Shard(0), Shard(1)]),
+        "hsdp": distribute_tensor(f["hsdp"], m2, [Replicate(), Shard(0)]),
+        "scalar": distribute_tensor(f["scalar"], m1, [Replicate()]),
+        "ids": distribute_tensor(f["ids"], m2, [Shard(1), Shard(0)]),
+        "strided": distribute_tensor(f["strided"], m2, [_StridedShard(0, split_factor=w // 2), Shard(0)]),
+        "plain": f["plain"],
+    }
+
+
+def layout_b(w: int) -> dict:
+    """Another placement of every tensor, zero-filled (a restore target)."""
+    m2 = init_device_mesh("cpu", (w // 2, 2))
+    out = {}
+    for k, v in full().items():
+        z = torch.zeros_like(v)
+        out[k] = z if k == "plain" or v.dim() == 0 else distribute_tensor(z, m2, [Shard(v.dim() - 1), Replicate()])
+    return out
+
+
+def gathered(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+
+
+def same(a: dict, b: dict) -> list[str]:
+    return [k for k in b if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+
+
+def main(root: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, w = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    seen: dict[str, object] = {"rank": rank}
+    ref = full()
+    for name, describe in (("on", True), ("off", False), ("auto", None)):
+        path = Path(root) / name
+        with CheckpointManager(path, describe_layouts=describe) as mgr:
+            mgr.save(1, {"m": layout_a(w)}).wait()
+            step_dir = path / "step-000000000001"
+            man = json.loads((step_dir / "manifest.json").read_text())
+            seen[f"{name} version"] = man["format_version"]
+            seen[f"{name} described"] = man.get("described", {}).get("keys", [])
+            seen[f"{name} enumerated"] = man["leaf_table"]["keys"] if "leaf_table" in man else sorted(man["leaves"])
+            for tname, target in (
+                ("same", layout_a(w)),
+                ("other", layout_b(w)),
+                ("plain", {k: torch.zeros_like(v) for k, v in ref.items()}),
+            ):
+                for v in target.values():
+                    (v.to_local() if hasattr(v, "to_local") else v).zero_()
+                state = {"m": target}
+                mgr.restore(state, step=1)
+                seen[f"{name} {tname} wrong"] = same(gathered(state["m"]), ref)
+                seen[f"{name} {tname} index files"] = mgr.last_restore_stats.index_files
+            if rank == 0:
+                rep = verify_step(LocalStorage(str(path)), 1)
+                seen[f"{name} verify"] = [p.message for p in rep.problems]
+        dist.barrier()
+    # A damaged index file: restores that need it refuse, naming it and its rank; verify says so.
+    path = Path(root) / "on"
+    if rank == 0:
+        (idx,) = sorted((path / "step-000000000001" / "data").glob("r00002-*.index.json"))
+        doc = json.loads(idx.read_text())
+        doc["table"]["offset"][0] += 4  # the size stays, the digest no longer matches
+        text = json.dumps(doc, separators=(",", ":"))
+        idx.write_text(text + " " * (idx.stat().st_size - len(text)))
+    dist.barrier()
+    with CheckpointManager(path) as mgr:
+        state = {"m": {k: torch.zeros_like(v) for k, v in ref.items()}}
+        try:
+            mgr.restore(state, step=1)
+        except CorruptCheckpointError as e:
+            seen["damaged"] = str(e)
+        else:
+            seen["damaged"] = None
+    if rank == 0:
+        rep = verify_step(LocalStorage(str(path)), 1)
+        seen["damaged verify"] = [p.message for p in rep.problems]
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

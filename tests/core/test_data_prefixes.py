@@ -1,0 +1,77 @@
+"""Hashed data prefixes: a save's files spread over subdirectories of ``data/`` (``data_prefixes``)
+restore, verify, and are listed, kept and deleted by retention and gc like flat ones, on local
+disk and on the object stores; incremental references into them resolve."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from shardkeeper.core import CheckpointManager
+from shardkeeper.core.format.layout import data_dir, data_prefixes, shard_file, step_dir
+from shardkeeper.core.garbage import collect_garbage
+from shardkeeper.core.root_files import walk_files
+from shardkeeper.core.storage import open_storage
+from shardkeeper.core.verify import verify_step
+
+
+def test_default_prefixes_grow_with_the_world() -> None:
+    assert [data_prefixes(None, w) for w in (1, 64, 65, 512, 1024, 16384, 1 << 20)] == [1, 1, 2, 8, 16, 256, 4096]
+    assert data_prefixes(3, 16384) == 3
+    assert shard_file(5, "abcd1234", 0) == "data/r00005-abcd1234-000.safetensors"
+    spread = {data_dir(r, 16) for r in range(256)}
+    assert len(spread) == 16 and all(p.startswith("data/") and len(p) == len("data/0") for p in spread)
+    assert len({data_dir(r, 256) for r in range(4096)}) == 256  # two hex digits, every one used
+
+
+def test_a_bad_prefix_count_is_refused() -> None:
+    for bad in (0, 4097, -1):
+        with pytest.raises(ValueError, match="data_prefixes must be between 1 and 4096"):
+            CheckpointManager("/nonexistent-never-created", data_prefixes=bad)
+
+
+def _state(v: float) -> dict:
+    return {"model": {"w": torch.full((64, 32), v), "b": torch.arange(10.0) + v}}
+
+
+def test_nested_files_restore_verify_and_are_deleted_by_retention_and_gc(storage_root) -> None:
+    url, opts = storage_root.url, storage_root.options
+    with CheckpointManager(url, storage_options=opts, data_prefixes=16, keep_last=1) as mgr:
+        mgr.save(1, _state(1.0), async_save=False)
+        storage = mgr._ctx.storage
+        files = walk_files(storage, step_dir(1))
+        nested = [f for f in files if f.count("/") == 3]  # step-.../data/<hex>/file
+        assert nested and all(f.split("/")[2] == data_dir(0, 16).split("/")[1] for f in nested), files
+        assert not verify_step(storage, 1).problems
+        mgr.save(2, _state(2.0), async_save=False)  # keep_last=1: step 1 goes, nested files and all
+        assert walk_files(storage, step_dir(1)) == []
+        target = _state(0.0)
+        assert mgr.restore(target) == 2
+        assert torch.equal(target["model"]["w"], torch.full((64, 32), 2.0))
+    # An abandoned save's nested files are garbage; the committed step's stay.
+    storage = open_storage(url, **opts)
+    leftover = f"{step_dir(3)}/data/{data_dir(7, 16).split('/')[1]}/r00007-0badf00d-000.safetensors"
+    storage.put(leftover, b"x" * 100)
+    report = collect_garbage(storage, min_age_s=0.0, now=time.time() + 3600)
+    assert step_dir(3) + "/" in report.removed_dirs, report
+    assert walk_files(storage, step_dir(3)) == []
+    assert walk_files(storage, step_dir(2)) and not verify_step(storage, 2).problems
+
+
+def test_incremental_references_into_prefixed_files(tmp_path) -> None:
+    root = str(tmp_path / "r")
+    with CheckpointManager(root, data_prefixes=4, incremental=True) as mgr:
+        mgr.save(1, _state(1.0), async_save=False)
+        state = _state(1.0)
+        state["model"]["b"] = torch.arange(10.0) + 5  # changed; w is stored as a reference
+        mgr.save(2, state, async_save=False)
+        target = _state(0.0)
+        mgr.restore(target, step=2)
+        assert torch.equal(target["model"]["w"], state["model"]["w"]) and torch.equal(
+            target["model"]["b"], state["model"]["b"]
+        )
+    man = open(os.path.join(root, step_dir(2), "manifest.json")).read()
+    assert f"../{step_dir(1)}/data/" in man
