@@ -29,12 +29,12 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _counting import CountingStore  # noqa: E402
 from _scale_layout import BLOCK, COLS, ITEM, dcp_figures, key, n_rows, rank_chunks, row_split  # noqa: E402
 
 N_TENSORS = 100_000
@@ -47,53 +47,6 @@ COUNTED = (
     "in the point's last save (from the second save on, a rank's report also deletes its previous one). Every call is one request/response "
     "to the store server on a TCPStore. store_bytes: the report messages as rank 0 receives them (multi_get)"
 )
-
-
-class CountingStore:
-    """A c10d store that counts its calls (each one request to a TCPStore's server) and bytes."""
-
-    def __init__(self, store: Any) -> None:
-        self._s = store
-        self.calls: Counter[str] = Counter()
-        self.sent = 0
-        self.received = 0
-        self.report_bytes: list[int] = []
-
-    def set(self, k: str, v: str | bytes) -> None:
-        self.calls["set"] += 1
-        self.sent += len(v.encode() if isinstance(v, str) else v)
-        self._s.set(k, v)
-
-    def get(self, k: str) -> bytes:
-        self.calls["get"] += 1
-        v = self._s.get(k)
-        self.received += len(v)
-        if "/report/" in k:
-            self.report_bytes.append(len(v))
-        return v  # type: ignore[no-any-return]
-
-    def check(self, keys: list[str]) -> bool:
-        self.calls["check"] += 1
-        return self._s.check(keys)  # type: ignore[no-any-return]
-
-    def delete_key(self, k: str) -> bool:
-        self.calls["delete_key"] += 1
-        return self._s.delete_key(k)  # type: ignore[no-any-return]
-
-    def add(self, k: str, n: int) -> int:
-        self.calls["add"] += 1
-        return self._s.add(k, n)  # type: ignore[no-any-return]
-
-    def wait(self, keys: list[str], timeout: timedelta) -> None:
-        self.calls["wait"] += 1
-        self._s.wait(keys, timeout)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.calls["multi_get"] += 1
-        values = [bytes(v) for v in self._s.multi_get(keys)]
-        self.received += sum(map(len, values))
-        self.report_bytes.extend(len(v) for k, v in zip(keys, values) if "/report/" in k)
-        return values
 
 
 def _coordinator_class() -> Any:

@@ -9,7 +9,7 @@ by a seeded draw (or a forced mode), either forwarded and its response relayed, 
   client never sees the reply: a lost response;
 - ``"delay"``: held for ``delay_s`` (longer than the client's read timeout), then closed.
 
-``injected`` counts each kind; ``requests`` counts everything seen. Only requests whose method
+``injected`` counts each kind; ``requests`` counts everything seen (``by_method``: by method). Only requests whose method
 is in ``methods`` (default: every method) and whose path contains ``path_filter`` are
 eligible for faults.
 """
@@ -105,6 +105,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.injected: Counter[str] = Counter()
         self.requests = 0
+        self.by_method: Counter[str] = Counter()  # every request seen, by HTTP method
         proxy = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -134,6 +135,7 @@ class FaultProxy:
     def _decide(self, method: str, target: str) -> str | None:
         with self._lock:
             self.requests += 1
+            self.by_method[method] += 1
             if self.methods is not None and method not in self.methods:
                 return None
             if self.path_filter not in target:

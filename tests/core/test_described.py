@@ -59,3 +59,10 @@ def test_a_damaged_index_file_is_refused_and_reported(seen: list[dict]) -> None:
         assert "restore another step" in s["damaged"]
     problems = seen[0]["damaged verify"]
     assert problems and all("of rank 2" in p for p in problems), problems
+
+
+def test_incremental_saves_reference_unchanged_described_boxes(seen: list[dict]) -> None:
+    for s in seen:
+        assert s["inc wrong"] == [], s["inc wrong"]
+    refs = seen[0]["inc references"]
+    assert refs and all(p.startswith("../step-000000000001/data/") for p in refs), refs

@@ -106,6 +106,19 @@ def main(root: str, out: str) -> None:
                 rep = verify_step(LocalStorage(str(path)), 1)
                 seen[f"{name} verify"] = [p.message for p in rep.problems]
         dist.barrier()
+    # Incremental: unchanged boxes of described leaves are references into step 1's files.
+    path = Path(root) / "inc"
+    with CheckpointManager(path, describe_layouts=True, incremental=True, data_prefixes=4) as mgr:
+        state = {"m": layout_a(w)}
+        mgr.save(1, state, async_save=False)
+        state["m"]["rows"].to_local().add_(1.0)
+        mgr.save(2, state, async_save=False)
+        man = json.loads((path / "step-000000000002" / "manifest.json").read_text())
+        seen["inc references"] = [p for p, _ in man["described"]["chunk_files"] if p.startswith("../")]
+        target = {"m": {k: torch.zeros_like(v) for k, v in ref.items()}}
+        mgr.restore(target, step=2)
+        want = {**ref, "rows": ref["rows"] + 1.0}
+        seen["inc wrong"] = same(target["m"], want)
     # A damaged index file: restores that need it refuse, naming it and its rank; verify says so.
     path = Path(root) / "on"
     if rank == 0:

@@ -243,7 +243,8 @@ class RankReport:
             "per_rank_prefixes": self.per_rank_prefixes,
             "layouts": self.layouts,
             "timings": self.timings.to_json(),
-            "described": self.described,
+            # only with described leaves: other reports keep the bytes they always had
+            **({"described": self.described} if self.described else {}),
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import BlockDigests, ChunkRecord
+from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -75,13 +76,24 @@ class ReuseIndex:
         """The chunk record (JSON form) that stores this content by reference, or None."""
         if not self.usable:
             return None
-        boxes = self._by_key.get(key)
-        if boxes is None:
-            leaf = self.base.leaves.get(key)
-            boxes = {}
-            if leaf is not None and leaf.kind != "object" and leaf.dtype == dtype:
-                boxes = {(c.offsets, c.shape): c for c in leaf.chunks}
-            self._by_key[key] = boxes
+        leaves = self.base.leaves
+        if isinstance(leaves, TableLeaves) and leaves.described is not None and key in leaves.described.pos:
+            # A described leaf: only the chunks of this box, from the index files that hold
+            # them (not every rank's, as the leaf's whole chunk list would read).
+            head = leaves.head(key)
+            try:
+                found = leaves.overlapping(key, offsets, shape) if head.dtype == dtype else []
+            except CheckpointError:  # a damaged base: nothing of it is reused, the save goes on
+                found = []
+            boxes = {(c.offsets, c.shape): c for c in found}
+        else:
+            boxes = self._by_key.get(key)
+            if boxes is None:
+                leaf = leaves.get(key)
+                boxes = {}
+                if leaf is not None and leaf.kind != "object" and leaf.dtype == dtype:
+                    boxes = {(c.offsets, c.shape): c for c in leaf.chunks}
+                self._by_key[key] = boxes
         prev = boxes.get((tuple(offsets), tuple(shape)))
         if prev is None:
             return None

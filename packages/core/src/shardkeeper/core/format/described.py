@@ -141,12 +141,15 @@ class DescribedLeaves:
         specs = []
         for spec in self.layouts:
             if not (
-                isinstance(spec, list) and len(spec) == 2 and type(spec[0]) is int and 0 <= spec[0] < len(self.meshes)
+                isinstance(spec, list)
+                and len(spec) in (2, 3)
+                and type(spec[0]) is int
+                and 0 <= spec[0] < len(self.meshes)
+                and isinstance(spec[1], list)
+                and all(isinstance(p, list) for p in spec[1])
             ):
-                return "a described layout is not [mesh index, placements]"
-            specs.append(
-                (self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]) if isinstance(spec[1], list) else None)
-            )
+                return "a described layout is not [mesh index, placements] or [mesh index, placements, order]"
+            specs.append((self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None))
         for j, (li, rep) in enumerate(zip(self.layout, self.replica)):
             if li >= len(specs):
                 return f"{self.keys[j]}: layout {li} is not one of the {len(specs)} described layouts"

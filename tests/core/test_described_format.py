@@ -1,0 +1,206 @@
+"""Described leaves (docs/format.md 3.8) as a reader meets them, without a process group: a
+4-rank checkpoint written file by file as the ranks write it (data files, index files, the
+coordinator's merge), restored whole in one process, and every edit a reader must refuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkeeper.core import CheckpointManager, CorruptCheckpointError
+from shardkeeper.core.assemble import assemble_manifest, declared_digest
+from shardkeeper.core.commit import load_manifest, manifest_path
+from shardkeeper.core.format.columns import ChunkTable
+from shardkeeper.core.format.digest import block_digests
+from shardkeeper.core.format.grid import Mesh, Rule, cell_box
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.safetensors import build_header, chunk_name
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.tensor.index_write import write_index
+from shardkeeper.core.verify import verify_step
+
+W, BLOCK = 4, 4096
+SHAPES = {"a": (10, 6), "b": (3, 5), "c": (64, 32)}  # keys m/a, m/b, m/c  # b: fewer rows than ranks
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {k: torch.randn(*s, generator=g) for k, s in SHAPES.items()}
+
+
+def _write(root: Path, mesh_ranks: tuple[int, ...] = (0, 1, 2, 3)) -> LocalStorage:
+    """Step 1 of a checkpoint whose tensors are row-sharded over a mesh of ``mesh_ranks``."""
+    storage = LocalStorage(root)
+    full = _full()
+    mesh = Mesh((W,), mesh_ranks)
+    rules = {f"m/{k}": Rule(mesh, (("S", 0),), 0) for k in SHAPES}
+    declared = {f"m/{k}": ["tensor", "float32", list(s)] for k, s in SHAPES.items()}
+    reports = []
+    for r in range(W):
+        coord = mesh.coordinate(r)
+        rel = f"data/r{r:05d}-0000000{r}-000.safetensors"
+        keys, rows, parts, entries = [], [], [], []
+        for k, s in SHAPES.items():
+            offs, box = cell_box(s, mesh, rules[f"m/{k}"].placements, coord)
+            if 0 in box:
+                continue
+            b = full[k][offs[0] : offs[0] + box[0]].contiguous().numpy().tobytes()
+            keys.append(f"m/{k}")
+            parts.append(b)
+            entries.append((chunk_name(f"m/{k}", offs, box, s), "float32", box, len(b)))
+        header, at = build_header(entries, {"format": "pt"})  # a safetensors file, as a rank writes it
+        data = bytearray(header)
+        for b, off in zip(parts, at):
+            data += bytes(off - len(data)) + b
+        for k, b, off, (_, _, box, _) in zip(keys, parts, at, entries):
+            offs = cell_box(SHAPES[k[2:]], mesh, rules[k].placements, coord)[0]
+            rows.append((off, len(b), offs, box, ",".join(block_digests(memoryview(b), "xxh3_128", BLOCK))))
+        storage.put(f"{step_dir(1)}/{rel}", bytes(data))
+        table = ChunkTable(
+            [rel],
+            [0] * len(rows),
+            [o for o, *_ in rows],
+            [n for _, n, *_ in rows],
+            [2] * len(rows),
+            [v for *_, offs, _, _ in rows for v in offs],
+            [v for *_, box, _ in rows for v in box],
+            [d for *_, d in rows],
+            {},
+            0,
+        )
+        path, size, digest, files = write_index(storage, step_dir(1), 1, r, f"0000000{r}", keys, table, "xxh3_128")
+        reports.append(
+            {
+                "rank": r,
+                "declared": declared if r == 0 else {},
+                "declared_digest": declared_digest(declared),
+                "chunks": {"keys": [], "counts": [], "table": ChunkTable([], [], [], [], [], [], [], [], {}, 0)},
+                "files": {rel: {"size_bytes": len(data), "rank": r}, path: {"size_bytes": size, "rank": r}},
+                "objects": {},
+                "per_rank_prefixes": [],
+                "described": {"digest": "d", "index": [path, size, digest], "chunk_files": files},
+            }
+        )
+    m = assemble_manifest(
+        1, "t", reports, world_size=W, digest="xxh3_128", block_bytes=BLOCK, metadata={}, described=rules
+    )
+    storage.put_if_absent(manifest_path(1), m.dumps())
+    return storage
+
+
+def _restore(root: Path) -> dict[str, torch.Tensor]:
+    target = {"m": {k: torch.zeros(s) for k, s in SHAPES.items()}}
+    with CheckpointManager(str(root)) as mgr:
+        mgr.restore(target, step=1)
+    return target["m"]
+
+
+def test_a_described_checkpoint_restores_whole_in_one_process(tmp_path: Path) -> None:
+    _write(tmp_path, mesh_ranks=(2, 0, 3, 1))  # coordinates need not be ranks in order
+    got, want = _restore(tmp_path), _full()
+    assert all(torch.equal(got[k], want[k]) for k in SHAPES)
+    man = json.loads((tmp_path / step_dir(1) / "manifest.json").read_text())
+    assert man["format_version"] == 7 and man["described"]["keys"] == [f"m/{k}" for k in sorted(SHAPES)]
+    assert man["leaf_table"]["keys"] == [] and man["described"]["meshes"][0]["ranks"] == [2, 0, 3, 1]
+    assert not verify_step(LocalStorage(tmp_path), 1).problems
+
+
+def test_a_rank_reads_only_the_index_files_of_the_boxes_it_needs(tmp_path: Path) -> None:
+    storage = _write(tmp_path)
+    m = load_manifest(storage, 1)
+    leaves = m.leaves
+    chunks = leaves.overlapping("m/c", (16, 0), (16, 32))  # rank 1's rows, exactly
+    assert [(c.offsets, c.shape) for c in chunks] == [((16, 0), (16, 32))]
+    assert leaves.described.index_reads == 1
+    leaves.overlapping("m/c", (10, 0), (20, 32))  # rows 10-29: ranks 0 and 1 (1 already read)
+    assert leaves.described.index_reads == 2
+    assert len(m.leaves["m/b"].chunks) == 3 and leaves.described.index_reads == 3  # b has no 4th row
+
+
+def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
+    p = root / step_dir(1) / "manifest.json"
+    doc = json.loads(p.read_text())
+    fn(doc)
+    p.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "edit,why",
+    [
+        (lambda d: d.update(format_version=6), "described member in a format_version 6"),
+        (lambda d: d["described"]["meshes"][0].update(ranks=[0, 0, 1, 2]), "not distinct ranks"),
+        (lambda d: d["described"]["meshes"][0].update(ranks=[0, 1, 2, 9]), "not distinct ranks"),
+        (lambda d: d["described"]["meshes"][0].update(shape=[3]), "lists 4 ranks"),
+        (lambda d: d["described"]["layouts"][0].__setitem__(1, [["S", 2]]), "neither"),
+        (lambda d: d["described"]["layouts"][0].append([1]), "not a permutation"),
+        (lambda d: d["described"]["replica"].__setitem__(0, 1), "replica 1 of a layout with 1 replicas"),
+        (lambda d: d["described"]["layout"].__setitem__(0, 5), "layout 5 is not one of"),
+        (lambda d: d["described"]["index"].pop(), "lists 3 ranks, not 4"),
+        (lambda d: d["described"]["index"][1].__setitem__(1, 7), "not listed in files with its size"),
+        (lambda d: d["described"]["index"][1].__setitem__(0, "../../x"), "not a path in its step"),
+        (lambda d: d["described"]["chunk_files"][0].__setitem__(1, 10**6), "reach byte 1000000"),
+        (lambda d: d["described"]["dtype"].__setitem__(0, "complex64"), "known dtype"),
+        (lambda d: d["leaf_table"]["keys"].append("m/a"), "leaf_table columns differ"),
+    ],
+)
+def test_edits_of_the_described_member_are_damage(tmp_path: Path, edit, why: str) -> None:  # type: ignore[no-untyped-def]
+    storage = _write(tmp_path)
+    _edit(tmp_path, edit)
+    with pytest.raises(CorruptCheckpointError, match="damaged") as e:
+        load_manifest(storage, 1)
+    assert why in str(e.value), str(e.value)
+
+
+def _edit_index(root: Path, rank: int, fn, *, keep_digest: bool = True) -> None:  # type: ignore[no-untyped-def]
+    """Edit rank ``rank``'s index file; with ``keep_digest`` the manifest is edited to match
+    (what a writer bug, not a torn file, would produce)."""
+    from shardkeeper.core.format.digest import digest_function
+
+    (p,) = (root / step_dir(1) / "data").glob(f"r{rank:05d}-*.index.json")
+    doc = json.loads(p.read_text())
+    fn(doc)
+    data = json.dumps(doc).encode()
+    p.write_bytes(data)
+    if keep_digest:
+        rel = f"data/{p.name}"
+
+        def fix(d):  # type: ignore[no-untyped-def]
+            d["described"]["index"][rank] = [rel, len(data), digest_function("xxh3_128")(data)]
+            d["files"][rel]["size_bytes"] = len(data)
+
+        _edit(root, fix)
+
+
+@pytest.mark.parametrize(
+    "edit,why",
+    [
+        (
+            lambda d: d["table"]["offsets"].__setitem__(0, 1),
+            "gives 'm/a' the box [1, 0]+[3, 6], its layout [3, 0]+[3, 6]",
+        ),
+        (lambda d: d.update(rank=3), "says it is rank 3's"),
+        (lambda d: d["keys"].__setitem__(1, d["keys"][0]), "lists a key twice"),
+        (lambda d: d["table"]["length"].__setitem__(0, 8), "has 8 bytes for a box of 72"),
+        (lambda d: d["table"]["offset"].__setitem__(2, 10**5), "outside the files the manifest lists"),
+        (lambda d: d["table"].update(digests=d["table"]["digests"][:-1]), "hex digits"),
+    ],
+)
+def test_a_wrong_index_file_is_damage_naming_its_rank(tmp_path: Path, edit, why: str) -> None:  # type: ignore[no-untyped-def]
+    _write(tmp_path)
+    _edit_index(tmp_path, 1, edit)
+    with pytest.raises(CorruptCheckpointError, match="of rank 1") as e:
+        _restore(tmp_path)
+    assert why in str(e.value) and "restore another step" in str(e.value), str(e.value)
+
+
+def test_a_torn_index_file_fails_its_digest(tmp_path: Path) -> None:
+    _write(tmp_path)
+    _edit_index(tmp_path, 2, lambda d: d["table"]["offset"].__setitem__(0, 0), keep_digest=False)
+    with pytest.raises(CorruptCheckpointError, match="of rank 2 does not match the size and digest"):
+        _restore(tmp_path)
+    problems = [p.message for p in verify_step(LocalStorage(tmp_path), 1).problems]
+    assert any("index file" in p and "of rank 2" in p for p in problems), problems
+    assert all("r00002-" in p for p in problems), problems  # its size too; nothing else
