@@ -37,7 +37,7 @@ def full() -> dict[str, torch.Tensor]:
         "hsdp": torch.randn(11, 4, generator=g),
         "scalar": torch.tensor(2.5),
         "ids": torch.arange(24, dtype=torch.int64).reshape(4, 6),
-        "strided": torch.randn(22, 3, generator=g),  # FSDP2 over TP on one dimension
+        "strided": torch.randn(24, 3, generator=g),  # FSDP2 over TP on one dimension (even: distribute_tensor)
         "plain": torch.randn(7, generator=g),
     }
 

@@ -245,6 +245,8 @@ class DescribedLeaves:
             why = f"has the unknown encoding {enc[:40]!r}"
         else:
             why = encoded_length_problem(enc, length, raw)
+        if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
+            self._ends = {e[0]: e[1] for e in self.chunk_files}
         if why is None and offset + length > self._ends.get(file, -1):
             why = f"points at {file[:80]!r} [{offset}, {offset + length}), outside the files the manifest lists"
         if why is not None:

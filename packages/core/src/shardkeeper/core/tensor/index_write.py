@@ -37,7 +37,9 @@ def split_report(
         row += n
     if not index_rows:
         return chunks, [], None
-    rest = {"keys": keep_keys, "counts": keep_counts, "table": table.take(keep_rows)}
+    # (no rows left: no file paths either, so the manifest's chunk table names none of them)
+    kept = table.take(keep_rows) if keep_rows else ChunkTable([], [], [], [], [], [], [], [], {}, table.width)
+    rest = {"keys": keep_keys, "counts": keep_counts, "table": kept}
     return rest, index_keys, table.take(index_rows)
 
 
