@@ -45,8 +45,9 @@ def test_restores_are_bit_exact_in_every_layout(seen: list[dict], form: str, tar
 
 def test_a_restore_reads_only_the_index_files_it_needs(seen: list[dict]) -> None:
     for s in seen:
-        # Its own shards, plus the writers of its replicated boxes (chosen per key).
-        assert 1 <= s["on same index files"] <= 2, s
+        # Its own shards, plus the writer of each replicated leaf (m/scalar, m/hsdp: a replica
+        # chosen per key), never every rank's (the world-size sweep reads one at 16,384 ranks)
+        assert 1 <= s["on same index files"] <= 3, s
         assert s["on plain index files"] == 4  # the whole tensors: every writer's
         assert s["off same index files"] == 0
     assert seen[0]["on verify"] == [] and seen[0]["off verify"] == []

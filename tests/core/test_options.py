@@ -152,6 +152,10 @@ def test_encryption_root_without_encryption_raises() -> None:
         ({"compression_level": 1}, "compression_level=1 without compression='zstd': chunks are stored raw"),
         ({"compression": "none", "compression_level": 9}, "compression_level=9 without compression='zstd'"),
         (
+            {"describe_layouts": True, "compression": "zstd"},
+            "describe_layouts=True with compression='zstd': compression stores large chunks as slabs",
+        ),
+        (
             {"max_files_per_rank": 1, "min_file_bytes": 1 << 20},
             "min_file_bytes=1048576 with max_files_per_rank=1: a rank always writes one file",
         ),
@@ -179,6 +183,8 @@ def test_ineffective_combinations_warn_at_the_caller(options: dict[str, Any], me
         {"retry_max_attempts": 1},
         {"compression_level": 3},
         {"encryption": "env:K", "encryption_root": "r"},
+        {"describe_layouts": None, "compression": "zstd"},  # the default: enumerated, as asked
+        {"describe_layouts": True, "data_prefixes": 16},
     ],
 )
 def test_effective_combinations_do_not_warn(options: dict[str, Any]) -> None:

@@ -217,7 +217,8 @@ def _described_problems(
     if differing:
         out.append(
             f"ranks {differing[:8]} record other leaves by their layout rule than rank {reports[0]['rank']} "
-            f"(a DTensor whose local shard is not the one its placements give); pass describe_layouts=False"
+            f"(their DTensors of one key lie on other meshes, or hold shards other than their placements give); "
+            f"pass describe_layouts=False"
         )
     odd = sorted(k for k in described if declared.get(k, [""])[0] != "tensor" or k in rows_of)
     if odd:

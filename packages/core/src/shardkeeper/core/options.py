@@ -412,6 +412,11 @@ def _check_combinations(o: CheckpointOptions) -> None:
             f"compression_level={o.compression_level} without compression='zstd': chunks are stored raw "
             f"and the level is unused; set compression='zstd' or drop compression_level"
         )
+    if o.describe_layouts is True and o.compression not in (None, "none"):
+        _ineffective(
+            f"describe_layouts=True with compression={o.compression!r}: compression stores large chunks "
+            f"as slabs, which no layout rule gives, so every chunk is listed in the manifest; drop one"
+        )
     if o.max_files_per_rank == 1 and _set(o, "min_file_bytes"):
         _ineffective(
             f"min_file_bytes={o.min_file_bytes} with max_files_per_rank=1: a rank always writes one file, "

@@ -65,6 +65,12 @@ def strided_split_factor(p: Any) -> int | None:
     return None
 
 
+def is_whole_world(world_size: int) -> bool:
+    """Whether a saving group of ``world_size`` ranks is the default group's world (its ranks
+    are then the global ranks a DeviceMesh lists)."""
+    return dist.is_initialized() and dist.get_world_size() == world_size
+
+
 def mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A DeviceMesh's shape and the global rank at each coordinate, row-major."""
     ranks = mesh.mesh
@@ -120,6 +126,7 @@ __all__ = [
     "is_replicate",
     "is_shard_placement",
     "is_sharded_tensor",
+    "is_whole_world",
     "local_shape",
     "mesh_ranks",
     "placement_rule",

@@ -27,15 +27,28 @@ from shardkeeper.core.tensor.chunks import LocalLayout, replica_writer
 Described = Rule
 
 
-def describe_leaf(key: str, t: torch.Tensor, layout: LocalLayout, meshes: dict[Any, Any]) -> Rule | None:
+def describe_leaf(
+    key: str, t: torch.Tensor, layout: LocalLayout, meshes: dict[Any, Any], world_size: int
+) -> Rule | None:
     """The rule of DTensor ``t`` (``layout``: this rank's pieces of it), or None when it has
-    none (a placement the rule has no word for, or this rank's pieces are not the rule's box).
+    none: a placement the rule has no word for, this rank's pieces are not the rule's box, or
+    its mesh is not every rank of the saving world (a DTensor on a submesh, as FSDP2 over TP
+    makes of the parameters it does not split along TP: each TP rank's copy lies on another
+    submesh, a replication the DTensor does not name; and mesh ranks are global ranks, so a
+    subgroup's ranks are not theirs). Every rank decides the same from its own DTensor.
     ``meshes`` caches each DeviceMesh's ranks and, for ``_StridedShard`` layouts, torch's
     verdict on every coordinate, by identity and signature."""
     dm = t.device_mesh  # type: ignore[attr-defined]
     mesh = meshes.get(id(dm))
-    if mesh is None:
-        mesh = meshes[id(dm)] = Mesh(*tc.mesh_ranks(dm))
+    if mesh is None:  # one Mesh per content: DeviceMesh objects of the same ranks share it
+        made = Mesh(*tc.mesh_ranks(dm))
+        mesh = meshes[id(dm)] = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    if (
+        len(mesh.ranks) != world_size
+        or not tc.is_whole_world(world_size)
+        or sorted(mesh.ranks) != list(range(world_size))
+    ):
+        return None
     got = _placements(tuple(t.placements))  # type: ignore[attr-defined]
     if got is None:
         return None

@@ -170,7 +170,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
         if layout.plain and leaf.per_rank is None:
             plain_sizes[key] = math.prod(layout.global_shape) * DTYPES[dtype][1]
         elif describe is not False and leaf.per_rank is None and leaf.kind == "tensor" and tc.is_dtensor(t):
-            rule = describe_leaf(key, t, layout, meshes)
+            rule = describe_leaf(key, t, layout, meshes, world_size)
             if rule is not None:
                 candidates[key] = rule
     plan.described = choose(candidates, world_size, describe)
