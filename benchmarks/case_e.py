@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _counting import CountingStore  # noqa: E402
-from _scale_layout import BLOCK, COLS, ITEM, dcp_figures, key, n_rows, rank_chunks, row_split  # noqa: E402
+from _scale_layout import BLOCK, COLS, HEADER, ITEM, dcp_figures, key, n_rows, rank_chunks, row_split  # noqa: E402
 
 N_TENSORS = 100_000
 N_RANKS = 8
@@ -78,6 +78,8 @@ def rank_report(
     from shardkeeper.core.protocol import RankReport
 
     rel = f"data/r{r:05d}-0123abcd-000.safetensors"
+    if layout == "described" and index is None:  # its rows go to an index file no measured step reads
+        return _described_placeholder(ranks, tensors, r, rel, declared, digest)
     keys, offset, length, offsets, shape, digests = [], [], [], [], [], []
     for i, start, count, at in rank_chunks(ranks, tensors, "sharded" if layout == "described" else layout, r):
         n = count * COLS * ITEM
@@ -112,6 +114,36 @@ def rank_report(
         per_rank_prefixes=[],
         layouts=[],
         described=described,
+    )
+
+
+def _described_placeholder(ranks: int, tensors: int, r: int, rel: str, declared: dict[str, Any], digest: str) -> Any:
+    """Rank ``r``'s report in the described layout, as it sends it (files, its index file's
+    entry, no chunk rows), its index file not written (nothing measured reads it)."""
+    from shardkeeper.core.format.columns import ChunkTable
+    from shardkeeper.core.format.table import rows_report
+    from shardkeeper.core.protocol import RankReport
+
+    _, count = row_split(n_rows(ranks), ranks, r)
+    size = HEADER + count * COLS * ITEM * tensors
+    files, entry, chunk_files = {}, None, []
+    if count:
+        entry = [f"data/r{r:05d}-0123abcd.index.json", 1, "0" * 32]
+        files = {rel: {"size_bytes": size, "rank": r}, entry[0]: {"size_bytes": 1, "rank": r}}
+        chunk_files = [[rel, size]]
+    return RankReport(
+        rank=r,
+        attempt="bench",
+        declared=declared if r == 0 else {},
+        declared_digest=digest,
+        chunks=rows_report([], ChunkTable([], [], [], [], [], [], [], [], {}, 0)),
+        files=files,
+        objects={},
+        bases=[],
+        extended=False,
+        per_rank_prefixes=[],
+        layouts=[],
+        described={"digest": "rule", "index": entry, "chunk_files": chunk_files},
     )
 
 

@@ -138,10 +138,12 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
         (lambda d: d["described"]["layouts"][0].append([1]), "not a permutation"),
         (lambda d: d["described"]["replica"].__setitem__(0, 1), "replica 1 of a layout with 1 replicas"),
         (lambda d: d["described"]["layout"].__setitem__(0, 5), "layout 5 is not one of"),
-        (lambda d: d["described"]["index"].pop(), "lists 3 ranks, not 4"),
-        (lambda d: d["described"]["index"][1].__setitem__(1, 7), "not listed in files with its size"),
-        (lambda d: d["described"]["index"][1].__setitem__(0, "../../x"), "not a path in its step"),
-        (lambda d: d["described"]["chunk_files"][0].__setitem__(1, 10**6), "reach byte 1000000"),
+        (lambda d: d["described"]["index"]["digest"].pop(), "list 4, 4, 3 ranks, not 4"),
+        (lambda d: d["described"]["index"]["path"].pop(), "list 3, 4, 4 ranks, not 4"),
+        (lambda d: d["described"]["index"]["size"].__setitem__(1, 7), "not listed in files with its size"),
+        (lambda d: d["described"]["index"]["path"].__setitem__(1, "../../x"), "is not a file of its step"),
+        (lambda d: d["described"]["chunk_files"]["end"].__setitem__(0, 10**6), "reach byte 1000000"),
+        (lambda d: d["described"]["chunk_files"]["path"].__setitem__(0, "/etc/passwd"), "not a path inside the root"),
         (lambda d: d["described"]["dtype"].__setitem__(0, "complex64"), "known dtype"),
         (lambda d: d["leaf_table"]["keys"].append("m/a"), "leaf_table columns differ"),
     ],
@@ -168,7 +170,8 @@ def _edit_index(root: Path, rank: int, fn, *, keep_digest: bool = True) -> None:
         rel = f"data/{p.name}"
 
         def fix(d):  # type: ignore[no-untyped-def]
-            d["described"]["index"][rank] = [rel, len(data), digest_function("xxh3_128")(data)]
+            idx = d["described"]["index"]
+            idx["path"][rank], idx["size"][rank], idx["digest"][rank] = rel, len(data), digest_function("xxh3_128")(data)
             d["files"][rel]["size_bytes"] = len(data)
 
         _edit(root, fix)

@@ -114,7 +114,7 @@ def main(root: str, out: str) -> None:
         state["m"]["rows"].to_local().add_(1.0)
         mgr.save(2, state, async_save=False)
         man = json.loads((path / "step-000000000002" / "manifest.json").read_text())
-        seen["inc references"] = [p for p, _ in man["described"]["chunk_files"] if p.startswith("../")]
+        seen["inc references"] = [p for p in man["described"]["chunk_files"]["path"] if p.startswith("../")]
         target = {"m": {k: torch.zeros_like(v) for k, v in ref.items()}}
         mgr.restore(target, step=2)
         want = {**ref, "rows": ref["rows"] + 1.0}

@@ -254,13 +254,17 @@ def _described_json(
         layout_col.append(li)
         replica_col.append(rule.replica)
         shape.extend(declared[key][2])
-    index: list[Any] = [None] * world_size
+    index_path: list[Any] = [None] * world_size
+    index_size, index_digest = [0] * world_size, [""] * world_size
     chunk_files: dict[str, int] = {}
     for r in reports:
         d = r.get("described") or {}
-        index[r["rank"]] = d.get("index")
+        entry = d.get("index")
+        if entry is not None:
+            index_path[r["rank"]], index_size[r["rank"]], index_digest[r["rank"]] = entry
         for rel, end in d.get("chunk_files", ()):
             chunk_files[rel] = max(chunk_files.get(rel, 0), end)
+    paths = sorted(chunk_files)
     return {
         "keys": keys,
         "kind": [declared[k][0] for k in keys],
@@ -271,8 +275,8 @@ def _described_json(
         "replica": replica_col,
         "layouts": layouts,
         "meshes": meshes,
-        "index": index,
-        "chunk_files": [[p, chunk_files[p]] for p in sorted(chunk_files)],
+        "index": {"path": index_path, "size": index_size, "digest": index_digest},
+        "chunk_files": {"path": paths, "end": [chunk_files[p] for p in paths]},
     }
 
 

@@ -60,8 +60,14 @@ class DescribedLeaves:
         self.replica: list[int] = d["replica"]
         self.layouts: list[Any] = d["layouts"]  # [mesh index, placements(, order)]
         self.meshes = [Mesh.from_json(m) for m in d["meshes"]]
-        self.index: list[Any] = d["index"]  # per rank: [path, size, digest] or null
-        self.chunk_files: list[str] = d["chunk_files"]
+        index, files = d["index"], d["chunk_files"]
+        # per rank: its index file's path (null: it wrote no described chunk), size and digest
+        self.index_path: list[str | None] = index["path"]
+        self.index_size: list[int] = index["size"]
+        self.index_digest: list[str] = index["digest"]
+        # every file the index files' rows name, and the end of the last byte they reference
+        self.file_path: list[str] = files["path"]
+        self.file_end: list[int] = files["end"]
         self.width, self.block = width, block
         self._pos: dict[str, int] | None = None
         self._shapes: list[tuple[int, ...]] | None = None
@@ -86,8 +92,8 @@ class DescribedLeaves:
             "replica": self.replica,
             "layouts": self.layouts,
             "meshes": [m.to_json() for m in self.meshes],
-            "index": self.index,
-            "chunk_files": self.chunk_files,
+            "index": {"path": self.index_path, "size": self.index_size, "digest": self.index_digest},
+            "chunk_files": {"path": self.file_path, "end": self.file_end},
         }
 
     def __len__(self) -> int:
@@ -160,34 +166,32 @@ class DescribedLeaves:
             assert pl is not None
             if rep >= replicas(mesh, pl):
                 return f"{self.keys[j]}: replica {rep} of a layout with {replicas(mesh, pl)} replicas"
-        if not isinstance(self.index, list) or len(self.index) != world_size:
-            return f"described index lists {len(self.index) if isinstance(self.index, list) else '?'} ranks, not {world_size}"
-        for entry in self.index:
-            if entry is None:
+        ip, isz, idg = self.index_path, self.index_size, self.index_digest
+        if not all(isinstance(c, list) and len(c) == world_size for c in (ip, isz, idg)):
+            lens = ", ".join(str(len(c)) if isinstance(c, list) else "?" for c in (ip, isz, idg))
+            return f"described index columns (path, size, digest) list {lens} ranks, not {world_size}"
+        if not set(map(type, isz)) <= {int} or not set(map(type, idg)) <= {str}:
+            return "described index sizes and digests are not integers and strings"
+        for path, size in zip(ip, isz):
+            if path is None:
                 continue
-            if not (
-                isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)
-            ):
-                return "a described index entry is not [path, size, digest]"
-            if not safe_relative_path(entry[0]) or entry[0].startswith("../"):
-                return f"index file {entry[0][:80]!r} is not a path in its step"
-            if files.get(entry[0], {}).get("size_bytes") != entry[1]:
-                return f"index file {entry[0][:80]!r} is not listed in files with its size"
-        if not isinstance(self.chunk_files, list) or not all(
-            isinstance(e, list)
-            and len(e) == 2
-            and isinstance(e[0], str)
-            and safe_relative_path(e[0])
-            and type(e[1]) is int
-            and e[1] >= 0
-            for e in self.chunk_files
-        ):
-            return "described chunk_files are not [path inside the root, end] pairs"
-        for rel, end in self.chunk_files:
-            size = files.get(rel, {}).get("size_bytes") if not rel.startswith("../") else None
+            rec = files.get(path) if isinstance(path, str) else None
+            if rec is None or path.startswith("../"):  # (the paths of files were checked already)
+                return f"index file {str(path)[:80]!r} is not a file of its step"
+            if rec.get("size_bytes") != size:
+                return f"index file {path[:80]!r} is not listed in files with its size"
+        fp, fe = self.file_path, self.file_end
+        if not (isinstance(fp, list) and isinstance(fe, list) and len(fp) == len(fe)):
+            return "described chunk_files columns differ in length"
+        if not set(map(type, fe)) <= {int} or (fe and min(fe) < 0) or not set(map(type, fp)) <= {str}:
+            return "described chunk_files are not paths with non-negative ends"
+        for rel, end in zip(fp, fe):
+            if rel not in files and not safe_relative_path(rel):
+                return f"described chunk file {rel[:80]!r} is not a path inside the root"
+            size = files.get(rel, {}).get("size_bytes")
             if size is not None and end > size:
                 return f"described chunks reach byte {end} of {rel[:80]!r}, which has {size}"
-        self._ends = dict(map(tuple, self.chunk_files))
+        self._ends = dict(zip(fp, fe))
         return None
 
     def _spec(self, j: int) -> tuple[Mesh, tuple[tuple[Any, ...], ...], list[int] | None]:
@@ -224,7 +228,7 @@ class DescribedLeaves:
     def _chunk(self, j: int, rank: int, offs: tuple[int, ...], box: tuple[int, ...]) -> ChunkRecord:
         key = self.keys[j]
         rows, table, starts = self._load(rank)
-        path = self.index[rank][0]
+        path = self.index_path[rank]
         i = rows.get(key)
         if i is None:
             raise self._damage(path, rank, f"has no chunk of {key!r}, which the layout says rank {rank} wrote")
@@ -246,7 +250,7 @@ class DescribedLeaves:
         else:
             why = encoded_length_problem(enc, length, raw)
         if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
-            self._ends = {e[0]: e[1] for e in self.chunk_files}
+            self._ends = dict(zip(self.file_path, self.file_end))
         if why is None and offset + length > self._ends.get(file, -1):
             why = f"points at {file[:80]!r} [{offset}, {offset + length}), outside the files the manifest lists"
         if why is not None:
@@ -275,8 +279,8 @@ class DescribedLeaves:
             return got
 
     def _parse(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int]]:
-        entry = self.index[rank] if 0 <= rank < len(self.index) else None
-        if entry is None:
+        path = self.index_path[rank] if 0 <= rank < len(self.index_path) else None
+        if path is None:
             raise CorruptCheckpointError(
                 f"the manifest's layout says rank {rank} wrote chunks, but it lists no index file of rank "
                 f"{rank}; the checkpoint is damaged: restore another step"
@@ -286,7 +290,7 @@ class DescribedLeaves:
                 "this manifest's described leaves keep their chunks in index files, and it was parsed "
                 "without its storage: load it with shardkeeper.core.commit.load_manifest"
             )
-        path, size, digest = entry
+        size, digest = self.index_size[rank], self.index_digest[rank]
         if size > MAX_INDEX_BYTES:
             raise self._damage(path, rank, f"is {size} bytes, more than the {MAX_INDEX_BYTES} a reader accepts")
         data = self._read(path)

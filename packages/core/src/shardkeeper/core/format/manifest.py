@@ -199,7 +199,7 @@ class Manifest:
             for c in leaf.chunks:
                 ends[c.file] = max(ends.get(c.file, 0), c.offset + c.length)
         if described is not None:
-            for rel, end in described.chunk_files:
+            for rel, end in zip(described.file_path, described.file_end):
                 ends[rel] = max(ends.get(rel, 0), end)
         return ends
 
@@ -207,7 +207,7 @@ class Manifest:
         """Files (relative to the step directory) this manifest's chunks point at."""
         out = set(self.files)
         if isinstance(self.leaves, TableLeaves):
-            more = [p for p, _ in self.leaves.described.chunk_files] if self.leaves.described is not None else []
+            more = self.leaves.described.file_path if self.leaves.described is not None else []
             return out | set(self.leaves.table.paths) | set(more)
         out.update(c.file for _, c in self.chunks())
         return out
