@@ -97,6 +97,7 @@ def sweep(
         if need > 0.85 * avail:
             results.append(
                 {
+                    "layout": layout,
                     "ranks": ranks,
                     "tensors": tensors,
                     "status": "skipped",

@@ -35,6 +35,7 @@ from shardkeeper.core.format.records import (
 from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.format.versions import ENCODINGS
 
+_ITEM = {name: size for name, (_, size) in DTYPES.items()}
 #: An index file larger than this is refused before it is read.
 MAX_INDEX_BYTES = 1 << 28
 INDEX_SCHEMA = 1
@@ -78,6 +79,8 @@ class DescribedLeaves:
         self._ends: dict[str, int] = {}  # chunk_files, once checked
         self._loaded: dict[int, tuple[dict[str, int], ChunkTable, list[int]]] = {}
         self._failed: dict[int, CorruptCheckpointError] = {}
+        self._specs: list[tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]] | None = None
+        self._cells: dict[Any, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
         self._lock = threading.Lock()
         self.index_reads = 0
 
@@ -156,16 +159,20 @@ class DescribedLeaves:
             ):
                 return "a described layout is not [mesh index, placements] or [mesh index, placements, order]"
             specs.append((self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None))
-        for j, (li, rep) in enumerate(zip(self.layout, self.replica)):
-            if li >= len(specs):
-                return f"{self.keys[j]}: layout {li} is not one of the {len(specs)} described layouts"
-            mesh, pl, order = specs[li]
-            why = placements_problem(pl, mesh, self.ndim[j], order)
-            if why is not None:
-                return f"{self.keys[j]}: {why}"
-            assert pl is not None
-            if rep >= replicas(mesh, pl):
-                return f"{self.keys[j]}: replica {rep} of a layout with {replicas(mesh, pl)} replicas"
+        seen: dict[tuple[int, int], int] = {}  # (layout, ndim) -> its replica count, checked once
+        for j, (li, rep, nd) in enumerate(zip(self.layout, self.replica, self.ndim)):
+            n = seen.get((li, nd))
+            if n is None:
+                if li >= len(specs):
+                    return f"{self.keys[j]}: layout {li} is not one of the {len(specs)} described layouts"
+                mesh, pl, order = specs[li]
+                why = placements_problem(pl, mesh, nd, order)
+                if why is not None:
+                    return f"{self.keys[j]}: {why}"
+                n = seen[(li, nd)] = replicas(mesh, pl)
+            if rep >= n:
+                return f"{self.keys[j]}: replica {rep} of a layout with {n} replicas"
+        self._specs = [(m, pl, tuple(o) if o is not None else None) for m, pl, o in specs]
         ip, isz, idg = self.index_path, self.index_size, self.index_digest
         if not all(isinstance(c, list) and len(c) == world_size for c in (ip, isz, idg)):
             lens = ", ".join(str(len(c)) if isinstance(c, list) else "?" for c in (ip, isz, idg))
@@ -194,9 +201,13 @@ class DescribedLeaves:
         self._ends = dict(zip(fp, fe))
         return None
 
-    def _spec(self, j: int) -> tuple[Mesh, tuple[tuple[Any, ...], ...], list[int] | None]:
-        spec = self.layouts[self.layout[j]]
-        return self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None
+    def _spec(self, j: int) -> tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]:
+        if self._specs is None:  # (made when the manifest was checked; here for one assembled in memory)
+            self._specs = [
+                (self.meshes[sp[0]], tuple(tuple(p) for p in sp[1]), tuple(sp[2]) if len(sp) == 3 else None)
+                for sp in self.layouts
+            ]
+        return self._specs[self.layout[j]]
 
     def head(self, key: str) -> LeafRecord | None:
         j = self.pos.get(key)
@@ -208,8 +219,15 @@ class DescribedLeaves:
         """The chunks of leaf ``key`` that meet the box ``offsets``/``shape``: derived from
         the rule, their fields read from the index files of the ranks that wrote them."""
         j = self.pos[key]
-        mesh, pl, order = self._spec(j)
-        cells = overlapping_cells(self.shapes()[j], mesh, pl, self.replica[j], offsets, shape, order)
+        # Leaves of one layout and shape split alike: a target box's cells are found once (a
+        # restore of 100,000 tensors of a few shapes derives a few sets of cells)
+        memo_key = (self.layout[j], self.replica[j], self.shapes()[j], tuple(offsets), tuple(shape))
+        cells = self._cells.get(memo_key)
+        if cells is None:
+            mesh, pl, order = self._spec(j)
+            cells = overlapping_cells(self.shapes()[j], mesh, pl, self.replica[j], offsets, shape, order)
+            if len(self._cells) < 65536:
+                self._cells[memo_key] = cells
         return [self._chunk(j, rank, offs, box) for rank, offs, box in cells]
 
     def record(self, key: str) -> LeafRecord:
@@ -226,45 +244,53 @@ class DescribedLeaves:
         return tuple(self.overlapping(key, (0,) * len(shape), shape)) if math.prod(shape) else ()
 
     def _chunk(self, j: int, rank: int, offs: tuple[int, ...], box: tuple[int, ...]) -> ChunkRecord:
+        """The chunk rank ``rank`` wrote of leaf ``j``, the box ``offs``/``box``, from its
+        index file, checked against the rule and the manifest."""
         key = self.keys[j]
-        rows, table, starts = self._load(rank)
-        path = self.index_path[rank]
+        rows, table, starts, dims = self._load(rank)
         i = rows.get(key)
         if i is None:
-            raise self._damage(path, rank, f"has no chunk of {key!r}, which the layout says rank {rank} wrote")
-        a, b = table.dims[i], table.dims[i + 1]
-        if tuple(table.offsets[a:b]) != offs or tuple(table.shape[a:b]) != box:
+            raise self._damage(rank, f"has no chunk of {key!r}, which the layout says rank {rank} wrote")
+        a, b = dims[i], dims[i + 1]
+        if table.offsets[a:b] != list(offs) or table.shape[a:b] != list(box):
             raise self._damage(
-                path,
                 rank,
                 f"gives {key!r} the box {table.offsets[a:b]}+{table.shape[a:b]}, its layout {list(offs)}+{list(box)}",
             )
         file, offset, length = table.paths[table.file[i]], table.offset[i], table.length[i]
-        enc = table.extras.get("encoding", [None] * len(table))[i] or "raw"
-        raw = math.prod(box) * DTYPES[self.dtype[j]][1]
-        why = None
+        encodings = table.extras.get("encoding") if table.extras else None
+        enc = (encodings[i] if encodings is not None else None) or "raw"
+        if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
+            self._ends = dict(zip(self.file_path, self.file_end))
+        if (
+            enc == "raw"
+            and length == math.prod(box) * _ITEM[self.dtype[j]]
+            and offset + length <= self._ends.get(file, -1)
+        ):
+            w = table.width
+            digests = BlockDigests.packed(table.digests[starts[i] * w : starts[i + 1] * w], w)  # type: ignore[index]
+            return ChunkRecord.unchecked(file, offset, length, offs, box, digests)
+        raw = math.prod(box) * _ITEM[self.dtype[j]]
         if enc == "raw":
             why = None if length == raw else f"has {length} bytes for a box of {raw}"
         elif enc not in ENCODINGS:
             why = f"has the unknown encoding {enc[:40]!r}"
         else:
             why = encoded_length_problem(enc, length, raw)
-        if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
-            self._ends = dict(zip(self.file_path, self.file_end))
         if why is None and offset + length > self._ends.get(file, -1):
             why = f"points at {file[:80]!r} [{offset}, {offset + length}), outside the files the manifest lists"
         if why is not None:
-            raise self._damage(path, rank, f"chunk of {key!r} {why}")
+            raise self._damage(rank, f"chunk of {key!r} {why}")
         w = table.width
         digests = BlockDigests.packed(table.digests[starts[i] * w : starts[i + 1] * w], w)  # type: ignore[index]
-        rec = ChunkRecord.unchecked(file, offset, length, offs, box, digests)
-        if enc != "raw":
-            rec = ChunkRecord(
-                file, offset, length, offs, box, digests, enc, table.extras.get("content", [None] * len(table))[i] or ""
-            )
-        return rec
+        contents = table.extras.get("content")
+        content = (contents[i] if contents is not None else None) or ""
+        return ChunkRecord(file, offset, length, offs, box, digests, enc, content)
 
-    def _load(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int]]:
+    def _load(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int], list[int]]:
+        got = self._loaded.get(rank)  # (a dict read is atomic: the lock only for a first read)
+        if got is not None:
+            return got
         with self._lock:
             got = self._loaded.get(rank)
             if got is None:
@@ -278,7 +304,7 @@ class DescribedLeaves:
                     raise
             return got
 
-    def _parse(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int]]:
+    def _parse(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int], list[int]]:
         path = self.index_path[rank] if 0 <= rank < len(self.index_path) else None
         if path is None:
             raise CorruptCheckpointError(
@@ -292,11 +318,11 @@ class DescribedLeaves:
             )
         size, digest = self.index_size[rank], self.index_digest[rank]
         if size > MAX_INDEX_BYTES:
-            raise self._damage(path, rank, f"is {size} bytes, more than the {MAX_INDEX_BYTES} a reader accepts")
+            raise self._damage(rank, f"is {size} bytes, more than the {MAX_INDEX_BYTES} a reader accepts")
         data = self._read(path)
         self.index_reads += 1
         if len(data) != size or self._digest(data) != digest:
-            raise self._damage(path, rank, "does not match the size and digest the manifest records for it")
+            raise self._damage(rank, "does not match the size and digest the manifest records for it")
         try:
             doc = loads_untrusted(data, max_bytes=MAX_INDEX_BYTES)
             keys = doc["keys"]
@@ -311,13 +337,14 @@ class DescribedLeaves:
         except (ValueError, TypeError, LookupError, AttributeError) as e:
             why = f"is malformed ({type(e).__name__}: {str(e)[:120]})"
         if why is not None:
-            raise self._damage(path, rank, why)
+            raise self._damage(rank, why)
         rows = {k: i for i, k in enumerate(keys) if isinstance(k, str)}
         if len(rows) != len(keys):
-            raise self._damage(path, rank, "lists a key twice, or one that is not a string")
-        return rows, table, table.digest_starts(self.block)
+            raise self._damage(rank, "lists a key twice, or one that is not a string")
+        return rows, table, table.digest_starts(self.block), table.dims
 
-    def _damage(self, path: str, rank: int, why: str) -> CorruptCheckpointError:
+    def _damage(self, rank: int, why: str) -> CorruptCheckpointError:
+        path = self.index_path[rank] or "(none)"
         return CorruptCheckpointError(
             f"index file {self._where(path)} of rank {rank} {why}; the checkpoint is damaged: restore "
             f"another step, or run `shardkeeper verify` on the root"
