@@ -187,20 +187,25 @@ def bench(session: nox.Session) -> None:
     overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too), and
     benchmarks/direct_io.py: buffered against O_DIRECT writes (decisions.md D19), then
     benchmarks/scale.py: commit, planning, manifest and store bytes against the world size,
-    DCP's metadata beside them (`--quick`: small points).
+    DCP's metadata beside them (`--quick`: small points), and benchmarks/ranks16.py: 16 real
+    ranks saving and restoring FSDP2 and DDP on local disk and on a moto S3 server, bit for
+    bit, with the store and object-store requests counted (`--quick`: 4 ranks, local disk).
     """
-    _run_script(session, "benchmarks/run.py", "matplotlib")
+    _run_script(session, "benchmarks/run.py", "matplotlib", "moto[s3,server]", core_extras="torch,s3")
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "benchmarks/loop.py", *quick)
     session.run("python", "benchmarks/direct_io.py", *quick)
     session.run("python", "benchmarks/scale.py", *quick)
+    session.run(
+        "python", "benchmarks/ranks16.py", *(["--nproc", "4", "--no-s3", "--name", "ranks16-quick"] if quick else [])
+    )
 
 
-def _run_script(session: nox.Session, script: str, *extra: str) -> None:
+def _run_script(session: nox.Session, script: str, *extra: str, core_extras: str = "torch") -> None:
     if not (ROOT / script).is_file():
         session.error(f"{script} does not exist yet")
     _install_torch(session)
-    _install(session, "-e", "packages/core[torch]", *extra)
+    _install(session, "-e", f"packages/core[{core_extras}]", *extra)
     session.run("python", script, *session.posargs)
 
 
