@@ -171,7 +171,11 @@ def _edit_index(root: Path, rank: int, fn, *, keep_digest: bool = True) -> None:
 
         def fix(d):  # type: ignore[no-untyped-def]
             idx = d["described"]["index"]
-            idx["path"][rank], idx["size"][rank], idx["digest"][rank] = rel, len(data), digest_function("xxh3_128")(data)
+            idx["path"][rank], idx["size"][rank], idx["digest"][rank] = (
+                rel,
+                len(data),
+                digest_function("xxh3_128")(data),
+            )
             d["files"][rel]["size_bytes"] = len(data)
 
         _edit(root, fix)
