@@ -315,7 +315,7 @@ def _described(doc: object, where: str) -> dict[str, Any]:
         and isinstance(entry[2], str)
     ):
         raise malformed(where, f"the index entry is {_describe(entry)}, not [path, size, digest]")
-    return d
+    return dict(d)
 
 
 Report = RankReport | Failure

@@ -274,7 +274,7 @@ class SaveRunner:
         if job.plan.described:
             chunks, index_keys, index_table = split_report(res.chunks, job.plan.described)
             entry: list[Any] | None = None
-            chunk_files: list[str] = []
+            chunk_files: list[list[Any]] = []
             if index_table is not None:
                 rel, size, digest, chunk_files = write_index(
                     ctx.storage,

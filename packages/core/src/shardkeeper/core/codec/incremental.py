@@ -87,13 +87,14 @@ class ReuseIndex:
                 found = []
             boxes = {(c.offsets, c.shape): c for c in found}
         else:
-            boxes = self._by_key.get(key)
-            if boxes is None:
+            cached = self._by_key.get(key)
+            if cached is None:
                 leaf = leaves.get(key)
-                boxes = {}
+                cached = {}
                 if leaf is not None and leaf.kind != "object" and leaf.dtype == dtype:
-                    boxes = {(c.offsets, c.shape): c for c in leaf.chunks}
-                self._by_key[key] = boxes
+                    cached = {(c.offsets, c.shape): c for c in leaf.chunks}
+                self._by_key[key] = cached
+            boxes = cached
         prev = boxes.get((tuple(offsets), tuple(shape)))
         if prev is None:
             return None

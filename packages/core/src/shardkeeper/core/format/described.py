@@ -19,7 +19,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
-from typing import Any
+from typing import Any, cast
 
 from shardkeeper.core.errors import CorruptCheckpointError, UntrustedJSONError
 from shardkeeper.core.format.columns import MAX_NDIM, ChunkTable
@@ -77,7 +77,7 @@ class DescribedLeaves:
         self._where: Callable[[str], str] = str
         self._files: Mapping[str, Any] = {}
         self._ends: dict[str, int] = {}  # chunk_files, once checked
-        self._loaded: dict[int, tuple[dict[str, int], ChunkTable, list[int]]] = {}
+        self._loaded: dict[int, tuple[dict[str, int], ChunkTable, list[int], list[int]]] = {}
         self._failed: dict[int, CorruptCheckpointError] = {}
         self._specs: list[tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]] | None = None
         self._cells: dict[Any, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
@@ -161,17 +161,17 @@ class DescribedLeaves:
             specs.append((self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None))
         seen: dict[tuple[int, int], int] = {}  # (layout, ndim) -> its replica count, checked once
         for j, (li, rep, nd) in enumerate(zip(self.layout, self.replica, self.ndim)):
-            n = seen.get((li, nd))
-            if n is None:
+            got = seen.get((li, nd))
+            if got is None:
                 if li >= len(specs):
                     return f"{self.keys[j]}: layout {li} is not one of the {len(specs)} described layouts"
                 mesh, pl, order = specs[li]
                 why = placements_problem(pl, mesh, nd, order)
                 if why is not None:
                     return f"{self.keys[j]}: {why}"
-                n = seen[(li, nd)] = replicas(mesh, pl)
-            if rep >= n:
-                return f"{self.keys[j]}: replica {rep} of a layout with {n} replicas"
+                got = seen[(li, nd)] = replicas(mesh, pl)
+            if rep >= got:
+                return f"{self.keys[j]}: replica {rep} of a layout with {got} replicas"
         self._specs = [(m, pl, tuple(o) if o is not None else None) for m, pl, o in specs]
         ip, isz, idg = self.index_path, self.index_size, self.index_digest
         if not all(isinstance(c, list) and len(c) == world_size for c in (ip, isz, idg)):
@@ -268,7 +268,7 @@ class DescribedLeaves:
             and offset + length <= self._ends.get(file, -1)
         ):
             w = table.width
-            digests = BlockDigests.packed(table.digests[starts[i] * w : starts[i + 1] * w], w)  # type: ignore[index]
+            digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
             return ChunkRecord.unchecked(file, offset, length, offs, box, digests)
         raw = math.prod(box) * _ITEM[self.dtype[j]]
         if enc == "raw":
@@ -282,7 +282,7 @@ class DescribedLeaves:
         if why is not None:
             raise self._damage(rank, f"chunk of {key!r} {why}")
         w = table.width
-        digests = BlockDigests.packed(table.digests[starts[i] * w : starts[i + 1] * w], w)  # type: ignore[index]
+        digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
         contents = table.extras.get("content")
         content = (contents[i] if contents is not None else None) or ""
         return ChunkRecord(file, offset, length, offs, box, digests, enc, content)
