@@ -211,3 +211,26 @@ def test_a_torn_index_file_fails_its_digest(tmp_path: Path) -> None:
     problems = [p.message for p in verify_step(LocalStorage(tmp_path), 1).problems]
     assert any("index file" in p and "of rank 2" in p for p in problems), problems
     assert all("r00002-" in p for p in problems), problems  # its size too; nothing else
+
+
+def test_a_partial_restore_reads_only_its_keys_index_files(tmp_path: Path) -> None:
+    _write(tmp_path)
+    target = {"m": {"b": torch.zeros(3, 5)}}
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.restore(target, step=1, only=["m/b"])
+        stats = mgr.last_restore_stats
+    assert torch.equal(target["m"]["b"], _full()["b"])
+    assert stats.index_files == 3  # b's three rows lie with ranks 0-2; rank 3 wrote none of it
+
+
+def test_export_of_a_described_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from shardkeeper.core.export import export_safetensors
+
+    _write(tmp_path / "root")
+    export_safetensors(str(tmp_path / "root"), 1, to=str(tmp_path / "out"), keys=["m/*"], keep_prefix=True)
+    got = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    want = _full()
+    assert sorted(got) == [f"m/{k}" for k in sorted(SHAPES)]
+    assert all(torch.equal(got[f"m/{k}"], want[k]) for k in SHAPES)
