@@ -75,3 +75,23 @@ def test_incremental_references_into_prefixed_files(tmp_path) -> None:
         )
     man = open(os.path.join(root, step_dir(2), "manifest.json")).read()
     assert f"../{step_dir(1)}/data/" in man
+
+
+def test_files_under_hashed_prefixes_are_encrypted(tmp_path, monkeypatch) -> None:
+    """Every file under a step's data/, at any depth, is an encrypted file: a prefix
+    directory is no way around the encryption (it once was)."""
+    import base64
+
+    monkeypatch.setenv("SK_PREFIX_KEK", base64.b64encode(bytes(range(32))).decode())
+    root = tmp_path / "r"
+    secret = torch.arange(4096, dtype=torch.float32)
+    with CheckpointManager(root, encryption="env:SK_PREFIX_KEK", data_prefixes=4) as mgr:
+        mgr.save(1, {"secret": secret}, async_save=False)
+        files = [p for p in (root / step_dir(1) / "data").rglob("*") if p.is_file()]
+        assert files and all(p.parent.name != "data" for p in files)  # all in a prefix directory
+        for p in files:
+            raw = p.read_bytes()
+            assert raw.startswith(b"SKCRYPT1") and secret.numpy().tobytes()[:64] not in raw, p
+        target = {"secret": torch.zeros(4096)}
+        mgr.restore(target)
+        assert torch.equal(target["secret"], secret)

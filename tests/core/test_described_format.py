@@ -146,6 +146,8 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
         (lambda d: d["described"]["chunk_files"]["path"].__setitem__(0, "/etc/passwd"), "not a path inside the root"),
         (lambda d: d["described"]["dtype"].__setitem__(0, "complex64"), "known dtype"),
         (lambda d: d["leaf_table"]["keys"].append("m/a"), "leaf_table columns differ"),
+        (lambda d: d["described"]["meshes"][0].update(shape=[4] + [1] * 20, ranks=[0, 1, 2, 3]), "at most 16"),
+        (lambda d: d["described"]["index"]["path"].__setitem__(2, None), "a rank without an index file has"),
     ],
 )
 def test_edits_of_the_described_member_are_damage(tmp_path: Path, edit, why: str) -> None:  # type: ignore[no-untyped-def]
@@ -189,6 +191,9 @@ def _edit_index(root: Path, rank: int, fn, *, keep_digest: bool = True) -> None:
             "gives 'm/a' the box [1, 0]+[3, 6], its layout [3, 0]+[3, 6]",
         ),
         (lambda d: d.update(rank=3), "says it is rank 3's"),
+        (lambda d: d.update(rank=True), "says it is rank True's"),
+        (lambda d: d.update(step=99), "says it is of step 99"),
+        (lambda d: d.update(index_schema=2), "has index_schema 2, not 1"),
         (lambda d: d["keys"].__setitem__(1, d["keys"][0]), "lists a key twice"),
         (lambda d: d["table"]["length"].__setitem__(0, 8), "has 8 bytes for a box of 72"),
         (lambda d: d["table"]["offset"].__setitem__(2, 10**5), "outside the files the manifest lists"),
@@ -234,3 +239,37 @@ def test_export_of_a_described_checkpoint_is_bit_exact(tmp_path: Path) -> None:
     want = _full()
     assert sorted(got) == [f"m/{k}" for k in sorted(SHAPES)]
     assert all(torch.equal(got[f"m/{k}"], want[k]) for k in SHAPES)
+
+
+def test_a_missing_index_file_is_damage_naming_its_rank(tmp_path: Path) -> None:
+    _write(tmp_path)
+    (p,) = (tmp_path / step_dir(1) / "data").glob("r00001-*.index.json")
+    p.unlink()
+    with pytest.raises(CorruptCheckpointError, match="of rank 1 is missing.*restore another step"):
+        _restore(tmp_path)
+
+
+def test_an_index_file_longer_than_recorded_is_refused_unread(tmp_path: Path) -> None:
+    _write(tmp_path)
+    (p,) = (tmp_path / step_dir(1) / "data").glob("r00001-*.index.json")
+    with open(p, "ab") as f:
+        f.write(b" " * (1 << 20))
+    storage = LocalStorage(tmp_path)
+    m = load_manifest(storage, 1)
+    reads: list[tuple[int, int]] = []
+    orig = storage.read_range
+    storage.read_range = lambda path, off, n: reads.append((off, n)) or orig(path, off, n)  # type: ignore[method-assign]
+    with pytest.raises(CorruptCheckpointError, match="of rank 1 does not match the size and digest"):
+        m.leaves.overlapping("m/c", (16, 0), (16, 32))
+    assert reads == []  # its size was compared first: not a byte of it was read
+
+
+def test_an_incremental_save_over_a_described_leaf_of_other_dimensions(tmp_path: Path) -> None:
+    """The base step's m/c is 64 x 32; a 1-d m/c finds nothing to reuse, and saves."""
+    _write(tmp_path)
+    with CheckpointManager(str(tmp_path), incremental=True, digest_block_bytes=BLOCK) as mgr:
+        flat = torch.arange(2048, dtype=torch.float32)
+        mgr.save(2, {"m": {"c": flat}}, async_save=False)
+        target = {"m": {"c": torch.zeros(2048)}}
+        mgr.restore(target, step=2)
+    assert torch.equal(target["m"]["c"], flat)

@@ -33,8 +33,9 @@ _SCHEMES = {"gcs": "gs", "s3a": "s3"}
 
 
 def is_data_path(path: str) -> bool:
+    """A file under a step's ``data/``, at any depth (``data/<hex>/...``: hashed prefixes)."""
     parts = path.split("/")
-    return len(parts) >= 3 and parts[-2] == DATA_DIR and parse_step_dir(parts[-3]) is not None
+    return any(parts[i + 1] == DATA_DIR and parse_step_dir(parts[i]) is not None for i in range(len(parts) - 2))
 
 
 def is_manifest_path(path: str) -> bool:

@@ -81,7 +81,7 @@ class ReuseIndex:
             # A described leaf: only the chunks of this box, from the index files that hold
             # them (not every rank's, as the leaf's whole chunk list would read).
             head = leaves.head(key)
-            try:
+            try:  # (a leaf of another number of dimensions meets none: overlapping finds nothing)
                 found = leaves.overlapping(key, offsets, shape) if head.dtype == dtype else []
             except CheckpointError:  # a damaged base: nothing of it is reused, the save goes on
                 found = []

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any, cast
 
-from shardkeeper.core.errors import CorruptCheckpointError, UntrustedJSONError
+from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedJSONError
 from shardkeeper.core.format.columns import MAX_NDIM, ChunkTable
 from shardkeeper.core.format.grid import Mesh, overlapping_cells, placements_problem, replicas
 from shardkeeper.core.format.records import (
@@ -72,7 +72,8 @@ class DescribedLeaves:
         self.width, self.block = width, block
         self._pos: dict[str, int] | None = None
         self._shapes: list[tuple[int, ...]] | None = None
-        self._read: Callable[[str], bytes] | None = None
+        self._read: Callable[[str, int], bytes] | None = None
+        self._step: int | None = None
         self._digest: Callable[[bytes], str] | None = None
         self._where: Callable[[str], str] = str
         self._files: Mapping[str, Any] = {}
@@ -116,15 +117,16 @@ class DescribedLeaves:
 
     def attach(
         self,
-        read: Callable[[str], bytes],
+        read: Callable[[str, int], bytes],
         digest: Callable[[bytes], str],
         files: Mapping[str, Any],
         where: Callable[[str], str] = str,
+        step: int | None = None,
     ) -> None:
-        """Where the index files are read from (``read(path)``, paths relative to the step
-        directory), how they are digested, the manifest's ``files`` (their sizes) and how a
-        path is named in errors."""
-        self._read, self._digest, self._files, self._where = read, digest, files, where
+        """Where the index files are read from (``read(path, size)``: the file, relative to the
+        step directory, refused unread when it is not ``size`` bytes), how they are digested,
+        the manifest's ``files`` (their sizes), how a path is named in errors, and the step."""
+        self._read, self._digest, self._files, self._where, self._step = read, digest, files, where, step
 
     def problem(self, world_size: int, files: Mapping[str, Any]) -> str | None:
         """Why the columns cannot be trusted, or None (types, lengths, the rule's fields)."""
@@ -179,8 +181,10 @@ class DescribedLeaves:
             return f"described index columns (path, size, digest) list {lens} ranks, not {world_size}"
         if not set(map(type, isz)) <= {int} or not set(map(type, idg)) <= {str}:
             return "described index sizes and digests are not integers and strings"
-        for path, size in zip(ip, isz):
+        for path, size, dg in zip(ip, isz, idg):
             if path is None:
+                if size != 0 or dg != "":
+                    return "a rank without an index file has an index size or digest"
                 continue
             rec = files.get(path) if isinstance(path, str) else None
             if rec is None or path.startswith("../"):  # (the paths of files were checked already)
@@ -219,6 +223,8 @@ class DescribedLeaves:
         """The chunks of leaf ``key`` that meet the box ``offsets``/``shape``: derived from
         the rule, their fields read from the index files of the ranks that wrote them."""
         j = self.pos[key]
+        if len(offsets) != self.ndim[j] or len(shape) != self.ndim[j]:
+            return []  # a box of another number of dimensions meets none of this leaf's
         # Leaves of one layout and shape split alike: a target box's cells are found once (a
         # restore of 100,000 tensors of a few shapes derives a few sets of cells)
         memo_key = (self.layout[j], self.replica[j], self.shapes()[j], tuple(offsets), tuple(shape))
@@ -319,7 +325,10 @@ class DescribedLeaves:
         size, digest = self.index_size[rank], self.index_digest[rank]
         if size > MAX_INDEX_BYTES:
             raise self._damage(rank, f"is {size} bytes, more than the {MAX_INDEX_BYTES} a reader accepts")
-        data = self._read(path)
+        try:
+            data = self._read(path, size)
+        except CheckpointNotFoundError:
+            raise self._damage(rank, "is missing") from None
         self.index_reads += 1
         if len(data) != size or self._digest(data) != digest:
             raise self._damage(rank, "does not match the size and digest the manifest records for it")
@@ -330,8 +339,16 @@ class DescribedLeaves:
             why = table.problem(self.block)
             if why is None and (not isinstance(keys, list) or len(keys) != len(table)):
                 why = "lists another number of keys than rows"
-            if why is None and doc.get("rank") != rank:
+            if why is None and (type(doc.get("rank")) is not int or doc.get("rank") != rank):
                 why = f"says it is rank {doc.get('rank')!r}'s"
+            if why is None and doc.get("index_schema") != INDEX_SCHEMA:
+                why = f"has index_schema {str(doc.get('index_schema'))[:20]}, not {INDEX_SCHEMA}"
+            if (
+                why is None
+                and self._step is not None
+                and (type(doc.get("step")) is not int or doc["step"] != self._step)
+            ):
+                why = f"says it is of step {str(doc.get('step'))[:20]}"
         except UntrustedJSONError as e:
             why = str(e)
         except (ValueError, TypeError, LookupError, AttributeError) as e:

@@ -29,6 +29,8 @@ from typing import Any
 SHARD, REPLICATE = "S", "R"
 #: Most ranks a mesh of a manifest may hold (every coordinate's rank is listed).
 MAX_MESH_RANKS = 1 << 24
+#: Most dimensions a mesh may have (torch's meshes have a few).
+MAX_MESH_DIMS = 16
 
 
 def chunk_part(length: int, parts: int, c: int) -> tuple[int, int]:
@@ -58,8 +60,8 @@ class Mesh:
 
     def problem(self, world_size: int) -> str | None:
         shape, ranks = self.shape, self.ranks
-        if not shape or not all(type(s) is int and s > 0 for s in shape):
-            return "a mesh's shape is not a list of positive integers"
+        if not shape or len(shape) > MAX_MESH_DIMS or not all(type(s) is int and s > 0 for s in shape):
+            return f"a mesh's shape is not a list of at most {MAX_MESH_DIMS} positive integers"
         if math.prod(shape) != len(ranks) or len(ranks) > MAX_MESH_RANKS:
             return f"a mesh of shape {list(shape)[:8]} lists {len(ranks)} ranks"
         if not all(type(r) is int and 0 <= r < world_size for r in ranks) or len(set(ranks)) != len(ranks):
