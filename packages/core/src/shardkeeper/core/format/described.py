@@ -82,7 +82,7 @@ class DescribedLeaves:
         self._failed: dict[int, CorruptCheckpointError] = {}
         self._specs: list[tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]] | None = None
         self._cells: dict[Any, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
-        self._lock = threading.Lock()
+        self._locks: dict[int, threading.Lock] = {}
         self.index_reads = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -297,7 +297,7 @@ class DescribedLeaves:
         got = self._loaded.get(rank)  # (a dict read is atomic: the lock only for a first read)
         if got is not None:
             return got
-        with self._lock:
+        with self._locks.setdefault(rank, threading.Lock()):  # one rank's file read once; others in parallel
             got = self._loaded.get(rank)
             if got is None:
                 failed = self._failed.get(rank)
