@@ -46,7 +46,7 @@ from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.step_order import StepOrder
-from shardkeeper.core.tensor.index_write import split_report, write_index
+from shardkeeper.core.tensor.index_write import index_report
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
 from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
@@ -270,26 +270,20 @@ class SaveRunner:
             prefixes=data_prefixes(settings.data_prefixes, ctx.world_size),
         )
         declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
-        chunks, files, described = res.chunks, res.files, {}
+        chunks, files, described = res.chunks, res.files, dict[str, Any]()
         if job.plan.described:
-            chunks, index_keys, index_table = split_report(res.chunks, job.plan.described)
-            entry: list[Any] | None = None
-            chunk_files: list[list[Any]] = []
-            if index_table is not None:
-                rel, size, digest, chunk_files = write_index(
-                    ctx.storage,
-                    step_dir(job.step),
-                    job.step,
-                    ctx.rank,
-                    job.attempt,
-                    index_keys,
-                    index_table,
-                    settings.digest,
-                    data_prefixes(settings.data_prefixes, ctx.world_size),
-                )
-                files = {**files, rel: {"size_bytes": size, "rank": ctx.rank}}
-                entry = [rel, size, digest]
-            described = {"digest": job.plan.described_digest(), "index": entry, "chunk_files": chunk_files}
+            chunks, files, described = index_report(
+                ctx.storage,
+                step_dir(job.step),
+                job.step,
+                ctx.rank,
+                job.attempt,
+                res.chunks,
+                res.files,
+                job.plan,
+                settings.digest,
+                data_prefixes(settings.data_prefixes, ctx.world_size),
+            )
         report = RankReport(
             rank=ctx.rank,
             attempt=job.attempt,

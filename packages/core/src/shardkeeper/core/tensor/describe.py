@@ -23,9 +23,6 @@ from shardkeeper.core.format.grid import Mesh, Rule, cell_box, replicas
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import LocalLayout, replica_writer
 
-#: A described leaf's rule (format/grid.py): mesh, placements, order and writing replica.
-Described = Rule
-
 
 def describe_leaf(
     key: str, t: torch.Tensor, layout: LocalLayout, meshes: dict[Any, Any], world_size: int
@@ -148,4 +145,4 @@ def described_digest(described: Mapping[str, Rule]) -> str:
     return str(xxhash.xxh3_128_hexdigest(json.dumps(rows, separators=(",", ":")).encode()))
 
 
-__all__ = ["Described", "Rule", "choose", "describe_leaf", "described_digest"]
+__all__ = ["Rule", "choose", "describe_leaf", "described_digest"]

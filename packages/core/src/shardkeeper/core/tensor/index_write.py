@@ -74,4 +74,31 @@ def write_index(
     return rel, len(data), digest_function(algorithm)(data), files
 
 
-__all__ = ["split_report", "write_index"]
+def index_report(
+    storage: Storage,
+    step_dir: str,
+    step: int,
+    rank: int,
+    attempt: str,
+    chunks: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    plan: Any,
+    algorithm: str,
+    prefixes: int = 1,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+    """A rank's report members once its shard files are written and ``plan`` (a
+    ``SavePlan``) describes leaves: its enumerated chunks, its files with its index file, and
+    the ``described`` member (the plan's digest, the index file's entry, the chunk files)."""
+    chunks, keys, table = split_report(chunks, plan.described)
+    entry: list[Any] | None = None
+    chunk_files: list[list[Any]] = []
+    if table is not None:
+        rel, size, digest, chunk_files = write_index(
+            storage, step_dir, step, rank, attempt, keys, table, algorithm, prefixes
+        )
+        files = {**files, rel: {"size_bytes": size, "rank": rank}}
+        entry = [rel, size, digest]
+    return chunks, files, {"digest": plan.described_digest(), "index": entry, "chunk_files": chunk_files}
+
+
+__all__ = ["index_report", "split_report", "write_index"]

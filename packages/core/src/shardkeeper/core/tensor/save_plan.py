@@ -27,7 +27,7 @@ from shardkeeper.core.tensor.chunks import (
     plain_layout,
     replica_writer,
 )
-from shardkeeper.core.tensor.describe import Described, choose, describe_leaf, described_digest
+from shardkeeper.core.tensor.describe import Rule, choose, describe_leaf, described_digest
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.state import PLAIN_TENSORS, FlatState, as_torch, torch_dtype_name
 
@@ -59,7 +59,7 @@ class SavePlan:
     per_rank_keys: set[str] = field(default_factory=set)
     #: leaves recorded by their rule (tensor/describe.py): key -> format.grid.Rule;
     #: their chunks go to this rank's index file, not its report
-    described: dict[str, Described] = field(default_factory=dict)
+    described: dict[str, Rule] = field(default_factory=dict)
     #: What saves of this plan's structure compute once and reuse while the plan cache hits
     #: (the declarations' digest, each file's header): shared by every plan bound from one
     #: cached template, filled by the first save that needs an entry.
@@ -124,7 +124,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
     option) which leaves are recorded by their rule. Deterministic: needs no communication."""
     plan = SavePlan(per_rank_prefixes=list(flat.per_rank_prefixes))
     layouts = {}
-    candidates: dict[str, Described] = {}
+    candidates: dict[str, Rule] = {}
     meshes: dict[Any, Any] = {}
     plain_sizes: dict[str, int] = {}
     for key, leaf in flat.leaves.items():
