@@ -43,6 +43,14 @@ def test_restores_are_bit_exact_in_every_layout(seen: list[dict], form: str, tar
         assert s[f"{form} {target} wrong"] == [], (s["rank"], s[f"{form} {target} wrong"])
 
 
+def test_sharded_tensors_chunked_by_rank_are_described(seen: list[dict]) -> None:
+    """FSDP1's ShardedTensor (dim 0 chunked over the world in rank order) follows the rule;
+    the same tensor placed in reverse rank order does not, and is enumerated."""
+    for s in seen:
+        assert s["sharded described"] == ["chunked"], s["sharded described"]
+        assert s["sharded wrong"] == [], s["sharded wrong"]
+
+
 def test_a_restore_reads_only_the_index_files_it_needs(seen: list[dict]) -> None:
     for s in seen:
         # Its own shards, plus the writer of each replicated leaf (m/scalar, m/hsdp: a replica

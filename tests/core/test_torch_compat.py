@@ -120,6 +120,13 @@ def test_stores_and_dtensor_in_a_one_rank_group(tmp_path) -> None:
             assert tc.local_shape(dt) == dt.to_local().shape == (3, 2)
             p = DTensor.from_local(torch.ones(2), mesh, [Partial()])
             assert tc.is_partial(p.placements[0])
+            # FSDP1's ShardedTensors: the process group their placements name ranks of
+            import torch.distributed._shard.sharded_tensor as sharded
+            from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+            st = sharded.empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 4, 2)
+            assert tc.is_sharded_tensor(st) and hasattr(st, "_process_group")
+            assert tc.sharded_tensor_group_size(st) == 1 and tc.sharded_tensor_rank(st) == 0
+            assert tc.sharded_tensor_group_size(torch.ones(2)) == -1
         finally:
             dist.destroy_process_group()
         print("ok")

@@ -6,7 +6,8 @@ At 4 ranks: a state of DTensors in several layouts (row and column shards, uneve
 shards, 2-D, HSDP's Replicate + Shard, a scalar) plus a plain tensor, saved with
 ``describe_layouts`` True, False and by default; restored into the same layout, into others
 and into plain tensors, bit for bit; the index files each restore read; ``verify``; and a
-damaged index file. Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
+damaged index file; FSDP1-style ShardedTensors, described where their shards follow the
+rule. Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,30 @@ def main(root: str, out: str) -> None:
         mgr.restore(target, step=2)
         want = {**ref, "rows": ref["rows"] + 1.0}
         seen["inc wrong"] = same(target["m"], want)
+    # ShardedTensors (FSDP1's sharded state dicts): dimension 0 chunked over the world in rank
+    # order is described; placements in another order are not the rule, and stay enumerated.
+    import torch.distributed._shard.sharded_tensor as sharded
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    path = Path(root) / "sharded"
+    g = torch.Generator().manual_seed(5)
+    want = {"chunked": torch.randn(10, 3, generator=g), "reversed": torch.randn(9, 2, generator=g)}
+    orders = {"chunked": range(w), "reversed": reversed(range(w))}
+    state = {}
+    for k, v in want.items():
+        st = sharded.empty(ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in orders[k]]), *v.shape)
+        for shard in st.local_shards():
+            md = shard.metadata
+            rows = slice(md.shard_offsets[0], md.shard_offsets[0] + md.shard_sizes[0])
+            shard.tensor.copy_(v[rows])
+        state[k] = st
+    with CheckpointManager(path, describe_layouts=True) as mgr:
+        mgr.save(1, state, async_save=False)
+        man = json.loads((path / "step-000000000001" / "manifest.json").read_text())
+        seen["sharded described"] = man.get("described", {}).get("keys", [])
+        target = {k: torch.zeros_like(v) for k, v in want.items()}
+        mgr.restore(target, step=1)
+        seen["sharded wrong"] = same(target, want)
     # A damaged index file: restores that need it refuse, naming it and its rank; verify says so.
     path = Path(root) / "on"
     if rank == 0:

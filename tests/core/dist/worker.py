@@ -51,8 +51,9 @@ def phase_save(root: Path, checks: Checks) -> None:
         for i in range(STEPS - 1):
             train_step(model, opt, i)
         # A digest block that divides no row: resharded reads must widen to blocks and verify.
-        # DTensors are described by their layout rule at world sizes 2 and 4 and enumerated
-        # at 3 (the default at this size), so restores cover both forms of the manifest.
+        # DTensors and FSDP1's ShardedTensors are described by their layout rule at world
+        # sizes 2 and 4 and enumerated at 3 (the default at this size), so restores cover both
+        # forms of the manifest.
         describe = True if world in (2, 4) else None
         with CheckpointManager(root / name, digest_block_bytes=3000, describe_layouts=describe) as mgr:
             def state(step: int) -> dict:
@@ -82,7 +83,7 @@ def phase_save(root: Path, checks: Checks) -> None:
         checks.check(name, hits == want, f"plan cache hits {hits}, expected {want}")
         manifest = json.loads((root / name / f"step-{STEPS:012d}" / "manifest.json").read_text())
         described = manifest.get("described", {}).get("keys", [])
-        expect = describe is True and layout in ("fsdp2", "tp", "fsdp2_tp")
+        expect = describe is True and layout in ("fsdp1", "fsdp2", "tp", "fsdp2_tp")
         checks.check(
             f"{name}: chunks {'described' if expect else 'enumerated'}",
             bool(described) == expect and (manifest["format_version"] == 7) == expect,

@@ -39,6 +39,19 @@ def is_sharded_tensor(x: Any) -> bool:
     return ShardedTensor is not None and isinstance(x, ShardedTensor)
 
 
+def sharded_tensor_group_size(st: Any) -> int:
+    """The size of the process group a ShardedTensor's placements name ranks of; -1 where
+    that group cannot be found (its layout is then enumerated, never described)."""
+    if not dist.is_initialized() or not hasattr(st, "_process_group"):
+        return -1
+    return int(dist.get_world_size(st._process_group))
+
+
+def sharded_tensor_rank(st: Any) -> int:
+    """This process's rank in a ShardedTensor's process group."""
+    return int(dist.get_rank(st._process_group))
+
+
 def is_shard_placement(p: Any) -> bool:
     return isinstance(p, Shard) or (_StridedShard is not None and isinstance(p, _StridedShard))
 
@@ -126,6 +139,8 @@ __all__ = [
     "is_replicate",
     "is_shard_placement",
     "is_sharded_tensor",
+    "sharded_tensor_group_size",
+    "sharded_tensor_rank",
     "is_whole_world",
     "local_shape",
     "mesh_ranks",

@@ -3,8 +3,10 @@ the digest by which the coordinator compares the ranks' choices. (A rank's index
 written by tensor/index_write.py.)
 
 A DTensor whose placements are plain Shard and Replicate has chunks that follow torch's
-chunk rule; its rank checks its own box against the rule (``describe_leaf``) and, when they
-agree, the manifest records the mesh and placements once instead of a chunk per rank. Every
+chunk rule, and so does an FSDP1 ShardedTensor (its sharded state dict splits dimension 0
+over the ranks by ``torch.chunk``); its rank checks its own box against the rule
+(``describe_leaf``, ``describe_sharded``) and, when they agree, the manifest records the mesh
+and placements once instead of a chunk per rank. Every
 rank decides from the same state alone; the coordinator compares the ranks' decisions
 (``described_digest``) and refuses a save on which they differ.
 """
@@ -19,7 +21,7 @@ import torch
 import xxhash
 
 from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS
-from shardkeeper.core.format.grid import Mesh, Rule, cell_box, replicas
+from shardkeeper.core.format.grid import SHARD, Mesh, Rule, cell_box, replicas
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import LocalLayout, replica_writer
 
@@ -65,6 +67,30 @@ def describe_leaf(
         if not ok:
             return None
     return Rule(mesh, placements, replica_writer(key, replicas(mesh, placements)), order)
+
+
+def describe_sharded(
+    key: str, st: torch.Tensor, layout: LocalLayout, meshes: dict[Any, Any], world_size: int
+) -> Rule | None:
+    """The rule of ShardedTensor ``st`` (FSDP1's sharded state dict: dimension 0 split over
+    every rank of the world by torch's chunk rule), or None when this rank's shards are not
+    that rule's box, or its process group is not the saving world (its placements name ranks
+    of that group, which are then not the world's). The rank checks its own shard only, as a
+    DTensor's does: the coordinator's comparison of the ranks' choices covers the others."""
+    if world_size < 2 or tc.sharded_tensor_group_size(st) != world_size or not tc.is_whole_world(world_size):
+        return None
+    shape = tuple(st.shape)
+    if not shape:
+        return None
+    made = Mesh((world_size,), tuple(range(world_size)))
+    mesh = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    placements = ((SHARD, 0),)
+    rank = tc.sharded_tensor_rank(st)
+    offs, box = cell_box(shape, mesh, placements, (rank,))
+    expect = [] if 0 in box else [(offs, box)]
+    if [(p.offsets, p.shape) for p in layout.pieces] != expect:
+        return None
+    return Rule(mesh, placements, 0)
 
 
 def _placements(
@@ -145,4 +171,4 @@ def described_digest(described: Mapping[str, Rule]) -> str:
     return str(xxhash.xxh3_128_hexdigest(json.dumps(rows, separators=(",", ":")).encode()))
 
 
-__all__ = ["Rule", "choose", "describe_leaf", "described_digest"]
+__all__ = ["Rule", "choose", "describe_leaf", "describe_sharded", "described_digest"]

@@ -27,7 +27,7 @@ from shardkeeper.core.tensor.chunks import (
     plain_layout,
     replica_writer,
 )
-from shardkeeper.core.tensor.describe import Rule, choose, describe_leaf, described_digest
+from shardkeeper.core.tensor.describe import Rule, choose, describe_leaf, describe_sharded, described_digest
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.state import PLAIN_TENSORS, FlatState, as_torch, torch_dtype_name
 
@@ -169,8 +169,12 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
         layouts[key] = layout
         if layout.plain and leaf.per_rank is None:
             plain_sizes[key] = math.prod(layout.global_shape) * DTYPES[dtype][1]
-        elif describe is not False and leaf.per_rank is None and leaf.kind == "tensor" and tc.is_dtensor(t):
-            rule = describe_leaf(key, t, layout, meshes, world_size)
+        elif describe is not False and leaf.per_rank is None and leaf.kind == "tensor":
+            rule = None
+            if tc.is_dtensor(t):
+                rule = describe_leaf(key, t, layout, meshes, world_size)
+            elif tc.is_sharded_tensor(t):
+                rule = describe_sharded(key, t, layout, meshes, world_size)
             if rule is not None:
                 candidates[key] = rule
     plan.described = choose(candidates, world_size, describe)
