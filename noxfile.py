@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -140,7 +141,7 @@ def tests(session: nox.Session, suite: str) -> None:
         dist = _build_dists(session, ("core",))
         _install_wheels(session, [_wheel(dist, "core", "torch,s3,gcs,zstd,crypto")], *TEST_DEPS)
         session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), "core", env=env)
-        session.run("pytest", "tests/core", "tests/cuda", "tests/packaging", "-x", "-q", *session.posargs, env=env)
+        _pytest_split(session, ["tests/core", "tests/cuda", "tests/packaging", "-x", "-q", *session.posargs], env)
         return
     versions = FRAMEWORKS[suite.removeprefix("adapters-")]
     dist = _build_dists(session, tuple(DISTRIBUTIONS))
@@ -155,6 +156,38 @@ def tests(session: nox.Session, suite: str) -> None:
     if not suites:
         session.error("no adapter test suite found under tests/")
     session.run("pytest", *suites, "-q", *session.posargs, env={**env, **ADAPTER_ENV})
+
+
+def _pytest_split(session: nox.Session, args: list[str], env: dict[str, str]) -> None:
+    """Run ``pytest *args`` as two runs at once: the tests marked ``multiprocess`` (each starts
+    2-4 ranks; one after another) and all the others, so that on a 2-core machine the
+    single-process tests use the core the ranks leave. The single-process run's output goes
+    to a file, printed when both have ended. The session fails if either run failed, or if
+    neither collected a test (pytest's exit code 5 is fine for one of them: ``-k`` may select
+    tests of one kind only)."""
+    log = Path(session.create_tmp()) / "pytest-single-process.log"
+    pytest = shutil.which("pytest", path=session.bin) if session.bin else None
+    if pytest is None:
+        session.error("pytest is not installed in the session's virtual environment")
+    path = f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    run_env = {**os.environ, **env, "PATH": path, "VIRTUAL_ENV": str(session.virtualenv.location)}
+    session.log(f"pytest {' '.join(args)} -m 'not multiprocess' (output: {log}), beside -m multiprocess")
+    with open(log, "w") as out:
+        single = subprocess.Popen(
+            [pytest, *args, "-m", "not multiprocess"], stdout=out, stderr=subprocess.STDOUT, env=run_env
+        )
+        try:
+            multi = subprocess.run([pytest, *args, "-m", "multiprocess"], env=run_env, check=False).returncode
+        except BaseException:
+            single.terminate()
+            raise
+        finally:
+            rc = single.wait()
+    print(f"\n===== the single-process run (pytest -m 'not multiprocess') =====\n{log.read_text()}", flush=True)
+    codes = {"multiprocess": multi, "single-process": rc}
+    failed = [name for name, code in codes.items() if code not in (0, 5)]
+    if failed or (multi, rc) == (5, 5):
+        session.error(f"pytest failed: exit codes {codes} (5: no test collected)")
 
 
 @nox.session

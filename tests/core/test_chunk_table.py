@@ -289,6 +289,7 @@ def test_slab_fast_path_and_the_leaf_by_leaf_check_agree() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.multiprocess
 def test_two_ranks_commit_and_restore_a_table_form_checkpoint(tmp_path: Path) -> None:
     """Real ranks: reports travel in columns through the c10d store, the coordinator writes
     the chunk table, and DTensor and plain targets restore bit for bit."""

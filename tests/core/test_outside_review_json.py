@@ -100,6 +100,7 @@ def test_a_plain_checkpoint_stays_at_the_base_format_version(tmp_path: Path) -> 
     assert doc["format_version"] == FORMAT_VERSION and "extended_json" not in doc
 
 
+@pytest.mark.multiprocess
 def test_values_of_other_ranks_travel_exactly(tmp_path: Path) -> None:
     res = run_workers(2, "json_worker.py", str(tmp_path / "root"), str(tmp_path), timeout_s=180)
     assert res.returncode == 0, res.stdout[-4000:]

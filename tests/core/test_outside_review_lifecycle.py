@@ -93,6 +93,7 @@ def test_saving_a_committed_step_is_refused_by_that_save(tmp_path: Path) -> None
     _check_refusal(json.loads((tmp_path / "refused-r0.json").read_text()), str(tmp_path / "r"))
 
 
+@pytest.mark.multiprocess
 def test_saving_a_committed_step_is_refused_on_every_rank(tmp_path: Path) -> None:
     res = run_workers(2, str(SCRIPT), "refused", str(tmp_path / "r"), timeout_s=180)
     assert res.returncode == 0, res.stdout[-4000:]

@@ -152,6 +152,7 @@ def test_retention_and_delete_keep_the_rule_sound(tmp_path: Path) -> None:
         assert mgr.steps() == [5, 6]
 
 
+@pytest.mark.multiprocess
 def test_every_rank_refuses_a_save_below_the_newest(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
