@@ -148,6 +148,8 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
         (lambda d: d["leaf_table"]["keys"].append("m/a"), "leaf_table columns differ"),
         (lambda d: d["described"]["meshes"][0].update(shape=[4] + [1] * 20, ranks=[0, 1, 2, 3]), "at most 16"),
         (lambda d: d["described"]["index"]["path"].__setitem__(2, None), "a rank without an index file has"),
+        (lambda d: d["described"]["layouts"][0].__setitem__(1, [["F", 0]]), "not the only placement"),
+        (lambda d: d["described"]["layouts"][0].__setitem__(1, [["F", 0, 1]]), "cannot hold"),
     ],
 )
 def test_edits_of_the_described_member_are_damage(tmp_path: Path, edit, why: str) -> None:  # type: ignore[no-untyped-def]
@@ -194,7 +196,9 @@ def _edit_index(root: Path, rank: int, fn, *, keep_digest: bool = True) -> None:
         (lambda d: d.update(rank=True), "says it is rank True's"),
         (lambda d: d.update(step=99), "says it is of step 99"),
         (lambda d: d.update(index_schema=2), "has index_schema 2, not 1"),
-        (lambda d: d["keys"].__setitem__(1, d["keys"][0]), "lists a key twice"),
+        (lambda d: d["keys"].__setitem__(2, d["keys"][0]), "lists the rows of 'm/a' apart"),
+        (lambda d: d["keys"].__setitem__(1, d["keys"][0]), "has no chunk of 'm/b'"),  # a run of m/a rows
+        (lambda d: d["keys"].__setitem__(1, 7), "lists a key that is not a string"),
         (lambda d: d["table"]["length"].__setitem__(0, 8), "has 8 bytes for a box of 72"),
         (lambda d: d["table"]["offset"].__setitem__(2, 10**5), "outside the files the manifest lists"),
         (lambda d: d["table"].update(digests=d["table"]["digests"][:-1]), "hex digits"),

@@ -125,3 +125,63 @@ def test_fsdp2_over_tp_on_one_dimension_is_the_tp_split_first(shape, mesh_shape)
         assert box == t_box and (0 in box or offs == t_offs), (coord, offs, box, t_offs, t_box)
         boxes.append((offs, box))
     assert check_tiling_boxes("t", shape, [b for b in boxes if 0 not in b[1]]) is None
+
+
+FLAT_CASES = [
+    ((7, 5), 4, 0, 9),  # ZeRO-3: one parameter chunked, the last part short
+    ((3, 4, 6), 3, 11, 30),  # ZeRO-1/2: a parameter in mid-buffer, parts start mid-row
+    ((11,), 5, 2, 3),
+    ((), 2, 5, 4),  # a scalar in the second part
+    ((300, 101), 4, 17, 7600),
+    ((4, 0), 2, 0, 1),  # no elements
+]
+
+
+@pytest.mark.parametrize("shape,world,pos,part", FLAT_CASES)
+def test_a_flat_partition_tiles_the_tensor_and_overlaps_match_a_scan(shape, world, pos, part) -> None:
+    """``["F", pos, part]``: every element lies in exactly one box, the box of the coordinate
+    whose part of the buffer holds it; the cells found for a box are those a scan finds."""
+    from shardkeeper.core.format.grid import flat_cell_boxes, flat_problem, is_flat, placements_problem
+
+    mesh = Mesh((world,), tuple(range(world)))
+    pl = (("F", pos, part),)
+    assert is_flat(pl) and placements_problem([["F", pos, part]], mesh, len(shape)) is None
+    assert flat_problem(shape, mesh, pl) is None
+    n = 1
+    for s in shape:
+        n *= s
+    owner = {}
+    for c in range(world):
+        for offs, box in flat_cell_boxes(shape, pl, c):
+            for idx in itertools.product(*(range(o, o + b) for o, b in zip(offs, box))):
+                flat = 0
+                for i, s in zip(idx, shape):
+                    flat = flat * s + i
+                assert idx not in owner, (idx, c)
+                owner[idx] = c
+                assert (pos + flat) // part == c
+    assert len(owner) == n
+    rng = random.Random(5)
+    for _ in range(30):
+        offs = tuple(rng.randrange(max(s, 1)) for s in shape)
+        box = tuple(rng.randrange(1, max(s - o, 1) + 1) for s, o in zip(shape, offs))
+        got = sorted(overlapping_cells(shape, mesh, pl, 0, offs, box))
+        want = sorted(
+            (c, o, b)
+            for c in range(world)
+            for o, b in flat_cell_boxes(shape, pl, c)
+            if all(oo < bo + bs and bo < oo + ss for oo, ss, bo, bs in zip(o, b, offs, box))
+        )
+        assert got == want, (offs, box)
+
+
+def test_flat_partitions_that_cannot_hold_their_tensor_are_refused() -> None:
+    from shardkeeper.core.format.grid import flat_problem, placements_problem
+
+    m1, m2 = Mesh((4,), (0, 1, 2, 3)), Mesh((2, 2), (0, 1, 2, 3))
+    assert flat_problem((7, 5), m1, (("F", 0, 8),)) is not None  # 35 elements, 32 in the parts
+    assert flat_problem((7, 5), m1, (("F", 0, 9),)) is None
+    for bad in ([["F", -1, 9]], [["F", 0, 0]], [["F", 0]], [["F", 0.5, 9]], [["F", 0, True]]):
+        assert placements_problem(bad, m1, 2) is not None, bad
+    assert placements_problem([["F", 0, 9], ["S", 0]], m2, 2) is not None  # not alone on a 1-D mesh
+    assert placements_problem([["F", 0, 9]], m1, 2, order=[0]) is not None

@@ -3,7 +3,8 @@
 Every tensor of ``tensors()`` is flattened into one buffer, padded to a multiple of the
 world size and cut into equal partitions, one per rank, as DeepSpeed ZeRO-1/2 does; a
 tensor's fragment on a rank is its part of that rank's partition (often empty, sometimes a
-range that starts and ends mid-row).
+range that starts and ends mid-row). Each fragment names its partition (its tensor's place
+in the buffer and the partition size), so that saves may record it by the flat rule.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def partition(world: int, rank: int, fill: bool) -> tuple[dict[str, Fragment], d
                 local = buf[max(s - lo, 0) : max(e - lo, 0)] if s < e else buf[:0]
                 if fill and s < e:
                     local.copy_(ts[k].reshape(-1)[s - pos : e - pos])
-                frags[k] = Fragment(local, ts[k].shape, s - pos if s < e else 0)
+                frags[k] = Fragment(local, ts[k].shape, s - pos if s < e else 0, partition=(pos, part))
             else:
-                frags[k] = Fragment(buf[:0], ts[k].shape, 0)
+                frags[k] = Fragment(buf[:0], ts[k].shape, 0, partition=(pos, part))
             pos += n
         buffers[str(dtype)] = buf
     return frags, buffers

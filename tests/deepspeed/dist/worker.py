@@ -174,7 +174,8 @@ def save_case(root: Path, res: Checks, stage: int, dtype: str) -> None:
                                client_state={"iteration": SAVE_STEPS, "note": name, "t": torch.arange(3.0)})
     else:
         overlap = (stage, dtype) in OVERLAP_CASES and ASYNC
-        mgr = CheckpointManager(str(ckpt), staging="overlap" if overlap else "blocking")
+        # ZeRO partitions recorded by the flat-partition rule (format.md 3.8), not per chunk
+        mgr = CheckpointManager(str(ckpt), staging="overlap" if overlap else "blocking", describe_layouts=True)
         handle = mgr.save(SAVE_STEPS, skds.engine_state(engine), async_save=ASYNC)  # training goes on
         if overlap:
             res.check(f"{name}: overlap deferred the copy of the optimizer's tensors", handle.deferred_bytes > 0)
@@ -192,6 +193,15 @@ def save_case(root: Path, res: Checks, stage: int, dtype: str) -> None:
         handle.wait()
         mgr.close()
     res.check(f"{name}: committed", (ckpt / f"step-{SAVE_STEPS:012d}" / "manifest.json").exists())
+    if (stage, dtype) not in HOOK_CASES:
+        man = json.loads((ckpt / f"step-{SAVE_STEPS:012d}" / "manifest.json").read_text())
+        described = man.get("described", {}).get("keys", [])
+        trainable = sum(1 for p in engine.module.parameters() if p.requires_grad)
+        model = [k for k in described if k.startswith("model/")]
+        moments = [k for k in described if k.startswith("optim/state/")]
+        res.check(f"{name}: every master weight and moment described by its partition",
+                  len(model) == trainable and len(moments) == 2 * trainable and len(described) == 3 * trainable,
+                  f"{len(model)} weights, {len(moments)} moments of {trainable} trainable parameters")
     losses_all = [None] * dist.get_world_size()
     dist.all_gather_object(losses_all, losses)
     if dist.get_rank() == 0:

@@ -147,6 +147,10 @@ class ParamSlice:
     start: int
     offset: int
     numel: int
+    #: ``(pos, part)``: the parameter's place in the flat buffer whose consecutive parts of
+    #: ``part`` elements the ranks of the world hold in rank order (``Fragment.partition``);
+    #: None where the partitioning is not that (a data-parallel group other than the world).
+    partition: tuple[int, int] | None = None
 
 
 def _partition_rank(opt: Any, p: Any) -> int:
@@ -155,6 +159,31 @@ def _partition_rank(opt: Any, p: Any) -> int:
     if rank_of is not None:
         return int(rank_of(p))
     return int(torch.distributed.get_rank(group=p.ds_process_group))
+
+
+def _whole_world(group: Any) -> bool:
+    """Whether ``group``'s ranks are the world's, in rank order: a partition's parts are then
+    held by the global ranks of the same numbers."""
+    dist = torch.distributed
+    if not dist.is_initialized():
+        return False
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return list(ranks) == list(range(dist.get_world_size()))
+
+
+def _zero12_partitions(opt: Any, i: int) -> dict[int, tuple[int, int]]:
+    """ZeRO-1/2: each parameter of group ``i`` (by id) -> (its offset in the group's flat
+    buffer, the partition size), from the optimizer's own bookkeeping; {} where it has none
+    (an older release) or the group's data-parallel ranks are not the world's."""
+    groups = getattr(opt, "round_robin_bit16_groups", None)
+    offsets = getattr(opt, "round_robin_bit16_offsets", None)
+    sizes = getattr(opt, "partition_size", None)
+    dp = getattr(opt, "real_dp_process_group", None)
+    if not (groups and offsets and sizes and dp) or i >= min(len(groups), len(offsets), len(sizes), len(dp)):
+        return {}
+    if not _whole_world(dp[i]) or len(groups[i]) != len(offsets[i]):
+        return {}
+    return {id(p): (int(off), int(sizes[i])) for p, off in zip(groups[i], offsets[i])}
 
 
 def flat_groups(engine: Any) -> list[FlatGroup]:
@@ -173,18 +202,20 @@ def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
     out = []
     for gi, g in enumerate(groups):
         p: Any
+        places = _zero12_partitions(opt, g.group_index) if zero_stage(engine) != 3 else {}
         for p in g.params:
             if zero_stage(engine) == 3:
                 shape = tuple(int(s) for s in p.ds_shape)
                 _, start, part = opt.grad_position[opt.get_param_id(p)]
                 offset = _partition_rank(opt, p) * int(part)
                 numel = max(0, min(int(part), int(p.ds_numel) - offset))
-                out.append(ParamSlice(p, shape, gi, int(start), min(offset, int(p.ds_numel)), numel))
+                partition = (0, int(part)) if _whole_world(p.ds_process_group) else None
+                out.append(ParamSlice(p, shape, gi, int(start), min(offset, int(p.ds_numel)), numel, partition))
             else:
                 shape = tuple(p.shape)
                 hm = p._hp_mapping
                 if hm is None:
-                    out.append(ParamSlice(p, shape, gi, 0, 0, 0))
+                    out.append(ParamSlice(p, shape, gi, 0, 0, 0, places.get(id(p))))
                 else:
                     out.append(
                         ParamSlice(
@@ -194,6 +225,7 @@ def param_slices(engine: Any, groups: list[FlatGroup]) -> list[ParamSlice]:
                             int(hm.hp_fragment_address.start),
                             int(hm.lp_fragment_address.start),
                             int(hm.lp_fragment_address.numel),
+                            places.get(id(p)),
                         )
                     )
     return out

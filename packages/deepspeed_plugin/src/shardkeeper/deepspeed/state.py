@@ -104,7 +104,7 @@ class ModelState:
                 continue
             if s is not None:
                 local = groups[s.flat_group].flat.detach().narrow(0, s.start, s.numel)
-                out[normalize_fqn(name)] = Fragment(local, s.shape, s.offset)
+                out[normalize_fqn(name)] = Fragment(local, s.shape, s.offset, partition=s.partition)
             elif id(p) in frozen3:
                 off, n = frozen3[id(p)]
                 local = self._fp32(p.ds_tensor.detach().view(-1).narrow(0, 0, n))
@@ -172,7 +172,7 @@ class OptimState:
             per: dict[str, Any] = {}
             for k, v in base.state.get(flat, {}).items():
                 if isinstance(v, torch.Tensor) and v.shape == flat.shape:
-                    per[k] = Fragment(v.detach().narrow(0, s.start, s.numel), s.shape, s.offset)
+                    per[k] = Fragment(v.detach().narrow(0, s.start, s.numel), s.shape, s.offset, partition=s.partition)
                 elif isinstance(v, torch.Tensor):
                     per[k] = v.detach().clone()  # scalar state (step): one copy per parameter
                 else:

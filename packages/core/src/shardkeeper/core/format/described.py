@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedJSONError
 from shardkeeper.core.format.columns import MAX_NDIM, ChunkTable
-from shardkeeper.core.format.grid import Mesh, overlapping_cells, placements_problem, replicas
+from shardkeeper.core.format.grid import Mesh, flat_problem, is_flat, overlapping_cells, placements_problem, replicas
 from shardkeeper.core.format.records import (
     DTYPES,
     BlockDigests,
@@ -78,7 +78,7 @@ class DescribedLeaves:
         self._where: Callable[[str], str] = str
         self._files: Mapping[str, Any] = {}
         self._ends: dict[str, int] = {}  # chunk_files, once checked
-        self._loaded: dict[int, tuple[dict[str, int], ChunkTable, list[int], list[int]]] = {}
+        self._loaded: dict[int, tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]] = {}
         self._failed: dict[int, CorruptCheckpointError] = {}
         self._specs: list[tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]] | None = None
         self._cells: dict[Any, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
@@ -174,6 +174,10 @@ class DescribedLeaves:
                 got = seen[(li, nd)] = replicas(mesh, pl)
             if rep >= got:
                 return f"{self.keys[j]}: replica {rep} of a layout with {got} replicas"
+            if got == 1 and is_flat(specs[li][1]):
+                why = flat_problem(self.shapes()[j], specs[li][0], specs[li][1])
+                if why is not None:
+                    return f"{self.keys[j]}: {why}"
         self._specs = [(m, pl, tuple(o) if o is not None else None) for m, pl, o in specs]
         ip, isz, idg = self.index_path, self.index_size, self.index_digest
         if not all(isinstance(c, list) and len(c) == world_size for c in (ip, isz, idg)):
@@ -223,18 +227,21 @@ class DescribedLeaves:
         """The chunks of leaf ``key`` that meet the box ``offsets``/``shape``: derived from
         the rule, their fields read from the index files of the ranks that wrote them."""
         j = self.pos[key]
-        if len(offsets) != self.ndim[j] or len(shape) != self.ndim[j]:
+        nd = self.ndim[j]
+        if len(offsets) != nd or len(shape) != nd:
             return []  # a box of another number of dimensions meets none of this leaf's
         # Leaves of one layout and shape split alike: a target box's cells are found once (a
         # restore of 100,000 tensors of a few shapes derives a few sets of cells)
-        memo_key = (self.layout[j], self.replica[j], self.shapes()[j], tuple(offsets), tuple(shape))
+        full = self.shapes()[j]
+        memo_key = (self.layout[j], self.replica[j], full, tuple(offsets), tuple(shape))
         cells = self._cells.get(memo_key)
         if cells is None:
             mesh, pl, order = self._spec(j)
-            cells = overlapping_cells(self.shapes()[j], mesh, pl, self.replica[j], offsets, shape, order)
+            cells = overlapping_cells(full, mesh, pl, self.replica[j], offsets, shape, order)
             if len(self._cells) < 65536:
                 self._cells[memo_key] = cells
-        return [self._chunk(j, rank, offs, box) for rank, offs, box in cells]
+        chunk = self._chunk
+        return [chunk(j, rank, offs, box) for rank, offs, box in cells]
 
     def record(self, key: str) -> LeafRecord:
         """Leaf ``key``, whose ``chunks``, on first access, read the index file of every rank
@@ -253,30 +260,33 @@ class DescribedLeaves:
         """The chunk rank ``rank`` wrote of leaf ``j``, the box ``offs``/``box``, from its
         index file, checked against the rule and the manifest."""
         key = self.keys[j]
-        rows, table, starts, dims = self._load(rank)
-        i = rows.get(key)
-        if i is None:
+        got = self._loaded.get(rank)
+        rows, table, starts, dims = got if got is not None else self._load(rank)
+        run = rows.get(key)
+        if run is None:
             raise self._damage(rank, f"has no chunk of {key!r}, which the layout says rank {rank} wrote")
+        i, n = run
         a, b = dims[i], dims[i + 1]
-        if table.offsets[a:b] != list(offs) or table.shape[a:b] != list(box):
+        if n > 1:  # a flat partition's boxes: the one at these offsets
+            want = [*offs]
+            i = next((r for r in range(i, i + n) if table.offsets[dims[r] : dims[r + 1]] == want), i)
+            a, b = dims[i], dims[i + 1]
+        if table.offsets[a:b] != [*offs] or table.shape[a:b] != [*box]:
             raise self._damage(
                 rank,
                 f"gives {key!r} the box {table.offsets[a:b]}+{table.shape[a:b]}, its layout {list(offs)}+{list(box)}",
             )
         file, offset, length = table.paths[table.file[i]], table.offset[i], table.length[i]
-        encodings = table.extras.get("encoding") if table.extras else None
+        extras = table.extras
+        encodings = extras.get("encoding") if extras else None
         enc = (encodings[i] if encodings is not None else None) or "raw"
         if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
             self._ends = dict(zip(self.file_path, self.file_end))
-        if (
-            enc == "raw"
-            and length == math.prod(box) * _ITEM[self.dtype[j]]
-            and offset + length <= self._ends.get(file, -1)
-        ):
-            w = table.width
+        raw = math.prod(box) * _ITEM[self.dtype[j]]
+        w = table.width
+        if enc == "raw" and length == raw and offset + length <= self._ends.get(file, -1):
             digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
             return ChunkRecord.unchecked(file, offset, length, offs, box, digests)
-        raw = math.prod(box) * _ITEM[self.dtype[j]]
         if enc == "raw":
             why = None if length == raw else f"has {length} bytes for a box of {raw}"
         elif enc not in ENCODINGS:
@@ -287,13 +297,12 @@ class DescribedLeaves:
             why = f"points at {file[:80]!r} [{offset}, {offset + length}), outside the files the manifest lists"
         if why is not None:
             raise self._damage(rank, f"chunk of {key!r} {why}")
-        w = table.width
         digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
-        contents = table.extras.get("content")
+        contents = extras.get("content")
         content = (contents[i] if contents is not None else None) or ""
         return ChunkRecord(file, offset, length, offs, box, digests, enc, content)
 
-    def _load(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int], list[int]]:
+    def _load(self, rank: int) -> tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]:
         got = self._loaded.get(rank)  # (a dict read is atomic: the lock only for a first read)
         if got is not None:
             return got
@@ -310,7 +319,7 @@ class DescribedLeaves:
                     raise
             return got
 
-    def _parse(self, rank: int) -> tuple[dict[str, int], ChunkTable, list[int], list[int]]:
+    def _parse(self, rank: int) -> tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]:
         path = self.index_path[rank] if 0 <= rank < len(self.index_path) else None
         if path is None:
             raise CorruptCheckpointError(
@@ -355,9 +364,17 @@ class DescribedLeaves:
             why = f"is malformed ({type(e).__name__}: {str(e)[:120]})"
         if why is not None:
             raise self._damage(rank, why)
-        rows = {k: i for i, k in enumerate(keys) if isinstance(k, str)}
+        # Each key's rows: one, or a run of consecutive ones (a flat partition's boxes).
+        rows = {k: (i, 1) for i, k in enumerate(keys) if isinstance(k, str)}
         if len(rows) != len(keys):
-            raise self._damage(rank, "lists a key twice, or one that is not a string")
+            if not all(isinstance(k, str) for k in keys):
+                raise self._damage(rank, "lists a key that is not a string")
+            rows = {}
+            for i, k in enumerate(keys):
+                first, n = rows.get(k, (i, 0))
+                if first + n != i:
+                    raise self._damage(rank, f"lists the rows of {k[:80]!r} apart")
+                rows[k] = (first, n + 1)
         return rows, table, table.digest_starts(self.block), table.dims
 
     def _damage(self, rank: int, why: str) -> CorruptCheckpointError:

@@ -13,6 +13,12 @@ Of the ranks that hold the same box (they differ only in replicating coordinates
 whose replicating coordinates, read as a row-major number in mesh-dimension order, equal
 the replica index writes it.
 
+A *flat partition* (ZeRO) is the sole placement of a 1-D mesh, ``["F", pos, part]``: the
+tensor's row-major flattened elements lie at ``[pos, pos + numel)`` of a buffer whose
+consecutive parts of ``part`` elements the mesh's coordinates hold in order; the range a
+coordinate holds of the tensor is the union of a few boxes (``flat_range_boxes``), each a
+chunk of its own.
+
 Torch-free and storage-free: writers check their own boxes against it, readers derive the
 chunks a restore needs from it (``overlapping_cells``), with work proportional to the cells
 found, never to the mesh's size.
@@ -26,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-SHARD, REPLICATE = "S", "R"
+SHARD, REPLICATE, FLAT = "S", "R", "F"
 #: Most ranks a mesh of a manifest may hold (every coordinate's rank is listed).
 MAX_MESH_RANKS = 1 << 24
 #: Most dimensions a mesh may have (torch's meshes have a few).
@@ -113,9 +119,25 @@ class Rule:
 def placements_problem(placements: Any, mesh: Mesh, ndim: int, order: Any = None) -> str | None:
     """Why ``placements`` (JSON) is not a placement per mesh dimension of a tensor of
     ``ndim`` dimensions (applied in ``order``, a permutation of the mesh dimensions, or None),
-    or None."""
+    or None. (A flat partition's bounds depend on the tensor's size: ``flat_problem``.)"""
     if not isinstance(placements, (list, tuple)) or len(placements) != len(mesh.shape):
         return "a layout's placements are not one per mesh dimension"
+    if any(isinstance(p, (list, tuple)) and p[:1] in ([FLAT], (FLAT,)) for p in placements):
+        p = placements[0]
+        if not (
+            len(placements) == 1
+            and order is None
+            and len(p) == 3
+            and type(p[1]) is int
+            and type(p[2]) is int
+            and p[1] >= 0
+            and p[2] > 0
+        ):
+            return (
+                f"a flat partition {str(p)[:40]} is not the only placement [{FLAT!r}, pos, part] "
+                f"(pos >= 0, part > 0) of a 1-D mesh"
+            )
+        return None
     if order is not None and (
         not isinstance(order, (list, tuple))
         or sorted(order) != list(range(len(mesh.shape)))
@@ -131,6 +153,96 @@ def placements_problem(placements: Any, mesh: Mesh, ndim: int, order: Any = None
                 f"placement {str(p)[:40]} is neither [{SHARD!r}, d] (d a dimension of the tensor) nor [{REPLICATE!r}]"
             )
     return None
+
+
+def flat_problem(shape: Sequence[int], mesh: Mesh, placements: Placements) -> str | None:
+    """Why a flat partition (checked by ``placements_problem``) cannot hold a tensor of
+    ``shape``: its elements must end within the mesh's parts."""
+    _, pos, part = placements[0]
+    if pos + math.prod(shape) > part * mesh.shape[0]:
+        return f"a flat partition at {pos} in {mesh.shape[0]} parts of {part} cannot hold {math.prod(shape)} elements"
+    return None
+
+
+def is_flat(placements: Placements) -> bool:
+    return len(placements) == 1 and placements[0][0] == FLAT
+
+
+#: A box of a tensor (offsets, shape) and where its elements start in a flat range.
+FlatBox = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[FlatBox]:
+    """Split flat elements ``[start, end)`` of a row-major ``shape`` into boxes, in order: a
+    partial first row, whole rows, a partial last row, recursively (at most ``2 * ndim - 1``)."""
+    out: list[FlatBox] = []
+    _split(tuple(shape), start, end, (), 0, out)
+    return out
+
+
+def _split(
+    shape: tuple[int, ...], start: int, end: int, prefix: tuple[int, ...], base: int, out: list[FlatBox]
+) -> None:
+    if start >= end:
+        return
+    lead = (1,) * len(prefix)
+    if not shape:  # a 0-d tensor: one element
+        out.append((prefix, lead, base))
+        return
+    inner = math.prod(shape[1:])
+    rest = shape[1:]
+    if inner == 0:
+        return
+    first_full = -(-start // inner)  # the first row that starts at or after `start`
+    last_full = end // inner  # rows [first_full, last_full) are whole
+    if first_full > last_full:  # the range lies inside one row
+        row = start // inner
+        _split(rest, start - row * inner, end - row * inner, (*prefix, row), base, out)
+        return
+    if start < first_full * inner:  # a partial leading row
+        row = start // inner
+        _split(rest, start - row * inner, inner, (*prefix, row), base, out)
+    if last_full > first_full:
+        zeros = (0,) * len(rest)
+        out.append(
+            ((*prefix, first_full, *zeros), (*lead, last_full - first_full, *rest), base + first_full * inner - start)
+        )
+    if end > last_full * inner:  # a partial trailing row
+        _split(rest, 0, end - last_full * inner, (*prefix, last_full), base + last_full * inner - start, out)
+
+
+def flat_part(shape: Sequence[int], placements: Placements, c: int) -> tuple[int, int]:
+    """The flat range ``[start, end)`` of a tensor of ``shape`` that coordinate ``c`` of a
+    flat partition holds (empty: ``start == end``)."""
+    _, pos, part = placements[0]
+    n = math.prod(shape)
+    lo, hi = max(c * part - pos, 0), min((c + 1) * part - pos, n)
+    return (lo, hi) if lo < hi else (0, 0)
+
+
+def flat_cell_boxes(
+    shape: Sequence[int], placements: Placements, c: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes coordinate ``c`` of a flat partition holds, in flat order."""
+    lo, hi = flat_part(shape, placements, c)
+    return [(offs, box) for offs, box, _ in flat_range_boxes(shape, lo, hi)]
+
+
+def _flat_overlapping(
+    shape: Sequence[int], mesh: Mesh, placements: Placements, offsets: Sequence[int], box: Sequence[int]
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """``overlapping_cells`` of a flat partition: the coordinates whose parts meet the flat
+    extent of the box (its first to its last element), and of their boxes those that meet it."""
+    _, pos, part = placements[0]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    first = sum(o * st for o, st in zip(offsets, strides))
+    last = sum((o + b - 1) * st for o, b, st in zip(offsets, box, strides))
+    out = []
+    for c in range((pos + first) // part, min((pos + last) // part, mesh.shape[0] - 1) + 1):
+        for offs, size in flat_cell_boxes(shape, placements, c):
+            if all(o < bo + bs and bo < o + s for o, s, bo, bs in zip(offs, size, offsets, box)):
+                out.append((mesh.ranks[c], offs, size))
+    return out
 
 
 def replicas(mesh: Mesh, placements: Placements) -> int:
@@ -206,6 +318,8 @@ def overlapping_cells(
     as (the rank that wrote it, its offsets, its shape)."""
     if 0 in box:
         return []
+    if is_flat(placements):
+        return _flat_overlapping(shape, mesh, placements, offsets, box)
     by_dim: list[list[tuple[int, int]]] = [[] for _ in shape]
     for m in _order(placements, order):
         p = placements[m]
@@ -229,6 +343,8 @@ def overlapping_cells(
 
 
 __all__ = [
+    "FLAT",
+    "FlatBox",
     "MAX_MESH_RANKS",
     "Mesh",
     "Placements",
@@ -237,6 +353,11 @@ __all__ = [
     "SHARD",
     "cell_box",
     "chunk_part",
+    "flat_cell_boxes",
+    "flat_part",
+    "flat_problem",
+    "flat_range_boxes",
+    "is_flat",
     "overlapping_cells",
     "placements_problem",
     "replica_index",

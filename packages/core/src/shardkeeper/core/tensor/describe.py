@@ -4,8 +4,9 @@ written by tensor/index_write.py.)
 
 A DTensor whose placements are plain Shard and Replicate has chunks that follow torch's
 chunk rule, and so does an FSDP1 ShardedTensor (its sharded state dict splits dimension 0
-over the ranks by ``torch.chunk``); its rank checks its own box against the rule
-(``describe_leaf``, ``describe_sharded``) and, when they agree, the manifest records the mesh
+over the ranks by ``torch.chunk``); a ZeRO ``Fragment`` that names its partition follows the
+flat-partition rule; its rank checks its own box against the rule
+(``describe_leaf``, ``describe_sharded``, ``describe_fragment``) and, when they agree, the manifest records the mesh
 and placements once instead of a chunk per rank. Every
 rank decides from the same state alone; the coordinator compares the ranks' decisions
 (``described_digest``) and refuses a save on which they differ.
@@ -21,9 +22,10 @@ import torch
 import xxhash
 
 from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS
-from shardkeeper.core.format.grid import SHARD, Mesh, Rule, cell_box, replicas
+from shardkeeper.core.format.grid import FLAT, SHARD, Mesh, Rule, cell_box, flat_cell_boxes, flat_problem, replicas
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import LocalLayout, replica_writer
+from shardkeeper.core.tensor.fragment import Fragment
 
 
 def describe_leaf(
@@ -89,6 +91,25 @@ def describe_sharded(
     offs, box = cell_box(shape, mesh, placements, (rank,))
     expect = [] if 0 in box else [(offs, box)]
     if [(p.offsets, p.shape) for p in layout.pieces] != expect:
+        return None
+    return Rule(mesh, placements, 0)
+
+
+def describe_fragment(
+    key: str, frag: Fragment, layout: LocalLayout, meshes: dict[Any, Any], world_size: int, rank: int
+) -> Rule | None:
+    """The flat-partition rule of a ZeRO ``Fragment`` that names its ``partition``, or None
+    when it names none, the saving group is not the world, or this rank's boxes are not its
+    part of that partition (each rank checks its own; the coordinator compares the ranks'
+    choices, so a partition given otherwise on another rank refuses the save)."""
+    if frag.partition is None or world_size < 2 or not tc.is_whole_world(world_size):
+        return None
+    made = Mesh((world_size,), tuple(range(world_size)))
+    mesh = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    placements = ((FLAT, *frag.partition),)
+    if flat_problem(frag.global_shape, mesh, placements) is not None:
+        return None
+    if [(p.offsets, p.shape) for p in layout.pieces] != flat_cell_boxes(frag.global_shape, placements, rank):
         return None
     return Rule(mesh, placements, 0)
 
@@ -171,4 +192,4 @@ def described_digest(described: Mapping[str, Rule]) -> str:
     return str(xxhash.xxh3_128_hexdigest(json.dumps(rows, separators=(",", ":")).encode()))
 
 
-__all__ = ["Rule", "choose", "describe_leaf", "describe_sharded", "described_digest"]
+__all__ = ["Rule", "choose", "describe_fragment", "describe_leaf", "describe_sharded", "described_digest"]

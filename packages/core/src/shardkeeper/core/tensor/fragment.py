@@ -16,8 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-#: A box of the global tensor (offsets, shape) and where its elements start in the fragment.
-FlatBox = tuple[tuple[int, ...], tuple[int, ...], int]
+from shardkeeper.core.format.grid import FlatBox, flat_range_boxes
 
 
 class Fragment:
@@ -26,11 +25,24 @@ class Fragment:
     ``local`` must be a 1-D tensor with unit stride (a slice of a flat buffer); save reads it,
     restore writes into it. On every rank together, the fragments of one key must cover the
     global tensor exactly once (the commit checks it).
+
+    ``partition`` (optional, ``(pos, part)``): the partitioning this fragment comes from, the
+    same on every rank: the tensor's flattened elements lie at ``[pos, pos + numel)`` of a
+    flat buffer of which rank ``r`` of the world holds elements ``[r * part, (r + 1) * part)``
+    (ZeRO-1/2: a parameter's place in its group's buffer and the partition size; ZeRO-3:
+    ``(0, partition size)``). A save can then record the key by that rule instead of a chunk
+    per rank (``describe_layouts``, docs/format.md 3.8); this rank's fragment must be its part.
     """
 
-    __slots__ = ("global_shape", "local", "offset")
+    __slots__ = ("global_shape", "local", "offset", "partition")
 
-    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], offset: int) -> None:
+    def __init__(
+        self,
+        local: torch.Tensor,
+        global_shape: Sequence[int],
+        offset: int,
+        partition: tuple[int, int] | None = None,
+    ) -> None:
         shape = tuple(int(s) for s in global_shape)
         if local.dim() != 1 or (local.numel() > 1 and local.stride(0) != 1):
             raise ValueError(
@@ -43,9 +55,15 @@ class Fragment:
                 f"Fragment [{offset}, {offset + local.numel()}) lies outside a tensor of shape "
                 f"{list(shape)} ({total} elements)"
             )
+        if partition is not None:
+            pos, part = (int(v) for v in partition)
+            if pos < 0 or part <= 0:
+                raise ValueError(f"Fragment partition {tuple(partition)}: pos must be >= 0 and part > 0")
+            partition = (pos, part)
         self.local = local
         self.global_shape = shape
         self.offset = int(offset)
+        self.partition = partition
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,47 +88,10 @@ class Fragment:
     def __repr__(self) -> str:
         return (
             f"Fragment(global_shape={list(self.global_shape)}, offset={self.offset}, "
-            f"numel={self.numel}, dtype={self.dtype})"
+            f"numel={self.numel}, dtype={self.dtype}"
+            + (f", partition={self.partition}" if self.partition is not None else "")
+            + ")"
         )
-
-
-def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[FlatBox]:
-    """Split flat elements ``[start, end)`` of a row-major ``shape`` into boxes, in order."""
-    shape = tuple(shape)
-    out: list[FlatBox] = []
-    _split(shape, start, end, (), 0, out)
-    return out
-
-
-def _split(
-    shape: tuple[int, ...], start: int, end: int, prefix: tuple[int, ...], base: int, out: list[FlatBox]
-) -> None:
-    if start >= end:
-        return
-    lead = (1,) * len(prefix)
-    if not shape:  # a 0-d tensor: one element
-        out.append((prefix, lead, base))
-        return
-    inner = math.prod(shape[1:])
-    rest = shape[1:]
-    if inner == 0:
-        return
-    first_full = -(-start // inner)  # the first row that starts at or after `start`
-    last_full = end // inner  # rows [first_full, last_full) are whole
-    if first_full > last_full:  # the range lies inside one row
-        row = start // inner
-        _split(rest, start - row * inner, end - row * inner, (*prefix, row), base, out)
-        return
-    if start < first_full * inner:  # a partial leading row
-        row = start // inner
-        _split(rest, start - row * inner, inner, (*prefix, row), base, out)
-    if last_full > first_full:
-        zeros = (0,) * len(rest)
-        out.append(
-            ((*prefix, first_full, *zeros), (*lead, last_full - first_full, *rest), base + first_full * inner - start)
-        )
-    if end > last_full * inner:  # a partial trailing row
-        _split(rest, 0, end - last_full * inner, (*prefix, last_full), base + last_full * inner - start, out)
 
 
 __all__ = ["FlatBox", "Fragment", "flat_range_boxes"]

@@ -27,7 +27,14 @@ from shardkeeper.core.tensor.chunks import (
     plain_layout,
     replica_writer,
 )
-from shardkeeper.core.tensor.describe import Rule, choose, describe_leaf, describe_sharded, described_digest
+from shardkeeper.core.tensor.describe import (
+    Rule,
+    choose,
+    describe_fragment,
+    describe_leaf,
+    describe_sharded,
+    described_digest,
+)
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.state import PLAIN_TENSORS, FlatState, as_torch, torch_dtype_name
 
@@ -175,6 +182,8 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
                 rule = describe_leaf(key, t, layout, meshes, world_size)
             elif tc.is_sharded_tensor(t):
                 rule = describe_sharded(key, t, layout, meshes, world_size)
+            elif isinstance(t, Fragment):
+                rule = describe_fragment(key, t, layout, meshes, world_size, rank)
             if rule is not None:
                 candidates[key] = rule
     plan.described = choose(candidates, world_size, describe)
