@@ -25,13 +25,13 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [json.loads((out / f"r{r}.json").read_text()) for r in range(4)]
 
 
-KEYS = ["m/cols", "m/few", "m/grid", "m/hsdp", "m/ids", "m/rows", "m/scalar", "m/strided"]
+KEYS = ["m/cols", "m/few", "m/grid", "m/hsdp", "m/ids", "m/rows", "m/scalar", "m/strided", "m/sub"]
 
 
 def test_dtensors_are_described_when_asked_and_enumerated_otherwise(seen: list[dict]) -> None:
     s = seen[0]
     assert (s["on version"], s["on described"], s["on enumerated"]) == (7, KEYS, ["m/plain"])
-    for name in ("off", "auto"):  # 8 tensors x 4 ranks: below the default's threshold
+    for name in ("off", "auto"):  # 9 tensors x 4 ranks: below the default's threshold
         assert (s[f"{name} version"], s[f"{name} described"]) == (5, []), name
         assert s[f"{name} enumerated"] == sorted([*KEYS, "m/plain"])
 

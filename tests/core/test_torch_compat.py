@@ -127,6 +127,11 @@ def test_stores_and_dtensor_in_a_one_rank_group(tmp_path) -> None:
             assert tc.is_sharded_tensor(st) and hasattr(st, "_process_group")
             assert tc.sharded_tensor_group_size(st) == 1 and tc.sharded_tensor_rank(st) == 0
             assert tc.sharded_tensor_group_size(torch.ones(2)) == -1
+            # a DeviceMesh's slice knows the mesh it came from, and its dimensions there by name
+            m2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+            sub = m2["tp"]
+            assert tc.root_mesh(sub) is m2 and tc.root_mesh(m2) is m2 and sub.ndim < m2.ndim
+            assert tc.submesh_dims(sub, m2) == (1,) and tc.submesh_dims(mesh, mesh) is None
         finally:
             dist.destroy_process_group()
         print("ok")

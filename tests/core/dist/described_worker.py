@@ -39,14 +39,17 @@ def full() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(2.5),
         "ids": torch.arange(24, dtype=torch.int64).reshape(4, 6),
         "strided": torch.randn(24, 3, generator=g),  # FSDP2 over TP on one dimension (even: distribute_tensor)
+        "sub": torch.randn(9, 4, generator=g),  # FSDP2 over TP: a parameter TP does not split, on the DP submesh
         "plain": torch.randn(7, generator=g),
     }
 
 
 def layout_a(w: int) -> dict:
     m1, m2 = init_device_mesh("cpu", (w,)), init_device_mesh("cpu", (2, w // 2))
+    named = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("dp", "tp"))
     f = full()
     return {
+        "sub": distribute_tensor(f["sub"], named["dp"], [Shard(0)]),
         "rows": distribute_tensor(f["rows"], m1, [Shard(0)]),
         "few": distribute_tensor(f["few"], m1, [Shard(0)]),
         "cols": distribute_tensor(f["cols"], m1, [Shard(1)]),

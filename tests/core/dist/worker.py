@@ -89,6 +89,11 @@ def phase_save(root: Path, checks: Checks) -> None:
             bool(described) == expect and (manifest["format_version"] == 7) == expect,
             f"format_version {manifest['format_version']}, described keys {described[:4]}",
         )
+        if expect and layout != "tp":  # (TP leaves some modules plain: replicated, enumerated)
+            # every weight and moment, FSDP2+TP's non-TP ones on DP submeshes included
+            sharded = [k for k in manifest.get("leaf_table", {}).get("keys", [])
+                       if k.startswith(("model/", "optim/state/")) and not k.endswith(("/step", "model/scale"))]
+            checks.check(f"{name}: every weight and moment described", sharded == [], f"enumerated {sharded[:4]}")
     frags, _ = fragments.partition(world, rank, fill=True)
     # Described by the flat-partition rule at world sizes 2 and 4, enumerated at 3.
     describe = True if world in (2, 4) else None

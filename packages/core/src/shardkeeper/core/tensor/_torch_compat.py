@@ -84,6 +84,21 @@ def is_whole_world(world_size: int) -> bool:
     return dist.is_initialized() and dist.get_world_size() == world_size
 
 
+def root_mesh(mesh: Any) -> Any:
+    """The mesh a DeviceMesh was sliced from (itself when it was not sliced)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    return get() if get is not None else mesh
+
+
+def submesh_dims(sub: Any, root: Any) -> tuple[int, ...] | None:
+    """The dimension of ``root`` each dimension of its slice ``sub`` is, by name; None where
+    one is not a dimension of ``root`` (a flattened one) or the meshes have no names."""
+    names, root_names = sub.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or not set(names) <= set(root_names):
+        return None
+    return tuple(root_names.index(n) for n in names)
+
+
 def mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A DeviceMesh's shape and the global rank at each coordinate, row-major."""
     ranks = mesh.mesh
@@ -142,6 +157,8 @@ __all__ = [
     "sharded_tensor_group_size",
     "sharded_tensor_rank",
     "is_whole_world",
+    "root_mesh",
+    "submesh_dims",
     "local_shape",
     "mesh_ranks",
     "placement_rule",

@@ -16,13 +16,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import xxhash
 
 from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS
-from shardkeeper.core.format.grid import FLAT, SHARD, Mesh, Rule, cell_box, flat_cell_boxes, flat_problem, replicas
+from shardkeeper.core.format.grid import (
+    FLAT,
+    REPLICATE,
+    SHARD,
+    Mesh,
+    Rule,
+    cell_box,
+    flat_cell_boxes,
+    flat_problem,
+    replicas,
+)
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.chunks import LocalLayout, replica_writer
 from shardkeeper.core.tensor.fragment import Fragment
@@ -33,13 +43,17 @@ def describe_leaf(
 ) -> Rule | None:
     """The rule of DTensor ``t`` (``layout``: this rank's pieces of it), or None when it has
     none: a placement the rule has no word for, this rank's pieces are not the rule's box, or
-    its mesh is not every rank of the saving world (a DTensor on a submesh, as FSDP2 over TP
+    its mesh is not every rank of the saving world (mesh ranks are global ranks, so a
+    subgroup's ranks are not theirs). A DTensor on a submesh of such a mesh (as FSDP2 over TP
     makes of the parameters it does not split along TP: each TP rank's copy lies on another
-    submesh, a replication the DTensor does not name; and mesh ranks are global ranks, so a
-    subgroup's ranks are not theirs). Every rank decides the same from its own DTensor.
+    submesh) is described on the whole mesh, replicated along the dimensions its submesh
+    leaves out (``_on_root``). Every rank decides the same from its own DTensor.
     ``meshes`` caches each DeviceMesh's ranks and, for ``_StridedShard`` layouts, torch's
     verdict on every coordinate, by identity and signature."""
     dm = t.device_mesh  # type: ignore[attr-defined]
+    root = tc.root_mesh(dm)
+    if root is not dm and dm.ndim < root.ndim:  # (a slice of every dimension is the mesh itself)
+        return _on_root(key, t, dm, root, layout, meshes, world_size)
     mesh = meshes.get(id(dm))
     if mesh is None:  # one Mesh per content: DeviceMesh objects of the same ranks share it
         made = Mesh(*tc.mesh_ranks(dm))
@@ -69,6 +83,40 @@ def describe_leaf(
         if not ok:
             return None
     return Rule(mesh, placements, replica_writer(key, replicas(mesh, placements)), order)
+
+
+def _on_root(
+    key: str, t: Any, dm: Any, root: Any, layout: LocalLayout, meshes: dict[Any, Any], world_size: int
+) -> Rule | None:
+    """The rule of DTensor ``t`` on submesh ``dm`` of mesh ``root``, recorded on ``root``:
+    each submesh dimension's placement on the root dimension of its name, ``Replicate`` on
+    the others (the copies the submesh does not name). None where a submesh dimension is no
+    root dimension (a flattened one), a placement is ``_StridedShard`` or the rule has none,
+    or this rank's pieces are not the rule's box."""
+    dims = tc.submesh_dims(dm, root)
+    if dims is None:
+        return None
+    mesh = meshes.get(id(root))
+    if mesh is None:
+        made = Mesh(*tc.mesh_ranks(root))
+        mesh = meshes[id(root)] = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    if not tc.is_whole_world(world_size) or sorted(mesh.ranks) != list(range(world_size)):
+        return None
+    rules = [tc.placement_rule(p) for p in t.placements]
+    if any(r is None for r in rules):
+        return None
+    placements: list[tuple[Any, ...]] = [(REPLICATE,)] * len(mesh.shape)
+    for m, r in zip(dims, rules):
+        placements[m] = cast(tuple[Any, ...], r)
+    pl = tuple(placements)
+    coord = root.get_coordinate()
+    if coord is None:
+        return None
+    offs, box = cell_box(tuple(t.shape), mesh, pl, coord)
+    expect = [] if 0 in box else [(offs, box)]
+    if [(p.offsets, p.shape) for p in layout.pieces] != expect:
+        return None
+    return Rule(mesh, pl, replica_writer(key, replicas(mesh, pl)))
 
 
 def describe_sharded(

@@ -17,6 +17,7 @@ import torch
 
 from shardkeeper.core.assemble import declared_digest
 from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.grid import replica_index
 from shardkeeper.core.format.manifest import DTYPES
 from shardkeeper.core.format.safetensors import PAD_PREFIX
 from shardkeeper.core.format.table import without_gc
@@ -189,8 +190,13 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
     plan.described = choose(candidates, world_size, describe)
     writers = balance_plain(plain_sizes, world_size)
     for key, layout in layouts.items():
+        rule = plan.described.get(key)
         if key in writers:
             if writers[key] != rank:
+                continue
+        elif rule is not None:  # the rule's replica writes (on a submesh: copies the DTensor does not name)
+            coord = rule.mesh.coordinate(rank)
+            if coord is None or replica_index(rule.mesh, rule.placements, coord) != rule.replica:
                 continue
         elif layout.replicas > 1 and replica_writer(key, layout.replicas) != layout.replica_index:
             continue
