@@ -134,8 +134,11 @@ class TableLeaves(Mapping[str, Any]):
         lt = self.leaf_table
         j = lt.index.get(key)
         if j is None:
-            if self.described is not None and key in self.described.pos:
-                return self.described.head(key)
+            d = self.described
+            if d is not None:
+                k = d.pos.get(key)
+                if k is not None:
+                    return d.head_at(k)
             return self[key] if key in self.object_leaves else None
         return LeafRecord.unchecked(lt.kind[j], lt.dtype[j], lt.shapes()[j])
 
