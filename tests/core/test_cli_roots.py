@@ -78,3 +78,20 @@ def test_gc_on_a_real_root(root: Path, capsys: pytest.CaptureFixture[str]) -> No
     age_everything(root)
     code, out, _ = run(capsys, "gc", root, "--dry-run")
     assert code == 0 and "gc: would remove 0 path(s)" in out
+
+
+@pytest.mark.parametrize("argv", READERS, ids=lambda a: a[0])
+def test_a_missing_bucket(s3_server: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A bucket is there or not (a prefix holds nothing until written): a missing one is
+    exit 2 naming it, as a missing local root is, not "no checkpoints" and exit 0."""
+    url = "s3://sk-no-such-bucket/run"
+    code, out, err = run(capsys, argv[0], url, *argv[1:], "-o", f"endpoint_url={s3_server}")
+    assert code == 2 and out == "", (code, out, err)
+    assert f"no such bucket: s3://sk-no-such-bucket (root {url})" in err and "endpoint" in err
+
+
+def test_an_empty_root_in_a_bucket_lists_nothing(s3_root: tuple[str, dict], capsys: pytest.CaptureFixture[str]) -> None:
+    url, options = s3_root
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    code, out, err = run(capsys, "ls", url, "-o", f"endpoint_url={endpoint}")
+    assert code == 0 and f"no checkpoints under {url}" in out + err, (code, out, err)

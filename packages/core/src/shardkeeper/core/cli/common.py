@@ -9,7 +9,7 @@ from typing import Any
 
 from shardkeeper.core.bars import want_progress
 from shardkeeper.core.cli.roots import check_root
-from shardkeeper.core.errors import UsageError
+from shardkeeper.core.errors import CheckpointNotFoundError, UsageError
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.object_stores import OBJECT_STORE_PROTOCOLS
@@ -80,7 +80,26 @@ def open_root(args: argparse.Namespace, *, must_exist: bool = True) -> Storage:
             f"cannot open {args.root}: {e}; install the backend's extra, e.g. "
             f"`pip install 'shardkeeper-core[s3]'` or `'shardkeeper-core[gcs]'`"
         ) from None
-    return with_retries(storage, policy) if remote else storage
+    if not remote:
+        return storage
+    storage = with_retries(storage, policy)
+    if must_exist:
+        _check_bucket(storage, args.root)
+    return storage
+
+
+def _check_bucket(storage: Storage, root: str) -> None:
+    """An object-store root whose bucket is missing is an error (exit 2), as a missing local
+    root is: a prefix holds nothing until written, but a bucket is there or not, and a typo
+    in its name would otherwise list "no checkpoints" and exit 0."""
+    ask = getattr(storage, "bucket_exists", None)  # (FsspecStorage's, through any wrapper)
+    if ask is not None and ask() is False:
+        scheme, _, path = root.partition("://")
+        bucket = path.split("/", 1)[0]
+        raise CheckpointNotFoundError(
+            f"no such bucket: {scheme}://{bucket} (root {root}); check its name, the endpoint "
+            f"(-o endpoint_url=...) and the credentials' account"
+        )
 
 
 def show_progress(args: argparse.Namespace) -> bool:

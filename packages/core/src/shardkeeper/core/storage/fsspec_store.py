@@ -56,6 +56,7 @@ from shardkeeper.core.storage.object_stores import (
     GCS_PROTOCOLS,
     OBJECT_STORE_PROTOCOLS,
     S3_PROTOCOLS,
+    bucket_exists,
     is_conditional_conflict,
     is_precondition_failure,
     is_zonal_bucket,
@@ -195,6 +196,13 @@ class FsspecStorage:
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
+
+    def bucket_exists(self) -> bool | None:
+        """Whether the root's bucket exists (object stores; None elsewhere, or when the store
+        did not answer): a missing bucket is a typo to report, not an empty root."""
+        if self.protocol not in OBJECT_STORE_PROTOCOLS:
+            return None
+        return bucket_exists(self.fs, self.root.split("/", 1)[0])
 
     # -- paths and errors -------------------------------------------------------------------
 

@@ -69,6 +69,16 @@ def is_zonal_bucket(fs: Any, bucket: str) -> bool:
         return False
 
 
+def bucket_exists(fs: Any, bucket: str) -> bool | None:
+    """Whether ``bucket`` exists: False only when the store says it does not; None when the
+    question found no answer (no permission to ask, a transient error), so that the caller
+    goes on and meets the store's own error on its first real request."""
+    try:
+        return bool(fs.exists(bucket))
+    except Exception:  # botocore, aiohttp and gcsfs raise their own types
+        return None
+
+
 def remove_empty_folders(fs: Any, full: str, bucket: str) -> None:
     """Remove ``full`` and the (now empty) folders below it, deepest first.
 
@@ -103,6 +113,7 @@ __all__ = [
     "GCS_PROTOCOLS",
     "OBJECT_STORE_PROTOCOLS",
     "S3_PROTOCOLS",
+    "bucket_exists",
     "error_codes",
     "is_conditional_conflict",
     "is_precondition_failure",
