@@ -74,9 +74,12 @@ def bucket_exists(fs: Any, bucket: str) -> bool | None:
     question found no answer (no permission to ask, a transient error), so that the caller
     goes on and meets the store's own error on its first real request."""
     try:
-        return bool(fs.exists(bucket))
+        fs.info(bucket)  # (not ``exists``: s3fs answers False to an unreachable endpoint too)
+    except FileNotFoundError:
+        return False
     except Exception:  # botocore, aiohttp and gcsfs raise their own types
         return None
+    return True
 
 
 def remove_empty_folders(fs: Any, full: str, bucket: str) -> None:
