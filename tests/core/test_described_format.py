@@ -277,3 +277,29 @@ def test_an_incremental_save_over_a_described_leaf_of_other_dimensions(tmp_path:
         target = {"m": {"c": torch.zeros(2048)}}
         mgr.restore(target, step=2)
     assert torch.equal(target["m"]["c"], flat)
+
+
+def test_ranks_that_describe_otherwise_are_refused_with_every_cause_and_remedy() -> None:
+    """The coordinator compares the digests of what each rank described: a mismatch names the
+    ranks, what makes one (DTensors, ShardedTensors, a Fragment's partition) and the remedies."""
+    from shardkeeper.core.errors import StateMismatchError
+
+    def report(rank: int, digest: str) -> dict:
+        return {
+            "rank": rank,
+            "declared": {} if rank else {"t": ["tensor", "float32", [4]]},
+            "declared_digest": "d",
+            "chunks": {"keys": [], "counts": [], "table": ChunkTable([], [], [], [], [], [], [], [], {}, 0)},
+            "files": {},
+            "objects": {},
+            "per_rank_prefixes": [],
+            "described": {"digest": digest, "index": None, "chunk_files": []},
+        }
+
+    with pytest.raises(StateMismatchError) as e:
+        assemble_manifest(
+            1, "t", [report(0, "a"), report(1, "b")], world_size=2, digest="xxh3_128", block_bytes=BLOCK, metadata={}
+        )
+    msg = str(e.value)
+    assert "ranks [1] record other leaves by their layout rule than rank 0" in msg, msg
+    assert "Fragment whose partition=" in msg and "ShardedTensor" in msg and "describe_layouts=False" in msg, msg

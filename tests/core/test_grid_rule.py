@@ -183,5 +183,6 @@ def test_flat_partitions_that_cannot_hold_their_tensor_are_refused() -> None:
     assert flat_problem((7, 5), m1, (("F", 0, 9),)) is None
     for bad in ([["F", -1, 9]], [["F", 0, 0]], [["F", 0]], [["F", 0.5, 9]], [["F", 0, True]]):
         assert placements_problem(bad, m1, 2) is not None, bad
-    assert placements_problem([["F", 0, 9], ["S", 0]], m2, 2) is not None  # not alone on a 1-D mesh
+    why = placements_problem([["R"], ["F", 0, 9]], m2, 2)  # not alone on a 1-D mesh: named
+    assert why is not None and "('F', 0, 9)" in why.replace("[", "(").replace("]", ")"), why
     assert placements_problem([["F", 0, 9]], m1, 2, order=[0]) is not None

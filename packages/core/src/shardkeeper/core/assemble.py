@@ -217,7 +217,9 @@ def _described_problems(
     if differing:
         out.append(
             f"ranks {differing[:8]} record other leaves by their layout rule than rank {reports[0]['rank']} "
-            f"(their DTensors of one key lie on other meshes, or hold shards other than their placements give); "
+            f"(a DTensor of one key on other meshes, or holding shards other than its placements give; a "
+            f"ShardedTensor whose shard is not its rank-order chunk; a Fragment whose partition= is not the "
+            f"same on every rank, or whose elements are not its rank's part of it); correct partition=, or "
             f"pass describe_layouts=False"
         )
     odd = sorted(k for k in described if declared.get(k, [""])[0] != "tensor" or k in rows_of)

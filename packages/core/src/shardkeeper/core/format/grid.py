@@ -122,8 +122,9 @@ def placements_problem(placements: Any, mesh: Mesh, ndim: int, order: Any = None
     or None. (A flat partition's bounds depend on the tensor's size: ``flat_problem``.)"""
     if not isinstance(placements, (list, tuple)) or len(placements) != len(mesh.shape):
         return "a layout's placements are not one per mesh dimension"
-    if any(isinstance(p, (list, tuple)) and p[:1] in ([FLAT], (FLAT,)) for p in placements):
-        p = placements[0]
+    flats = [p for p in placements if isinstance(p, (list, tuple)) and p[:1] in ([FLAT], (FLAT,))]
+    if flats:
+        p = placements[0] if len(placements) == 1 else flats[0]
         if not (
             len(placements) == 1
             and order is None
