@@ -303,3 +303,66 @@ def test_ranks_that_describe_otherwise_are_refused_with_every_cause_and_remedy()
     msg = str(e.value)
     assert "ranks [1] record other leaves by their layout rule than rank 0" in msg, msg
     assert "Fragment whose partition=" in msg and "ShardedTensor" in msg and "describe_layouts=False" in msg, msg
+
+
+def test_a_flat_partition_restores_and_a_missing_box_is_named(tmp_path: Path) -> None:
+    """A 2-rank checkpoint of one leaf under ``["F", pos, part]`` (each rank's part a run of
+    boxes in its index file), written as the ranks write it: restored whole in one process;
+    with one box's row gone, the damage names that box, the file and the rank."""
+    storage = LocalStorage(tmp_path)
+    shape, pos, part = (5, 7), 3, 19  # rank 0: elements [0, 16); rank 1: [16, 35)
+    full = torch.arange(35, dtype=torch.float32).reshape(shape)
+    mesh = Mesh((2,), (0, 1))
+    rule = Rule(mesh, (("F", pos, part),), 0)
+    declared = {"m/f": ["tensor", "float32", list(shape)]}
+    reports = []
+    for r in range(2):
+        from shardkeeper.core.format.grid import flat_cell_boxes
+
+        rel = f"data/r{r:05d}-0000000{r}-000.safetensors"
+        boxes = flat_cell_boxes(shape, rule.placements, r)
+        parts = [full[o[0] : o[0] + b[0], o[1] : o[1] + b[1]].contiguous().numpy().tobytes() for o, b in boxes]
+        entries = [(chunk_name("m/f", o, b, shape), "float32", b, len(p)) for (o, b), p in zip(boxes, parts)]
+        header, at = build_header(entries, {"format": "pt"})
+        data = bytearray(header)
+        for p, off in zip(parts, at):
+            data += bytes(off - len(data)) + p
+        storage.put(f"{step_dir(1)}/{rel}", bytes(data))
+        digests = [",".join(block_digests(memoryview(p), "xxh3_128", BLOCK)) for p in parts]
+        table = ChunkTable(
+            [rel], [0] * len(boxes), list(at), [len(p) for p in parts], [2] * len(boxes),
+            [v for o, _ in boxes for v in o], [v for _, b in boxes for v in b], digests, {}, 0,
+        )  # fmt: skip
+        path, size, digest, files = write_index(
+            storage, step_dir(1), 1, r, f"0000000{r}", ["m/f"] * len(boxes), table, "xxh3_128"
+        )
+        reports.append(
+            {
+                "rank": r,
+                "declared": declared if r == 0 else {},
+                "declared_digest": declared_digest(declared),
+                "chunks": {"keys": [], "counts": [], "table": ChunkTable([], [], [], [], [], [], [], [], {}, 0)},
+                "files": {rel: {"size_bytes": len(data), "rank": r}, path: {"size_bytes": size, "rank": r}},
+                "objects": {},
+                "per_rank_prefixes": [],
+                "described": {"digest": "d", "index": [path, size, digest], "chunk_files": files},
+            }
+        )
+    m = assemble_manifest(
+        1, "t", reports, world_size=2, digest="xxh3_128", block_bytes=BLOCK, metadata={}, described={"m/f": rule}
+    )
+    storage.put_if_absent(manifest_path(1), m.dumps())
+    target = {"m": {"f": torch.zeros(shape)}}
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.restore(target, step=1)
+    assert torch.equal(target["m"]["f"], full)
+    assert flat_cell_boxes(shape, rule.placements, 1) == [((2, 2), (1, 5)), ((3, 0), (2, 7))]
+
+    def move_second(d):  # rank 1's second row (its whole rows) claims rows 4-5 instead of 3-4
+        d["table"]["offsets"][2] = 4
+
+    _edit_index(tmp_path, 1, move_second)
+    with pytest.raises(CorruptCheckpointError, match="of rank 1") as e:
+        with CheckpointManager(str(tmp_path)) as mgr:
+            mgr.restore({"m": {"f": torch.zeros(shape)}}, step=1)
+    assert "has no chunk of 'm/f' at [3, 0]+[2, 7], which the layout says rank 1 wrote" in str(e.value), str(e.value)

@@ -275,7 +275,13 @@ class DescribedLeaves:
         a, b = dims[i], dims[i + 1]
         if n > 1:  # a flat partition's boxes: the one at these offsets
             want = [*offs]
-            i = next((r for r in range(i, i + n) if table.offsets[dims[r] : dims[r + 1]] == want), i)
+            hit = next((r for r in range(i, i + n) if table.offsets[dims[r] : dims[r + 1]] == want), None)
+            if hit is None:
+                raise self._damage(
+                    rank,
+                    f"has no chunk of {key!r} at {list(offs)}+{list(box)}, which the layout says rank {rank} wrote",
+                )
+            i = hit
             a, b = dims[i], dims[i + 1]
         if table.offsets[a:b] != [*offs] or table.shape[a:b] != [*box]:
             raise self._damage(
