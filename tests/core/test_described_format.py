@@ -31,6 +31,24 @@ def _full() -> dict[str, torch.Tensor]:
     return {k: torch.randn(*s, generator=g) for k, s in SHAPES.items()}
 
 
+def _report(
+    storage: LocalStorage, r: int, declared: dict, rel: str, nbytes: int, keys: list, table: ChunkTable
+) -> dict:
+    """Rank ``r``'s index file written, and its report as the coordinator merges it: the shard
+    file ``rel`` of ``nbytes``, every chunk described (rank 0 declares every leaf)."""
+    path, size, digest, files = write_index(storage, step_dir(1), 1, r, f"0000000{r}", keys, table, "xxh3_128")
+    return {
+        "rank": r,
+        "declared": declared if r == 0 else {},
+        "declared_digest": declared_digest(declared),
+        "chunks": {"keys": [], "counts": [], "table": ChunkTable([], [], [], [], [], [], [], [], {}, 0)},
+        "files": {rel: {"size_bytes": nbytes, "rank": r}, path: {"size_bytes": size, "rank": r}},
+        "objects": {},
+        "per_rank_prefixes": [],
+        "described": {"digest": "d", "index": [path, size, digest], "chunk_files": files},
+    }
+
+
 def _write(root: Path, mesh_ranks: tuple[int, ...] = (0, 1, 2, 3)) -> LocalStorage:
     """Step 1 of a checkpoint whose tensors are row-sharded over a mesh of ``mesh_ranks``."""
     storage = LocalStorage(root)
@@ -71,19 +89,7 @@ def _write(root: Path, mesh_ranks: tuple[int, ...] = (0, 1, 2, 3)) -> LocalStora
             {},
             0,
         )
-        path, size, digest, files = write_index(storage, step_dir(1), 1, r, f"0000000{r}", keys, table, "xxh3_128")
-        reports.append(
-            {
-                "rank": r,
-                "declared": declared if r == 0 else {},
-                "declared_digest": declared_digest(declared),
-                "chunks": {"keys": [], "counts": [], "table": ChunkTable([], [], [], [], [], [], [], [], {}, 0)},
-                "files": {rel: {"size_bytes": len(data), "rank": r}, path: {"size_bytes": size, "rank": r}},
-                "objects": {},
-                "per_rank_prefixes": [],
-                "described": {"digest": "d", "index": [path, size, digest], "chunk_files": files},
-            }
-        )
+        reports.append(_report(storage, r, declared, rel, len(data), keys, table))
     m = assemble_manifest(
         1, "t", reports, world_size=W, digest="xxh3_128", block_bytes=BLOCK, metadata={}, described=rules
     )
@@ -333,21 +339,7 @@ def test_a_flat_partition_restores_and_a_missing_box_is_named(tmp_path: Path) ->
             [rel], [0] * len(boxes), list(at), [len(p) for p in parts], [2] * len(boxes),
             [v for o, _ in boxes for v in o], [v for _, b in boxes for v in b], digests, {}, 0,
         )  # fmt: skip
-        path, size, digest, files = write_index(
-            storage, step_dir(1), 1, r, f"0000000{r}", ["m/f"] * len(boxes), table, "xxh3_128"
-        )
-        reports.append(
-            {
-                "rank": r,
-                "declared": declared if r == 0 else {},
-                "declared_digest": declared_digest(declared),
-                "chunks": {"keys": [], "counts": [], "table": ChunkTable([], [], [], [], [], [], [], [], {}, 0)},
-                "files": {rel: {"size_bytes": len(data), "rank": r}, path: {"size_bytes": size, "rank": r}},
-                "objects": {},
-                "per_rank_prefixes": [],
-                "described": {"digest": "d", "index": [path, size, digest], "chunk_files": files},
-            }
-        )
+        reports.append(_report(storage, r, declared, rel, len(data), ["m/f"] * len(boxes), table))
     m = assemble_manifest(
         1, "t", reports, world_size=2, digest="xxh3_128", block_bytes=BLOCK, metadata={}, described={"m/f": rule}
     )

@@ -79,8 +79,8 @@ class CheckpointOptions:
     up to a power of two (flat up to 64 ranks, 256 at 16,384), at most 4096."""
     describe_layouts: bool | None = None
     """DTensors sharded by Shard/Replicate placements (and FSDP1's ShardedTensors, ZeRO
-    fragments that name their partition) are recorded by their rule (mesh, placements) with their chunks in per-rank index files, so that the manifest and restore
-    planning do not grow with ranks x tensors (docs/format.md 3.8, format_version 7). None:
+    fragments that name their partition) are recorded by their rule (mesh, placements) with
+    their chunks in per-rank index files, so that the manifest and restore planning do not grow with ranks x tensors (docs/format.md 3.8, format_version 7). None:
     when such tensors x ranks reach 4096 (and compression is off); True: always (except with
     compression); False: never (every chunk listed in the manifest)."""
     max_read_bytes: int = 64 << 20

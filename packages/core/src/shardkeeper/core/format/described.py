@@ -162,7 +162,7 @@ class DescribedLeaves:
                 return "a described layout is not [mesh index, placements] or [mesh index, placements, order]"
             specs.append((self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None))
         seen: dict[tuple[int, int], int] = {}  # (layout, ndim) -> its replica count, checked once
-        flat = {li for li, (_, pl, _) in enumerate(specs) if pl and isinstance(pl[0], tuple) and pl[0][:1] == ("F",)}
+        flat = {li for li, (_, pl, _) in enumerate(specs) if is_flat(pl)}
         for j, (li, rep, nd) in enumerate(zip(self.layout, self.replica, self.ndim)):
             got = seen.get((li, nd))
             if got is None:
@@ -175,7 +175,7 @@ class DescribedLeaves:
                 got = seen[(li, nd)] = replicas(mesh, pl)
             if rep >= got:
                 return f"{self.keys[j]}: replica {rep} of a layout with {got} replicas"
-            if li in flat and is_flat(specs[li][1]):  # (its placements checked just above)
+            if li in flat:  # (its placements checked just above)
                 why = flat_problem(self.shapes()[j], specs[li][0], specs[li][1])
                 if why is not None:
                     return f"{self.keys[j]}: {why}"

@@ -166,7 +166,8 @@ def flat_problem(shape: Sequence[int], mesh: Mesh, placements: Placements) -> st
 
 
 def is_flat(placements: Placements) -> bool:
-    return len(placements) == 1 and placements[0][0] == FLAT
+    """Whether ``placements`` are a flat partition (a lone ``["F", ...]``)."""
+    return len(placements) == 1 and tuple(placements[0][:1]) == (FLAT,)
 
 
 #: A box of a tensor (offsets, shape) and where its elements start in a flat range.

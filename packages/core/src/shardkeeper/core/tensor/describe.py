@@ -5,10 +5,9 @@ written by tensor/index_write.py.)
 A DTensor whose placements are plain Shard and Replicate has chunks that follow torch's
 chunk rule, and so does an FSDP1 ShardedTensor (its sharded state dict splits dimension 0
 over the ranks by ``torch.chunk``); a ZeRO ``Fragment`` that names its partition follows the
-flat-partition rule; its rank checks its own box against the rule
-(``describe_leaf``, ``describe_sharded``, ``describe_fragment``) and, when they agree, the manifest records the mesh
-and placements once instead of a chunk per rank. Every
-rank decides from the same state alone; the coordinator compares the ranks' decisions
+flat-partition rule. Its rank checks its own box against the rule (``describe_leaf``,
+``describe_sharded``, ``describe_fragment``) and, when they agree, the manifest records the
+mesh and placements once instead of a chunk per rank. Every rank decides from the same state alone; the coordinator compares the ranks' decisions
 (``described_digest``) and refuses a save on which they differ.
 """
 
@@ -54,10 +53,7 @@ def describe_leaf(
     root = tc.root_mesh(dm)
     if root is not dm and dm.ndim < root.ndim:  # (a slice of every dimension is the mesh itself)
         return _on_root(key, t, dm, root, layout, meshes, world_size)
-    mesh = meshes.get(id(dm))
-    if mesh is None:  # one Mesh per content: DeviceMesh objects of the same ranks share it
-        made = Mesh(*tc.mesh_ranks(dm))
-        mesh = meshes[id(dm)] = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    mesh = _mesh_of(dm, meshes)
     if (
         len(mesh.ranks) != world_size
         or not tc.is_whole_world(world_size)
@@ -85,6 +81,19 @@ def describe_leaf(
     return Rule(mesh, placements, replica_writer(key, replicas(mesh, placements)), order)
 
 
+def _shared(mesh: Mesh, meshes: dict[Any, Any]) -> Mesh:
+    """One ``Mesh`` object per content (described layouts are deduplicated by identity)."""
+    return meshes.setdefault(("mesh", mesh.shape, mesh.ranks), mesh)  # type: ignore[no-any-return]
+
+
+def _mesh_of(dm: Any, meshes: dict[Any, Any]) -> Mesh:
+    """The ``Mesh`` of DeviceMesh ``dm``, cached by identity: DeviceMeshes of the same ranks share one."""
+    mesh = meshes.get(id(dm))
+    if mesh is None:
+        mesh = meshes[id(dm)] = _shared(Mesh(*tc.mesh_ranks(dm)), meshes)
+    return mesh  # type: ignore[no-any-return]
+
+
 def _on_root(
     key: str, t: Any, dm: Any, root: Any, layout: LocalLayout, meshes: dict[Any, Any], world_size: int
 ) -> Rule | None:
@@ -96,10 +105,7 @@ def _on_root(
     dims = tc.submesh_dims(dm, root)
     if dims is None:
         return None
-    mesh = meshes.get(id(root))
-    if mesh is None:
-        made = Mesh(*tc.mesh_ranks(root))
-        mesh = meshes[id(root)] = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    mesh = _mesh_of(root, meshes)
     if not tc.is_whole_world(world_size) or sorted(mesh.ranks) != list(range(world_size)):
         return None
     rules = [tc.placement_rule(p) for p in t.placements]
@@ -132,8 +138,7 @@ def describe_sharded(
     shape = tuple(st.shape)
     if not shape:
         return None
-    made = Mesh((world_size,), tuple(range(world_size)))
-    mesh = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    mesh = _shared(Mesh((world_size,), tuple(range(world_size))), meshes)
     placements = ((SHARD, 0),)
     rank = tc.sharded_tensor_rank(st)
     offs, box = cell_box(shape, mesh, placements, (rank,))
@@ -152,8 +157,7 @@ def describe_fragment(
     choices, so a partition given otherwise on another rank refuses the save)."""
     if frag.partition is None or world_size < 2 or not tc.is_whole_world(world_size):
         return None
-    made = Mesh((world_size,), tuple(range(world_size)))
-    mesh = meshes.setdefault(("mesh", made.shape, made.ranks), made)
+    mesh = _shared(Mesh((world_size,), tuple(range(world_size))), meshes)
     placements = ((FLAT, *frag.partition),)
     if flat_problem(frag.global_shape, mesh, placements) is not None:
         return None
