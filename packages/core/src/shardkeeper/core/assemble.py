@@ -30,7 +30,7 @@ from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.format.reports import decode_report
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
-from shardkeeper.core.format.versions import DESCRIBED_VERSION, FORMAT_VERSION
+from shardkeeper.core.format.versions import DESCRIBED_VERSION, FORMAT_VERSION, PAGED_VERSION
 
 
 def declared_digest(declared: Mapping[str, Any]) -> str:
@@ -51,6 +51,7 @@ def assemble_manifest(
     block_bytes: int,
     metadata: Mapping[str, Any],
     described: Mapping[str, Any] | None = None,
+    pages: Sequence[tuple[int, int, Sequence[Any]]] = (),
 ) -> Manifest:
     """Merge the ranks' reports (see ``docs/protocol.md``) into a manifest, or raise.
 
@@ -60,10 +61,13 @@ def assemble_manifest(
     ``chunks`` (key -> chunk records as JSON, or their columnar ``encode_report`` form),
     ``files``, ``objects``, ``per_rank_prefixes`` and ``layouts``. ``described``: the
     coordinator's described leaves (key -> ``format.grid.Rule``, tensor/describe.py),
-    whose chunks the ranks' index files hold (their reports' ``described``).
+    whose chunks the ranks' index files hold (their reports' ``described``). ``pages``: a
+    group commit's (first rank, count, ``[path, size, digest, files, bytes]``) per group,
+    whose pages hold every rank's index entry and chunk files instead (format_version 8);
+    a report then stands for the ranks its ``ranks`` runs name.
     """
     with no_gc():
-        return _assemble(step, attempt, reports, world_size, digest, block_bytes, metadata, described or {})
+        return _assemble(step, attempt, reports, world_size, digest, block_bytes, metadata, described or {}, pages)
 
 
 def _assemble(
@@ -75,12 +79,13 @@ def _assemble(
     block_bytes: int,
     metadata: Mapping[str, Any],
     described: Mapping[str, Any],
+    pages: Sequence[tuple[int, int, Sequence[Any]]],
 ) -> Manifest:
     problems: list[str] = []
     declared: dict[str, list[Any]] = {}
     owner: dict[str, int] = {}
     ref = reports[0].get("declared_digest")
-    differing = [r["rank"] for r in reports[1:] if "declared_digest" in r and r["declared_digest"] != ref]
+    differing = [x for r in reports[1:] if "declared_digest" in r and r["declared_digest"] != ref for x in _ranks(r)]
     if differing:
         problems.append(
             f"ranks {differing} hold states whose keys, dtypes or shapes differ from rank {reports[0]['rank']}'s"
@@ -173,8 +178,8 @@ def _assemble(
         )
         dl = None
         if described:
-            dl = DescribedLeaves(_described_json(described, declared, reports, world_size), width, block_bytes)
-            version = DESCRIBED_VERSION
+            dl = DescribedLeaves(_described_json(described, declared, reports, world_size, pages), width, block_bytes)
+            version = PAGED_VERSION if pages else DESCRIBED_VERSION
         out: Mapping[str, Any] = TableLeaves(object_leaves, lt, table, block_bytes, dl)
     else:  # the per-chunk form: small manifests stay easy to read by eye
         leaves: dict[str, Any] = {
@@ -212,7 +217,7 @@ def _described_problems(
     leaves (or describe them otherwise) than the coordinator, and described leaves that are
     not tensors every rank declared, or that a rank also reported as enumerated chunks."""
     ref = reports[0].get("described", {}).get("digest")
-    differing = [r["rank"] for r in reports if r.get("described", {}).get("digest") != ref]
+    differing = [x for r in reports if r.get("described", {}).get("digest") != ref for x in _ranks(r)]
     out = []
     if differing:
         out.append(
@@ -233,9 +238,10 @@ def _described_json(
     declared: Mapping[str, Any],
     reports: Sequence[Mapping[str, Any]],
     world_size: int,
+    pages: Sequence[tuple[int, int, Sequence[Any]]],
 ) -> dict[str, Any]:
     """The manifest's ``described`` member (format.md 3.8) from the coordinator's described
-    leaves (key -> ``format.grid.Rule``) and every rank's index file."""
+    leaves (key -> ``format.grid.Rule``) and every rank's index file, or the pages (3.9)."""
     meshes: list[Any] = []
     mesh_at: dict[Any, int] = {}
     layouts: list[Any] = []
@@ -256,8 +262,9 @@ def _described_json(
         layout_col.append(li)
         replica_col.append(rule.replica)
         shape.extend(declared[key][2])
-    index_path: list[Any] = [None] * world_size
-    index_size, index_digest = [0] * world_size, [""] * world_size
+    n = 0 if pages else world_size  # with pages, every rank's entry is in its group's page
+    index_path: list[Any] = [None] * n
+    index_size, index_digest = [0] * n, [""] * n
     chunk_files: dict[str, int] = {}
     for r in reports:
         d = r.get("described") or {}
@@ -279,7 +286,29 @@ def _described_json(
         "meshes": meshes,
         "index": {"path": index_path, "size": index_size, "digest": index_digest},
         "chunk_files": {"path": paths, "end": [chunk_files[p] for p in paths]},
+        **({"pages": _pages_json(pages)} if pages else {}),
     }
+
+
+def _pages_json(pages: Sequence[tuple[int, int, Sequence[Any]]]) -> dict[str, list[Any]]:
+    """The ``pages`` columns (format.md 3.9), in rank order."""
+    rows = sorted(pages, key=lambda p: p[0])
+    entries = [e for _, _, e in rows]
+    return {
+        "path": [e[0] for e in entries],
+        "size": [e[1] for e in entries],
+        "digest": [e[2] for e in entries],
+        "first": [first for first, _, _ in rows],
+        "count": [count for _, count, _ in rows],
+        "files": [e[3] for e in entries],
+        "bytes": [e[4] for e in entries],
+    }
+
+
+def _ranks(report: Mapping[str, Any]) -> list[int]:
+    """The ranks a report stands for (a group leader folds equal ones: their ``ranks`` runs)."""
+    runs = report.get("ranks")
+    return [r for a, b in runs for r in range(a, b + 1)] if runs else [report["rank"]]
 
 
 def _rows_by_key(bases: Sequence[int], reported: Sequence[tuple[list[str], list[int]]]) -> dict[str, list[int]]:

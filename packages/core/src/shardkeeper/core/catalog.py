@@ -165,7 +165,7 @@ def record_commit(url: str | None, storage: Any, step: int, manifest: Any) -> No
                 "created_at": manifest.created_at,
                 "world_size": manifest.world_size,
                 "manifest": storage.describe(f"step-{step:012d}/manifest.json"),
-                "size_bytes": sum(int(f.get("size_bytes", 0)) for f in manifest.files.values()),
+                "size_bytes": manifest.stored()[1],
             },
         )
     except (CatalogError, ValueError) as e:

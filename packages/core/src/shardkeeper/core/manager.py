@@ -87,6 +87,7 @@ class CheckpointManager:
         digest: DigestAlgorithm = DEFAULT.digest,
         digest_block_bytes: int = DEFAULT.digest_block_bytes,
         commit_timeout_s: float = DEFAULT.commit_timeout_s,
+        commit_group_ranks: int = DEFAULT.commit_group_ranks,
         io_threads: int = DEFAULT.io_threads,
         max_files_per_rank: int = DEFAULT.max_files_per_rank,
         min_file_bytes: int = DEFAULT.min_file_bytes,
@@ -113,7 +114,8 @@ class CheckpointManager:
         root; ``metadata``: written into every manifest. Every other keyword is a field of
         :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
 
-        - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``
+        - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``,
+          ``commit_group_ranks`` (ranks per group leader at larger worlds)
         - layout: ``max_files_per_rank``, ``min_file_bytes``, ``data_prefixes``, ``describe_layouts``; io: ``io_threads``, ``max_read_bytes``
         - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop),
           ``share_restore_reads`` (a range several ranks restore is read once and sent to the others)
@@ -141,7 +143,7 @@ class CheckpointManager:
             root, storage_options, retry=base.retry_policy(), encryption=base.encryption, bound_to=base.encryption_root
         )
         self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
-        self._coord = make_coordinator(process_group)
+        self._coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")

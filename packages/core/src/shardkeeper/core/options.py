@@ -67,6 +67,11 @@ class CheckpointOptions:
     """Digest granularity: a ranged read is widened to these blocks to be verified."""
     commit_timeout_s: float = 1800.0
     """How long the coordinator waits for every rank's report, and ranks for the outcome."""
+    commit_group_ranks: int = 128
+    """At a world larger than this, every this-many-th rank leads a group: it folds its
+    group's reports into one and writes their records into a page (format_version 8), so
+    that the coordinator's work and the manifest do not grow with ranks (docs/protocol.md,
+    "Group commit"). Every rank must pass the same value."""
     io_threads: int = 4
     """Parallel file writes and ranged reads per rank."""
     max_files_per_rank: int = 4
@@ -125,6 +130,8 @@ class CheckpointOptions:
             raise ValueError(
                 f"data_prefixes must be between 1 and {MAX_DATA_PREFIXES} (or None), got {self.data_prefixes}"
             )
+        if self.commit_group_ranks < 2:
+            raise ValueError(f"commit_group_ranks must be >= 2, got {self.commit_group_ranks}")
         if self.commit_timeout_s <= 0:
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         self.retry_policy()  # validates the retry_* fields
@@ -169,7 +176,7 @@ def _check_number(name: str, value: float) -> None:
 
 #: The fields of ``CheckpointOptions`` by what they are about (docs/protocol.md, "Options").
 GROUPS: dict[str, tuple[str, ...]] = {
-    "saving": ("async_save", "staging", "commit_timeout_s"),
+    "saving": ("async_save", "staging", "commit_timeout_s", "commit_group_ranks"),
     "layout": ("max_files_per_rank", "min_file_bytes", "data_prefixes", "describe_layouts"),
     "io": ("io_threads", "max_read_bytes"),
     "restore": ("per_rank", "share_restore_reads"),

@@ -233,6 +233,14 @@ class RankReport:
     described: dict[str, Any] = field(default_factory=dict)
     """Described leaves (format_version 7): ``digest`` of which and how, this rank's ``index``
     file (``[path, size, digest]``, or None) and the ``chunk_files`` its rows name; {}: none."""
+    ranks: list[list[int]] = field(default_factory=list)
+    """The ranks this report stands for, as ``[first, last]`` runs, when a group leader folded
+    the equal reports of several ranks into one (``fold.py``); []: ``rank`` alone."""
+    group: dict[str, Any] = field(default_factory=dict)
+    """A group leader's report (a save at a world above ``commit_group_ranks``): ``count``
+    (its group's ranks, from ``rank`` on), ``page`` (``[path, size, digest, files, bytes]``
+    of the page holding their records; None: a save without described leaves) and ``others`` (the reports of its ranks that differ
+    from this one, each with its ``ranks``); {}: a rank's own report."""
 
     def members(self) -> dict[str, Any]:
         """The report by its wire member names, ``chunks`` as held (the coordinator's own
@@ -253,6 +261,8 @@ class RankReport:
             "timings": self.timings.to_json(),
             # only with described leaves: other reports keep the bytes they always had
             **({"described": self.described} if self.described else {}),
+            **({"ranks": self.ranks} if self.ranks else {}),
+            **({"group": self.group} if self.group else {}),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -261,6 +271,8 @@ class RankReport:
         doc = self.members()
         if isinstance(self.chunks.get("table"), ChunkTable):
             doc["chunks"] = report_for_wire(self.chunks)
+        if self.group:
+            doc["group"] = {**self.group, "others": [o.to_json() for o in self.group["others"]]}
         return doc
 
     @classmethod
@@ -293,7 +305,43 @@ class RankReport:
             layouts=_get(d, "layouts", "list[str]", where),
             timings=Timings.from_json(_get(d, "timings", "object", where), where=f"{where}, member 'timings'"),
             described=_described(d.get("described", {}), where),
+            ranks=_ranks(d.get("ranks", []), where),
+            group=_group(d.get("group", {}), where),
         )
+
+    def stands_for(self) -> list[int]:
+        """Every rank this report stands for, in order."""
+        if not self.ranks:
+            return [self.rank]
+        return [r for a, b in self.ranks for r in range(a, b + 1)]
+
+
+def _ranks(doc: object, where: str) -> list[list[int]]:
+    if not isinstance(doc, list) or not all(
+        isinstance(e, list) and len(e) == 2 and type(e[0]) is int and type(e[1]) is int and e[0] <= e[1] for e in doc
+    ):
+        raise malformed(where, f"member 'ranks' is {_describe(doc)}, not a list of [first, last] runs")
+    return doc
+
+
+def _group(doc: object, where: str) -> dict[str, Any]:
+    """A leader's ``group`` member, checked for its shape; its ``others`` parsed as reports."""
+    d = _object(doc, f"{where}, member 'group'")
+    if not d:
+        return {}
+    w = f"{where}, member 'group'"
+    _get(d, "count", "int", w)
+    page = d.get("page")
+    if page is not None and not (
+        isinstance(page, list)
+        and len(page) == 5
+        and isinstance(page[0], str)
+        and isinstance(page[2], str)
+        and all(type(page[i]) is int and page[i] >= 0 for i in (1, 3, 4))
+    ):
+        raise malformed(w, f"the page entry is {_describe(page)}, not [path, size, digest, files, bytes]")
+    others = [RankReport.from_json(o, where=f"{w}, one of 'others'") for o in _get(d, "others", "list", w)]
+    return {"count": d["count"], "page": page, "others": others}
 
 
 def _described(doc: object, where: str) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def _file_ends(step: int, manifest: Manifest) -> dict[str, int]:
     """Every file the manifest references (root-relative) and the end of its last chunk; its
     own files with their recorded sizes."""
     ends: dict[str, int] = {}
-    for rel, end in manifest.chunk_file_ends().items():
+    for rel, end in manifest.chunk_file_ends(pages=False).items():  # (leaders checked their pages' files)
         path = resolve_file(step, rel)
         if path is not None:
             ends[path] = max(ends.get(path, 0), end)

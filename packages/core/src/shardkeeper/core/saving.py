@@ -46,6 +46,7 @@ from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.step_order import StepOrder
+from shardkeeper.core.tensor.group_fold import fold_group, unfold
 from shardkeeper.core.tensor.index_write import index_report
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
@@ -235,7 +236,9 @@ class SaveRunner:
             outcome = self._commit(job, own)
             ctx.coord.publish(job.seq, outcome)
         else:
-            ctx.coord.report(job.seq, own)
+            sent: Report | None = self._fold(job, own) if ctx.coord.leads() and isinstance(own, RankReport) else own
+            if sent is not None:  # (None: a rank of this leader's group failed, and said so itself)
+                ctx.coord.report(job.seq, sent)
             outcome = ctx.coord.outcome(job.seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step)
         if local_error is not None:
             raise CheckpointSaveError(
@@ -305,6 +308,31 @@ class SaveRunner:
         metrics.record(metrics.BYTES_WRITTEN, res.bytes_written, rank=ctx.rank, step=job.step)
         return report
 
+    def _fold(self, job: SaveJob, own: RankReport) -> Report | None:
+        """A group leader: its group's folded report (``tensor/group_fold.py``), a failure of
+        its own, or None when a rank of its group reported a failure."""
+        ctx = self.ctx
+        try:
+            got = ctx.coord.collect_group(job.seq, ctx.settings.commit_timeout_s, step=job.step)
+            if got is None or isinstance(got, Failure):
+                return got
+            return self._fold_reports(job, [own, *got])
+        except BaseException as e:
+            return Failure.of(ctx.rank, Phase.COMMIT, ctx.storage.describe(step_dir(job.step)), e)
+
+    def _fold_reports(self, job: SaveJob, reports: list[RankReport]) -> RankReport:
+        ctx = self.ctx
+        return fold_group(
+            ctx.storage,
+            step_dir(job.step),
+            job.step,
+            job.attempt,
+            reports,
+            algorithm=ctx.settings.digest,
+            prefixes=data_prefixes(ctx.settings.data_prefixes, ctx.world_size),
+            paging=bool(job.plan.described),
+        )
+
     def _commit(self, job: SaveJob, own: Report) -> Outcome:
         """Coordinator: collect reports, check tiling, write the manifest if absent."""
         if isinstance(own, Failure):
@@ -314,10 +342,15 @@ class SaveRunner:
         reports: list[RankReport] = []
         t_commit = time.perf_counter()
         try:
+            if ctx.coord.leads():  # group commit: fold its own group, as every leader does
+                group = ctx.coord.collect_group(job.seq, settings.commit_timeout_s, step=step)
+                if isinstance(group, Failure):
+                    return Outcome(group)
+                own = self._fold_reports(job, [own, *(group or [])])
             got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step)
             if isinstance(got, Failure):
                 return Outcome(got)
-            reports = got
+            reports, pages = unfold(got)
             members = [r.members() for r in reports]
             manifest = assemble_manifest(
                 step,
@@ -327,6 +360,7 @@ class SaveRunner:
                 digest=settings.digest,
                 block_bytes=settings.digest_block_bytes,
                 described=job.plan.described,
+                pages=pages,
                 metadata={
                     "framework": "torch",
                     "torch_version": str(torch.__version__),

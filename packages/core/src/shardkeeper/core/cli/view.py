@@ -49,7 +49,7 @@ def _resolve_step(storage: Storage, step: int | None) -> int:
 
 
 def _stored_bytes(m: Manifest) -> int:
-    return sum(int(f.get("size_bytes", 0)) for f in m.files.values() if isinstance(f, dict))
+    return m.stored()[1]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -158,7 +158,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "digest_block_bytes": m.digest_block_bytes,
                 "per_rank_prefixes": list(m.per_rank_prefixes),
                 "metadata": m.metadata,
-                "files": len(m.files),
+                "files": m.stored()[0],
                 "size_bytes": _stored_bytes(m),
                 "logical_bytes": m.nbytes,
                 "leaves": leaves,
@@ -174,7 +174,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("attempt", m.attempt or "-"),
         ("world size", m.world_size),
         ("digest", f"{m.digest_algorithm}, {human_size(m.digest_block_bytes)} blocks"),
-        ("files", f"{len(m.files)}, {human_size(_stored_bytes(m))}"),
+        ("files", f"{m.stored()[0]}, {human_size(_stored_bytes(m))}"),
         ("leaves", f"{len(m.leaves)}, {human_size(m.nbytes)} of tensors and bytes"),
     ]
     if m.per_rank_prefixes:

@@ -109,12 +109,15 @@ def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tup
     from shardkeeper.core.root_files import resolve_file
 
     ends: dict[str, int] = {}
-    for rel, end in m.chunk_file_ends().items():
+    problems: list[tuple[str, str, str]] = []
+    # Pages (format_version 8) are encrypted too: without the key, the files the manifest lists
+    # (the pages among them) are checked, and the files the pages list with the key.
+    listed, file_ends = m.files, m.chunk_file_ends(pages=False)
+    for rel, end in file_ends.items():
         path = resolve_file(step, rel)
         if path is not None:
             ends[path] = max(ends.get(path, 0), end)
-    own = {p: info.get("size_bytes") for rel, info in m.files.items() if (p := resolve_file(step, rel))}
-    problems: list[tuple[str, str, str]] = []
+    own = {p: info.get("size_bytes") for rel, info in listed.items() if (p := resolve_file(step, rel))}
     paths = sorted(set(ends) | set(own))
     for path in paths:
         where = storage.describe(path)

@@ -24,13 +24,13 @@ from typing import Any, cast
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedJSONError
 from shardkeeper.core.format.columns import MAX_NDIM, ChunkTable
 from shardkeeper.core.format.grid import Mesh, flat_problem, is_flat, overlapping_cells, placements_problem, replicas
+from shardkeeper.core.format.pages import Pages, chunk_files_problem, index_problem
 from shardkeeper.core.format.records import (
     DTYPES,
     BlockDigests,
     ChunkRecord,
     LeafRecord,
     encoded_length_problem,
-    safe_relative_path,
 )
 from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.format.versions import ENCODINGS
@@ -69,6 +69,9 @@ class DescribedLeaves:
         # every file the index files' rows name, and the end of the last byte they reference
         self.file_path: list[str] = files["path"]
         self.file_end: list[int] = files["end"]
+        # format_version 8: the per-rank records (index entries, chunk files) in pages instead
+        pages = d.get("pages")
+        self.pages: Pages | None = Pages(pages) if pages is not None else None
         self.width, self.block = width, block
         self._pos: dict[str, int] | None = None
         self._shapes: list[tuple[int, ...]] | None = None
@@ -98,6 +101,7 @@ class DescribedLeaves:
             "meshes": [m.to_json() for m in self.meshes],
             "index": {"path": self.index_path, "size": self.index_size, "digest": self.index_digest},
             "chunk_files": {"path": self.file_path, "end": self.file_end},
+            **({"pages": self.pages.to_json()} if self.pages is not None else {}),
         }
 
     def __len__(self) -> int:
@@ -127,6 +131,8 @@ class DescribedLeaves:
         step directory, refused unread when it is not ``size`` bytes), how they are digested,
         the manifest's ``files`` (their sizes), how a path is named in errors, and the step."""
         self._read, self._digest, self._files, self._where, self._step = read, digest, files, where, step
+        if self.pages is not None:
+            self.pages.attach(read, digest, where, step)
 
     def problem(self, world_size: int, files: Mapping[str, Any]) -> str | None:
         """Why the columns cannot be trusted, or None (types, lengths, the rule's fields)."""
@@ -180,33 +186,14 @@ class DescribedLeaves:
                 if why is not None:
                     return f"{self.keys[j]}: {why}"
         self._specs = [(m, pl, tuple(o) if o is not None else None) for m, pl, o in specs]
-        ip, isz, idg = self.index_path, self.index_size, self.index_digest
-        if not all(isinstance(c, list) and len(c) == world_size for c in (ip, isz, idg)):
-            lens = ", ".join(str(len(c)) if isinstance(c, list) else "?" for c in (ip, isz, idg))
-            return f"described index columns (path, size, digest) list {lens} ranks, not {world_size}"
-        if not set(map(type, isz)) <= {int} or not set(map(type, idg)) <= {str}:
-            return "described index sizes and digests are not integers and strings"
-        for path, size, dg in zip(ip, isz, idg):
-            if path is None:
-                if size != 0 or dg != "":
-                    return "a rank without an index file has an index size or digest"
-                continue
-            rec = files.get(path) if isinstance(path, str) else None
-            if rec is None or path.startswith("../"):  # (the paths of files were checked already)
-                return f"index file {str(path)[:80]!r} is not a file of its step"
-            if rec.get("size_bytes") != size:
-                return f"index file {path[:80]!r} is not listed in files with its size"
-        fp, fe = self.file_path, self.file_end
-        if not (isinstance(fp, list) and isinstance(fe, list) and len(fp) == len(fe)):
-            return "described chunk_files columns differ in length"
-        if not set(map(type, fe)) <= {int} or (fe and min(fe) < 0) or not set(map(type, fp)) <= {str}:
-            return "described chunk_files are not paths with non-negative ends"
-        for rel, end in zip(fp, fe):
-            if rel not in files and not safe_relative_path(rel):
-                return f"described chunk file {rel[:80]!r} is not a path inside the root"
-            size = files.get(rel, {}).get("size_bytes")
-            if size is not None and end > size:
-                return f"described chunks reach byte {end} of {rel[:80]!r}, which has {size}"
+        ip, isz, idg, fp, fe = self.index_path, self.index_size, self.index_digest, self.file_path, self.file_end
+        if self.pages is not None:  # every rank's records are in the pages
+            if ip or isz or idg or fp or fe:
+                return "a described manifest with pages lists index entries or chunk files too"
+            return self.pages.problem(world_size, files)
+        why = index_problem(ip, isz, idg, files, world_size) or chunk_files_problem(fp, fe, files)
+        if why is not None:
+            return why
         self._ends = dict(zip(fp, fe))
         return None
 
@@ -292,11 +279,15 @@ class DescribedLeaves:
         extras = table.extras
         encodings = extras.get("encoding") if extras else None
         enc = (encodings[i] if encodings is not None else None) or "raw"
-        if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
-            self._ends = dict(zip(self.file_path, self.file_end))
+        if self.pages is not None:  # the ends of the files this rank's index names: in its page
+            end = self.pages.rank(rank).ends.get(file, -1)
+        else:
+            if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
+                self._ends = dict(zip(self.file_path, self.file_end))
+            end = self._ends.get(file, -1)
         raw = math.prod(box) * _ITEM[self.dtype[j]]
         w = table.width
-        if enc == "raw" and length == raw and offset + length <= self._ends.get(file, -1):
+        if enc == "raw" and length == raw and offset + length <= end:
             digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
             return ChunkRecord.unchecked(file, offset, length, offs, box, digests)
         if enc == "raw":
@@ -305,7 +296,7 @@ class DescribedLeaves:
             why = f"has the unknown encoding {enc[:40]!r}"
         else:
             why = encoded_length_problem(enc, length, raw)
-        if why is None and offset + length > self._ends.get(file, -1):
+        if why is None and offset + length > end:
             why = f"points at {file[:80]!r} [{offset}, {offset + length}), outside the files the manifest lists"
         if why is not None:
             raise self._damage(rank, f"chunk of {key!r} {why}")
@@ -332,7 +323,7 @@ class DescribedLeaves:
             return got
 
     def _parse(self, rank: int) -> tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]:
-        path = self.index_path[rank] if 0 <= rank < len(self.index_path) else None
+        path, size, digest = self._entry(rank)
         if path is None:
             raise CorruptCheckpointError(
                 f"the manifest's layout says rank {rank} wrote chunks, but it lists no index file of rank "
@@ -343,7 +334,6 @@ class DescribedLeaves:
                 "this manifest's described leaves keep their chunks in index files, and it was parsed "
                 "without its storage: load it with shardkeeper.core.commit.load_manifest"
             )
-        size, digest = self.index_size[rank], self.index_digest[rank]
         if size > MAX_INDEX_BYTES:
             raise self._damage(rank, f"is {size} bytes, more than the {MAX_INDEX_BYTES} a reader accepts")
         try:
@@ -389,8 +379,28 @@ class DescribedLeaves:
                 rows[k] = (first, n + 1)
         return rows, table, table.digest_starts(self.block), table.dims
 
+    def _entry(self, rank: int) -> tuple[str | None, int, str]:
+        """Rank ``rank``'s index file: path (None: none), size and digest, from its page."""
+        if self.pages is not None:
+            if not 0 <= rank < self.pages.first[-1] + self.pages.count[-1]:
+                return None, 0, ""
+            return self.pages.rank(rank).entry(rank)
+        if not 0 <= rank < len(self.index_path):
+            return None, 0, ""
+        return self.index_path[rank], self.index_size[rank], self.index_digest[rank]
+
+    def file_ends(self) -> dict[str, int]:
+        """Every chunk file the index files name, with the end of the last byte referenced
+        (with pages: read from every page)."""
+        if self.pages is not None:
+            return self.pages.file_ends()
+        return dict(zip(self.file_path, self.file_end))
+
     def _damage(self, rank: int, why: str) -> CorruptCheckpointError:
-        path = self.index_path[rank] or "(none)"
+        try:
+            path = self._entry(rank)[0] or "(none)"
+        except CorruptCheckpointError:  # (its page is damaged: said on its own)
+            path = f"(of rank {rank})"
         return CorruptCheckpointError(
             f"index file {self._where(path)} of rank {rank} {why}; the checkpoint is damaged: restore "
             f"another step, or run `shardkeeper verify` on the root"

@@ -77,12 +77,19 @@ def index_file(rank: int, attempt: str, prefixes: int = 1) -> str:
     return f"{data_dir(rank, prefixes)}/r{rank:05d}-{attempt}.index.json"
 
 
+def page_file(first: int, attempt: str, prefixes: int = 1) -> str:
+    """Relative to the step directory: ``data/g00128-<attempt>.index.json``, the page of the
+    group of ranks from ``first`` on (format_version 8), beside its leader's files."""
+    return f"{data_dir(first, prefixes)}/g{first:05d}-{attempt}.index.json"
+
+
 __all__ = [
     "DATA_DIR",
     "MAX_DATA_PREFIXES",
     "data_dir",
     "data_prefixes",
     "index_file",
+    "page_file",
     "LATEST_NAME",
     "STEP_DIGITS",
     "STEP_PREFIX",

@@ -20,7 +20,7 @@ from shardkeeper.core.format.described import DescribedLeaves
 from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import LeafRecord
 from shardkeeper.core.format.table import TableLeaves
-from shardkeeper.core.format.versions import DESCRIBED_VERSION, LEAF_TABLE_VERSION, TABLE_VERSION
+from shardkeeper.core.format.versions import DESCRIBED_VERSION, LEAF_TABLE_VERSION, PAGED_VERSION, TABLE_VERSION
 
 
 class RawLeaves(Mapping[str, Any]):
@@ -85,6 +85,8 @@ def read_leaves(d: dict[str, Any], version: int) -> Mapping[str, LeafRecord]:
         raise ValueError("a leaf_table without a chunk_table")
     if "described" in d and (version < DESCRIBED_VERSION or "leaf_table" not in d):
         raise ValueError(f"a described member in a format_version {version} manifest without a leaf_table")
+    if "pages" in _as_dict(d.get("described", {})) and version < PAGED_VERSION:
+        raise ValueError(f"described pages in a format_version {version} manifest (introduced in {PAGED_VERSION})")
     if version >= TABLE_VERSION and "chunk_table" in d:
         width = DIGEST_HEX.get(str(d["digest_algorithm"]), 0)
         table = ChunkTable.from_json(_as_dict(d["chunk_table"]), width)

@@ -32,6 +32,7 @@ from shardkeeper.core.format.jsonvalue import (
 )
 from shardkeeper.core.format.leaves import LazyLeaves, leaves_fields, read_leaves
 from shardkeeper.core.format.manifest_checks import check_envelope, manifest_problem
+from shardkeeper.core.format.pages import Pages
 from shardkeeper.core.format.records import (
     DTYPES,
     BlockDigests,
@@ -187,10 +188,32 @@ class Manifest:
             for c in leaf.chunks:
                 yield key, c
 
-    def chunk_file_ends(self) -> dict[str, int]:
+    @property
+    def pages(self) -> Pages | None:
+        """The pages holding the ranks' records (format_version 8), or None."""
+        described = self.leaves.described if isinstance(self.leaves, TableLeaves) else None
+        return described.pages if described is not None else None
+
+    def every_file(self) -> dict[str, dict[str, Any]]:
+        """``files`` and, with pages, every page's files (reads every page)."""
+        pages = self.pages
+        return self.files if pages is None else {**pages.files(), **self.files}
+
+    def stored(self) -> tuple[int, int]:
+        """How many files this step's manifest (and its pages) list, and their bytes, without
+        reading a page (each page's entry counts its files)."""
+        n = len(self.files)
+        total = sum(int(f.get("size_bytes", 0)) for f in self.files.values() if isinstance(f, dict))
+        pages = self.pages
+        if pages is not None:
+            n, total = n + sum(pages.nfiles), total + sum(pages.nbytes)
+        return n, total
+
+    def chunk_file_ends(self, *, pages: bool = True) -> dict[str, int]:
         """Every file (relative to the step directory) a chunk lies in, with the end of the
-        last chunk byte in it; for described leaves from the manifest alone (their index
-        files are not read: ``verify`` without the key, the commit's checks)."""
+        last chunk byte in it; for described leaves from the manifest (and, unless ``pages``
+        is False, its pages), their index files unread (``verify`` without the key, the
+        commit's checks: ``pages=False``, which the leaders checked)."""
         ends: dict[str, int] = {}
         described = self.leaves.described if isinstance(self.leaves, TableLeaves) else None
         for key, leaf in self.leaves.items():
@@ -199,15 +222,16 @@ class Manifest:
             for c in leaf.chunks:
                 ends[c.file] = max(ends.get(c.file, 0), c.offset + c.length)
         if described is not None:
-            for rel, end in zip(described.file_path, described.file_end):
+            more = described.file_ends() if pages or described.pages is None else {}
+            for rel, end in more.items():
                 ends[rel] = max(ends.get(rel, 0), end)
         return ends
 
     def referenced_files(self) -> set[str]:
         """Files (relative to the step directory) this manifest's chunks point at."""
-        out = set(self.files)
+        out = set(self.every_file())
         if isinstance(self.leaves, TableLeaves):
-            more = self.leaves.described.file_path if self.leaves.described is not None else []
+            more = self.leaves.described.file_ends() if self.leaves.described is not None else {}
             return out | set(self.leaves.table.paths) | set(more)
         out.update(c.file for _, c in self.chunks())
         return out

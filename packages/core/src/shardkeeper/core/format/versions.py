@@ -28,8 +28,11 @@ ROOT_BOUND_VERSION = 6
 #: The format_version of described leaves (format/described.py): chunks that follow a
 #: rule, kept in per-rank index files. Written only by manifests that hold such leaves.
 DESCRIBED_VERSION = 7
+#: The format_version of pages (format/pages.py): the ranks' records (files, index entries)
+#: in one file per group of ranks. Written only by group commits of described leaves.
+PAGED_VERSION = 8
 #: The newest format_version this code reads.
-READ_VERSION = 7
+READ_VERSION = 8
 #: Chunk encodings and the format_version that introduced each (docs/codecs.md).
 ENCODINGS: dict[str, int] = {"raw": 1, "zstd": 2, "shuffle-zstd": 2}
 
@@ -41,6 +44,7 @@ __all__ = [
     "EXTENDED_JSON_VERSION",
     "FORMAT_VERSION",
     "LEAF_TABLE_VERSION",
+    "PAGED_VERSION",
     "READ_VERSION",
     "ROOT_BOUND_VERSION",
     "TABLE_VERSION",

@@ -41,7 +41,18 @@ class Coordinator(Protocol):
     world_size: int
 
     def report(self, seq: int, report: Report) -> None:
-        """Every rank but the coordinator: send this rank's report (or its failure)."""
+        """Every rank but the coordinator: send this rank's report (or its failure); a group
+        leader, its group's folded report."""
+        ...
+
+    def leads(self) -> bool:
+        """Whether this rank folds a group's reports (a world above ``group_ranks``)."""
+        ...
+
+    def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
+        """A group leader: its group's other ranks' reports, in rank order; the coordinator
+        gets the first failure reported anywhere, another leader None for a failure in its
+        group (the coordinator reports it)."""
         ...
 
     def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
@@ -74,6 +85,12 @@ class LocalCoordinator:
     def report(self, seq: int, report: Report) -> None:
         raise AssertionError("the only rank is the coordinator; it does not report to itself")
 
+    def leads(self) -> bool:
+        return False
+
+    def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
+        return []
+
     def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
         return [own]
 
@@ -103,6 +120,7 @@ class StoreCoordinator:
     world_size: int
     namespace: str
     _reported: int | None = field(default=None, init=False)  # the seq of this rank's last report
+    group_ranks: int = 128  # ranks per group leader when the world is larger (group commit)
     share_group: Any = None  # restore's own gloo group (``tensor/restore_share.py``), made at first use
 
     @classmethod
@@ -134,49 +152,111 @@ class StoreCoordinator:
             store.delete_key(self._key(self._reported, f"report/{self.rank}"))
         self._reported = seq
         store.set(self._key(seq, f"report/{self.rank}"), json.dumps(report.to_json()))
+        leader = self.rank - self.rank % self.group_ranks
         if isinstance(report, Failure):
             store.set(self._key(seq, "failed"), str(self.rank))
             store.set(self._key(seq, "wake"), "1")
-        elif store.add(self._key(seq, "count"), 1) == self.world_size - 1:
+            if self._paged:  # the coordinator, waiting for its own group, hears it at once
+                store.set(self._key(seq, "gwake/0"), "1")
+                if leader != self.rank:
+                    store.set(self._key(seq, f"gwake/{leader}"), "1")
+        elif self._paged and leader != self.rank:  # to its group's leader
+            if store.add(self._key(seq, f"gcount/{leader}"), 1) == self._size_of(leader) - 1:
+                store.set(self._key(seq, f"gwake/{leader}"), "1")
+        elif store.add(self._key(seq, "count"), 1) == len(self._leaders) - 1:
             store.set(self._key(seq, "wake"), "1")
+
+    @property
+    def _paged(self) -> bool:
+        return self.world_size > self.group_ranks
+
+    @property
+    def _leaders(self) -> range:
+        """The ranks the coordinator hears from: every rank, or the group leaders."""
+        return range(0, self.world_size, self.group_ranks if self._paged else 1)
+
+    def _size_of(self, leader: int) -> int:
+        return min(self.group_ranks, self.world_size - leader)
+
+    def leads(self) -> bool:
+        return self._paged and self.rank % self.group_ranks == 0
+
+    def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
+        """One blocking wait for the group's wake key (set by its last rank to report, or by
+        any failing one), then the group's reports in one ``multi_get``."""
+        store, leader = self._store, self.rank
+        members = range(leader + 1, leader + self._size_of(leader))
+        if not members:
+            return []
+        wake = self._key(seq, f"gwake/{leader}")
+        try:
+            store.wait([wake], timedelta(seconds=timeout_s))
+        except Exception:  # the store raises its own timeout type
+            missing = [r for r in members if not store.check([self._key(seq, f"report/{r}")])]
+            raise CheckpointTimeoutError(
+                f"step {step}: ranks {missing[:16]} did not report to their group leader, rank {leader}, within "
+                f"{timeout_s:.0f} s (phase: report); a rank died or hangs in its write. Raise commit_timeout_s "
+                f"if writes are slow"
+            ) from None
+        count = self._key(seq, f"gcount/{leader}")
+        if store.check([self._key(seq, "failed")]) and (leader == 0 or store.add(count, 0) < len(members)):
+            return self._failed_report(seq, step) if leader == 0 else None
+        store.delete_key(wake)
+        store.delete_key(count)
+        return self._read_reports(seq, list(members), step)
 
     def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
         """A constant number of store round trips, whatever the world size: one blocking wait
         for the wake key, the count, then every report in one ``multi_get`` (or the failing
         rank's report alone). Only a timeout looks at the ranks one by one, to name them."""
         store = self._store
+        others = [r for r in self._leaders if r != self.rank]
+        if self._paged:  # leaders time out on a missing rank first, and say which
+            timeout_s += min(timeout_s, 30.0)
         try:
             store.wait([self._key(seq, "wake")], timedelta(seconds=timeout_s))
         except Exception:  # the store raises its own timeout type
-            missing = [r for r in range(1, self.world_size) if not store.check([self._key(seq, f"report/{r}")])]
+            missing = [r for r in others if not store.check([self._key(seq, f"report/{r}")])]
+            who = "group leaders" if self._paged else "ranks"
             raise CheckpointTimeoutError(
-                f"step {step}: ranks {missing} did not report within {timeout_s:.0f} s "
+                f"step {step}: {who} {missing} did not report within {timeout_s:.0f} s "
                 f"(phase: report); a rank died or hangs in its write. Raise commit_timeout_s "
                 f"if writes are slow"
             ) from None
-        if store.add(self._key(seq, "count"), 0) < self.world_size - 1:  # woken by a failure
-            r = int(store.get(self._key(seq, "failed")))
-            key = self._key(seq, f"report/{r}")
-            report = _read_report(store.get(key), rank=r, where=f"step {step}: the report of rank {r} ({key})")
-            if isinstance(report, Failure):
-                return report
-            raise malformed(f"step {step}: the report of rank {r} ({key})", "it names a failure but reports success")
-        others = [r for r in range(self.world_size) if r != self.rank]
-        keys = [self._key(seq, f"report/{r}") for r in others]
-        got: dict[int, RankReport] = {self.rank: own}
+        if store.add(self._key(seq, "count"), 0) < len(others):  # woken by a failure
+            return self._failed_report(seq, step)
+        got = self._read_reports(seq, others, step)
+        if isinstance(got, Failure):
+            return got
+        return [own, *got]
+
+    def _failed_report(self, seq: int, step: int) -> Failure:
+        store = self._store
+        r = int(store.get(self._key(seq, "failed")))
+        key = self._key(seq, f"report/{r}")
+        report = _read_report(store.get(key), rank=r, where=f"step {step}: the report of rank {r} ({key})")
+        if isinstance(report, Failure):
+            return report
+        raise malformed(f"step {step}: the report of rank {r} ({key})", "it names a failure but reports success")
+
+    def _read_reports(self, seq: int, ranks: list[int], step: int) -> list[RankReport] | Failure:
+        """The reports of ``ranks`` in one round trip, parsed, or the first failure among them."""
+        store = self._store
+        keys = [self._key(seq, f"report/{r}") for r in ranks]
+        got: list[RankReport] = []
         with no_gc():  # a report makes a hundred small objects, none in a cycle: 16,384 reports
             # otherwise trigger full collections that cost as much as parsing them
-            for r, k, data in zip(others, keys, _multi_get(store, keys)):
+            for r, k, data in zip(ranks, keys, _multi_get(store, keys)):
                 report = _read_report(data, rank=r, where=f"step {step}: the report of rank {r} ({k})")
                 if isinstance(report, Failure):
                     return report
-                got[r] = report
-        return [got[r] for r in range(self.world_size)]
+                got.append(report)
+        return got
 
     def publish(self, seq: int, outcome: Outcome) -> None:
         store = self._store
         store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
-        for name in ("count", "wake", "failed"):
+        for name in ("count", "wake", "failed", *(("gwake/0", "gcount/0") if self._paged else ())):
             store.delete_key(self._key(seq, name))
 
     def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
@@ -226,7 +306,7 @@ def _read_report(data: bytes, *, rank: int, where: str) -> Report:
     return report_from_json(_parse(data, where), rank=rank, where=where)
 
 
-def make_coordinator(group: Any = None) -> Coordinator:
+def make_coordinator(group: Any = None, *, group_ranks: int = 128) -> Coordinator:
     """The coordinator for ``group``: ``"local"`` is this process alone, even inside an
     initialised process group (a lone reader: ``load()``, ``manifest()``); otherwise the
     group's ranks (default: the world) when there are several, else this process."""
@@ -235,7 +315,15 @@ def make_coordinator(group: Any = None) -> Coordinator:
             raise ValueError(f"process_group must be a torch ProcessGroup, None or 'local', not {group!r}")
         return LocalCoordinator()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        return StoreCoordinator.create(group)
+        coord = StoreCoordinator.create(group)
+        lo, hi = coord.agree_int(group_ranks, "min"), coord.agree_int(group_ranks, "max")
+        if lo != hi:  # ranks would wait for leaders that do not lead
+            raise ValueError(
+                f"rank {coord.rank}: commit_group_ranks differs between the ranks (from {lo} to {hi}); "
+                f"every rank must pass the same value"
+            )
+        coord.group_ranks = group_ranks
+        return coord
     return LocalCoordinator()
 
 

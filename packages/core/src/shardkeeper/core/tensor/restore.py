@@ -153,6 +153,7 @@ def restore_flat(
     stats = plan.stats
     described = getattr(manifest.leaves, "described", None)
     stats.index_files = described.index_reads if described is not None else 0
+    stats.pages = described.pages.reads if described is not None and described.pages is not None else 0
     if plan.missing:  # (strict: plan_restore raised)
         warnings.warn(
             f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "

@@ -60,6 +60,8 @@ class RestoreStats:
     #: index files of described leaves (format.md 3.8) read to plan: the ranks that wrote what
     #: this rank restores, never every rank's
     index_files: int = 0
+    #: pages (format.md 3.9) read to find those index files: the pages of those ranks alone
+    pages: int = 0
     files: set[str] = field(default_factory=set)
     keys: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

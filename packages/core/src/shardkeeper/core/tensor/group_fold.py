@@ -1,0 +1,165 @@
+"""Group commit: a group leader's half of a save at a world above ``commit_group_ranks``.
+
+A leader (every ``commit_group_ranks``-th rank, the coordinator among them) collects its
+group's reports, checks that each of their files is there at the size its rank wrote, writes
+the group's *page* (their files, index entries and chunk-file ends, format/pages.py) durably,
+and folds the reports into one: the ranks whose reports are then equal (every rank that
+wrote only described leaves, apart from its timings) count once, the others travel inside
+it. The coordinator merges one report per group (``unfold``), so its work, the store bytes
+it reads and the manifest stay the same size from 64 ranks to 16,384 (docs/protocol.md,
+"Group commit").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardkeeper.core.format.columns import ChunkTable
+from shardkeeper.core.format.digest import digest_function
+from shardkeeper.core.format.layout import data_dir, page_file
+from shardkeeper.core.format.pages import encode_page
+from shardkeeper.core.protocol import RankReport, Timings
+from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.save import sync_data_dirs
+
+
+def fold_group(
+    storage: Storage,
+    step_dir: str,
+    step: int,
+    attempt: str,
+    reports: Sequence[RankReport],
+    *,
+    algorithm: str,
+    prefixes: int = 1,
+    paging: bool = True,
+) -> RankReport:
+    """The leader's report for its group (``reports``: the leader's own first, then its
+    ranks' in rank order), after its page is written; raises ``CorruptCheckpointError``
+    naming the rank whose file is missing or of another size. ``paging`` False (a save
+    without described leaves, whose chunk table names every file anyway): no page, the
+    reports folded as they are."""
+    leader = reports[0]
+    if not paging:
+        return _folded(list(reports), leader, None)
+    paged: dict[str, dict[str, Any]] = {}
+    index: list[Any] = []
+    ends: dict[str, int] = {}
+    residuals: list[RankReport] = []
+    for rep in reports:
+        kept = _chunk_paths(rep.chunks)  # files the manifest's chunk table names stay in it
+        own: dict[str, dict[str, Any]] = {}
+        for rel, rec in rep.files.items():
+            (own if rel in kept else paged)[rel] = rec
+        d = rep.described
+        index.append(d.get("index") if d else None)
+        for rel, end in d.get("chunk_files", ()) if d else ():
+            ends[rel] = max(ends.get(rel, 0), end)
+        described = {"digest": d["digest"], "index": None, "chunk_files": []} if d else {}
+        residuals.append(replace(rep, files=own, described=described))
+    _check_files(storage, step_dir, step, paged)
+    rel = page_file(leader.rank, attempt, prefixes)
+    data = encode_page(step, leader.rank, paged, index, ends)
+    writer = storage.open_writer(f"{step_dir}/{rel}")
+    try:
+        writer.write(data)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    sync_data_dirs(storage, step_dir, data_dir(leader.rank, prefixes))
+    nbytes = sum(int(r["size_bytes"]) for r in paged.values())
+    page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
+    residuals[0] = replace(
+        residuals[0], files={**residuals[0].files, rel: {"size_bytes": len(data), "rank": leader.rank}}
+    )
+    return _folded(residuals, leader, page)
+
+
+def _folded(residuals: list[RankReport], leader: RankReport, page: list[Any] | None) -> RankReport:
+    """Equal reports (but for their rank and timings) count once: the leader's kind, then one
+    report per other kind, carried in the leader's; the timings are the group's worst."""
+    kinds: dict[str, tuple[RankReport, list[int]]] = {}
+    for res in residuals:
+        sig = _signature(res)
+        got = kinds.get(sig)
+        if got is None:
+            kinds[sig] = (res, [res.rank])
+        else:
+            got[1].append(res.rank)
+    first, *rest = kinds.values()
+    others = [replace(r, ranks=_runs(ranks), timings=Timings()) for r, ranks in rest]
+    ts = [r.timings for r in residuals]
+    timings = Timings(max(t.stall_s for t in ts), max(t.write_s for t in ts), leader.timings.sync)
+    return replace(
+        first[0],
+        ranks=_runs(first[1]),
+        timings=timings,
+        group={"count": len(residuals), "page": page, "others": others},
+    )
+
+
+def unfold(reports: Sequence[RankReport]) -> tuple[list[RankReport], list[tuple[int, int, list[Any]]]]:
+    """The coordinator's view of the leaders' reports: every distinct report (the leaders'
+    and the ones they carry), and each group's ``(first rank, count, page entry)``."""
+    out: list[RankReport] = []
+    pages: list[tuple[int, int, list[Any]]] = []
+    for rep in reports:
+        out.append(rep)
+        if rep.group:
+            if rep.group["page"] is not None:
+                pages.append((rep.rank, rep.group["count"], rep.group["page"]))
+            out.extend(rep.group["others"])
+    return out, pages
+
+
+def _check_files(storage: Storage, step_dir: str, step: int, files: dict[str, dict[str, Any]]) -> None:
+    """Every file of the group is there at the size its rank wrote (the coordinator checks
+    the files its manifest lists itself, after announcing its commit)."""
+    for rel, rec in files.items():
+        path = f"{step_dir}/{rel}"
+        try:
+            size = storage.size(path)
+        except CheckpointNotFoundError:
+            size = -1
+        if size != rec["size_bytes"]:
+            raise CorruptCheckpointError(
+                f"step {step}: {storage.describe(path)} (written by rank {rec.get('rank')}) is "
+                f"{'missing' if size < 0 else f'{size} bytes'} at commit time, {rec['size_bytes']} bytes were "
+                f"written; something removed or truncated it (a `shardkeeper gc` with a --min-age-s shorter "
+                f"than a save?)"
+            )
+
+
+def _chunk_paths(chunks: dict[str, Any]) -> set[str]:
+    table = chunks.get("table")
+    if isinstance(table, ChunkTable):
+        return set(table.paths) if len(table) else set()
+    if isinstance(table, dict) and chunks.get("keys"):
+        return {p for p in table.get("files", ()) if isinstance(p, str)}
+    return set()
+
+
+def _signature(rep: RankReport) -> str:
+    doc = rep.to_json()
+    for name in ("rank", "timings", "ranks"):
+        doc.pop(name, None)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def _runs(ranks: list[int]) -> list[list[int]]:
+    """Sorted ranks as ``[first, last]`` runs."""
+    out: list[list[int]] = []
+    for r in sorted(ranks):
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+__all__ = ["fold_group", "unfold"]

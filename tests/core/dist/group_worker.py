@@ -1,0 +1,100 @@
+"""Group commit on a real process group (test_group_commit.py).
+
+    group_worker.py ROOT OUT_DIR
+
+At 4 ranks with ``commit_group_ranks=2``: ranks 0 and 2 lead groups, fold their group's
+reports and write its page; the manifest (format_version 8) lists the pages instead of the
+ranks' files. A state of described DTensors plus a replicated tensor is saved and restored
+into the same layout, another one and plain tensors, bit for bit, reading only the pages it
+needs; verify and gc; a damaged page; a rank whose state differs, named through its
+leader's folded report; a leader's missing file; ranks passing different group sizes. Each
+rank writes what it saw to ``OUT_DIR/r<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from described_worker import full, gathered, layout_a, layout_b, same
+
+from shardkeeper.core import CheckpointManager, CheckpointSaveError, CorruptCheckpointError
+from shardkeeper.core.garbage import collect_garbage
+from shardkeeper.core.storage.local import LocalStorage
+from shardkeeper.core.verify import verify_step
+
+
+def _error(fn) -> str | None:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def main(root: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, w = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    seen: dict[str, object] = {"rank": rank}
+    ref = full()
+    path = Path(root) / "group"
+    with CheckpointManager(path, describe_layouts=True, commit_group_ranks=2) as mgr:
+        mgr.save(1, {"m": layout_a(w)}).wait()
+        mgr.save(2, {"m": layout_a(w)}).wait()  # a second save: the store keys of the first are gone
+        man = json.loads((path / "step-000000000001" / "manifest.json").read_text())
+        seen["version"] = man["format_version"]
+        seen["pages"] = man["described"].get("pages")
+        seen["index entries"] = man["described"]["index"]["path"]
+        seen["files"] = sorted(man["files"])
+        for tname, target in (
+            ("same", layout_a(w)),
+            ("other", layout_b(w)),
+            ("plain", {k: torch.zeros_like(v) for k, v in ref.items()}),
+        ):
+            for v in target.values():
+                (v.to_local() if hasattr(v, "to_local") else v).zero_()
+            state = {"m": target}
+            mgr.restore(state, step=1)
+            seen[f"{tname} wrong"] = same(gathered(state["m"]), ref)
+            seen[f"{tname} pages read"] = mgr.last_restore_stats.pages
+        dist.barrier()
+        if rank == 0:
+            storage = LocalStorage(str(path))
+            seen["verify"] = [p.message for p in verify_step(storage, 1).problems]
+            seen["gc removed"] = collect_garbage(storage, min_age_s=0.0, no_running_saves=True).removed_paths
+        dist.barrier()
+        state = {"m": {k: torch.zeros_like(v) for k, v in ref.items()}}
+        mgr.restore(state, step=1)
+        seen["after gc wrong"] = same(state["m"], ref)
+        # A rank whose state differs: the coordinator names it through its leader's report.
+        odd = layout_a(w)
+        if rank == 3:
+            odd["extra"] = torch.ones(2)
+        seen["mismatch"] = _error(lambda: mgr.save(3, {"m": odd}, async_save=False))
+    # A damaged page: restores that need it refuse, naming it and its ranks; verify says so.
+    dist.barrier()
+    if rank == 0:
+        (page,) = sorted((path / "step-000000000001" / "data").glob("g00002-*.index.json"))
+        text = page.read_text()
+        page.write_text(text.replace('"size_bytes":', '"size_bytes": ', 1)[: len(text)])
+    dist.barrier()
+    with CheckpointManager(path, commit_group_ranks=2) as mgr:
+        state = {"m": {k: torch.zeros_like(v) for k, v in ref.items()}}
+        seen["damaged"] = _error(lambda: mgr.restore(state, step=1))
+    if rank == 0:
+        seen["damaged verify"] = [p.message for p in verify_step(LocalStorage(str(path)), 1).problems]
+    # Ranks that pass different group sizes are refused when the manager opens.
+    seen["differing sizes"] = _error(lambda: CheckpointManager(Path(root) / "x", commit_group_ranks=2 + rank % 2))
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

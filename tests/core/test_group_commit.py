@@ -1,0 +1,72 @@
+"""Group commit (docs/protocol.md, "Group commit"; docs/format.md 3.9) on a real gloo
+process group: at 4 ranks with ``commit_group_ranks=2`` two leaders fold their groups'
+reports and write pages; the manifest lists the pages, not the ranks' records; restores are
+bit-exact in every layout and read only the pages they need; verify, gc, a damaged page, a
+differing rank named through its leader, differing group sizes refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ._launch import run_workers
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("group")
+    out = tmp / "out"
+    out.mkdir()
+    res = run_workers(4, "group_worker.py", str(tmp / "root"), str(out), timeout_s=240)
+    assert res.returncode == 0, res.stdout[-4000:]
+    return [json.loads((out / f"r{r}.json").read_text()) for r in range(4)]
+
+
+def test_the_manifest_lists_one_page_per_group_and_no_rank_records(seen: list[dict]) -> None:
+    s = seen[0]
+    assert s["version"] == 8
+    pages = s["pages"]
+    assert pages["first"] == [0, 2] and pages["count"] == [2, 2]
+    assert [p.rsplit("/", 1)[1][:6] for p in pages["path"]] == ["g00000", "g00002"]
+    assert sum(pages["files"]) == 8  # each rank's data file and index file
+    assert s["index entries"] == []
+    # the manifest's own files: the pages, and the file of the replicated tensor's chunks
+    assert set(pages["path"]) < set(s["files"]) and len(s["files"]) == 3
+
+
+@pytest.mark.parametrize("target", ["same", "other", "plain"])
+def test_restores_are_bit_exact(seen: list[dict], target: str) -> None:
+    assert [s[f"{target} wrong"] for s in seen] == [[]] * 4
+
+
+def test_a_restore_reads_only_the_pages_of_the_ranks_that_wrote_what_it_needs(seen: list[dict]) -> None:
+    # the same layout: ranks 0 and 1 wrote every box they restore (their own, and the replicas
+    # of the replicated layouts), ranks 2 and 3 also need those replicas, from the first page
+    assert [s["same pages read"] for s in seen] == [1, 1, 2, 2]
+    assert [s["other pages read"] for s in seen] == [2, 2, 2, 2]
+
+
+def test_verify_passes_and_gc_keeps_every_paged_file(seen: list[dict]) -> None:
+    assert seen[0]["verify"] == []
+    assert not [p for p in seen[0]["gc removed"] if "step-000000000001" in p]
+    assert [s["after gc wrong"] for s in seen] == [[]] * 4
+
+
+def test_a_differing_rank_is_named_through_its_leaders_report(seen: list[dict]) -> None:
+    for s in seen:
+        assert s["mismatch"] is not None and "ranks [3] hold states" in s["mismatch"], s["mismatch"]
+
+
+def test_a_damaged_page_is_refused_naming_its_ranks(seen: list[dict]) -> None:
+    for s in seen:
+        assert s["damaged"] is not None and "CorruptCheckpointError" in s["damaged"]
+    assert "(the records of ranks 2 to 3) does not match the size and digest" in seen[2]["damaged"]
+    assert any("ranks 2 to 3" in m for m in seen[0]["damaged verify"])
+
+
+def test_ranks_with_differing_group_sizes_are_refused(seen: list[dict]) -> None:
+    for s in seen:
+        assert s["differing sizes"] is not None and "commit_group_ranks differs" in s["differing sizes"]
