@@ -166,6 +166,7 @@ def measure_point(
     from shardkeeper.core.protocol import COMMITTED
     from shardkeeper.core.storage import LocalStorage
     from shardkeeper.core.tensor import restore  # noqa: F401  (imported before timing, as in a restoring process)
+    from shardkeeper.core.tensor.group_fold import unfold
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
@@ -176,6 +177,9 @@ def measure_point(
     store = CountingStore(dist.HashStore())
     coord = _coordinator_class()
     coords = [coord(None, r, ranks, "shardkeeper/bench", store=store) for r in range(ranks)]
+    paged = layout == "described" and ranks > GROUP  # a group commit (format_version 8)
+    for c in coords:
+        c.group_ranks = GROUP
     rule: dict[str, Any] = {}
     if layout == "described":  # the coordinator's own plan: every tensor by the chunk rule
         from shardkeeper.core.format.grid import Mesh, Rule
@@ -190,15 +194,32 @@ def measure_point(
         seq, step = k, k + 1
         store.report_bytes = []
         before = Counter(store.calls)
+        leaders = {r: rank_report(ranks, tensors, layout, r, declared, digest) for r in range(GROUP, ranks, GROUP)}
         for r in range(1, ranks):  # every other rank's report, as its background thread sends it
-            coords[r].report(seq, rank_report(ranks, tensors, layout, r, declared, digest))
+            rep = leaders.get(r) if paged else None
+            if rep is None:
+                rep = rank_report(ranks, tensors, layout, r, declared, digest)
+                coords[r].report(seq, rep)
+            if paged:  # the files the leaders check
+                _placeholder_files(storage, step, rep)
+        fold_s: list[float] = []
+        for r, rep in leaders.items() if paged else ():  # every other leader folds its group, in parallel
+            t_fold = time.perf_counter()
+            coords[r].report(seq, _fold(storage, step, [rep, *_group(coords[r], seq, step)]))
+            fold_s.append(time.perf_counter() - t_fold)
         own = rank_report(ranks, tensors, layout, 0, declared, digest, index=_index_writer(storage, step))
+        if paged:
+            _placeholder_files(storage, step, own)
         after_report = Counter(store.calls)
         t0, c0 = time.perf_counter(), time.process_time()
+        pages: list[Any] = []
+        if paged:  # the coordinator leads the first group: it folds it as every leader does
+            own = _fold(storage, step, [own, *_group(coords[0], seq, step)])
         got = coords[0].collect(seq, own, 600.0, step=step)
         after_collect = Counter(store.calls)
         if not isinstance(got, list):
             raise RuntimeError(f"collect failed: {got}")
+        got, pages = unfold(got)
         members = [rep.members() for rep in got]
         m = assemble_manifest(
             step,
@@ -209,12 +230,14 @@ def measure_point(
             block_bytes=BLOCK,
             metadata={"timings": save_timings(members, time.perf_counter() - t0)},
             described=rule,
+            pages=pages,
         )
         data = m.dumps()
         storage.put_if_absent(manifest_path(step), data)
         commit_s.append(time.perf_counter() - t0)
         commit_cpu.append(time.process_time() - c0)
         chunks = sum(len(rep.chunks["keys"]) for rep in got) if layout != "described" else tensors * min(ranks, rows)
+        leader_fold_s = max(fold_s, default=0.0)
         del got, members, m, own
         coords[0].publish(seq, COMMITTED)
         for r in range(1, ranks):
@@ -245,7 +268,9 @@ def measure_point(
         "chunks": chunks,
         "commit_s": _median(commit_s),
         "plan_s": _median(plan_s),
-        "commit_cpu_s": _median(commit_cpu),  # this process's CPU time: less skewed by a loaded machine
+        "commit_cpu_s": _median(commit_cpu),
+        "group_ranks": GROUP if paged else None,  # ranks per group leader (None: no group commit)
+        "leader_fold_s": leader_fold_s if paged else None,  # the slowest other leader's fold (last save)  # this process's CPU time: less skewed by a loaded machine
         "plan_cpu_s": _median(plan_cpu),
         "manifest_bytes": len(data),
         "store_bytes": sum(report_bytes),
@@ -272,6 +297,37 @@ def measure_point(
 
 
 LAYOUTS = ("sharded", "whole", "described")
+#: ranks per group leader (CheckpointOptions.commit_group_ranks' default)
+GROUP = 128
+
+
+def _group(coord: Any, seq: int, step: int) -> list[Any]:
+    got = coord.collect_group(seq, 600.0, step=step)
+    if not isinstance(got, list):
+        raise RuntimeError(f"a group failed: {got}")
+    return got
+
+
+def _fold(storage: Any, step: int, reports: list[Any]) -> Any:
+    """A leader's fold (tensor/group_fold.py): check the group's files, write its page."""
+    from shardkeeper.core.format.layout import step_dir
+    from shardkeeper.core.tensor.group_fold import fold_group
+
+    return fold_group(storage, step_dir(step), step, "0123abcd", reports, algorithm="xxh3_128")
+
+
+def _placeholder_files(storage: Any, step: int, report: Any) -> None:
+    """The files a rank's report lists, at their sizes (sparse; their leaders check them)."""
+    import os
+
+    from shardkeeper.core.format.layout import step_dir
+
+    for rel, rec in report.files.items():
+        path = Path(storage.root) / step_dir(step) / rel
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                os.truncate(f.fileno(), rec["size_bytes"])
 
 
 def _index_writer(storage: Any, step: int) -> Any:
