@@ -268,9 +268,9 @@ def measure_point(
         "chunks": chunks,
         "commit_s": _median(commit_s),
         "plan_s": _median(plan_s),
-        "commit_cpu_s": _median(commit_cpu),
+        "commit_cpu_s": _median(commit_cpu),  # this process's CPU time: less skewed by a loaded machine
         "group_ranks": GROUP if paged else None,  # ranks per group leader (None: no group commit)
-        "leader_fold_s": leader_fold_s if paged else None,  # the slowest other leader's fold (last save)  # this process's CPU time: less skewed by a loaded machine
+        "leader_fold_s": leader_fold_s if paged else None,  # the slowest other leader's fold (last save)
         "plan_cpu_s": _median(plan_cpu),
         "manifest_bytes": len(data),
         "store_bytes": sum(report_bytes),
