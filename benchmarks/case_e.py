@@ -9,14 +9,20 @@ runs it in its own process (with a timeout) and puts what it writes into the res
 
 Synthetic rank reports (``_scale_layout.py``), real code: every rank but 0 sends its report
 through the real ``StoreCoordinator.report`` into a counting wrapper around an in-process
-c10d ``HashStore``; then, timed as ``commit_s``, rank 0's real ``StoreCoordinator.collect``
-(poll, read, parse, validate, delete), the merge and tiling check (``assemble_manifest``), the
-manifest's serialization and its durable write; then ``publish`` and every rank's ``outcome``
-(counted, not timed). ``plan_s``: rank 0 reads and validates the manifest and plans the reads
-of its own shard. DCP's ``.metadata`` for the same chunks beside it (``dcp_*``). Timings are
-medians over ``--repeats``. ``described``: the row-sharded chunks recorded by their layout
-rule (format_version 7), each rank's chunk table in its index file; rank 0's is written for
-real (its plan reads it), the others' are placeholders no measured step reads.
+c10d ``HashStore``; the files the reports list exist at their sizes (sparse placeholders; rank
+0's index file is written for real: its plan reads it). Above 128 ranks in the described
+layout, the save is a group commit (``tensor/group_fold.py``): every group leader but rank 0
+collects its group's reports, checks their files, writes its page and reports (run before the
+timing, one after another; ``leader_fold_s`` is the slowest, each leader's own share when they
+run in parallel). Then, timed as ``commit_s``, rank 0's part: its own group's fold (as every
+leader's) where there are groups, the real ``StoreCoordinator.collect`` (wait, read, parse,
+validate), the merge and tiling check (``assemble_manifest``), the manifest's serialization
+and the real ``commit_manifest`` (intent, checks of the files it lists, put-if-absent); then
+``publish`` and every rank's ``outcome`` (counted, not timed). ``plan_s``: rank 0 reads and
+validates the manifest and plans the reads of its own shard (reading its page and its index
+file). DCP's ``.metadata`` for the same chunks beside it (``dcp_*``). Timings are medians
+over ``--repeats``. ``described``: the row-sharded chunks recorded by their layout rule
+(format_version 7; 8 with pages), each rank's chunk table in its index file.
 """
 
 from __future__ import annotations
@@ -161,9 +167,9 @@ def measure_point(
 
     from shardkeeper.core.advisor import save_timings
     from shardkeeper.core.assemble import assemble_manifest, declared_digest
-    from shardkeeper.core.commit import manifest_path
     from shardkeeper.core.format.table import no_gc
     from shardkeeper.core.protocol import COMMITTED
+    from shardkeeper.core.put_manifest import commit_manifest
     from shardkeeper.core.storage import LocalStorage
     from shardkeeper.core.tensor import restore  # noqa: F401  (imported before timing, as in a restoring process)
     from shardkeeper.core.tensor.group_fold import unfold
@@ -200,16 +206,14 @@ def measure_point(
             if rep is None:
                 rep = rank_report(ranks, tensors, layout, r, declared, digest)
                 coords[r].report(seq, rep)
-            if paged:  # the files the leaders check
-                _placeholder_files(storage, step, rep)
+            _placeholder_files(storage, step, rep)  # the files the leaders or the coordinator check
         fold_s: list[float] = []
         for r, rep in leaders.items() if paged else ():  # every other leader folds its group, in parallel
             t_fold = time.perf_counter()
             coords[r].report(seq, _fold(storage, step, [rep, *_group(coords[r], seq, step)]))
             fold_s.append(time.perf_counter() - t_fold)
         own = rank_report(ranks, tensors, layout, 0, declared, digest, index=_index_writer(storage, step))
-        if paged:
-            _placeholder_files(storage, step, own)
+        _placeholder_files(storage, step, own)
         after_report = Counter(store.calls)
         t0, c0 = time.perf_counter(), time.process_time()
         pages: list[Any] = []
@@ -219,7 +223,7 @@ def measure_point(
         after_collect = Counter(store.calls)
         if not isinstance(got, list):
             raise RuntimeError(f"collect failed: {got}")
-        got, pages = unfold(got)
+        got, pages, refs = unfold(got)
         members = [rep.members() for rep in got]
         m = assemble_manifest(
             step,
@@ -233,7 +237,7 @@ def measure_point(
             pages=pages,
         )
         data = m.dumps()
-        storage.put_if_absent(manifest_path(step), data)
+        commit_manifest(storage, step, m, data, bases=[], references=refs)
         commit_s.append(time.perf_counter() - t0)
         commit_cpu.append(time.process_time() - c0)
         chunks = sum(len(rep.chunks["keys"]) for rep in got) if layout != "described" else tensors * min(ranks, rows)

@@ -31,7 +31,9 @@ def test_the_manifest_lists_one_page_per_group_and_no_rank_records(seen: list[di
     pages = s["pages"]
     assert pages["first"] == [0, 2] and pages["count"] == [2, 2]
     assert [p.rsplit("/", 1)[1][:6] for p in pages["path"]] == ["g00000", "g00002"]
-    assert sum(pages["files"]) == 8  # each rank's data file and index file
+    # each rank's data file and index file, but rank 0's data file: the replicated tensor's
+    # enumerated chunk lies in it, so the manifest's own files list it
+    assert pages["files"] == [3, 4]
     assert s["index entries"] == []
     # the manifest's own files: the pages, and the file of the replicated tensor's chunks
     assert set(pages["path"]) < set(s["files"]) and len(s["files"]) == 3
@@ -70,3 +72,10 @@ def test_a_damaged_page_is_refused_naming_its_ranks(seen: list[dict]) -> None:
 def test_ranks_with_differing_group_sizes_are_refused(seen: list[dict]) -> None:
     for s in seen:
         assert s["differing sizes"] is not None and "commit_group_ranks differs" in s["differing sizes"]
+
+
+def test_incremental_references_in_pages_survive_retention(seen: list[dict]) -> None:
+    assert all(p.startswith("../step-000000000001/") for p in seen[0]["inc references"])
+    assert seen[0]["inc references"] and not seen[0]["inc step 1 manifest"]
+    assert [s["inc wrong"] for s in seen] == [[]] * 4
+    assert seen[0]["inc verify"] == []

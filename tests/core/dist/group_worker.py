@@ -76,6 +76,27 @@ def main(root: str, out: str) -> None:
         if rank == 3:
             odd["extra"] = torch.ones(2)
         seen["mismatch"] = _error(lambda: mgr.save(3, {"m": odd}, async_save=False))
+    # Incremental: unchanged boxes are references into step 1's files, listed in the pages;
+    # retention keeping one step keeps the files step 2's pages reference.
+    inc = Path(root) / "inc"
+    with CheckpointManager(inc, describe_layouts=True, incremental=True, commit_group_ranks=2, keep_last=1) as mgr:
+        state = {"m": layout_a(w)}
+        mgr.save(1, state, async_save=False)
+        state["m"]["rows"].to_local().add_(1.0)
+        mgr.save(2, state, async_save=False)
+        man = json.loads((inc / "step-000000000002" / "manifest.json").read_text())
+        refs = []
+        for rel in man["described"]["pages"]["path"]:
+            page = json.loads((inc / "step-000000000002" / rel).read_text())
+            refs += [p for p in page["chunk_files"]["path"] if p.startswith("../")]
+        seen["inc references"] = refs
+        seen["inc step 1 manifest"] = (inc / "step-000000000001" / "manifest.json").exists()
+        target = {"m": {k: torch.zeros_like(v) for k, v in ref.items()}}
+        mgr.restore(target, step=2)
+        seen["inc wrong"] = same(target["m"], {**ref, "rows": ref["rows"] + 1.0})
+    dist.barrier()
+    if rank == 0:
+        seen["inc verify"] = [p.message for p in verify_step(LocalStorage(str(inc)), 2).problems]
     # A damaged page: restores that need it refuse, naming it and its ranks; verify says so.
     dist.barrier()
     if rank == 0:

@@ -253,7 +253,7 @@ def _described_json(
         m = mesh_at.get(id(rule.mesh))
         if m is None:
             m = mesh_at[id(rule.mesh)] = len(meshes)
-            meshes.append(rule.mesh.to_json())
+            meshes.append(rule.mesh.to_json(compact=bool(pages)))
         spec = rule.spec(m)
         li = layout_at.get(str(spec))
         if li is None:

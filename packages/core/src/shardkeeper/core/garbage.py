@@ -22,7 +22,7 @@ from typing import Any
 from shardkeeper.core import pending
 from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_steps, step_dirs
-from shardkeeper.core.errors import CheckpointError, IncompatibleFormatError
+from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, IncompatibleFormatError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME
 from shardkeeper.core.root_files import (
@@ -190,13 +190,22 @@ def _committed_references(storage: Storage) -> tuple[set[int], set[str]]:
     referenced: set[str] = set()
     for s in sorted(committed):
         try:
-            referenced |= referenced_paths(s, load_manifest(storage, s))
+            m = load_manifest(storage, s)
         except IncompatibleFormatError as e:
             raise IncompatibleFormatError(f"gc refuses to run on {storage.url}: {e}; its references are unknown") from e
         except CheckpointError as e:
             # Vanished (deleted concurrently) or broke since listing: treat it as uncommitted.
             log.warning("step %d under %s could not be read during gc: %s", s, storage.url, e)
             committed.discard(s)
+            continue
+        try:
+            referenced |= referenced_paths(s, m)
+        except CheckpointError as e:  # a page (format_version 8) of a committed step: its files are unknown
+            raise CorruptCheckpointError(
+                f"gc refuses to run on {storage.url}: step {s} is committed, but the files it references cannot "
+                f"all be read ({e}); run `shardkeeper verify` on the root, and delete the step or restore the "
+                f"page before collecting garbage"
+            ) from e
     return committed, referenced
 
 

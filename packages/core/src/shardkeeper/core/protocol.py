@@ -240,7 +240,8 @@ class RankReport:
     """A group leader's report (a save at a world above ``commit_group_ranks``): ``count``
     (its group's ranks, from ``rank`` on), ``page`` (``[path, size, digest, files, bytes]``
     of the page holding their records; None: a save without described leaves) and ``others`` (the reports of its ranks that differ
-    from this one, each with its ``ranks``); {}: a rank's own report."""
+    from this one, each with its ``ranks``) and ``refs`` (``[path, end]`` of the files of
+    earlier steps their index rows reference); {}: a rank's own report."""
 
     def members(self) -> dict[str, Any]:
         """The report by its wire member names, ``chunks`` as held (the coordinator's own
@@ -309,12 +310,6 @@ class RankReport:
             group=_group(d.get("group", {}), where),
         )
 
-    def stands_for(self) -> list[int]:
-        """Every rank this report stands for, in order."""
-        if not self.ranks:
-            return [self.rank]
-        return [r for a, b in self.ranks for r in range(a, b + 1)]
-
 
 def _ranks(doc: object, where: str) -> list[list[int]]:
     if not isinstance(doc, list) or not all(
@@ -341,7 +336,10 @@ def _group(doc: object, where: str) -> dict[str, Any]:
     ):
         raise malformed(w, f"the page entry is {_describe(page)}, not [path, size, digest, files, bytes]")
     others = [RankReport.from_json(o, where=f"{w}, one of 'others'") for o in _get(d, "others", "list", w)]
-    return {"count": d["count"], "page": page, "others": others}
+    refs = _get(d, "refs", "list", w)
+    if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int for e in refs):
+        raise malformed(w, "its refs are not [path, end] pairs")
+    return {"count": d["count"], "page": page, "others": others, "refs": refs}
 
 
 def _described(doc: object, where: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from shardkeeper.core import pending
@@ -34,10 +35,25 @@ log = logging.getLogger(__name__)
 _before_put: Any = None
 
 
-def commit_manifest(storage: Storage, step: int, manifest: Manifest, data: bytes, *, bases: list[int]) -> None:
+def commit_manifest(
+    storage: Storage,
+    step: int,
+    manifest: Manifest,
+    data: bytes,
+    *,
+    bases: list[int],
+    references: Mapping[str, int] | None = None,
+) -> None:
     """Commit ``manifest`` (whose exact bytes are ``data``) as ``step``, or raise. ``bases``:
-    the committed steps whose manifests the references of an incremental save came from."""
+    the committed steps whose manifests the references of an incremental save came from;
+    ``references``: files of earlier steps that the manifest's pages reference (relative to
+    the step directory, with the end of the last byte; group commit), announced and checked
+    with the manifest's own."""
     ends = _file_ends(step, manifest)
+    for rel, end in (references or {}).items():
+        path = resolve_file(step, rel)
+        if path is not None:
+            ends[path] = max(ends.get(path, 0), end)
     intent = pending.write_intent(storage, step, manifest.attempt, ends)
     t0 = time.monotonic()
     try:

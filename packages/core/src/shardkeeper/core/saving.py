@@ -350,7 +350,7 @@ class SaveRunner:
             got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step)
             if isinstance(got, Failure):
                 return Outcome(got)
-            reports, pages = unfold(got)
+            reports, pages, refs = unfold(got)
             members = [r.members() for r in reports]
             manifest = assemble_manifest(
                 step,
@@ -374,7 +374,8 @@ class SaveRunner:
                 manifest.format_version = max(manifest.format_version, ROOT_BOUND_VERSION)
             data = manifest.dumps()
             data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)
-            commit_manifest(ctx.storage, step, manifest, data, bases=sorted({b for r in reports for b in r.bases}))
+            bases = sorted({b for r in reports for b in r.bases})
+            commit_manifest(ctx.storage, step, manifest, data, bases=bases, references=refs)
         except BaseException as e:
             self._discard_attempt(sdir, reports)
             return Outcome(

@@ -98,7 +98,7 @@ class DescribedLeaves:
             "layout": self.layout,
             "replica": self.replica,
             "layouts": self.layouts,
-            "meshes": [m.to_json() for m in self.meshes],
+            "meshes": [m.to_json(compact=self.pages is not None) for m in self.meshes],
             "index": {"path": self.index_path, "size": self.index_size, "digest": self.index_digest},
             "chunk_files": {"path": self.file_path, "end": self.file_end},
             **({"pages": self.pages.to_json()} if self.pages is not None else {}),

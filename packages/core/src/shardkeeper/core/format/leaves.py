@@ -85,8 +85,11 @@ def read_leaves(d: dict[str, Any], version: int) -> Mapping[str, LeafRecord]:
         raise ValueError("a leaf_table without a chunk_table")
     if "described" in d and (version < DESCRIBED_VERSION or "leaf_table" not in d):
         raise ValueError(f"a described member in a format_version {version} manifest without a leaf_table")
-    if "pages" in _as_dict(d.get("described", {})) and version < PAGED_VERSION:
-        raise ValueError(f"described pages in a format_version {version} manifest (introduced in {PAGED_VERSION})")
+    given = _as_dict(d.get("described", {}))
+    if version < PAGED_VERSION and (
+        "pages" in given or any(isinstance(m, dict) and "first_rank" in m for m in given.get("meshes", ()))
+    ):
+        raise ValueError(f"described pages or ranges of ranks in a format_version {version} manifest (both 8)")
     if version >= TABLE_VERSION and "chunk_table" in d:
         width = DIGEST_HEX.get(str(d["digest_algorithm"]), 0)
         table = ChunkTable.from_json(_as_dict(d["chunk_table"]), width)

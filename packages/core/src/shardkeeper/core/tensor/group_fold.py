@@ -20,6 +20,7 @@ from typing import Any
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardkeeper.core.format.columns import ChunkTable
 from shardkeeper.core.format.digest import digest_function
+from shardkeeper.core.format.fastjson import orjson
 from shardkeeper.core.format.layout import data_dir, page_file
 from shardkeeper.core.format.pages import encode_page
 from shardkeeper.core.protocol import RankReport, Timings
@@ -45,7 +46,7 @@ def fold_group(
     reports folded as they are."""
     leader = reports[0]
     if not paging:
-        return _folded(list(reports), leader, None)
+        return _folded(list(reports), leader, None, [])
     paged: dict[str, dict[str, Any]] = {}
     index: list[Any] = []
     ends: dict[str, int] = {}
@@ -74,16 +75,23 @@ def fold_group(
     sync_data_dirs(storage, step_dir, data_dir(leader.rank, prefixes))
     nbytes = sum(int(r["size_bytes"]) for r in paged.values())
     page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
-    residuals[0] = replace(
-        residuals[0], files={**residuals[0].files, rel: {"size_bytes": len(data), "rank": leader.rank}}
-    )
-    return _folded(residuals, leader, page)
+    # files of earlier steps the group's index rows reference (an incremental save): the
+    # coordinator's commit intent names them and checks them, as for its own references
+    refs = [[p, e] for p, e in sorted(ends.items()) if p.startswith("../")]
+    return _folded(residuals, leader, page, refs, {rel: {"size_bytes": len(data), "rank": leader.rank}})
 
 
-def _folded(residuals: list[RankReport], leader: RankReport, page: list[Any] | None) -> RankReport:
+def _folded(
+    residuals: list[RankReport],
+    leader: RankReport,
+    page: list[Any] | None,
+    refs: list[Any],
+    page_files: dict[str, Any] | None = None,
+) -> RankReport:
     """Equal reports (but for their rank and timings) count once: the leader's kind, then one
-    report per other kind, carried in the leader's; the timings are the group's worst."""
-    kinds: dict[str, tuple[RankReport, list[int]]] = {}
+    report per other kind, carried in the leader's; the timings are the group's worst. The
+    page itself is a file of the leader's report (added after the comparison)."""
+    kinds: dict[bytes, tuple[RankReport, list[int]]] = {}
     for res in residuals:
         sig = _signature(res)
         got = kinds.get(sig)
@@ -97,24 +105,31 @@ def _folded(residuals: list[RankReport], leader: RankReport, page: list[Any] | N
     timings = Timings(max(t.stall_s for t in ts), max(t.write_s for t in ts), leader.timings.sync)
     return replace(
         first[0],
+        files={**first[0].files, **(page_files or {})},
         ranks=_runs(first[1]),
         timings=timings,
-        group={"count": len(residuals), "page": page, "others": others},
+        group={"count": len(residuals), "page": page, "others": others, "refs": refs},
     )
 
 
-def unfold(reports: Sequence[RankReport]) -> tuple[list[RankReport], list[tuple[int, int, list[Any]]]]:
+def unfold(
+    reports: Sequence[RankReport],
+) -> tuple[list[RankReport], list[tuple[int, int, list[Any]]], dict[str, int]]:
     """The coordinator's view of the leaders' reports: every distinct report (the leaders'
-    and the ones they carry), and each group's ``(first rank, count, page entry)``."""
+    and the ones they carry), each group's ``(first rank, count, page entry)``, and the
+    files of earlier steps the pages' ranks reference, with the end of the last byte."""
     out: list[RankReport] = []
     pages: list[tuple[int, int, list[Any]]] = []
+    refs: dict[str, int] = {}
     for rep in reports:
         out.append(rep)
         if rep.group:
             if rep.group["page"] is not None:
                 pages.append((rep.rank, rep.group["count"], rep.group["page"]))
             out.extend(rep.group["others"])
-    return out, pages
+            for rel, end in rep.group["refs"]:
+                refs[rel] = max(refs.get(rel, 0), end)
+    return out, pages, refs
 
 
 def _check_files(storage: Storage, step_dir: str, step: int, files: dict[str, dict[str, Any]]) -> None:
@@ -144,11 +159,18 @@ def _chunk_paths(chunks: dict[str, Any]) -> set[str]:
     return set()
 
 
-def _signature(rep: RankReport) -> str:
+def _signature(rep: RankReport) -> bytes:
+    """The report but for its rank and timings, as canonical JSON (orjson where it can: the
+    coordinator folds its own group while every other rank waits)."""
     doc = rep.to_json()
     for name in ("rank", "timings", "ranks"):
         doc.pop(name, None)
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    if orjson is not None and not rep.extended:  # (orjson writes NaN as null: not canonical)
+        try:
+            return bytes(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS))
+        except (TypeError, orjson.JSONEncodeError):  # NaN, integers beyond 64 bits
+            pass
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _runs(ranks: list[int]) -> list[list[int]]:
