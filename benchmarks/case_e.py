@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,7 +238,7 @@ def measure_point(
             pages=pages,
         )
         data = m.dumps()
-        commit_manifest(storage, step, m, data, bases=[], references=refs)
+        commit_manifest(storage, step, m, data, bases=[], references=refs, executor=_IO)
         commit_s.append(time.perf_counter() - t0)
         commit_cpu.append(time.process_time() - c0)
         chunks = sum(len(rep.chunks["keys"]) for rep in got) if layout != "described" else tensors * min(ranks, rows)
@@ -303,6 +304,8 @@ def measure_point(
 LAYOUTS = ("sharded", "whole", "described")
 #: ranks per group leader (CheckpointOptions.commit_group_ranks' default)
 GROUP = 128
+#: the manager's I/O threads (CheckpointOptions.io_threads' default), which check files' sizes
+_IO = ThreadPoolExecutor(4, thread_name_prefix="bench-io")
 
 
 def _group(coord: Any, seq: int, step: int) -> list[Any]:
@@ -317,7 +320,7 @@ def _fold(storage: Any, step: int, reports: list[Any]) -> Any:
     from shardkeeper.core.format.layout import step_dir
     from shardkeeper.core.tensor.group_fold import fold_group
 
-    return fold_group(storage, step_dir(step), step, "0123abcd", reports, algorithm="xxh3_128")
+    return fold_group(storage, step_dir(step), step, "0123abcd", reports, algorithm="xxh3_128", executor=_IO)
 
 
 def _placeholder_files(storage: Any, step: int, report: Any) -> None:

@@ -156,6 +156,13 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
         (lambda d: d["described"]["index"]["path"].__setitem__(2, None), "a rank without an index file has"),
         (lambda d: d["described"]["layouts"][0].__setitem__(1, [["F", 0]]), "not the only placement"),
         (lambda d: d["described"]["layouts"][0].__setitem__(1, [["F", 0, 1]]), "cannot hold"),
+        # format_version 8's forms in a manifest of 7: pages, a mesh by its first rank
+        (lambda d: d["described"].update(pages={}), "pages or ranges of ranks in a format_version 7"),
+        (lambda d: d["described"]["meshes"][0].update(first_rank=0), "pages or ranges of ranks in a format_version 7"),
+        (
+            lambda d: d.update(format_version=8) or d["described"]["meshes"][0].update(first_rank=1) or None,
+            "not 4 ranks of the world of 4",
+        ),
     ],
 )
 def test_edits_of_the_described_member_are_damage(tmp_path: Path, edit, why: str) -> None:  # type: ignore[no-untyped-def]

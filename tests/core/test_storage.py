@@ -103,7 +103,9 @@ class _OnServer(_OurBackend):
     """A fresh bucket on a server the session started (the conftest fixture named ``root_fixture``)."""
 
     root_fixture: str
-    expected = Capabilities(atomic_put_if_absent=True, ranged_read=True, durable_writes=True, directories=False)
+    expected = Capabilities(
+        atomic_put_if_absent=True, ranged_read=True, durable_writes=True, directories=False, remote=True
+    )
 
     @pytest.fixture(autouse=True)
     def _server_root(self, request: pytest.FixtureRequest) -> None:

@@ -43,12 +43,13 @@ def commit_manifest(
     *,
     bases: list[int],
     references: Mapping[str, int] | None = None,
+    executor: Any = None,
 ) -> None:
     """Commit ``manifest`` (whose exact bytes are ``data``) as ``step``, or raise. ``bases``:
     the committed steps whose manifests the references of an incremental save came from;
     ``references``: files of earlier steps that the manifest's pages reference (relative to
     the step directory, with the end of the last byte; group commit), announced and checked
-    with the manifest's own."""
+    with the manifest's own; ``executor``: where the files' sizes are asked for in parallel."""
     ends = _file_ends(step, manifest)
     for rel, end in (references or {}).items():
         path = resolve_file(step, rel)
@@ -59,7 +60,7 @@ def commit_manifest(
     try:
         _check_not_claimed(storage, step)
         _check_bases(storage, step, bases)
-        _check_files(storage, step, manifest, ends)
+        _check_files(storage, step, manifest, ends, executor)
         check_reads_back(storage, step, data, manifest)
         if _before_put is not None:
             _before_put(step)
@@ -115,16 +116,34 @@ def _check_bases(storage: Storage, step: int, bases: list[int]) -> None:
             )
 
 
-def _check_files(storage: Storage, step: int, manifest: Manifest, ends: dict[str, int]) -> None:
+def _check_files(storage: Storage, step: int, manifest: Manifest, ends: dict[str, int], executor: Any) -> None:
     """Every file is there, whole: this save's own files at the size its rank wrote (which
     catches what happened since they were closed: a gc that judged a slow save abandoned, a
     store that lost a part), referenced files at least to their last referenced byte."""
     own = {resolve_file(step, rel): info for rel, info in manifest.files.items()}
-    for path, end in ends.items():
+    check_files(storage, own, ends, executor)
+
+
+def check_files(
+    storage: Storage, own: Mapping[Any, Mapping[str, Any]], ends: Mapping[str, int], executor: Any = None
+) -> None:
+    """Every file of ``ends`` (root-relative path -> end of the last byte referenced) is there:
+    one of ``own`` (path -> its record) at exactly the size its rank wrote, any other at least
+    to its end. One stat or HEAD per file; on a remote storage in parallel on ``executor``
+    (an object store's latency, not its throughput, bounds them; on local disk threads only
+    add work). Raises naming the first wrong file."""
+
+    def size_of(path: str) -> int:
         try:
-            size = storage.size(path)
+            return storage.size(path)
         except CheckpointNotFoundError:
-            size = -1
+            return -1
+
+    paths = list(ends)
+    parallel = executor is not None and len(paths) > 1 and storage.capabilities.remote
+    sizes = executor.map(size_of, paths) if parallel else map(size_of, paths)
+    for path, size in zip(paths, sizes):
+        end = ends[path]
         info = own.get(path)
         want = info["size_bytes"] if info is not None else end
         if (size != want) if info is not None else (size < want):

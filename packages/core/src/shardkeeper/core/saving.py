@@ -331,6 +331,7 @@ class SaveRunner:
             algorithm=ctx.settings.digest,
             prefixes=data_prefixes(ctx.settings.data_prefixes, ctx.world_size),
             paging=bool(job.plan.described),
+            executor=ctx.io,
         )
 
     def _commit(self, job: SaveJob, own: Report) -> Outcome:
@@ -375,7 +376,7 @@ class SaveRunner:
             data = manifest.dumps()
             data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)
             bases = sorted({b for r in reports for b in r.bases})
-            commit_manifest(ctx.storage, step, manifest, data, bases=bases, references=refs)
+            commit_manifest(ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io)
         except BaseException as e:
             self._discard_attempt(sdir, reports)
             return Outcome(

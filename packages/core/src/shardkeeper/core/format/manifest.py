@@ -215,12 +215,18 @@ class Manifest:
         is False, its pages), their index files unread (``verify`` without the key, the
         commit's checks: ``pages=False``, which the leaders checked)."""
         ends: dict[str, int] = {}
-        described = self.leaves.described if isinstance(self.leaves, TableLeaves) else None
-        for key, leaf in self.leaves.items():
-            if described is not None and key in described.pos:
-                continue
-            for c in leaf.chunks:
-                ends[c.file] = max(ends.get(c.file, 0), c.offset + c.length)
+        described = None
+        if isinstance(self.leaves, TableLeaves):  # the leaves' rows of the chunk table, as columns
+            described, t = self.leaves.described, self.leaves.table
+            paths, file, offset, length = t.paths, t.file, t.offset, t.length
+            for i in self.leaves.leaf_table.rows:
+                rel, end = paths[file[i]], offset[i] + length[i]
+                if end > ends.get(rel, -1):
+                    ends[rel] = end
+        else:
+            for leaf in self.leaves.values():
+                for c in leaf.chunks:
+                    ends[c.file] = max(ends.get(c.file, 0), c.offset + c.length)
         if described is not None:
             more = described.file_ends() if pages or described.pages is None else {}
             for rel, end in more.items():

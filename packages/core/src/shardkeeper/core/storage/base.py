@@ -19,6 +19,8 @@ class Capabilities:
     ranged_read: bool  # read_range() costs only the bytes asked for
     durable_writes: bool  # a closed writer's bytes survive a crash (fsync or object-store PUT)
     directories: bool  # empty directories exist (POSIX) rather than being key prefixes
+    #: every call is a network round trip (an object store): independent calls go in parallel
+    remote: bool = False
 
 
 @runtime_checkable

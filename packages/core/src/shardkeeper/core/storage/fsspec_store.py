@@ -156,6 +156,7 @@ class FsspecStorage:
             ranged_read=True,
             durable_writes=self.protocol not in _LOCAL_PROTOCOLS | _VOLATILE_PROTOCOLS,
             directories=self.protocol in _LOCAL_PROTOCOLS,
+            remote=self.protocol not in _LOCAL_PROTOCOLS | _VOLATILE_PROTOCOLS,
         )
         # gcsfs writes to zonal (Rapid) buckets over gRPC and ignores mode="create" there
         # (it overwrites): ask once, lazily, whether this bucket is one.

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardkeeper.core.format.columns import ChunkTable
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.fastjson import orjson
 from shardkeeper.core.format.layout import data_dir, page_file
 from shardkeeper.core.format.pages import encode_page
 from shardkeeper.core.protocol import RankReport, Timings
+from shardkeeper.core.put_manifest import check_files
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.save import sync_data_dirs
 
@@ -38,12 +38,13 @@ def fold_group(
     algorithm: str,
     prefixes: int = 1,
     paging: bool = True,
+    executor: Any = None,
 ) -> RankReport:
     """The leader's report for its group (``reports``: the leader's own first, then its
     ranks' in rank order), after its page is written; raises ``CorruptCheckpointError``
     naming the rank whose file is missing or of another size. ``paging`` False (a save
     without described leaves, whose chunk table names every file anyway): no page, the
-    reports folded as they are."""
+    reports folded as they are. ``executor``: where the files' sizes are asked for in parallel."""
     leader = reports[0]
     if not paging:
         return _folded(list(reports), leader, None, [])
@@ -62,7 +63,10 @@ def fold_group(
             ends[rel] = max(ends.get(rel, 0), end)
         described = {"digest": d["digest"], "index": None, "chunk_files": []} if d else {}
         residuals.append(replace(rep, files=own, described=described))
-    _check_files(storage, step_dir, step, paged)
+    # every file of the group is there at the size its rank wrote (the coordinator checks the
+    # files its manifest lists itself, after announcing its commit)
+    paths = {f"{step_dir}/{rel}": rec for rel, rec in paged.items()}
+    check_files(storage, paths, dict.fromkeys(paths, 0), executor)
     rel = page_file(leader.rank, attempt, prefixes)
     data = encode_page(step, leader.rank, paged, index, ends)
     writer = storage.open_writer(f"{step_dir}/{rel}")
@@ -130,24 +134,6 @@ def unfold(
             for rel, end in rep.group["refs"]:
                 refs[rel] = max(refs.get(rel, 0), end)
     return out, pages, refs
-
-
-def _check_files(storage: Storage, step_dir: str, step: int, files: dict[str, dict[str, Any]]) -> None:
-    """Every file of the group is there at the size its rank wrote (the coordinator checks
-    the files its manifest lists itself, after announcing its commit)."""
-    for rel, rec in files.items():
-        path = f"{step_dir}/{rel}"
-        try:
-            size = storage.size(path)
-        except CheckpointNotFoundError:
-            size = -1
-        if size != rec["size_bytes"]:
-            raise CorruptCheckpointError(
-                f"step {step}: {storage.describe(path)} (written by rank {rec.get('rank')}) is "
-                f"{'missing' if size < 0 else f'{size} bytes'} at commit time, {rec['size_bytes']} bytes were "
-                f"written; something removed or truncated it (a `shardkeeper gc` with a --min-age-s shorter "
-                f"than a save?)"
-            )
 
 
 def _chunk_paths(chunks: dict[str, Any]) -> set[str]:
