@@ -113,7 +113,10 @@ def main(phase: str, root: str, options: str, out: str) -> None:
         for layout in LAYOUTS:
             model, opt = build(layout, seed=1)
             train_step(model, opt)
-            with CheckpointManager(f"{root}/{layout}", storage_options=opts, describe_layouts=True) as mgr:
+            group = int(os.environ.get("RANKS16_GROUP_RANKS", "128"))  # ranks16.py --group-ranks
+            with CheckpointManager(
+                f"{root}/{layout}", storage_options=opts, describe_layouts=True, commit_group_ranks=group
+            ) as mgr:
                 before = sum((s.calls for s in stores), Counter())
                 mgr.save(1, {"model": model, "optim": opt}, async_save=False)
                 calls = sum((s.calls for s in stores), Counter()) - before

@@ -28,6 +28,7 @@ over ``--repeats``. ``described``: the row-sharded chunks recorded by their layo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import sys
@@ -216,6 +217,7 @@ def measure_point(
         own = rank_report(ranks, tensors, layout, 0, declared, digest, index=_index_writer(storage, step))
         _placeholder_files(storage, step, own)
         after_report = Counter(store.calls)
+        gc.collect()  # the simulation's garbage (16,384 ranks' reports) is not the coordinator's
         t0, c0 = time.perf_counter(), time.process_time()
         pages: list[Any] = []
         if paged:  # the coordinator leads the first group: it folds it as every leader does

@@ -1,7 +1,7 @@
 """Real processes at the scale this machine holds: 16 gloo ranks save and restore FSDP2 and
 DDP states, on local disk and on a real S3 server, bit for bit.
 
-    python benchmarks/ranks16.py [--nproc 16] [--out-dir benchmarks/results] [--no-s3]
+    python benchmarks/ranks16.py [--nproc 16] [--out-dir benchmarks/results] [--no-s3] [--group-ranks N]
 
 For each root (a local directory; a bucket on a moto S3 server started here, behind a
 counting proxy on loopback): one torchrun launch saves an FSDP2 state (recorded by its layout
@@ -107,6 +107,7 @@ def checkpoint_bytes(storage_url: str, opts: dict[str, Any]) -> dict[str, int]:
 
 def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# {doc['nproc']} ranks on one machine, {doc['date']}", "", f"`{doc['command']}`", ""]
+    lines += [f"commit_group_ranks {doc.get('group_ranks', 128)}", ""]
     for root, res in doc["roots"].items():
         lines += [f"## {root}", "", "| case | figures |", "|---|---|"]
         for case, fig in res.items():
@@ -123,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--name", help="output file stem (default ranks16-<date>)")
     ap.add_argument("--no-s3", action="store_true", help="local disk only")
+    ap.add_argument("--group-ranks", type=int, default=128, help="commit_group_ranks of the saves (4: four groups)")
     args = ap.parse_args(argv)
+    os.environ["RANKS16_GROUP_RANKS"] = str(args.group_ranks)
     doc: dict[str, Any] = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/ranks16.py", *(argv if argv is not None else sys.argv[1:])]),
         "nproc": args.nproc,
+        "group_ranks": args.group_ranks,
         "roots": {},
     }
     ok = True
