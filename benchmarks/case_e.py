@@ -185,7 +185,7 @@ def measure_point(
     store = CountingStore(dist.HashStore())
     coord = _coordinator_class()
     coords = [coord(None, r, ranks, "shardkeeper/bench", store=store) for r in range(ranks)]
-    paged = layout == "described" and ranks > GROUP  # a group commit (format_version 8)
+    grouped = ranks > GROUP  # a group commit: pages (format_version 8) where leaves are described
     for c in coords:
         c.group_ranks = GROUP
     rule: dict[str, Any] = {}
@@ -204,15 +204,15 @@ def measure_point(
         before = Counter(store.calls)
         leaders = {r: rank_report(ranks, tensors, layout, r, declared, digest) for r in range(GROUP, ranks, GROUP)}
         for r in range(1, ranks):  # every other rank's report, as its background thread sends it
-            rep = leaders.get(r) if paged else None
+            rep = leaders.get(r) if grouped else None
             if rep is None:
                 rep = rank_report(ranks, tensors, layout, r, declared, digest)
                 coords[r].report(seq, rep)
             _placeholder_files(storage, step, rep)  # the files the leaders or the coordinator check
         fold_s: list[float] = []
-        for r, rep in leaders.items() if paged else ():  # every other leader folds its group, in parallel
+        for r, rep in leaders.items() if grouped else ():  # every other leader folds its group, in parallel
             t_fold = time.perf_counter()
-            coords[r].report(seq, _fold(storage, step, [rep, *_group(coords[r], seq, step)]))
+            coords[r].report(seq, _fold(storage, step, [rep, *_group(coords[r], seq, step)], layout))
             fold_s.append(time.perf_counter() - t_fold)
         own = rank_report(ranks, tensors, layout, 0, declared, digest, index=_index_writer(storage, step))
         _placeholder_files(storage, step, own)
@@ -220,8 +220,8 @@ def measure_point(
         gc.collect()  # the simulation's garbage (16,384 ranks' reports) is not the coordinator's
         t0, c0 = time.perf_counter(), time.process_time()
         pages: list[Any] = []
-        if paged:  # the coordinator leads the first group: it folds it as every leader does
-            own = _fold(storage, step, [own, *_group(coords[0], seq, step)])
+        if grouped:  # the coordinator leads the first group: it folds it as every leader does
+            own = _fold(storage, step, [own, *_group(coords[0], seq, step)], layout)
         got = coords[0].collect(seq, own, 600.0, step=step)
         after_collect = Counter(store.calls)
         if not isinstance(got, list):
@@ -243,7 +243,11 @@ def measure_point(
         commit_manifest(storage, step, m, data, bases=[], references=refs, executor=_IO)
         commit_s.append(time.perf_counter() - t0)
         commit_cpu.append(time.process_time() - c0)
-        chunks = sum(len(rep.chunks["keys"]) for rep in got) if layout != "described" else tensors * min(ranks, rows)
+        chunks = (
+            sum(len(rep.chunks["keys"]) for rep in got)
+            if layout != "described"
+            else tensors * sum(1 for r in range(ranks) if row_split(rows, ranks, r)[1])
+        )
         leader_fold_s = max(fold_s, default=0.0)
         del got, members, m, own
         coords[0].publish(seq, COMMITTED)
@@ -276,8 +280,8 @@ def measure_point(
         "commit_s": _median(commit_s),
         "plan_s": _median(plan_s),
         "commit_cpu_s": _median(commit_cpu),  # this process's CPU time: less skewed by a loaded machine
-        "group_ranks": GROUP if paged else None,  # ranks per group leader (None: no group commit)
-        "leader_fold_s": leader_fold_s if paged else None,  # the slowest other leader's fold (last save)
+        "group_ranks": GROUP if grouped else None,  # ranks per group leader (None: no group commit)
+        "leader_fold_s": leader_fold_s if grouped else None,  # the slowest other leader's fold (last save)
         "plan_cpu_s": _median(plan_cpu),
         "manifest_bytes": len(data),
         "store_bytes": sum(report_bytes),
@@ -317,12 +321,22 @@ def _group(coord: Any, seq: int, step: int) -> list[Any]:
     return got
 
 
-def _fold(storage: Any, step: int, reports: list[Any]) -> Any:
-    """A leader's fold (tensor/group_fold.py): check the group's files, write its page."""
+def _fold(storage: Any, step: int, reports: list[Any], layout: str) -> Any:
+    """A leader's fold (tensor/group_fold.py): check the group's files, write its page (where
+    leaves are described, as a save does)."""
     from shardkeeper.core.format.layout import step_dir
     from shardkeeper.core.tensor.group_fold import fold_group
 
-    return fold_group(storage, step_dir(step), step, "0123abcd", reports, algorithm="xxh3_128", executor=_IO)
+    return fold_group(
+        storage,
+        step_dir(step),
+        step,
+        "0123abcd",
+        reports,
+        algorithm="xxh3_128",
+        paging=layout == "described",
+        executor=_IO,
+    )
 
 
 def _placeholder_files(storage: Any, step: int, report: Any) -> None:
