@@ -6,6 +6,7 @@ differing rank named through its leader, differing group sizes refused."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -20,7 +21,8 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("group")
     out = tmp / "out"
     out.mkdir()
-    res = run_workers(4, "group_worker.py", str(tmp / "root"), str(out), timeout_s=240)
+    key = base64.b64encode(bytes(range(32))).decode()
+    res = run_workers(4, "group_worker.py", str(tmp / "root"), str(out), timeout_s=240, env={"SK_GROUP_KEY": key})
     assert res.returncode == 0, res.stdout[-4000:]
     return [json.loads((out / f"r{r}.json").read_text()) for r in range(4)]
 
@@ -79,3 +81,16 @@ def test_incremental_references_in_pages_survive_retention(seen: list[dict]) -> 
     assert seen[0]["inc references"] and not seen[0]["inc step 1 manifest"]
     assert [s["inc wrong"] for s in seen] == [[]] * 4
     assert seen[0]["inc verify"] == []
+
+
+def test_pages_of_an_encrypted_root_are_encrypted_and_read_with_the_key(seen: list[dict]) -> None:
+    assert seen[0]["enc pages"] == 2 and seen[0]["enc page plain"] == [False, False]
+    assert [s["enc wrong"] for s in seen] == [[]] * 4
+    assert seen[0]["enc verify"] == [] and seen[0]["enc verify keyless"] == []
+
+
+def test_a_file_lost_before_its_leaders_check_fails_the_save_on_every_rank(seen: list[dict]) -> None:
+    for s in seen:
+        assert s["lost file"] is not None and "failed on rank 2 in phase commit" in s["lost file"], s["lost file"]
+        assert "(written by rank 3) is missing at commit time" in s["lost file"]
+        assert not s["step 4 committed"]

@@ -6,9 +6,10 @@ At 4 ranks with ``commit_group_ranks=2``: ranks 0 and 2 lead groups, fold their 
 reports and write its page; the manifest (format_version 8) lists the pages instead of the
 ranks' files. A state of described DTensors plus a replicated tensor is saved and restored
 into the same layout, another one and plain tensors, bit for bit, reading only the pages it
-needs; verify and gc; a damaged page; a rank whose state differs, named through its
-leader's folded report; a leader's missing file; ranks passing different group sizes. Each
-rank writes what it saw to ``OUT_DIR/r<rank>.json``.
+needs; verify and gc; incremental saves and retention; an encrypted root; a damaged page;
+a rank whose state differs, named through its leader's folded report; a file lost before
+its leader checks it; ranks passing different group sizes. Each rank writes what it saw to
+``OUT_DIR/r<rank>.json``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,24 @@ def main(root: str, out: str) -> None:
         if rank == 3:
             odd["extra"] = torch.ones(2)
         seen["mismatch"] = _error(lambda: mgr.save(3, {"m": odd}, async_save=False))
+        # A file removed before its leader checks it (as by a gc with a too short --min-age-s):
+        # the leader's failure reaches every rank, naming the file's rank.
+        if rank == 2:
+            import shardkeeper.core.tensor.group_fold as group_fold
+
+            real = group_fold.check_files
+
+            def losing(storage, own, ends, executor=None):  # type: ignore[no-untyped-def]
+                for p in own:
+                    if "/r00003-" in p and p.endswith(".safetensors"):
+                        storage.delete(p)
+                return real(storage, own, ends, executor)
+
+            group_fold.check_files = losing
+        seen["lost file"] = _error(lambda: mgr.save(4, {"m": layout_a(w)}, async_save=False))
+        if rank == 2:
+            group_fold.check_files = real
+        seen["step 4 committed"] = (path / "step-000000000004" / "manifest.json").exists()
     # Incremental: unchanged boxes are references into step 1's files, listed in the pages;
     # retention keeping one step keeps the files step 2's pages reference.
     inc = Path(root) / "inc"
@@ -97,6 +116,30 @@ def main(root: str, out: str) -> None:
     dist.barrier()
     if rank == 0:
         seen["inc verify"] = [p.message for p in verify_step(LocalStorage(str(inc)), 2).problems]
+    # Encrypted: the pages are encrypted like every file of data/; restores and verify with
+    # the key read them, verify without the key checks the files the manifest lists.
+    enc = Path(root) / "enc"
+    with CheckpointManager(enc, describe_layouts=True, commit_group_ranks=2, encryption="env:SK_GROUP_KEY") as mgr:
+        mgr.save(1, {"m": layout_a(w)}, async_save=False)
+        man = json.loads((enc / "step-000000000001" / "manifest.json").read_text())
+        seen["enc pages"] = len(man["described"]["pages"]["path"])
+        seen["enc page plain"] = [
+            (enc / "step-000000000001" / rel).read_bytes()[:1] == b"{" for rel in man["described"]["pages"]["path"]
+        ]
+        target = {"m": layout_b(w)}
+        for v in target["m"].values():
+            (v.to_local() if hasattr(v, "to_local") else v).zero_()
+        mgr.restore(target, step=1)
+        seen["enc wrong"] = same(gathered(target["m"]), ref)
+    dist.barrier()
+    if rank == 0:
+        from shardkeeper.core.codec.crypto import EncryptedStorage
+        from shardkeeper.core.codec.keys import key_provider
+
+        plain = LocalStorage(str(enc))
+        seen["enc verify keyless"] = [p.message for p in verify_step(plain, 1).problems]
+        keyed = EncryptedStorage(plain, key_provider("env:SK_GROUP_KEY")).authenticated()
+        seen["enc verify"] = [p.message for p in verify_step(keyed, 1).problems]
     # A damaged page: restores that need it refuse, naming it and its ranks; verify says so.
     dist.barrier()
     if rank == 0:
