@@ -94,3 +94,10 @@ def test_a_file_lost_before_its_leaders_check_fails_the_save_on_every_rank(seen:
         assert s["lost file"] is not None and "failed on rank 2 in phase commit" in s["lost file"], s["lost file"]
         assert "(written by rank 3) is missing at commit time" in s["lost file"]
         assert not s["step 4 committed"]
+
+
+def test_a_rank_that_never_reports_is_named_by_its_leader_on_every_other_rank(seen: list[dict]) -> None:
+    for s in seen[:3]:
+        msg = s["missing rank"]
+        assert msg is not None and "failed on rank 2 in phase commit" in msg, msg
+        assert "ranks [3] did not report to their group leader, rank 2, within 3 s" in msg

@@ -8,8 +8,8 @@ ranks' files. A state of described DTensors plus a replicated tensor is saved an
 into the same layout, another one and plain tensors, bit for bit, reading only the pages it
 needs; verify and gc; incremental saves and retention; an encrypted root; a damaged page;
 a rank whose state differs, named through its leader's folded report; a file lost before
-its leader checks it; ranks passing different group sizes. Each rank writes what it saw to
-``OUT_DIR/r<rank>.json``.
+its leader checks it; a rank that never reports; ranks passing different group sizes.
+Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
 """
 
 from __future__ import annotations
@@ -152,6 +152,12 @@ def main(root: str, out: str) -> None:
         seen["damaged"] = _error(lambda: mgr.restore(state, step=1))
     if rank == 0:
         seen["damaged verify"] = [p.message for p in verify_step(LocalStorage(str(path)), 1).problems]
+    # A rank that never reports: its leader times out and names it; the coordinator, which
+    # waits a little longer for the leaders, publishes the leader's failure to every rank.
+    with CheckpointManager(Path(root) / "hang", commit_group_ranks=2, commit_timeout_s=3) as mgr:
+        if rank != 3:
+            seen["missing rank"] = _error(lambda: mgr.save(1, {"x": torch.ones(2)}, async_save=False))
+    dist.barrier()
     # Ranks that pass different group sizes are refused when the manager opens.
     seen["differing sizes"] = _error(lambda: CheckpointManager(Path(root) / "x", commit_group_ranks=2 + rank % 2))
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
