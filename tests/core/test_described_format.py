@@ -160,8 +160,24 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
         (lambda d: d["described"].update(pages={}), "pages or ranges of ranks in a format_version 7"),
         (lambda d: d["described"]["meshes"][0].update(first_rank=0), "pages or ranges of ranks in a format_version 7"),
         (
-            lambda d: d.update(format_version=8) or d["described"]["meshes"][0].update(first_rank=1) or None,
-            "not 4 ranks of the world of 4",
+            lambda d: d.update(format_version=8) or d["described"]["meshes"][0].update(first_rank=1),
+            "or it lists ranks too",
+        ),
+        (
+            lambda d: (
+                d.update(format_version=8)
+                or d["described"]["meshes"][0].pop("ranks")
+                and None
+                or d["described"]["meshes"][0].update(first_rank=1)
+            ),
+            "ranks from 1 are not 4 ranks of the world of 4",
+        ),
+        (  # 16 million ranks by a first rank: refused without making them
+            lambda d: (
+                d.update(format_version=8)
+                or d["described"]["meshes"].__setitem__(0, {"shape": [4096, 4096], "first_rank": 0})
+            ),
+            "are not 16777216 ranks of the world of 4",
         ),
     ],
 )
@@ -213,7 +229,10 @@ def _edit_index(root: Path, rank: int, fn, *, keep_digest: bool = True) -> None:
         (lambda d: d["keys"].__setitem__(1, d["keys"][0]), "has no chunk of 'm/b'"),  # a run of m/a rows
         (lambda d: d["keys"].__setitem__(1, 7), "lists a key that is not a string"),
         (lambda d: d["table"]["length"].__setitem__(0, 8), "has 8 bytes for a box of 72"),
-        (lambda d: d["table"]["offset"].__setitem__(2, 10**5), "outside the files the manifest lists"),
+        (
+            lambda d: d["table"]["offset"].__setitem__(2, 10**5),
+            "beyond the end that file has in the chunk_files of the manifest",
+        ),
         (lambda d: d["table"].update(digests=d["table"]["digests"][:-1]), "hex digits"),
     ],
 )

@@ -68,7 +68,18 @@ def test_a_damaged_page_is_refused_naming_its_ranks(seen: list[dict]) -> None:
     for s in seen:
         assert s["damaged"] is not None and "CorruptCheckpointError" in s["damaged"]
     assert "(the records of ranks 2 to 3) does not match the size and digest" in seen[2]["damaged"]
-    assert any("ranks 2 to 3" in m for m in seen[0]["damaged verify"])
+    said = seen[0]["damaged verify"]
+    # the page once, the first leaf it keeps unchecked, then the count of the others
+    assert all("ranks 2 to 3" in m for m in said) and "more leaves" in said[-1] and len(said) == 3, said
+    # the files of the intact page are still checked
+    assert any(
+        "r00001-" in m and "longer than recorded" in m and "its page records" in m for m in seen[0]["damaged verify 2"]
+    )
+
+
+def test_a_step_with_a_damaged_page_can_be_deleted_and_gc_runs_after(seen: list[dict]) -> None:
+    assert [s["damaged deleted"] for s in seen] == [True] * 4
+    assert seen[0]["gc after"] is None and not seen[0]["step 1 left"]
 
 
 def test_ranks_with_differing_group_sizes_are_refused(seen: list[dict]) -> None:
@@ -83,10 +94,11 @@ def test_incremental_references_in_pages_survive_retention(seen: list[dict]) -> 
     assert seen[0]["inc verify"] == []
 
 
-def test_pages_of_an_encrypted_root_are_encrypted_and_read_with_the_key(seen: list[dict]) -> None:
-    assert seen[0]["enc pages"] == 2 and seen[0]["enc page plain"] == [False, False]
+def test_pages_of_an_encrypted_root_are_read_with_and_without_the_key(seen: list[dict]) -> None:
+    assert seen[0]["enc pages"] == 2 and seen[0]["enc page plain"] == [True, True]
     assert [s["enc wrong"] for s in seen] == [[]] * 4
     assert seen[0]["enc verify"] == [] and seen[0]["enc verify keyless"] == []
+    assert seen[0]["enc gc"] is None  # gc has no key: it reads the pages as they are
 
 
 def test_a_file_lost_before_its_leaders_check_fails_the_save_on_every_rank(seen: list[dict]) -> None:

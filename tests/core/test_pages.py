@@ -38,7 +38,8 @@ def test_a_page_round_trips() -> None:
         ({"step": 6}, "says it is of step 6"),
         ({"first": 0}, "holds ranks from 0"),
         ({"page_schema": 2}, "page_schema 2"),
-        ({"files": {**FILES, "/etc/passwd": {"size_bytes": 1, "rank": 2}}}, "not a path inside its step"),
+        ({"files": {**FILES, "/etc/passwd": {"size_bytes": 1, "rank": 2}}}, "not a data file of its step"),
+        ({"files": {**FILES, "manifest.json": {"size_bytes": 1, "rank": 2}}}, "not a data file of its step"),
         ({"files": {**FILES, "data/x": {"size_bytes": 1, "rank": 9}}}, "of rank 9, not one of its ranks"),
         ({"files": {**FILES, "data/x": {"size_bytes": -1, "rank": 2}}}, "non-negative integer"),
         ({"index": {"path": [None], "size": [0], "digest": [""]}}, "list 1, 1, 1 ranks, not 2"),
@@ -96,3 +97,49 @@ def test_a_page_read_back_with_another_digest_names_its_ranks() -> None:
     with pytest.raises(CorruptCheckpointError):  # damage read once, said again
         pages.rank(2)
     assert pages.reads == 1
+
+
+def attached(pages_bytes: list[bytes], **change: object) -> Pages:
+    """Pages over these pages' bytes (columns as their writer gives them, then ``change``)."""
+    import xxhash
+
+    docs = [json.loads(b) for b in pages_bytes]
+    cols = {
+        "path": [f"pages/g{d['first']:05d}-a.index.json" for d in docs],
+        "size": [len(b) for b in pages_bytes],
+        "digest": [xxhash.xxh3_128_hexdigest(b) for b in pages_bytes],
+        "first": [d["first"] for d in docs],
+        "count": [d["count"] for d in docs],
+        "files": [len(d["files"]) for d in docs],
+        "bytes": [sum(r["size_bytes"] for r in d["files"].values()) for d in docs],
+    }
+    pages = Pages({**cols, **change})
+    data = dict(zip(cols["path"], pages_bytes))
+    pages.attach(lambda rel, size: data[rel], lambda b: xxhash.xxh3_128_hexdigest(b), str, 7)
+    return pages
+
+
+def test_a_page_whose_files_differ_from_the_manifests_counts_is_damage() -> None:
+    from shardkeeper.core.errors import CorruptCheckpointError
+
+    first = encode_page(7, 0, {"data/r00000-a-000.safetensors": {"size_bytes": 5, "rank": 0}}, [None, None], {})
+    assert attached([first, encode_page(7, 2, FILES, INDEX, ENDS)]).files().keys() == {
+        "data/r00000-a-000.safetensors",
+        *FILES,
+    }
+    with pytest.raises(CorruptCheckpointError, match="lists 3 files of 160 bytes, the manifest says 3 of 999"):
+        attached([first, encode_page(7, 2, FILES, INDEX, ENDS)], bytes=[5, 999]).files()
+
+
+def test_a_file_two_pages_list_is_damage_and_verify_can_skip_a_damaged_page() -> None:
+    from shardkeeper.core.errors import CorruptCheckpointError
+
+    twice = {"data/r00002-a-000.safetensors": {"size_bytes": 100, "rank": 0}}
+    pages = attached([encode_page(7, 0, twice, [None, None], {}), encode_page(7, 2, FILES, INDEX, ENDS)])
+    with pytest.raises(CorruptCheckpointError, match="which an earlier page lists too"):
+        pages.files()
+    damaged = attached([encode_page(7, 0, {}, [None, None], {}), encode_page(7, 2, FILES, INDEX, ENDS)])
+    damaged.digest[0] = "0" * 32
+    said: list[str] = []
+    assert damaged.files(lambda rel, e: said.append(rel)) == FILES  # the intact page's files
+    assert said == ["pages/g00000-a.index.json"] and damaged.file_ends(skip_damaged=True) == ENDS

@@ -116,8 +116,8 @@ def main(root: str, out: str) -> None:
     dist.barrier()
     if rank == 0:
         seen["inc verify"] = [p.message for p in verify_step(LocalStorage(str(inc)), 2).problems]
-    # Encrypted: the pages are encrypted like every file of data/; restores and verify with
-    # the key read them, verify without the key checks the files the manifest lists.
+    # Encrypted: the data files are, the pages are not (the manifest's digests, under its MAC,
+    # authenticate them), so that gc and verify without the key read them too.
     enc = Path(root) / "enc"
     with CheckpointManager(enc, describe_layouts=True, commit_group_ranks=2, encryption="env:SK_GROUP_KEY") as mgr:
         mgr.save(1, {"m": layout_a(w)}, async_save=False)
@@ -140,10 +140,11 @@ def main(root: str, out: str) -> None:
         seen["enc verify keyless"] = [p.message for p in verify_step(plain, 1).problems]
         keyed = EncryptedStorage(plain, key_provider("env:SK_GROUP_KEY")).authenticated()
         seen["enc verify"] = [p.message for p in verify_step(keyed, 1).problems]
+        seen["enc gc"] = _error(lambda: collect_garbage(plain, min_age_s=0.0, dry_run=True, no_running_saves=True))
     # A damaged page: restores that need it refuse, naming it and its ranks; verify says so.
     dist.barrier()
     if rank == 0:
-        (page,) = sorted((path / "step-000000000001" / "data").glob("g00002-*.index.json"))
+        (page,) = sorted((path / "step-000000000001" / "pages").glob("g00002-*.index.json"))
         text = page.read_text()
         page.write_text(text.replace('"size_bytes":', '"size_bytes": ', 1)[: len(text)])
     dist.barrier()
@@ -152,6 +153,18 @@ def main(root: str, out: str) -> None:
         seen["damaged"] = _error(lambda: mgr.restore(state, step=1))
     if rank == 0:
         seen["damaged verify"] = [p.message for p in verify_step(LocalStorage(str(path)), 1).problems]
+        # a file the intact page lists, made longer: still checked beside the damaged page
+        (data,) = sorted((path / "step-000000000001" / "data").glob("r00001-*.safetensors"))
+        with open(data, "ab") as f:
+            f.write(b"x" * 100)
+        seen["damaged verify 2"] = [p.message for p in verify_step(LocalStorage(str(path)), 1).problems]
+    dist.barrier()
+    # A step with a damaged page can still be deleted, and gc then runs.
+    with CheckpointManager(path, commit_group_ranks=2) as mgr:
+        seen["damaged deleted"] = mgr.delete(1)
+    if rank == 0:
+        seen["gc after"] = _error(lambda: collect_garbage(LocalStorage(str(path)), min_age_s=0.0, no_running_saves=True))
+        seen["step 1 left"] = (path / "step-000000000001").exists()
     # A rank that never reports: its leader times out and names it; the coordinator, which
     # waits a little longer for the leaders, publishes the leader's failure to every rank.
     with CheckpointManager(Path(root) / "hang", commit_group_ranks=2, commit_timeout_s=3) as mgr:

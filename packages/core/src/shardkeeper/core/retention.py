@@ -118,7 +118,14 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
     refs: dict[int, set[str]] = {}
     for s in steps:
         try:
-            refs[s] = referenced_paths(s, load_manifest(storage, s))
+            m = load_manifest(storage, s)
+            try:
+                refs[s] = referenced_paths(s, m)
+            except CheckpointError as e:  # a page (format_version 8) that cannot be read
+                if s in keep:  # what a retained step references is unknown: delete nothing
+                    raise
+                log.warning("step %d under %s is deleted with a damaged page: %s", s, storage.url, e)
+                refs[s] = set()  # (a doomed step's references protect nothing; its files are listed)
         except IncompatibleFormatError as e:
             log.error(
                 "retention under %s skipped: step %d cannot be read by this version, so the "

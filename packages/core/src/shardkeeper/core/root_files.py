@@ -108,7 +108,8 @@ def committed_since(storage: Storage, known: set[int]) -> tuple[set[int], set[st
     and every file their manifests reference. A deleter calls it after reading the intents of
     commits in progress (pending.py): a commit whose intent it no longer sees put its manifest
     before removing the intent, so it is listed here. A manifest that does not validate counts
-    too, with no references: its step is left alone."""
+    too, with no references: its step is left alone. A valid manifest whose pages cannot be
+    read raises: what it references is unknown."""
     steps: set[int] = set()
     refs: set[str] = set()
     for s in manifest_steps(storage):
@@ -116,9 +117,16 @@ def committed_since(storage: Storage, known: set[int]) -> tuple[set[int], set[st
             continue
         steps.add(s)
         try:
-            refs |= referenced_paths(s, load_manifest(storage, s))
+            m = load_manifest(storage, s)
         except CheckpointError:
-            pass
+            continue
+        try:
+            refs |= referenced_paths(s, m)
+        except CheckpointError as e:  # a page: the step's references are unknown, so delete nothing
+            raise CorruptCheckpointError(
+                f"step {s} under {storage.url} was committed while files were being deleted, and the files it "
+                f"references cannot all be read ({e}); nothing more was deleted: run `shardkeeper verify` on it"
+            ) from e
     return steps, refs
 
 

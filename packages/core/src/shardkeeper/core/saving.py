@@ -329,7 +329,6 @@ class SaveRunner:
             job.attempt,
             reports,
             algorithm=ctx.settings.digest,
-            prefixes=data_prefixes(ctx.settings.data_prefixes, ctx.world_size),
             paging=bool(job.plan.described),
             executor=ctx.io,
         )

@@ -108,6 +108,11 @@ def stored_bytes(m: Manifest) -> int:
     return sum(c.length for leaf in m.leaves.values() if leaf.kind != "object" for c in leaf.chunks)
 
 
+def _recorded(m: Manifest, rel: str) -> str:
+    """Who records a file's size: the manifest, or one of its pages (format_version 8)."""
+    return "the manifest records" if rel in m.files or m.pages is None else "its page records"
+
+
 def _verify(
     storage: Storage, step: int, m: Manifest, read_bytes: int, on_bytes: Callable[[int], object] | None
 ) -> VerifyReport:
@@ -138,10 +143,14 @@ def _verify(
                 sizes[path] = None
         return sizes[path]
 
-    # Files, as listed (in the manifest and its pages).
+    # Files, as listed (in the manifest and its pages: a damaged page is said once, and the
+    # files of every other page are still checked).
+    def damaged_page(rel: str, e: CheckpointError) -> None:
+        out.add("page", f"step {step}: {e}", file=resolve_file(step, rel) or rel)
+
     try:
-        listed = m.every_file()
-    except CheckpointError as e:
+        listed = m.every_file(damaged_page)
+    except CheckpointError as e:  # (two pages that list one file)
         out.add("page", f"step {step}: {e}")
         listed = m.files
     for rel, info in sorted(listed.items()):
@@ -155,7 +164,7 @@ def _verify(
         if size is None:
             out.add(
                 "missing-file",
-                f"step {step}: file {storage.describe(path)} is missing (the manifest records {expected} bytes)",
+                f"step {step}: file {storage.describe(path)} is missing ({_recorded(m, rel)} {expected} bytes)",
                 file=path,
                 expected=f"{expected} bytes",
                 found="missing",
@@ -164,7 +173,7 @@ def _verify(
             what = "truncated" if size < expected else "longer than recorded"
             out.add(
                 "size",
-                f"step {step}: file {storage.describe(path)} is {what}: {size} bytes, the manifest records {expected}",
+                f"step {step}: file {storage.describe(path)} is {what}: {size} bytes, {_recorded(m, rel)} {expected}",
                 file=path,
                 expected=f"{expected} bytes",
                 found=f"{size} bytes",
@@ -186,6 +195,7 @@ def _verify(
     reader = None if fn is None else ChunkReader(storage, fn, block, where=f"step {step}", remedy="")
 
     by_file: dict[str, list[tuple[str, LeafRecord, ChunkRecord]]] = defaultdict(list)
+    unread: dict[str, list[str]] = {}  # a damaged index file or page: the leaves it leaves unchecked
 
     for key, leaf in m.leaves.items():
         if leaf.kind == "object":
@@ -198,7 +208,10 @@ def _verify(
         try:
             chunks = leaf.chunks  # a described leaf's come from index files (format.md 3.8)
         except CheckpointError as e:
-            out.add("index", f"step {step}: leaf {key}: {e}", key=key)
+            keys = unread.setdefault(str(e), [])
+            if not keys:  # said once; the other leaves it keeps from being checked are counted
+                out.add("index", f"step {step}: leaf {key}: {e}", key=key)
+            keys.append(key)
             continue
         why = check_tiling(key, leaf.shape, chunks)
         if why is not None:
@@ -332,6 +345,10 @@ def _verify(
             continue
         _check_header(storage, step, path, actual_size(path) or 0, entries, out)
 
+    for why, keys in unread.items():
+        if len(keys) > 1:
+            more = ", ".join(keys[1:4]) + (", ..." if len(keys) > 4 else "")
+            out.add("index", f"step {step}: {len(keys) - 1} more leaves ({more}) not checked: {why}", key=keys[1])
     out.finish()
     return report
 

@@ -297,7 +297,10 @@ class DescribedLeaves:
         else:
             why = encoded_length_problem(enc, length, raw)
         if why is None and offset + length > end:
-            why = f"points at {file[:80]!r} [{offset}, {offset + length}), outside the files the manifest lists"
+            why = (
+                f"points at {file[:80]!r} [{offset}, {offset + length}), beyond the end that file has in the "
+                f"chunk_files of {'its page' if self.pages is not None else 'the manifest'}"
+            )
         if why is not None:
             raise self._damage(rank, f"chunk of {key!r} {why}")
         digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
@@ -325,9 +328,13 @@ class DescribedLeaves:
     def _parse(self, rank: int) -> tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]:
         path, size, digest = self._entry(rank)
         if path is None:
+            where = "the manifest"
+            if self.pages is not None and 0 <= rank < self.pages.first[-1] + self.pages.count[-1]:
+                p = self.pages.page_of(rank)
+                where = f"its page {self._where(self.pages.path[p])}"
             raise CorruptCheckpointError(
-                f"the manifest's layout says rank {rank} wrote chunks, but it lists no index file of rank "
-                f"{rank}; the checkpoint is damaged: restore another step"
+                f"the manifest's layout says rank {rank} wrote chunks, but {where} lists no index file of rank "
+                f"{rank}; the checkpoint is damaged: restore another step, or run `shardkeeper verify` on the root"
             )
         if self._read is None or self._digest is None:
             raise CorruptCheckpointError(

@@ -63,7 +63,7 @@ class Mesh:
         """``compact`` (format_version 8): a mesh of consecutive ranks in order as its first
         rank, not a list of every rank (16,384 ranks are 100 KB of manifest otherwise)."""
         r0 = self.ranks[0] if self.ranks else 0
-        if compact and self.ranks == tuple(range(r0, r0 + len(self.ranks))):
+        if compact and (self._first is not None or tuple(self.ranks) == tuple(range(r0, r0 + len(self.ranks)))):
             return {"shape": list(self.shape), "first_rank": r0}
         return {"shape": list(self.shape), "ranks": list(self.ranks)}
 
@@ -71,11 +71,13 @@ class Mesh:
     def from_json(cls, d: Mapping[str, Any]) -> Mesh:
         if "first_rank" in d:
             first, n = d["first_rank"], math.prod(d["shape"])
-            if type(first) is not int or first < 0 or not 0 < n <= MAX_MESH_RANKS:
+            if type(first) is not int or first < 0 or not 0 < n <= MAX_MESH_RANKS or "ranks" in d:
                 raise ValueError(
-                    f"a mesh's first_rank {str(first)[:20]} or shape {str(d['shape'])[:40]} is out of range"
+                    f"a mesh's first_rank {str(first)[:20]} or shape {str(d['shape'])[:40]} is out of range, "
+                    f"or it lists ranks too"
                 )
-            return cls(tuple(d["shape"]), tuple(range(first, first + n)), _first=first)
+            # a range, not a tuple: a few bytes of manifest must not make millions of integers
+            return cls(tuple(d["shape"]), range(first, first + n), _first=first)  # type: ignore[arg-type]
         return cls(tuple(d["shape"]), tuple(d["ranks"]))
 
     def problem(self, world_size: int) -> str | None:

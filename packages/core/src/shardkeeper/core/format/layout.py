@@ -77,10 +77,15 @@ def index_file(rank: int, attempt: str, prefixes: int = 1) -> str:
     return f"{data_dir(rank, prefixes)}/r{rank:05d}-{attempt}.index.json"
 
 
-def page_file(first: int, attempt: str, prefixes: int = 1) -> str:
-    """Relative to the step directory: ``data/g00128-<attempt>.index.json``, the page of the
-    group of ranks from ``first`` on (format_version 8), beside its leader's files."""
-    return f"{data_dir(first, prefixes)}/g{first:05d}-{attempt}.index.json"
+#: Where a step's pages are (format_version 8): beside ``data/``, so that they are not
+#: encrypted with the data files; the manifest's digests authenticate them.
+PAGES_DIR = "pages"
+
+
+def page_file(first: int, attempt: str) -> str:
+    """Relative to the step directory: ``pages/g00128-<attempt>.index.json``, the page of the
+    group of ranks from ``first`` on (format_version 8)."""
+    return f"{PAGES_DIR}/g{first:05d}-{attempt}.index.json"
 
 
 __all__ = [
@@ -89,6 +94,7 @@ __all__ = [
     "data_dir",
     "data_prefixes",
     "index_file",
+    "PAGES_DIR",
     "page_file",
     "LATEST_NAME",
     "STEP_DIGITS",

@@ -16,7 +16,7 @@ it always had.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,10 +194,13 @@ class Manifest:
         described = self.leaves.described if isinstance(self.leaves, TableLeaves) else None
         return described.pages if described is not None else None
 
-    def every_file(self) -> dict[str, dict[str, Any]]:
-        """``files`` and, with pages, every page's files (reads every page)."""
+    def every_file(
+        self, on_damage: Callable[[str, CorruptCheckpointError], None] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """``files`` and, with pages, every page's files (reads every page; ``on_damage``:
+        ``Pages.files``')."""
         pages = self.pages
-        return self.files if pages is None else {**pages.files(), **self.files}
+        return self.files if pages is None else {**pages.files(on_damage), **self.files}
 
     def stored(self) -> tuple[int, int]:
         """How many files this step's manifest (and its pages) list, and their bytes, without

@@ -127,8 +127,8 @@ def parse_page(data: bytes, *, step: int | None, first: int, count: int) -> Page
     if not (isinstance(files, dict) and isinstance(index, dict) and isinstance(cf, dict)):
         raise ValueError("lacks its files, index or chunk_files object")
     for rel, rec in files.items():
-        if not safe_relative_path(rel) or rel.startswith("../"):
-            raise ValueError(f"lists file {rel[:80]!r}, not a path inside its step")
+        if not (safe_relative_path(rel) and rel.startswith("data/")):
+            raise ValueError(f"lists file {rel[:80]!r}, not a data file of its step")
         size, rank = (rec.get("size_bytes"), rec.get("rank")) if type(rec) is dict else (None, None)
         if type(size) is not int or size < 0:
             raise ValueError(f"lists file {rel[:80]!r} without a size_bytes that is a non-negative integer")
@@ -234,17 +234,38 @@ class Pages:
     def all(self) -> list[Page]:
         return [self.get(p) for p in range(len(self.path))]
 
-    def files(self) -> dict[str, dict[str, Any]]:
-        """Every page's files (reads every page)."""
+    def files(
+        self, on_damage: Callable[[str, CorruptCheckpointError], None] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Every page's files (reads every page); a file two pages list is damage. With
+        ``on_damage(page path, error)``, a damaged page is said there and skipped (``verify``
+        checks the files of every page that reads), else raised."""
         out: dict[str, dict[str, Any]] = {}
-        for page in self.all():
+        for p in range(len(self.path)):
+            try:
+                page = self.get(p)
+            except CorruptCheckpointError as e:
+                if on_damage is None:
+                    raise
+                on_damage(self.path[p], e)
+                continue
+            both = page.files.keys() & out.keys()
+            if both:
+                raise self._damage(p, f"lists {sorted(both)[0][:80]!r}, which an earlier page lists too")
             out.update(page.files)
         return out
 
-    def file_ends(self) -> dict[str, int]:
-        """Every chunk file the pages' index files name, with its end (reads every page)."""
+    def file_ends(self, *, skip_damaged: bool = False) -> dict[str, int]:
+        """Every chunk file the pages' index files name, with its end (reads every page;
+        ``skip_damaged``: of the pages that read)."""
         out: dict[str, int] = {}
-        for page in self.all():
+        for p in range(len(self.path)):
+            try:
+                page = self.get(p)
+            except CorruptCheckpointError:
+                if not skip_damaged:
+                    raise
+                continue
             for rel, end in page.ends.items():
                 out[rel] = max(out.get(rel, 0), end)
         return out
@@ -266,9 +287,17 @@ class Pages:
         if len(data) != size or self._digest(data) != self.digest[p]:
             raise self._damage(p, "does not match the size and digest the manifest records for it")
         try:
-            return parse_page(data, step=self._step, first=first, count=count)
+            page = parse_page(data, step=self._step, first=first, count=count)
         except (ValueError, TypeError, LookupError, AttributeError) as e:
             raise self._damage(p, str(e)[:300]) from None
+        nbytes = sum(r["size_bytes"] for r in page.files.values())
+        if (len(page.files), nbytes) != (self.nfiles[p], self.nbytes[p]):
+            raise self._damage(
+                p,
+                f"lists {len(page.files)} files of {nbytes} bytes, the manifest says {self.nfiles[p]} of "
+                f"{self.nbytes[p]}",
+            )
+        return page
 
     def _damage(self, p: int, why: str) -> CorruptCheckpointError:
         last = self.first[p] + self.count[p] - 1

@@ -20,7 +20,7 @@ from typing import Any
 from shardkeeper.core.format.columns import ChunkTable
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.fastjson import orjson
-from shardkeeper.core.format.layout import data_dir, page_file
+from shardkeeper.core.format.layout import PAGES_DIR, page_file
 from shardkeeper.core.format.pages import encode_page
 from shardkeeper.core.protocol import RankReport, Timings
 from shardkeeper.core.put_manifest import check_files
@@ -36,7 +36,6 @@ def fold_group(
     reports: Sequence[RankReport],
     *,
     algorithm: str,
-    prefixes: int = 1,
     paging: bool = True,
     executor: Any = None,
 ) -> RankReport:
@@ -67,7 +66,7 @@ def fold_group(
     # files its manifest lists itself, after announcing its commit)
     paths = {f"{step_dir}/{rel}": rec for rel, rec in paged.items()}
     check_files(storage, paths, dict.fromkeys(paths, 0), executor)
-    rel = page_file(leader.rank, attempt, prefixes)
+    rel = page_file(leader.rank, attempt)
     data = encode_page(step, leader.rank, paged, index, ends)
     writer = storage.open_writer(f"{step_dir}/{rel}")
     try:
@@ -76,7 +75,7 @@ def fold_group(
     except BaseException:
         writer.abort()
         raise
-    sync_data_dirs(storage, step_dir, data_dir(leader.rank, prefixes))
+    sync_data_dirs(storage, step_dir, PAGES_DIR)
     nbytes = sum(int(r["size_bytes"]) for r in paged.values())
     page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
     # files of earlier steps the group's index rows reference (an incremental save): the
