@@ -12,10 +12,8 @@ Needs no torch: an operator verifies a bucket from any machine (``shardkeeper ve
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import struct
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -29,24 +27,18 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.format.records import DTYPES, ChunkRecord, LeafRecord, check_tiling, itemsize
-from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
-from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
+from shardkeeper.core.format.records import ChunkRecord, LeafRecord, check_tiling, itemsize
 from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.sizes import human_size
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.verify_report import Collector, Problem, RootVerifyReport, VerifyReport
+from shardkeeper.core.verify_headers import check_header
+from shardkeeper.core.verify_report import Collector, Problem, RootVerifyReport, VerifyReport, rng
 
 log = logging.getLogger(__name__)
 
 #: Bytes read per request while checking digests (rounded down to whole digest blocks).
 DEFAULT_READ_BYTES = 16 << 20
-#: A safetensors header larger than this is taken for damage (the format's own limit is 100 MB).
-_MAX_HEADER_BYTES = 100_000_000
-
-
-def _rng(a: int, b: int) -> str:
-    return f"[{a}, {b})"
+_rng = rng
 
 
 def verify_step(
@@ -343,7 +335,7 @@ def _verify(
             continue
         if any(c.encoding != "raw" for _, _, c in entries):
             continue
-        _check_header(storage, step, path, actual_size(path) or 0, entries, out)
+        check_header(storage, step, path, actual_size(path) or 0, entries, out)
 
     for why, keys in unread.items():
         if len(keys) > 1:
@@ -351,88 +343,6 @@ def _verify(
             out.add("index", f"step {step}: {len(keys) - 1} more leaves ({more}) not checked: {why}", key=keys[1])
     out.finish()
     return report
-
-
-def _check_header(
-    storage: Storage,
-    step: int,
-    path: str,
-    size: int,
-    entries: list[tuple[str, LeafRecord, ChunkRecord]],
-    out: Collector,
-) -> None:
-    where = storage.describe(path)
-    if size < 8:
-        out.add(
-            "header",
-            f"step {step}: {where} is {size} bytes, too short for a safetensors header",
-            file=path,
-            start=0,
-            end=8,
-        )
-        return
-    try:
-        first = storage.read_range(path, 0, 8)
-        if first == FRAMED_MAGIC:  # a framed file (compression on): no header to cross-check
-            return
-        (n,) = struct.unpack("<Q", first)
-        if n > _MAX_HEADER_BYTES or 8 + n > size:
-            out.add(
-                "header",
-                f"step {step}: {where}: safetensors header length {n} does not fit the file ({size} bytes)",
-                file=path,
-                start=0,
-                end=8,
-            )
-            return
-        header = loads_untrusted(storage.read_range(path, 8, n), max_bytes=_MAX_HEADER_BYTES)
-    except CheckpointError as e:
-        out.add("read", f"step {step}: reading the header of {where} failed: {e}", file=path)
-        return
-    except UntrustedJSONError as e:
-        out.add("header", f"step {step}: {where}: the safetensors header {e}", file=path, start=8)
-        return
-    if not isinstance(header, dict):
-        out.add(
-            "header", f"step {step}: {where}: the safetensors header is not an object", file=path, start=8, end=8 + n
-        )
-        return
-    data_start = 8 + n
-    for key, leaf, c in entries:
-        name = chunk_name(key, c.offsets, c.shape, leaf.shape)
-        entry = header.get(name)
-        want = {
-            "dtype": DTYPES[leaf.dtype][0],
-            "shape": list(c.shape),
-            "data_offsets": [c.offset - data_start, c.offset - data_start + c.length],
-        }
-        rng = _rng(c.offset, c.offset + c.length)
-        if not isinstance(entry, dict):
-            out.add(
-                "header",
-                f"step {step}: leaf {key}, file {where}, bytes {rng}: the safetensors header has no tensor {name!r}",
-                key=key,
-                file=path,
-                start=c.offset,
-                end=c.offset + c.length,
-                expected=name,
-                found="absent",
-            )
-            continue
-        got = {k: entry.get(k) for k in want}
-        if got != want:
-            out.add(
-                "header",
-                f"step {step}: leaf {key}, file {where}, bytes {rng}: the "
-                f"safetensors header says {json.dumps(got)} for {name!r}, the manifest "
-                f"{json.dumps(want)}",
-                key=key,
-                file=path,
-                start=c.offset,
-                end=c.offset + c.length,
-                expected=json.dumps(want),
-                found=json.dumps(got),
-            )
 
 
 __all__ = [

@@ -14,6 +14,11 @@ from typing import Any
 MAX_PROBLEMS_PER_FILE = 10
 
 
+def rng(a: int, b: int) -> str:
+    """A byte range as messages write it."""
+    return f"[{a}, {b})"
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a checkpoint. ``start``/``end`` are byte offsets in ``file``."""
@@ -131,4 +136,4 @@ class Collector:
                 )
 
 
-__all__ = ["Collector", "MAX_PROBLEMS_PER_FILE", "Problem", "RootVerifyReport", "VerifyReport"]
+__all__ = ["MAX_PROBLEMS_PER_FILE", "Collector", "Problem", "RootVerifyReport", "VerifyReport", "rng"]
