@@ -384,3 +384,45 @@ def test_a_flat_partition_restores_and_a_missing_box_is_named(tmp_path: Path) ->
         with CheckpointManager(str(tmp_path)) as mgr:
             mgr.restore({"m": {"f": torch.zeros(shape)}}, step=1)
     assert "has no chunk of 'm/f' at [3, 0]+[2, 7], which the layout says rank 1 wrote" in str(e.value), str(e.value)
+
+
+def test_a_described_save_makes_its_data_directory_durable_once_with_the_index_in_it(tmp_path: Path) -> None:
+    """The shard files and the index file share one directory: it is synced once, after both
+    are written (in a subprocess: a 1-rank gloo group for the DTensor)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import collections, json, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from shardkeeper.core import CheckpointManager
+        from shardkeeper.core.storage import LocalStorage
+
+        class Counting(LocalStorage):
+            synced = collections.Counter()
+            def sync_dir(self, path):
+                self.synced[path] += 1
+                super().sync_dir(path)
+
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            want = torch.arange(12.0).reshape(6, 2)
+            storage = Counting("{tmp_path}/root")
+            with CheckpointManager(storage, describe_layouts=True) as mgr:
+                mgr.save(1, {{"w": distribute_tensor(want, mesh, [Shard(0)])}}, async_save=False)
+                man = json.loads(open("{tmp_path}/root/step-000000000001/manifest.json").read())
+                assert man["described"]["keys"] == ["w"], man
+                assert Counting.synced["step-000000000001/data"] == 1, dict(Counting.synced)
+                got = {{"w": torch.zeros(6, 2)}}
+                mgr.restore(got, step=1)
+                assert torch.equal(got["w"], want)
+        finally:
+            dist.destroy_process_group()
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]

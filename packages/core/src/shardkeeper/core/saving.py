@@ -271,6 +271,7 @@ class SaveRunner:
             codecs=codecs,
             memo=job.plan.memo,
             prefixes=data_prefixes(settings.data_prefixes, ctx.world_size),
+            sync=not job.plan.described,  # (then once, with the index file: index_report)
         )
         declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
         chunks, files, described = res.chunks, res.files, dict[str, Any]()

@@ -256,7 +256,10 @@ class StoreCoordinator:
     def publish(self, seq: int, outcome: Outcome) -> None:
         store = self._store
         store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
-        for name in ("count", "wake", "failed", *(("gwake/0", "gcount/0") if self._paged else ())):
+        names = ["count", "wake", "failed", *(["gwake/0", "gcount/0"] if self._paged else [])]
+        if self._paged and not outcome.ok:  # a failed group's leader left its group's keys
+            names += [f"g{k}/{leader}" for leader in self._leaders[1:] for k in ("wake", "count")]
+        for name in names:
             store.delete_key(self._key(seq, name))
 
     def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:

@@ -86,9 +86,11 @@ def index_report(
     algorithm: str,
     prefixes: int = 1,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
-    """A rank's report members once its shard files are written and ``plan`` (a
-    ``SavePlan``) describes leaves: its enumerated chunks, its files with its index file, and
-    the ``described`` member (the plan's digest, the index file's entry, the chunk files)."""
+    """A rank's report members once its shard files are written (``write_shards(...,
+    sync=False)``: the directory is made durable here, once, with the index file in it) and
+    ``plan`` (a ``SavePlan``) describes leaves: its enumerated chunks, its files with its
+    index file, and the ``described`` member (the plan's digest, the index file's entry, the
+    chunk files)."""
     chunks, keys, table = split_report(chunks, plan.described)
     entry: list[Any] | None = None
     chunk_files: list[list[Any]] = []
@@ -98,6 +100,8 @@ def index_report(
         )
         files = {**files, rel: {"size_bytes": size, "rank": rank}}
         entry = [rel, size, digest]
+    elif files:  # no index file to write: the shard files' directory, made durable here
+        sync_data_dirs(storage, step_dir, data_dir(rank, prefixes))
     return chunks, files, {"digest": plan.described_digest(), "index": entry, "chunk_files": chunk_files}
 
 

@@ -328,10 +328,13 @@ def write_shards(
     codecs: Codecs | None = None,
     memo: dict[Any, Any] | None = None,
     prefixes: int = 1,
+    sync: bool = True,
 ) -> WriteResult:
     """Write each staged group to its own shard file, in parallel, durably. ``memo``: the
     plan's (``SavePlan.memo``), where file headers are kept for the next save of the plan;
-    ``prefixes``: the hashed subdirectories of ``data/`` (format/layout.py ``data_dir``)."""
+    ``prefixes``: the hashed subdirectories of ``data/`` (format/layout.py ``data_dir``);
+    ``sync`` False: the caller makes the directory durable after writing more into it (the
+    index file of described leaves), once."""
     coded = codecs if codecs is not None and codecs.active else None
     futures = [
         executor.submit(
@@ -373,7 +376,7 @@ def write_shards(
         tables.append(rows[1])
     if errors:
         raise errors[0]
-    if files:
+    if files and sync:
         sync_data_dirs(storage, step_dir, data_dir(rank, prefixes))
     return WriteResult(rows_report(keys, ChunkTable.concat(tables, 0)), files, written, reused)
 
