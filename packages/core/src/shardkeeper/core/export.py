@@ -289,6 +289,7 @@ def export_safetensors(
     )
     bar = make_bar(sum(it[2].nbytes for it in items), f"export step {step}", progress)
     n = len(shards)
+    tmp = ""
     try:
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
@@ -311,6 +312,13 @@ def export_safetensors(
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             res.files.append(fname)
+    except BaseException:
+        # a failed export leaves its folder as it found it (empty, or emptied by overwrite=True):
+        # no half-written shard, no shard without an index, and nothing to overwrite next time
+        for path in [tmp, *(os.path.join(outdir, f) for f in res.files)]:
+            if path and os.path.lexists(path):
+                os.remove(path)
+        raise
     finally:
         bar.close()
     index = {
