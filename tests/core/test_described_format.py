@@ -426,3 +426,41 @@ def test_a_described_save_makes_its_data_directory_durable_once_with_the_index_i
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _with_row(doc: dict, key: str, at: int) -> None:
+    """Rank's index with a copy of its first row (one digest block: the rows of ``_write``
+    are under 4 KiB) as the row of ``key`` at position ``at``."""
+    t = doc["table"]
+    nd = t["ndim"][0]
+    for name in ("file", "offset", "length", "ndim"):
+        t[name].insert(at, t[name][0])
+    for name in ("offsets", "shape"):
+        t[name][at * nd : at * nd] = t[name][:nd]
+    t["digests"] = t["digests"][: at * 32] + t["digests"][:32] + t["digests"][at * 32 :]
+    doc["keys"].insert(at, key)
+
+
+def _extra_row(doc: dict) -> None:
+    _with_row(doc, doc["keys"][0], 1)  # m/a twice, as a run (a flat partition's form)
+
+
+def _other_key(doc: dict) -> None:
+    _with_row(doc, "m/nobody", len(doc["keys"]))  # a row of a key no described leaf has
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (_extra_row, "lists 2 row(s) of 'm/a', where the layout gives 1 box(es) of rank 1"),
+        (_other_key, "lists 1 row(s) of 'm/nobody', where the layout gives 0 box(es) of rank 1"),
+    ],
+)
+def test_verify_says_index_rows_beyond_the_rules_boxes(tmp_path: Path, edit, why: str) -> None:  # type: ignore[no-untyped-def]
+    """Rows a restore never asks for (the rule leads it to the boxes it needs) are damage that
+    only verify can see: a writer bug, or an edit."""
+    _write(tmp_path)
+    _edit_index(tmp_path, 1, edit)
+    assert _restore(tmp_path).keys() == _full().keys()  # restores do not need them
+    problems = [p.message for p in verify_step(LocalStorage(tmp_path), 1).problems]
+    assert len(problems) == 1 and why in problems[0] and "r00001-" in problems[0], problems

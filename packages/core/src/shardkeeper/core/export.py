@@ -326,9 +326,9 @@ def export_safetensors(
         "weight_map": dict(sorted(res.weight_map.items())),
     }
     tmp = os.path.join(outdir, INDEX_NAME + ".partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
+    with open(tmp, "w", encoding="utf-8") as text:
+        json.dump(index, text, indent=2)
+        text.write("\n")
     os.replace(tmp, os.path.join(outdir, INDEX_NAME))
     return res
 

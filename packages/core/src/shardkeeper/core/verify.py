@@ -188,6 +188,9 @@ def _verify(
 
     by_file: dict[str, list[tuple[str, LeafRecord, ChunkRecord]]] = defaultdict(list)
     unread: dict[str, list[str]] = {}  # a damaged index file or page: the leaves it leaves unchecked
+    described = getattr(m.leaves, "described", None)
+    if described is not None:  # count the boxes of the rule asked for, to find rows beyond them
+        described.track = {}
 
     for key, leaf in m.leaves.items():
         if leaf.kind == "object":
@@ -337,6 +340,9 @@ def _verify(
             continue
         check_header(storage, step, path, actual_size(path) or 0, entries, out)
 
+    if described is not None:
+        for why in described.extra_rows({k for keys in unread.values() for k in keys}):
+            out.add("index", f"step {step}: {why}; the checkpoint is damaged or was edited")
     for why, keys in unread.items():
         if len(keys) > 1:
             more = ", ".join(keys[1:4]) + (", ..." if len(keys) > 4 else "")

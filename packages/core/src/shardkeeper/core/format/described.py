@@ -4,26 +4,28 @@ the closed-form rule of format/grid.py, listed once per leaf, with their per-chu
 
 A checkpoint of 2,000 tensors row-sharded over 16,384 ranks has 32 million chunks; listed in
 the manifest they make gigabytes that every rank parses. Described, the manifest holds the
-leaves (O(tensors)), the meshes and each rank's index file with its digest (O(ranks)); a
-restoring rank derives which ranks wrote the boxes it needs and reads only their index files,
-checked against the manifest's digests, and every row against the rule.
+leaves (O(tensors)), the meshes and each rank's index file with its digest (O(ranks), or
+O(groups) with pages, format/pages.py); a restoring rank derives which ranks wrote the boxes
+it needs and reads only their index files (format/index_files.py), checked against their
+digests, and every row against the rule.
 
-Layering: over format/grid.py and the chunk table's columns (format/columns.py); below the
-table-form leaves (format/table.py), which serve these leaves beside the enumerated ones.
+Layering: over format/grid.py, the index files and pages, and the chunk table's columns
+(format/columns.py); below the table-form leaves (format/table.py), which serve these leaves
+beside the enumerated ones.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import accumulate
 from typing import Any, cast
 
-from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedJSONError
-from shardkeeper.core.format.columns import MAX_NDIM, ChunkTable
+from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardkeeper.core.format.columns import MAX_NDIM
 from shardkeeper.core.format.grid import Mesh, flat_problem, is_flat, overlapping_cells, placements_problem, replicas
+from shardkeeper.core.format.index_files import INDEX_SCHEMA, MAX_INDEX_BYTES, Index, encode_index, parse_index
 from shardkeeper.core.format.pages import Pages, chunk_files_problem, index_problem
 from shardkeeper.core.format.records import (
     DTYPES,
@@ -32,19 +34,9 @@ from shardkeeper.core.format.records import (
     LeafRecord,
     encoded_length_problem,
 )
-from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.format.versions import ENCODINGS
 
 _ITEM = {name: size for name, (_, size) in DTYPES.items()}
-#: An index file larger than this is refused before it is read.
-MAX_INDEX_BYTES = 1 << 28
-INDEX_SCHEMA = 1
-
-
-def encode_index(step: int, rank: int, keys: Sequence[str], table: ChunkTable) -> bytes:
-    """A rank's index file: its chunks of described leaves, row ``i`` the one of ``keys[i]``."""
-    doc = {"index_schema": INDEX_SCHEMA, "step": step, "rank": rank, "keys": list(keys), "table": table.to_json()}
-    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 class DescribedLeaves:
@@ -81,12 +73,14 @@ class DescribedLeaves:
         self._where: Callable[[str], str] = str
         self._files: Mapping[str, Any] = {}
         self._ends: dict[str, int] = {}  # chunk_files, once checked
-        self._loaded: dict[int, tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]] = {}
+        self._loaded: dict[int, Index] = {}
         self._failed: dict[int, CorruptCheckpointError] = {}
         self._specs: list[tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]] | None = None
         self._cells: dict[Any, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
         self._locks: dict[int, threading.Lock] = {}
         self.index_reads = 0
+        #: (rank, key) -> boxes of the rule asked for, when a reader (``verify``) tracks them
+        self.track: dict[tuple[int, str], int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -259,6 +253,8 @@ class DescribedLeaves:
         if run is None:
             raise self._damage(rank, f"has no chunk of {key!r}, which the layout says rank {rank} wrote")
         i, n = run
+        if self.track is not None:
+            self.track[(rank, key)] = self.track.get((rank, key), 0) + 1
         a, b = dims[i], dims[i + 1]
         if n > 1:  # a flat partition's boxes: the one at these offsets
             want = [*offs]
@@ -308,7 +304,7 @@ class DescribedLeaves:
         content = (contents[i] if contents is not None else None) or ""
         return ChunkRecord(file, offset, length, offs, box, digests, enc, content)
 
-    def _load(self, rank: int) -> tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]:
+    def _load(self, rank: int) -> Index:
         got = self._loaded.get(rank)  # (a dict read is atomic: the lock only for a first read)
         if got is not None:
             return got
@@ -325,7 +321,7 @@ class DescribedLeaves:
                     raise
             return got
 
-    def _parse(self, rank: int) -> tuple[dict[str, tuple[int, int]], ChunkTable, list[int], list[int]]:
+    def _parse(self, rank: int) -> Index:
         path, size, digest = self._entry(rank)
         if path is None:
             where = "the manifest"
@@ -351,40 +347,9 @@ class DescribedLeaves:
         if len(data) != size or self._digest(data) != digest:
             raise self._damage(rank, "does not match the size and digest the manifest records for it")
         try:
-            doc = loads_untrusted(data, max_bytes=MAX_INDEX_BYTES)
-            keys = doc["keys"]
-            table = ChunkTable.from_json(doc["table"], self.width)
-            why = table.problem(self.block)
-            if why is None and (not isinstance(keys, list) or len(keys) != len(table)):
-                why = "lists another number of keys than rows"
-            if why is None and (type(doc.get("rank")) is not int or doc.get("rank") != rank):
-                why = f"says it is rank {doc.get('rank')!r}'s"
-            if why is None and doc.get("index_schema") != INDEX_SCHEMA:
-                why = f"has index_schema {str(doc.get('index_schema'))[:20]}, not {INDEX_SCHEMA}"
-            if (
-                why is None
-                and self._step is not None
-                and (type(doc.get("step")) is not int or doc["step"] != self._step)
-            ):
-                why = f"says it is of step {str(doc.get('step'))[:20]}"
-        except UntrustedJSONError as e:
-            why = str(e)
-        except (ValueError, TypeError, LookupError, AttributeError) as e:
-            why = f"is malformed ({type(e).__name__}: {str(e)[:120]})"
-        if why is not None:
-            raise self._damage(rank, why)
-        # Each key's rows: one, or a run of consecutive ones (a flat partition's boxes).
-        rows = {k: (i, 1) for i, k in enumerate(keys) if isinstance(k, str)}
-        if len(rows) != len(keys):
-            if not all(isinstance(k, str) for k in keys):
-                raise self._damage(rank, "lists a key that is not a string")
-            rows = {}
-            for i, k in enumerate(keys):
-                first, n = rows.get(k, (i, 0))
-                if first + n != i:
-                    raise self._damage(rank, f"lists the rows of {k[:80]!r} apart")
-                rows[k] = (first, n + 1)
-        return rows, table, table.digest_starts(self.block), table.dims
+            return parse_index(data, rank=rank, step=self._step, width=self.width, block=self.block)
+        except ValueError as e:
+            raise self._damage(rank, str(e)) from None
 
     def _entry(self, rank: int) -> tuple[str | None, int, str]:
         """Rank ``rank``'s index file: path (None: none), size and digest, from its page."""
@@ -395,6 +360,33 @@ class DescribedLeaves:
         if not 0 <= rank < len(self.index_path):
             return None, 0, ""
         return self.index_path[rank], self.index_size[rank], self.index_digest[rank]
+
+    def extra_rows(self, skip: Collection[str] = ()) -> list[str]:
+        """What the index files list beyond the boxes the rule gave (``track`` counts those;
+        every described leaf's chunks asked for, but the leaves in ``skip``, whose chunks could
+        not all be read): rows of keys no rank of the rule wrote there, or more rows of a key
+        than its boxes. Damage, said per file."""
+        out = []
+        world = self.pages.first[-1] + self.pages.count[-1] if self.pages is not None else len(self.index_path)
+        for rank in range(world):  # an index file no box of the rule led to is read here
+            try:
+                if rank not in self._loaded and self._entry(rank)[0] is not None:
+                    self._load(rank)
+            except CorruptCheckpointError as e:  # (said where its leaves were asked for)
+                if str(e) not in out and rank not in self._failed:
+                    out.append(str(e))
+        for rank, (rows, _, _, _) in sorted(self._loaded.items()):
+            for key, (_, n) in rows.items():
+                if key in skip:
+                    continue
+                used = (self.track or {}).get((rank, key), 0)
+                if n != used:
+                    path = self._where(self._entry(rank)[0] or "(none)")
+                    out.append(
+                        f"index file {path} of rank {rank} lists {n} row(s) of {key[:80]!r}, where the layout "
+                        f"gives {used} box(es) of rank {rank}"
+                    )
+        return out
 
     def file_ends(self) -> dict[str, int]:
         """Every chunk file the index files name, with the end of the last byte referenced

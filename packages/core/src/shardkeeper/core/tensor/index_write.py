@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardkeeper.core.format.columns import ChunkTable
-from shardkeeper.core.format.described import encode_index
 from shardkeeper.core.format.digest import digest_function
+from shardkeeper.core.format.index_files import encode_index
 from shardkeeper.core.format.layout import data_dir, index_file
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.save import sync_data_dirs
