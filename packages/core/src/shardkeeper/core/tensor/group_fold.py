@@ -25,7 +25,7 @@ from shardkeeper.core.format.pages import encode_page
 from shardkeeper.core.protocol import RankReport, Timings
 from shardkeeper.core.put_manifest import check_files
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tensor.save import sync_data_dirs
+from shardkeeper.core.tensor.save import write_durably
 
 
 def fold_group(
@@ -68,14 +68,7 @@ def fold_group(
     check_files(storage, paths, dict.fromkeys(paths, 0), executor)
     rel = page_file(leader.rank, attempt)
     data = encode_page(step, leader.rank, paged, index, ends)
-    writer = storage.open_writer(f"{step_dir}/{rel}")
-    try:
-        writer.write(data)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    sync_data_dirs(storage, step_dir, PAGES_DIR)
+    write_durably(storage, step_dir, rel, data, PAGES_DIR)
     nbytes = sum(int(r["size_bytes"]) for r in paged.values())
     page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
     # files of earlier steps the group's index rows reference (an incremental save): the

@@ -11,7 +11,7 @@ from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.index_files import encode_index
 from shardkeeper.core.format.layout import data_dir, index_file
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tensor.save import sync_data_dirs
+from shardkeeper.core.tensor.save import sync_data_dirs, write_durably
 
 
 def split_report(
@@ -63,14 +63,7 @@ def write_index(
         ends[p] = max(ends.get(p, 0), o + n)
     files = [[p, ends[p]] for p in sorted(ends)]
     data = encode_index(step, rank, keys, table)
-    writer = storage.open_writer(f"{step_dir}/{rel}")
-    try:
-        writer.write(data)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    sync_data_dirs(storage, step_dir, data_dir(rank, prefixes))
+    write_durably(storage, step_dir, rel, data, data_dir(rank, prefixes))
     return rel, len(data), digest_function(algorithm)(data), files
 
 

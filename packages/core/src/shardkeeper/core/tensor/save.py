@@ -314,6 +314,19 @@ def sync_data_dirs(storage: Storage, step_dir: str, rel: str) -> None:
     storage.sync_dir(step_dir)
 
 
+def write_durably(storage: Storage, step_dir: str, rel: str, data: bytes, directory: str) -> None:
+    """Write the small file ``rel`` of a step (an index file, a page) and make its directory
+    ``directory`` durable (``sync_data_dirs``)."""
+    writer = storage.open_writer(f"{step_dir}/{rel}")
+    try:
+        writer.write(data)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    sync_data_dirs(storage, step_dir, directory)
+
+
 def write_shards(
     storage: Storage,
     step_dir: str,
@@ -381,4 +394,4 @@ def write_shards(
     return WriteResult(rows_report(keys, ChunkTable.concat(tables, 0)), files, written, reused)
 
 
-__all__ = ["WriteResult", "chunk_records", "sync_data_dirs", "write_shards"]
+__all__ = ["WriteResult", "chunk_records", "sync_data_dirs", "write_durably", "write_shards"]
