@@ -20,21 +20,19 @@ import math
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import accumulate
-from typing import Any, cast
+from typing import Any
 
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardkeeper.core.format.columns import MAX_NDIM
 from shardkeeper.core.format.grid import Mesh, flat_problem, is_flat, overlapping_cells, placements_problem, replicas
 from shardkeeper.core.format.index_files import INDEX_SCHEMA, MAX_INDEX_BYTES, Index, encode_index, parse_index
+from shardkeeper.core.format.index_rows import RankRows
 from shardkeeper.core.format.pages import Pages, chunk_files_problem, index_problem
 from shardkeeper.core.format.records import (
     DTYPES,
-    BlockDigests,
     ChunkRecord,
     LeafRecord,
-    encoded_length_problem,
 )
-from shardkeeper.core.format.versions import ENCODINGS
 
 _ITEM = {name: size for name, (_, size) in DTYPES.items()}
 
@@ -74,6 +72,8 @@ class DescribedLeaves:
         self._files: Mapping[str, Any] = {}
         self._ends: dict[str, int] = {}  # chunk_files, once checked
         self._loaded: dict[int, Index] = {}
+        self._rows: dict[int, RankRows] = {}
+        self._heads: dict[tuple[str, str, tuple[int, ...]], LeafRecord] = {}
         self._failed: dict[int, CorruptCheckpointError] = {}
         self._specs: list[tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]] | None = None
         self._cells: dict[Any, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
@@ -206,20 +206,28 @@ class DescribedLeaves:
         return self.head_at(j)
 
     def head_at(self, j: int) -> LeafRecord:
-        """Leaf ``j`` without its chunks."""
+        """Leaf ``j`` without its chunks: one record shared by the leaves of one kind, dtype
+        and shape (records are frozen; a manifest of 100,000 tensors has a few shapes)."""
         shapes = self._shapes if self._shapes is not None else self.shapes()
-        return LeafRecord.unchecked(self.kind[j], self.dtype[j], shapes[j])
+        memo = (self.kind[j], self.dtype[j], shapes[j])
+        rec = self._heads.get(memo)
+        if rec is None:
+            rec = LeafRecord.unchecked(*memo)
+            if len(self._heads) < 65536:
+                self._heads[memo] = rec
+        return rec
 
     def overlapping(self, key: str, offsets: Sequence[int], shape: Sequence[int]) -> list[ChunkRecord]:
         """The chunks of leaf ``key`` that meet the box ``offsets``/``shape``: derived from
         the rule, their fields read from the index files of the ranks that wrote them."""
-        j = self.pos[key]
+        pos = self._pos if self._pos is not None else self.pos
+        j = pos[key]
         nd = self.ndim[j]
         if len(offsets) != nd or len(shape) != nd:
             return []  # a box of another number of dimensions meets none of this leaf's
         # Leaves of one layout and shape split alike: a target box's cells are found once (a
         # restore of 100,000 tensors of a few shapes derives a few sets of cells)
-        full = self.shapes()[j]
+        full = (self._shapes if self._shapes is not None else self.shapes())[j]
         memo_key = (self.layout[j], self.replica[j], full, tuple(offsets), tuple(shape))
         cells = self._cells.get(memo_key)
         if cells is None:
@@ -227,8 +235,19 @@ class DescribedLeaves:
             cells = overlapping_cells(full, mesh, pl, self.replica[j], offsets, shape, order)
             if len(self._cells) < 65536:
                 self._cells[memo_key] = cells
-        chunk = self._chunk
-        return [chunk(j, rank, offs, box) for rank, offs, box in cells]
+        # Each cell's chunk from the index file of the rank that wrote it, checked against the
+        # rule and the manifest (a restore of 100,000 tensors makes 100,000 of them: one short path)
+        item, loaded, out = _ITEM[self.dtype[j]], self._rows, []
+        for rank, offs, box in cells:
+            rows = loaded.get(rank)
+            got = (rows if rows is not None else self._rank_rows(rank)).chunk(key, offs, box, item)
+            if type(got) is str:
+                raise self._damage(rank, got)
+            out.append(got)
+        if self.track is not None:
+            for rank, _, _ in cells:
+                self.track[(rank, key)] = self.track.get((rank, key), 0) + 1
+        return out  # type: ignore[return-value]
 
     def record(self, key: str) -> LeafRecord:
         """Leaf ``key``, whose ``chunks``, on first access, read the index file of every rank
@@ -243,66 +262,17 @@ class DescribedLeaves:
         shape = self.shapes()[self.pos[key]]
         return tuple(self.overlapping(key, (0,) * len(shape), shape)) if math.prod(shape) else ()
 
-    def _chunk(self, j: int, rank: int, offs: tuple[int, ...], box: tuple[int, ...]) -> ChunkRecord:
-        """The chunk rank ``rank`` wrote of leaf ``j``, the box ``offs``/``box``, from its
-        index file, checked against the rule and the manifest."""
-        key = self.keys[j]
-        got = self._loaded.get(rank)
-        rows, table, starts, dims = got if got is not None else self._load(rank)
-        run = rows.get(key)
-        if run is None:
-            raise self._damage(rank, f"has no chunk of {key!r}, which the layout says rank {rank} wrote")
-        i, n = run
-        if self.track is not None:
-            self.track[(rank, key)] = self.track.get((rank, key), 0) + 1
-        a, b = dims[i], dims[i + 1]
-        if n > 1:  # a flat partition's boxes: the one at these offsets
-            want = [*offs]
-            hit = next((r for r in range(i, i + n) if table.offsets[dims[r] : dims[r + 1]] == want), None)
-            if hit is None:
-                raise self._damage(
-                    rank,
-                    f"has no chunk of {key!r} at {list(offs)}+{list(box)}, which the layout says rank {rank} wrote",
-                )
-            i = hit
-            a, b = dims[i], dims[i + 1]
-        if table.offsets[a:b] != [*offs] or table.shape[a:b] != [*box]:
-            raise self._damage(
-                rank,
-                f"gives {key!r} the box {table.offsets[a:b]}+{table.shape[a:b]}, its layout {list(offs)}+{list(box)}",
-            )
-        file, offset, length = table.paths[table.file[i]], table.offset[i], table.length[i]
-        extras = table.extras
-        encodings = extras.get("encoding") if extras else None
-        enc = (encodings[i] if encodings is not None else None) or "raw"
+    def _rank_rows(self, rank: int) -> RankRows:
+        """Rank ``rank``'s index file (read once) with the ends of the files its rows name."""
+        index = self._load(rank)
         if self.pages is not None:  # the ends of the files this rank's index names: in its page
-            end = self.pages.rank(rank).ends.get(file, -1)
+            ends, ends_in = self.pages.rank(rank).ends, "its page"
         else:
             if not self._ends:  # (set when the manifest was checked; built here for one assembled in memory)
                 self._ends = dict(zip(self.file_path, self.file_end))
-            end = self._ends.get(file, -1)
-        raw = math.prod(box) * _ITEM[self.dtype[j]]
-        w = table.width
-        if enc == "raw" and length == raw and offset + length <= end:
-            digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
-            return ChunkRecord.unchecked(file, offset, length, offs, box, digests)
-        if enc == "raw":
-            why = None if length == raw else f"has {length} bytes for a box of {raw}"
-        elif enc not in ENCODINGS:
-            why = f"has the unknown encoding {enc[:40]!r}"
-        else:
-            why = encoded_length_problem(enc, length, raw)
-        if why is None and offset + length > end:
-            why = (
-                f"points at {file[:80]!r} [{offset}, {offset + length}), beyond the end that file has in the "
-                f"chunk_files of {'its page' if self.pages is not None else 'the manifest'}"
-            )
-        if why is not None:
-            raise self._damage(rank, f"chunk of {key!r} {why}")
-        digests = BlockDigests.packed(cast(str, table.digests)[starts[i] * w : starts[i + 1] * w], w)
-        contents = extras.get("content")
-        content = (contents[i] if contents is not None else None) or ""
-        return ChunkRecord(file, offset, length, offs, box, digests, enc, content)
+            ends, ends_in = self._ends, "the manifest"
+        rows = self._rows[rank] = RankRows(rank, index, ends, ends_in)
+        return rows
 
     def _load(self, rank: int) -> Index:
         got = self._loaded.get(rank)  # (a dict read is atomic: the lock only for a first read)
