@@ -64,6 +64,12 @@ def test_policy_rejects_bad_values(field, value):
     assert field in str(e.value) and repr(value).strip("'") in str(e.value)
 
 
+@pytest.mark.parametrize("steps", [{1, 2}, frozenset({True}), frozenset({"3"}), [4]])
+def test_policy_rejects_bad_keep_steps(steps):
+    with pytest.raises(ValueError, match="keep_steps must be a frozenset of ints"):
+        RetentionPolicy(keep_last=1, keep_steps=steps)
+
+
 def test_policy_retained():
     steps = [100, 200, 300, 400, 500]
     assert RetentionPolicy().retained(steps) == set(steps)
@@ -72,6 +78,9 @@ def test_policy_retained():
     assert RetentionPolicy(keep_every=200).retained(steps) == {200, 400}
     assert RetentionPolicy(keep_last=1, keep_every=200).retained(steps) == {200, 400, 500}
     assert RetentionPolicy(keep_last=1).retained([]) == set()
+    pinned = RetentionPolicy(keep_last=1, keep_steps=frozenset({200, 999}))
+    assert pinned.retained(steps) == {200, 500}
+    assert RetentionPolicy(keep_steps=frozenset({200})).retained(steps) == set(steps)  # no count: keep all
     with pytest.raises(dataclasses.FrozenInstanceError):
         RetentionPolicy(keep_last=1).keep_last = 2  # type: ignore[misc]
 
@@ -87,6 +96,13 @@ def test_keep_last(storage, caplog):
     assert _dirs(storage) == [step_dir(400), step_dir(500)]
     assert "deleted step 100" in caplog.text
     assert apply_retention(storage, RetentionPolicy(keep_last=2)) == []
+
+
+def test_keep_steps_pins_a_step(storage):
+    _steps(storage, [100, 200, 300, 400])
+    assert apply_retention(storage, RetentionPolicy(keep_last=1, keep_steps=frozenset({200}))) == [100, 300]
+    assert committed_steps(storage) == [200, 400]
+    assert _dirs(storage) == [step_dir(200), step_dir(400)]
 
 
 def test_keep_every_and_newest(storage):

@@ -62,16 +62,21 @@ class RetentionPolicy:
 
     ``keep_last``: the N newest committed steps. ``keep_every``: every step divisible by N
     (e.g. ``keep_every=10_000`` keeps long-term milestones). Both: the union. Neither: keep
-    everything. Whatever the policy, the newest committed step and the steps in flight are
-    always kept (see :func:`apply_retention`).
+    everything. ``keep_steps``: these steps as well (an adapter pins the best checkpoint
+    so far, the Trainer's ``load_best_model_at_end``). Whatever the policy, the newest
+    committed step and the steps in flight are always kept (see :func:`apply_retention`).
     """
 
     keep_last: int | None = None
     keep_every: int | None = None
+    keep_steps: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         _check_count("keep_last", self.keep_last)
         _check_count("keep_every", self.keep_every)
+        steps = self.keep_steps
+        if not isinstance(steps, frozenset) or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
+            raise ValueError(f"RetentionPolicy.keep_steps must be a frozenset of ints, got {steps!r}")
 
     @property
     def keeps_all(self) -> bool:
@@ -87,6 +92,7 @@ class RetentionPolicy:
             keep.update(ordered[-self.keep_last :])
         if self.keep_every is not None:
             keep.update(s for s in ordered if s % self.keep_every == 0)
+        keep.update(s for s in ordered if s in self.keep_steps)
         return keep
 
 
