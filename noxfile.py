@@ -58,7 +58,7 @@ FRAMEWORKS = {
     "newest": ("deepspeed==0.19.8", "lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0"),
     "older": ("deepspeed==0.19.8", "lightning==2.5.6", "accelerate==1.14.0", "transformers==5.23.0"),
 }
-ADAPTERS = ("deepspeed", "lightning", "accelerate")
+ADAPTERS = ("deepspeed", "lightning", "accelerate", "transformers")
 #: Test dependencies of every suite.
 TEST_DEPS = (
     "pytest",
@@ -132,7 +132,7 @@ def tests(session: nox.Session, suite: str) -> None:
     tests/packaging/smoke.py on them (entry point, a save and restore, py.typed, the sdists),
     then pytest, so that CI tests what users install.
     core: the core alone, with no framework installed (which proves it needs none).
-    adapters-*: the three adapters, on the newest release and on an older minor of each
+    adapters-*: the four adapters, on the newest release and on an older minor of each
     framework (FRAMEWORKS).
     """
     _install_torch(session)

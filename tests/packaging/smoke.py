@@ -3,7 +3,7 @@
 Run by the ``tests`` sessions of noxfile.py after they install the freshly built wheels (not
 editable), so that CI tests exactly what users install::
 
-    python tests/packaging/smoke.py --dist DIR core [deepspeed lightning accelerate]
+    python tests/packaging/smoke.py --dist DIR core [deepspeed lightning accelerate transformers]
 
 For each named distribution it checks that the installed copy came from a wheel (not the
 sources, not an editable install), that the wheel installed every source file and ``py.typed``,
@@ -37,6 +37,7 @@ DISTS = {
     "deepspeed": ("deepspeed_plugin", "shardkeeper-deepspeed", "shardkeeper.deepspeed"),
     "lightning": ("lightning_plugin", "shardkeeper-lightning", "shardkeeper.lightning"),
     "accelerate": ("accelerate_plugin", "shardkeeper-accelerate", "shardkeeper.accelerate"),
+    "transformers": ("transformers_plugin", "shardkeeper-transformers", "shardkeeper.transformers"),
 }
 
 

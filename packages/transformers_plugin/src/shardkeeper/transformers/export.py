@@ -1,0 +1,30 @@
+"""``export_pretrained``: a committed step as a folder ``from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shardkeeper.core.export import ExportResult, export_safetensors
+
+
+def export_pretrained(
+    root: str | os.PathLike[str],
+    to: str | os.PathLike[str],
+    *,
+    config: Any,
+    step: int | None = None,
+    **options: Any,
+) -> ExportResult:
+    """Write step ``step`` of ``root`` (default: the newest committed) to the local folder
+    ``to`` as ``save_pretrained`` would: the model's tensors as safetensors shards with their
+    index (``model/`` dropped from the names), and ``config`` (a ``PretrainedConfig``, e.g.
+    ``trainer.model.config``) as ``config.json``. ``options`` go to
+    :func:`shardkeeper.core.export.export_safetensors` (``max_shard_size``, ``storage_options``,
+    ``encryption``, ``overwrite``)."""
+    result = export_safetensors(root, step, to=to, keys=("model/*",), **options)
+    config.save_pretrained(os.fspath(to))
+    return result
+
+
+__all__ = ["export_pretrained"]

@@ -1,0 +1,385 @@
+"""``enable(trainer)``: every checkpoint the Trainer saves and resumes goes through shardkeeper.
+
+The Trainer's checkpoint methods are replaced on the instance (``_internals.METHODS``;
+``disable`` gives them back). A save at ``global_step`` N commits step N under the root
+(default: ``args.output_dir``), with the fenced protocol: a resume never sees a torn one.
+``train(resume_from_checkpoint=True)`` resumes from the newest committed step; a step number,
+a root or a step folder works too, and a folder the Trainer itself wrote (with its
+``trainer_state.json``) still resumes through the Trainer's own loaders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, SaveHandle, parse_step_dir
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
+from shardkeeper.transformers import _internals as tfi
+from shardkeeper.transformers.state import FRAMEWORK, PER_PROCESS, TrainerProgress, build_state, raw_model
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_shardkeeper"
+#: Keys the resume restores at each point of the Trainer's start-up.
+_MODEL = ("model/*", "progress/*")
+_OPTIM = ("optim/*", "sched/*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The committed step a ``train()`` call resumes from."""
+
+    manager: CheckpointManager
+    step: int
+
+    @property
+    def url(self) -> str:
+        return self.manager.step_url(self.step)
+
+
+class TrainerPlugin:
+    """Owns the checkpoint managers of one Trainer and its save and resume."""
+
+    def __init__(self, trainer: Any, root: str | os.PathLike[str] | None, options: dict[str, Any]) -> None:
+        import transformers
+
+        self._trainer = weakref.ref(trainer)
+        self.root = os.fspath(root) if root is not None else str(trainer.args.output_dir)
+        self._managers = RootManagers(FRAMEWORK, transformers.__version__, options)
+        self.progress = TrainerProgress(trainer)
+        self.resume: Resume | None = None
+        self.last_handle: SaveHandle | None = None
+        self.patches = Patches()
+
+    @property
+    def trainer(self) -> Any:
+        tr = self._trainer()
+        if tr is None:
+            raise RuntimeError("the Trainer of this shardkeeper plugin was garbage-collected")
+        return tr
+
+    def rank(self) -> int:
+        return int(self.trainer.args.process_index)
+
+    def manager(self, root: str | None = None) -> CheckpointManager:
+        """The manager of ``root`` (default: the plugin's); retention follows ``keep_last`` when
+        given, else ``save_total_limit``."""
+        own = {} if "keep_last" in self._managers.options else {"keep_last": self.trainer.args.save_total_limit}
+        return self._managers.get(root or self.root, **own)
+
+    # -- resume ------------------------------------------------------------------------------
+    def resolve(self, target: Any) -> Resume | str | None:
+        """What ``train(resume_from_checkpoint=target)`` resumes from: a committed step, a
+        folder of the Trainer's own format (its path), or None (a fresh start)."""
+        if target is None or target is False:
+            return None
+        if target is True:
+            return self._newest(self.manager(), self.root)
+        if isinstance(target, int) and not isinstance(target, bool):
+            mgr = self.manager()
+            if not mgr.is_committed(target):
+                raise CheckpointNotFoundError(
+                    f"shardkeeper.transformers: step {target} is not committed under {self.root} (rank "
+                    f"{self.rank()}); its committed steps: {_listing(mgr.steps())}. Pass one of them, or True "
+                    f"for the newest"
+                )
+            return Resume(mgr, target)
+        if not isinstance(target, (str, os.PathLike)):
+            raise TypeError(
+                f"resume_from_checkpoint must be True, a step number, a root or a step folder, not {target!r}"
+            )
+        path = os.fspath(target).rstrip("/")
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            return path  # a checkpoint-N folder of the Trainer's own: its own loaders read it
+        parent, _, last = path.rpartition("/")
+        named = parse_step_dir(last)
+        if named is not None and parent:
+            mgr = self.manager(parent)
+            if mgr.step_url(named).rstrip("/").endswith("/" + last):
+                if not mgr.is_committed(named):
+                    raise CheckpointNotFoundError(
+                        f"shardkeeper.transformers: {path} is not a committed step (rank {self.rank()}): it "
+                        f"may be torn by a crash. Committed steps under {parent}: {_listing(mgr.steps())}"
+                    )
+                return Resume(mgr, named)
+        return self._newest(self.manager(path), path)
+
+    def _newest(self, mgr: CheckpointManager, root: str) -> Resume:
+        step = mgr.latest_step()
+        if step is None:
+            raise ValueError(
+                f"shardkeeper.transformers: no committed checkpoint under {root} (rank {self.rank()}); check "
+                f"the root, or start from scratch without resume_from_checkpoint"
+            )
+        return Resume(mgr, step)
+
+    def check_start(self, target: Resume | str | None) -> None:
+        """A run that starts below the newest committed step of its root could save none of
+        the steps up to it (checkpoints are immutable; a save below the newest committed step
+        is refused): say so before training, not at the first save."""
+        mgr = self.manager()
+        newest = mgr.latest_step()
+        if isinstance(target, Resume):
+            start, at = target.step, f"resumes from step {target.step}"
+        elif isinstance(target, str):
+            start = _trainer_folder_step(target)
+            at = f"resumes from step {start} ({target})"
+        else:
+            start, at = 0, "starts from step 0"
+        if newest is None or newest <= start:
+            return
+        raise ValueError(
+            f"shardkeeper.transformers: {self.root} already holds committed step {newest} (rank {self.rank()}); "
+            f"this run {at}, so it could save no checkpoint up to step {newest} there. Resume from the "
+            f"newest step (resume_from_checkpoint=True), delete the later steps "
+            f"(CheckpointManager(root).delete(step)), or give this run another output_dir (or "
+            f"enable(trainer, root=...))"
+        )
+
+    def restore(self, patterns: Sequence[str], *, model_only: bool = False) -> None:
+        """Restore the keys matching ``patterns`` (``"<prefix>/*"``) of the resumed step; a
+        prefix the checkpoint lacks (a ``save_only_model`` one has no optimizer, another
+        framework's may have no scheduler) keeps its values, as the Trainer's own loaders do."""
+        assert self.resume is not None
+        mgr, step = self.resume.manager, self.resume.step
+        state = build_state(self.trainer, self.progress, model_only=model_only)
+        keys = list(mgr.manifest(step).leaves)
+        want = []
+        for pattern in patterns:
+            prefix = pattern.removesuffix("*")
+            if pattern.split("/")[0] not in state:
+                continue
+            if any(k.startswith(prefix) for k in keys):
+                want.append(pattern)
+            else:
+                log.info("shardkeeper: step %d has no %s; it keeps its current values", step, prefix.rstrip("/"))
+        if want:
+            mgr.restore(state, step=step, only=want, optional=["optim/*", "sched/*", "extra/*", "rng/*"])
+
+    # -- save --------------------------------------------------------------------------------
+    def save_checkpoint(self, model: Any, trial: Any) -> None:
+        """What ``Trainer._save_checkpoint`` does, into one shardkeeper step ``global_step``."""
+        del model  # the Trainer passes its wrapped model; the unwrapped one is saved
+        tr = self.trainer
+        if tr.hp_search_backend is None and trial is None:
+            tr.store_flos()  # a collective under DDP, as in the Trainer: every rank takes it
+        mgr = self.manager()
+        step = int(tr.state.global_step)
+        check_save_step(mgr, step).raise_if_refused(
+            "shardkeeper.transformers",
+            "Resume with trainer.train(resume_from_checkpoint=True), or give this run another output_dir.",
+        )
+        best = tr.state.best_global_step
+        pinned: frozenset[int] = frozenset()
+        if best and _saves_best(tr.args.save_strategy):
+            if best == step or mgr.is_committed(best):
+                tr.state.best_model_checkpoint = mgr.step_url(best)
+                pinned = frozenset({int(best)})  # retention keeps the best checkpoint, as the Trainer does
+        mgr.retention = dataclasses.replace(mgr.retention, keep_steps=pinned)
+        tfi.record_callback_states(tr)
+        state = build_state(tr, self.progress, model_only=bool(tr.args.save_only_model))
+        self.last_handle = mgr.save(
+            step, state, metadata={"transformers_save_only_model": bool(tr.args.save_only_model)}
+        )
+
+    def wait(self) -> None:
+        self._managers.wait()
+
+    def close(self) -> None:
+        self._managers.close()
+
+
+def _saves_best(strategy: Any) -> bool:
+    """Whether the Trainer tracks a best checkpoint under ``strategy`` (as ``_save_checkpoint``)."""
+    from transformers.trainer_utils import SaveStrategy
+
+    return strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+
+
+def _trainer_folder_step(folder: str) -> int:
+    """The ``global_step`` in the ``trainer_state.json`` of a folder the Trainer wrote (JSON)."""
+    with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as f:
+        step = json.load(f).get("global_step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"shardkeeper.transformers: {folder}/trainer_state.json has no global_step count")
+    return step
+
+
+def _listing(steps: Sequence[int]) -> str:
+    if not steps:
+        return "none"
+    shown = ", ".join(map(str, steps[-8:]))
+    return shown if len(steps) <= 8 else f"... {shown}"
+
+
+def _check_supported(trainer: Any) -> None:
+    args = trainer.args
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        kind = "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else "FSDP"
+        raise NotImplementedError(
+            f"shardkeeper.transformers: a Trainer under {kind} is not supported yet (rank {args.process_index}); "
+            f"supported: one process and DDP. Do not enable shardkeeper for this run"
+        )
+    if args.push_to_hub:
+        raise NotImplementedError(
+            "shardkeeper.transformers: push_to_hub pushes the Trainer's own checkpoint folders, which this "
+            "adapter does not write; export a step with shardkeeper.transformers.export_pretrained and push that"
+        )
+
+
+def enable(trainer: Any, root: str | os.PathLike[str] | None = None, **options: Any) -> TrainerPlugin:
+    """Route the Trainer's checkpoints through shardkeeper; return the plugin (also at
+    ``trainer._shardkeeper``).
+
+    ``root``: where checkpoints go (default: ``args.output_dir``; ``s3://`` and ``gs://`` roots
+    work). ``options`` go to the ``CheckpointManager`` (``async_save``, ``compression``,
+    ``storage_options``, ``keep_last``, ...); ``keep_last`` defaults to ``save_total_limit``.
+    Enabling again replaces the plugin; :func:`disable` gives the Trainer its methods back.
+    """
+    tfi.require_trainer(trainer)
+    tfi.warn_if_untested()
+    _check_supported(trainer)
+    if getattr(trainer, _ATTR, None) is not None:
+        disable(trainer)
+    plugin = TrainerPlugin(trainer, root, options)
+    plugin.patches.set(trainer, _ATTR, plugin)
+    tfi.replace_methods(plugin.patches, trainer, _replacements(trainer, plugin, tfi.Originals(type(trainer))))
+    return plugin
+
+
+def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, Any]:
+    """The methods ``enable`` puts on the Trainer ``tr`` (``own``: the class's, called where
+    the resume is not shardkeeper's)."""
+
+    def train(
+        resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kw: Any
+    ) -> Any:
+        target = p.resolve(resume_from_checkpoint)
+        p.check_start(target)
+        if isinstance(target, Resume):
+            log.info("shardkeeper: resuming from step %d of %s", target.step, target.manager.storage.url)
+        p.resume = target if isinstance(target, Resume) else None
+        try:  # a folder of the Trainer's own goes to the Trainer as it is; a step is resumed here
+            own_folder = target if isinstance(target, str) else None
+            out = own.train(
+                tr, resume_from_checkpoint=own_folder, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kw
+            )
+            p.wait()  # the last save committed (or its failure raised) before train() returns
+            return out
+        finally:
+            p.resume = None
+
+    def inner_training_loop(
+        batch_size: Any = None,
+        args: Any = None,
+        resume_from_checkpoint: Any = None,
+        trial: Any = None,
+        ignore_keys_for_eval: Any = None,
+    ) -> Any:
+        if p.resume is not None:
+            resume_from_checkpoint = p.resume.url  # the Trainer's resume branches run; our loaders read
+            p.restore(_MODEL, model_only=True)  # before the model is wrapped (DDP) and prepared
+        return own.inner_training_loop(tr, batch_size, args, resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def init_training_state(
+        max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: Any, resume_from_checkpoint: Any, trial: Any
+    ) -> Any:
+        done, skip = own.init_training_state(
+            tr, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if p.resume is None:
+            return done, skip
+        from transformers import TrainerState
+
+        fields = {f.name for f in dataclasses.fields(TrainerState)}
+        saved = {k: v for k, v in p.progress.trainer_state().items() if k in fields and k not in PER_PROCESS}
+        if set(saved) <= {"global_step", "epoch"}:  # another framework's checkpoint: its step count
+            for k, v in saved.items():
+                setattr(tr.state, k, v)
+        else:
+            tr.state = TrainerState(**saved)
+            tfi.load_callback_state(tr)
+        gs = int(tr.state.global_step)
+        per_epoch = num_update_steps_per_epoch
+        done = gs // per_epoch
+        skip = 0 if tr.args.ignore_data_skip else (gs % per_epoch) * tr.args.gradient_accumulation_steps
+        tr.state.init_training_references(tr, max_steps, num_train_epochs, trial)
+        return done, skip
+
+    def load_optimizer_and_scheduler(checkpoint: Any) -> None:
+        if p.resume is None:
+            return own.load_optimizer_and_scheduler(tr, checkpoint)
+        p.restore(_OPTIM)
+        return None
+
+    def load_scaler(checkpoint: Any) -> None:
+        if p.resume is None:
+            return own.load_scaler(tr, checkpoint)
+        p.restore(("extra/grad_scaler/*",))
+        return None
+
+    def load_rng_state(checkpoint: Any) -> None:
+        if p.resume is None:
+            return own.load_rng_state(tr, checkpoint)
+        p.restore(("rng/*",))
+        return None
+
+    def load_from_checkpoint(resume_from_checkpoint: Any, model: Any = None) -> None:
+        if p.resume is None:
+            return own.load_from_checkpoint(tr, resume_from_checkpoint, model)
+        return None  # the model was restored before it was wrapped
+
+    def load_best_model() -> None:
+        best = tr.state.best_global_step
+        mgr = p.manager()
+        if not best or not mgr.is_committed(int(best)):
+            return own.load_best_model(tr)
+        log.info(
+            "shardkeeper: the best model is step %d (%s %s)", best, tr.args.metric_for_best_model, tr.state.best_metric
+        )
+        mgr.restore({"model": raw_model(tr)}, step=int(best), only="model/*")
+        return None
+
+    return {
+        "train": train,
+        "inner_training_loop": inner_training_loop,
+        "init_training_state": init_training_state,
+        "save_checkpoint": p.save_checkpoint,
+        "load_optimizer_and_scheduler": load_optimizer_and_scheduler,
+        "load_scaler": load_scaler,
+        "load_rng_state": load_rng_state,
+        "load_from_checkpoint": load_from_checkpoint,
+        "load_best_model": load_best_model,
+    }
+
+
+def disable(trainer: Any) -> None:
+    """Wait for the pending saves, close the managers, and give the Trainer its own methods back."""
+    plugin: TrainerPlugin | None = getattr(trainer, _ATTR, None)
+    if plugin is None:
+        return
+    try:
+        plugin.close()
+    finally:
+        plugin.patches.restore()
+
+
+def plugin_of(trainer: Any) -> TrainerPlugin:
+    p = getattr(trainer, _ATTR, None)
+    if p is None:
+        raise RuntimeError("shardkeeper is not enabled on this Trainer: call shardkeeper.transformers.enable(trainer)")
+    return p
+
+
+def wait(trainer: Any) -> None:
+    """Block until the Trainer's pending checkpoint saves are committed (re-raise failures)."""
+    plugin_of(trainer).wait()
+
+
+__all__ = ["Resume", "TrainerPlugin", "disable", "enable", "plugin_of", "wait"]

@@ -1,0 +1,103 @@
+"""The Trainer's state in shardkeeper's canonical namespaces (docs/format.md, 3.3).
+
+| what the Trainer saves                 | key                                             |
+|----------------------------------------|-------------------------------------------------|
+| the model (unwrapped)                  | ``model/<fqn>``                                 |
+| the optimizer                          | ``optim/...``, keyed by FQN                     |
+| the LR scheduler                       | ``sched/...``                                   |
+| the gradient scaler                    | ``extra/grad_scaler/...``                       |
+| ``global_step``, completed epochs      | ``progress/step``, ``progress/epoch``           |
+| the ``TrainerState`` (log history,     | ``progress/transformers/trainer_state`` (JSON)  |
+| best metric, callback states)          |                                                 |
+| RNG of each rank                       | ``rng/<rank>/...``                              |
+
+The data position needs no key: the Trainer finds it from ``global_step`` (its sampler's
+order depends only on the seed and the epoch) and skips the batches already trained on.
+``save_only_model`` leaves out ``optim``, ``sched``, ``extra`` and ``rng``, as the Trainer does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from shardkeeper.core import RNGState
+from shardkeeper.core.progress import Progress as CheckpointProgress
+from shardkeeper.core.progress import ProgressTarget, progress_state
+
+log = logging.getLogger(__name__)
+
+#: The framework name in the manifest metadata and under ``progress/``.
+FRAMEWORK = "transformers"
+#: TrainerState fields that differ per rank: not saved (the Trainer sets them on every start).
+PER_PROCESS = ("is_local_process_zero", "is_world_process_zero")
+
+
+def raw_optimizer(opt: Any) -> Any:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer``."""
+    return getattr(opt, "optimizer", opt)
+
+
+def raw_model(trainer: Any) -> Any:
+    """The model without its DDP wrapper (the one the Trainer saves)."""
+    return trainer.accelerator.unwrap_model(trainer.model)
+
+
+class TrainerProgress(ProgressTarget):
+    """``progress/``: the step and completed epochs, and the whole ``TrainerState`` under
+    ``transformers/trainer_state``. On restore it keeps the checkpoint's progress for the
+    Trainer's ``_init_training_state``: the saved ``TrainerState`` where the Trainer wrote
+    one, else (another framework's checkpoint) a new one at the checkpoint's step."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.loaded: CheckpointProgress | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        st = self.trainer.state
+        saved = {k: v for k, v in dataclasses.asdict(st).items() if k not in PER_PROCESS}
+        return progress_state(
+            step=int(st.global_step), epoch=int(st.epoch or 0), counters={FRAMEWORK: {"trainer_state": saved}}
+        )
+
+    def load_progress(self, progress: CheckpointProgress) -> None:
+        self.loaded = progress
+
+    def trainer_state(self) -> dict[str, Any]:
+        """The ``TrainerState`` fields to resume with (the Trainer's own, or the step count
+        and epoch of another framework's checkpoint)."""
+        p = self.loaded
+        if p is None:
+            raise RuntimeError("shardkeeper.transformers: no progress was restored")
+        saved = p.of(FRAMEWORK).get("trainer_state")
+        if isinstance(saved, dict) and isinstance(saved.get("global_step"), int):
+            return dict(saved)
+        if saved is not None:
+            log.warning(
+                "shardkeeper: the checkpoint of step %s holds a trainer_state that is not one; the "
+                "Trainer resumes at step %d with a new TrainerState",
+                p.checkpoint_step,
+                p.step,
+            )
+        return {"global_step": p.step, "epoch": float(p.epoch)}
+
+
+def build_state(trainer: Any, progress: TrainerProgress, *, model_only: bool = False) -> dict[str, Any]:
+    """The state dict for ``CheckpointManager.save`` / ``restore`` (the same for both).
+    ``model_only``: the model and progress alone (``save_only_model``)."""
+    state: dict[str, Any] = {"model": raw_model(trainer), "progress": progress}
+    if model_only:
+        return state
+    if trainer.optimizer is not None:
+        state["optim"] = raw_optimizer(trainer.optimizer)
+    if trainer.lr_scheduler is not None:
+        state["sched"] = trainer.lr_scheduler
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if scaler is not None:
+        state["extra"] = {"grad_scaler": scaler}
+    state["rng"] = RNGState()
+    return state
+
+
+__all__ = ["FRAMEWORK", "PER_PROCESS", "TrainerProgress", "build_state", "raw_model", "raw_optimizer"]

@@ -1,0 +1,99 @@
+"""The real Trainer (a tiny GPT-2 from a config, CPU) saving through shardkeeper: one process
+or DDP under torchrun (gloo).
+
+    trainer_worker.py MODE OUT
+
+``reference``: 12 steps uninterrupted (saves at 4, 8, 12 into ``OUT/ref``); records every
+micro-step's loss and the final parameters and AdamW state. ``crash``: the same run into
+``OUT/run`` with async saves; the manifest of step 8 is held back and every rank kills itself
+(SIGKILL) with that save in flight. ``resume``: ``train(resume_from_checkpoint=True)`` in a
+new process: it must resume at step 4 (mid-epoch: 6 steps an epoch), and every later loss
+and the final state must equal the reference's bit for bit. Each rank writes its checks to
+``OUT/<mode>-rank<r>.json`` and its losses and state to ``OUT/<mode>-rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.checks import Checks, state_of
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from shardkeeper.core import CheckpointManager  # noqa: E402
+from shardkeeper.core.commit import manifest_path  # noqa: E402
+from shardkeeper.transformers import plugin_of  # noqa: E402
+from tests.transformers.common import SAVE_EVERY, STEPS, Recording, make_trainer  # noqa: E402
+
+CRASH_AT = 8
+
+
+class KillDuringSave(TrainerCallback):
+    """After the save of ``CRASH_AT`` was handed to the background (its manifest held back),
+    every rank kills itself: that step is in flight and must never be resumed from."""
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == CRASH_AT:
+            time.sleep(0.5)  # the data files are written; the manifest put waits below
+            Path(args.output_dir).parent.joinpath(f"killed-rank{args.process_index}").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_manifest(trainer: Recording, step: int) -> None:
+    """Make the put of ``step``'s manifest wait forever (a slow store: the fault a real server
+    cannot be asked for on cue)."""
+    mgr = plugin_of(trainer).manager()
+    storage = mgr.storage
+    target = manifest_path(step)
+    blocked = threading.Event()
+    put = storage.put_if_absent
+
+    def held(path: str, data: bytes) -> None:
+        if path == target:
+            blocked.wait()
+        put(path, data)
+
+    storage.put_if_absent = held  # type: ignore[method-assign]
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ.get("RANK", "0"))
+    checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)
+    root = out / ("ref" if mode == "reference" else "run")
+    trainer = make_trainer(root, options={"async_save": True})
+    if mode == "crash":
+        hold_manifest(trainer, CRASH_AT)
+        trainer.add_callback(KillDuringSave())
+    if mode == "resume":
+        mgr = CheckpointManager(root)
+        checks.check("crashed_step_not_committed", mgr.steps() == [SAVE_EVERY], f"committed: {mgr.steps()}")
+        mgr.close()
+        trainer.train(resume_from_checkpoint=True)
+    else:
+        trainer.train()
+    state = state_of(trainer.model, trainer.optimizer.optimizer)
+    torch.save({"losses": trainer.losses, "state": state}, out / f"{mode}-rank{rank}.pt")
+    if mode == "resume":
+        ref = torch.load(out / f"reference-rank{rank}.pt", weights_only=True)
+        later = [x for x in ref["losses"] if x[0] >= SAVE_EVERY]
+        checks.check("resumed_at_committed_step", trainer.losses[0][0] == SAVE_EVERY, str(trainer.losses[:1]))
+        checks.check("next_losses_bit_exact", trainer.losses == later, f"{trainer.losses[:3]} vs {later[:3]}")
+        checks.same("final_params_and_optimizer_bit_exact", state, ref["state"])
+        steps = CheckpointManager(root).steps()
+        checks.check("saves_after_resume_committed", steps == [SAVE_EVERY, CRASH_AT, STEPS], str(steps))
+    checks.write()
+
+
+if __name__ == "__main__":
+    main()

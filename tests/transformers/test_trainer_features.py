@@ -1,0 +1,228 @@
+"""The real Trainer (one process, CPU) through shardkeeper: resume targets and the refusals
+before training, retention and the best model, ``save_only_model``, the Trainer's own folders,
+export for ``from_pretrained``, a plain-torch restore, and ``disable``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("shardkeeper.transformers")
+
+import transformers  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from shardkeeper.core import CheckpointManager, CheckpointNotFoundError  # noqa: E402
+from shardkeeper.transformers import disable, export_pretrained, plugin_of  # noqa: E402
+from tests.checks import state_diff, state_of  # noqa: E402
+from tests.transformers.common import SAVE_EVERY, STEPS, Tokens, make_trainer, tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)]
+CONSTANT = {"lr_scheduler_type": "constant"}  # runs of different lengths train alike
+
+
+def _steps(root: Path) -> list[int]:
+    with CheckpointManager(root) as mgr:
+        return mgr.steps()
+
+
+def _after(losses: list[tuple[int, str]], step: int) -> list[tuple[int, str]]:
+    return [x for x in losses if x[0] >= step]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """12 steps uninterrupted, constant LR: its root (steps 4, 8, 12) and its trainer."""
+    root = tmp_path_factory.mktemp("ref") / "run"
+    trainer = make_trainer(root, **CONSTANT)
+    trainer.train()
+    return root, trainer
+
+
+def test_saves_commit_every_save_step_with_the_trainers_metadata(reference: tuple[Path, Any]) -> None:
+    root, trainer = reference
+    assert _steps(root) == [4, 8, 12]
+    with CheckpointManager(root) as mgr:
+        m = mgr.manifest(12)
+        assert m.metadata["framework"] == "transformers"
+        assert m.metadata["transformers_version"] == transformers.__version__
+        keys = list(m.leaves)
+        assert any(k.startswith("model/transformer.h.0.") for k in keys)
+        assert any(k.startswith("optim/") for k in keys) and any(k.startswith("sched/") for k in keys)
+        assert any(k.startswith("rng/0/") for k in keys)
+        saved = mgr.load(12, only="progress/*")["progress"]
+    assert saved["step"] == 12 and saved["epoch"] == 2
+    state = saved["transformers"]["trainer_state"]
+    assert state["global_step"] == 12 and state["log_history"] == trainer.state.log_history[: len(state["log_history"])]
+    assert "is_world_process_zero" not in state  # per process: never saved
+
+
+def test_resume_by_step_number_continues_bit_exact(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    _, ref = reference
+    root = tmp_path / "run"
+    make_trainer(root, max_steps=8, **CONSTANT).train()
+    assert _steps(root) == [4, 8]
+    resumed = make_trainer(root, **CONSTANT)
+    resumed.train(resume_from_checkpoint=8)
+    assert resumed.losses == _after(ref.losses, 8)
+    assert not state_diff(
+        state_of(resumed.model, resumed.optimizer.optimizer), state_of(ref.model, ref.optimizer.optimizer)
+    )
+    assert _steps(root) == [4, 8, 12] and resumed.state.global_step == STEPS
+
+
+def test_resume_from_a_step_folder_of_another_root(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    ref_root, ref = reference
+    with CheckpointManager(ref_root) as mgr:
+        folder = mgr.step_url(4)
+    new_root = tmp_path / "new"
+    resumed = make_trainer(new_root, **CONSTANT)
+    resumed.train(resume_from_checkpoint=folder)
+    assert resumed.losses == _after(ref.losses, 4)
+    assert _steps(new_root) == [8, 12]  # saves go to this run's root
+    assert _steps(ref_root) == [4, 8, 12]
+
+
+def test_resume_targets_that_cannot_resume_fail_before_training(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    ref_root, _ = reference
+    empty = make_trainer(tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"no committed checkpoint under .*empty \(rank 0\)"):
+        empty.train(resume_from_checkpoint=True)
+    # a fresh run, or a resume from an older step, into a root with later steps could save none
+    copy = tmp_path / "copy"
+    shutil.copytree(ref_root, copy)
+    fresh = make_trainer(copy)
+    with pytest.raises(ValueError, match=r"already holds committed step 12 \(rank 0\); this run starts from step 0"):
+        fresh.train()
+    older = make_trainer(copy)
+    with pytest.raises(ValueError, match=r"this run resumes from step 4, so it could save no checkpoint up to step 12"):
+        older.train(resume_from_checkpoint=4)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 5 is not committed under .*committed steps: 4, 8, 12"):
+        older.train(resume_from_checkpoint=5)
+    assert fresh.losses == older.losses == [] and _steps(copy) == [4, 8, 12]
+
+
+def test_a_torn_step_folder_is_refused_by_name(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    ref_root, _ = reference
+    copy = tmp_path / "copy"
+    shutil.copytree(ref_root, copy)
+    with CheckpointManager(copy) as mgr:
+        folder = Path(mgr.step_url(12))
+    (folder / "manifest.json").unlink()  # as a crash before the commit leaves it
+    trainer = make_trainer(tmp_path / "other")
+    with pytest.raises(CheckpointNotFoundError, match=r"is not a committed step \(rank 0\): it may be torn"):
+        trainer.train(resume_from_checkpoint=str(folder))
+    resumed = make_trainer(copy, **CONSTANT)
+    resumed.train(resume_from_checkpoint=True)  # the newest committed one: 8
+    assert resumed.losses[0][0] == 8
+
+
+def test_save_total_limit_is_retention_after_each_commit(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    make_trainer(root, save_total_limit=2).train()
+    assert _steps(root) == [8, 12]
+
+
+def test_best_checkpoint_is_kept_and_loaded_at_the_end(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    trainer = make_trainer(
+        root,
+        evaluate=True,
+        save_total_limit=1,
+        eval_strategy="steps",
+        eval_steps=SAVE_EVERY,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,  # the highest eval loss: an early step, which retention must keep
+    )
+    trainer.train()
+    best = trainer.state.best_global_step
+    assert best in (4, 8), best
+    assert _steps(root) == [best, 12]
+    with CheckpointManager(root) as mgr:
+        assert trainer.state.best_model_checkpoint == mgr.step_url(best)
+        saved = mgr.load(best, only="model/*")["model"]
+    got = {k: v.detach() for k, v in trainer.model.state_dict().items() if k in saved}
+    assert not state_diff(got, {k: saved[k] for k in got})
+
+
+def test_save_only_model_saves_no_optimizer_and_still_resumes(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    make_trainer(root, max_steps=8, save_only_model=True).train()
+    with CheckpointManager(root) as mgr:
+        keys = list(mgr.manifest(8).leaves)
+    assert keys and not [k for k in keys if k.split("/")[0] in ("optim", "sched", "rng", "extra")]
+    resumed = make_trainer(root, save_only_model=True)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.losses[0][0] == 8 and resumed.state.global_step == STEPS
+    assert _steps(root) == [4, 8, 12]
+
+
+def test_a_folder_the_trainer_wrote_resumes_through_its_own_loaders(
+    tmp_path: Path, reference: tuple[Path, Any]
+) -> None:
+    _, ref = reference
+    stock_dir = tmp_path / "stock"
+    args = TrainingArguments(
+        output_dir=str(stock_dir),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+        learning_rate=1e-3,
+        seed=7,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        lr_scheduler_type="constant",
+    )
+    Trainer(model=tiny_model(), args=args, train_dataset=Tokens()).train()
+    assert (stock_dir / "checkpoint-4" / "trainer_state.json").is_file()
+    root = tmp_path / "run"
+    resumed = make_trainer(root, **CONSTANT)
+    resumed.train(resume_from_checkpoint=str(stock_dir / "checkpoint-4"))
+    assert resumed.losses == _after(ref.losses, 4)
+    assert _steps(root) == [8, 12]
+
+
+def test_export_loads_with_from_pretrained(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    root, trainer = reference
+    out = tmp_path / "hf"
+    res = export_pretrained(root, out, config=trainer.model.config, step=12, max_shard_size="40KB", progress=False)
+    assert len(res.files) > 1 and (out / "config.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, trainer.model(ids).logits)
+
+
+def test_plain_torch_restores_the_trainers_checkpoint(reference: tuple[Path, Any]) -> None:
+    root, trainer = reference
+    model = tiny_model()
+    decay = set(trainer.get_decay_parameter_names(model))  # the Trainer's two param groups
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.0},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    optim = torch.optim.AdamW(groups, lr=0.5)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore({"model": model, "optim": optim}) == 12
+    assert not state_diff(state_of(model, optim), state_of(trainer.model, trainer.optimizer.optimizer))
+
+
+def test_disable_gives_the_trainer_its_methods_back(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path / "run", max_steps=4)
+    plugin = plugin_of(trainer)
+    assert "_save_checkpoint" in vars(trainer) and "train" in vars(trainer)
+    disable(trainer)
+    assert "_save_checkpoint" not in vars(trainer) and "train" not in vars(trainer)
+    assert "_shardkeeper" not in vars(trainer)
+    with pytest.raises(RuntimeError, match="not enabled on this Trainer"):
+        plugin_of(trainer)
+    trainer.train()  # the Trainer's own checkpoints again
+    assert (tmp_path / "run" / "checkpoint-4").is_dir() and plugin.last_handle is None
