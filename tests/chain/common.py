@@ -23,7 +23,7 @@ IN_FEATURES, HIDDEN = 7, 5
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 FQNS = ("inp.weight", "inp.bias", "out.weight", "out.bias")  # sizes 35, 5, 35, 7: none divides by 2 or 3
 MOMENTS = ("exp_avg", "exp_avg_sq")
-HOPS = ("deepspeed", "fsdp2", "lightning", "accelerate", "plain")
+HOPS = ("deepspeed", "fsdp2", "lightning", "accelerate", "transformers", "plain")
 
 
 def add_layers(module: nn.Module) -> None:

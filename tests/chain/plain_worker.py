@@ -1,4 +1,4 @@
-"""Hop 5: plain torch in one process: ``CheckpointManager(root).restore`` the newest step into a
+"""Hop 6: plain torch in one process: ``CheckpointManager(root).restore`` the newest step into a
 plain module and ``torch.optim.Adam``.
 
     plain_worker.py ROOT OUT
@@ -31,7 +31,7 @@ def run(hop: Hop, root: str) -> None:
 
 def main() -> None:
     root, out = sys.argv[1], sys.argv[2]
-    hop = Hop(5, out)
+    hop = Hop(6, out)
     try:
         hop.guard("the hop ran to the end", lambda: run(hop, root))
     finally:

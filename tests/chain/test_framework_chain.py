@@ -5,7 +5,9 @@
 3. a Lightning Trainer (ddp), world 2: ``fit(ckpt_path=root)``, 2 steps, ``save_checkpoint``;
 4. ``Accelerator(cpu=True)`` with the shardkeeper plugin, world 2: ``load_state``, 2 steps,
    ``save_state``;
-5. plain torch, one process: ``CheckpointManager.restore`` into a module and Adam.
+5. the Hugging Face Trainer (``ShardkeeperTrainer``, DDP), world 2:
+   ``train(resume_from_checkpoint=True)``, 2 steps, its save at the end;
+6. plain torch, one process: ``CheckpointManager.restore`` into a module and Adam.
 
 The same model and Adam settings everywhere (tests/chain/common.py). After every hop: the
 framework's step counter after the load equals the step loaded, its save lands at that step +
@@ -35,6 +37,7 @@ LAUNCHES = {
     "fsdp2": ("fsdp2_worker.py", 3, 6),
     "lightning": ("lightning_worker.py", 2, 7),
     "accelerate": ("accelerate_worker.py", 2, 8),
+    "transformers": ("transformers_worker.py", 2, 6),
     "plain": ("plain_worker.py", 1, 4),
 }
 ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

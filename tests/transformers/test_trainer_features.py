@@ -226,3 +226,31 @@ def test_disable_gives_the_trainer_its_methods_back(tmp_path: Path) -> None:
         plugin_of(trainer)
     trainer.train()  # the Trainer's own checkpoints again
     assert (tmp_path / "run" / "checkpoint-4").is_dir() and plugin.last_handle is None
+
+
+def test_accelerate_restores_the_trainers_checkpoint(reference: tuple[Path, Any]) -> None:
+    """The Accelerate adapter's load_state (found as an installed distribution, never imported
+    by this adapter) takes the Trainer's step: model and AdamW bit-exact, the step count on."""
+    ska = pytest.importorskip("shardkeeper.accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    root, trainer = reference
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    model = tiny_model()
+    decay = set(trainer.get_decay_parameter_names(model))
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay]},
+        {"params": [p for n, p in model.named_parameters() if n not in decay]},
+    ]
+    model, optim = acc.prepare(model, torch.optim.AdamW(groups, lr=0.5))
+    ska.enable(acc, str(root))
+    try:
+        assert acc.load_state() == 12
+        assert acc.project_configuration.iteration == 13  # its next save continues the step count
+        want = state_of(trainer.model, trainer.optimizer.optimizer)
+        assert not state_diff(state_of(acc.unwrap_model(model), optim.optimizer), want)
+    finally:
+        ska.disable(acc)
+        AcceleratorState._reset_state()
