@@ -452,3 +452,28 @@ def test_the_same_optimizer_saved_by_another_torch_version_restores(tmp_path: Pa
         assert mgr.restore({"model": m3, "optim": o3}, step=2) == 2
         _assert_state(m3, o3, newer)
         _train(m3, o3, 1, seed=3)
+
+
+@pytest.mark.parametrize("optional", [None, ["optim/*"]], ids=["plain", "optional"])
+def test_another_number_of_param_groups_is_refused_before_reading(tmp_path: Path, optional: Any) -> None:
+    """One param group saved, two in the target (the Hugging Face Trainer's split by weight
+    decay): the saved groups landed on the target's one by one, and with ``optional=`` the
+    second group was left without lr/betas (AdamW then failed at its first step with
+    KeyError: 'betas'). Refused before anything is read, either way; the model alone restores."""
+    _, (params, _) = _adamw_root(tmp_path)
+    model = _mlp(7)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named[:1]]}, {"params": [p for _, p in named[1:]], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(StateMismatchError) as e:
+        mgr.restore({"model": model, "optim": opt}, optional=optional)
+    msg = str(e.value)
+    assert "'optim'" in msg and "1 param group(s), the target has 2" in msg and "nothing was read" in msg, msg
+    assert "only=['model/*']" in msg and "step 1" in msg and str(tmp_path) in msg, msg
+    assert_same_state(model.state_dict(), before, what="the model (nothing may be read)")
+    assert all({"lr", "betas", "eps"} <= set(g) for g in opt.param_groups)
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore({"model": model, "optim": opt}, only=["model/*"]) == 1
+    assert_same_state(model.state_dict(), params, what="the model restored alone")
+    _train(model, opt, 1, seed=3)

@@ -32,13 +32,14 @@ METADATA_KEY = "optimizer_classes"
 @dataclass(frozen=True)
 class OptimizerTarget:
     """What a restore target's optimizer is: its class, the hyper-parameter names of its
-    param groups, the state names of each parameter that has state, and the state key of
-    the module that owns its parameters (for the remedy)."""
+    param groups, the state names of each parameter that has state, the state key of the
+    module that owns its parameters (for the remedy), and how many param groups it has."""
 
     cls: str
     group_keys: frozenset[str]
     state_names: Mapping[str, frozenset[str]]
     owner: str | None
+    groups: int | None = None
 
 
 def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -124,6 +125,8 @@ def check_optimizers(
         saved_cls = classes.get(key) if isinstance(classes.get(key), str) else None
         rec = manifest.leaves.get(groups_key)
         saved_keys = _group_keys(rec.value) if rec is not None and rec.kind == "object" else None
+        if restores(groups_key) and rec is not None and rec.kind == "object":
+            _check_group_count(key, rec.value, t, where)
         if saved_cls is not None:
             differs = _short(saved_cls) != _short(t.cls)
         else:
@@ -153,6 +156,21 @@ def check_optimizers(
             f"target another optimizer's hyper-parameters and state; nothing was read. Build "
             f"{same}, or restore the model without the optimizer: {only}"
         )
+
+
+def _check_group_count(key: str, saved: Any, t: OptimizerTarget, where: str) -> None:
+    """A checkpoint's param groups land on the target's one by one: another number of them
+    would leave groups without their hyper-parameters (torch then fails at the first step, or
+    trains with the wrong ones). Refused before anything is read."""
+    if t.groups is None or not isinstance(saved, list) or len(saved) == t.groups:
+        return
+    only = f"only=[{(t.owner or 'model') + '/*'!r}]"
+    raise StateMismatchError(
+        f"the optimizer at state key {key!r} in {where} was saved with {len(saved)} param group(s), the "
+        f"target has {t.groups}; nothing was read. Build the optimizer with the param groups it was saved "
+        f"with (the same split of parameters, e.g. with and without weight decay), or restore the model "
+        f"without the optimizer: {only}"
+    )
 
 
 __all__ = ["METADATA_KEY", "OptimizerTarget", "check_optimizers", "optimizer_class", "optimizer_classes"]

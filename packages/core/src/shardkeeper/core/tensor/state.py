@@ -338,6 +338,7 @@ class Flattener:
                 frozenset(k for g in groups for k in g if k != "params"),
                 {normalize_fqn(str(f)): frozenset(per) for f, per in state.items() if per},
                 owner_key,
+                len(groups),
             )
             self.out.finalizers.append(
                 (key, lambda: set_optimizer_state_dict(owner, opt, osd, options=StateDictOptions()))
