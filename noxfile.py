@@ -30,6 +30,8 @@ BUILD = ("build==1.6.1", "setuptools>=68")
 # Settings for every test run: one BLAS/OpenMP thread per process (the machine has 2 cores
 # and multiprocess tests start several), and gcsfs without its experimental HNS probing.
 TEST_ENV = {"OMP_NUM_THREADS": "1", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+# The slowest tests of each run, listed at its end: where CI's time goes.
+DURATIONS = "--durations=15"
 # Adapter tests: DeepSpeed's CPU accelerator, no JIT-built ops, no network lookups.
 ADAPTER_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -141,7 +143,8 @@ def tests(session: nox.Session, suite: str) -> None:
         dist = _build_dists(session, ("core",))
         _install_wheels(session, [_wheel(dist, "core", "torch,s3,gcs,zstd,crypto")], *TEST_DEPS)
         session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), "core", env=env)
-        _pytest_split(session, ["tests/core", "tests/cuda", "tests/packaging", "-x", "-q", *session.posargs], env)
+        args = ["tests/core", "tests/cuda", "tests/packaging", "-x", "-q", DURATIONS, *session.posargs]
+        _pytest_split(session, args, env)
         return
     versions = FRAMEWORKS[suite.removeprefix("adapters-")]
     dist = _build_dists(session, tuple(DISTRIBUTIONS))
@@ -155,7 +158,7 @@ def tests(session: nox.Session, suite: str) -> None:
     suites = [f"tests/{name}" for name in names if (ROOT / "tests" / name).is_dir()]
     if not suites:
         session.error("no adapter test suite found under tests/")
-    session.run("pytest", *suites, "-q", *session.posargs, env={**env, **ADAPTER_ENV})
+    session.run("pytest", *suites, "-q", DURATIONS, *session.posargs, env={**env, **ADAPTER_ENV})
 
 
 def _pytest_split(session: nox.Session, args: list[str], env: dict[str, str]) -> None:

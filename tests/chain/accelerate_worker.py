@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 import shardkeeper.accelerate as ska  # noqa: E402
-from tests.chain.common import Hop, Net, adam, committed_steps, loss_of, record  # noqa: E402
+from tests.chain.common import Hop, Net, adam, committed_steps, loss_of, record, run_hop  # noqa: E402
 
 STEPS = 2
 
@@ -66,14 +66,5 @@ def run(hop: Hop, root: str) -> None:
     acc.end_training()
 
 
-def main() -> None:
-    root, out = sys.argv[1], sys.argv[2]
-    hop = Hop(4, out)
-    try:
-        hop.guard("the hop ran to the end", lambda: run(hop, root))
-    finally:
-        hop.write()
-
-
 if __name__ == "__main__":
-    main()
+    run_hop("accelerate", run)

@@ -167,6 +167,29 @@ class Hop:
                 json.dump({"step": new[0] if len(new) == 1 else None, "steps_after": after}, f)
 
 
+def run_hop(
+    name: str,
+    run: Callable[[Hop, str], None],
+    setup: Callable[[], None] | None = None,
+    teardown: Callable[[], None] | None = None,
+) -> None:
+    """A hop worker's ``main`` (``worker.py ROOT OUT``): ``setup``, then ``run(hop, root)`` with
+    its failure recorded as a check, then the checks written and ``teardown``. The hop's number
+    is its place in ``HOPS``."""
+    import sys
+
+    root, out = sys.argv[1], sys.argv[2]
+    if setup is not None:
+        setup()
+    hop = Hop(HOPS.index(name) + 1, out)
+    try:
+        hop.guard("the hop ran to the end", lambda: run(hop, root))
+    finally:
+        hop.write()
+        if teardown is not None:
+            teardown()
+
+
 def committed_steps(root: str) -> list[int]:
     """``CheckpointManager(root).steps()``: every rank calls it (creating a manager is a
     collective in a process group)."""

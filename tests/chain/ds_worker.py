@@ -26,7 +26,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import shardkeeper.deepspeed  # noqa: E402
-from tests.chain.common import FQNS, MOMENTS, Hop, Net, adam, committed_steps, loss_of, record  # noqa: E402
+from tests.chain.common import FQNS, MOMENTS, Hop, Net, adam, committed_steps, loss_of, record, run_hop  # noqa: E402
 
 STEPS = 3
 CONFIG = {
@@ -77,17 +77,10 @@ def run(hop: Hop, root: str) -> None:
     engine.destroy()
 
 
-def main() -> None:
-    root, out = sys.argv[1], sys.argv[2]
-    deepspeed.init_distributed(dist_backend="gloo")
-    hop = Hop(1, out)
-    try:
-        hop.guard("the hop ran to the end", lambda: run(hop, root))
-    finally:
-        hop.write()
-        dist.barrier()
-        dist.destroy_process_group()
+def _teardown() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_hop("deepspeed", run, setup=lambda: deepspeed.init_distributed(dist_backend="gloo"), teardown=_teardown)

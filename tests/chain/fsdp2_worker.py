@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
-from tests.chain.common import MOMENTS, Hop, Net, adam, loss_of, record  # noqa: E402
+from tests.chain.common import MOMENTS, Hop, Net, adam, loss_of, record, run_hop  # noqa: E402
 
 STEPS = 2
 
@@ -57,17 +57,10 @@ def run(hop: Hop, root: str) -> None:
         hop.saved(before, mgr.steps(), newest + STEPS, full_record(model, opt), "restored step + 2")
 
 
-def main() -> None:
-    root, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    hop = Hop(2, out)
-    try:
-        hop.guard("the hop ran to the end", lambda: run(hop, root))
-    finally:
-        hop.write()
-        dist.barrier()
-        dist.destroy_process_group()
+def _teardown() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_hop("fsdp2", run, setup=lambda: dist.init_process_group("gloo"), teardown=_teardown)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
 from shardkeeper.lightning import ShardkeeperCheckpointIO  # noqa: E402
-from tests.chain.common import Hop, adam, add_layers, batch, committed_steps, forward, record  # noqa: E402
+from tests.chain.common import Hop, adam, add_layers, batch, committed_steps, forward, record, run_hop  # noqa: E402
 
 STEPS = 2
 
@@ -123,14 +123,5 @@ def run(hop: Hop, root: str) -> None:
     )
 
 
-def main() -> None:
-    root, out = sys.argv[1], sys.argv[2]
-    hop = Hop(3, out)
-    try:
-        hop.guard("the hop ran to the end", lambda: run(hop, root))
-    finally:
-        hop.write()
-
-
 if __name__ == "__main__":
-    main()
+    run_hop("lightning", run)

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
-from tests.chain.common import Hop, Net, adam, record  # noqa: E402
+from tests.chain.common import Hop, Net, adam, record, run_hop  # noqa: E402
 
 
 def run(hop: Hop, root: str) -> None:
@@ -29,14 +29,5 @@ def run(hop: Hop, root: str) -> None:
     hop.counter("the step restore() returns (the loop's counter)", step, newest)
 
 
-def main() -> None:
-    root, out = sys.argv[1], sys.argv[2]
-    hop = Hop(6, out)
-    try:
-        hop.guard("the hop ran to the end", lambda: run(hop, root))
-    finally:
-        hop.write()
-
-
 if __name__ == "__main__":
-    main()
+    run_hop("plain", run)

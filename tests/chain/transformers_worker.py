@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from shardkeeper.transformers import ShardkeeperTrainer  # noqa: E402
-from tests.chain.common import Hop, adam, add_layers, batch, committed_steps, forward, record  # noqa: E402
+from tests.chain.common import Hop, adam, add_layers, batch, committed_steps, forward, record, run_hop  # noqa: E402
 
 STEPS = 2
 
@@ -94,14 +94,5 @@ def run(hop: Hop, root: str) -> None:
     )
 
 
-def main() -> None:
-    root, out = sys.argv[1], sys.argv[2]
-    hop = Hop(5, out)
-    try:
-        hop.guard("the hop ran to the end", lambda: run(hop, root))
-    finally:
-        hop.write()
-
-
 if __name__ == "__main__":
-    main()
+    run_hop("transformers", run)
