@@ -28,7 +28,7 @@ CORE_PUBLIC = (
 #: The adapters' top-level packages, by source file.
 ADAPTERS = {
     f"shardkeeper.{name}": REPO / "packages" / f"{name}_plugin" / "src" / "shardkeeper" / name / "__init__.py"
-    for name in ("deepspeed", "lightning", "accelerate")
+    for name in ("deepspeed", "lightning", "accelerate", "transformers")
 }
 
 _FENCE = re.compile(r"^```(?:python|py)[^\n]*\n(.*?)^```", re.S | re.M)

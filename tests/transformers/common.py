@@ -48,11 +48,16 @@ class Recording(ShardkeeperTrainer):
 
 
 def make_trainer(
-    root: Path, *, options: dict[str, Any] | None = None, evaluate: bool = False, **more: Any
+    root: Path,
+    *,
+    options: dict[str, Any] | None = None,
+    evaluate: bool = False,
+    cls: type[Recording] | None = None,
+    **more: Any,
 ) -> Recording:
     """A recording ShardkeeperTrainer into ``root``: 12 steps of batches of 4 (6 steps an
     epoch, over the ranks of a DDP launch), a save every 4; ``evaluate``: with an eval
-    dataset; ``more`` overrides arguments."""
+    dataset; ``cls``: a subclass of ``Recording``; ``more`` overrides arguments."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     params: dict[str, Any] = {
         "output_dir": str(root),
@@ -69,7 +74,7 @@ def make_trainer(
         "dataloader_num_workers": 0,
         **more,
     }
-    trainer = Recording(
+    trainer = (cls or Recording)(
         model=tiny_model(),
         args=TrainingArguments(**params),
         train_dataset=Tokens(),

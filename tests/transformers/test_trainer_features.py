@@ -5,6 +5,7 @@ export for ``from_pretrained``, a plain-torch restore, and ``disable``."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,12 @@ import torch
 pytest.importorskip("shardkeeper.transformers")
 
 import transformers  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from shardkeeper.core import CheckpointManager, CheckpointNotFoundError  # noqa: E402
-from shardkeeper.transformers import disable, export_pretrained, plugin_of  # noqa: E402
+from shardkeeper.transformers import ShardkeeperTrainer, disable, export_pretrained, plugin_of  # noqa: E402
 from tests.checks import state_diff, state_of  # noqa: E402
-from tests.transformers.common import SAVE_EVERY, STEPS, Tokens, make_trainer, tiny_model  # noqa: E402
+from tests.transformers.common import SAVE_EVERY, STEPS, Recording, Tokens, make_trainer, tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 CONSTANT = {"lr_scheduler_type": "constant"}  # runs of different lengths train alike
@@ -96,14 +97,113 @@ def test_resume_targets_that_cannot_resume_fail_before_training(tmp_path: Path, 
     copy = tmp_path / "copy"
     shutil.copytree(ref_root, copy)
     fresh = make_trainer(copy)
-    with pytest.raises(ValueError, match=r"already holds committed step 12 \(rank 0\); this run starts from step 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"already holds committed step 12 \(rank 0\); this run starts from step 0.*resume_from_checkpoint=True",
+    ):
         fresh.train()
     older = make_trainer(copy)
     with pytest.raises(ValueError, match=r"this run resumes from step 4, so it could save no checkpoint up to step 12"):
         older.train(resume_from_checkpoint=4)
     with pytest.raises(CheckpointNotFoundError, match=r"step 5 is not committed under .*committed steps: 4, 8, 12"):
         older.train(resume_from_checkpoint=5)
+    for bad, error, text in (
+        ("", ValueError, "names no root or folder"),
+        (-1, ValueError, r"resume_from_checkpoint=-1: a step number is >= 0 \(rank 0\)"),
+        (4.0, TypeError, "True, a step number, a root or a step folder, not 4.0"),
+        (str(copy / "LATEST"), ValueError, "is a file, not a root or a step folder"),
+    ):
+        with pytest.raises(error, match=text):
+            older.train(resume_from_checkpoint=bad)
     assert fresh.losses == older.losses == [] and _steps(copy) == [4, 8, 12]
+    numpy = pytest.importorskip("numpy")
+    resumed = make_trainer(copy, **CONSTANT)
+    resumed.train(resume_from_checkpoint=numpy.int64(12))  # any integral step number
+    assert resumed.state.global_step == STEPS and resumed.losses == []
+
+
+def test_a_damaged_newest_manifest_is_refused_before_training(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    """Step 12's manifest unreadable: the newest committed step is 8, but a save at 12 would
+    still be refused (the step is listed by its manifest's name). Said before training, with
+    the remedy that works (removing the damaged step's folder), which then resumes."""
+    ref_root, ref = reference
+    copy = tmp_path / "copy"
+    shutil.copytree(ref_root, copy)
+    with CheckpointManager(copy) as mgr:
+        (Path(mgr.step_url(12)) / "manifest.json").write_text("{not json")
+    trainer = make_trainer(copy, **CONSTANT)
+    with pytest.raises(
+        ValueError, match=r"step 12 under .* is damaged: its manifest cannot be read \(rank 0\).*Remove the damaged"
+    ):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.losses == []
+    with CheckpointManager(copy) as mgr:
+        shutil.rmtree(mgr.step_url(12))  # the remedy the error gives
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.losses == _after(ref.losses, 8) and _steps(copy) == [4, 8, 12]
+
+
+def test_a_plain_core_checkpoint_resumes_at_its_step(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    """A plain save (no progress entry, no optimizer): the Trainer resumes at the
+    checkpoint's step with its model, and saves from there."""
+    ref_root, ref = reference
+    model = tiny_model()
+    with CheckpointManager(ref_root) as src:
+        src.restore({"model": model}, step=8, only="model/*")
+    root = tmp_path / "plain"
+    with CheckpointManager(root) as mgr:
+        mgr.save(8, {"model": model}).wait()
+    resumed = make_trainer(root, **CONSTANT)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.losses[0][0] == 8 and resumed.state.global_step == STEPS
+    assert _steps(root) == [8, 12]
+
+
+def test_a_retry_after_a_failed_train_waits_for_the_save_in_flight(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    """async_save: train() fails at step 6 while the commit of step 4 is still held back; a
+    retry with resume_from_checkpoint=True on the same Trainer must see step 4 committed
+    (before, it saw no committed step, or resumed from a stale one and failed at its save)."""
+    _, ref = reference
+    root = tmp_path / "run"
+    trainer = make_trainer(root, options={"async_save": True}, **CONSTANT)
+    storage = plugin_of(trainer).manager().storage
+    put, release = storage.put_if_absent, threading.Event()
+
+    def held(path: str, data: bytes) -> None:
+        if path.endswith("manifest.json"):
+            release.wait(30)
+        put(path, data)
+
+    storage.put_if_absent = held  # type: ignore[method-assign]
+
+    class Fail(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 6:
+                threading.Timer(1.0, release.set).start()  # the commit lands while the error unwinds
+                raise RuntimeError("boom at step 6")
+
+    trainer.add_callback(Fail)
+    with pytest.raises(RuntimeError, match="boom at step 6"):
+        trainer.train()
+    trainer.remove_callback(Fail)
+    trainer.losses = []
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.losses == _after(ref.losses, 4) and _steps(root) == [4, 8, 12]
+
+
+def test_a_subclass_wrapping_train_is_enabled(tmp_path: Path) -> None:
+    """A Trainer subclass whose train() takes (*args, **kwargs) passes the contract (the
+    installed Trainer is what is checked), and its train() runs inside the adapter's."""
+    calls: list[Any] = []
+
+    class Wrapping(Recording):
+        def train(self, *args: Any, **kwargs: Any) -> Any:
+            calls.append(kwargs.get("resume_from_checkpoint"))
+            return super().train(*args, **kwargs)
+
+    trainer = make_trainer(tmp_path / "run", max_steps=4, cls=Wrapping)
+    trainer.train()
+    assert calls == [None] and _steps(tmp_path / "run") == [4]
 
 
 def test_a_torn_step_folder_is_refused_by_name(tmp_path: Path, reference: tuple[Path, Any]) -> None:
@@ -187,6 +287,19 @@ def test_a_folder_the_trainer_wrote_resumes_through_its_own_loaders(
     resumed.train(resume_from_checkpoint=str(stock_dir / "checkpoint-4"))
     assert resumed.losses == _after(ref.losses, 4)
     assert _steps(root) == [8, 12]
+
+
+def test_push_to_hub_is_refused_before_the_trainer_is_built(tmp_path: Path) -> None:
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), push_to_hub=True, report_to="none", use_cpu=True)
+    with pytest.raises(NotImplementedError, match="push_to_hub pushes the Trainer's own checkpoint folders"):
+        ShardkeeperTrainer(model=tiny_model(), args=args, train_dataset=Tokens())
+
+
+def test_export_needs_the_config_first(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    root, _ = reference
+    with pytest.raises(TypeError, match="config must be the model's PretrainedConfig"):
+        export_pretrained(root, tmp_path / "hf", config=None)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_export_loads_with_from_pretrained(tmp_path: Path, reference: tuple[Path, Any]) -> None:

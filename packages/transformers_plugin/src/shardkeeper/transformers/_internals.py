@@ -93,8 +93,9 @@ def contract_check(trainer_cls: Any = None) -> dict[str, bool]:
 
 
 def require_trainer(trainer: Any) -> None:
-    """``TransformersInternalsError`` naming every internal ``trainer``'s class lacks."""
-    missing = sorted(n for n, ok in contract_check(type(trainer)).items() if not ok)
+    """``TransformersInternalsError`` naming every internal the installed Trainer lacks (the
+    ``transformers.Trainer`` class: a subclass may wrap a method as ``(*args, **kwargs)``)."""
+    missing = sorted(n for n, ok in contract_check().items() if not ok)
     if missing:
         raise TransformersInternalsError(
             f"transformers {GATE.version()} lacks Trainer internals shardkeeper.transformers relies on: "

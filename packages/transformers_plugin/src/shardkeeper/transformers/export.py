@@ -22,6 +22,11 @@ def export_pretrained(
     ``trainer.model.config``) as ``config.json``. ``options`` go to
     :func:`shardkeeper.core.export.export_safetensors` (``max_shard_size``, ``storage_options``,
     ``encryption``, ``overwrite``)."""
+    if not callable(getattr(config, "save_pretrained", None)):
+        raise TypeError(
+            f"export_pretrained: config must be the model's PretrainedConfig (e.g. trainer.model.config), "
+            f"not {type(config).__name__}; nothing was written to {os.fspath(to)}"
+        )
     result = export_safetensors(root, step, to=to, keys=("model/*",), **options)
     config.save_pretrained(os.fspath(to))
     return result

@@ -11,16 +11,16 @@ a root or a step folder works too, and a folder the Trainer itself wrote (with i
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, SaveHandle, parse_step_dir
-from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
+from shardkeeper.core import CheckpointManager, SaveHandle
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, read_progress
 from shardkeeper.transformers import _internals as tfi
+from shardkeeper.transformers.resume import Resume, resolve, trainer_folder_step
 from shardkeeper.transformers.state import FRAMEWORK, PER_PROCESS, TrainerProgress, build_state, raw_model
 
 log = logging.getLogger(__name__)
@@ -29,18 +29,6 @@ _ATTR = "_shardkeeper"
 #: Keys the resume restores at each point of the Trainer's start-up.
 _MODEL = ("model/*", "progress/*")
 _OPTIM = ("optim/*", "sched/*")
-
-
-@dataclasses.dataclass(frozen=True)
-class Resume:
-    """The committed step a ``train()`` call resumes from."""
-
-    manager: CheckpointManager
-    step: int
-
-    @property
-    def url(self) -> str:
-        return self.manager.step_url(self.step)
 
 
 class TrainerPlugin:
@@ -75,92 +63,65 @@ class TrainerPlugin:
 
     # -- resume ------------------------------------------------------------------------------
     def resolve(self, target: Any) -> Resume | str | None:
-        """What ``train(resume_from_checkpoint=target)`` resumes from: a committed step, a
-        folder of the Trainer's own format (its path), or None (a fresh start)."""
-        if target is None or target is False:
-            return None
-        if target is True:
-            return self._newest(self.manager(), self.root)
-        if isinstance(target, int) and not isinstance(target, bool):
-            mgr = self.manager()
-            if not mgr.is_committed(target):
-                raise CheckpointNotFoundError(
-                    f"shardkeeper.transformers: step {target} is not committed under {self.root} (rank "
-                    f"{self.rank()}); its committed steps: {_listing(mgr.steps())}. Pass one of them, or True "
-                    f"for the newest"
-                )
-            return Resume(mgr, target)
-        if not isinstance(target, (str, os.PathLike)):
-            raise TypeError(
-                f"resume_from_checkpoint must be True, a step number, a root or a step folder, not {target!r}"
-            )
-        path = os.fspath(target).rstrip("/")
-        if os.path.isfile(os.path.join(path, "trainer_state.json")):
-            return path  # a checkpoint-N folder of the Trainer's own: its own loaders read it
-        parent, _, last = path.rpartition("/")
-        named = parse_step_dir(last)
-        if named is not None and parent:
-            mgr = self.manager(parent)
-            if mgr.step_url(named).rstrip("/").endswith("/" + last):
-                if not mgr.is_committed(named):
-                    raise CheckpointNotFoundError(
-                        f"shardkeeper.transformers: {path} is not a committed step (rank {self.rank()}): it "
-                        f"may be torn by a crash. Committed steps under {parent}: {_listing(mgr.steps())}"
-                    )
-                return Resume(mgr, named)
-        return self._newest(self.manager(path), path)
-
-    def _newest(self, mgr: CheckpointManager, root: str) -> Resume:
-        step = mgr.latest_step()
-        if step is None:
-            raise ValueError(
-                f"shardkeeper.transformers: no committed checkpoint under {root} (rank {self.rank()}); check "
-                f"the root, or start from scratch without resume_from_checkpoint"
-            )
-        return Resume(mgr, step)
+        """What ``train(resume_from_checkpoint=target)`` resumes from (``resume.resolve``)."""
+        return resolve(target, self.manager, self.root, self.rank())
 
     def check_start(self, target: Resume | str | None) -> None:
-        """A run that starts below the newest committed step of its root could save none of
-        the steps up to it (checkpoints are immutable; a save below the newest committed step
-        is refused): say so before training, not at the first save."""
-        mgr = self.manager()
-        newest = mgr.latest_step()
+        """A run that starts below the newest step of its root could save none of the steps
+        up to it (checkpoints are immutable; a save at or below the newest step is refused):
+        say so before training, not at its first save. The steps count as the save's check
+        counts them, by their manifests' names (a damaged one too); a collective."""
         if isinstance(target, Resume):
             start, at = target.step, f"resumes from step {target.step}"
         elif isinstance(target, str):
-            start = _trainer_folder_step(target)
+            start = trainer_folder_step(target)
             at = f"resumes from step {start} ({target})"
         else:
             start, at = 0, "starts from step 0"
-        if newest is None or newest <= start:
+        mgr = self.manager()
+        check = check_save_step(mgr, start + 1)
+        if not check.refused:
             return
+        newest = check.newest if check.newest is not None else start + 1
+        if not mgr.is_committed(newest):  # listed by its manifest's name, which cannot be read
+            raise ValueError(
+                f"shardkeeper.transformers: step {newest} under {self.root} is damaged: its manifest cannot be "
+                f"read (rank {self.rank()}). This run {at} and could save no checkpoint up to step {newest} "
+                f"there. Remove the damaged step's folder ({mgr.step_url(newest)}; `shardkeeper verify` on the "
+                f"root names what is damaged), then resume; or give this run another output_dir (or "
+                f"enable(trainer, root=...))"
+            )
         raise ValueError(
             f"shardkeeper.transformers: {self.root} already holds committed step {newest} (rank {self.rank()}); "
-            f"this run {at}, so it could save no checkpoint up to step {newest} there. Resume from the "
-            f"newest step (resume_from_checkpoint=True), delete the later steps "
-            f"(CheckpointManager(root).delete(step)), or give this run another output_dir (or "
-            f"enable(trainer, root=...))"
+            f"this run {at}, so it could save no checkpoint up to step {newest} there: checkpoints are "
+            f"immutable. Resume from the newest step (resume_from_checkpoint=True), or give this run another "
+            f"output_dir (or enable(trainer, root=...))"
         )
 
     def restore(self, patterns: Sequence[str], *, model_only: bool = False) -> None:
         """Restore the keys matching ``patterns`` (``"<prefix>/*"``) of the resumed step; a
         prefix the checkpoint lacks (a ``save_only_model`` one has no optimizer, another
-        framework's may have no scheduler) keeps its values, as the Trainer's own loaders do."""
+        framework's may have no scheduler) keeps its values, as the Trainer's own loaders do.
+        ``progress/*`` is read from the manifest in any framework's layout (a plain save's
+        step count is its step number)."""
         assert self.resume is not None
         mgr, step = self.resume.manager, self.resume.step
+        manifest = mgr.manifest(step)
         state = build_state(self.trainer, self.progress, model_only=model_only)
-        keys = list(mgr.manifest(step).leaves)
+        keys = list(manifest.leaves)
         want = []
         for pattern in patterns:
             prefix = pattern.removesuffix("*")
-            if pattern.split("/")[0] not in state:
+            if pattern == "progress/*":
+                self.progress.load_progress(read_progress(manifest))
+            elif pattern.split("/")[0] not in state:
                 continue
-            if any(k.startswith(prefix) for k in keys):
+            elif any(k.startswith(prefix) for k in keys):
                 want.append(pattern)
             else:
                 log.info("shardkeeper: step %d has no %s; it keeps its current values", step, prefix.rstrip("/"))
-        if want:
-            mgr.restore(state, step=step, only=want, optional=["optim/*", "sched/*", "extra/*", "rng/*"])
+        if want:  # a rank the saving run did not have keeps its RNG (another world size)
+            mgr.restore(state, step=step, only=want, optional=["rng/*"])
 
     # -- save --------------------------------------------------------------------------------
     def save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -191,6 +152,14 @@ class TrainerPlugin:
     def wait(self) -> None:
         self._managers.wait()
 
+    def settle(self, when: str) -> None:
+        """Wait for the pending saves without raising: their failure is logged (the caller
+        is already handling another error, or retrying after one)."""
+        try:
+            self._managers.wait()
+        except Exception as e:  # noqa: BLE001 - logged: the save's failure is not the caller's error
+            log.warning("shardkeeper: a pending save failed (%s, rank %d): %s", when, self.rank(), e)
+
     def close(self) -> None:
         self._managers.close()
 
@@ -202,22 +171,6 @@ def _saves_best(strategy: Any) -> bool:
     return strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
 
 
-def _trainer_folder_step(folder: str) -> int:
-    """The ``global_step`` in the ``trainer_state.json`` of a folder the Trainer wrote (JSON)."""
-    with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as f:
-        step = json.load(f).get("global_step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"shardkeeper.transformers: {folder}/trainer_state.json has no global_step count")
-    return step
-
-
-def _listing(steps: Sequence[int]) -> str:
-    if not steps:
-        return "none"
-    shown = ", ".join(map(str, steps[-8:]))
-    return shown if len(steps) <= 8 else f"... {shown}"
-
-
 def _check_supported(trainer: Any) -> None:
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
@@ -227,10 +180,14 @@ def _check_supported(trainer: Any) -> None:
             f"supported: one process and DDP. Do not enable shardkeeper for this run"
         )
     if args.push_to_hub:
-        raise NotImplementedError(
-            "shardkeeper.transformers: push_to_hub pushes the Trainer's own checkpoint folders, which this "
-            "adapter does not write; export a step with shardkeeper.transformers.export_pretrained and push that"
-        )
+        refuse_push_to_hub()
+
+
+def refuse_push_to_hub() -> None:
+    raise NotImplementedError(
+        "shardkeeper.transformers: push_to_hub pushes the Trainer's own checkpoint folders, which this "
+        "adapter does not write; export a step with shardkeeper.transformers.export_pretrained and push that"
+    )
 
 
 def enable(trainer: Any, root: str | os.PathLike[str] | None = None, **options: Any) -> TrainerPlugin:
@@ -260,20 +217,26 @@ def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, An
     def train(
         resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kw: Any
     ) -> Any:
+        p.settle("before this train() call")  # a save a failed call left in flight counts
         target = p.resolve(resume_from_checkpoint)
         p.check_start(target)
         if isinstance(target, Resume):
             log.info("shardkeeper: resuming from step %d of %s", target.step, target.manager.storage.url)
         p.resume = target if isinstance(target, Resume) else None
+        p.progress.loaded = None
+        done = False
         try:  # a folder of the Trainer's own goes to the Trainer as it is; a step is resumed here
             own_folder = target if isinstance(target, str) else None
             out = own.train(
                 tr, resume_from_checkpoint=own_folder, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kw
             )
             p.wait()  # the last save committed (or its failure raised) before train() returns
+            done = True
             return out
         finally:
             p.resume = None
+            if not done:
+                p.settle("after train() failed")  # its saves end before the error reaches the caller
 
     def inner_training_loop(
         batch_size: Any = None,
@@ -304,6 +267,10 @@ def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, An
                 setattr(tr.state, k, v)
         else:
             tr.state = TrainerState(**saved)
+            if tr.state.train_batch_size is not None:  # the Trainer's warning on changed arguments
+                from transformers.trainer_utils import compare_trainer_and_checkpoint_args
+
+                compare_trainer_and_checkpoint_args(tr.args, tr.state)
             tfi.load_callback_state(tr)
         gs = int(tr.state.global_step)
         per_epoch = num_update_steps_per_epoch
@@ -382,4 +349,4 @@ def wait(trainer: Any) -> None:
     plugin_of(trainer).wait()
 
 
-__all__ = ["Resume", "TrainerPlugin", "disable", "enable", "plugin_of", "wait"]
+__all__ = ["TrainerPlugin", "disable", "enable", "plugin_of", "refuse_push_to_hub", "wait"]

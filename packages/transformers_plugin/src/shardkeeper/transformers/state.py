@@ -68,8 +68,8 @@ class TrainerProgress(ProgressTarget):
         """The ``TrainerState`` fields to resume with (the Trainer's own, or the step count
         and epoch of another framework's checkpoint)."""
         p = self.loaded
-        if p is None:
-            raise RuntimeError("shardkeeper.transformers: no progress was restored")
+        if p is None:  # (restore() reads it for every resumed step)
+            raise RuntimeError("shardkeeper.transformers: the resumed step's progress was not read")
         saved = p.of(FRAMEWORK).get("trainer_state")
         if isinstance(saved, dict) and isinstance(saved.get("global_step"), int):
             return dict(saved)

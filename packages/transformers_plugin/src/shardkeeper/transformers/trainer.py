@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardkeeper.transformers.plugin import enable
+from shardkeeper.transformers.plugin import enable, refuse_push_to_hub
 from transformers import Trainer
 
 
@@ -24,6 +24,9 @@ class ShardkeeperTrainer(Trainer):
         shardkeeper_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "push_to_hub", False):  # refused before the Trainer makes the hub repo
+            refuse_push_to_hub()
         super().__init__(*args, **kwargs)
         enable(self, shardkeeper_root, **(shardkeeper_options or {}))
 
