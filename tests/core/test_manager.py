@@ -1062,6 +1062,13 @@ def test_manifest_step_url_and_delete(tmp_path) -> None:
         assert mgr.delete(7) is True  # not committed: gone already
         with pytest.raises(CheckpointNotFoundError):
             mgr.manifest(2)
+        # A manifest that cannot be read: the step is neither deleted nor reported gone (it
+        # was reported gone while it stayed, and a save at that step stayed refused).
+        mgr.save(4, {"w": torch.zeros(4), "meta": {"step": 4}}, async_save=False)
+        (tmp_path / "root" / "step-000000000001" / "manifest.json").write_text("{not json")
+        assert mgr.steps() == [3, 4]
+        assert mgr.delete(1) is False
+        assert (tmp_path / "root" / "step-000000000001" / "manifest.json").exists()
 
 
 def test_only_does_not_reload_objects_it_excluded_and_optional_keys_may_be_absent(tmp_path) -> None:

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterable
 
 from shardkeeper.core.catalog import forget_deleted
-from shardkeeper.core.commit import committed_steps
+from shardkeeper.core.commit import committed_steps, manifest_steps
 from shardkeeper.core.context import ManagerContext
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.protocol import COORDINATOR, Deletion
@@ -56,7 +56,16 @@ def delete_step(ctx: ManagerContext, step: int) -> bool:
         try:
             deleted = apply_retention(ctx.storage, DeleteOnly(frozenset([step])))
             forget_deleted(ctx.settings.catalog, ctx.storage, deleted)
-            result = Deletion.KEPT if step in committed_steps(ctx.storage) else Deletion.GONE
+            # Listed by its manifest's name: a step whose manifest cannot be read is not gone
+            # (retention, which reads manifests, leaves it; a save at that step stays refused).
+            result = Deletion.KEPT if step in manifest_steps(ctx.storage) else Deletion.GONE
+            if result is Deletion.KEPT and step not in committed_steps(ctx.storage):
+                log.warning(
+                    "step %d under %s was not deleted: its manifest cannot be read (run `shardkeeper verify` "
+                    "on the root; remove the step's directory once nothing else needs it)",
+                    step,
+                    ctx.storage.url,
+                )
         except Exception as e:
             result, err = Deletion.FAILED, e
     if ctx.world_size > 1:

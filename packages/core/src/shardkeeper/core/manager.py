@@ -290,7 +290,8 @@ class CheckpointManager:
         the deletion; a commit of another process that references ``step`` keeps the files it
         needs (``pending.py``). Never deletes the newest committed step, nor files that another
         retained step references (returns False for the newest: ask again later). A step that
-        is not committed counts as gone.
+        is not committed counts as gone; one whose manifest cannot be read is not deleted
+        (False, with a warning: see ``shardkeeper verify``).
         """
         self._check_open()
         step = check_step("delete", step)
