@@ -106,14 +106,13 @@ class TrainerPlugin:
         step count is its step number)."""
         assert self.resume is not None
         mgr, step = self.resume.manager, self.resume.step
-        manifest = mgr.manifest(step)
         state = build_state(self.trainer, self.progress, model_only=model_only)
-        keys = list(manifest.leaves)
+        keys = self.resume.keys
         want = []
         for pattern in patterns:
             prefix = pattern.removesuffix("*")
             if pattern == "progress/*":
-                self.progress.load_progress(read_progress(manifest))
+                self.progress.load_progress(read_progress(mgr.manifest(step)))
             elif pattern.split("/")[0] not in state:
                 continue
             elif any(k.startswith(prefix) for k in keys):

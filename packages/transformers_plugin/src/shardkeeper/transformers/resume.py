@@ -7,6 +7,7 @@ Trainer's own loaders. Every refusal names the root or folder, the rank and the 
 
 from __future__ import annotations
 
+import functools
 import json
 import numbers
 import os
@@ -31,6 +32,11 @@ class Resume:
     @property
     def url(self) -> str:
         return self.manager.step_url(self.step)
+
+    @functools.cached_property
+    def keys(self) -> frozenset[str]:
+        """The step's keys, read from its manifest once per resume (each loader asks)."""
+        return frozenset(self.manager.manifest(self.step).leaves)
 
 
 def resolve(
