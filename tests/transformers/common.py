@@ -14,6 +14,8 @@ from transformers import TrainingArguments
 from shardkeeper.transformers import ShardkeeperTrainer
 
 SAMPLES, SEQ, STEPS, SAVE_EVERY = 24, 16, 12, 4
+#: A constant learning rate: runs of different lengths train alike.
+CONSTANT = {"lr_scheduler_type": "constant"}
 
 
 class Tokens(torch.utils.data.Dataset):

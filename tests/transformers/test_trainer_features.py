@@ -1,6 +1,6 @@
 """The real Trainer (one process, CPU) through shardkeeper: resume targets and the refusals
 before training, retention and the best model, ``save_only_model``, the Trainer's own folders,
-export for ``from_pretrained``, a plain-torch restore, and ``disable``."""
+export for ``from_pretrained``, and ``disable``."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 from shardkeeper.core import CheckpointManager, CheckpointNotFoundError  # noqa: E402
 from shardkeeper.transformers import ShardkeeperTrainer, disable, export_pretrained, plugin_of  # noqa: E402
 from tests.checks import state_diff, state_of  # noqa: E402
-from tests.transformers.common import SAVE_EVERY, STEPS, Recording, Tokens, make_trainer, tiny_model  # noqa: E402
+from tests.transformers.common import CONSTANT, SAVE_EVERY, STEPS, Recording, Tokens, make_trainer, tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
-CONSTANT = {"lr_scheduler_type": "constant"}  # runs of different lengths train alike
 
 
 def _steps(root: Path) -> list[int]:
@@ -33,15 +32,6 @@ def _steps(root: Path) -> list[int]:
 
 def _after(losses: list[tuple[int, str]], step: int) -> list[tuple[int, str]]:
     return [x for x in losses if x[0] >= step]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """12 steps uninterrupted, constant LR: its root (steps 4, 8, 12) and its trainer."""
-    root = tmp_path_factory.mktemp("ref") / "run"
-    trainer = make_trainer(root, **CONSTANT)
-    trainer.train()
-    return root, trainer
 
 
 def test_saves_commit_every_save_step_with_the_trainers_metadata(reference: tuple[Path, Any]) -> None:
@@ -314,20 +304,6 @@ def test_export_loads_with_from_pretrained(tmp_path: Path, reference: tuple[Path
         assert torch.equal(loaded(ids).logits, trainer.model(ids).logits)
 
 
-def test_plain_torch_restores_the_trainers_checkpoint(reference: tuple[Path, Any]) -> None:
-    root, trainer = reference
-    model = tiny_model()
-    decay = set(trainer.get_decay_parameter_names(model))  # the Trainer's two param groups
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.0},
-        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
-    ]
-    optim = torch.optim.AdamW(groups, lr=0.5)
-    with CheckpointManager(root) as mgr:
-        assert mgr.restore({"model": model, "optim": optim}) == 12
-    assert not state_diff(state_of(model, optim), state_of(trainer.model, trainer.optimizer.optimizer))
-
-
 def test_disable_gives_the_trainer_its_methods_back(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path / "run", max_steps=4)
     plugin = plugin_of(trainer)
@@ -339,31 +315,3 @@ def test_disable_gives_the_trainer_its_methods_back(tmp_path: Path) -> None:
         plugin_of(trainer)
     trainer.train()  # the Trainer's own checkpoints again
     assert (tmp_path / "run" / "checkpoint-4").is_dir() and plugin.last_handle is None
-
-
-def test_accelerate_restores_the_trainers_checkpoint(reference: tuple[Path, Any]) -> None:
-    """The Accelerate adapter's load_state (found as an installed distribution, never imported
-    by this adapter) takes the Trainer's step: model and AdamW bit-exact, the step count on."""
-    ska = pytest.importorskip("shardkeeper.accelerate")
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    root, trainer = reference
-    AcceleratorState._reset_state()
-    acc = Accelerator(cpu=True)
-    model = tiny_model()
-    decay = set(trainer.get_decay_parameter_names(model))
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if n in decay]},
-        {"params": [p for n, p in model.named_parameters() if n not in decay]},
-    ]
-    model, optim = acc.prepare(model, torch.optim.AdamW(groups, lr=0.5))
-    ska.enable(acc, str(root))
-    try:
-        assert acc.load_state() == 12
-        assert acc.project_configuration.iteration == 13  # its next save continues the step count
-        want = state_of(trainer.model, trainer.optimizer.optimizer)
-        assert not state_diff(state_of(acc.unwrap_model(model), optim.optimizer), want)
-    finally:
-        ska.disable(acc)
-        AcceleratorState._reset_state()
