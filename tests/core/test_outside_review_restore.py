@@ -477,3 +477,33 @@ def test_another_number_of_param_groups_is_refused_before_reading(tmp_path: Path
         assert mgr.restore({"model": model, "optim": opt}, only=["model/*"]) == 1
     assert_same_state(model.state_dict(), params, what="the model restored alone")
     _train(model, opt, 1, seed=3)
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and an output head sharing one weight (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``): ``state_dict()`` lists it under both names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(6, 4)
+        self.head = torch.nn.Linear(4, 6, bias=False)
+        self.head.weight = self.wte.weight
+
+
+def test_a_tied_weight_saved_under_one_name_restores_strictly_into_both(tmp_path: Path) -> None:
+    """A save that walks named_parameters() (DeepSpeed's engine state) holds a tied weight once;
+    a strict restore into the module fills the alias through its twin. A key that is no alias
+    is still missing."""
+    src = _Tied()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": dict(src.named_parameters())}).wait()  # wte.weight only
+        assert "model/head.weight" not in mgr.manifest(1).leaves
+        dst = _Tied()
+        with torch.no_grad():
+            dst.wte.weight.zero_()
+        assert mgr.restore({"model": dst}) == 1
+        assert torch.equal(dst.head.weight, src.wte.weight) and dst.head.weight is dst.wte.weight
+        untied = _Tied()
+        untied.head.weight = torch.nn.Parameter(torch.zeros(6, 4))  # its own memory: no alias
+        with pytest.raises(StateMismatchError, match=r"model/head\.weight"):
+            mgr.restore({"model": untied})

@@ -38,6 +38,7 @@ from shardkeeper.core.tensor.state import (
     dtype_from_name,
     torch_dtype_name,
 )
+from shardkeeper.core.tensor.tied import tied_aliases
 
 PER_RANK_POLICIES = ("exact", "modulo", "drop")
 
@@ -395,6 +396,9 @@ def plan_restore(
             f"only={list(only)} matches no key of the target state in {where}; list the "
             f"checkpoint's keys with `shardkeeper inspect {storage.url} {manifest.step}`"
         )
+    if plan.missing:  # a tied weight's alias is filled through its twin
+        tied = tied_aliases(flat.leaves, plan.missing, plan.restored)
+        plan.missing = [k for k in plan.missing if k not in tied]
     if plan.missing and strict:
         raise StateMismatchError(
             f"{len(plan.missing)} key(s) of the target state are not in {where}: {missing_list(plan.missing)}; "
