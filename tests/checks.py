@@ -60,6 +60,26 @@ def state_of(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimi
     return out
 
 
+def deepspeed_full_state(engine: Any) -> dict[str, torch.Tensor]:
+    """A DeepSpeed engine's full fp32 parameters and Adam moments, by FQN, through DeepSpeed's
+    own API (``safe_get_full_*``; a collective under ZeRO-3: every rank calls it)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    zero = engine.optimizer
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2
+        # DeepSpeed links each parameter's view of the optimizer state once, after its first
+        # step; under the transformers Trainer that link sees no state yet and never renews
+        # ("exp_avg not found in optimizer state fragment"). Link to the current state.
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+    out: dict[str, torch.Tensor] = {}
+    for n, p in engine.module.named_parameters():
+        out[f"model/{n}"] = safe_get_full_fp32_param(p).detach().clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"optim/{n}/{k}"] = safe_get_full_optimizer_state(p, k).detach().clone()
+    return out
+
+
 def _copy(key: str, v: Any) -> Any:
     if not isinstance(v, torch.Tensor):
         return copy.deepcopy(v)

@@ -177,18 +177,6 @@ def _old_deepspeed() -> bool:
     return tuple(int(x) for x in deepspeed.__version__.split(".")[:2]) < (0, 19)
 
 
-def deepspeed_full_state(engine: Any) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters and Adam moments through DeepSpeed's own API (a collective)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    out: dict[str, torch.Tensor] = {}
-    for n, p in engine.module.named_parameters():
-        out[f"model/{n}"] = safe_get_full_fp32_param(p).detach().clone()
-        for k in ("exp_avg", "exp_avg_sq"):
-            out[f"optim/{n}/{k}"] = safe_get_full_optimizer_state(p, k).detach().clone()
-    return out
-
-
 def cpu_trainer(tmp: Any, *plugins: Any, epochs: int = 1, callbacks: list[Any] | None = None) -> L.Trainer:
     """A quiet one-device CPU Trainer under ``tmp``; checkpointing only with ``callbacks``."""
     return L.Trainer(

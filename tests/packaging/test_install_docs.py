@@ -71,9 +71,10 @@ def test_requirements_table_matches_every_pyproject() -> None:
 
 
 def test_every_adapter_that_needs_the_deepspeed_adapter_has_an_extra_for_it() -> None:
-    """Lightning's DeepSpeedStrategy and Accelerate's DEEPSPEED both delegate to shardkeeper-deepspeed."""
+    """Lightning's DeepSpeedStrategy, Accelerate's DEEPSPEED and a Trainer under DeepSpeed all
+    delegate to shardkeeper-deepspeed."""
     projects = _projects()
-    for name in ("shardkeeper-lightning", "shardkeeper-accelerate"):
+    for name in ("shardkeeper-lightning", "shardkeeper-accelerate", "shardkeeper-transformers"):
         assert projects[name]["optional-dependencies"]["deepspeed"] == ["shardkeeper-deepspeed>=0.1.0"]
 
 

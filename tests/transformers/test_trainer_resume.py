@@ -1,5 +1,5 @@
-"""The real Trainer killed with a save in flight, then resumed: one process and DDP (torchrun,
-2 gloo ranks). The torn step is never resumed from; the resume lands mid-epoch on the newest
+"""The real Trainer killed with a save in flight, then resumed: one process, DDP and DeepSpeed
+ZeRO-3 (torchrun, 2 gloo ranks). The torn step is never resumed from; the resume lands mid-epoch on the newest
 committed step, and every later loss and the final parameters and AdamW state equal an
 uninterrupted run's bit for bit (tests/transformers/dist/trainer_worker.py)."""
 
@@ -15,6 +15,7 @@ from tests.launch import run_script
 pytest.importorskip("shardkeeper.transformers")
 
 WORKER = Path(__file__).parent / "dist" / "trainer_worker.py"
+ENV = {"HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
 RESUME_CHECKS = [
     "crashed_step_not_committed",
     "resumed_at_committed_step",
@@ -24,18 +25,20 @@ RESUME_CHECKS = [
 ]
 
 
-def _kill_and_resume(nproc: int, out: Path) -> None:
-    env = {"HF_HUB_OFFLINE": "1"}
-    ref = run_script(nproc, WORKER, "reference", str(out), timeout_s=150, env=env)
+def _kill_and_resume(nproc: int, out: Path, *, stage: int = 0) -> None:
+    """Reference, crash and resume launches of ``nproc`` ranks (``stage``: DeepSpeed ZeRO)."""
+    env = ENV
+    more = (str(stage),) if stage else ()
+    ref = run_script(nproc, WORKER, "reference", str(out), *more, timeout_s=150, env=env)
     assert ref.returncode == 0, ref.stdout[-4000:]
-    crash = run_script(nproc, WORKER, "crash", str(out), timeout_s=150, env=env)
+    crash = run_script(nproc, WORKER, "crash", str(out), *more, timeout_s=150, env=env)
     assert crash.returncode != 0, "the crash run was meant to kill itself:\n" + crash.stdout[-4000:]
     assert not (out / "crash-rank0.json").exists(), "the crash run got past its kill"
     killed = sorted(p.name for p in out.glob("killed-rank*"))
     assert killed == [f"killed-rank{r}" for r in range(nproc)], (
         f"not killed at its save: {killed}\n{crash.stdout[-4000:]}"
     )
-    resume = run_script(nproc, WORKER, "resume", str(out), timeout_s=150, env=env)
+    resume = run_script(nproc, WORKER, "resume", str(out), *more, timeout_s=150, env=env)
     assert resume.returncode == 0, resume.stdout[-4000:]
     checks = read_checks(*(out / f"resume-rank{r}.json" for r in range(nproc)), output=resume.stdout)
     assert_checks(checks, RESUME_CHECKS, where=f"{nproc} process(es)")
@@ -49,3 +52,17 @@ def test_single_process_kill_during_save_then_resume_is_bit_exact(tmp_path: Path
 @pytest.mark.timeout(600)
 def test_ddp_kill_during_save_then_resume_is_bit_exact(tmp_path: Path) -> None:
     _kill_and_resume(2, tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_zero3_kill_then_resume_is_bit_exact_and_a_plain_trainer_resumes_it(tmp_path: Path) -> None:
+    """The Trainer under DeepSpeed ZeRO-3 (2 ranks, the Trainer's AdamW): killed with a save in
+    flight and resumed bit for bit (the engine's fp32 masters and Adam moments); then a plain
+    one-process Trainer resumes its step 12 and holds that state, bit for bit."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("shardkeeper.deepspeed")
+    _kill_and_resume(2, tmp_path, stage=3)
+    cross = run_script(1, WORKER, "cross", str(tmp_path), timeout_s=150, env=ENV)
+    assert cross.returncode == 0, cross.stdout[-4000:]
+    checks = read_checks(tmp_path / "cross-rank0.json", output=cross.stdout)
+    assert_checks(checks, ["resumed_step_count", "zero_checkpoint_restores_in_a_plain_trainer"])

@@ -36,12 +36,11 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from shardkeeper.lightning import ShardkeeperCheckpointIO  # noqa: E402
-from tests.checks import Checks  # noqa: E402
+from tests.checks import Checks, deepspeed_full_state  # noqa: E402
 from tests.lightning.common import (  # noqa: E402
     Net,
     cpu_deepspeed_strategy,
     cpu_fsdp1_strategy,
-    deepspeed_full_state,
     full_state,
     loader,
 )

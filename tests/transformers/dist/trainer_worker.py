@@ -1,7 +1,7 @@
-"""The real Trainer (a tiny GPT-2 from a config, CPU) saving through shardkeeper: one process
-or DDP under torchrun (gloo).
+"""The real Trainer (a tiny GPT-2 from a config, CPU) saving through shardkeeper: one process,
+DDP, or DeepSpeed ZeRO under torchrun (gloo).
 
-    trainer_worker.py MODE OUT
+    trainer_worker.py MODE OUT [STAGE]
 
 ``reference``: 12 steps uninterrupted (saves at 4, 8, 12 into ``OUT/ref``); records every
 micro-step's loss and the final parameters and AdamW state. ``crash``: the same run into
@@ -10,11 +10,18 @@ micro-step's loss and the final parameters and AdamW state. ``crash``: the same 
 new process: it must resume at step 4 (mid-epoch: 6 steps an epoch), and every later loss
 and the final state must equal the reference's bit for bit. Each rank writes its checks to
 ``OUT/<mode>-rank<r>.json`` and its losses and state to ``OUT/<mode>-rank<r>.pt``.
+
+``STAGE`` (1, 2 or 3): the Trainer runs under DeepSpeed ZeRO-``STAGE`` with the Trainer's own
+AdamW, and the state compared is the engine's full fp32 parameters and Adam moments. ``cross``
+(one process, no DeepSpeed): a plain Trainer resumes the reference's step 12 and must hold
+that state, bit for bit, with the step count continued.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -24,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tests.checks import Checks, state_of
+from tests.checks import Checks, deepspeed_full_state, state_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -66,12 +73,56 @@ def hold_manifest(trainer: Recording, step: int) -> None:
     storage.put_if_absent = held  # type: ignore[method-assign]
 
 
+def deepspeed_config(stage: int) -> dict[str, Any]:
+    """ZeRO-``stage`` with the Trainer's AdamW and batch sizes (``auto``: from its arguments)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no shm comm op on this CPU build
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    auto = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    return {
+        **dict.fromkeys(auto, "auto"),
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def full_state(trainer: Recording) -> dict[str, Any]:
+    """The trained state: the model and AdamW, or the engine's fp32 masters and moments."""
+    if trainer.is_deepspeed_enabled:
+        return deepspeed_full_state(trainer.model_wrapped)
+    return state_of(trainer.model, trainer.optimizer.optimizer)
+
+
+def cross(out: Path, checks: Checks) -> None:
+    """A plain one-process Trainer resumes the DeepSpeed reference's step 12 (a copy of it)."""
+    root = out / "cross"
+    shutil.copytree(out / "ref", root)
+    trainer = make_trainer(root, max_steps=STEPS)  # nothing left to train: the restored state stays
+    trainer.train(resume_from_checkpoint=True)
+    checks.check("resumed_step_count", trainer.state.global_step == STEPS, f"global_step {trainer.state.global_step}")
+    optim = trainer.optimizer.optimizer
+    got: dict[str, Any] = {}
+    for n, p in trainer.model.named_parameters():  # as deepspeed_full_state names them
+        got[f"model/{n}"] = p.detach().clone()
+        got.update({f"optim/{n}/{k}": optim.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")})
+    ref = torch.load(out / "reference-rank0.pt", weights_only=True)["state"]
+    checks.same("zero_checkpoint_restores_in_a_plain_trainer", got, ref)
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
+    stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     rank = int(os.environ.get("RANK", "0"))
     checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)
+    if mode == "cross":
+        cross(out, checks)
+        checks.write()
+        return
     root = out / ("ref" if mode == "reference" else "run")
-    trainer = make_trainer(root, options={"async_save": True})
+    more = {"deepspeed": deepspeed_config(stage)} if stage else {}
+    trainer = make_trainer(root, options={"async_save": True}, **more)
     if mode == "crash":
         hold_manifest(trainer, CRASH_AT)
         trainer.add_callback(KillDuringSave())
@@ -82,7 +133,7 @@ def main() -> None:
         trainer.train(resume_from_checkpoint=True)
     else:
         trainer.train()
-    state = state_of(trainer.model, trainer.optimizer.optimizer)
+    state = full_state(trainer)
     torch.save({"losses": trainer.losses, "state": state}, out / f"{mode}-rank{rank}.pt")
     if mode == "resume":
         ref = torch.load(out / f"reference-rank{rank}.pt", weights_only=True)

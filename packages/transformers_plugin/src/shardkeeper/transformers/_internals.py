@@ -12,6 +12,9 @@ transformers 5.23.0 and 5.24.0:
   epochs and batches to skip as the Trainer does (``global_step`` // update steps per epoch);
 - ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``,
   ``_load_from_checkpoint`` and ``_load_best_model`` restore from the checkpoint;
+- ``_prepare_for_training`` (which calls the loaders once the model is prepared) gets no
+  checkpoint under DeepSpeed, where it would call ``deepspeed_load_checkpoint`` on the
+  Trainer's own folders; the DeepSpeed engine's state is restored after it;
 - ``_save_checkpoint`` saves; it still calls ``store_flos`` (a collective under DDP) and
   records the ``ExportableState`` callbacks as the Trainer does.
 
@@ -41,6 +44,7 @@ METHODS: dict[str, tuple[str, ...]] = {
         "resume_from_checkpoint",
         "trial",
     ),
+    "_prepare_for_training": ("max_steps", "train_dataloader", "resume_from_checkpoint"),
     "_save_checkpoint": ("model", "trial"),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_load_optimizer_and_scheduler": ("checkpoint",),
@@ -112,6 +116,7 @@ class Originals:
         self.train = cls.train
         self.inner_training_loop = cls._inner_training_loop
         self.init_training_state = cls._init_training_state
+        self.prepare_for_training = cls._prepare_for_training
         self.load_optimizer_and_scheduler = cls._load_optimizer_and_scheduler
         self.load_scaler = cls._load_scaler
         self.load_rng_state = cls._load_rng_state
@@ -126,6 +131,7 @@ def replace_methods(patches: Any, trainer: Any, fns: dict[str, Any]) -> None:
         "train": "train",
         "inner_training_loop": "_inner_training_loop",
         "init_training_state": "_init_training_state",
+        "prepare_for_training": "_prepare_for_training",
         "save_checkpoint": "_save_checkpoint",
         "load_optimizer_and_scheduler": "_load_optimizer_and_scheduler",
         "load_scaler": "_load_scaler",

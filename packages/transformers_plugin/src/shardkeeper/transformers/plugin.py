@@ -21,13 +21,22 @@ from shardkeeper.core import CheckpointManager, SaveHandle
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, read_progress
 from shardkeeper.transformers import _internals as tfi
 from shardkeeper.transformers.resume import Resume, resolve, trainer_folder_step
-from shardkeeper.transformers.state import FRAMEWORK, PER_PROCESS, TrainerProgress, build_state, raw_model
+from shardkeeper.transformers.state import (
+    FRAMEWORK,
+    PER_PROCESS,
+    TrainerProgress,
+    build_state,
+    deepspeed_engine_state,
+    is_deepspeed,
+    raw_model,
+)
 
 log = logging.getLogger(__name__)
 
 _ATTR = "_shardkeeper"
 #: Keys the resume restores at each point of the Trainer's start-up.
-_MODEL = ("model/*", "progress/*")
+_MODEL_ONLY = ("model/*",)
+_MODEL = (*_MODEL_ONLY, "progress/*")
 _OPTIM = ("optim/*", "sched/*")
 
 
@@ -106,6 +115,9 @@ class TrainerPlugin:
         step count is its step number)."""
         assert self.resume is not None
         mgr, step = self.resume.manager, self.resume.step
+        if patterns == ("progress/*",):  # before the DeepSpeed engine exists: no state to build
+            self.progress.load_progress(read_progress(mgr.manifest(step)))
+            return
         state = build_state(self.trainer, self.progress, model_only=model_only)
         keys = self.resume.keys
         want = []
@@ -172,12 +184,22 @@ def _saves_best(strategy: Any) -> bool:
 
 def _check_supported(trainer: Any) -> None:
     args = trainer.args
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        kind = "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else "FSDP"
+    if getattr(trainer, "is_fsdp_enabled", False):
         raise NotImplementedError(
-            f"shardkeeper.transformers: a Trainer under {kind} is not supported yet (rank {args.process_index}); "
-            f"supported: one process and DDP. Do not enable shardkeeper for this run"
+            f"shardkeeper.transformers: a Trainer under FSDP is not supported yet (rank {args.process_index}); "
+            f"supported: one process, DDP and DeepSpeed ZeRO-1/2/3. Do not enable shardkeeper for this run, "
+            f"or use Accelerate with FSDP2 and shardkeeper.accelerate"
         )
+    if is_deepspeed(trainer):
+        from shardkeeper.core.adapters import load_adapter
+
+        try:
+            load_adapter("deepspeed")
+        except ImportError as e:
+            raise ImportError(
+                f"shardkeeper.transformers: a Trainer under DeepSpeed saves its engine's state through the "
+                f"DeepSpeed adapter, which is missing (rank {args.process_index}): {e}"
+            ) from e
     if args.push_to_hub:
         refuse_push_to_hub()
 
@@ -246,8 +268,17 @@ def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, An
     ) -> Any:
         if p.resume is not None:
             resume_from_checkpoint = p.resume.url  # the Trainer's resume branches run; our loaders read
-            p.restore(_MODEL, model_only=True)  # before the model is wrapped (DDP) and prepared
+            # the model before it is wrapped (DDP) and prepared; under DeepSpeed, with the engine
+            p.restore(("progress/*",) if is_deepspeed(tr) else _MODEL, model_only=True)
         return own.inner_training_loop(tr, batch_size, args, resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def prepare_for_training(max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        if p.resume is None or not is_deepspeed(tr):
+            return own.prepare_for_training(tr, max_steps, train_dataloader, resume_from_checkpoint)
+        # no checkpoint: it would call deepspeed_load_checkpoint, which reads DeepSpeed's folders
+        out = own.prepare_for_training(tr, max_steps, train_dataloader, None)
+        p.restore(("progress/*", *_MODEL_ONLY, *_OPTIM, "extra/grad_scaler/*"))  # into the engine it made
+        return out
 
     def init_training_state(
         max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: Any, resume_from_checkpoint: Any, trial: Any
@@ -309,13 +340,15 @@ def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, An
         log.info(
             "shardkeeper: the best model is step %d (%s %s)", best, tr.args.metric_for_best_model, tr.state.best_metric
         )
-        mgr.restore({"model": raw_model(tr)}, step=int(best), only="model/*")
+        model = deepspeed_engine_state(tr)["model"] if is_deepspeed(tr) else raw_model(tr)
+        mgr.restore({"model": model}, step=int(best), only="model/*")
         return None
 
     return {
         "train": train,
         "inner_training_loop": inner_training_loop,
         "init_training_state": init_training_state,
+        "prepare_for_training": prepare_for_training,
         "save_checkpoint": p.save_checkpoint,
         "load_optimizer_and_scheduler": load_optimizer_and_scheduler,
         "load_scaler": load_scaler,

@@ -10,10 +10,16 @@
 | the ``TrainerState`` (log history,     | ``progress/transformers/trainer_state`` (JSON)  |
 | best metric, callback states)          |                                                 |
 | RNG of each rank                       | ``rng/<rank>/...``                              |
+| under DeepSpeed: the engine's model,   | ``engine_state(engine)`` of the DeepSpeed       |
+| optimizer, scheduler and counters      | adapter: ``model``, ``optim``, ``sched``,       |
+|                                        | ``progress/deepspeed/...``                      |
 
 The data position needs no key: the Trainer finds it from ``global_step`` (its sampler's
 order depends only on the seed and the epoch) and skips the batches already trained on.
 ``save_only_model`` leaves out ``optim``, ``sched``, ``extra`` and ``rng``, as the Trainer does.
+Under DeepSpeed (ZeRO-1/2/3) the engine's state comes from the DeepSpeed adapter, found through
+its entry point (``load_adapter("deepspeed")``, never imported): the same keys, so a ZeRO
+checkpoint resumes in a DDP Trainer at another world size and the other way round.
 """
 
 from __future__ import annotations
@@ -53,16 +59,23 @@ class TrainerProgress(ProgressTarget):
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.loaded: CheckpointProgress | None = None
+        #: The DeepSpeed engine's counters (``progress/deepspeed/...``), set by ``build_state``.
+        self.engine_progress: ProgressTarget | None = None
 
     def state_dict(self) -> dict[str, Any]:
         st = self.trainer.state
         saved = {k: v for k, v in dataclasses.asdict(st).items() if k not in PER_PROCESS}
-        return progress_state(
+        entry = progress_state(
             step=int(st.global_step), epoch=int(st.epoch or 0), counters={FRAMEWORK: {"trainer_state": saved}}
         )
+        if self.engine_progress is None:
+            return entry
+        return {**self.engine_progress.state_dict(), **entry}  # the engine's samples and counters too
 
     def load_progress(self, progress: CheckpointProgress) -> None:
         self.loaded = progress
+        if self.engine_progress is not None:
+            self.engine_progress.load_progress(progress)
 
     def trainer_state(self) -> dict[str, Any]:
         """The ``TrainerState`` fields to resume with (the Trainer's own, or the step count
@@ -83,16 +96,40 @@ class TrainerProgress(ProgressTarget):
         return {"global_step": p.step, "epoch": float(p.epoch)}
 
 
+def is_deepspeed(trainer: Any) -> bool:
+    return bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+def deepspeed_engine_state(trainer: Any) -> dict[str, Any]:
+    """The DeepSpeed adapter's canonical state of the Trainer's engine (``model_wrapped`` once
+    the Trainer prepared it), found through the adapter's entry point."""
+    from shardkeeper.core.adapters import load_adapter
+
+    engine = trainer.model_wrapped
+    if type(engine).__name__ != "DeepSpeedEngine":
+        raise RuntimeError(
+            f"shardkeeper.transformers: the Trainer runs under DeepSpeed but has no engine yet "
+            f"(model_wrapped is a {type(engine).__name__}); its state exists once train() has prepared it"
+        )
+    return dict(load_adapter("deepspeed").engine_state(engine))
+
+
 def build_state(trainer: Any, progress: TrainerProgress, *, model_only: bool = False) -> dict[str, Any]:
     """The state dict for ``CheckpointManager.save`` / ``restore`` (the same for both).
-    ``model_only``: the model and progress alone (``save_only_model``)."""
-    state: dict[str, Any] = {"model": raw_model(trainer), "progress": progress}
+    ``model_only``: the model and progress alone (``save_only_model``). Under DeepSpeed the
+    Trainer's engine must exist (after ``_prepare_for_training``)."""
+    engine = deepspeed_engine_state(trainer) if is_deepspeed(trainer) else {}
+    progress.engine_progress = engine.get("progress")
+    state: dict[str, Any] = {"model": engine["model"] if engine else raw_model(trainer), "progress": progress}
     if model_only:
         return state
-    if trainer.optimizer is not None:
+    if engine:
+        state["optim"] = engine["optim"]
+    elif trainer.optimizer is not None:
         state["optim"] = raw_optimizer(trainer.optimizer)
-    if trainer.lr_scheduler is not None:
-        state["sched"] = trainer.lr_scheduler
+    sched = engine.get("sched", trainer.lr_scheduler)  # DeepSpeed's scheduler wrapper has no state
+    if sched is not None and type(sched).__name__ != "DeepSpeedSchedulerWrapper":
+        state["sched"] = sched
     scaler = getattr(trainer.accelerator, "scaler", None)
     if scaler is not None:
         state["extra"] = {"grad_scaler": scaler}
@@ -100,4 +137,13 @@ def build_state(trainer: Any, progress: TrainerProgress, *, model_only: bool = F
     return state
 
 
-__all__ = ["FRAMEWORK", "PER_PROCESS", "TrainerProgress", "build_state", "raw_model", "raw_optimizer"]
+__all__ = [
+    "FRAMEWORK",
+    "PER_PROCESS",
+    "TrainerProgress",
+    "build_state",
+    "deepspeed_engine_state",
+    "is_deepspeed",
+    "raw_model",
+    "raw_optimizer",
+]
