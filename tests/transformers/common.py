@@ -55,11 +55,13 @@ def make_trainer(
     options: dict[str, Any] | None = None,
     evaluate: bool = False,
     cls: type[Recording] | None = None,
+    model: Any = None,
     **more: Any,
 ) -> Recording:
     """A recording ShardkeeperTrainer into ``root``: 12 steps of batches of 4 (6 steps an
     epoch, over the ranks of a DDP launch), a save every 4; ``evaluate``: with an eval
-    dataset; ``cls``: a subclass of ``Recording``; ``more`` overrides arguments."""
+    dataset; ``cls``: a subclass of ``Recording``; ``model``: instead of ``tiny_model()``;
+    ``more`` overrides arguments."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     params: dict[str, Any] = {
         "output_dir": str(root),
@@ -77,7 +79,7 @@ def make_trainer(
         **more,
     }
     trainer = (cls or Recording)(
-        model=tiny_model(),
+        model=tiny_model() if model is None else model,
         args=TrainingArguments(**params),
         train_dataset=Tokens(),
         eval_dataset=Tokens() if evaluate else None,

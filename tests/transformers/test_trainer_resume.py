@@ -1,7 +1,8 @@
-"""The real Trainer killed with a save in flight, then resumed: one process, DDP and DeepSpeed
-ZeRO-3 (torchrun, 2 gloo ranks). The torn step is never resumed from; the resume lands mid-epoch on the newest
-committed step, and every later loss and the final parameters and AdamW state equal an
-uninterrupted run's bit for bit (tests/transformers/dist/trainer_worker.py)."""
+"""The real Trainer killed with a save in flight, then resumed: one process, DDP, DeepSpeed
+ZeRO-3 and FSDP2 sharded at load time (torchrun, 2 gloo ranks). The torn step is never resumed
+from; the resume lands mid-epoch on the newest committed step, and every later loss and the
+final parameters and AdamW state equal an uninterrupted run's bit for bit
+(tests/transformers/dist/trainer_worker.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from tests.launch import run_script
 
 pytest.importorskip("shardkeeper.transformers")
 
+pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
+
 WORKER = Path(__file__).parent / "dist" / "trainer_worker.py"
 ENV = {"HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
 RESUME_CHECKS = [
@@ -25,10 +28,10 @@ RESUME_CHECKS = [
 ]
 
 
-def _kill_and_resume(nproc: int, out: Path, *, stage: int = 0) -> None:
-    """Reference, crash and resume launches of ``nproc`` ranks (``stage``: DeepSpeed ZeRO)."""
+def _kill_and_resume(nproc: int, out: Path, *, layout: str = "") -> None:
+    """Reference, crash and resume launches of ``nproc`` ranks (``layout``: trainer_worker.py's)."""
     env = ENV
-    more = (str(stage),) if stage else ()
+    more = (layout,) if layout else ()
     ref = run_script(nproc, WORKER, "reference", str(out), *more, timeout_s=150, env=env)
     assert ref.returncode == 0, ref.stdout[-4000:]
     crash = run_script(nproc, WORKER, "crash", str(out), *more, timeout_s=150, env=env)
@@ -55,14 +58,18 @@ def test_ddp_kill_during_save_then_resume_is_bit_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_deepspeed_zero3_kill_then_resume_is_bit_exact_and_a_plain_trainer_resumes_it(tmp_path: Path) -> None:
-    """The Trainer under DeepSpeed ZeRO-3 (2 ranks, the Trainer's AdamW): killed with a save in
-    flight and resumed bit for bit (the engine's fp32 masters and Adam moments); then a plain
-    one-process Trainer resumes its step 12 and holds that state, bit for bit."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("shardkeeper.deepspeed")
-    _kill_and_resume(2, tmp_path, stage=3)
+@pytest.mark.parametrize("layout", ["zero3", "fsdp2"])
+def test_sharded_kill_then_resume_is_bit_exact_and_a_plain_trainer_resumes_it(layout: str, tmp_path: Path) -> None:
+    """A sharded Trainer (2 ranks): DeepSpeed ZeRO-3 with the Trainer's AdamW, or FSDP2 applied
+    by transformers at load time (``DistributedConfig``), which the Trainer alone cannot
+    checkpoint. Killed with a save in flight and resumed bit for bit (the losses, the full
+    parameters and Adam moments); then a plain one-process Trainer resumes its step 12 and
+    holds that state, bit for bit."""
+    if layout.startswith("zero"):
+        pytest.importorskip("deepspeed")
+        pytest.importorskip("shardkeeper.deepspeed")
+    _kill_and_resume(2, tmp_path, layout=layout)
     cross = run_script(1, WORKER, "cross", str(tmp_path), timeout_s=150, env=ENV)
     assert cross.returncode == 0, cross.stdout[-4000:]
     checks = read_checks(tmp_path / "cross-rank0.json", output=cross.stdout)
-    assert_checks(checks, ["resumed_step_count", "zero_checkpoint_restores_in_a_plain_trainer"])
+    assert_checks(checks, ["resumed_step_count", "sharded_checkpoint_restores_in_a_plain_trainer"], where=layout)

@@ -1,7 +1,7 @@
 """The real Trainer (a tiny GPT-2 from a config, CPU) saving through shardkeeper: one process,
-DDP, or DeepSpeed ZeRO under torchrun (gloo).
+DDP, DeepSpeed ZeRO or FSDP2 under torchrun (gloo).
 
-    trainer_worker.py MODE OUT [STAGE]
+    trainer_worker.py MODE OUT [LAYOUT]
 
 ``reference``: 12 steps uninterrupted (saves at 4, 8, 12 into ``OUT/ref``); records every
 micro-step's loss and the final parameters and AdamW state. ``crash``: the same run into
@@ -11,10 +11,13 @@ new process: it must resume at step 4 (mid-epoch: 6 steps an epoch), and every l
 and the final state must equal the reference's bit for bit. Each rank writes its checks to
 ``OUT/<mode>-rank<r>.json`` and its losses and state to ``OUT/<mode>-rank<r>.pt``.
 
-``STAGE`` (1, 2 or 3): the Trainer runs under DeepSpeed ZeRO-``STAGE`` with the Trainer's own
-AdamW, and the state compared is the engine's full fp32 parameters and Adam moments. ``cross``
-(one process, no DeepSpeed): a plain Trainer resumes the reference's step 12 and must hold
-that state, bit for bit, with the step count continued.
+``LAYOUT``: ``zero1``, ``zero2`` or ``zero3``: the Trainer runs under DeepSpeed ZeRO with the
+Trainer's own AdamW, and the state compared is the engine's full fp32 parameters and Adam
+moments; ``fsdp2``: the model is sharded at load time by transformers itself
+(``from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))``, DTensor
+parameters), which the Trainer alone refuses to checkpoint. ``cross`` (one process, no
+layout): a plain Trainer resumes the reference's step 12 and must hold that state, bit for
+bit, with the step count continued.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from transformers import TrainerCallback  # noqa: E402
 from shardkeeper.core import CheckpointManager  # noqa: E402
 from shardkeeper.core.commit import manifest_path  # noqa: E402
 from shardkeeper.transformers import plugin_of  # noqa: E402
-from tests.transformers.common import SAVE_EVERY, STEPS, Recording, make_trainer  # noqa: E402
+from tests.transformers.common import SAVE_EVERY, STEPS, Recording, make_trainer, tiny_model  # noqa: E402
 
 CRASH_AT = 8
 
@@ -88,6 +91,32 @@ def deepspeed_config(stage: int) -> dict[str, Any]:
     }
 
 
+def sharded_at_load(out: Path) -> Any:
+    """The tiny GPT-2, saved once by rank 0, loaded FSDP2-sharded over every rank by transformers."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    folder = out / "pretrained"
+    if dist.get_rank() == 0 and not folder.exists():
+        tiny_model().save_pretrained(folder)
+    dist.barrier()
+    return AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size()))
+
+
+def layout_arguments(layout: str, out: Path) -> dict[str, Any]:
+    """``make_trainer`` arguments of ``layout`` ("" for none)."""
+    if layout.startswith("zero"):
+        return {"deepspeed": deepspeed_config(int(layout.removeprefix("zero")))}
+    if layout == "fsdp2":
+        return {"model": sharded_at_load(out)}
+    if layout:
+        raise SystemExit(f"unknown layout {layout!r}: zero1, zero2, zero3 or fsdp2")
+    return {}
+
+
 def full_state(trainer: Recording) -> dict[str, Any]:
     """The trained state: the model and AdamW, or the engine's fp32 masters and moments."""
     if trainer.is_deepspeed_enabled:
@@ -96,24 +125,27 @@ def full_state(trainer: Recording) -> dict[str, Any]:
 
 
 def cross(out: Path, checks: Checks) -> None:
-    """A plain one-process Trainer resumes the DeepSpeed reference's step 12 (a copy of it)."""
+    """A plain one-process Trainer resumes the sharded reference's step 12 (a copy of it)."""
     root = out / "cross"
     shutil.copytree(out / "ref", root)
     trainer = make_trainer(root, max_steps=STEPS)  # nothing left to train: the restored state stays
     trainer.train(resume_from_checkpoint=True)
     checks.check("resumed_step_count", trainer.state.global_step == STEPS, f"global_step {trainer.state.global_step}")
-    optim = trainer.optimizer.optimizer
-    got: dict[str, Any] = {}
-    for n, p in trainer.model.named_parameters():  # as deepspeed_full_state names them
-        got[f"model/{n}"] = p.detach().clone()
-        got.update({f"optim/{n}/{k}": optim.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")})
     ref = torch.load(out / "reference-rank0.pt", weights_only=True)["state"]
-    checks.same("zero_checkpoint_restores_in_a_plain_trainer", got, ref)
+    optim = trainer.optimizer.optimizer
+    if any(k.startswith("param/") for k in ref):  # the reference's format (full_state)
+        got = state_of(trainer.model, optim)
+    else:
+        got = {}
+        for n, p in trainer.model.named_parameters():  # as deepspeed_full_state names them
+            got[f"model/{n}"] = p.detach().clone()
+            got.update({f"optim/{n}/{k}": optim.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")})
+    checks.same("sharded_checkpoint_restores_in_a_plain_trainer", got, ref)
 
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    layout = sys.argv[3] if len(sys.argv) > 3 else ""
     rank = int(os.environ.get("RANK", "0"))
     checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)
     if mode == "cross":
@@ -121,7 +153,7 @@ def main() -> None:
         checks.write()
         return
     root = out / ("ref" if mode == "reference" else "run")
-    more = {"deepspeed": deepspeed_config(stage)} if stage else {}
+    more = layout_arguments(layout, out)
     trainer = make_trainer(root, options={"async_save": True}, **more)
     if mode == "crash":
         hold_manifest(trainer, CRASH_AT)

@@ -186,9 +186,10 @@ def _check_supported(trainer: Any) -> None:
     args = trainer.args
     if getattr(trainer, "is_fsdp_enabled", False):
         raise NotImplementedError(
-            f"shardkeeper.transformers: a Trainer under FSDP is not supported yet (rank {args.process_index}); "
-            f"supported: one process, DDP and DeepSpeed ZeRO-1/2/3. Do not enable shardkeeper for this run, "
-            f"or use Accelerate with FSDP2 and shardkeeper.accelerate"
+            f"shardkeeper.transformers: a Trainer under Accelerate's FSDP plugin (args.fsdp) is not supported "
+            f"yet (rank {args.process_index}); supported: one process, DDP, DeepSpeed ZeRO-1/2/3, and FSDP2 "
+            f"applied by transformers at load time: load the model with from_pretrained(..., "
+            f"distributed_config=DistributedConfig(fsdp_size=N)) and leave args.fsdp unset"
         )
     if is_deepspeed(trainer):
         from shardkeeper.core.adapters import load_adapter

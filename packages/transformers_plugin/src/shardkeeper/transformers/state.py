@@ -96,6 +96,12 @@ class TrainerProgress(ProgressTarget):
         return {"global_step": p.step, "epoch": float(p.epoch)}
 
 
+def sharded_at_load(model: Any) -> bool:
+    """Whether ``from_pretrained(distributed_config=...)`` sharded ``model`` (FSDP2 or tensor
+    parallel, DTensor parameters) rather than a wrapper such as Accelerate."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False))
+
+
 def is_deepspeed(trainer: Any) -> bool:
     return bool(getattr(trainer, "is_deepspeed_enabled", False))
 
@@ -146,4 +152,5 @@ __all__ = [
     "is_deepspeed",
     "raw_model",
     "raw_optimizer",
+    "sharded_at_load",
 ]
