@@ -172,7 +172,7 @@ def tests(session: nox.Session, suite: str) -> None:
     suites = [f"tests/{name}" for name in names if (ROOT / "tests" / name).is_dir()]
     if not suites:
         session.error("no adapter test suite found under tests/")
-    session.run("pytest", *suites, "-q", DURATIONS, *session.posargs, env={**env, **ADAPTER_ENV})
+    _pytest_split(session, [*suites, "-q", DURATIONS, *session.posargs], {**env, **ADAPTER_ENV})
 
 
 def _pytest_split(session: nox.Session, args: list[str], env: dict[str, str]) -> None:

@@ -16,6 +16,8 @@ import pytest
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
+pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
+
 WORKER = Path(__file__).parent / "dist" / "ddp_worker.py"
 SAVE_CHECKS = {"distributed_type", "interrupted_run_matches_reference_so_far", "retention_total_limit_2"}
 RESUME_CHECKS = {

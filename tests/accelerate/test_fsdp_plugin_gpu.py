@@ -20,6 +20,7 @@ EXPECTED = {"distributed_type", "params_bit_exact_after_load", "next_losses_bit_
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.multiprocess,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate's FSDP plugin needs CUDA"),
 ]
 

@@ -47,6 +47,7 @@ def test_plain_folder_is_refused_before_accelerate_loads_it(tmp_path: Path) -> N
 
 
 @pytest.mark.multiprocess
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_deepspeed_subfolder_pickles_need_trust(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")

@@ -22,6 +22,7 @@ from tests.launch import run_script
 pytest.importorskip("deepspeed")
 
 pytestmark = [
+    pytest.mark.multiprocess,
     pytest.mark.timeout(240),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -178,6 +178,7 @@ def test_a_pointer_whose_root_or_step_is_gone_names_pointer_root_and_step(run: d
         cpu_trainer(tmp_path).test(HNet(), dataloaders=loader(), ckpt_path=str(copy / "ck" / "last.ckpt"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_two_rank_ddp_or_fsdp2_save_loads_whole_in_one_process(tmp_path: Path) -> None:
     """The checkpoint of a 2-process ddp or ModelParallel (FSDP2, dp=2) run, read here in one

@@ -12,6 +12,8 @@ import torch
 
 from tests.exit_check import restores_as_saved, saved_at_exit
 
+pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
+
 SCRIPT = Path(__file__).parent / "dist" / "exit_script.py"
 
 

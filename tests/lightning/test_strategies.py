@@ -19,6 +19,8 @@ import pytest
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
+pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
+
 WORKER = Path(__file__).parent / "dist" / "worker.py"
 
 
