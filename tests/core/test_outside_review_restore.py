@@ -507,3 +507,22 @@ def test_a_tied_weight_saved_under_one_name_restores_strictly_into_both(tmp_path
         untied.head.weight = torch.nn.Parameter(torch.zeros(6, 4))  # its own memory: no alias
         with pytest.raises(StateMismatchError, match=r"model/head\.weight"):
             mgr.restore({"model": untied})
+
+
+def test_only_per_rank_state_dropped_at_another_world_size_is_no_unmatched_only(tmp_path: Path) -> None:
+    """restore(only="rng/*", per_rank="drop") at another world size than the save's drops every
+    RNG key it matched: that is a restore of nothing to do, not an ``only=`` that matches no key
+    (the Trainer adapter restores its RNG alone, at its own point of the start-up)."""
+    from shardkeeper.core import RNGState
+    from shardkeeper.core.tensor.restore_plan import plan_restore
+    from shardkeeper.core.tensor.state import flatten_for_restore
+
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(2), "rng": RNGState()}).wait()
+        manifest, storage = mgr.manifest(1), mgr.storage
+    flat = flatten_for_restore({"w": torch.zeros(2), "rng": RNGState()}, 1, strict=True)
+    args = {"rank": 1, "world_size": 2, "only": ["rng/*"], "strict": True, "optional": None, "cast": False}
+    plan = plan_restore(storage, manifest, flat, per_rank="drop", max_read_bytes=1 << 20, where="step 1", **args)
+    assert plan.dropped and not plan.restored and not plan.missing
+    with pytest.raises(StateMismatchError, match="saved at world size 1, restoring at 2"):
+        plan_restore(storage, manifest, flat, per_rank="exact", max_read_bytes=1 << 20, where="step 1", **args)

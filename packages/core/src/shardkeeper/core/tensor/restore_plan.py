@@ -261,7 +261,7 @@ def listing(items: Sequence[str], limit: int = 20) -> str:
     return "; ".join(items[:limit]) + more
 
 
-def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, policy: str) -> str | None:
+def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, policy: str, where: str) -> str | None:
     """The saved key a per-rank target leaf reads from, by policy; None means skip it."""
     if leaf.per_rank is None:
         return key
@@ -274,9 +274,10 @@ def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, p
     if policy == "drop":
         return None
     raise StateMismatchError(
-        f"per-rank state {leaf.per_rank!r} was saved at world size {saved_world}, restoring at "
-        f"{world} (rank {rank}); choose a policy: per_rank='modulo' (rank r reads rank "
-        f"r % {saved_world}) or per_rank='drop' (start it fresh)"
+        f"per-rank state {leaf.per_rank!r} of {where} was saved at world size {saved_world}, restoring "
+        f"at {world}; choose a policy, as restore(per_rank=...) or the manager's option per_rank "
+        f"(an adapter's manager options): 'modulo' (rank r reads rank r % {saved_world}) or 'drop' "
+        f"(start it fresh)"
     )
 
 
@@ -322,7 +323,7 @@ def plan_restore(
     for key, leaf in flat.leaves.items():
         if not matches(key, only):
             continue
-        src_key = _source_key(leaf, key, rank, manifest.world_size, world_size, per_rank)
+        src_key = _source_key(leaf, key, rank, manifest.world_size, world_size, per_rank, where)
         if src_key is None:
             plan.dropped.append(key)
             continue
@@ -391,13 +392,13 @@ def plan_restore(
             f"{len(wrong_dtype)} key(s) in {where} have another dtype than the target state: "
             f"{listing(wrong_dtype)}; pass cast_dtypes=True to cast on restore"
         )
-    if only and not stats.keys and not plan.missing:
+    if only and not stats.keys and not plan.missing and not plan.dropped:
         raise StateMismatchError(
             f"only={list(only)} matches no key of the target state in {where}; list the "
             f"checkpoint's keys with `shardkeeper inspect {storage.url} {manifest.step}`"
         )
     if plan.missing:  # a tied weight's alias is filled through its twin
-        tied = tied_aliases(flat.leaves, plan.missing, plan.restored)
+        tied = tied_aliases(flat.ties, plan.missing, plan.restored)
         plan.missing = [k for k in plan.missing if k not in tied]
     if plan.missing and strict:
         raise StateMismatchError(

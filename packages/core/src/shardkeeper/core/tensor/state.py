@@ -48,6 +48,16 @@ def normalize_fqn(fqn: str) -> str:
     return ".".join(parts)
 
 
+def module_ties(key: str, module: nn.Module) -> list[tuple[str, ...]]:
+    """The groups of ``key/<fqn>`` names under which ``module`` holds one parameter or buffer
+    (the same object under several names: tied weights), from the module itself, so every
+    rank finds the same groups."""
+    by_object: dict[int, list[str]] = {}
+    for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        by_object.setdefault(id(t), []).append(f"{key}/{normalize_fqn(name)}")
+    return [tuple(dict.fromkeys(names)) for names in by_object.values() if len(set(names)) > 1]
+
+
 class PerRank:
     """Marks state that differs per rank (RNG, data position): stored as ``<key>/<rank>/...``."""
 
@@ -130,6 +140,9 @@ class FlatState:
     #: The optimizers of a restore target, by state key: what restore checks the saved
     #: optimizer state against before it reads anything (``tensor/optim_compat.py``).
     optimizers: dict[str, OptimizerTarget] = field(default_factory=dict)
+    #: Keys that name one tensor of a module (tied weights: GPT-2's ``lm_head.weight`` is
+    #: ``transformer.wte.weight``), each group in the module's order (``tensor/tied.py``).
+    ties: list[tuple[str, ...]] = field(default_factory=list)
 
 
 def _contains_tensor(x: Any) -> bool:
@@ -293,6 +306,8 @@ class Flattener:
         sd = get_model_state_dict(module, options=StateDictOptions())
         for fqn, t in sd.items():
             self._visit(f"{key}/{normalize_fqn(fqn)}", t, {}, per_rank, self._dict_setter(sd, fqn))
+        if self.restore:
+            self.out.ties.extend(module_ties(key, module))
         if self.restore:
             strict = self.strict
             self.out.finalizers.append(
