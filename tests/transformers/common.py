@@ -56,12 +56,13 @@ def make_trainer(
     evaluate: bool = False,
     cls: type[Recording] | None = None,
     model: Any = None,
+    callbacks: list[Any] | None = None,
     **more: Any,
 ) -> Recording:
     """A recording ShardkeeperTrainer into ``root``: 12 steps of batches of 4 (6 steps an
     epoch, over the ranks of a DDP launch), a save every 4; ``evaluate``: with an eval
     dataset; ``cls``: a subclass of ``Recording``; ``model``: instead of ``tiny_model()``;
-    ``more`` overrides arguments."""
+    ``callbacks``: the Trainer's; ``more`` overrides arguments."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     params: dict[str, Any] = {
         "output_dir": str(root),
@@ -84,6 +85,7 @@ def make_trainer(
         train_dataset=Tokens(),
         eval_dataset=Tokens() if evaluate else None,
         shardkeeper_options=options,
+        callbacks=callbacks,
     )
     trainer.losses = []
     return trainer

@@ -17,7 +17,7 @@ pytest.importorskip("shardkeeper.transformers")
 import transformers  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from shardkeeper.core import CheckpointManager, CheckpointNotFoundError  # noqa: E402
+from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, ChecksumMismatchError  # noqa: E402
 from shardkeeper.transformers import ShardkeeperTrainer, disable, export_pretrained, plugin_of  # noqa: E402
 from tests.checks import state_diff, state_of  # noqa: E402
 from tests.transformers.common import CONSTANT, SAVE_EVERY, STEPS, Recording, Tokens, make_trainer, tiny_model  # noqa: E402
@@ -102,6 +102,7 @@ def test_resume_targets_that_cannot_resume_fail_before_training(tmp_path: Path, 
         (-1, ValueError, r"resume_from_checkpoint=-1: a step number is >= 0 \(rank 0\)"),
         (4.0, TypeError, "True, a step number, a root or a step folder, not 4.0"),
         (str(copy / "LATEST"), ValueError, "is a file, not a root or a step folder"),
+        (str(tmp_path / "nope" / "step-000000000004"), CheckpointNotFoundError, r"no such folder \(rank 0\)"),
     ):
         with pytest.raises(error, match=text):
             older.train(resume_from_checkpoint=bad)
@@ -110,6 +111,32 @@ def test_resume_targets_that_cannot_resume_fail_before_training(tmp_path: Path, 
     resumed = make_trainer(copy, **CONSTANT)
     resumed.train(resume_from_checkpoint=numpy.int64(12))  # any integral step number
     assert resumed.state.global_step == STEPS and resumed.losses == []
+    for text in ("12", "true", "True"):  # as a command line passes them (HfArgumentParser: a string)
+        again = make_trainer(copy, **CONSTANT)
+        again.train(resume_from_checkpoint=text)
+        assert again.state.global_step == STEPS and again.losses == []
+
+
+def test_a_damaged_data_file_names_the_remedy_that_resumes(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    """A flipped byte in step 12's data: the digest check refuses it with what a Trainer user
+    does (the Trainer resumes only from the newest step): remove the step's folder, then
+    resume from the newest intact one, which continues bit for bit."""
+    ref_root, ref = reference
+    copy = tmp_path / "copy"
+    shutil.copytree(ref_root, copy)
+    with CheckpointManager(copy) as mgr:
+        (data,) = sorted((Path(mgr.step_url(12)) / "data").glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=r"step 12 under .* is damaged \(rank 0\).*remove the damaged") as e:
+        make_trainer(copy, **CONSTANT).train(resume_from_checkpoint=True)
+    assert e.value.file and e.value.key  # the core error's attributes survive
+    with CheckpointManager(copy) as mgr:
+        shutil.rmtree(mgr.step_url(12))  # the remedy the error gives
+    trainer = make_trainer(copy, **CONSTANT)
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.losses == _after(ref.losses, 8) and _steps(copy) == [4, 8, 12]
 
 
 def test_a_damaged_newest_manifest_is_refused_before_training(tmp_path: Path, reference: tuple[Path, Any]) -> None:

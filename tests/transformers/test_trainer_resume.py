@@ -59,17 +59,22 @@ def test_ddp_kill_during_save_then_resume_is_bit_exact(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["zero3", "fsdp2"])
-def test_sharded_kill_then_resume_is_bit_exact_and_a_plain_trainer_resumes_it(layout: str, tmp_path: Path) -> None:
+def test_sharded_kill_then_resume_is_bit_exact_and_other_layouts_resume_it(layout: str, tmp_path: Path) -> None:
     """A sharded Trainer (2 ranks): DeepSpeed ZeRO-3 with the Trainer's AdamW, or FSDP2 applied
     by transformers at load time (``DistributedConfig``), which the Trainer alone cannot
     checkpoint. Killed with a save in flight and resumed bit for bit (the losses, the full
-    parameters and Adam moments); then a plain one-process Trainer resumes its step 12 and
-    holds that state, bit for bit."""
+    parameters and Adam moments); then a one-process Trainer (and, from ZeRO-3, an FSDP2 one)
+    resumes its step 12 holding that state bit for bit, and trains on."""
     if layout.startswith("zero"):
         pytest.importorskip("deepspeed")
         pytest.importorskip("shardkeeper.deepspeed")
     _kill_and_resume(2, tmp_path, layout=layout)
-    cross = run_script(1, WORKER, "cross", str(tmp_path), timeout_s=150, env=ENV)
-    assert cross.returncode == 0, cross.stdout[-4000:]
-    checks = read_checks(tmp_path / "cross-rank0.json", output=cross.stdout)
-    assert_checks(checks, ["resumed_step_count", "sharded_checkpoint_restores_in_a_plain_trainer"], where=layout)
+    # another world size and layout: one process; and a ZeRO-3 step (which holds the tied
+    # lm_head.weight under one name) in a 2-rank FSDP2 Trainer
+    for nproc, other in [(1, "")] + ([(2, "fsdp2")] if layout == "zero3" else []):
+        more = (other,) if other else ()
+        cross = run_script(nproc, WORKER, "cross", str(tmp_path), *more, timeout_s=150, env=ENV)
+        assert cross.returncode == 0, cross.stdout[-4000:]
+        checks = read_checks(*(tmp_path / f"cross-rank{r}.json" for r in range(nproc)), output=cross.stdout)
+        names = ["resumed_at_the_step_and_trained_on", "sharded_checkpoint_restores_in_another_layout"]
+        assert_checks(checks, names, where=f"{layout} -> {other or 'one process'}")

@@ -15,9 +15,10 @@ and the final state must equal the reference's bit for bit. Each rank writes its
 Trainer's own AdamW, and the state compared is the engine's full fp32 parameters and Adam
 moments; ``fsdp2``: the model is sharded at load time by transformers itself
 (``from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))``, DTensor
-parameters), which the Trainer alone refuses to checkpoint. ``cross`` (one process, no
-layout): a plain Trainer resumes the reference's step 12 and must hold that state, bit for
-bit, with the step count continued.
+parameters), which the Trainer alone refuses to checkpoint. ``cross LAYOUT`` (none: one
+process): a Trainer of that layout resumes a copy of the reference's step 12 (another layout's
+and world size's): at the start of its training it must hold that state, bit for bit, and it
+trains 2 more steps (RNG restore included).
 """
 
 from __future__ import annotations
@@ -124,23 +125,57 @@ def full_state(trainer: Recording) -> dict[str, Any]:
     return state_of(trainer.model, trainer.optimizer.optimizer)
 
 
-def cross(out: Path, checks: Checks) -> None:
-    """A plain one-process Trainer resumes the sharded reference's step 12 (a copy of it)."""
-    root = out / "cross"
-    shutil.copytree(out / "ref", root)
-    trainer = make_trainer(root, max_steps=STEPS)  # nothing left to train: the restored state stays
-    trainer.train(resume_from_checkpoint=True)
-    checks.check("resumed_step_count", trainer.state.global_step == STEPS, f"global_step {trainer.state.global_step}")
-    ref = torch.load(out / "reference-rank0.pt", weights_only=True)["state"]
+def restored_state(trainer: Recording, like: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's full state in the format of ``like`` (``full_state``'s): ``state_of``'s,
+    or the engine's (``model/<fqn>`` and Adam moments, gathered from DTensors). A collective."""
     optim = trainer.optimizer.optimizer
-    if any(k.startswith("param/") for k in ref):  # the reference's format (full_state)
-        got = state_of(trainer.model, optim)
-    else:
-        got = {}
-        for n, p in trainer.model.named_parameters():  # as deepspeed_full_state names them
-            got[f"model/{n}"] = p.detach().clone()
-            got.update({f"optim/{n}/{k}": optim.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")})
-    checks.same("sharded_checkpoint_restores_in_a_plain_trainer", got, ref)
+    if any(k.startswith("param/") for k in like):
+        return state_of(trainer.model, optim)
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+    got: dict[str, Any] = {}
+    for n, p in trainer.model.named_parameters():  # as deepspeed_full_state names them
+        got[f"model/{n}"] = full(p.detach())
+        got.update({f"optim/{n}/{k}": full(optim.state[p][k]) for k in ("exp_avg", "exp_avg_sq")})
+    return got
+
+
+class AtStart(TrainerCallback):
+    """The state and step the Trainer starts training from (after every restore)."""
+
+    def __init__(self, like: dict[str, Any]) -> None:
+        self.like = like
+        self.trainer: Recording | None = None
+        self.state: dict[str, Any] = {}
+        self.step = -1
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        assert self.trainer is not None
+        self.state, self.step = restored_state(self.trainer, self.like), int(state.global_step)
+
+
+def cross(out: Path, checks: Checks, layout: str) -> None:
+    """A Trainer of ``layout`` (none: one process) resumes a copy of the reference's step 12,
+    another layout's and world size's, and trains 2 more steps (the RNG restore included)."""
+    root = out / f"cross{layout}"
+    import torch.distributed as dist
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.copytree(out / "ref", root)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        dist.barrier()
+    ref = torch.load(out / "reference-rank0.pt", weights_only=True)["state"]
+    start = AtStart(ref)
+    trainer = make_trainer(root, max_steps=STEPS + 2, callbacks=[start], **layout_arguments(layout, out))
+    start.trainer = trainer
+    trainer.train(resume_from_checkpoint=True)
+    checks.check("resumed_at_the_step_and_trained_on", (start.step, trainer.state.global_step) == (STEPS, STEPS + 2),
+                 f"started at {start.step}, ended at {trainer.state.global_step}")
+    checks.same("sharded_checkpoint_restores_in_another_layout", start.state, ref)
 
 
 def main() -> None:
@@ -149,7 +184,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)
     if mode == "cross":
-        cross(out, checks)
+        cross(out, checks, layout)
         checks.write()
         return
     root = out / ("ref" if mode == "reference" else "run")

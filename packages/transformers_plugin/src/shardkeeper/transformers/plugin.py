@@ -17,10 +17,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core import CheckpointManager, SaveHandle
+from shardkeeper.core import CheckpointManager, CorruptCheckpointError, SaveHandle
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, read_progress
 from shardkeeper.transformers import _internals as tfi
-from shardkeeper.transformers.resume import Resume, resolve, trainer_folder_step
+from shardkeeper.transformers.resume import Resume, resolve, rng_policy, trainer_folder_step, with_remedy
 from shardkeeper.transformers.state import (
     FRAMEWORK,
     PER_PROCESS,
@@ -104,7 +104,8 @@ class TrainerPlugin:
             f"shardkeeper.transformers: {self.root} already holds committed step {newest} (rank {self.rank()}); "
             f"this run {at}, so it could save no checkpoint up to step {newest} there: checkpoints are "
             f"immutable. Resume from the newest step (resume_from_checkpoint=True), or give this run another "
-            f"output_dir (or enable(trainer, root=...))"
+            f"output_dir (or enable(trainer, root=...)). If step {newest} is damaged, remove its folder "
+            f"first ({mgr.step_url(newest)})"
         )
 
     def restore(self, patterns: Sequence[str], *, model_only: bool = False) -> None:
@@ -131,8 +132,19 @@ class TrainerPlugin:
                 want.append(pattern)
             else:
                 log.info("shardkeeper: step %d has no %s; it keeps its current values", step, prefix.rstrip("/"))
-        if want:  # a rank the saving run did not have keeps its RNG (another world size)
-            mgr.restore(state, step=step, only=want, optional=["rng/*"])
+        if not want:
+            return
+        policy = self._per_rank_policy(step) if "rng/*" in want else None
+        try:  # a rank the saving run did not have keeps its RNG (another world size)
+            mgr.restore(state, step=step, only=want, optional=["rng/*"], per_rank=policy)
+        except CorruptCheckpointError as e:
+            raise with_remedy(e, self.root, mgr.step_url(step), step, self.rank()) from e
+
+    def _per_rank_policy(self, step: int) -> str | None:
+        """The ``per_rank`` policy of the RNG restore (``resume.rng_policy``)."""
+        assert self.resume is not None
+        saved, world = self.resume.manager.manifest(step).world_size, int(self.trainer.args.world_size)
+        return rng_policy(step, saved, world, chosen="per_rank" in self._managers.options)
 
     # -- save --------------------------------------------------------------------------------
     def save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -2,13 +2,16 @@
 
 ``True`` is the newest committed step under the root; a step number, a root or a step folder
 (of any root) work too; a ``checkpoint-N`` folder the Trainer wrote itself goes to the
-Trainer's own loaders. Every refusal names the root or folder, the rank and the remedy.
+Trainer's own loaders. As text (a command line's), ``"true"`` and digits mean ``True`` and a
+step number. Every refusal names the root or folder, the rank and the remedy.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+import logging
 import numbers
 import os
 import re
@@ -16,7 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, parse_step_dir
+from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError, parse_step_dir
+
+log = logging.getLogger(__name__)
 
 #: The Trainer's own checkpoint folders (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``).
 _OWN_FOLDER = re.compile(r"^checkpoint-(\d+)$")
@@ -46,6 +51,8 @@ def resolve(
     ``manager(root)``: the manager of a root (None: the run's own, ``root``)."""
     if target is None or target is False:
         return None
+    if isinstance(target, str):
+        target = _from_text(target)
     if target is True:
         return newest(manager(None), root, rank)
     if isinstance(target, numbers.Integral) and not isinstance(target, bool):
@@ -70,6 +77,11 @@ def resolve(
         return path  # a checkpoint-N folder of the Trainer's own: its own loaders read it
     parent, _, last = path.rpartition("/")
     named = parse_step_dir(last)
+    if "://" not in path and not os.path.exists(path) and not (named is not None and os.path.isdir(parent)):
+        raise CheckpointNotFoundError(
+            f"shardkeeper.transformers: resume_from_checkpoint={path!r}: no such folder (rank {rank}). It takes "
+            f"True (the newest committed step under {root}), a step number, a root or a step folder"
+        )
     if named is not None and parent:
         mgr = manager(parent)
         if mgr.step_url(named).rstrip("/").endswith("/" + last):
@@ -82,6 +94,17 @@ def resolve(
     if os.path.isfile(path):
         raise ValueError(f"resume_from_checkpoint={path!r} is a file, not a root or a step folder (rank {rank})")
     return newest(manager(path), path, rank)
+
+
+def _from_text(text: str) -> Any:
+    """What a command line passes as text (``HfArgumentParser`` gives ``resume_from_checkpoint``
+    as a string): ``"true"`` is True and digits are a step number, unless a folder of that
+    name exists; anything else is a path."""
+    if os.path.exists(text):
+        return text
+    if text.strip().lower() == "true":
+        return True
+    return int(text) if text.strip().isdigit() else text
 
 
 def newest(mgr: CheckpointManager, root: str, rank: int) -> Resume:
@@ -119,6 +142,38 @@ def trainer_folder_step(folder: str) -> int:
     return step
 
 
+def with_remedy(e: CorruptCheckpointError, root: str, url: str, step: int, rank: int) -> CorruptCheckpointError:
+    """``e`` (same type and attributes) with what a Trainer user does about a damaged step:
+    the Trainer resumes only from the newest step, so the damaged one must go first."""
+    err = copy.copy(e)
+    err.args = (
+        f"shardkeeper.transformers: step {step} under {root} is damaged (rank {rank}): {e}. For the Trainer: "
+        f"the state is partly restored, so do not train from this process. The Trainer resumes from the "
+        f"newest step only: check the root with `shardkeeper verify {root}`, remove the damaged step's folder "
+        f"({url}), then train(resume_from_checkpoint=True) resumes from the newest intact step",
+    )
+    return err
+
+
+def rng_policy(step: int, saved: int, world: int, *, chosen: bool) -> str | None:
+    """The ``per_rank`` policy of restoring step ``step``'s RNG states, saved by ``saved`` ranks,
+    into ``world`` ranks: the manager's own at the same world size or when the options chose
+    one, else ``"drop"``: each rank keeps its RNG state, as the Trainer does for a rank without
+    an RNG file (with a warning that says how to choose otherwise)."""
+    if saved == world or chosen:
+        return None
+    log.warning(
+        "shardkeeper: step %d was saved by %d rank(s), this run has %d: each rank keeps its own RNG state, so "
+        "dropout and sampling do not continue the saved run's exactly; shardkeeper_options={'per_rank': "
+        "'modulo'} gives rank r the RNG of rank r %% %d instead",
+        step,
+        saved,
+        world,
+        saved,
+    )
+    return "drop"
+
+
 def listing(steps: Sequence[int]) -> str:
     if not steps:
         return "none"
@@ -126,4 +181,13 @@ def listing(steps: Sequence[int]) -> str:
     return shown if len(steps) <= 8 else f"... {shown}"
 
 
-__all__ = ["Resume", "listing", "newest", "own_folders", "resolve", "trainer_folder_step"]
+__all__ = [
+    "Resume",
+    "listing",
+    "newest",
+    "own_folders",
+    "resolve",
+    "rng_policy",
+    "trainer_folder_step",
+    "with_remedy",
+]

@@ -29,7 +29,7 @@ class ShardkeeperTrainer(Trainer):
         shardkeeper_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        training_args: Any = kwargs.get("args", args[1] if len(args) > 1 else None)
         if getattr(training_args, "push_to_hub", False):  # refused before the Trainer makes the hub repo
             refuse_push_to_hub()
         model = kwargs.get("model", args[0] if args else None)
