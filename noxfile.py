@@ -37,10 +37,10 @@ ADAPTER_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARAL
 
 
 def _install(session: nox.Session, *args: str) -> None:
-    """``pip install`` under the constraints, ``--no-compile``: pip byte-compiles every module
-    it installs (torch's take 35 of the 47 s its install takes here); Python compiles the ones
-    a test imports on first use, once."""
-    session.install("--no-compile", *CONSTRAINTS, *args)
+    """``pip install`` under the constraints. Not ``--no-compile``: where
+    ``PYTHONDONTWRITEBYTECODE`` is set (this project's machines set it), Python would then
+    compile every imported module again in every test process."""
+    session.install(*CONSTRAINTS, *args)
 
 
 def _install_torch(session: nox.Session) -> None:
@@ -125,18 +125,7 @@ def _install_wheels(session: nox.Session, wheels: list[str], *others: str) -> No
     """
     _install(session, *wheels, *others)
     files = [wheel.partition("[")[0] for wheel in wheels]
-    session.run(
-        "python",
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-compile",
-        "--force-reinstall",
-        "--no-deps",
-        *files,
-        silent=True,
-    )
+    session.run("python", "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", *files, silent=True)
 
 
 @nox.session
