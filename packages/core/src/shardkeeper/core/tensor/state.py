@@ -308,7 +308,6 @@ class Flattener:
             self._visit(f"{key}/{normalize_fqn(fqn)}", t, {}, per_rank, self._dict_setter(sd, fqn))
         if self.restore:
             self.out.ties.extend(module_ties(key, module))
-        if self.restore:
             strict = self.strict
             self.out.finalizers.append(
                 (key, lambda: set_model_state_dict(module, sd, options=StateDictOptions(strict=strict)))
