@@ -32,9 +32,12 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def tiny_model() -> Any:
+def tiny_model(*, tied: bool = True) -> Any:
+    """``tied``: the LM head shares the token embedding (GPT-2's default)."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=tied
+    )
     return transformers.GPT2LMHeadModel(config)  # dropout 0.1: the resume needs the RNG back
 
 

@@ -312,6 +312,22 @@ def test_push_to_hub_is_refused_before_the_trainer_is_built(tmp_path: Path) -> N
         ShardkeeperTrainer(model=tiny_model(), args=args, train_dataset=Tokens())
 
 
+def test_fsdp_on_xla_is_refused_at_enable(tmp_path: Path) -> None:
+    """FSDP on XLA (``fsdp_config={"xla": True}``, torch_xla's own wrapper) has no path here: it
+    is refused at ``enable()`` with the supported layouts named, and the Trainer keeps its own
+    methods. (torch_xla is not installed: the Trainer's flag is set as its ``__init__`` would.)"""
+    from transformers import Trainer
+
+    from shardkeeper.transformers import enable
+
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True)
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=Tokens())
+    trainer.is_fsdp_xla_enabled = True
+    with pytest.raises(NotImplementedError, match=r"FSDP on XLA .* is not supported .*Accelerate's FSDP plugin"):
+        enable(trainer)
+    assert "_save_checkpoint" not in vars(trainer) and not hasattr(trainer, "_shardkeeper")
+
+
 def test_export_needs_the_config_first(tmp_path: Path, reference: tuple[Path, Any]) -> None:
     root, _ = reference
     with pytest.raises(TypeError, match="config must be the model's PretrainedConfig"):

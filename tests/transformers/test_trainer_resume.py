@@ -58,11 +58,11 @@ def test_ddp_kill_during_save_then_resume_is_bit_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("layout", ["zero3", "fsdp2", "plugin-fsdp2", "plugin-fsdp1"])
 def test_sharded_kill_then_resume_is_bit_exact_and_other_layouts_resume_it(layout: str, tmp_path: Path) -> None:
-    """A sharded Trainer (2 ranks): DeepSpeed ZeRO-3 with the Trainer's AdamW, or FSDP2 applied
-    by transformers at load time (``DistributedConfig``), which the Trainer alone cannot
-    checkpoint. Killed with a save in flight and resumed bit for bit (the losses, the full
+    """A sharded Trainer (2 ranks): DeepSpeed ZeRO-3 with the Trainer's AdamW; FSDP2 applied by
+    transformers at load time (``DistributedConfig``), which the Trainer alone cannot
+    checkpoint; or Accelerate's FSDP plugin, FSDP2 (DTensors) or FSDP1 (a wrapping root). Killed with a save in flight and resumed bit for bit (the losses, the full
     parameters and Adam moments); then a one-process Trainer (and, from ZeRO-3, an FSDP2 one)
     resumes its step 12 holding that state bit for bit, and trains on."""
     if layout.startswith("zero"):

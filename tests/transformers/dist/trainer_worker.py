@@ -15,7 +15,9 @@ and the final state must equal the reference's bit for bit. Each rank writes its
 Trainer's own AdamW, and the state compared is the engine's full fp32 parameters and Adam
 moments; ``fsdp2``: the model is sharded at load time by transformers itself
 (``from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))``, DTensor
-parameters), which the Trainer alone refuses to checkpoint. ``cross LAYOUT`` (none: one
+parameters), which the Trainer alone refuses to checkpoint; ``plugin-fsdp2`` and
+``plugin-fsdp1``: Accelerate's FSDP plugin (``args.fsdp``) shards the model as it prepares it
+(on CPU through ``tests/transformers/cpu_fsdp.py``). ``cross LAYOUT`` (none: one
 process): a Trainer of that layout resumes a copy of the reference's step 12 (another layout's
 and world size's): at the start of its training it must hold that state, bit for bit, and it
 trains 2 more steps (RNG restore included).
@@ -44,9 +46,12 @@ from transformers import TrainerCallback  # noqa: E402
 from shardkeeper.core import CheckpointManager  # noqa: E402
 from shardkeeper.core.commit import manifest_path  # noqa: E402
 from shardkeeper.transformers import plugin_of  # noqa: E402
+from tests.transformers import cpu_fsdp  # noqa: E402
 from tests.transformers.common import SAVE_EVERY, STEPS, Recording, make_trainer, tiny_model  # noqa: E402
 
 CRASH_AT = 8
+#: Marks a run whose model is untied (``plugin_model``), set in ``main``.
+UNTIED = Path("untied")
 
 
 class KillDuringSave(TrainerCallback):
@@ -107,22 +112,65 @@ def sharded_at_load(out: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size()))
 
 
+def plugin_model(version: int) -> dict[str, Any]:
+    """The model for Accelerate's FSDP plugin: Accelerate before 1.15 puts GPT-2's tied
+    embedding and LM head in two FSDP2 groups, which FSDP2 refuses at the first forward (no
+    shardkeeper involved), so there the two are untied."""
+    import accelerate
+    from packaging.version import Version
+
+    if version == 2 and Version(accelerate.__version__) < Version("1.15"):
+        return {"model": untied_model()}
+    return {}
+
+
+def untied_model() -> Any:
+    """The tiny GPT-2 without ties, recorded in ``UNTIED`` for ``cross`` to build the same."""
+    UNTIED.touch()
+    return tiny_model(tied=False)
+
+
 def layout_arguments(layout: str, out: Path) -> dict[str, Any]:
     """``make_trainer`` arguments of ``layout`` ("" for none)."""
     if layout.startswith("zero"):
         return {"deepspeed": deepspeed_config(int(layout.removeprefix("zero")))}
     if layout == "fsdp2":
         return {"model": sharded_at_load(out)}
+    if layout in ("plugin-fsdp1", "plugin-fsdp2"):
+        cpu_fsdp.allow()
+        os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"  # FSDP1 refuses a device_id of cpu:0 on cpu
+        version = int(layout[-1])  # FSDP1's sync_module_states would put the model on a GPU
+        config = {"version": version, "sync_module_states": version == 2}
+        return {"fsdp": True, "fsdp_config": config, **plugin_model(version)}
     if layout:
-        raise SystemExit(f"unknown layout {layout!r}: zero1, zero2, zero3 or fsdp2")
+        raise SystemExit(f"unknown layout {layout!r}: zero1, zero2, zero3, fsdp2, plugin-fsdp1 or plugin-fsdp2")
     return {}
 
 
 def full_state(trainer: Recording) -> dict[str, Any]:
-    """The trained state: the model and AdamW, or the engine's fp32 masters and moments."""
+    """The trained state: the model and AdamW; the engine's fp32 masters and moments; or an
+    FSDP1 root's full parameters and moments by FQN, as torch's state-dict API gathers them
+    (the format of ``deepspeed_full_state``). A collective."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     if trainer.is_deepspeed_enabled:
         return deepspeed_full_state(trainer.model_wrapped)
-    return state_of(trainer.model, trainer.optimizer.optimizer)
+    if not isinstance(trainer.model, FullyShardedDataParallel):
+        return state_of(trainer.model, trainer.optimizer.optimizer)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    params = get_model_state_dict(trainer.model, options=full)
+    moments = get_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer, options=full)["state"]
+    got: dict[str, Any] = {}
+    for n, st in moments.items():  # each trainable parameter once (the tied lm_head is wte)
+        got[f"model/{n}"] = params[n].detach().clone()
+        got.update({f"optim/{n}/{k}": st[k].detach().clone() for k in ("exp_avg", "exp_avg_sq")})
+    return got
 
 
 def restored_state(trainer: Recording, like: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +218,10 @@ def cross(out: Path, checks: Checks, layout: str) -> None:
         dist.barrier()
     ref = torch.load(out / "reference-rank0.pt", weights_only=True)["state"]
     start = AtStart(ref)
-    trainer = make_trainer(root, max_steps=STEPS + 2, callbacks=[start], **layout_arguments(layout, out))
+    more = layout_arguments(layout, out)
+    if UNTIED.exists() and "model" not in more:  # the reference's architecture
+        more["model"] = tiny_model(tied=False)
+    trainer = make_trainer(root, max_steps=STEPS + 2, callbacks=[start], **more)
     start.trainer = trainer
     trainer.train(resume_from_checkpoint=True)
     checks.check("resumed_at_the_step_and_trained_on", (start.step, trainer.state.global_step) == (STEPS, STEPS + 2),
@@ -179,7 +230,9 @@ def cross(out: Path, checks: Checks, layout: str) -> None:
 
 
 def main() -> None:
+    global UNTIED
     mode, out = sys.argv[1], Path(sys.argv[2])
+    UNTIED = out / "untied"
     layout = sys.argv[3] if len(sys.argv) > 3 else ""
     rank = int(os.environ.get("RANK", "0"))
     checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)

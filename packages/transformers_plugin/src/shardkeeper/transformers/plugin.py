@@ -196,12 +196,11 @@ def _saves_best(strategy: Any) -> bool:
 
 def _check_supported(trainer: Any) -> None:
     args = trainer.args
-    if getattr(trainer, "is_fsdp_enabled", False):
+    if getattr(trainer, "is_fsdp_xla_enabled", False):
         raise NotImplementedError(
-            f"shardkeeper.transformers: a Trainer under Accelerate's FSDP plugin (args.fsdp) is not supported "
-            f"yet (rank {args.process_index}); supported: one process, DDP, DeepSpeed ZeRO-1/2/3, and FSDP2 "
-            f"applied by transformers at load time: load the model with from_pretrained(..., "
-            f"distributed_config=DistributedConfig(fsdp_size=N)) and leave args.fsdp unset"
+            f"shardkeeper.transformers: a Trainer under FSDP on XLA (fsdp_config xla) is not supported "
+            f"(rank {args.process_index}); supported: one process, DDP, DeepSpeed ZeRO-1/2/3, Accelerate's "
+            f"FSDP plugin (args.fsdp, FSDP1 or FSDP2) and FSDP2 applied by transformers at load time"
         )
     if is_deepspeed(trainer):
         from shardkeeper.core.adapters import load_adapter

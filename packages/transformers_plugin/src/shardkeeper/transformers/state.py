@@ -2,7 +2,7 @@
 
 | what the Trainer saves                 | key                                             |
 |----------------------------------------|-------------------------------------------------|
-| the model (unwrapped)                  | ``model/<fqn>``                                 |
+| the model (unwrapped; an FSDP1 root)   | ``model/<fqn>``                                 |
 | the optimizer                          | ``optim/...``, keyed by FQN                     |
 | the LR scheduler                       | ``sched/...``                                   |
 | the gradient scaler                    | ``extra/grad_scaler/...``                       |
@@ -46,7 +46,15 @@ def raw_optimizer(opt: Any) -> Any:
 
 
 def raw_model(trainer: Any) -> Any:
-    """The model without its DDP wrapper (the one the Trainer saves)."""
+    """The model whose state is saved: without its DDP wrapper (the one the Trainer saves), or
+    the FSDP1 root once Accelerate's FSDP plugin wrapped it (its inner module holds only flat
+    views; torch's state-dict API gives the root's state by canonical FQN). A model FSDP2
+    sharded in place (Accelerate's plugin with ``fsdp_version`` 2, or transformers at load
+    time) is its own: DTensor parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(trainer.model, FullyShardedDataParallel):
+        return trainer.model
     return trainer.accelerator.unwrap_model(trainer.model)
 
 

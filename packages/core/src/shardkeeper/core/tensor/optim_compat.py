@@ -33,13 +33,15 @@ METADATA_KEY = "optimizer_classes"
 class OptimizerTarget:
     """What a restore target's optimizer is: its class, the hyper-parameter names of its
     param groups, the state names of each parameter that has state, the state key of the
-    module that owns its parameters (for the remedy), and how many param groups it has."""
+    module that owns its parameters (for the remedy), how many param groups it has, and the
+    parameter FQNs of each group."""
 
     cls: str
     group_keys: frozenset[str]
     state_names: Mapping[str, frozenset[str]]
     owner: str | None
     groups: int | None = None
+    params: tuple[frozenset[str], ...] | None = None
 
 
 def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -127,6 +129,7 @@ def check_optimizers(
         saved_keys = _group_keys(rec.value) if rec is not None and rec.kind == "object" else None
         if restores(groups_key) and rec is not None and rec.kind == "object":
             _check_group_count(key, rec.value, t, where)
+            _check_group_params(key, rec.value, t, where)
         if saved_cls is not None:
             differs = _short(saved_cls) != _short(t.cls)
         else:
@@ -171,6 +174,33 @@ def _check_group_count(key: str, saved: Any, t: OptimizerTarget, where: str) -> 
         f"with (the same split of parameters, e.g. with and without weight decay), or restore the model "
         f"without the optimizer: {only}"
     )
+
+
+def _check_group_params(key: str, saved: Any, t: OptimizerTarget, where: str) -> None:
+    """The saved param groups' parameters (FQNs) must be the target's, group by group: torch
+    loads the per-parameter state by these names and fails on one the target lacks, after the
+    model was restored (a model saved with other parameters, or untied where the target ties).
+    Refused before anything is read; the order within a group does not matter."""
+    if t.params is None or not isinstance(saved, list):
+        return
+    for i, (g, want) in enumerate(zip(saved, t.params)):
+        got = g.get("params") if isinstance(g, Mapping) else None
+        if not isinstance(got, list) or not all(isinstance(p, str) for p in got) or set(got) == want:
+            continue
+        extra, lacks = sorted(set(got) - want), sorted(want - set(got))
+        parts = [f"parameters the target's lacks: {_names(extra)}"] if extra else []
+        parts += [f"lacks the target's {_names(lacks)}"] if lacks else []
+        only = f"only=[{(t.owner or 'model') + '/*'!r}]"
+        raise StateMismatchError(
+            f"the optimizer at state key {key!r} in {where} was saved over other parameters than the "
+            f"target's: its param group {i} has {'; and '.join(parts)}; nothing was read. Build the model "
+            f"and optimizer as they were saved (the same parameters, trainable and frozen, and the same "
+            f"tied weights), or restore the model without the optimizer: {only}"
+        )
+
+
+def _names(fqns: list[str], limit: int = 6) -> str:
+    return ", ".join(fqns[:limit]) + (f" (+{len(fqns) - limit} more)" if len(fqns) > limit else "")
 
 
 __all__ = ["METADATA_KEY", "OptimizerTarget", "check_optimizers", "optimizer_class", "optimizer_classes"]

@@ -38,7 +38,7 @@ from shardkeeper.core.tensor.state import (
     dtype_from_name,
     torch_dtype_name,
 )
-from shardkeeper.core.tensor.tied import tied_aliases
+from shardkeeper.core.tensor.tied import check_ties, tied_aliases
 
 PER_RANK_POLICIES = ("exact", "modulo", "drop")
 
@@ -397,6 +397,8 @@ def plan_restore(
             f"only={list(only)} matches no key of the target state in {where}; list the "
             f"checkpoint's keys with `shardkeeper inspect {storage.url} {manifest.step}`"
         )
+    if flat.ties:  # two saved tensors for one tied tensor: refused unless they are the same bytes
+        check_ties(flat.ties, plan.restored, lambda k: _all_chunks(manifest, k), manifest.digest_algorithm, where)
     if plan.missing:  # a tied weight's alias is filled through its twin
         tied = tied_aliases(flat.ties, plan.missing, plan.restored)
         plan.missing = [k for k in plan.missing if k not in tied]
@@ -406,6 +408,16 @@ def plan_restore(
             f"restore a subset with only=[...] or pass strict=False to skip them"
         )
     return plan
+
+
+def _all_chunks(manifest: Manifest, key: str) -> Sequence[ChunkRecord]:
+    """Every saved chunk of tensor leaf ``key`` (a table-form manifest makes them on demand)."""
+    leaves = manifest.leaves
+    if isinstance(leaves, TableLeaves):
+        head = leaves.head(key)
+        return [] if head is None else leaves.overlapping(key, [0] * len(head.shape), head.shape)
+    rec = leaves.get(key)
+    return () if rec is None else rec.chunks
 
 
 def missing_list(missing: Sequence[str]) -> str:

@@ -353,6 +353,7 @@ class Flattener:
                 {normalize_fqn(str(f)): frozenset(per) for f, per in state.items() if per},
                 owner_key,
                 len(groups),
+                tuple(frozenset(g["params"]) for g in norm_groups),
             )
             self.out.finalizers.append(
                 (key, lambda: set_optimizer_state_dict(owner, opt, osd, options=StateDictOptions()))

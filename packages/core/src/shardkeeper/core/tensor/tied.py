@@ -8,11 +8,20 @@ the twin fills the alias too, since they are one tensor; so a strict restore of 
 checkpoint into the module must not fail on the alias. The groups come from the module
 (``state.module_ties``), never from where a tensor's memory lies: every rank decides alike,
 a DTensor's empty shard included.
+
+The other way round, a checkpoint may hold two of a group's names as two tensors (a model
+saved untied, restored into one that ties them). Both would be copied into the one tensor, the
+last copy winning: ``check_ties`` refuses that before a byte is read, unless the two saved
+tensors are the same bytes (a tied model's save lists its weight under each name).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.digest import digest_function
+from shardkeeper.core.format.records import ChunkRecord
 
 
 def tied_aliases(ties: Sequence[tuple[str, ...]], missing: Iterable[str], restored: Iterable[str]) -> dict[str, str]:
@@ -29,4 +38,47 @@ def tied_aliases(ties: Sequence[tuple[str, ...]], missing: Iterable[str], restor
     return {k: out[k] for k in missing if k in out}
 
 
-__all__ = ["tied_aliases"]
+def check_ties(
+    ties: Sequence[tuple[str, ...]],
+    restored: Iterable[str],
+    chunks_of: Callable[[str], Sequence[ChunkRecord]],
+    algorithm: str,
+    where: str,
+) -> None:
+    """Raise ``StateMismatchError`` when the checkpoint holds two names of one tie group with
+    different contents (``chunks_of(key)``: all the saved chunks of ``key``; their boxes and
+    content ids are compared, no byte is read)."""
+    done = set(restored)
+    clashes: list[str] = []
+    for group in ties:
+        saved = [k for k in group if k in done]
+        if len(saved) < 2:
+            continue
+        first = _fingerprint(chunks_of(saved[0]), algorithm)
+        differ = [k for k in saved[1:] if _fingerprint(chunks_of(k), algorithm) != first]
+        if differ:
+            clashes.append(f"{saved[0]!r} and {', '.join(repr(k) for k in differ)}")
+    if clashes:
+        raise StateMismatchError(
+            f"the target state ties weights that {where} holds as different tensors: {'; '.join(clashes)} "
+            f"are one tensor in the target (tied weights) but were saved with different values (a model saved "
+            f"untied); nothing was read. Build the model as it was saved (untied, e.g. "
+            f"tie_word_embeddings=False), or restore one name of each group by leaving the others out "
+            f"with only=[...]"
+        )
+
+
+def _fingerprint(chunks: Sequence[ChunkRecord], algorithm: str) -> list[tuple[object, ...]]:
+    """Each chunk's box and content id (of its raw bytes; an encoded chunk's ``content``)."""
+    digest = digest_function(algorithm)
+    out = []
+    for c in chunks:
+        if c.encoding == "raw":
+            content = digest(",".join(c.digests).encode())
+        else:
+            content = c.content or f"{c.encoding}:{','.join(c.digests)}"
+        out.append((tuple(c.offsets), tuple(c.shape), content))
+    return sorted(out)
+
+
+__all__ = ["check_ties", "tied_aliases"]
