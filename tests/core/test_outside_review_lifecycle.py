@@ -105,8 +105,8 @@ def _check_refusal(res: dict, root: str) -> None:
     msg = res["message"]
     assert msg, "saving an already committed step was not refused by save()"
     assert "step 1 is already committed" in msg and root in msg and f"rank {res['rank']}" in msg, msg
-    # the remedies: the newest step cannot be deleted, so the advice is a later step (restore() returns the resumed one)
-    assert "cannot be deleted" in msg and "mgr.delete(" not in msg and "restore()" in msg, msg
+    # the remedies: an intact newest step is never deleted, so the advice is a later step (restore() returns it)
+    assert "never deleted" in msg and "mgr.delete(" not in msg and "restore()" in msg, msg
     assert res["took_s"] < 5.0
     assert res["files_unchanged"], "the refused save wrote data files"
     assert res["restored_step"] == 2 and res["restored_ok"]

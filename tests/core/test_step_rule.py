@@ -85,7 +85,7 @@ def test_saving_the_newest_step_again_gives_advice_that_works(tmp_path: Path) ->
         msg = str(e.value)
         assert not isinstance(e.value, StepOrderError)
         assert "step 10 is already committed under" in msg and "newest committed step" in msg, msg
-        assert "mgr.delete(" not in msg and "cannot be deleted" in msg, msg
+        assert "mgr.delete(" not in msg and "is never deleted" in msg and "--damaged" in msg, msg
         assert "above 10" in msg and "another root" in msg, msg
         assert mgr.delete(10) is False and mgr.steps() == [10]  # what the advice says, indeed
         mgr.save(11, _state(11), async_save=False)

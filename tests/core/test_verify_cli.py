@@ -29,6 +29,7 @@ except ImportError:
 
 TORCH_FREE = [
     "shardkeeper.core.retention",
+    "shardkeeper.core.delete_damaged",
     "shardkeeper.core.verify",
     "shardkeeper.core.chunk_reader",
     "shardkeeper.core.export",

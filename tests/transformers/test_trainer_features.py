@@ -117,10 +117,22 @@ def test_resume_targets_that_cannot_resume_fail_before_training(tmp_path: Path, 
         assert again.state.global_step == STEPS and again.losses == []
 
 
+def _run_the_remedy(message: str) -> None:
+    """Run the ``shardkeeper delete ... --damaged`` command the error names, as a user would."""
+    import re
+    import shlex
+
+    from shardkeeper.core.cli import main
+
+    found = re.search(r"`shardkeeper (delete [^`]+ --damaged)`", message)
+    assert found, message
+    assert main(shlex.split(found.group(1))) == 0
+
+
 def test_a_damaged_data_file_names_the_remedy_that_resumes(tmp_path: Path, reference: tuple[Path, Any]) -> None:
     """A flipped byte in step 12's data: the digest check refuses it with what a Trainer user
-    does (the Trainer resumes only from the newest step): remove the step's folder, then
-    resume from the newest intact one, which continues bit for bit."""
+    does (the Trainer resumes only from the newest step): delete the damaged step with the
+    command it names, then resume from the newest intact one, which continues bit for bit."""
     ref_root, ref = reference
     copy = tmp_path / "copy"
     shutil.copytree(ref_root, copy)
@@ -129,11 +141,10 @@ def test_a_damaged_data_file_names_the_remedy_that_resumes(tmp_path: Path, refer
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(ChecksumMismatchError, match=r"step 12 under .* is damaged \(rank 0\).*remove the damaged") as e:
+    with pytest.raises(ChecksumMismatchError, match=r"step 12 under .* is damaged \(rank 0\).*shardkeeper delete") as e:
         make_trainer(copy, **CONSTANT).train(resume_from_checkpoint=True)
     assert e.value.file and e.value.key  # the core error's attributes survive
-    with CheckpointManager(copy) as mgr:
-        shutil.rmtree(mgr.step_url(12))  # the remedy the error gives
+    _run_the_remedy(str(e.value))
     trainer = make_trainer(copy, **CONSTANT)
     trainer.train(resume_from_checkpoint=True)
     assert trainer.losses == _after(ref.losses, 8) and _steps(copy) == [4, 8, 12]
@@ -142,7 +153,7 @@ def test_a_damaged_data_file_names_the_remedy_that_resumes(tmp_path: Path, refer
 def test_a_damaged_newest_manifest_is_refused_before_training(tmp_path: Path, reference: tuple[Path, Any]) -> None:
     """Step 12's manifest unreadable: the newest committed step is 8, but a save at 12 would
     still be refused (the step is listed by its manifest's name). Said before training, with
-    the remedy that works (removing the damaged step's folder), which then resumes."""
+    the remedy that works (the delete command it names), which then resumes."""
     ref_root, ref = reference
     copy = tmp_path / "copy"
     shutil.copytree(ref_root, copy)
@@ -150,12 +161,11 @@ def test_a_damaged_newest_manifest_is_refused_before_training(tmp_path: Path, re
         (Path(mgr.step_url(12)) / "manifest.json").write_text("{not json")
     trainer = make_trainer(copy, **CONSTANT)
     with pytest.raises(
-        ValueError, match=r"step 12 under .* is damaged: its manifest cannot be read \(rank 0\).*Remove the damaged"
-    ):
+        ValueError, match=r"step 12 under .* is damaged: its manifest cannot be read \(rank 0\).*Delete the damaged"
+    ) as e:
         trainer.train(resume_from_checkpoint=True)
     assert trainer.losses == []
-    with CheckpointManager(copy) as mgr:
-        shutil.rmtree(mgr.step_url(12))  # the remedy the error gives
+    _run_the_remedy(str(e.value))
     trainer.train(resume_from_checkpoint=True)
     assert trainer.losses == _after(ref.losses, 8) and _steps(copy) == [4, 8, 12]
 

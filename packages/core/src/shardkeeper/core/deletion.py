@@ -3,38 +3,24 @@
 Both run on the coordinator (rank 0) with ``retention.apply_retention``'s guarantees (never
 the newest committed step, never a file another retained step or a commit in progress
 references) and drop the deleted steps from the catalog. ``delete()`` is a collective: the
-coordinator deletes and broadcasts a ``protocol.Deletion``.
+coordinator deletes and broadcasts a ``protocol.Deletion``; ``delete(step, damaged=True)``
+verifies the step and deletes it, the newest included, only if it is damaged.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 
 from shardkeeper.core.catalog import forget_deleted
 from shardkeeper.core.commit import committed_steps, manifest_steps
 from shardkeeper.core.context import ManagerContext
+from shardkeeper.core.delete_damaged import delete_damaged
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.protocol import COORDINATOR, Deletion
-from shardkeeper.core.retention import RetentionPolicy, apply_retention
+from shardkeeper.core.retention import DeleteOnly, RetentionPolicy, apply_retention
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)
-
-
-class DeleteOnly(RetentionPolicy):
-    """A retention policy that drops exactly the given steps (for ``delete()``)."""
-
-    def __init__(self, steps: frozenset[int]) -> None:
-        super().__init__()
-        object.__setattr__(self, "_drop", steps)
-
-    @property
-    def keeps_all(self) -> bool:
-        return False
-
-    def retained(self, steps: Iterable[int]) -> set[int]:
-        return set(steps) - self._drop  # type: ignore[attr-defined]
 
 
 def retain(storage: Storage, policy: RetentionPolicy, catalog: str | None, step: int) -> None:
@@ -49,10 +35,19 @@ def retain(storage: Storage, policy: RetentionPolicy, catalog: str | None, step:
         forget_deleted(catalog, storage, deleted)
 
 
-def delete_step(ctx: ManagerContext, step: int) -> bool:
-    """Every rank: the coordinator deletes committed ``step``; True on every rank if it is gone."""
+def delete_step(ctx: ManagerContext, step: int, *, damaged: bool = False) -> bool:
+    """Every rank: the coordinator deletes committed ``step``; True on every rank if it is gone.
+    ``damaged``: verify it first and delete it, the newest included, only if it is damaged
+    (``delete_damaged.py``)."""
     result, err = Deletion.KEPT, None
-    if ctx.rank == COORDINATOR:
+    if ctx.rank == COORDINATOR and damaged:
+        try:
+            found = delete_damaged(ctx.storage, step, catalog=ctx.settings.catalog)
+            log.warning("deleted damaged step %d under %s: %s", step, ctx.storage.url, "; ".join(found.damage))
+            result = Deletion.GONE
+        except Exception as e:
+            result, err = Deletion.FAILED, e
+    elif ctx.rank == COORDINATOR:
         try:
             deleted = apply_retention(ctx.storage, DeleteOnly(frozenset([step])))
             forget_deleted(ctx.settings.catalog, ctx.storage, deleted)

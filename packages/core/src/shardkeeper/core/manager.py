@@ -282,7 +282,7 @@ class CheckpointManager:
         step = check_step("step_url", step)
         return self.storage.describe(step_dir(step))
 
-    def delete(self, step: int) -> bool:
+    def delete(self, step: int, *, damaged: bool = False) -> bool:
         """Delete committed ``step`` with retention's guarantees; True if it is gone.
 
         Call it on every rank (a collective); the coordinator deletes. This manager's pending
@@ -292,11 +292,17 @@ class CheckpointManager:
         retained step references (returns False for the newest: ask again later). A step that
         is not committed counts as gone; one whose manifest cannot be read is not deleted
         (False, with a warning: see ``shardkeeper verify``).
+
+        ``damaged=True`` deletes a damaged step, the newest one included (a run whose newest
+        step is damaged can save there again only once it is gone): the step is verified
+        first (every file and digest) and deleted only if its manifest does not validate or
+        its data is missing or differs; an intact step, one the storage could not be asked
+        about, or one of a newer format raises ``ValueError`` with nothing deleted.
         """
         self._check_open()
         step = check_step("delete", step)
         self._wait_pending(raise_error=False)
-        return deletion.delete_step(self._ctx, step)
+        return deletion.delete_step(self._ctx, step, damaged=damaged)
 
     # -- restore -----------------------------------------------------------------------------
     def restore(

@@ -96,6 +96,21 @@ class RetentionPolicy:
         return keep
 
 
+class DeleteOnly(RetentionPolicy):
+    """A retention policy that drops exactly the given steps (for ``delete()``)."""
+
+    def __init__(self, steps: frozenset[int]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_drop", steps)
+
+    @property
+    def keeps_all(self) -> bool:
+        return False
+
+    def retained(self, steps: Iterable[int]) -> set[int]:
+        return set(steps) - self._drop  # type: ignore[attr-defined]
+
+
 def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Iterable[int] = ()) -> list[int]:
     """Delete the committed steps ``policy`` does not retain; returns them, ascending.
 
@@ -172,27 +187,36 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
     if not deleted:
         return []
     live: set[str] = set().union(*refs.values()) if refs else set()
+    return delete_unreferenced(storage, deleted, live, set(steps), "retention")
+
+
+def delete_unreferenced(storage: Storage, deleted: list[int], live: set[str], listed: set[int], who: str) -> list[int]:
+    """After the manifests of ``deleted`` went: delete their files but those in ``live`` (what
+    the steps that stay committed reference), in an intent of a commit in progress, or in a
+    manifest put since ``listed`` was listed; the whole directory when none is kept. Returns
+    ``deleted``, ascending. Failures are logged (``shardkeeper gc`` removes the leftovers)."""
     try:
         intents = pending.live_intents(storage)
     except CheckpointError as e:
         intents = [pending.PendingRecord("", "intent", [], set(), unknown=True)]
-        log.error("retention under %s: could not read the commits in progress (%s)", storage.url, e)
+        log.error("%s under %s: could not read the commits in progress (%s)", who, storage.url, e)
     if any(r.unknown for r in intents):
         log.error(
-            "retention under %s: a commit in progress cannot be read, so the files of deleted steps %s "
+            "%s under %s: a commit in progress cannot be read, so the files of deleted steps %s "
             "are kept; `shardkeeper gc %s` removes them later",
+            who,
             storage.url,
             deleted,
             storage.url,
         )
         return sorted(deleted)
-    live |= {f for r in intents for f in r.files}  # what commits in progress are about to reference
+    live = live | {f for r in intents for f in r.files}  # what commits in progress are about to reference
     try:  # ... or referenced by manifests put since this pass listed the steps
-        live |= committed_since(storage, set(steps))[1]
+        live |= committed_since(storage, listed)[1]
     except CheckpointError as e:
         log.error(
-            "retention under %s: could not list the steps committed meanwhile (%s); the files of "
-            "deleted steps %s are kept",
+            "%s under %s: could not list the steps committed meanwhile (%s); the files of deleted steps %s are kept",
+            who,
             storage.url,
             e,
             deleted,
@@ -211,8 +235,9 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
                         remove_file(storage, f)
         except Exception as e:  # noqa: BLE001
             log.error(
-                "retention: step %d under %s is uncommitted now, but deleting its files "
+                "%s: step %d under %s is uncommitted now, but deleting its files "
                 "failed (%s); `shardkeeper gc %s` removes the leftovers",
+                who,
                 s,
                 storage.url,
                 e,
@@ -221,23 +246,25 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
             continue
         if kept:
             log.info(
-                "retention: deleted step %d under %s (kept %d file(s) that retained steps or "
-                "commits in progress reference)",
+                "%s: deleted step %d under %s (kept %d file(s) that retained steps or commits in progress reference)",
+                who,
                 s,
                 storage.url,
                 len(kept),
             )
         else:
-            log.info("retention: deleted step %d under %s", s, storage.url)
+            log.info("%s: deleted step %d under %s", who, s, storage.url)
     return sorted(deleted)
 
 
 __all__ = [
     "DEFAULT_GC_MIN_AGE_S",
+    "DeleteOnly",
     "GcReport",
     "RetentionPolicy",
     "apply_retention",
     "collect_garbage",
+    "delete_unreferenced",
     "list_incomplete_uploads",
     "referenced_paths",
     "resolve_file",

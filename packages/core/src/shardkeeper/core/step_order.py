@@ -4,8 +4,10 @@ Refused: a step already committed (one stat of its manifest at every save: an of
 after a resume, a fresh run on a used root; checkpoints are immutable), and a step *below*
 the root's newest committed step (the step rule, as the adapters' ``check_save_step``): it
 would commit, yet a resume goes back to the newest step, so the state trained last would be
-silently lost. The newest committed step is what a resume restores, so it is never deleted
-(``retention.py``) and the advice never says to delete it.
+silently lost. The newest committed step is what a resume restores, so retention never
+deletes it (``retention.py``) and the advice never says to delete an intact one; only
+``delete(step, damaged=True)`` (``shardkeeper delete --damaged``) removes it, once verification
+finds it damaged.
 
 Cost: one listing per manager (its first save), then this manager's own commits raise the
 newest step it knows. A step below that is refused only after a fresh listing agrees, so a
@@ -80,14 +82,16 @@ class StepOrder:
         if newest == step:
             return CommitConflictError(
                 f"step {step} is already committed {where}, and it is the newest committed step; this "
-                f"save wrote nothing. Checkpoints are immutable, and the newest step cannot be deleted "
+                f"save wrote nothing. Checkpoints are immutable, and an intact newest step is never deleted "
                 f"(a resume goes back to it): save at a step above {step} (after a resume, the steps after the "
-                f"one restore() returned), or save under another root"
+                f"one restore() returned), or save under another root. If step {step} is damaged, "
+                f"`shardkeeper delete {storage.url} {step} --damaged` removes it"
             )
         return CommitConflictError(  # a manifest that does not validate: damage, or a hand edit
             f"step {step} has a manifest {where} that does not validate; this save wrote nothing. "
             f"Check the root with `shardkeeper verify {storage.url}`, then save at a step above {step}, "
-            f"or save under another root"
+            f"save under another root, or remove the damaged step: `shardkeeper delete {storage.url} {step} "
+            f"--damaged`"
         )
 
 

@@ -123,6 +123,7 @@ def _verify(
 
     sizes: dict[str, int | None] = {}
     missing_keys: dict[str, list[str]] = defaultdict(list)
+    unknown: set[str] = set()  # files the storage could not stat: a read problem, not missing
 
     def actual_size(path: str) -> int | None:
         if path not in sizes:
@@ -133,6 +134,7 @@ def _verify(
             except CheckpointError as e:
                 out.add("read", f"step {step}: cannot stat {storage.describe(path)}: {e}", file=path)
                 sizes[path] = None
+                unknown.add(path)
         return sizes[path]
 
     # Files, as listed (in the manifest and its pages: a damaged page is said once, and the
@@ -153,6 +155,8 @@ def _verify(
         report.files_checked += 1
         size = actual_size(path)
         expected = info.get("size_bytes") if isinstance(info, dict) else None
+        if path in unknown:
+            continue
         if size is None:
             out.add(
                 "missing-file",
@@ -230,7 +234,8 @@ def _verify(
             where = f"leaf {key}, file {storage.describe(path)}, bytes {_rng(lo, hi)}"
             size = actual_size(path)
             if size is None:
-                missing_keys[path].append(key)
+                if path not in unknown:
+                    missing_keys[path].append(key)
                 continue
             if c.encoding == "raw" and c.length != c.numel * isz:
                 out.add(

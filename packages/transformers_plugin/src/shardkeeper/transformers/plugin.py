@@ -96,16 +96,16 @@ class TrainerPlugin:
             raise ValueError(
                 f"shardkeeper.transformers: step {newest} under {self.root} is damaged: its manifest cannot be "
                 f"read (rank {self.rank()}). This run {at} and could save no checkpoint up to step {newest} "
-                f"there. Remove the damaged step's folder ({mgr.step_url(newest)}; `shardkeeper verify` on the "
-                f"root names what is damaged), then resume; or give this run another output_dir (or "
+                f"there. Delete the damaged step (`shardkeeper delete {self.root} {newest} --damaged`, or remove "
+                f"its folder, {mgr.step_url(newest)}), then resume; or give this run another output_dir (or "
                 f"enable(trainer, root=...))"
             )
         raise ValueError(
             f"shardkeeper.transformers: {self.root} already holds committed step {newest} (rank {self.rank()}); "
             f"this run {at}, so it could save no checkpoint up to step {newest} there: checkpoints are "
             f"immutable. Resume from the newest step (resume_from_checkpoint=True), or give this run another "
-            f"output_dir (or enable(trainer, root=...)). If step {newest} is damaged, remove its folder "
-            f"first ({mgr.step_url(newest)})"
+            f"output_dir (or enable(trainer, root=...)). If step {newest} is damaged, delete it first: "
+            f"`shardkeeper delete {self.root} {newest} --damaged`"
         )
 
     def restore(self, patterns: Sequence[str], *, model_only: bool = False) -> None:

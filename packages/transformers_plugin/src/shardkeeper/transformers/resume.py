@@ -149,8 +149,9 @@ def with_remedy(e: CorruptCheckpointError, root: str, url: str, step: int, rank:
     err.args = (
         f"shardkeeper.transformers: step {step} under {root} is damaged (rank {rank}): {e}. For the Trainer: "
         f"the state is partly restored, so do not train from this process. The Trainer resumes from the "
-        f"newest step only: check the root with `shardkeeper verify {root}`, remove the damaged step's folder "
-        f"({url}), then train(resume_from_checkpoint=True) resumes from the newest intact step",
+        f"newest step only: delete the damaged step with `shardkeeper delete {root} {step} --damaged` (it "
+        f"verifies the step first and deletes it only if it is damaged; or remove its folder, {url}), then "
+        f"train(resume_from_checkpoint=True) resumes from the newest intact step",
     )
     return err
 

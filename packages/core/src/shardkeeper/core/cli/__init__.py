@@ -1,4 +1,4 @@
-"""The ``shardkeeper`` command: ls, inspect, verify, gc, export, import and advise.
+"""The ``shardkeeper`` command: ls, inspect, verify, gc, delete, export, import and advise.
 
 Runs without torch, so an operator can look after a bucket from any machine::
 
@@ -6,18 +6,19 @@ Runs without torch, so an operator can look after a bucket from any machine::
     shardkeeper inspect /data/run 1200 --keys 'model/*'
     shardkeeper verify /data/run            # exit 0 clean, 1 damaged, 2 usage / nothing there
     shardkeeper gc /data/run --dry-run
+    shardkeeper delete /data/run 1200 --damaged         # verified damaged: deleted, the newest too
     shardkeeper export /data/run 1200 --to ./hf-model      # Hugging Face safetensors + index
     shardkeeper --version
     shardkeeper import ./dcp-ckpt /data/run --step 1200 --trust-pickle
     shardkeeper advise /data/run --mtbf 3h --interval 30m   # Young/Daly checkpoint interval
 
-Exit codes: 0 success; 1 damage found (verify) or a removal failed (gc); 2 usage error, no
+Exit codes: 0 success; 1 damage found (verify) or a removal failed (gc, delete); 2 usage error, no
 checkpoint where one was asked for, a missing extra, or any other error (one line on stderr,
 no traceback). Results go to stdout; progress bars, notices ("waiting for s3://...") and
 errors to stderr.
 
 This module is the entry point (``main``: the parser, logging, the exit status of an error);
-each command lives in the module of its group: ``view`` (ls, inspect), ``check`` (verify, gc),
+each command lives in the module of its group: ``view`` (ls, inspect), ``check`` (verify, gc, delete),
 ``convert`` (export, import), ``advise``; ``common`` holds what they share, ``roots`` the
 mistakes about ROOT it catches, ``progress`` the bars, ``display`` how a person is shown
 untrusted text.
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         view.add_inspect,
         check.add_verify,
         check.add_gc,
+        check.add_delete,
         convert.add_export,
         advise.add_advise,
         convert.add_import,

@@ -1,5 +1,6 @@
-"""Commands that look after a root: ``verify`` (every file, size and digest; exit 1 on damage)
-and ``gc`` (leftovers of failed saves, never a commit in progress)."""
+"""Commands that look after a root: ``verify`` (every file, size and digest; exit 1 on damage),
+``gc`` (leftovers of failed saves, never a commit in progress) and ``delete`` (one step, by
+retention's rules; ``--damaged``: a step verification finds damaged, the newest included)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,66 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_DAMAGED if report.errors else EXIT_OK
 
 
+def cmd_delete(args: argparse.Namespace) -> int:
+    from shardkeeper.core.commit import committed_steps, manifest_steps
+    from shardkeeper.core.retention import DeleteOnly, apply_retention
+
+    storage = with_key(open_root(args), args.key, args.encryption_root)
+    step, url = args.step, storage.url
+    if args.damaged:
+        from shardkeeper.core.delete_damaged import delete_damaged  # numpy (the chunk reader)
+
+        found = delete_damaged(storage, step)
+        if args.json:
+            print_json({"step": step, "deleted": True, "damaged": True, "damage": found.damage})
+            return EXIT_OK
+        say(f"deleted damaged step {step} under {url}:")
+        for line in found.damage:
+            say(f"  - {line}")
+        return EXIT_OK
+    if step not in manifest_steps(storage):
+        raise CheckpointNotFoundError(f"step {step} under {url} has no manifest: nothing to delete")
+    steps = committed_steps(storage)
+    if step not in steps:
+        raise UsageError(
+            f"step {step} under {url} has a manifest that does not validate; `{PROG} verify {url} {step}` names "
+            f"the damage, and `{PROG} delete {url} {step} --damaged` deletes it"
+        )
+    if step == steps[-1]:
+        raise UsageError(
+            f"step {step} is the newest committed step under {url}: a resume goes back to it, so it is never "
+            f"deleted by retention's rules. If it is damaged, `{PROG} delete {url} {step} --damaged` verifies and "
+            f"deletes it"
+        )
+    gone = step in apply_retention(storage, DeleteOnly(frozenset([step])))
+    if args.json:
+        print_json({"step": step, "deleted": gone, "damaged": False, "damage": []})
+    elif gone:
+        say(f"deleted step {step} under {url} (files that other steps reference were kept)")
+    else:
+        say(f"{PROG}: step {step} under {url} was kept: see the log above (-v) for why", file=sys.stderr)
+    return EXIT_OK if gone else EXIT_DAMAGED
+
+
+def add_delete(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    """``delete ROOT STEP [--damaged]``."""
+    p = sub.add_parser(
+        "delete",
+        parents=[common],
+        help="delete one step (never the newest); --damaged: a step verify finds damaged, the newest too",
+    )
+    p.add_argument("step", metavar="STEP", type=step_arg, help="the step to delete")
+    p.add_argument(
+        "--damaged",
+        action="store_true",
+        help="verify the step first (every file and digest) and delete it, the newest included, only if it is "
+        "damaged; an intact step is refused",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_key_options(p)
+    p.set_defaults(func=cmd_delete)
+
+
 def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     """``verify ROOT [STEP]``: exit 0 clean, 1 damaged."""
     p = sub.add_parser("verify", parents=[common], help="check files, sizes and every digest; exit 1 on damage")
@@ -135,4 +196,4 @@ def add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: arg
     p.set_defaults(func=cmd_gc)
 
 
-__all__ = ["add_gc", "add_verify", "cmd_gc", "cmd_verify"]
+__all__ = ["add_delete", "add_gc", "add_verify", "cmd_delete", "cmd_gc", "cmd_verify"]

@@ -1,0 +1,99 @@
+"""Deleting a damaged step, the newest one included: what a run does when the step it would
+resume from is damaged.
+
+Retention and ``delete()`` never delete the newest committed step, and a save at or below it
+is refused (checkpoints are immutable), so a run whose newest step is damaged could otherwise
+save nothing there again without someone deleting that step's objects by hand. Here the step
+is verified first (every file, size and digest; ``verify.verify_step``) and deleted only when
+it is damaged: a manifest that does not validate, a missing or short file, a digest that
+differs. A storage error while checking proves nothing, so it propagates or refuses with
+nothing deleted, as does an intact step or a manifest of a newer format. The deletion itself is retention's: the manifest first, then
+the files no other committed step, commit in progress or newer manifest references.
+
+Needs no torch: ``shardkeeper delete ROOT STEP --damaged`` runs it from any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardkeeper.core.catalog import forget_deleted
+from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, manifest_steps
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleFormatError,
+)
+from shardkeeper.core.retention import delete_unreferenced, referenced_paths
+from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.verify import verify_step
+
+#: The verification problems that are damage (``verify_report.Problem.kind``); the others (the
+#: storage could not answer, a format or encoding this version does not know, a truncated
+#: listing) prove none.
+DAMAGE = frozenset(
+    {"manifest", "missing-file", "size", "range", "length", "digests", "digest", "tiling", "header", "path", "dtype"}
+)
+
+
+@dataclass
+class DamagedDeletion:
+    """What ``delete_damaged`` found and did."""
+
+    step: int
+    damage: list[str] = field(default_factory=list)  # the problems that made it damaged (the first few)
+    deleted: bool = False
+
+
+def delete_damaged(storage: Storage, step: int, *, catalog: str | None = None) -> DamagedDeletion:
+    """Verify ``step`` and delete it if it is damaged. Raises ``CheckpointNotFoundError`` when
+    the step has no manifest, and ``ValueError`` (nothing deleted) when it verifies intact,
+    when it could not be checked (storage errors) or when its manifest is of a newer format."""
+    where = f"step {step} under {storage.url}"
+    if step not in manifest_steps(storage):
+        raise CheckpointNotFoundError(f"{where} has no manifest: there is no committed or damaged step to delete")
+    out = DamagedDeletion(step)
+    try:  # a storage error here or in the verification propagates: nothing is deleted
+        manifest = load_manifest(storage, step)
+    except IncompatibleFormatError as e:
+        raise ValueError(
+            f"{where} was written by a newer shardkeeper ({e}); it is not damaged, and this version "
+            f"cannot check it: nothing was deleted"
+        ) from e
+    except CorruptCheckpointError as e:  # the manifest itself does not validate
+        out.damage = [f"manifest: {e}"]
+    else:
+        report = verify_step(storage, step, manifest=manifest)
+        damage = [p for p in report.problems if p.kind in DAMAGE]
+        if not damage:
+            if report.problems:
+                raise ValueError(
+                    f"{where} could not be checked: {'; '.join(p.message for p in report.problems[:3])}. "
+                    f"That proves no damage; nothing was deleted. Retry when the storage answers (or with "
+                    f"the step's encryption key)"
+                )
+            raise ValueError(
+                f"{where} verifies intact ({report.files_checked} files, {report.chunks_checked} chunks, "
+                f"every digest checked): nothing was deleted. Delete it without damaged=/--damaged, by "
+                f"retention's rules, once a newer step is committed"
+            )
+        out.damage = [p.message for p in damage[:5]]
+    others = [s for s in committed_steps(storage) if s != step]
+    live: set[str] = set()
+    for s in others:  # what the steps that stay reference, which must not go with this one
+        try:
+            live |= referenced_paths(s, load_manifest(storage, s))
+        except CheckpointError as e:
+            raise ValueError(
+                f"{where} is damaged, but committed step {s} cannot be read ({e}), so the files it references "
+                f"are unknown: nothing was deleted. Run `shardkeeper verify {storage.url}`"
+            ) from e
+    storage.delete(manifest_path(step))  # it stops being committed first; then its files go
+    out.deleted = True
+    delete_unreferenced(storage, [step], live, {*others, step}, "delete --damaged")
+    forget_deleted(catalog, storage, [step])
+    return out
+
+
+__all__ = ["DAMAGE", "DamagedDeletion", "delete_damaged"]

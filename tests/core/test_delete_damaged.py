@@ -1,0 +1,166 @@
+"""Deleting a damaged step, the newest one included: ``CheckpointManager.delete(step,
+damaged=True)`` and ``shardkeeper delete ROOT STEP [--damaged]``.
+
+Retention never deletes the newest committed step, and a save at or below it is refused, so
+a run whose newest step is damaged had no tool to save there again. The step is verified
+first and deleted only when it is damaged; an intact one, or one the storage could not be
+asked about, is refused with nothing deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardkeeper.core import CheckpointManager
+from shardkeeper.core.commit import committed_steps, manifest_path
+from shardkeeper.core.errors import StorageError
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.storage import LocalStorage
+from tests.checks import assert_same_state
+from tests.core._builders import run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, 64, generator=g), "b": torch.randn(32, generator=g)}
+
+
+def _flip(root: Path, step: int, key: str = "a") -> None:
+    """Flip one byte inside ``key``'s chunk of ``step``."""
+    leaf = json.loads((root / step_dir(step) / "manifest.json").read_bytes())["leaves"][key]
+    c = leaf["chunks"][0]
+    path = root / step_dir(step) / c["file"]
+    raw = bytearray(path.read_bytes())
+    raw[c["offset"] + c["length"] // 2] ^= 0x20
+    path.write_bytes(bytes(raw))
+
+
+def _two_steps(root: Path, **opts: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    s1, s2 = _state(1), _state(2)
+    with CheckpointManager(root, async_save=False, **opts) as mgr:
+        mgr.save(1, s1)
+        mgr.save(2, s2)
+    return s1, s2
+
+
+def test_a_damaged_newest_step_is_deleted_and_its_step_can_be_saved_again(tmp_path: Path) -> None:
+    s1, _ = _two_steps(tmp_path)
+    _flip(tmp_path, 2)
+    with CheckpointManager(tmp_path) as mgr:
+        assert not mgr.delete(2), "retention's delete() keeps the newest step"
+        assert mgr.delete(2, damaged=True)
+        assert mgr.steps() == [1] and not (tmp_path / step_dir(2)).exists()
+        target = _state(9)
+        assert mgr.restore(target) == 1
+        assert_same_state(target, s1, what="step 1, now the newest")
+        again = _state(3)
+        mgr.save(2, again).wait()  # step 2 is free again: the run saves there
+        got = _state(9)
+        assert mgr.restore(got) == 2
+        assert_same_state(got, again, what="the new step 2")
+
+
+def test_an_intact_step_is_refused_with_nothing_deleted(tmp_path: Path) -> None:
+    _two_steps(tmp_path)
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError) as e:
+        mgr.delete(2, damaged=True)
+    msg = str(e.value)
+    assert "step 2 under" in msg and "verifies intact" in msg and "nothing was deleted" in msg, msg
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
+
+
+def test_a_step_whose_manifest_does_not_validate_is_deleted(tmp_path: Path) -> None:
+    _two_steps(tmp_path)
+    (tmp_path / step_dir(1) / "manifest.json").write_bytes(b'{"format_version": 5, "step": 1')
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.delete(1, damaged=True)
+        assert mgr.steps() == [2] and not (tmp_path / step_dir(1)).exists()
+
+
+def test_files_a_later_step_references_are_kept(tmp_path: Path) -> None:
+    """Step 2 is incremental: its unchanged tensor ``b`` lives in step 1's file. Deleting a
+    damaged step 1 (its ``a`` flipped) keeps that file, and step 2 still restores bit for bit."""
+    s1 = _state(1)
+    s2 = {"a": _state(2)["a"], "b": s1["b"].clone()}
+    with CheckpointManager(tmp_path, async_save=False, incremental=True) as mgr:
+        mgr.save(1, s1)
+        mgr.save(2, s2)
+        refs = [c["file"] for c in mgr.manifest(2).to_json()["leaves"]["b"]["chunks"]]
+    assert refs and all(f.startswith(f"../{step_dir(1)}/") for f in refs), refs
+    _flip(tmp_path, 1, "a")
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.delete(1, damaged=True)
+        assert mgr.steps() == [2] and not (tmp_path / manifest_path(1)).exists()
+        assert all((tmp_path / step_dir(2) / f).resolve().is_file() for f in refs)
+        got = _state(9)
+        assert mgr.restore(got) == 2
+    assert_same_state(got, s2, what="step 2, whose b lives in step 1's file")
+
+
+class _FailingReads(LocalStorage):
+    """Every ranged read fails: the storage cannot answer (no server fails on cue)."""
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        raise OSError("connection reset by peer")
+
+
+class _FailingStats(LocalStorage):
+    """Asking a data file's size fails (verify records that as a read problem, not damage)."""
+
+    def size(self, path: str) -> int:
+        if "/data/" in path:
+            raise StorageError(f"HEAD {path}: 503 Slow Down")
+        return super().size(path)
+
+
+@pytest.mark.parametrize("storage_cls", [_FailingReads, _FailingStats], ids=["reads-fail", "stats-fail"])
+def test_a_step_the_storage_cannot_be_asked_about_is_not_deleted(tmp_path: Path, storage_cls: type) -> None:
+    """A storage error proves no damage: it propagates, or the step is refused as unchecked."""
+    from shardkeeper.core.delete_damaged import delete_damaged
+
+    _two_steps(tmp_path)
+    with pytest.raises((OSError, ValueError)) as e:
+        delete_damaged(storage_cls(tmp_path), 2)
+    msg = str(e.value)
+    if storage_cls is _FailingReads:
+        assert "connection reset by peer" in msg, msg
+    else:
+        assert "could not be checked" in msg and "503 Slow Down" in msg and "nothing was deleted" in msg, msg
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
+
+
+def test_cli_delete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _two_steps(tmp_path)
+    code, _, err = run_cli(capsys, "delete", tmp_path, 2)
+    assert code == 2 and "newest committed step" in err and "--damaged" in err, err
+    code, _, err = run_cli(capsys, "delete", tmp_path, 2, "--damaged")
+    assert code == 2 and "verifies intact" in err, err
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
+    _flip(tmp_path, 2)
+    code, out, err = run_cli(capsys, "delete", tmp_path, 2, "--damaged", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["deleted"] and doc["step"] == 2 and any("digest" in d for d in doc["damage"]), doc
+    code, _, err = run_cli(capsys, "delete", tmp_path, 1)
+    assert code == 2 and "newest committed step" in err, err  # step 1 is the newest now
+    code, _, err = run_cli(capsys, "delete", tmp_path, 7)
+    assert code == 2 and "no manifest" in err, err
+    assert committed_steps(LocalStorage(tmp_path)) == [1]
+
+
+def test_verify_says_a_file_it_could_not_stat_is_unchecked_not_missing(tmp_path: Path) -> None:
+    """A failed stat (the storage did not answer) is a read problem; verify used to also call
+    the file missing, which a deletion of damaged steps would have taken as damage."""
+    from shardkeeper.core.verify import verify_step
+
+    _two_steps(tmp_path)
+    report = verify_step(_FailingStats(tmp_path), 2)
+    kinds = {p.kind for p in report.problems}
+    assert kinds == {"read"}, [p.message for p in report.problems]
