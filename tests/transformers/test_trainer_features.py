@@ -4,8 +4,10 @@ export for ``from_pretrained``, and ``disable``."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +322,42 @@ def test_push_to_hub_is_refused_before_the_trainer_is_built(tmp_path: Path) -> N
     args = TrainingArguments(output_dir=str(tmp_path / "run"), push_to_hub=True, report_to="none", use_cpu=True)
     with pytest.raises(NotImplementedError, match="push_to_hub pushes the Trainer's own checkpoint folders"):
         ShardkeeperTrainer(model=tiny_model(), args=args, train_dataset=Tokens())
+
+
+def test_a_subclass_override_enable_replaces_is_warned_about(tmp_path: Path) -> None:
+    """A subclass's ``_save_checkpoint`` (DLRover's and axolotl's override it) no longer runs
+    once ``enable()`` replaces it on the instance: said, naming the class and the method."""
+
+    class ExtraFiles(Recording):
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:  # pragma: no cover - shadowed
+            super()._save_checkpoint(model, trial)
+
+    with pytest.warns(UserWarning, match=r"ExtraFiles\._save_checkpoint override\(s\) Trainer method\(s\)"):
+        make_trainer(tmp_path / "run", cls=ExtraFiles)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path / "plain")  # no override: no such warning
+    assert not [w for w in seen if "override" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_a_newer_trainer_folder_beside_committed_steps_is_named(
+    tmp_path: Path, reference: tuple[Path, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``resume_from_checkpoint=True`` resumes the newest committed step; a newer
+    ``checkpoint-N`` the Trainer wrote itself there (before shardkeeper was enabled) is never
+    picked silently: the warning names it and how to resume from it."""
+    ref_root, _ = reference
+    copy = tmp_path / "copy"
+    shutil.copytree(ref_root, copy)
+    (copy / "checkpoint-20").mkdir()
+    (copy / "checkpoint-20" / "trainer_state.json").write_text('{"global_step": 20}')
+    trainer = make_trainer(copy, **CONSTANT)
+    with caplog.at_level(logging.WARNING, logger="shardkeeper.transformers"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == STEPS
+    text = caplog.text
+    assert "resuming from committed step 12" in text and "checkpoint-20 there is newer" in text, text
+    assert f"resume_from_checkpoint={str(copy / 'checkpoint-20')!r}" in text, text
 
 
 def test_fsdp_on_xla_is_refused_at_enable(tmp_path: Path) -> None:

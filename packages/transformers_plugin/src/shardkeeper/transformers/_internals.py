@@ -145,6 +145,33 @@ def replace_methods(patches: Any, trainer: Any, fns: dict[str, Any]) -> None:
         patches.set(trainer, name, fns[key])
 
 
+def warn_if_overridden(cls: Any) -> None:
+    """Warn when a Trainer subclass overrides a method ``replace_methods`` shadows on the
+    instance: that override would no longer run (what it adds to a checkpoint, e.g. files
+    beside it, would silently go missing)."""
+    import warnings
+
+    from transformers import Trainer
+
+    if Trainer not in cls.__mro__:
+        return
+    replaced = sorted(set(METHODS) - {"store_flos", "_load_callback_state"})
+    own = [
+        f"{klass.__name__}.{name}"
+        for name in replaced
+        for klass in cls.__mro__[: cls.__mro__.index(Trainer)]
+        if name in vars(klass)
+    ]
+    if own:
+        warnings.warn(
+            f"shardkeeper.transformers: {', '.join(own)} override(s) Trainer method(s) that enable() replaces on "
+            f"this Trainer, so they no longer run: what they add to a checkpoint is not saved. Move that work into "
+            f"a TrainerCallback (on_save), or do not enable shardkeeper on this Trainer",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def load_callback_state(trainer: Any) -> None:
     """``Trainer._load_callback_state``: the saved callback states, where
     ``args.restore_callback_states_from_checkpoint`` asks for them (5.23.0, 5.24.0)."""
@@ -182,5 +209,6 @@ __all__ = [
     "exportable_callbacks",
     "record_callback_states",
     "require_trainer",
+    "warn_if_overridden",
     "warn_if_untested",
 ]

@@ -235,6 +235,7 @@ def enable(trainer: Any, root: str | os.PathLike[str] | None = None, **options: 
     tfi.require_trainer(trainer)
     tfi.warn_if_untested()
     _check_supported(trainer)
+    tfi.warn_if_overridden(type(trainer))
     if getattr(trainer, _ATTR, None) is not None:
         disable(trainer)
     plugin = TrainerPlugin(trainer, root, options)

@@ -118,6 +118,18 @@ def newest(mgr: CheckpointManager, root: str, rank: int) -> Resume:
             else ", or start from scratch without resume_from_checkpoint"
         )
         raise ValueError(f"shardkeeper.transformers: no committed checkpoint under {root} (rank {rank}){hint}")
+    newer = [n for n in own_folders(root) if int(n.removeprefix("checkpoint-")) > step]
+    if newer:  # written by the Trainer itself (before shardkeeper was enabled): never picked silently
+        log.warning(
+            "shardkeeper: resuming from committed step %d under %s, but the Trainer's own folder %s there is newer "
+            "(written without shardkeeper: not fenced, not verified); to resume from it, pass "
+            "resume_from_checkpoint=%r (rank %d)",
+            step,
+            root,
+            newer[-1],
+            os.path.join(root, newer[-1]),
+            rank,
+        )
     return Resume(mgr, step)
 
 
