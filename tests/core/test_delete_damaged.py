@@ -164,3 +164,58 @@ def test_verify_says_a_file_it_could_not_stat_is_unchecked_not_missing(tmp_path:
     report = verify_step(_FailingStats(tmp_path), 2)
     kinds = {p.kind for p in report.problems}
     assert kinds == {"read"}, [p.message for p in report.problems]
+
+
+def _encrypted_two_steps(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("cryptography")
+    import base64
+
+    monkeypatch.setenv("SK_DEL_KEY", base64.b64encode(bytes(range(32))).decode())
+    monkeypatch.setenv("SK_DEL_OTHER", base64.b64encode(bytes(range(32, 64))).decode())
+    _two_steps(root, encryption="env:SK_DEL_KEY")
+
+
+def _flip_ciphertext(root: Path, step: int) -> None:
+    (path,) = sorted((root / step_dir(step) / "data").glob("*"))
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_an_intact_encrypted_step_is_not_deleted_with_the_key_a_wrong_key_or_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step is verified through the view that authenticates: with the right key it is
+    intact; a wrong key is no damage; without a key nothing can be checked."""
+    from shardkeeper.core import EncryptionKeyError
+
+    _encrypted_two_steps(tmp_path, monkeypatch)
+    with CheckpointManager(tmp_path, encryption="env:SK_DEL_KEY") as mgr, pytest.raises(ValueError, match="intact"):
+        mgr.delete(2, damaged=True)
+    with CheckpointManager(tmp_path, encryption="env:SK_DEL_OTHER") as mgr, pytest.raises(EncryptionKeyError):
+        mgr.delete(2, damaged=True)
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="no key was given"):
+        mgr.delete(2, damaged=True)
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
+
+
+def test_a_damaged_encrypted_step_is_deleted_by_the_cli_and_the_manager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ciphertext byte flipped: the block fails authentication, which is damage."""
+    _encrypted_two_steps(tmp_path, monkeypatch)
+    _flip_ciphertext(tmp_path, 2)
+    code, out, err = run_cli(capsys, "delete", tmp_path, 2, "--damaged", "--key", "env:SK_DEL_KEY")
+    assert code == 0 and "deleted damaged step 2" in out and "authentication" in out, (out, err)
+    assert committed_steps(LocalStorage(tmp_path)) == [1]
+    with CheckpointManager(tmp_path, encryption="env:SK_DEL_KEY", async_save=False) as mgr:
+        mgr.save(2, _state(5))
+        _flip_ciphertext(tmp_path, 2)
+        assert mgr.delete(2, damaged=True) and mgr.steps() == [1]
+
+
+def test_damaged_takes_a_bool(tmp_path: Path) -> None:
+    _two_steps(tmp_path)
+    with CheckpointManager(tmp_path) as mgr, pytest.raises(TypeError, match="True or False"):
+        mgr.delete(2, damaged="no")  # type: ignore[arg-type]
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2]

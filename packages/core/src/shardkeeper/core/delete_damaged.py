@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardkeeper.core.catalog import forget_deleted
+from shardkeeper.core.codec.crypto import EncryptedStorage
 from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, manifest_steps
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -46,16 +47,24 @@ class DamagedDeletion:
     deleted: bool = False
 
 
-def delete_damaged(storage: Storage, step: int, *, catalog: str | None = None) -> DamagedDeletion:
-    """Verify ``step`` and delete it if it is damaged. Raises ``CheckpointNotFoundError`` when
-    the step has no manifest, and ``ValueError`` (nothing deleted) when it verifies intact,
-    when it could not be checked (storage errors) or when its manifest is of a newer format."""
+def delete_damaged(
+    storage: Storage, step: int, *, read_storage: Storage | None = None, catalog: str | None = None
+) -> DamagedDeletion:
+    """Verify ``step`` and delete it if it is damaged. ``read_storage``: the view that checks
+    what it reads (an encrypted root's authenticated view; default ``storage``), through which
+    the step is verified; ``storage`` deletes. Raises ``CheckpointNotFoundError`` when the step
+    has no manifest, ``EncryptionKeyError`` for a wrong key, and ``ValueError`` (nothing
+    deleted) when it verifies intact, could not be checked (storage errors, an encrypted step
+    without its key) or has a manifest of a newer format."""
+    reader = read_storage if read_storage is not None else storage
+    if isinstance(reader, EncryptedStorage) and not reader.authenticate:
+        reader = reader.authenticated()  # a manifest whose MAC fails is a wrong key or damage, said as such
     where = f"step {step} under {storage.url}"
     if step not in manifest_steps(storage):
         raise CheckpointNotFoundError(f"{where} has no manifest: there is no committed or damaged step to delete")
     out = DamagedDeletion(step)
     try:  # a storage error here or in the verification propagates: nothing is deleted
-        manifest = load_manifest(storage, step)
+        manifest = load_manifest(reader, step)
     except IncompatibleFormatError as e:
         raise ValueError(
             f"{where} was written by a newer shardkeeper ({e}); it is not damaged, and this version "
@@ -64,7 +73,12 @@ def delete_damaged(storage: Storage, step: int, *, catalog: str | None = None) -
     except CorruptCheckpointError as e:  # the manifest itself does not validate
         out.damage = [f"manifest: {e}"]
     else:
-        report = verify_step(storage, step, manifest=manifest)
+        if manifest.encryption is not None and not isinstance(reader, EncryptedStorage):
+            raise ValueError(
+                f"{where} is encrypted, and no key was given, so its data cannot be checked: nothing was "
+                f"deleted. Give the root's key (--key, or the manager's encryption=)"
+            )
+        report = verify_step(reader, step, manifest=manifest)
         damage = [p for p in report.problems if p.kind in DAMAGE]
         if not damage:
             if report.problems:
@@ -73,10 +87,16 @@ def delete_damaged(storage: Storage, step: int, *, catalog: str | None = None) -
                     f"That proves no damage; nothing was deleted. Retry when the storage answers (or with "
                     f"the step's encryption key)"
                 )
+            newest = max(committed_steps(storage), default=None) == step
             raise ValueError(
                 f"{where} verifies intact ({report.files_checked} files, {report.chunks_checked} chunks, "
-                f"every digest checked): nothing was deleted. Delete it without damaged=/--damaged, by "
-                f"retention's rules, once a newer step is committed"
+                f"every digest checked): nothing was deleted. "
+                + (
+                    "It is the newest committed step, which a resume goes back to: delete it without "
+                    "damaged=/--damaged once a newer step is committed"
+                    if newest
+                    else "Delete it without damaged=/--damaged (retention's rules)"
+                )
             )
         out.damage = [p.message for p in damage[:5]]
     others = [s for s in committed_steps(storage) if s != step]

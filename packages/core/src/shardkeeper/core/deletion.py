@@ -42,7 +42,7 @@ def delete_step(ctx: ManagerContext, step: int, *, damaged: bool = False) -> boo
     result, err = Deletion.KEPT, None
     if ctx.rank == COORDINATOR and damaged:
         try:
-            found = delete_damaged(ctx.storage, step, catalog=ctx.settings.catalog)
+            found = delete_damaged(ctx.storage, step, read_storage=ctx.read_storage, catalog=ctx.settings.catalog)
             log.warning("deleted damaged step %d under %s: %s", step, ctx.storage.url, "; ".join(found.damage))
             result = Deletion.GONE
         except Exception as e:
@@ -56,8 +56,8 @@ def delete_step(ctx: ManagerContext, step: int, *, damaged: bool = False) -> boo
             result = Deletion.KEPT if step in manifest_steps(ctx.storage) else Deletion.GONE
             if result is Deletion.KEPT and step not in committed_steps(ctx.storage):
                 log.warning(
-                    "step %d under %s was not deleted: its manifest cannot be read (run `shardkeeper verify` "
-                    "on the root; remove the step's directory once nothing else needs it)",
+                    "step %d under %s was not deleted: its manifest cannot be read (`shardkeeper verify` on the "
+                    "root names the damage; delete(step, damaged=True) deletes a damaged step)",
                     step,
                     ctx.storage.url,
                 )

@@ -301,6 +301,8 @@ class CheckpointManager:
         """
         self._check_open()
         step = check_step("delete", step)
+        if not isinstance(damaged, bool):
+            raise TypeError(f"delete(damaged=...) must be True or False, not {damaged!r}")
         self._wait_pending(raise_error=False)
         return deletion.delete_step(self._ctx, step, damaged=damaged)
 

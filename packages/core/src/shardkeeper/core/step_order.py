@@ -85,13 +85,13 @@ class StepOrder:
                 f"save wrote nothing. Checkpoints are immutable, and an intact newest step is never deleted "
                 f"(a resume goes back to it): save at a step above {step} (after a resume, the steps after the "
                 f"one restore() returned), or save under another root. If step {step} is damaged, "
-                f"`shardkeeper delete {storage.url} {step} --damaged` removes it"
+                f"`shardkeeper delete {storage.url} {step} --damaged` removes it (with --key for an encrypted root)"
             )
         return CommitConflictError(  # a manifest that does not validate: damage, or a hand edit
             f"step {step} has a manifest {where} that does not validate; this save wrote nothing. "
             f"Check the root with `shardkeeper verify {storage.url}`, then save at a step above {step}, "
             f"save under another root, or remove the damaged step: `shardkeeper delete {storage.url} {step} "
-            f"--damaged`"
+            f"--damaged` (with --key for an encrypted root)"
         )
 
 

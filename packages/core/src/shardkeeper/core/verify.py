@@ -23,6 +23,7 @@ from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
 )
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
@@ -282,9 +283,9 @@ def _verify(
             report.chunks_checked += 1
             head = b""
             for w in reader.scan(path, c, span):
-                if w.data is None:
+                if w.data is None:  # damage (an encrypted block that fails authentication), or the storage
                     out.add(
-                        "read",
+                        "digest" if isinstance(w.error, CorruptCheckpointError) else "read",
                         f"step {step}: {where}: reading bytes {_rng(w.start, w.end)} failed: {w.error}",
                         key=key,
                         file=path,

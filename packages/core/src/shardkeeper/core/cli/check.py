@@ -134,13 +134,13 @@ def cmd_delete(args: argparse.Namespace) -> int:
     if step not in steps:
         raise UsageError(
             f"step {step} under {url} has a manifest that does not validate; `{PROG} verify {url} {step}` names "
-            f"the damage, and `{PROG} delete {url} {step} --damaged` deletes it"
+            f"the damage, and `{PROG} delete {url} {step} --damaged` deletes it (with --key for an encrypted root)"
         )
     if step == steps[-1]:
         raise UsageError(
             f"step {step} is the newest committed step under {url}: a resume goes back to it, so it is never "
             f"deleted by retention's rules. If it is damaged, `{PROG} delete {url} {step} --damaged` verifies and "
-            f"deletes it"
+            f"deletes it (with --key for an encrypted root)"
         )
     gone = step in apply_retention(storage, DeleteOnly(frozenset([step])))
     if args.json:

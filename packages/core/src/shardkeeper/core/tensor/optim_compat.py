@@ -188,12 +188,12 @@ def _check_group_params(key: str, saved: Any, t: OptimizerTarget, where: str) ->
         if not isinstance(got, list) or not all(isinstance(p, str) for p in got) or set(got) == want:
             continue
         extra, lacks = sorted(set(got) - want), sorted(want - set(got))
-        parts = [f"parameters the target's lacks: {_names(extra)}"] if extra else []
+        parts = [f"holds {_names(extra)}, which the target's lacks"] if extra else []
         parts += [f"lacks the target's {_names(lacks)}"] if lacks else []
         only = f"only=[{(t.owner or 'model') + '/*'!r}]"
         raise StateMismatchError(
             f"the optimizer at state key {key!r} in {where} was saved over other parameters than the "
-            f"target's: its param group {i} has {'; and '.join(parts)}; nothing was read. Build the model "
+            f"target's: its param group {i} {' and '.join(parts)}; nothing was read. Build the model "
             f"and optimizer as they were saved (the same parameters, trainable and frozen, and the same "
             f"tied weights), or restore the model without the optimizer: {only}"
         )

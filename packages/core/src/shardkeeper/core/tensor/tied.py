@@ -57,7 +57,8 @@ def check_ties(
         first = _fingerprint(chunks_of(saved[0]), algorithm)
         differ = [k for k in saved[1:] if _fingerprint(chunks_of(k), algorithm) != first]
         if differ:
-            clashes.append(f"{saved[0]!r} and {', '.join(repr(k) for k in differ)}")
+            names = [repr(k) for k in (saved[0], *differ)]
+            clashes.append(f"{', '.join(names[:-1])} and {names[-1]}")
     if clashes:
         raise StateMismatchError(
             f"the target state ties weights that {where} holds as different tensors: {'; '.join(clashes)} "
