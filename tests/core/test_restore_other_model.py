@@ -126,3 +126,18 @@ def test_an_optimizer_over_other_parameters_is_refused_before_reading(
         if lacks:  # the remedy: the model alone
             assert mgr.restore({"model": target}, only=["model/*"]) == 1
             assert_same_state(target.state_dict(), saved.state_dict(), what="the model restored alone")
+
+
+def test_a_frozen_parameter_only_the_target_optimizer_lists_restores(tmp_path: Path) -> None:
+    """A DeepSpeed engine's optimizer holds only the trainable parameters; a plain optimizer
+    built over ``model.parameters()`` lists a frozen one too, which has no state to restore:
+    that is no mismatch, and the rest restores bit for bit."""
+    saved, opt = _trained(tied=False, frozen=True)  # wte frozen: not in the saved optimizer
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": saved, "optim": opt}).wait()
+        target = _LM(tied=False, seed=5)
+        target.wte.weight.requires_grad_(False)
+        topt = torch.optim.AdamW(target.parameters(), lr=1e-2)  # lists the frozen wte too
+        assert mgr.restore({"model": target, "optim": topt}, only=["model/*", "optim/*"]) == 1
+    assert_same_state(target.state_dict(), saved.state_dict(), what="the model")
+    assert torch.equal(topt.state[target.head.weight]["exp_avg"], opt.state[saved.head.weight]["exp_avg"])

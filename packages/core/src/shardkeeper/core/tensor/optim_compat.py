@@ -17,6 +17,7 @@ key). A restore refuses, before reading any data:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ class OptimizerTarget:
     """What a restore target's optimizer is: its class, the hyper-parameter names of its
     param groups, the state names of each parameter that has state, the state key of the
     module that owns its parameters (for the remedy), how many param groups it has, and the
-    parameter FQNs of each group."""
+    parameter FQNs of each group (all, and those that require grad)."""
 
     cls: str
     group_keys: frozenset[str]
@@ -42,6 +43,8 @@ class OptimizerTarget:
     owner: str | None
     groups: int | None = None
     params: tuple[frozenset[str], ...] | None = None
+    #: each group's parameters that require grad (a frozen one may have no saved state)
+    trainable: tuple[frozenset[str], ...] | None = None
 
 
 def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -129,7 +132,7 @@ def check_optimizers(
         saved_keys = _group_keys(rec.value) if rec is not None and rec.kind == "object" else None
         if restores(groups_key) and rec is not None and rec.kind == "object":
             _check_group_count(key, rec.value, t, where)
-            _check_group_params(key, rec.value, t, where)
+            _check_group_params(key, rec.value, t, where, functools.partial(_stateful, manifest.leaves, prefix))
         if saved_cls is not None:
             differs = _short(saved_cls) != _short(t.cls)
         else:
@@ -176,27 +179,42 @@ def _check_group_count(key: str, saved: Any, t: OptimizerTarget, where: str) -> 
     )
 
 
-def _check_group_params(key: str, saved: Any, t: OptimizerTarget, where: str) -> None:
-    """The saved param groups' parameters (FQNs) must be the target's, group by group: torch
-    loads the per-parameter state by these names and fails on one the target lacks, after the
-    model was restored (a model saved with other parameters, or untied where the target ties).
-    Refused before anything is read; the order within a group does not matter."""
+def _check_group_params(key: str, saved: Any, t: OptimizerTarget, where: str, stateful: Callable[[], set[str]]) -> None:
+    """The saved param groups' parameters (FQNs) must fit the target's, group by group, as torch
+    loads them by name: a target parameter that requires grad needs its place in the saved
+    group, and a saved parameter that has state needs one in the target's (a model saved with
+    other parameters, or untied where the target ties). Torch fails on either after the model
+    was restored, so they are refused before anything is read. A frozen parameter on one side
+    only passes (it has no state), and the order within a group does not matter."""
     if t.params is None or not isinstance(saved, list):
         return
-    for i, (g, want) in enumerate(zip(saved, t.params)):
+    trainable = t.trainable or t.params
+    with_state: set[str] | None = None
+    for i, (g, every, needs) in enumerate(zip(saved, t.params, trainable)):
         got = g.get("params") if isinstance(g, Mapping) else None
-        if not isinstance(got, list) or not all(isinstance(p, str) for p in got) or set(got) == want:
+        if not isinstance(got, list) or not all(isinstance(p, str) for p in got) or set(got) == every:
             continue
-        extra, lacks = sorted(set(got) - want), sorted(want - set(got))
+        lacks = sorted(needs - set(got))
+        others = set(got) - every
+        if others and with_state is None:
+            with_state = stateful()
+        extra = sorted(others & (with_state or set()))
+        if not extra and not lacks:
+            continue
         parts = [f"holds {_names(extra)}, which the target's lacks"] if extra else []
         parts += [f"lacks the target's {_names(lacks)}"] if lacks else []
         only = f"only=[{(t.owner or 'model') + '/*'!r}]"
         raise StateMismatchError(
             f"the optimizer at state key {key!r} in {where} was saved over other parameters than the "
             f"target's: its param group {i} {' and '.join(parts)}; nothing was read. Build the model "
-            f"and optimizer as they were saved (the same parameters, trainable and frozen, and the same "
-            f"tied weights), or restore the model without the optimizer: {only}"
+            f"and optimizer as they were saved (the same trainable parameters and the same tied "
+            f"weights), or restore the model without the optimizer: {only}"
         )
+
+
+def _stateful(leaves: Mapping[str, Any], prefix: str) -> set[str]:
+    """The parameter FQNs the checkpoint holds optimizer state for (``<prefix><fqn>/<name>``)."""
+    return {k[len(prefix) :].partition("/")[0] for k in leaves if k.startswith(prefix)}
 
 
 def _names(fqns: list[str], limit: int = 6) -> str:

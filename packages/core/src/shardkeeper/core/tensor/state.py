@@ -347,6 +347,8 @@ class Flattener:
 
         self._add(f"{key}/param_groups", norm_groups, "object", per_rank, set_groups)
         if self.restore:
+            # parameters that need no saved state: frozen ones (by FQN; one the names miss counts as trainable)
+            frozen = {normalize_fqn(n): not p.requires_grad for n, p in owner.named_parameters(remove_duplicate=False)}
             self.out.optimizers[key] = OptimizerTarget(
                 optimizer_class(opt),
                 frozenset(k for g in groups for k in g if k != "params"),
@@ -354,6 +356,7 @@ class Flattener:
                 owner_key,
                 len(groups),
                 tuple(frozenset(g["params"]) for g in norm_groups),
+                tuple(frozenset(p for p in g["params"] if frozen.get(p) is not True) for g in norm_groups),
             )
             self.out.finalizers.append(
                 (key, lambda: set_optimizer_state_dict(owner, opt, osd, options=StateDictOptions()))
