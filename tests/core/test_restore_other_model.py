@@ -141,3 +141,27 @@ def test_a_frozen_parameter_only_the_target_optimizer_lists_restores(tmp_path: P
         assert mgr.restore({"model": target, "optim": topt}, only=["model/*", "optim/*"]) == 1
     assert_same_state(target.state_dict(), saved.state_dict(), what="the model")
     assert torch.equal(topt.state[target.head.weight]["exp_avg"], opt.state[saved.head.weight]["exp_avg"])
+
+
+def test_one_tensor_under_two_keys_of_a_plain_dict(tmp_path: Path) -> None:
+    """A target that lists one tensor object under two keys (no module): two different saved
+    values are refused before a read (the last copy would win); equal ones, or one of the
+    names alone, restore into it."""
+    a, b = torch.arange(6.0), torch.arange(6.0) * 2
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": {"a": a, "b": b}}).wait()
+        mgr.save(2, {"w": {"a": a, "b": a.clone()}}).wait()
+        mgr.save(3, {"w": {"a": b}}).wait()
+        t = torch.zeros(6)
+        with pytest.raises(StateMismatchError, match=r"'w/a' and 'w/b' are one tensor in the target"):
+            mgr.restore({"w": {"a": t, "b": t}}, step=1)
+        assert not t.any(), "nothing may be read"
+        assert mgr.restore({"w": {"a": t, "b": t}}, step=2) == 2 and torch.equal(t, a)
+        assert mgr.restore({"w": {"a": t, "b": t}}, step=3) == 3 and torch.equal(t, b)  # b fills through a
+
+
+def test_tie_groups_that_share_a_key_are_joined() -> None:
+    from shardkeeper.core.tensor.tied import merge_ties
+
+    assert merge_ties([("a", "b"), ("c", "d"), ("b", "c"), ("e", "f")]) == [("a", "b", "c", "d"), ("e", "f")]
+    assert merge_ties([("a", "b"), ("b", "a"), ("x",)]) == [("a", "b")]

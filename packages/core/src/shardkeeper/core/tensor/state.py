@@ -31,6 +31,7 @@ from shardkeeper.core.format.columns import without_gc
 from shardkeeper.core.format.jsonvalue import check_value, describe_problem
 from shardkeeper.core.tensor.fragment import Fragment
 from shardkeeper.core.tensor.optim_compat import OptimizerTarget, optimizer_class
+from shardkeeper.core.tensor.tied import merge_ties, object_ties
 
 #: Wrapper path components stripped from FQNs so one model has one set of keys everywhere.
 WRAPPER_PREFIXES = (
@@ -215,6 +216,8 @@ class Flattener:
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
         for k, v in state.items():
             self._visit(str(k), v, modules, None, self._dict_setter(state, k))
+        if self.restore:
+            self.out.ties = merge_ties([*self.out.ties, *object_ties(self.out.leaves)])
         return self.out
 
     # -- helpers -----------------------------------------------------------------------------

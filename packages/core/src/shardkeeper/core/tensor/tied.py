@@ -17,11 +17,46 @@ tensors are the same bytes (a tied model's save lists its weight under each name
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.records import ChunkRecord
+
+
+def object_ties(leaves: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """The groups of tensor leaf keys that hold one tensor object (a target that lists a tensor
+    under two keys, as a plain dict may): restoring two saved values into it would keep the
+    last one. The same object under the same keys on every rank, so every rank decides alike."""
+    by_object: dict[int, list[str]] = {}
+    for key, leaf in leaves.items():
+        if leaf.kind == "tensor":
+            by_object.setdefault(id(leaf.value), []).append(key)
+    return [tuple(keys) for keys in by_object.values() if len(keys) > 1]
+
+
+def merge_ties(groups: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """``groups`` with the ones that share a key joined, each in first-seen order."""
+    merged: list[list[str]] = []
+    where: dict[str, int] = {}
+    for group in groups:
+        hits = sorted({where[k] for k in group if k in where})
+        if not hits:
+            target = len(merged)
+            merged.append([])
+        else:
+            target = hits[0]
+            for other in hits[1:]:  # a group bridging two earlier ones joins them
+                for k in merged[other]:
+                    where[k] = target
+                merged[target].extend(merged[other])
+                merged[other] = []
+        for k in group:
+            if where.get(k) != target:
+                where[k] = target
+                merged[target].append(k)
+    return [tuple(dict.fromkeys(g)) for g in merged if len(set(g)) > 1]
 
 
 def tied_aliases(ties: Sequence[tuple[str, ...]], missing: Iterable[str], restored: Iterable[str]) -> dict[str, str]:
@@ -62,8 +97,8 @@ def check_ties(
     if clashes:
         raise StateMismatchError(
             f"the target state ties weights that {where} holds as different tensors: {'; '.join(clashes)} "
-            f"are one tensor in the target (tied weights) but were saved with different values (a model saved "
-            f"untied); nothing was read. Build the model as it was saved (untied, e.g. "
+            f"are one tensor in the target (tied weights, or one tensor listed under several keys) but were saved "
+            f"with different values (a model saved untied); nothing was read. Build the model as it was saved (untied, e.g. "
             f"tie_word_embeddings=False), or restore one name of each group by leaving the others out "
             f"with only=[...]"
         )
@@ -82,4 +117,4 @@ def _fingerprint(chunks: Sequence[ChunkRecord], algorithm: str) -> list[tuple[ob
     return sorted(out)
 
 
-__all__ = ["check_ties", "tied_aliases"]
+__all__ = ["check_ties", "merge_ties", "object_ties", "tied_aliases"]
