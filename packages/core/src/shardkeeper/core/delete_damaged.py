@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from shardkeeper.core.catalog import forget_deleted
 from shardkeeper.core.codec.crypto import EncryptedStorage
-from shardkeeper.core.commit import committed_steps, load_manifest, manifest_path, manifest_steps
+from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps, newest_committed
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -44,7 +44,6 @@ class DamagedDeletion:
 
     step: int
     damage: list[str] = field(default_factory=list)  # the problems that made it damaged (the first few)
-    deleted: bool = False
 
 
 def delete_damaged(
@@ -60,7 +59,8 @@ def delete_damaged(
     if isinstance(reader, EncryptedStorage) and not reader.authenticate:
         reader = reader.authenticated()  # a manifest whose MAC fails is a wrong key or damage, said as such
     where = f"step {step} under {storage.url}"
-    if step not in manifest_steps(storage):
+    listed = manifest_steps(storage)
+    if step not in listed:
         raise CheckpointNotFoundError(f"{where} has no manifest: there is no committed or damaged step to delete")
     out = DamagedDeletion(step)
     try:  # a storage error here or in the verification propagates: nothing is deleted
@@ -87,7 +87,7 @@ def delete_damaged(
                     f"That proves no damage; nothing was deleted. Retry when the storage answers (or with "
                     f"the step's encryption key)"
                 )
-            newest = max(committed_steps(storage), default=None) == step
+            newest = newest_committed(storage) == step
             raise ValueError(
                 f"{where} verifies intact ({report.files_checked} files, {report.chunks_checked} chunks, "
                 f"every digest checked): nothing was deleted. "
@@ -99,19 +99,26 @@ def delete_damaged(
                 )
             )
         out.damage = [p.message for p in damage[:5]]
-    others = [s for s in committed_steps(storage) if s != step]
     live: set[str] = set()
-    for s in others:  # what the steps that stay reference, which must not go with this one
+    for s in listed:  # what the committed steps that stay reference, each manifest read once
+        if s == step:
+            continue
         try:
             live |= referenced_paths(s, load_manifest(storage, s))
-        except CheckpointError as e:
+        except IncompatibleFormatError as e:
+            raise ValueError(
+                f"{where} is damaged, but step {s} was written by a newer shardkeeper ({e}), so the files it "
+                f"references are unknown: nothing was deleted"
+            ) from e
+        except CorruptCheckpointError:
+            continue  # not committed: it protects nothing, as in retention
+        except CheckpointError as e:  # the storage: what the step references is unknown
             raise ValueError(
                 f"{where} is damaged, but committed step {s} cannot be read ({e}), so the files it references "
                 f"are unknown: nothing was deleted. Run `shardkeeper verify {storage.url}`"
             ) from e
     storage.delete(manifest_path(step))  # it stops being committed first; then its files go
-    out.deleted = True
-    delete_unreferenced(storage, [step], live, {*others, step}, "delete --damaged")
+    delete_unreferenced(storage, [step], live, set(listed), "delete --damaged")
     forget_deleted(catalog, storage, [step])
     return out
 

@@ -398,7 +398,7 @@ def plan_restore(
             f"checkpoint's keys with `shardkeeper inspect {storage.url} {manifest.step}`"
         )
     if flat.ties:  # two saved tensors for one tied tensor: refused unless they are the same bytes
-        check_ties(flat.ties, plan.restored, lambda k: _all_chunks(manifest, k), manifest.digest_algorithm, where)
+        check_ties(flat.ties, plan.restored, lambda k: manifest.leaves[k].chunks, manifest.digest_algorithm, where)
     if plan.missing:  # a tied weight's alias is filled through its twin
         tied = tied_aliases(flat.ties, plan.missing, plan.restored)
         plan.missing = [k for k in plan.missing if k not in tied]
@@ -408,16 +408,6 @@ def plan_restore(
             f"restore a subset with only=[...] or pass strict=False to skip them"
         )
     return plan
-
-
-def _all_chunks(manifest: Manifest, key: str) -> Sequence[ChunkRecord]:
-    """Every saved chunk of tensor leaf ``key`` (a table-form manifest makes them on demand)."""
-    leaves = manifest.leaves
-    if isinstance(leaves, TableLeaves):
-        head = leaves.head(key)
-        return [] if head is None else leaves.overlapping(key, [0] * len(head.shape), head.shape)
-    rec = leaves.get(key)
-    return () if rec is None else rec.chunks
 
 
 def missing_list(missing: Sequence[str]) -> str:

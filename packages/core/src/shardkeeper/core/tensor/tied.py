@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from shardkeeper.core.codec.incremental import content_id
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.records import ChunkRecord
 
 
@@ -106,11 +106,10 @@ def check_ties(
 
 def _fingerprint(chunks: Sequence[ChunkRecord], algorithm: str) -> list[tuple[object, ...]]:
     """Each chunk's box and content id (of its raw bytes; an encoded chunk's ``content``)."""
-    digest = digest_function(algorithm)
     out = []
     for c in chunks:
         if c.encoding == "raw":
-            content = digest(",".join(c.digests).encode())
+            content = content_id(c.digests, algorithm)
         else:
             content = c.content or f"{c.encoding}:{','.join(c.digests)}"
         out.append((tuple(c.offsets), tuple(c.shape), content))
