@@ -27,7 +27,18 @@ from shardkeeper.core.options import OPTION_NAMES, option_types
 from shardkeeper.core.progress import ProgressTarget, progress_state
 
 #: The manager's own keywords; every other one is a CheckpointOptions field.
-OWN = ("keep_last", "keep_every", "process_group", "storage_options", "metadata", "options")
+OWN = (
+    "keep_last",
+    "keep_every",
+    "process_group",
+    "storage_options",
+    "metadata",
+    "options",
+    "local",
+    "persist_every",
+    "replicas",
+    "local_keep",
+)
 
 
 class _LargeModel:

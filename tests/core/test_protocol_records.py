@@ -268,7 +268,7 @@ def test_the_refusals_say_what_is_wrong() -> None:
         report_from_json({**_GOOD, "rank": 2}, rank=1, where="w")
     with pytest.raises(ProtocolError, match=r"member 'bases' is list \['4'\], not a list of integers"):
         report_from_json({**_GOOD, "bases": ["4"]}, rank=1, where="w")
-    with pytest.raises(ProtocolError, match=r"phase 'upload' is none of check, stage, write, commit"):
+    with pytest.raises(ProtocolError, match=r"phase 'upload' is none of check, stage, write, replicate, commit"):
         Failure.from_json({"ok": False, "rank": 1, "phase": "upload", "path": "/p", "error": "E"}, where="w")
 
 

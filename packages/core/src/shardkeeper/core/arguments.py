@@ -84,7 +84,18 @@ def check_state(method: str, state: Any) -> None:
 
 
 #: ``CheckpointManager``'s own keywords (every other one is a ``CheckpointOptions`` field).
-MANAGER_PARAMETERS = ("keep_last", "keep_every", "process_group", "storage_options", "metadata", "options")
+MANAGER_PARAMETERS = (
+    "keep_last",
+    "keep_every",
+    "process_group",
+    "storage_options",
+    "metadata",
+    "options",
+    "local",
+    "persist_every",
+    "replicas",
+    "local_keep",
+)
 
 
 def _refuse(name: str, takes: str, value: Any) -> None:
@@ -102,6 +113,16 @@ def check_count(name: str, value: Any) -> int | None:
     elif count < 1:
         raise ValueError(f"CheckpointManager(): {name} must be >= 1 or None (no limit), got {count}")
     return count
+
+
+def check_replicas(value: Any) -> int:
+    """``replicas``: an int >= 0."""
+    count = _integral(value)
+    if count is None:
+        _refuse("replicas", "an int >= 0", value)
+    elif count < 0:
+        raise ValueError(f"CheckpointManager(): replicas must be >= 0, got {count}")
+    return int(count)
 
 
 def check_manager_arguments(
@@ -133,6 +154,7 @@ __all__ = [
     "CALL_FORMS",
     "MANAGER_PARAMETERS",
     "check_count",
+    "check_replicas",
     "check_manager_arguments",
     "check_state",
     "check_step",

@@ -24,6 +24,7 @@ from shardkeeper.core.arguments import (
     MANAGER_PARAMETERS,
     check_count,
     check_manager_arguments,
+    check_replicas,
     check_state,
     check_step,
     describe_keywords,
@@ -58,6 +59,9 @@ from shardkeeper.core.tensor.overlap import StagingGate
 from shardkeeper.core.tensor.restore_plan import PER_RANK_POLICIES, RestoreStats
 from shardkeeper.core.tensor.save_plan import PlanCache
 from shardkeeper.core.tensor.staging import Stager
+from shardkeeper.core.tiers.choose import LOCAL
+from shardkeeper.core.tiers.tiering import Tiering
+from shardkeeper.core.tiers.view import TierView, check_tier_options, drop_step, open_tiers
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,10 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         options: CheckpointOptions | None = None,
+        local: str | os.PathLike[str] | None = None,
+        persist_every: int | None = None,
+        replicas: int = 0,
+        local_keep: int | None = None,
         # The fields of CheckpointOptions, one keyword each (a test holds them equal).
         async_save: bool = DEFAULT.async_save,
         staging: Staging = DEFAULT.staging,
@@ -111,7 +119,16 @@ class CheckpointManager:
         ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save
         together (default: the world, or none; ``"local"``: this process alone, not a
         collective even in a process group, e.g. one rank that only loads); ``storage_options``: fsspec options of a URL
-        root; ``metadata``: written into every manifest. Every other keyword is a field of
+        root; ``metadata``: written into every manifest.
+
+        Two tiers (docs/tiers.md): ``local`` (a directory on each node's own disk or RAM)
+        takes every save, committed across the nodes without a shared file system;
+        ``replicas`` (default 0) copies each rank's files to that many other nodes;
+        ``persist_every`` uploads a step to ``root`` once it is that many steps past the last
+        uploaded one (None: never); ``local_keep`` keeps that many steps per node (None: all).
+        Restore takes the newest step whole in some tier, each byte from the nearest copy.
+
+        Every other keyword is a field of
         :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
 
         - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``,
@@ -133,19 +150,51 @@ class CheckpointManager:
             names = describe_unknown(unknown_options, MANAGER_PARAMETERS + OPTION_NAMES)
             raise TypeError(f"unknown CheckpointManager keyword(s): {names}; {describe_keywords()}")
         keep_last, keep_every = check_count("keep_last", keep_last), check_count("keep_every", keep_every)
+        persist_every, local_keep = check_count("persist_every", persist_every), check_count("local_keep", local_keep)
+        replicas = check_replicas(replicas)
+        if local is None and (persist_every is not None or replicas or local_keep is not None):
+            raise ValueError(
+                "CheckpointManager(): persist_every=, replicas= and local_keep= configure the local tier; pass "
+                "local='/node/local/dir' too (or drop them to save straight to the root)"
+            )
         check_manager_arguments(
             root=root, storage_options=storage_options, metadata=metadata, options=options, process_group=process_group
         )
         base = (options or CheckpointOptions()).replace(**given)
+        if local is not None:
+            base = check_tier_options(base)
         self.options = base
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
-        self.storage, read_storage, keyed = open_root(
-            root, storage_options, retry=base.retry_policy(), encryption=base.encryption, bound_to=base.encryption_root
-        )
+        tiers_roots = None
+        if local is None:
+            self.storage, read_storage, keyed = open_root(
+                root,
+                storage_options,
+                retry=base.retry_policy(),
+                encryption=base.encryption,
+                bound_to=base.encryption_root,
+            )
+        else:
+            tiers_roots = open_tiers(root, local, storage_options, base)
+            self.storage, read_storage, keyed = tiers_roots[0].storage, tiers_roots[0].read, tiers_roots[0].encryption
         self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
         self._coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
+        self._tiers: Tiering | None = None
+        if tiers_roots is not None:
+            self._tiers = Tiering(
+                self._coord,
+                local=tiers_roots[0],
+                persistent=tiers_roots[1],
+                persist_every=persist_every,
+                replicas=replicas,
+                local_keep=local_keep,
+                retention=self.retention,
+                catalog=base.catalog,
+                io=self._io,
+                timeout_s=base.commit_timeout_s,
+            )
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
         self._stager = Stager()
         self._plans = PlanCache()
@@ -157,9 +206,17 @@ class CheckpointManager:
             level=base.compression_level,
             encrypted=keyed is not None,
         )
-        self._saver = SaveRunner(ctx, codecs=codecs, stager=self._stager, plans=self._plans, gate=self._gate)
+        self._saver = SaveRunner(
+            ctx, codecs=codecs, stager=self._stager, plans=self._plans, gate=self._gate, tiers=self._tiers
+        )
         self._restorer = Restorer(ctx)
         self._ctx = ctx
+        self._persistent: TierView | None = None
+        if self._tiers is not None:
+            self._persistent = TierView.of(self._tiers, self._coord, base, self._io)
+        self._last_restorer = self._restorer
+        self._last_tier: str | None = None
+        self._persistent_reads = 0
         self._pending: SaveHandle | None = None
         self._seq = 0  # every rank numbers its saves alike: the keys a save's ranks meet under
         self._closed = False
@@ -168,7 +225,30 @@ class CheckpointManager:
     @property
     def last_restore_stats(self) -> RestoreStats | None:
         """What the last restore attempt that succeeded on this rank read (keys, bytes)."""
-        return self._restorer.last_stats
+        return self._last_restorer.last_stats
+
+    @property
+    def last_restore_tier(self) -> str | None:
+        """With a local tier: ``"local"`` or ``"persistent"``, where the last restore read from."""
+        return self._last_tier
+
+    @property
+    def persistent_reads(self) -> int:
+        """With a local tier: bytes this rank's restores read from the persistent root."""
+        return self._persistent_reads
+
+    @property
+    def persisted_steps(self) -> list[int]:
+        """With a local tier: the steps this manager has uploaded and committed to the
+        persistent root so far (an upload still running is not listed)."""
+        return list(self._tiers.persister.persisted) if self._tiers is not None else []
+
+    def wait_persisted(self) -> None:
+        """With a local tier: block until the running upload to the persistent root ends;
+        raise its failure (``CheckpointSaveError``; the step stays in the local tier)."""
+        self._wait_pending(raise_error=True)
+        if self._tiers is not None:
+            self._tiers.persister.wait()
 
     # -- save --------------------------------------------------------------------------------
     def save(
@@ -254,28 +334,48 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """Committed steps, ascending (reads and validates every manifest of the root: to ask
         about one step or the newest, ``is_committed`` and ``latest_step`` read one)."""
+        if self._persistent is not None:  # this node's local tier and the persistent root
+            return sorted(set(committed_steps(self.storage)) | set(committed_steps(self._persistent.ctx.storage)))
         return committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None; manifests are validated newest first only until
-        one validates."""
+        one validates. With a local tier: the newest of this node's and the persistent root's."""
+        if self._persistent is not None:
+            found = [s for s in (newest_committed(self.storage), newest_committed(self._persistent.ctx.storage)) if s is not None]
+            return max(found) if found else None
         return newest_committed(self.storage)
 
     def is_committed(self, step: int) -> bool:
-        """Whether ``step`` is committed under the root (its manifest exists and validates)."""
+        """Whether ``step`` is committed under the root (its manifest exists and validates);
+        with a local tier, in this node's directory or the persistent root."""
         step = check_step("is_committed", step)
+        if self._persistent is not None and is_committed(self._persistent.ctx.storage, step):
+            return True
         return is_committed(self.storage, step)
+
+    def _ctx_for(self, step: int | None) -> ManagerContext:
+        """The context that holds ``step`` (None: the newest) for one process's reads: this
+        node's local directory when it holds it, else the persistent root."""
+        if self._persistent is None:
+            return self._ctx
+        if step is None:
+            local, remote = newest_committed(self.storage), newest_committed(self._persistent.ctx.storage)
+            use_local = local is not None and (remote is None or local >= remote)
+            return self._ctx if use_local else self._persistent.ctx
+        return self._ctx if is_committed(self.storage, step) else self._persistent.ctx
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
         kinds, shapes, dtypes), world size and metadata, without reading any tensor data."""
         self._check_open()
         step = check_step("manifest", step, optional=True)
+        ctx = self._ctx_for(step)
         if step is None:
-            step = newest_committed(self.storage)
+            step = newest_committed(ctx.storage)
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self.storage.url} (rank {self.rank})")
-        return load_manifest(self._ctx.read_storage, step)  # authenticated when encrypted
+        return load_manifest(ctx.read_storage, step)  # authenticated when encrypted
 
     def step_url(self, step: int) -> str:
         """Where ``step``'s directory lives (a path or URL), for messages and other tools."""
@@ -304,6 +404,9 @@ class CheckpointManager:
         if not isinstance(damaged, bool):
             raise TypeError(f"delete(damaged=...) must be True or False, not {damaged!r}")
         self._wait_pending(raise_error=False)
+        if self._persistent is not None:  # both tiers (this node's local directory)
+            gone = deletion.delete_step(self._persistent.ctx, step, damaged=damaged)
+            return deletion.delete_step(self._ctx, step, damaged=damaged) and gone
         return deletion.delete_step(self._ctx, step, damaged=damaged)
 
     # -- restore -----------------------------------------------------------------------------
@@ -345,9 +448,44 @@ class CheckpointManager:
         patterns = [only] if isinstance(only, str) else (list(only) if only else None)
         optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
         self._wait_pending(raise_error=False)
+        if self._tiers is not None:
+            return self._restore_tiered(state, step, patterns, strict, policy, cast_dtypes, optional_patterns)
         return self._restorer.restore_state(
             state, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes, optional=optional_patterns
         )
+
+    def _restore_tiered(
+        self,
+        state: Mapping[str, Any],
+        step: int | None,
+        patterns: list[str] | None,
+        strict: bool,
+        policy: str,
+        cast: bool,
+        optional: list[str],
+    ) -> int:
+        """Agree on the tier and step, make the nodes' copies whole, restore; then drop the
+        local steps newer than the restored one, which no tier holds whole."""
+        assert self._tiers is not None and self._persistent is not None
+        choice = self._tiers.choose(step)
+        if choice.tier is None:
+            where = f"the local tier ({self.storage.url} and the other nodes' directories) or {self._persistent.ctx.storage.url}"
+            raise CheckpointNotFoundError(
+                f"no {'committed checkpoint' if step is None else f'step {step}'} is whole in {where} (rank "
+                f"{self.rank}); nothing to restore. Check the roots, or start training from scratch"
+            )
+        restorer = self._restorer if choice.tier == LOCAL else self._persistent.restorer
+        self._last_restorer, self._last_tier = restorer, choice.tier
+        kwargs = {"strict": strict, "per_rank": policy, "cast": cast, "optional": optional}
+        restored = restorer.restore_state(state, choice.step, patterns, **kwargs)  # type: ignore[arg-type]
+        stats = restorer.last_stats
+        if choice.tier != LOCAL and stats is not None:
+            self._persistent_reads += stats.bytes_read
+        if step is None and self._tiers.nodes.is_leader(self.rank):
+            for s in [int(k) for k in choice.listings[self._tiers.nodes.node_of(self.rank)] if int(k) > restored]:
+                log.warning("rank %d: dropping local step %d, which no tier holds whole (restored %d)", self.rank, s, restored)
+                drop_step(self._tiers.local.raw, s)
+        return restored
 
     def load(
         self,
@@ -371,7 +509,7 @@ class CheckpointManager:
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"load(): max_bytes must be an int >= 0 or None (no bound), got {max_bytes!r}")
         self._wait_pending(raise_error=False)
-        out, _ = load_step(self._ctx, step, patterns, max_bytes)
+        out, _ = load_step(self._ctx_for(step), step, patterns, max_bytes)
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -410,7 +548,7 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self.wait()
+            self.wait_persisted()
         except Exception:
             self._shutdown()
             raise
@@ -421,6 +559,8 @@ class CheckpointManager:
         self._closed = True
         at_exit.untrack(self)
         self._bg.shutdown(wait=True)
+        if self._tiers is not None:
+            self._tiers.close()
         self._io.shutdown(wait=True)
 
     def _check_open(self) -> None:

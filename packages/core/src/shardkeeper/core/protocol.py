@@ -58,6 +58,7 @@ class Phase(str, enum.Enum):
     CHECK = "check"  # refused before anything was written (the step is already committed)
     STAGE = "stage"  # the deferred copy of optimizer-owned tensors (staging="overlap")
     WRITE = "write"  # this rank's shard files
+    REPLICATE = "replicate"  # the node-local tier: sending this rank's files to its peers, or taking theirs
     COMMIT = "commit"  # the coordinator's merge, checks and put of the manifest
 
     def __str__(self) -> str:  # in messages: "write", not "Phase.WRITE"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardkeeper.core import pending
@@ -44,12 +44,15 @@ def commit_manifest(
     bases: list[int],
     references: Mapping[str, int] | None = None,
     executor: Any = None,
+    checked: Callable[[str], bool] | None = None,
 ) -> None:
     """Commit ``manifest`` (whose exact bytes are ``data``) as ``step``, or raise. ``bases``:
     the committed steps whose manifests the references of an incremental save came from;
     ``references``: files of earlier steps that the manifest's pages reference (relative to
     the step directory, with the end of the last byte; group commit), announced and checked
-    with the manifest's own; ``executor``: where the files' sizes are asked for in parallel."""
+    with the manifest's own; ``executor``: where the files' sizes are asked for in parallel;
+    ``checked``: which files (root-relative) this process can check, where others are checked
+    on their own node (a local tier: no node sees another's disk); None: all."""
     ends = _file_ends(step, manifest)
     for rel, end in (references or {}).items():
         path = resolve_file(step, rel)
@@ -60,7 +63,7 @@ def commit_manifest(
     try:
         _check_not_claimed(storage, step)
         _check_bases(storage, step, bases)
-        _check_files(storage, step, manifest, ends, executor)
+        _check_files(storage, step, manifest, ends if checked is None else {p: e for p, e in ends.items() if checked(p)}, executor)
         check_reads_back(storage, step, data, manifest)
         if _before_put is not None:
             _before_put(step)

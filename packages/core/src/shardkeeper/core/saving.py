@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -96,6 +96,8 @@ class SaveJob:
     deferred: DeferredCopy | None = None
     staged: threading.Event | None = None
     """Set once ``deferred`` is copied (``staging="overlap"``); optimizer steps wait for it."""
+    tier: dict[str, Any] = field(default_factory=dict)
+    """With a local tier: the files this rank wrote, and on the coordinator the manifest committed."""
 
 
 def outcome_timeout(commit_timeout_s: float) -> float:
@@ -113,9 +115,18 @@ class SaveRunner:
     """The save protocol of one manager: its root, coordinator, codecs and staging state."""
 
     def __init__(
-        self, ctx: ManagerContext, *, codecs: CodecState, stager: Stager, plans: PlanCache, gate: StagingGate
+        self,
+        ctx: ManagerContext,
+        *,
+        codecs: CodecState,
+        stager: Stager,
+        plans: PlanCache,
+        gate: StagingGate,
+        tiers: Any = None,
     ) -> None:
+        """``tiers``: a local tier's hooks (``tiers/tiering.py``), or None."""
         self.ctx = ctx
+        self._tiers = tiers
         self._codecs = codecs
         self._stager = stager
         self._plans = plans
@@ -205,6 +216,11 @@ class SaveRunner:
         ctx = self.ctx
         if ctx.world_size == 1:
             raise err
+        if self._tiers is not None:  # its peers wait for its replicas: it sends none
+            try:
+                self._tiers.replicate(step, None)
+            except Exception as e:  # the refusal is the error this save raises
+                log.warning("step %d, rank %d: the peer replicas of a refused save: %s", step, ctx.rank, e)
         failure = Failure.of(ctx.rank, Phase.CHECK, ctx.storage.describe(step_dir(step)), err)
         if ctx.rank == COORDINATOR:
             ctx.coord.publish(seq, Outcome(failure))
@@ -232,6 +248,15 @@ class SaveRunner:
             local_error: BaseException | None = e
         else:
             local_error = None
+        if self._tiers is not None:  # every rank, whatever its write did: its peers wait for it
+            files = {f"{sdir}/{rel}": int(info["size_bytes"]) for rel, info in own.files.items()} if isinstance(own, RankReport) else None
+            job.tier["files"] = files or {}
+            try:
+                self._tiers.replicate(step, files)
+            except BaseException as e:
+                if local_error is None:
+                    phase, local_error = Phase.REPLICATE, e
+                    own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
         if ctx.rank == COORDINATOR:
             outcome = self._commit(job, own)
             ctx.coord.publish(job.seq, outcome)
@@ -252,7 +277,9 @@ class SaveRunner:
         self._order.committed(step)
         metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
         metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
-        if ctx.rank == COORDINATOR:
+        if self._tiers is not None:
+            self._tiers.after_commit(job.seq, step, job.tier["files"], job.tier.get("manifest"), job.tier.get("data"))
+        elif ctx.rank == COORDINATOR:
             deletion.retain(ctx.storage, job.retention, ctx.settings.catalog, step)
 
     def _write(self, job: SaveJob, stall_s: float, t0: float) -> RankReport:
@@ -376,7 +403,14 @@ class SaveRunner:
             data = manifest.dumps()
             data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)
             bases = sorted({b for r in reports for b in r.bases})
-            commit_manifest(ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io)
+            tiers = self._tiers
+            checked = tiers.checked_here if tiers is not None else None
+            commit_manifest(
+                ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io, checked=checked
+            )
+            if tiers is not None:
+                job.tier.update(manifest=manifest, data=data)
+                tiers.recorder.offer(job.seq, data)
         except BaseException as e:
             self._discard_attempt(sdir, reports)
             return Outcome(

@@ -1,0 +1,160 @@
+"""Restore from the tiers: which step, from which tier, and each node's copy made whole.
+
+Every node's leader lists its directory (each step: whether its manifest is there, and every
+file with its size); rank 0 also lists which steps the persistent root holds (by listing
+alone: no byte is read from it). The listings are all-gathered. A step is *whole locally*
+when its manifest is on some node and every file it lists is on some node at the size it was
+written; every rank that holds the manifest judges that, and the ranks agree (one
+all-reduce). The newest step whole locally is restored when no newer step is persisted;
+otherwise the persistent root's newest (and ``restore(step=N)`` takes N from the local tier
+when it is whole there, else from the persistent root).
+
+Before a local restore, each node's copy of the step is made whole: the manifest goes to the
+nodes without it (one broadcast), and every file a node lacks comes from a node that has it
+(``transfer.move_files``, verified on arrival; the senders and receivers spread over the
+nodes' ranks). The restore then reads every byte from its own node's directory, verified
+against the manifest's digests as always.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
+from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
+from shardkeeper.core.format.manifest import MANIFEST_NAME
+from shardkeeper.core.root_files import resolve_file, walk_files
+from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tiers.nodes import NodeMap
+from shardkeeper.core.tiers.transfer import Move, move_files
+from shardkeeper.core.tiers.wire import TierGroup
+
+LOCAL, PERSISTENT = "local", "persistent"
+
+
+@dataclass
+class Choice:
+    """What a tiered restore reads: ``tier`` (``LOCAL`` or ``PERSISTENT``; None: nothing is
+    committed anywhere) and ``step`` (None from the persistent tier: its newest, with fallback)."""
+
+    tier: str | None
+    step: int | None
+    local_steps: list[int] = field(default_factory=list)  # whole locally, newest first
+    persisted: list[int] = field(default_factory=list)
+    listings: list[dict[str, Any]] = field(default_factory=list)  # per node
+
+
+def list_node(storage: Storage) -> dict[str, Any]:
+    """``{step: {"m": manifest there, "f": {root-relative path: size}}}`` of one directory."""
+    out: dict[str, Any] = {}
+    for name in storage.list_dir(""):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        files: dict[str, int] = {}
+        for path in walk_files(storage, step_dir(step)):
+            if path.endswith((".tmp", MANIFEST_NAME)):
+                continue
+            try:
+                files[path] = storage.size(path)
+            except CheckpointError:
+                continue
+        out[str(step)] = {"m": storage.exists(manifest_path(step)), "f": files}
+    return out
+
+
+def required_files(read: Storage, step: int) -> dict[str, int]:
+    """Root-relative path -> size of every file ``step``'s manifest lists (``read``: the
+    authenticated view of this node's directory)."""
+    m = load_manifest(read, step)
+    out = {}
+    for rel, info in m.files.items():
+        path = resolve_file(step, rel)
+        if path is not None:
+            out[path] = int(info["size_bytes"])
+    return out
+
+
+def choose(
+    group: TierGroup, nodes: NodeMap, raw: Storage, read: Storage, persistent: Storage, asked: int | None
+) -> Choice:
+    """Collective: the tier and step to restore (``raw``/``read``: this node's directory
+    without encryption / authenticated; ``persistent``: the persistent root)."""
+    me = group.rank
+    mine: dict[str, Any] = {"node": list_node(raw) if nodes.is_leader(me) else None}
+    if me == 0:
+        mine["persisted"] = manifest_steps(persistent)
+    gathered = group.all_gather_json(mine, f"rank {me}: the tiers' listings")
+    listings = [gathered[nodes.leader(k)]["node"] for k in range(len(nodes.nodes))]
+    persisted = sorted(gathered[0]["persisted"])
+    here = listings[nodes.node_of(me)]
+    candidates = sorted({int(s) for lst in listings for s, v in lst.items() if v["m"]}, reverse=True)
+    if asked is not None:
+        candidates = [s for s in candidates if s == asked]
+    flags = []
+    for s in candidates:
+        flag = 0
+        if here.get(str(s), {}).get("m"):
+            try:
+                need = required_files(read, s)
+            except CheckpointError:
+                flag = 2
+            else:
+                if any(not any(lst.get(str(s), {}).get("f", {}).get(p) == n for lst in listings) for p, n in need.items()):
+                    flag = 1
+        flags.append(flag)
+    agreed = group.all_reduce_max(flags, f"rank {me}: which steps are whole in the local tiers") if flags else []
+    whole = [s for s, f in zip(candidates, agreed) if f == 0]
+    choice = Choice(None, None, whole, persisted, listings)
+    if asked is not None:
+        if whole:
+            choice.tier, choice.step = LOCAL, asked
+        elif asked in persisted:
+            choice.tier, choice.step = PERSISTENT, asked
+        return choice
+    if whole and (not persisted or whole[0] >= persisted[-1]):
+        choice.tier, choice.step = LOCAL, whole[0]
+    elif persisted:
+        choice.tier = PERSISTENT
+    return choice
+
+
+def make_whole(
+    group: TierGroup, nodes: NodeMap, raw: Storage, read: Storage, choice: Choice, step: int
+) -> tuple[int, int]:
+    """Collective: every node's copy of ``step`` made whole from the others (the manifest by
+    broadcast, files by ``move_files``). Returns (files, bytes) this rank received."""
+    me = group.rank
+    listings = choice.listings
+    has_manifest = [bool(lst.get(str(step), {}).get("m")) for lst in listings]
+    holder = nodes.leader(has_manifest.index(True))
+    key = str(step)
+    if not all(has_manifest):
+        data = raw.read_bytes(manifest_path(step)) if me == holder else None
+        data = group.broadcast_bytes(data, holder, f"step {step}, rank {me}: the manifest for nodes without it")
+        if nodes.is_leader(me) and not has_manifest[nodes.node_of(me)]:
+            try:
+                raw.put_if_absent(manifest_path(step), data)
+            except CheckpointError:
+                if raw.read_bytes(manifest_path(step)) != data:
+                    raise
+        group.all_reduce_max([0], f"step {step}, rank {me}: the manifest recorded on every node")
+    need = required_files(read, step)
+    plan = []
+    for k, lst in enumerate(listings):
+        have = lst.get(key, {}).get("f", {})
+        missing = [p for p in sorted(need) if have.get(p) != need[p]]
+        for i, path in enumerate(missing):
+            holders = [h for h, other in enumerate(listings) if other.get(key, {}).get("f", {}).get(path) == need[path]]
+            src_node = nodes.nodes[holders[i % len(holders)]]
+            dst_node = nodes.nodes[k]
+            plan.append(Move(path, need[path], src_node[i % len(src_node)], dst_node[i % len(dst_node)]))
+    got = move_files(group, raw, plan, f"step {step}, rank {me}: making this node's copy whole")
+    if plan:
+        group.all_reduce_max([0], f"step {step}, rank {me}: every node's copy whole")
+    return len(got), sum(need[p] for p in got)
+
+
+__all__ = ["LOCAL", "PERSISTENT", "Choice", "choose", "list_node", "make_whole", "required_files"]

@@ -1,0 +1,181 @@
+"""The persistent tier: every ``persist_every`` steps, a locally committed step is uploaded
+from the local files (not from the staging buffer, which the next save reuses) to the
+persistent root, in the background, and committed there with the fenced protocol.
+
+Each rank uploads the files it wrote; the coordinator waits until every rank has (through the
+c10d store), commits the manifest with ``put_manifest.commit_manifest`` (its intent, its checks
+that every file is there at its size, put-if-absent), applies the manager's retention to the
+persistent root, and publishes the outcome. One upload runs at a time: the next one waits for
+the previous one (every rank alike, so the ranks stay in step), and local retention never
+deletes a step whose upload is running. A failed upload is logged at once and raised by
+``wait_persisted()`` or ``close()``; the step stays committed in the local tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from shardkeeper.core import deletion
+from shardkeeper.core.commit import write_latest_hint
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.put_manifest import commit_manifest
+from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = 0
+_COPY_BYTES = 64 << 20
+
+
+def copy_file(src: Storage, dst: Storage, path: str, size: int) -> None:
+    """``path`` from ``src`` to ``dst`` as it is (encrypted bytes stay encrypted), in pieces."""
+    writer = dst.open_writer(path)
+    try:
+        buf = np.empty(min(_COPY_BYTES, max(size, 1)), dtype=np.uint8)
+        pos = 0
+        while pos < size:
+            n = min(len(buf), size - pos)
+            src.read_into(path, pos, memoryview(buf)[:n])
+            writer.write(bytes(memoryview(buf)[:n]))  # the writer may keep it until close (retries)
+            pos += n
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+class Persister:
+    """Uploads of one manager. ``storage``: the persistent root as the save writes it
+    (encrypting when keyed; manifests go through it), ``raw``: the same without encryption,
+    ``local``: this node's directory without encryption."""
+
+    def __init__(
+        self,
+        coord: Any,
+        every: int | None,
+        *,
+        local: Storage,
+        storage: Storage,
+        raw: Storage,
+        retention: RetentionPolicy,
+        catalog: str | None,
+        io: Any,
+        timeout_s: float,
+        newest: int | None,
+    ) -> None:
+        self.coord, self.every = coord, every
+        self.local, self.storage, self.raw = local, storage, raw
+        self.retention, self.catalog, self.io, self.timeout_s = retention, catalog, io, timeout_s
+        self.last_step = newest  # the newest step persisted or being persisted
+        self.persisted: list[int] = []  # steps this manager committed to the persistent root
+        self.in_flight: set[int] = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-persist")
+        self._last: Future[None] | None = None
+        self._error: BaseException | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (just committed locally) is uploaded: the same answer on every rank."""
+        return self.every is not None and (self.last_step is None or step >= self.last_step + self.every)
+
+    def submit(self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None) -> None:
+        """Upload ``files`` (root-relative path -> size: the ones this rank wrote) of ``step``;
+        the coordinator also commits ``manifest`` (whose exact bytes are ``data``)."""
+        if self._last is not None:
+            futures_wait([self._last])  # one upload at a time, every rank alike
+        self.last_step = step
+        with self._lock:
+            self.in_flight.add(step)
+        self._last = self._pool.submit(self._run, step, files, manifest, data)
+
+    def _key(self, step: int, name: str) -> str:
+        return f"{self.coord.namespace}/persist/{step}/{name}"
+
+    def _run(self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None) -> None:
+        store, me, world = self.coord.store, self.coord.rank, self.coord.world_size
+        try:
+            try:
+                for path, size in sorted(files.items()):
+                    copy_file(self.local, self.raw, path, size)
+            except BaseException as e:
+                store.set(self._key(step, f"failed/{me}"), f"{type(e).__name__}: {e}")
+                store.add(self._key(step, "failures"), 1)
+            if store.add(self._key(step, "count"), 1) == world:
+                store.set(self._key(step, "wake"), b"1")
+            if me == COORDINATOR:
+                outcome = self._commit(store, step, manifest, data)
+                store.set(self._key(step, "outcome"), json.dumps(outcome))
+            store.wait([self._key(step, "outcome")], timedelta(seconds=2 * self.timeout_s + 30))
+            outcome = json.loads(store.get(self._key(step, "outcome")))
+            if store.add(self._key(step, "acks"), 1) == world:
+                for name in ("count", "wake", "failures", "outcome", "acks"):
+                    store.delete_key(self._key(step, name))
+            if outcome is not None:
+                raise CheckpointSaveError(
+                    f"step {step} stays in the local tier only: its upload to {self.storage.url} failed "
+                    f"({outcome}); the next due step is uploaded again",
+                    step=step,
+                )
+            self.persisted.append(step)
+            log.info("step %d persisted to %s", step, self.storage.url)
+        except BaseException as e:
+            log.warning("rank %d: %s", me, e)
+            self._error = e
+        finally:
+            with self._lock:
+                self.in_flight.discard(step)
+
+    def _commit(self, store: Any, step: int, manifest: Manifest | None, data: bytes | None) -> str | None:
+        """Coordinator: wait for every rank's upload, then commit; the failure, or None."""
+        assert manifest is not None and data is not None
+        try:
+            store.wait([self._key(step, "wake")], timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            return f"not every rank uploaded its files within {self.timeout_s:.0f} s ({e})"
+        failed = int(store.add(self._key(step, "failures"), 0))
+        if failed:
+            why = [
+                f"rank {r}: {store.get(self._key(step, f'failed/{r}')).decode(errors='replace')}"
+                for r in range(self.coord.world_size)
+                if store.check([self._key(step, f"failed/{r}")])
+            ]
+            return "; ".join(why)
+        try:
+            commit_manifest(self.storage, step, manifest, data, bases=[], executor=self.io)
+        except CheckpointError as e:
+            return f"{type(e).__name__}: {e}"
+        try:
+            write_latest_hint(self.storage, step)
+        except CheckpointError as e:  # a hint only
+            log.warning("step %d persisted, but the LATEST hint was not updated: %s", step, e)
+        deletion.retain(self.storage, self.retention, self.catalog, step)
+        return None
+
+    def protected(self) -> Sequence[int]:
+        with self._lock:
+            return sorted(self.in_flight)
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Wait for the running upload; raise an upload failure nobody has seen."""
+        if self._last is not None:
+            futures_wait([self._last])
+        err, self._error = self._error, None
+        if err is not None and raise_error:
+            raise err
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+__all__ = ["Persister", "copy_file"]

@@ -1,0 +1,194 @@
+"""A ``CheckpointManager``'s two tiers: the save protocol's hooks and the tiered restore.
+
+Saves write each rank's files into its node's own directory (``local=``); before reporting,
+every rank sends them to its peers (``replicas``) and takes theirs, so the coordinator's
+commit (into its node's directory) stands for files and replicas on disk; each node's files
+are checked on their node (a rank by its write and its received replicas, the coordinator for
+its own node), since no node can see another's disk. The commit is then recorded on every
+node (``record.py``), retention runs per node (``local_keep``), and every ``persist_every``
+steps the step is uploaded to the persistent root (``persist.py``). Restore agrees on the
+tier and step (``choose.py``), makes every node's copy of a local step whole from its peers,
+and reads it like any root; from the persistent tier it restores as a plain manager would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardkeeper.core import deletion
+from shardkeeper.core.codec.crypto import EncryptedStorage
+from shardkeeper.core.codec.keys import key_provider
+from shardkeeper.core.commit import manifest_steps
+from shardkeeper.core.context import Encryption
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.storage import open_storage
+from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.storage.local import LocalStorage
+from shardkeeper.core.storage.retry import RetryPolicy, with_retries
+from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole
+from shardkeeper.core.tiers.nodes import NodeMap, discover
+from shardkeeper.core.tiers.persist import Persister
+from shardkeeper.core.tiers.record import Recorder
+from shardkeeper.core.tiers.transfer import Move, move_files
+from shardkeeper.core.tiers.wire import TierCoord, TierGroup
+
+log = logging.getLogger(__name__)
+_RANK_RE = re.compile(r"^r(\d{5,})-")
+
+
+@dataclass(frozen=True)
+class Opened:
+    """One tier's root: ``raw`` without encryption (files are copied as they are), ``storage``
+    as saves write it, ``read`` the authenticated view manifests are read through."""
+
+    raw: Storage
+    storage: Storage
+    read: Storage
+    encryption: Encryption | None
+
+
+def open_tier(root: Any, storage_options: Mapping[str, Any] | None, retry: RetryPolicy, encryption: Any, bound_to: str | None) -> Opened:
+    """Like ``context.open_root``, keeping the unencrypted storage too."""
+    raw = with_retries(open_storage(root, **dict(storage_options or {})), retry)
+    keys = key_provider(encryption)
+    if keys is None:
+        return Opened(raw, raw, raw, None)
+    enc = EncryptedStorage(raw, keys, root=bound_to)
+    return Opened(raw, enc, enc.authenticated(), Encryption(keys, enc.binding))
+
+
+def writer_rank(path: str) -> int | None:
+    """The rank that wrote a data file, from its name (``r00003-<attempt>-000.safetensors``)."""
+    m = _RANK_RE.match(path.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+class Tiering:
+    """The tiers of one manager (made when it opens, a collective of its ranks)."""
+
+    def __init__(
+        self,
+        coord: Any,
+        *,
+        local: Opened,
+        persistent: Opened,
+        persist_every: int | None,
+        replicas: int,
+        local_keep: int | None,
+        retention: RetentionPolicy,
+        catalog: str | None,
+        io: Any,
+        timeout_s: float,
+    ) -> None:
+        coord = TierCoord.of(coord)
+        self.coord, self.local, self.persistent = coord, local, persistent
+        self.group = TierGroup(coord, timeout_s)
+        self.nodes: NodeMap = discover(self.group, local.raw)
+        self.replicas = min(replicas, len(self.nodes.nodes) - 1)
+        if self.replicas < replicas:
+            warnings.warn(
+                f"replicas={replicas} asked, but the job's ranks share {len(self.nodes.nodes)} local director"
+                f"{'y' if len(self.nodes.nodes) == 1 else 'ies'} (nodes): {self.replicas} replica(s) per rank; a "
+                f"lost node loses what only it held since the last persisted step",
+                stacklevel=4,
+            )
+        self.local_keep = local_keep
+        self.recorder = Recorder(coord, self.nodes, timeout_s)
+        listed = manifest_steps(persistent.raw) if coord.rank == 0 else []
+        newest = self.group.all_reduce_max([listed[-1] if listed else -1], "the persistent tier's newest step")[0]
+        self.persister = Persister(
+            coord,
+            persist_every,
+            local=local.raw,
+            storage=persistent.storage,
+            raw=persistent.raw,
+            retention=retention,
+            catalog=catalog,
+            io=io,
+            timeout_s=timeout_s,
+            newest=None if newest < 0 else newest,
+        )
+        self.last_choice: Choice | None = None
+        self.last_received: tuple[int, int] = (0, 0)
+
+    @property
+    def rank(self) -> int:
+        return int(self.coord.rank)
+
+    # -- save --------------------------------------------------------------------------------
+    def replicate(self, step: int, files: Mapping[str, int] | None) -> None:
+        """Every rank, once per save (``files``: root-relative path -> size this rank wrote;
+        None when it failed or refused): send them to its peers, take theirs, and check that
+        its own are there at their size."""
+        if files is not None:
+            for path, size in files.items():
+                if self.local.raw.size(path) != size:
+                    raise OSError(f"{self.local.raw.describe(path)} is not {size} bytes after it was written")
+        listed = self.group.all_gather_json(
+            sorted(files.items()) if files is not None else None, f"step {step}, rank {self.rank}: the replicas' files"
+        )
+        plan = []
+        for src, own in enumerate(listed):
+            for dst in self.nodes.targets(src, self.replicas) if own is not None else ():
+                plan += [Move(path, size, src, dst) for path, size in own]
+        move_files(self.group, self.local.raw, plan, f"step {step}, rank {self.rank}: the peer replicas")
+
+    def checked_here(self, path: str) -> bool:
+        """Coordinator: whether the commit checks ``path`` (root-relative): only files its own
+        node wrote (each rank checked its own and its replicas on its node)."""
+        rank = writer_rank(path)
+        return rank is None or rank in self.nodes.same_node(self.rank)
+
+    def after_commit(self, seq: int, step: int, files: Mapping[str, int], manifest: Any, data: bytes | None) -> None:
+        """Every rank, the step committed: record it on every node, upload it when due, and
+        retain per node (the node's leader)."""
+        self.recorder.record(seq, step, self.local.storage)
+        if self.persister.due(step):
+            self.persister.submit(step, dict(files), manifest, data)
+        if self.local_keep is not None and self.nodes.is_leader(self.rank):
+            policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(self.persister.protected()))
+            deletion.retain(self.local.storage, policy, None, step)
+
+    # -- restore -----------------------------------------------------------------------------
+    def choose(self, asked: int | None) -> Choice:
+        c = choose(self.group, self.nodes, self.local.raw, self.local.read, self.persistent.raw, asked)
+        self.last_choice = c
+        if c.tier == LOCAL:
+            assert c.step is not None
+            self.last_received = make_whole(self.group, self.nodes, self.local.raw, self.local.read, c, c.step)
+            log.info(
+                "rank %d: restoring step %d from the local tier (%d files, %d bytes taken from peers)",
+                self.rank,
+                c.step,
+                *self.last_received,
+            )
+        elif c.tier == PERSISTENT:
+            log.info("rank %d: restoring from the persistent tier %s", self.rank, self.persistent.storage.url)
+        return c
+
+    def close(self) -> None:
+        self.persister.wait(raise_error=False)
+        self.persister.close()
+
+
+def local_root(local: Any) -> LocalStorage:
+    """The node-local directory (a path: the local tier is a node's own disk or RAM)."""
+    if isinstance(local, LocalStorage):
+        return local
+    if not isinstance(local, (str, os.PathLike)) or "://" in os.fspath(local) and not os.fspath(local).startswith("file://"):
+        raise ValueError(
+            f"local={local!r}: the local tier is a directory on each node's own disk or RAM (e.g. "
+            f"'/local_nvme/run' or '/dev/shm/run'), not a URL; the persistent tier is the manager's root"
+        )
+    text = os.fspath(local)
+    return LocalStorage(text[len("file://") :] if text.startswith("file://") else text)
+
+
+__all__ = ["Opened", "Tiering", "local_root", "open_tier", "step_dir", "writer_rank"]

@@ -1,0 +1,146 @@
+"""Whole files from one node's directory to another's, over the tiers' gloo group: peer
+replicas during a save, and a node's copy of a step made whole from its peers at restore.
+
+Every rank calls ``move_files`` with the same plan (``Move``: a file, its size, the rank that
+sends it and the rank that takes it). The moves between one pair of ranks form a stream, cut
+into pieces of at most ``PIECE_BYTES``; round ``k`` carries the ``k``-th piece of every
+stream, and each rank posts all its sends and receives of a round before it waits on any, so
+no order of waits can deadlock. Each stream ends with a trailer of the xxh3-128 digest of
+every file as the sender read it from its disk; the receiver hashes what arrived, writes it
+durably (fsync, then its directories) and raises on any difference, leaving nothing behind.
+The chunk reader checks every byte against the manifest's digests again when it is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from shardkeeper.core.errors import CorruptCheckpointError
+from shardkeeper.core.storage.base import Storage, Writer
+from shardkeeper.core.tiers.wire import TierGroup
+
+#: The largest piece of a file sent at once (a stream holds one in memory at a time).
+PIECE_BYTES = 64 << 20
+_TRAIL_LEN, _TRAIL, _DATA = 1, 2, 8
+
+
+@dataclass(frozen=True)
+class Move:
+    path: str  # root-relative
+    size: int
+    src: int
+    dst: int
+
+
+def _pieces(size: int) -> int:
+    return max(1, -(-size // PIECE_BYTES))
+
+
+def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: str) -> list[str]:
+    """Collective: carry out ``plan`` (the same on every rank) on ``storage``, each node's own
+    directory without encryption (files travel as written); the paths this rank received."""
+    me = group.rank
+    streams: dict[tuple[int, int], list[Move]] = {}
+    for m in plan:
+        if me in (m.src, m.dst) and m.src != m.dst:
+            streams.setdefault((m.src, m.dst), []).append(m)
+    if not streams:
+        return []
+    pieces = {pair: [(m, k) for m in moves for k in range(_pieces(m.size))] for pair, moves in streams.items()}
+    hashes = {(pair, m.path): xxhash.xxh3_128() for pair, moves in streams.items() for m in moves}
+    writers: dict[str, Writer] = {}
+    try:
+        for rnd in range(max(len(p) for p in pieces.values())):
+            works: list[tuple[Any, int]] = []
+            got: list[tuple[Any, Move, np.ndarray]] = []
+            for pair, ps in sorted(pieces.items()):
+                if rnd >= len(ps):
+                    continue
+                m, k = ps[rnd]
+                buf = np.empty(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
+                if pair[0] == me:
+                    if len(buf):
+                        storage.read_into(m.path, k * PIECE_BYTES, memoryview(buf))
+                    hashes[(pair, m.path)].update(buf)
+                    works.append((group.send(torch.from_numpy(buf), pair[1], _DATA + rnd), pair[1]))
+                else:
+                    if k == 0:
+                        writers[m.path] = storage.open_writer(m.path)
+                    works.append((group.recv(torch.from_numpy(buf), pair[0], _DATA + rnd), pair[0]))
+                    got.append((pair, m, buf))
+            _wait_all(group, works, where)
+            for pair, m, buf in got:
+                hashes[(pair, m.path)].update(buf)
+                if len(buf):
+                    writers[m.path].write(memoryview(buf))
+        trails = _trailers(group, streams, hashes, where)
+        received = []
+        for (src, dst), moves in sorted(streams.items()):
+            if dst != me:
+                continue
+            for m in moves:
+                want, have = trails[(src, dst)].get(m.path), hashes[((src, dst), m.path)].hexdigest()
+                if want != have:
+                    raise CorruptCheckpointError(
+                        f"{where}: {storage.describe(m.path)} from rank {src} arrived with digest {have}, not "
+                        f"the sender's {want} (the network or a disk corrupted it)"
+                    )
+            for m in moves:
+                writers.pop(m.path).close()
+                received.append(m.path)
+        for d in sorted({p.rsplit("/", 1)[0] for p in received}, key=lambda d: -d.count("/")):
+            storage.sync_dir(d)
+        return received
+    finally:
+        for w in writers.values():
+            try:
+                w.abort()
+            except Exception:  # already failing: the first error is the one raised
+                pass
+
+
+def _trailers(
+    group: TierGroup, streams: dict[tuple[int, int], list[Move]], hashes: dict[Any, Any], where: str
+) -> dict[tuple[int, int], dict[str, str]]:
+    """Each stream's digests, from its sender to its receiver (two rounds: length, bytes)."""
+    me = group.rank
+    out: dict[tuple[int, int], dict[str, str]] = {}
+    lens: dict[tuple[int, int], torch.Tensor] = {}
+    blobs: dict[tuple[int, int], torch.Tensor] = {}
+    works: list[tuple[Any, int]] = []
+    for pair, moves in sorted(streams.items()):
+        if pair[0] == me:
+            data = json.dumps({m.path: hashes[(pair, m.path)].hexdigest() for m in moves}).encode()
+            blobs[pair] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            works.append((group.send(torch.tensor([len(data)]), pair[1], _TRAIL_LEN), pair[1]))
+        else:
+            lens[pair] = torch.zeros(1, dtype=torch.int64)
+            works.append((group.recv(lens[pair], pair[0], _TRAIL_LEN), pair[0]))
+    _wait_all(group, works, where)
+    works = []
+    for pair in sorted(streams):
+        if pair[0] == me:
+            works.append((group.send(blobs[pair], pair[1], _TRAIL), pair[1]))
+        else:
+            blobs[pair] = torch.zeros(int(lens[pair].item()), dtype=torch.uint8)
+            works.append((group.recv(blobs[pair], pair[0], _TRAIL), pair[0]))
+    _wait_all(group, works, where)
+    for pair in streams:
+        if pair[1] == me:
+            out[pair] = json.loads(blobs[pair].numpy().tobytes())
+    return out
+
+
+def _wait_all(group: TierGroup, works: list[tuple[Any, int]], where: str) -> None:
+    for work, peer in works:
+        group.wait(work, f"{where} (with rank {peer})")
+
+
+__all__ = ["PIECE_BYTES", "Move", "move_files"]

@@ -1,0 +1,128 @@
+"""Two-tier checkpoints across simulated nodes (one torchrun agent per node, ``--nnodes``).
+
+    tier_worker.py MODE OUT CONFIG_JSON
+
+Every rank trains the same tiny model with AdamW on the same data (replicated, as under DDP)
+and also holds a per-rank tensor. The node's local tier is ``CONFIG["locals"][TIER_NODE]``
+(``TIER_NODE``: set per agent by the test); the persistent tier is ``CONFIG["root"]``.
+
+- ``save``: save steps 1..CONFIG["steps"] (waiting for each upload), then start the save of
+  the next step and, on node ``CONFIG["kill_node"]``, SIGKILL itself while it is in flight
+  (the other node's ranks write a marker and wait to be killed by the test); without a
+  ``kill_node`` that save is waited for, then the ranks wait to be killed.
+- ``resume``: restore the newest step into a fresh model and compare parameters, Adam
+  moments and the per-rank tensor bit for bit with a run trained to the restored step;
+  write the tier restored from, the step, and the bytes read from the persistent tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardkeeper.core import CheckpointManager, PerRank
+from tests.checks import Checks
+
+checks = Checks()
+check = checks.check
+
+
+def trained(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def per_rank(step: int, rank: int) -> torch.Tensor:
+    return torch.arange(1000, dtype=torch.float64) * (step + 1) + rank
+
+
+def manager(cfg: dict, **extra: object) -> CheckpointManager:
+    node = int(os.environ["TIER_NODE"])
+    return CheckpointManager(
+        cfg["root"],
+        storage_options=cfg.get("storage_options"),
+        local=cfg["locals"][node],
+        persist_every=cfg.get("persist_every"),
+        replicas=cfg.get("replicas", 0),
+        local_keep=cfg.get("local_keep"),
+        commit_timeout_s=cfg.get("commit_timeout_s", 60),
+        min_file_bytes=1,  # several files per rank, so replicas and repairs move several
+        **extra,
+    )
+
+
+def save(out: Path, cfg: dict) -> None:
+    rank, node = dist.get_rank(), int(os.environ["TIER_NODE"])
+    mgr = manager(cfg)
+    for step in range(1, cfg["steps"] + 1):
+        model, opt = trained(step)
+        mgr.save(step, {"model": model, "optim": opt, "own": PerRank(per_rank(step, rank))})
+        mgr.wait_persisted()
+    check("persisted", mgr.persisted_steps == cfg["expect_persisted"], mgr.persisted_steps)
+    model, opt = trained(cfg["steps"] + 1)
+    mgr.save(cfg["steps"] + 1, {"model": model, "optim": opt, "own": PerRank(per_rank(cfg["steps"] + 1, rank))})
+    checks.write(out / f"save-r{rank}.json")
+    if node == cfg.get("kill_node"):
+        (out / f"killed-r{rank}").write_text("in flight")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if cfg.get("kill_node") is None:
+        mgr.wait()  # no node is lost: the last save commits too
+    (out / f"waiting-r{rank}").write_text("alive")
+    time.sleep(600)  # the test kills this agent too: the save in flight never commits
+
+
+def resume(out: Path, cfg: dict) -> None:
+    rank = dist.get_rank()
+    mgr = manager(cfg)
+    torch.manual_seed(99)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.zeros(1, 16)).sum().backward()
+    opt.step()  # state to overwrite
+    own = torch.zeros(1000, dtype=torch.float64)
+    step = mgr.restore({"model": model, "optim": opt, "own": PerRank(own)}, per_rank=cfg.get("per_rank", "exact"))
+    ref_model, ref_opt = trained(step)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref_model.state_dict().values()))
+    check("parameters bit-exact", same)
+    mine, ref = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    moments = all(torch.equal(mine[k][n], ref[k][n]) for k in ref for n in ("exp_avg", "exp_avg_sq", "step"))
+    check("Adam state bit-exact", moments and len(mine) == len(ref))
+    saved_rank = rank % cfg.get("saved_world", dist.get_world_size())
+    check("per-rank tensor bit-exact", torch.equal(own, per_rank(step, saved_rank)))
+    stats = mgr.last_restore_stats
+    info = {
+        "step": step,
+        "tier": mgr.last_restore_tier,
+        "persistent_reads": mgr.persistent_reads,
+        "bytes_read": stats.bytes_read if stats else None,
+    }
+    (out / f"resume-r{rank}.json").write_text(json.dumps(info))
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
+def main() -> None:
+    mode, out, cfg = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo")
+    {"save": save, "resume": resume}[mode](out, cfg)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
