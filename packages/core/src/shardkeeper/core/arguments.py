@@ -122,7 +122,8 @@ def check_replicas(value: Any) -> int:
         _refuse("replicas", "an int >= 0", value)
     elif count < 0:
         raise ValueError(f"CheckpointManager(): replicas must be >= 0, got {count}")
-    return int(count)
+    assert count is not None
+    return count
 
 
 def check_manager_arguments(

@@ -342,7 +342,11 @@ class CheckpointManager:
         """The newest committed step, or None; manifests are validated newest first only until
         one validates. With a local tier: the newest of this node's and the persistent root's."""
         if self._persistent is not None:
-            found = [s for s in (newest_committed(self.storage), newest_committed(self._persistent.ctx.storage)) if s is not None]
+            found = [
+                s
+                for s in (newest_committed(self.storage), newest_committed(self._persistent.ctx.storage))
+                if s is not None
+            ]
             return max(found) if found else None
         return newest_committed(self.storage)
 
@@ -483,7 +487,9 @@ class CheckpointManager:
             self._persistent_reads += stats.bytes_read
         if step is None and self._tiers.nodes.is_leader(self.rank):
             for s in [int(k) for k in choice.listings[self._tiers.nodes.node_of(self.rank)] if int(k) > restored]:
-                log.warning("rank %d: dropping local step %d, which no tier holds whole (restored %d)", self.rank, s, restored)
+                log.warning(
+                    "rank %d: dropping local step %d, which no tier holds whole (restored %d)", self.rank, s, restored
+                )
                 drop_step(self._tiers.local.raw, s)
         return restored
 

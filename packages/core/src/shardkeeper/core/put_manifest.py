@@ -63,7 +63,13 @@ def commit_manifest(
     try:
         _check_not_claimed(storage, step)
         _check_bases(storage, step, bases)
-        _check_files(storage, step, manifest, ends if checked is None else {p: e for p, e in ends.items() if checked(p)}, executor)
+        _check_files(
+            storage,
+            step,
+            manifest,
+            ends if checked is None else {p: e for p, e in ends.items() if checked(p)},
+            executor,
+        )
         check_reads_back(storage, step, data, manifest)
         if _before_put is not None:
             _before_put(step)

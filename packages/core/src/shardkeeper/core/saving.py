@@ -249,7 +249,11 @@ class SaveRunner:
         else:
             local_error = None
         if self._tiers is not None:  # every rank, whatever its write did: its peers wait for it
-            files = {f"{sdir}/{rel}": int(info["size_bytes"]) for rel, info in own.files.items()} if isinstance(own, RankReport) else None
+            files = (
+                {f"{sdir}/{rel}": int(info["size_bytes"]) for rel, info in own.files.items()}
+                if isinstance(own, RankReport)
+                else None
+            )
             job.tier["files"] = files or {}
             try:
                 self._tiers.replicate(step, files)

@@ -102,7 +102,9 @@ def choose(
             except CheckpointError:
                 flag = 2
             else:
-                if any(not any(lst.get(str(s), {}).get("f", {}).get(p) == n for lst in listings) for p, n in need.items()):
+                if any(
+                    not any(lst.get(str(s), {}).get("f", {}).get(p) == n for lst in listings) for p, n in need.items()
+                ):
                     flag = 1
         flags.append(flag)
     agreed = group.all_reduce_max(flags, f"rank {me}: which steps are whole in the local tiers") if flags else []

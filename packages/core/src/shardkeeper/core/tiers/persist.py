@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.storage.base import Storage
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,8 @@ def copy_file(src: Storage, dst: Storage, path: str, size: int) -> None:
         pos = 0
         while pos < size:
             n = min(len(buf), size - pos)
-            src.read_into(path, pos, memoryview(buf)[:n])
-            writer.write(bytes(memoryview(buf)[:n]))  # the writer may keep it until close (retries)
+            src.read_into(path, pos, memoryview(cast("Buffer", buf))[:n])
+            writer.write(bytes(memoryview(cast("Buffer", buf))[:n]))  # the writer may keep it until close (retries)
             pos += n
     except BaseException:
         writer.abort()

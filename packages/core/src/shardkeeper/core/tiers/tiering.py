@@ -54,7 +54,9 @@ class Opened:
     encryption: Encryption | None
 
 
-def open_tier(root: Any, storage_options: Mapping[str, Any] | None, retry: RetryPolicy, encryption: Any, bound_to: str | None) -> Opened:
+def open_tier(
+    root: Any, storage_options: Mapping[str, Any] | None, retry: RetryPolicy, encryption: Any, bound_to: str | None
+) -> Opened:
     """Like ``context.open_root``, keeping the unencrypted storage too."""
     raw = with_retries(open_storage(root, **dict(storage_options or {})), retry)
     keys = key_provider(encryption)
@@ -182,7 +184,11 @@ def local_root(local: Any) -> LocalStorage:
     """The node-local directory (a path: the local tier is a node's own disk or RAM)."""
     if isinstance(local, LocalStorage):
         return local
-    if not isinstance(local, (str, os.PathLike)) or "://" in os.fspath(local) and not os.fspath(local).startswith("file://"):
+    if (
+        not isinstance(local, (str, os.PathLike))
+        or "://" in os.fspath(local)
+        and not os.fspath(local).startswith("file://")
+    ):
         raise ValueError(
             f"local={local!r}: the local tier is a directory on each node's own disk or RAM (e.g. "
             f"'/local_nvme/run' or '/dev/shm/run'), not a URL; the persistent tier is the manager's root"

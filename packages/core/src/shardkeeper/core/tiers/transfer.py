@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ import xxhash
 from shardkeeper.core.errors import CorruptCheckpointError
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.tiers.wire import TierGroup
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 #: The largest piece of a file sent at once (a stream holds one in memory at a time).
 PIECE_BYTES = 64 << 20
@@ -67,8 +70,8 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
                 buf = np.empty(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
                 if pair[0] == me:
                     if len(buf):
-                        storage.read_into(m.path, k * PIECE_BYTES, memoryview(buf))
-                    hashes[(pair, m.path)].update(buf)
+                        storage.read_into(m.path, k * PIECE_BYTES, memoryview(cast("Buffer", buf)))
+                    hashes[(pair, m.path)].update(cast("Buffer", buf))
                     works.append((group.send(torch.from_numpy(buf), pair[1], _DATA + rnd), pair[1]))
                 else:
                     if k == 0:
@@ -77,9 +80,9 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
                     got.append((pair, m, buf))
             _wait_all(group, works, where)
             for pair, m, buf in got:
-                hashes[(pair, m.path)].update(buf)
+                hashes[(pair, m.path)].update(cast("Buffer", buf))
                 if len(buf):
-                    writers[m.path].write(memoryview(buf))
+                    writers[m.path].write(memoryview(cast("Buffer", buf)))
         trails = _trailers(group, streams, hashes, where)
         received = []
         for (src, dst), moves in sorted(streams.items()):
