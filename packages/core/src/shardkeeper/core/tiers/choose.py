@@ -46,19 +46,21 @@ class Choice:
     listings: list[dict[str, Any]] = field(default_factory=list)  # per node
 
 
-def list_node(storage: Storage) -> dict[str, Any]:
-    """``{step: {"m": manifest there, "f": {root-relative path: size}}}`` of one directory."""
+def list_node(view: Storage, storage: Storage) -> dict[str, Any]:
+    """``{step: {"m": manifest there, "f": {root-relative path: [size, stored size]}}}`` of one
+    directory (``view``: as saves see it, whose sizes the manifest records; ``storage``: as
+    stored, larger when encrypted)."""
     out: dict[str, Any] = {}
     for name in storage.list_dir(""):
         step = parse_step_dir(name)
         if step is None:
             continue
-        files: dict[str, int] = {}
+        files: dict[str, list[int]] = {}
         for path in walk_files(storage, step_dir(step)):
             if path.endswith((".tmp", MANIFEST_NAME)):
                 continue
             try:
-                files[path] = storage.size(path)
+                files[path] = [view.size(path), storage.size(path)]
             except CheckpointError:
                 continue
         out[str(step)] = {"m": storage.exists(manifest_path(step)), "f": files}
@@ -77,13 +79,17 @@ def required_files(read: Storage, step: int) -> dict[str, int]:
     return out
 
 
-def choose(
-    group: TierGroup, nodes: NodeMap, raw: Storage, read: Storage, persistent: Storage, asked: int | None
-) -> Choice:
-    """Collective: the tier and step to restore (``raw``/``read``: this node's directory
-    without encryption / authenticated; ``persistent``: the persistent root)."""
+def _size(listing: dict[str, Any], step: int, path: str) -> int | None:
+    got = listing.get(str(step), {}).get("f", {}).get(path)
+    return None if got is None else int(got[0])
+
+
+def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, asked: int | None) -> Choice:
+    """Collective: the tier and step to restore (``local``: this node's directory, a
+    ``tiering.Opened``; ``persistent``: the persistent root, without encryption)."""
     me = group.rank
-    mine: dict[str, Any] = {"node": list_node(raw) if nodes.is_leader(me) else None}
+    raw, read = local.raw, local.read
+    mine: dict[str, Any] = {"node": list_node(local.storage, raw) if nodes.is_leader(me) else None}
     if me == 0:
         mine["persisted"] = manifest_steps(persistent)
     gathered = group.all_gather_json(mine, f"rank {me}: the tiers' listings")
@@ -102,9 +108,7 @@ def choose(
             except CheckpointError:
                 flag = 2
             else:
-                if any(
-                    not any(lst.get(str(s), {}).get("f", {}).get(p) == n for lst in listings) for p, n in need.items()
-                ):
+                if any(not any(_size(lst, s, p) == n for lst in listings) for p, n in need.items()):
                     flag = 1
         flags.append(flag)
     agreed = group.all_reduce_max(flags, f"rank {me}: which steps are whole in the local tiers") if flags else []
@@ -123,12 +127,11 @@ def choose(
     return choice
 
 
-def make_whole(
-    group: TierGroup, nodes: NodeMap, raw: Storage, read: Storage, choice: Choice, step: int
-) -> tuple[int, int]:
+def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, step: int) -> tuple[int, int]:
     """Collective: every node's copy of ``step`` made whole from the others (the manifest by
     broadcast, files by ``move_files``). Returns (files, bytes) this rank received."""
     me = group.rank
+    raw, read = local.raw, local.read
     listings = choice.listings
     has_manifest = [bool(lst.get(str(step), {}).get("m")) for lst in listings]
     holder = nodes.leader(has_manifest.index(True))
@@ -146,17 +149,21 @@ def make_whole(
     need = required_files(read, step)
     plan = []
     for k, lst in enumerate(listings):
-        have = lst.get(key, {}).get("f", {})
-        missing = [p for p in sorted(need) if have.get(p) != need[p]]
+        missing = [p for p in sorted(need) if _size(lst, step, p) != need[p]]
         for i, path in enumerate(missing):
-            holders = [h for h, other in enumerate(listings) if other.get(key, {}).get("f", {}).get(path) == need[path]]
-            src_node = nodes.nodes[holders[i % len(holders)]]
-            dst_node = nodes.nodes[k]
-            plan.append(Move(path, need[path], src_node[i % len(src_node)], dst_node[i % len(dst_node)]))
+            holders = [h for h, other in enumerate(listings) if _size(other, step, path) == need[path]]
+            h = holders[i % len(holders)]
+            stored = int(listings[h][key]["f"][path][1])
+            src_node, dst_node = nodes.nodes[h], nodes.nodes[k]
+            plan.append(Move(path, stored, src_node[i % len(src_node)], dst_node[i % len(dst_node)]))
+            if k == nodes.node_of(me) and nodes.is_leader(me) and _size(lst, step, path) is not None:
+                raw.delete(path)  # a copy of the wrong size: replaced
+    if plan:
+        group.all_reduce_max([0], f"step {step}, rank {me}: wrong copies removed")
     got = move_files(group, raw, plan, f"step {step}, rank {me}: making this node's copy whole")
     if plan:
         group.all_reduce_max([0], f"step {step}, rank {me}: every node's copy whole")
-    return len(got), sum(need[p] for p in got)
+    return len(got), sum(m.size for m in plan if m.dst == me)
 
 
 __all__ = ["LOCAL", "PERSISTENT", "Choice", "choose", "list_node", "make_whole", "required_files"]

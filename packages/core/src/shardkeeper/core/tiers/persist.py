@@ -41,8 +41,9 @@ COORDINATOR = 0
 _COPY_BYTES = 64 << 20
 
 
-def copy_file(src: Storage, dst: Storage, path: str, size: int) -> None:
+def copy_file(src: Storage, dst: Storage, path: str) -> None:
     """``path`` from ``src`` to ``dst`` as it is (encrypted bytes stay encrypted), in pieces."""
+    size = src.size(path)
     writer = dst.open_writer(path)
     try:
         buf = np.empty(min(_COPY_BYTES, max(size, 1)), dtype=np.uint8)
@@ -109,8 +110,8 @@ class Persister:
         store, me, world = self.coord.store, self.coord.rank, self.coord.world_size
         try:
             try:
-                for path, size in sorted(files.items()):
-                    copy_file(self.local, self.raw, path, size)
+                for path in sorted(files):
+                    copy_file(self.local, self.raw, path)
             except BaseException as e:
                 store.set(self._key(step, f"failed/{me}"), f"{type(e).__name__}: {e}")
                 store.add(self._key(step, "failures"), 1)

@@ -129,12 +129,14 @@ class Tiering:
         """Every rank, once per save (``files``: root-relative path -> size this rank wrote;
         None when it failed or refused): send them to its peers, take theirs, and check that
         its own are there at their size."""
+        raw: dict[str, int] | None = None
         if files is not None:
             for path, size in files.items():
-                if self.local.raw.size(path) != size:
+                if self.local.storage.size(path) != size:
                     raise OSError(f"{self.local.raw.describe(path)} is not {size} bytes after it was written")
+            raw = {path: self.local.raw.size(path) for path in files}  # as stored: encrypted files are larger
         listed = self.group.all_gather_json(
-            sorted(files.items()) if files is not None else None, f"step {step}, rank {self.rank}: the replicas' files"
+            sorted(raw.items()) if raw is not None else None, f"step {step}, rank {self.rank}: the replicas' files"
         )
         plan = []
         for src, own in enumerate(listed):
@@ -160,11 +162,11 @@ class Tiering:
 
     # -- restore -----------------------------------------------------------------------------
     def choose(self, asked: int | None) -> Choice:
-        c = choose(self.group, self.nodes, self.local.raw, self.local.read, self.persistent.raw, asked)
+        c = choose(self.group, self.nodes, self.local, self.persistent.raw, asked)
         self.last_choice = c
         if c.tier == LOCAL:
             assert c.step is not None
-            self.last_received = make_whole(self.group, self.nodes, self.local.raw, self.local.read, c, c.step)
+            self.last_received = make_whole(self.group, self.nodes, self.local, c, c.step)
             log.info(
                 "rank %d: restoring step %d from the local tier (%d files, %d bytes taken from peers)",
                 self.rank,

@@ -1,0 +1,150 @@
+"""Two tiers in one process: the options' refusals, where replicas go, the local commit and
+its retention, the upload to the persistent root and a failed one, restore from each tier,
+and the codecs through both tiers (the multi-node behaviour: ``test_tiers.py``)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkeeper.core import CheckpointManager, CheckpointSaveError
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.storage.faults import FaultyStorage
+from shardkeeper.core.tiers.nodes import NODE_TOKEN, NodeMap
+from shardkeeper.core.tiers.tiering import writer_rank
+
+
+def test_replicas_go_to_other_nodes_and_spread_over_their_ranks() -> None:
+    nodes = NodeMap(((0, 1), (2, 3), (4, 5)))
+    assert nodes.targets(0, 1) == [2] and nodes.targets(1, 1) == [3] and nodes.targets(5, 1) == [1]
+    assert nodes.targets(0, 2) == [2, 4]
+    assert nodes.targets(0, 5) == [2, 4]  # never more than the other nodes
+    assert nodes.sources(2, 1) == [0] and nodes.sources(0, 2) == [2, 4]
+    uneven = NodeMap(((0, 1, 2), (3,)))
+    assert [uneven.targets(r, 1) for r in range(4)] == [[3], [3], [3], [0]]
+    assert uneven.sources(3, 1) == [0, 1, 2]
+    assert uneven.is_leader(3) and not uneven.is_leader(2) and uneven.node_of(2) == 0
+    assert writer_rank("step-000000000001/data/r00012-ab12cd34-000.safetensors") == 12
+    assert writer_rank("step-000000000001/manifest.json") is None
+
+
+def test_tier_options_are_refused_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="configure the local tier; pass local="):
+        CheckpointManager(tmp_path / "p", persist_every=2)
+    with pytest.raises(ValueError, match="not a URL"):
+        CheckpointManager(tmp_path / "p", local="s3://bucket/x")
+    with pytest.raises(ValueError, match="incremental=True is not supported with a local tier"):
+        CheckpointManager(tmp_path / "p", local=tmp_path / "l", incremental=True)
+    with pytest.raises(ValueError, match="describe_layouts=True"):
+        CheckpointManager(tmp_path / "p", local=tmp_path / "l", describe_layouts=True)
+    with pytest.raises(ValueError, match="replicas must be >= 0"):
+        CheckpointManager(tmp_path / "p", local=tmp_path / "l", replicas=-1)
+    with pytest.raises(TypeError, match="replicas must be an int >= 0"):
+        CheckpointManager(tmp_path / "p", local=tmp_path / "l", replicas="1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="persist_every must be >= 1"):
+        CheckpointManager(tmp_path / "p", local=tmp_path / "l", persist_every=0)
+    assert not (tmp_path / "p").exists() and not (tmp_path / "l").exists()  # nothing touched
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A directory in RAM where the machine has one (the local tier of a process restart)."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    if base is None:
+        pytest.skip("no writable /dev/shm")
+    path = base / f"shardkeeper-test-{uuid.uuid4().hex}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g).to(torch.bfloat16)}
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "manifest.json").exists())
+
+
+def test_local_commit_upload_retention_and_restore_from_each_tier(tmp_path: Path, shm: Path) -> None:
+    persistent = tmp_path / "persistent"
+    with pytest.warns(UserWarning, match="replicas=1 asked, but the job's ranks share 1 local directory"):
+        mgr = CheckpointManager(persistent, local=shm, persist_every=2, local_keep=2, keep_last=2, replicas=1)
+    with mgr:
+        for step in range(1, 6):
+            mgr.save(step, _state(step))
+            mgr.wait_persisted()
+        assert mgr.persisted_steps == [1, 3, 5]
+        assert mgr.steps() == [3, 4, 5]  # this node: 4, 5; the persistent root: 3, 5 (keep_last=2)
+    assert _steps(shm) == [4, 5]  # local_keep=2
+    assert _steps(persistent) == [3, 5]  # keep_last=2 on the persistent root
+    assert (shm / NODE_TOKEN).exists()
+    # a restarted process restores from RAM, reading nothing from the persistent root
+    target = {k: torch.zeros_like(v) for k, v in _state(5).items()}
+    with CheckpointManager(persistent, local=shm) as mgr:
+        assert mgr.restore(target) == 5
+        assert mgr.last_restore_tier == "local" and mgr.persistent_reads == 0
+        assert mgr.restore(target, step=3) == 3  # only in the persistent root
+        assert mgr.last_restore_tier == "persistent" and mgr.persistent_reads > 0
+        assert all(torch.equal(target[k], v) for k, v in _state(3).items())
+    # the local tier lost: the newest persisted step
+    shutil.rmtree(shm)
+    with CheckpointManager(persistent, local=shm) as mgr:
+        assert mgr.restore(target) == 5 and mgr.last_restore_tier == "persistent"
+    assert all(torch.equal(target[k], v) for k, v in _state(5).items())
+
+
+def test_a_newer_persisted_step_wins_and_the_stale_local_one_is_dropped(tmp_path: Path) -> None:
+    persistent, local, other = tmp_path / "p", tmp_path / "l", tmp_path / "l2"
+    with CheckpointManager(persistent, local=local, persist_every=1) as mgr:
+        mgr.save(1, _state(1))
+    with CheckpointManager(persistent, local=other, persist_every=1) as mgr:  # another machine went on
+        mgr.restore({k: torch.zeros_like(v) for k, v in _state(1).items()})
+        mgr.save(2, _state(2))
+    with CheckpointManager(persistent, local=local) as mgr:
+        target = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+        assert mgr.restore(target) == 2 and mgr.last_restore_tier == "persistent"
+        mgr.save(3, _state(3))  # the local tier takes saves after the persisted step
+    assert _steps(local) == [1, 3]
+
+
+def test_codecs_go_through_both_tiers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("cryptography")
+    pytest.importorskip("zstandard")
+    monkeypatch.setenv("SK_TIER_KEK", base64.b64encode(bytes(range(32))).decode())
+    opts = {"encryption": "env:SK_TIER_KEK", "compression": "zstd"}
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with CheckpointManager(persistent, local=local, persist_every=1, **opts) as mgr:  # type: ignore[arg-type]
+        mgr.save(7, _state(7))
+    data = next((local / "step-000000000007" / "data").iterdir()).read_bytes()
+    assert data == next((persistent / "step-000000000007" / "data").iterdir()).read_bytes()  # uploaded as is
+    for where in (local, persistent):
+        target = {k: torch.zeros_like(v) for k, v in _state(7).items()}
+        if where is persistent:
+            shutil.rmtree(local)
+        with CheckpointManager(persistent, local=local, **opts) as mgr:  # type: ignore[arg-type]
+            assert mgr.restore(target) == 7
+        assert all(torch.equal(target[k], v) for k, v in _state(7).items())
+    with CheckpointManager(persistent) as mgr, pytest.raises(Exception, match="encrypted"):
+        mgr.restore({k: torch.zeros_like(v) for k, v in _state(7).items()})
+
+
+def test_a_failed_upload_is_raised_and_the_step_stays_local(tmp_path: Path) -> None:
+    persistent = FaultyStorage(LocalStorage(tmp_path / "p"), fail_on={"open_writer": "*/data/*"})
+    mgr = CheckpointManager(persistent, local=tmp_path / "l", persist_every=1)
+    mgr.save(1, _state(1))
+    with pytest.raises(CheckpointSaveError, match="stays in the local tier only: its upload to .* failed"):
+        mgr.wait_persisted()
+    mgr.wait_persisted()  # raised once
+    assert mgr.persisted_steps == [] and mgr.is_committed(1)
+    mgr.save(2, _state(2))  # the next due step is uploaded again (and fails again)
+    with pytest.raises(CheckpointSaveError, match="step 2 stays in the local tier only"):
+        mgr.close()
+    assert _steps(tmp_path / "l") == [1, 2] and _steps(tmp_path / "p") == []
