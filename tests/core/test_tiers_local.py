@@ -148,3 +148,37 @@ def test_a_failed_upload_is_raised_and_the_step_stays_local(tmp_path: Path) -> N
     with pytest.raises(CheckpointSaveError, match="step 2 stays in the local tier only"):
         mgr.close()
     assert _steps(tmp_path / "l") == [1, 2] and _steps(tmp_path / "p") == []
+
+
+def test_ls_shows_which_tiers_hold_each_step(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    persistent, a, b = tmp_path / "p", tmp_path / "a", tmp_path / "b"
+    with CheckpointManager(persistent, local=a, persist_every=2, min_file_bytes=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    shutil.copytree(a, b)  # a second node's directory with the same steps
+    files = sorted((a / "step-000000000002" / "data").iterdir())
+    assert len(files) >= 2
+    files[0].unlink()  # node a lost one file of step 2, node b another: together still whole
+    (b / "step-000000000002" / "data" / files[1].name).unlink()
+
+    def ls(*local: Path) -> dict[str, dict]:
+        cmd = [sys.executable, "-m", "shardkeeper.core.cli", "ls", str(persistent), "--json"]
+        out = subprocess.run([*cmd, *(f"--local={d}" for d in local)], capture_output=True, text=True, check=True)
+        return {str(r["step"]): r for r in json.loads(out.stdout)["steps"]}
+
+    rows = ls(a, b)
+    assert rows["1"]["tiers"] == ["persistent", "local:0", "local:1"] and rows["1"]["local_whole"] is True
+    assert rows["2"]["status"] == "local" and rows["2"]["tiers"] == ["local:0", "local:1"]
+    assert rows["2"]["local_whole"] is True
+    assert ls(a)["2"]["local_whole"] is False  # one node alone lacks a file
+    text = subprocess.run(
+        [sys.executable, "-m", "shardkeeper.core.cli", "ls", str(persistent), f"--local={a}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "TIERS" in text and "local:0 (partial)" in text and "persistent,local:0 (whole)" in text

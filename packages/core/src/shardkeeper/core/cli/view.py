@@ -12,6 +12,7 @@ from typing import Any
 from shardkeeper.core.bars import make_bar
 from shardkeeper.core.cli.common import EXIT_OK, open_root, print_json, show_progress, step_arg
 from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
+from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
 from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -94,6 +95,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             row["status"] = "invalid" if MANIFEST_NAME in names else "uncommitted"
         rows.append(row)
     bar.close()
+    if args.local:
+        add_tiers(rows, args.local)
 
     if args.json:
         print_json({"root": storage.url, "latest_hint": latest, "steps": rows})
@@ -110,10 +113,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             r["world_size"] if r["world_size"] is not None else "-",
             r["created_at"] or "-",
             "LATEST" if r["latest_hint"] else "",
+            *([tiers_cell(r)] if args.local else []),
         ]
         for r in rows
     ]
-    say(*table_lines(["STEP", "STATUS", "SIZE", "LEAVES", "WORLD", "CREATED", ""], table, "rlrrrll"))
+    headers = ["STEP", "STATUS", "SIZE", "LEAVES", "WORLD", "CREATED", "", *(["TIERS"] if args.local else [])]
+    say(*table_lines(headers, table, "rlrrrll" + ("l" if args.local else "")))
     if latest is not None and latest not in committed:
         say(f"note: the LATEST hint says step {latest}, which is not committed; readers ignore it")
     return EXIT_OK
@@ -208,6 +213,12 @@ def add_ls(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: arg
     """``ls ROOT``: every step directory under the root and its state."""
     p = sub.add_parser("ls", parents=[common], help="list checkpoints under ROOT")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--local",
+        action="append",
+        metavar="DIR",
+        help="a node's local tier directory (repeatable): show which tiers hold each step (docs/tiers.md)",
+    )
     p.set_defaults(func=cmd_ls)
 
 

@@ -1,0 +1,68 @@
+"""``shardkeeper ls ROOT --local DIR ...``: which tiers hold each step.
+
+Each ``--local`` is one node's local directory (docs/tiers.md). A step is listed under
+``persistent`` when it is committed under ROOT, under ``local:K`` for each directory K that
+holds its manifest, and ``local_whole`` says whether the directories given, together, hold
+every file its manifest lists at its size (None when no given directory's manifest can be
+read here, e.g. an encrypted one). Torch-free, like every command."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
+from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.root_files import resolve_file, walk_files
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.storage.base import Storage
+
+
+def _sizes(storage: Storage, step: int) -> dict[str, int]:
+    out = {}
+    for path in walk_files(storage, step_dir(step)):
+        try:
+            out[path] = storage.size(path)
+        except CheckpointError:
+            continue
+    return out
+
+
+def _whole(dirs: list[Storage], step: int, holders: list[int], files: list[dict[str, int]]) -> bool | None:
+    for k in holders:
+        try:
+            m = load_manifest(dirs[k], step)
+        except CheckpointError:
+            continue
+        need = {resolve_file(step, rel): int(info["size_bytes"]) for rel, info in m.files.items()}
+        return all(any(f.get(p) == n for f in files) for p, n in need.items() if p is not None)
+    return None
+
+
+def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
+    """Give every row its ``tiers`` and ``local_whole``; add rows for steps only the local
+    directories hold (status ``local``)."""
+    dirs: list[Storage] = [LocalStorage(d) for d in local_dirs]
+    steps = sorted({s for d in dirs for s in manifest_steps(d)} | {r["step"] for r in rows})
+    by_step = {r["step"]: r for r in rows}
+    for step in steps:
+        row = by_step.get(step)
+        if row is None:
+            row = by_step[step] = {"step": step, "status": "local", "size_bytes": None, "leaves": None}
+            row.update(logical_bytes=None, world_size=None, created_at=None, latest_hint=False)
+            rows.append(row)
+        holders = [k for k, d in enumerate(dirs) if d.exists(manifest_path(step))]
+        row["tiers"] = (["persistent"] if row["status"] == "committed" else []) + [f"local:{k}" for k in holders]
+        files = [_sizes(d, step) for d in dirs] if holders else []
+        row["local_whole"] = _whole(dirs, step, holders, files) if holders else False
+    rows.sort(key=lambda r: r["step"])
+
+
+def tiers_cell(row: dict[str, Any]) -> str:
+    tiers = ",".join(row.get("tiers", [])) or "-"
+    whole = row.get("local_whole")
+    locals_ = any(t.startswith("local:") for t in row.get("tiers", []))
+    return tiers + ("" if not locals_ else " (whole)" if whole else " (partial)" if whole is False else " (?)")
+
+
+__all__ = ["add_tiers", "tiers_cell"]
