@@ -136,18 +136,19 @@ def test_codecs_go_through_both_tiers(tmp_path: Path, monkeypatch: pytest.Monkey
         mgr.restore({k: torch.zeros_like(v) for k, v in _state(7).items()})
 
 
-def test_a_failed_upload_is_raised_and_the_step_stays_local(tmp_path: Path) -> None:
-    persistent = FaultyStorage(LocalStorage(tmp_path / "p"), fail_on={"open_writer": "*/data/*"})
-    mgr = CheckpointManager(persistent, local=tmp_path / "l", persist_every=1)
+def test_a_failed_upload_is_raised_and_the_next_save_is_uploaded_instead(tmp_path: Path) -> None:
+    persistent = FaultyStorage(LocalStorage(tmp_path / "p"), fail_on={"open_writer": "*/data/*"}, times=1)
+    mgr = CheckpointManager(persistent, local=tmp_path / "l", persist_every=3)
     mgr.save(1, _state(1))
-    with pytest.raises(CheckpointSaveError, match="stays in the local tier only: its upload to .* failed"):
+    with pytest.raises(CheckpointSaveError, match=r"step 1 was not uploaded to .*injected fault.*local tier only"):
         mgr.wait_persisted()
     mgr.wait_persisted()  # raised once
     assert mgr.persisted_steps == [] and mgr.is_committed(1)
-    mgr.save(2, _state(2))  # the next due step is uploaded again (and fails again)
-    with pytest.raises(CheckpointSaveError, match="step 2 stays in the local tier only"):
-        mgr.close()
-    assert _steps(tmp_path / "l") == [1, 2] and _steps(tmp_path / "p") == []
+    mgr.save(2, _state(2))  # due at once (not 3 steps later): the failed upload does not count
+    mgr.save(3, _state(3))  # not due: 2 is being (or was) uploaded
+    mgr.close()
+    assert mgr.persisted_steps == [2]
+    assert _steps(tmp_path / "l") == [1, 2, 3] and _steps(tmp_path / "p") == [2]
 
 
 def test_ls_shows_which_tiers_hold_each_step(tmp_path: Path) -> None:
@@ -182,3 +183,73 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert "TIERS" in text and "local:0 (partial)" in text and "persistent,local:0 (whole)" in text
+
+
+def _flip_a_byte(step_dir: Path) -> None:
+    f = max((step_dir / "data").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_a_damaged_local_copy_falls_back_to_the_persistent_one(tmp_path: Path) -> None:
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with CheckpointManager(persistent, local=local, persist_every=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    _flip_a_byte(local / "step-000000000002")  # same size: the listing takes it for whole
+    target = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+    with CheckpointManager(persistent, local=local) as mgr:
+        with pytest.warns(UserWarning, match="step 2 in the local tier is damaged"):
+            assert mgr.restore(target) == 2
+        assert mgr.last_restore_tier == "persistent"
+    assert all(torch.equal(target[k], v) for k, v in _state(2).items())
+
+
+def test_a_damaged_newer_persisted_step_yields_to_the_newest_whole_local_one(tmp_path: Path) -> None:
+    persistent, a, b = tmp_path / "p", tmp_path / "a", tmp_path / "b"
+    with CheckpointManager(persistent, local=a, persist_every=10) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    assert _steps(persistent) == [1]
+    with CheckpointManager(persistent, local=b, persist_every=1) as mgr:  # another run went on to step 4
+        mgr.restore({k: torch.zeros_like(v) for k, v in _state(1).items()})
+        mgr.save(4, _state(4))
+    _flip_a_byte(persistent / "step-000000000004")
+    target = {k: torch.zeros_like(v) for k, v in _state(3).items()}
+    with CheckpointManager(persistent, local=a) as mgr, warnings_of() as caught:
+        assert mgr.restore(target) == 3
+        assert mgr.last_restore_tier == "local"
+    assert any("restoring step 3, whole in the local tier, instead" in str(w.message) for w in caught)
+    assert all(torch.equal(target[k], v) for k, v in _state(3).items())
+    assert _steps(a) == [1, 2, 3]  # the whole local steps stay
+
+
+def test_saves_below_a_persisted_step_are_refused_and_delete_covers_both_tiers(tmp_path: Path) -> None:
+    from shardkeeper.core import StepOrderError
+
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with CheckpointManager(persistent, local=local, persist_every=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    assert _steps(persistent) == [1, 3]
+    shutil.rmtree(local)
+    with CheckpointManager(persistent, local=local) as mgr:
+        assert mgr.restore({k: torch.zeros_like(v) for k, v in _state(1).items()}, step=1) == 1
+        with pytest.raises(StepOrderError, match="below the newest committed step 3"):
+            mgr.save(2, _state(2))
+        mgr.save(4, _state(4))
+        mgr.wait()
+        assert not mgr.delete(3)  # the persistent root's newest: kept, as without tiers
+        assert mgr.delete(1) and _steps(persistent) == [3]
+        assert not mgr.delete(4)  # the newest, in the local tier: kept
+        with pytest.raises(ValueError, match="whole in the local tiers"):
+            mgr.delete(4, damaged=True)
+        (local / "step-000000000004" / "data").rename(local / "gone")  # now it is damaged
+        assert mgr.delete(4, damaged=True) and _steps(local) == []
+
+
+def warnings_of():  # type: ignore[no-untyped-def]
+    import warnings
+
+    return warnings.catch_warnings(record=True)

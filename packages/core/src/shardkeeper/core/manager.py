@@ -60,8 +60,9 @@ from shardkeeper.core.tensor.restore_plan import PER_RANK_POLICIES, RestoreStats
 from shardkeeper.core.tensor.save_plan import PlanCache
 from shardkeeper.core.tensor.staging import Stager
 from shardkeeper.core.tiers.choose import LOCAL
+from shardkeeper.core.tiers.restore import restore_tiered
 from shardkeeper.core.tiers.tiering import Tiering
-from shardkeeper.core.tiers.view import TierView, check_tier_options, drop_step, open_tiers
+from shardkeeper.core.tiers.view import TierView, check_tier_options, open_tiers
 
 log = logging.getLogger(__name__)
 
@@ -335,19 +336,14 @@ class CheckpointManager:
         """Committed steps, ascending (reads and validates every manifest of the root: to ask
         about one step or the newest, ``is_committed`` and ``latest_step`` read one)."""
         if self._persistent is not None:  # this node's local tier and the persistent root
-            return sorted(set(committed_steps(self.storage)) | set(committed_steps(self._persistent.ctx.storage)))
+            return self._persistent.steps(self._ctx)
         return committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None; manifests are validated newest first only until
         one validates. With a local tier: the newest of this node's and the persistent root's."""
         if self._persistent is not None:
-            found = [
-                s
-                for s in (newest_committed(self.storage), newest_committed(self._persistent.ctx.storage))
-                if s is not None
-            ]
-            return max(found) if found else None
+            return self._persistent.latest(self._ctx)
         return newest_committed(self.storage)
 
     def is_committed(self, step: int) -> bool:
@@ -359,15 +355,8 @@ class CheckpointManager:
         return is_committed(self.storage, step)
 
     def _ctx_for(self, step: int | None) -> ManagerContext:
-        """The context that holds ``step`` (None: the newest) for one process's reads: this
-        node's local directory when it holds it, else the persistent root."""
-        if self._persistent is None:
-            return self._ctx
-        if step is None:
-            local, remote = newest_committed(self.storage), newest_committed(self._persistent.ctx.storage)
-            use_local = local is not None and (remote is None or local >= remote)
-            return self._ctx if use_local else self._persistent.ctx
-        return self._ctx if is_committed(self.storage, step) else self._persistent.ctx
+        """Where one process reads ``step`` (None: the newest) from (``TierView.ctx_for``)."""
+        return self._ctx if self._persistent is None else self._persistent.ctx_for(self._ctx, step)
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
@@ -408,9 +397,8 @@ class CheckpointManager:
         if not isinstance(damaged, bool):
             raise TypeError(f"delete(damaged=...) must be True or False, not {damaged!r}")
         self._wait_pending(raise_error=False)
-        if self._persistent is not None:  # both tiers (this node's local directory)
-            gone = deletion.delete_step(self._persistent.ctx, step, damaged=damaged)
-            return deletion.delete_step(self._ctx, step, damaged=damaged) and gone
+        if self._persistent is not None:
+            return self._persistent.delete(step, damaged=damaged)
         return deletion.delete_step(self._ctx, step, damaged=damaged)
 
     # -- restore -----------------------------------------------------------------------------
@@ -468,30 +456,15 @@ class CheckpointManager:
         cast: bool,
         optional: list[str],
     ) -> int:
-        """Agree on the tier and step, make the nodes' copies whole, restore; then drop the
-        local steps newer than the restored one, which no tier holds whole."""
+        """``restore`` with a local tier (``tiers/restore.py``)."""
         assert self._tiers is not None and self._persistent is not None
-        choice = self._tiers.choose(step)
-        if choice.tier is None:
-            where = f"the local tier ({self.storage.url} and the other nodes' directories) or {self._persistent.ctx.storage.url}"
-            raise CheckpointNotFoundError(
-                f"no {'committed checkpoint' if step is None else f'step {step}'} is whole in {where} (rank "
-                f"{self.rank}); nothing to restore. Check the roots, or start training from scratch"
-            )
-        restorer = self._restorer if choice.tier == LOCAL else self._persistent.restorer
-        self._last_restorer, self._last_tier = restorer, choice.tier
         kwargs = {"strict": strict, "per_rank": policy, "cast": cast, "optional": optional}
-        restored = restorer.restore_state(state, choice.step, patterns, **kwargs)  # type: ignore[arg-type]
-        stats = restorer.last_stats
-        if choice.tier != LOCAL and stats is not None:
+        got = restore_tiered(self._tiers, self._restorer, self._persistent.restorer, state, step, patterns, kwargs)
+        self._last_restorer, self._last_tier = got.restorer, got.tier
+        stats = got.restorer.last_stats
+        if got.tier != LOCAL and stats is not None:
             self._persistent_reads += stats.bytes_read
-        if step is None and self._tiers.nodes.is_leader(self.rank):
-            for s in [int(k) for k in choice.listings[self._tiers.nodes.node_of(self.rank)] if int(k) > restored]:
-                log.warning(
-                    "rank %d: dropping local step %d, which no tier holds whole (restored %d)", self.rank, s, restored
-                )
-                drop_step(self._tiers.local.raw, s)
-        return restored
+        return got.step
 
     def load(
         self,

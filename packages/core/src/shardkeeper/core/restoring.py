@@ -154,6 +154,7 @@ class Restorer:
                 err = CheckpointRestoreError(
                     f"restore of step {s} failed on another rank (rank {ctx.rank} succeeded); see that rank's error"
                 )
+                err.on_other_rank = True  # type: ignore[attr-defined]  # (its cause is that rank's)
             if verdict is Verdict.FATAL or explicit:
                 raise partly_restored(err, writes)
             last_error = err

@@ -131,7 +131,7 @@ class SaveRunner:
         self._stager = stager
         self._plans = plans
         self._gate = gate
-        self._order = StepOrder(ctx.storage, ctx.rank)
+        self._order = StepOrder(ctx.storage, ctx.rank, also=tiers.persistent.storage if tiers is not None else None)
 
     # -- caller's thread ---------------------------------------------------------------------
     def refusal(self, step: int) -> CommitConflictError | None:
@@ -409,14 +409,16 @@ class SaveRunner:
             bases = sorted({b for r in reports for b in r.bases})
             tiers = self._tiers
             checked = tiers.checked_here if tiers is not None else None
+            if tiers is not None:  # before the put: nothing may fail between it and the outcome
+                job.tier.update(manifest=manifest, data=data)
+                tiers.recorder.offer(job.seq, data, tiers.persister.due(step))
             commit_manifest(
                 ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io, checked=checked
             )
-            if tiers is not None:
-                job.tier.update(manifest=manifest, data=data)
-                tiers.recorder.offer(job.seq, data)
         except BaseException as e:
             self._discard_attempt(sdir, reports)
+            if self._tiers is not None:
+                self._tiers.recorder.forget(job.seq)
             return Outcome(
                 Failure.of(
                     COORDINATOR,

@@ -29,8 +29,10 @@ from shardkeeper.core.storage.base import Storage
 class StepOrder:
     """One manager's view of its root's newest committed step, and the refusals it gives."""
 
-    def __init__(self, storage: Storage, rank: int) -> None:
+    def __init__(self, storage: Storage, rank: int, also: Storage | None = None) -> None:
+        """``also``: a second root whose steps count too (the persistent root behind a local tier)."""
         self._storage = storage
+        self._also = also
         self._rank = rank
         self._listed = False  # whether the root was listed yet
         self._newest: int | None = None
@@ -40,7 +42,9 @@ class StepOrder:
         here refuses nothing: the save goes ahead, and fails (or is fenced) at its commit."""
         storage = self._storage
         try:
-            if storage.exists(manifest_path(step)):
+            if storage.exists(manifest_path(step)) or (
+                self._also is not None and self._also.exists(manifest_path(step))
+            ):
                 return self._committed_error(step, self._relist())
             newest = self._newest if self._listed else self._relist()
             if newest is None or step >= newest:
@@ -65,6 +69,10 @@ class StepOrder:
 
     def _relist(self) -> int | None:
         self._newest = newest_committed(self._storage)
+        if self._also is not None:
+            other = newest_committed(self._also)
+            if other is not None and (self._newest is None or other > self._newest):
+                self._newest = other
         self._listed = True
         return self._newest
 

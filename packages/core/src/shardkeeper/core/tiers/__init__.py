@@ -2,11 +2,13 @@
 nodes) in front of the persistent root (docs/tiers.md).
 
 ``nodes.py`` finds which ranks share a local directory and where replicas go; ``wire.py``
-moves bytes and JSON over the tiers' own gloo group; ``replicate.py`` sends each rank's files
-to its peers during a save; ``record.py`` records a local commit on every node;
-``listing.py`` and ``choose.py`` agree at restore on the newest step that is whole somewhere;
-``persist.py`` uploads every Nth step from the local files to the persistent root;
-``tiering.py`` ties them to a ``CheckpointManager``.
+moves bytes and JSON over the tiers' own gloo group; ``transfer.py`` moves whole files
+between nodes (replicas during a save, a node's copy made whole at restore); ``record.py``
+records a local commit on every node; ``choose.py`` agrees at restore on the tier and the
+newest step whole somewhere; ``restore.py`` restores it and falls back across the tiers;
+``persist.py`` uploads steps from the local files to the persistent root; ``drop.py``
+removes local steps no tier holds whole; ``tiering.py`` and ``view.py`` tie them to a
+``CheckpointManager``.
 """
 
 __all__: list[str] = []

@@ -46,10 +46,12 @@ class Choice:
     listings: list[dict[str, Any]] = field(default_factory=list)  # per node
 
 
-def list_node(view: Storage, storage: Storage) -> dict[str, Any]:
-    """``{step: {"m": manifest there, "f": {root-relative path: [size, stored size]}}}`` of one
-    directory (``view``: as saves see it, whose sizes the manifest records; ``storage``: as
-    stored, larger when encrypted)."""
+def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
+    """``{step: {"m": manifest readable, "f": {root-relative path: [size, stored size]}}}`` of
+    one directory (``view``: as saves see it, whose sizes the manifest records; ``storage``: as
+    stored, larger when encrypted; ``read``: the authenticated view manifests are read
+    through). A manifest that does not validate counts as absent (the node's copy is replaced
+    from another node's); a file whose size cannot be read is listed at size -1 (replaced)."""
     out: dict[str, Any] = {}
     for name in storage.list_dir(""):
         step = parse_step_dir(name)
@@ -60,10 +62,22 @@ def list_node(view: Storage, storage: Storage) -> dict[str, Any]:
             if path.endswith((".tmp", MANIFEST_NAME)):
                 continue
             try:
-                files[path] = [view.size(path), storage.size(path)]
+                stored = storage.size(path)
             except CheckpointError:
+                files[path] = [-1, -1]
                 continue
-        out[str(step)] = {"m": storage.exists(manifest_path(step)), "f": files}
+            try:
+                files[path] = [view.size(path), stored]
+            except CheckpointError:  # e.g. an encrypted file cut short: its header does not parse
+                files[path] = [-1, stored]
+        readable = False
+        if storage.exists(manifest_path(step)):
+            try:
+                load_manifest(read, step)
+                readable = True
+            except CheckpointError:
+                pass
+        out[str(step)] = {"m": readable, "f": files}
     return out
 
 
@@ -84,14 +98,33 @@ def _size(listing: dict[str, Any], step: int, path: str) -> int | None:
     return None if got is None else int(got[0])
 
 
+def agree_step(group: TierGroup, asked: int | None) -> None:
+    """Collective: refuse, on every rank, a restore whose ranks asked for different steps."""
+    got = sorted({v[0] for v in group.all_gather_ints([-1 if asked is None else asked], "the asked steps")})
+    if len(got) > 1:
+        what = "the newest step" if asked is None else f"step={asked}"
+        raise ValueError(
+            f"restore with a local tier: rank {group.rank} asked for {what}, but the ranks asked for "
+            f"{', '.join('the newest' if v < 0 else str(v) for v in got)}; nothing was read. Pass the same step= "
+            f"on every rank (or step=None everywhere)"
+        )
+
+
 def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, asked: int | None) -> Choice:
     """Collective: the tier and step to restore (``local``: this node's directory, a
     ``tiering.Opened``; ``persistent``: the persistent root, without encryption)."""
     me = group.rank
-    raw, read = local.raw, local.read
-    mine: dict[str, Any] = {"node": list_node(local.storage, raw) if nodes.is_leader(me) else None}
-    if me == 0:
-        mine["persisted"] = manifest_steps(persistent)
+    agree_step(group, asked)
+    mine: dict[str, Any] = {"node": None, "persisted": []}
+    error: BaseException | None = None
+    try:
+        if nodes.is_leader(me):
+            mine["node"] = list_node(local.storage, local.raw, local.read)
+        if me == 0:
+            mine["persisted"] = manifest_steps(persistent)
+    except Exception as e:  # every rank hears it: none skips the collectives below
+        error = e
+    group.agree_ok(error, f"rank {me}: listing the tiers")
     gathered = group.all_gather_json(mine, f"rank {me}: the tiers' listings")
     listings = [gathered[nodes.leader(k)]["node"] for k in range(len(nodes.nodes))]
     persisted = sorted(gathered[0]["persisted"])
@@ -104,9 +137,9 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
         flag = 0
         if here.get(str(s), {}).get("m"):
             try:
-                need = required_files(read, s)
+                need = required_files(local.read, s)
             except CheckpointError:
-                flag = 2
+                flag = 1  # (it validated while listed: changed since)
             else:
                 if any(not any(_size(lst, s, p) == n for lst in listings) for p, n in need.items()):
                     flag = 1
@@ -129,25 +162,37 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
 
 def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, step: int) -> tuple[int, int]:
     """Collective: every node's copy of ``step`` made whole from the others (the manifest by
-    broadcast, files by ``move_files``). Returns (files, bytes) this rank received."""
-    me = group.rank
-    raw, read = local.raw, local.read
+    broadcast, files by ``move_files``). Returns (files, bytes) this rank received. Every
+    local failure is agreed on, so every rank raises together and none waits."""
+    me, key = group.rank, str(step)
+    raw = local.raw
     listings = choice.listings
-    has_manifest = [bool(lst.get(str(step), {}).get("m")) for lst in listings]
+    has_manifest = [bool(lst.get(key, {}).get("m")) for lst in listings]
     holder = nodes.leader(has_manifest.index(True))
-    key = str(step)
+    where = f"step {step}, rank {me}"
     if not all(has_manifest):
-        data = raw.read_bytes(manifest_path(step)) if me == holder else None
-        data = group.broadcast_bytes(data, holder, f"step {step}, rank {me}: the manifest for nodes without it")
-        if nodes.is_leader(me) and not has_manifest[nodes.node_of(me)]:
+        data, error = None, None
+        if me == holder:
             try:
+                data = raw.read_bytes(manifest_path(step))
+            except Exception as e:
+                error = e
+        data = group.broadcast_bytes(data, holder, f"{where}: the manifest for nodes without it")
+        if nodes.is_leader(me) and not has_manifest[nodes.node_of(me)] and error is None and data:
+            try:
+                if raw.exists(manifest_path(step)):
+                    local.storage.delete(manifest_path(step))  # a copy that does not validate
                 raw.put_if_absent(manifest_path(step), data)
-            except CheckpointError:
-                if raw.read_bytes(manifest_path(step)) != data:
-                    raise
-        group.all_reduce_max([0], f"step {step}, rank {me}: the manifest recorded on every node")
-    need = required_files(read, step)
-    plan = []
+            except Exception as e:
+                error = e
+        group.agree_ok(error, f"{where}: recording the manifest on every node")
+    need, error = {}, None
+    try:
+        need = required_files(local.read, step)
+    except Exception as e:
+        error = e
+    group.agree_ok(error, f"{where}: reading the manifest")
+    plan, stale = [], []
     for k, lst in enumerate(listings):
         missing = [p for p in sorted(need) if _size(lst, step, p) != need[p]]
         for i, path in enumerate(missing):
@@ -157,13 +202,24 @@ def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, ste
             src_node, dst_node = nodes.nodes[h], nodes.nodes[k]
             plan.append(Move(path, stored, src_node[i % len(src_node)], dst_node[i % len(dst_node)]))
             if k == nodes.node_of(me) and nodes.is_leader(me) and _size(lst, step, path) is not None:
-                raw.delete(path)  # a copy of the wrong size: replaced
+                stale.append(path)
     if plan:
-        group.all_reduce_max([0], f"step {step}, rank {me}: wrong copies removed")
-    got = move_files(group, raw, plan, f"step {step}, rank {me}: making this node's copy whole")
+        error = None
+        try:
+            for path in stale:  # a copy of the wrong size: replaced (through the view: its caches forget it)
+                local.storage.delete(path)
+        except Exception as e:
+            error = e
+        group.agree_ok(error, f"{where}: removing copies of the wrong size")
+    got: list[str] = []
+    error = None
+    try:
+        got = move_files(group, raw, plan, f"{where}: making this node's copy whole")
+    except Exception as e:  # this rank's own failure, or a sender's: agreed below
+        error = e
     if plan:
-        group.all_reduce_max([0], f"step {step}, rank {me}: every node's copy whole")
+        group.agree_ok(error, f"{where}: making every node's copy whole")
     return len(got), sum(m.size for m in plan if m.dst == me)
 
 
-__all__ = ["LOCAL", "PERSISTENT", "Choice", "choose", "list_node", "make_whole", "required_files"]
+__all__ = ["LOCAL", "PERSISTENT", "Choice", "agree_step", "choose", "list_node", "make_whole", "required_files"]

@@ -87,6 +87,7 @@ class Persister:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-persist")
         self._last: Future[None] | None = None
+        self._previous: int | None = newest
         self._error: BaseException | None = None
 
     def due(self, step: int) -> bool:
@@ -98,7 +99,7 @@ class Persister:
         the coordinator also commits ``manifest`` (whose exact bytes are ``data``)."""
         if self._last is not None:
             futures_wait([self._last])  # one upload at a time, every rank alike
-        self.last_step = step
+        self._previous, self.last_step = self.last_step, step
         with self._lock:
             self.in_flight.add(step)
         self._last = self._pool.submit(self._run, step, files, manifest, data)
@@ -126,9 +127,11 @@ class Persister:
                 for name in ("count", "wake", "failures", "outcome", "acks"):
                     store.delete_key(self._key(step, name))
             if outcome is not None:
+                self.last_step = self._previous  # every rank heard the same outcome: the next save is due
                 raise CheckpointSaveError(
-                    f"step {step} stays in the local tier only: its upload to {self.storage.url} failed "
-                    f"({outcome}); the next due step is uploaded again",
+                    f"step {step} was not uploaded to {self.storage.url} ({outcome}); it is committed in the "
+                    f"local tier only (kept there as local_keep allows), and the next save is uploaded instead "
+                    f"(rank {me})",
                     step=step,
                 )
             self.persisted.append(step)
@@ -169,6 +172,11 @@ class Persister:
     def protected(self) -> Sequence[int]:
         with self._lock:
             return sorted(self.in_flight)
+
+    def join(self) -> None:
+        """Wait for the running upload, keeping its failure for ``wait``."""
+        if self._last is not None:
+            futures_wait([self._last])
 
     def wait(self, *, raise_error: bool = True) -> None:
         """Wait for the running upload; raise an upload failure nobody has seen."""

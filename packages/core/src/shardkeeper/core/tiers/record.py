@@ -31,19 +31,35 @@ class Recorder:
     def _key(self, seq: int, name: str) -> str:
         return f"{self.coord.namespace}/{seq}/tier-{name}"
 
-    def offer(self, seq: int, data: bytes) -> None:
-        """Coordinator, after its own put and before the outcome: the manifest's bytes."""
+    def offer(self, seq: int, data: bytes, due: bool) -> None:
+        """Coordinator, before its put: the manifest's bytes, and whether the step is
+        uploaded (decided once, here, so every rank schedules uploads alike)."""
+        store = self.coord.store
         if len(self.nodes.nodes) > 1:
-            self.coord.store.set(self._key(seq, "manifest"), data)
+            store.set(self._key(seq, "manifest"), data)
+        store.set(self._key(seq, "due"), b"1" if due else b"0")
 
-    def record(self, seq: int, step: int, storage: Storage) -> None:
+    def forget(self, seq: int) -> None:
+        """Coordinator, when the commit failed after ``offer``: no rank will read the keys."""
+        for name in ("manifest", "due"):
+            try:
+                self.coord.store.delete_key(self._key(seq, name))
+            except Exception:  # best effort: the keys are unique to this save
+                pass
+
+    def record(self, seq: int, step: int, storage: Storage) -> bool:
         """Every rank, once the step is committed: other nodes' leaders write the manifest
         into their directory (``storage``, the node's as the save writes it); all wait until
-        every node has. Raises ``CheckpointSaveError`` naming the nodes that could not."""
+        every node has. Returns whether the step is uploaded. Raises ``CheckpointSaveError``
+        naming the nodes that could not record it."""
+        store, me = self.coord.store, self.coord.rank
+        due = store.get(self._key(seq, "due")) == b"1"  # set before the outcome every rank heard
         others = len(self.nodes.nodes) - 1
         if others == 0:
-            return
-        store, me = self.coord.store, self.coord.rank
+            if store.add(self._key(seq, "acks"), 1) == self.coord.world_size:
+                store.delete_key(self._key(seq, "due"))
+                store.delete_key(self._key(seq, "acks"))
+            return due
         home = self.nodes.node_of(COORDINATOR)
         if self.nodes.is_leader(me) and self.nodes.node_of(me) != home:
             try:
@@ -79,8 +95,9 @@ class Recorder:
                 step=step,
             )
         if store.add(self._key(seq, "acks"), 1) == self.coord.world_size:
-            for name in ("manifest", "recorded", "done", "failures", "acks"):
+            for name in ("manifest", "due", "recorded", "done", "failures", "acks"):
                 store.delete_key(self._key(seq, name))
+        return due
 
 
 __all__ = ["Recorder"]

@@ -27,12 +27,13 @@ from shardkeeper.core.codec.keys import key_provider
 from shardkeeper.core.commit import manifest_steps
 from shardkeeper.core.context import Encryption
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.retention import DeleteOnly, RetentionPolicy, apply_retention
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole
+from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover
 from shardkeeper.core.tiers.persist import Persister
 from shardkeeper.core.tiers.record import Recorder
@@ -103,7 +104,12 @@ class Tiering:
             )
         self.local_keep = local_keep
         self.recorder = Recorder(coord, self.nodes, timeout_s)
-        listed = manifest_steps(persistent.raw) if coord.rank == 0 else []
+        listed, error = [], None
+        try:
+            listed = manifest_steps(persistent.raw) if coord.rank == 0 else []
+        except Exception as e:
+            error = e
+        self.group.agree_ok(error, f"rank {coord.rank}: listing the persistent root {persistent.raw.url}")
         newest = self.group.all_reduce_max([listed[-1] if listed else -1], "the persistent tier's newest step")[0]
         self.persister = Persister(
             coord,
@@ -130,11 +136,18 @@ class Tiering:
         None when it failed or refused): send them to its peers, take theirs, and check that
         its own are there at their size."""
         raw: dict[str, int] | None = None
+        error: BaseException | None = None
         if files is not None:
-            for path, size in files.items():
-                if self.local.storage.size(path) != size:
-                    raise OSError(f"{self.local.raw.describe(path)} is not {size} bytes after it was written")
-            raw = {path: self.local.raw.size(path) for path in files}  # as stored: encrypted files are larger
+            try:
+                for path, size in files.items():
+                    if self.local.storage.size(path) != size:
+                        raise OSError(
+                            f"step {step}, rank {self.rank}: {self.local.raw.describe(path)} is not the {size} bytes "
+                            f"written (something removed or truncated it)"
+                        )
+                raw = {path: self.local.raw.size(path) for path in files}  # as stored: encrypted files are larger
+            except Exception as e:  # raised after the exchange, which its peers wait on
+                error, raw = e, None
         listed = self.group.all_gather_json(
             sorted(raw.items()) if raw is not None else None, f"step {step}, rank {self.rank}: the replicas' files"
         )
@@ -143,6 +156,8 @@ class Tiering:
             for dst in self.nodes.targets(src, self.replicas) if own is not None else ():
                 plan += [Move(path, size, src, dst) for path, size in own]
         move_files(self.group, self.local.raw, plan, f"step {step}, rank {self.rank}: the peer replicas")
+        if error is not None:
+            raise error
 
     def checked_here(self, path: str) -> bool:
         """Coordinator: whether the commit checks ``path`` (root-relative): only files its own
@@ -153,8 +168,7 @@ class Tiering:
     def after_commit(self, seq: int, step: int, files: Mapping[str, int], manifest: Any, data: bytes | None) -> None:
         """Every rank, the step committed: record it on every node, upload it when due, and
         retain per node (the node's leader)."""
-        self.recorder.record(seq, step, self.local.storage)
-        if self.persister.due(step):
+        if self.recorder.record(seq, step, self.local.storage):  # the coordinator's decision
             self.persister.submit(step, dict(files), manifest, data)
         if self.local_keep is not None and self.nodes.is_leader(self.rank):
             policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(self.persister.protected()))
@@ -162,23 +176,72 @@ class Tiering:
 
     # -- restore -----------------------------------------------------------------------------
     def choose(self, asked: int | None) -> Choice:
+        """Collective: the tier and step to restore; a local one made whole on every node.
+        The running upload is waited for first (its failure stays for ``wait_persisted``)."""
+        self.persister.join()
         c = choose(self.group, self.nodes, self.local, self.persistent.raw, asked)
         self.last_choice = c
         if c.tier == LOCAL:
             assert c.step is not None
-            self.last_received = make_whole(self.group, self.nodes, self.local, c, c.step)
-            log.info(
-                "rank %d: restoring step %d from the local tier (%d files, %d bytes taken from peers)",
-                self.rank,
-                c.step,
-                *self.last_received,
-            )
+            self.make_whole(c, c.step)
         elif c.tier == PERSISTENT:
             log.info("rank %d: restoring from the persistent tier %s", self.rank, self.persistent.storage.url)
         return c
 
+    def make_whole(self, c: Choice, step: int) -> None:
+        self.last_received = make_whole(self.group, self.nodes, self.local, c, step)
+        log.info(
+            "rank %d: restoring step %d from the local tier (%d files, %d bytes taken from peers)",
+            self.rank,
+            step,
+            *self.last_received,
+        )
+
+    def drop_newer(self, c: Choice, restored: int) -> None:
+        """Collective, after restoring the newest: each node's leader removes its local steps
+        newer than ``restored`` that no tier holds whole (a save below them would be refused);
+        a whole one is never removed. Every rank waits, so no save starts meanwhile."""
+        error: BaseException | None = None
+        if self.nodes.is_leader(self.rank):
+            mine = c.listings[self.nodes.node_of(self.rank)]
+            try:
+                for s in sorted(int(k) for k, v in mine.items() if v["m"]):
+                    if s > restored and s not in c.local_steps:
+                        log.warning(
+                            "rank %d: removing local step %d of %s: no tier holds it whole (restored step %d)",
+                            self.rank,
+                            s,
+                            self.local.raw.url,
+                            restored,
+                        )
+                        drop_step(self.local.raw, s)
+            except Exception as e:
+                error = e
+        self.group.agree_ok(error, f"rank {self.rank}: removing local steps no tier holds whole")
+
+    def whole_locally(self, step: int) -> bool:
+        """Collective: whether the nodes' directories hold ``step`` whole together."""
+        return step in choose(self.group, self.nodes, self.local, self.persistent.raw, step).local_steps
+
+    def delete_local(self, step: int, *, force: bool = False) -> bool:
+        """Collective: every node's leader deletes its copy of ``step`` (``force``: even the
+        newest committed one of its directory; else never that one, as ``delete()``); True
+        when every node's copy is gone."""
+        gone, error = 1, None
+        if self.nodes.is_leader(self.rank):
+            try:
+                if force:
+                    drop_step(self.local.raw, step)
+                else:
+                    apply_retention(self.local.storage, DeleteOnly(frozenset([step])))
+                gone = int(step not in manifest_steps(self.local.raw))
+            except Exception as e:
+                error = e
+        self.group.agree_ok(error, f"rank {self.rank}: deleting step {step} from the local tiers")
+        return not self.group.all_reduce_max([1 - gone], "whether every node deleted")[0]
+
     def close(self) -> None:
-        self.persister.wait(raise_error=False)
+        self.persister.join()
         self.persister.close()
 
 

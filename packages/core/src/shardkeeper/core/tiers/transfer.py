@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 #: The largest piece of a file sent at once (a stream holds one in memory at a time).
 PIECE_BYTES = 64 << 20
 _TRAIL_LEN, _TRAIL, _DATA = 1, 2, 8
+_ERROR = "\u0000error"  # a trailer's key for a sender that failed (never a path)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,11 @@ def _pieces(size: int) -> int:
 
 def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: str) -> list[str]:
     """Collective: carry out ``plan`` (the same on every rank) on ``storage``, each node's own
-    directory without encryption (files travel as written); the paths this rank received."""
+    directory without encryption (files travel as written); the paths this rank received.
+
+    A rank whose own read, open or write fails keeps taking part in every round (sending
+    filler, dropping what arrives) and says so in its trailers, so no peer waits for it; every
+    rank then raises: the failing one its own error, its receivers the sender's."""
     me = group.rank
     streams: dict[tuple[int, int], list[Move]] = {}
     for m in plan:
@@ -59,6 +64,7 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
     pieces = {pair: [(m, k) for m in moves for k in range(_pieces(m.size))] for pair, moves in streams.items()}
     hashes = {(pair, m.path): xxhash.xxh3_128() for pair, moves in streams.items() for m in moves}
     writers: dict[str, Writer] = {}
+    failure: BaseException | None = None
     try:
         for rnd in range(max(len(p) for p in pieces.values())):
             works: list[tuple[Any, int]] = []
@@ -67,27 +73,42 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
                 if rnd >= len(ps):
                     continue
                 m, k = ps[rnd]
-                buf = np.empty(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
+                buf = np.zeros(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
                 if pair[0] == me:
-                    if len(buf):
-                        storage.read_into(m.path, k * PIECE_BYTES, memoryview(cast("Buffer", buf)))
-                    hashes[(pair, m.path)].update(cast("Buffer", buf))
+                    if failure is None:
+                        try:
+                            if len(buf):
+                                storage.read_into(m.path, k * PIECE_BYTES, memoryview(cast("Buffer", buf)))
+                            hashes[(pair, m.path)].update(cast("Buffer", buf))
+                        except Exception as e:  # said in the trailer; the rounds go on
+                            failure = e
                     works.append((group.send(torch.from_numpy(buf), pair[1], _DATA + rnd), pair[1]))
                 else:
-                    if k == 0:
-                        writers[m.path] = storage.open_writer(m.path)
+                    if k == 0 and failure is None:
+                        try:
+                            writers[m.path] = storage.open_writer(m.path)
+                        except Exception as e:
+                            failure = e
                     works.append((group.recv(torch.from_numpy(buf), pair[0], _DATA + rnd), pair[0]))
                     got.append((pair, m, buf))
             _wait_all(group, works, where)
             for pair, m, buf in got:
                 hashes[(pair, m.path)].update(cast("Buffer", buf))
-                if len(buf):
-                    writers[m.path].write(memoryview(cast("Buffer", buf)))
-        trails = _trailers(group, streams, hashes, where)
+                if failure is None and len(buf):
+                    try:
+                        writers[m.path].write(memoryview(cast("Buffer", buf)))
+                    except Exception as e:
+                        failure = e
+        trails = _trailers(group, streams, hashes, failure, where)
+        if failure is not None:
+            raise failure
         received = []
         for (src, dst), moves in sorted(streams.items()):
             if dst != me:
                 continue
+            sent_error = trails[(src, dst)].get(_ERROR)
+            if sent_error is not None:
+                raise CorruptCheckpointError(f"{where}: rank {src} could not send its files ({sent_error})")
             for m in moves:
                 want, have = trails[(src, dst)].get(m.path), hashes[((src, dst), m.path)].hexdigest()
                 if want != have:
@@ -98,8 +119,7 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
             for m in moves:
                 writers.pop(m.path).close()
                 received.append(m.path)
-        for d in sorted({p.rsplit("/", 1)[0] for p in received}, key=lambda d: -d.count("/")):
-            storage.sync_dir(d)
+        _sync_parents(storage, received)
         return received
     finally:
         for w in writers.values():
@@ -109,8 +129,24 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
                 pass
 
 
+def _sync_parents(storage: Storage, paths: list[str]) -> None:
+    """fsync every directory from each file's parent up to the root, deepest first: the step
+    directory and ``data/`` are new on a receiving node."""
+    dirs: set[str] = set()
+    for p in paths:
+        parts = p.split("/")[:-1]
+        for i in range(len(parts), -1, -1):
+            dirs.add("/".join(parts[:i]))
+    for d in sorted(dirs, key=lambda d: (-d.count("/") if d else 1, d)):
+        storage.sync_dir(d)
+
+
 def _trailers(
-    group: TierGroup, streams: dict[tuple[int, int], list[Move]], hashes: dict[Any, Any], where: str
+    group: TierGroup,
+    streams: dict[tuple[int, int], list[Move]],
+    hashes: dict[Any, Any],
+    failure: BaseException | None,
+    where: str,
 ) -> dict[tuple[int, int], dict[str, str]]:
     """Each stream's digests, from its sender to its receiver (two rounds: length, bytes)."""
     me = group.rank
@@ -120,7 +156,10 @@ def _trailers(
     works: list[tuple[Any, int]] = []
     for pair, moves in sorted(streams.items()):
         if pair[0] == me:
-            data = json.dumps({m.path: hashes[(pair, m.path)].hexdigest() for m in moves}).encode()
+            doc = {m.path: hashes[(pair, m.path)].hexdigest() for m in moves}
+            if failure is not None:
+                doc = {_ERROR: f"{type(failure).__name__}: {failure}"}
+            data = json.dumps(doc).encode()
             blobs[pair] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             works.append((group.send(torch.tensor([len(data)]), pair[1], _TRAIL_LEN), pair[1]))
         else:

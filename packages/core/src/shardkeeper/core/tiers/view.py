@@ -9,14 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardkeeper.core.commit import manifest_path
+from shardkeeper.core import deletion
+from shardkeeper.core.commit import committed_steps, is_committed, manifest_steps, newest_committed
 from shardkeeper.core.context import ManagerContext
 from shardkeeper.core.errors import CheckpointError
-from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.options import CheckpointOptions
 from shardkeeper.core.restoring import Restorer
-from shardkeeper.core.root_files import remove_file, walk_files
-from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tiers.choose import required_files
 from shardkeeper.core.tiers.tiering import Opened, Tiering, local_root, open_tier
 
 log = logging.getLogger(__name__)
@@ -51,28 +50,59 @@ def open_tiers(
 
 @dataclass
 class TierView:
-    """The persistent root as a plain manager sees it."""
+    """The persistent root as a plain manager sees it, and the manager's one-process reads
+    and its ``delete()`` over both tiers."""
 
     ctx: ManagerContext
     restorer: Restorer
+    tiers: Tiering
 
     @classmethod
     def of(cls, tiers: Tiering, coord: Any, settings: Any, io: Any) -> TierView:
         p = tiers.persistent
         ctx = ManagerContext(p.storage, p.read, coord, settings, io, p.encryption)
-        return cls(ctx, Restorer(ctx))
+        return cls(ctx, Restorer(ctx), tiers)
+
+    def steps(self, local: ManagerContext) -> list[int]:
+        """Committed in this node's directory or the persistent root, ascending."""
+        return sorted(set(committed_steps(local.storage)) | set(committed_steps(self.ctx.storage)))
+
+    def latest(self, local: ManagerContext) -> int | None:
+        found = [s for s in (newest_committed(local.storage), newest_committed(self.ctx.storage)) if s is not None]
+        return max(found) if found else None
+
+    def ctx_for(self, local: ManagerContext, step: int | None) -> ManagerContext:
+        """Where one process reads ``step`` (None: the newest of both): this node's directory
+        when it holds the step whole (with ``replicas=0`` a node rarely does), else the
+        persistent root."""
+        if step is None:
+            mine, remote = newest_committed(local.storage), newest_committed(self.ctx.storage)
+            if mine is None or (remote is not None and remote > mine):
+                return self.ctx
+            step = mine
+        try:
+            need = required_files(local.read_storage, step)
+            whole = all(local.storage.size(p) == n for p, n in need.items())
+        except CheckpointError:
+            whole = False
+        return local if whole or not is_committed(self.ctx.storage, step) else self.ctx
+
+    def delete(self, step: int, *, damaged: bool) -> bool:
+        """Collective: ``step`` deleted from the persistent root (as without tiers) and from
+        every node's directory. ``damaged=True`` judges the persistent copy when there is one
+        (a node's copy alone lacks the other nodes' files); a step only the local tiers hold
+        is deleted from every node only when they do not hold it whole together."""
+        persisted = step in manifest_steps(self.ctx.storage) if self.ctx.rank == 0 else False
+        persisted = bool(self.tiers.group.all_reduce_max([int(persisted)], "whether the step is persisted")[0])
+        gone = True
+        if persisted or not damaged:
+            gone = deletion.delete_step(self.ctx, step, damaged=damaged)
+        if damaged and not persisted and self.tiers.whole_locally(step):
+            raise ValueError(
+                f"step {step} is whole in the local tiers (every file at its size on some node), so it is not "
+                f"deleted as damaged; restore() checks its bytes and falls back from a damaged copy"
+            )
+        return self.tiers.delete_local(step, force=damaged) and gone
 
 
-def drop_step(storage: Storage, step: int) -> None:
-    """Remove a local step that no tier can restore whole: its manifest first (it is no
-    longer committed), then its files."""
-    try:
-        storage.delete(manifest_path(step))
-        for path in walk_files(storage, step_dir(step)):
-            remove_file(storage, path)
-        storage.delete_dir(step_dir(step))
-    except CheckpointError as e:
-        log.warning("could not remove %s: %s", storage.describe(step_dir(step)), e)
-
-
-__all__ = ["TierView", "check_tier_options", "drop_step", "open_tiers"]
+__all__ = ["TierView", "check_tier_options", "open_tiers"]

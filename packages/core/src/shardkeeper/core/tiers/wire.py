@@ -13,18 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkeeper.core.errors import CheckpointTimeoutError
+from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
 from shardkeeper.core.tensor import _torch_compat as tc
 
 
-def _waited(work: Any, where: str) -> None:
-    try:
-        work.wait()
-    except Exception as e:  # gloo's own error types: connection closed, timeout
-        raise CheckpointTimeoutError(
-            f"{where} failed or timed out ({e}); a rank died or hangs. Restart the job: the newest step "
-            f"whole in some tier is restored"
-        ) from e
+class TierGroupBroken(CheckpointTimeoutError):
+    """An operation of the tiers' group failed or timed out: a rank died or hangs. The group's
+    ranks may now be out of step, so every later use raises at once (restart the job)."""
 
 
 @dataclass(frozen=True)
@@ -52,19 +47,52 @@ class TierGroup:
         store = dist.PrefixStore(f"{coord.namespace}/tiers", coord.store)
         self.rank, self.world_size = coord.rank, coord.world_size
         self.pg: Any = dist.ProcessGroupGloo(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s))
+        self.broken: str | None = None  # what broke it: every later operation raises at once
+
+    def _waited(self, work: Any, where: str) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # gloo's own error types: connection closed, timeout
+            self.broken = f"{where}: {e}"
+            raise TierGroupBroken(
+                f"{where} failed or timed out ({e}); a rank died or hangs (its own log names why). Restart "
+                f"the job: restore takes the newest step whole in some tier"
+            ) from e
+
+    def check(self) -> None:
+        """Raise at once when an earlier operation broke the group."""
+        if self.broken is not None:
+            raise TierGroupBroken(
+                f"rank {self.rank}: the tiers' process group broke earlier ({self.broken}); its ranks may be out "
+                f"of step, so it is not used again. Restart the job: restore takes the newest step whole in some tier"
+            )
+
+    def agree_ok(self, error: BaseException | None, where: str) -> None:
+        """Collective: every rank says whether its part failed; any failure raises on every
+        rank, naming the ranks and their errors (so that no rank skips a later collective)."""
+        errs = self.all_gather_json(None if error is None else f"{type(error).__name__}: {error}", where)
+        failed = {r: e for r, e in enumerate(errs) if e is not None}
+        if failed:
+            detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            err = CheckpointError(f"{where} failed on {len(failed)} rank(s): {detail}")
+            if error is not None:
+                raise err from error
+            raise err
 
     def all_gather_ints(self, values: list[int], where: str) -> list[list[int]]:
         """Every rank's ``values`` (the same length on every rank)."""
+        self.check()
         t = torch.tensor(values, dtype=torch.int64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
-        _waited(self.pg.allgather([out], [t]), where)
+        self._waited(self.pg.allgather([out], [t]), where)
         return [o.tolist() for o in out]
 
     def all_reduce_max(self, values: list[int], where: str) -> list[int]:
+        self.check()
         t = torch.tensor(values, dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stubs: RedOpType vs ReduceOp
-        _waited(self.pg.allreduce([t], opts), where)
+        self._waited(self.pg.allreduce([t], opts), where)
         return [int(v) for v in t.tolist()]
 
     def all_gather_bytes(self, data: bytes, where: str) -> list[bytes]:
@@ -75,7 +103,7 @@ class TierGroup:
         if data:
             t[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world_size)]
-        _waited(self.pg.allgather([out], [t]), where)
+        self._waited(self.pg.allgather([out], [t]), where)
         return [bytes(o[:n].numpy().tobytes()) for o, n in zip(out, sizes)]
 
     def all_gather_json(self, value: Any, where: str) -> list[Any]:
@@ -93,18 +121,20 @@ class TierGroup:
         return bytes(t.numpy().tobytes())
 
     def _broadcast(self, t: torch.Tensor, root: int, where: str) -> None:
+        self.check()
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        _waited(self.pg.broadcast([t], opts), where)
+        self._waited(self.pg.broadcast([t], opts), where)
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        self.check()
         return self.pg.send([t], dst, tag)
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> Any:
         return self.pg.recv([t], src, tag)
 
     def wait(self, work: Any, where: str) -> None:
-        _waited(work, where)
+        self._waited(work, where)
 
 
-__all__ = ["TierCoord", "TierGroup"]
+__all__ = ["TierCoord", "TierGroup", "TierGroupBroken"]

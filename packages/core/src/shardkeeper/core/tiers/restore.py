@@ -1,0 +1,92 @@
+"""A tiered restore, on every rank: choose the tier and step (``choose.py``), restore it, and
+fall back across the tiers when the chosen copy turns out damaged.
+
+- A local step whose bytes fail their digests (the listing judges by sizes) falls back, when
+  the newest was asked for, to the persistent root's newest step, with a warning.
+- A persistent restore that fell back below the newest step whole locally (the persistent
+  root's newest was damaged) restores that local step instead.
+- After restoring the newest, each node drops its local steps newer than the one restored
+  that no tier holds whole, and every rank waits for that before it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from shardkeeper.core.restoring import Restorer
+from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT
+from shardkeeper.core.tiers.tiering import Tiering
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Restored:
+    step: int
+    tier: str
+    restorer: Restorer
+
+
+def _damage_code(e: BaseException) -> int:
+    """0: this rank succeeded (another failed), 1: the step is damaged, 2: anything else."""
+    if getattr(e, "on_other_rank", False):
+        return 0
+    return 1 if isinstance(e, (CorruptCheckpointError, CheckpointNotFoundError)) else 2
+
+
+def restore_tiered(
+    tiers: Tiering,
+    local: Restorer,
+    remote: Restorer,
+    state: Mapping[str, Any],
+    step: int | None,
+    patterns: list[str] | None,
+    kwargs: dict[str, Any],
+) -> Restored:
+    """Collective: restore ``state`` from the tiers (``local`` / ``remote``: the restorers of
+    this node's directory and of the persistent root)."""
+    rank = tiers.rank
+    choice = tiers.choose(step)
+    if choice.tier is None:
+        where = f"the local tier ({tiers.local.raw.url} and the other nodes' directories) or {tiers.persistent.raw.url}"
+        raise CheckpointNotFoundError(
+            f"no {'committed checkpoint' if step is None else f'step {step}'} is whole in {where} (rank {rank}); "
+            f"nothing to restore. Check the roots, or start training from scratch"
+        )
+    if choice.tier == LOCAL:
+        assert choice.step is not None
+        try:
+            out = Restored(local.restore_state(state, choice.step, patterns, **kwargs), LOCAL, local)
+        except CheckpointError as e:
+            agreed = tiers.group.all_reduce_max(
+                [_damage_code(e)], f"rank {rank}: whether step {choice.step} is damaged"
+            )
+            if agreed[0] != 1 or step is not None or not choice.persisted:
+                raise
+            warnings.warn(
+                f"step {choice.step} in the local tier is damaged ({e}); restoring the persistent root's newest step",
+                stacklevel=4,
+            )
+            out = Restored(remote.restore_state(state, None, patterns, **kwargs), PERSISTENT, remote)
+    else:
+        out = Restored(remote.restore_state(state, choice.step, patterns, **kwargs), PERSISTENT, remote)
+        newest_local = choice.local_steps[0] if choice.local_steps else None
+        if step is None and newest_local is not None and out.step < newest_local:
+            warnings.warn(
+                f"the persistent root's newer steps are damaged (restored step {out.step} there); restoring step "
+                f"{newest_local}, whole in the local tier, instead",
+                stacklevel=4,
+            )
+            tiers.make_whole(choice, newest_local)
+            out = Restored(local.restore_state(state, newest_local, patterns, **kwargs), LOCAL, local)
+    if step is None:
+        tiers.drop_newer(choice, out.step)
+    return out
+
+
+__all__ = ["Restored", "restore_tiered"]
