@@ -37,6 +37,18 @@ def test_campaign_on_local_disk(tmp_path: Path) -> None:
     assert summary.leftovers_removed > 0
 
 
+@pytest.mark.timeout(120)
+def test_campaign_on_a_local_tier_with_uploads_behind_it(tmp_path: Path) -> None:
+    """The kills land in the local tier (docs/tiers.md) while every other step is uploaded
+    to the persistent root: nothing acknowledged is lost locally, the newest local step
+    restores bit for bit, and what the persistent root lists verifies."""
+    local = tmp_path / "local"
+    summary = run_campaign(str(tmp_path / "persistent"), trials=24, seed=5, tensor_bytes=256 << 10, local=str(local))
+    _assert_clean(summary, 24)
+    assert set(summary.points_hit) >= set(KILL_POINTS) - {"random_time"}, summary.points_hit
+    assert (local / ".shardkeeper-node").exists() and any((tmp_path / "persistent").glob("step-*/manifest.json"))
+
+
 @pytest.mark.s3
 @pytest.mark.timeout(180)
 def test_campaign_on_s3_kills_mid_multipart(s3_server: str, s3_fs: Any) -> None:

@@ -240,13 +240,32 @@ def _draw(rng: random.Random, index: int, first_step: int, points: Sequence[str]
 
 
 def _writer(
-    root: str, options: dict[str, Any], manager_options: dict[str, Any], t: Trial, tensor_bytes: int, wfd: int
+    root: str,
+    options: dict[str, Any],
+    manager_options: dict[str, Any],
+    t: Trial,
+    tensor_bytes: int,
+    wfd: int,
+    local: str | None = None,
 ) -> None:
     from shardkeeper.core import CheckpointManager
     from shardkeeper.core.storage import open_storage
 
-    storage = KillingStorage(open_storage(root, **options), t.point, t.n, t.after_bytes)
-    mgr = CheckpointManager(storage, keep_last=2, async_save=t.async_save, **manager_options)  # type: ignore[arg-type]
+    if local is None:
+        storage = KillingStorage(open_storage(root, **options), t.point, t.n, t.after_bytes)
+        mgr = CheckpointManager(storage, keep_last=2, async_save=t.async_save, **manager_options)  # type: ignore[arg-type]
+    else:  # the kills land in the local tier; every other step is uploaded to ``root`` meanwhile
+        killing = KillingStorage(open_storage(local), t.point, t.n, t.after_bytes)
+        mgr = CheckpointManager(
+            root,
+            storage_options=options,
+            local=killing,  # type: ignore[arg-type]
+            local_keep=2,
+            keep_last=2,
+            persist_every=2,
+            async_save=t.async_save,
+            **manager_options,
+        )
     for i, step in enumerate(range(t.first_step, t.first_step + t.steps)):
         state = deterministic_state(step, tensor_bytes)
         if t.point == "staging" and i == t.n - 1:
@@ -313,6 +332,26 @@ def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summa
     return (after[-1] + 1) if after else 0
 
 
+def _check_persistent(storage: Any, t: Trial, s: Summary) -> None:
+    """The persistent tier behind a killed local one: what is committed verifies, and gc
+    removes the rest of an upload the kill cut short."""
+    from shardkeeper.core.commit import committed_steps, step_dirs
+    from shardkeeper.core.garbage import collect_garbage
+    from shardkeeper.core.verify import verify_step
+
+    where = f"trial {t.index} (kill point {t.point}, n={t.n}), the persistent tier"
+    committed = committed_steps(storage)
+    for c in committed:
+        s.steps_verified += 1
+        rep = verify_step(storage, c)
+        if not rep.ok:
+            s.failures.append(f"{where}: step {c} does not verify: {[str(p) for p in rep.problems]}")
+    report = collect_garbage(storage, min_age_s=0.0, no_running_saves=True)
+    s.leftovers_removed += len(report.removed_paths)
+    if committed_steps(storage) != committed or sorted(set(step_dirs(storage)) - set(committed)):
+        s.failures.append(f"{where}: gc changed the committed steps or left uncommitted directories")
+
+
 def run_campaign(
     root: str,
     *,
@@ -323,8 +362,11 @@ def run_campaign(
     points: Sequence[str] = KILL_POINTS,
     manager_options: Mapping[str, Any] | None = None,
     trial_timeout_s: float = 120.0,
+    local: str | None = None,
 ) -> Summary:
-    """Run ``trials`` kill trials against ``root``; the returned summary lists any failure."""
+    """Run ``trials`` kill trials against ``root``; the returned summary lists any failure.
+    ``local``: a local tier's directory (docs/tiers.md): the kills land there, ``root`` is the
+    persistent tier (every other step uploaded), and both are checked after each trial."""
     import torch
 
     from shardkeeper.core.storage import open_storage
@@ -335,7 +377,8 @@ def run_campaign(
         raise ValueError(f"unknown kill point(s) {sorted(bad)}; choose from {', '.join(KILL_POINTS)}")
     options = dict(storage_options or {})
     mopts = dict(manager_options or {})
-    storage = open_storage(root, **options)
+    persistent = open_storage(root, **options)
+    storage = open_storage(local) if local is not None else persistent
     rng = random.Random(seed)
     s = Summary(root=str(root), seed=seed)
     t0 = time.monotonic()
@@ -352,7 +395,7 @@ def run_campaign(
             try:
                 os.close(rfd)
                 random.seed(seed * 7919 + i)
-                _writer(root, options, mopts, t, tensor_bytes, wfd)
+                _writer(root, options, mopts, t, tensor_bytes, wfd, local)
             except BaseException:
                 traceback.print_exc()
                 code = 3
@@ -388,6 +431,8 @@ def run_campaign(
         else:
             s.failures.append(f"trial {i} ({t.point}): the writer failed with status {status}")
         next_step = _check(storage, t, acked, tensor_bytes, s)
+        if local is not None:
+            _check_persistent(persistent, t, s)
     s.seconds = time.monotonic() - t0
     return s
 
@@ -406,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--points", default=",".join(KILL_POINTS), help="comma-separated kill points")
     p.add_argument("--storage-options", default="{}", help="JSON: fsspec storage options")
     p.add_argument("--manager-options", default="{}", help="JSON: CheckpointManager options")
+    p.add_argument("--local", metavar="DIR", help="a local tier's directory: kill there, ROOT is the persistent tier")
     a = p.parse_args(argv)
     summary = run_campaign(
         a.root,
@@ -415,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         points=a.points.split(","),
         storage_options=json.loads(a.storage_options),
         manager_options=json.loads(a.manager_options),
+        local=a.local,
     )
     json.dump(summary.to_json(), sys.stdout, indent=2)
     print()

@@ -245,9 +245,12 @@ class Tiering:
         self.persister.close()
 
 
-def local_root(local: Any) -> LocalStorage:
-    """The node-local directory (a path: the local tier is a node's own disk or RAM)."""
-    if isinstance(local, LocalStorage):
+def local_root(local: Any) -> Storage:
+    """The node-local directory (a path: the local tier is a node's own disk or RAM), or a
+    ``Storage`` that is not remote (a wrapper over one: the kill -9 campaign's)."""
+    if isinstance(local, Storage) and not isinstance(local, (str, os.PathLike)):
+        if local.capabilities.remote:
+            raise ValueError(f"local={local.url!r}: the local tier is a node's own disk or RAM, not an object store")
         return local
     if (
         not isinstance(local, (str, os.PathLike))
