@@ -164,3 +164,13 @@ def test_one_node_run_resumes_on_two_nodes(tmp_path: Path, s3_root: tuple[str, d
     assert [g["step"] for g in got] == [4] * 4, got  # the last save (step 4) was waited for
     assert [g["tier"] for g in got] == ["local"] * 4, got
     assert [g["persistent_reads"] for g in got] == [0] * 4, got
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_rank_that_cannot_write_fails_every_rank_at_once(tmp_path: Path, s3_root: tuple[str, dict[str, Any]]) -> None:
+    cfg = _config(tmp_path, s3_root, replicas=1, commit_timeout_s=120)
+    out = tmp_path / "faults"
+    out.mkdir()
+    _run_until(_agents([0, 1], "faults", out, cfg), out, None, 300)
+    assert_checks(read_checks(*(out / f"checks-r{r}.json" for r in range(4)), output=_logs(out)))

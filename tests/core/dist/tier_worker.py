@@ -116,11 +116,38 @@ def resume(out: Path, cfg: dict) -> None:
     checks.write(out / f"checks-r{rank}.json")
 
 
+def faults(out: Path, cfg: dict) -> None:
+    """Node 1 cannot write step 2 (a file stands where its step directory goes): every rank's
+    save fails at once naming that rank's write, nobody waits for the timeout, and step 3
+    commits on both nodes (the tiers' group is still in step)."""
+    from shardkeeper.core import CheckpointSaveError
+
+    rank, node = dist.get_rank(), int(os.environ["TIER_NODE"])
+    mgr = manager(cfg)
+    model, opt = trained(1)
+    mgr.save(1, {"model": model, "optim": opt}).wait()
+    if node == 1 and rank == min(r for r in range(dist.get_world_size()) if r >= 2):
+        (Path(cfg["locals"][1]) / "step-000000000002").write_text("not a directory")
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        mgr.save(2, {"model": model, "optim": opt}).wait()
+    except CheckpointSaveError as e:
+        check("save 2 fails naming a node-1 rank's write", "in phase write" in str(e), str(e))
+        check("and within the commit timeout", time.monotonic() - t0 < cfg["commit_timeout_s"], time.monotonic() - t0)
+    else:
+        check("save 2 fails", False)
+    mgr.save(3, {"model": model, "optim": opt}).wait()
+    check("step 3 committed in this node's directory", (Path(cfg["locals"][node]) / "step-000000000003" / "manifest.json").exists())
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
 def main() -> None:
     mode, out, cfg = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
-    {"save": save, "resume": resume}[mode](out, cfg)
+    {"save": save, "resume": resume, "faults": faults}[mode](out, cfg)
     dist.destroy_process_group()
 
 
