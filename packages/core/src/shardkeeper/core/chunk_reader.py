@@ -52,10 +52,11 @@ def mismatches(
     """Every digest block of ``data`` (the chunk's stored bytes from the start of its block
     ``first_block``) whose digest is not the one ``chunk`` records."""
     digests = chunk.digests
+    count = len(digests)
     for i in range(0, len(data), block):
         idx = first_block + i // block
         got = digest(data[i : i + block])
-        want = digests[idx] if idx < len(digests) else "<none>"
+        want = digests[idx] if idx < count else "<none>"
         if got != want:
             start = chunk.offset + idx * block
             yield Mismatch(idx, start, chunk.offset + min((idx + 1) * block, chunk.length), want, got)

@@ -99,7 +99,7 @@ class BlockDigests(Sequence[str]):
     def __len__(self) -> int:
         if self._text is None:
             return len(self._packed) // self._width
-        return self._text.count(",") + 1 if self._text else 0
+        return len(self._split())  # split once (cached): a scan of the text per call made block loops quadratic
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, BlockDigests):

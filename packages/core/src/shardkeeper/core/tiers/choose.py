@@ -44,6 +44,7 @@ class Choice:
     local_steps: list[int] = field(default_factory=list)  # whole locally, newest first
     persisted: list[int] = field(default_factory=list)
     listings: list[dict[str, Any]] = field(default_factory=list)  # per node
+    needs: dict[int, dict[str, int]] = field(default_factory=dict)  # what this rank read of the manifests
 
 
 def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
@@ -98,13 +99,13 @@ def _size(listing: dict[str, Any], step: int, path: str) -> int | None:
     return None if got is None else int(got[0])
 
 
-def agree_step(group: TierGroup, asked: int | None) -> None:
-    """Collective: refuse, on every rank, a restore whose ranks asked for different steps."""
-    got = sorted({v[0] for v in group.all_gather_ints([-1 if asked is None else asked], "the asked steps")})
+def _same_step(gathered: list[dict[str, Any]], asked: int | None, me: int) -> None:
+    """Refuse, on every rank, a restore whose ranks asked for different steps."""
+    got = sorted({-1 if g["asked"] is None else int(g["asked"]) for g in gathered})
     if len(got) > 1:
         what = "the newest step" if asked is None else f"step={asked}"
         raise ValueError(
-            f"restore with a local tier: rank {group.rank} asked for {what}, but the ranks asked for "
+            f"restore with a local tier: rank {me} asked for {what}, but the ranks asked for "
             f"{', '.join('the newest' if v < 0 else str(v) for v in got)}; nothing was read. Pass the same step= "
             f"on every rank (or step=None everywhere)"
         )
@@ -114,30 +115,32 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
     """Collective: the tier and step to restore (``local``: this node's directory, a
     ``tiering.Opened``; ``persistent``: the persistent root, without encryption)."""
     me = group.rank
-    agree_step(group, asked)
-    mine: dict[str, Any] = {"node": None, "persisted": []}
-    error: BaseException | None = None
+    mine: dict[str, Any] = {"asked": asked, "node": None, "persisted": [], "error": None}
     try:
         if nodes.is_leader(me):
             mine["node"] = list_node(local.storage, local.raw, local.read)
         if me == 0:
             mine["persisted"] = manifest_steps(persistent)
-    except Exception as e:  # every rank hears it: none skips the collectives below
-        error = e
-    group.agree_ok(error, f"rank {me}: listing the tiers")
+    except Exception as e:  # every rank hears it (below): none skips a collective
+        mine["error"] = f"{type(e).__name__}: {e}"
     gathered = group.all_gather_json(mine, f"rank {me}: the tiers' listings")
+    _same_step(gathered, asked, me)
+    errors = {r: g["error"] for r, g in enumerate(gathered) if g["error"] is not None}
+    if errors:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+        raise CheckpointError(f"rank {me}: listing the tiers failed on {len(errors)} rank(s): {detail}")
     listings = [gathered[nodes.leader(k)]["node"] for k in range(len(nodes.nodes))]
     persisted = sorted(gathered[0]["persisted"])
     here = listings[nodes.node_of(me)]
     candidates = sorted({int(s) for lst in listings for s, v in lst.items() if v["m"]}, reverse=True)
     if asked is not None:
         candidates = [s for s in candidates if s == asked]
-    flags = []
+    flags, needs = [], {}
     for s in candidates:
         flag = 0
         if here.get(str(s), {}).get("m"):
             try:
-                need = required_files(local.read, s)
+                need = needs[s] = required_files(local.read, s)
             except CheckpointError:
                 flag = 1  # (it validated while listed: changed since)
             else:
@@ -146,7 +149,7 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
         flags.append(flag)
     agreed = group.all_reduce_max(flags, f"rank {me}: which steps are whole in the local tiers") if flags else []
     whole = [s for s, f in zip(candidates, agreed) if f == 0]
-    choice = Choice(None, None, whole, persisted, listings)
+    choice = Choice(None, None, whole, persisted, listings, needs)
     if asked is not None:
         if whole:
             choice.tier, choice.step = LOCAL, asked
@@ -186,12 +189,14 @@ def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, ste
             except Exception as e:
                 error = e
         group.agree_ok(error, f"{where}: recording the manifest on every node")
-    need, error = {}, None
-    try:
-        need = required_files(local.read, step)
-    except Exception as e:
-        error = e
-    group.agree_ok(error, f"{where}: reading the manifest")
+    need = choice.needs.get(step)
+    if need is None or not all(has_manifest):  # (else every rank read it while choosing)
+        need, error = {}, None
+        try:
+            need = required_files(local.read, step)
+        except Exception as e:
+            error = e
+        group.agree_ok(error, f"{where}: reading the manifest")
     plan, stale = [], []
     for k, lst in enumerate(listings):
         missing = [p for p in sorted(need) if _size(lst, step, p) != need[p]]
@@ -222,4 +227,4 @@ def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, ste
     return len(got), sum(m.size for m in plan if m.dst == me)
 
 
-__all__ = ["LOCAL", "PERSISTENT", "Choice", "agree_step", "choose", "list_node", "make_whole", "required_files"]
+__all__ = ["LOCAL", "PERSISTENT", "Choice", "choose", "list_node", "make_whole", "required_files"]

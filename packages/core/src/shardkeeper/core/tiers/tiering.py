@@ -37,6 +37,7 @@ from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover
 from shardkeeper.core.tiers.persist import Persister
 from shardkeeper.core.tiers.record import Recorder
+from shardkeeper.core.tiers.tee import Tee
 from shardkeeper.core.tiers.transfer import Move, move_files
 from shardkeeper.core.tiers.wire import TierCoord, TierGroup
 
@@ -53,6 +54,7 @@ class Opened:
     storage: Storage
     read: Storage
     encryption: Encryption | None
+    tee: Tee | None = None  # the local tier's: what a save wrote, until its replicas are sent
 
 
 def open_tier(
@@ -103,6 +105,8 @@ class Tiering:
                 stacklevel=4,
             )
         self.local_keep = local_keep
+        if local.tee is not None:
+            local.tee.recording = self.replicas > 0
         self.recorder = Recorder(coord, self.nodes, timeout_s)
         listed, error = [], None
         try:
@@ -155,7 +159,11 @@ class Tiering:
         for src, own in enumerate(listed):
             for dst in self.nodes.targets(src, self.replicas) if own is not None else ():
                 plan += [Move(path, size, src, dst) for path, size in own]
-        move_files(self.group, self.local.raw, plan, f"step {step}, rank {self.rank}: the peer replicas")
+        try:
+            move_files(self.group, self.local.raw, plan, f"step {step}, rank {self.rank}: the peer replicas")
+        finally:
+            if self.local.tee is not None:
+                self.local.tee.forget()
         if error is not None:
             raise error
 
@@ -201,20 +209,24 @@ class Tiering:
         """Collective, after restoring the newest: each node's leader removes its local steps
         newer than ``restored`` that no tier holds whole (a save below them would be refused);
         a whole one is never removed. Every rank waits, so no save starts meanwhile."""
+        stale = [
+            [int(k) for k, v in lst.items() if v["m"] and int(k) > restored and int(k) not in c.local_steps]
+            for lst in c.listings
+        ]
+        if not any(stale):  # every rank knows every node's listing: nothing to agree on
+            return
         error: BaseException | None = None
         if self.nodes.is_leader(self.rank):
-            mine = c.listings[self.nodes.node_of(self.rank)]
             try:
-                for s in sorted(int(k) for k, v in mine.items() if v["m"]):
-                    if s > restored and s not in c.local_steps:
-                        log.warning(
-                            "rank %d: removing local step %d of %s: no tier holds it whole (restored step %d)",
-                            self.rank,
-                            s,
-                            self.local.raw.url,
-                            restored,
-                        )
-                        drop_step(self.local.raw, s)
+                for s in sorted(stale[self.nodes.node_of(self.rank)]):
+                    log.warning(
+                        "rank %d: removing local step %d of %s: no tier holds it whole (restored step %d)",
+                        self.rank,
+                        s,
+                        self.local.raw.url,
+                        restored,
+                    )
+                    drop_step(self.local.raw, s)
             except Exception as e:
                 error = e
         self.group.agree_ok(error, f"rank {self.rank}: removing local steps no tier holds whole")

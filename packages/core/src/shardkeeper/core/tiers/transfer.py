@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -64,41 +65,72 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
     pieces = {pair: [(m, k) for m in moves for k in range(_pieces(m.size))] for pair, moves in streams.items()}
     hashes = {(pair, m.path): xxhash.xxh3_128() for pair, moves in streams.items() for m in moves}
     writers: dict[str, Writer] = {}
-    failure: BaseException | None = None
-    try:
-        for rnd in range(max(len(p) for p in pieces.values())):
-            works: list[tuple[Any, int]] = []
-            got: list[tuple[Any, Move, np.ndarray]] = []
-            for pair, ps in sorted(pieces.items()):
-                if rnd >= len(ps):
-                    continue
-                m, k = ps[rnd]
-                buf = np.zeros(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
-                if pair[0] == me:
-                    if failure is None:
-                        try:
-                            if len(buf):
-                                storage.read_into(m.path, k * PIECE_BYTES, memoryview(cast("Buffer", buf)))
-                            hashes[(pair, m.path)].update(cast("Buffer", buf))
-                        except Exception as e:  # said in the trailer; the rounds go on
-                            failure = e
-                    works.append((group.send(torch.from_numpy(buf), pair[1], _DATA + rnd), pair[1]))
-                else:
-                    if k == 0 and failure is None:
+    failed: list[BaseException] = []  # this rank's first failure (its reads and writes run on threads)
+
+    def read_round(rnd: int) -> list[tuple[tuple[int, int], np.ndarray]]:
+        out = []
+        for pair, ps in sorted(pieces.items()):
+            if pair[0] != me or rnd >= len(ps):
+                continue
+            m, k = ps[rnd]
+            buf = np.zeros(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
+            if not failed:
+                try:
+                    if len(buf):
+                        storage.read_into(m.path, k * PIECE_BYTES, memoryview(cast("Buffer", buf)))
+                    hashes[(pair, m.path)].update(cast("Buffer", buf))
+                except Exception as e:  # said in the trailer; the rounds go on
+                    failed.append(e)
+            out.append((pair, buf))
+        return out
+
+    def write_round(got: list[tuple[tuple[int, int], Move, np.ndarray]]) -> None:
+        for pair, m, buf in got:
+            hashes[(pair, m.path)].update(cast("Buffer", buf))
+            if not failed and len(buf):
+                try:
+                    writers[m.path].write(memoryview(cast("Buffer", buf)))
+                except Exception as e:
+                    failed.append(e)
+
+    rounds = max(len(p) for p in pieces.values())
+    # Reads of the next round and writes of the last one run beside this round's transfer.
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-tier-read") as reader,
+        ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-tier-write") as writer,
+    ):
+        try:
+            ahead = reader.submit(read_round, 0)
+            for rnd in range(rounds):
+                sending = ahead.result()
+                if rnd + 1 < rounds:
+                    ahead = reader.submit(read_round, rnd + 1)
+                works: list[tuple[Any, int]] = [
+                    (group.send(torch.from_numpy(buf), pair[1], _DATA + rnd), pair[1]) for pair, buf in sending
+                ]
+                got: list[tuple[tuple[int, int], Move, np.ndarray]] = []
+                for pair, ps in sorted(pieces.items()):
+                    if pair[1] != me or rnd >= len(ps):
+                        continue
+                    m, k = ps[rnd]
+                    buf = np.zeros(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
+                    if k == 0 and not failed:
                         try:
                             writers[m.path] = storage.open_writer(m.path)
                         except Exception as e:
-                            failure = e
+                            failed.append(e)
                     works.append((group.recv(torch.from_numpy(buf), pair[0], _DATA + rnd), pair[0]))
                     got.append((pair, m, buf))
-            _wait_all(group, works, where)
-            for pair, m, buf in got:
-                hashes[(pair, m.path)].update(cast("Buffer", buf))
-                if failure is None and len(buf):
-                    try:
-                        writers[m.path].write(memoryview(cast("Buffer", buf)))
-                    except Exception as e:
-                        failure = e
+                _wait_all(group, works, where)
+                writer.submit(write_round, got)
+        except BaseException:
+            writer.shutdown(wait=True)
+            _abort(writers)
+            raise
+        finally:
+            writer.shutdown(wait=True)  # every write done (in order) before the trailers and closes
+    failure = failed[0] if failed else None
+    try:
         trails = _trailers(group, streams, hashes, failure, where)
         if failure is not None:
             raise failure
@@ -122,11 +154,16 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
         _sync_parents(storage, received)
         return received
     finally:
-        for w in writers.values():
-            try:
-                w.abort()
-            except Exception:  # already failing: the first error is the one raised
-                pass
+        _abort(writers)
+
+
+def _abort(writers: dict[str, Writer]) -> None:
+    for w in writers.values():
+        try:
+            w.abort()
+        except Exception:  # already failing: the first error is the one raised
+            pass
+    writers.clear()
 
 
 def _sync_parents(storage: Storage, paths: list[str]) -> None:

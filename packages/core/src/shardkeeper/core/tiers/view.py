@@ -3,6 +3,7 @@ persistent root seen as a plain manager's (a context and a restorer of its own).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.options import CheckpointOptions
 from shardkeeper.core.restoring import Restorer
 from shardkeeper.core.tiers.choose import required_files
+from shardkeeper.core.tiers.tee import Tee
 from shardkeeper.core.tiers.tiering import Opened, Tiering, local_root, open_tier
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,9 @@ def open_tiers(
     retry = options.retry_policy()
     persistent = open_tier(root, storage_options, retry, options.encryption, options.encryption_root)
     binding = persistent.encryption.binding if persistent.encryption is not None else None
-    return open_tier(local_root(local), None, retry, options.encryption, binding), persistent
+    tee = Tee(local_root(local))
+    opened = open_tier(tee, None, retry, options.encryption, binding)
+    return dataclasses.replace(opened, tee=tee), persistent
 
 
 @dataclass

@@ -46,7 +46,10 @@ class TierGroup:
     def __init__(self, coord: Any, timeout_s: float) -> None:
         store = dist.PrefixStore(f"{coord.namespace}/tiers", coord.store)
         self.rank, self.world_size = coord.rank, coord.world_size
-        self.pg: Any = dist.ProcessGroupGloo(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s))
+        # One process needs no group (nor gloo's threads, which a later fork would inherit).
+        self.pg: Any = None
+        if coord.world_size > 1:
+            self.pg = dist.ProcessGroupGloo(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s))
         self.broken: str | None = None  # what broke it: every later operation raises at once
 
     def _waited(self, work: Any, where: str) -> None:
@@ -82,6 +85,8 @@ class TierGroup:
     def all_gather_ints(self, values: list[int], where: str) -> list[list[int]]:
         """Every rank's ``values`` (the same length on every rank)."""
         self.check()
+        if self.pg is None:
+            return [list(values)]
         t = torch.tensor(values, dtype=torch.int64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         self._waited(self.pg.allgather([out], [t]), where)
@@ -89,6 +94,8 @@ class TierGroup:
 
     def all_reduce_max(self, values: list[int], where: str) -> list[int]:
         self.check()
+        if self.pg is None:
+            return [int(v) for v in values]
         t = torch.tensor(values, dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stubs: RedOpType vs ReduceOp
@@ -97,6 +104,9 @@ class TierGroup:
 
     def all_gather_bytes(self, data: bytes, where: str) -> list[bytes]:
         """Every rank's ``data`` (any lengths)."""
+        if self.pg is None:
+            self.check()
+            return [bytes(data)]
         sizes = [s[0] for s in self.all_gather_ints([len(data)], where)]
         width = max(1, max(sizes))
         t = torch.zeros(width, dtype=torch.uint8)
@@ -111,6 +121,9 @@ class TierGroup:
 
     def broadcast_bytes(self, data: bytes | None, root: int, where: str) -> bytes:
         """``root``'s ``data`` on every rank."""
+        if self.pg is None:
+            self.check()
+            return bytes(data or b"")
         n = torch.tensor([len(data or b"")], dtype=torch.int64)
         self._broadcast(n, root, where)
         t = torch.zeros(int(n.item()), dtype=torch.uint8)
