@@ -2,7 +2,7 @@
 loopback) of 2 ranks each, each node's local tier a directory of its own, the persistent
 tier a SeaweedFS S3 server on loopback.
 
-    python benchmarks/tiers.py [--mib 128] [--out-dir benchmarks/results] [--quick]
+    python benchmarks/tiers.py [--mib 512] [--out-dir benchmarks/results] [--quick]
 
 Per figure the slowest rank (``_tiers_worker.py``): the save stall, the time to locally
 committed and to persisted, the same save straight to S3, and restores from the local tier,
@@ -70,7 +70,7 @@ def launch(out: Path, cfg: dict[str, Any], timeout_s: float = 1200) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mib", type=int, default=128, help="MiB of state per rank")
+    ap.add_argument("--mib", type=int, default=512, help="MiB of state per rank")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--quick", action="store_true", help="16 MiB per rank")
     args = ap.parse_args()

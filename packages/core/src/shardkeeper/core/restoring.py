@@ -67,9 +67,11 @@ class Restorer:
         per_rank: str,
         cast: bool,
         optional: list[str],
+        agreed: bool = False,
     ) -> int:
         """``CheckpointManager.restore``: ``restore`` of ``state`` without its progress
-        targets, which are handed the restored step's progress when ``patterns`` select it."""
+        targets, which are handed the restored step's progress when ``patterns`` select it.
+        ``agreed``: the ranks already agreed on ``step`` (a tiered restore chose it together)."""
         rest, targets = split_targets(state)
         restored = self.restore(
             rest,
@@ -81,6 +83,7 @@ class Restorer:
             optional=optional,
             stacklevel=3,  # the warning names the manager's caller
             allow_empty=bool(targets),
+            agreed=agreed,
         )
         merge_back(state, rest)
         if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
@@ -103,6 +106,7 @@ class Restorer:
         optional: list[str],
         stacklevel: int = 1,
         allow_empty: bool = False,
+        agreed: bool = False,
     ) -> int:
         """The step restored into ``state``, or raise (``stacklevel``: of the fallback warning,
         counted from the caller of this method). A ``state`` without leaves is a ``ValueError``
@@ -113,10 +117,11 @@ class Restorer:
         explicit = step is not None
         # Newest first by listing alone: each candidate's manifest is validated when it is
         # loaded, and a damaged one falls back to the next (never a parse of every manifest).
-        if ctx.world_size > 1:
+        agreed = agreed and step is not None  # (two collectives fewer: the tiers agreed on it)
+        if ctx.world_size > 1 and not agreed:
             self._same_step_everywhere(step)
         candidates = [step] if step is not None else sorted(commit.manifest_steps(ctx.storage), reverse=True)
-        if ctx.world_size > 1:
+        if ctx.world_size > 1 and not agreed:
             candidates = self._agree_candidates(candidates)
         if not candidates:
             raise CheckpointNotFoundError(

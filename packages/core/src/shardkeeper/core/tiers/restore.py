@@ -61,7 +61,7 @@ def restore_tiered(
     if choice.tier == LOCAL:
         assert choice.step is not None
         try:
-            out = Restored(local.restore_state(state, choice.step, patterns, **kwargs), LOCAL, local)
+            out = Restored(local.restore_state(state, choice.step, patterns, agreed=True, **kwargs), LOCAL, local)
         except CheckpointError as e:
             agreed = tiers.group.all_reduce_max(
                 [_damage_code(e)], f"rank {rank}: whether step {choice.step} is damaged"
@@ -83,7 +83,7 @@ def restore_tiered(
                 stacklevel=4,
             )
             tiers.make_whole(choice, newest_local)
-            out = Restored(local.restore_state(state, newest_local, patterns, **kwargs), LOCAL, local)
+            out = Restored(local.restore_state(state, newest_local, patterns, agreed=True, **kwargs), LOCAL, local)
     if step is None:
         tiers.drop_newer(choice, out.step)
     return out
