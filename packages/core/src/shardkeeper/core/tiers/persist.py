@@ -91,7 +91,8 @@ class Persister:
         self._error: BaseException | None = None
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` (just committed locally) is uploaded: the same answer on every rank."""
+        """Coordinator, committing ``step``: whether it is uploaded (the ranks hear the answer
+        with the commit, ``record.py``, so they never disagree)."""
         return self.every is not None and (self.last_step is None or step >= self.last_step + self.every)
 
     def submit(self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None) -> None:
