@@ -18,8 +18,11 @@ against the manifest's digests as always.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
 from shardkeeper.core.errors import CheckpointError
@@ -30,6 +33,8 @@ from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.transfer import Move, move_files
 from shardkeeper.core.tiers.wire import TierGroup
+
+log = logging.getLogger(__name__)
 
 LOCAL, PERSISTENT = "local", "persistent"
 
@@ -71,14 +76,14 @@ def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
                 files[path] = [view.size(path), stored]
             except CheckpointError:  # e.g. an encrypted file cut short: its header does not parse
                 files[path] = [-1, stored]
-        readable = False
+        digest = None
         if storage.exists(manifest_path(step)):
             try:
                 load_manifest(read, step)
-                readable = True
+                digest = xxhash.xxh3_64_hexdigest(storage.read_bytes(manifest_path(step)))
             except CheckpointError:
                 pass
-        out[str(step)] = {"m": readable, "f": files}
+        out[str(step)] = {"m": digest is not None, "d": digest, "f": files}
     return out
 
 
@@ -133,6 +138,10 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
     persisted = sorted(gathered[0]["persisted"])
     here = listings[nodes.node_of(me)]
     candidates = sorted({int(s) for lst in listings for s, v in lst.items() if v["m"]}, reverse=True)
+    for s in list(candidates):  # one commit gives one manifest: two differ after a rollback (an old disk back)
+        if len({lst[str(s)]["d"] for lst in listings if lst.get(str(s), {}).get("m")}) > 1:
+            log.warning("rank %d: the nodes hold different manifests of step %d; it is not restored from them", me, s)
+            candidates.remove(s)
     if asked is not None:
         candidates = [s for s in candidates if s == asked]
     flags, needs = [], {}
