@@ -174,3 +174,15 @@ def test_a_rank_that_cannot_write_fails_every_rank_at_once(tmp_path: Path, s3_ro
     out.mkdir()
     _run_until(_agents([0, 1], "faults", out, cfg), out, None, 300)
     assert_checks(read_checks(*(out / f"checks-r{r}.json" for r in range(4)), output=_logs(out)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_tier_options_that_differ_between_nodes_are_refused(
+    tmp_path: Path, s3_root: tuple[str, dict[str, Any]]
+) -> None:
+    cfg = _config(tmp_path, s3_root, commit_timeout_s=120)
+    out = tmp_path / "mismatch"
+    out.mkdir()
+    _run_until(_agents([0, 1], "mismatch", out, cfg), out, None, 300)
+    assert_checks(read_checks(*(out / f"checks-r{r}.json" for r in range(4)), output=_logs(out)))

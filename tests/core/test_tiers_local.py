@@ -253,3 +253,67 @@ def warnings_of():  # type: ignore[no-untyped-def]
     import warnings
 
     return warnings.catch_warnings(record=True)
+
+
+def test_a_local_directory_belongs_to_one_root(tmp_path: Path) -> None:
+    from shardkeeper.core import CheckpointError
+
+    local = tmp_path / "l"
+    with CheckpointManager(tmp_path / "a", local=local) as mgr:
+        mgr.save(1, _state(1))
+    with pytest.raises(CheckpointError, match=r"holds the local tier of the root .*/a', not of .*/b'"):
+        CheckpointManager(tmp_path / "b", local=local)  # a new job beside old node directories
+    for bad in (tmp_path / "a", tmp_path / "a" / "local"):
+        with pytest.raises(ValueError, match="the local tier is a directory of its own"):
+            CheckpointManager(tmp_path / "a", local=bad)
+    with pytest.raises(ValueError, match="around the root"):
+        CheckpointManager(tmp_path / "a" / "inner", local=tmp_path / "a")
+
+
+def test_a_damaged_newest_local_step_yields_to_an_older_whole_one_and_is_dropped(tmp_path: Path) -> None:
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with CheckpointManager(persistent, local=local, persist_every=10) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    _flip_a_byte(local / "step-000000000003")
+    target = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+    with CheckpointManager(persistent, local=local) as mgr:
+        with pytest.warns(
+            UserWarning, match="step 3 in the local tier is damaged .*restoring step 2 of the local tier"
+        ):
+            assert mgr.restore(target) == 2
+        assert mgr.last_restore_tier == "local"
+        assert _steps(local) == [1, 2]  # the damaged step is gone: a save at 3 is not refused
+        mgr.save(3, _state(3))
+    assert all(torch.equal(target[k], v) for k, v in _state(2).items())
+
+
+def test_delete_waits_for_the_upload_of_the_step(tmp_path: Path) -> None:
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with CheckpointManager(persistent, local=local, persist_every=1) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        assert mgr.delete(2)  # its upload may still run: it is waited for, then both tiers lose it
+        mgr.wait_persisted()
+        assert 2 not in mgr.steps()
+    assert _steps(persistent) == [1, 3] and _steps(local) == [1, 3]
+
+
+def test_ls_local_refuses_a_missing_directory_and_does_not_judge_encrypted_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("cryptography")
+    monkeypatch.setenv("SK_TIER_KEK", base64.b64encode(bytes(range(32))).decode())
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with CheckpointManager(persistent, local=local, encryption="env:SK_TIER_KEK", persist_every=1) as mgr:
+        mgr.save(1, _state(1))
+    cmd = [sys.executable, "-m", "shardkeeper.core.cli", "ls", str(persistent)]
+    out = subprocess.run([*cmd, f"--local={local}", "--json"], capture_output=True, text=True, check=True)
+    (row,) = json.loads(out.stdout)["steps"]
+    assert row["tiers"] == ["persistent", "local:0"] and row["local_whole"] is None
+    res = subprocess.run([*cmd, f"--local={tmp_path / 'nope'}"], capture_output=True, text=True)
+    assert res.returncode == 2 and "no such directory" in res.stderr

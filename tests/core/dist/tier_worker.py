@@ -53,17 +53,16 @@ def per_rank(step: int, rank: int) -> torch.Tensor:
 
 def manager(cfg: dict, **extra: object) -> CheckpointManager:
     node = int(os.environ["TIER_NODE"])
-    return CheckpointManager(
-        cfg["root"],
-        storage_options=cfg.get("storage_options"),
-        local=cfg["locals"][node],
-        persist_every=cfg.get("persist_every"),
-        replicas=cfg.get("replicas", 0),
-        local_keep=cfg.get("local_keep"),
-        commit_timeout_s=cfg.get("commit_timeout_s", 60),
-        min_file_bytes=1,  # several files per rank, so replicas and repairs move several
-        **extra,
-    )
+    kwargs: dict = {
+        "storage_options": cfg.get("storage_options"),
+        "local": cfg["locals"][node],
+        "persist_every": cfg.get("persist_every"),
+        "replicas": cfg.get("replicas", 0),
+        "local_keep": cfg.get("local_keep"),
+        "commit_timeout_s": cfg.get("commit_timeout_s", 60),
+        "min_file_bytes": 1,  # several files per rank, so replicas and repairs move several
+    }
+    return CheckpointManager(cfg["root"], **{**kwargs, **extra})
 
 
 def save(out: Path, cfg: dict) -> None:
@@ -143,11 +142,35 @@ def faults(out: Path, cfg: dict) -> None:
     checks.write(out / f"checks-r{rank}.json")
 
 
+def mismatch(out: Path, cfg: dict) -> None:
+    """Tier options that differ between the nodes are refused on every rank when the managers
+    open, at once and by name (no rank waits for a collective the others skip)."""
+    rank, node = dist.get_rank(), int(os.environ["TIER_NODE"])
+    t0 = time.monotonic()
+    try:
+        manager(cfg, replicas=node).close()  # (manager() passes replicas from cfg: overridden here)
+    except ValueError as e:
+        check("different replicas refused", "different tier options" in str(e) and "replicas" in str(e), str(e))
+    else:
+        check("different replicas refused", False)
+    try:
+        if node == 0:
+            manager(cfg).close()
+        else:
+            CheckpointManager(cfg["root"], storage_options=cfg.get("storage_options")).close()
+    except ValueError as e:
+        check("local= on one node only refused", "some ranks passed local=" in str(e), str(e))
+    else:
+        check("local= on one node only refused", False)
+    check("both within the commit timeout", time.monotonic() - t0 < cfg["commit_timeout_s"], time.monotonic() - t0)
+    checks.write(out / f"checks-r{rank}.json")
+
+
 def main() -> None:
     mode, out, cfg = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
-    {"save": save, "resume": resume, "faults": faults}[mode](out, cfg)
+    {"save": save, "resume": resume, "faults": faults, "mismatch": mismatch}[mode](out, cfg)
     dist.destroy_process_group()
 
 

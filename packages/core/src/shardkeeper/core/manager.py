@@ -179,7 +179,7 @@ class CheckpointManager:
             tiers_roots = open_tiers(root, local, storage_options, base)
             self.storage, read_storage, keyed = tiers_roots[0].storage, tiers_roots[0].read, tiers_roots[0].encryption
         self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
-        self._coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks)
+        self._coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks, tiered=local is not None)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
         self._tiers: Tiering | None = None

@@ -8,10 +8,11 @@ read here, e.g. an encrypted one). Torch-free, like every command."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.errors import CheckpointError, UsageError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.root_files import resolve_file, walk_files
 from shardkeeper.core.storage import LocalStorage
@@ -34,6 +35,8 @@ def _whole(dirs: list[Storage], step: int, holders: list[int], files: list[dict[
             m = load_manifest(dirs[k], step)
         except CheckpointError:
             continue
+        if m.encryption is not None:
+            return None  # stored sizes are not the manifest's (encrypted files are larger): not judged here
         need = {resolve_file(step, rel): int(info["size_bytes"]) for rel, info in m.files.items()}
         return all(any(f.get(p) == n for f in files) for p, n in need.items() if p is not None)
     return None
@@ -42,6 +45,9 @@ def _whole(dirs: list[Storage], step: int, holders: list[int], files: list[dict[
 def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
     """Give every row its ``tiers`` and ``local_whole``; add rows for steps only the local
     directories hold (status ``local``)."""
+    for d in local_dirs:
+        if not os.path.isdir(d):
+            raise UsageError(f"--local {d}: no such directory (a node's local tier directory, docs/tiers.md)")
     dirs: list[Storage] = [LocalStorage(d) for d in local_dirs]
     steps = sorted({s for d in dirs for s in manifest_steps(d)} | {r["step"] for r in rows})
     by_step = {r["step"]: r for r in rows}

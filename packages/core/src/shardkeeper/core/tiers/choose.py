@@ -50,6 +50,7 @@ class Choice:
     persisted: list[int] = field(default_factory=list)
     listings: list[dict[str, Any]] = field(default_factory=list)  # per node
     needs: dict[int, dict[str, int]] = field(default_factory=dict)  # what this rank read of the manifests
+    conflicts: list[int] = field(default_factory=list)  # steps whose manifests differ between nodes: kept
 
 
 def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
@@ -138,10 +139,17 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
     persisted = sorted(gathered[0]["persisted"])
     here = listings[nodes.node_of(me)]
     candidates = sorted({int(s) for lst in listings for s, v in lst.items() if v["m"]}, reverse=True)
+    conflicts = []
     for s in list(candidates):  # one commit gives one manifest: two differ after a rollback (an old disk back)
         if len({lst[str(s)]["d"] for lst in listings if lst.get(str(s), {}).get("m")}) > 1:
-            log.warning("rank %d: the nodes hold different manifests of step %d; it is not restored from them", me, s)
+            log.warning(
+                "rank %d: the nodes hold different manifests of step %d; it is neither restored nor removed "
+                "(`shardkeeper ls ROOT --local DIR ...` on each node shows them; delete the stale copy)",
+                me,
+                s,
+            )
             candidates.remove(s)
+            conflicts.append(s)
     if asked is not None:
         candidates = [s for s in candidates if s == asked]
     flags, needs = [], {}
@@ -158,7 +166,7 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
         flags.append(flag)
     agreed = group.all_reduce_max(flags, f"rank {me}: which steps are whole in the local tiers") if flags else []
     whole = [s for s, f in zip(candidates, agreed) if f == 0]
-    choice = Choice(None, None, whole, persisted, listings, needs)
+    choice = Choice(None, None, whole, persisted, listings, needs, conflicts)
     if asked is not None:
         if whole:
             choice.tier, choice.step = LOCAL, asked

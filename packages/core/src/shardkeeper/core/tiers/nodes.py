@@ -13,8 +13,11 @@ replicas lie on other nodes and spread over their ranks.
 
 from __future__ import annotations
 
+import json
 import secrets
+import socket
 from dataclasses import dataclass
+from typing import Any
 
 from shardkeeper.core.errors import CheckpointError, CommitConflictError
 from shardkeeper.core.storage.base import Storage
@@ -22,6 +25,8 @@ from shardkeeper.core.tiers.wire import TierGroup
 
 #: The token file at the top of every local directory.
 NODE_TOKEN = ".shardkeeper-node"
+#: The persistent root a local directory belongs to.
+ROOT_NAME = ".shardkeeper-root"
 
 
 @dataclass(frozen=True)
@@ -74,13 +79,58 @@ def node_token(storage: Storage) -> str:
     return token
 
 
-def discover(group: TierGroup, storage: Storage) -> NodeMap:
-    """Collective: the node map of the group, from each rank's directory token."""
-    tokens = [b.decode() for b in group.all_gather_bytes(node_token(storage).encode(), "the local tiers' node tokens")]
+def bind_root(storage: Storage, root: str) -> None:
+    """Tie this directory to the persistent root ``root`` (its URL): the first manager writes
+    it, every later one must name the same, so a local directory never serves another job's
+    steps (a new root beside old node directories)."""
+    try:
+        storage.put_if_absent(ROOT_NAME, root.encode())
+    except CommitConflictError:
+        pass  # an earlier run, or another rank of this node
+    bound = storage.read_bytes(ROOT_NAME).decode("utf-8", "replace")
+    if bound != root:
+        raise CheckpointError(
+            f"the local directory {storage.url} holds the local tier of the root {bound!r}, not of {root!r}: its "
+            f"steps are that job's. Use another local= directory for this root, or empty this one"
+        )
+
+
+def discover(group: TierGroup, storage: Storage, root: str, options: dict[str, Any]) -> NodeMap:
+    """Collective: the node map of the group, from each rank's directory token; every rank
+    checks that its directory belongs to ``root``, that the ranks passed the same tier
+    ``options``, and that no directory is a copy of another's (same token, another place).
+    Any failure raises on every rank, naming the ranks."""
+    mine: dict[str, Any] = {"options": options, "host": socket.gethostname(), "dir": storage.url, "error": None}
+    try:
+        bind_root(storage, root)
+        mine["token"] = node_token(storage)
+    except Exception as e:  # every rank hears it below
+        mine["error"] = f"{type(e).__name__}: {e}"
+    got = group.all_gather_json(mine, "the local tiers' nodes")
+    errors = [f"rank {r}: {g['error']}" for r, g in enumerate(got) if g["error"]]
+    if errors:
+        raise CheckpointError(f"rank {group.rank}: opening the local tiers failed: {'; '.join(errors)}")
+    kinds = {json.dumps(g["options"], sort_keys=True) for g in got}
+    if len(kinds) > 1:
+        which = "; ".join(f"rank {r}: {g['options']}" for r, g in enumerate(got))
+        raise ValueError(
+            f"rank {group.rank}: the ranks passed different tier options ({which}); pass the same on every rank"
+        )
+    places: dict[str, set[tuple[str, str]]] = {}
+    for g in got:
+        places.setdefault(g["token"], set()).add((g["host"], g["dir"]))
+    for where in places.values():
+        if len(where) > 1:
+            shown = ", ".join(f"{d} on {h}" for h, d in sorted(where))
+            raise CheckpointError(
+                f"rank {group.rank}: the local directories {shown} carry the same node token: one is a copy of "
+                f"another (a disk snapshot, an rsync). Remove {NODE_TOKEN} from the copies: they then count as nodes "
+                f"of their own"
+            )
     by_token: dict[str, list[int]] = {}
-    for rank, token in enumerate(tokens):
-        by_token.setdefault(token, []).append(rank)
+    for rank, g in enumerate(got):
+        by_token.setdefault(g["token"], []).append(rank)
     return NodeMap(tuple(sorted(tuple(r) for r in by_token.values())))
 
 
-__all__ = ["NODE_TOKEN", "NodeMap", "discover", "node_token"]
+__all__ = ["NODE_TOKEN", "ROOT_NAME", "NodeMap", "bind_root", "discover", "node_token"]

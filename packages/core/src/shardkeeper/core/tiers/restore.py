@@ -19,7 +19,7 @@ from typing import Any
 
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardkeeper.core.restoring import Restorer
-from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT
+from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice
 from shardkeeper.core.tiers.tiering import Tiering
 
 log = logging.getLogger(__name__)
@@ -60,19 +60,7 @@ def restore_tiered(
         )
     if choice.tier == LOCAL:
         assert choice.step is not None
-        try:
-            out = Restored(local.restore_state(state, choice.step, patterns, agreed=True, **kwargs), LOCAL, local)
-        except CheckpointError as e:
-            agreed = tiers.group.all_reduce_max(
-                [_damage_code(e)], f"rank {rank}: whether step {choice.step} is damaged"
-            )
-            if agreed[0] != 1 or step is not None or not choice.persisted:
-                raise
-            warnings.warn(
-                f"step {choice.step} in the local tier is damaged ({e}); restoring the persistent root's newest step",
-                stacklevel=4,
-            )
-            out = Restored(remote.restore_state(state, None, patterns, **kwargs), PERSISTENT, remote)
+        out = _local_with_fallback(tiers, local, remote, state, step, patterns, kwargs, choice)
     else:
         out = Restored(remote.restore_state(state, choice.step, patterns, **kwargs), PERSISTENT, remote)
         newest_local = choice.local_steps[0] if choice.local_steps else None
@@ -87,6 +75,48 @@ def restore_tiered(
     if step is None:
         tiers.drop_newer(choice, out.step)
     return out
+
+
+def _local_with_fallback(
+    tiers: Tiering,
+    local: Restorer,
+    remote: Restorer,
+    state: Mapping[str, Any],
+    step: int | None,
+    patterns: list[str] | None,
+    kwargs: dict[str, Any],
+    choice: Choice,
+) -> Restored:
+    """The chosen local step; when its bytes fail their digests (the ranks agree) and the
+    newest was asked for, the next older step whole locally unless the persistent root holds
+    a newer one, then the persistent root's newest. A damaged step leaves
+    ``choice.local_steps``, so the drop after the restore removes it from every node (else
+    every restart would try it again, and a save below it would be refused)."""
+    rank = tiers.rank
+    assert choice.step is not None
+    candidates: list[int] = [choice.step] if step is not None else list(choice.local_steps)
+    newest_persisted = choice.persisted[-1] if choice.persisted else None
+    for i, s in enumerate(candidates):
+        if i and newest_persisted is not None and newest_persisted > s:
+            break  # the persistent root holds a newer step than the next local one
+        try:
+            if i:
+                tiers.make_whole(choice, s)
+            return Restored(local.restore_state(state, s, patterns, agreed=True, **kwargs), LOCAL, local)
+        except CheckpointError as e:
+            agreed = tiers.group.all_reduce_max([_damage_code(e)], f"rank {rank}: whether step {s} is damaged")
+            if agreed[0] != 1 or step is not None:
+                raise
+            choice.local_steps.remove(s)
+            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+            if nxt is not None and (newest_persisted is None or nxt >= newest_persisted):
+                later: str | None = f"step {nxt} of the local tier"
+            else:
+                later = "the persistent root's newest step" if choice.persisted else None
+            if later is None:
+                raise
+            warnings.warn(f"step {s} in the local tier is damaged ({e}); restoring {later}", stacklevel=5)
+    return Restored(remote.restore_state(state, None, patterns, **kwargs), PERSISTENT, remote)
 
 
 __all__ = ["Restored", "restore_tiered"]

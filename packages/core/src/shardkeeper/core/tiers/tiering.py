@@ -95,14 +95,15 @@ class Tiering:
         coord = TierCoord.of(coord)
         self.coord, self.local, self.persistent = coord, local, persistent
         self.group = TierGroup(coord, timeout_s)
-        self.nodes: NodeMap = discover(self.group, local.raw)
+        options = {"replicas": replicas, "persist_every": persist_every, "local_keep": local_keep}
+        self.nodes: NodeMap = discover(self.group, local.raw, persistent.raw.url, options)
         self.replicas = min(replicas, len(self.nodes.nodes) - 1)
         if self.replicas < replicas:
             warnings.warn(
                 f"replicas={replicas} asked, but the job's ranks share {len(self.nodes.nodes)} local director"
                 f"{'y' if len(self.nodes.nodes) == 1 else 'ies'} (nodes): {self.replicas} replica(s) per rank; a "
                 f"lost node loses what only it held since the last persisted step",
-                stacklevel=4,
+                stacklevel=3,
             )
         self.local_keep = local_keep
         if local.tee is not None:
@@ -210,7 +211,11 @@ class Tiering:
         newer than ``restored`` that no tier holds whole (a save below them would be refused);
         a whole one is never removed. Every rank waits, so no save starts meanwhile."""
         stale = [
-            [int(k) for k, v in lst.items() if v["m"] and int(k) > restored and int(k) not in c.local_steps]
+            [
+                int(k)
+                for k, v in lst.items()
+                if v["m"] and int(k) > restored and int(k) not in c.local_steps and int(k) not in c.conflicts
+            ]
             for lst in c.listings
         ]
         if not any(stale):  # every rank knows every node's listing: nothing to agree on

@@ -47,9 +47,25 @@ def open_tiers(
     retry = options.retry_policy()
     persistent = open_tier(root, storage_options, retry, options.encryption, options.encryption_root)
     binding = persistent.encryption.binding if persistent.encryption is not None else None
-    tee = Tee(local_root(local))
+    local_store = local_root(local)
+    _refuse_nested(local_store.url, persistent.raw.url)
+    tee = Tee(local_store)
     opened = open_tier(tee, None, retry, options.encryption, binding)
     return dataclasses.replace(opened, tee=tee), persistent
+
+
+def _refuse_nested(local: str, root: str) -> None:
+    """The local tier inside the persistent root (or around it) would have each tier's
+    retention and uploads manage the other's files."""
+    if "://" in root and not root.startswith("file://"):
+        return
+    a = os.path.realpath(local)
+    b = os.path.realpath(root[len("file://") :] if root.startswith("file://") else root)
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+        raise ValueError(
+            f"CheckpointManager(): local={local!r} is {'the root' if a == b else 'inside the root' if a.startswith(b) else 'around the root'} "
+            f"{root!r}; the local tier is a directory of its own on each node's disk or RAM (e.g. /local_nvme/run)"
+        )
 
 
 @dataclass
@@ -96,6 +112,7 @@ class TierView:
         every node's directory. ``damaged=True`` judges the persistent copy when there is one
         (a node's copy alone lacks the other nodes' files); a step only the local tiers hold
         is deleted from every node only when they do not hold it whole together."""
+        self.tiers.persister.join()  # an upload of ``step`` that is running would commit it after the delete
         persisted = step in manifest_steps(self.ctx.storage) if self.ctx.rank == 0 else False
         persisted = bool(self.tiers.group.all_reduce_max([int(persisted)], "whether the step is persisted")[0])
         gone = True
