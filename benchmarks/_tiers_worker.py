@@ -52,6 +52,18 @@ def timed(fn: object, repeat: int = 1, before: object = None) -> float:
     return best
 
 
+def write_fsync(path: Path, t: torch.Tensor) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(t.numpy()).cast("B")
+        pos = 0
+        while pos < len(view):
+            pos += os.write(fd, view[pos : pos + (64 << 20)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def main() -> None:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo")
@@ -67,18 +79,7 @@ def main() -> None:
     raw = local / f"raw-r{rank}.bin"
     local.mkdir(parents=True, exist_ok=True)
 
-    def write() -> None:
-        fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(value.numpy()).cast("B")
-            pos = 0
-            while pos < len(view):
-                pos += os.write(fd, view[pos : pos + (64 << 20)])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    res["raw_write_fsync_s"] = timed(write, 3)
+    res["raw_write_fsync_s"] = timed(lambda: write_fsync(raw, value), 3)
     peer_of = {r: (r + 2) % world for r in range(world)}  # the other node's rank, as replicas=1 places them
     src = [r for r, p in peer_of.items() if p == rank][0]
     buf = torch.empty_like(value)
@@ -93,15 +94,7 @@ def main() -> None:
 
     def replica() -> None:  # the raw equivalent of a durable replica: send, and the peer writes+fsyncs
         transfer()
-        fd = os.open(got, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(buf.numpy()).cast("B")
-            pos = 0
-            while pos < len(view):
-                pos += os.write(fd, view[pos : pos + (64 << 20)])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_fsync(got, buf)
 
     res["raw_replica_s"] = timed(replica, 3)
     got.unlink()
