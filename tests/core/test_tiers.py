@@ -127,6 +127,7 @@ def _config(tmp: Path, s3_root: tuple[str, dict[str, Any]], **over: Any) -> dict
 @pytest.mark.timeout(600)
 def test_lost_node_restores_from_peers_without_reading_s3(tmp_path: Path, s3_root: tuple[str, dict[str, Any]]) -> None:
     cfg = _config(tmp_path, s3_root, steps=5, persist_every=3, replicas=1, expect_persisted=[1, 4], kill_node=1)
+    cfg["incremental"] = True  # unchanged tensors point at step 1's files, on both nodes
     _save_phase(tmp_path, [0, 1], cfg)
     assert not any((tmp_path / "node0").glob("step-000000000006/manifest.json"))
     shutil.rmtree(tmp_path / "node1")  # the node is replaced by an empty one
@@ -139,6 +140,9 @@ def test_lost_node_restores_from_peers_without_reading_s3(tmp_path: Path, s3_roo
     ours = sorted(p.name for p in (tmp_path / "node0" / "step-000000000005" / "data").iterdir())
     theirs = sorted(p.name for p in (tmp_path / "node1" / "step-000000000005" / "data").iterdir())
     assert ours == theirs and len(ours) >= 4, (ours, theirs)
+    # and the files of step 1 that step 5 points at (incremental), not the rest of step 1
+    pointed = sorted(p.name for p in (tmp_path / "node1" / "step-000000000001" / "data").iterdir())
+    assert pointed and set(pointed) <= {p.name for p in (tmp_path / "node0" / "step-000000000001" / "data").iterdir()}
 
 
 @pytest.mark.multiprocess

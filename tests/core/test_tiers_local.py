@@ -40,8 +40,6 @@ def test_tier_options_are_refused_clearly(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "p", persist_every=2)
     with pytest.raises(ValueError, match="not a URL"):
         CheckpointManager(tmp_path / "p", local="s3://bucket/x")
-    with pytest.raises(ValueError, match="incremental=True is not supported with a local tier"):
-        CheckpointManager(tmp_path / "p", local=tmp_path / "l", incremental=True)
     with pytest.raises(ValueError, match="describe_layouts=True"):
         CheckpointManager(tmp_path / "p", local=tmp_path / "l", describe_layouts=True)
     with pytest.raises(ValueError, match="replicas must be >= 0"):
@@ -317,3 +315,28 @@ def test_ls_local_refuses_a_missing_directory_and_does_not_judge_encrypted_steps
     assert row["tiers"] == ["persistent", "local:0"] and row["local_whole"] is None
     res = subprocess.run([*cmd, f"--local={tmp_path / 'nope'}"], capture_output=True, text=True)
     assert res.returncode == 2 and "no such directory" in res.stderr
+
+
+def test_incremental_saves_go_through_both_tiers(tmp_path: Path) -> None:
+    """Unchanged chunks point at earlier steps' files: the local tier keeps them while a
+    retained step points at them, and an upload carries the ones the persistent root lacks."""
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+
+    def state(step: int) -> dict[str, torch.Tensor]:  # "late" changes last at step 2, never uploaded alone
+        return {**_state(step), "frozen": frozen.clone(), "late": torch.full((1 << 15,), float(min(step, 2)))}
+
+    with CheckpointManager(persistent, local=local, persist_every=2, local_keep=1, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    assert mgr.persisted_steps == [1, 3]  # (close() waited for the upload)
+    files = {p.relative_to(local).as_posix() for p in local.rglob("*.safetensors")}
+    assert any(f.startswith("step-000000000001/") for f in files)  # step 3 points into step 1
+    uploaded = {p.relative_to(persistent).as_posix() for p in persistent.rglob("*.safetensors")}
+    assert any(f.startswith("step-000000000002/") for f in uploaded)  # and into step 2: uploaded with 3
+    assert not (persistent / "step-000000000002" / "manifest.json").exists()
+    shutil.rmtree(local)  # only the persistent root is left
+    target = {k: torch.zeros_like(v) for k, v in state(3).items()}
+    with CheckpointManager(persistent, local=local, incremental=True) as mgr:
+        assert mgr.restore(target) == 3 and mgr.last_restore_tier == "persistent"
+    assert all(torch.equal(target[k], v) for k, v in state(3).items())

@@ -51,6 +51,15 @@ def per_rank(step: int, rank: int) -> torch.Tensor:
     return torch.arange(1000, dtype=torch.float64) * (step + 1) + rank
 
 
+def frozen(rank: int) -> dict[str, object]:
+    """State that never changes: with ``incremental`` every step after the first points at
+    the first step's files for it (on the node of the rank that wrote them)."""
+    return {
+        "frozen": torch.arange(4096, dtype=torch.float32),
+        "own_frozen": PerRank(torch.full((2048,), float(rank), dtype=torch.float32)),
+    }
+
+
 def manager(cfg: dict, **extra: object) -> CheckpointManager:
     node = int(os.environ["TIER_NODE"])
     kwargs: dict = {
@@ -61,6 +70,7 @@ def manager(cfg: dict, **extra: object) -> CheckpointManager:
         "local_keep": cfg.get("local_keep"),
         "commit_timeout_s": cfg.get("commit_timeout_s", 60),
         "min_file_bytes": 1,  # several files per rank, so replicas and repairs move several
+        "incremental": cfg.get("incremental", False),
     }
     return CheckpointManager(cfg["root"], **{**kwargs, **extra})
 
@@ -70,11 +80,12 @@ def save(out: Path, cfg: dict) -> None:
     mgr = manager(cfg)
     for step in range(1, cfg["steps"] + 1):
         model, opt = trained(step)
-        mgr.save(step, {"model": model, "optim": opt, "own": PerRank(per_rank(step, rank))})
+        mgr.save(step, {"model": model, "optim": opt, "own": PerRank(per_rank(step, rank)), **frozen(rank)})
         mgr.wait_persisted()
     check("persisted", mgr.persisted_steps == cfg["expect_persisted"], mgr.persisted_steps)
     model, opt = trained(cfg["steps"] + 1)
-    mgr.save(cfg["steps"] + 1, {"model": model, "optim": opt, "own": PerRank(per_rank(cfg["steps"] + 1, rank))})
+    last = {"model": model, "optim": opt, "own": PerRank(per_rank(cfg["steps"] + 1, rank)), **frozen(rank)}
+    mgr.save(cfg["steps"] + 1, last)
     checks.write(out / f"save-r{rank}.json")
     if node == cfg.get("kill_node"):
         (out / f"killed-r{rank}").write_text("in flight")
@@ -94,7 +105,10 @@ def resume(out: Path, cfg: dict) -> None:
     model(torch.zeros(1, 16)).sum().backward()
     opt.step()  # state to overwrite
     own = torch.zeros(1000, dtype=torch.float64)
-    step = mgr.restore({"model": model, "optim": opt, "own": PerRank(own)}, per_rank=cfg.get("per_rank", "exact"))
+    still = {k: torch.zeros_like(v.value if isinstance(v, PerRank) else v) for k, v in frozen(rank).items()}
+    target = {"model": model, "optim": opt, "own": PerRank(own), "frozen": still["frozen"]}
+    target["own_frozen"] = PerRank(still["own_frozen"])
+    step = mgr.restore(target, per_rank=cfg.get("per_rank", "exact"))
     ref_model, ref_opt = trained(step)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref_model.state_dict().values()))
     check("parameters bit-exact", same)
@@ -103,6 +117,9 @@ def resume(out: Path, cfg: dict) -> None:
     check("Adam state bit-exact", moments and len(mine) == len(ref))
     saved_rank = rank % cfg.get("saved_world", dist.get_world_size())
     check("per-rank tensor bit-exact", torch.equal(own, per_rank(step, saved_rank)))
+    want = frozen(saved_rank)
+    check("unchanged tensors bit-exact", torch.equal(still["frozen"], want["frozen"]))
+    check("unchanged per-rank tensor bit-exact", torch.equal(still["own_frozen"], want["own_frozen"].value))
     stats = mgr.last_restore_stats
     info = {
         "step": step,

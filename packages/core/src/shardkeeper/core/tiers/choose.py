@@ -49,7 +49,7 @@ class Choice:
     local_steps: list[int] = field(default_factory=list)  # whole locally, newest first
     persisted: list[int] = field(default_factory=list)
     listings: list[dict[str, Any]] = field(default_factory=list)  # per node
-    needs: dict[int, dict[str, int]] = field(default_factory=dict)  # what this rank read of the manifests
+    needs: dict[int, dict[str, tuple[int, bool]]] = field(default_factory=dict)  # what this rank read of manifests
     conflicts: list[int] = field(default_factory=list)  # steps whose manifests differ between nodes: kept
 
 
@@ -88,21 +88,37 @@ def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
     return out
 
 
-def required_files(read: Storage, step: int) -> dict[str, int]:
-    """Root-relative path -> size of every file ``step``'s manifest lists (``read``: the
-    authenticated view of this node's directory)."""
+def required_files(read: Storage, step: int) -> dict[str, tuple[int, bool]]:
+    """Root-relative path -> (size, exact) of every file ``step`` needs (``read``: the
+    authenticated view of this node's directory): its own at the size written (exact), and
+    the files of earlier steps an incremental save points at, at least to the end of the
+    last byte it uses."""
     m = load_manifest(read, step)
-    out = {}
+    out: dict[str, tuple[int, bool]] = {}
+    for rel, end in m.chunk_file_ends(pages=False).items():
+        path = resolve_file(step, rel)
+        if path is not None:
+            out[path] = (int(end), False)
     for rel, info in m.files.items():
         path = resolve_file(step, rel)
         if path is not None:
-            out[path] = int(info["size_bytes"])
+            out[path] = (int(info["size_bytes"]), True)
     return out
 
 
-def _size(listing: dict[str, Any], step: int, path: str) -> int | None:
-    got = listing.get(str(step), {}).get("f", {}).get(path)
+def _entry(listing: dict[str, Any], path: str) -> list[int] | None:
+    step = parse_step_dir(path.split("/", 1)[0])
+    return None if step is None else listing.get(str(step), {}).get("f", {}).get(path)
+
+
+def _size(listing: dict[str, Any], path: str) -> int | None:
+    got = _entry(listing, path)
     return None if got is None else int(got[0])
+
+
+def covers(size: int | None, need: tuple[int, bool]) -> bool:
+    """Whether a copy of ``size`` bytes is the file ``need`` asks for."""
+    return size is not None and (size == need[0] if need[1] else size >= need[0])
 
 
 def _same_step(gathered: list[dict[str, Any]], asked: int | None, me: int) -> None:
@@ -161,7 +177,7 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
             except CheckpointError:
                 flag = 1  # (it validated while listed: changed since)
             else:
-                if any(not any(_size(lst, s, p) == n for lst in listings) for p, n in need.items()):
+                if any(not any(covers(_size(lst, p), n) for lst in listings) for p, n in need.items()):
                     flag = 1
         flags.append(flag)
     agreed = group.all_reduce_max(flags, f"rank {me}: which steps are whole in the local tiers") if flags else []
@@ -206,7 +222,7 @@ def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, ste
             except Exception as e:
                 error = e
         group.agree_ok(error, f"{where}: recording the manifest on every node")
-    need = choice.needs.get(step)
+    need: dict[str, tuple[int, bool]] | None = choice.needs.get(step)
     if need is None or not all(has_manifest):  # (else every rank read it while choosing)
         need, error = {}, None
         try:
@@ -216,14 +232,14 @@ def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, ste
         group.agree_ok(error, f"{where}: reading the manifest")
     plan, stale = [], []
     for k, lst in enumerate(listings):
-        missing = [p for p in sorted(need) if _size(lst, step, p) != need[p]]
+        missing = [p for p in sorted(need) if not covers(_size(lst, p), need[p])]
         for i, path in enumerate(missing):
-            holders = [h for h, other in enumerate(listings) if _size(other, step, path) == need[path]]
+            holders = [h for h, other in enumerate(listings) if covers(_size(other, path), need[path])]
             h = holders[i % len(holders)]
-            stored = int(listings[h][key]["f"][path][1])
+            stored = int((_entry(listings[h], path) or [0, 0])[1])
             src_node, dst_node = nodes.nodes[h], nodes.nodes[k]
             plan.append(Move(path, stored, src_node[i % len(src_node)], dst_node[i % len(dst_node)]))
-            if k == nodes.node_of(me) and nodes.is_leader(me) and _size(lst, step, path) is not None:
+            if k == nodes.node_of(me) and nodes.is_leader(me) and _size(lst, path) is not None:
                 stale.append(path)
     if plan:
         error = None

@@ -95,25 +95,39 @@ class Persister:
         with the commit, ``record.py``, so they never disagree)."""
         return self.every is not None and (self.last_step is None or step >= self.last_step + self.every)
 
-    def submit(self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None) -> None:
-        """Upload ``files`` (root-relative path -> size: the ones this rank wrote) of ``step``;
-        the coordinator also commits ``manifest`` (whose exact bytes are ``data``)."""
+    def submit(
+        self,
+        step: int,
+        files: dict[str, int],
+        manifest: Manifest | None,
+        data: bytes | None,
+        refs: Sequence[str] = (),
+    ) -> None:
+        """Upload ``files`` (root-relative path -> size: the ones this rank wrote) of ``step``,
+        and those of ``refs`` (files of earlier steps an incremental save points at, this
+        rank's share) that the persistent root lacks; the coordinator also commits ``manifest``
+        (whose exact bytes are ``data``)."""
         if self._last is not None:
             futures_wait([self._last])  # one upload at a time, every rank alike
         self._previous, self.last_step = self.last_step, step
         with self._lock:
             self.in_flight.add(step)
-        self._last = self._pool.submit(self._run, step, files, manifest, data)
+        self._last = self._pool.submit(self._run, step, files, manifest, data, list(refs))
 
     def _key(self, step: int, name: str) -> str:
         return f"{self.coord.namespace}/persist/{step}/{name}"
 
-    def _run(self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None) -> None:
+    def _run(
+        self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None, refs: list[str]
+    ) -> None:
         store, me, world = self.coord.store, self.coord.rank, self.coord.world_size
         try:
             try:
                 for path in sorted(files):
                     copy_file(self.local, self.raw, path)
+                for path in sorted(refs):  # uploaded with their own step, or now
+                    if not self.raw.exists(path):
+                        copy_file(self.local, self.raw, path)
             except BaseException as e:
                 store.set(self._key(step, f"failed/{me}"), f"{type(e).__name__}: {e}")
                 store.add(self._key(step, "failures"), 1)

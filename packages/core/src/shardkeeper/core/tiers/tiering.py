@@ -26,13 +26,14 @@ from shardkeeper.core.codec.crypto import EncryptedStorage
 from shardkeeper.core.codec.keys import key_provider
 from shardkeeper.core.commit import manifest_steps
 from shardkeeper.core.context import Encryption
+from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.retention import DeleteOnly, RetentionPolicy, apply_retention
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
-from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole
+from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole, required_files
 from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover
 from shardkeeper.core.tiers.persist import Persister
@@ -178,10 +179,28 @@ class Tiering:
         """Every rank, the step committed: record it on every node, upload it when due, and
         retain per node (the node's leader)."""
         if self.recorder.record(seq, step, self.local.storage):  # the coordinator's decision
-            self.persister.submit(step, dict(files), manifest, data)
+            self.persister.submit(step, dict(files), manifest, data, self._my_references(step))
         if self.local_keep is not None and self.nodes.is_leader(self.rank):
             policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(self.persister.protected()))
             deletion.retain(self.local.storage, policy, None, step)
+
+    def _my_references(self, step: int) -> list[str]:
+        """The files of earlier steps ``step`` points at (an incremental save) that this rank
+        uploads: those its rank wrote (by their names, modulo the world size), the others'
+        on the coordinator. A manifest that cannot be read uploads none: the persistent
+        commit's check of every file then fails, naming the first missing one."""
+        try:
+            need = required_files(self.local.read, step)
+        except CheckpointError as e:
+            log.warning("rank %d: step %d's references are not uploaded: %s", self.rank, step, e)
+            return []
+        world = self.coord.world_size
+        out = []
+        for path, (_, exact) in need.items():
+            writer = writer_rank(path)
+            if not exact and (writer % world if writer is not None else 0) == self.rank:
+                out.append(path)
+        return out
 
     # -- restore -----------------------------------------------------------------------------
     def choose(self, asked: int | None) -> Choice:

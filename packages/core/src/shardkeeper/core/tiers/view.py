@@ -16,7 +16,7 @@ from shardkeeper.core.context import ManagerContext
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.options import CheckpointOptions
 from shardkeeper.core.restoring import Restorer
-from shardkeeper.core.tiers.choose import required_files
+from shardkeeper.core.tiers.choose import covers, required_files
 from shardkeeper.core.tiers.tee import Tee
 from shardkeeper.core.tiers.tiering import Opened, Tiering, local_root, open_tier
 
@@ -25,12 +25,7 @@ log = logging.getLogger(__name__)
 
 def check_tier_options(options: CheckpointOptions) -> CheckpointOptions:
     """The options with a local tier: chunks always enumerated in the manifest (no per-rank
-    index files or pages, which would live on one node only); incremental saves refused."""
-    if options.incremental:
-        raise ValueError(
-            "CheckpointManager(local=...): incremental=True is not supported with a local tier (an incremental "
-            "step references earlier steps' files, which a replaced node or a retained tier may lack); drop one"
-        )
+    index files or pages, which would live on one node only)."""
     if options.describe_layouts:
         raise ValueError(
             "CheckpointManager(local=...): describe_layouts=True writes per-rank index files that live on one node; "
@@ -102,7 +97,7 @@ class TierView:
             step = mine
         try:
             need = required_files(local.read_storage, step)
-            whole = all(local.storage.size(p) == n for p, n in need.items())
+            whole = all(covers(local.storage.size(p), n) for p, n in need.items())
         except CheckpointError:
             whole = False
         return local if whole or not is_committed(self.ctx.storage, step) else self.ctx
