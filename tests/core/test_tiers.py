@@ -159,6 +159,51 @@ def test_without_replicas_a_lost_node_falls_back_to_s3(tmp_path: Path, s3_root: 
     assert not (tmp_path / "node0" / "step-000000000005").exists()
 
 
+def _flip_own_chunk(node_dir: Path, step: int, rank: int) -> Path:
+    """Flip a byte inside rank ``rank``'s per-rank tensor in ``node_dir``'s copy of ``step``
+    (a chunk only that rank restores, so its own node's copy is the one read); the file."""
+    from shardkeeper.core.commit import load_manifest
+    from shardkeeper.core.storage import LocalStorage
+
+    leaves = load_manifest(LocalStorage(node_dir), step).leaves
+    key = next(k for k in leaves if k.startswith("own") and k.rstrip("/").endswith(f"/{rank}"))
+    chunk = leaves[key].chunks[0]
+    path = node_dir / f"step-{step:012d}" / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.offset + chunk.length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_damaged_copy_is_replaced_by_another_nodes_good_one(
+    tmp_path: Path, s3_root: tuple[str, dict[str, Any]]
+) -> None:
+    """A flipped byte in one node's copy does not cost the step while another node holds a
+    good copy: the copy is replaced from it and the step restored, bit for bit."""
+    from shardkeeper.core.storage import LocalStorage
+    from shardkeeper.core.verify import verify_step
+
+    cfg = _config(tmp_path, s3_root, steps=3, persist_every=None, replicas=1, expect_persisted=[])
+    _save_phase(tmp_path, [0, 1], cfg)  # no node is lost: step 4 commits on both nodes
+    damaged = {0: _flip_own_chunk(tmp_path / "node0", 4, 0), 1: _flip_own_chunk(tmp_path / "node1", 4, 2)}
+    for node, path in damaged.items():  # damage the digests see, in one node's copy only
+        assert not verify_step(LocalStorage(tmp_path / f"node{node}"), 4).ok
+        other = tmp_path / f"node{1 - node}" / path.relative_to(tmp_path / f"node{node}")
+        assert other.read_bytes() != path.read_bytes()
+    got = _resume_phase(tmp_path, [0, 1], cfg)
+    assert [g["step"] for g in got] == [4] * 4, got  # not step 3: nothing was lost
+    assert [g["tier"] for g in got] == ["local"] * 4, got
+    assert [g["persistent_reads"] for g in got] == [0] * 4, got
+    for node, path in damaged.items():
+        other = tmp_path / f"node{1 - node}" / path.relative_to(tmp_path / f"node{node}")
+        assert path.read_bytes() == other.read_bytes()
+        assert verify_step(LocalStorage(tmp_path / f"node{node}"), 4).ok
+    logs = _logs(tmp_path / "resume")
+    assert "replaced by other nodes' good copies" in logs and "is damaged; replacing it with node" in logs, logs
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_one_node_run_resumes_on_two_nodes(tmp_path: Path, s3_root: tuple[str, dict[str, Any]]) -> None:

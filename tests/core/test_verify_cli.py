@@ -176,6 +176,24 @@ def test_verify_flipped_byte(storage, capsys, algorithm):
     assert p0["key"] == "model/w" and p0["kind"] == "digest" and p0["start"] == c.offset + 512
 
 
+def test_verify_limited_to_files_checks_those_alone(storage):
+    """``files=``: a repair's check of one node's copies of the files a restore named."""
+    m = _checkpoint(storage, world_size=3)
+    c, damaged = _chunk(m, "model/w")
+    p = storage.root / damaged
+    data = bytearray(p.read_bytes())
+    data[c.offset + 3] ^= 0x01
+    p.write_bytes(bytes(data))
+    others = sorted(f"{step_dir(100)}/{rel}" for rel in m.files if f"{step_dir(100)}/{rel}" != damaged)
+    assert others
+    clean = verify_step(storage, 100, files=others)
+    assert clean.ok and clean.files_checked == len(others), clean.problems
+    assert clean.chunks_checked == sum(1 for _, ch in m.chunks() if f"{step_dir(100)}/{ch.file}" in others)
+    hit = verify_step(storage, 100, files=[damaged])
+    assert [(q.kind, q.file) for q in hit.problems] == [("digest", damaged)] and hit.files_checked == 1
+    assert not verify_step(storage, 100).ok
+
+
 def test_verify_truncated_file(storage, capsys):
     m = _checkpoint(storage)
     c, path = _chunk(m, "optim/state/w/exp_avg")

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from shardkeeper.core.chunk_reader import FRAME_HEADER_BYTES, ChunkReader, frame_problem
 from shardkeeper.core.commit import load_manifest
@@ -49,6 +49,7 @@ def verify_step(
     manifest: Manifest | None = None,
     read_bytes: int = DEFAULT_READ_BYTES,
     on_bytes: Callable[[int], object] | None = None,
+    files: Collection[str] | None = None,
 ) -> VerifyReport:
     """Check one committed step; raises ``CheckpointNotFoundError`` if it is not committed and
     ``CorruptCheckpointError`` if its manifest does not validate (``verify_root`` turns that
@@ -62,10 +63,14 @@ def verify_step(
     ``on_bytes(n)`` is called as each window of ``n`` stored bytes has been checked (a progress
     bar's ``update``). The result (counts, time, problems) is logged at INFO on this module's
     logger, the problems named.
+
+    ``files`` (root-relative paths): check only those files, their sizes, the chunks they
+    hold and their headers, not the tiling (a repair's check of the copies of a step that
+    a restore found damaged, before it takes another node's copy).
     """
     t0 = time.monotonic()
     m = manifest if manifest is not None else load_manifest(storage, step)
-    report = _verify(storage, step, m, read_bytes, on_bytes)
+    report = _verify(storage, step, m, read_bytes, on_bytes, None if files is None else frozenset(files))
     report.seconds = time.monotonic() - t0
     if report.ok:
         log.info(
@@ -107,7 +112,12 @@ def _recorded(m: Manifest, rel: str) -> str:
 
 
 def _verify(
-    storage: Storage, step: int, m: Manifest, read_bytes: int, on_bytes: Callable[[int], object] | None
+    storage: Storage,
+    step: int,
+    m: Manifest,
+    read_bytes: int,
+    on_bytes: Callable[[int], object] | None,
+    only: frozenset[str] | None,
 ) -> VerifyReport:
     report = VerifyReport(step=step)
     base = step_dir(step)
@@ -152,6 +162,8 @@ def _verify(
         path = resolve_file(step, rel)
         if path is None:
             out.add("path", f"step {step}: file entry {rel!r} is not a path inside the root", file=rel)
+            continue
+        if only is not None and path not in only:
             continue
         report.files_checked += 1
         size = actual_size(path)
@@ -213,7 +225,7 @@ def _verify(
                 out.add("index", f"step {step}: leaf {key}: {e}", key=key)
             keys.append(key)
             continue
-        why = check_tiling(key, leaf.shape, chunks)
+        why = check_tiling(key, leaf.shape, chunks) if only is None else None
         if why is not None:
             out.add(
                 "tiling",
@@ -229,6 +241,8 @@ def _verify(
                     key=key,
                     file=c.file,
                 )
+                continue
+            if only is not None and path not in only:
                 continue
             by_file[path].append((key, leaf, c))
             lo, hi = c.offset, c.offset + c.length
@@ -346,7 +360,7 @@ def _verify(
             continue
         check_header(storage, step, path, actual_size(path) or 0, entries, out)
 
-    if described is not None:
+    if described is not None and only is None:
         for why in described.extra_rows({k for keys in unread.values() for k in keys}):
             out.add("index", f"step {step}: {why}; the checkpoint is damaged or was edited")
     for why, keys in unread.items():

@@ -46,8 +46,8 @@ def loads_untrusted(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_J
 def too_deep(value: Any, max_depth: int = MAX_JSON_DEPTH) -> bool:
     """Does ``value`` hold arrays or objects nested more than ``max_depth`` levels (a bare
     array is one level)? Walks level by level, without recursion; an array whose elements
-    add up as numbers (the long integer columns of a manifest) holds no container, which
-    ``sum`` finds in C."""
+    add up as numbers (the long integer columns of a manifest) or join as strings (its keys)
+    holds no container, which ``sum`` and ``str.join`` find in C."""
     level = [value] if type(value) in (list, dict) else []
     depth = 0  # the containers in ``level`` are at level depth + 1
     while level:
@@ -60,6 +60,11 @@ def too_deep(value: Any, max_depth: int = MAX_JSON_DEPTH) -> bool:
                 sum(items)
                 continue  # numbers only (containers and strings raise TypeError)
             except (TypeError, OverflowError):  # OverflowError: a float beside a huge integer
+                pass
+            try:
+                "".join(items)
+                continue  # strings only (a manifest's or an index file's keys): checked in C
+            except TypeError:
                 pass
             below.extend([x for x in items if type(x) is list or type(x) is dict])
         level = below

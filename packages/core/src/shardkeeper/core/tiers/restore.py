@@ -1,8 +1,11 @@
 """A tiered restore, on every rank: choose the tier and step (``choose.py``), restore it, and
 fall back across the tiers when the chosen copy turns out damaged.
 
-- A local step whose bytes fail their digests (the listing judges by sizes) falls back, when
-  the newest was asked for, to the persistent root's newest step, with a warning.
+- A local step whose bytes fail their digests (the listing judges by sizes) is first
+  repaired: the damaged copies the errors lead to are replaced by other nodes' good copies
+  (``repair.py``) and the step is read again. One that cannot be repaired falls back, when
+  the newest was asked for, to the next older step whole locally (unless the persistent root
+  holds a newer one), then to the persistent root's newest step, with a warning.
 - A persistent restore that fell back below the newest step whole locally (the persistent
   root's newest was damaged) restores that local step instead.
 - After restoring the newest, each node drops its local steps newer than the one restored
@@ -20,9 +23,14 @@ from typing import Any
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from shardkeeper.core.restoring import Restorer
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice
+from shardkeeper.core.tiers.repair import damaged_files
 from shardkeeper.core.tiers.tiering import Tiering
 
 log = logging.getLogger(__name__)
+
+#: Times one local step is repaired and read again (a restore names one damaged file per rank
+#: and attempt) before it counts as damaged.
+MAX_REPAIRS = 3
 
 
 @dataclass
@@ -71,7 +79,7 @@ def restore_tiered(
                 stacklevel=4,
             )
             tiers.make_whole(choice, newest_local)
-            out = Restored(local.restore_state(state, newest_local, patterns, agreed=True, **kwargs), LOCAL, local)
+            out = _restore_repairing(tiers, local, state, newest_local, patterns, kwargs)
     if step is None:
         tiers.drop_newer(choice, out.step)
     return out
@@ -99,10 +107,10 @@ def _local_with_fallback(
     for i, s in enumerate(candidates):
         if i and newest_persisted is not None and newest_persisted > s:
             break  # the persistent root holds a newer step than the next local one
+        if i:
+            tiers.make_whole(choice, s)
         try:
-            if i:
-                tiers.make_whole(choice, s)
-            return Restored(local.restore_state(state, s, patterns, agreed=True, **kwargs), LOCAL, local)
+            return _restore_repairing(tiers, local, state, s, patterns, kwargs)
         except CheckpointError as e:
             agreed = tiers.group.all_reduce_max([_damage_code(e)], f"rank {rank}: whether step {s} is damaged")
             if agreed[0] != 1 or step is not None:
@@ -117,6 +125,38 @@ def _local_with_fallback(
                 raise
             warnings.warn(f"step {s} in the local tier is damaged ({e}); restoring {later}", stacklevel=5)
     return Restored(remote.restore_state(state, None, patterns, **kwargs), PERSISTENT, remote)
+
+
+def _restore_repairing(
+    tiers: Tiering,
+    local: Restorer,
+    state: Mapping[str, Any],
+    s: int,
+    patterns: list[str] | None,
+    kwargs: dict[str, Any],
+) -> Restored:
+    """Local step ``s``; when its bytes fail their digests, the damaged copies the ranks'
+    errors lead to are replaced by other nodes' good copies (``repair.py``) and ``s`` is read
+    again, up to ``MAX_REPAIRS`` times; the last failure is raised when nothing was repaired."""
+    rank = tiers.rank
+    for attempt in range(MAX_REPAIRS + 1):
+        try:
+            return Restored(local.restore_state(state, s, patterns, agreed=True, **kwargs), LOCAL, local)
+        except CheckpointError as e:
+            agreed = tiers.group.all_reduce_max([_damage_code(e)], f"rank {rank}: whether step {s} is damaged")
+            if agreed[0] != 1 or attempt == MAX_REPAIRS:
+                raise
+            repaired = tiers.repair(s, damaged_files(e))
+            if not repaired:
+                raise
+            shown = "; ".join(f"{r.path} on node {r.dst_node} from node {r.src_node}" for r in repaired[:4])
+            warnings.warn(
+                f"step {s} in the local tier: {len(repaired)} damaged cop{'y' if len(repaired) == 1 else 'ies'} "
+                f"replaced by other nodes' good copies ({shown}{' ...' if len(repaired) > 4 else ''}); "
+                f"restoring step {s} again",
+                stacklevel=6,
+            )
+    raise AssertionError("unreachable")
 
 
 __all__ = ["Restored", "restore_tiered"]

@@ -38,6 +38,7 @@ from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover
 from shardkeeper.core.tiers.persist import Persister
 from shardkeeper.core.tiers.record import Recorder
+from shardkeeper.core.tiers.repair import Repair, repair
 from shardkeeper.core.tiers.tee import Tee
 from shardkeeper.core.tiers.transfer import Move, move_files
 from shardkeeper.core.tiers.wire import TierCoord, TierGroup
@@ -224,6 +225,11 @@ class Tiering:
             step,
             *self.last_received,
         )
+
+    def repair(self, step: int, reported: list[str]) -> list[Repair]:
+        """Collective: the nodes' damaged copies of the files the ranks ``reported`` (from a
+        restore of ``step`` that failed its digests) replaced by good copies from other nodes."""
+        return repair(self.group, self.nodes, self.local, step, reported)
 
     def drop_newer(self, c: Choice, restored: int) -> None:
         """Collective, after restoring the newest: each node's leader removes its local steps

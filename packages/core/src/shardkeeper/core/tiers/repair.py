@@ -1,0 +1,131 @@
+"""A node's damaged copy of a local step replaced by another node's good copy, before the
+restore falls back to an older step.
+
+A restore reads each byte from one node's copy: its own, or that of the rank that read a
+shared range for it. A flipped bit on one node's disk therefore fails the step for every
+rank that copy served, although another node may hold the same file whole (a replica, or a
+file made whole there earlier). When the ranks agree that a local step is damaged, the files
+their errors name (``ChecksumMismatchError.file``) are checked on every node that holds them:
+each node's leader reads its copy against the manifest's digests (``verify_step`` limited to
+those files), since an error does not say whose copy the bytes came from. Each damaged copy
+is removed and replaced by one that checks out, moved and verified as ``make_whole`` moves
+files, and the restore reads the step again. Nothing is replaced when no node holds a good
+copy of a damaged file: the restore then falls back as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardkeeper.core.commit import load_manifest
+from shardkeeper.core.errors import ChecksumMismatchError
+from shardkeeper.core.tiers.nodes import NodeMap
+from shardkeeper.core.tiers.transfer import Move, move_files
+from shardkeeper.core.tiers.wire import TierGroup
+from shardkeeper.core.verify import verify_step
+
+log = logging.getLogger(__name__)
+
+#: The files one rank reports per attempt (a restore stops at its first damaged chunk).
+_MAX_REPORTED = 16
+GOOD, BAD, ABSENT = "good", "bad", "absent"
+
+
+@dataclass(frozen=True)
+class Repair:
+    path: str  # root-relative
+    src_node: int
+    dst_node: int
+
+
+def damaged_files(error: BaseException) -> list[str]:
+    """The files a restore's error (or one in its chain of causes) names as damaged."""
+    out: list[str] = []
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        path = getattr(e, "file", "")
+        if isinstance(e, ChecksumMismatchError) and isinstance(path, str) and path and path not in out:
+            out.append(path)
+        e = e.__cause__ or e.__context__
+    return out[:_MAX_REPORTED]
+
+
+def check_copies(local: Any, step: int, paths: Sequence[str]) -> dict[str, list[Any]]:
+    """This node's copy of each of ``paths`` (files of ``step`` or those it points at):
+    ``[GOOD | BAD | ABSENT, stored size]``, judged against the manifest's digests."""
+    here = [p for p in paths if local.raw.exists(p)]
+    bad: set[str] = set()
+    if here:
+        report = verify_step(local.read, step, manifest=load_manifest(local.read, step), files=here)
+        bad = {p.file for p in report.problems if p.file}
+    return {p: [BAD if p in bad else GOOD, local.raw.size(p)] if p in here else [ABSENT, 0] for p in paths}
+
+
+def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Sequence[str]) -> list[Repair]:
+    """Collective: every node's damaged copy of the files the ranks ``reported`` replaced by
+    a good copy from another node. Returns the repairs; none when no rank reported a file,
+    no copy was found damaged, or some damaged file has no good copy anywhere. Every local
+    failure is agreed on, so every rank raises together and none waits."""
+    me = group.rank
+    where = f"step {step}, rank {me}"
+    gathered = group.all_gather_json(list(reported)[:_MAX_REPORTED], f"{where}: the files found damaged")
+    paths = sorted({p for g in gathered for p in g if isinstance(p, str)})
+    if not paths:
+        return []
+    mine: dict[str, list[Any]] = {}
+    error: BaseException | None = None
+    if nodes.is_leader(me):
+        try:
+            mine = check_copies(local, step, paths)
+        except Exception as e:  # every rank hears it (agreed below): none skips a collective
+            error = e
+    group.agree_ok(error, f"{where}: checking each node's copy of the damaged files")
+    copies = group.all_gather_json(mine, f"{where}: each node's copies of the damaged files")
+    by_node = [copies[nodes.leader(k)] for k in range(len(nodes.nodes))]
+    repairs: list[Repair] = []
+    plan: list[Move] = []
+    for i, path in enumerate(paths):
+        good = [k for k, c in enumerate(by_node) if c[path][0] == GOOD]
+        bad = [k for k, c in enumerate(by_node) if c[path][0] == BAD]
+        if bad and not good:
+            return []  # no node holds it whole: the step cannot be made good
+        for j, k in enumerate(bad):
+            h = good[(i + j) % len(good)]
+            src, dst = nodes.nodes[h], nodes.nodes[k]
+            plan.append(Move(path, int(by_node[h][path][1]), src[i % len(src)], dst[i % len(dst)]))
+            repairs.append(Repair(path, h, k))
+    if not plan:
+        return []
+    error = None
+    node = nodes.node_of(me)
+    if nodes.is_leader(me):
+        try:
+            for r in repairs:
+                if r.dst_node == node:
+                    log.warning(
+                        "rank %d: step %d: this node's copy of %s in %s is damaged; replacing it with node %d's copy",
+                        me,
+                        step,
+                        r.path,
+                        local.raw.url,
+                        r.src_node,
+                    )
+                    local.storage.delete(r.path)  # (through the view: its caches forget it)
+        except Exception as e:
+            error = e
+    group.agree_ok(error, f"{where}: removing the damaged copies")
+    error = None
+    try:
+        move_files(group, local.raw, plan, f"{where}: replacing the damaged copies")
+    except Exception as e:  # this rank's own failure, or a sender's: agreed below
+        error = e
+    group.agree_ok(error, f"{where}: replacing the damaged copies")
+    return repairs
+
+
+__all__ = ["ABSENT", "BAD", "GOOD", "Repair", "check_copies", "damaged_files", "repair"]
