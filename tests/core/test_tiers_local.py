@@ -173,6 +173,9 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path: Path) -> None:
     assert rows["1"]["tiers"] == ["persistent", "local:0", "local:1"] and rows["1"]["local_whole"] is True
     assert rows["2"]["status"] == "local" and rows["2"]["tiers"] == ["local:0", "local:1"]
     assert rows["2"]["local_whole"] is True
+    # a step only the local tier holds shows its manifest's figures, as a persisted one does
+    assert rows["2"]["leaves"] == rows["1"]["leaves"] == 2 and rows["2"]["world_size"] == 1
+    assert rows["2"]["size_bytes"] == rows["1"]["size_bytes"] > 0 and rows["2"]["created_at"]
     assert ls(a)["2"]["local_whole"] is False  # one node alone lacks a file
     text = subprocess.run(
         [sys.executable, "-m", "shardkeeper.core.cli", "ls", str(persistent), f"--local={a}"],
@@ -234,8 +237,9 @@ def test_saves_below_a_persisted_step_are_refused_and_delete_covers_both_tiers(t
     shutil.rmtree(local)
     with CheckpointManager(persistent, local=local) as mgr:
         assert mgr.restore({k: torch.zeros_like(v) for k, v in _state(1).items()}, step=1) == 1
-        with pytest.raises(StepOrderError, match="below the newest committed step 3"):
+        with pytest.raises(StepOrderError, match="below the newest committed step 3") as refused:
             mgr.save(2, _state(2))
+        assert str(persistent) in str(refused.value) and str(local) not in str(refused.value)  # where step 3 is
         mgr.save(4, _state(4))
         mgr.wait()
         assert not mgr.delete(3)  # the persistent root's newest: kept, as without tiers

@@ -36,6 +36,7 @@ class StepOrder:
         self._rank = rank
         self._listed = False  # whether the root was listed yet
         self._newest: int | None = None
+        self._newest_in = storage  # the root that holds the newest step (messages name it)
 
     def refusal(self, step: int) -> CommitConflictError | None:
         """Why a save at ``step`` is refused (None: it may go ahead). A storage that fails
@@ -55,7 +56,7 @@ class StepOrder:
         if newest is None or step >= newest:
             return None
         return StepOrderError(
-            f"step {step} is below the newest committed step {newest} under {storage.url} (rank "
+            f"step {step} is below the newest committed step {newest} under {self._newest_in.url} (rank "
             f"{self._rank}); this save wrote nothing: a resume from this root goes back to step "
             f"{newest}, not to the state saved now. {_remedies(newest)}",
             step=step,
@@ -65,19 +66,21 @@ class StepOrder:
     def committed(self, step: int) -> None:
         """Every rank, once this manager committed ``step``."""
         if self._newest is None or step > self._newest:
-            self._newest = step
+            self._newest, self._newest_in = step, self._storage
 
     def _relist(self) -> int | None:
-        self._newest = newest_committed(self._storage)
+        self._newest, self._newest_in = newest_committed(self._storage), self._storage
         if self._also is not None:
             other = newest_committed(self._also)
             if other is not None and (self._newest is None or other > self._newest):
-                self._newest = other
+                self._newest, self._newest_in = other, self._also
         self._listed = True
         return self._newest
 
     def _committed_error(self, step: int, newest: int | None) -> CommitConflictError:
-        storage = self._storage
+        storage = self._storage  # (or the second root, when only that one holds the step)
+        if self._also is not None and not storage.exists(manifest_path(step)):
+            storage = self._also
         where = f"under {storage.url} ({storage.describe(manifest_path(step))} exists; rank {self._rank})"
         if newest is not None and step < newest:
             return StepOrderError(

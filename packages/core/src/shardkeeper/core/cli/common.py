@@ -10,6 +10,7 @@ from typing import Any
 from shardkeeper.core.bars import want_progress
 from shardkeeper.core.cli.roots import check_root
 from shardkeeper.core.errors import CheckpointNotFoundError, UsageError
+from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.object_stores import OBJECT_STORE_PROTOCOLS
@@ -148,6 +149,17 @@ def step_arg(text: str) -> int:
     return step
 
 
+def manifest_figures(m: Manifest) -> dict[str, Any]:
+    """A step's figures in ``ls``: its stored and logical bytes, leaves, world size, time."""
+    return {
+        "size_bytes": m.stored()[1],
+        "logical_bytes": m.nbytes,
+        "leaves": len(m.leaves),
+        "world_size": m.world_size,
+        "created_at": m.created_at or None,
+    }
+
+
 __all__ = [
     "CLI_RETRY",
     "EXIT_DAMAGED",
@@ -156,6 +168,7 @@ __all__ = [
     "KEY_HELP",
     "PROG",
     "add_key_options",
+    "manifest_figures",
     "open_root",
     "print_json",
     "show_progress",

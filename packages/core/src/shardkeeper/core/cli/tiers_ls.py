@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from shardkeeper.core.cli.common import manifest_figures
 from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
 from shardkeeper.core.errors import CheckpointError, UsageError
 from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.root_files import resolve_file, walk_files
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.base import Storage
@@ -29,17 +31,21 @@ def _sizes(storage: Storage, step: int) -> dict[str, int]:
     return out
 
 
-def _whole(dirs: list[Storage], step: int, holders: list[int], files: list[dict[str, int]]) -> bool | None:
+def _manifest(dirs: list[Storage], step: int, holders: list[int]) -> Manifest | None:
+    """The first of the holders' manifests of ``step`` that validates here."""
     for k in holders:
         try:
-            m = load_manifest(dirs[k], step)
+            return load_manifest(dirs[k], step)
         except CheckpointError:
             continue
-        if m.encryption is not None:
-            return None  # stored sizes are not the manifest's (encrypted files are larger): not judged here
-        need = {resolve_file(step, rel): int(info["size_bytes"]) for rel, info in m.files.items()}
-        return all(any(f.get(p) == n for f in files) for p, n in need.items() if p is not None)
     return None
+
+
+def _whole(m: Manifest | None, step: int, files: list[dict[str, int]]) -> bool | None:
+    if m is None or m.encryption is not None:
+        return None  # stored sizes are not the manifest's (encrypted files are larger): not judged here
+    need = {resolve_file(step, rel): int(info["size_bytes"]) for rel, info in m.files.items()}
+    return all(any(f.get(p) == n for f in files) for p, n in need.items() if p is not None)
 
 
 def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
@@ -59,8 +65,11 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
             rows.append(row)
         holders = [k for k, d in enumerate(dirs) if d.exists(manifest_path(step))]
         row["tiers"] = (["persistent"] if row["status"] == "committed" else []) + [f"local:{k}" for k in holders]
+        m = _manifest(dirs, step, holders)
+        if m is not None and row["size_bytes"] is None:  # a step only the local tier holds: its manifest's figures
+            row.update(manifest_figures(m))
         files = [_sizes(d, step) for d in dirs] if holders else []
-        row["local_whole"] = _whole(dirs, step, holders, files) if holders else False
+        row["local_whole"] = _whole(m, step, files) if holders else False
     rows.sort(key=lambda r: r["step"])
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkeeper.core.bars import make_bar
-from shardkeeper.core.cli.common import EXIT_OK, open_root, print_json, show_progress, step_arg
+from shardkeeper.core.cli.common import EXIT_OK, manifest_figures, open_root, print_json, show_progress, step_arg
 from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
 from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
 from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
@@ -80,13 +80,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             except CheckpointError:
                 row["status"] = "invalid"  # damaged or deleted since the listing
             else:
-                row.update(
-                    size_bytes=_stored_bytes(m),
-                    logical_bytes=m.nbytes,
-                    leaves=len(m.leaves),
-                    world_size=m.world_size,
-                    created_at=m.created_at or None,
-                )
+                row.update(manifest_figures(m))
         else:
             try:
                 names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
