@@ -206,6 +206,27 @@ def test_a_damaged_copy_is_replaced_by_another_nodes_good_one(
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
+def test_nodes_holding_different_manifests_of_a_step_keep_it_and_restore_the_one_before(
+    tmp_path: Path, s3_root: tuple[str, dict[str, Any]]
+) -> None:
+    """An old disk back after a rollback: two valid manifests of one step. Neither is trusted
+    over the other, so the step is neither restored nor removed, and the step before it is."""
+    cfg = _config(tmp_path, s3_root, steps=3, persist_every=None, replicas=1, expect_persisted=[])
+    _save_phase(tmp_path, [0, 1], cfg)  # step 4 commits on both nodes
+    theirs = tmp_path / "node1" / "step-000000000004" / "manifest.json"
+    doc = json.loads(theirs.read_text())
+    doc["created_at"] = "2000-01-01T00:00:00Z"  # still valid; another commit's manifest
+    theirs.write_text(json.dumps(doc))
+    got = _resume_phase(tmp_path, [0, 1], cfg)
+    assert [g["step"] for g in got] == [3] * 4, got
+    assert [g["tier"] for g in got] == ["local"] * 4, got
+    assert (tmp_path / "node0" / "step-000000000004" / "manifest.json").exists() and theirs.exists()
+    assert json.loads(theirs.read_text())["created_at"] == "2000-01-01T00:00:00Z"
+    assert "hold different manifests of step 4" in _logs(tmp_path / "resume")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
 def test_one_node_run_resumes_on_two_nodes(tmp_path: Path, s3_root: tuple[str, dict[str, Any]]) -> None:
     cfg = _config(tmp_path, s3_root, steps=3, persist_every=None, replicas=1, expect_persisted=[])
     _save_phase(tmp_path, [0], cfg)
