@@ -193,6 +193,29 @@ def _flip_a_byte(step_dir: Path) -> None:
     f.write_bytes(bytes(data))
 
 
+def test_a_repair_judges_a_copy_good_only_when_its_bytes_checked_out(tmp_path: Path) -> None:
+    """What a node reports of its copies when a repair asks (a source must have been read)."""
+    from types import SimpleNamespace
+
+    from shardkeeper.core.tiers.repair import ABSENT, BAD, GOOD, UNKNOWN, check_copies
+
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    with CheckpointManager(persistent, local=local, min_file_bytes=1) as mgr:
+        mgr.save(1, _state(1))
+    data = local / "step-000000000001" / "data"
+    files = sorted(p.name for p in data.iterdir() if p.suffix == ".safetensors")
+    assert len(files) >= 2
+    _flip_a_byte(local / "step-000000000001")
+    flipped = max(data.iterdir(), key=lambda p: p.stat().st_size).name
+    intact = next(f for f in files if f != flipped)
+    (data / "stray.bin").write_bytes(b"not in the manifest")
+    paths = [f"step-000000000001/data/{n}" for n in (flipped, intact, "stray.bin", "gone.safetensors")]
+    store = LocalStorage(local)
+    got = check_copies(SimpleNamespace(raw=store, read=store), 1, paths)
+    assert [got[p][0] for p in paths] == [BAD, GOOD, UNKNOWN, ABSENT], got
+    assert got[paths[1]][1] == (data / intact).stat().st_size
+
+
 def test_a_damaged_local_copy_falls_back_to_the_persistent_one(tmp_path: Path) -> None:
     persistent, local = tmp_path / "p", tmp_path / "l"
     with CheckpointManager(persistent, local=local, persist_every=1) as mgr:

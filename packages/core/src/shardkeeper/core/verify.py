@@ -66,17 +66,22 @@ def verify_step(
 
     ``files`` (root-relative paths): check only those files, their sizes, the chunks they
     hold and their headers, not the tiling (a repair's check of the copies of a step that
-    a restore found damaged, before it takes another node's copy).
+    a restore found damaged, before it takes another node's copy; an encrypted root read
+    without its key has every file's structure checked, as without ``files``).
+    ``report.files_read`` says which files had chunk bytes checked.
     """
+    if isinstance(files, str):
+        raise TypeError(f"verify_step(files=...) takes a collection of paths, not the string {files!r}")
     t0 = time.monotonic()
     m = manifest if manifest is not None else load_manifest(storage, step)
     report = _verify(storage, step, m, read_bytes, on_bytes, None if files is None else frozenset(files))
     report.seconds = time.monotonic() - t0
     if report.ok:
         log.info(
-            "step %d: OK: %d files, %d chunks, %s checked in %.2f s",
+            "step %d: OK: %d %sfiles, %d chunks, %s checked in %.2f s",
             step,
             report.files_checked,
+            "" if files is None else "of the asked ",
             report.chunks_checked,
             human_size(report.bytes_checked),
             report.seconds,
@@ -295,6 +300,7 @@ def _verify(
                 )
                 continue
             report.chunks_checked += 1
+            report.files_read.add(path)
             head = b""
             for w in reader.scan(path, c, span):
                 if w.data is None:  # damage (an encrypted block that fails authentication), or the storage

@@ -61,6 +61,7 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_checked: int = 0
     seconds: float = 0.0  # wall time of the check
+    files_read: set[str] = field(default_factory=set)  # files some chunk's bytes were checked in
 
     @property
     def ok(self) -> bool:

@@ -66,7 +66,7 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
         holders = [k for k, d in enumerate(dirs) if d.exists(manifest_path(step))]
         row["tiers"] = (["persistent"] if row["status"] == "committed" else []) + [f"local:{k}" for k in holders]
         m = _manifest(dirs, step, holders)
-        if m is not None and row["size_bytes"] is None:  # a step only the local tier holds: its manifest's figures
+        if m is not None and row["status"] == "local":  # a step only the local tier holds: its manifest's figures
             row.update(manifest_figures(m))
         files = [_sizes(d, step) for d in dirs] if holders else []
         row["local_whole"] = _whole(m, step, files) if holders else False

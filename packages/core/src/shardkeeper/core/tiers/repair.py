@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 #: The files one rank reports per attempt (a restore stops at its first damaged chunk).
 _MAX_REPORTED = 16
-GOOD, BAD, ABSENT = "good", "bad", "absent"
+#: A copy's judgement: its chunks' bytes checked out; damaged; not on the node; or not
+#: judged (the storage failed to read it, or a problem of the step keeps it from being checked).
+GOOD, BAD, ABSENT, UNKNOWN = "good", "bad", "absent", "unknown"
 
 
 @dataclass(frozen=True)
@@ -57,20 +59,33 @@ def damaged_files(error: BaseException) -> list[str]:
 
 def check_copies(local: Any, step: int, paths: Sequence[str]) -> dict[str, list[Any]]:
     """This node's copy of each of ``paths`` (files of ``step`` or those it points at):
-    ``[GOOD | BAD | ABSENT, stored size]``, judged against the manifest's digests."""
+    ``[GOOD | BAD | ABSENT | UNKNOWN, stored size]``, judged against the manifest's digests.
+    A copy is good only when bytes of it were checked and nothing was found; one the storage
+    could not read, or any copy when a problem names no file, is not judged."""
+    out: dict[str, list[Any]] = {p: [ABSENT, 0] for p in paths}
     here = [p for p in paths if local.raw.exists(p)]
-    bad: set[str] = set()
-    if here:
-        report = verify_step(local.read, step, manifest=load_manifest(local.read, step), files=here)
-        bad = {p.file for p in report.problems if p.file}
-    return {p: [BAD if p in bad else GOOD, local.raw.size(p)] if p in here else [ABSENT, 0] for p in paths}
+    if not here:
+        return out
+    report = verify_step(local.read, step, manifest=load_manifest(local.read, step), files=here)
+    judged = all(q.file for q in report.problems)
+    for p in here:
+        kinds = {q.kind for q in report.problems if q.file == p}
+        if kinds - {"read"}:
+            state = BAD
+        elif kinds or not judged or p not in report.files_read:
+            state = UNKNOWN
+        else:
+            state = GOOD
+        out[p] = [state, local.raw.size(p)]
+    return out
 
 
 def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Sequence[str]) -> list[Repair]:
     """Collective: every node's damaged copy of the files the ranks ``reported`` replaced by
     a good copy from another node. Returns the repairs; none when no rank reported a file,
-    no copy was found damaged, or some damaged file has no good copy anywhere. Every local
-    failure is agreed on, so every rank raises together and none waits."""
+    no copy was found damaged, or some damaged file has no good copy anywhere (then the step
+    cannot be restored, so no copy is touched). Every local failure is agreed on, so every
+    rank raises together and none waits."""
     me = group.rank
     where = f"step {step}, rank {me}"
     gathered = group.all_gather_json(list(reported)[:_MAX_REPORTED], f"{where}: the files found damaged")
@@ -92,14 +107,28 @@ def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Se
     for i, path in enumerate(paths):
         good = [k for k, c in enumerate(by_node) if c[path][0] == GOOD]
         bad = [k for k, c in enumerate(by_node) if c[path][0] == BAD]
-        if bad and not good:
-            return []  # no node holds it whole: the step cannot be made good
+        if bad and not good:  # the step cannot be made good: nothing is touched
+            log.warning(
+                "rank %d: step %d: no node holds a copy of %s that checks out (damaged on node(s) %s); not "
+                "repaired. `shardkeeper verify DIR` on each node's directory shows the damage",
+                me,
+                step,
+                path,
+                ", ".join(map(str, bad)),
+            )
+            return []
         for j, k in enumerate(bad):
             h = good[(i + j) % len(good)]
             src, dst = nodes.nodes[h], nodes.nodes[k]
             plan.append(Move(path, int(by_node[h][path][1]), src[i % len(src)], dst[i % len(dst)]))
             repairs.append(Repair(path, h, k))
     if not plan:
+        log.warning(
+            "rank %d: step %d: no node's copy of %s was found damaged; nothing repaired",
+            me,
+            step,
+            ", ".join(paths[:4]) + (" ..." if len(paths) > 4 else ""),
+        )
         return []
     error = None
     node = nodes.node_of(me)
@@ -128,4 +157,4 @@ def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Se
     return repairs
 
 
-__all__ = ["ABSENT", "BAD", "GOOD", "Repair", "check_copies", "damaged_files", "repair"]
+__all__ = ["ABSENT", "BAD", "GOOD", "UNKNOWN", "Repair", "check_copies", "damaged_files", "repair"]

@@ -25,6 +25,7 @@ from shardkeeper.core.restoring import Restorer
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice
 from shardkeeper.core.tiers.repair import damaged_files
 from shardkeeper.core.tiers.tiering import Tiering
+from shardkeeper.core.tiers.wire import TierGroupBroken
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,6 @@ def _local_with_fallback(
     a newer one, then the persistent root's newest. A damaged step leaves
     ``choice.local_steps``, so the drop after the restore removes it from every node (else
     every restart would try it again, and a save below it would be refused)."""
-    rank = tiers.rank
     assert choice.step is not None
     candidates: list[int] = [choice.step] if step is not None else list(choice.local_steps)
     newest_persisted = choice.persisted[-1] if choice.persisted else None
@@ -111,9 +111,8 @@ def _local_with_fallback(
             tiers.make_whole(choice, s)
         try:
             return _restore_repairing(tiers, local, state, s, patterns, kwargs)
-        except CheckpointError as e:
-            agreed = tiers.group.all_reduce_max([_damage_code(e)], f"rank {rank}: whether step {s} is damaged")
-            if agreed[0] != 1 or step is not None:
+        except Exception as e:  # (agreed on by every rank before it was raised)
+            if getattr(e, "tier_damage", None) != 1 or step is not None:
                 raise
             choice.local_steps.remove(s)
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
@@ -137,16 +136,26 @@ def _restore_repairing(
 ) -> Restored:
     """Local step ``s``; when its bytes fail their digests, the damaged copies the ranks'
     errors lead to are replaced by other nodes' good copies (``repair.py``) and ``s`` is read
-    again, up to ``MAX_REPAIRS`` times; the last failure is raised when nothing was repaired."""
+    again, up to ``MAX_REPAIRS`` times. A failure is raised on every rank together, carrying
+    the ranks' agreed verdict as ``tier_damage`` (1: the step is damaged, 2: anything else,
+    for which no other step is tried), also when nothing could be repaired or the repair
+    itself failed (the step then counts as damaged)."""
     rank = tiers.rank
     for attempt in range(MAX_REPAIRS + 1):
         try:
             return Restored(local.restore_state(state, s, patterns, agreed=True, **kwargs), LOCAL, local)
-        except CheckpointError as e:
-            agreed = tiers.group.all_reduce_max([_damage_code(e)], f"rank {rank}: whether step {s} is damaged")
-            if agreed[0] != 1 or attempt == MAX_REPAIRS:
+        except Exception as e:  # every rank agrees on what failed, so none waits on another
+            code = tiers.group.all_reduce_max([_damage_code(e)], f"rank {rank}: whether step {s} is damaged")[0]
+            e.tier_damage = code  # type: ignore[attr-defined]
+            if code != 1 or attempt == MAX_REPAIRS:
                 raise
-            repaired = tiers.repair(s, damaged_files(e))
+            try:
+                repaired = tiers.repair(s, damaged_files(e))
+            except TierGroupBroken:
+                raise
+            except CheckpointError as failed:  # (agreed inside the repair: every rank is here)
+                log.warning("rank %d: step %d: repairing its damaged copies failed (%s)", rank, s, failed)
+                repaired = []
             if not repaired:
                 raise
             shown = "; ".join(f"{r.path} on node {r.dst_node} from node {r.src_node}" for r in repaired[:4])
