@@ -33,8 +33,21 @@ from shardkeeper.core.format.records import (
     ChunkRecord,
     LeafRecord,
 )
+from shardkeeper.core.format.untrusted import strings_only
 
 _ITEM = {name: size for name, (_, size) in DTYPES.items()}
+
+
+def _layout_problem(specs: Sequence[tuple[Mesh, Any, Any]], li: int, rep: int, nd: int) -> str | None:
+    """Why a leaf of ``nd`` dimensions cannot be replica ``rep`` of layout ``li``, or None."""
+    if li >= len(specs):
+        return f"layout {li} is not one of the {len(specs)} described layouts"
+    mesh, pl, order = specs[li]
+    why = placements_problem(pl, mesh, nd, order)
+    if why is not None:
+        return why
+    got = replicas(mesh, pl)
+    return f"replica {rep} of a layout with {got} replicas" if rep >= got else None
 
 
 class DescribedLeaves:
@@ -104,7 +117,7 @@ class DescribedLeaves:
     @property
     def pos(self) -> dict[str, int]:
         if self._pos is None:
-            self._pos = {k: j for j, k in enumerate(self.keys)}
+            self._pos = dict(zip(self.keys, range(len(self.keys))))
         return self._pos
 
     def shapes(self) -> list[tuple[int, ...]]:
@@ -136,7 +149,7 @@ class DescribedLeaves:
             return "described columns are not arrays"
         if not (len(self.kind) == len(self.dtype) == len(self.ndim) == len(self.layout) == len(self.replica) == n):
             return "described columns differ in length"
-        if not all(isinstance(k, str) for k in self.keys) or len(self.pos) != n:
+        if not strings_only(self.keys) or len(self.pos) != n:
             return "described keys are not distinct strings"
         for c in (self.ndim, self.shape, self.layout, self.replica):
             if c and (not set(map(type, c)) <= {int} or min(c) < 0):
@@ -161,22 +174,16 @@ class DescribedLeaves:
             ):
                 return "a described layout is not [mesh index, placements] or [mesh index, placements, order]"
             specs.append((self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None))
-        seen: dict[tuple[int, int], int] = {}  # (layout, ndim) -> its replica count, checked once
+        # Each leaf's (layout, replica, ndim) judged once per distinct value (100,000 leaves
+        # have a few); the leaves are walked only for flat partitions (their shapes) or to
+        # name the first leaf of a problem.
+        kinds = {t: _layout_problem(specs, *t) for t in set(zip(self.layout, self.replica, self.ndim))}
         flat = {li for li, (_, pl, _) in enumerate(specs) if is_flat(pl)}
-        for j, (li, rep, nd) in enumerate(zip(self.layout, self.replica, self.ndim)):
-            got = seen.get((li, nd))
-            if got is None:
-                if li >= len(specs):
-                    return f"{self.keys[j]}: layout {li} is not one of the {len(specs)} described layouts"
-                mesh, pl, order = specs[li]
-                why = placements_problem(pl, mesh, nd, order)
-                if why is not None:
-                    return f"{self.keys[j]}: {why}"
-                got = seen[(li, nd)] = replicas(mesh, pl)
-            if rep >= got:
-                return f"{self.keys[j]}: replica {rep} of a layout with {got} replicas"
-            if li in flat:  # (its placements checked just above)
-                why = flat_problem(self.shapes()[j], specs[li][0], specs[li][1])
+        if flat or any(why is not None for why in kinds.values()):
+            for j, t in enumerate(zip(self.layout, self.replica, self.ndim)):
+                why = kinds[t]
+                if why is None and t[0] in flat:  # (its placements checked)
+                    why = flat_problem(self.shapes()[j], specs[t[0]][0], specs[t[0]][1])
                 if why is not None:
                     return f"{self.keys[j]}: {why}"
         self._specs = [(m, pl, tuple(o) if o is not None else None) for m, pl, o in specs]
@@ -346,7 +353,8 @@ class DescribedLeaves:
                 if str(e) not in out and rank not in self._failed:
                     out.append(str(e))
         for rank, (rows, _, _, _) in sorted(self._loaded.items()):
-            for key, (_, n) in rows.items():
+            for key, run in rows.items():
+                n = 1 if isinstance(run, int) else run[1]
                 if key in skip:
                     continue
                 used = (self.track or {}).get((rank, key), 0)

@@ -38,15 +38,15 @@ class RankRows:
     def chunk(self, key: str, offs: tuple[int, ...], box: tuple[int, ...], item: int) -> ChunkRecord | str:
         """The chunk of ``key`` at the box ``offs``/``box`` (``item`` bytes an element), or why
         the file cannot give it (a phrase after "index file ... of rank R")."""
-        run = self.rows.get(key)
-        if run is None:
+        i = self.rows.get(key)
+        if i is None:
             return f"has no chunk of {key!r}, which the layout says rank {self.rank} wrote"
-        i, n = run
         to, ts, paths, fcol, ocol, lcol, digests, w, encodings = self._cols
         dims = self.dims
         want = [*offs]
-        if n > 1:  # a flat partition's boxes: the one at these offsets
-            hit = next((r for r in range(i, i + n) if to[dims[r] : dims[r + 1]] == want), None)
+        if not isinstance(i, int):  # a flat partition's boxes: the one at these offsets
+            first, n = i
+            hit = next((r for r in range(first, first + n) if to[dims[r] : dims[r + 1]] == want), None)
             if hit is None:
                 return f"has no chunk of {key!r} at {want}+{list(box)}, which the layout says rank {self.rank} wrote"
             i = hit

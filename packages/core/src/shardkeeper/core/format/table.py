@@ -203,7 +203,9 @@ class TableLeaves(Mapping[str, Any]):
         why = tables_problem(self.object_leaves, self.leaf_table, self.table, self.block, files, version)
         if why is None and self.described is not None:
             why = self.described.problem(world_size, files)
-            both = [k for k in self.described.keys if k in self.leaf_table.index or k in self.object_leaves]
+            keys = self.described.keys
+            others = self.leaf_table.index.keys(), self.object_leaves.keys()
+            both = [] if all(o.isdisjoint(keys) for o in others) else [k for k in keys if any(k in o for o in others)]
             if why is None and both:
                 why = f"{both[0]}: both a described leaf and another leaf"
         return why

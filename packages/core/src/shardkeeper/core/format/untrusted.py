@@ -61,15 +61,22 @@ def too_deep(value: Any, max_depth: int = MAX_JSON_DEPTH) -> bool:
                 continue  # numbers only (containers and strings raise TypeError)
             except (TypeError, OverflowError):  # OverflowError: a float beside a huge integer
                 pass
-            try:
-                "".join(items)
-                continue  # strings only (a manifest's or an index file's keys): checked in C
-            except TypeError:
-                pass
+            if strings_only(items):
+                continue  # (a manifest's or an index file's keys)
             below.extend([x for x in items if type(x) is list or type(x) is dict])
         level = below
         depth += 1
     return False
+
+
+def strings_only(items: Any) -> bool:
+    """Is every element of the list ``items`` a ``str``? Checked in C (``str.join`` refuses
+    anything else): the key columns of a manifest or an index file hold 100,000s."""
+    try:
+        "".join(items)
+    except TypeError:
+        return False
+    return True
 
 
 def _no_constant(name: str) -> Any:
@@ -77,4 +84,4 @@ def _no_constant(name: str) -> Any:
 
 
 # UntrustedJSONError: defined in errors; re-exported for the modules that still import it from here
-__all__ = ["MAX_JSON_DEPTH", "UntrustedJSONError", "loads_untrusted", "too_deep"]
+__all__ = ["MAX_JSON_DEPTH", "UntrustedJSONError", "loads_untrusted", "strings_only", "too_deep"]
