@@ -105,6 +105,7 @@ def test_encrypted_round_trip_on_every_backend(storage_root) -> None:
         assert full.ok and full.bytes_checked > 0, full.to_json()
         keyless = verify_step(plain, step)
         assert keyless.ok and keyless.files_checked >= 1, keyless.to_json()
+        assert keyless.structure_only and not full.structure_only and keyless.bytes_checked == 0
 
 
 class _Counting:
@@ -358,6 +359,10 @@ def test_cli_verify_and_export_take_the_key(
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     assert main(["verify", str(root), "--key", "env:SK_TEST_KEK"]) == 1
+    capsys.readouterr()
+    assert main(["verify", str(root)]) == 0  # without the key: the structure only, and said so
+    out = capsys.readouterr().out
+    assert "structure OK" in out and "no byte was checked: pass --key" in out and ": OK (" not in out
 
 
 def test_missing_extra_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

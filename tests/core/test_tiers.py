@@ -192,6 +192,10 @@ def test_a_damaged_copy_is_replaced_by_another_nodes_good_one(
         assert not verify_step(LocalStorage(tmp_path / f"node{node}"), 4).ok
         other = tmp_path / f"node{1 - node}" / path.relative_to(tmp_path / f"node{node}")
         assert other.read_bytes() != path.read_bytes()
+    # and a directory made where node 0 held one of rank 1's files: replaced too
+    gone = sorted((tmp_path / "node0" / "step-000000000004" / "data").glob("r00001-*"))[-1]
+    gone.unlink()
+    gone.mkdir()
     got = _resume_phase(tmp_path, [0, 1], cfg)
     assert [g["step"] for g in got] == [4] * 4, got  # not step 3: nothing was lost
     assert [g["tier"] for g in got] == ["local"] * 4, got
@@ -200,29 +204,34 @@ def test_a_damaged_copy_is_replaced_by_another_nodes_good_one(
         other = tmp_path / f"node{1 - node}" / path.relative_to(tmp_path / f"node{node}")
         assert path.read_bytes() == other.read_bytes()
         assert verify_step(LocalStorage(tmp_path / f"node{node}"), 4).ok
+    assert (
+        gone.is_file() and gone.read_bytes() == (tmp_path / "node1" / gone.relative_to(tmp_path / "node0")).read_bytes()
+    )
     logs = _logs(tmp_path / "resume")
     assert "replaced by other nodes' good copies" in logs and "is damaged; replacing it with node" in logs, logs
+    assert f"{gone.name} in {tmp_path / 'node0'} is" in logs and "expected); replacing it with node 1's copy" in logs
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_nodes_holding_different_manifests_of_a_step_keep_it_and_restore_the_one_before(
+def test_nodes_holding_different_manifests_of_the_newest_step_refuse_it_by_name(
     tmp_path: Path, s3_root: tuple[str, dict[str, Any]]
 ) -> None:
     """An old disk back after a rollback: two valid manifests of one step. Neither is trusted
-    over the other, so the step is neither restored nor removed, and the step before it is."""
+    over the other: the restore raises on every rank, naming both, and nothing is removed."""
     cfg = _config(tmp_path, s3_root, steps=3, persist_every=None, replicas=1, expect_persisted=[])
     _save_phase(tmp_path, [0, 1], cfg)  # step 4 commits on both nodes
     theirs = tmp_path / "node1" / "step-000000000004" / "manifest.json"
     doc = json.loads(theirs.read_text())
     doc["created_at"] = "2000-01-01T00:00:00Z"  # still valid; another commit's manifest
     theirs.write_text(json.dumps(doc))
-    got = _resume_phase(tmp_path, [0, 1], cfg)
-    assert [g["step"] for g in got] == [3] * 4, got
-    assert [g["tier"] for g in got] == ["local"] * 4, got
+    out = tmp_path / "conflict"
+    out.mkdir()
+    _run_until(_agents([0, 1], "conflict", out, cfg), out, None, 240)
+    assert_checks(read_checks(*(out / f"checks-r{r}.json" for r in range(4)), output=_logs(out)))
     assert (tmp_path / "node0" / "step-000000000004" / "manifest.json").exists() and theirs.exists()
     assert json.loads(theirs.read_text())["created_at"] == "2000-01-01T00:00:00Z"
-    assert "hold different manifests of step 4" in _logs(tmp_path / "resume")
+    assert (tmp_path / "node0" / "step-000000000003" / "manifest.json").exists()
 
 
 @pytest.mark.multiprocess

@@ -149,6 +149,35 @@ def test_a_failed_upload_is_raised_and_the_next_save_is_uploaded_instead(tmp_pat
     assert _steps(tmp_path / "l") == [1, 2, 3] and _steps(tmp_path / "p") == [2]
 
 
+def test_a_local_copy_damaged_before_its_upload_is_not_persisted(tmp_path: Path) -> None:
+    """The persistent root is the tier of last resort: an upload checks the local bytes it
+    sends (here a file of step 2, which the incremental step 3 points at, damaged on disk)."""
+    from shardkeeper.core.commit import load_manifest
+    from shardkeeper.core.verify import verify_step
+
+    persistent, local = tmp_path / "p", tmp_path / "l"
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        return {**_state(step), "x": torch.full((4096,), float(min(step, 2)))}  # the same from step 2 on
+
+    mgr = CheckpointManager(persistent, local=local, persist_every=2, incremental=True)
+    mgr.save(1, state(1))  # uploaded
+    mgr.wait_persisted()
+    mgr.save(2, state(2))  # not due
+    mgr.wait()
+    chunk = load_manifest(LocalStorage(local), 2).leaves["x"].chunks[0]
+    f = local / "step-000000000002" / chunk.file
+    data = bytearray(f.read_bytes())
+    data[chunk.offset + chunk.length // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    mgr.save(3, state(3))  # due; its "x" points at step 2's damaged file
+    with pytest.raises(CheckpointSaveError, match=r"step 3 was not uploaded.*copy of step 3 .* is damaged"):
+        mgr.wait_persisted()
+    mgr.close()
+    assert _steps(persistent) == [1] and verify_step(LocalStorage(persistent), 1).ok
+    assert not (persistent / "step-000000000002").exists()  # nothing of the damaged file went up
+
+
 def test_ls_shows_which_tiers_hold_each_step(tmp_path: Path) -> None:
     import json
     import subprocess
@@ -184,6 +213,10 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert "TIERS" in text and "local:0 (partial)" in text and "persistent,local:0 (whole)" in text
+    assert not rows["1"]["local_conflict"] and not rows["2"]["local_conflict"]
+    theirs = b / "step-000000000001" / "manifest.json"  # another history's manifest of step 1
+    theirs.write_text(theirs.read_text().replace('"created_at":"', '"created_at":"1999', 1))
+    assert ls(a, b)["1"]["local_conflict"] is True
 
 
 def _flip_a_byte(step_dir: Path) -> None:

@@ -10,6 +10,7 @@ and also holds a per-rank tensor. The node's local tier is ``CONFIG["locals"][TI
   the next step and, on node ``CONFIG["kill_node"]``, SIGKILL itself while it is in flight
   (the other node's ranks write a marker and wait to be killed by the test); without a
   ``kill_node`` that save is waited for, then the ranks wait to be killed.
+- ``conflict``: the restore of a step the nodes hold different manifests of is refused.
 - ``resume``: restore the newest step into a fresh model and compare parameters, Adam
   moments and the per-rank tensor bit for bit with a run trained to the restored step;
   write the tier restored from, the step, and the bytes read from the persistent tier.
@@ -183,11 +184,35 @@ def mismatch(out: Path, cfg: dict) -> None:
     checks.write(out / f"checks-r{rank}.json")
 
 
+def conflict(out: Path, cfg: dict) -> None:
+    """The nodes hold different manifests of the newest step: the restore raises on every
+    rank at once, naming both copies and the remedy, and restores nothing."""
+    from shardkeeper.core import CheckpointError
+
+    rank = dist.get_rank()
+    mgr = manager(cfg)
+    model, _ = trained(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    t0 = time.monotonic()
+    try:
+        mgr.restore({"model": model})
+    except CheckpointError as e:
+        text = str(e)
+        named = "different manifests of step 4" in text and "node 0 (ranks 0-1)" in text and "node 1 (ranks 2-3)" in text
+        check("the conflict is refused by name", named and "rm -r DIR/step-000000000004" in text, text)
+    else:
+        check("the conflict is refused by name", False, "restored")
+    check("nothing restored", all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    check("at once", time.monotonic() - t0 < cfg["commit_timeout_s"], time.monotonic() - t0)
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
 def main() -> None:
     mode, out, cfg = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
-    {"save": save, "resume": resume, "faults": faults, "mismatch": mismatch}[mode](out, cfg)
+    {"save": save, "resume": resume, "faults": faults, "mismatch": mismatch, "conflict": conflict}[mode](out, cfg)
     dist.destroy_process_group()
 
 

@@ -131,6 +131,7 @@ def _verify(
         # Encrypted, no key (codec/crypto.py): structure only; digests and tags need the key.
         from shardkeeper.core.codec.crypto_format import keyless_problems
 
+        report.structure_only = True
         report.files_checked, found = keyless_problems(storage, m, step)
         for kind, message, where in found:
             out.add(kind, message, file=where)

@@ -62,6 +62,7 @@ class VerifyReport:
     bytes_checked: int = 0
     seconds: float = 0.0  # wall time of the check
     files_read: set[str] = field(default_factory=set)  # files some chunk's bytes were checked in
+    structure_only: bool = False  # encrypted, read without the key: no byte was checked
 
     @property
     def ok(self) -> bool:
@@ -74,6 +75,7 @@ class VerifyReport:
             "files_checked": self.files_checked,
             "chunks_checked": self.chunks_checked,
             "bytes_checked": self.bytes_checked,
+            "structure_only": self.structure_only,
             "seconds": round(self.seconds, 3),
             "problems": [p.to_json() for p in self.problems],
         }

@@ -72,7 +72,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for p in root.problems:
         say(p.message)
     for r in root.steps:
-        if r.ok:
+        if r.ok and r.structure_only:
+            say(
+                f"step {r.step}: structure OK ({r.files_checked} files); encrypted, and read without the key, so "
+                f"no byte was checked: pass --key (and --encryption-root ROOT for a node's local tier) to check them"
+            )
+        elif r.ok:
             say(
                 f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
                 f"{human_size(r.bytes_checked)} checked in {r.seconds:.2f} s)"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import xxhash
+
 from shardkeeper.core.cli.common import manifest_figures
 from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
 from shardkeeper.core.errors import CheckpointError, UsageError
@@ -39,6 +41,13 @@ def _manifest(dirs: list[Storage], step: int, holders: list[int]) -> Manifest | 
         except CheckpointError:
             continue
     return None
+
+
+def _manifest_digest(storage: Storage, step: int) -> str | None:
+    try:
+        return xxhash.xxh3_64_hexdigest(storage.read_bytes(manifest_path(step)))
+    except CheckpointError:
+        return None
 
 
 def _whole(m: Manifest | None, step: int, files: list[dict[str, int]]) -> bool | None:
@@ -70,6 +79,8 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
             row.update(manifest_figures(m))
         files = [_sizes(d, step) for d in dirs] if holders else []
         row["local_whole"] = _whole(m, step, files) if holders else False
+        # different manifests of one step on two nodes: restore refuses the step (docs/tiers.md)
+        row["local_conflict"] = len({_manifest_digest(dirs[k], step) for k in holders}) > 1
     rows.sort(key=lambda r: r["step"])
 
 
@@ -77,7 +88,10 @@ def tiers_cell(row: dict[str, Any]) -> str:
     tiers = ",".join(row.get("tiers", [])) or "-"
     whole = row.get("local_whole")
     locals_ = any(t.startswith("local:") for t in row.get("tiers", []))
-    return tiers + ("" if not locals_ else " (whole)" if whole else " (partial)" if whole is False else " (?)")
+    conflict = " (conflict)" if row.get("local_conflict") else ""
+    return (
+        tiers + ("" if not locals_ else " (whole)" if whole else " (partial)" if whole is False else " (?)") + conflict
+    )
 
 
 __all__ = ["add_tiers", "tiers_cell"]

@@ -31,7 +31,7 @@ from shardkeeper.core.format.manifest import MANIFEST_NAME
 from shardkeeper.core.root_files import resolve_file, walk_files
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tiers.nodes import NodeMap
-from shardkeeper.core.tiers.transfer import Move, move_files
+from shardkeeper.core.tiers.transfer import Move, move_files, remove_copy
 from shardkeeper.core.tiers.wire import TierGroup
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class Choice:
 
 
 def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
-    """``{step: {"m": manifest readable, "f": {root-relative path: [size, stored size]}}}`` of
+    """``{step: {"m": manifest readable, "d": its digest, "c": its created_at, "f": {root-relative
+    path: [size, stored size]}}}`` of
     one directory (``view``: as saves see it, whose sizes the manifest records; ``storage``: as
     stored, larger when encrypted; ``read``: the authenticated view manifests are read
     through). A manifest that does not validate counts as absent (the node's copy is replaced
@@ -77,14 +78,14 @@ def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
                 files[path] = [view.size(path), stored]
             except CheckpointError:  # e.g. an encrypted file cut short: its header does not parse
                 files[path] = [-1, stored]
-        digest = None
+        digest, created = None, None
         if storage.exists(manifest_path(step)):
             try:
-                load_manifest(read, step)
+                created = load_manifest(read, step).created_at or None
                 digest = xxhash.xxh3_64_hexdigest(storage.read_bytes(manifest_path(step)))
             except CheckpointError:
                 pass
-        out[str(step)] = {"m": digest is not None, "d": digest, "f": files}
+        out[str(step)] = {"m": digest is not None, "d": digest, "c": created, "f": files}
     return out
 
 
@@ -158,12 +159,6 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
     conflicts = []
     for s in list(candidates):  # one commit gives one manifest: two differ after a rollback (an old disk back)
         if len({lst[str(s)]["d"] for lst in listings if lst.get(str(s), {}).get("m")}) > 1:
-            log.warning(
-                "rank %d: the nodes hold different manifests of step %d; it is neither restored nor removed "
-                "(`shardkeeper ls ROOT --local DIR ...` on each node shows them; delete the stale copy)",
-                me,
-                s,
-            )
             candidates.remove(s)
             conflicts.append(s)
     if asked is not None:
@@ -183,6 +178,11 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
     agreed = group.all_reduce_max(flags, f"rank {me}: which steps are whole in the local tiers") if flags else []
     whole = [s for s, f in zip(candidates, agreed) if f == 0]
     choice = Choice(None, None, whole, persisted, listings, needs, conflicts)
+    newest = max([*whole[:1], *persisted[-1:]], default=-1)
+    for s in conflicts:  # an older one is kept as it is: the newer step restored does not need it
+        if s == asked or (asked is None and s > newest):
+            raise CheckpointError(_conflict(me, s, listings, nodes))
+        log.warning("rank %d: the nodes hold different manifests of step %d, older than the step restored; kept", me, s)
     if asked is not None:
         if whole:
             choice.tier, choice.step = LOCAL, asked
@@ -194,6 +194,21 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
     elif persisted:
         choice.tier = PERSISTENT
     return choice
+
+
+def _conflict(me: int, step: int, listings: list[dict[str, Any]], nodes: NodeMap) -> str:
+    held = "; ".join(
+        f"node {k} (ranks {nodes.nodes[k][0]}-{nodes.nodes[k][-1]}): manifest {lst[str(step)]['d'][:8]}, "
+        f"created {lst[str(step)].get('c') or '?'}"
+        for k, lst in enumerate(listings)
+        if lst.get(str(step), {}).get("m")
+    )
+    return (
+        f"rank {me}: the nodes hold different manifests of step {step} ({held}): a node's local directory "
+        f"holds a copy from another history (an old disk back after a rollback?), and neither is trusted over "
+        f"the other, so nothing is restored. Remove the stale copy on its node (`rm -r DIR/{step_dir(step)}`; "
+        f"`shardkeeper ls ROOT --local DIR` there shows its steps), then restart"
+    )
 
 
 def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, step: int) -> tuple[int, int]:
@@ -240,12 +255,23 @@ def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, ste
             src_node, dst_node = nodes.nodes[h], nodes.nodes[k]
             plan.append(Move(path, stored, src_node[i % len(src_node)], dst_node[i % len(dst_node)]))
             if k == nodes.node_of(me) and nodes.is_leader(me) and _size(lst, path) is not None:
-                stale.append(path)
+                stale.append((path, _size(lst, path), h))
     if plan:
         error = None
         try:
-            for path in stale:  # a copy of the wrong size: replaced (through the view: its caches forget it)
-                local.storage.delete(path)
+            for path, size, h in stale:  # a copy of the wrong size: replaced (through the view: its caches forget it)
+                log.warning(
+                    "rank %d: step %d: this node's copy of %s in %s is %s (%s bytes expected); replacing it with "
+                    "node %d's copy",
+                    me,
+                    step,
+                    path,
+                    raw.url,
+                    "unreadable" if size is not None and size < 0 else f"{size} bytes",
+                    need[path][0],
+                    h,
+                )
+                remove_copy(local.storage, path)
         except Exception as e:
             error = e
         group.agree_ok(error, f"{where}: removing copies of the wrong size")

@@ -2,7 +2,10 @@
 from the local files (not from the staging buffer, which the next save reuses) to the
 persistent root, in the background, and committed there with the fenced protocol.
 
-Each rank uploads the files it wrote; the coordinator waits until every rank has (through the
+Each rank uploads the files it wrote, after checking them against the manifest's digests (a
+local copy damaged since it was written is never uploaded: the persistent root is the tier of
+last resort, and its commit checks only that files are there at their sizes); the
+coordinator waits until every rank has (through the
 c10d store), commits the manifest with ``put_manifest.commit_manifest`` (its intent, its checks
 that every file is there at its size, put-if-absent), applies the manager's retention to the
 persistent root, and publishes the outcome. One upload runs at a time: the next one waits for
@@ -26,11 +29,12 @@ import numpy as np
 
 from shardkeeper.core import deletion
 from shardkeeper.core.commit import write_latest_hint
-from shardkeeper.core.errors import CheckpointError, CheckpointSaveError
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.verify import verify_step
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -62,7 +66,8 @@ def copy_file(src: Storage, dst: Storage, path: str) -> None:
 class Persister:
     """Uploads of one manager. ``storage``: the persistent root as the save writes it
     (encrypting when keyed; manifests go through it), ``raw``: the same without encryption,
-    ``local``: this node's directory without encryption."""
+    ``local``: this node's directory without encryption, ``local_read``: the same as restores
+    read it (decrypting, authenticated), through which the files are checked."""
 
     def __init__(
         self,
@@ -70,6 +75,7 @@ class Persister:
         every: int | None,
         *,
         local: Storage,
+        local_read: Storage,
         storage: Storage,
         raw: Storage,
         retention: RetentionPolicy,
@@ -79,7 +85,7 @@ class Persister:
         newest: int | None,
     ) -> None:
         self.coord, self.every = coord, every
-        self.local, self.storage, self.raw = local, storage, raw
+        self.local, self.local_read, self.storage, self.raw = local, local_read, storage, raw
         self.retention, self.catalog, self.io, self.timeout_s = retention, catalog, io, timeout_s
         self.last_step = newest  # the newest step persisted or being persisted
         self.persisted: list[int] = []  # steps this manager committed to the persistent root
@@ -123,11 +129,10 @@ class Persister:
         store, me, world = self.coord.store, self.coord.rank, self.coord.world_size
         try:
             try:
-                for path in sorted(files):
+                missing = [p for p in sorted(refs) if not self.raw.exists(p)]  # uploaded with their own step, or now
+                self._check(step, [*sorted(files), *missing])
+                for path in [*sorted(files), *missing]:
                     copy_file(self.local, self.raw, path)
-                for path in sorted(refs):  # uploaded with their own step, or now
-                    if not self.raw.exists(path):
-                        copy_file(self.local, self.raw, path)
             except BaseException as e:
                 store.set(self._key(step, f"failed/{me}"), f"{type(e).__name__}: {e}")
                 store.add(self._key(step, "failures"), 1)
@@ -157,6 +162,21 @@ class Persister:
         finally:
             with self._lock:
                 self.in_flight.discard(step)
+
+    def _check(self, step: int, paths: list[str]) -> None:
+        """Raise ``CorruptCheckpointError`` when this node's copy of one of ``paths`` (files
+        of ``step`` or files it points at) fails the manifest's digests or sizes."""
+        if not paths:
+            return
+        report = verify_step(self.local_read, step, files=paths)
+        if not report.ok:
+            first = report.problems[0]
+            raise CorruptCheckpointError(
+                f"this node's copy of step {step} in {self.local.url} is damaged ({len(report.problems)} problem(s); "
+                f"{first.message}); it is not uploaded, so the persistent root never holds the damage. A restore "
+                f"replaces a damaged copy it reads with another node's good one; `shardkeeper verify "
+                f"{self.local.url} {step}` on this node shows the damage"
+            )
 
     def _commit(self, store: Any, step: int, manifest: Manifest | None, data: bytes | None) -> str | None:
         """Coordinator: wait for every rank's upload, then commit; the failure, or None."""

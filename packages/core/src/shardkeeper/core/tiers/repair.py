@@ -23,7 +23,7 @@ from typing import Any
 from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.errors import ChecksumMismatchError
 from shardkeeper.core.tiers.nodes import NodeMap
-from shardkeeper.core.tiers.transfer import Move, move_files
+from shardkeeper.core.tiers.transfer import Move, move_files, remove_copy
 from shardkeeper.core.tiers.wire import TierGroup
 from shardkeeper.core.verify import verify_step
 
@@ -144,7 +144,7 @@ def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Se
                         local.raw.url,
                         r.src_node,
                     )
-                    local.storage.delete(r.path)  # (through the view: its caches forget it)
+                    remove_copy(local.storage, r.path)  # (through the view: its caches forget it)
         except Exception as e:
             error = e
     group.agree_ok(error, f"{where}: removing the damaged copies")

@@ -122,6 +122,7 @@ class Tiering:
             coord,
             persist_every,
             local=local.raw,
+            local_read=local.read,
             storage=persistent.storage,
             raw=persistent.raw,
             retention=retention,
@@ -262,8 +263,12 @@ class Tiering:
         self.group.agree_ok(error, f"rank {self.rank}: removing local steps no tier holds whole")
 
     def whole_locally(self, step: int) -> bool:
-        """Collective: whether the nodes' directories hold ``step`` whole together."""
-        return step in choose(self.group, self.nodes, self.local, self.persistent.raw, step).local_steps
+        """Collective: whether the nodes' directories hold ``step`` whole together (not when
+        they hold different manifests of it)."""
+        try:
+            return step in choose(self.group, self.nodes, self.local, self.persistent.raw, step).local_steps
+        except CheckpointError:  # (raised on every rank alike: a conflict, or a listing that failed)
+            return False
 
     def delete_local(self, step: int, *, force: bool = False) -> bool:
         """Collective: every node's leader deletes its copy of ``step`` (``force``: even the

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from shardkeeper.core.errors import CorruptCheckpointError
+from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.tiers.wire import TierGroup
 
@@ -42,6 +42,17 @@ class Move:
     size: int
     src: int
     dst: int
+
+
+def remove_copy(storage: Storage, path: str) -> None:
+    """Remove whatever stands at ``path`` on this node before a good copy is received there:
+    a file, a link, or a directory made in its place (unlink refuses that one)."""
+    try:
+        storage.delete(path)
+    except CheckpointError:
+        storage.delete_dir(path)
+    if storage.exists(path):
+        raise CheckpointError(f"{storage.describe(path)} could not be removed to receive a good copy in its place")
 
 
 def _pieces(size: int) -> int:
@@ -222,4 +233,4 @@ def _wait_all(group: TierGroup, works: list[tuple[Any, int]], where: str) -> Non
         group.wait(work, f"{where} (with rank {peer})")
 
 
-__all__ = ["PIECE_BYTES", "Move", "move_files"]
+__all__ = ["PIECE_BYTES", "Move", "move_files", "remove_copy"]
