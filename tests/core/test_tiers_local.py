@@ -263,6 +263,26 @@ def test_a_damaged_local_copy_falls_back_to_the_persistent_one(tmp_path: Path) -
     assert all(torch.equal(target[k], v) for k, v in _state(2).items())
 
 
+def test_the_fallback_warning_does_not_call_the_target_partly_restored(tmp_path: Path) -> None:
+    """The failed read wrote some keys, but the restore that follows rewrites them all: the
+    warning names the damage, not "do not train from it"."""
+    persistent, local = tmp_path / "p", tmp_path / "l"
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        return {**_state(step), **{f"k{i}": torch.full((1000,), float(step + i)) for i in range(8)}}
+
+    with CheckpointManager(persistent, local=local, persist_every=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+    _flip_a_byte(local / "step-000000000002")
+    target = {k: torch.zeros_like(v) for k, v in state(2).items()}
+    with CheckpointManager(persistent, local=local) as mgr:
+        with pytest.warns(UserWarning, match="step 2 in the local tier is damaged") as said:
+            assert mgr.restore(target) == 2
+    assert all(torch.equal(target[k], v) for k, v in state(2).items())
+    assert not any("do not train from it" in str(w.message) for w in said), [str(w.message) for w in said]
+
+
 def test_a_damaged_newer_persisted_step_yields_to_the_newest_whole_local_one(tmp_path: Path) -> None:
     persistent, a, b = tmp_path / "p", tmp_path / "a", tmp_path / "b"
     with CheckpointManager(persistent, local=a, persist_every=10) as mgr:

@@ -313,6 +313,7 @@ def partly_restored(err: BaseException, writes: TargetWrites) -> BaseException:
     )
     if err.args and isinstance(err.args[0], str) and type(err).__str__ is BaseException.__str__:
         err.args = (f"{err.args[0].rstrip('. ')}. {note}", *err.args[1:])
+        err.partly_restored_note = f". {note}"  # type: ignore[attr-defined]  # (a caller that restores on drops it)
     elif hasattr(err, "add_note"):  # Python >= 3.11
         err.add_note(note)
     else:

@@ -122,7 +122,9 @@ def _local_with_fallback(
                 later = "the persistent root's newest step" if choice.persisted else None
             if later is None:
                 raise
-            warnings.warn(f"step {s} in the local tier is damaged ({e}); restoring {later}", stacklevel=5)
+            note = getattr(e, "partly_restored_note", "")  # (the restore that follows rewrites the target)
+            why = str(e).replace(note, "") if note else str(e)
+            warnings.warn(f"step {s} in the local tier is damaged ({why}); restoring {later}", stacklevel=5)
     return Restored(remote.restore_state(state, None, patterns, **kwargs), PERSISTENT, remote)
 
 
