@@ -55,8 +55,7 @@ class Choice:
 
 def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
     """``{step: {"m": manifest readable, "d": its digest, "c": its created_at, "f": {root-relative
-    path: [size, stored size]}}}`` of
-    one directory (``view``: as saves see it, whose sizes the manifest records; ``storage``: as
+    path: [size, stored size]}}}`` of one directory (``view``: as saves see it, whose sizes the manifest records; ``storage``: as
     stored, larger when encrypted; ``read``: the authenticated view manifests are read
     through). A manifest that does not validate counts as absent (the node's copy is replaced
     from another node's); a file whose size cannot be read is listed at size -1 (replaced)."""

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.errors import ChecksumMismatchError
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.transfer import Move, move_files, remove_copy
@@ -66,7 +65,7 @@ def check_copies(local: Any, step: int, paths: Sequence[str]) -> dict[str, list[
     here = [p for p in paths if local.raw.exists(p)]
     if not here:
         return out
-    report = verify_step(local.read, step, manifest=load_manifest(local.read, step), files=here)
+    report = verify_step(local.read, step, files=here)
     judged = all(q.file for q in report.problems)
     for p in here:
         kinds = {q.kind for q in report.problems if q.file == p}
