@@ -368,25 +368,25 @@ def _index_writer(storage: Any, step: int) -> Any:
 
 def _plan(storage: Any, start: int, rows: int) -> tuple[list[Any], list[Any]]:
     """Rank 0's restore plan: read and validate the manifest, find the byte ranges of each of
-    its target pieces (the reads themselves not included)."""
+    its target pieces (the reads themselves not included), as ``plan_restore`` does."""
     import torch
 
     from shardkeeper.core.commit import load_manifest
     from shardkeeper.core.format.table import TableLeaves
     from shardkeeper.core.tensor.chunks import Piece
-    from shardkeeper.core.tensor.restore_plan import overlap_ops, plan_reads
+    from shardkeeper.core.tensor.restore_plan import piece_ops, plan_reads
 
     local = torch.empty((rows, COLS), device="meta")
     manifest = load_manifest(storage, 1)
-    ops = []
     leaves = manifest.leaves
-    table = leaves if isinstance(leaves, TableLeaves) else None  # as restore_flat does
-    for k in leaves:  # whole tensors: rank 0 restores every one (a replicated target)
+    table = leaves if isinstance(leaves, TableLeaves) else None
+    wanted = []
+    for k in leaves:  # every leaf: rank 0's rows of each (all of them in the whole layout)
         leaf = table.head(k) if table is not None else leaves[k]
-        piece = Piece((start, 0), (rows, COLS), local)
-        chunks = leaf.chunks if table is None else table.overlapping(k, piece.offsets, piece.shape)
-        for c in chunks:
-            ops.extend(overlap_ops(k, piece, c, torch.float32, ITEM, 64 << 20))
+        if leaf is None or tuple(leaf.shape)[1:] != (COLS,):
+            raise RuntimeError(f"{k}: not a leaf of {COLS} columns in the manifest")
+        wanted.append((k, k, Piece((start, 0), (rows, COLS), local), torch.float32, ITEM))
+    ops = piece_ops(leaves, wanted, 64 << 20)
     reads = plan_reads(ops, manifest.digest_block_bytes, 8 << 20)
     return ops, reads
 

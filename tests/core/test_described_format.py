@@ -23,7 +23,9 @@ from shardkeeper.core.tensor.index_write import write_index
 from shardkeeper.core.verify import verify_step
 
 W, BLOCK = 4, 4096
-SHAPES = {"a": (10, 6), "b": (3, 5), "c": (64, 32)}  # keys m/a, m/b, m/c  # b: fewer rows than ranks
+# keys m/a ... m/e; b: fewer rows than ranks; a, d and e split alike, so a reader takes their
+# rows of one rank in one batch (format/index_rows.py)
+SHAPES = {"a": (10, 6), "b": (3, 5), "c": (64, 32), "d": (10, 6), "e": (10, 6)}
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -124,6 +126,86 @@ def test_a_rank_reads_only_the_index_files_of_the_boxes_it_needs(tmp_path: Path)
     leaves.overlapping("m/c", (10, 0), (20, 32))  # rows 10-29: ranks 0 and 1 (1 already read)
     assert leaves.described.index_reads == 2
     assert len(m.leaves["m/b"].chunks) == 3 and leaves.described.index_reads == 3  # b has no 4th row
+
+
+def test_a_batch_of_boxes_finds_what_each_box_finds_alone(tmp_path: Path) -> None:
+    """Restore planning asks for every piece's chunks in one batch (leaves split alike share
+    their cells and their rows are checked together); each box gets what it gets alone, the
+    described leaves' and the enumerated ones' of one manifest alike."""
+    from shardkeeper.core.format.reports import decode_report
+    from shardkeeper.core.format.table import LeafTable, TableLeaves
+
+    storage = _write(tmp_path)
+    boxes = [
+        ("m/a", (3, 0), (3, 6)),  # rank 1's box; m/d and m/e at it: one batch of rank 1's rows
+        ("m/d", (3, 0), (3, 6)),
+        ("m/e", (0, 0), (10, 6)),  # the whole leaf: four ranks' rows
+        ("v", (2,), (4,)),  # an enumerated leaf, between described ones
+        ("m/c", (10, 0), (20, 32)),  # across ranks 0 and 1
+        ("m/b", (0,), (3,)),  # a box of other dimensions: none
+        ("m/e", (3, 0), (3, 6)),
+        ("m/a", (0, 2), (10, 2)),  # two columns of every rank's rows
+        ("m/a", (0, 0), (0, 6)),  # an empty box: none
+    ]
+    rows = [{"file": "data/v", "offset": 64 * i, "length": 12, "offsets": [3 * i], "shape": [3]} for i in range(3)]
+    table = ChunkTable.concat([decode_report({"v": [{**r, "digests": "a" * 32} for r in rows]}, 32)[0]], 32)
+    enumerated = LeafTable.from_leaves({"v": {"kind": "tensor", "dtype": "float32", "shape": [9], "rows": [0, 1, 2]}})
+
+    def leaves() -> TableLeaves:  # a fresh reader each time: nothing made before
+        described = load_manifest(storage, 1).leaves.described
+        return TableLeaves({}, enumerated, table, BLOCK, described=described)
+
+    batch, alone = leaves().overlapping_many(boxes), [leaves().overlapping(*b) for b in boxes]
+    assert batch == alone
+    assert [len(found) for found in batch] == [1, 1, 4, 2, 2, 0, 1, 4, 0]
+    assert [(c.offsets, c.shape) for c in batch[1]] == [((3, 0), (3, 6))]
+    assert [c.offsets for c in batch[3]] == [(0,), (3,)]
+
+
+@pytest.mark.parametrize("max_read", [256, 4096, 64 << 20])
+def test_the_planned_reads_serve_every_piece_once(tmp_path: Path, max_read: int) -> None:
+    """Pieces of every kind (a whole chunk, part of one, across ranks, columns) become ops as
+    the general overlap gives them, and the coalesced reads serve each op from exactly one
+    block-aligned segment of its chunk, in file order, none of several segments above
+    ``max_read``."""
+    import random
+
+    from shardkeeper.core.tensor.chunks import Piece
+    from shardkeeper.core.tensor.restore_plan import overlap_ops, piece_ops, plan_reads
+
+    storage = _write(tmp_path)
+    leaves = load_manifest(storage, 1).leaves
+    rnd = random.Random(max_read)
+    wanted = []
+    for _ in range(40):
+        k = rnd.choice(sorted(SHAPES))
+        rows, cols = SHAPES[k]
+        r0, c0 = rnd.randrange(rows), rnd.randrange(cols)
+        n, m = rnd.randint(1, rows - r0), rnd.randint(1, cols - c0)
+        if rnd.random() < 0.3:  # a rank's own box of a row-sharded leaf, exactly
+            per = -(-rows // W)
+            r0, n, c0, m = per * (r0 // per), min(per, rows - per * (r0 // per)), 0, cols
+        wanted.append((f"m/{k}", f"m/{k}", Piece((r0, c0), (n, m), torch.zeros(n, m)), torch.float32, 4))
+    ops = piece_ops(leaves, wanted, max_read)
+    general = [
+        op
+        for key, _, piece, dtype, isz in wanted
+        for c in leaves.overlapping(key, piece.offsets, piece.shape)
+        for op in overlap_ops(key, piece, c, dtype, isz, max_read)
+    ]
+    fields = [(o.key, o.chunk, o.rel_lo, o.rel_shape, o.start, o.end, o.dest.data_ptr()) for o in ops]
+    assert fields == [(o.key, o.chunk, o.rel_lo, o.rel_shape, o.start, o.end, o.dest.data_ptr()) for o in general]
+    reads = plan_reads(ops, BLOCK, max_read)
+    served = [id(op) for rd in reads for seg in rd.segments for op in seg.ops]
+    assert sorted(served) == sorted(map(id, ops))  # every op once
+    assert [(rd.file, rd.start) for rd in reads] == sorted((rd.file, rd.start) for rd in reads)
+    for rd in reads:
+        assert len(rd.segments) == 1 or rd.end - rd.start <= max_read
+        for seg in rd.segments:
+            c = seg.chunk
+            assert seg.start % BLOCK == 0 and (seg.end % BLOCK == 0 or seg.end == c.length)
+            assert rd.start <= c.offset + seg.start and c.offset + seg.end <= rd.end
+            assert all(seg.start <= op.start and op.end <= seg.end and op.chunk == c for op in seg.ops)
 
 
 def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
@@ -234,6 +316,17 @@ def _edit_index(root: Path, rank: int, fn, *, keep_digest: bool = True) -> None:
             "beyond the end that file has in the chunk_files of the manifest",
         ),
         (lambda d: d["table"].update(digests=d["table"]["digests"][:-1]), "hex digits"),
+        # rows of a batch (m/a, m/d, m/e): one bad row among good ones is named
+        (lambda d: d["table"]["length"].__setitem__(4, 8), "chunk of 'm/e' has 8 bytes for a box of 72"),
+        (lambda d: d["table"]["shape"].__setitem__(7, 5), "gives 'm/d' the box [3, 0]+[3, 5], its layout"),
+        (
+            lambda d: d["table"]["offset"].__setitem__(3, 10**5),
+            "chunk of 'm/d' points at",
+        ),
+        (
+            lambda d: d["table"].update(extras={"encoding": [None, None, None, "zstd", None]}),
+            "chunk of 'm/d' with encoding 'zstd' has 72 stored bytes, not fewer than its box's 72",
+        ),
     ],
 )
 def test_a_wrong_index_file_is_damage_naming_its_rank(tmp_path: Path, edit, why: str) -> None:  # type: ignore[no-untyped-def]

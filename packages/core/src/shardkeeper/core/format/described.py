@@ -122,8 +122,12 @@ class DescribedLeaves:
 
     def shapes(self) -> list[tuple[int, ...]]:
         if self._shapes is None:
-            sd = [0, *accumulate(self.ndim)]
-            self._shapes = [tuple(self.shape[a:b]) for a, b in zip(sd, sd[1:])]
+            nds = set(self.ndim)
+            if len(nds) == 1 and len(self.shape) == len(self.ndim) * min(nds) > 0:  # one ndim: cut in C
+                self._shapes = list(zip(*[iter(self.shape)] * min(nds)))
+            else:
+                sd = [0, *accumulate(self.ndim)]
+                self._shapes = [tuple(self.shape[a:b]) for a, b in zip(sd, sd[1:])]
         return self._shapes
 
     def attach(
@@ -207,10 +211,8 @@ class DescribedLeaves:
         return self._specs[self.layout[j]]
 
     def head(self, key: str) -> LeafRecord | None:
-        j = self.pos.get(key)
-        if j is None:
-            return None
-        return self.head_at(j)
+        j = (self._pos if self._pos is not None else self.pos).get(key)
+        return None if j is None else self.head_at(j)
 
     def head_at(self, j: int) -> LeafRecord:
         """Leaf ``j`` without its chunks: one record shared by the leaves of one kind, dtype
@@ -227,34 +229,49 @@ class DescribedLeaves:
     def overlapping(self, key: str, offsets: Sequence[int], shape: Sequence[int]) -> list[ChunkRecord]:
         """The chunks of leaf ``key`` that meet the box ``offsets``/``shape``: derived from
         the rule, their fields read from the index files of the ranks that wrote them."""
+        return self.overlapping_many([(key, offsets, shape)])[0]
+
+    def overlapping_many(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[list[ChunkRecord]]:
+        """``overlapping`` for each (key, offsets, shape) of ``boxes``, in one pass: leaves of one
+        layout, shape and dtype asking for one box split alike, so their cells are derived once
+        and each cell's rows come from its rank's index file in one batch (a restore of 100,000
+        tensors of a few shapes derives a few sets of cells and makes 100,000 records)."""
         pos = self._pos if self._pos is not None else self.pos
-        j = pos[key]
-        nd = self.ndim[j]
-        if len(offsets) != nd or len(shape) != nd:
-            return []  # a box of another number of dimensions meets none of this leaf's
-        # Leaves of one layout and shape split alike: a target box's cells are found once (a
-        # restore of 100,000 tensors of a few shapes derives a few sets of cells)
-        full = (self._shapes if self._shapes is not None else self.shapes())[j]
-        memo_key = (self.layout[j], self.replica[j], full, tuple(offsets), tuple(shape))
-        cells = self._cells.get(memo_key)
-        if cells is None:
-            mesh, pl, order = self._spec(j)
-            cells = overlapping_cells(full, mesh, pl, self.replica[j], offsets, shape, order)
-            if len(self._cells) < 65536:
-                self._cells[memo_key] = cells
-        # Each cell's chunk from the index file of the rank that wrote it, checked against the
-        # rule and the manifest (a restore of 100,000 tensors makes 100,000 of them: one short path)
-        item, loaded, out = _ITEM[self.dtype[j]], self._rows, []
-        for rank, offs, box in cells:
-            rows = loaded.get(rank)
-            got = (rows if rows is not None else self._rank_rows(rank)).chunk(key, offs, box, item)
-            if type(got) is str:
-                raise self._damage(rank, got)
-            out.append(got)
-        if self.track is not None:
-            for rank, _, _ in cells:
-                self.track[(rank, key)] = self.track.get((rank, key), 0) + 1
-        return out  # type: ignore[return-value]
+        shapes = self._shapes if self._shapes is not None else self.shapes()
+        layout, replica, dtype, ndim = self.layout, self.replica, self.dtype, self.ndim
+        groups: dict[tuple[Any, ...], tuple[list[str], list[int]]] = {}
+        for n, (key, offsets, shape) in enumerate(boxes):
+            j = pos[key]
+            if len(offsets) != ndim[j] or len(shape) != ndim[j]:
+                continue  # a box of another number of dimensions meets none of this leaf's
+            g = (layout[j], replica[j], shapes[j], dtype[j], tuple(offsets), tuple(shape))
+            got = groups.get(g)
+            if got is None:
+                got = groups[g] = ([], [])
+            got[0].append(key)
+            got[1].append(n)
+        out: list[list[ChunkRecord]] = [[] for _ in boxes]
+        loaded, track = self._rows, self.track
+        for (li, rep, full, dt, offsets, shape), (keys, where) in groups.items():
+            memo_key = (li, rep, full, offsets, shape)
+            cells = self._cells.get(memo_key)
+            if cells is None:
+                mesh, pl, order = self._spec(pos[keys[0]])
+                cells = overlapping_cells(full, mesh, pl, rep, offsets, shape, order)
+                if len(self._cells) < 65536:
+                    self._cells[memo_key] = cells
+            item = _ITEM[dt]
+            for rank, offs, box in cells:
+                rows = loaded.get(rank)
+                made = (rows if rows is not None else self._rank_rows(rank)).chunks(keys, offs, box, item)
+                for n, rec in zip(where, made):
+                    if type(rec) is str:
+                        raise self._damage(rank, rec)
+                    out[n].append(rec)  # type: ignore[arg-type]
+                if track is not None:
+                    for key in keys:
+                        track[(rank, key)] = track.get((rank, key), 0) + 1
+        return out
 
     def record(self, key: str) -> LeafRecord:
         """Leaf ``key``, whose ``chunks``, on first access, read the index file of every rank

@@ -13,11 +13,13 @@ keeps one per rank it read.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import add, itemgetter, le, sub
 from typing import cast
 
 from shardkeeper.core.format.index_files import Index
-from shardkeeper.core.format.records import BlockDigests, ChunkRecord, encoded_length_problem
+from shardkeeper.core.format.records import CHUNK_SLOTS, BlockDigests, ChunkRecord, encoded_length_problem
 from shardkeeper.core.format.versions import ENCODINGS
 
 
@@ -67,6 +69,7 @@ class RankRows:
             why = f"has the unknown encoding {enc[:40]!r}"
         else:
             why = encoded_length_problem(enc, length, raw)
+            why = why and why.removeprefix("chunk ")  # ("chunk of KEY with encoding ...")
         if why is None and offset + length > end:
             why = (
                 f"points at {file[:80]!r} [{offset}, {offset + length}), beyond the end that file has in the "
@@ -78,6 +81,47 @@ class RankRows:
         content = (contents[i] if contents is not None else None) or ""
         digest = BlockDigests.packed(digests[starts[i] * w : starts[i + 1] * w], w)
         return ChunkRecord(file, offset, length, offs, box, digest, enc, content)
+
+    def chunks(
+        self, keys: Sequence[str], offs: tuple[int, ...], box: tuple[int, ...], item: int
+    ) -> list[ChunkRecord | str]:
+        """``chunk`` for each of ``keys`` at one box (leaves of one layout and shape, split
+        alike): when every row is the common one (raw, that box, inside its file), checked
+        column by column over the gathered rows and made in one loop; else row by row."""
+        idx = list(map(self.rows.get, keys))
+        if len(idx) < 2 or set(map(type, idx)) != {int}:  # (a missing key, a flat partition's run)
+            return [self.chunk(key, offs, box, item) for key in keys]
+        to, ts, paths, fcol, ocol, lcol, digests, w, encodings = self._cols
+        rows, after = itemgetter(*idx), itemgetter(*map(add, idx, repeat(1)))  # rows i and i + 1
+        first: tuple[int, ...] = rows(self.dims)
+        files, offsets, lengths = rows(fcol), rows(ocol), rows(lcol)
+        nd = len(offs)
+        ok = set(lengths) == {math.prod(box) * item} and set(map(sub, after(self.dims), first)) == {nd}
+        for d in range(nd if ok else 0):
+            at = itemgetter(*map(add, first, repeat(d)))
+            ok = ok and set(at(to)) == {offs[d]} and set(at(ts)) == {box[d]}
+        if ok and encodings is not None:
+            ok = set(rows(encodings)) <= {None, "raw"}
+        if ok:
+            ends = [self.ends.get(p, -1) for p in paths]
+            ok = all(map(le, map(add, offsets, lengths), map(ends.__getitem__, files)))
+        if not ok:
+            return [self.chunk(key, offs, box, item) for key in keys]  # (says why)
+        new, packed = object.__new__, BlockDigests.packed
+        s_file, s_offset, s_length, s_offsets, s_shape, s_digests, s_encoding, s_content = CHUNK_SLOTS
+        out: list[ChunkRecord | str] = []
+        for f, offset, length, a, b in zip(files, offsets, lengths, rows(self.starts), after(self.starts)):
+            rec = new(ChunkRecord)
+            s_file(rec, paths[f])
+            s_offset(rec, offset)
+            s_length(rec, length)
+            s_offsets(rec, offs)
+            s_shape(rec, box)
+            s_digests(rec, packed(digests[a * w : b * w], w))
+            s_encoding(rec, "raw")
+            s_content(rec, "")
+            out.append(rec)
+        return out
 
 
 __all__ = ["RankRows"]

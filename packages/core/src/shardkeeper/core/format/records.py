@@ -171,7 +171,7 @@ class ChunkRecord:
         through the slots directly: faster than the frozen ``__init__`` (restore planning makes
         one per chunk it reads)."""
         rec = object.__new__(cls)
-        s = _CHUNK_SLOTS
+        s = CHUNK_SLOTS
         s[0](rec, file)
         s[1](rec, offset)
         s[2](rec, length)
@@ -187,8 +187,9 @@ class ChunkRecord:
         return math.prod(self.shape)
 
 
-#: ChunkRecord's slot setters, in field order (``ChunkRecord.unchecked``).
-_CHUNK_SLOTS = tuple(
+#: ChunkRecord's slot setters, in field order (``ChunkRecord.unchecked``, and restore
+#: planning's batch of records, format/index_rows.py).
+CHUNK_SLOTS = tuple(
     getattr(ChunkRecord, f).__set__
     for f in ("file", "offset", "length", "offsets", "shape", "digests", "encoding", "content")
 )
@@ -278,6 +279,7 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: Iterable[ChunkRecord]
 
 __all__ = [
     "BlockDigests",
+    "CHUNK_SLOTS",
     "ChunkRecord",
     "DTYPES",
     "LeafRecord",

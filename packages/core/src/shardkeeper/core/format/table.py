@@ -128,17 +128,17 @@ class TableLeaves(Mapping[str, Any]):
 
     def head(self, key: str) -> Any:
         """Leaf ``key`` without its chunks (``overlapping`` finds those), or None."""
+        d = self.described
+        if d is not None:  # (a manifest of them has few other leaves)
+            got = d.head(key)
+            if got is not None:
+                return got
         made = self._made.get(key)
         if made is not None:
             return made
         lt = self.leaf_table
         j = lt.index.get(key)
         if j is None:
-            d = self.described
-            if d is not None:
-                k = d.pos.get(key)
-                if k is not None:
-                    return d.head_at(k)
             return self[key] if key in self.object_leaves else None
         return LeafRecord.unchecked(lt.kind[j], lt.dtype[j], lt.shapes()[j])
 
@@ -174,6 +174,24 @@ class TableLeaves(Mapping[str, Any]):
             else:
                 hits.append(self._record(i))
         return hits
+
+    def overlapping_many(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> list[list[Any]]:
+        """``overlapping`` for each (key, offsets, shape) of ``boxes``; the described leaves'
+        in one batch (``DescribedLeaves.overlapping_many``)."""
+        d = self.described
+        if d is None:
+            return [self.overlapping(*b) for b in boxes]
+        index = self.leaf_table.index
+        mine = [n for n, b in enumerate(boxes) if b[0] in index]
+        if not mine:
+            return d.overlapping_many(boxes)
+        out: list[list[Any]] = [[] for _ in boxes]
+        for n in mine:
+            out[n] = self.overlapping(*boxes[n])
+        rest = [n for n, b in enumerate(boxes) if b[0] not in index]
+        for n, got in zip(rest, d.overlapping_many([boxes[n] for n in rest])):
+            out[n] = got
+        return out
 
     def objects(self) -> dict[str, Any]:
         """The object leaves (JSON values), for the checks that apply to them."""

@@ -15,7 +15,7 @@ import fnmatch
 import math
 import operator
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +138,33 @@ def overlap_ops(key: str, piece: Piece, chunk: ChunkRecord, dtype: torch.dtype, 
     return ops
 
 
+#: A target piece to fill: its key, the saved key it reads, the piece, the saved dtype and
+#: its item size.
+Wanted = tuple[str, str, Piece, torch.dtype, int]
+
+
+def piece_ops(leaves: Mapping[str, Any], wanted: Sequence[Wanted], max_read: int) -> list[Op]:
+    """The ops that fill each piece of ``wanted`` from the saved chunks it overlaps. A
+    table-form manifest makes only those chunks' records, in one batch (``TableLeaves.
+    overlapping_many``); the common op, a piece that is one whole chunk read at once, is made
+    inline."""
+    if isinstance(leaves, TableLeaves):
+        found = leaves.overlapping_many([(w[1], w[2].offsets, w[2].shape) for w in wanted])
+    else:
+        found = [leaves[w[1]].chunks for w in wanted]
+    ops: list[Op] = []
+    append = ops.append
+    for (key, _, piece, dtype, isz), chunks in zip(wanted, found):
+        for chunk in chunks:
+            shape = chunk.shape
+            nbytes = math.prod(shape) * isz
+            if shape and nbytes <= max_read and shape == piece.shape and chunk.offsets == piece.offsets:
+                append(Op(key, chunk, dtype, piece.local, (0,) * len(shape), tuple(shape), 0, nbytes))
+            else:
+                ops.extend(overlap_ops(key, piece, chunk, dtype, isz, max_read))
+    return ops
+
+
 @dataclass(slots=True)
 class Segment:
     """The ops of one chunk that one read serves, and the block-aligned range they need."""
@@ -164,15 +191,21 @@ def plan_reads(ops: Iterable[Op], block_bytes: int, max_read: int) -> list[Read]
     coalesce adjacent ranges of one file into reads of at most ``max_read`` bytes."""
     by_chunk: dict[tuple[str, int], list[Op]] = {}
     for op in ops:
-        by_chunk.setdefault((op.chunk.file, op.chunk.offset), []).append(op)
-    segments: list[tuple[str, int, Segment]] = []
-    for (file, _), chunk_ops in by_chunk.items():
+        c = op.chunk
+        same = by_chunk.get((c.file, c.offset))
+        if same is None:
+            by_chunk[(c.file, c.offset)] = [op]
+        else:
+            same.append(op)
+    segments: list[tuple[str, int, int, Segment]] = []  # file, absolute start and end, segment
+    add = segments.append
+    for (file, at), chunk_ops in by_chunk.items():
         chunk = chunk_ops[0].chunk
-        if len(chunk_ops) == 1:
+        if len(chunk_ops) == 1:  # the common case: one op of the chunk, often all of it
             o = chunk_ops[0]
             whole = o.start == 0 and o.end == chunk.length
             lo, hi = (0, o.end) if whole else block_span(o.start, o.end, block_bytes, chunk.length)
-            segments.append((file, chunk.offset + lo, Segment(o.key, chunk, lo, hi, [o])))
+            add((file, at + lo, at + hi, Segment(o.key, chunk, lo, hi, chunk_ops)))
             continue
         spans = sorted((block_span(o.start, o.end, block_bytes, chunk.length), i) for i, o in enumerate(chunk_ops))
         cur: Segment | None = None
@@ -181,25 +214,30 @@ def plan_reads(ops: Iterable[Op], block_bytes: int, max_read: int) -> list[Read]
                 cur.end = max(cur.end, hi)
                 cur.ops.append(chunk_ops[i])
             else:
+                if cur is not None:
+                    add((file, at + cur.start, at + cur.end, cur))
                 cur = Segment(chunk_ops[i].key, chunk, lo, hi, [chunk_ops[i]])
-                segments.append((file, chunk.offset + lo, cur))
+        if cur is not None:
+            add((file, at + cur.start, at + cur.end, cur))
     segments.sort(key=operator.itemgetter(0, 1))  # file order, so adjacent ranges coalesce
     reads: list[Read] = []
-    for file, abs_start, seg in segments:
-        abs_end = seg.chunk.offset + seg.end
-        last = reads[-1] if reads else None
+    last: Read | None = None
+    last_file, last_start, last_end = "", 0, 0
+    for file, abs_start, abs_end, seg in segments:
         # Chunks a save aligned (format/safetensors.py ITEM_ALIGN) leave gaps under 64 bytes
         # between them: read through those rather than split the read.
         if (
             last is not None
-            and last.file == file
-            and 0 <= abs_start - last.end < ITEM_ALIGN
-            and abs_end - last.start <= max_read
+            and last_file == file
+            and 0 <= abs_start - last_end < ITEM_ALIGN
+            and abs_end - last_start <= max_read
         ):
-            last.end = abs_end
+            last.end = last_end = abs_end
             last.segments.append(seg)
         else:
-            reads.append(Read(file, abs_start, abs_end, [seg]))
+            last = Read(file, abs_start, abs_end, [seg])
+            reads.append(last)
+            last_file, last_start, last_end = file, abs_start, abs_end
     return reads
 
 
@@ -318,8 +356,8 @@ def plan_restore(
     mismatched: list[str] = []
     wrong_dtype: list[str] = []
     on_meta: list[str] = []
-    # A table-form manifest makes only the chunk records that overlap this rank's pieces.
     table = manifest.leaves if isinstance(manifest.leaves, TableLeaves) else None
+    wanted: list[Wanted] = []  # each target piece, its chunks found once every leaf is checked
     for key, leaf in flat.leaves.items():
         if not matches(key, only):
             continue
@@ -371,9 +409,7 @@ def plan_restore(
         isz = itemsize(rec.dtype)
         for piece in layout.pieces:
             stats.bytes_needed += piece.numel * isz
-            chunks = rec.chunks if table is None else table.overlapping(src_key, piece.offsets, piece.shape)
-            for chunk in chunks:
-                ops.extend(overlap_ops(key, piece, chunk, saved_dtype, isz, max_read_bytes))
+            wanted.append((key, src_key, piece, saved_dtype, isz))
     if on_meta:
         raise StateMismatchError(
             f"{len(on_meta)} tensor(s) of the target state are on the meta device (a shape without "
@@ -407,6 +443,7 @@ def plan_restore(
             f"{len(plan.missing)} key(s) of the target state are not in {where}: {missing_list(plan.missing)}; "
             f"restore a subset with only=[...] or pass strict=False to skip them"
         )
+    ops.extend(piece_ops(manifest.leaves, wanted, max_read_bytes))
     return plan
 
 
@@ -422,10 +459,12 @@ __all__ = [
     "RestorePlan",
     "RestoreStats",
     "Segment",
+    "Wanted",
     "listing",
     "matches",
     "missing_list",
     "overlap_ops",
+    "piece_ops",
     "plan_reads",
     "plan_restore",
     "schedule",
