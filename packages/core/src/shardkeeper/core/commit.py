@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import xxhash
+
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -26,6 +28,15 @@ log = logging.getLogger(__name__)
 
 def manifest_path(step: int) -> str:
     return f"{step_dir(step)}/{MANIFEST_NAME}"
+
+
+def manifest_digest(storage: Storage, step: int) -> str | None:
+    """A short digest of ``step``'s manifest bytes as stored (xxh3-64), or None when it
+    cannot be read: two copies of a step (two nodes' local tiers) agree when it matches."""
+    try:
+        return xxhash.xxh3_64_hexdigest(storage.read_bytes(manifest_path(step)))
+    except CheckpointError:
+        return None
 
 
 def step_dirs(storage: Storage) -> dict[int, str]:
@@ -141,6 +152,7 @@ __all__ = [
     "is_committed",
     "lists_manifest",
     "load_manifest",
+    "manifest_digest",
     "manifest_path",
     "manifest_steps",
     "newest_committed",

@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import xxhash
-
 from shardkeeper.core.cli.common import manifest_figures
-from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
+from shardkeeper.core.commit import load_manifest, manifest_digest, manifest_path, manifest_steps
 from shardkeeper.core.errors import CheckpointError, UsageError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
@@ -41,13 +39,6 @@ def _manifest(dirs: list[Storage], step: int, holders: list[int]) -> Manifest | 
         except CheckpointError:
             continue
     return None
-
-
-def _manifest_digest(storage: Storage, step: int) -> str | None:
-    try:
-        return xxhash.xxh3_64_hexdigest(storage.read_bytes(manifest_path(step)))
-    except CheckpointError:
-        return None
 
 
 def _whole(m: Manifest | None, step: int, files: list[dict[str, int]]) -> bool | None:
@@ -80,7 +71,7 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
         files = [_sizes(d, step) for d in dirs] if holders else []
         row["local_whole"] = _whole(m, step, files) if holders else False
         # different manifests of one step on two nodes: restore refuses the step (docs/tiers.md)
-        row["local_conflict"] = len({_manifest_digest(dirs[k], step) for k in holders}) > 1
+        row["local_conflict"] = len({manifest_digest(dirs[k], step) for k in holders}) > 1
     rows.sort(key=lambda r: r["step"])
 
 

@@ -182,16 +182,13 @@ class TableLeaves(Mapping[str, Any]):
         if d is None:
             return [self.overlapping(*b) for b in boxes]
         index = self.leaf_table.index
-        mine = [n for n, b in enumerate(boxes) if b[0] in index]
-        if not mine:
+        if all(b[0] not in index for b in boxes):
             return d.overlapping_many(boxes)
-        out: list[list[Any]] = [[] for _ in boxes]
-        for n in mine:
-            out[n] = self.overlapping(*boxes[n])
-        rest = [n for n, b in enumerate(boxes) if b[0] not in index]
+        out = [self.overlapping(*b) if b[0] in index else None for b in boxes]
+        rest = [n for n, got in enumerate(out) if got is None]
         for n, got in zip(rest, d.overlapping_many([boxes[n] for n in rest])):
             out[n] = got
-        return out
+        return cast(list[list[Any]], out)
 
     def objects(self) -> dict[str, Any]:
         """The object leaves (JSON values), for the checks that apply to them."""

@@ -22,9 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
-from shardkeeper.core.commit import load_manifest, manifest_path, manifest_steps
+from shardkeeper.core.commit import load_manifest, manifest_digest, manifest_path, manifest_steps
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME
@@ -81,7 +79,7 @@ def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
         if storage.exists(manifest_path(step)):
             try:
                 created = load_manifest(read, step).created_at or None
-                digest = xxhash.xxh3_64_hexdigest(storage.read_bytes(manifest_path(step)))
+                digest = manifest_digest(storage, step)
             except CheckpointError:
                 pass
         out[str(step)] = {"m": digest is not None, "d": digest, "c": created, "f": files}
