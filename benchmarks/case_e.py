@@ -280,6 +280,8 @@ def measure_point(
         "commit_s": _median(commit_s),
         "plan_s": _median(plan_s),
         "commit_cpu_s": _median(commit_cpu),  # this process's CPU time: less skewed by a loaded machine
+        "commit_min_s": min(commit_s),  # the least disturbed save: a noisy machine only ever adds time
+        "plan_min_s": min(plan_s),
         "group_ranks": GROUP if grouped else None,  # ranks per group leader (None: no group commit)
         "leader_fold_s": leader_fold_s if grouped else None,  # the slowest other leader's fold (last save)
         "plan_cpu_s": _median(plan_cpu),

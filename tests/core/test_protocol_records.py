@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -270,6 +271,51 @@ def test_the_refusals_say_what_is_wrong() -> None:
         report_from_json({**_GOOD, "bases": ["4"]}, rank=1, where="w")
     with pytest.raises(ProtocolError, match=r"phase 'upload' is none of check, stage, write, replicate, commit"):
         Failure.from_json({"ok": False, "rank": 1, "phase": "upload", "path": "/p", "error": "E"}, where="w")
+
+
+#: every member of a report (and of its declarations, chunks, files and timings), with a
+#: value of another kind, and the words its refusal names it with
+WRONG_MEMBERS: dict[tuple[str, ...], tuple[Any, str]] = {
+    ("rank",): (None, "member 'rank'"),
+    ("attempt",): (7, "member 'attempt'"),
+    ("declared_digest",): ([], "member 'declared_digest'"),
+    ("declared",): ([], "member 'declared'"),
+    ("declared", "rng/1"): (["per_rank", "uint8", [16], 1], "the declaration of 'rng/1'"),
+    ("chunks",): ("x", "member 'chunks'"),
+    ("chunks", "keys"): ([1, 2], "member 'keys'"),
+    ("chunks", "counts"): (["1"], "member 'counts'"),
+    ("chunks", "table"): ([], "member 'table'"),
+    ("files",): ([], "member 'files'"),
+    ("files", "data/r1-0.skt"): (96, "the record of file 'data/r1-0.skt'"),
+    ("objects",): ([], "member 'objects'"),
+    ("bases",): ([True], "member 'bases'"),
+    ("extended_json",): (1, "member 'extended_json'"),
+    ("per_rank_prefixes",): ([1], "member 'per_rank_prefixes'"),
+    ("layouts",): ("DTensor", "member 'layouts'"),
+    ("timings",): ([], "member 'timings'"),
+    ("timings", "stall_s"): ("0.25", "member 'stall_s'"),
+    ("timings", "write_s"): (None, "member 'write_s'"),
+    ("timings", "sync"): (0, "member 'sync'"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(WRONG_MEMBERS), ids="/".join)
+def test_every_member_of_another_kind_is_refused_by_name(path: tuple[str, ...]) -> None:
+    """A well-formed report is checked in one pass, any other member by member: whichever
+    member is wrong, the refusal names it (and a missing member, too)."""
+    value, named = WRONG_MEMBERS[path]
+    doc = json.loads(json.dumps(_GOOD))
+    at = doc
+    for part in path[:-1]:
+        at = at[part]
+    at[path[-1]] = value
+    with pytest.raises(ProtocolError, match=re.escape(named)):
+        report_from_json(doc, rank=1, where="w")
+    if path[0] not in ("declared", "files") or len(path) == 1:  # (their entries may be absent)
+        del at[path[-1]]
+        with pytest.raises(ProtocolError, match=re.escape(f"member {path[-1]!r} is missing")):
+            report_from_json(doc, rank=1, where="w")
+    assert report_from_json(json.loads(json.dumps(_GOOD)), rank=1, where="w").rank == 1
 
 
 def test_a_malformed_outcome_is_refused_naming_step_rank_and_key() -> None:

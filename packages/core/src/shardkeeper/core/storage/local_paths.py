@@ -99,19 +99,25 @@ class RootPaths:
     def first_link(self, path: str, *, last: bool = True) -> str | None:
         """The first prefix of ``path`` that is a symbolic link, or None (components that do
         not exist are no links). ``last=False`` checks the directories on the way only."""
+        return self._walk(path, last)[0]
+
+    def _walk(self, path: str, last: bool = True) -> tuple[str | None, os.stat_result | None]:
+        """``first_link``, and the last component's ``lstat`` where every component exists
+        and none is a link (then it is also the entry's ``stat``)."""
         parts = path.split("/") if path else []
         if not last:
             parts = parts[:-1]
         cur = self.lexical
+        st = None
         for i, part in enumerate(parts):
             cur = f"{cur}/{part}"
             try:
-                mode = os.lstat(cur).st_mode
+                st = os.lstat(cur)
             except (FileNotFoundError, NotADirectoryError):
-                return None
-            if stat.S_ISLNK(mode):
-                return "/".join(parts[: i + 1])
-        return None
+                return None, None
+            if stat.S_ISLNK(st.st_mode):
+                return "/".join(parts[: i + 1]), None
+        return None, st
 
     def fd_inside(self, fd: int, path: str) -> bool:
         """Whether the file open as ``fd`` (opened by ``path``) lies inside the root."""
@@ -158,7 +164,9 @@ class RootPaths:
         is damage."""
         full = self.full(path)
         try:
-            link = self.first_link(path)
+            link, st = self._walk(path)
+            if st is not None:  # every component there, none a link: its lstat is its stat
+                return st
             if link is None:
                 return os.stat(full)
             last = len(link) == len(path)

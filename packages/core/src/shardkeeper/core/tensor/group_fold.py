@@ -1,9 +1,9 @@
 """Group commit: a group leader's half of a save at a world above ``commit_group_ranks``.
 
 A leader (every ``commit_group_ranks``-th rank, the coordinator among them) collects its
-group's reports, checks that each of their files is there at the size its rank wrote, writes
-the group's *page* (their files, index entries and chunk-file ends, format/pages.py) durably,
-and folds the reports into one: the ranks whose reports are then equal (every rank that
+group's reports, writes the group's *page* (their files, index entries and chunk-file ends,
+format/pages.py) durably while it checks that each of their files is there at the size its
+rank wrote, and folds the reports into one: the ranks whose reports are then equal (every rank that
 wrote only described leaves, apart from its timings) count once, the others travel inside
 it. The coordinator merges one report per group (``unfold``), so its work, the store bytes
 it reads and the manifest stay the same size from 64 ranks to 16,384 (docs/protocol.md,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from concurrent.futures import wait
 from dataclasses import replace
 from typing import Any
 
@@ -46,11 +47,11 @@ def fold_group(
     reports folded as they are. ``executor``: where the files' sizes are asked for in parallel."""
     leader = reports[0]
     if not paging:
-        return _folded(list(reports), leader, None, [])
+        return _folded([(rep, rep.files, rep.described) for rep in reports], leader, None, [])
     paged: dict[str, dict[str, Any]] = {}
     index: list[Any] = []
     ends: dict[str, int] = {}
-    residuals: list[RankReport] = []
+    residuals: list[Residual] = []
     for rep in reports:
         kept = _chunk_paths(rep.chunks)  # files the manifest's chunk table names stay in it
         own: dict[str, dict[str, Any]] = {}
@@ -61,14 +62,25 @@ def fold_group(
         for rel, end in d.get("chunk_files", ()) if d else ():
             ends[rel] = max(ends.get(rel, 0), end)
         described = {"digest": d["digest"], "index": None, "chunk_files": []} if d else {}
-        residuals.append(replace(rep, files=own, described=described))
-    # every file of the group is there at the size its rank wrote (the coordinator checks the
-    # files its manifest lists itself, after announcing its commit)
-    paths = {f"{step_dir}/{rel}": rec for rel, rec in paged.items()}
-    check_files(storage, paths, dict.fromkeys(paths, 0), executor)
+        residuals.append((rep, own, described))
     rel = page_file(leader.rank, attempt)
     data = encode_page(step, leader.rank, paged, index, ends)
-    write_durably(storage, step_dir, rel, data, PAGES_DIR)
+    # the page is written (its fsyncs on an I/O thread) while the group's files are checked:
+    # a page of a save that then fails is an uncommitted file, as any rank's data file is
+    written = executor.submit(write_durably, storage, step_dir, rel, data, PAGES_DIR) if executor else None
+    try:
+        # every file of the group is there at the size its rank wrote (the coordinator checks
+        # the files its manifest lists itself, after announcing its commit)
+        paths = {f"{step_dir}/{name}": rec for name, rec in paged.items()}
+        check_files(storage, paths, dict.fromkeys(paths, 0), executor)
+    except BaseException:
+        if written is not None:  # the check's error is the one to report; the write ends first
+            wait([written])
+        raise
+    if written is None:
+        write_durably(storage, step_dir, rel, data, PAGES_DIR)
+    else:
+        written.result()
     nbytes = sum(int(r["size_bytes"]) for r in paged.values())
     page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
     # files of earlier steps the group's index rows reference (an incremental save): the
@@ -77,8 +89,13 @@ def fold_group(
     return _folded(residuals, leader, page, refs, {rel: {"size_bytes": len(data), "rank": leader.rank}})
 
 
+#: A rank's report and what of it stays in the leader's: the files and ``described`` member
+#: the page does not take (the report itself is copied only once per kind).
+Residual = tuple[RankReport, dict[str, Any], dict[str, Any]]
+
+
 def _folded(
-    residuals: list[RankReport],
+    residuals: list[Residual],
     leader: RankReport,
     page: list[Any] | None,
     refs: list[Any],
@@ -87,22 +104,23 @@ def _folded(
     """Equal reports (but for their rank and timings) count once: the leader's kind, then one
     report per other kind, carried in the leader's; the timings are the group's worst. The
     page itself is a file of the leader's report (added after the comparison)."""
-    kinds: dict[bytes, tuple[RankReport, list[int]]] = {}
+    kinds: dict[bytes, tuple[Residual, list[int]]] = {}
     for res in residuals:
-        sig = _signature(res)
+        sig = _signature(*res)
         got = kinds.get(sig)
         if got is None:
-            kinds[sig] = (res, [res.rank])
+            kinds[sig] = (res, [res[0].rank])
         else:
-            got[1].append(res.rank)
-    first, *rest = kinds.values()
-    others = [replace(r, ranks=_runs(ranks), timings=Timings()) for r, ranks in rest]
-    ts = [r.timings for r in residuals]
+            got[1].append(res[0].rank)
+    ((rep, files, described), ranks), *rest = kinds.values()
+    others = [replace(r, files=f, described=d, ranks=_runs(rs), timings=Timings()) for (r, f, d), rs in rest]
+    ts = [r.timings for r, _, _ in residuals]
     timings = Timings(max(t.stall_s for t in ts), max(t.write_s for t in ts), leader.timings.sync)
     return replace(
-        first[0],
-        files={**first[0].files, **(page_files or {})},
-        ranks=_runs(first[1]),
+        rep,
+        files={**files, **(page_files or {})},
+        described=described,
+        ranks=_runs(ranks),
         timings=timings,
         group={"count": len(residuals), "page": page, "others": others, "refs": refs},
     )
@@ -137,10 +155,15 @@ def _chunk_paths(chunks: dict[str, Any]) -> set[str]:
     return set()
 
 
-def _signature(rep: RankReport) -> bytes:
-    """The report but for its rank and timings, as canonical JSON (orjson where it can: the
-    coordinator folds its own group while every other rank waits)."""
+def _signature(rep: RankReport, files: dict[str, Any], described: dict[str, Any]) -> bytes:
+    """The report with ``files`` and ``described`` but for its rank and timings, as canonical
+    JSON (orjson where it can: the coordinator folds its own group while every other rank waits)."""
     doc = rep.to_json()
+    doc["files"] = files
+    if described:
+        doc["described"] = described
+    else:
+        doc.pop("described", None)
     for name in ("rank", "timings", "ranks"):
         doc.pop(name, None)
     if orjson is not None and not rep.extended:  # (orjson writes NaN as null: not canonical)
