@@ -287,97 +287,34 @@ class RankReport:
         d = _object(doc, where)
         if d.get("ok") is not True:
             raise malformed(where, f"member 'ok' is {_describe(d.get('ok'))}, not true")
-        if not _well_formed(d):  # then name the first wrong member
-            _check_members(d, where)
-        t = d["timings"]
+        declared = _get(d, "declared", "object", where)
+        for key, decl in declared.items():
+            if not (isinstance(decl, list) and len(decl) == 3):
+                raise malformed(where, f"the declaration of {key!r} is {_describe(decl)}, not [kind, dtype, shape]")
+        chunks = _get(d, "chunks", "object", where)
+        for name, kind in (("keys", "list[str]"), ("counts", "list[int]"), ("table", "object")):
+            _get(chunks, name, kind, f"{where}, member 'chunks'")
+        files = _get(d, "files", "object", where)
+        for rel, info in files.items():
+            if not isinstance(info, dict):
+                raise malformed(where, f"the record of file {rel!r} is {_describe(info)}, not an object")
         return cls(
-            rank=d["rank"],
-            attempt=d["attempt"],
-            declared=d["declared"],
-            declared_digest=d["declared_digest"],
-            chunks=d["chunks"],
-            files=d["files"],
-            objects=d["objects"],
-            bases=d["bases"],
-            extended=d[EXTENDED_MEMBER],
-            per_rank_prefixes=d["per_rank_prefixes"],
-            layouts=d["layouts"],
-            timings=Timings(float(t["stall_s"]), float(t["write_s"]), t["sync"]),
+            rank=_get(d, "rank", "int", where),
+            attempt=_get(d, "attempt", "str", where),
+            declared=declared,
+            declared_digest=_get(d, "declared_digest", "str", where),
+            chunks=chunks,
+            files=files,
+            objects=_get(d, "objects", "object", where),
+            bases=_get(d, "bases", "list[int]", where),
+            extended=_get(d, EXTENDED_MEMBER, "bool", where),
+            per_rank_prefixes=_get(d, "per_rank_prefixes", "list[str]", where),
+            layouts=_get(d, "layouts", "list[str]", where),
+            timings=Timings.from_json(_get(d, "timings", "object", where), where=f"{where}, member 'timings'"),
             described=_described(d.get("described", {}), where),
             ranks=_ranks(d.get("ranks", []), where),
             group=_group(d.get("group", {}), where),
         )
-
-
-#: A report's members of one exact type each (parsed JSON has no subclasses; ``type(v) is
-#: int`` also refuses a bool), and its lists of one item type.
-_TYPED = (
-    ("rank", int),
-    ("attempt", str),
-    ("declared_digest", str),
-    ("declared", dict),
-    ("chunks", dict),
-    ("files", dict),
-    ("objects", dict),
-    (EXTENDED_MEMBER, bool),
-    ("timings", dict),
-)
-_TYPED_LISTS = (("bases", int), ("per_rank_prefixes", str), ("layouts", str))
-_NUMBER = (int, float)
-
-
-def _well_formed(d: Mapping[str, Any]) -> bool:
-    """Whether the report passes every check of ``_check_members``, in one pass (the
-    coordinator reads 16,384 of them); False says nothing of which check fails."""
-    for name, kind in _TYPED:
-        if type(d.get(name)) is not kind:
-            return False
-    for name, kind in _TYPED_LISTS:
-        v = d.get(name)
-        if type(v) is not list or (v and not all(type(x) is kind for x in v)):
-            return False
-    c, t = d["chunks"], d["timings"]
-    keys, counts, declared = c.get("keys"), c.get("counts"), d["declared"]
-    return (
-        type(keys) is list
-        and type(counts) is list
-        and type(c.get("table")) is dict
-        and type(t.get("stall_s")) in _NUMBER
-        and type(t.get("write_s")) in _NUMBER
-        and type(t.get("sync")) is bool
-        and (not keys or all(type(k) is str for k in keys))
-        and (not counts or all(type(n) is int for n in counts))
-        and (not declared or all(type(v) is list and len(v) == 3 for v in declared.values()))
-        and all(type(v) is dict for v in d["files"].values())
-    )
-
-
-def _check_members(d: Mapping[str, Any], where: str) -> None:
-    """Raise naming the first member of the report ``d`` that is missing or of another kind."""
-    declared = _get(d, "declared", "object", where)
-    for key, decl in declared.items():
-        if not (isinstance(decl, list) and len(decl) == 3):
-            raise malformed(where, f"the declaration of {key!r} is {_describe(decl)}, not [kind, dtype, shape]")
-    chunks = _get(d, "chunks", "object", where)
-    for name, kind in (("keys", "list[str]"), ("counts", "list[int]"), ("table", "object")):
-        _get(chunks, name, kind, f"{where}, member 'chunks'")
-    files = _get(d, "files", "object", where)
-    for rel, info in files.items():
-        if not isinstance(info, dict):
-            raise malformed(where, f"the record of file {rel!r} is {_describe(info)}, not an object")
-    for name, kind in (
-        ("rank", "int"),
-        ("attempt", "str"),
-        ("declared_digest", "str"),
-        ("objects", "object"),
-        ("bases", "list[int]"),
-        (EXTENDED_MEMBER, "bool"),
-        ("per_rank_prefixes", "list[str]"),
-        ("layouts", "list[str]"),
-    ):
-        _get(d, name, kind, where)
-    Timings.from_json(_get(d, "timings", "object", where), where=f"{where}, member 'timings'")
-    raise malformed(where, "it is not a rank's report")  # (unreachable while both checks agree)
 
 
 def _ranks(doc: object, where: str) -> list[list[int]]:
