@@ -7,8 +7,11 @@ their backend's errors into shardkeeper's (``CheckpointNotFoundError``, ``Commit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from shardkeeper.core.errors import CheckpointNotFoundError
 
 
 @dataclass(frozen=True)
@@ -95,4 +98,22 @@ class Storage(Protocol):
         ...
 
 
-__all__ = ["Capabilities", "Storage", "Writer"]
+def size_or_missing(storage: Storage, path: str) -> int:
+    """``storage.size(path)``, -1 where the file is missing."""
+    try:
+        return storage.size(path)
+    except CheckpointNotFoundError:
+        return -1
+
+
+def sizes_of(storage: Storage, paths: Sequence[str]) -> list[int]:
+    """The size of each of ``paths``, -1 for a missing one: the storage's own batch where its
+    class defines one (``sizes``: local disk, one ``fstatat`` a file; a wrapper that changes
+    ``size`` answers through it), else ``size`` path by path. (An object forwarding unknown
+    names to another storage is asked path by path: its own ``size`` may differ.)"""
+    if getattr(type(storage), "sizes", None) is not None:
+        return list(storage.sizes(paths))  # type: ignore[attr-defined]
+    return [size_or_missing(storage, p) for p in paths]
+
+
+__all__ = ["Capabilities", "Storage", "Writer", "size_or_missing", "sizes_of"]

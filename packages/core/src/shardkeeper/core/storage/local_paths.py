@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 try:
@@ -71,6 +72,7 @@ class RootPaths:
         self.lexical = str(root)
         self._real: str | None = None
         self._beneath = Beneath(self.lexical, READ_FLAGS)
+        self._dirs = Beneath(self.lexical, DIR_FLAGS)
 
     def full(self, path: str) -> str:
         return f"{self.lexical}/{path}" if path else self.lexical
@@ -184,6 +186,38 @@ class RootPaths:
             raise self.wrap(path, e) from e
         raise self.leaves(path, link, "read")
 
+    def sizes(self, paths: Sequence[str]) -> list[int | None]:
+        """The size of each regular file of ``paths``, -1 where it is missing, None where
+        ``stat`` must answer (a link, anything but a regular file, a directory that cannot be
+        opened beneath the root, no ``openat2``). Each directory is opened once, beneath the
+        root, and each file is one ``fstatat`` relative to it: no walk per path, and nothing
+        on the way can be swapped for a link meanwhile."""
+        out: list[int | None] = [None] * len(paths)
+        by_dir: dict[str, list[int]] = {}
+        for i, path in enumerate(paths):
+            by_dir.setdefault(path.rpartition("/")[0], []).append(i)
+        for head, where in by_dir.items():
+            fd = self._dirs.open(head) if head else -1
+            if fd < 0:
+                continue
+            try:
+                for i in where:
+                    name = paths[i].rpartition("/")[2]
+                    if name in ("", ".", ".."):
+                        continue
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        out[i] = -1
+                        continue
+                    except (OSError, ValueError):
+                        continue  # (``stat`` says what is wrong)
+                    if stat.S_ISREG(st.st_mode):
+                        out[i] = st.st_size
+            finally:
+                os.close(fd)
+        return out
+
     def real_dirs(self, path: str, action: str) -> str:
         """The full path of ``path`` for ``action`` ("write", "delete"), refused (damage) if a
         directory on the way is a link; the last component may be one (it is replaced or
@@ -251,6 +285,8 @@ class RootPaths:
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: a directory held only to resolve names against (``RootPaths.sizes``)
+DIR_FLAGS = getattr(os, "O_PATH", 0) | getattr(os, "O_DIRECTORY", 0) | O_CLOEXEC
 # link(2) errors of file systems without hard links (FAT, some FUSE and network mounts).
 NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV})
 

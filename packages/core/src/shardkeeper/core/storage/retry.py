@@ -33,13 +33,13 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import CheckpointError, CommitConflictError, StorageError
-from shardkeeper.core.storage.base import Storage, Writer
+from shardkeeper.core.storage.base import Storage, Writer, sizes_of
 from shardkeeper.core.storage.transient import is_transient, reason
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
@@ -251,6 +251,10 @@ class RetryingStorage(StorageWrapper):
 
     def size(self, path: str) -> int:
         return self._retry("size", path, lambda: self.inner.size(path))
+
+    def sizes(self, paths: Sequence[str]) -> list[int]:
+        """The inner storage's batch, retried as a whole (it only reads)."""
+        return self._retry("sizes", paths[0] if paths else "", lambda: sizes_of(self.inner, paths))
 
     def mtime(self, path: str) -> float:
         return self._retry("mtime", path, lambda: self.inner.mtime(path))

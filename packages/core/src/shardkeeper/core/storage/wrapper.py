@@ -10,9 +10,10 @@ looked up on it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core.storage.base import Capabilities, Storage
+from shardkeeper.core.storage.base import Capabilities, Storage, size_or_missing, sizes_of
 
 
 class StorageWrapper:
@@ -39,6 +40,13 @@ class StorageWrapper:
 
     def describe(self, path: str) -> str:
         return self.inner.describe(path)
+
+    def sizes(self, paths: Sequence[str]) -> list[int]:
+        """``sizes_of`` the inner storage; path by path through this wrapper's own ``size``
+        where a subclass defines one (a fault injected per path, a plaintext size)."""
+        if getattr(type(self), "size", None) is not None:
+            return [size_or_missing(self, p) for p in paths]
+        return sizes_of(self.inner, paths)
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names not found normally; before __init__ sets ``inner`` (copy,
