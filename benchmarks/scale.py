@@ -14,6 +14,12 @@ measured in the first layout's points up to ``--dcp-max-chunks``. Writes
 matplotlib; ``--render FILE.json`` writes the .md and .png again from any Python, torch not
 needed). ``--extra TxR,...`` adds points of other sizes, T tensors x R ranks (default: case
 (e), 100,000 x 8); they are in the table, not the chart.
+
+``--pairs N`` (default 3) then measures the targets' ratios to 64 ranks: the 64-rank point
+and the largest one, alternately, N times each (``described``, no DCP), so that both sides
+of a ratio ran within a minute of each other on a machine whose speed drifts over a sweep;
+each pair's ratio compares the fastest repeats (``*_min_s``: noise only adds time), the
+medians beside them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import datetime as _dt
 import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,6 +124,66 @@ def sweep(
     return results
 
 
+def ratio_pairs(
+    base: int, top: int, tensors: int, work: Path, timeout_s: float, repeats: int | None, n: int
+) -> dict[str, Any]:
+    """``n`` alternations of the ``base``-rank and ``top``-rank described points (see the
+    module docstring): each pair's runs and ratios, and the median ratio over the pairs."""
+    pairs: list[dict[str, Any]] = []
+    for i in range(n):
+        where = work / f"pair-{i}"  # (a point's files are per save attempt: a fresh root each run)
+        where.mkdir(parents=True, exist_ok=True)
+        a = run_point(base, tensors, "described", where, timeout_s, repeats, dcp=False)
+        b = run_point(top, tensors, "described", where, timeout_s, repeats, dcp=False)
+        shutil.rmtree(where, ignore_errors=True)
+        pair: dict[str, Any] = {"base": a, "top": b}
+        for k in ("commit_min_s", "plan_min_s", "commit_s", "plan_s", "manifest_bytes"):
+            if isinstance(a.get(k), (int, float)) and isinstance(b.get(k), (int, float)) and a[k] > 0:
+                pair[k.removesuffix("_s").removesuffix("_bytes") + "_ratio"] = b[k] / a[k]
+        pairs.append(pair)
+        print(f"scale:   pair: {top} / {base} ranks: {_ratios(pair)}", flush=True)
+    names = sorted({k for p in pairs for k in p if k.endswith("_ratio")})
+    return {
+        "base_ranks": base,
+        "top_ranks": top,
+        "tensors": tensors,
+        "pairs": pairs,
+        "median": {k: statistics.median(p[k] for p in pairs if k in p) for k in names if any(k in p for p in pairs)},
+    }
+
+
+def _ratios(pair: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.2f}x" for k, v in pair.items() if k.endswith("_ratio")) or "not measured"
+
+
+def ratio_table(doc: dict[str, Any]) -> str:
+    r = doc.get("ratios")
+    if not r:
+        return ""
+    base, top = r["base_ranks"], r["top_ranks"]
+    rows = [
+        f"## Ratios, {top:,} to {base} ranks ({r['tensors']} tensors, described), measured in alternation\n",
+        f"| pair | commit min {base} / {top:,} | ratio | commit median ratio | plan min {base} / {top:,} | ratio "
+        f"| plan median ratio | manifest ratio |",
+        "|" + "---|" * 8,
+    ]
+    for i, p in enumerate(r["pairs"], 1):
+        a, b = p["base"], p["top"]
+        rows.append(
+            f"| {i} | {_f(a.get('commit_min_s'))} / {_f(b.get('commit_min_s'))} | {_f(p.get('commit_min_ratio'), 1, '{:.2f}x')} "
+            f"| {_f(p.get('commit_ratio'), 1, '{:.2f}x')} | {_f(a.get('plan_min_s'))} / {_f(b.get('plan_min_s'))} "
+            f"| {_f(p.get('plan_min_ratio'), 1, '{:.2f}x')} | {_f(p.get('plan_ratio'), 1, '{:.2f}x')} "
+            f"| {_f(p.get('manifest_ratio'), 1, '{:.2f}x')} |"
+        )
+    m = r["median"]
+    rows.append(
+        f"| median | | {_f(m.get('commit_min_ratio'), 1, '{:.2f}x')} | {_f(m.get('commit_ratio'), 1, '{:.2f}x')} | "
+        f"| {_f(m.get('plan_min_ratio'), 1, '{:.2f}x')} | {_f(m.get('plan_ratio'), 1, '{:.2f}x')} "
+        f"| {_f(m.get('manifest_ratio'), 1, '{:.2f}x')} |"
+    )
+    return "\n".join(rows) + "\n"
+
+
 def _f(v: Any, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
     return fmt.format(v / scale) if isinstance(v, (int, float)) else "-"
 
@@ -169,6 +237,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"the reads of its shard. DCP: the same chunks' pickled Metadata; plan = read + unpickle + "
         f"create_default_local_load_plan for rank 0. load: the machine's 1-minute load average after the point "
         f"(other work on it skews the timings). Store: {counted}.\n"
+        + (f"\n{ratio_table(doc)}" if doc.get("ratios") else "")
     )
 
 
@@ -231,6 +300,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
     ap.add_argument("--repeats", type=int, help="passed to case_e.py (default: 3, 1 above 1M chunks)")
     ap.add_argument("--quick", action="store_true", help="small points: 4,16,64 ranks x 200 tensors, no extra")
+    ap.add_argument("--pairs", type=int, default=3, help="alternations of 64 ranks and the largest point (0: none)")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the .md and .png of a sweep's .json, beside it")
     args = ap.parse_args(argv)
     if args.render:
@@ -255,6 +325,12 @@ def main(argv: list[str] | None = None) -> Path:
             results += sweep(
                 points, layout, Path(tmp), args.timeout, args.repeats, args.dcp_max_chunks if i == 0 else 0
             )
+        top = max((r for r, t in points if t == args.tensors), default=0)
+        ratios = (
+            ratio_pairs(64, top, args.tensors, Path(tmp), args.timeout, args.repeats, args.pairs)
+            if args.pairs > 0 and "described" in layouts and top > 64
+            else None
+        )
     doc = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/scale.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -266,6 +342,7 @@ def main(argv: list[str] | None = None) -> Path:
         "layouts": layouts,
         "tensors": args.tensors,
         "points": results,
+        **({"ratios": ratios} if ratios else {}),
     }
     (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
     (out_dir / f"{stem}.md").write_text(markdown(doc))
@@ -273,6 +350,7 @@ def main(argv: list[str] | None = None) -> Path:
     if why:
         print(f"scale: {why}", flush=True)
     print(table(results), flush=True)
+    print(ratio_table(doc), flush=True)
     return out_dir / f"{stem}.json"
 
 

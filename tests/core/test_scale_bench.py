@@ -103,6 +103,27 @@ def test_sweep_writes_every_point_and_its_table(bench: Any, tmp_path: Path) -> N
     assert "| described | 2 | 20 | 40 |" in md and "| sharded | 4 | 20 | 80 |" in md
 
 
+def test_ratio_pairs_alternate_64_ranks_and_the_largest_point(bench: Any, tmp_path: Path) -> None:
+    """``--pairs``: the targets' ratios to 64 ranks, from points run alternately (a drifting
+    machine skews points run minutes apart), each ratio that of the two points' own figures."""
+    _, scale, _ = bench
+    argv = ["--ranks", "8,72", "--tensors", "3", "--extra", "", "--layouts", "described", "--pairs", "2"]
+    out = scale.main([*argv, "--repeats", "1", "--out-dir", str(tmp_path), "--name", "r", "--dcp-max-chunks", "0"])
+    r = json.loads(out.read_text())["ratios"]
+    assert (r["base_ranks"], r["top_ranks"], len(r["pairs"])) == (64, 72, 2)
+    for p in r["pairs"]:
+        assert (p["base"]["ranks"], p["top"]["ranks"]) == (64, 72) and "dcp_plan_s" not in p["top"]
+        for k in ("commit_min", "plan_min", "commit", "plan", "manifest"):
+            src = "manifest_bytes" if k == "manifest" else f"{k}_s"
+            assert p[f"{k}_ratio"] == pytest.approx(p["top"][src] / p["base"][src])
+    assert r["median"]["commit_min_ratio"] == pytest.approx(
+        sorted(p["commit_min_ratio"] for p in r["pairs"])[0] / 2
+        + sorted(p["commit_min_ratio"] for p in r["pairs"])[1] / 2
+    )
+    md = (tmp_path / "r.md").read_text()
+    assert "## Ratios, 72 to 64 ranks" in md and "| median |" in md
+
+
 @pytest.mark.parametrize("layout", ["described", "sharded"])
 def test_a_point_above_the_group_size_commits_in_groups(bench: Any, tmp_path: Path, layout: str) -> None:
     case_e, _, _ = bench
