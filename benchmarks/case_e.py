@@ -15,7 +15,7 @@ layout, the save is a group commit (``tensor/group_fold.py``): every group leade
 collects its group's reports, checks their files, writes its page and reports (run before the
 timing, one after another; ``leader_fold_s`` is the slowest, each leader's own share when they
 run in parallel). Then, timed as ``commit_s``, rank 0's part: its own group's fold (as every
-leader's) where there are groups, the real ``StoreCoordinator.collect`` (wait, read, parse,
+leader's, its page synced while it merges, as a save does) where there are groups, the real ``StoreCoordinator.collect`` (wait, read, parse,
 validate), the merge and tiling check (``assemble_manifest``), the manifest's serialization
 and the real ``commit_manifest`` (intent, checks of the files it lists, put-if-absent); then
 ``publish`` and every rank's ``outcome`` (counted, not timed). ``plan_s``: rank 0 reads and
@@ -220,8 +220,9 @@ def measure_point(
         gc.collect()  # the simulation's garbage (16,384 ranks' reports) is not the coordinator's
         t0, c0 = time.perf_counter(), time.process_time()
         pages: list[Any] = []
+        written = None
         if grouped:  # the coordinator leads the first group: it folds it as every leader does
-            own = _fold(storage, step, [own, *_group(coords[0], seq, step)], layout)
+            own, written = _start_fold(storage, step, [own, *_group(coords[0], seq, step)], layout)
         got = coords[0].collect(seq, own, 600.0, step=step)
         after_collect = Counter(store.calls)
         if not isinstance(got, list):
@@ -240,6 +241,8 @@ def measure_point(
             pages=pages,
         )
         data = m.dumps()
+        if written is not None:  # its page durable before its commit's intent (saving.py)
+            written.result()
         commit_manifest(storage, step, m, data, bases=[], references=refs, executor=_IO)
         commit_s.append(time.perf_counter() - t0)
         commit_cpu.append(time.process_time() - c0)
@@ -325,11 +328,20 @@ def _group(coord: Any, seq: int, step: int) -> list[Any]:
 
 def _fold(storage: Any, step: int, reports: list[Any], layout: str) -> Any:
     """A leader's fold (tensor/group_fold.py): check the group's files, write its page (where
-    leaves are described, as a save does)."""
-    from shardkeeper.core.format.layout import step_dir
-    from shardkeeper.core.tensor.group_fold import fold_group
+    leaves are described, as a save does); it reports once the page is durable."""
+    report, written = _start_fold(storage, step, reports, layout)
+    if written is not None:
+        written.result()
+    return report
 
-    return fold_group(
+
+def _start_fold(storage: Any, step: int, reports: list[Any], layout: str) -> tuple[Any, Any]:
+    """The coordinator's fold of its own group, as a save makes it: its page's write still
+    under way (waited for before ``commit_manifest``)."""
+    from shardkeeper.core.format.layout import step_dir
+    from shardkeeper.core.tensor.group_fold import start_fold
+
+    return start_fold(
         storage,
         step_dir(step),
         step,

@@ -108,6 +108,17 @@ def test_a_file_lost_before_its_leaders_check_fails_the_save_on_every_rank(seen:
         assert not s["step 4 committed"]
 
 
+def test_the_coordinators_page_not_written_fails_the_save_once_the_write_ended(seen: list[dict]) -> None:
+    """The coordinator syncs its own group's page while it merges; it waits for it before its
+    commit's intent, so a page that cannot be written fails the save, as any leader's does."""
+    for s in seen:
+        msg = s["page lost"]
+        assert msg is not None and "failed on rank 0 in phase commit" in msg, msg
+        assert "injected: the page could not be synced" in msg
+        assert not s["step 5 committed"]
+    assert seen[0]["page write ended first"]
+
+
 def test_a_rank_that_never_reports_is_named_by_its_leader_on_every_other_rank(seen: list[dict]) -> None:
     for s in seen[:3]:
         msg = s["missing rank"]

@@ -1,6 +1,7 @@
 """A group leader's fold (tensor/group_fold.py) on a real local root: equal reports count
 once, differing ones travel inside the leader's, the page is written while the group's files
-are checked, and whichever fails, the fold returns only once the page's write has ended."""
+are checked, and whichever fails, the fold returns only once the page's write has ended;
+the coordinator's (``start_fold``) returns with the page still being synced."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from shardkeeper.core.format.table import rows_report
 from shardkeeper.core.protocol import RankReport, Timings
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.faults import FaultyStorage
-from shardkeeper.core.tensor.group_fold import fold_group, unfold
+from shardkeeper.core.storage.wrapper import StorageWrapper
+from shardkeeper.core.tensor.group_fold import fold_group, start_fold, unfold
 
 STEP = 3
 ATTEMPT = "0123abcd"
@@ -113,3 +115,34 @@ def test_a_page_that_cannot_be_written_fails_the_fold(tmp_path: Path, io: Any) -
     with pytest.raises(StorageError, match="injected fault"):
         _fold(storage, reports, io)
     assert len(done) == 1
+
+
+class _SlowPages(StorageWrapper):
+    """A local root whose pages take 0.5 s to close (to sync)."""
+
+    def open_writer(self, path: str) -> Any:
+        writer = self.inner.open_writer(path)
+        if "/pages/" in path:
+            close = writer.close
+
+            def slow_close() -> None:
+                time.sleep(0.5)
+                close()
+
+            writer.close = slow_close
+        return writer
+
+
+def test_start_fold_returns_with_the_page_still_being_synced(tmp_path: Path, io: Any) -> None:
+    """The coordinator's fold: the same report as a leader's, returned before its page is
+    durable (its syncs overlap the merge); the page is there, whole, once the write ends."""
+    reports = [_report(r) for r in range(3)]
+    _files(tmp_path, reports)
+    storage = _SlowPages(LocalStorage(tmp_path))
+    t0 = time.monotonic()
+    folded, written = start_fold(storage, step_dir(STEP), STEP, ATTEMPT, reports, algorithm="xxh3_128", executor=io)
+    assert written is not None and not written.done() and time.monotonic() - t0 < 0.4
+    page = tmp_path / step_dir(STEP) / folded.group["page"][0]
+    written.result()
+    assert page.stat().st_size == folded.group["page"][1]
+    assert folded.ranks == [[0, 2]] and folded.group["count"] == 3

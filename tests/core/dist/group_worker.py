@@ -8,7 +8,7 @@ ranks' files. A state of described DTensors plus a replicated tensor is saved an
 into the same layout, another one and plain tensors, bit for bit, reading only the pages it
 needs; verify and gc; incremental saves and retention; an encrypted root; a damaged page;
 a rank whose state differs, named through its leader's folded report; a file lost before
-its leader checks it; a rank that never reports; ranks passing different group sizes.
+its leader checks it; the coordinator's page not written; a rank that never reports; ranks passing different group sizes.
 Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from described_worker import full, gathered, layout_a, layout_b, same
 
 from shardkeeper.core import CheckpointManager, CheckpointSaveError, CorruptCheckpointError
+from shardkeeper.core.errors import StorageError
 from shardkeeper.core.garbage import collect_garbage
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.verify import verify_step
@@ -95,6 +97,25 @@ def main(root: str, out: str) -> None:
         if rank == 2:
             group_fold.check_files = real
         seen["step 4 committed"] = (path / "step-000000000004" / "manifest.json").exists()
+        # The coordinator's own page, synced while it merges the leaders' reports, cannot be
+        # written: the save fails on every rank with that error, and on rank 0 returns only
+        # once the write has ended (nothing of a failed save is still being written).
+        if rank == 0:
+            import shardkeeper.core.tensor.group_fold as group_fold
+
+            real_write, ended = group_fold.write_durably, []
+
+            def failing(*args):  # type: ignore[no-untyped-def]
+                time.sleep(0.5)  # (longer than the merge: the commit waits for it)
+                ended.append(args[2])
+                raise StorageError("injected: the page could not be synced")
+
+            group_fold.write_durably = failing
+        seen["page lost"] = _error(lambda: mgr.save(5, {"m": layout_a(w)}, async_save=False))
+        if rank == 0:
+            seen["page write ended first"] = len(ended) == 1 and ended[0].startswith("pages/g00000-")
+            group_fold.write_durably = real_write
+        seen["step 5 committed"] = (path / "step-000000000005" / "manifest.json").exists()
     # Incremental: unchanged boxes are references into step 1's files, listed in the pages;
     # retention keeping one step keeps the files step 2's pages reference.
     inc = Path(root) / "inc"

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.step_order import StepOrder
-from shardkeeper.core.tensor.group_fold import fold_group, unfold
+from shardkeeper.core.tensor.group_fold import start_fold, unfold
 from shardkeeper.core.tensor.index_write import index_report
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
@@ -353,8 +353,14 @@ class SaveRunner:
             return Failure.of(ctx.rank, Phase.COMMIT, ctx.storage.describe(step_dir(job.step)), e)
 
     def _fold_reports(self, job: SaveJob, reports: list[RankReport]) -> RankReport:
+        report, written = self._start_fold(job, reports)
+        if written is not None:  # a leader reports only a durable page
+            written.result()
+        return report
+
+    def _start_fold(self, job: SaveJob, reports: list[RankReport]) -> tuple[RankReport, Future[None] | None]:
         ctx = self.ctx
-        return fold_group(
+        return start_fold(
             ctx.storage,
             step_dir(job.step),
             job.step,
@@ -372,13 +378,15 @@ class SaveRunner:
         ctx, settings, step = self.ctx, self.ctx.settings, job.step
         sdir = step_dir(step)
         reports: list[RankReport] = []
+        page: list[Future[None]] = []  # its own group's page, synced while it merges
         t_commit = time.perf_counter()
         try:
             if ctx.coord.leads():  # group commit: fold its own group, as every leader does
                 group = ctx.coord.collect_group(job.seq, settings.commit_timeout_s, step=step)
                 if isinstance(group, Failure):
                     return Outcome(group)
-                own = self._fold_reports(job, [own, *(group or [])])
+                own, written = self._start_fold(job, [own, *(group or [])])
+                page += [written] if written is not None else []
             got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step)
             if isinstance(got, Failure):
                 return Outcome(got)
@@ -407,6 +415,8 @@ class SaveRunner:
             data = manifest.dumps()
             data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)
             bases = sorted({b for r in reports for b in r.bases})
+            for w in page:  # durable before the intent names it (and before a tier records it)
+                w.result()
             tiers = self._tiers
             checked = tiers.checked_here if tiers is not None else None
             if tiers is not None:  # before the put: nothing may fail between it and the outcome
@@ -416,6 +426,7 @@ class SaveRunner:
                 ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io, checked=checked
             )
         except BaseException as e:
+            wait(page)  # (its page is discarded once written)
             self._discard_attempt(sdir, reports)
             if self._tiers is not None:
                 self._tiers.recorder.forget(job.seq)
@@ -428,6 +439,8 @@ class SaveRunner:
                     conflict=isinstance(e, CommitConflictError),
                 )
             )
+        finally:
+            wait(page)  # (a save that failed elsewhere returns only once its page is written)
         try:
             write_latest_hint(ctx.storage, step)
         except CheckpointError as e:  # a hint only; the manifest is the truth

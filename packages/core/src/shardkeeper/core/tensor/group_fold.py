@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Any
 
@@ -41,13 +41,37 @@ def fold_group(
     executor: Any = None,
 ) -> RankReport:
     """The leader's report for its group (``reports``: the leader's own first, then its
-    ranks' in rank order), after its page is written; raises ``CorruptCheckpointError``
+    ranks' in rank order), once its page is durable; raises ``CorruptCheckpointError``
     naming the rank whose file is missing or of another size. ``paging`` False (a save
     without described leaves, whose chunk table names every file anyway): no page, the
-    reports folded as they are. ``executor``: where the files' sizes are asked for in parallel."""
+    reports folded as they are. ``executor``: where the page is written (and, on a remote
+    storage, the files' sizes asked for in parallel)."""
+    report, written = start_fold(
+        storage, step_dir, step, attempt, reports, algorithm=algorithm, paging=paging, executor=executor
+    )
+    if written is not None:
+        written.result()
+    return report
+
+
+def start_fold(
+    storage: Storage,
+    step_dir: str,
+    step: int,
+    attempt: str,
+    reports: Sequence[RankReport],
+    *,
+    algorithm: str,
+    paging: bool = True,
+    executor: Any = None,
+) -> tuple[RankReport, Future[None] | None]:
+    """``fold_group``, returning as soon as the group's files are checked, with the page's
+    write still under way on ``executor`` (None: written already). The coordinator's: its
+    page's syncs overlap its merge, and it waits for them before it announces its commit (a
+    leader reports only a durable page). On a failed check the write has ended first."""
     leader = reports[0]
     if not paging:
-        return _folded([(rep, rep.files, rep.described) for rep in reports], leader, None, [])
+        return _folded([(rep, rep.files, rep.described) for rep in reports], leader, None, []), None
     paged: dict[str, dict[str, Any]] = {}
     index: list[Any] = []
     ends: dict[str, int] = {}
@@ -79,14 +103,18 @@ def fold_group(
         raise
     if written is None:
         write_durably(storage, step_dir, rel, data, PAGES_DIR)
-    else:
-        written.result()
     nbytes = sum(int(r["size_bytes"]) for r in paged.values())
     page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
     # files of earlier steps the group's index rows reference (an incremental save): the
     # coordinator's commit intent names them and checks them, as for its own references
     refs = [[p, e] for p, e in sorted(ends.items()) if p.startswith("../")]
-    return _folded(residuals, leader, page, refs, {rel: {"size_bytes": len(data), "rank": leader.rank}})
+    try:
+        folded = _folded(residuals, leader, page, refs, {rel: {"size_bytes": len(data), "rank": leader.rank}})
+    except BaseException:
+        if written is not None:
+            wait([written])
+        raise
+    return folded, written
 
 
 #: A rank's report and what of it stays in the leader's: the files and ``described`` member
@@ -185,4 +213,4 @@ def _runs(ranks: list[int]) -> list[list[int]]:
     return out
 
 
-__all__ = ["fold_group", "unfold"]
+__all__ = ["fold_group", "start_fold", "unfold"]
