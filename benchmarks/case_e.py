@@ -222,7 +222,7 @@ def measure_point(
         pages: list[Any] = []
         written = None
         if grouped:  # the coordinator leads the first group: it folds it as every leader does
-            own, written = _start_fold(storage, step, [own, *_group(coords[0], seq, step)], layout)
+            own, written = _fold_group(storage, step, [own, *_group(coords[0], seq, step)], layout)
         got = coords[0].collect(seq, own, 600.0, step=step)
         after_collect = Counter(store.calls)
         if not isinstance(got, list):
@@ -329,19 +329,19 @@ def _group(coord: Any, seq: int, step: int) -> list[Any]:
 def _fold(storage: Any, step: int, reports: list[Any], layout: str) -> Any:
     """A leader's fold (tensor/group_fold.py): check the group's files, write its page (where
     leaves are described, as a save does); it reports once the page is durable."""
-    report, written = _start_fold(storage, step, reports, layout)
+    report, written = _fold_group(storage, step, reports, layout)
     if written is not None:
         written.result()
     return report
 
 
-def _start_fold(storage: Any, step: int, reports: list[Any], layout: str) -> tuple[Any, Any]:
+def _fold_group(storage: Any, step: int, reports: list[Any], layout: str) -> tuple[Any, Any]:
     """The coordinator's fold of its own group, as a save makes it: its page's write still
     under way (waited for before ``commit_manifest``)."""
     from shardkeeper.core.format.layout import step_dir
-    from shardkeeper.core.tensor.group_fold import start_fold
+    from shardkeeper.core.tensor.group_fold import fold_group
 
-    return start_fold(
+    return fold_group(
         storage,
         step_dir(step),
         step,

@@ -1,7 +1,7 @@
 """A group leader's fold (tensor/group_fold.py) on a real local root: equal reports count
 once, differing ones travel inside the leader's, the page is written while the group's files
 are checked, and whichever fails, the fold returns only once the page's write has ended;
-the coordinator's (``start_fold``) returns with the page still being synced."""
+the report comes back with the page's write still under way, waited for by the caller."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from shardkeeper.core.protocol import RankReport, Timings
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.faults import FaultyStorage
 from shardkeeper.core.storage.wrapper import StorageWrapper
-from shardkeeper.core.tensor.group_fold import fold_group, start_fold, unfold
+from shardkeeper.core.tensor.group_fold import fold_group, unfold
 
 STEP = 3
 ATTEMPT = "0123abcd"
@@ -56,7 +56,11 @@ def _files(root: Path, reports: list[RankReport], *, skip: str = "") -> None:
 
 
 def _fold(storage: Any, reports: list[RankReport], io: ThreadPoolExecutor) -> RankReport:
-    return fold_group(storage, step_dir(STEP), STEP, ATTEMPT, reports, algorithm="xxh3_128", executor=io)
+    """A leader's fold, as it reports it: once its page is durable."""
+    folded, written = fold_group(storage, step_dir(STEP), STEP, ATTEMPT, reports, algorithm="xxh3_128", executor=io)
+    if written is not None:
+        written.result()
+    return folded
 
 
 @pytest.fixture
@@ -133,14 +137,14 @@ class _SlowPages(StorageWrapper):
         return writer
 
 
-def test_start_fold_returns_with_the_page_still_being_synced(tmp_path: Path, io: Any) -> None:
-    """The coordinator's fold: the same report as a leader's, returned before its page is
-    durable (its syncs overlap the merge); the page is there, whole, once the write ends."""
+def test_the_fold_returns_with_the_page_still_being_synced(tmp_path: Path, io: Any) -> None:
+    """The report comes back before its page is durable (the coordinator's page syncs while it
+    merges); the page is there, whole, once the write ends."""
     reports = [_report(r) for r in range(3)]
     _files(tmp_path, reports)
     storage = _SlowPages(LocalStorage(tmp_path))
     t0 = time.monotonic()
-    folded, written = start_fold(storage, step_dir(STEP), STEP, ATTEMPT, reports, algorithm="xxh3_128", executor=io)
+    folded, written = fold_group(storage, step_dir(STEP), STEP, ATTEMPT, reports, algorithm="xxh3_128", executor=io)
     assert written is not None and not written.done() and time.monotonic() - t0 < 0.4
     page = tmp_path / step_dir(STEP) / folded.group["page"][0]
     written.result()

@@ -46,7 +46,7 @@ from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.step_order import StepOrder
-from shardkeeper.core.tensor.group_fold import start_fold, unfold
+from shardkeeper.core.tensor.group_fold import fold_group, unfold
 from shardkeeper.core.tensor.index_write import index_report
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
@@ -348,19 +348,17 @@ class SaveRunner:
             got = ctx.coord.collect_group(job.seq, ctx.settings.commit_timeout_s, step=job.step)
             if got is None or isinstance(got, Failure):
                 return got
-            return self._fold_reports(job, [own, *got])
+            report, written = self._fold_group(job, [own, *got])
+            if written is not None:  # a leader reports only a durable page
+                written.result()
+            return report
         except BaseException as e:
             return Failure.of(ctx.rank, Phase.COMMIT, ctx.storage.describe(step_dir(job.step)), e)
 
-    def _fold_reports(self, job: SaveJob, reports: list[RankReport]) -> RankReport:
-        report, written = self._start_fold(job, reports)
-        if written is not None:  # a leader reports only a durable page
-            written.result()
-        return report
-
-    def _start_fold(self, job: SaveJob, reports: list[RankReport]) -> tuple[RankReport, Future[None] | None]:
+    def _fold_group(self, job: SaveJob, reports: list[RankReport]) -> tuple[RankReport, Future[None] | None]:
+        """``fold_group``: the folded report and its page's write, still under way."""
         ctx = self.ctx
-        return start_fold(
+        return fold_group(
             ctx.storage,
             step_dir(job.step),
             job.step,
@@ -385,7 +383,7 @@ class SaveRunner:
                 group = ctx.coord.collect_group(job.seq, settings.commit_timeout_s, step=step)
                 if isinstance(group, Failure):
                     return Outcome(group)
-                own, written = self._start_fold(job, [own, *(group or [])])
+                own, written = self._fold_group(job, [own, *(group or [])])
                 page += [written] if written is not None else []
             got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step)
             if isinstance(got, Failure):

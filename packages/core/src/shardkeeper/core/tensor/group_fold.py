@@ -39,36 +39,15 @@ def fold_group(
     algorithm: str,
     paging: bool = True,
     executor: Any = None,
-) -> RankReport:
-    """The leader's report for its group (``reports``: the leader's own first, then its
-    ranks' in rank order), once its page is durable; raises ``CorruptCheckpointError``
-    naming the rank whose file is missing or of another size. ``paging`` False (a save
-    without described leaves, whose chunk table names every file anyway): no page, the
-    reports folded as they are. ``executor``: where the page is written (and, on a remote
-    storage, the files' sizes asked for in parallel)."""
-    report, written = start_fold(
-        storage, step_dir, step, attempt, reports, algorithm=algorithm, paging=paging, executor=executor
-    )
-    if written is not None:
-        written.result()
-    return report
-
-
-def start_fold(
-    storage: Storage,
-    step_dir: str,
-    step: int,
-    attempt: str,
-    reports: Sequence[RankReport],
-    *,
-    algorithm: str,
-    paging: bool = True,
-    executor: Any = None,
 ) -> tuple[RankReport, Future[None] | None]:
-    """``fold_group``, returning as soon as the group's files are checked, with the page's
-    write still under way on ``executor`` (None: written already). The coordinator's: its
-    page's syncs overlap its merge, and it waits for them before it announces its commit (a
-    leader reports only a durable page). On a failed check the write has ended first."""
+    """The leader's report for its group (``reports``: the leader's own first, then its
+    ranks' in rank order), and its page's write, still under way on ``executor`` (None:
+    ended): a leader waits for it before it reports (only a durable page is reported), the
+    coordinator before it announces its commit (its page's syncs overlap its merge). Raises
+    ``CorruptCheckpointError`` naming the rank whose file is missing or of another size,
+    once the write has ended. ``paging`` False (a save without described leaves, whose chunk
+    table names every file anyway): no page, the reports folded as they are. ``executor``:
+    where the page is written (and, on a remote storage, the files' sizes asked for)."""
     leader = reports[0]
     if not paging:
         return _folded([(rep, rep.files, rep.described) for rep in reports], leader, None, []), None
@@ -213,4 +192,4 @@ def _runs(ranks: list[int]) -> list[list[int]]:
     return out
 
 
-__all__ = ["fold_group", "start_fold", "unfold"]
+__all__ = ["fold_group", "unfold"]
