@@ -9,7 +9,9 @@ Real files, real symbolic links and FIFOs, real ``CheckpointManager`` saves and 
 - one entry that is not what the format says (a symlink loop, a file where a directory
   should be, a name too long, a directory named ``manifest.json``) marks its step damaged,
   not the root broken; a real I/O failure is still raised, not fallen back from;
-- put-if-absent without hard links is exclusive across processes.
+- put-if-absent without hard links is exclusive across processes;
+- a path whose ``..`` climbs above the root is refused by every operation, while ``..`` that
+  stays inside (``step-2/../step-1/...``) reads as before.
 """
 
 from __future__ import annotations
@@ -517,3 +519,38 @@ def test_put_if_absent_without_hard_links_is_exclusive_across_processes(tmp_path
         assert (root / f"r{i:04d}" / "manifest.json").read_bytes() == payload(winner, i), i
         assert os.listdir(root / f"r{i:04d}") == ["manifest.json"], i  # no temporary file left
     assert all(r["calls"]["rename_noreplace"] == rounds for r in reports), reports[0]["calls"]  # the fallback ran
+
+
+def test_no_operation_climbs_above_the_root_with_dotdot(tmp_path):
+    """A path from a report or a manifest with ``..`` past the root's top is damage for every
+    operation: nothing outside is read, sized, listed, written or deleted."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"secret")
+    root = tmp_path / "root"
+    storage = LocalStorage(root)
+    storage.put("step-1/a", b"abc")
+    (root / "step-2").mkdir()
+    climbing = ["../outside/victim", "step-1/../../outside/victim", "step-1/x/../../../outside/victim"]
+    operations = {
+        "size": lambda p: storage.size(p),
+        "sizes": lambda p: storage.sizes(["step-1/a", p]),
+        "mtime": lambda p: storage.mtime(p),
+        "read_bytes": lambda p: storage.read_bytes(p),
+        "read_range": lambda p: storage.read_range(p, 0, 2),
+        "list_dir": lambda p: storage.list_dir(p.rsplit("/", 1)[0]),
+        "put": lambda p: storage.put(p + "-new", b"x"),
+        "put_if_absent": lambda p: storage.put_if_absent(p + "-pia", b"x"),
+        "open_writer": lambda p: storage.open_writer(p + "-w"),
+        "delete": lambda p: storage.delete(p),
+        "sync_dir": lambda p: storage.sync_dir(p.rsplit("/", 1)[0]),
+    }
+    for path in climbing:
+        assert storage.exists(path) is False
+        for op in operations.values():
+            with pytest.raises(CorruptCheckpointError, match=r"climbs above the checkpoint root"):
+                op(path)
+    assert sorted(os.listdir(outside)) == ["victim"] and (outside / "victim").read_bytes() == b"secret"
+    # ``..`` that stays inside the root resolves as the kernel resolves it
+    assert storage.size("step-2/../step-1/a") == 3 and storage.read_bytes("step-2/../step-1/a") == b"abc"
+    assert storage.sizes(["step-2/../step-1/a", "step-1/a"]) == [3, 3]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from shardkeeper.core.put_manifest import check_files
 from shardkeeper.core.storage import LocalStorage, beneath
 from shardkeeper.core.storage.base import size_or_missing, sizes_of
@@ -147,3 +147,38 @@ def test_check_files_names_the_file_a_batch_found_wrong(tmp_path: Path) -> None:
         check_files(storage, own, dict.fromkeys(own, 0))
     with pytest.raises(CheckpointNotFoundError):
         storage.size(paths[1])
+
+
+def test_a_size_replaced_by_a_subclass_or_on_the_instance_answers(tmp_path: Path) -> None:
+    """A batch answers only for the ``size`` it was written for: a subclass's own ``size``
+    (of the local storage, of the retrying wrapper) or one set on the instance answers."""
+    storage, paths = _tree(tmp_path)
+
+    class Failing(LocalStorage):
+        def size(self, path: str) -> int:
+            raise StorageError(f"no size of {path}")
+
+    class Padded(RetryingStorage):
+        def size(self, path: str) -> int:
+            return self.inner.size(path) + 1000
+
+    with pytest.raises(StorageError, match="no size of"):
+        sizes_of(Failing(storage.root), paths[:2])
+    assert sizes_of(Padded(storage, FAST), paths[:2]) == [1010, 1011]
+    plain = StorageWrapper(storage)
+    plain.size = lambda path: 7  # type: ignore[method-assign]
+    assert sizes_of(plain, paths[:2]) == [7, 7]
+    storage.size = lambda path: 8  # type: ignore[method-assign]
+    assert sizes_of(storage, paths[:2]) == [8, 8]
+
+
+def test_a_name_that_cannot_be_encoded_fails_as_size_fails(tmp_path: Path) -> None:
+    """A lone surrogate (valid JSON, no file name) in a directory: the path goes to ``size``,
+    so the first bad path in order raises what ``size`` raises for it."""
+    storage, paths = _tree(tmp_path)
+    bad = ["step-1/data/r0.safetensors/x", "\ud800/y"]
+    with pytest.raises(Exception) as by_size:
+        [size_or_missing(storage, p) for p in bad]
+    with pytest.raises(Exception) as by_batch:
+        storage.sizes(bad)
+    assert type(by_batch.value) is type(by_size.value) and str(by_batch.value) == str(by_size.value)

@@ -74,7 +74,11 @@ class Beneath:
             fd = self._open_root()
             if fd < 0:
                 return -1
-        out = int(_syscall(_SYS_OPENAT2, fd, os.fsencode(path), self._how_ref, self._how_size))
+        try:
+            name = os.fsencode(path)
+        except UnicodeError:  # (a lone surrogate: let open() say what is wrong)
+            return -1
+        out = int(_syscall(_SYS_OPENAT2, fd, name, self._how_ref, self._how_size))
         if out >= 0:
             return out
         code = ctypes.get_errno()

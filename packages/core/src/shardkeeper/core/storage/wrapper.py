@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core.storage.base import Capabilities, Storage, size_or_missing, sizes_of
+from shardkeeper.core.storage.base import Capabilities, Storage, answers_size, size_or_missing, sizes_of
 
 
 class StorageWrapper:
@@ -43,8 +43,9 @@ class StorageWrapper:
 
     def sizes(self, paths: Sequence[str]) -> list[int]:
         """``sizes_of`` the inner storage; path by path through this wrapper's own ``size``
-        where a subclass defines one (a fault injected per path, a plaintext size)."""
-        if getattr(type(self), "size", None) is not None:
+        where a subclass (or the instance) defines one (a fault injected per path, a plaintext
+        size)."""
+        if not answers_size(self, StorageWrapper):
             return [size_or_missing(self, p) for p in paths]
         return sizes_of(self.inner, paths)
 
