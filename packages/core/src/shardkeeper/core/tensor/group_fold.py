@@ -76,21 +76,16 @@ def fold_group(
         # the files its manifest lists itself, after announcing its commit)
         paths = {f"{step_dir}/{name}": rec for name, rec in paged.items()}
         check_files(storage, paths, dict.fromkeys(paths, 0), executor)
-    except BaseException:
-        if written is not None:  # the check's error is the one to report; the write ends first
-            wait([written])
-        raise
-    if written is None:
-        write_durably(storage, step_dir, rel, data, PAGES_DIR)
-    nbytes = sum(int(r["size_bytes"]) for r in paged.values())
-    page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
-    # files of earlier steps the group's index rows reference (an incremental save): the
-    # coordinator's commit intent names them and checks them, as for its own references
-    refs = [[p, e] for p, e in sorted(ends.items()) if p.startswith("../")]
-    try:
+        if written is None:
+            write_durably(storage, step_dir, rel, data, PAGES_DIR)
+        nbytes = sum(int(r["size_bytes"]) for r in paged.values())
+        page = [rel, len(data), digest_function(algorithm)(data), len(paged), nbytes]
+        # files of earlier steps the group's index rows reference (an incremental save): the
+        # coordinator's commit intent names them and checks them, as for its own references
+        refs = [[p, e] for p, e in sorted(ends.items()) if p.startswith("../")]
         folded = _folded(residuals, leader, page, refs, {rel: {"size_bytes": len(data), "rank": leader.rank}})
     except BaseException:
-        if written is not None:
+        if written is not None:  # the check's (or the fold's) error is the one to report; the write ends first
             wait([written])
         raise
     return folded, written
