@@ -106,23 +106,27 @@ def size_or_missing(storage: Storage, path: str) -> int:
         return -1
 
 
-def answers_size(storage: object, owner: type) -> bool:
-    """Whether ``storage``'s ``size`` is ``owner``'s own (not replaced by a subclass or set on
-    the instance): a batch written to answer as ``owner.size`` may answer for it."""
-    return getattr(type(storage), "size", None) is getattr(owner, "size", None) and "size" not in getattr(
-        storage, "__dict__", {}
+def _batch_answers(storage: object) -> bool:
+    """Whether ``storage`` has a batch (``sizes``) that answers as its ``size`` does: the
+    class defining ``sizes`` is the one whose ``size`` is in force (no subclass replaced it,
+    none was set on the instance)."""
+    owner = next((c for c in type(storage).__mro__ if "sizes" in vars(c)), None)
+    return (
+        owner is not None
+        and getattr(type(storage), "size", None) is getattr(owner, "size", None)
+        and "size" not in getattr(storage, "__dict__", {})
     )
 
 
 def sizes_of(storage: Storage, paths: Sequence[str]) -> list[int]:
     """The size of each of ``paths``, -1 for a missing one: the storage's own batch where its
-    class defines one (``sizes``: local disk, one ``fstatat`` a file; each batch answers path
-    by path through ``size`` where a subclass or the instance replaced it, see
-    ``answers_size``), else ``size`` path by path. (An object forwarding unknown names to
+    class defines one and no subclass or instance replaced the ``size`` it answers for
+    (``sizes``: local disk, one ``fstatat`` a file; a wrapper, the inner storage's batch),
+    else ``size`` path by path. (An object forwarding unknown names to
     another storage is asked path by path: its own ``size`` may differ.)"""
-    if getattr(type(storage), "sizes", None) is not None:
+    if _batch_answers(storage):
         return list(storage.sizes(paths))  # type: ignore[attr-defined]
     return [size_or_missing(storage, p) for p in paths]
 
 
-__all__ = ["Capabilities", "Storage", "Writer", "answers_size", "size_or_missing", "sizes_of"]
+__all__ = ["Capabilities", "Storage", "Writer", "size_or_missing", "sizes_of"]

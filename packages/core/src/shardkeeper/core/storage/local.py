@@ -35,7 +35,7 @@ from shardkeeper.core.errors import (
     StorageError,
 )
 from shardkeeper.core.storage import noreplace
-from shardkeeper.core.storage.base import Capabilities, answers_size, size_or_missing
+from shardkeeper.core.storage.base import Capabilities, size_or_missing
 from shardkeeper.core.storage.local_paths import (
     NO_HARD_LINKS,
     O_CLOEXEC,
@@ -105,8 +105,6 @@ class LocalStorage:
     def sizes(self, paths: Sequence[str]) -> list[int]:
         """``size`` of each of ``paths``, -1 for a missing one (``storage.base.sizes_of``):
         regular files in one ``fstatat`` each, anything else as ``size`` answers it."""
-        if not answers_size(self, LocalStorage):  # (a subclass's own size answers)
-            return [size_or_missing(self, p) for p in paths]
         got = self._paths.sizes(paths)
         return [size_or_missing(self, p) if n is None else n for p, n in zip(paths, got)]
 

@@ -13,10 +13,10 @@ choice): "inside the root" means inside its real path. Below it:
   lists as empty, because what gc and retention list is what they delete. A link is an
   entry of its directory, like a file;
 - **writes and deletes** never go through a link: every directory on the way must be a real
-  directory of the root.
+  directory of the root. A link itself is deleted as a link (``unlink``), never the tree it
+  points at; ``size``/``mtime`` of a link that leaves the root are the link's own;
 - **no path climbs above the root**: one whose ``..`` components lead (lexically) above it is
-  damage for every operation, read, list, write or delete alike. A link itself is deleted as a link (``unlink``), never the tree it
-  points at; ``size``/``mtime`` of a link that leaves the root are the link's own.
+  damage for every operation, read, list, write or delete alike.
 
 An entry that breaks these rules, or that the OS refuses for what it is (a symlink loop, a
 file where the format has a directory, a name too long for the file system, a directory
@@ -109,9 +109,8 @@ class RootPaths:
     def _walk(self, path: str, last: bool = True) -> tuple[str | None, os.stat_result | None]:
         """``first_link``, and the last component's ``lstat`` where every component exists
         and none is a link (then it is also the entry's ``stat``)."""
+        self.refuse_climbing(path)
         parts = path.split("/") if path else []
-        if ".." in parts and posixpath.normpath(f"./{path}").split("/")[0] == "..":
-            raise self.outside(path)
         if not last:
             parts = parts[:-1]
         cur = self.lexical
@@ -141,8 +140,7 @@ class RootPaths:
         """An fd of the regular file ``path`` inside the root, and its fstat; or damage.
         Opened non-blocking (a FIFO does not hang the open), checked before any read:
         ``openat2(RESOLVE_BENEATH)`` where it answers, else ``open`` and ``fd_inside``."""
-        if ".." in path.split("/"):
-            self._walk(path, last=False)  # (refuses a path that leaves the root, as every operation does)
+        self.refuse_climbing(path)
         fd = self._beneath.open(path)
         if fd >= 0:
             try:
@@ -263,13 +261,15 @@ class RootPaths:
             f"into the root in its place, or remove the link"
         )
 
-    def outside(self, path: str) -> CorruptCheckpointError:
-        """The error for a path whose ``..`` components climb above the root (lexically)."""
-        return CorruptCheckpointError(
-            f"{self.full(path)}: the path climbs above the checkpoint root {self.lexical} ('..'); shardkeeper "
-            f"reads, lists, writes and deletes only inside the root, so the entry counts as damage. Remedy: "
-            f"restore another step, and fix or remove what names this path"
-        )
+    def refuse_climbing(self, path: str) -> None:
+        """Raise (damage) if the ``..`` components of ``path`` climb above the root, lexically:
+        every operation asks this before the file system sees the path."""
+        if ".." in path and posixpath.normpath(f"./{path}").split("/")[0] == "..":
+            raise CorruptCheckpointError(
+                f"{self.full(path)}: the path climbs above the checkpoint root {self.lexical} ('..'); "
+                f"shardkeeper reads, lists, writes and deletes only inside the root, so the entry counts as "
+                f"damage. Remedy: restore another step, and fix or remove what names this path"
+            )
 
     def not_readable(self, path: str, mode: int, inside: bool) -> CorruptCheckpointError:
         if not inside:

@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import CheckpointError, CommitConflictError, StorageError
-from shardkeeper.core.storage.base import Storage, Writer, answers_size, size_or_missing, sizes_of
+from shardkeeper.core.storage.base import Storage, Writer, sizes_of
 from shardkeeper.core.storage.transient import is_transient, reason
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
@@ -253,10 +253,7 @@ class RetryingStorage(StorageWrapper):
         return self._retry("size", path, lambda: self.inner.size(path))
 
     def sizes(self, paths: Sequence[str]) -> list[int]:
-        """The inner storage's batch, retried as a whole (it only reads); path by path where
-        a subclass or the instance replaced ``size``."""
-        if not answers_size(self, RetryingStorage):
-            return [size_or_missing(self, p) for p in paths]
+        """The inner storage's batch, retried as a whole (it only reads)."""
         return self._retry("sizes", paths[0] if paths else "", lambda: sizes_of(self.inner, paths))
 
     def mtime(self, path: str) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core.storage.base import Capabilities, Storage, answers_size, size_or_missing, sizes_of
+from shardkeeper.core.storage.base import Capabilities, Storage, sizes_of
 
 
 class StorageWrapper:
@@ -42,11 +42,8 @@ class StorageWrapper:
         return self.inner.describe(path)
 
     def sizes(self, paths: Sequence[str]) -> list[int]:
-        """``sizes_of`` the inner storage; path by path through this wrapper's own ``size``
-        where a subclass (or the instance) defines one (a fault injected per path, a plaintext
-        size)."""
-        if not answers_size(self, StorageWrapper):
-            return [size_or_missing(self, p) for p in paths]
+        """``sizes_of`` the inner storage (``sizes_of`` asks a subclass that defines its own
+        ``size``, a fault per path, a plaintext size, path by path instead)."""
         return sizes_of(self.inner, paths)
 
     def __getattr__(self, name: str) -> Any:
