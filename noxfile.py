@@ -64,6 +64,10 @@ FRAMEWORKS = {
     "older": ("deepspeed==0.19.8", "lightning==2.5.6", "accelerate==1.14.0", "transformers==5.23.0"),
 }
 ADAPTERS = ("deepspeed", "lightning", "accelerate", "transformers")
+#: The multiprocess tests the older minor runs: the chain, where each framework saves in real
+#: launches and the next resumes it. Every layout of every adapter (each a few launches of ~10 s
+#: of framework imports per process) runs on the newest only, which keeps CI under 35 minutes.
+OLDER_MULTIPROCESS = ("tests/chain",)
 #: Test dependencies of every suite.
 TEST_DEPS = (
     "pytest",
@@ -138,7 +142,10 @@ def tests(session: nox.Session, suite: str) -> None:
     then pytest, so that CI tests what users install.
     core: the core alone, with no framework installed (which proves it needs none).
     adapters-*: the four adapters, on the newest release and on an older minor of each
-    framework (FRAMEWORKS).
+    framework (FRAMEWORKS). The older minor checks each adapter's hooks into its framework:
+    every single-process test (the real Trainer, Lightning and Accelerate in one process) and,
+    of the multiprocess ones, the framework chain (OLDER_MULTIPROCESS: every framework saves
+    and resumes in real torchrun launches); the layout-by-layout matrix runs on the newest.
     """
     _install_torch(session)
     env = {**TEST_ENV, "PYTHONPATH": ""}  # the installed wheels, never the sources
@@ -161,29 +168,36 @@ def tests(session: nox.Session, suite: str) -> None:
     suites = [f"tests/{name}" for name in names if (ROOT / "tests" / name).is_dir()]
     if not suites:
         session.error("no adapter test suite found under tests/")
-    _pytest_split(session, [*suites, "-q", DURATIONS, *session.posargs], {**env, **ADAPTER_ENV})
+    # tests named after `--` are run as named, on either set
+    multi = None if suite == "adapters-newest" or session.posargs else [*OLDER_MULTIPROCESS, "-q", DURATIONS]
+    _pytest_split(session, [*suites, "-q", DURATIONS, *session.posargs], {**env, **ADAPTER_ENV}, multi)
 
 
-def _pytest_split(session: nox.Session, args: list[str], env: dict[str, str]) -> None:
+def _pytest_split(
+    session: nox.Session, args: list[str], env: dict[str, str], multi_args: list[str] | None = None
+) -> None:
     """Run ``pytest *args`` as two runs at once: the tests marked ``multiprocess`` (each starts
-    2-4 ranks; one after another) and all the others, so that on a 2-core machine the
-    single-process tests use the core the ranks leave. The single-process run's output goes
-    to a file, printed when both have ended. The session fails if either run failed, or if
-    neither collected a test (pytest's exit code 5 is fine for one of them: ``-k`` may select
-    tests of one kind only)."""
+    2-4 ranks; one after another; those of ``multi_args`` where given) and all the others, so
+    that on a 2-core machine the single-process tests use the core the ranks leave. The
+    single-process run's output goes to a file, printed when both have ended. The session
+    fails if either run failed, or if neither collected a test (pytest's exit code 5 is fine
+    for one of them: ``-k`` may select tests of one kind only; never for the tests
+    ``multi_args`` names, which are there to run)."""
     log = Path(session.create_tmp()) / "pytest-single-process.log"
     pytest = shutil.which("pytest", path=session.bin) if session.bin else None
     if pytest is None:
         session.error("pytest is not installed in the session's virtual environment")
     path = f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}"
     run_env = {**os.environ, **env, "PATH": path, "VIRTUAL_ENV": str(session.virtualenv.location)}
-    session.log(f"pytest {' '.join(args)} -m 'not multiprocess' (output: {log}), beside -m multiprocess")
+    beside = "" if multi_args is None else f" of {' '.join(multi_args)}"
+    session.log(f"pytest {' '.join(args)} -m 'not multiprocess' (output: {log}), beside -m multiprocess{beside}")
     with open(log, "w") as out:
         single = subprocess.Popen(
             [pytest, *args, "-m", "not multiprocess"], stdout=out, stderr=subprocess.STDOUT, env=run_env
         )
         try:
-            multi = subprocess.run([pytest, *args, "-m", "multiprocess"], env=run_env, check=False).returncode
+            multi_cmd = [pytest, *(args if multi_args is None else multi_args), "-m", "multiprocess"]
+            multi = subprocess.run(multi_cmd, env=run_env, check=False).returncode
         except BaseException:
             single.terminate()
             raise
@@ -192,7 +206,7 @@ def _pytest_split(session: nox.Session, args: list[str], env: dict[str, str]) ->
     print(f"\n===== the single-process run (pytest -m 'not multiprocess') =====\n{log.read_text()}", flush=True)
     codes = {"multiprocess": multi, "single-process": rc}
     failed = [name for name, code in codes.items() if code not in (0, 5)]
-    if failed or (multi, rc) == (5, 5):
+    if failed or (multi, rc) == (5, 5) or (multi_args is not None and multi == 5):
         session.error(f"pytest failed: exit codes {codes} (5: no test collected)")
 
 
