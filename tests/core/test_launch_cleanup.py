@@ -26,9 +26,9 @@ def _alive(pid: int) -> bool:
 
 def test_timeout_dumps_every_rank_stack_and_kills_the_tree(tmp_path: Path) -> None:
     with pytest.raises(AssertionError) as info:
-        run_workers(2, "hang_worker.py", str(tmp_path), timeout_s=25)
+        run_workers(2, "hang_worker.py", str(tmp_path), timeout_s=15)
     message = str(info.value)
-    assert "timed out after 25" in message
+    assert "timed out after 15" in message
     assert message.count("stuck_in_a_collective_forever") >= 2, message[-3000:]
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
     deadline = time.monotonic() + 10

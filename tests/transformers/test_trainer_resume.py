@@ -29,13 +29,16 @@ RESUME_CHECKS = [
 
 
 def _kill_and_resume(nproc: int, out: Path, *, layout: str = "") -> None:
-    """Reference, crash and resume launches of ``nproc`` ranks (``layout``: trainer_worker.py's)."""
+    """A launch of ``nproc`` ranks that runs the reference, then the crash (``layout``:
+    trainer_worker.py's); then the resume, in a new launch."""
     env = ENV
     more = (layout,) if layout else ()
-    ref = run_script(nproc, WORKER, "reference", str(out), *more, timeout_s=150, env=env)
-    assert ref.returncode == 0, ref.stdout[-4000:]
-    crash = run_script(nproc, WORKER, "crash", str(out), *more, timeout_s=150, env=env)
+    crash = run_script(nproc, WORKER, "reference+crash", str(out), *more, timeout_s=240, env=env)
     assert crash.returncode != 0, "the crash run was meant to kill itself:\n" + crash.stdout[-4000:]
+    ran = sorted(p.name for p in out.glob("reference-rank*.pt"))
+    assert ran == [f"reference-rank{r}.pt" for r in range(nproc)], (
+        f"the reference did not end: {ran}\n{crash.stdout[-4000:]}"
+    )
     assert not (out / "crash-rank0.json").exists(), "the crash run got past its kill"
     killed = sorted(p.name for p in out.glob("killed-rank*"))
     assert killed == [f"killed-rank{r}" for r in range(nproc)], (

@@ -10,6 +10,7 @@ micro-step's loss and the final parameters and AdamW state. ``crash``: the same 
 new process: it must resume at step 4 (mid-epoch: 6 steps an epoch), and every later loss
 and the final state must equal the reference's bit for bit. Each rank writes its checks to
 ``OUT/<mode>-rank<r>.json`` and its losses and state to ``OUT/<mode>-rank<r>.pt``.
+``reference+crash``: both, one after the other in one launch.
 
 ``LAYOUT``: ``zero1``, ``zero2`` or ``zero3``: the Trainer runs under DeepSpeed ZeRO with the
 Trainer's own AdamW, and the state compared is the engine's full fp32 parameters and Adam
@@ -235,11 +236,18 @@ def main() -> None:
     UNTIED = out / "untied"
     layout = sys.argv[3] if len(sys.argv) > 3 else ""
     rank = int(os.environ.get("RANK", "0"))
-    checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)
     if mode == "cross":
+        checks = Checks(out / f"cross-rank{rank}.json", rank=rank)
         cross(out, checks, layout)
         checks.write()
         return
+    for one in mode.split("+"):  # "reference+crash": two Trainers, one launch (its imports once)
+        run(one, out, layout, rank)
+
+
+def run(mode: str, out: Path, layout: str, rank: int) -> None:
+    """One Trainer's run of ``mode`` (reference, crash or resume)."""
+    checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)
     root = out / ("ref" if mode == "reference" else "run")
     more = layout_arguments(layout, out)
     trainer = make_trainer(root, options={"async_save": True}, **more)
