@@ -6,9 +6,11 @@ is refused (checkpoints are immutable), so a run whose newest step is damaged co
 save nothing there again without someone deleting that step's objects by hand. Here the step
 is verified first (every file, size and digest; ``verify.verify_step``) and deleted only when
 it is damaged: a manifest that does not validate, a missing or short file, a digest that
-differs. A storage error while checking proves nothing, so it propagates or refuses with
-nothing deleted, as does an intact step or a manifest of a newer format. The deletion itself is retention's: the manifest first, then
-the files no other committed step, commit in progress or newer manifest references.
+differs, a page or index file that does not validate. A storage error while checking proves
+nothing, so it propagates or refuses with nothing deleted, as does an intact step or a
+manifest of a newer format. The deletion itself is retention's: the manifest first, then the
+files no other committed step, commit in progress or newer manifest references (a committed
+step whose pages cannot all be read references files nobody knows: nothing is deleted).
 
 Needs no torch: ``shardkeeper delete ROOT STEP --damaged`` runs it from any machine.
 """
@@ -34,7 +36,21 @@ from shardkeeper.core.verify import verify_step
 #: storage could not answer, a format or encoding this version does not know, a truncated
 #: listing) prove none.
 DAMAGE = frozenset(
-    {"manifest", "missing-file", "size", "range", "length", "digests", "digest", "tiling", "header", "path", "dtype"}
+    {
+        "manifest",
+        "missing-file",
+        "size",
+        "range",
+        "length",
+        "digests",
+        "digest",
+        "tiling",
+        "header",
+        "path",
+        "dtype",
+        "page",  # a page (format_version 8) missing, of another digest or that does not parse
+        "index",  # an index file (described leaves) that does not validate
+    }
 )
 
 
@@ -104,7 +120,7 @@ def delete_damaged(
         if s == step:
             continue
         try:
-            live |= referenced_paths(s, load_manifest(storage, s))
+            other = load_manifest(storage, s)
         except IncompatibleFormatError as e:
             raise ValueError(
                 f"{where} is damaged, but step {s} was written by a newer shardkeeper ({e}), so the files it "
@@ -116,6 +132,15 @@ def delete_damaged(
             raise ValueError(
                 f"{where} is damaged, but committed step {s} cannot be read ({e}), so the files it references "
                 f"are unknown: nothing was deleted. Run `shardkeeper verify {storage.url}`"
+            ) from e
+        try:
+            live |= referenced_paths(s, other)
+        except CheckpointError as e:  # a page of step s that cannot be read: step s is committed all the same
+            raise ValueError(
+                f"{where} is damaged, but committed step {s} references files that cannot all be read ({e}), so "
+                f"they are unknown and may include this step's: nothing was deleted. Delete step {s} first "
+                f"(`shardkeeper delete {storage.url} {s} --damaged` when its page is damaged), or restore its "
+                f"page, then delete step {step} again"
             ) from e
     storage.delete(manifest_path(step))  # it stops being committed first; then its files go
     delete_unreferenced(storage, [step], live, set(listed), "delete --damaged")

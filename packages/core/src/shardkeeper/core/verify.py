@@ -100,6 +100,12 @@ def verify_step(
     return report
 
 
+def _damage_or_read(e: CheckpointError, kind: str) -> str:
+    """``kind`` (damage: a page or index file that does not validate) for a ``CorruptCheckpointError``,
+    else ``read``: the storage did not answer, which proves nothing about the bytes."""
+    return kind if isinstance(e, CorruptCheckpointError) else "read"
+
+
 def stored_bytes(m: Manifest) -> int:
     """The stored bytes of every chunk of ``m`` (what verifying it reads): a bar's total."""
     described = getattr(m.leaves, "described", None)
@@ -157,12 +163,12 @@ def _verify(
     # Files, as listed (in the manifest and its pages: a damaged page is said once, and the
     # files of every other page are still checked).
     def damaged_page(rel: str, e: CheckpointError) -> None:
-        out.add("page", f"step {step}: {e}", file=resolve_file(step, rel) or rel)
+        out.add(_damage_or_read(e, "page"), f"step {step}: {e}", file=resolve_file(step, rel) or rel)
 
     try:
         listed = m.every_file(damaged_page)
-    except CheckpointError as e:  # (two pages that list one file)
-        out.add("page", f"step {step}: {e}")
+    except CheckpointError as e:  # two pages that list one file; or the storage did not answer
+        out.add(_damage_or_read(e, "page"), f"step {step}: {e}")
         listed = m.files
     for rel, info in sorted(listed.items()):
         path = resolve_file(step, rel)
@@ -211,6 +217,7 @@ def _verify(
 
     by_file: dict[str, list[tuple[str, LeafRecord, ChunkRecord]]] = defaultdict(list)
     unread: dict[str, list[str]] = {}  # a damaged index file or page: the leaves it leaves unchecked
+    unread_kind: dict[str, str] = {}  # (and the kind of problem it is: damage, or a read that failed)
     described = getattr(m.leaves, "described", None)
     if described is not None:  # count the boxes of the rule asked for, to find rows beyond them
         described.track = {}
@@ -228,7 +235,8 @@ def _verify(
         except CheckpointError as e:
             keys = unread.setdefault(str(e), [])
             if not keys:  # said once; the other leaves it keeps from being checked are counted
-                out.add("index", f"step {step}: leaf {key}: {e}", key=key)
+                unread_kind[str(e)] = _damage_or_read(e, "index")
+                out.add(unread_kind[str(e)], f"step {step}: leaf {key}: {e}", key=key)
             keys.append(key)
             continue
         why = check_tiling(key, leaf.shape, chunks) if only is None else None
@@ -373,7 +381,9 @@ def _verify(
     for why, keys in unread.items():
         if len(keys) > 1:
             more = ", ".join(keys[1:4]) + (", ..." if len(keys) > 4 else "")
-            out.add("index", f"step {step}: {len(keys) - 1} more leaves ({more}) not checked: {why}", key=keys[1])
+            out.add(
+                unread_kind[why], f"step {step}: {len(keys) - 1} more leaves ({more}) not checked: {why}", key=keys[1]
+            )
     out.finish()
     return report
 

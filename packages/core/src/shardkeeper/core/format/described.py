@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -361,8 +361,7 @@ class DescribedLeaves:
         not all be read): rows of keys no rank of the rule wrote there, or more rows of a key
         than its boxes. Damage, said per file."""
         out = []
-        world = self.pages.first[-1] + self.pages.count[-1] if self.pages is not None else len(self.index_path)
-        for rank in range(world):  # an index file no box of the rule led to is read here
+        for rank in self._readable_ranks():  # an index file no box of the rule led to is read here
             try:
                 if rank not in self._loaded and self._entry(rank)[0] is not None:
                     self._load(rank)
@@ -382,6 +381,20 @@ class DescribedLeaves:
                         f"gives {used} box(es) of rank {rank}"
                     )
         return out
+
+    def _readable_ranks(self) -> Iterator[int]:
+        """Every rank, but those of a page that cannot be read (its damage is said on its own,
+        once: its ranks are never walked one by one, however many the manifest claims)."""
+        if self.pages is None:
+            yield from range(len(self.index_path))
+            return
+        pages = self.pages
+        for p in range(len(pages.path)):
+            try:
+                pages.get(p)
+            except CorruptCheckpointError:
+                continue
+            yield from range(pages.first[p], pages.first[p] + pages.count[p])
 
     def file_ends(self) -> dict[str, int]:
         """Every chunk file the index files name, with the end of the last byte referenced

@@ -121,7 +121,8 @@ def parse_page(data: bytes, *, step: int | None, first: int, count: int) -> Page
         raise ValueError(f"has page_schema {str(doc.get('page_schema') if isinstance(doc, dict) else doc)[:20]}")
     if step is not None and (type(doc.get("step")) is not int or doc["step"] != step):
         raise ValueError(f"says it is of step {str(doc.get('step'))[:20]}")
-    if doc.get("first") != first or doc.get("count") != count:
+    got = (doc.get("first"), doc.get("count"))
+    if not (type(got[0]) is int and type(got[1]) is int and got == (first, count)):  # (true is no 1)
         raise ValueError(f"says it holds ranks from {str(doc.get('first'))[:20]}, {str(doc.get('count'))[:20]} of them")
     files, index, cf = doc.get("files"), doc.get("index"), doc.get("chunk_files")
     if not (isinstance(files, dict) and isinstance(index, dict) and isinstance(cf, dict)):

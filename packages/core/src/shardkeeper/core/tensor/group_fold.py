@@ -18,11 +18,12 @@ from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Any
 
+from shardkeeper.core.errors import CheckpointSaveError
 from shardkeeper.core.format.columns import ChunkTable
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.fastjson import orjson
 from shardkeeper.core.format.layout import PAGES_DIR, page_file
-from shardkeeper.core.format.pages import encode_page
+from shardkeeper.core.format.pages import encode_page, parse_page
 from shardkeeper.core.protocol import RankReport, Timings
 from shardkeeper.core.put_manifest import check_files
 from shardkeeper.core.storage.base import Storage
@@ -68,6 +69,16 @@ def fold_group(
         residuals.append((rep, own, described))
     rel = page_file(leader.rank, attempt)
     data = encode_page(step, leader.rank, paged, index, ends)
+    try:  # the reader's own check of these bytes (as a manifest's before its commit): a page that
+        # every restore would refuse fails the save here, instead of a commit never restorable
+        parse_page(data, step=step, first=leader.rank, count=len(reports))
+    except ValueError as e:
+        last = leader.rank + len(reports) - 1
+        raise CheckpointSaveError(
+            f"step {step}: the page of ranks {leader.rank} to {last} built by their group leader (rank "
+            f"{leader.rank}) is refused by the reader ({e}); nothing was committed",
+            step=step,
+        ) from None
     # the page is written (its fsyncs on an I/O thread) while the group's files are checked:
     # a page of a save that then fails is an uncommitted file, as any rank's data file is
     written = executor.submit(write_durably, storage, step_dir, rel, data, PAGES_DIR) if executor else None
