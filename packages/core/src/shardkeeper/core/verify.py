@@ -216,8 +216,9 @@ def _verify(
     reader = None if fn is None else ChunkReader(storage, fn, block, where=f"step {step}", remedy="")
 
     by_file: dict[str, list[tuple[str, LeafRecord, ChunkRecord]]] = defaultdict(list)
-    unread: dict[str, list[str]] = {}  # a damaged index file or page: the leaves it leaves unchecked
-    unread_kind: dict[str, str] = {}  # (and the kind of problem it is: damage, or a read that failed)
+    # an index file or page that could not be read: its problem's kind (damage, or a read that
+    # failed) and the leaves it leaves unchecked
+    unread: dict[str, tuple[str, list[str]]] = {}
     described = getattr(m.leaves, "described", None)
     if described is not None:  # count the boxes of the rule asked for, to find rows beyond them
         described.track = {}
@@ -233,10 +234,9 @@ def _verify(
         try:
             chunks = leaf.chunks  # a described leaf's come from index files (format.md 3.8)
         except CheckpointError as e:
-            keys = unread.setdefault(str(e), [])
+            kind, keys = unread.setdefault(str(e), (_damage_or_read(e, "index"), []))
             if not keys:  # said once; the other leaves it keeps from being checked are counted
-                unread_kind[str(e)] = _damage_or_read(e, "index")
-                out.add(unread_kind[str(e)], f"step {step}: leaf {key}: {e}", key=key)
+                out.add(kind, f"step {step}: leaf {key}: {e}", key=key)
             keys.append(key)
             continue
         why = check_tiling(key, leaf.shape, chunks) if only is None else None
@@ -376,14 +376,12 @@ def _verify(
         check_header(storage, step, path, actual_size(path) or 0, entries, out)
 
     if described is not None and only is None:
-        for why in described.extra_rows({k for keys in unread.values() for k in keys}):
+        for why in described.extra_rows({k for _, keys in unread.values() for k in keys}):
             out.add("index", f"step {step}: {why}; the checkpoint is damaged or was edited")
-    for why, keys in unread.items():
+    for why, (kind, keys) in unread.items():
         if len(keys) > 1:
             more = ", ".join(keys[1:4]) + (", ..." if len(keys) > 4 else "")
-            out.add(
-                unread_kind[why], f"step {step}: {len(keys) - 1} more leaves ({more}) not checked: {why}", key=keys[1]
-            )
+            out.add(kind, f"step {step}: {len(keys) - 1} more leaves ({more}) not checked: {why}", key=keys[1])
     out.finish()
     return report
 

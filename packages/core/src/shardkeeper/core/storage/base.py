@@ -122,8 +122,8 @@ def sizes_of(storage: Storage, paths: Sequence[str]) -> list[int]:
     """The size of each of ``paths``, -1 for a missing one: the storage's own batch where its
     class defines one and no subclass or instance replaced the ``size`` it answers for
     (``sizes``: local disk, one ``fstatat`` a file; a wrapper, the inner storage's batch),
-    else ``size`` path by path. (An object forwarding unknown names to
-    another storage is asked path by path: its own ``size`` may differ.)"""
+    else ``size`` path by path. (An object forwarding unknown names to another storage is
+    asked path by path: its own ``size`` may differ.)"""
     if _batch_answers(storage):
         return list(storage.sizes(paths))  # type: ignore[attr-defined]
     return [size_or_missing(storage, p) for p in paths]
