@@ -131,6 +131,7 @@ DAMAGE: list[tuple[str, Any, str]] = [
     ("chunk_table.file.0", 7, "beyond its files"),
     ("chunk_table.files.0", "../../etc/passwd", "not a path inside the root"),
     ("chunk_table.files.0", "/abs/data", "not a path inside the root"),
+    ("chunk_table.files.0", "manifest.json", "to a data file"),
     ("chunk_table.ndim.0", 3, "offsets/shape do not match"),
     ("chunk_table.digests", "abc", "hex digits"),
     ("chunk_table.digests", ["x"], "not a string"),

@@ -232,6 +232,7 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
         (lambda d: d["described"]["index"]["path"].__setitem__(1, "../../x"), "is not a file of its step"),
         (lambda d: d["described"]["chunk_files"]["end"].__setitem__(0, 10**6), "reach byte 1000000"),
         (lambda d: d["described"]["chunk_files"]["path"].__setitem__(0, "/etc/passwd"), "not a path inside the root"),
+        (lambda d: d["described"]["chunk_files"]["path"].__setitem__(0, "pages/g00000-x.index.json"), "to a data file"),
         (lambda d: d["described"]["dtype"].__setitem__(0, "complex64"), "known dtype"),
         (lambda d: d["leaf_table"]["keys"].append("m/a"), "leaf_table columns differ"),
         (lambda d: d["described"]["meshes"][0].update(shape=[4] + [1] * 20, ranks=[0, 1, 2, 3]), "at most 16"),

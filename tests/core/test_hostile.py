@@ -184,6 +184,11 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any], Path], None], str]] = {
     "backslash": (_set_chunk("file", "..\\..\\sentinel.txt"), "not a path inside the root"),
     "nul-byte": (_set_chunk("file", "data/x\x00.safetensors"), "not a path inside the root"),
     "non-string-file": (_set_chunk("file", ["data/x"]), "not a path inside the root"),
+    # inside the root, but not a data file: a chunk may name only shard files
+    "chunk-is-manifest": (_set_chunk("file", "manifest.json"), "to a data file"),
+    "chunk-is-page": (_set_chunk("file", "pages/g00000-0123abcd.index.json"), "to a data file"),
+    "chunk-is-other-manifest": (_set_chunk("file", "../step-000000000000/manifest.json"), "to a data file"),
+    "chunk-is-data-dir": (_set_chunk("file", "../step-000000000000/data"), "to a data file"),
     "absurd-leaf-shape": (_leaf("shape", [10**18, 10**18]), "model/w"),
     "absurd-chunk-shape": (_set_chunk("shape", [10**12, 3]), "model/w"),
     "negative-shape": (_leaf("shape", [-4, -3]), "not a list of sizes"),

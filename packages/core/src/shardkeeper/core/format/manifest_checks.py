@@ -20,8 +20,10 @@ from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER
 from shardkeeper.core.format.leaves import leaves_json
 from shardkeeper.core.format.records import (
     DTYPES,
+    NOT_A_DATA_FILE,
     LeafRecord,
     encoded_length_problem,
+    safe_chunk_path,
     safe_relative_path,
 )
 from shardkeeper.core.format.table import TableLeaves
@@ -128,9 +130,8 @@ def manifest_problem(m: ManifestFields) -> str | None:
     if not all(isinstance(p, str) for p in m.per_rank_prefixes):
         return "per_rank_prefixes is not a list of strings"
     # (JSON nesting was bounded when the manifest was parsed: format/untrusted.py.)
-    safe: dict[str, bool] = {}
     for rel, rec in m.files.items():
-        if not safe.setdefault(rel, safe_relative_path(rel)):
+        if not safe_relative_path(rel):
             return f"file {_short(rel)} is not a path inside the root"
         size = rec.get("size_bytes") if type(rec) is dict else None
         if type(size) is not int or size < 0:
@@ -145,6 +146,7 @@ def manifest_problem(m: ManifestFields) -> str | None:
     if "" in m.leaves:
         return "a leaf has an empty key"
     key = ""
+    chunk_safe: dict[str, bool] = {}
     try:
         for key, leaf in raw.items():
             kind = leaf["kind"]
@@ -170,11 +172,11 @@ def manifest_problem(m: ManifestFields) -> str | None:
             for c in chunks:
                 f, offset, length = c["file"], c["offset"], c["length"]
                 offs, cshape, digests = c["offsets"], c["shape"], c["digests"]
-                ok = safe.get(f) if isinstance(f, str) else False
+                ok = chunk_safe.get(f) if isinstance(f, str) else False
                 if ok is None:
-                    ok = safe[f] = isinstance(f, str) and safe_relative_path(f)
+                    ok = chunk_safe[f] = safe_chunk_path(f)
                 if not ok:
-                    return f"{key}: chunk file {_short(f)} is not a path inside the root"
+                    return f"{key}: chunk file {_short(f)} {NOT_A_DATA_FILE}"
                 if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
                     return f"{key}: chunk offset/length {offset!r}/{length!r} out of range"
                 if not _is_sizes(offs) or not _is_sizes(cshape) or len(offs) != ndim or len(cshape) != ndim:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedJSONError
-from shardkeeper.core.format.records import safe_relative_path
+from shardkeeper.core.format.records import NOT_A_DATA_FILE, safe_chunk_path, safe_relative_path
 from shardkeeper.core.format.untrusted import loads_untrusted
 
 PAGE_SCHEMA = 1
@@ -61,8 +61,8 @@ def chunk_files_problem(paths: Any, ends: Any, files: Mapping[str, Any]) -> str 
     if not set(map(type, ends)) <= {int} or (ends and min(ends) < 0) or not set(map(type, paths)) <= {str}:
         return "described chunk_files are not paths with non-negative ends"
     for rel, end in zip(paths, ends):
-        if rel not in files and not safe_relative_path(rel):
-            return f"described chunk file {rel[:80]!r} is not a path inside the root"
+        if not safe_chunk_path(rel):
+            return f"described chunk file {rel[:80]!r} {NOT_A_DATA_FILE}"
         size = files.get(rel, {}).get("size_bytes")
         if size is not None and end > size:
             return f"described chunks reach byte {end} of {rel[:80]!r}, which has {size}"

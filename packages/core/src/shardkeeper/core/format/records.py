@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.format.bounds import ZSTD_MAX_EXPANSION, max_decoded_bytes
-from shardkeeper.core.format.layout import parse_step_dir
+from shardkeeper.core.format.layout import DATA_DIR, parse_step_dir
 from shardkeeper.core.format.tiling import check_tiling_boxes
 
 #: dtype name -> (safetensors dtype code, item size in bytes).
@@ -255,10 +255,11 @@ _CONTROL = re.compile("[\x00-\x1f]")
 
 
 def safe_relative_path(rel: str) -> bool:
-    """A chunk's file: ``data/...`` in its step, or ``../step-N/data/...`` of an earlier step.
+    """A path relative to a step directory that stays inside the root: a file of the step
+    (``data/...``, ``pages/...``), or ``../step-N/...`` of another step.
 
     Anything else (absolute paths, other ``..`` uses) could make a restore from an untrusted
-    bucket read outside the root, so it is rejected.
+    bucket read outside the root, so it is rejected. Chunk files: ``safe_chunk_path``.
     """
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
         return False
@@ -272,6 +273,21 @@ def safe_relative_path(rel: str) -> bool:
     return all(p not in ("", ".", "..") for p in parts)
 
 
+#: How an error says that a chunk's file is not one ``safe_chunk_path`` accepts.
+NOT_A_DATA_FILE = "is not a path inside the root to a data file (data/... of its step, or ../step-N/data/... of another)"
+
+
+def safe_chunk_path(rel: str) -> bool:
+    """A chunk's file as format.md requires it: ``safe_relative_path`` and a data file,
+    ``data/...`` or ``../step-N/data/...``. A chunk that names the manifest, a page or any
+    other file of the root is refused: readers treat ``data/`` files alone as shard files (an
+    encrypted checkpoint encrypts those alone)."""
+    if not safe_relative_path(rel):
+        return False
+    parts = rel.split("/", 3)
+    return (parts[0] == DATA_DIR and len(parts) > 1) or (parts[0] == ".." and len(parts) == 4 and parts[2] == DATA_DIR)
+
+
 def check_tiling(key: str, shape: tuple[int, ...], chunks: Iterable[ChunkRecord]) -> str | None:
     """``check_tiling_boxes`` over chunk records."""
     return check_tiling_boxes(key, shape, [(c.offsets, c.shape) for c in chunks])
@@ -283,8 +299,10 @@ __all__ = [
     "ChunkRecord",
     "DTYPES",
     "LeafRecord",
+    "NOT_A_DATA_FILE",
     "check_tiling",
     "encoded_length_problem",
     "itemsize",
+    "safe_chunk_path",
     "safe_relative_path",
 ]

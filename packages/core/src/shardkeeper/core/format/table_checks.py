@@ -19,7 +19,7 @@ from typing import Any
 
 from shardkeeper.core.format.columns import ChunkTable, expand, gather
 from shardkeeper.core.format.leaf_table import LeafTable
-from shardkeeper.core.format.records import DTYPES, encoded_length_problem, safe_relative_path
+from shardkeeper.core.format.records import DTYPES, NOT_A_DATA_FILE, encoded_length_problem, safe_chunk_path
 from shardkeeper.core.format.tiling import check_tiling_boxes
 from shardkeeper.core.format.versions import ENCODINGS
 
@@ -170,8 +170,8 @@ def tables_problem(
     if why is not None:
         return why
     for p in t.paths:
-        if not safe_relative_path(p):
-            return f"chunk file {p[:80]!r} is not a path inside the root"
+        if not safe_chunk_path(p):
+            return f"chunk file {p[:80]!r} {NOT_A_DATA_FILE}"
     big = 1 << 62
     ends = []
     for p in t.paths:
