@@ -274,7 +274,9 @@ def safe_relative_path(rel: str) -> bool:
 
 
 #: How an error says that a chunk's file is not one ``safe_chunk_path`` accepts.
-NOT_A_DATA_FILE = "is not a path inside the root to a data file (data/... of its step, or ../step-N/data/... of another)"
+NOT_A_DATA_FILE = (
+    "is not a path inside the root to a data file (data/... of its step, or ../step-N/data/... of another)"
+)
 
 
 def safe_chunk_path(rel: str) -> bool:
