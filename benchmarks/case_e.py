@@ -264,8 +264,8 @@ def measure_point(
         report_bytes = store.report_bytes or [0]
     plan_s: list[float] = []
     plan_cpu: list[float] = []
-    ops: list[Any] = []
-    reads: list[Any] = []
+    ops: Any = []
+    reads: Any = []
     held: Any = None
     start, count = row_split(rows, ranks, 0) if layout != "whole" else (0, rows)
     for _ in range(repeats):
