@@ -166,6 +166,51 @@ def test_verify_says_a_file_it_could_not_stat_is_unchecked_not_missing(tmp_path:
     assert kinds == {"read"}, [p.message for p in report.problems]
 
 
+def _break_entry(root: Path, step: int, how: str) -> None:
+    """Make the entry on the way to ``step``'s data files something the format never puts
+    there: a file where ``data/`` (or a prefix directory under it) is, a link loop, or a link
+    that leaves the root."""
+    steps_dir = root / step_dir(step)
+    (first,) = sorted(p for p in (steps_dir / "data").rglob("*") if p.is_file())[:1]
+    where = first.parent if how == "prefix-is-a-file" else steps_dir / "data"
+    import shutil
+
+    shutil.rmtree(where)
+    if how in ("data-is-a-file", "prefix-is-a-file"):
+        where.write_bytes(b"x")
+    elif how == "link-loop":
+        where.symlink_to(where.name)
+    else:
+        outside = root.parent / f"{root.name}-elsewhere"
+        outside.mkdir()
+        (outside / "theirs.txt").write_bytes(b"not the checkpoint's")
+        where.symlink_to(outside)
+
+
+@pytest.mark.parametrize("how", ["data-is-a-file", "prefix-is-a-file", "link-loop", "link-leaving-the-root"])
+def test_a_step_whose_data_path_is_the_wrong_kind_of_entry_is_damaged_and_deleted(tmp_path: Path, how: str) -> None:
+    """Restore treats a step whose data files sit behind a file, a link loop or a link out of
+    the root as damaged (it falls back); verify called these unreadable, so ``damaged=True``
+    refused to delete the step it could not restore from."""
+    from shardkeeper.core.verify import verify_step
+
+    root = tmp_path / "root"
+    s1, _ = _two_steps(root, **({"data_prefixes": 16} if how == "prefix-is-a-file" else {}))
+    _break_entry(root, 2, how)
+    report = verify_step(LocalStorage(root), 2)
+    assert not report.ok and "read" not in {p.kind for p in report.problems}, [str(p) for p in report.problems]
+    with CheckpointManager(root) as mgr:
+        target = _state(9)
+        assert mgr.restore(target) == 1, "restore falls back past the damaged step"
+        assert_same_state(target, s1, what="step 1")
+        assert mgr.delete(2, damaged=True)
+        assert mgr.steps() == [1]
+    if how == "link-leaving-the-root":  # never deleted through the link
+        assert (tmp_path / "root-elsewhere" / "theirs.txt").read_bytes() == b"not the checkpoint's"
+    left = root / step_dir(2)
+    assert not left.exists() and not left.is_symlink(), sorted(left.rglob("*"))
+
+
 def _encrypted_two_steps(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("cryptography")
     import base64

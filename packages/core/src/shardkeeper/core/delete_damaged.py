@@ -6,7 +6,9 @@ is refused (checkpoints are immutable), so a run whose newest step is damaged co
 save nothing there again without someone deleting that step's objects by hand. Here the step
 is verified first (every file, size and digest; ``verify.verify_step``) and deleted only when
 it is damaged: a manifest that does not validate, a missing or short file, a digest that
-differs, a page or index file that does not validate. A storage error while checking proves
+differs, a page or index file that does not validate, a file behind an entry the format never
+writes (a file where a directory belongs, a link loop or out of the root: restore counts it as
+damage too). A storage error while checking proves
 nothing, so it propagates or refuses with nothing deleted, as does an intact step or a
 manifest of a newer format. The deletion itself is retention's: the manifest first, then the
 files no other committed step, commit in progress or newer manifest references (a committed
@@ -46,7 +48,7 @@ DAMAGE = frozenset(
         "digest",
         "tiling",
         "header",
-        "path",
+        "path",  # a file entry outside the root, or a file behind an entry the format never writes
         "dtype",
         "page",  # a page (format_version 8) missing, of another digest or that does not parse
         "index",  # an index file (described leaves) that does not validate

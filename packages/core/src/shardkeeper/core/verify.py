@@ -146,7 +146,7 @@ def _verify(
 
     sizes: dict[str, int | None] = {}
     missing_keys: dict[str, list[str]] = defaultdict(list)
-    unknown: set[str] = set()  # files the storage could not stat: a read problem, not missing
+    unknown: set[str] = set()  # files that could not be stat-ed: said once, not also as missing
 
     def actual_size(path: str) -> int | None:
         if path not in sizes:
@@ -154,7 +154,11 @@ def _verify(
                 sizes[path] = storage.size(path)
             except CheckpointNotFoundError:
                 sizes[path] = None
-            except CheckpointError as e:
+            except CorruptCheckpointError as e:  # the entry is not a regular file of the root: damage
+                out.add("path", f"step {step}: file {storage.describe(path)} cannot be read: {e}", file=path)
+                sizes[path] = None
+                unknown.add(path)
+            except CheckpointError as e:  # the storage did not answer: nothing is proven
                 out.add("read", f"step {step}: cannot stat {storage.describe(path)}: {e}", file=path)
                 sizes[path] = None
                 unknown.add(path)

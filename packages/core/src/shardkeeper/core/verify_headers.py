@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import struct
 
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError
 from shardkeeper.core.format.records import DTYPES, ChunkRecord, LeafRecord
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
 from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
@@ -52,8 +52,9 @@ def check_header(
             )
             return
         header = loads_untrusted(storage.read_range(path, 8, n), max_bytes=_MAX_HEADER_BYTES)
-    except CheckpointError as e:
-        out.add("read", f"step {step}: reading the header of {where} failed: {e}", file=path)
+    except CheckpointError as e:  # damage (the entry, or bytes that fail authentication), or the storage
+        kind = "header" if isinstance(e, CorruptCheckpointError) else "read"
+        out.add(kind, f"step {step}: reading the header of {where} failed: {e}", file=path)
         return
     except UntrustedJSONError as e:
         out.add("header", f"step {step}: {where}: the safetensors header {e}", file=path, start=8)
