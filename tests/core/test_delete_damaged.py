@@ -264,3 +264,25 @@ def test_damaged_takes_a_bool(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr, pytest.raises(TypeError, match="True or False"):
         mgr.delete(2, damaged="no")  # type: ignore[arg-type]
     assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
+
+
+@pytest.mark.multiprocess
+def test_every_rank_raises_the_coordinators_refusal_with_its_reason(tmp_path: Path) -> None:
+    """``delete(step, damaged=True)`` is a collective: rank 0 verifies and deletes. A refusal
+    (intact, no manifest) used to reach the other ranks as a bare ``CheckpointError`` that said
+    only "see rank 0's error"; every rank now raises the same type with the same reason."""
+    from ._launch import run_workers
+
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_workers(3, "delete_worker.py", str(tmp_path / "root"), str(out), timeout_s=120)
+    assert res.returncode == 0, res.stdout[-4000:]
+    seen = [json.loads((out / f"r{r}.json").read_text()) for r in range(3)]
+    for s in seen:
+        kind, msg = s["intact"]
+        assert kind == "ValueError" and "verifies intact" in msg and "nothing was deleted" in msg, s
+        kind, msg = s["missing"]
+        assert kind == "CheckpointNotFoundError" and "step 7" in msg and "no manifest" in msg, s
+        assert s["damaged"] == ["returned", "True"] and s["steps"] == [1], s
+    for s in seen[1:]:  # the others say whose refusal it is
+        assert "rank 0" in s["intact"][1] and f"rank {s['rank']}" in s["intact"][1], s

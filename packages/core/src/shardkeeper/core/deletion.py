@@ -3,7 +3,8 @@
 Both run on the coordinator (rank 0) with ``retention.apply_retention``'s guarantees (never
 the newest committed step, never a file another retained step or a commit in progress
 references) and drop the deleted steps from the catalog. ``delete()`` is a collective: the
-coordinator deletes and broadcasts a ``protocol.Deletion``; ``delete(step, damaged=True)``
+coordinator deletes and broadcasts a ``protocol.Deletion`` (and, when it failed, its error's
+type and message, which every rank raises); ``delete(step, damaged=True)``
 verifies the step and deletes it, the newest included, only if it is damaged.
 """
 
@@ -15,7 +16,13 @@ from shardkeeper.core.catalog import forget_deleted
 from shardkeeper.core.commit import committed_steps, manifest_steps
 from shardkeeper.core.context import ManagerContext
 from shardkeeper.core.delete_damaged import delete_damaged
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    EncryptionKeyError,
+    StorageError,
+)
 from shardkeeper.core.protocol import COORDINATOR, Deletion
 from shardkeeper.core.retention import DeleteOnly, RetentionPolicy, apply_retention
 from shardkeeper.core.storage.base import Storage
@@ -65,12 +72,24 @@ def delete_step(ctx: ManagerContext, step: int, *, damaged: bool = False) -> boo
             result, err = Deletion.FAILED, e
     if ctx.world_size > 1:
         result = Deletion(ctx.coord.agree_int(result, "bcast"))
-    if result is Deletion.FAILED:
-        raise err or CheckpointError(
-            f"deleting step {step} under {ctx.storage.url} failed on the coordinator (rank 0); "
-            f"see its error (rank {ctx.rank})"
-        )
+        if result is Deletion.FAILED:  # every rank raises the coordinator's error, with its reason
+            said = ctx.coord.agree_text(f"{type(err).__name__}\n{err}" if err is not None else "")
+            if err is None:
+                kind, _, why = said.partition("\n")
+                raise _SAID_TYPES.get(kind, CheckpointError)(
+                    f"{why} (the coordinator, rank 0, which deletes, said so; rank {ctx.rank})"
+                )
+    if err is not None:
+        raise err
     return result is Deletion.GONE
+
+
+#: The errors a coordinator's deletion raises that another rank raises as the same type
+#: (a refusal: ``ValueError``; no such step; the key; the storage); any other: ``CheckpointError``.
+_SAID_TYPES: dict[str, type[Exception]] = {
+    t.__name__: t
+    for t in (ValueError, CheckpointNotFoundError, EncryptionKeyError, StorageError, CorruptCheckpointError)
+}
 
 
 __all__ = ["DeleteOnly", "delete_step", "retain"]

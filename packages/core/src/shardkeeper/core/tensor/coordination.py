@@ -72,6 +72,10 @@ class Coordinator(Protocol):
         """Caller's thread only: ``max``/``min`` of ``value`` over ranks, or rank 0's (``bcast``)."""
         ...
 
+    def agree_text(self, text: str) -> str:
+        """Caller's thread only: rank 0's ``text`` on every rank (an error's reason)."""
+        ...
+
 
 class LocalCoordinator:
     """One process, no process group."""
@@ -102,6 +106,9 @@ class LocalCoordinator:
 
     def agree_int(self, value: int, op: str) -> int:
         return value
+
+    def agree_text(self, text: str) -> str:
+        return text
 
 
 def _collective_device(group: Any) -> torch.device:
@@ -287,6 +294,17 @@ class StoreCoordinator:
         else:
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def agree_text(self, text: str) -> str:
+        data = text.encode() if self.rank == 0 else b""
+        n = self.agree_int(len(data), "bcast")
+        if not n:
+            return ""
+        buf = bytearray(data) if self.rank == 0 else bytearray(n)
+        t = torch.frombuffer(buf, dtype=torch.uint8).to(_collective_device(self.group))
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(t, src=src, group=self.group)
+        return bytes(t.cpu().numpy().tobytes()).decode(errors="replace")
 
 
 def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
