@@ -61,6 +61,64 @@ def test_nested_files_restore_verify_and_are_deleted_by_retention_and_gc(storage
     assert walk_files(storage, step_dir(2)) and not verify_step(storage, 2).problems
 
 
+def test_gc_reports_an_empty_prefix_directory_as_a_directory_of_no_bytes(tmp_path) -> None:
+    """An empty ``data/<prefix>/`` left in a committed step (a losing writer's, or one emptied
+    by hand) is removed as a directory; gc used to report it among the removed files with the
+    directory's own size (4096 bytes on ext4) counted as removed bytes."""
+    with CheckpointManager(tmp_path, data_prefixes=16) as mgr:
+        mgr.save(1, _state(1.0), async_save=False)
+    empty = tmp_path / step_dir(1) / "data" / "e"
+    empty.mkdir()
+    stray = tmp_path / step_dir(1) / "data" / "0" / "r00009-0badf00d-000.safetensors"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"y" * 123)
+    storage = open_storage(str(tmp_path))
+    for dry_run in (True, False):
+        report = collect_garbage(storage, min_age_s=0.0, now=time.time() + 3600, dry_run=dry_run)
+        assert report.removed_dirs == [f"{step_dir(1)}/data/e/"], report
+        assert report.removed_files == [f"{step_dir(1)}/data/0/r00009-0badf00d-000.safetensors"], report
+        assert report.removed_bytes == 123 and not report.errors, report
+    assert not empty.exists() and not stray.exists()
+    assert not verify_step(storage, 1).problems
+
+
+def test_folder_markers_are_neither_files_nor_gc_failures(storage_root, capsys) -> None:
+    """A console or a sync tool leaves zero-byte "folder" objects (``step-N/``,
+    ``step-N/data/7/``) on an object store. They are no file of any step: gc used to fail on
+    them every run (exit 1, "mtime failed ... IsADirectoryError") and never removed them."""
+    import json
+
+    from shardkeeper.core.cli import main
+
+    if storage_root.url.startswith("/"):
+        pytest.skip("object stores only (local disk: an empty directory, tested above)")
+    url, opts = storage_root.url, storage_root.options
+    with CheckpointManager(url, storage_options=opts, data_prefixes=16) as mgr:
+        mgr.save(1, _state(1.0), async_save=False)
+        mgr.save(2, _state(2.0), async_save=False)
+    storage = open_storage(url, **opts)
+    for marker in (f"{step_dir(2)}/", f"{step_dir(2)}/data/7/", f"{step_dir(9)}/"):
+        storage.fs.pipe(f"{storage.root}/{marker}", b"")
+    storage.fs.invalidate_cache()
+    argv = [a for k, v in opts.items() for a in ("-o", f"{k}={json.dumps(v)}")]
+    for run in range(2):
+        code = main(["gc", url, "--min-age-s", "0", "--json", *argv])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        doc = json.loads(out)
+        assert not doc["errors"] and not doc["removed_files"], doc
+        gone = [] if run else [f"{step_dir(2)}/data/7/", f"{step_dir(9)}/"]  # the next run: nothing again
+        assert doc["removed_dirs"] == gone, doc
+    storage.fs.invalidate_cache()
+    left = storage.fs.find(storage.root, withdirs=False)
+    assert not [k for k in left if k.endswith("/data/7/") or step_dir(9) in k], left
+    assert not verify_step(storage, 2).problems
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        assert mgr.steps() == [1, 2]
+        target = _state(0.0)
+        assert mgr.restore(target) == 2 and torch.equal(target["model"]["w"], torch.full((64, 32), 2.0))
+
+
 def test_incremental_references_into_prefixed_files(tmp_path) -> None:
     root = str(tmp_path / "r")
     with CheckpointManager(root, data_prefixes=4, incremental=True) as mgr:

@@ -27,6 +27,7 @@ from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME
 from shardkeeper.core.root_files import (
     committed_since,
+    listed_dir,
     referenced_paths,
     remove_file,
     size_or_zero,
@@ -266,20 +267,37 @@ def _plan(
 
 
 def _remove(storage: Storage, path: str, dry_run: bool, report: GcReport) -> None:
-    size = size_or_zero(storage, path)
-    if not dry_run:
-        try:
-            remove_file(storage, path)
-        except Exception as e:  # noqa: BLE001
-            report.errors.append(f"could not remove {storage.describe(path)}: {e}")
-            return
+    """Remove a file ``walk_files`` listed; an empty directory or a folder marker it listed is
+    removed and reported as a directory, of no bytes."""
+    try:
+        is_dir = listed_dir(storage, path)
+        size = 0 if is_dir else size_or_zero(storage, path)
+        if not dry_run:
+            is_dir = remove_file(storage, path)
+    except Exception as e:  # noqa: BLE001
+        report.errors.append(f"could not remove {storage.describe(path)}: {e}")
+        return
     log.info("gc: %s %s (%d bytes)", "would remove" if dry_run else "removed", storage.describe(path), size)
-    report.removed_files.append(path)
-    report.removed_bytes += size
+    if is_dir:
+        report.removed_dirs.append(path + "/")
+    else:
+        report.removed_files.append(path)
+        report.removed_bytes += size
+
+
+def _file_bytes(storage: Storage, files: list[str]) -> int:
+    """The bytes of ``files`` as ``walk_files`` listed them (its directories hold none)."""
+    total = 0
+    for f in files:
+        try:
+            total += 0 if listed_dir(storage, f) else size_or_zero(storage, f)
+        except CheckpointError:
+            pass
+    return total
 
 
 def _remove_dir(storage: Storage, name: str, files: list[str], dry_run: bool, report: GcReport) -> None:
-    size = sum(size_or_zero(storage, f) for f in files)
+    size = _file_bytes(storage, files)
     if not dry_run:
         try:
             storage.delete_dir(name)

@@ -12,7 +12,7 @@ from shardkeeper.core.commit import load_manifest, manifest_steps
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, StorageError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
-from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.storage.base import Storage, is_empty_dir
 
 # Names the format gives to files (never to directories): walk_files does not list them.
 _FILE_SUFFIXES = (".safetensors", ".index.json", ".tmp", MANIFEST_NAME)
@@ -85,14 +85,27 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
     return sorted(out)
 
 
-def remove_file(storage: Storage, path: str) -> None:
-    """Delete a file ``walk_files`` listed (an empty POSIX directory listed as one, too)."""
+def listed_dir(storage: Storage, path: str) -> bool:
+    """Whether an entry ``walk_files`` listed is an empty directory (POSIX) or a folder marker
+    (an object store's zero-byte ``path/`` object), not a file: names the format gives to
+    files are files without asking the storage."""
+    return not path.endswith(_FILE_SUFFIXES) and is_empty_dir(storage, path)
+
+
+def remove_file(storage: Storage, path: str) -> bool:
+    """Delete an entry ``walk_files`` listed: a file, or an empty directory or folder marker
+    (``listed_dir``), which is deleted as a directory. True for a directory."""
+    if listed_dir(storage, path):
+        storage.delete_dir(path)
+        return True
     try:
         storage.delete(path)
     except (StorageError, CorruptCheckpointError):  # EISDIR is damage to a reader
         if not storage.capabilities.directories:
             raise
-        storage.delete_dir(path)  # an empty directory that walk_files took for a file
+        storage.delete_dir(path)  # a directory that appeared since it was asked
+        return True
+    return False
 
 
 def size_or_zero(storage: Storage, path: str) -> int:
@@ -130,4 +143,12 @@ def committed_since(storage: Storage, known: set[int]) -> tuple[set[int], set[st
     return steps, refs
 
 
-__all__ = ["committed_since", "referenced_paths", "remove_file", "resolve_file", "size_or_zero", "walk_files"]
+__all__ = [
+    "committed_since",
+    "listed_dir",
+    "referenced_paths",
+    "remove_file",
+    "resolve_file",
+    "size_or_zero",
+    "walk_files",
+]

@@ -129,4 +129,13 @@ def sizes_of(storage: Storage, paths: Sequence[str]) -> list[int]:
     return [size_or_missing(storage, p) for p in paths]
 
 
-__all__ = ["Capabilities", "Storage", "Writer", "size_or_missing", "sizes_of"]
+def is_empty_dir(storage: Storage, path: str) -> bool:
+    """Whether the entry ``path``, which lists nothing, is a directory rather than a file: an
+    empty POSIX directory (never a link) or an object store's folder marker (a zero-byte
+    ``path/`` object that consoles and sync tools write). A storage without ``is_dir`` has no
+    such entries: False. A storage error propagates."""
+    fn = getattr(storage, "is_dir", None)
+    return bool(fn(path)) if fn is not None else False
+
+
+__all__ = ["Capabilities", "Storage", "Writer", "is_empty_dir", "size_or_missing", "sizes_of"]

@@ -86,6 +86,17 @@ def _protocol_of(fs: Any) -> str:
     return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
 
 
+def _stamp_of(info: dict[str, Any]) -> float | None:
+    """The modification time in an fsspec ``info`` or listing entry, if it has one."""
+    for key in ("LastModified", "mtime", "updated", "last_modified", "modified", "created"):
+        if info.get(key) is not None:
+            try:
+                return _timestamp(info[key])
+            except (TypeError, ValueError):
+                continue
+    return None
+
+
 def _timestamp(value: Any) -> float:
     if isinstance(value, datetime):
         if value.tzinfo is None:
@@ -277,15 +288,27 @@ class FsspecStorage:
         info = self._info(path)
         return int(info.get("size") or 0)
 
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a directory: a prefix with objects under it, or a folder marker."""
+        try:
+            return self._info(path).get("type") == "directory"
+        except CheckpointNotFoundError:
+            return False
+
     def mtime(self, path: str) -> float:
         info = self._info(path)
-        for key in ("LastModified", "mtime", "updated", "last_modified", "modified", "created"):
-            if info.get(key) is not None:
-                try:
-                    return _timestamp(info[key])
-                except (TypeError, ValueError):
-                    continue
+        stamp = _stamp_of(info)
+        if stamp is not None:
+            return stamp
         full = self._full(path)
+        if info.get("type") == "directory" and self.protocol in OBJECT_STORE_PROTOCOLS:
+            # A folder marker (a zero-byte ``path/`` object) carries the time a prefix has not.
+            # (``ls`` hides it on GCS; ``find`` lists it, as the object ``path/``.)
+            found = self._call("mtime", path, lambda: self.fs.find(full, maxdepth=1, withdirs=True, detail=True))
+            marker = found.get(full + "/") if isinstance(found, dict) else None
+            stamp = _stamp_of(marker) if isinstance(marker, dict) else None
+            if stamp is not None:
+                return stamp
         return self._call("mtime", path, lambda: _timestamp(self.fs.modified(full)))
 
     def read_bytes(self, path: str) -> bytes:

@@ -102,6 +102,16 @@ class LocalStorage:
     def size(self, path: str) -> int:
         return self._paths.stat(path).st_size
 
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a real directory (a link to one is not: it is deleted as a link)."""
+        full = self._paths.real_dirs(path, "read")
+        try:
+            return stat.S_ISDIR(os.lstat(full).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:
+            raise self._wrap(path, e) from e
+
     def sizes(self, paths: Sequence[str]) -> list[int]:
         """``size`` of each of ``paths``, -1 for a missing one (``storage.base.sizes_of``):
         regular files in one ``fstatat`` each, anything else as ``size`` answers it."""
