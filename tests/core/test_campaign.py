@@ -114,3 +114,38 @@ def test_campaign_command_prints_a_json_summary(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     js = json.loads(out.stdout)
     assert js["trials"] == 3 and js["lost_or_damaged"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_manager_options_may_set_the_campaigns_own_defaults(tmp_path: Path) -> None:
+    """``keep_last`` (and ``async_save``) are the campaign's defaults, not fixed: passing one
+    used to raise TypeError (a keyword given twice) in every writer, reported as data loss."""
+    out = subprocess.run(
+        [sys.executable, "-m", "shardkeeper.core.testing.campaign", str(tmp_path / "r"), "--trials", "3",
+         "--seed", "2", "--tensor-bytes", "4096", "--manager-options", '{"keep_last": 3, "async_save": false}'],
+        capture_output=True, text=True, timeout=50, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    js = json.loads(out.stdout)
+    assert js["lost_or_damaged"] == 0 and js["writer_errors"] == [] and js["trials"] == 3, js
+
+
+def test_a_manager_option_the_campaign_cannot_pass_is_refused_before_any_writer(tmp_path: Path) -> None:
+    for bad, said in (({"keep_lats": 2}, "not a CheckpointManager keyword"), ({"local": "/x"}, "campaign's own")):
+        with pytest.raises(ValueError, match=said) as e:
+            run_campaign(str(tmp_path / "r"), trials=2, manager_options=bad)
+        assert repr(next(iter(bad))) in str(e.value)
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_that_fails_is_reported_with_its_error_not_as_data_loss(tmp_path: Path) -> None:
+    summary = run_campaign(
+        str(tmp_path / "r"), trials=2, seed=1, tensor_bytes=4096, manager_options={"data_prefixes": 0}
+    )
+    js = summary.to_json()
+    assert js["lost_or_damaged"] == 0 and len(js["writer_errors"]) == 2, js
+    assert all(
+        "exit status 3" in w and "ValueError: data_prefixes must be between 1 and 4096" in w
+        for w in js["writer_errors"]
+    ), js

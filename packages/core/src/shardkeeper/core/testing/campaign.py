@@ -4,7 +4,8 @@
 an ``s3://`` / ``gs://`` URL; ``--storage-options JSON`` for the store) prints a JSON summary.
 Each trial forks a writer from this process (torch is imported once), which saves a
 deterministic state (a function of the step) for a few successive steps with retention
-(``keep_last=2``), the way a restarted job continues from the newest committed step. The
+(``keep_last=2`` unless ``--manager-options`` says otherwise), the way a restarted job
+continues from the newest committed step. The
 writer dies by SIGKILL at a point the parent drew with a seeded RNG:
 
 =====================  ====================================================================
@@ -200,7 +201,8 @@ class Summary:
     restores_bit_exact: int = 0
     leftovers_removed: int = 0
     incomplete_uploads_aborted: int = 0
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # what was lost or damaged
+    writer_errors: list[str] = field(default_factory=list)  # writers that failed, not by the kill
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -219,6 +221,7 @@ class Summary:
             "incomplete_uploads_aborted": self.incomplete_uploads_aborted,
             "lost_or_damaged": len(self.failures),
             "failures": self.failures,
+            "writer_errors": self.writer_errors,
             "seconds": round(self.seconds, 2),
         }
 
@@ -251,20 +254,17 @@ def _writer(
     from shardkeeper.core import CheckpointManager
     from shardkeeper.core.storage import open_storage
 
+    own = {"keep_last": 2, "async_save": t.async_save}  # the campaign's; manager_options override them
     if local is None:
         storage = KillingStorage(open_storage(root, **options), t.point, t.n, t.after_bytes)
-        mgr = CheckpointManager(storage, keep_last=2, async_save=t.async_save, **manager_options)  # type: ignore[arg-type]
+        mgr = CheckpointManager(storage, **{**own, **manager_options})  # type: ignore[arg-type]
     else:  # the kills land in the local tier; every other step is uploaded to ``root`` meanwhile
         killing = KillingStorage(open_storage(local), t.point, t.n, t.after_bytes)
         mgr = CheckpointManager(
             root,
             storage_options=options,
             local=killing,  # type: ignore[arg-type]
-            local_keep=2,
-            keep_last=2,
-            persist_every=2,
-            async_save=t.async_save,
-            **manager_options,
+            **{**own, "local_keep": 2, "persist_every": 2, **manager_options},
         )
     for i, step in enumerate(range(t.first_step, t.first_step + t.steps)):
         state = deterministic_state(step, tensor_bytes)
@@ -376,7 +376,7 @@ def run_campaign(
     if bad:
         raise ValueError(f"unknown kill point(s) {sorted(bad)}; choose from {', '.join(KILL_POINTS)}")
     options = dict(storage_options or {})
-    mopts = dict(manager_options or {})
+    mopts = _manager_options(manager_options)
     persistent = open_storage(root, **options)
     storage = open_storage(local) if local is not None else persistent
     rng = random.Random(seed)
@@ -396,8 +396,10 @@ def run_campaign(
                 os.close(rfd)
                 random.seed(seed * 7919 + i)
                 _writer(root, options, mopts, t, tensor_bytes, wfd, local)
-            except BaseException:
+            except BaseException as e:
                 traceback.print_exc()
+                with contextlib.suppress(OSError):  # the parent reports it with the trial
+                    os.write(wfd, f"!{type(e).__name__}: {e}".replace("\n", " ").encode() + b"\n")
                 code = 3
             finally:
                 os._exit(code)
@@ -420,7 +422,9 @@ def run_campaign(
         os.close(rfd)
         _, status = os.waitpid(pid, 0)
         lived = time.monotonic() - started
-        acked = [int(x) for x in out.decode().split()]
+        lines = out.decode(errors="replace").splitlines()
+        acked = [int(x) for x in lines if x and not x.startswith("!")]
+        said = [x[1:] for x in lines if x.startswith("!")]
         s.commits_acknowledged += len(acked)
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
             s.killed += 1
@@ -429,12 +433,42 @@ def run_campaign(
             s.completed += 1
             typical_s = 0.5 * typical_s + 0.5 * lived  # how long a whole writer run takes
         else:
-            s.failures.append(f"trial {i} ({t.point}): the writer failed with status {status}")
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+            why = said[0] if said else "see its traceback on stderr"
+            s.writer_errors.append(f"trial {i} ({t.point}): the writer failed (exit status {code}): {why}")
         next_step = _check(storage, t, acked, tensor_bytes, s)
         if local is not None:
             _check_persistent(persistent, t, s)
     s.seconds = time.monotonic() - t0
     return s
+
+
+#: Manager options the campaign decides itself: where the writer writes and how it is killed.
+_FIXED_OPTIONS = frozenset({"storage_options", "local"})
+
+
+def _manager_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``given`` checked before any writer starts: ``CheckpointManager`` keywords the
+    campaign does not fix itself (``keep_last``, ``async_save`` and a tier's ``local_keep`` and
+    ``persist_every`` override its defaults; ``async_save`` then holds for every trial)."""
+    import inspect
+
+    from shardkeeper.core import CheckpointManager
+
+    known = set(inspect.signature(CheckpointManager).parameters) - {"root", "self"}
+    opts = dict(given or {})
+    for name in opts:
+        if name in _FIXED_OPTIONS:
+            raise ValueError(
+                f"manager option {name!r} is the campaign's own (ROOT, --storage-options and --local "
+                f"say where it writes); remove it from --manager-options"
+            )
+        if name not in known:
+            raise ValueError(
+                f"manager option {name!r} is not a CheckpointManager keyword; the campaign would fail in "
+                f"every writer. Known: {', '.join(sorted(known - _FIXED_OPTIONS))}"
+            )
+    return opts
 
 
 def _kill_quietly(pid: int) -> None:
@@ -465,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     json.dump(summary.to_json(), sys.stdout, indent=2)
     print()
-    return 1 if summary.failures else 0
+    return 1 if summary.failures or summary.writer_errors else 0
 
 
 __all__ = ["KILL_POINTS", "KillingStorage", "Summary", "Trial", "deterministic_state", "main", "run_campaign"]
