@@ -9,13 +9,12 @@ everywhere). Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from seen import finish
 
 from shardkeeper.core import CheckpointManager
 
@@ -46,10 +45,7 @@ def main(root: str, out: str) -> None:
         dist.barrier()
         seen["damaged"] = _outcome(lambda: mgr.delete(2, damaged=True))
         seen["steps"] = mgr.steps()
-    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, rank, seen)
 
 
 if __name__ == "__main__":

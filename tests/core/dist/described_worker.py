@@ -13,12 +13,12 @@ rule. Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from seen import finish
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -167,10 +167,7 @@ def main(root: str, out: str) -> None:
     if rank == 0:
         rep = verify_step(LocalStorage(str(path)), 1)
         seen["damaged verify"] = [p.message for p in rep.problems]
-    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, rank, seen)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from described_worker import full, gathered, layout_a, layout_b, same
+from seen import finish
 
-from shardkeeper.core import CheckpointManager, CheckpointSaveError, CorruptCheckpointError
+from shardkeeper.core import CheckpointManager
 from shardkeeper.core.errors import StorageError
 from shardkeeper.core.garbage import collect_garbage
 from shardkeeper.core.storage.local import LocalStorage
@@ -194,10 +194,7 @@ def main(root: str, out: str) -> None:
     dist.barrier()
     # Ranks that pass different group sizes are refused when the manager opens.
     seen["differing sizes"] = _error(lambda: CheckpointManager(Path(root) / "x", commit_group_ranks=2 + rank % 2))
-    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
-        json.dump(seen, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, rank, seen)
 
 
 if __name__ == "__main__":
