@@ -244,6 +244,35 @@ def test_an_intact_encrypted_step_is_not_deleted_with_the_key_a_wrong_key_or_non
     assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
 
 
+def test_an_intact_step_of_a_moved_root_or_saved_before_encryption_is_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest that authenticates but names another root (the root was moved), or one
+    written without encryption (saved before encryption was turned on), proves no damage:
+    ``--damaged`` deleted both, the newest step included, with every byte intact."""
+    _encrypted_two_steps(tmp_path / "orig", monkeypatch)
+    moved = tmp_path / "moved"
+    (tmp_path / "orig").rename(moved)
+    code, _, err = run_cli(capsys, "delete", moved, 2, "--damaged", "--key", "env:SK_DEL_KEY")
+    assert code == 2 and "was written under the root" in err and "nothing was deleted" in err, err
+    assert "--encryption-root" in err, err
+    with CheckpointManager(moved, encryption="env:SK_DEL_KEY") as mgr, pytest.raises(ValueError, match="judged"):
+        mgr.delete(2, damaged=True)
+    assert committed_steps(LocalStorage(moved)) == [1, 2]
+    code, _, err = run_cli(
+        capsys, "delete", moved, 2, "--damaged", "--key", "env:SK_DEL_KEY", "--encryption-root", tmp_path / "orig"
+    )
+    assert code == 2 and "verifies intact" in err, err  # its own root named: intact, as it is
+
+    plain = tmp_path / "plain"
+    _two_steps(plain)  # saved before encryption was turned on
+    code, _, err = run_cli(capsys, "delete", plain, 2, "--damaged", "--key", "env:SK_DEL_KEY")
+    assert code == 2 and "not encrypted" in err and "without a key" in err and "nothing was deleted" in err, err
+    assert committed_steps(LocalStorage(plain)) == [1, 2]
+    code, _, err = run_cli(capsys, "delete", plain, 2, "--damaged")
+    assert code == 2 and "verifies intact" in err, err
+
+
 def test_a_damaged_encrypted_step_is_deleted_by_the_cli_and_the_manager(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -28,6 +28,7 @@ from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ForeignManifestError,
     IncompatibleFormatError,
 )
 from shardkeeper.core.retention import delete_unreferenced, referenced_paths
@@ -87,6 +88,13 @@ def delete_damaged(
         raise ValueError(
             f"{where} was written by a newer shardkeeper ({e}); it is not damaged, and this version "
             f"cannot check it: nothing was deleted"
+        ) from e
+    except ForeignManifestError as e:  # intact bytes, maybe: a key or root this step was not written with
+        raise ValueError(
+            f"{where} cannot be judged with this key and root ({e}). Nothing proves it damaged, so nothing "
+            f"was deleted: check it with the key and root it was written with: without a key (--key, "
+            f"encryption=) for a step saved before encryption was turned on; for a moved root, with "
+            f"--encryption-root / encryption_root= naming the root it was written under"
         ) from e
     except CorruptCheckpointError as e:  # the manifest itself does not validate
         out.damage = [f"manifest: {e}"]

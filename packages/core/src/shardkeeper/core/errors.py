@@ -26,6 +26,12 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """Stored bytes or metadata are damaged: a bad manifest, a short file, a wrong digest."""
 
 
+class ForeignManifestError(CorruptCheckpointError):
+    """A manifest whose bytes may be intact but that this reader cannot take for its own: one
+    written without encryption, read with a key, or one authenticated but bound to another
+    root. A restore passes over it like damage; a deletion of damaged steps refuses it."""
+
+
 class ChecksumMismatchError(CorruptCheckpointError):
     """A chunk's bytes do not match the digest recorded in the manifest."""
 
@@ -141,6 +147,7 @@ __all__ = [
     "CommitConflictError",
     "CorruptCheckpointError",
     "EncryptionKeyError",
+    "ForeignManifestError",
     "IncompatibleFormatError",
     "ProtocolError",
     "JsonValueError",

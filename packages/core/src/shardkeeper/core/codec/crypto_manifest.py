@@ -23,7 +23,7 @@ from typing import Any
 
 from shardkeeper.core.codec.crypto_format import ALGORITHM, BLOCK
 from shardkeeper.core.codec.keys import KeyProvider
-from shardkeeper.core.errors import CorruptCheckpointError
+from shardkeeper.core.errors import CorruptCheckpointError, ForeignManifestError
 from shardkeeper.core.format.untrusted import loads_untrusted
 
 _MAC_TAIL = len(b'"}}') + 64  # the manifest ends with "mac":"<64 hex>"}}
@@ -76,7 +76,7 @@ def open_manifest(data: bytes, unwrap: Callable[[str, bytes, str], bytes], bindi
     if section is None:
         # Damage, not a key problem: "restore the newest" falls back past it to a step that
         # authenticates (a root that was never encrypted fails every step, naming this).
-        raise CorruptCheckpointError(
+        raise ForeignManifestError(
             f"manifest {where} is not encrypted/authenticated, and this manager reads only "
             f"encrypted checkpoints (encryption= is set): it was written without encryption, or "
             f"replaced. Restore another step, or restore it without encryption= if it is yours"
@@ -97,7 +97,7 @@ def open_manifest(data: bytes, unwrap: Callable[[str, bytes, str], bytes], bindi
         )
     root = section.get("root")
     if root is not None and root != binding:
-        raise CorruptCheckpointError(
+        raise ForeignManifestError(
             f"manifest {where} was written under the root {root!r} and is read as part of "
             f"{binding!r}: a step of another root was put here (restore another step), or this "
             f"root was moved or copied from there (then pass encryption_root={root!r})"
