@@ -313,5 +313,7 @@ def test_every_rank_raises_the_coordinators_refusal_with_its_reason(tmp_path: Pa
         kind, msg = s["missing"]
         assert kind == "CheckpointNotFoundError" and "step 7" in msg and "no manifest" in msg, s
         assert s["damaged"] == ["returned", "True"] and s["steps"] == [1], s
+        kind, msg = s["odd root"]
+        assert kind == "ValueError" and "verifies intact" in msg and "odd-" in msg, s
     for s in seen[1:]:  # the others say whose refusal it is
         assert "rank 0" in s["intact"][1] and f"rank {s['rank']}" in s["intact"][1], s

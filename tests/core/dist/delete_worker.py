@@ -9,6 +9,7 @@ everywhere). Each rank writes what it saw to ``OUT_DIR/r<rank>.json``.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,10 @@ def main(root: str, out: str) -> None:
         dist.barrier()
         seen["damaged"] = _outcome(lambda: mgr.delete(2, damaged=True))
         seen["steps"] = mgr.steps()
+    # A root whose name holds a byte that is not UTF-8: its reason still reaches every rank.
+    with CheckpointManager(os.path.join(root, "odd-\udcff-name")) as mgr:
+        mgr.save(1, {"w": torch.zeros(4)}).wait()
+        seen["odd root"] = _outcome(lambda: mgr.delete(1, damaged=True))
     finish(out, rank, seen)
 
 

@@ -19,8 +19,10 @@ from shardkeeper.core.delete_damaged import delete_damaged
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     EncryptionKeyError,
+    IncompatibleFormatError,
     StorageError,
 )
 from shardkeeper.core.protocol import COORDINATOR, Deletion
@@ -88,7 +90,15 @@ def delete_step(ctx: ManagerContext, step: int, *, damaged: bool = False) -> boo
 #: (a refusal: ``ValueError``; no such step; the key; the storage); any other: ``CheckpointError``.
 _SAID_TYPES: dict[str, type[Exception]] = {
     t.__name__: t
-    for t in (ValueError, CheckpointNotFoundError, EncryptionKeyError, StorageError, CorruptCheckpointError)
+    for t in (
+        ValueError,
+        CheckpointNotFoundError,
+        EncryptionKeyError,
+        StorageError,
+        CorruptCheckpointError,
+        ChecksumMismatchError,
+        IncompatibleFormatError,
+    )
 }
 
 

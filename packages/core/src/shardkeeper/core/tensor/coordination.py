@@ -296,7 +296,9 @@ class StoreCoordinator:
         return int(t.item())
 
     def agree_text(self, text: str) -> str:
-        data = text.encode() if self.rank == 0 else b""
+        # Never raises before the collectives (a path's undecodable byte, a lone surrogate):
+        # a rank that raised here would leave the others waiting in a broadcast.
+        data = text.encode(errors="backslashreplace") if self.rank == 0 else b""
         n = self.agree_int(len(data), "bcast")
         if not n:
             return ""
