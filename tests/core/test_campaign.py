@@ -131,21 +131,34 @@ def test_manager_options_may_set_the_campaigns_own_defaults(tmp_path: Path) -> N
 
 
 def test_a_manager_option_the_campaign_cannot_pass_is_refused_before_any_writer(tmp_path: Path) -> None:
-    for bad, said in (({"keep_lats": 2}, "not a CheckpointManager keyword"), ({"local": "/x"}, "campaign's own")):
+    for bad, said in (
+        ({"keep_lats": 2}, "not a CheckpointManager keyword"),
+        ({"local": "/x"}, "campaign's own"),
+        ({"encryption": "env:SK_NONE"}, "without a key"),  # its checks read the root without one
+        ({"keep_last": 0}, "refused by CheckpointManager"),
+        ({"local_keep": 1}, "refused by CheckpointManager"),  # a tier's option, and no --local
+        ([1], "must be a JSON object"),
+    ):
         with pytest.raises(ValueError, match=said) as e:
-            run_campaign(str(tmp_path / "r"), trials=2, manager_options=bad)
-        assert repr(next(iter(bad))) in str(e.value)
+            run_campaign(str(tmp_path / "r"), trials=2, manager_options=bad)  # type: ignore[arg-type]
+        if isinstance(bad, dict):
+            assert repr(next(iter(bad))) in str(e.value)
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+    out = subprocess.run(
+        [sys.executable, "-m", "shardkeeper.core.testing.campaign", str(tmp_path / "r"), "--manager-options", '{"keep_last": 0}'],
+        capture_output=True, text=True, timeout=50, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2 and "refused by CheckpointManager" in out.stderr and not out.stdout, out
 
 
 @pytest.mark.timeout(60)
 def test_a_writer_that_fails_is_reported_with_its_error_not_as_data_loss(tmp_path: Path) -> None:
-    summary = run_campaign(
-        str(tmp_path / "r"), trials=2, seed=1, tensor_bytes=4096, manager_options={"data_prefixes": 0}
-    )
+    """A writer's own failure (here: the root is a file, which no check before the trials
+    sees) is listed with its error under writer_errors, not as data lost or damaged."""
+    (tmp_path / "r").write_bytes(b"not a directory")
+    summary = run_campaign(str(tmp_path / "r"), trials=2, seed=1, tensor_bytes=4096, points=("retention",))
     js = summary.to_json()
     assert js["lost_or_damaged"] == 0 and len(js["writer_errors"]) == 2, js
     assert all(
-        "exit status 3" in w and "ValueError: data_prefixes must be between 1 and 4096" in w
-        for w in js["writer_errors"]
+        "exit status 3" in w and "CheckpointSaveError" in w and "Not a directory" in w for w in js["writer_errors"]
     ), js

@@ -372,11 +372,9 @@ def run_campaign(
     from shardkeeper.core.storage import open_storage
 
     torch.set_num_threads(1)
-    bad = set(points) - set(KILL_POINTS)
-    if bad:
-        raise ValueError(f"unknown kill point(s) {sorted(bad)}; choose from {', '.join(KILL_POINTS)}")
+    _check_points(points)
     options = dict(storage_options or {})
-    mopts = _manager_options(manager_options)
+    mopts = _manager_options(manager_options, local)
     persistent = open_storage(root, **options)
     storage = open_storage(local) if local is not None else persistent
     rng = random.Random(seed)
@@ -443,31 +441,48 @@ def run_campaign(
     return s
 
 
-#: Manager options the campaign decides itself: where the writer writes and how it is killed.
-_FIXED_OPTIONS = frozenset({"storage_options", "local"})
+def _check_points(points: Sequence[str]) -> None:
+    bad = set(points) - set(KILL_POINTS)
+    if bad:
+        raise ValueError(f"unknown kill point(s) {sorted(bad)}; choose from {', '.join(KILL_POINTS)}")
 
 
-def _manager_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
+#: Manager options the campaign decides itself: where the writer writes and how it is killed;
+#: and the key, which its checks (verify, restore, gc on the root) do not use.
+_FIXED_OPTIONS = frozenset({"storage_options", "local", "encryption", "encryption_root"})
+
+
+def _manager_options(given: Any, local: str | None) -> dict[str, Any]:
     """``given`` checked before any writer starts: ``CheckpointManager`` keywords the
     campaign does not fix itself (``keep_last``, ``async_save`` and a tier's ``local_keep`` and
-    ``persist_every`` override its defaults; ``async_save`` then holds for every trial)."""
+    ``persist_every`` override its defaults; ``async_save`` then holds for every trial), with
+    values a manager takes: one is built with them on a scratch directory, as each writer's is."""
     import inspect
+    import tempfile
 
     from shardkeeper.core import CheckpointManager
 
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError(f"manager options must be a JSON object of CheckpointManager keywords, not {given!r}")
     known = set(inspect.signature(CheckpointManager).parameters) - {"root", "self"}
     opts = dict(given or {})
     for name in opts:
         if name in _FIXED_OPTIONS:
             raise ValueError(
-                f"manager option {name!r} is the campaign's own (ROOT, --storage-options and --local "
-                f"say where it writes); remove it from --manager-options"
+                f"manager option {name!r} is the campaign's own (ROOT, --storage-options and --local say where "
+                f"it writes; its checks read the root without a key); remove it from --manager-options"
             )
         if name not in known:
             raise ValueError(
                 f"manager option {name!r} is not a CheckpointManager keyword; the campaign would fail in "
                 f"every writer. Known: {', '.join(sorted(known - _FIXED_OPTIONS))}"
             )
+    with tempfile.TemporaryDirectory(prefix="shardkeeper-campaign-") as scratch:
+        tier = {"local": os.path.join(scratch, "local"), "local_keep": 2, "persist_every": 2} if local else {}
+        try:
+            CheckpointManager(os.path.join(scratch, "root"), **{"keep_last": 2, **tier, **opts}).close()
+        except Exception as e:
+            raise ValueError(f"manager options {opts} are refused by CheckpointManager: {e}") from e
     return opts
 
 
@@ -487,14 +502,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--manager-options", default="{}", help="JSON: CheckpointManager options")
     p.add_argument("--local", metavar="DIR", help="a local tier's directory: kill there, ROOT is the persistent tier")
     a = p.parse_args(argv)
+    try:
+        manager_options = json.loads(a.manager_options)
+        storage_options = json.loads(a.storage_options)
+    except json.JSONDecodeError as e:
+        p.error(f"--manager-options and --storage-options take JSON objects: {e}")
+    try:  # what cannot run is said before any writer starts
+        _check_points(a.points.split(","))
+        _manager_options(manager_options, a.local)
+    except ValueError as e:
+        p.error(str(e))
     summary = run_campaign(
         a.root,
         trials=a.trials,
         seed=a.seed,
         tensor_bytes=a.tensor_bytes,
         points=a.points.split(","),
-        storage_options=json.loads(a.storage_options),
-        manager_options=json.loads(a.manager_options),
+        storage_options=storage_options,
+        manager_options=manager_options,
         local=a.local,
     )
     json.dump(summary.to_json(), sys.stdout, indent=2)
