@@ -82,6 +82,22 @@ def test_gc_reports_an_empty_prefix_directory_as_a_directory_of_no_bytes(tmp_pat
     assert not verify_step(storage, 1).problems
 
 
+def test_gc_leaves_a_tree_deeper_than_any_layout_alone(tmp_path) -> None:
+    """A directory with entries nine levels down a committed step was listed as one entry and
+    removed whole by its own (old) mtime, fresh files and all, as "an empty directory"."""
+    with CheckpointManager(tmp_path, data_prefixes=16) as mgr:
+        mgr.save(1, _state(1.0), async_save=False)
+    deep = tmp_path / step_dir(1) / "a" / "b" / "c" / "d" / "e" / "f" / "g" / "h" / "i"
+    (deep / "j").mkdir(parents=True)
+    (deep / "j" / "fresh.bin").write_bytes(b"z" * 5000)
+    (deep / "fresh2.bin").write_bytes(b"z" * 3000)
+    old = time.time() - 3 * 3600
+    os.utime(deep, (old, old))
+    report = collect_garbage(open_storage(str(tmp_path)))
+    assert not report.removed_dirs and not report.removed_files and not report.errors, report
+    assert (deep / "j" / "fresh.bin").exists() and (deep / "fresh2.bin").exists()
+
+
 def test_folder_markers_are_neither_files_nor_gc_failures(storage_root, capsys) -> None:
     """A console or a sync tool leaves zero-byte "folder" objects (``step-N/``,
     ``step-N/data/7/``) on an object store. They are no file of any step: gc used to fail on

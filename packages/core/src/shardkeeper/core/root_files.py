@@ -57,12 +57,14 @@ def _base(name: str) -> str:
 def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
     """Every file under the directory ``path`` (root-relative paths), sorted.
 
-    The storage protocol has no "is a directory" call: names the format gives to files
-    (``*.safetensors``, ``*.index.json``, ``*.tmp``, ``manifest.json``) are files; any other entry with entries
-    of its own is a directory, and one without is taken for a file (an empty POSIX directory
-    is therefore listed too; deleting it falls back to ``delete_dir``). A local symbolic link
-    lists as empty (``LocalStorage`` never lists through one), so it is an entry too, and
-    deleting it deletes the link, never what it points at.
+    Names the format gives to files (``*.safetensors``, ``*.index.json``, ``*.tmp``,
+    ``manifest.json``) are files, without asking the storage; any other entry with entries of
+    its own is a directory, and one without is an entry of its own: a file, or an empty
+    directory or folder marker (``listed_dir`` tells them apart). A local symbolic link lists
+    as empty (``LocalStorage`` never lists through one), so it is an entry too, and deleting
+    it deletes the link, never what it points at. A directory with entries ``_MAX_DEPTH``
+    levels down is deeper than any layout: it is not listed (nothing judges it by its own age
+    or removes it alone; it goes with its step directory).
     """
     out: list[str] = []
     for raw in storage.list_dir(path):
@@ -70,26 +72,33 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
         if not name or name in (".", ".."):
             continue
         child = f"{path}/{name}" if path else name
-        if name.endswith(_FILE_SUFFIXES) or _depth >= _MAX_DEPTH:
+        if name.endswith(_FILE_SUFFIXES):
             out.append(child)  # files by the format's naming: no listing (a request on S3)
             continue
-        try:
-            sub = storage.list_dir(child)
-        except CorruptCheckpointError:
-            sub = []  # cannot be listed for what it is (a symlink loop...): an entry, as a file
-        # Some object-store listings return the object itself when asked to list a file.
-        if sub and [_base(s) for s in sub] != [name]:
-            out.extend(walk_files(storage, child, _depth + 1))
+        if _has_entries(storage, child, name):
+            if _depth < _MAX_DEPTH:
+                out.extend(walk_files(storage, child, _depth + 1))
         else:
             out.append(child)
     return sorted(out)
+
+
+def _has_entries(storage: Storage, path: str, name: str) -> bool:
+    """Whether ``path`` (named ``name``) lists entries of its own: a directory that is not empty."""
+    try:
+        sub = storage.list_dir(path)
+    except CorruptCheckpointError:
+        return False  # cannot be listed for what it is (a symlink loop...): an entry, as a file
+    # Some object-store listings return the object itself when asked to list a file.
+    return bool(sub) and [_base(s) for s in sub] != [name]
 
 
 def listed_dir(storage: Storage, path: str) -> bool:
     """Whether an entry ``walk_files`` listed is an empty directory (POSIX) or a folder marker
     (an object store's zero-byte ``path/`` object), not a file: names the format gives to
     files are files without asking the storage."""
-    return not path.endswith(_FILE_SUFFIXES) and is_empty_dir(storage, path)
+    name = _base(path)
+    return not path.endswith(_FILE_SUFFIXES) and is_empty_dir(storage, path) and not _has_entries(storage, path, name)
 
 
 def remove_file(storage: Storage, path: str) -> bool:
@@ -101,9 +110,9 @@ def remove_file(storage: Storage, path: str) -> bool:
     try:
         storage.delete(path)
     except (StorageError, CorruptCheckpointError):  # EISDIR is damage to a reader
-        if not storage.capabilities.directories:
-            raise
-        storage.delete_dir(path)  # a directory that appeared since it was asked
+        if not storage.capabilities.directories or _has_entries(storage, path, _base(path)):
+            raise  # a directory with entries is never removed as one entry
+        storage.delete_dir(path)  # an empty directory of a storage without ``is_dir``
         return True
     return False
 
