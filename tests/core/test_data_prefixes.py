@@ -98,6 +98,21 @@ def test_gc_leaves_a_tree_deeper_than_any_layout_alone(tmp_path) -> None:
     assert (deep / "j" / "fresh.bin").exists() and (deep / "fresh2.bin").exists()
 
 
+def test_gc_counts_no_bytes_for_a_link_it_removes(tmp_path) -> None:
+    """Removing a link frees none of what it points at: gc counted the target's size (a
+    directory's 4096 bytes, a whole data file's)."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state(1.0), async_save=False)
+        mgr.save(2, _state(2.0), async_save=False)
+    (data,) = (tmp_path / step_dir(2) / "data").iterdir()
+    (tmp_path / step_dir(1) / "to-a-dir").symlink_to(f"../{step_dir(2)}/data")
+    (tmp_path / step_dir(1) / "to-a-file").symlink_to(f"../{step_dir(2)}/data/{data.name}")
+    report = collect_garbage(open_storage(str(tmp_path)), min_age_s=0.0)
+    assert sorted(report.removed_files) == [f"{step_dir(1)}/to-a-dir", f"{step_dir(1)}/to-a-file"], report
+    assert report.removed_bytes == 0 and not report.errors, report
+    assert data.exists() and not verify_step(open_storage(str(tmp_path)), 2).problems
+
+
 def test_folder_markers_are_neither_files_nor_gc_failures(storage_root, capsys) -> None:
     """A console or a sync tool leaves zero-byte "folder" objects (``step-N/``,
     ``step-N/data/7/``) on an object store. They are no file of any step: gc used to fail on

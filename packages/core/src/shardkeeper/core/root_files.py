@@ -118,9 +118,11 @@ def remove_file(storage: Storage, path: str) -> bool:
 
 
 def size_or_zero(storage: Storage, path: str) -> int:
-    """A file's size, 0 if it cannot be read (for reports)."""
+    """The bytes removing the entry ``path`` frees, for reports: a file's size; 0 for a
+    symbolic link (only the link goes) and for an entry that cannot be read."""
     try:
-        return storage.size(path)
+        is_link = getattr(storage, "is_link", None)
+        return 0 if is_link is not None and is_link(path) else storage.size(path)
     except CheckpointError:
         return 0
 

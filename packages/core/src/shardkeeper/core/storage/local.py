@@ -104,11 +104,19 @@ class LocalStorage:
 
     def is_dir(self, path: str) -> bool:
         """Whether ``path`` is a real directory (a link to one is not: it is deleted as a link)."""
+        return stat.S_ISDIR(self._lmode(path))
+
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (deleting it frees none of what it points at)."""
+        return stat.S_ISLNK(self._lmode(path))
+
+    def _lmode(self, path: str) -> int:
+        """The mode of the entry at ``path`` itself (0 if there is none)."""
         full = self._paths.real_dirs(path, "read")
         try:
-            return stat.S_ISDIR(os.lstat(full).st_mode)
+            return os.lstat(full).st_mode
         except (FileNotFoundError, NotADirectoryError):
-            return False
+            return 0
         except OSError as e:
             raise self._wrap(path, e) from e
 
