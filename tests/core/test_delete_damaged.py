@@ -244,19 +244,18 @@ def test_an_intact_encrypted_step_is_not_deleted_with_the_key_a_wrong_key_or_non
     assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
 
 
-def test_an_intact_step_of_a_moved_root_or_saved_before_encryption_is_not_deleted(
+def test_an_intact_step_of_a_moved_root_is_not_deleted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A manifest that authenticates but names another root (the root was moved), or one
-    written without encryption (saved before encryption was turned on), proves no damage:
-    ``--damaged`` deleted both, the newest step included, with every byte intact."""
+    """A manifest that authenticates but names another root (the root was moved) proves no
+    damage: ``--damaged`` deleted it, the newest step included, with every byte intact."""
     _encrypted_two_steps(tmp_path / "orig", monkeypatch)
     moved = tmp_path / "moved"
     (tmp_path / "orig").rename(moved)
     code, _, err = run_cli(capsys, "delete", moved, 2, "--damaged", "--key", "env:SK_DEL_KEY")
-    assert code == 2 and "was written under the root" in err and "nothing was deleted" in err, err
+    assert code == 2 and "bound to another root" in err and "nothing was deleted" in err, err
     assert "--encryption-root" in err, err
-    with CheckpointManager(moved, encryption="env:SK_DEL_KEY") as mgr, pytest.raises(ValueError, match="judged"):
+    with CheckpointManager(moved, encryption="env:SK_DEL_KEY") as mgr, pytest.raises(ValueError, match="intact"):
         mgr.delete(2, damaged=True)
     assert committed_steps(LocalStorage(moved)) == [1, 2]
     code, _, err = run_cli(
@@ -264,13 +263,24 @@ def test_an_intact_step_of_a_moved_root_or_saved_before_encryption_is_not_delete
     )
     assert code == 2 and "verifies intact" in err, err  # its own root named: intact, as it is
 
-    plain = tmp_path / "plain"
-    _two_steps(plain)  # saved before encryption was turned on
-    code, _, err = run_cli(capsys, "delete", plain, 2, "--damaged", "--key", "env:SK_DEL_KEY")
-    assert code == 2 and "not encrypted" in err and "without a key" in err and "nothing was deleted" in err, err
-    assert committed_steps(LocalStorage(plain)) == [1, 2]
-    code, _, err = run_cli(capsys, "delete", plain, 2, "--damaged")
-    assert code == 2 and "verifies intact" in err, err
+
+def test_a_plain_step_planted_in_an_encrypted_root_is_deleted_as_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Anyone who can write to the root can put a valid unencrypted step above the newest:
+    restore with the key passes over it, but saves below it are refused, so it must be
+    deletable; and so is a manifest whose encryption member was damaged (not at its end)."""
+    _encrypted_two_steps(tmp_path / "root", monkeypatch)
+    _two_steps(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / step_dir(2)).rename(tmp_path / "root" / step_dir(1000))
+    code, out, err = run_cli(capsys, "delete", tmp_path / "root", 1000, "--damaged", "--key", "env:SK_DEL_KEY")
+    assert code == 0 and "not encrypted" in out, (out, err)
+    with CheckpointManager(tmp_path / "root", encryption="env:SK_DEL_KEY", async_save=False) as mgr:
+        assert mgr.steps() == [1, 2]
+        mgr.save(3, _state(3))  # the run goes on where it was
+        manifest = tmp_path / "root" / step_dir(3) / "manifest.json"
+        manifest.write_bytes(manifest.read_bytes() + b"\n")  # the MAC member no longer at the end
+        assert mgr.delete(3, damaged=True) and mgr.steps() == [1, 2]
 
 
 def test_a_damaged_encrypted_step_is_deleted_by_the_cli_and_the_manager(

@@ -89,12 +89,11 @@ def delete_damaged(
             f"{where} was written by a newer shardkeeper ({e}); it is not damaged, and this version "
             f"cannot check it: nothing was deleted"
         ) from e
-    except ForeignManifestError as e:  # intact bytes, maybe: a key or root this step was not written with
+    except ForeignManifestError as e:  # it authenticates: intact bytes, bound to another root
         raise ValueError(
-            f"{where} cannot be judged with this key and root ({e}). Nothing proves it damaged, so nothing "
-            f"was deleted: check it with the key and root it was written with: without a key (--key, "
-            f"encryption=) for a step saved before encryption was turned on; for a moved root, with "
-            f"--encryption-root / encryption_root= naming the root it was written under"
+            f"{where} authenticates but is bound to another root ({e}). Its bytes are intact, so nothing was "
+            f"deleted: for a moved root, check it with --encryption-root / encryption_root= naming the root "
+            f"it was written under"
         ) from e
     except CorruptCheckpointError as e:  # the manifest itself does not validate
         out.damage = [f"manifest: {e}"]

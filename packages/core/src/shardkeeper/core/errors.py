@@ -27,9 +27,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 
 class ForeignManifestError(CorruptCheckpointError):
-    """A manifest whose bytes may be intact but that this reader cannot take for its own: one
-    written without encryption, read with a key, or one authenticated but bound to another
-    root. A restore passes over it like damage; a deletion of damaged steps refuses it."""
+    """An encrypted manifest that authenticates with the key but is bound to another root: the
+    root was moved or copied (intact: read it with ``encryption_root=``), or a step of another
+    root was put here. A restore passes over it like damage; a deletion of damaged steps
+    refuses it, since its bytes are intact."""
 
 
 class ChecksumMismatchError(CorruptCheckpointError):

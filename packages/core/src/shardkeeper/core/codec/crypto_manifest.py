@@ -76,7 +76,7 @@ def open_manifest(data: bytes, unwrap: Callable[[str, bytes, str], bytes], bindi
     if section is None:
         # Damage, not a key problem: "restore the newest" falls back past it to a step that
         # authenticates (a root that was never encrypted fails every step, naming this).
-        raise ForeignManifestError(
+        raise CorruptCheckpointError(
             f"manifest {where} is not encrypted/authenticated, and this manager reads only "
             f"encrypted checkpoints (encryption= is set): it was written without encryption, or "
             f"replaced. Restore another step, or restore it without encryption= if it is yours"
@@ -100,7 +100,8 @@ def open_manifest(data: bytes, unwrap: Callable[[str, bytes, str], bytes], bindi
         raise ForeignManifestError(
             f"manifest {where} was written under the root {root!r} and is read as part of "
             f"{binding!r}: a step of another root was put here (restore another step), or this "
-            f"root was moved or copied from there (then pass encryption_root={root!r})"
+            f"root was moved or copied from there (then pass encryption_root={root!r}). A step that "
+            f"authenticates is never deleted as damaged; if it is not this root's, remove its directory by hand"
         )
 
 
