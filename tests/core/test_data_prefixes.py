@@ -98,6 +98,26 @@ def test_gc_leaves_a_tree_deeper_than_any_layout_alone(tmp_path) -> None:
     assert (deep / "j" / "fresh.bin").exists() and (deep / "fresh2.bin").exists()
 
 
+def test_gc_walks_into_a_directory_named_like_a_data_file(tmp_path) -> None:
+    """A directory named ``*.safetensors`` was taken for a file: gc's dry run said it would
+    remove a file of 4096 bytes, and every real run failed on it (exit 1), calling the step
+    damaged."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state(1.0), async_save=False)
+    data = tmp_path / step_dir(1) / "data"
+    (data / "junk.safetensors").mkdir()
+    (data / "junk.safetensors" / "inner.bin").write_bytes(b"q" * 700)
+    (data / "empty.safetensors").mkdir()
+    storage = open_storage(str(tmp_path))
+    reports = [collect_garbage(storage, min_age_s=0.0, now=time.time() + 3600, dry_run=dry) for dry in (True, False)]
+    for report in reports:
+        assert report.removed_files == [f"{step_dir(1)}/data/junk.safetensors/inner.bin"], report
+        assert report.removed_dirs == [f"{step_dir(1)}/data/empty.safetensors/"], report
+        assert report.removed_bytes == 700 and not report.errors, report
+    assert not (data / "empty.safetensors").exists() and not (data / "junk.safetensors" / "inner.bin").exists()
+    assert not verify_step(storage, 1).problems
+
+
 def test_gc_counts_no_bytes_for_a_link_it_removes(tmp_path) -> None:
     """Removing a link frees none of what it points at: gc counted the target's size (a
     directory's 4096 bytes, a whole data file's)."""

@@ -57,8 +57,9 @@ def _base(name: str) -> str:
 def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
     """Every file under the directory ``path`` (root-relative paths), sorted.
 
-    Names the format gives to files (``*.safetensors``, ``*.index.json``, ``*.tmp``,
-    ``manifest.json``) are files, without asking the storage; any other entry with entries of
+    On an object store, names the format gives to files (``*.safetensors``, ``*.index.json``,
+    ``*.tmp``, ``manifest.json``) are files, without a request each; on a file system (where a
+    directory may bear such a name, and a listing is cheap), and for any other name, an entry with entries of
     its own is a directory, and one without is an entry of its own: a file, or an empty
     directory or folder marker (``listed_dir`` tells them apart). A local symbolic link lists
     as empty (``LocalStorage`` never lists through one), so it is an entry too, and deleting
@@ -72,7 +73,7 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
         if not name or name in (".", ".."):
             continue
         child = f"{path}/{name}" if path else name
-        if name.endswith(_FILE_SUFFIXES):
+        if name.endswith(_FILE_SUFFIXES) and not storage.capabilities.directories:
             out.append(child)  # files by the format's naming: no listing (a request on S3)
             continue
         if _has_entries(storage, child, name):
@@ -97,8 +98,9 @@ def listed_dir(storage: Storage, path: str) -> bool:
     """Whether an entry ``walk_files`` listed is an empty directory (POSIX) or a folder marker
     (an object store's zero-byte ``path/`` object), not a file: names the format gives to
     files are files without asking the storage."""
-    name = _base(path)
-    return not path.endswith(_FILE_SUFFIXES) and is_empty_dir(storage, path) and not _has_entries(storage, path, name)
+    if path.endswith(_FILE_SUFFIXES) and not storage.capabilities.directories:
+        return False  # (no request per file on an object store)
+    return is_empty_dir(storage, path) and not _has_entries(storage, path, _base(path))
 
 
 def remove_file(storage: Storage, path: str) -> bool:
