@@ -135,8 +135,8 @@ def test_a_manager_option_the_campaign_cannot_pass_is_refused_before_any_writer(
         ({"keep_lats": 2}, "not a CheckpointManager keyword"),
         ({"local": "/x"}, "campaign's own"),
         ({"encryption": "env:SK_NONE"}, "without a key"),  # its checks read the root without one
-        ({"keep_last": 0}, "refused by CheckpointManager"),
-        ({"local_keep": 1}, "refused by CheckpointManager"),  # a tier's option, and no --local
+        ({"keep_last": 0}, "CheckpointManager refuses"),
+        ({"local_keep": 1}, "CheckpointManager refuses"),  # a tier's option, and no --local
         ([1], "must be a JSON object"),
     ):
         with pytest.raises(ValueError, match=said) as e:
@@ -148,7 +148,15 @@ def test_a_manager_option_the_campaign_cannot_pass_is_refused_before_any_writer(
         [sys.executable, "-m", "shardkeeper.core.testing.campaign", str(tmp_path / "r"), "--manager-options", '{"keep_last": 0}'],
         capture_output=True, text=True, timeout=50, check=False,
     )  # fmt: skip
-    assert out.returncode == 2 and "refused by CheckpointManager" in out.stderr and not out.stdout, out
+    assert out.returncode == 2 and "CheckpointManager refuses" in out.stderr and not out.stdout, out
+    for argv, said in (
+        (["--storage-options", "[1]"], "must be a JSON object"),
+        (["--storage-options", '{"bogus": 1}'], "bogus"),
+        (["--local", str(tmp_path / "r" / "tier")], f"{tmp_path / 'r' / 'tier'}' is inside the root"),
+    ):
+        cmd = [sys.executable, "-m", "shardkeeper.core.testing.campaign", str(tmp_path / "r"), "--trials", "1", *argv]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=50, check=False)
+        assert out.returncode == 2 and said in out.stderr and not out.stdout, (argv, out)
 
 
 @pytest.mark.timeout(60)

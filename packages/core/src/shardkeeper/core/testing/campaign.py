@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
 KILL_POINTS = (
@@ -374,7 +375,7 @@ def run_campaign(
     torch.set_num_threads(1)
     _check_points(points)
     options = dict(storage_options or {})
-    mopts = _manager_options(manager_options, local)
+    mopts = _manager_options(manager_options, local, str(root))
     persistent = open_storage(root, **options)
     storage = open_storage(local) if local is not None else persistent
     rng = random.Random(seed)
@@ -452,7 +453,17 @@ def _check_points(points: Sequence[str]) -> None:
 _FIXED_OPTIONS = frozenset({"storage_options", "local", "encryption", "encryption_root"})
 
 
-def _manager_options(given: Any, local: str | None) -> dict[str, Any]:
+def _scratch_local(scratch_root: str, root: str, local: str) -> str:
+    """Where the scratch manager's local tier goes: beside its root, or inside it at the same
+    place when ``local`` lies inside ``root`` (which a manager refuses: so is the campaign)."""
+    if "://" not in root:
+        real_root, real_local = os.path.realpath(root), os.path.realpath(local)
+        if os.path.commonpath([real_root, real_local]) == real_root:
+            return os.path.join(scratch_root, os.path.relpath(real_local, real_root))
+    return os.path.join(os.path.dirname(scratch_root), "local")
+
+
+def _manager_options(given: Any, local: str | None, root: str = "") -> dict[str, Any]:
     """``given`` checked before any writer starts: ``CheckpointManager`` keywords the
     campaign does not fix itself (``keep_last``, ``async_save`` and a tier's ``local_keep`` and
     ``persist_every`` override its defaults; ``async_save`` then holds for every trial), with
@@ -478,11 +489,20 @@ def _manager_options(given: Any, local: str | None) -> dict[str, Any]:
                 f"every writer. Known: {', '.join(sorted(known - _FIXED_OPTIONS))}"
             )
     with tempfile.TemporaryDirectory(prefix="shardkeeper-campaign-") as scratch:
-        tier = {"local": os.path.join(scratch, "local"), "local_keep": 2, "persist_every": 2} if local else {}
+        scratch_root = os.path.join(scratch, "root")
+        scratch_local = _scratch_local(scratch_root, root, local) if local else ""
+        tier: dict[str, Any] = {"local": scratch_local, "local_keep": 2, "persist_every": 2} if local else {}
         try:
-            CheckpointManager(os.path.join(scratch, "root"), **{"keep_last": 2, **tier, **opts}).close()
-        except Exception as e:
-            raise ValueError(f"manager options {opts} are refused by CheckpointManager: {e}") from e
+            CheckpointManager(scratch_root, **{"keep_last": 2, **tier, **opts}).close()
+        except Exception as e:  # said with the real paths, not the scratch ones
+            msg = str(e)
+            if local:
+                msg = msg.replace(scratch_local, local)
+            msg = msg.replace(scratch_root, root or "ROOT")
+            raise ValueError(
+                f"CheckpointManager refuses the writers' manager (manager options {opts}"
+                f"{', --local ' + local if local else ''}): {msg}"
+            ) from e
     return opts
 
 
@@ -509,8 +529,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--manager-options and --storage-options take JSON objects: {e}")
     try:  # what cannot run is said before any writer starts
         _check_points(a.points.split(","))
-        _manager_options(manager_options, a.local)
-    except ValueError as e:
+        _manager_options(manager_options, a.local, a.root)
+        if not isinstance(storage_options, dict):
+            raise ValueError(f"--storage-options must be a JSON object of fsspec options, not {storage_options!r}")
+        from shardkeeper.core.storage import open_storage
+
+        open_storage(a.root, **storage_options)
+    except (ValueError, TypeError, CheckpointError) as e:
         p.error(str(e))
     summary = run_campaign(
         a.root,
