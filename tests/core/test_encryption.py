@@ -168,6 +168,20 @@ def test_wrong_key_and_no_key_are_clear_errors(tmp_path: Path) -> None:
     assert "encryption=" in str(e.value) and (target["w"] == 3).all()
 
 
+def test_an_encryption_root_with_a_trailing_slash_names_the_same_root(tmp_path: Path) -> None:
+    """``encryption_root="/data/run/"`` bound every step to a name the root's own ("/data/run")
+    never equals: reopened without it (or with it written without the slash), no step read."""
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    state = _state()
+    with CheckpointManager(root, encryption=_keys(), encryption_root=f"{root}/", async_save=False) as mgr:
+        mgr.save(1, state)
+    for bound in (None, str(root), f"{root}//"):
+        target = _target(state)
+        with CheckpointManager(root, encryption=_keys(), encryption_root=bound) as mgr:
+            assert mgr.restore(target) == 1, bound
+        assert torch.equal(target["w"], state["w"]), bound
+
+
 def _flip(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x01

@@ -38,6 +38,7 @@ from shardkeeper.core.codec.crypto_format import (
     TAG,
     block_aad,
     block_nonce,
+    bound_name,
     files_look_encrypted,
     is_data_path,
     is_manifest_path,
@@ -142,7 +143,7 @@ class EncryptedStorage(StorageWrapper):
         self._keys: dict[tuple[str, bytes], bytes] = {}
         self._lock = threading.Lock()
         self.authenticate = authenticate
-        self.binding = root if root is not None else root_identity(inner.url)
+        self.binding = bound_name(root) if root is not None else root_identity(inner.url)
         try:
             self.binding.encode("utf-8")
         except UnicodeEncodeError:
@@ -238,7 +239,7 @@ class EncryptedStorage(StorageWrapper):
             raise CorruptCheckpointError(
                 f"{where}: {size} bytes is not a whole number of encrypted blocks (truncated?); restore another step"
             )
-        if root is not None and root != self.binding:
+        if root is not None and bound_name(str(root)) != self.binding:
             raise CorruptCheckpointError(
                 f"{where} is an encrypted file of the root {root!r}, read as part of {self.binding!r}: "
                 f"a file of another root was put here (restore another step), or this root was moved "

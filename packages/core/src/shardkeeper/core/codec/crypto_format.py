@@ -65,6 +65,12 @@ def root_identity(url: str) -> str:
     return f"{_SCHEMES.get(scheme, scheme)}://{rest.rstrip('/')}"
 
 
+def bound_name(name: str) -> str:
+    """A root name as bindings compare it: an explicit ``encryption_root`` or a recorded one,
+    without a trailing ``/`` (``"/data/run/"`` and ``"/data/run"`` name one root)."""
+    return name.rstrip("/") or name
+
+
 def stored_size(plain: int, header: int) -> int:
     n = max(1, -(-plain // BLOCK))
     return header + plain + n * TAG

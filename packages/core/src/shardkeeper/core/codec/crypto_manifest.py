@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from shardkeeper.core.codec.crypto_format import ALGORITHM, BLOCK
+from shardkeeper.core.codec.crypto_format import ALGORITHM, BLOCK, bound_name
 from shardkeeper.core.codec.keys import KeyProvider
 from shardkeeper.core.errors import CorruptCheckpointError, ForeignManifestError
 from shardkeeper.core.format.untrusted import loads_untrusted
@@ -96,7 +96,7 @@ def open_manifest(data: bytes, unwrap: Callable[[str, bytes, str], bytes], bindi
             f"it was written; nothing of it was read. Restore another step and run `shardkeeper verify`"
         )
     root = section.get("root")
-    if root is not None and root != binding:
+    if root is not None and bound_name(str(root)) != binding:
         raise ForeignManifestError(
             f"manifest {where} was written under the root {root!r} and is read as part of "
             f"{binding!r}: a step of another root was put here (restore another step), or this "
