@@ -96,6 +96,18 @@ def test_gc_leaves_a_tree_deeper_than_any_layout_alone(tmp_path) -> None:
     report = collect_garbage(open_storage(str(tmp_path)))
     assert not report.removed_dirs and not report.removed_files and not report.errors, report
     assert (deep / "j" / "fresh.bin").exists() and (deep / "fresh2.bin").exists()
+    # In a directory no manifest commits, gc judges by the newest file: one it cannot see (below
+    # the walk's depth) must not let an old shallow file decide that a writer is gone.
+    leftover = tmp_path / step_dir(5)
+    (leftover / "data").mkdir(parents=True)
+    (leftover / "data" / "r00000-0badf00d-000.safetensors").write_bytes(b"o" * 10)
+    os.utime(leftover / "data" / "r00000-0badf00d-000.safetensors", (old, old))
+    hidden = leftover / "a" / "b" / "c" / "d" / "e" / "f" / "g" / "h" / "i" / "j"
+    hidden.mkdir(parents=True)
+    (hidden / "fresh.bin").write_bytes(b"f" * 10)
+    report = collect_garbage(open_storage(str(tmp_path)))
+    assert not report.removed_dirs and not report.removed_files, report
+    assert (hidden / "fresh.bin").exists()
 
 
 def test_gc_walks_into_a_directory_named_like_a_data_file(tmp_path) -> None:

@@ -228,8 +228,9 @@ def _plan(
             # readers never look inside, so it is not ours to judge (or delete).
             log.warning("gc: leaving %s alone: not the canonical name %s", storage.describe(name), step_dir(s))
             continue
+        deep: list[str] = []
         try:
-            files = walk_files(storage, name)
+            files = walk_files(storage, name, unwalked=deep)
         except CheckpointError as e:
             report.errors.append(f"could not list {storage.describe(name)}: {e}")
             continue
@@ -249,6 +250,14 @@ def _plan(
         ages = [a for a in (age(f) for f in files) if a is not None]
         if len(ages) < len(files):
             continue  # an mtime could not be read: leave the directory alone
+        if deep:  # files deeper than any layout: their ages are unknown, so is the directory's
+            log.warning(
+                "gc: leaving %s alone: it holds a tree deeper than any layout (%s), whose files' ages are "
+                "not read; remove it by hand if no save is writing there",
+                storage.describe(name),
+                storage.describe(deep[0]),
+            )
+            continue
         if not files:
             a = age(name)  # an empty directory (POSIX): its own mtime
             if a is None:

@@ -54,7 +54,7 @@ def _base(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1]
 
 
-def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
+def walk_files(storage: Storage, path: str, _depth: int = 0, *, unwalked: list[str] | None = None) -> list[str]:
     """Every file under the directory ``path`` (root-relative paths), sorted.
 
     On an object store, names the format gives to files (``*.safetensors``, ``*.index.json``,
@@ -65,7 +65,7 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
     as empty (``LocalStorage`` never lists through one), so it is an entry too, and deleting
     it deletes the link, never what it points at. A directory with entries ``_MAX_DEPTH``
     levels down is deeper than any layout: it is not listed (nothing judges it by its own age
-    or removes it alone; it goes with its step directory).
+    or removes it alone; it goes with its step directory), but added to ``unwalked`` if given.
     """
     out: list[str] = []
     for raw in storage.list_dir(path):
@@ -78,7 +78,9 @@ def walk_files(storage: Storage, path: str, _depth: int = 0) -> list[str]:
             continue
         if _has_entries(storage, child, name):
             if _depth < _MAX_DEPTH:
-                out.extend(walk_files(storage, child, _depth + 1))
+                out.extend(walk_files(storage, child, _depth + 1, unwalked=unwalked))
+            elif unwalked is not None:
+                unwalked.append(child)
         else:
             out.append(child)
     return sorted(out)
