@@ -283,6 +283,26 @@ def test_a_plain_step_planted_in_an_encrypted_root_is_deleted_as_damaged(
         assert mgr.delete(3, damaged=True) and mgr.steps() == [1, 2]
 
 
+def test_a_step_saved_before_encryption_is_not_deleted_with_a_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A root never encrypted (or its steps from before encryption was turned on): a key
+    given by mistake proves no damage; ``--damaged --key`` deleted every step, exit 0."""
+    _encrypted_two_steps(tmp_path / "unused", monkeypatch)  # (sets the keys)
+    plain = tmp_path / "plain"
+    _two_steps(plain)
+    code, _, err = run_cli(capsys, "delete", plain, 2, "--damaged", "--key", "env:SK_DEL_KEY")
+    assert code == 2 and "saved without encryption" in err and "nothing was deleted" in err, err
+    with CheckpointManager(plain, encryption="env:SK_DEL_KEY") as mgr, pytest.raises(ValueError, match="without a key"):
+        mgr.delete(1, damaged=True)
+    assert committed_steps(LocalStorage(plain)) == [1, 2]
+    with CheckpointManager(plain, encryption="env:SK_DEL_KEY", async_save=False) as mgr:
+        mgr.save(3, _state(3))  # encryption turned on: the plain steps below stay refused
+        with pytest.raises(ValueError, match="saved without encryption"):
+            mgr.delete(2, damaged=True)
+    assert committed_steps(LocalStorage(plain)) == [1, 2, 3]
+
+
 def test_a_damaged_encrypted_step_is_deleted_by_the_cli_and_the_manager(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

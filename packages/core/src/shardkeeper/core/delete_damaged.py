@@ -96,6 +96,13 @@ def delete_damaged(
             f"it was written under"
         ) from e
     except CorruptCheckpointError as e:  # the manifest itself does not validate
+        raw = storage.inner if isinstance(storage, EncryptedStorage) else storage  # (no MAC check)
+        if isinstance(reader, EncryptedStorage) and _saved_before_encryption(raw, step, listed):
+            raise ValueError(
+                f"{where} was saved without encryption, and no step below it is encrypted: it is this "
+                f"root's own from before encryption was turned on (or the root was never encrypted), so a "
+                f"key proves no damage and nothing was deleted. Check it without a key (--key, encryption=)"
+            ) from e
         out.damage = [f"manifest: {e}"]
     else:
         if manifest.encryption is not None and not isinstance(reader, EncryptedStorage):
@@ -155,6 +162,25 @@ def delete_damaged(
     delete_unreferenced(storage, [step], live, set(listed), "delete --damaged")
     forget_deleted(catalog, storage, [step])
     return out
+
+
+def _saved_before_encryption(storage: Storage, step: int, listed: list[int]) -> bool:
+    """Whether ``step``'s manifest, which does not authenticate under the key, is a valid
+    plain one with no encrypted step below it: saved before the root was encrypted. A plain
+    step above an encrypted one was put there (restore with the key passes over it, saves
+    below it are refused): that one is damage, to be deletable."""
+    try:
+        if load_manifest(storage, step).encryption is not None:
+            return False
+    except CheckpointError:
+        return False  # not even a plain manifest: damage
+    for s in sorted((s for s in listed if s < step), reverse=True):
+        try:
+            if load_manifest(storage, s).encryption is not None:
+                return False
+        except CheckpointError:
+            continue
+    return True
 
 
 __all__ = ["DAMAGE", "DamagedDeletion", "delete_damaged"]
