@@ -180,6 +180,12 @@ def test_an_encryption_root_with_a_trailing_slash_names_the_same_root(tmp_path: 
         with CheckpointManager(root, encryption=_keys(), encryption_root=bound) as mgr:
             assert mgr.restore(target) == 1, bound
         assert torch.equal(target["w"], state["w"]), bound
+    with CheckpointManager(tmp_path / "slash", encryption=_keys(), encryption_root="/", async_save=False) as mgr:
+        mgr.save(1, state)
+    with CheckpointManager(tmp_path / "slash", encryption=_keys(), encryption_root="//") as mgr:
+        assert mgr.restore(_target(state)) == 1
+    with pytest.raises(ValueError, match="encryption_root is empty"):
+        CheckpointManager(tmp_path / "empty", encryption=_keys(), encryption_root=" ")
 
 
 def _flip(path: Path, offset: int) -> None:

@@ -143,6 +143,11 @@ class EncryptedStorage(StorageWrapper):
         self._keys: dict[tuple[str, bytes], bytes] = {}
         self._lock = threading.Lock()
         self.authenticate = authenticate
+        if root is not None and not root.strip():
+            raise ValueError(
+                "encryption_root is empty; it names the root the checkpoints are bound to (the root's original "
+                "path or URL, or the run's name): give one, or leave it unset for this root's own"
+            )
         self.binding = bound_name(root) if root is not None else root_identity(inner.url)
         try:
             self.binding.encode("utf-8")

@@ -67,8 +67,8 @@ def root_identity(url: str) -> str:
 
 def bound_name(name: str) -> str:
     """A root name as bindings compare it: an explicit ``encryption_root`` or a recorded one,
-    without a trailing ``/`` (``"/data/run/"`` and ``"/data/run"`` name one root)."""
-    return name.rstrip("/") or name
+    without trailing ``/`` (``"/data/run/"`` and ``"/data/run"`` name one root)."""
+    return name.rstrip("/") or name[:1]  # ("//" and "/" name one root too)
 
 
 def stored_size(plain: int, header: int) -> int:
