@@ -57,10 +57,10 @@ def _base(name: str) -> str:
 def walk_files(storage: Storage, path: str, _depth: int = 0, *, unwalked: list[str] | None = None) -> list[str]:
     """Every file under the directory ``path`` (root-relative paths), sorted.
 
-    On an object store, names the format gives to files (``*.safetensors``, ``*.index.json``,
-    ``*.tmp``, ``manifest.json``) are files, without a request each; on a file system (where a
-    directory may bear such a name, and a listing is cheap), and for any other name, an entry with entries of
-    its own is a directory, and one without is an entry of its own: a file, or an empty
+    Names the format gives to files (``*.safetensors``, ``*.index.json``, ``*.tmp``,
+    ``manifest.json``) are files, without a request each, unless the storage's ``subdirs``
+    (local disk: the listing's entry types) says the entry is a directory; for any other name,
+    an entry with entries of its own is a directory, and one without is an entry of its own: a file, or an empty
     directory or folder marker (``listed_dir`` tells them apart). A local symbolic link lists
     as empty (``LocalStorage`` never lists through one), so it is an entry too, and deleting
     it deletes the link, never what it points at. A directory with entries ``_MAX_DEPTH``
@@ -68,13 +68,15 @@ def walk_files(storage: Storage, path: str, _depth: int = 0, *, unwalked: list[s
     or removes it alone; it goes with its step directory), but added to ``unwalked`` if given.
     """
     out: list[str] = []
+    subdirs = getattr(storage, "subdirs", None)
+    dirs: set[str] = subdirs(path) if subdirs is not None else set()
     for raw in storage.list_dir(path):
         name = _base(raw)
         if not name or name in (".", ".."):
             continue
         child = f"{path}/{name}" if path else name
-        if name.endswith(_FILE_SUFFIXES) and not storage.capabilities.directories:
-            out.append(child)  # files by the format's naming: no listing (a request on S3)
+        if name.endswith(_FILE_SUFFIXES) and name not in dirs:
+            out.append(child)  # files by the format's naming: no request each (a listing on S3)
             continue
         if _has_entries(storage, child, name):
             if _depth < _MAX_DEPTH:
@@ -100,8 +102,8 @@ def listed_dir(storage: Storage, path: str) -> bool:
     """Whether an entry ``walk_files`` listed is an empty directory (POSIX) or a folder marker
     (an object store's zero-byte ``path/`` object), not a file: names the format gives to
     files are files without asking the storage."""
-    if path.endswith(_FILE_SUFFIXES) and not storage.capabilities.directories:
-        return False  # (no request per file on an object store)
+    if path.endswith(_FILE_SUFFIXES) and getattr(storage, "subdirs", None) is None:
+        return False  # (no request per file where the walk took such names for files)
     return is_empty_dir(storage, path) and not _has_entries(storage, path, _base(path))
 
 

@@ -92,6 +92,19 @@ class LocalStorage:
         except OSError as e:
             raise self._wrap(path, e) from e
 
+    def subdirs(self, path: str) -> set[str]:
+        """The names of the real directories directly under ``path`` (links are not), from one
+        listing's entry types: what a walk needs without a stat per file."""
+        try:
+            if path and self._paths.first_link(path) is not None:
+                return set()  # (never listed through a link, as ``list_dir``)
+            with os.scandir(self._paths.full(path)) as entries:
+                return {e.name for e in entries if e.is_dir(follow_symlinks=False)}
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        except OSError as e:
+            raise self._wrap(path, e) from e
+
     def exists(self, path: str) -> bool:
         try:
             self._paths.stat(path)
