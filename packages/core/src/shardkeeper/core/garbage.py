@@ -282,7 +282,7 @@ def _remove(storage: Storage, path: str, dry_run: bool, report: GcReport) -> Non
         is_dir = listed_dir(storage, path)
         size = 0 if is_dir else size_or_zero(storage, path)
         if not dry_run:
-            is_dir = remove_file(storage, path)
+            is_dir = remove_file(storage, path, is_dir)
     except Exception as e:  # noqa: BLE001
         report.errors.append(f"could not remove {storage.describe(path)}: {e}")
         return

@@ -107,10 +107,11 @@ def listed_dir(storage: Storage, path: str) -> bool:
     return is_empty_dir(storage, path) and not _has_entries(storage, path, _base(path))
 
 
-def remove_file(storage: Storage, path: str) -> bool:
+def remove_file(storage: Storage, path: str, is_dir: bool | None = None) -> bool:
     """Delete an entry ``walk_files`` listed: a file, or an empty directory or folder marker
-    (``listed_dir``), which is deleted as a directory. True for a directory."""
-    if listed_dir(storage, path):
+    (``listed_dir``, unless the caller already asked: ``is_dir``), which is deleted as a
+    directory. True for a directory."""
+    if listed_dir(storage, path) if is_dir is None else is_dir:
         storage.delete_dir(path)
         return True
     try:

@@ -306,7 +306,7 @@ class StoreCoordinator:
         t = torch.frombuffer(buf, dtype=torch.uint8).to(_collective_device(self.group))
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast(t, src=src, group=self.group)
-        return bytes(t.cpu().numpy().tobytes()).decode(errors="replace")
+        return t.cpu().numpy().tobytes().decode(errors="replace")
 
 
 def _multi_get(store: Any, keys: list[str]) -> list[bytes]:

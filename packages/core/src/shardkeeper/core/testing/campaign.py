@@ -47,6 +47,11 @@ from typing import Any
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
+#: The writers' manager options that ``--manager-options`` may override (and, with ``--local``,
+#: the tier's); ``async_save`` is drawn per trial unless given.
+_DEFAULTS: dict[str, Any] = {"keep_last": 2}
+_TIER_DEFAULTS: dict[str, Any] = {"local_keep": 2, "persist_every": 2}
+
 KILL_POINTS = (
     "staging",
     "open_writer",
@@ -255,7 +260,7 @@ def _writer(
     from shardkeeper.core import CheckpointManager
     from shardkeeper.core.storage import open_storage
 
-    own = {"keep_last": 2, "async_save": t.async_save}  # the campaign's; manager_options override them
+    own = {**_DEFAULTS, "async_save": t.async_save}  # the campaign's; manager_options override them
     if local is None:
         storage = KillingStorage(open_storage(root, **options), t.point, t.n, t.after_bytes)
         mgr = CheckpointManager(storage, **{**own, **manager_options})  # type: ignore[arg-type]
@@ -265,7 +270,7 @@ def _writer(
             root,
             storage_options=options,
             local=killing,  # type: ignore[arg-type]
-            **{**own, "local_keep": 2, "persist_every": 2, **manager_options},
+            **{**own, **_TIER_DEFAULTS, **manager_options},
         )
     for i, step in enumerate(range(t.first_step, t.first_step + t.steps)):
         state = deterministic_state(step, tensor_bytes)
@@ -491,9 +496,9 @@ def _manager_options(given: Any, local: str | None, root: str = "") -> dict[str,
     with tempfile.TemporaryDirectory(prefix="shardkeeper-campaign-") as scratch:
         scratch_root = os.path.join(scratch, "root")
         scratch_local = _scratch_local(scratch_root, root, local) if local else ""
-        tier: dict[str, Any] = {"local": scratch_local, "local_keep": 2, "persist_every": 2} if local else {}
+        tier: dict[str, Any] = {"local": scratch_local, **_TIER_DEFAULTS} if local else {}
         try:
-            CheckpointManager(scratch_root, **{"keep_last": 2, **tier, **opts}).close()
+            CheckpointManager(scratch_root, **{**_DEFAULTS, **tier, **opts}).close()
         except Exception as e:  # said with the real paths, not the scratch ones
             msg = str(e)
             if local:
