@@ -261,9 +261,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--accelerate-timeout-s", type=float, default=75.0)
     ap.add_argument("--loop-timeout-s", type=float, default=75.0, help="per size; the largest gets twice this")
     ap.add_argument("--memory-timeout-s", type=float, default=45.0)
+    ap.add_argument("--parts", default="tests,loop,memory", help="the parts to run, of tests,loop,memory")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--workdir", default=None, help="checkpoints go here (default: /dev/shm when it has room)")
     args = ap.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(args.parts) - {"tests", "loop", "memory"})
+    if unknown or not args.parts:
+        ap.error(f"--parts {','.join(args.parts)!r}: name one or more of tests, loop, memory (unknown: {unknown})")
     if args.dry_run:
         args.sizes_gib, args.steps, args.batch, args.seq, args.repeats = "0.015625", 3, 2, 16, 1
         args.memory_mib, args.saves = 8.0, 3
@@ -304,18 +309,20 @@ def main(argv: list[str] | None = None) -> int:
         stem.with_suffix(".md").write_text(markdown(res))
 
     try:
-        print("== part 1: CUDA tests", flush=True)
-        res["tests"] = part_tests(args, work, budget)
-        write()
+        if "tests" in args.parts:
+            print("== part 1: CUDA tests", flush=True)
+            res["tests"] = part_tests(args, work, budget)
+            write()
         res["loop"] = {}
-        sizes = [float(s) for s in args.sizes_gib.split(",")]
+        sizes = [float(s) for s in args.sizes_gib.split(",")] if "loop" in args.parts else []
         for i, gib in enumerate(sizes):
             print(f"== part 2: stall and loop overhead, {gib:g} GiB", flush=True)
             cap = args.loop_timeout_s * (2 if i == len(sizes) - 1 and len(sizes) > 1 else 1)
             res["loop"][f"{gib:g}"] = part_loop(args, work, gib * 1024, budget.limit(cap))
             write()
-        print("== part 3: host memory across saves", flush=True)
-        res["memory"] = part_memory(args, work, budget.limit(args.memory_timeout_s))
+        if "memory" in args.parts:
+            print("== part 3: host memory across saves", flush=True)
+            res["memory"] = part_memory(args, work, budget.limit(args.memory_timeout_s))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         write()

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from _dcp_stager import reusable_stager
+    from torch.distributed.checkpoint.staging import StagingOptions
 
     from shardkeeper.core import CheckpointManager
 
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if method.startswith("sk_"):
                 mgr = CheckpointManager(work / method, staging=method.removeprefix("sk_"))
             else:
-                stager = DefaultStager(
+                stager = reusable_stager(
                     StagingOptions(
                         use_pinned_memory=dev.type == "cuda",
                         use_shared_memory=False,
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gc.collect()
                 row: dict[str, Any] = {"save": n, "rss_bytes": rss_bytes()}
                 row["pinned_allocator_bytes"] = _pinned_allocator_bytes(torch)
+                if stager is not None:
+                    row["dcp_stager_refills"] = stager.refills  # see _dcp_stager.py
                 if mgr is not None:
                     st = mgr._stager
                     row["staging_buffer_bytes"] = st.buffer_bytes
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if mgr is not None:
                 mgr.close()
             if stager is not None:
-                stager.close()
+                stager.close_now()
             second, last = rows[min(1, len(rows) - 1)], rows[-1]
             growth = {
                 k: (last[k] - second[k]) if isinstance(last.get(k), int) and isinstance(second.get(k), int) else None

@@ -95,7 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from _dcp_stager import reusable_stager
+    from torch.distributed.checkpoint.staging import StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
@@ -168,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     mgrs = {m: build() for m, build in builders.items() if m in methods}
     opts = dict(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
     stagers = {
-        m: DefaultStager(StagingOptions(use_async_staging=m == "dcp_async_staging", **opts))
+        m: reusable_stager(StagingOptions(use_async_staging=m == "dcp_async_staging", **opts))
         for m in ("dcp_reuse", "dcp_async_staging")
         if m in methods
     }
@@ -253,12 +254,13 @@ def worker(args: argparse.Namespace) -> None:
             res = run(m)
             if r >= 0:
                 samples.append({"round": r, "method": m, **res})
+        info["dcp_stager_refills"] = {m: st.refills for m, st in stagers.items()}  # see _dcp_stager.py
         if rank == 0 and r >= 0:  # after every round: a run cut short keeps its finished rounds
             (work / "loop-raw.json").write_text(json.dumps({"info": info, "samples": samples}))
     for mgr in mgrs.values():
         mgr.close()
     for st in stagers.values():
-        st.close()
+        st.close_now()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -162,11 +162,12 @@ class Bench:
             off += t.nbytes
         (self.dir / "raw").mkdir(parents=True, exist_ok=True)
 
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from _dcp_stager import reusable_stager
+        from torch.distributed.checkpoint.staging import StagingOptions
 
         # DCP's reused stager: created once, handed to every async_save (torch 2.13 API). On CPU
         # pinned/shared memory and non-blocking copies are unavailable; staging is synchronous.
-        reuse = DefaultStager(
+        reuse = reusable_stager(
             StagingOptions(
                 use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
             )
@@ -278,7 +279,7 @@ class Bench:
             sizes["sk"] = _proc.tree_bytes(p) if p else 0
             self.info["bytes_on_disk_rep0"] = sizes
         mgr.close()
-        reuse.close()
+        reuse.close_now()
         # free the save side before the restore phase measures RSS (run_method's cells too)
         views.clear()
         local.clear()

@@ -1,5 +1,6 @@
-"""CUDA state through real process groups: NCCL at world size 1, and DTensor shards of two
-gloo ranks on the one GPU, restored at world size 2 and resharded at world size 1.
+"""CUDA state through real process groups: NCCL at world size 1; DTensor shards of two
+gloo ranks on the one GPU, restored at world size 2 and resharded at world size 1; and
+replicated state of two ranks restored with each replicated byte read from storage once.
 
 Workers live in ``tests/cuda/dist`` and run under ``tests.launch.run_script`` (torchrun for
 two ranks, a timeout, the process tree killed after). They choose their device as the tests
@@ -66,3 +67,14 @@ def test_dtensor_shards_world_size_2_then_resharded_to_1(tmp_path: Path, device:
     got = state_of(model, opt)
     assert_same_state(got, want, subset=True, what="the resharded restore at world size 1")
     assert {k for k in got if not k.startswith("optim/param_groups")} == set(want)
+
+
+def test_replicated_state_restored_with_each_byte_read_once(tmp_path: Path) -> None:
+    res = run_script(2, DIST / "share_worker.py", str(tmp_path), timeout_s=LAUNCH_TIMEOUT_S)
+    checks = read_checks(*(tmp_path / f"r{r}.json" for r in range(2)), output=res.stdout)
+    assert_checks(
+        checks,
+        ["replica-deduplicated restore on the device", "shared: bit for bit", "shared: read <= 1.05 x the checkpoint",
+         "not shared: every rank read it all (control)"],
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-4000:]

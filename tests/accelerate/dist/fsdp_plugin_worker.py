@@ -41,8 +41,11 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
-    model = acc.prepare(model)  # FSDP wants the model before the optimizer
-    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if VERSION == 1:  # FSDP1 wants the model wrapped before the optimizer is made
+        model = acc.prepare(model)
+        opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:  # FSDP2 swaps the optimizer's parameters for DTensors: both in one call
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     dl = acc.prepare(DataLoader(data, batch_size=4, shuffle=True))
     it = iter(dl)
 
