@@ -23,7 +23,9 @@ results files are rewritten after every part, so a run cut short keeps what it m
 3. **Host memory** (``benchmarks/gpu_memory.py``): RSS and pinned bytes after each of N saves
    do not grow (target: pinned-allocator growth 0, RSS growth < 1% of the state).
 
-Writes ``benchmarks/results/gpu-<date>.json`` and ``.md`` (``--results-dir``).
+``--parts`` names the parts to run (``tests,loop,memory`` by default): a second call on a
+short lease redoes only what failed. Writes ``benchmarks/results/gpu-<date>.json`` and ``.md``
+(``--results-dir``).
 ``--dry-run`` (no GPU needed) runs the same script on CPU: the environment report, the
 collection of the CUDA tests, the loop and memory parts at a tiny size on CPU and the writer
 (results ``gpu-<date>-dry-run.*``); its figures say nothing about CUDA.
