@@ -11,11 +11,12 @@ Synthetic rank reports (``_scale_layout.py``), real code: every rank but 0 sends
 through the real ``StoreCoordinator.report`` into a counting wrapper around an in-process
 c10d ``HashStore``; the files the reports list exist at their sizes (sparse placeholders; rank
 0's index file is written for real: its plan reads it). Above 128 ranks in the described
-layout, the save is a group commit (``tensor/group_fold.py``): every group leader but rank 0
-collects its group's reports, checks their files, writes its page and reports (run before the
-timing, one after another; ``leader_fold_s`` is the slowest, each leader's own share when they
-run in parallel). Then, timed as ``commit_s``, rank 0's part: its own group's fold (as every
-leader's, its page synced while it merges, as a save does) where there are groups, the real ``StoreCoordinator.collect`` (wait, read, parse,
+layout, the save is a group commit (``tensor/group_fold.py``): rank 0 is a group of its own,
+and every other group's leader collects its group's reports, checks their files, writes its
+page and reports (run before the timing, one after another; ``leader_fold_s`` is the slowest,
+each leader's own share when they run in parallel, and on a save's critical path before the
+coordinator's part). Then, timed as ``commit_s``, rank 0's part: its own page where there are
+groups (synced while it merges, as a save does), the real ``StoreCoordinator.collect`` (wait, read, parse,
 validate), the merge and tiling check (``assemble_manifest``), the manifest's serialization
 and the real ``commit_manifest`` (intent, checks of the files it lists, put-if-absent); then
 ``publish`` and every rank's ``outcome`` (counted, not timed). ``plan_s``: rank 0 reads and
@@ -202,7 +203,8 @@ def measure_point(
         seq, step = k, k + 1
         store.report_bytes = []
         before = Counter(store.calls)
-        leaders = {r: rank_report(ranks, tensors, layout, r, declared, digest) for r in range(GROUP, ranks, GROUP)}
+        led = [r for r in range(1, ranks) if coords[r].leads()] if grouped else []
+        leaders = {r: rank_report(ranks, tensors, layout, r, declared, digest) for r in led}
         for r in range(1, ranks):  # every other rank's report, as its background thread sends it
             rep = leaders.get(r) if grouped else None
             if rep is None:
@@ -217,11 +219,15 @@ def measure_point(
         own = rank_report(ranks, tensors, layout, 0, declared, digest, index=_index_writer(storage, step))
         _placeholder_files(storage, step, own)
         after_report = Counter(store.calls)
-        gc.collect()  # the simulation's garbage (16,384 ranks' reports) is not the coordinator's
+        # The simulation's objects (16,384 coordinators and reports) are not the coordinator's:
+        # its garbage collected, the rest frozen, so that a collection in the timed part does
+        # not walk them (in a save, rank 0's heap holds none of them)
+        gc.collect()
+        gc.freeze()
         t0, c0 = time.perf_counter(), time.process_time()
         pages: list[Any] = []
         written = None
-        if grouped:  # the coordinator leads the first group: it folds it as every leader does
+        if grouped:  # the coordinator is a group of its own: its page, as every leader writes one
             own, written = _fold_group(storage, step, [own, *_group(coords[0], seq, step)], layout)
         got = coords[0].collect(seq, own, 600.0, step=step)
         after_collect = Counter(store.calls)
@@ -246,6 +252,7 @@ def measure_point(
         commit_manifest(storage, step, m, data, bases=[], references=refs, executor=_IO)
         commit_s.append(time.perf_counter() - t0)
         commit_cpu.append(time.process_time() - c0)
+        gc.unfreeze()
         chunks = (
             sum(len(rep.chunks["keys"]) for rep in got)
             if layout != "described"

@@ -1,6 +1,7 @@
 """Group commit (docs/protocol.md, "Group commit"; docs/format.md 3.9) on a real gloo
-process group: at 4 ranks with ``commit_group_ranks=2`` two leaders fold their groups'
-reports and write pages; the manifest lists the pages, not the ranks' records; restores are
+process group: at 4 ranks with ``commit_group_ranks=2`` the coordinator is a group of its own,
+rank 1 leads ranks 1 and 2, rank 3 itself; the leaders fold their groups' reports and write
+pages; the manifest lists the pages, not the ranks' records; restores are
 bit-exact in every layout and read only the pages they need; verify, gc, a damaged page, a
 differing rank named through its leader, differing group sizes refused."""
 
@@ -31,14 +32,14 @@ def test_the_manifest_lists_one_page_per_group_and_no_rank_records(seen: list[di
     s = seen[0]
     assert s["version"] == 8
     pages = s["pages"]
-    assert pages["first"] == [0, 2] and pages["count"] == [2, 2]
-    assert [p.rsplit("/", 1)[1][:6] for p in pages["path"]] == ["g00000", "g00002"]
+    assert pages["first"] == [0, 1, 3] and pages["count"] == [1, 2, 1]
+    assert [p.rsplit("/", 1)[1][:6] for p in pages["path"]] == ["g00000", "g00001", "g00003"]
     # each rank's data file and index file, but rank 0's data file: the replicated tensor's
     # enumerated chunk lies in it, so the manifest's own files list it
-    assert pages["files"] == [3, 4]
+    assert pages["files"] == [1, 4, 2]
     assert s["index entries"] == []
     # the manifest's own files: the pages, and the file of the replicated tensor's chunks
-    assert set(pages["path"]) < set(s["files"]) and len(s["files"]) == 3
+    assert set(pages["path"]) < set(s["files"]) and len(s["files"]) == 4
 
 
 @pytest.mark.parametrize("target", ["same", "other", "plain"])
@@ -48,9 +49,10 @@ def test_restores_are_bit_exact(seen: list[dict], target: str) -> None:
 
 def test_a_restore_reads_only_the_pages_of_the_ranks_that_wrote_what_it_needs(seen: list[dict]) -> None:
     # the same layout: ranks 0 and 1 wrote every box they restore (their own, and the replicas
-    # of the replicated layouts), ranks 2 and 3 also need those replicas, from the first page
-    assert [s["same pages read"] for s in seen] == [1, 1, 2, 2]
-    assert [s["other pages read"] for s in seen] == [2, 2, 2, 2]
+    # of the replicated layouts): the pages of ranks 0 and 1, never rank 3's; ranks 2 and 3
+    # also need those replicas, and each other's
+    assert [s["same pages read"] for s in seen] == [2, 2, 3, 3]
+    assert [s["other pages read"] for s in seen] == [3, 3, 3, 3]
 
 
 def test_verify_passes_and_gc_keeps_every_paged_file(seen: list[dict]) -> None:
@@ -61,19 +63,19 @@ def test_verify_passes_and_gc_keeps_every_paged_file(seen: list[dict]) -> None:
 
 def test_a_differing_rank_is_named_through_its_leaders_report(seen: list[dict]) -> None:
     for s in seen:
-        assert s["mismatch"] is not None and "ranks [3] hold states" in s["mismatch"], s["mismatch"]
+        assert s["mismatch"] is not None and "ranks [2] hold states" in s["mismatch"], s["mismatch"]
 
 
 def test_a_damaged_page_is_refused_naming_its_ranks(seen: list[dict]) -> None:
     for s in seen:
         assert s["damaged"] is not None and "CorruptCheckpointError" in s["damaged"]
-    assert "(the records of ranks 2 to 3) does not match the size and digest" in seen[2]["damaged"]
+    assert "(the records of ranks 1 to 2) does not match the size and digest" in seen[2]["damaged"]
     said = seen[0]["damaged verify"]
     # the page once, the first leaf it keeps unchecked, then the count of the others
-    assert all("ranks 2 to 3" in m for m in said) and "more leaves" in said[-1] and len(said) == 3, said
-    # the files of the intact page are still checked
+    assert all("ranks 1 to 2" in m for m in said) and "more leaves" in said[-1] and len(said) == 3, said
+    # the files of an intact page are still checked
     assert any(
-        "r00001-" in m and "longer than recorded" in m and "its page records" in m for m in seen[0]["damaged verify 2"]
+        "r00003-" in m and "longer than recorded" in m and "its page records" in m for m in seen[0]["damaged verify 2"]
     )
 
 
@@ -95,7 +97,7 @@ def test_incremental_references_in_pages_survive_retention(seen: list[dict]) -> 
 
 
 def test_pages_of_an_encrypted_root_are_read_with_and_without_the_key(seen: list[dict]) -> None:
-    assert seen[0]["enc pages"] == 2 and seen[0]["enc page plain"] == [True, True]
+    assert seen[0]["enc pages"] == 3 and seen[0]["enc page plain"] == [True] * 3
     assert [s["enc wrong"] for s in seen] == [[]] * 4
     assert seen[0]["enc verify"] == [] and seen[0]["enc verify keyless"] == []
     assert seen[0]["enc gc"] is None  # gc has no key: it reads the pages as they are
@@ -103,8 +105,8 @@ def test_pages_of_an_encrypted_root_are_read_with_and_without_the_key(seen: list
 
 def test_a_file_lost_before_its_leaders_check_fails_the_save_on_every_rank(seen: list[dict]) -> None:
     for s in seen:
-        assert s["lost file"] is not None and "failed on rank 2 in phase commit" in s["lost file"], s["lost file"]
-        assert "(written by rank 3) is missing at commit time" in s["lost file"]
+        assert s["lost file"] is not None and "failed on rank 1 in phase commit" in s["lost file"], s["lost file"]
+        assert "(written by rank 2) is missing at commit time" in s["lost file"]
         assert not s["step 4 committed"]
 
 
@@ -120,7 +122,7 @@ def test_the_coordinators_page_not_written_fails_the_save_once_the_write_ended(s
 
 
 def test_a_rank_that_never_reports_is_named_by_its_leader_on_every_other_rank(seen: list[dict]) -> None:
-    for s in seen[:3]:
+    for s in (seen[0], seen[1], seen[3]):
         msg = s["missing rank"]
-        assert msg is not None and "failed on rank 2 in phase commit" in msg, msg
-        assert "ranks [3] did not report to their group leader, rank 2, within 3 s" in msg
+        assert msg is not None and "failed on rank 1 in phase commit" in msg, msg
+        assert "ranks [2] did not report to their group leader, rank 1, within 3 s" in msg

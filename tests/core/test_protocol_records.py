@@ -360,3 +360,29 @@ def test_a_late_rank_is_named_by_the_timeout() -> None:
     coords[3].report(3, _report(rank=3))
     with pytest.raises(CheckpointTimeoutError, match=r"step 3: ranks \[2\] did not report within 5 s"):
         coords[0].collect(3, _report(rank=0), 5.0, step=3)
+
+
+@pytest.mark.parametrize(
+    ("world", "group", "leaders"), [(4, 2, [0, 1, 3]), (260, 128, [0, 1, 129, 257]), (128, 128, [])]
+)
+def test_in_a_group_commit_the_coordinator_is_a_group_of_its_own(world: int, group: int, leaders: list[int]) -> None:
+    """Above ``commit_group_ranks`` ranks, rank 0 folds no other rank's report: ranks 1, 2, ...
+    form groups of ``group`` led by their first rank, every rank reports to its leader, and the
+    coordinator hears from the leaders alone (at 128 ranks, no groups: every rank reports to it)."""
+    store = _Store()
+    coords = [_OnStore(None, r, world, NS, store=store) for r in range(world)]
+    for c in coords:
+        c.group_ranks = group
+    assert [c.rank for c in coords if c.leads()] == leaders
+    for c in coords[1:]:
+        if not c.leads():
+            c.report(5, _report(rank=c.rank))
+    for r in leaders[1:]:  # each leader hears exactly its group, in rank order
+        got = coords[r].collect_group(5, 5.0, step=5)
+        assert isinstance(got, list)
+        assert [g.rank for g in got] == list(range(r + 1, min(r + group, world)))
+        coords[r].report(5, _report(rank=r))
+    if leaders:  # the coordinator's group: itself
+        assert coords[0].collect_group(5, 5.0, step=5) == []
+    got = coords[0].collect(5, _report(rank=0), 5.0, step=5)
+    assert isinstance(got, list) and [g.rank for g in got] == (leaders or list(range(world)))

@@ -127,12 +127,15 @@ def test_ratio_pairs_alternate_64_ranks_and_the_largest_point(bench: Any, tmp_pa
 @pytest.mark.parametrize("layout", ["described", "sharded"])
 def test_a_point_above_the_group_size_commits_in_groups(bench: Any, tmp_path: Path, layout: str) -> None:
     case_e, _, _ = bench
-    p = case_e.measure_point(tmp_path, 260, 3, layout, 1, dcp_repeats=0)  # groups of 128, 128 and 4 ranks
+    # rank 0 alone, then groups of 128, 128 and 3 ranks
+    p = case_e.measure_point(tmp_path, 260, 3, layout, 1, dcp_repeats=0)
     # 1,024 rows by torch's chunk rule over 260 ranks: 256 ranks of 4 rows, 4 ranks of none
     assert p["group_ranks"] == 128 and p["leader_fold_s"] > 0 and p["chunks"] == 256 * 3
     man = json.loads((tmp_path / f"{layout}-260x3" / "step-000000000001" / "manifest.json").read_text())
-    if layout == "described":  # the ranks' records in three pages, the ranks' mesh by its first rank
-        assert man["format_version"] == 8 and man["described"]["pages"]["count"] == [128, 128, 4]
+    if layout == "described":  # the ranks' records in four pages, the ranks' mesh by its first rank
+        pages = man["described"]["pages"]
+        assert man["format_version"] == 8 and pages["count"] == [1, 128, 128, 3]
+        assert pages["first"] == [0, 1, 129, 257]
         assert man["described"]["meshes"] == [{"shape": [260], "first_rank": 0}]
         assert p["reads"] >= 1 and p["overlaps"] == 3
     else:  # no described leaves: folded reports, no pages

@@ -2,8 +2,8 @@
 
     group_worker.py ROOT OUT_DIR
 
-At 4 ranks with ``commit_group_ranks=2``: ranks 0 and 2 lead groups, fold their group's
-reports and write its page; the manifest (format_version 8) lists the pages instead of the
+At 4 ranks with ``commit_group_ranks=2``: rank 0 is a group of its own, rank 1 leads ranks 1
+and 2, rank 3 itself; each leader folds its group's reports and writes its page; the manifest (format_version 8) lists the pages instead of the
 ranks' files. A state of described DTensors plus a replicated tensor is saved and restored
 into the same layout, another one and plain tensors, bit for bit, reading only the pages it
 needs; verify and gc; incremental saves and retention; an encrypted root; a damaged page;
@@ -76,25 +76,25 @@ def main(root: str, out: str) -> None:
         seen["after gc wrong"] = same(state["m"], ref)
         # A rank whose state differs: the coordinator names it through its leader's report.
         odd = layout_a(w)
-        if rank == 3:
+        if rank == 2:
             odd["extra"] = torch.ones(2)
         seen["mismatch"] = _error(lambda: mgr.save(3, {"m": odd}, async_save=False))
         # A file removed before its leader checks it (as by a gc with a too short --min-age-s):
         # the leader's failure reaches every rank, naming the file's rank.
-        if rank == 2:
+        if rank == 1:
             import shardkeeper.core.tensor.group_fold as group_fold
 
             real = group_fold.check_files
 
             def losing(storage, own, ends, executor=None):  # type: ignore[no-untyped-def]
                 for p in own:
-                    if "/r00003-" in p and p.endswith(".safetensors"):
+                    if "/r00002-" in p and p.endswith(".safetensors"):
                         storage.delete(p)
                 return real(storage, own, ends, executor)
 
             group_fold.check_files = losing
         seen["lost file"] = _error(lambda: mgr.save(4, {"m": layout_a(w)}, async_save=False))
-        if rank == 2:
+        if rank == 1:
             group_fold.check_files = real
         seen["step 4 committed"] = (path / "step-000000000004" / "manifest.json").exists()
         # The coordinator's own page, synced while it merges the leaders' reports, cannot be
@@ -165,7 +165,7 @@ def main(root: str, out: str) -> None:
     # A damaged page: restores that need it refuse, naming it and its ranks; verify says so.
     dist.barrier()
     if rank == 0:
-        (page,) = sorted((path / "step-000000000001" / "pages").glob("g00002-*.index.json"))
+        (page,) = sorted((path / "step-000000000001" / "pages").glob("g00001-*.index.json"))
         text = page.read_text()
         page.write_text(text.replace('"size_bytes":', '"size_bytes": ', 1)[: len(text)])
     dist.barrier()
@@ -175,7 +175,7 @@ def main(root: str, out: str) -> None:
     if rank == 0:
         seen["damaged verify"] = [p.message for p in verify_step(LocalStorage(str(path)), 1).problems]
         # a file the intact page lists, made longer: still checked beside the damaged page
-        (data,) = sorted((path / "step-000000000001" / "data").glob("r00001-*.safetensors"))
+        (data,) = sorted((path / "step-000000000001" / "data").glob("r00003-*.safetensors"))
         with open(data, "ab") as f:
             f.write(b"x" * 100)
         seen["damaged verify 2"] = [p.message for p in verify_step(LocalStorage(str(path)), 1).problems]
@@ -189,7 +189,7 @@ def main(root: str, out: str) -> None:
     # A rank that never reports: its leader times out and names it; the coordinator, which
     # waits a little longer for the leaders, publishes the leader's failure to every rank.
     with CheckpointManager(Path(root) / "hang", commit_group_ranks=2, commit_timeout_s=3) as mgr:
-        if rank != 3:
+        if rank != 2:
             seen["missing rank"] = _error(lambda: mgr.save(1, {"x": torch.ones(2)}, async_save=False))
     dist.barrier()
     # Ranks that pass different group sizes are refused when the manager opens.

@@ -19,10 +19,11 @@ A save, on every rank of the process group (``saving.py``; the coordinator is ra
 5. Every rank: its own failure first, else the outcome's, is the save's error (a synchronous
    ``save()`` returns here). Rank 0 applies retention after a commit, never before.
 
-At a world above ``commit_group_ranks`` (group commit, ``tensor/group_fold.py``), ranks of a
-group report to its leader, and leaders (rank 0 among them) first ``collect_group``, write
-the group's page and fold the reports into one (``RankReport.group``), which they report as
-in 3 (rank 0 keeps its own): step 4 merges one report per group.
+At a world above ``commit_group_ranks`` (group commit, ``tensor/group_fold.py``), rank 0 is a
+group of its own and ranks 1, 2, ... form groups of ``commit_group_ranks``; a group's ranks
+report to its leader (its first rank), and leaders first ``collect_group``, write the group's
+page and fold the reports into one (``RankReport.group``), which they report as in 3 (rank 0
+keeps its own): step 4 merges one report per group.
 
 A restore (``restoring.py``), every rank, on the caller's thread (collectives): rank 0's
 candidate steps are broadcast (``agree_int(.., "bcast")``); after each attempt the ranks

@@ -379,7 +379,7 @@ class SaveRunner:
         page: list[Future[None]] = []  # its own group's page, synced while it merges
         t_commit = time.perf_counter()
         try:
-            if ctx.coord.leads():  # group commit: fold its own group, as every leader does
+            if ctx.coord.leads():  # group commit: its own page (a group of one), as every leader writes one
                 group = ctx.coord.collect_group(job.seq, settings.commit_timeout_s, step=step)
                 if isinstance(group, Failure):
                     return Outcome(group)

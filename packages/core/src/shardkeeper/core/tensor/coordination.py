@@ -50,9 +50,9 @@ class Coordinator(Protocol):
         ...
 
     def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
-        """A group leader: its group's other ranks' reports, in rank order; the coordinator
-        gets the first failure reported anywhere, another leader None for a failure in its
-        group (the coordinator reports it)."""
+        """A group leader: its group's other ranks' reports, in rank order, or None for a
+        failure in its group (the failing rank tells the coordinator itself). The coordinator
+        is a group of its own: none."""
         ...
 
     def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
@@ -159,14 +159,12 @@ class StoreCoordinator:
             store.delete_key(self._key(self._reported, f"report/{self.rank}"))
         self._reported = seq
         store.set(self._key(seq, f"report/{self.rank}"), json.dumps(report.to_json()))
-        leader = self.rank - self.rank % self.group_ranks
+        leader = self._leader_of(self.rank)
         if isinstance(report, Failure):
             store.set(self._key(seq, "failed"), str(self.rank))
             store.set(self._key(seq, "wake"), "1")
-            if self._paged:  # the coordinator, waiting for its own group, hears it at once
-                store.set(self._key(seq, "gwake/0"), "1")
-                if leader != self.rank:
-                    store.set(self._key(seq, f"gwake/{leader}"), "1")
+            if self._paged and leader != self.rank:  # its leader, waiting for its group, hears it at once
+                store.set(self._key(seq, f"gwake/{leader}"), "1")
         elif self._paged and leader != self.rank:  # to its group's leader
             if store.add(self._key(seq, f"gcount/{leader}"), 1) == self._size_of(leader) - 1:
                 store.set(self._key(seq, f"gwake/{leader}"), "1")
@@ -177,16 +175,24 @@ class StoreCoordinator:
     def _paged(self) -> bool:
         return self.world_size > self.group_ranks
 
+    def _leader_of(self, rank: int) -> int:
+        """The leader of ``rank``'s group in a group commit. The coordinator (rank 0) is a group
+        of its own, so that it folds no other rank's report and its work does not grow with the
+        world: ranks 1, 2, ... form groups of ``group_ranks``, each led by its first rank."""
+        return 0 if rank == 0 else rank - (rank - 1) % self.group_ranks
+
     @property
-    def _leaders(self) -> range:
+    def _leaders(self) -> range | list[int]:
         """The ranks the coordinator hears from: every rank, or the group leaders."""
-        return range(0, self.world_size, self.group_ranks if self._paged else 1)
+        if not self._paged:
+            return range(self.world_size)
+        return [0, *range(1, self.world_size, self.group_ranks)]
 
     def _size_of(self, leader: int) -> int:
-        return min(self.group_ranks, self.world_size - leader)
+        return 1 if leader == 0 else min(self.group_ranks, self.world_size - leader)
 
     def leads(self) -> bool:
-        return self._paged and self.rank % self.group_ranks == 0
+        return self._paged and self._leader_of(self.rank) == self.rank
 
     def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
         """One blocking wait for the group's wake key (set by its last rank to report, or by
@@ -206,8 +212,8 @@ class StoreCoordinator:
                 f"if writes are slow"
             ) from None
         count = self._key(seq, f"gcount/{leader}")
-        if store.check([self._key(seq, "failed")]) and (leader == 0 or store.add(count, 0) < len(members)):
-            return self._failed_report(seq, step) if leader == 0 else None
+        if store.check([self._key(seq, "failed")]) and store.add(count, 0) < len(members):
+            return None  # a failure in its group: the coordinator hears of it from the failing rank
         store.delete_key(wake)
         store.delete_key(count)
         return self._read_reports(seq, list(members), step)
@@ -263,7 +269,7 @@ class StoreCoordinator:
     def publish(self, seq: int, outcome: Outcome) -> None:
         store = self._store
         store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
-        names = ["count", "wake", "failed", *(["gwake/0", "gcount/0"] if self._paged else [])]
+        names = ["count", "wake", "failed"]
         if self._paged and not outcome.ok:  # a failed group's leader left its group's keys
             names += [f"g{k}/{leader}" for leader in self._leaders[1:] for k in ("wake", "count")]
         for name in names:
