@@ -37,3 +37,21 @@ def test_device() -> Any:
 
 
 test_device.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+def join_gloo_on_the_device() -> tuple[int, Any]:
+    """A two-rank worker's start: a gloo process group, one CPU thread, and the test device made
+    current on every rank (on a GPU both ranks share ``cuda:0``: NCCL refuses two ranks on one
+    device, gloo takes CUDA tensors). Returns this rank and the device."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    device = test_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # Initialised before init_device_mesh, which otherwise picks the device itself from
+        # LOCAL_RANK (1 on rank 1: no such device on a one-GPU machine).
+        torch.zeros(1, device=device)
+    return dist.get_rank(), device

@@ -29,7 +29,7 @@ from torch import nn
 
 from shardkeeper.core import CheckpointManager
 from tests.checks import Checks
-from tests.cuda._device import test_device
+from tests.cuda._device import join_gloo_on_the_device
 from tests.cuda._model import Net
 
 WORLD = 2
@@ -92,16 +92,8 @@ def on_device(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device
 
 def main() -> None:
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, device = join_gloo_on_the_device()
     checks = Checks(rank=rank)
-    device = test_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # both ranks on the one GPU
-        # Initialised before init_device_mesh, which otherwise picks the device itself from
-        # LOCAL_RANK (1 on rank 1: no such device on a one-GPU machine).
-        torch.zeros(1, device=device)
     try:
 
         def case() -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager
 from tests.checks import Checks, state_of
-from tests.cuda._device import test_device
+from tests.cuda._device import join_gloo_on_the_device
 from tests.cuda._model import devices_of, fresh, trained
 
 
@@ -36,13 +36,8 @@ def summed(n: int) -> int:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, device = join_gloo_on_the_device()
     checks = Checks(rank=rank)
-    device = test_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # both ranks on the one GPU
     ckpt = out / "ckpt"
     try:
 
