@@ -115,14 +115,15 @@ def markdown(res: dict[str, Any]) -> str:
                 f"## Loop, {size} GiB: d={i['dim']}, {i['layers']} blocks, {i['steps']} steps, batch {i['batch']} x "
                 f"seq {i['seq']}; raw D2H copy {i['raw_copy_s'] * 1e3:.1f} ms",
                 "",
-                "| method | K-step loop (s) | overhead (s) | paired per round (s) | / raw copy | save() blocked (s) |",
-                "|---|---|---|---|---|---|",
+                "| method | K-step loop (s) | overhead (s) | paired per round (s) | / raw copy | save() blocked (s) "
+                "| waited after the steps (s) |",
+                "|---|---|---|---|---|---|---|",
             ]
             for m, r in part["methods"].items():
                 per, paired = r.get("overhead_per_raw_copy"), r.get("overhead_paired_s")
                 lines.append(
                     f"| {m} | {r['loop_s']:.3f} | {r['overhead_s']:.4f} | {_fmt(paired)} | {_fmt(per)} | "
-                    f"{r['stall_s']:.4f} |"
+                    f"{r['stall_s']:.4f} | {_fmt(r.get('tail_s', ''))} |"
                 )
             if part.get("partial"):
                 lines += ["", "(cut short: the rounds that finished)"]

@@ -213,13 +213,15 @@ def worker(args: argparse.Namespace) -> None:
                 else:
                     pending = resp
             stall = time.perf_counter() - s0
+        w0 = time.perf_counter()
         if pending is not None:
             (pending.wait if hasattr(pending, "wait") else pending.result)()
+        tail = time.perf_counter() - w0  # the save outlasting the steps, as against slowing them
         sync()
         loop = time.perf_counter() - t0
         c1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
-        t = torch.tensor([loop, cpu, stall], dtype=torch.float64)
+        t = torch.tensor([loop, cpu, stall, tail], dtype=torch.float64)
         gathered = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(gathered, t, group=dcp_group)
         dist.barrier()
@@ -231,6 +233,7 @@ def worker(args: argparse.Namespace) -> None:
             "loop_s": max(float(g[0]) for g in gathered),
             "cpu_s": sum(float(g[1]) for g in gathered) / world,
             "stall_s": max(float(g[2]) for g in gathered),
+            "tail_s": max(float(g[3]) for g in gathered),
         }
 
     info = {
@@ -270,7 +273,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     info, samples = raw["info"], raw["samples"]
     by = {m: [s for s in samples if s["method"] == m] for m in METHODS if any(s["method"] == m for s in samples)}
     med = {
-        m: {k: statistics.median(s[k] for s in v) for k in ("loop_s", "cpu_s", "stall_s")} for m, v in by.items() if v
+        m: {k: statistics.median(s.get(k, 0.0) for s in v) for k in ("loop_s", "cpu_s", "stall_s", "tail_s")}
+        for m, v in by.items()
+        if v
     }
     base = med["none"]
     rows = {}
@@ -312,8 +317,9 @@ def markdown(res: dict[str, Any], command: str) -> str:
         f"{len({s['round'] for s in res['samples']})} rounds. Raw copy of the rank's state into reused "
         f"buffers: {i['raw_copy_s'] * 1e3:.1f} ms.",
         "",
-        "| method | K-step loop (s) | overhead (s) | paired (s) | / raw copy | / best DCP | save() blocked (s) | extra CPU (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | K-step loop (s) | overhead (s) | paired (s) | / raw copy | / best DCP | save() blocked (s) "
+        "| waited after the steps (s) | extra CPU (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, r in res["methods"].items():
 
@@ -323,11 +329,13 @@ def markdown(res: dict[str, Any], command: str) -> str:
         lines.append(
             f"| {m} | {r['loop_s']:.3f} | {f(r['overhead_s'])} | {f(r['overhead_paired_s'])} | "
             f"{f(r['overhead_per_raw_copy'], '{:.1f}x')} | {f(r.get('overhead_per_best_dcp'), '{:.2f}')} | "
-            f"{r['stall_s']:.3f} | {f(r['extra_cpu_s'])} |"
+            f"{r['stall_s']:.3f} | {r['tail_s']:.3f} | {f(r['extra_cpu_s'])} |"
         )
     lines += [
         "",
         "Overhead = loop with one save (ended when the save is committed) - loop without; "
+        "waited after the steps = how long the loop waited for the save after its last step (the part of "
+        "the overhead that is the save outlasting the steps; the rest is what the steps lost beside it); "
         "extra CPU = CPU seconds of the process (all threads) with the save - without, per rank.",
         "",
     ]

@@ -39,6 +39,9 @@ def test_quick_loop_benchmark_runs_every_method(tmp_path: Path) -> None:
         assert row["loop_s"] > 0 and math.isfinite(row["overhead_s"]), (m, row)
     assert data["info"]["raw_copy_s"] > 0 and data["info"]["state_bytes_per_rank"] > 0
     assert methods["sk_overlap"]["stall_s"] > 0  # save() ran and returned in every round
+    # the wait for the save after the last step: part of the loop, and none without a save
+    assert all(0 <= row["tail_s"] <= row["loop_s"] for row in methods.values()), methods
+    assert methods["none"]["tail_s"] < 0.01, methods["none"]
 
 
 def test_quick_direct_io_benchmark_runs(tmp_path: Path) -> None:
