@@ -68,8 +68,9 @@ class CheckpointOptions:
     commit_timeout_s: float = 1800.0
     """How long the coordinator waits for every rank's report, and ranks for the outcome."""
     commit_group_ranks: int = 128
-    """At a world larger than this, every this-many-th rank leads a group: it folds its
-    group's reports into one and writes their records into a page (format_version 8), so
+    """At a world larger than this, ranks 1, 2, ... form groups of this many consecutive ranks,
+    each led by its first rank (rank 0, the coordinator, is a group of its own): a leader folds
+    its group's reports into one and writes their records into a page (format_version 8), so
     that the coordinator's work and the manifest do not grow with ranks (docs/protocol.md,
     "Group commit"). Every rank must pass the same value."""
     io_threads: int = 4

@@ -170,7 +170,7 @@ def _chunk_paths(chunks: dict[str, Any]) -> set[str]:
 
 def _signature(rep: RankReport, files: dict[str, Any], described: dict[str, Any]) -> bytes:
     """The report with ``files`` and ``described`` but for its rank and timings, as canonical
-    JSON (orjson where it can: the coordinator folds its own group while every other rank waits)."""
+    JSON (orjson where it can: a leader folds its group while the coordinator waits for it)."""
     doc = rep.to_json()
     doc["files"] = files
     if described:
