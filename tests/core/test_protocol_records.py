@@ -386,3 +386,38 @@ def test_in_a_group_commit_the_coordinator_is_a_group_of_its_own(world: int, gro
         assert coords[0].collect_group(5, 5.0, step=5) == []
     got = coords[0].collect(5, _report(rank=0), 5.0, step=5)
     assert isinstance(got, list) and [g.rank for g in got] == (leaders or list(range(world)))
+
+
+def test_a_failed_saves_keys_written_late_are_deleted_after_the_next_commit() -> None:
+    """A save fails while a rank of a group has not reported; that rank, and its leader, write
+    their keys after the coordinator published the failure. The next committed save deletes
+    them: a job's failed saves do not fill the store."""
+    world, group = 4, 2  # groups: {0}, {1, 2}, {3}
+    store = _Store()
+    coords = [_OnStore(None, r, world, NS, store=store) for r in range(world)]
+    for c in coords:
+        c.group_ranks = group
+    failure = Failure(3, Phase.WRITE, "/ckpt/step-00000005", "OSError: disk full")
+    coords[3].report(5, failure)  # a leader of its own group fails
+    assert coords[0].collect(5, _report(rank=0), 5.0, step=5) == failure
+    coords[0].publish(5, Outcome(failure))
+    for r in range(1, world):
+        assert coords[r].outcome(5, 1.0, step=5) == Outcome(failure)
+    coords[2].report(5, _report(rank=2))  # late: after the outcome, into its leader's keys
+    coords[1].report(5, failure)  # and its leader reports a failure of its own, late too
+    lingering = [k for k in store.data if "/5/" in k and "/report/" not in k]
+    assert lingering  # control: the late ranks wrote keys the publish had deleted
+    for c in coords[1:]:  # the next save commits
+        if not c.leads():
+            c.report(6, _report(rank=c.rank))
+    for r in (1, 3):
+        got = coords[r].collect_group(6, 5.0, step=6)
+        assert isinstance(got, list)
+        coords[r].report(6, _report(rank=r))
+    assert isinstance(coords[0].collect(6, _report(rank=0), 5.0, step=6), list)
+    coords[0].publish(6, COMMITTED)
+    assert [k for k in store.data if "/5/" in k and "/report/" not in k] == []
+    for r in range(1, world):
+        assert coords[r].outcome(6, 1.0, step=6) == COMMITTED
+    # each rank deletes its own previous report at its next one; only save 6's reports are left
+    assert sorted(k.rsplit("/", 3)[-3] for k in store.data) == ["6", "6", "6"], sorted(store.data)

@@ -129,6 +129,7 @@ class StoreCoordinator:
     _reported: int | None = field(default=None, init=False)  # the seq of this rank's last report
     group_ranks: int = 128  # ranks per group leader when the world is larger (group commit)
     share_group: Any = None  # restore's own gloo group (``tensor/restore_share.py``), made at first use
+    _failed_seqs: list[int] = field(default_factory=list, init=False)  # failed saves whose keys may linger
 
     @classmethod
     def create(cls, group: Any = None) -> StoreCoordinator:
@@ -267,13 +268,28 @@ class StoreCoordinator:
         return got
 
     def publish(self, seq: int, outcome: Outcome) -> None:
+        """Set the outcome, then delete this save's keys. After a failure, ranks that had not
+        reported yet (or a leader whose group timed out) can still write theirs: such a save's
+        keys are deleted again after the next committed save, when every rank has passed it
+        (one save in flight per manager), so that a long job's failures do not fill the store."""
         store = self._store
         store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
-        names = ["count", "wake", "failed"]
-        if self._paged and not outcome.ok:  # a failed group's leader left its group's keys
-            names += [f"g{k}/{leader}" for leader in self._leaders[1:] for k in ("wake", "count")]
-        for name in names:
+        for name in self._names(outcome.ok):
             store.delete_key(self._key(seq, name))
+        if not outcome.ok:
+            self._failed_seqs.append(seq)
+            return
+        for failed in self._failed_seqs:
+            for name in [*self._names(False), "outcome", "acks"]:
+                store.delete_key(self._key(failed, name))
+        self._failed_seqs.clear()
+
+    def _names(self, ok: bool) -> list[str]:
+        """A save's keys that are not a rank's own report."""
+        names = ["count", "wake", "failed"]
+        if self._paged and not ok:  # a failed group's leader left its group's keys
+            names += [f"g{k}/{leader}" for leader in self._leaders[1:] for k in ("wake", "count")]
+        return names
 
     def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
         store = self._store
