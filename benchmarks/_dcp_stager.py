@@ -42,7 +42,3 @@ class ReusableStager(DefaultStager):  # type: ignore[misc]
     def close_now(self) -> None:
         self._table.clear()
         super().close()
-
-
-def reusable_stager(options: Any) -> ReusableStager:
-    return ReusableStager(options)

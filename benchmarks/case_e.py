@@ -228,7 +228,7 @@ def measure_point(
         pages: list[Any] = []
         written = None
         if grouped:  # the coordinator is a group of its own: its page, as every leader writes one
-            own, written = _fold_group(storage, step, [own, *_group(coords[0], seq, step)], layout)
+            own, written = _fold_group(storage, step, [own], layout)
         got = coords[0].collect(seq, own, 600.0, step=step)
         after_collect = Counter(store.calls)
         if not isinstance(got, list):

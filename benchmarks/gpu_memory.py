@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from _dcp_stager import reusable_stager
+    from _dcp_stager import ReusableStager
     from torch.distributed.checkpoint.staging import StagingOptions
 
     from shardkeeper.core import CheckpointManager
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if method.startswith("sk_"):
                 mgr = CheckpointManager(work / method, staging=method.removeprefix("sk_"))
             else:
-                stager = reusable_stager(
+                stager = ReusableStager(
                     StagingOptions(
                         use_pinned_memory=dev.type == "cuda",
                         use_shared_memory=False,

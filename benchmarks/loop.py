@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from _dcp_stager import reusable_stager
+    from _dcp_stager import ReusableStager
     from torch.distributed.checkpoint.staging import StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -169,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
     mgrs = {m: build() for m, build in builders.items() if m in methods}
     opts = dict(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
     stagers = {
-        m: reusable_stager(StagingOptions(use_async_staging=m == "dcp_async_staging", **opts))
+        m: ReusableStager(StagingOptions(use_async_staging=m == "dcp_async_staging", **opts))
         for m in ("dcp_reuse", "dcp_async_staging")
         if m in methods
     }

@@ -162,12 +162,12 @@ class Bench:
             off += t.nbytes
         (self.dir / "raw").mkdir(parents=True, exist_ok=True)
 
-        from _dcp_stager import reusable_stager
+        from _dcp_stager import ReusableStager
         from torch.distributed.checkpoint.staging import StagingOptions
 
         # DCP's reused stager: created once, handed to every async_save (torch 2.13 API). On CPU
         # pinned/shared memory and non-blocking copies are unavailable; staging is synchronous.
-        reuse = reusable_stager(
+        reuse = ReusableStager(
             StagingOptions(
                 use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
             )

@@ -146,7 +146,7 @@ def test_a_reused_dcp_stager_survives_a_torch_that_clears_its_table(monkeypatch:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from _dcp_stager import reusable_stager
+        from _dcp_stager import ReusableStager
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     stage = StateDictStager.stage
@@ -164,7 +164,7 @@ def test_a_reused_dcp_stager_survives_a_torch_that_clears_its_table(monkeypatch:
     plain.stage(sd)
     with pytest.raises(KeyError):  # control: the failure the benchmarks met
         plain.stage(sd)
-    reused = reusable_stager(options)
+    reused = ReusableStager(options)
     for _ in range(3):
         got = reused.stage(sd)
         assert torch.equal(got["model"]["w"], sd["model"]["w"]) and got["model"]["w"] is not sd["model"]["w"]

@@ -55,3 +55,12 @@ def join_gloo_on_the_device() -> tuple[int, Any]:
         # LOCAL_RANK (1 on rank 1: no such device on a one-GPU machine).
         torch.zeros(1, device=device)
     return dist.get_rank(), device
+
+
+def leave_gloo(checks: Any, path: Any) -> None:
+    """A two-rank worker's end: its checks written to ``path``, then the ranks leave together."""
+    import torch.distributed as dist
+
+    checks.write(path)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -29,7 +29,7 @@ from torch import nn
 
 from shardkeeper.core import CheckpointManager
 from tests.checks import Checks
-from tests.cuda._device import join_gloo_on_the_device
+from tests.cuda._device import join_gloo_on_the_device, leave_gloo
 from tests.cuda._model import Net
 
 WORLD = 2
@@ -126,9 +126,7 @@ def main() -> None:
 
         checks.run("sharded save and restore", case)
     finally:
-        checks.write(out / f"r{rank}.json")
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_gloo(checks, out / f"r{rank}.json")
 
 
 if __name__ == "__main__":

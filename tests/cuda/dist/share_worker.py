@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager
 from tests.checks import Checks, state_of
-from tests.cuda._device import join_gloo_on_the_device
+from tests.cuda._device import join_gloo_on_the_device, leave_gloo
 from tests.cuda._model import devices_of, fresh, trained
 
 
@@ -76,9 +76,7 @@ def main() -> None:
 
         checks.run("replica-deduplicated restore on the device", case)
     finally:
-        checks.write(out / f"r{rank}.json")
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_gloo(checks, out / f"r{rank}.json")
 
 
 if __name__ == "__main__":

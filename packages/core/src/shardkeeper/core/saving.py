@@ -380,10 +380,7 @@ class SaveRunner:
         t_commit = time.perf_counter()
         try:
             if ctx.coord.leads():  # group commit: its own page (a group of one), as every leader writes one
-                group = ctx.coord.collect_group(job.seq, settings.commit_timeout_s, step=step)
-                if isinstance(group, Failure):
-                    return Outcome(group)
-                own, written = self._fold_group(job, [own, *(group or [])])
+                own, written = self._fold_group(job, [own])
                 page += [written] if written is not None else []
             got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step)
             if isinstance(got, Failure):

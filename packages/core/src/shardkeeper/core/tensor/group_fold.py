@@ -1,9 +1,9 @@
 """Group commit: a group leader's half of a save at a world above ``commit_group_ranks``.
 
 A leader (the first rank of each ``commit_group_ranks`` ranks after the coordinator, which is
-a group of its own) collects its group's reports, writes the group's *page* (their files, index entries and chunk-file ends,
-format/pages.py) durably while it checks that each of their files is there at the size its
-rank wrote, and folds the reports into one: the ranks whose reports are then equal (every rank that
+a group of its own) collects its group's reports, writes the group's *page* (their files,
+index entries and chunk-file ends, format/pages.py) durably while it checks that each of
+their files is there at the size its rank wrote, and folds the reports into one: the ranks whose reports are then equal (every rank that
 wrote only described leaves, apart from its timings) count once, the others travel inside
 it. The coordinator merges one report per group (``unfold``), so its work, the store bytes
 it reads and the manifest stay the same size from 64 ranks to 16,384 (docs/protocol.md,
