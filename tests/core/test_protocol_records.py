@@ -31,6 +31,7 @@ from shardkeeper.core.protocol import (
     report_from_json,
 )
 from shardkeeper.core.tensor.coordination import StoreCoordinator
+from shardkeeper.core.tensor.store_channel import StoreTimeout
 
 NS = "shardkeeper/00ff"
 
@@ -70,7 +71,7 @@ class _Store:
 
     def wait(self, keys: list[str], timeout: timedelta) -> None:
         if not all(k in self.data for k in keys):
-            raise RuntimeError(f"timeout after {timeout}")
+            raise StoreTimeout(f"wait timeout after {timeout}")
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.data[k] for k in keys]

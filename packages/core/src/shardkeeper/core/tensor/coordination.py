@@ -34,6 +34,7 @@ from shardkeeper.core.protocol import (
     report_from_json,
 )
 from shardkeeper.core.tensor import _torch_compat as tc
+from shardkeeper.core.tensor.store_channel import StoreChannel, StoreTimeout
 
 
 class Coordinator(Protocol):
@@ -130,6 +131,7 @@ class StoreCoordinator:
     group_ranks: int = 128  # ranks per group leader when the world is larger (group commit)
     share_group: Any = None  # restore's own gloo group (``tensor/restore_share.py``), made at first use
     _failed_seqs: list[int] = field(default_factory=list, init=False)  # failed saves whose keys may linger
+    _channel: StoreChannel | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(cls, group: Any = None) -> StoreCoordinator:
@@ -141,11 +143,17 @@ class StoreCoordinator:
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast(token, src=src, group=group)
         ns = "shardkeeper/" + bytes(token.cpu().tolist()).hex()
-        return cls(group, rank, world, ns)
+        coord = cls(group, rank, world, ns)
+        coord._channel = StoreChannel(tc.group_store(group), "a save's reports and outcome")  # on the caller's thread
+        return coord
 
     @property
     def _store(self) -> Any:
-        return tc.group_store(self.group)
+        """The save path's own connection to the group's store (``store_channel.py``): its
+        long waits block neither the training job's use of the store nor an upload's."""
+        if self._channel is None:
+            self._channel = StoreChannel(tc.group_store(self.group), "a save's reports and outcome")
+        return self._channel
 
     def _key(self, seq: int, name: str) -> str:
         return f"{self.namespace}/{seq}/{name}"
@@ -205,7 +213,7 @@ class StoreCoordinator:
         wake = self._key(seq, f"gwake/{leader}")
         try:
             store.wait([wake], timedelta(seconds=timeout_s))
-        except Exception:  # the store raises its own timeout type
+        except StoreTimeout:
             missing = [r for r in members if not store.check([self._key(seq, f"report/{r}")])]
             raise CheckpointTimeoutError(
                 f"step {step}: ranks {missing[:16]} did not report to their group leader, rank {leader}, within "
@@ -229,7 +237,7 @@ class StoreCoordinator:
             timeout_s += min(timeout_s, 30.0)
         try:
             store.wait([self._key(seq, "wake")], timedelta(seconds=timeout_s))
-        except Exception:  # the store raises its own timeout type
+        except StoreTimeout:
             missing = [r for r in others if not store.check([self._key(seq, f"report/{r}")])]
             who = "group leaders" if self._paged else "ranks"
             raise CheckpointTimeoutError(
@@ -296,7 +304,7 @@ class StoreCoordinator:
         key = self._key(seq, "outcome")
         try:
             store.wait([key], timedelta(seconds=timeout_s))
-        except Exception as e:  # the store raises its own timeout type
+        except StoreTimeout as e:
             raise CheckpointTimeoutError(
                 f"step {step}, rank {self.rank}: no commit outcome from the coordinator (rank 0) "
                 f"within {timeout_s:.0f} s; it died or hangs. The checkpoint was not committed"

@@ -34,6 +34,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.store_channel import StoreTimeout
 from shardkeeper.core.verify import verify_step
 
 if TYPE_CHECKING:
@@ -85,6 +86,9 @@ class Persister:
         newest: int | None,
     ) -> None:
         self.coord, self.every = coord, every
+        # Its own connection: its long waits (the ranks' uploads, the outcome) never hold up
+        # the next save's reports, which go through the coordinator's.
+        self.store = coord.channel("an upload to the persistent tier")
         self.local, self.local_read, self.storage, self.raw = local, local_read, storage, raw
         self.retention, self.catalog, self.io, self.timeout_s = retention, catalog, io, timeout_s
         self.last_step = newest  # the newest step persisted or being persisted
@@ -126,7 +130,7 @@ class Persister:
     def _run(
         self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None, refs: list[str]
     ) -> None:
-        store, me, world = self.coord.store, self.coord.rank, self.coord.world_size
+        store, me, world = self.store, self.coord.rank, self.coord.world_size
         try:
             try:
                 missing = [p for p in sorted(refs) if not self.raw.exists(p)]  # uploaded with their own step, or now
@@ -183,7 +187,7 @@ class Persister:
         assert manifest is not None and data is not None
         try:
             store.wait([self._key(step, "wake")], timedelta(seconds=self.timeout_s))
-        except Exception as e:
+        except StoreTimeout as e:
             return f"not every rank uploaded its files within {self.timeout_s:.0f} s ({e})"
         failed = int(store.add(self._key(step, "failures"), 0))
         if failed:

@@ -17,6 +17,7 @@ from typing import Any
 from shardkeeper.core.commit import manifest_path
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.store_channel import StoreTimeout
 from shardkeeper.core.tiers.nodes import NodeMap
 
 COORDINATOR = 0
@@ -76,7 +77,7 @@ class Recorder:
                 store.set(self._key(seq, "done"), b"1")
         try:
             store.wait([self._key(seq, "done")], timedelta(seconds=self.timeout_s))
-        except Exception as e:
+        except StoreTimeout as e:
             raise CheckpointTimeoutError(
                 f"step {step}, rank {me}: committed on node {home}'s local tier, but not every node recorded it "
                 f"within {self.timeout_s:.0f} s (a node died or hangs); it restores from the nodes that did"

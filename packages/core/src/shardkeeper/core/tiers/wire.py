@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
 from shardkeeper.core.tensor import _torch_compat as tc
+from shardkeeper.core.tensor.store_channel import StoreChannel
 
 
 class TierGroupBroken(CheckpointTimeoutError):
@@ -24,10 +25,14 @@ class TierGroupBroken(CheckpointTimeoutError):
 
 @dataclass(frozen=True)
 class TierCoord:
-    """Where the tiers' ranks meet: a c10d store (the process group's, or a ``HashStore`` for
-    one process), a namespace of keys unique to the manager, its rank and world size."""
+    """Where the tiers' ranks meet: ``store``, the save path's connection to the c10d store
+    (the coordinator's channel; a ``HashStore`` for one process), ``group_store`` the store
+    itself (the tiers' gloo group meets on it, and each background path opens a connection of
+    its own to it: ``store_channel.py``), a namespace of keys unique to the manager, its rank
+    and world size."""
 
     store: Any
+    group_store: Any
     namespace: str
     rank: int
     world_size: int
@@ -36,15 +41,20 @@ class TierCoord:
     def of(cls, coord: Any) -> TierCoord:
         """The tiers' coordinates of a manager's coordinator."""
         if coord.world_size == 1 and not hasattr(coord, "namespace"):
-            return cls(dist.HashStore(), "shardkeeper/local", 0, 1)
-        return cls(tc.group_store(coord.group), coord.namespace, coord.rank, coord.world_size)
+            local = dist.HashStore()  # in-process: a wait blocks no other caller
+            return cls(StoreChannel(local, "the local tier", own=False), local, "shardkeeper/local", 0, 1)
+        return cls(coord._store, tc.group_store(coord.group), coord.namespace, coord.rank, coord.world_size)
+
+    def channel(self, label: str) -> StoreChannel:
+        """A connection of its own to the store, for a path that runs beside the save's."""
+        return StoreChannel(self.group_store, label)
 
 
 class TierGroup:
     """A gloo group of the manager's ranks for the tiers alone (``coord``: a ``TierCoord``)."""
 
     def __init__(self, coord: Any, timeout_s: float) -> None:
-        store = dist.PrefixStore(f"{coord.namespace}/tiers", coord.store)
+        store = dist.PrefixStore(f"{coord.namespace}/tiers", coord.group_store)
         self.rank, self.world_size = coord.rank, coord.world_size
         # One process needs no group (nor gloo's threads, which a later fork would inherit).
         self.pg: Any = None
