@@ -1,9 +1,12 @@
 """The etcd catalog: a real etcd (Debian's etcd-server package, fetched and started on
 loopback by the fixture), commits recorded through the manager, compare-and-swap on the
-latest step under racing writers, and a catalog that is down never failing a save."""
+latest step under racing writers, and a catalog that is down, or answers JSON of another
+shape (a loopback HTTP server of the test's), never failing a save."""
 
 from __future__ import annotations
 
+import base64
+import http.server
 import json
 import logging
 import shutil
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkeeper.core import CatalogError, CheckpointManager
+from shardkeeper.core import CatalogError, CheckpointManager, metrics
 from shardkeeper.core.catalog import EtcdCatalog, open_catalog
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -161,3 +164,72 @@ def test_a_catalog_that_is_down_never_fails_a_save(tmp_path: Path, caplog: pytes
         EtcdCatalog(dead.replace("etcd://", "http://"), timeout_s=1).latest("x")
     with pytest.raises(ValueError, match="etcd endpoint"):
         open_catalog("redis://x")
+
+
+class _Gateway(http.server.BaseHTTPRequestHandler):
+    """An endpoint that answers every ``/v3/<call>`` with ``server.answers[<call>]`` (bytes):
+    what a proxy, another service or a gateway of another version may send."""
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = self.server.answers.get(self.path.removeprefix("/v3/"), b"{}")  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def gateway() -> Iterator[http.server.ThreadingHTTPServer]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Gateway)  # a free port
+    server.answers = {}  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+_B64_ABC = base64.b64encode(b"abc").decode()
+MALFORMED = {  # call -> answer; each one a commit must survive
+    "kvs of ints": {"kv/range": b'{"kvs":[1]}'},
+    "a list": {"kv/range": b"[1, 2]"},
+    "not JSON": {"kv/range": b"<html>502 Bad Gateway</html>"},
+    "kvs not a list": {"kv/range": b'{"kvs": {"value": 1}}'},
+    "value not base64": {"kv/range": b'{"kvs":[{"value": 5, "mod_revision": "3"}]}'},
+    "revision not an int": {"kv/range": b'{"kvs":[{"value": "MQ==", "mod_revision": [3]}]}'},
+    "latest not a step": {"kv/range": json.dumps({"kvs": [{"value": _B64_ABC, "mod_revision": "3"}]}).encode()},
+    "succeeded not a bool": {"kv/range": b"{}", "kv/txn": b'{"succeeded": "yes"}'},
+    "txn a list": {"kv/range": b"{}", "kv/txn": b"[true]"},
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_catalog_answering_another_shape_never_fails_a_committed_save(
+    gateway: http.server.ThreadingHTTPServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    """The commit is done once the manifest is put (a retry is refused): whatever the endpoint
+    answers, wait() returns, a warning names the step, the metric counts it, the next save works."""
+    gateway.answers.update(MALFORMED[case])  # type: ignore[attr-defined]
+    url = f"etcd://127.0.0.1:{gateway.server_address[1]}/jobs"
+    failures = metrics.AFTER_COMMIT_ERRORS
+    before = failures.value(what="catalog")
+    with caplog.at_level(logging.WARNING), CheckpointManager(tmp_path / "r", catalog=url) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}, async_save=True).wait()
+        assert mgr.steps() == [1]
+        assert failures.value(what="catalog") == before + 1
+        mgr.save(2, {"w": torch.full((2,), 2.0)}, async_save=True).wait()
+        assert mgr.steps() == [1, 2]
+    assert failures.value(what="catalog") == before + 2
+    warned = [r.getMessage() for r in caplog.records if "catalog was not updated" in r.getMessage()]
+    assert len(warned) == 2 and warned[0].startswith("step 1 committed under ") and "CatalogError" in warned[0]
+    with pytest.raises(CatalogError, match=r"127\.0\.0\.1.*(answered|failed|holds)"):
+        EtcdCatalog(f"http://127.0.0.1:{gateway.server_address[1]}").record("s3://b/run", 3)

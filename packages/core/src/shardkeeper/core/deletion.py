@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from shardkeeper.core import metrics
 from shardkeeper.core.catalog import forget_deleted
 from shardkeeper.core.commit import committed_steps, manifest_steps
 from shardkeeper.core.context import ManagerContext
@@ -39,6 +40,7 @@ def retain(storage: Storage, policy: RetentionPolicy, catalog: str | None, step:
     try:
         deleted = apply_retention(storage, policy, protect=[step])
     except Exception as e:  # retention must never fail a committed save
+        metrics.record(metrics.AFTER_COMMIT_ERRORS, 1, step=step, what="retention")
         log.warning("retention after step %d failed (will retry after the next save): %s", step, e)
     else:
         forget_deleted(catalog, storage, deleted)

@@ -5,18 +5,22 @@ log record on the logger ``shardkeeper.metrics`` (level DEBUG, ``extra={"metric"
 "labels", "rank", "step"}``) so any log pipeline can pick them up. Values are per process, i.e.
 per rank.
 
-=====================================  ==========  =========================================
-name                                   kind        meaning (labels)
-=====================================  ==========  =========================================
-``checkpoint_save_seconds``            histogram   save() to committed, as this rank saw it
-``checkpoint_stall_seconds``           histogram   time save() blocked the caller
-``checkpoint_bytes_written_total``     counter     shard bytes this rank wrote
-``checkpoint_upload_errors_total``     counter     storage errors (``op``, ``outcome``:
-                                                   ``retried`` or ``failed``)
-``checkpoint_last_committed_step``     gauge       newest step this process saw committed
-``checkpoint_restore_seconds``         histogram   restore() of one step
-``checkpoint_bytes_read_total``        counter     bytes this rank read to restore
-=====================================  ==========  =========================================
+===========================================  ==========  =========================================
+name                                         kind        meaning (labels)
+===========================================  ==========  =========================================
+``checkpoint_save_seconds``                  histogram   save() to committed, as this rank saw it
+``checkpoint_stall_seconds``                 histogram   time save() blocked the caller
+``checkpoint_bytes_written_total``           counter     shard bytes this rank wrote
+``checkpoint_upload_errors_total``           counter     storage errors (``op``, ``outcome``:
+                                                         ``retried`` or ``failed``)
+``checkpoint_last_committed_step``           gauge       newest step this process saw committed
+``checkpoint_after_commit_errors_total``     counter     failures after a commit, logged instead of
+                                                         failing the committed save (``what``:
+                                                         ``latest_hint``, ``catalog``,
+                                                         ``catalog_forget``, ``retention``)
+``checkpoint_restore_seconds``               histogram   restore() of one step
+``checkpoint_bytes_read_total``              counter     bytes this rank read to restore
+===========================================  ==========  =========================================
 
 Prometheus: ``pip install shardkeeper-core[metrics]``, then either
 ``shardkeeper.core.metrics.start_http_server(9100)`` (a ``/metrics`` endpoint on a thread) or
@@ -149,6 +153,9 @@ UPLOAD_ERRORS = REGISTRY.metric(
     "checkpoint_upload_errors_total", "counter", "Storage errors, retried or failed, by operation"
 )
 LAST_COMMITTED_STEP = REGISTRY.metric("checkpoint_last_committed_step", "gauge", "Newest committed step")
+AFTER_COMMIT_ERRORS = REGISTRY.metric(
+    "checkpoint_after_commit_errors_total", "counter", "Failures after a commit, logged, never failing the save"
+)
 RESTORE_SECONDS = REGISTRY.metric("checkpoint_restore_seconds", "histogram", "Seconds to restore a step")
 BYTES_READ = REGISTRY.metric("checkpoint_bytes_read_total", "counter", "Bytes read to restore")
 
@@ -251,6 +258,7 @@ def start_http_server(port: int, addr: str = "0.0.0.0", registry: Registry = REG
 
 
 __all__ = [
+    "AFTER_COMMIT_ERRORS",
     "BYTES_READ",
     "BYTES_WRITTEN",
     "LAST_COMMITTED_STEP",

@@ -436,11 +436,14 @@ class SaveRunner:
             )
         finally:
             wait(page)  # (a save that failed elsewhere returns only once its page is written)
+        # The manifest is put: the step is committed and a retry would be refused, so nothing
+        # from here on fails the save (a failure is logged and counted, never raised).
         try:
             write_latest_hint(ctx.storage, step)
-        except CheckpointError as e:  # a hint only; the manifest is the truth
-            log.warning("step %d committed, but the LATEST hint was not updated: %s", step, e)
-        record_commit(settings.catalog, ctx.storage, step, manifest)
+        except Exception as e:  # a hint only; the manifest is the truth
+            metrics.record(metrics.AFTER_COMMIT_ERRORS, 1, rank=ctx.rank, step=step, what="latest_hint")
+            log.warning("step %d committed, but the LATEST hint was not updated: %s: %s", step, type(e).__name__, e)
+        record_commit(settings.catalog, ctx.storage, step, manifest)  # logs and counts its own failures
         log.info("step %d committed at %s (%d leaves)", step, ctx.storage.describe(sdir), len(manifest.leaves))
         return COMMITTED
 
