@@ -12,6 +12,7 @@ exports to the keys ``from_pretrained`` expects.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -38,6 +39,7 @@ from shardkeeper.core.format.safetensors import build_header
 from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.storage.safe_files import atomic_file, remove_entry, write_file
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -130,8 +132,10 @@ def _prepare_dir(outdir: str, overwrite: bool) -> list[str]:
     removed = []
     for name in entries:
         path = os.path.join(outdir, name)
-        if os.path.isfile(path) and any(fnmatch.fnmatchcase(name, p) for p in EXPORT_PATTERNS):
-            os.remove(path)
+        # a link of such a name goes too, as a link (dangling or not): it is never written through
+        ours = any(fnmatch.fnmatchcase(name, p) for p in EXPORT_PATTERNS)
+        if ours and (os.path.islink(path) or os.path.isfile(path)):
+            remove_entry(path)
             removed.append(name)
     return removed
 
@@ -289,7 +293,9 @@ def export_safetensors(
     )
     bar = make_bar(sum(it[2].nbytes for it in items), f"export step {step}", progress)
     n = len(shards)
-    tmp = ""
+    # Every file is written by ``atomic_file``: a temporary created anew (a link planted at
+    # its name is unlinked, never written through), renamed over the final name (a link there
+    # is replaced); so nothing lands outside ``outdir``, even if links appear there meanwhile.
     try:
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
@@ -298,8 +304,7 @@ def export_safetensors(
                 {"format": "pt", "shardkeeper_root": storage.url, "shardkeeper_step": str(step)},
             )
             final = os.path.join(outdir, fname)
-            tmp = final + ".partial"
-            with open(tmp, "wb") as f:
+            with atomic_file(final, final + ".partial") as f:
                 f.write(header)
                 for name, key, leaf in shard:
                     data = _assemble(reader, m, key, leaf)
@@ -308,28 +313,22 @@ def export_safetensors(
                     res.weight_map[name] = fname
                     res.total_size += leaf.nbytes
                     bar.update(leaf.nbytes)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
             res.files.append(fname)
+        index = {
+            "metadata": {"total_size": res.total_size, "shardkeeper_step": step},
+            "weight_map": dict(sorted(res.weight_map.items())),
+        }
+        final = os.path.join(outdir, INDEX_NAME)
+        write_file(final, (json.dumps(index, indent=2) + "\n").encode(), tmp=final + ".partial")
     except BaseException:
         # a failed export leaves its folder as it found it (empty, or emptied by overwrite=True):
         # no half-written shard, no shard without an index, and nothing to overwrite next time
-        for path in [tmp, *(os.path.join(outdir, f) for f in res.files)]:
-            if path and os.path.lexists(path):
-                os.remove(path)
+        for fname in res.files:
+            with contextlib.suppress(OSError):
+                remove_entry(os.path.join(outdir, fname))
         raise
     finally:
         bar.close()
-    index = {
-        "metadata": {"total_size": res.total_size, "shardkeeper_step": step},
-        "weight_map": dict(sorted(res.weight_map.items())),
-    }
-    tmp = os.path.join(outdir, INDEX_NAME + ".partial")
-    with open(tmp, "w", encoding="utf-8") as text:
-        json.dump(index, text, indent=2)
-        text.write("\n")
-    os.replace(tmp, os.path.join(outdir, INDEX_NAME))
     return res
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from shardkeeper.core import parse_step_dir, step_dir
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.storage.safe_files import write_file
 from shardkeeper.lightning.pointer_doc import MAX_POINTER_BYTES, POINTER_FORMAT, POINTER_VERSION, parse_pointer
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,8 @@ def write_pointer(path: str, root: str, step: int) -> None:
             f"there (a checkpoint of another CheckpointIO?); remove it or choose another path"
         )
     if "://" not in path or path.startswith("file://"):
-        tmp = f"{p}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
+        # a temporary created anew, renamed over the pointer: never written through a link
+        write_file(p, data, tmp=f"{p}.{uuid.uuid4().hex[:8]}.tmp")
     else:
         fs.pipe_file(p, data)
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from shardkeeper.core.export import ExportResult, export_safetensors
+from shardkeeper.core.storage.safe_files import move_in
 
 
 def export_pretrained(
@@ -28,8 +31,21 @@ def export_pretrained(
             f"not {type(config).__name__}; nothing was written to {os.fspath(to)}"
         )
     result = export_safetensors(root, step, to=to, keys=("model/*",), **options)
-    config.save_pretrained(os.fspath(to))
+    _save_config(config, os.fspath(to))
     return result
+
+
+def _save_config(config: Any, to: str) -> None:
+    """``config.save_pretrained(to)``, without writing through a link planted in ``to``: it
+    writes into a fresh private folder (``mkdtemp``: created by this call, mode 0700), whose
+    files are then renamed into ``to`` as every export file is (``safe_files.move_in``)."""
+    private = tempfile.mkdtemp(prefix=".config-", dir=to)
+    try:
+        config.save_pretrained(private)
+        for name in sorted(os.listdir(private)):
+            move_in(os.path.join(private, name), os.path.join(to, name))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 __all__ = ["export_pretrained"]

@@ -46,6 +46,7 @@ from shardkeeper.core.storage.local_paths import (
     write_all,
 )
 from shardkeeper.core.storage.local_writer import DIRECT_ALIGN, DIRECT_MIN_BYTES, LocalWriter
+from shardkeeper.core.storage.safe_files import open_new
 
 
 def _fsync_dir(path: Path) -> None:
@@ -212,7 +213,7 @@ class LocalStorage:
         parent, name = os.path.split(final)
         os.makedirs(parent, exist_ok=True)
         tmp = f"{parent}/.{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0o644)
+        fd = open_new(tmp)  # a link (symbolic or hard) planted at this name is unlinked, never written
         try:
             write_all(fd, data)
             if self._fsync:
