@@ -45,6 +45,7 @@ from shardkeeper.core.protocol import (
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.save_terms import SaveTerms
 from shardkeeper.core.step_order import StepOrder
 from shardkeeper.core.tensor.group_fold import fold_group, unfold
 from shardkeeper.core.tensor.index_write import index_report
@@ -106,6 +107,22 @@ def outcome_timeout(commit_timeout_s: float) -> float:
     return 2 * commit_timeout_s + 30.0
 
 
+def agreed_options(ctx: ManagerContext, *, tiered: bool) -> dict[str, Any]:
+    """The manager's options that every rank of a save must share: the manifest records them
+    once for all ranks (its digests, codecs, data prefixes, encryption binding), or the
+    protocol depends on them (a local tier)."""
+    s = ctx.settings
+    return {
+        "digest": s.digest,
+        "digest_block_bytes": s.digest_block_bytes,
+        "compression": s.compression or "none",
+        "describe_layouts": s.describe_layouts,
+        "data_prefixes": s.data_prefixes,
+        "encryption": ctx.encryption.binding if ctx.encryption is not None else None,
+        "local_tier": tiered,
+    }
+
+
 def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)`` with ``owner`` referenced until it returns."""
     fn(*args)
@@ -132,6 +149,11 @@ class SaveRunner:
         self._plans = plans
         self._gate = gate
         self._order = StepOrder(ctx.storage, ctx.rank, also=tiers.persistent.storage if tiers is not None else None)
+        self._options = agreed_options(ctx, tiered=tiers is not None)
+
+    def terms(self, step: int) -> SaveTerms:
+        """What every rank of the save of ``step`` must share (``save_terms.py``)."""
+        return SaveTerms(step, self._options)
 
     # -- caller's thread ---------------------------------------------------------------------
     def refusal(self, step: int) -> CommitConflictError | None:
@@ -222,11 +244,12 @@ class SaveRunner:
             except Exception as e:  # the refusal is the error this save raises
                 log.warning("step %d, rank %d: the peer replicas of a refused save: %s", step, ctx.rank, e)
         failure = Failure.of(ctx.rank, Phase.CHECK, ctx.storage.describe(step_dir(step)), err)
+        terms = self.terms(step)
         if ctx.rank == COORDINATOR:
-            ctx.coord.publish(seq, Outcome(failure))
+            ctx.coord.publish(seq, Outcome(failure), terms=terms)
         else:
-            ctx.coord.report(seq, failure)
-            ctx.coord.outcome(seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step)
+            ctx.coord.report(seq, failure, terms=terms)
+            ctx.coord.outcome(seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step, terms=terms)
         raise err
 
     def run(self, job: SaveJob) -> None:
@@ -261,14 +284,16 @@ class SaveRunner:
                 if local_error is None:
                     phase, local_error = Phase.REPLICATE, e
                     own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
+        terms = self.terms(step)
         if ctx.rank == COORDINATOR:
             outcome = self._commit(job, own)
-            ctx.coord.publish(job.seq, outcome)
+            ctx.coord.publish(job.seq, outcome, terms=terms)
         else:
             sent: Report | None = self._fold(job, own) if ctx.coord.leads() and isinstance(own, RankReport) else own
             if sent is not None:  # (None: a rank of this leader's group failed, and said so itself)
-                ctx.coord.report(job.seq, sent)
-            outcome = ctx.coord.outcome(job.seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step)
+                ctx.coord.report(job.seq, sent, terms=terms)
+            timeout_s = outcome_timeout(ctx.settings.commit_timeout_s)
+            outcome = ctx.coord.outcome(job.seq, timeout_s, step=step, terms=terms)
         if local_error is not None:
             raise CheckpointSaveError(
                 f"save of step {step} failed on rank {ctx.rank} in phase {phase} at "
@@ -345,7 +370,9 @@ class SaveRunner:
         its own, or None when a rank of its group reported a failure."""
         ctx = self.ctx
         try:
-            got = ctx.coord.collect_group(job.seq, ctx.settings.commit_timeout_s, step=job.step)
+            got = ctx.coord.collect_group(
+                job.seq, ctx.settings.commit_timeout_s, step=job.step, terms=self.terms(job.step)
+            )
             if got is None or isinstance(got, Failure):
                 return got
             report, written = self._fold_group(job, [own, *got])
@@ -382,7 +409,7 @@ class SaveRunner:
             if ctx.coord.leads():  # group commit: its own page (a group of one), as every leader writes one
                 own, written = self._fold_group(job, [own])
                 page += [written] if written is not None else []
-            got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step)
+            got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step, terms=self.terms(step))
             if isinstance(got, Failure):
                 return Outcome(got)
             reports, pages, refs = unfold(got)

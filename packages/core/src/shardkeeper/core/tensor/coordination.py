@@ -26,6 +26,7 @@ from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.format.columns import no_gc
 from shardkeeper.core.format.jsonvalue import loads_exact
 from shardkeeper.core.protocol import (
+    COORDINATOR,
     Failure,
     Outcome,
     RankReport,
@@ -33,6 +34,7 @@ from shardkeeper.core.protocol import (
     malformed,
     report_from_json,
 )
+from shardkeeper.core.save_terms import MEMBER, SaveTerms, mismatch
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.store_channel import StoreChannel, StoreTimeout
 
@@ -41,32 +43,39 @@ class Coordinator(Protocol):
     rank: int
     world_size: int
 
-    def report(self, seq: int, report: Report) -> None:
+    def report(self, seq: int, report: Report, *, terms: SaveTerms | None = None) -> None:
         """Every rank but the coordinator: send this rank's report (or its failure); a group
-        leader, its group's folded report."""
+        leader, its group's folded report. ``terms``: the save's, sent with it."""
         ...
 
     def leads(self) -> bool:
         """Whether this rank folds a group's reports (a world above ``group_ranks``)."""
         ...
 
-    def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
+    def collect_group(
+        self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None
+    ) -> list[RankReport] | Failure | None:
         """A group leader: its group's other ranks' reports, in rank order, or None for a
         failure in its group (the failing rank tells the coordinator itself). The coordinator
-        is a group of its own: none."""
+        is a group of its own: none. Raises ``SaveTermsMismatch`` when a report's terms
+        differ from ``terms``."""
         ...
 
-    def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
+    def collect(
+        self, seq: int, own: RankReport, timeout_s: float, *, step: int, terms: SaveTerms | None = None
+    ) -> list[RankReport] | Failure:
         """Coordinator only: its own report and every other rank's, in rank order; fails fast
-        on a failure report (then returns that one)."""
+        on a failure report (then returns that one). Raises ``SaveTermsMismatch`` when a
+        report's terms differ from ``terms``."""
         ...
 
-    def publish(self, seq: int, outcome: Outcome) -> None:
-        """Coordinator only: the save's outcome, for every other rank."""
+    def publish(self, seq: int, outcome: Outcome, *, terms: SaveTerms | None = None) -> None:
+        """Coordinator only: the save's outcome, for every other rank, with its ``terms``."""
         ...
 
-    def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
-        """Every rank but the coordinator: wait for the outcome the coordinator publishes."""
+    def outcome(self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None) -> Outcome:
+        """Every rank but the coordinator: wait for the outcome the coordinator publishes; a
+        commit of other terms than ``terms`` raises ``SaveTermsMismatch``."""
         ...
 
     def agree_int(self, value: int, op: str) -> int:
@@ -87,22 +96,26 @@ class LocalCoordinator:
     def __init__(self) -> None:
         self._outcomes: dict[int, Outcome] = {}
 
-    def report(self, seq: int, report: Report) -> None:
+    def report(self, seq: int, report: Report, *, terms: SaveTerms | None = None) -> None:
         raise AssertionError("the only rank is the coordinator; it does not report to itself")
 
     def leads(self) -> bool:
         return False
 
-    def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
+    def collect_group(
+        self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None
+    ) -> list[RankReport] | Failure | None:
         return []
 
-    def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
+    def collect(
+        self, seq: int, own: RankReport, timeout_s: float, *, step: int, terms: SaveTerms | None = None
+    ) -> list[RankReport] | Failure:
         return [own]
 
-    def publish(self, seq: int, outcome: Outcome) -> None:
+    def publish(self, seq: int, outcome: Outcome, *, terms: SaveTerms | None = None) -> None:
         self._outcomes[seq] = outcome
 
-    def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
+    def outcome(self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None) -> Outcome:
         return self._outcomes.pop(seq)
 
     def agree_int(self, value: int, op: str) -> int:
@@ -158,8 +171,8 @@ class StoreCoordinator:
     def _key(self, seq: int, name: str) -> str:
         return f"{self.namespace}/{seq}/{name}"
 
-    def report(self, seq: int, report: Report) -> None:
-        """Set this rank's report, then count it in; the last rank to count in, or a failing
+    def report(self, seq: int, report: Report, *, terms: SaveTerms | None = None) -> None:
+        """Set this rank's report (with the save's ``terms``), then count it in; the last rank to count in, or a failing
         rank (which also names itself), wakes the coordinator. This rank's previous report is
         deleted here: the coordinator read it before it published the outcome this rank waited
         for, so the coordinator never spends a round trip per rank on deleting."""
@@ -167,7 +180,10 @@ class StoreCoordinator:
         if self._reported is not None:
             store.delete_key(self._key(self._reported, f"report/{self.rank}"))
         self._reported = seq
-        store.set(self._key(seq, f"report/{self.rank}"), json.dumps(report.to_json()))
+        doc = report.to_json()
+        if terms is not None:
+            doc[MEMBER] = terms.to_json()
+        store.set(self._key(seq, f"report/{self.rank}"), json.dumps(doc))
         leader = self._leader_of(self.rank)
         if isinstance(report, Failure):
             store.set(self._key(seq, "failed"), str(self.rank))
@@ -203,7 +219,9 @@ class StoreCoordinator:
     def leads(self) -> bool:
         return self._paged and self._leader_of(self.rank) == self.rank
 
-    def collect_group(self, seq: int, timeout_s: float, *, step: int) -> list[RankReport] | Failure | None:
+    def collect_group(
+        self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None
+    ) -> list[RankReport] | Failure | None:
         """One blocking wait for the group's wake key (set by its last rank to report, or by
         any failing one), then the group's reports in one ``multi_get``."""
         store, leader = self._store, self.rank
@@ -225,9 +243,11 @@ class StoreCoordinator:
             return None  # a failure in its group: the coordinator hears of it from the failing rank
         store.delete_key(wake)
         store.delete_key(count)
-        return self._read_reports(seq, list(members), step)
+        return self._read_reports(seq, list(members), step, terms)
 
-    def collect(self, seq: int, own: RankReport, timeout_s: float, *, step: int) -> list[RankReport] | Failure:
+    def collect(
+        self, seq: int, own: RankReport, timeout_s: float, *, step: int, terms: SaveTerms | None = None
+    ) -> list[RankReport] | Failure:
         """A constant number of store round trips, whatever the world size: one blocking wait
         for the wake key, the count, then every report in one ``multi_get`` (or the failing
         rank's report alone). Only a timeout looks at the ranks one by one, to name them."""
@@ -247,7 +267,7 @@ class StoreCoordinator:
             ) from None
         if store.add(self._key(seq, "count"), 0) < len(others):  # woken by a failure
             return self._failed_report(seq, step)
-        got = self._read_reports(seq, others, step)
+        got = self._read_reports(seq, others, step, terms)
         if isinstance(got, Failure):
             return got
         return [own, *got]
@@ -261,27 +281,41 @@ class StoreCoordinator:
             return report
         raise malformed(f"step {step}: the report of rank {r} ({key})", "it names a failure but reports success")
 
-    def _read_reports(self, seq: int, ranks: list[int], step: int) -> list[RankReport] | Failure:
-        """The reports of ``ranks`` in one round trip, parsed, or the first failure among them."""
+    def _read_reports(
+        self, seq: int, ranks: list[int], step: int, terms: SaveTerms | None = None
+    ) -> list[RankReport] | Failure:
+        """The reports of ``ranks`` in one round trip, parsed, or the first failure among them.
+        Raises ``SaveTermsMismatch`` when one was sent on other ``terms``."""
         store = self._store
         keys = [self._key(seq, f"report/{r}") for r in ranks]
         got: list[RankReport] = []
+        sent: dict[int, SaveTerms | None] = {}
         with no_gc():  # a report makes a hundred small objects, none in a cycle: 16,384 reports
             # otherwise trigger full collections that cost as much as parsing them
             for r, k, data in zip(ranks, keys, _multi_get(store, keys)):
-                report = _read_report(data, rank=r, where=f"step {step}: the report of rank {r} ({k})")
+                where = f"step {step}: the report of rank {r} ({k})"
+                doc = _parse(data, where)
+                if terms is not None and isinstance(doc, dict):
+                    sent[r] = SaveTerms.of(doc.get(MEMBER))
+                report = report_from_json(doc, rank=r, where=where)
                 if isinstance(report, Failure):
                     return report
                 got.append(report)
+        wrong = mismatch(terms, self.rank, sent) if terms is not None else None
+        if wrong is not None:
+            raise wrong
         return got
 
-    def publish(self, seq: int, outcome: Outcome) -> None:
-        """Set the outcome, then delete this save's keys. After a failure, ranks that had not
+    def publish(self, seq: int, outcome: Outcome, *, terms: SaveTerms | None = None) -> None:
+        """Set the outcome (with the save's ``terms``), then delete this save's keys. After a failure, ranks that had not
         reported yet (or a leader whose group timed out) can still write theirs: such a save's
         keys are deleted again after the next committed save, when every rank has passed it
         (one save in flight per manager), so that a long job's failures do not fill the store."""
         store = self._store
-        store.set(self._key(seq, "outcome"), json.dumps(outcome.to_json()))
+        doc = outcome.to_json()
+        if terms is not None:
+            doc[MEMBER] = terms.to_json()
+        store.set(self._key(seq, "outcome"), json.dumps(doc))
         for name in self._names(outcome.ok):
             store.delete_key(self._key(seq, name))
         if not outcome.ok:
@@ -299,7 +333,7 @@ class StoreCoordinator:
             names += [f"g{k}/{leader}" for leader in self._leaders[1:] for k in ("wake", "count")]
         return names
 
-    def outcome(self, seq: int, timeout_s: float, *, step: int) -> Outcome:
+    def outcome(self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None) -> Outcome:
         store = self._store
         key = self._key(seq, "outcome")
         try:
@@ -310,10 +344,16 @@ class StoreCoordinator:
                 f"within {timeout_s:.0f} s; it died or hangs. The checkpoint was not committed"
             ) from e
         where = f"step {step}, rank {self.rank}: the outcome ({key})"
-        out = Outcome.from_json(_parse(store.get(key), where, json.loads), where=where)
+        doc = _parse(store.get(key), where, json.loads)
+        out = Outcome.from_json(doc, where=where)
         if store.add(self._key(seq, "acks"), 1) == self.world_size - 1:  # all but rank 0
             store.delete_key(key)
             store.delete_key(self._key(seq, "acks"))
+        theirs = SaveTerms.of(doc.get(MEMBER)) if isinstance(doc, dict) else None
+        if out.ok and terms is not None and theirs is not None and theirs != terms:
+            wrong = mismatch(theirs, COORDINATOR, {self.rank: terms})
+            assert wrong is not None
+            raise wrong  # a commit of another save than this rank's never resolves its handle
         return out
 
     def agree_int(self, value: int, op: str) -> int:
