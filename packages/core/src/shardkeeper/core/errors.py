@@ -42,6 +42,17 @@ class ChecksumMismatchError(CorruptCheckpointError):
         self.file = file
 
 
+class KeyNotHeldError(ChecksumMismatchError):
+    """A data file of a step whose manifest authenticated is sealed under a key the provider
+    does not hold (``key_id``): a key rotated out while a step still references a file sealed
+    under it, or a file put in place of the step's own. Damage to a restore (it falls back),
+    not to ``verify`` (kind ``key``) or ``delete --damaged``: the file may be intact."""
+
+    def __init__(self, message: str, *, key_id: str = "", file: str = "") -> None:
+        super().__init__(message, file=file)
+        self.key_id = key_id
+
+
 class IncompatibleFormatError(CheckpointError, ValueError):
     """The manifest was written by a newer shardkeeper (a higher ``format_version``)."""
 
@@ -150,6 +161,7 @@ __all__ = [
     "EncryptionKeyError",
     "ForeignManifestError",
     "IncompatibleFormatError",
+    "KeyNotHeldError",
     "ProtocolError",
     "JsonValueError",
     "StateMismatchError",

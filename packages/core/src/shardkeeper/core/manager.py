@@ -205,7 +205,7 @@ class CheckpointManager:
             incremental=base.incremental,
             compression=base.compression,
             level=base.compression_level,
-            encrypted=keyed is not None,
+            keys=keyed.keys if keyed is not None else None,
         )
         self._saver = SaveRunner(
             ctx, codecs=codecs, stager=self._stager, plans=self._plans, gate=self._gate, tiers=self._tiers

@@ -33,7 +33,7 @@ from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.sizes import human_size
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.verify_headers import check_header
-from shardkeeper.core.verify_report import Collector, Problem, RootVerifyReport, VerifyReport, rng
+from shardkeeper.core.verify_report import Collector, Problem, RootVerifyReport, VerifyReport, problem_kind, rng
 
 log = logging.getLogger(__name__)
 
@@ -316,9 +316,9 @@ def _verify(
             report.files_read.add(path)
             head = b""
             for w in reader.scan(path, c, span):
-                if w.data is None:  # damage (an encrypted block that fails authentication), or the storage
+                if w.data is None:  # damage (an encrypted block that fails authentication), a key, or the storage
                     out.add(
-                        "digest" if isinstance(w.error, CorruptCheckpointError) else "read",
+                        problem_kind(w.error, "digest"),
                         f"step {step}: {where}: reading bytes {_rng(w.start, w.end)} failed: {w.error}",
                         key=key,
                         file=path,

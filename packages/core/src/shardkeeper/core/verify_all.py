@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from shardkeeper.core.bars import make_bar
 from shardkeeper.core.commit import load_manifest, manifest_path, step_dirs
-from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, IncompatibleFormatError
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    EncryptionKeyError,
+    IncompatibleFormatError,
+)
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.verify import DEFAULT_READ_BYTES, stored_bytes, verify_step
@@ -37,6 +42,17 @@ def verify_root(
         except IncompatibleFormatError as e:  # committed, but of a newer format
             report.problems.append(
                 _problem(s, manifest_path(s), f"cannot be verified by this version: {e}", "unsupported-format")
+            )
+        except EncryptionKeyError as e:  # committed, sealed under a key not given: unchecked, not damage
+            report.problems.append(
+                _problem(
+                    s,
+                    manifest_path(s),
+                    f"not checked: sealed under a key the key given does not hold ({e}). The step is "
+                    f"committed; check it with a key provider that holds that key (`shardkeeper keys "
+                    f"ROOT` lists the key ids each step needs)",
+                    "key",
+                )
             )
         except CheckpointError as e:
             report.problems.append(

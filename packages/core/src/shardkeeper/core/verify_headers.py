@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import struct
 
-from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError
+from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.records import DTYPES, ChunkRecord, LeafRecord
 from shardkeeper.core.format.safetensors import FRAMED_MAGIC, chunk_name
 from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.verify_report import Collector, rng
+from shardkeeper.core.verify_report import Collector, problem_kind, rng
 
 #: A safetensors header larger than this is taken for damage (the format's own limit is 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
@@ -52,9 +52,8 @@ def check_header(
             )
             return
         header = loads_untrusted(storage.read_range(path, 8, n), max_bytes=_MAX_HEADER_BYTES)
-    except CheckpointError as e:  # damage (the entry, or bytes that fail authentication), or the storage
-        kind = "header" if isinstance(e, CorruptCheckpointError) else "read"
-        out.add(kind, f"step {step}: reading the header of {where} failed: {e}", file=path)
+    except CheckpointError as e:  # damage (the entry, or bytes that fail authentication), a key, or the storage
+        out.add(problem_kind(e, "header"), f"step {step}: reading the header of {where} failed: {e}", file=path)
         return
     except UntrustedJSONError as e:
         out.add("header", f"step {step}: {where}: the safetensors header {e}", file=path, start=8)

@@ -10,6 +10,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardkeeper.core.errors import CorruptCheckpointError, KeyNotHeldError
+
 #: At most this many problems of one kind are listed per file; the rest are counted.
 MAX_PROBLEMS_PER_FILE = 10
 
@@ -19,13 +21,23 @@ def rng(a: int, b: int) -> str:
     return f"[{a}, {b})"
 
 
+def problem_kind(e: BaseException | None, damage: str) -> str:
+    """The kind of a failed read: ``key`` for a file sealed under a key the key given does not
+    hold (not damage: a key rotated out, see ``shardkeeper keys``), ``damage`` for other damage,
+    ``read`` when the storage did not answer (which proves nothing)."""
+    if isinstance(e, KeyNotHeldError):
+        return "key"
+    return damage if isinstance(e, CorruptCheckpointError) else "read"
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a checkpoint. ``start``/``end`` are byte offsets in ``file``."""
 
     step: int | None
     kind: str  # manifest, unsupported-format, missing-file, size, range, length, digests,
-    #            digest, tiling, header, read, path, dtype, encoding, truncated-list
+    #            digest, tiling, header, read, path, dtype, encoding, truncated-list, key (a key the
+    #            key given does not hold: not damage)
     message: str
     key: str = ""
     file: str = ""
@@ -139,4 +151,12 @@ class Collector:
                 )
 
 
-__all__ = ["MAX_PROBLEMS_PER_FILE", "Collector", "Problem", "RootVerifyReport", "VerifyReport", "rng"]
+__all__ = [
+    "MAX_PROBLEMS_PER_FILE",
+    "Collector",
+    "Problem",
+    "RootVerifyReport",
+    "VerifyReport",
+    "problem_kind",
+    "rng",
+]

@@ -1,10 +1,11 @@
-"""The ``shardkeeper`` command: ls, inspect, verify, gc, delete, export, import and advise.
+"""The ``shardkeeper`` command: ls, inspect, verify, keys, gc, delete, export, import and advise.
 
 Runs without torch, so an operator can look after a bucket from any machine::
 
     shardkeeper ls s3://bucket/run-42
     shardkeeper inspect /data/run 1200 --keys 'model/*'
     shardkeeper verify /data/run            # exit 0 clean, 1 damaged, 2 usage / nothing there
+    shardkeeper keys /data/run              # the key ids each committed step needs (key rotation)
     shardkeeper gc /data/run --dry-run
     shardkeeper delete /data/run 1200 --damaged         # verified damaged: deleted, the newest too
     shardkeeper export /data/run 1200 --to ./hf-model      # Hugging Face safetensors + index
@@ -19,7 +20,7 @@ errors to stderr.
 
 This module is the entry point (``main``: the parser, logging, the exit status of an error);
 each command lives in the module of its group: ``view`` (ls, inspect), ``check`` (verify, gc, delete),
-``convert`` (export, import), ``advise``; ``common`` holds what they share, ``roots`` the
+``keys``, ``convert`` (export, import), ``advise``; ``common`` holds what they share, ``roots`` the
 mistakes about ROOT it catches, ``progress`` the bars, ``display`` how a person is shown
 untrusted text.
 """
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkeeper.core.bars import BarSafeHandler
-from shardkeeper.core.cli import advise, check, convert, view
+from shardkeeper.core.cli import advise, check, convert, keys, view
 from shardkeeper.core.cli.common import EXIT_OK, EXIT_USAGE, PROG
 from shardkeeper.core.cli.display import PrintableFormatter, say
 from shardkeeper.core.errors import CheckpointError, UsageError
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         view.add_ls,
         view.add_inspect,
         check.add_verify,
+        keys.add_keys,
         check.add_gc,
         check.add_delete,
         convert.add_export,

@@ -82,12 +82,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
                 f"{human_size(r.bytes_checked)} checked in {r.seconds:.2f} s)"
             )
+        elif all(p.kind == "key" for p in r.problems):
+            say(f"step {r.step}: NOT CHECKED: it needs a key the key given does not hold (`{PROG} keys ROOT`)")
+            _print_problems(r.problems)
         else:
             say(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s))")
             _print_problems(r.problems)
     bad = len(root.all_problems)
     if bad:
-        say(f"verify: {bad} problem(s) under {storage.url}", file=sys.stderr)
+        keyed = sum(p.kind == "key" for p in root.all_problems)
+        more = f" ({keyed} of them a key the key given does not hold, not damage)" if keyed else ""
+        say(f"verify: {bad} problem(s) under {storage.url}{more}", file=sys.stderr)
         return EXIT_DAMAGED
     return EXIT_OK
 

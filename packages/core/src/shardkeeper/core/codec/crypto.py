@@ -48,7 +48,7 @@ from shardkeeper.core.codec.crypto_format import (
 )
 from shardkeeper.core.codec.crypto_manifest import open_manifest, seal_manifest
 from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require_cryptography
-from shardkeeper.core.errors import ChecksumMismatchError, CorruptCheckpointError
+from shardkeeper.core.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError, KeyNotHeldError
 from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.storage.wrapper import StorageWrapper
@@ -57,6 +57,7 @@ _FLUSH = 4 << 20
 #: A ranged read is done in windows of this many blocks (~16 MiB): bounded scratch memory
 #: per I/O thread, and few enough requests on an object store.
 _READ_BLOCKS = 256
+_WRITTEN = 4096  # files this process wrote whose key ``sealed_under`` knows without a read
 
 
 class _EncWriter:
@@ -141,6 +142,7 @@ class EncryptedStorage(StorageWrapper):
         self.provider = provider
         self._files: dict[str, _FileInfo] = {}
         self._keys: dict[tuple[str, bytes], bytes] = {}
+        self._written: dict[str, str] = {}  # data files this process wrote -> their key id (newest last)
         self._lock = threading.Lock()
         self.authenticate = authenticate
         if root is not None and not root.strip():
@@ -196,18 +198,38 @@ class EncryptedStorage(StorageWrapper):
         if key and info.aead is None:
             try:
                 data_key = self._unwrap(info.key_id, info.wrapped, f"{self.inner.describe(path)} (data key)")
-            except EncryptionKeyError as e:
-                # Data is read only under a manifest that authenticated with this key: a file
-                # under another key was replaced (damage; restore falls back), not a wrong key.
-                raise ChecksumMismatchError(
-                    f"{e}; its manifest authenticated with this key, so the file was replaced or "
-                    f"tampered with: restore another step and run `shardkeeper verify`",
+            except EncryptionKeyError:  # (under a manifest that authenticated: not a wrong key)
+                k = info.key_id
+                raise KeyNotHeldError(
+                    f"{self.inner.describe(path)} is sealed under key {k}, which the key provider (wrapping "
+                    f"with {getattr(self.provider, 'key_id', '?')}) does not hold, though the step's manifest "
+                    f"authenticated: a file sealed before a key rotation that the step still references (read "
+                    f"with a provider that still unwraps {k}; `shardkeeper keys ROOT` lists the key ids each "
+                    f"step needs), or, if this root never used {k}, a file put in place of the step's own: "
+                    f"restore another step",
+                    key_id=k,
                     file=path,
                 ) from None
             info = replace(info, aead=self._aead_mod.AESGCM(data_key))
         with self._lock:
             self._files[path] = info
         return info
+
+    def sealed_under(self, path: str) -> str | None:
+        """The id of the key data file ``path`` is sealed under, from its header (no key is
+        needed; a file this process wrote is known without a read), or None when its header
+        cannot be read. An incremental save references a file only under the key it wraps with."""
+        with self._lock:
+            known = self._written.get(path)
+            info = self._files.get(path)
+        if known is not None:
+            return known
+        if info is not None:
+            return info.key_id
+        try:
+            return self._info(path, key=False).key_id
+        except CheckpointError:
+            return None
 
     def _layout(self, path: str) -> _FileInfo:
         where = self.inner.describe(path)
@@ -333,6 +355,11 @@ class EncryptedStorage(StorageWrapper):
             return self.inner.open_writer(path)
         key = self._aead_mod.AESGCM.generate_key(bit_length=256)
         key_id, wrapped = self.provider.wrap(key)
+        with self._lock:
+            self._written.pop(path, None)
+            self._written[path] = key_id
+            if len(self._written) > _WRITTEN:
+                del self._written[next(iter(self._written))]
         header = json.dumps(
             {
                 "alg": ALGORITHM,
@@ -355,12 +382,14 @@ class EncryptedStorage(StorageWrapper):
     def delete(self, path: str) -> None:
         with self._lock:
             self._files.pop(path, None)
+            self._written.pop(path, None)
         self.inner.delete(path)
 
     def delete_dir(self, path: str) -> None:
         with self._lock:
-            for p in [p for p in self._files if p.startswith(path.rstrip("/") + "/")]:
-                del self._files[p]
+            for cache in (self._files, self._written):
+                for p in [p for p in cache if p.startswith(path.rstrip("/") + "/")]:
+                    del cache[p]
         self.inner.delete_dir(path)
 
 

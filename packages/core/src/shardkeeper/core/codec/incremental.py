@@ -6,6 +6,9 @@ content id is the digest (with the manifest's algorithm) of the comma-joined dig
 chunk's raw bytes in ``digest_block_bytes`` blocks: for a raw chunk it follows from the
 record's own ``digests``; an encoded chunk records it as ``content``. The new record then
 points at the file that holds the bytes (``../step-N/data/...``), never at another reference.
+On an encrypted root a chunk is reused only when that file is sealed under the key the
+manager now wraps with (``sealed``): after a key rotation a save is full once, so no step
+keeps needing a retired key through references.
 
 Torch-free: the writer calls it with digests it computed from the staged bytes.
 """
@@ -13,7 +16,7 @@ Torch-free: the writer calls it with digests it computed from the staged bytes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardkeeper.core.commit import lists_manifest, load_manifest, step_dirs
@@ -23,6 +26,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import BlockDigests, ChunkRecord
 from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -63,11 +67,17 @@ def newest_manifest(storage: Storage, before: int | None = None) -> Manifest | N
 class ReuseIndex:
     """Looks up reusable chunks of a base manifest by (key, offsets, shape, dtype, content)."""
 
-    def __init__(self, base: Manifest, algorithm: str, block_bytes: int) -> None:
+    def __init__(
+        self, base: Manifest, algorithm: str, block_bytes: int, sealed: Callable[[str], bool] | None = None
+    ) -> None:
+        """``sealed(path)``: whether the file at root-relative ``path`` may be referenced (an
+        encrypted root: it is sealed under the key new files are); None: any file may."""
         # Digests of another algorithm or block size never compare equal: nothing to reuse.
         self.usable = base.digest_algorithm == algorithm and base.digest_block_bytes == block_bytes
         self.base = base
         self.algorithm = algorithm
+        self._sealed = sealed
+        self._held: dict[str, bool] = {}  # file (relative to the base step) -> sealed(path), asked once
         self._by_key: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkRecord]] = {}
 
     def find(
@@ -99,7 +109,7 @@ class ReuseIndex:
         if prev is None:
             return None
         prev_content = prev.content or (content_id(prev.digests, self.algorithm) if prev.encoding == "raw" else "")
-        if prev_content != content:
+        if prev_content != content or not self._may_reference(prev.file):
             return None
         rec = prev.to_json()
         rec["file"] = reference_path(self.base.step, prev.file)
@@ -107,6 +117,16 @@ class ReuseIndex:
             rec["content"] = content
         rec["digests"] = BlockDigests.of(prev.digests).text
         return rec
+
+    def _may_reference(self, rel: str) -> bool:
+        """Whether the base's file ``rel`` may hold a new step's bytes (asked once per file)."""
+        if self._sealed is None:
+            return True
+        held = self._held.get(rel)
+        if held is None:
+            path = resolve_file(self.base.step, rel)
+            held = self._held[rel] = path is not None and self._sealed(path)
+        return held
 
 
 __all__ = ["ReuseIndex", "content_id", "newest_manifest", "newest_step_below", "reference_path"]
