@@ -85,4 +85,20 @@ def mismatch(own: SaveTerms, own_rank: int, others: Mapping[int, SaveTerms | Non
     )
 
 
-__all__ = ["MEMBER", "SaveTerms", "SaveTermsMismatch", "mismatch", "ranks_text"]
+def agreed_options(settings: Any, encryption: str | None, *, tiered: bool) -> dict[str, Any]:
+    """The manager's options that every rank of a save must share: the manifest records them
+    once for all ranks (its digests, codecs, data prefixes, encryption binding), or the
+    protocol depends on them (a local tier). ``encryption``: the binding of an encrypted root."""
+    s = settings
+    return {
+        "digest": s.digest,
+        "digest_block_bytes": s.digest_block_bytes,
+        "compression": s.compression or "none",
+        "describe_layouts": s.describe_layouts,
+        "data_prefixes": s.data_prefixes,
+        "encryption": encryption,
+        "local_tier": tiered,
+    }
+
+
+__all__ = ["MEMBER", "SaveTerms", "SaveTermsMismatch", "agreed_options", "mismatch", "ranks_text"]

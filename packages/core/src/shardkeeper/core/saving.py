@@ -45,7 +45,7 @@ from shardkeeper.core.protocol import (
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
-from shardkeeper.core.save_terms import SaveTerms
+from shardkeeper.core.save_terms import SaveTerms, agreed_options
 from shardkeeper.core.step_order import StepOrder
 from shardkeeper.core.tensor.group_fold import fold_group, unfold
 from shardkeeper.core.tensor.index_write import index_report
@@ -54,6 +54,7 @@ from shardkeeper.core.tensor.save import write_shards
 from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
 from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
 from shardkeeper.core.tensor.state import flatten_for_save
+from shardkeeper.core.tensor.store_channel import CoordinatorLostError, coordinator_lost
 from shardkeeper.core.version import shardkeeper_version
 
 log = logging.getLogger(__name__)
@@ -107,22 +108,6 @@ def outcome_timeout(commit_timeout_s: float) -> float:
     return 2 * commit_timeout_s + 30.0
 
 
-def agreed_options(ctx: ManagerContext, *, tiered: bool) -> dict[str, Any]:
-    """The manager's options that every rank of a save must share: the manifest records them
-    once for all ranks (its digests, codecs, data prefixes, encryption binding), or the
-    protocol depends on them (a local tier)."""
-    s = ctx.settings
-    return {
-        "digest": s.digest,
-        "digest_block_bytes": s.digest_block_bytes,
-        "compression": s.compression or "none",
-        "describe_layouts": s.describe_layouts,
-        "data_prefixes": s.data_prefixes,
-        "encryption": ctx.encryption.binding if ctx.encryption is not None else None,
-        "local_tier": tiered,
-    }
-
-
 def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)`` with ``owner`` referenced until it returns."""
     fn(*args)
@@ -149,7 +134,8 @@ class SaveRunner:
         self._plans = plans
         self._gate = gate
         self._order = StepOrder(ctx.storage, ctx.rank, also=tiers.persistent.storage if tiers is not None else None)
-        self._options = agreed_options(ctx, tiered=tiers is not None)
+        binding = ctx.encryption.binding if ctx.encryption is not None else None
+        self._options = agreed_options(ctx.settings, binding, tiered=tiers is not None)
 
     def terms(self, step: int) -> SaveTerms:
         """What every rank of the save of ``step`` must share (``save_terms.py``)."""
@@ -248,8 +234,11 @@ class SaveRunner:
         if ctx.rank == COORDINATOR:
             ctx.coord.publish(seq, Outcome(failure), terms=terms)
         else:
-            ctx.coord.report(seq, failure, terms=terms)
-            ctx.coord.outcome(seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step, terms=terms)
+            try:
+                ctx.coord.report(seq, failure, terms=terms)
+                ctx.coord.outcome(seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step, terms=terms)
+            except CoordinatorLostError as e:
+                log.warning("step %d, rank %d: %s", step, ctx.rank, e)  # the refusal is this save's error
         raise err
 
     def run(self, job: SaveJob) -> None:
@@ -285,15 +274,22 @@ class SaveRunner:
                     phase, local_error = Phase.REPLICATE, e
                     own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
         terms = self.terms(step)
-        if ctx.rank == COORDINATOR:
-            outcome = self._commit(job, own)
-            ctx.coord.publish(job.seq, outcome, terms=terms)
-        else:
-            sent: Report | None = self._fold(job, own) if ctx.coord.leads() and isinstance(own, RankReport) else own
-            if sent is not None:  # (None: a rank of this leader's group failed, and said so itself)
-                ctx.coord.report(job.seq, sent, terms=terms)
-            timeout_s = outcome_timeout(ctx.settings.commit_timeout_s)
-            outcome = ctx.coord.outcome(job.seq, timeout_s, step=step, terms=terms)
+        reported = False  # whether the coordinator may have this rank's report: it may have committed
+        try:
+            if ctx.rank == COORDINATOR:
+                outcome = self._commit(job, own)
+                ctx.coord.publish(job.seq, outcome, terms=terms)
+            else:
+                sent: Report | None = own
+                if ctx.coord.leads() and isinstance(own, RankReport):
+                    sent = self._fold(job, own)
+                if sent is not None:  # (None: a rank of this leader's group failed, and said so itself)
+                    ctx.coord.report(job.seq, sent, terms=terms)
+                    reported = isinstance(sent, RankReport)
+                timeout_s = outcome_timeout(ctx.settings.commit_timeout_s)
+                outcome = ctx.coord.outcome(job.seq, timeout_s, step=step, terms=terms)
+        except CoordinatorLostError as e:
+            raise coordinator_lost(step, ctx.rank, e, committed=None if reported else False) from e
         if local_error is not None:
             raise CheckpointSaveError(
                 f"save of step {step} failed on rank {ctx.rank} in phase {phase} at "
@@ -307,7 +303,12 @@ class SaveRunner:
         metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
         metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
         if self._tiers is not None:
-            self._tiers.after_commit(job.seq, step, job.tier["files"], job.tier.get("manifest"), job.tier.get("data"))
+            try:
+                self._tiers.after_commit(
+                    job.seq, step, job.tier["files"], job.tier.get("manifest"), job.tier.get("data")
+                )
+            except CoordinatorLostError as e:
+                raise coordinator_lost(step, ctx.rank, e, committed=True) from e
         elif ctx.rank == COORDINATOR:
             deletion.retain(ctx.storage, job.retention, ctx.settings.catalog, step)
 

@@ -39,6 +39,7 @@ from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor import _torch_compat as tc
 from shardkeeper.core.tensor.restore_plan import RestoreStats
+from shardkeeper.core.tensor.store_channel import gloo_group
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -106,7 +107,7 @@ class PeerGroup:
 
     def __init__(self, coord: Any, timeout_s: float) -> None:
         store = dist.PrefixStore(f"{coord.namespace}/restore-share", tc.group_store(coord.group))
-        self.pg: Any = dist.ProcessGroupGloo(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s))
+        self.pg: Any = gloo_group(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s), "a restore")
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, where: str) -> None:
         _waited(self.pg.allgather([out], [t]), where)

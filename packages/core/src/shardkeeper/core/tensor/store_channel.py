@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError
 
 
 class CoordinatorLostError(CheckpointError):
@@ -45,6 +45,15 @@ def own_connection(store: Any) -> Any:
         return clone()
     except (RuntimeError, NotImplementedError):  # a store type without its own clone
         return store
+
+
+def gloo_group(store: Any, rank: int, world_size: int, timeout: timedelta, label: str) -> Any:
+    """A gloo group of ``world_size`` ranks that meet on ``store`` (a prefix of the job's
+    store); a store that cannot be reached raises ``CoordinatorLostError`` naming ``label``."""
+    try:
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    except dist.DistNetworkError as e:
+        raise StoreChannel(store, label, own=False)._lost("meeting on", "the store", e) from e
 
 
 def _first_line(e: BaseException) -> str:
@@ -108,4 +117,18 @@ class StoreChannel:
         return [bytes(v) for v in got]
 
 
-__all__ = ["CoordinatorLostError", "StoreChannel", "StoreTimeout", "own_connection"]
+def coordinator_lost(
+    step: int, rank: int, error: CoordinatorLostError, *, committed: bool | None
+) -> CheckpointSaveError:
+    """The save's error when the coordinator's store went away under it: ``committed`` says
+    whether the step was (True), was not (False) or may have been (None) committed."""
+    status = {
+        True: "the step was committed (in the coordinator's node's local tier) before it was lost",
+        False: "the step was not committed: the coordinator never had this rank's report",
+        None: "this rank had reported, so the coordinator may have committed the step before it died: a restore "
+        "after the restart takes it if its manifest is there, else the newest step before it",
+    }[committed]
+    return CheckpointSaveError(f"save of step {step} on rank {rank}: {error}; {status}", step=step)
+
+
+__all__ = ["CoordinatorLostError", "StoreChannel", "StoreTimeout", "coordinator_lost", "gloo_group", "own_connection"]

@@ -34,7 +34,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tensor.store_channel import StoreTimeout
+from shardkeeper.core.tensor.store_channel import CoordinatorLostError, StoreTimeout
 from shardkeeper.core.verify import verify_step
 
 if TYPE_CHECKING:
@@ -161,6 +161,14 @@ class Persister:
             self.persisted.append(step)
             log.info("step %d persisted to %s", step, self.storage.url)
         except BaseException as e:
+            if isinstance(e, CoordinatorLostError):  # named with its step, torch's error chained
+                lost = CheckpointSaveError(
+                    f"the upload of step {step} to {self.storage.url} (rank {me}): {e}; the step stays committed in "
+                    f"the local tier",
+                    step=step,
+                )
+                lost.__cause__ = e
+                e = lost
             log.warning("rank %d: %s", me, e)
             self._error = e
         finally:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
 from shardkeeper.core.tensor import _torch_compat as tc
-from shardkeeper.core.tensor.store_channel import StoreChannel
+from shardkeeper.core.tensor.store_channel import StoreChannel, gloo_group
 
 
 class TierGroupBroken(CheckpointTimeoutError):
@@ -59,7 +59,7 @@ class TierGroup:
         # One process needs no group (nor gloo's threads, which a later fork would inherit).
         self.pg: Any = None
         if coord.world_size > 1:
-            self.pg = dist.ProcessGroupGloo(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s))
+            self.pg = gloo_group(store, coord.rank, coord.world_size, timedelta(seconds=timeout_s), "the tiers' group")
         self.broken: str | None = None  # what broke it: every later operation raises at once
 
     def _waited(self, work: Any, where: str) -> None:
