@@ -14,6 +14,7 @@ import pytest
 
 from shardkeeper.core.retention import collect_garbage, list_incomplete_uploads
 from shardkeeper.core.storage import open_storage
+from shardkeeper.core.storage.faults import FaultyStorage
 from shardkeeper.core.testing.campaign import KILL_POINTS, run_campaign
 from tests.conftest import s3_storage_options
 
@@ -170,3 +171,22 @@ def test_a_writer_that_fails_is_reported_with_its_error_not_as_data_loss(tmp_pat
     assert all(
         "exit status 3" in w and "CheckpointSaveError" in w and "Not a directory" in w for w in js["writer_errors"]
     ), js
+
+
+@pytest.mark.timeout(120)
+def test_a_storage_that_loses_acknowledged_writes_is_reported_not_raised(tmp_path: Path) -> None:
+    """A storage that drops what it acknowledged (zeros where the data was, every write and
+    close succeeding: a lying fsync, then a power cut) damages every committed step. The
+    campaign, given that storage object, names the damage in its summary: it used to raise
+    CheckpointRestoreError out of its own restore check."""
+    inner = open_storage(str(tmp_path / "root"))
+    lying = FaultyStorage(inner, lose="*/data/*")
+    summary = run_campaign(lying, trials=2, seed=3, tensor_bytes=16 << 10, points=("after_manifest",))
+    js = summary.to_json()
+    assert js["root"] == inner.url and js["trials"] == 2 and js["commits_acknowledged"] > 0, js
+    assert js["restores_bit_exact"] == 0 and js["writer_errors"] == [], js
+    said = "\n".join(js["failures"])
+    assert "does not verify" in said and "did not restore" in said and "CheckpointRestoreError" in said, said
+    assert all(f.startswith("trial ") and "after_manifest" in f for f in js["failures"]), said
+    with pytest.raises(ValueError, match="storage_options"):
+        run_campaign(lying, trials=1, storage_options={"fsync": False})

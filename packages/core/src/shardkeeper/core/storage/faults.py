@@ -58,8 +58,17 @@ The knobs:
     or the first byte of every read when ``corrupt_offset`` is ``None``. Independent of
     ``skip`` / ``times``; the stored bytes are untouched.
 
-``injected`` lists ``(op, path)`` of every fault raised (and ``("corrupt", path)`` for every
-corrupted read); set ``enabled = False`` to let everything through.
+``lose``
+    Pattern(s) of paths whose writes are *lost while claiming durability*: a matching writer's
+    bytes, and a matching ``put`` / ``put_if_absent``, are stored as zeros of the same length,
+    and every call succeeds. That is what a power cut leaves of a file whose ``fsync`` lied (a
+    disk cache without power-loss protection, a file system that acknowledges early): its
+    size, not its bytes. A kill -9 never shows it on a POSIX file system (the page cache
+    survives a process kill); this does (docs/reliability.md, "The kill -9 campaign").
+
+``injected`` lists ``(op, path)`` of every fault raised (``("corrupt", path)`` for every
+corrupted read, ``("lose", path)`` for every write lost); set ``enabled = False`` to let
+everything through.
 """
 
 from __future__ import annotations
@@ -119,6 +128,7 @@ class _FaultyWriter:
 
     def write(self, data: memoryview | bytes) -> None:
         owner = self._owner
+        data = owner._lost("write", self._path, data)
         if not owner._matches("write", self._path):
             self._inner.write(data)
             self._written += memoryview(data).nbytes
@@ -168,6 +178,7 @@ class FaultyStorage(StorageWrapper):
         after_bytes: int | None = None,
         corrupt: str | Iterable[str] | None = None,
         corrupt_offset: int | None = None,
+        lose: str | Iterable[str] | None = None,
     ) -> None:
         super().__init__(inner)
         self.fail_on = {op: _patterns(p) for op, p in (fail_on or {}).items()}
@@ -184,6 +195,7 @@ class FaultyStorage(StorageWrapper):
         self.after_bytes = after_bytes
         self.corrupt = _patterns(corrupt)
         self.corrupt_offset = corrupt_offset
+        self.lose = _patterns(lose)
         self.enabled = True
         self.injected: list[tuple[str, str]] = []
         self._matched = 0
@@ -265,7 +277,16 @@ class FaultyStorage(StorageWrapper):
         self._corrupt_view(path, offset, memoryview(buf))
         return bytes(buf)
 
+    def _lost(self, op: str, path: str, data: memoryview | bytes) -> memoryview | bytes:
+        """``data``, or as many zeros when writes to ``path`` are lost (``lose``)."""
+        if not (self.enabled and any(fnmatch.fnmatchcase(path, p) for p in self.lose)):
+            return data
+        with self._lock:
+            self.injected.append(("lose", path))
+        return bytes(memoryview(data).nbytes)
+
     def _torn_put(self, op: str, path: str, data: bytes, put: Callable[[str, bytes], None]) -> None:
+        data = bytes(self._lost(op, path, data))
         if not self._matches(op, path):
             put(path, data)
             return
