@@ -19,6 +19,7 @@ from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tensor.coordination import Coordinator
+from shardkeeper.core.tiers.binding import refuse_local_tier
 
 
 class Settings(Protocol):
@@ -91,8 +92,10 @@ def open_root(
 ) -> tuple[Storage, Storage, Encryption | None]:
     """The manager's root with retried calls (encrypting when ``encryption`` names a key,
     bound to ``bound_to`` or the root's own name), the view manifests are read through
-    (authenticated when encrypted), and the encryption."""
+    (authenticated when encrypted), and the encryption. A node's local tier directory is
+    refused as a root (``refuse_local_tier``)."""
     storage: Storage = with_retries(open_storage(root, **dict(storage_options or {})), retry)
+    refuse_local_tier(storage)
     keys = key_provider(encryption)
     if keys is None:
         return storage, storage, None

@@ -138,9 +138,13 @@ def _multipart_uploads(storage: Any) -> list[dict[str, Any]]:
         return []
 
 
-def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summary) -> int:
-    """Check the store after a trial; returns the step the next trial starts at. Every check
-    records what it finds in ``s``; none raises (``checked``)."""
+def _check(
+    storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summary, tier: tuple[Any, ...] | None = None
+) -> int:
+    """Check the store after a trial; returns the step the next trial starts at. ``tier``:
+    (root, storage options, local) when ``storage`` is a local tier, whose newest step is
+    restored as the restarted job would (a manager refuses a node's directory as its root).
+    Every check records what it finds in ``s``; none raises (``checked``)."""
     from shardkeeper.core.commit import committed_steps, step_dirs
     from shardkeeper.core.garbage import collect_garbage
 
@@ -157,7 +161,11 @@ def _check(storage: Any, t: Trial, acked: list[int], tensor_bytes: int, s: Summa
     if committed:
         newest = committed[-1]
         exact = checked(
-            s, where, f"step {newest} did not restore", lambda: _restores_exactly(storage, newest, tensor_bytes), None
+            s,
+            where,
+            f"step {newest} did not restore",
+            lambda: _restores_exactly(storage, newest, tensor_bytes, tier),
+            None,
         )
         if exact:
             s.restores_bit_exact += 1
@@ -190,7 +198,7 @@ def _where(t: Trial) -> str:
     return f"trial {t.index} (kill point {t.point}, n={t.n})"
 
 
-def _restores_exactly(storage: Any, step: int, tensor_bytes: int) -> bool:
+def _restores_exactly(storage: Any, step: int, tensor_bytes: int, tier: tuple[Any, ...] | None) -> bool:
     """Whether ``step`` restores bit for bit to its state (raises what the restore raises)."""
     import torch
 
@@ -198,7 +206,12 @@ def _restores_exactly(storage: Any, step: int, tensor_bytes: int) -> bool:
 
     want = deterministic_state(step, tensor_bytes)
     got = blank_like(want)
-    with CheckpointManager(storage) as mgr:
+    reader = (
+        CheckpointManager(storage)
+        if tier is None
+        else CheckpointManager(tier[0], storage_options=tier[1], local=tier[2])
+    )
+    with reader as mgr:
         restored = mgr.restore(got)
     return (
         restored == step
@@ -300,7 +313,8 @@ def run_campaign(
             code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
             why = said[0] if said else "see its traceback on stderr"
             s.writer_errors.append(f"trial {i} ({t.point}): the writer failed (exit status {code}): {why}")
-        next_step = _check(storage, t, acked, tensor_bytes, s)
+        tier = (root, options, local) if local is not None else None
+        next_step = _check(storage, t, acked, tensor_bytes, s, tier)
         if local is not None:
             check_persistent(persistent, _where(t), s)
     s.seconds = time.monotonic() - t0

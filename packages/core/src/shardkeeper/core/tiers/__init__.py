@@ -1,6 +1,7 @@
 """Two-tier checkpoints: a node-local tier (each node's own directory, peer replicas on other
 nodes) in front of the persistent root (docs/tiers.md).
 
+``binding.py`` ties a node's directory to its persistent root (and refuses one as a root);
 ``nodes.py`` finds which ranks share a local directory and where replicas go; ``wire.py``
 moves bytes and JSON over the tiers' own gloo group; ``transfer.py`` moves whole files
 between nodes (replicas during a save, a node's copy made whole at restore); ``record.py``

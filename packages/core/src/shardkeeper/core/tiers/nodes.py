@@ -21,12 +21,8 @@ from typing import Any
 
 from shardkeeper.core.errors import CheckpointError, CommitConflictError
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tiers.binding import NODE_TOKEN, ROOT_NAME, bind_root
 from shardkeeper.core.tiers.wire import TierGroup
-
-#: The token file at the top of every local directory.
-NODE_TOKEN = ".shardkeeper-node"
-#: The persistent root a local directory belongs to.
-ROOT_NAME = ".shardkeeper-root"
 
 
 @dataclass(frozen=True)
@@ -77,22 +73,6 @@ def node_token(storage: Storage) -> str:
             f"{storage.describe(NODE_TOKEN)} is not a node token ({token[:40]!r}); remove it and start again"
         )
     return token
-
-
-def bind_root(storage: Storage, root: str) -> None:
-    """Tie this directory to the persistent root ``root`` (its URL): the first manager writes
-    it, every later one must name the same, so a local directory never serves another job's
-    steps (a new root beside old node directories)."""
-    try:
-        storage.put_if_absent(ROOT_NAME, root.encode())
-    except CommitConflictError:
-        pass  # an earlier run, or another rank of this node
-    bound = storage.read_bytes(ROOT_NAME).decode("utf-8", "replace")
-    if bound != root:
-        raise CheckpointError(
-            f"the local directory {storage.url} holds the local tier of the root {bound!r}, not of {root!r}: its "
-            f"steps are that job's. Use another local= directory for this root, or empty this one"
-        )
 
 
 def discover(group: TierGroup, storage: Storage, root: str, options: dict[str, Any]) -> NodeMap:

@@ -16,6 +16,7 @@ from shardkeeper.core.context import ManagerContext
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.options import CheckpointOptions
 from shardkeeper.core.restoring import Restorer
+from shardkeeper.core.tiers.binding import refuse_local_tier
 from shardkeeper.core.tiers.choose import covers, required_files
 from shardkeeper.core.tiers.tee import Tee
 from shardkeeper.core.tiers.tiering import Opened, Tiering, local_root, open_tier
@@ -44,6 +45,7 @@ def open_tiers(
     binding = persistent.encryption.binding if persistent.encryption is not None else None
     local_store = local_root(local)
     _refuse_nested(local_store.url, persistent.raw.url)
+    refuse_local_tier(persistent.raw)
     tee = Tee(local_store)
     opened = open_tier(tee, None, retry, options.encryption, binding)
     return dataclasses.replace(opened, tee=tee), persistent
@@ -118,7 +120,10 @@ class TierView:
                 f"step {step} is whole in the local tiers (every file at its size on some node), so it is not "
                 f"deleted as damaged; restore() checks its bytes and falls back from a damaged copy"
             )
-        return self.tiers.delete_local(step, force=damaged) and gone
+        gone = self.tiers.delete_local(step, force=damaged) and gone
+        if gone and self.ctx.rank == 0:
+            self.tiers.claims.release(step)  # (this job's claim of it: no tier holds the step now)
+        return gone
 
 
 __all__ = ["TierView", "check_tier_options", "open_tiers"]
