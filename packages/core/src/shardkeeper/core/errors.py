@@ -75,6 +75,11 @@ class StepOrderError(CommitConflictError):
         self.newest = newest
 
 
+class StepClaimedError(CommitConflictError):
+    """With a local tier: another writer claimed this step on the persistent root (its claim
+    file names it) before this save's local commit or upload; two jobs write one root."""
+
+
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A rank did not report in time during a save or restore."""
 
@@ -165,6 +170,7 @@ __all__ = [
     "ProtocolError",
     "JsonValueError",
     "StateMismatchError",
+    "StepClaimedError",
     "StepOrderError",
     "StorageError",
     "TornStateError",

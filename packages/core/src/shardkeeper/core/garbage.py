@@ -34,6 +34,7 @@ from shardkeeper.core.root_files import (
     walk_files,
 )
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tiers.claim import spent_claims
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,12 @@ def collect_garbage(
     - In a committed step directory: files no committed manifest references (a losing
       writer's attempt files, temporary manifest files) older than ``min_age_s``.
     - Records of commits in progress and claims (``pending.*.json`` at the root) that expired.
+    - A local tier's step claims (``claim.<step dir>.json``, ``tiers/claim.py``) of steps at or
+      below the newest committed step: spent (a save there is refused anyway). Claims above it
+      name steps only a local tier holds, and stay.
 
     Never what a live commit intent names (its step, its files). Only entries named like step
-    directories (and those records) are ever touched. ``min_age_s`` must exceed the longest a
+    directories (and those records and claims) are ever touched. ``min_age_s`` must exceed the longest a
     save can take (staging to commit); ``no_running_saves=True`` says that no save is running
     on the root (the caller stopped every writer): records of commits in progress are then
     stale, and removed like any leftover. ``now`` (seconds since the epoch) is for tests.
@@ -178,6 +182,13 @@ def collect_garbage(
                 continue
             _remove_dir(storage, step_dir(s), files, dry_run, report)
         _remove_stale_records(storage, records, claim, no_running_saves, dry_run, report)
+        try:
+            for path in spent_claims(storage, max(committed, default=None)):
+                if not dry_run:
+                    storage.delete(path)
+                report.removed_files.append(path)
+        except CheckpointError as e:
+            report.errors.append(f"could not remove the spent step claims under {storage.url}: {e}")
     finally:
         bar.close()
         if claim is not None:

@@ -27,7 +27,7 @@ from shardkeeper.core.codec import CodecState
 from shardkeeper.core.codec.crypto import seal_manifest
 from shardkeeper.core.commit import write_latest_hint
 from shardkeeper.core.context import ManagerContext
-from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError, StepClaimedError
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.format.layout import data_prefixes, new_attempt_id, step_dir
 from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION
@@ -444,7 +444,7 @@ class SaveRunner:
             checked = tiers.checked_here if tiers is not None else None
             if tiers is not None:  # before the put: nothing may fail between it and the outcome
                 job.tier.update(manifest=manifest, data=data)
-                tiers.recorder.offer(job.seq, data, tiers.persister.due(step))
+                tiers.before_commit(job.seq, step, job.attempt, data)  # claims the step, offers the manifest
             commit_manifest(
                 ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io, checked=checked
             )
@@ -487,6 +487,9 @@ class SaveRunner:
         f = outcome.failure
         if f is None:
             return
+        claimed = f"{StepClaimedError.__name__}: "
+        if f.conflict and f.error.startswith(claimed):  # another writer's claim (tiers/claim.py), as it says
+            raise StepClaimedError(f"{f.error[len(claimed) :]} (rank {self.ctx.rank})")
         if f.conflict:
             raise CommitConflictError(
                 f"step {step} was committed under {self.ctx.storage.url} by another writer while "

@@ -7,7 +7,10 @@ when its manifest is on some node and every file it lists is on some node at the
 written; every rank that holds the manifest judges that, and the ranks agree (one
 all-reduce). The newest step whole locally is restored when no newer step is persisted;
 otherwise the persistent root's newest (and ``restore(step=N)`` takes N from the local tier
-when it is whole there, else from the persistent root).
+when it is whole there, else from the persistent root). One commit gives one manifest: two
+nodes holding different manifests of a step, or a node and the persistent root (the step
+written by two writers: two jobs on one root, a node directory from another history), is a
+conflict, raised on every rank when the restore needs that step.
 
 Before a local restore, each node's copy of the step is made whole: the manifest goes to the
 nodes without it (one broadcast), and every file a node lacks comes from a node that has it
@@ -18,6 +21,7 @@ against the manifest's digests as always.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +184,9 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
         if s == asked or (asked is None and s > newest):
             raise CheckpointError(_conflict(me, s, listings, nodes))
         log.warning("rank %d: the nodes hold different manifests of step %d, older than the step restored; kept", me, s)
+    target = asked if asked is not None else newest
+    if target in persisted and any(lst.get(str(target), {}).get("m") for lst in listings):
+        _same_across_tiers(group, nodes, persistent, listings, target)
     if asked is not None:
         if whole:
             choice.tier, choice.step = LOCAL, asked
@@ -191,6 +198,44 @@ def choose(group: TierGroup, nodes: NodeMap, local: Any, persistent: Storage, as
     elif persisted:
         choice.tier = PERSISTENT
     return choice
+
+
+def _same_across_tiers(
+    group: TierGroup, nodes: NodeMap, persistent: Storage, listings: list[dict[str, Any]], step: int
+) -> None:
+    """Collective: raise on every rank when a node holds a manifest of ``step`` other than
+    the persistent root's (rank 0 reads that one; when it cannot, nothing is judged)."""
+    me, mine = group.rank, b""
+    if me == 0:
+        digest = manifest_digest(persistent, step)
+        created = None
+        try:
+            created = load_manifest(persistent, step).created_at or None
+        except CheckpointError:
+            pass  # (an encrypted manifest reads only through the key: its digest says enough)
+        mine = json.dumps({"d": digest, "c": created}).encode() if digest is not None else b""
+    got = group.broadcast_bytes(mine, 0, f"rank {me}: the persistent root's manifest of step {step}")
+    if not got:
+        log.warning("rank %d: the persistent root's manifest of step %d could not be read to compare", me, step)
+        return
+    remote = json.loads(got)
+    if all(lst[str(step)]["d"] == remote["d"] for lst in listings if lst.get(str(step), {}).get("m")):
+        return
+    held = "; ".join(
+        f"node {k} (ranks {nodes.nodes[k][0]}-{nodes.nodes[k][-1]}): manifest {lst[str(step)]['d'][:8]}, "
+        f"created {lst[str(step)].get('c') or '?'}"
+        for k, lst in enumerate(listings)
+        if lst.get(str(step), {}).get("m") and lst[str(step)]["d"] != remote["d"]
+    )
+    raise CheckpointError(
+        f"rank {me}: step {step} is held by the local tier ({held}) and by the persistent root {persistent.url} "
+        f"(manifest {remote['d'][:8]}, created {remote['c'] or '?'}) with different manifests: two writers saved "
+        f"this step (two jobs on one root, or a node directory from another history), and neither copy is trusted "
+        f"as this run's, so nothing is restored. Find which writer this run is (`shardkeeper ls ROOT --local DIR` "
+        f"on each node shows the copies): if the persistent copy is this run's, remove the local copies (`rm -r "
+        f"DIR/{step_dir(step)}` on those nodes) and restart; if the local copy is, stop the other writer, then "
+        f"restore an older step (restore(step=...)) and go on under another root"
+    )
 
 
 def _conflict(me: int, step: int, listings: list[dict[str, Any]], nodes: NodeMap) -> str:

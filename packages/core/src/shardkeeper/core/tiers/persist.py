@@ -6,9 +6,10 @@ Each rank uploads the files it wrote, after checking them against the manifest's
 local copy damaged since it was written is never uploaded: the persistent root is the tier of
 last resort, and its commit checks only that files are there at their sizes); the
 coordinator waits until every rank has (through the
-c10d store), commits the manifest with ``put_manifest.commit_manifest`` (its intent, its checks
-that every file is there at its size, put-if-absent), applies the manager's retention to the
-persistent root, and publishes the outcome. One upload runs at a time: the next one waits for
+c10d store), checks that the step's claim is this writer's (``claim.py``), commits the
+manifest with ``put_manifest.commit_manifest`` (its intent, its checks that every file is there
+at its size, put-if-absent), applies the manager's retention to the persistent root, removes
+the claims up to the step, and publishes the outcome. One upload runs at a time: the next one waits for
 the previous one (every rank alike, so the ranks stay in step), and local retention never
 deletes a step whose upload is running. A failed upload is logged at once and raised by
 ``wait_persisted()`` or ``close()``; the step stays committed in the local tier.
@@ -29,12 +30,19 @@ import numpy as np
 
 from shardkeeper.core import deletion
 from shardkeeper.core.commit import write_latest_hint
-from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from shardkeeper.core.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    StepClaimedError,
+)
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.retention import RetentionPolicy
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tensor.store_channel import CoordinatorLostError, StoreTimeout
+from shardkeeper.core.tiers.claim import Claims
 from shardkeeper.core.verify import verify_step
 
 if TYPE_CHECKING:
@@ -84,8 +92,9 @@ class Persister:
         io: Any,
         timeout_s: float,
         newest: int | None,
+        claims: Claims,
     ) -> None:
-        self.coord, self.every = coord, every
+        self.coord, self.every, self.claims = coord, every, claims
         # Its own connection: its long waits (the ranks' uploads, the outcome) never hold up
         # the next save's reports, which go through the coordinator's.
         self.store = coord.channel("an upload to the persistent tier")
@@ -99,11 +108,17 @@ class Persister:
         self._last: Future[None] | None = None
         self._previous: int | None = newest
         self._error: BaseException | None = None
+        #: the newest step committed locally, as ``submit`` takes it (without its references)
+        self.kept: tuple[int, dict[str, int], Manifest | None, bytes | None] | None = None
 
     def due(self, step: int) -> bool:
         """Coordinator, committing ``step``: whether it is uploaded (the ranks hear the answer
         with the commit, ``record.py``, so they never disagree)."""
         return self.every is not None and (self.last_step is None or step >= self.last_step + self.every)
+
+    def keep(self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None) -> None:
+        """Every rank, ``step`` committed locally: what a preemption uploads (``Tiering.flush``)."""
+        self.kept = (step, files, manifest, data)
 
     def submit(
         self,
@@ -150,6 +165,11 @@ class Persister:
             if store.add(self._key(step, "acks"), 1) == world:
                 for name in ("count", "wake", "failures", "outcome", "acks"):
                     store.delete_key(self._key(step, name))
+            if isinstance(outcome, dict):  # another writer's claim or manifest: raised as what it is
+                self.last_step = self._previous
+                raise (StepClaimedError if outcome["claimed"] else CommitConflictError)(
+                    f"{outcome['conflict']} (rank {me})"
+                )
             if outcome is not None:
                 self.last_step = self._previous  # every rank heard the same outcome: the next save is due
                 raise CheckpointSaveError(
@@ -190,8 +210,12 @@ class Persister:
                 f"{self.local.url} {step}` on this node shows the damage"
             )
 
-    def _commit(self, store: Any, step: int, manifest: Manifest | None, data: bytes | None) -> str | None:
-        """Coordinator: wait for every rank's upload, then commit; the failure, or None."""
+    def _commit(
+        self, store: Any, step: int, manifest: Manifest | None, data: bytes | None
+    ) -> str | dict[str, Any] | None:
+        """Coordinator: wait for every rank's upload, check the claim, then commit; the
+        failure (``{"conflict": message, "claimed": bool}`` for another writer's claim or
+        manifest of the step), or None."""
         assert manifest is not None and data is not None
         try:
             store.wait([self._key(step, "wake")], timedelta(seconds=self.timeout_s))
@@ -206,7 +230,17 @@ class Persister:
             ]
             return "; ".join(why)
         try:
+            claimed = self.claims.check(step)
+            if claimed is not None:
+                return {"conflict": str(claimed), "claimed": True}
             commit_manifest(self.storage, step, manifest, data, bases=[], executor=self.io)
+        except CommitConflictError as e:
+            return {
+                "conflict": f"step {step} was not uploaded to {self.storage.url}: another writer committed it there "
+                f"({e}); it stays committed in the local tier only. Two jobs are writing this root: stop the other "
+                f"one, or save under another root",
+                "claimed": False,
+            }
         except CheckpointError as e:
             return f"{type(e).__name__}: {e}"
         try:
@@ -214,6 +248,7 @@ class Persister:
         except CheckpointError as e:  # a hint only
             log.warning("step %d persisted, but the LATEST hint was not updated: %s", step, e)
         deletion.retain(self.storage, self.retention, self.catalog, step)
+        self.claims.sweep(step)
         return None
 
     def protected(self) -> Sequence[int]:
@@ -224,6 +259,13 @@ class Persister:
         """Wait for the running upload, keeping its failure for ``wait``."""
         if self._last is not None:
             futures_wait([self._last])
+
+    def wait_for(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the running upload; whether none runs now."""
+        if self._last is None:
+            return True
+        futures_wait([self._last], timeout=max(0.0, timeout_s))
+        return self._last.done()
 
     def wait(self, *, raise_error: bool = True) -> None:
         """Wait for the running upload; raise an upload failure nobody has seen."""

@@ -9,7 +9,9 @@ fall back across the tiers when the chosen copy turns out damaged.
 - A persistent restore that fell back below the newest step whole locally (the persistent
   root's newest was damaged) restores that local step instead.
 - After restoring the newest, each node drops its local steps newer than the one restored
-  that no tier holds whole, and every rank waits for that before it returns.
+  that no tier holds whole, and every rank waits for that before it returns; the coordinator
+  takes over the step claims above the step restored (``claim.py``), also when nothing was
+  found to restore.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def restore_tiered(
     rank = tiers.rank
     choice = tiers.choose(step)
     if choice.tier is None:
+        if step is None:
+            tiers.take_over(None)  # a job that starts over takes over what a dead one claimed
         where = f"the local tier ({tiers.local.raw.url} and the other nodes' directories) or {tiers.persistent.raw.url}"
         raise CheckpointNotFoundError(
             f"no {'committed checkpoint' if step is None else f'step {step}'} is whole in {where} (rank {rank}); "
@@ -83,6 +87,7 @@ def restore_tiered(
             out = _restore_repairing(tiers, local, state, newest_local, patterns, kwargs)
     if step is None:
         tiers.drop_newer(choice, out.step)
+        tiers.take_over(out.step)
     return out
 
 

@@ -6,7 +6,9 @@ commit (into its node's directory) stands for files and replicas on disk; each n
 are checked on their node (a rank by its write and its received replicas, the coordinator for
 its own node), since no node can see another's disk. The commit is then recorded on every
 node (``record.py``), retention runs per node (``local_keep``), and every ``persist_every``
-steps the step is uploaded to the persistent root (``persist.py``). Restore agrees on the
+steps the step is uploaded to the persistent root (``persist.py``). With uploads on, the
+coordinator claims each step on the persistent root before its local commit (``claim.py``),
+so a second writer of the step fails at its save, not in an upload. Restore agrees on the
 tier and step (``choose.py``), makes every node's copy of a local step whole from its peers,
 and reads it like any root; from the persistent tier it restores as a plain manager would.
 """
@@ -34,8 +36,9 @@ from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole, required_files
+from shardkeeper.core.tiers.claim import Claims, Writer
 from shardkeeper.core.tiers.drop import drop_step
-from shardkeeper.core.tiers.nodes import NodeMap, discover
+from shardkeeper.core.tiers.nodes import NodeMap, discover, node_token
 from shardkeeper.core.tiers.persist import Persister
 from shardkeeper.core.tiers.record import Recorder
 from shardkeeper.core.tiers.repair import Repair, repair
@@ -118,6 +121,8 @@ class Tiering:
             error = e
         self.group.agree_ok(error, f"rank {coord.rank}: listing the persistent root {persistent.raw.url}")
         newest = self.group.all_reduce_max([listed[-1] if listed else -1], "the persistent tier's newest step")[0]
+        writer = Writer.new(local.raw.url, node_token(local.raw)) if coord.rank == 0 and persist_every else None
+        self.claims = Claims(persistent.raw, writer)
         self.persister = Persister(
             coord,
             persist_every,
@@ -130,6 +135,7 @@ class Tiering:
             io=io,
             timeout_s=timeout_s,
             newest=None if newest < 0 else newest,
+            claims=self.claims,
         )
         self.last_choice: Choice | None = None
         self.last_received: tuple[int, int] = (0, 0)
@@ -171,6 +177,14 @@ class Tiering:
         if error is not None:
             raise error
 
+    def before_commit(self, seq: int, step: int, attempt: str, data: bytes) -> None:
+        """Coordinator, right before its local commit of ``step`` (nothing may fail between
+        that put and the outcome): claim the step on the persistent root (``claim.py``; raises
+        ``StepClaimedError`` when another writer holds it), then offer the manifest's bytes
+        and whether the step is uploaded to the other nodes (``record.py``)."""
+        self.claims.take(step, attempt)
+        self.recorder.offer(seq, data, self.persister.due(step))
+
     def checked_here(self, path: str) -> bool:
         """Coordinator: whether the commit checks ``path`` (root-relative): only files its own
         node wrote (each rank checked its own and its replicas on its node)."""
@@ -180,7 +194,9 @@ class Tiering:
     def after_commit(self, seq: int, step: int, files: Mapping[str, int], manifest: Any, data: bytes | None) -> None:
         """Every rank, the step committed: record it on every node, upload it when due, and
         retain per node (the node's leader)."""
-        if self.recorder.record(seq, step, self.local.storage):  # the coordinator's decision
+        due = self.recorder.record(seq, step, self.local.storage)  # the coordinator's decision
+        self.persister.keep(step, dict(files), manifest, data)  # what a preemption's ``flush`` uploads
+        if due:
             self.persister.submit(step, dict(files), manifest, data, self._my_references(step))
         if self.local_keep is not None and self.nodes.is_leader(self.rank):
             policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(self.persister.protected()))
@@ -204,6 +220,16 @@ class Tiering:
                 out.append(path)
         return out
 
+    def flush(self) -> int | None:
+        """Every rank alike (a preemption's exit): once the running upload ended, upload the
+        newest step committed locally when it is newer than the last one uploaded. Returns
+        the step now uploading (or uploaded last), None when nothing ever was."""
+        self.persister.join()  # (then every rank has heard the same outcomes)
+        kept = self.persister.kept
+        if kept is not None and (self.persister.last_step is None or kept[0] > self.persister.last_step):
+            self.persister.submit(*kept, self._my_references(kept[0]))
+        return self.persister.last_step
+
     # -- restore -----------------------------------------------------------------------------
     def choose(self, asked: int | None) -> Choice:
         """Collective: the tier and step to restore; a local one made whole on every node.
@@ -217,6 +243,12 @@ class Tiering:
         elif c.tier == PERSISTENT:
             log.info("rank %d: restoring from the persistent tier %s", self.rank, self.persistent.storage.url)
         return c
+
+    def take_over(self, restored: int | None) -> None:
+        """Coordinator, after restoring the newest step (None: none was found): the step
+        claims above it become this job's (``Claims.take_over``)."""
+        persisted = self.last_choice.persisted if self.last_choice is not None else []
+        self.claims.take_over(restored, persisted)
 
     def make_whole(self, c: Choice, step: int) -> None:
         self.last_received = make_whole(self.group, self.nodes, self.local, c, step)

@@ -120,7 +120,10 @@ class TierView:
                 f"step {step} is whole in the local tiers (every file at its size on some node), so it is not "
                 f"deleted as damaged; restore() checks its bytes and falls back from a damaged copy"
             )
-        return self.tiers.delete_local(step, force=damaged) and gone
+        gone = self.tiers.delete_local(step, force=damaged) and gone
+        if gone and self.ctx.rank == 0:
+            self.tiers.claims.release(step)  # (this job's claim of it: no tier holds the step now)
+        return gone
 
 
 __all__ = ["TierView", "check_tier_options", "open_tiers"]
