@@ -16,6 +16,14 @@ did not commit is abandoned: its manifest was never written, so it is not visibl
 removes its files later. Rank 0 records the outcome in ``<root>/preempted.json``
 (``{"last_committed_step", "abandoned_step", "signal_time", "exit_time"}``), logs it and sets
 the ``checkpoint_last_committed_step`` metric. The exit code is 128 + SIGTERM = 143.
+
+With a local tier (``local=``) the final save commits on the nodes first, and a node that is
+replaced after the preemption loses it: so ``exit()`` then uploads the newest step committed
+locally to the persistent root (whatever ``persist_every`` says; every rank, as in any upload)
+and waits for it within the grace period, logging when it did not finish. The record goes to
+the persistent root, with ``last_persisted_step`` (the persistent root's newest: what a job on
+new nodes restores), ``last_local_step`` (rank 0's node's newest) and ``final_upload``
+(``{"step", "done"}``).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class PreemptionGuard:
         self._signal_time: float | None = None
         self._exit_lock = threading.Lock()
         self._previous: Any = None
+        self._final_upload: int | None = None  # with a local tier: the step exit() uploads
 
     @property
     def preempted(self) -> bool:
@@ -103,7 +112,47 @@ class PreemptionGuard:
             except Exception as e:  # noqa: BLE001 - a failed or late save is abandoned
                 log.warning("rank %d: the save of step %d did not commit in time: %s", self.mgr.rank, pending.step, e)
                 abandon = not pending.done()
+        tiers = getattr(self.mgr, "_tiers", None)
+        if tiers is not None and not abandon:
+            self._upload_final(tiers)
         self._finish(abandon=abandon)
+
+    def _upload_final(self, tiers: Any) -> None:
+        """With a local tier, every rank: upload the newest step committed locally (the final
+        save) when no upload has taken it yet, and wait for it within the grace period, less
+        a moment to write the record (the watchdog ends a wait that overruns)."""
+        kept = tiers.persister.kept  # (named before the flush, which may wait for a running upload)
+        self._final_upload = kept[0] if kept is not None else None
+        try:
+            tiers.flush()
+            reserve = min(1.0, self.grace_s / 10)
+            tiers.persister.wait_for(self.remaining_s() - reserve)
+        except Exception as e:  # noqa: BLE001 - exit anyway; the record says it was not uploaded
+            log.warning("rank %d: the final upload to the persistent root failed: %s", self.mgr.rank, e)
+
+    def _tier_record(self, tiers: Any) -> dict[str, Any]:
+        """What a local tier adds to the record: the newest step of each tier and whether the
+        final upload finished (said in the log too when it did not)."""
+        step = self._final_upload
+        done = step is not None and step in tiers.persister.persisted
+        out: dict[str, Any] = {"last_persisted_step": None, "last_local_step": None}
+        for name, storage in (("last_persisted_step", tiers.persistent.storage), ("last_local_step", self.mgr.storage)):
+            try:
+                out[name] = newest_committed(storage)
+            except Exception as e:  # noqa: BLE001 - the record is best effort
+                log.warning("could not list the committed steps of %s while exiting: %s", storage.url, e)
+        out["final_upload"] = {"step": step, "done": done}
+        if step is not None and not done:
+            log.warning(
+                "rank %d: step %d was not uploaded to %s within the grace period (%.1f s): it is committed in the "
+                "local tier only; a job restarted on these nodes restores it, one on new nodes restores step %s",
+                self.mgr.rank,
+                step,
+                tiers.persistent.storage.url,
+                self.grace_s,
+                out["last_persisted_step"],
+            )
+        return out
 
     def _finish(self, *, abandon: bool) -> None:
         if not self._exit_lock.acquire(blocking=False):
@@ -116,13 +165,18 @@ class PreemptionGuard:
                 last = newest_committed(self.mgr.storage)  # in the grace period: one manifest read
             except Exception as e:  # noqa: BLE001 - the record is best effort; exit anyway
                 log.warning("could not list committed steps while exiting: %s", e)
-            record = {
+            tiers = getattr(self.mgr, "_tiers", None)
+            record: dict[str, Any] = {
                 "last_committed_step": last,
                 "abandoned_step": abandoned,
                 "signal_time": self._signal_time,
                 "exit_time": time.time(),
                 "rank": self.mgr.rank,
             }
+            if tiers is not None:
+                record.update(self._tier_record(tiers))
+                newest = [s for s in (last, record["last_persisted_step"]) if s is not None]
+                record["last_committed_step"] = last = max(newest) if newest else None
             if last is not None:
                 metrics.record(metrics.LAST_COMMITTED_STEP, last, rank=self.mgr.rank, step=last)
             log.warning(
@@ -134,7 +188,8 @@ class PreemptionGuard:
             )
             if self.mgr.rank == 0:
                 try:
-                    self.mgr.storage.put(RECORD_NAME, json.dumps(record).encode())
+                    root = tiers.persistent.storage if tiers is not None else self.mgr.storage  # not a node's own
+                    root.put(RECORD_NAME, json.dumps(record).encode())
                 except Exception as e:  # noqa: BLE001
                     log.warning("could not write %s: %s", RECORD_NAME, e)
         finally:

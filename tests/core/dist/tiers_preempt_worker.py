@@ -1,0 +1,58 @@
+"""A training loop with a local tier under PreemptionGuard, on 2 gloo ranks that are two
+simulated nodes (each its own local directory); the test sends SIGTERM from outside.
+
+argv: RUN ROOT NODE0 NODE1 MODE (final | slow). Steps 1-3 are saved (``persist_every=100``:
+only step 1 is uploaded), rank 0 writes RUN/ready, and the loop waits for the guard; then
+step 4 is the final save and ``guard.exit()`` ends the process. final: a 60 s grace period.
+slow: the persistent root's manifest put of step 4 takes 30 s and the grace period is 4 s,
+so the final upload cannot finish.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardkeeper.core import CheckpointManager
+from shardkeeper.core.preemption import PreemptionGuard
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.storage.wrapper import StorageWrapper
+from shardkeeper.core.testing.campaign import deterministic_state
+
+
+class SlowCommit(StorageWrapper):
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        if path == "step-000000000004/manifest.json":
+            time.sleep(30)
+        self.inner.put_if_absent(path, data)
+
+
+def main() -> None:
+    run, root, node0, node1, mode = sys.argv[1:6]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    storage: Any = SlowCommit(LocalStorage(root)) if mode == "slow" else root
+    mgr = CheckpointManager(storage, local=(node0, node1)[rank], replicas=1, persist_every=100)
+    guard = PreemptionGuard(mgr, grace_s=4.0 if mode == "slow" else 60.0).install()
+    Path(run, f"pid{rank}").write_text(str(os.getpid()))
+    for step in (1, 2, 3):
+        mgr.save(step, deterministic_state(step, 64 << 10)).wait()
+    mgr.wait_persisted()
+    if rank == 0:
+        Path(run, "ready").write_text("3")
+    deadline = time.monotonic() + 60
+    while not guard.check():  # a training step each time round
+        time.sleep(0.05)
+        if time.monotonic() > deadline:
+            raise SystemExit("never preempted")
+    mgr.save(4, deterministic_state(4, 64 << 10))
+    guard.exit()
+
+
+if __name__ == "__main__":
+    main()
