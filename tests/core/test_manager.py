@@ -1109,3 +1109,33 @@ def test_restore_fills_views_of_leaves_that_require_grad(tmp_path) -> None:
         q = nn.Parameter(torch.zeros(4))
         mgr.restore({"w": p.view(-1), "s": q[:]})
         assert torch.equal(p.detach(), big) and torch.equal(q.detach(), torch.arange(4.0))
+
+
+def test_a_done_callback_hears_each_save_end_and_leaves_its_failure_to_wait(tmp_path: Path) -> None:
+    """``SaveHandle.add_done_callback``: ``(step, None)`` once committed, ``(step, error)`` for a
+    failure that ``wait()`` still raises; on an ended save it runs at once, in the caller."""
+    heard: list[tuple[int, str | None, bool]] = []
+
+    def hear(step: int, error: BaseException | None) -> None:
+        heard.append((step, None if error is None else type(error).__name__, mgr.is_committed(step)))
+
+    storage = FaultyStorage(LocalStorage(tmp_path / "r"), fail_on={"put_if_absent": "step-000000000002/manifest.json"})
+    with CheckpointManager(storage) as mgr:
+        h = mgr.save(1, {"w": torch.ones(2)}, async_save=True)
+        h.add_done_callback(hear)
+        h.wait()  # (the callback runs just after the waiters wake)
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert heard == [(1, None, True)]  # committed before the callback ran
+        h.add_done_callback(hear)  # ended: at once, here
+        assert heard[-1] == (1, None, True) and len(heard) == 2
+        h = mgr.save(2, {"w": torch.ones(2)}, async_save=True)
+        h.add_done_callback(hear)
+        with pytest.raises(CheckpointSaveError, match="step 2"):
+            h.wait()
+        while len(heard) < 3 and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        assert heard[-1] == (2, "CheckpointSaveError", False)
+        mgr.save(3, {"w": torch.ones(2)}, async_save=False)  # the failure was delivered by wait() alone
+    assert mgr.is_committed(3)

@@ -8,13 +8,17 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from shardkeeper.core.errors import CheckpointTimeoutError
+
+log = logging.getLogger(__name__)
 
 
 class UnwaitedSaveWarning(RuntimeWarning):
@@ -71,6 +75,23 @@ class SaveHandle:
             if isinstance(e, FutureTimeout):  # the wait ran out, the save goes on
                 raise CheckpointTimeoutError(f"save of step {self.step} still running after {timeout_s} s") from None
             raise  # an interrupt of the wait (Ctrl-C, SystemExit)
+
+    def add_done_callback(self, fn: Callable[[int, BaseException | None], None]) -> None:
+        """Call ``fn(step, error)`` once this save has ended: ``error`` is None when it
+        committed, else its failure, which stays undelivered (``wait()`` and the manager still
+        raise it). For work that must follow the commit closely, such as an adapter's pointer
+        files. ``fn`` runs in the thread that ends the save, or at once in this thread when it
+        has ended (so calling this again on an ended save runs ``fn`` here); it must not wait for
+        the manager, and what it raises is logged, never the save's failure."""
+
+        def call(f: Future[None]) -> None:
+            err = CancelledError() if f.cancelled() else f.exception()
+            try:
+                fn(self.step, err)
+            except Exception:
+                log.exception("a done-callback of the save of step %d failed", self.step)
+
+        self._future.add_done_callback(call)
 
     def warn_if_unwaited(self, manager: str) -> None:
         """Warn (``UnwaitedSaveWarning``) when nobody waited for this save's outcome, nor did

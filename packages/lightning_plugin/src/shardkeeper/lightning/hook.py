@@ -15,7 +15,8 @@ removes checkpoints:
   live module and optimizers; Lightning's own copies would only cost time and memory);
 - ``remove_checkpoint`` (all ranks): removes our pointer file (rank 0), then deletes the step
   once no path names it (``mgr.delete``, a collective);
-- ``teardown``: waits for the save in flight, so ``fit()`` returns with every save committed.
+- ``teardown``: waits for the save in flight, so ``fit()`` returns with every save committed
+  and, after a normal end, on every rank once rank 0 has pointed its paths at the last step.
 
 Under ``DeepSpeedStrategy`` the engine's state comes from the DeepSpeed adapter
 (``load_adapter("deepspeed").engine_state(engine)``); DeepSpeed's own checkpoint methods are
@@ -37,6 +38,7 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy
 from shardkeeper.core.adapter import Patches
 from shardkeeper.lightning import _internals as li
+from shardkeeper.lightning import strategy as st
 from shardkeeper.lightning.loading import hook_loaders
 from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO
 from shardkeeper.lightning.strategy import is_deepspeed
@@ -97,10 +99,14 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
 
     @functools.wraps(orig_teardown)
     def teardown() -> None:
+        trainer = st.trainer(strategy)  # still "running" at the teardown of a normal end only
+        normal = trainer is not None and trainer.state.status.value == "running"
         try:
             orig_teardown()
         finally:
             plugin.wait()
+        if normal:  # every rank is here: a collective is safe
+            plugin._finish(strategy)
 
     for name, fn in (
         ("save_checkpoint", save_checkpoint),

@@ -35,7 +35,7 @@ from shardkeeper.core.progress import read_progress
 from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import codec
 from shardkeeper.lightning import strategy as st
-from shardkeeper.lightning.paths import Target, check_pointer, is_root, read_pointer
+from shardkeeper.lightning.paths import Target, check_pointer, is_root, pointed_step, read_pointer
 
 
 def is_pointer(path: Any) -> bool:
@@ -73,7 +73,8 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = None, **ma
         )
     opts = {"process_group": "local", **st.read_options(manager_options)}  # this process reads alone
     with CheckpointManager(target.root, **opts) as mgr:
-        step = target.step if target.step is not None else mgr.latest_step()
+        step = pointed_step(target, mgr)  # a pointer's uncommitted step: the newest committed below
+        step = step if step is not None else mgr.latest_step()
         if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {target.root}: nothing to load from {s}")
         manifest = mgr.manifest(step)

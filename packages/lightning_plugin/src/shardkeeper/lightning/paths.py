@@ -146,6 +146,34 @@ def check_pointer(target: Target) -> Target:
     )
 
 
+def pointed_step(target: Target, mgr: Any) -> int | None:
+    """The step to restore for ``target`` (``mgr``: a manager of its root): its own, unless it
+    is a pointer whose step is not committed (a save killed before its commit, under a
+    shardkeeper that wrote pointers first; or a damaged manifest): then the newest committed
+    step below it, with a warning naming both. Raises :class:`CheckpointNotFoundError` when
+    there is none below."""
+    step = target.step
+    if target.pointer is None or step is None or mgr.is_committed(step):
+        return step
+    below = [s for s in mgr.steps() if s < step]
+    if not below:
+        raise CheckpointNotFoundError(
+            f"pointer {target.pointer} names step {step} under {target.root}, which is not committed "
+            f"(its save did not finish, or its manifest is damaged: `shardkeeper verify {target.root}` "
+            f"tells), and no committed step below it is there. Start without ckpt_path, or resume "
+            f"from another checkpoint"
+        )
+    log.warning(
+        "pointer %s names step %d under %s, which is not committed (its save did not finish, or its "
+        "manifest is damaged): resuming from step %d, the newest committed step below it",
+        target.pointer,
+        step,
+        target.root,
+        below[-1],
+    )
+    return below[-1]
+
+
 def remove_pointer(path: str) -> None:
     fs, p = _fs(path)
     if fs.exists(p):
@@ -243,6 +271,7 @@ __all__ = [
     "is_root",
     "norm_path",
     "parse_pointer",
+    "pointed_step",
     "read_pointer",
     "remove_pointer",
     "resolve",

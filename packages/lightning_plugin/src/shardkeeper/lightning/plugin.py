@@ -5,7 +5,8 @@ Lightning's sharded strategies (``ModelParallelStrategy``, ``FSDPStrategy``) nev
 the Trainer hands it to its strategy (``strategy.checkpoint_io = plugin``, see
 :mod:`shardkeeper.lightning.hook`), takes over that strategy's ``save_checkpoint``,
 ``load_checkpoint`` and ``remove_checkpoint`` on every rank: one collective shardkeeper save
-per Lightning save, nothing written by the strategy itself.
+per Lightning save, nothing written by the strategy itself. A path's pointer is written once
+its step is committed (:mod:`shardkeeper.lightning.pointers`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
-from shardkeeper.core import CheckpointManager, RNGState, errors
+from shardkeeper.core import CheckpointManager, RNGState
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
 from shardkeeper.core.format.manifest import Manifest
@@ -28,11 +29,12 @@ from shardkeeper.lightning.paths import (
     PathIndex,
     Target,
     norm_path,
+    pointed_step,
     read_pointer,
     remove_pointer,
     resolve,
-    write_pointer,
 )
+from shardkeeper.lightning.pointers import DuePointers
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         self._patches = Patches()  # this plugin's patches of its strategy (hook.connect)
         self._foreign_removal = False  # the strategy is removing a path that is not one of ours
         self._resumed: int | None = None  # the step of this root this run resumed from
+        self._pointers = DuePointers(self.root, self._path_index)  # rank 0: written on commit
 
     # -- CheckpointIO --------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -100,6 +103,15 @@ class ShardkeeperCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         self.wait()
 
+    def _finish(self, strategy: Any) -> None:
+        """After ``fit()``'s teardown waited for the last save, on every rank (a normal end):
+        rank 0 writes the pointers still due, and every rank returns once they are written (a
+        rank reading ``last.ckpt`` after ``fit()`` finds it) or raises rank 0's failure."""
+        failed = self._pointers.settle(self._handle) if self._mgr is not None and self._mgr.rank == 0 else None
+        failed = strategy.broadcast(failed)
+        if failed is not None:
+            raise CheckpointError(f"{failed} (rank 0); the steps themselves are committed")
+
     # -- public helpers ------------------------------------------------------------------------
     def step_path(self, step: int) -> str:
         """A ``ckpt_path`` naming ``step`` under this plugin's root."""
@@ -110,14 +122,25 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         return self.manager().steps()
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; raise its failure."""
-        if self._mgr is not None:
+        """Block until the save in flight (if any) is committed and its paths point at it;
+        raise its failure (its paths then keep what they named). A failure to write a pointer
+        is logged here (rank 0 alone must not raise), and raised by the next save."""
+        if self._mgr is None:
+            return
+        try:
             self._mgr.wait()
+        finally:
+            failed = self._pointers.settle(self._handle) if self._mgr.rank == 0 else None
+            if failed is not None:
+                log.warning("%s (retried at the next save)", failed)
 
     def close(self) -> None:
         if self._mgr is not None:
-            self._mgr.close()
-            self._mgr = None
+            try:
+                self.wait()
+            finally:
+                self._mgr.close()
+                self._mgr = None
 
     def manager(self) -> CheckpointManager:
         """The manager of the root (created on first use: a collective on every rank)."""
@@ -146,6 +169,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         if known is None:
             check = check_save_step(mgr, step)  # rank 0's answer on every rank
             if check.committed and step == self._resumed:
+                self._pointers.committed(step)
                 # ModelCheckpoint saving again at the step this run resumed from: that state
                 log.warning(
                     "step %d is the committed step this run resumed from under %s; %s now names "
@@ -170,14 +194,17 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         else:
             state = self._state(strategy, checkpoint, weights_only)
             running = trainer is not None and trainer.state.status.value == "running"
+            previous = self._handle
             self._handle = mgr.save(step, state, async_save=None if running else False)
             self._saved[step] = weights_only
-        if mgr.rank == 0:
-            write_pointer(path, self.root, step)
-            idx = self._path_index()
-            idx.set(path, step)
-            idx.flush()
-        self._delete_orphans(strategy)
+            if mgr.rank == 0:
+                self._pointers.watch(self._handle)
+                self._pointers.settle(previous)  # ended: save() waited for it (and raised its failure)
+        failed = None
+        if mgr.rank == 0:  # the pointer is written once the step is committed (now, if it is)
+            self._pointers.add(path, step)
+            failed = self._pointers.settle(self._handle)
+        self._delete_orphans(strategy, failed)
 
     def _state(self, strategy: Any, ck: dict[str, Any], weights_only: bool) -> dict[str, Any]:
         engine = st.engine_state(strategy)  # DeepSpeed: the adapter's model/optim/progress(/sched)
@@ -237,22 +264,13 @@ class ShardkeeperCheckpointIO(CheckpointIO):
 
     # -- load ----------------------------------------------------------------------------------
     def _resolve(self, strategy: Any, ckpt_path: Any) -> Target:
-        err = None
-        kind = "CheckpointNotFoundError"
-        target = None
-        if st.rank(strategy) == 0:
-            try:
-                target = resolve(ckpt_path, self.root)
-                if target is None:
-                    err = st.not_ours(ckpt_path, self.root)
-            except _RESOLVE_KINDS as e:  # a damaged or newer pointer: raised as such on every rank
-                err, kind = str(e), next(c.__name__ for c in _RESOLVE_KINDS if isinstance(e, c))
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                err = f"{type(e).__name__}: {e}"
-        target, err, kind = strategy.broadcast((target, err, kind))
-        if err is not None:
-            raise getattr(errors, kind)(err)  # the class rank 0 met
-        assert target is not None
+        def find() -> Target:
+            target = resolve(ckpt_path, self.root)
+            if target is None:
+                raise CheckpointNotFoundError(st.not_ours(ckpt_path, self.root))
+            return target
+
+        target: Target = st.on_rank0(strategy, find)
         return target
 
     def _load(self, strategy: Any, ckpt_path: Any) -> dict[str, Any]:
@@ -262,7 +280,8 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         try:
             step = target.step
             if own and self._handle is not None and (step is None or step == self._handle.step):
-                mgr.wait()  # a save of this process still in flight: let it commit first
+                self.wait()  # a save of this process still in flight: let it commit first
+            step = st.on_rank0(strategy, lambda: pointed_step(target, mgr))  # a pointer's uncommitted step: below
             if step is None:
                 step = strategy.broadcast(mgr.latest_step())
                 if step is None:
@@ -346,20 +365,26 @@ class ShardkeeperCheckpointIO(CheckpointIO):
         path = norm_path(filepath)
         ours = None
         if st.rank(strategy) == 0:
-            try:
-                target = read_pointer(path)
-            except CheckpointError as e:  # a damaged pointer: remove the path Lightning removes
-                log.warning("removing %s, a damaged shardkeeper pointer: %s", path, e)
-                remove_pointer(path)
-                target, ours = None, self._path_index().drop(path) is not None  # its step may go
-                self._path_index().flush()
-            if target is not None:
-                remove_pointer(path)
-                ours = target.root == self.root
-                if ours:
-                    idx = self._path_index()
-                    idx.drop(path)
-                    idx.flush()
+            failed = self._pointers.settle()
+            if failed is not None:
+                log.warning("%s (retried at the next save)", failed)
+            waiting = self._pointers.take(path)  # due, so never written: its step had not committed
+            with self._pointers.lock:  # (the path index: a save's done-callback updates it too)
+                try:
+                    target = read_pointer(path)
+                except CheckpointError as e:  # a damaged pointer: remove the path Lightning removes
+                    log.warning("removing %s, a damaged shardkeeper pointer: %s", path, e)
+                    remove_pointer(path)
+                    target, ours = None, self._path_index().drop(path) is not None  # its step may go
+                    self._path_index().flush()
+                if target is not None:
+                    remove_pointer(path)
+                    ours = target.root == self.root
+                    if ours:
+                        idx = self._path_index()
+                        idx.drop(path)
+                        idx.flush()
+            ours = True if waiting and ours is None else ours
         ours = strategy.broadcast(ours)
         if ours is None:
             return False
@@ -387,25 +412,28 @@ class ShardkeeperCheckpointIO(CheckpointIO):
             self._index = PathIndex(self.manager().storage)
         return self._index
 
-    def _delete_orphans(self, strategy: Any) -> None:
+    def _delete_orphans(self, strategy: Any, failed: str | None = None) -> None:
         """Delete steps no path names, through ``mgr.delete`` (a collective: never the newest
-        committed step, nor one in flight; those stay orphans and are retried later)."""
+        committed step, nor one in flight; those stay orphans and are retried later).
+        ``failed``: rank 0's failure to write pointers, raised here on every rank."""
         mgr = self.manager()
         doomed: list[int] = []
         if mgr.rank == 0:
-            idx = self._path_index()
-            doomed = sorted(s for s in list(idx.orphans) if not idx.named(s) and self._ours(mgr, s, idx))
-        doomed = strategy.broadcast(doomed)
+            with self._pointers.lock:
+                idx = self._path_index()
+                doomed = sorted(s for s in list(idx.orphans) if not idx.named(s) and self._ours(mgr, s, idx))
+        doomed, failed = strategy.broadcast((doomed, failed))
+        if failed is not None:
+            raise CheckpointError(f"{failed} (rank 0); the steps themselves are committed")
         if not doomed:
             return
         gone = {s for s in doomed if mgr.delete(s)}
         if mgr.rank == 0:
-            idx = self._path_index()
-            idx.orphans = {s for s in idx.orphans if s not in gone and not idx.named(s)}
-            idx.flush()
+            with self._pointers.lock:
+                idx = self._path_index()
+                idx.orphans = {s for s in idx.orphans if s not in gone and not idx.named(s)}
+                idx.flush()
 
-
-_RESOLVE_KINDS = (errors.CorruptCheckpointError, errors.IncompatibleFormatError)  # raised as such by _resolve
 
 _NOT_CONNECTED = (
     "ShardkeeperCheckpointIO is not connected to a strategy (shardkeeper.lightning.disconnect() was called, "

@@ -2,19 +2,19 @@
 
 Apart from the plugin (plugin.py) so that the plugin holds only the save, load and removal
 flows: the DeepSpeed engine's canonical state (through the DeepSpeed adapter's entry point),
-the module whose state is saved, the Trainer, the rank, the optimizer targets, and the error
-text for a path that names no shardkeeper checkpoint.
+the module whose state is saved, the Trainer, the rank (and rank 0's answers for every rank),
+the optimizer targets, and the error text for a path that names no shardkeeper checkpoint.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from shardkeeper.core import CheckpointManager
+from shardkeeper.core import CheckpointManager, errors
 from shardkeeper.lightning import _internals as li
 
 
@@ -80,6 +80,26 @@ def rank(strategy: Any) -> int:
     return int(getattr(strategy, "global_rank", 0))
 
 
+def on_rank0(strategy: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its result on every rank; its failure is raised on every rank (a
+    damaged or newer pointer as its own class, anything else as ``CheckpointNotFoundError``)."""
+    out, err, kind = None, None, "CheckpointNotFoundError"
+    if rank(strategy) == 0:
+        try:
+            out = fn()
+        except _AS_THEMSELVES as e:
+            err, kind = str(e), next(c.__name__ for c in _AS_THEMSELVES if isinstance(e, c))
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = f"{type(e).__name__}: {e}"
+    out, err, kind = strategy.broadcast((out, err, kind))
+    if err is not None:
+        raise getattr(errors, kind)(err)  # the class rank 0 met
+    return out
+
+
+_AS_THEMSELVES = (errors.CorruptCheckpointError, errors.IncompatibleFormatError)  # raised as such by on_rank0
+
+
 def read_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """Options for a manager that only restores from another root: no retention there."""
     return {k: v for k, v in options.items() if k not in ("keep_last", "keep_every", "metadata")}
@@ -107,6 +127,7 @@ __all__ = [
     "is_deepspeed",
     "model",
     "not_ours",
+    "on_rank0",
     "optim_target",
     "rank",
     "read_options",
