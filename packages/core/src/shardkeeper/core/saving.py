@@ -10,11 +10,9 @@ runner holds no reference to the manager: what one save needs travels in its ``S
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,67 +43,20 @@ from shardkeeper.core.protocol import (
 from shardkeeper.core.put_manifest import commit_manifest
 from shardkeeper.core.quantize import state_metadata
 from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.save_job import SaveJob, Start, outcome_timeout
 from shardkeeper.core.save_terms import SaveTerms, agreed_options
 from shardkeeper.core.step_order import StepOrder
 from shardkeeper.core.tensor.group_fold import fold_group, unfold
 from shardkeeper.core.tensor.index_write import index_report
 from shardkeeper.core.tensor.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.tensor.save import write_shards
-from shardkeeper.core.tensor.save_plan import PlanCache, SavePlan, WriteItem
-from shardkeeper.core.tensor.staging import DeferredCopy, Span, Stager
+from shardkeeper.core.tensor.save_plan import PlanCache
+from shardkeeper.core.tensor.staging import Stager
 from shardkeeper.core.tensor.state import flatten_for_save
 from shardkeeper.core.tensor.store_channel import CoordinatorLostError, coordinator_lost
 from shardkeeper.core.version import shardkeeper_version
 
 log = logging.getLogger(__name__)
-
-
-class Start:
-    """The caller's go-ahead to a save's background thread, with the stall ``save()`` measured:
-    writer threads compete for the GIL, so they start once the caller's own work is done."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._stall_s = 0.0
-
-    def give(self, stall_s: float) -> None:
-        self._stall_s = stall_s
-        self._event.set()
-
-    def wait(self) -> float:
-        self._event.wait()
-        return self._stall_s
-
-
-@dataclass(frozen=True)
-class SaveJob:
-    """One save as its background thread gets it."""
-
-    step: int
-    seq: int
-    """The save's number in this manager's sequence: the keys its ranks meet under."""
-    attempt: str
-    plan: SavePlan
-    groups: list[list[WriteItem]]
-    spans: list[list[Span]]
-    objects: dict[str, Any]
-    extended: bool
-    metadata: dict[str, Any]
-    sync: bool
-    """A synchronous save (``async_save=False``): written from the caller's tensors."""
-    retention: RetentionPolicy
-    start: Start
-    deferred: DeferredCopy | None = None
-    staged: threading.Event | None = None
-    """Set once ``deferred`` is copied (``staging="overlap"``); optimizer steps wait for it."""
-    tier: dict[str, Any] = field(default_factory=dict)
-    """With a local tier: the files this rank wrote, and on the coordinator the manifest committed."""
-
-
-def outcome_timeout(commit_timeout_s: float) -> float:
-    """How long a rank waits for the outcome: the coordinator always publishes one, at the
-    latest when its own wait for the reports times out, so longer than that."""
-    return 2 * commit_timeout_s + 30.0
 
 
 def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
