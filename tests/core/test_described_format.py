@@ -260,7 +260,14 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
                 d.update(format_version=8)
                 or d["described"]["meshes"].__setitem__(0, {"shape": [4096, 4096], "first_rank": 0})
             ),
-            "are not 16777216 ranks of the world of 4",
+            "has 16777216 ranks, more than a world's 1048576",
+        ),
+        (  # as many as the largest world, but not of this one
+            lambda d: (
+                d.update(format_version=8)
+                or d["described"]["meshes"].__setitem__(0, {"shape": [1024, 1024], "first_rank": 0})
+            ),
+            "are not 1048576 ranks of the world of 4",
         ),
     ],
 )

@@ -101,8 +101,8 @@ def test_a_large_mesh_finds_each_ranks_box() -> None:
         offs, box = cell_box(shape, mesh, (("S", 0),), (c,))
         if 0 in box:
             continue
-        assert overlapping_cells(shape, mesh, (("S", 0),), 0, offs, box) == [(n - 1 - c, offs, box)]
-    assert len(overlapping_cells(shape, mesh, (("S", 0),), 0, (0, 0), shape)) == 10000
+        assert list(overlapping_cells(shape, mesh, (("S", 0),), 0, offs, box)) == [(n - 1 - c, offs, box)]
+    assert len(list(overlapping_cells(shape, mesh, (("S", 0),), 0, (0, 0), shape))) == 10000
 
 
 @pytest.mark.parametrize("shape,mesh_shape", [((20, 12), (2, 2)), ((22, 3), (3, 2)), ((7, 5), (2, 4))])

@@ -18,10 +18,12 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.assemble import assemble_manifest, declared_digest
 from shardkeeper.core.errors import CheckpointSaveError, CorruptCheckpointError
+from shardkeeper.core.format.bounds import MAX_WORLD_SIZE, PAGE_BYTES_PER_RANK
 from shardkeeper.core.format.columns import ChunkTable
 from shardkeeper.core.format.digest import block_digests
 from shardkeeper.core.format.grid import Mesh, Rule, cell_box
@@ -229,8 +231,13 @@ def test_a_page_the_reader_would_refuse_fails_the_save_at_its_leader(tmp_path: P
 def test_verify_does_not_walk_the_ranks_a_damaged_page_claims(tmp_path: Path) -> None:
     _save(tmp_path, 1, "0123abcd")
     m = _manifest(tmp_path, 1)
-    m["world_size"] = 10**8
-    m["described"]["pages"]["count"][1] = 10**8 - 2  # the page itself says 2: damage, said once
+    claimed = MAX_WORLD_SIZE - 2  # the page itself says 2: damage, said once
+    page = _page(tmp_path, 1, 1)  # padded to the bytes that many ranks need, so the manifest validates
+    padded = page.read_bytes().ljust(claimed * PAGE_BYTES_PER_RANK)
+    page.write_bytes(padded)
+    pages = m["described"]["pages"]
+    pages["count"][1], pages["size"][1], pages["digest"][1] = claimed, len(padded), xxhash.xxh3_128_hexdigest(padded)
+    m["world_size"], m["files"][pages["path"][1]]["size_bytes"] = MAX_WORLD_SIZE, len(padded)
     (tmp_path / step_dir(1) / "manifest.json").write_text(json.dumps(m))
     t0 = time.monotonic()
     problems = verify_step(LocalStorage(tmp_path), 1).problems

@@ -52,12 +52,12 @@ def test_a_wrong_page_is_refused_saying_why(change: dict, why: str) -> None:
 
 
 def columns(**change: object) -> dict:
-    cols = {"path": ["p0", "p1"], "size": [5, 6], "digest": ["d", "e"], "first": [0, 2], "count": [2, 2]}
+    cols = {"path": ["p0", "p1"], "size": [50, 60], "digest": ["d", "e"], "first": [0, 2], "count": [2, 2]}
     cols |= {"files": [3, 4], "bytes": [10, 20]}
     return {**cols, **change}
 
 
-LISTED = {"p0": {"size_bytes": 5, "rank": 0}, "p1": {"size_bytes": 6, "rank": 2}}
+LISTED = {"p0": {"size_bytes": 50, "rank": 0}, "p1": {"size_bytes": 60, "rank": 2}}
 
 
 def test_columns_that_cover_the_world_in_order_pass() -> None:
@@ -70,7 +70,7 @@ def test_columns_that_cover_the_world_in_order_pass() -> None:
         ({}, 5, "hold 4 ranks, not the world's 5"),
         ({"first": [0, 1]}, 4, "holds ranks from 1, 2 of them; the next rank is 2"),
         ({"count": [2, 0]}, 4, "holds ranks from 2, 0 of them"),
-        ({"size": [5, 7]}, 4, "not listed in files with its size"),
+        ({"size": [50, 70]}, 4, "not listed in files with its size"),
         ({"path": ["p0", "p9"]}, 4, "is not a file of its step"),
         ({"bytes": [1]}, 4, "not arrays of one length"),
         ({"files": [1, -1]}, 4, "files are not non-negative integers"),

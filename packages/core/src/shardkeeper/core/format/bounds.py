@@ -16,6 +16,12 @@ reference names another step's copy of the same box), so a leaf's chunks togethe
 claim more stored bytes than their files hold: ``stored_bytes_problem`` checks that, with the
 files' real sizes, before a reader allocates a leaf that no target sizes (a bytes leaf, an
 export).
+
+Ranks: a manifest's ``world_size`` is at most ``MAX_WORLD_SIZE``, and a page (format.md 3.9)
+lists at least ``PAGE_BYTES_PER_RANK`` bytes per rank it claims (``null``, ``0`` and ``""``
+with their commas, the shortest index entry), so a page of ``L`` bytes holds at most
+``L // 10`` ranks (``max_page_ranks``): a reader refuses a page that claims more before it
+derives anything from those ranks.
 """
 
 from __future__ import annotations
@@ -27,11 +33,22 @@ from typing import Any
 ZSTD_MAX_EXPANSION = 32768
 #: The smallest zstd frame before its blocks: the magic number (4) and a frame header (2).
 ZSTD_FRAME_MIN_BYTES = 6
+#: Most ranks a manifest's world may have (a few bytes of ``world_size`` must not stand for
+#: more ranks than any job runs, each one a cell the reader might derive).
+MAX_WORLD_SIZE = 1 << 20
+#: The fewest bytes a page spends on each of its ranks: an index entry of ``null``, ``0`` and
+#: ``""``, each followed by a comma (every other entry is longer).
+PAGE_BYTES_PER_RANK = 10
 
 
 def max_decoded_bytes(length: int) -> int:
     """The most bytes one zstd frame of ``length`` stored bytes can decode to."""
     return ZSTD_MAX_EXPANSION * max(0, length - ZSTD_FRAME_MIN_BYTES)
+
+
+def max_page_ranks(size: int) -> int:
+    """The most ranks a page of ``size`` bytes can list."""
+    return max(0, size) // PAGE_BYTES_PER_RANK
 
 
 def stored_bytes_problem(chunks: Sequence[Any], size_of: Callable[[str], int | None]) -> str | None:
@@ -59,4 +76,12 @@ def stored_bytes_problem(chunks: Sequence[Any], size_of: Callable[[str], int | N
     return None
 
 
-__all__ = ["ZSTD_FRAME_MIN_BYTES", "ZSTD_MAX_EXPANSION", "max_decoded_bytes", "stored_bytes_problem"]
+__all__ = [
+    "MAX_WORLD_SIZE",
+    "PAGE_BYTES_PER_RANK",
+    "ZSTD_FRAME_MIN_BYTES",
+    "ZSTD_MAX_EXPANSION",
+    "max_decoded_bytes",
+    "max_page_ranks",
+    "stored_bytes_problem",
+]

@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from shardkeeper.core.format.columns import MAX_NDIM
-from shardkeeper.core.format.grid import Mesh, flat_problem, is_flat, overlapping_cells, placements_problem, replicas
+from shardkeeper.core.format.grid import (
+    Cell,
+    Mesh,
+    flat_problem,
+    is_flat,
+    overlapping_cells,
+    placements_problem,
+    replicas,
+)
 from shardkeeper.core.format.index_files import INDEX_SCHEMA, MAX_INDEX_BYTES, Index, encode_index, parse_index
 from shardkeeper.core.format.index_rows import RankRows
 from shardkeeper.core.format.pages import Pages, chunk_files_problem, index_problem
@@ -89,7 +97,7 @@ class DescribedLeaves:
         self._heads: dict[tuple[str, str, tuple[int, ...]], LeafRecord] = {}
         self._failed: dict[int, CorruptCheckpointError] = {}
         self._specs: list[tuple[Mesh, tuple[tuple[Any, ...], ...], tuple[int, ...] | None]] | None = None
-        self._cells: dict[Any, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        self._cells: dict[Any, list[Cell]] = {}
         self._locks: dict[int, threading.Lock] = {}
         self.index_reads = 0
         #: (rank, key) -> boxes of the rule asked for, when a reader (``verify``) tracks them
@@ -254,14 +262,17 @@ class DescribedLeaves:
         loaded, track = self._rows, self.track
         for (li, rep, full, dt, offsets, shape), (keys, where) in groups.items():
             memo_key = (li, rep, full, offsets, shape)
-            cells = self._cells.get(memo_key)
+            cells: Iterable[Cell] | None = self._cells.get(memo_key)
+            derived: list[Cell] | None = None  # the cells as they come, kept once all came
             if cells is None:
                 mesh, pl, order = self._spec(pos[keys[0]])
-                cells = overlapping_cells(full, mesh, pl, rep, offsets, shape, order)
-                if len(self._cells) < 65536:
-                    self._cells[memo_key] = cells
+                # one at a time, each rank's rows read as its cell comes: a rule that claims
+                # more cells than the step's files back fails at the first one they do not
+                cells, derived = overlapping_cells(full, mesh, pl, rep, offsets, shape, order), []
             item = _ITEM[dt]
             for rank, offs, box in cells:
+                if derived is not None:
+                    derived.append((rank, offs, box))
                 rows = loaded.get(rank)
                 made = (rows if rows is not None else self._rank_rows(rank)).chunks(keys, offs, box, item)
                 for n, rec in zip(where, made):
@@ -271,6 +282,8 @@ class DescribedLeaves:
                 if track is not None:
                     for key in keys:
                         track[(rank, key)] = track.get((rank, key), 0) + 1
+            if derived is not None and len(self._cells) < 65536:
+                self._cells[memo_key] = derived
         return out
 
     def record(self, key: str) -> LeafRecord:

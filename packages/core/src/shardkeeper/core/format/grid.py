@@ -21,20 +21,24 @@ chunk of its own.
 
 Torch-free and storage-free: writers check their own boxes against it, readers derive the
 chunks a restore needs from it (``overlapping_cells``), with work proportional to the cells
-found, never to the mesh's size.
+found, never to the mesh's size. The cells come one at a time, never as a list: a reader
+reads each one's index file as it comes, so a forged rule that claims millions of cells
+fails at the first one the step's files do not back, having derived only that one.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
+
+from shardkeeper.core.format.bounds import MAX_WORLD_SIZE
 
 SHARD, REPLICATE, FLAT = "S", "R", "F"
-#: Most ranks a mesh of a manifest may hold (every coordinate's rank is listed).
-MAX_MESH_RANKS = 1 << 24
+#: Most ranks a mesh of a manifest may hold: its ranks are ranks of the world.
+MAX_MESH_RANKS = MAX_WORLD_SIZE
 #: Most dimensions a mesh may have (torch's meshes have a few).
 MAX_MESH_DIMS = 16
 
@@ -71,7 +75,12 @@ class Mesh:
     def from_json(cls, d: Mapping[str, Any]) -> Mesh:
         if "first_rank" in d:
             first, n = d["first_rank"], math.prod(d["shape"])
-            if type(first) is not int or first < 0 or not 0 < n <= MAX_MESH_RANKS or "ranks" in d:
+            if n > MAX_MESH_RANKS:  # (a number: a few bytes of shape must not make millions of ranks)
+                many = n if n < 1 << 64 else "over 2**64"
+                raise ValueError(
+                    f"a mesh of shape {str(d['shape'])[:40]} has {many} ranks, more than a world's {MAX_MESH_RANKS}"
+                )
+            if type(first) is not int or first < 0 or not 0 < n or "ranks" in d:
                 raise ValueError(
                     f"a mesh's first_rank {str(first)[:20]} or shape {str(d['shape'])[:40]} is out of range, "
                     f"or it lists ranks too"
@@ -255,21 +264,23 @@ def flat_cell_boxes(
     return [(offs, box) for offs, box, _ in flat_range_boxes(shape, lo, hi)]
 
 
+#: A saved box of a described leaf: the rank that wrote it, its offsets and its shape.
+Cell = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
 def _flat_overlapping(
     shape: Sequence[int], mesh: Mesh, placements: Placements, offsets: Sequence[int], box: Sequence[int]
-) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+) -> Iterator[Cell]:
     """``overlapping_cells`` of a flat partition: the coordinates whose parts meet the flat
     extent of the box (its first to its last element), and of their boxes those that meet it."""
     _, pos, part = placements[0]
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     first = sum(o * st for o, st in zip(offsets, strides))
     last = sum((o + b - 1) * st for o, b, st in zip(offsets, box, strides))
-    out = []
     for c in range((pos + first) // part, min((pos + last) // part, mesh.shape[0] - 1) + 1):
         for offs, size in flat_cell_boxes(shape, placements, c):
             if all(o < bo + bs and bo < o + s for o, s, bo, bs in zip(offs, size, offsets, box)):
-                out.append((mesh.ranks[c], offs, size))
-    return out
+                yield mesh.ranks[c], offs, size
 
 
 def replicas(mesh: Mesh, placements: Placements) -> int:
@@ -310,26 +321,54 @@ def cell_box(
     return tuple(start), tuple(size)
 
 
-def _dim_options(
-    length: int, splits: Sequence[tuple[int, int]], lo: int, hi: int
-) -> list[tuple[tuple[int, ...], int, int]]:
+#: A part of one tensor dimension: its coordinate along each splitting mesh dim, start, size.
+Part = tuple[tuple[int, ...], int, int]
+_T = TypeVar("_T")
+
+
+def _dim_options(length: int, splits: Sequence[tuple[int, int]], lo: int, hi: int) -> Iterator[Part]:
     """The parts of ``[0, length)`` under the nested splits ``(mesh dim, ways)`` that meet
-    ``[lo, hi)``: (coordinate along each splitting mesh dim, start, size), found directly
-    (the parts a range meets are a run of indices: no loop over every part)."""
-    cur: list[tuple[tuple[int, ...], int, int]] = [((), 0, length)]
-    for _, ways in splits:
-        nxt = []
-        for coords, st, n in cur:
-            full = -(-n // ways) if n else 0
-            a, b = max(lo - st, 0), min(hi - st, n)
-            if full == 0 or a >= b:
-                continue
-            for c in range(a // full, min(ways - 1, (b - 1) // full) + 1):
-                off, sz = chunk_part(n, ways, c)
-                if sz:
-                    nxt.append(((*coords, c), st + off, sz))
-        cur = nxt
-    return cur
+    ``[lo, hi)``, in coordinate order, one at a time: found directly (the parts a range meets
+    are a run of indices: no loop over every part), and every part a level visits leads to at
+    least one part below it (it meets ``[lo, hi)``), so no work is spent on parts not given."""
+
+    def walk(level: int, coords: tuple[int, ...], st: int, n: int) -> Iterator[Part]:
+        ways, last = splits[level][1], level == len(splits) - 1
+        full = -(-n // ways) if n else 0
+        a, b = max(lo - st, 0), min(hi - st, n)
+        if full == 0 or a >= b:
+            return
+        for c in range(a // full, min(ways - 1, (b - 1) // full) + 1):
+            off, sz = chunk_part(n, ways, c)
+            if sz and last:
+                yield (*coords, c), st + off, sz
+            elif sz:
+                yield from walk(level + 1, (*coords, c), st + off, sz)
+
+    return walk(0, (), 0, length) if splits else iter((((), 0, length),))
+
+
+def _product(makers: Sequence[Callable[[], Iterator[_T]]]) -> Iterator[tuple[_T, ...]]:
+    """``itertools.product`` of the iterators ``makers`` make, without listing them first (as
+    ``itertools.product`` does): an odometer, whose later iterators are made again each time
+    an earlier one moves on (each is the same again: it depends on none of the others)."""
+    its = [make() for make in makers]
+    cur = [next(it, None) for it in its]
+    if any(c is None for c in cur):  # one is empty: so is the product
+        return
+    yield tuple(cur)  # type: ignore[arg-type]
+    d = len(its) - 1
+    while d >= 0:
+        got = next(its[d], None)
+        if got is None:
+            d -= 1
+            continue
+        cur[d] = got
+        for e in range(d + 1, len(its)):  # (each non-empty: its first item was found above)
+            its[e] = makers[e]()
+            cur[e] = next(its[e])
+        d = len(its) - 1
+        yield tuple(cur)  # type: ignore[arg-type]
 
 
 def overlapping_cells(
@@ -340,13 +379,14 @@ def overlapping_cells(
     offsets: Sequence[int],
     box: Sequence[int],
     order: Sequence[int] | None = None,
-) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+) -> Iterator[Cell]:
     """Every non-empty saved box of a described leaf that meets the box ``offsets``/``box``,
-    as (the rank that wrote it, its offsets, its shape)."""
+    as (the rank that wrote it, its offsets, its shape), one at a time (module docstring)."""
     if 0 in box:
-        return []
+        return
     if is_flat(placements):
-        return _flat_overlapping(shape, mesh, placements, offsets, box)
+        yield from _flat_overlapping(shape, mesh, placements, offsets, box)
+        return
     by_dim: list[list[tuple[int, int]]] = [[] for _ in shape]
     for m in _order(placements, order):
         p = placements[m]
@@ -357,19 +397,18 @@ def overlapping_cells(
     for m in reversed(range(len(mesh.shape))):
         if placements[m][0] == REPLICATE:
             rest, coord[m] = divmod(rest, mesh.shape[m])
-    per_dim = [_dim_options(shape[d], by_dim[d], offsets[d], offsets[d] + box[d]) for d in range(len(shape))]
+    makers = [partial(_dim_options, shape[d], by_dim[d], offsets[d], offsets[d] + box[d]) for d in range(len(shape))]
     strides = mesh.strides()
-    out = []
-    for combo in itertools.product(*per_dim):
+    for combo in _product(makers):
         for d, (coords, _, _) in enumerate(combo):
             for (m, _), c in zip(by_dim[d], coords):
                 coord[m] = c
         rank = mesh.ranks[sum(c * s for c, s in zip(coord, strides))]
-        out.append((rank, tuple(o[1] for o in combo), tuple(o[2] for o in combo)))
-    return out
+        yield rank, tuple(o[1] for o in combo), tuple(o[2] for o in combo)
 
 
 __all__ = [
+    "Cell",
     "FLAT",
     "FlatBox",
     "MAX_MESH_RANKS",

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
+from shardkeeper.core.format.bounds import MAX_WORLD_SIZE
 from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER
 from shardkeeper.core.format.leaves import leaves_json
 from shardkeeper.core.format.records import (
@@ -127,6 +128,8 @@ def manifest_problem(m: ManifestFields) -> str | None:
     block = m.digest_block_bytes
     if not 0 < block <= MAX_DIGEST_BLOCK_BYTES or m.step < 0 or m.world_size < 1:
         return "digest_block_bytes, step or world_size out of range"
+    if m.world_size > MAX_WORLD_SIZE:  # (before anything is derived from the ranks)
+        return f"world_size {str(m.world_size)[:24]} is more than the {MAX_WORLD_SIZE} ranks a reader accepts"
     if not all(isinstance(p, str) for p in m.per_rank_prefixes):
         return "per_rank_prefixes is not a list of strings"
     # (JSON nesting was bounded when the manifest was parsed: format/untrusted.py.)

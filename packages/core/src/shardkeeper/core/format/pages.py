@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UntrustedJSONError
+from shardkeeper.core.format.bounds import PAGE_BYTES_PER_RANK, max_page_ranks
 from shardkeeper.core.format.records import NOT_A_DATA_FILE, safe_chunk_path, safe_relative_path
 from shardkeeper.core.format.untrusted import loads_untrusted
 
@@ -176,7 +177,8 @@ class Pages:
 
     def problem(self, world_size: int, files: Mapping[str, Any]) -> str | None:
         """Why the columns cannot be trusted, or None: one entry per page, each a file of the
-        step listed with its size, the pages' ranks covering 0 .. world_size - 1 in order."""
+        step listed with its size and claiming no more ranks than that size can list, the
+        pages' ranks covering 0 .. world_size - 1 in order."""
         cols = self.to_json()
         if not all(isinstance(c, list) and len(c) == len(self.path) for c in cols.values()):
             return "described pages columns are not arrays of one length"
@@ -195,6 +197,11 @@ class Pages:
                 return f"page {path[:80]!r} is not listed in files with its size"
             if first != at or count < 1:
                 return f"page {path[:80]!r} holds ranks from {first}, {count} of them; the next rank is {at}"
+            if count > max_page_ranks(size):  # (its ranks are never derived: damage, before any read)
+                return (
+                    f"page {path[:80]!r} of {size} bytes claims {count} ranks; a page spends at least "
+                    f"{PAGE_BYTES_PER_RANK} bytes on each, so it can list {max_page_ranks(size)}"
+                )
             at += count
         if at != world_size:
             return f"the pages hold {at} ranks, not the world's {world_size}"
