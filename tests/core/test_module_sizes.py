@@ -13,7 +13,7 @@ OVER = {
     "core/src/shardkeeper/core/codec/crypto.py": 404,
     "core/src/shardkeeper/core/garbage.py": 424,
     "core/src/shardkeeper/core/tensor/state.py": 429,
-    "core/src/shardkeeper/core/format/grid.py": 430,
+    "core/src/shardkeeper/core/format/grid.py": 431,
     "core/src/shardkeeper/core/protocol.py": 431,
     "core/src/shardkeeper/core/tensor/coordination.py": 433,
     "core/src/shardkeeper/core/storage/fsspec_store.py": 436,
