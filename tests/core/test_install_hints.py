@@ -45,6 +45,7 @@ TORCH_SIDE = (
     "export_safetensors",
     "import_dcp",
     "quantized",
+    "ResumableDistributedSampler",
 )
 #: Lazy names that work without torch (options, settings, advisor, catalog, keys, preemption).
 TORCH_FREE = tuple(sorted(set(shardkeeper.core._LAZY) - set(TORCH_SIDE)))

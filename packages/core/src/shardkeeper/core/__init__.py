@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from shardkeeper.core.advisor import advise, advise_root
     from shardkeeper.core.catalog import open_catalog
     from shardkeeper.core.codec.keys import KeyProvider, LocalKeyProvider
+    from shardkeeper.core.data.sampler import ResumableDistributedSampler
     from shardkeeper.core.dcp_import import import_dcp
     from shardkeeper.core.export import export_safetensors
     from shardkeeper.core.handle import UnwaitedSaveWarning
@@ -70,6 +71,7 @@ _LAZY = {
     "open_catalog": "shardkeeper.core.catalog",
     "PreemptionGuard": "shardkeeper.core.preemption",
     "quantized": "shardkeeper.core.quantize",
+    "ResumableDistributedSampler": "shardkeeper.core.data.sampler",
     "KeyProvider": "shardkeeper.core.codec.keys",
     "LocalKeyProvider": "shardkeeper.core.codec.keys",
 }
@@ -133,6 +135,7 @@ __all__ = [
     "PerRank",
     "PreemptionGuard",
     "RNGState",
+    "ResumableDistributedSampler",
     "SaveHandle",
     "StateMismatchError",
     "StepClaimedError",
