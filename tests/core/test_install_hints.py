@@ -44,6 +44,8 @@ TORCH_SIDE = (
     "dtype_from_name",
     "export_safetensors",
     "import_dcp",
+    "import_hf",
+    "load_hf",
     "quantized",
     "ResumableDistributedSampler",
 )

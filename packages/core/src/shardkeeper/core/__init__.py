@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from shardkeeper.core.dcp_import import import_dcp
     from shardkeeper.core.export import export_safetensors
     from shardkeeper.core.handle import UnwaitedSaveWarning
+    from shardkeeper.core.hf.importer import import_hf
+    from shardkeeper.core.hf.load import load_hf
     from shardkeeper.core.manager import CheckpointManager, SaveHandle
     from shardkeeper.core.options import CheckpointOptions, IneffectiveOptionWarning
     from shardkeeper.core.preemption import PreemptionGuard
@@ -66,6 +68,8 @@ _LAZY = {
     "dtype_from_name": "shardkeeper.core.tensor.state",
     "export_safetensors": "shardkeeper.core.export",
     "import_dcp": "shardkeeper.core.dcp_import",
+    "import_hf": "shardkeeper.core.hf.importer",
+    "load_hf": "shardkeeper.core.hf.load",
     "advise": "shardkeeper.core.advisor",
     "advise_root": "shardkeeper.core.advisor",
     "open_catalog": "shardkeeper.core.catalog",
@@ -148,6 +152,8 @@ __all__ = [
     "dtype_from_name",
     "export_safetensors",
     "import_dcp",
+    "import_hf",
+    "load_hf",
     "metrics",
     "normalize_fqn",
     "open_catalog",

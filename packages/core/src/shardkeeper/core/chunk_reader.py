@@ -111,11 +111,15 @@ class ChunkReader:
     block: int  # digest block bytes
     where: str  # how messages name the step: "step 3", "step 3 under file:///run"
     remedy: str  # what to do about damaged bytes, e.g. "export another step and run ..."
+    #: False for a source that records no digests (a Hugging Face safetensors folder, hf/):
+    #: its bytes are used as read, ``check`` passes them
+    verify: bool = True
 
     @classmethod
-    def of(cls, storage: Storage, manifest: Manifest, *, where: str, remedy: str) -> ChunkReader:
+    def of(cls, storage: Storage, manifest: Manifest, *, where: str, remedy: str, verify: bool = True) -> ChunkReader:
         """A reader of ``manifest``'s step (its digest algorithm and block size)."""
-        return cls(storage, digest_function(manifest.digest_algorithm), manifest.digest_block_bytes, where, remedy)
+        fn = digest_function(manifest.digest_algorithm)
+        return cls(storage, fn, manifest.digest_block_bytes, where, remedy, verify)
 
     def read(self, path: str, offset: int, buffer: memoryview, keys: Sequence[str]) -> None:
         """Fill ``buffer`` with the file bytes at ``offset``: a failure names ``keys`` and says
@@ -156,7 +160,9 @@ class ChunkReader:
     def check(self, path: str, chunk: ChunkRecord, first_block: int, data: memoryview, key: str) -> None:
         """Raise ``ChecksumMismatchError`` at the first block of ``data`` (the stored bytes of
         ``chunk`` of ``key`` from its block ``first_block`` on, read from ``path``) whose digest
-        is not the recorded one."""
+        is not the recorded one (nothing to check where the source records no digests)."""
+        if not self.verify:
+            return
         for bad in mismatches(self.digest, chunk, first_block, data, self.block):
             raise ChecksumMismatchError(
                 f"checksum mismatch in {self.storage.describe(path)} at bytes [{bad.start}, {bad.end}) "

@@ -23,27 +23,19 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
 from shardkeeper.core.bars import make_bar
-from shardkeeper.core.commit import manifest_path, write_latest_hint
-from shardkeeper.core.errors import CheckpointError, CommitConflictError, StateMismatchError
+from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES
-from shardkeeper.core.format.layout import DATA_DIR, new_attempt_id, shard_file, step_dir
-from shardkeeper.core.format.leaves import LazyLeaves
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import DTYPES
-from shardkeeper.core.format.tiling import check_tiling_boxes
-from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.imported import ImportedStep
 from shardkeeper.core.tensor.legacy import require_trust
-from shardkeeper.core.tensor.save import _write_file, chunk_records
-from shardkeeper.core.tensor.save_plan import WriteItem
 from shardkeeper.core.tensor.state import normalize_fqn, torch_dtype_name
 
 DEFAULT_BATCH_BYTES = 512 << 20
@@ -148,7 +140,7 @@ def _batches(
             size = 0
         out[-1].append(t)
         size += t[4]
-    return out
+    return [b for b in out if b]
 
 
 def _get(tree: Any, path: Sequence[Any]) -> Any:
@@ -201,94 +193,34 @@ def import_dcp(
         elif isinstance(meta, BytesStorageMetadata):
             object_keys.add(flat)
     storage = open_storage(root, **dict(storage_options or {}))
-    if storage.exists(manifest_path(step)):  # before a byte is written; the put below stays the fence
-        raise CommitConflictError(
-            f"step {step} is already committed under {storage.url}; nothing was imported. Import under "
-            f"another step (--step), delete that step first, or choose another root"
-        )
-    sdir = step_dir(step)
-    attempt = new_attempt_id()
-    leaves: dict[str, Any] = {}
-    files: dict[str, dict[str, Any]] = {}
-    written: list[str] = []
+    out = ImportedStep(storage, step, source=src, digest=digest, digest_block_bytes=digest_block_bytes)
     bar = make_bar(sum(t[4] for t in tensors), f"import {os.path.basename(src.rstrip('/')) or src}", progress)
-    pool = ThreadPoolExecutor(1)
     try:
-        if object_keys:  # before any tensor is written: a key collision loses nothing
-            objs = load_dcp(src, trust_pickle=trust_pickle, keys=object_keys)
-            for key, value, entry in _object_leaves(objs, [], [], src):
-                _claim(origin, key, entry, src)
-                leaves[key] = {"kind": "object", "value": value}
-        for index, batch in enumerate(b for b in _batches(tensors, max(1, batch_bytes)) if b):
-            loaded = load_dcp(src, trust_pickle=trust_pickle, keys={t[0] for t in batch})
-            items, spans = [], []
-            for flat, key, shape, dtype, nbytes in batch:
-                obj_path = (md.planner_data or {}).get(flat, (flat,))
-                t = _get(loaded, obj_path).detach().to("cpu").contiguous()
-                buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
-                items.append(WriteItem(key, dtype, shape, (0,) * len(shape), shape, t, nbytes))
-                spans.append((buf, 0, nbytes))
-            rel = shard_file(0, attempt, index)
-            written.append(rel)
-            offsets, digests, size = pool.submit(
-                _write_file, storage, sdir, rel, items, spans, digest, digest_block_bytes
-            ).result()
-            recs = chunk_records(rel, items, offsets, digests)
-            files[rel] = {"size_bytes": size, "rank": 0}
-            for (key, rec), (_, _, shape, dtype, nbytes) in zip(recs, batch, strict=True):
-                leaves[key] = {
-                    "kind": "tensor",
-                    "dtype": dtype,
-                    "shape": list(shape),
-                    "chunks": [rec] if nbytes else [],
+        with out:
+            if object_keys:  # before any tensor is written: a key collision loses nothing
+                objs = load_dcp(src, trust_pickle=trust_pickle, keys=object_keys)
+                for key, value, entry in _object_leaves(objs, [], [], src):
+                    _claim(origin, key, entry, src)
+                    out.add_object(key, value)
+            for batch in _batches(tensors, max(1, batch_bytes)):
+                loaded = load_dcp(src, trust_pickle=trust_pickle, keys={t[0] for t in batch})
+                out.write(
+                    [
+                        (key, _get(loaded, (md.planner_data or {}).get(flat, (flat,))).detach().to("cpu").contiguous())
+                        for flat, key, *_ in batch
+                    ]
+                )
+                bar.update(sum(t[4] for t in batch))
+                del loaded
+            return out.commit(
+                {
+                    "imported_from": src,
+                    "imported_format": "torch.distributed.checkpoint",
+                    **dict(metadata or {}),
                 }
-                bar.update(nbytes)
-            del loaded, items, spans
-        if written:
-            storage.sync_dir(f"{sdir}/{DATA_DIR}")
-            storage.sync_dir(sdir)
-        for key, leaf in leaves.items():
-            if leaf["kind"] == "tensor":
-                why = check_tiling_boxes(key, leaf["shape"], [(c["offsets"], c["shape"]) for c in leaf["chunks"]])
-                if why is not None:
-                    raise StateMismatchError(f"{src}: {key}: {why}")
-        manifest = Manifest(
-            step=step,
-            world_size=1,
-            leaves=LazyLeaves(dict(sorted(leaves.items()))),
-            files=dict(sorted(files.items())),
-            digest_algorithm=digest,
-            digest_block_bytes=digest_block_bytes,
-            metadata={
-                "framework": "torch",
-                "torch_version": torch.__version__,
-                "world_size": 1,
-                "imported_from": src,
-                "imported_format": "torch.distributed.checkpoint",
-                **dict(metadata or {}),
-            },
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            attempt=attempt,
-            format_version=FORMAT_VERSION,
-        )
-        data = manifest.dumps()
-        committed = Manifest.loads(data, where=storage.describe(manifest_path(step)))  # validated as a reader will
-        storage.put_if_absent(manifest_path(step), data)
-    except BaseException:
-        for rel in written:
-            try:
-                storage.delete(f"{sdir}/{rel}")
-            except CheckpointError:
-                pass
-        raise
+            )
     finally:
         bar.close()
-        pool.shutdown()
-    try:
-        write_latest_hint(storage, step)
-    except CheckpointError:
-        pass  # a hint only
-    return committed
 
 
 __all__ = ["DEFAULT_BATCH_BYTES", "canonical_key", "import_dcp", "load_dcp", "read_dcp_metadata"]

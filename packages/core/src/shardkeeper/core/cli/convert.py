@@ -1,10 +1,12 @@
 """Commands that move checkpoints between formats: ``export`` (a step as Hugging Face
-safetensors shards + index) and ``import`` (a torch.distributed.checkpoint directory as a
-committed step). Both load their module on use: ``import`` needs torch, the CLI does not."""
+safetensors shards + index) and ``import`` (a torch.distributed.checkpoint directory, or a
+Hugging Face safetensors folder, as a committed step). Both load their module on use:
+``import`` needs torch, the CLI does not."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from shardkeeper.core.cli.common import (
     EXIT_OK,
@@ -44,12 +46,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_import(args: argparse.Namespace) -> int:
-    from shardkeeper.core.dcp_import import import_dcp  # torch: the [torch] extra
+def is_safetensors_folder(source: str) -> bool:
+    """Whether ``import`` reads ``source`` as a Hugging Face safetensors folder: by its contents
+    (``model.safetensors`` or its index; a Hub cache repository folder), never when it holds a
+    DCP ``.metadata``. A URL is one (DCP directories are local)."""
+    if "://" in source and not source.startswith("file://"):
+        return True
+    path = source.removeprefix("file://")
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return False
+    names = ("model.safetensors", "model.safetensors.index.json")
+    return any(os.path.isfile(os.path.join(path, n)) for n in names) or os.path.isdir(os.path.join(path, "snapshots"))
 
+
+def cmd_import(args: argparse.Namespace) -> int:
     storage = open_root(args, must_exist=False)  # the root is created
-    m = import_dcp(args.source, storage, step=args.step, trust_pickle=args.trust_pickle, progress=show_progress(args))
-    say(f"imported {args.source} as step {m.step} under {storage.url}: {len(m.leaves)} leaves, {human_size(m.nbytes)}")
+    if is_safetensors_folder(args.source):
+        from shardkeeper.core.hf.importer import import_hf  # torch: the [torch] extra
+
+        m = import_hf(args.source, storage, step=args.step, prefix=args.prefix, progress=show_progress(args))
+        kind = "the safetensors folder "
+    else:
+        from shardkeeper.core.dcp_import import import_dcp  # torch: the [torch] extra
+
+        m = import_dcp(
+            args.source, storage, step=args.step, trust_pickle=args.trust_pickle, progress=show_progress(args)
+        )
+        kind = ""
+    say(
+        f"imported {kind}{args.source} as step {m.step} under {storage.url}: {len(m.leaves)} leaves, "
+        f"{human_size(m.nbytes)}"
+    )
     return EXIT_OK
 
 
@@ -79,17 +106,31 @@ def add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
 
 
 def add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
-    """``import DCP_DIR ROOT --step N --trust-pickle``."""
+    """``import DCP_DIR ROOT --step N --trust-pickle``, ``import HF_DIR ROOT --step N``."""
     imp = argparse.ArgumentParser(add_help=False)
-    imp.add_argument("source", metavar="DCP_DIR", help="a torch.distributed.checkpoint directory")
+    imp.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a torch.distributed.checkpoint directory, or a Hugging Face safetensors folder (model.safetensors "
+        "or its index; told by its contents)",
+    )
     p = sub.add_parser(
-        "import", parents=[imp, common], help="write a torch.distributed.checkpoint directory as a committed step"
+        "import",
+        parents=[imp, common],
+        help="write a torch.distributed.checkpoint directory or a safetensors folder as a committed step",
     )
     p.add_argument("--step", type=step_arg, required=True, metavar="N", help="the step to commit")
     p.add_argument(
         "--trust-pickle",
         action="store_true",
-        help="required: DCP's .metadata is a pickle, which can run code; pass it only for checkpoints you trust",
+        help="required for a DCP directory: its .metadata is a pickle, which can run code; pass it only for "
+        "checkpoints you trust (a safetensors folder holds no pickle and needs none)",
+    )
+    p.add_argument(
+        "--prefix",
+        default="model/",
+        metavar="PREFIX",
+        help="a safetensors folder's tensors become PREFIX<name> (default model/, which restore({'model': model}) fills)",
     )
     p.set_defaults(func=cmd_import)
 

@@ -68,8 +68,9 @@ class TargetWrites:
 
 def _join(step_dir: str, file: str) -> str:
     """A chunk's file as a root-relative path: a reference (``../step-N/data/...``) is
-    normalized here, because object stores do not resolve ``..`` in keys."""
-    path = f"{step_dir}/{file}"
+    normalized here, because object stores do not resolve ``..`` in keys. An empty
+    ``step_dir`` is the root itself (a source folder opened as the storage: hf/load.py)."""
+    path = f"{step_dir}/{file}" if step_dir else file
     return posixpath.normpath(path) if file.startswith("../") else path
 
 
@@ -120,6 +121,9 @@ def restore_flat(
     max_read_bytes: int,
     writes: TargetWrites | None = None,
     share: ReadShare | None = None,
+    source: str | None = None,
+    remedy: str | None = None,
+    verify: bool = True,
 ) -> RestoreStats:
     """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers.
 
@@ -133,9 +137,14 @@ def restore_flat(
     before reading anything. ``share``: this rank's part in a replica-deduplicated restore
     (``tensor/restore_share.py``), which every rank of its group calls together; when this
     raises before the exchange, the caller's ``share.finish()`` joins it for this rank.
+
+    ``source``, ``remedy``: how errors name what is read and what to do about damage (by
+    default the step, and an earlier step); ``verify=False``: the source records no digests
+    (a safetensors folder presented as a manifest, hf/view.py), its bytes are used as read.
     """
     writes = TargetWrites() if writes is None else writes
-    where = f"{storage.describe(step_dir)} (step {manifest.step}, rank {rank})"
+    source = source or f"step {manifest.step}"
+    where = f"{storage.describe(step_dir)} ({source}, rank {rank})"
     plan = plan_restore(
         storage,
         manifest,
@@ -171,13 +180,15 @@ def restore_flat(
     reader = ChunkReader.of(
         storage,
         manifest,
-        where=f"step {manifest.step}",
-        remedy=f"restore an earlier step (restore() without step= falls back by itself) and run "
+        where=source,
+        remedy=remedy
+        or f"restore an earlier step (restore() without step= falls back by itself) and run "
         f"`shardkeeper verify {storage.url}`",
+        verify=verify,
     )
     direct, reads, encoded = schedule(plan.ops, reader.block, stats.bytes_needed, max_read_bytes)
     _check_rewrites(writes, plan.restored, where, manifest.step)
-    _check_file_ends(reader, step_dir, manifest.step, plan.ops)
+    _check_file_ends(reader, step_dir, plan.ops)
     # Bytes leaves are read first but set only with the objects, once every read succeeded.
     bytes_values = [_bytes_of(reader, step_dir, rec, manifest.step, key, stats) for key, _, rec in plan.bytes_leaves]
     jobs = _jobs(step_dir, reader.block, direct, reads, encoded)
@@ -251,7 +262,7 @@ def _check_rewrites(writes: TargetWrites, restored: Sequence[str], where: str, s
         )
 
 
-def _check_file_ends(reader: ChunkReader, step_dir: str, step: int, ops: Sequence[Op]) -> None:
+def _check_file_ends(reader: ChunkReader, step_dir: str, ops: Sequence[Op]) -> None:
     """Before any read: every file exists and reaches the end a chunk of an op claims in it
     (one size query a file), so a hostile or damaged manifest fails before data is read."""
     ends: dict[str, tuple[int, str]] = {}
@@ -264,9 +275,8 @@ def _check_file_ends(reader: ChunkReader, step_dir: str, step: int, ops: Sequenc
         path = _join(step_dir, file)
         if reader.missing_or_short(path, end):
             raise CorruptCheckpointError(
-                f"step {step}: {storage.describe(path)} is missing or shorter than the {end} bytes "
-                f"the manifest records for key {key!r}; the checkpoint is damaged: restore an "
-                f"earlier step and run `shardkeeper verify {storage.url}`"
+                f"{reader.where}: {storage.describe(path)} is missing or shorter than the {end} bytes "
+                f"the manifest records for key {key!r}; the checkpoint is damaged: {reader.remedy}"
             )
 
 
