@@ -162,7 +162,7 @@ def test_a_forged_or_truncated_header_is_a_clear_error_before_any_read(folder: t
     model, before = TinyLM(seed=1), TinyLM(seed=1).state_dict()
     with pytest.raises(CorruptCheckpointError, match=message) as err:
         load_hf(path, model)
-    assert file in str(err.value) and "download it again" in str(err.value)
+    assert f"{file} (rank 0)" in str(err.value) and "download it again" in str(err.value)
     assert all(same_bits(v, before[k]) for k, v in model.state_dict().items())
 
 

@@ -128,12 +128,14 @@ def parse_header(raw: bytes, file: str, data_start: int, file_size: int, where: 
 class Folder:
     """The safetensors folder ``dir`` of ``storage`` ("": its root): the tensor names and the
     file of each, from the index or the single file's header; ``tensors`` reads the headers
-    of the files that hold the tensors asked for, each once."""
+    of the files that hold the tensors asked for, each once. ``rank``: the reading rank,
+    named in errors."""
 
-    def __init__(self, storage: Storage, dir: str = "") -> None:
+    def __init__(self, storage: Storage, dir: str = "", *, rank: int | None = None) -> None:
         self.storage = storage
         self.dir = dir
-        self.where = storage.describe(dir)
+        self._who = "" if rank is None else f" (rank {rank})"
+        self.where = self.describe(dir)
         self.sizes: dict[str, int] = {}  # file -> size, for the files whose header was read
         self._headers: dict[str, dict[str, Tensor]] = {}
         self.index = ""  # the index file's name, when the folder has one and uses it
@@ -153,9 +155,12 @@ class Folder:
     def path(self, file: str) -> str:
         return f"{self.dir}/{file}" if self.dir else file
 
+    def describe(self, path: str) -> str:
+        return f"{self.storage.describe(path)}{self._who}"
+
     def _read_index(self) -> dict[str, str]:
         path = self.path(INDEX_NAME)
-        where = self.storage.describe(path)
+        where = self.describe(path)
         size = self.storage.size(path)
         if size > MAX_INDEX_BYTES:
             raise CorruptCheckpointError(f"{where} is {size} bytes, more than an index can be; {REMEDY}")
@@ -178,7 +183,7 @@ class Folder:
         if got is not None:
             return got
         path = self.path(file)
-        where = self.storage.describe(path)
+        where = self.describe(path)
         size = self.storage.size(path)
         if size < 8:
             raise CorruptCheckpointError(f"{where} is {size} bytes, too short for a safetensors header; {REMEDY}")

@@ -212,7 +212,7 @@ def load_hf(
     with ThreadPoolExecutor(opts.io_threads, thread_name_prefix="shardkeeper-io") as io:
         try:
             flat = flatten_for_restore(state, rank, strict=strict)
-            folder = Folder(storage, dir)
+            folder = Folder(storage, dir, rank=rank)
             keys, tensors, unused = _plan(
                 folder,
                 flat,
