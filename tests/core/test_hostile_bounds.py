@@ -110,18 +110,12 @@ def fails(what: str, fn: Callable[[], Any], *why: str) -> str:
 
 def every_reader_fails_fast(root: Path, capsys: pytest.CaptureFixture[str], shape: list[int], *why: str) -> None:
     """``load``, ``restore`` into a target, ``verify_step`` and ``shardkeeper verify`` of step 2
-    fail at once naming ``why``; restoring the newest step falls back to step 1, intact."""
+    fail at once naming ``why``; restoring the newest step falls back to step 1, intact (and
+    quarantines step 2: last)."""
+    target = {"m": {"x": torch.zeros(shape, dtype=torch.uint8)}}
     with CheckpointManager(str(root)) as mgr:
         fails("load", lambda: mgr.load(2), *why)
-        target = {"m": {"x": torch.zeros(shape, dtype=torch.uint8)}}
         fails("restore", lambda: mgr.restore(target, step=2), *why)
-        # the newest step: step 2 is damaged, step 1 (which has no m/x) restores
-        both: dict[str, Any] = {"m": {**{k: torch.zeros(s) for k, s in SHAPES.items()}, "x": target["m"]["x"]}}
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            assert bounded("restore newest", lambda: mgr.restore(both, strict=False)) == 1
-        assert any(re.search(r"step 2 .* damaged .* falling back", str(w.message)) for w in said), said
-        assert all(torch.equal(both["m"][k], v) for k, v in _values().items())
     storage = LocalStorage(root)
     try:  # a manifest that does not validate is raised; a damaged page is a problem of the report
         problems = [p.message for p in bounded("verify_step", lambda: verify_step(storage, 2)).problems]
@@ -130,6 +124,14 @@ def every_reader_fails_fast(root: Path, capsys: pytest.CaptureFixture[str], shap
     assert problems and all(w in "\n".join(problems) for w in why), problems
     code, out, err = bounded("shardkeeper verify", lambda: run_cli(capsys, "verify", "-q", root, 2))
     assert code == 1 and all(w in out + err for w in why), (out, err)
+    with CheckpointManager(str(root)) as mgr:
+        # the newest step: step 2 is damaged, step 1 (which has no m/x) restores
+        both: dict[str, Any] = {"m": {**{k: torch.zeros(s) for k, s in SHAPES.items()}, "x": target["m"]["x"]}}
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert bounded("restore newest", lambda: mgr.restore(both, strict=False)) == 1
+        assert any(re.search(r"step 2 .* damaged .* falling back", str(w.message)) for w in said), said
+        assert all(torch.equal(both["m"][k], v) for k, v in _values().items())
 
 
 @pytest.fixture()

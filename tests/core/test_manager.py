@@ -532,15 +532,15 @@ def test_restore_of_the_newest_step_reads_only_its_manifest(tmp_path: Path, monk
         assert loaded == [5]
         assert torch.equal(target["w"], states[5]["w"])
         (root / step_dir(5) / "manifest.json").write_bytes(b'{"format_version": 5, "step": ')  # damaged
-        loaded.clear()
-        with pytest.warns(UserWarning, match=r"step 5 .*damaged.*falling back"):
-            assert mgr.restore(target) == 4
-        assert loaded == [5, 4]
-        assert torch.equal(target["w"], states[4]["w"]) and target["meta"] == {"seed": 4}
-        assert mgr.steps() == [1, 2, 3, 4]  # steps() still lists only what validates
+        assert mgr.steps() == [1, 2, 3, 4]  # steps() lists only what validates
         loaded.clear()
         assert mgr.latest_step() == 4 and loaded == [5, 4]
         assert not mgr.is_committed(5) and mgr.is_committed(3) and not mgr.is_committed(9)
+        loaded.clear()
+        with pytest.warns(UserWarning, match=r"step 5 .*damaged.*falling back"):
+            assert mgr.restore(target) == 4  # (and quarantines step 5: test_damaged_newest.py)
+        assert loaded == [5, 4]
+        assert torch.equal(target["w"], states[4]["w"]) and target["meta"] == {"seed": 4}
 
 
 @pytest.mark.parametrize("what", ["data", "manifest"])

@@ -102,6 +102,10 @@ def test_object_stores_reshard_cli_and_damage(every_storage_root, tmp_path, caps
         with pytest.raises(CorruptCheckpointError) as e:
             _restore_whole(url, options, step=2)
         assert "step 2" in str(e.value), (name, str(e.value))
+        code, out = _cli(capsys, url, options, "gc", "--min-age-s", "0", "--json")
+        assert code == 0, out
+        with CheckpointManager(url, storage_options=options) as mgr:
+            assert mgr.steps() == [1, 2], name  # gc never removes a committed step, damaged or not
         caplog.clear()
         with caplog.at_level(logging.WARNING), pytest.warns(UserWarning, match=r"step 2 under .* is damaged"):
             got, restored = _restore_whole(url, options)
@@ -111,8 +115,8 @@ def test_object_stores_reshard_cli_and_damage(every_storage_root, tmp_path, caps
             for r in caplog.records
         ), caplog.text
         assert_same_state(restored, step1, what=f"{name}: the fallback restore of step 1")
-
-        code, out = _cli(capsys, url, options, "gc", "--min-age-s", "0", "--json")
-        assert code == 0, out
-        with CheckpointManager(url, storage_options=options) as mgr:
-            assert mgr.steps() == [1, 2], name  # gc never removes a committed step, damaged or not
+        # the fallback quarantined step 2 on the store (its manifest aside, its files kept)
+        code, out = _cli(capsys, url, options, "ls", "--json")
+        assert [r["status"] for r in json.loads(out)["steps"]] == ["committed", "quarantined"], (name, out)
+        code, out = _cli(capsys, url, options, "verify", "2", "--quarantined")
+        assert code == 1 and flipped.file in out, (name, out)

@@ -81,6 +81,12 @@ def size_or_none(storage: Storage, path: str) -> int | None:
         return None
 
 
+def _naming(err: CorruptCheckpointError, path: str) -> CorruptCheckpointError:
+    """``err`` naming ``path`` as the damaged file (a restore's quarantine verifies it)."""
+    err.file = path
+    return err
+
+
 def frame_problem(encoding: str, head: bytes, raw_bytes: int) -> str | None:
     """What is wrong with an encoded chunk's first bytes, or None. For ``zstd``: the frame's
     declared content size must be the box's byte size (the frame is not decoded; without the
@@ -132,16 +138,19 @@ class ChunkReader:
         except ChecksumMismatchError as e:  # an encrypted block failed authentication (codec/crypto.py)
             raise ChecksumMismatchError(f"{self.where}, {what}: {e}", key=keys[0] if keys else "", file=path) from e
         except CorruptCheckpointError as e:  # the entry is not what the format says (a FIFO, a symlink loop...)
-            raise CorruptCheckpointError(f"{self.where}, {what}: {e}") from e
+            raise _naming(CorruptCheckpointError(f"{self.where}, {what}: {e}"), path) from e
         except (CheckpointNotFoundError, StorageError) as e:
             where = (
                 f"{self.where}: cannot read bytes [{offset}, {offset + len(buffer)}) of "
                 f"{storage.describe(path)} for {what}: {e}"
             )
             if self.missing_or_short(path, offset + len(buffer)):
-                raise CorruptCheckpointError(
-                    f"{where}. The file is missing or shorter than the manifest says: the checkpoint "
-                    f"is damaged. {self.remedy[:1].upper()}{self.remedy[1:]}"
+                raise _naming(
+                    CorruptCheckpointError(
+                        f"{where}. The file is missing or shorter than the manifest says: the checkpoint "
+                        f"is damaged. {self.remedy[:1].upper()}{self.remedy[1:]}"
+                    ),
+                    path,
                 ) from e
             raise StorageError(
                 f"{where}. The file is there, whole in size: the storage failed (after its retries)"

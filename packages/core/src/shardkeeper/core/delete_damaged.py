@@ -14,11 +14,15 @@ manifest of a newer format. The deletion itself is retention's: the manifest fir
 files no other committed step, commit in progress or newer manifest references (a committed
 step whose pages cannot all be read references files nobody knows: nothing is deleted).
 
-Needs no torch: ``shardkeeper delete ROOT STEP --damaged`` runs it from any machine.
+The verification (``judge_damaged``) is shared with the quarantine a restore does of the damaged
+steps it fell back past (``quarantine.py``), which moves the manifest aside instead of
+deleting the step. Needs no torch: ``shardkeeper delete ROOT STEP --damaged`` runs it from any
+machine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from shardkeeper.core.catalog import forget_deleted
@@ -65,34 +69,43 @@ class DamagedDeletion:
     damage: list[str] = field(default_factory=list)  # the problems that made it damaged (the first few)
 
 
-def delete_damaged(
-    storage: Storage, step: int, *, read_storage: Storage | None = None, catalog: str | None = None
+def judge_damaged(
+    storage: Storage,
+    step: int,
+    *,
+    read_storage: Storage | None = None,
+    files: Collection[str] | None = None,
+    verb: str = "deleted",
 ) -> DamagedDeletion:
-    """Verify ``step`` and delete it if it is damaged. ``read_storage``: the view that checks
-    what it reads (an encrypted root's authenticated view; default ``storage``), through which
-    the step is verified; ``storage`` deletes. Raises ``CheckpointNotFoundError`` when the step
-    has no manifest, ``EncryptionKeyError`` for a wrong key, and ``ValueError`` (nothing
-    deleted) when it verifies intact, could not be checked (storage errors, an encrypted step
-    without its key) or has a manifest of a newer format."""
+    """What makes ``step`` damaged, verified on its stored bytes, or raise with nothing done.
+    ``read_storage``: the view that checks what it reads (an encrypted root's authenticated
+    view; default ``storage``). ``files`` (root-relative): verify only those files besides the
+    manifest and its pages and index files (the ones a restore found damaged); None: every
+    file. Raises ``CheckpointNotFoundError`` when the step has no manifest, ``EncryptionKeyError``
+    for a wrong key, a ``StorageError`` when the storage fails, and ``ValueError`` when it
+    verifies intact, could not be checked (storage errors, a key the provider does not hold, an
+    encrypted step without its key) or has a manifest of a newer format or bound to another
+    root. ``verb``: what the messages say was not done."""
     reader = read_storage if read_storage is not None else storage
     if isinstance(reader, EncryptedStorage) and not reader.authenticate:
         reader = reader.authenticated()  # a manifest whose MAC fails is a wrong key or damage, said as such
     where = f"step {step} under {storage.url}"
+    nothing = f"nothing was {verb}"
     listed = manifest_steps(storage)
     if step not in listed:
         raise CheckpointNotFoundError(f"{where} has no manifest: there is no committed or damaged step to delete")
     out = DamagedDeletion(step)
-    try:  # a storage error here or in the verification propagates: nothing is deleted
+    try:  # a storage error here or in the verification propagates: nothing is done
         manifest = load_manifest(reader, step)
     except IncompatibleFormatError as e:
         raise ValueError(
             f"{where} was written by a newer shardkeeper ({e}); it is not damaged, and this version "
-            f"cannot check it: nothing was deleted"
+            f"cannot check it: {nothing}"
         ) from e
     except ForeignManifestError as e:  # it authenticates: intact bytes, bound to another root
         raise ValueError(
-            f"{where} authenticates but is bound to another root ({e}). Its bytes are intact, so nothing was "
-            f"deleted: for a moved root, check it with --encryption-root / encryption_root= naming the root "
+            f"{where} authenticates but is bound to another root ({e}). Its bytes are intact, so {nothing}: "
+            f"for a moved root, check it with --encryption-root / encryption_root= naming the root "
             f"it was written under"
         ) from e
     except CorruptCheckpointError as e:  # the manifest itself does not validate
@@ -101,36 +114,55 @@ def delete_damaged(
             raise ValueError(
                 f"{where} was saved without encryption, and no step below it is encrypted: it is this "
                 f"root's own from before encryption was turned on (or the root was never encrypted), so a "
-                f"key proves no damage and nothing was deleted. Check it without a key (--key, encryption=)"
+                f"key proves no damage and {nothing}. Check it without a key (--key, encryption=)"
             ) from e
         out.damage = [f"manifest: {e}"]
-    else:
-        if manifest.encryption is not None and not isinstance(reader, EncryptedStorage):
-            raise ValueError(
-                f"{where} is encrypted, and no key was given, so its data cannot be checked: nothing was "
-                f"deleted. Give the root's key (--key, or the manager's encryption=)"
-            )
-        report = verify_step(reader, step, manifest=manifest)
-        damage = [p for p in report.problems if p.kind in DAMAGE]
-        if not damage:
-            if report.problems:
-                raise ValueError(
-                    f"{where} could not be checked: {'; '.join(p.message for p in report.problems[:3])}. "
-                    f"That proves no damage; nothing was deleted. Retry when the storage answers (or with "
-                    f"the step's encryption key)"
-                )
-            newest = newest_committed(storage) == step
-            raise ValueError(
-                f"{where} verifies intact ({report.files_checked} files, {report.chunks_checked} chunks, "
-                f"every digest checked): nothing was deleted. "
-                + (
-                    "It is the newest committed step, which a resume goes back to: delete it without "
-                    "damaged=/--damaged once a newer step is committed"
-                    if newest
-                    else "Delete it without damaged=/--damaged (retention's rules)"
-                )
-            )
+        return out
+    if manifest.encryption is not None and not isinstance(reader, EncryptedStorage):
+        raise ValueError(
+            f"{where} is encrypted, and no key was given, so its data cannot be checked: {nothing}. "
+            f"Give the root's key (--key, or the manager's encryption=)"
+        )
+    report = verify_step(reader, step, manifest=manifest, files=None if files is None else frozenset(files))
+    damage = [p for p in report.problems if p.kind in DAMAGE]
+    if damage:
         out.damage = [p.message for p in damage[:5]]
+        return out
+    if report.problems:
+        raise ValueError(
+            f"{where} could not be checked: {'; '.join(p.message for p in report.problems[:3])}. "
+            f"That proves no damage; {nothing}. Retry when the storage answers (or with "
+            f"the step's encryption key)"
+        )
+    if files is not None:
+        shown = ", ".join(sorted(files)[:3]) + (" ..." if len(files) > 3 else "")
+        raise ValueError(
+            f"{where}: its manifest validates and the files found damaged ({shown or 'none named'}) verify "
+            f"intact now (every digest checked): the damage seen did not last, or lies elsewhere; {nothing}. "
+            f"`shardkeeper verify {storage.url} {step}` checks every file"
+        )
+    newest = newest_committed(storage) == step
+    raise ValueError(
+        f"{where} verifies intact ({report.files_checked} files, {report.chunks_checked} chunks, "
+        f"every digest checked): {nothing}. "
+        + (
+            "It is the newest committed step, which a resume goes back to: delete it without "
+            "damaged=/--damaged once a newer step is committed"
+            if newest
+            else "Delete it without damaged=/--damaged (retention's rules)"
+        )
+    )
+
+
+def delete_damaged(
+    storage: Storage, step: int, *, read_storage: Storage | None = None, catalog: str | None = None
+) -> DamagedDeletion:
+    """Verify ``step`` and delete it if it is damaged. ``read_storage``: the view that checks
+    what it reads (an encrypted root's authenticated view; default ``storage``), through which
+    the step is verified; ``storage`` deletes. Raises as ``judge_damaged`` (nothing deleted)."""
+    out = judge_damaged(storage, step, read_storage=read_storage)
+    where = f"step {step} under {storage.url}"
+    listed = manifest_steps(storage)
     live: set[str] = set()
     for s in listed:  # what the committed steps that stay reference, each manifest read once
         if s == step:
@@ -183,4 +215,4 @@ def _saved_before_encryption(storage: Storage, step: int, listed: list[int]) -> 
     return True
 
 
-__all__ = ["DAMAGE", "DamagedDeletion", "delete_damaged"]
+__all__ = ["DAMAGE", "DamagedDeletion", "delete_damaged", "judge_damaged"]

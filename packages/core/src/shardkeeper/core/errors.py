@@ -23,7 +23,10 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
-    """Stored bytes or metadata are damaged: a bad manifest, a short file, a wrong digest."""
+    """Stored bytes or metadata are damaged: a bad manifest, a short file, a wrong digest.
+    ``file``: the damaged file (root-relative) when one is named (empty otherwise)."""
+
+    file: str = ""
 
 
 class ForeignManifestError(CorruptCheckpointError):

@@ -5,9 +5,10 @@ first, as rank 0 lists them. Each attempt loads and validates the candidate's ma
 reads into the target (``tensor/restore.py``); the ranks then agree on the worst
 ``Verdict``: restored, damaged (every rank falls back to the next candidate together, with
 a warning; an asked step raises), or fatal (raised: a failing storage may hold an intact
-step, and falling back would lose its progress). What the attempts wrote into the target is
-tracked (``TargetWrites``): a fallback rewrites all of it, and an error raised after a write
-says that the target is partly restored.
+step, and falling back would lose its progress). The damaged steps a fallback passed over
+are then quarantined, so that the run can save them again (``tensor/restore_quarantine.py``).
+What the attempts wrote into the target is tracked (``TargetWrites``): a fallback rewrites
+all of it, and an error raised after a write says that the target is partly restored.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
+from shardkeeper.core.quarantine import named_files
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
 from shardkeeper.core.tensor.restore_plan import RestoreStats
+from shardkeeper.core.tensor.restore_quarantine import quarantine_passed_over
 from shardkeeper.core.tensor.restore_share import PeerExchangeError, ReadShare, peer_group
 from shardkeeper.core.tensor.state import flatten_for_restore
 
@@ -49,12 +52,14 @@ def _selects_progress(pattern: str) -> bool:
 class Restorer:
     """Restore of one manager. ``last_stats``: what the last attempt that succeeded on this
     rank read (``CheckpointManager.last_restore_stats``); ``last_manifest``: the manifest of the
-    step it restored (read once per attempt, kept for the caller)."""
+    step it restored (read once per attempt, kept for the caller); ``quarantined``: the damaged
+    steps its last restore quarantined."""
 
     def __init__(self, ctx: ManagerContext) -> None:
         self.ctx = ctx
         self.last_stats: RestoreStats | None = None
         self.last_manifest: Manifest | None = None
+        self.quarantined: list[int] = []  # the damaged steps the last restore quarantined
         self._loaded: Manifest | None = None
 
     def restore_state(
@@ -128,8 +133,9 @@ class Restorer:
                 f"no committed checkpoint under {url}; nothing to restore (rank "
                 f"{ctx.rank}). Check the root, or start training from scratch"
             )
+        self.quarantined = []
         last_error: BaseException | None = None
-        damaged: list[int] = []
+        damaged: dict[int, list[str]] = {}  # the steps passed over -> the files this rank found damaged
         writes = TargetWrites()  # what the attempts wrote into ``state``: a fallback rewrites it all
         share = self._share_group()
         for s in candidates:
@@ -154,6 +160,7 @@ class Restorer:
                         last_error,
                         url,
                     )
+                    self.quarantined = quarantine_passed_over(ctx, damaged, stacklevel=stacklevel + 1)
                 return s
             if err is None:
                 err = CheckpointRestoreError(
@@ -163,7 +170,7 @@ class Restorer:
             if verdict is Verdict.FATAL or explicit:
                 raise partly_restored(err, writes)
             last_error = err
-            damaged.append(s)
+            damaged[s] = [] if getattr(err, "on_other_rank", False) else named_files(err)
             warnings.warn(
                 f"step {s} under {url} is damaged ({err}); falling back to the previous committed step",
                 stacklevel=stacklevel + 1,

@@ -13,7 +13,9 @@ from shardkeeper.core.cli.common import (
     EXIT_DAMAGED,
     EXIT_OK,
     PROG,
+    QUARANTINED_HELP,
     add_key_options,
+    load_step_manifest,
     open_root,
     print_json,
     show_progress,
@@ -21,9 +23,9 @@ from shardkeeper.core.cli.common import (
     with_key,
 )
 from shardkeeper.core.cli.display import human_size, say
-from shardkeeper.core.commit import load_manifest
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S, collect_garbage
+from shardkeeper.core.quarantine import load_quarantined
 from shardkeeper.core.verify_report import Problem, RootVerifyReport
 
 
@@ -37,9 +39,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from shardkeeper.core.verify_all import verify_root
 
     storage = with_key(open_root(args), args.key, args.encryption_root)
+    if args.quarantined and args.step is None:
+        raise UsageError("verify --quarantined needs the STEP whose quarantined manifest to check")
     if args.step is not None:
         try:
-            m = load_manifest(storage, args.step)
+            m = load_quarantined(storage, args.step)[1] if args.quarantined else load_step_manifest(storage, args.step)
             bar = make_bar(stored_bytes(m), f"verify step {args.step}", show_progress(args))
             try:
                 reports = [verify_step(storage, args.step, manifest=m, on_bytes=bar.update)]
@@ -54,7 +58,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         step=args.step,
                         kind="manifest",
                         file="",
-                        message=f"step {args.step}: the manifest does not validate: {e}",
+                        message=f"step {args.step}: the {'quarantined ' if args.quarantined else ''}manifest does "
+                        f"not validate: {e}",
                     )
                 ],
             )
@@ -186,6 +191,7 @@ def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
     p = sub.add_parser("verify", parents=[common], help="check files, sizes and every digest; exit 1 on damage")
     p.add_argument("step", metavar="STEP", nargs="?", type=step_arg, help="the step (default: every committed step)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quarantined", action="store_true", help=QUARANTINED_HELP)
     add_key_options(p)
     p.set_defaults(func=cmd_verify)
 

@@ -149,6 +149,30 @@ def step_arg(text: str) -> int:
     return step
 
 
+QUARANTINED_HELP = (
+    "the step's quarantined manifest (a damaged step a restore moved aside, until gc removes it) "
+    "instead of its committed one"
+)
+
+
+def load_step_manifest(storage: Storage, step: int) -> Manifest:
+    """``step``'s manifest (``commit.load_manifest``); a step that is not committed but was
+    quarantined says so, and how to look at it."""
+    from shardkeeper.core.commit import load_manifest
+    from shardkeeper.core.quarantine import quarantined_manifests
+
+    try:
+        return load_manifest(storage, step)
+    except CheckpointNotFoundError as e:
+        aside = quarantined_manifests(storage, step)
+        if not aside:
+            raise
+        raise CheckpointNotFoundError(
+            f"{e}. A restore found step {step} damaged and quarantined it: its manifest is at "
+            f"{storage.describe(aside[-1])} (add --quarantined to look at it; gc removes it)"
+        ) from None
+
+
 def manifest_figures(m: Manifest) -> dict[str, Any]:
     """A step's figures in ``ls``: its stored and logical bytes, leaves, world size, time."""
     return {
@@ -167,7 +191,9 @@ __all__ = [
     "EXIT_USAGE",
     "KEY_HELP",
     "PROG",
+    "QUARANTINED_HELP",
     "add_key_options",
+    "load_step_manifest",
     "manifest_figures",
     "open_root",
     "print_json",

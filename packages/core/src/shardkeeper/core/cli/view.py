@@ -10,7 +10,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkeeper.core.bars import make_bar
-from shardkeeper.core.cli.common import EXIT_OK, manifest_figures, open_root, print_json, show_progress, step_arg
+from shardkeeper.core.cli.common import (
+    EXIT_OK,
+    QUARANTINED_HELP,
+    load_step_manifest,
+    manifest_figures,
+    open_root,
+    print_json,
+    show_progress,
+    step_arg,
+)
 from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
 from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
 from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
@@ -23,7 +32,9 @@ from shardkeeper.core.errors import (
     UsageError,
 )
 from shardkeeper.core.format.layout import LATEST_NAME
+from shardkeeper.core.format.logical_member import digests_of
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
+from shardkeeper.core.quarantine import is_quarantined, load_quarantined
 from shardkeeper.core.storage.base import Storage
 
 
@@ -86,7 +97,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 names = [n.rstrip("/").rsplit("/", 1)[-1] for n in storage.list_dir(name)]
             except CorruptCheckpointError:  # cannot be listed for what it is: damage
                 names = [MANIFEST_NAME]
-            row["status"] = "invalid" if MANIFEST_NAME in names else "uncommitted"
+            row["status"] = (
+                "invalid"
+                if MANIFEST_NAME in names
+                else "quarantined"  # a restore found it damaged and moved its manifest aside
+                if any(is_quarantined(n) for n in names)
+                else "uncommitted"
+            )
         rows.append(row)
     bar.close()
     if args.local:
@@ -120,13 +137,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = open_root(args)
+    if args.quarantined and args.step is None:
+        raise UsageError("inspect --quarantined needs the STEP whose quarantined manifest to show")
     step = _resolve_step(storage, args.step)
-    m = load_manifest(storage, step)
+    m = load_quarantined(storage, step)[1] if args.quarantined else load_step_manifest(storage, step)
     patterns = args.keys or []
     keys = [k for k in m.leaves if not patterns or any(fnmatch.fnmatchcase(k, p) for p in patterns)]
     if patterns and not keys:
         raise UsageError(f"no key of step {step} matches {' or '.join(patterns)}")
 
+    logical = digests_of(m.logical, m.leaves) or {}  # each tensor's logical digest, where recorded
     leaves = []
     for k in keys:
         leaf = m.leaves[k]
@@ -142,6 +162,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "chunks": len(leaf.chunks),
                     "size_bytes": leaf.nbytes,
                     "stored_bytes": sum(c.length for c in leaf.chunks),
+                    "logical_digest": logical.get(k),
                 }
             )
     if args.json:
@@ -224,6 +245,7 @@ def add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser], common
         "--keys", action="append", metavar="PATTERN", help="only keys matching this glob, e.g. 'model/*' (repeatable)"
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quarantined", action="store_true", help=QUARANTINED_HELP)
     p.set_defaults(func=cmd_inspect)
 
 

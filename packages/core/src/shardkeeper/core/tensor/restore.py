@@ -274,10 +274,12 @@ def _check_file_ends(reader: ChunkReader, step_dir: str, ops: Sequence[Op]) -> N
     for file, (end, key) in ends.items():
         path = _join(step_dir, file)
         if reader.missing_or_short(path, end):
-            raise CorruptCheckpointError(
+            err = CorruptCheckpointError(
                 f"{reader.where}: {storage.describe(path)} is missing or shorter than the {end} bytes "
                 f"the manifest records for key {key!r}; the checkpoint is damaged: {reader.remedy}"
             )
+            err.file = path  # (a restore's quarantine verifies it)
+            raise err
 
 
 def _bytes_of(reader: ChunkReader, step_dir: str, leaf: LeafRecord, step: int, key: str, stats: RestoreStats) -> bytes:

@@ -11,7 +11,8 @@ fall back across the tiers when the chosen copy turns out damaged.
 - After restoring the newest, each node drops its local steps newer than the one restored
   that no tier holds whole, and every rank waits for that before it returns; the coordinator
   takes over the step claims above the step restored (``claim.py``), also when nothing was
-  found to restore.
+  found to restore; and damaged steps the persistent restore quarantined there
+  (``quarantine.py``) count as not persisted, so that the save of such a step is uploaded.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def restore_tiered(
     if step is None:
         tiers.drop_newer(choice, out.step)
         tiers.take_over(out.step)
+        tiers.forget_persisted(remote.quarantined)
     return out
 
 
