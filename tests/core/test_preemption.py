@@ -18,7 +18,7 @@ from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.testing.campaign import _blank_like, deterministic_state
 from shardkeeper.core.testing.procs import kill_tree
 
-from ._launch import DIST_DIR
+from ._launch import DIST_DIR, run_workers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
@@ -86,3 +86,36 @@ def test_sigterm_with_time_for_a_final_save(tmp_path: Path) -> None:
     assert record["abandoned_step"] is None and last > 2, record
     assert CheckpointManager(tmp_path).steps()[-1] == last
     _restores_bit_exact(tmp_path, last)
+
+
+def test_sigterm_on_a_step_the_loop_also_saves_exits_143_with_the_record(tmp_path: Path) -> None:
+    """The loop saves every step, so SIGTERM lands on a step in flight: ``final_save`` of it
+    waits for that save instead of saving it again (which the root refuses), and the job exits
+    143 with the record, so that the scheduler requeues it."""
+    code, out = _run(tmp_path, "collide")
+    assert code != 0 and out.count(f"exitcode  : {EXIT_CODE}") == 2, out[-3000:]  # both ranks: 143
+    assert "CommitConflictError" not in out and out.count("preempted; last committed step") == 2, out[-3000:]
+    record = read_record(LocalStorage(tmp_path))
+    assert record is not None, out[-3000:]
+    last = record["last_committed_step"]
+    assert record["abandoned_step"] is None and last > 2, record
+    assert record["final_save"] == {"step": last, "committed": True, "saved": False, "error": None}, record
+    _restores_bit_exact(tmp_path, last)
+
+
+@pytest.mark.parametrize("mode", ["committed", "refused"])
+def test_the_final_save_exits_143_with_the_record_whatever_the_save_did(tmp_path: Path, mode: str) -> None:
+    """One process: ``final_save`` of step 5, which this manager committed (nothing saved),
+    and of step 3, below the newest (the save raises ``StepOrderError``): exit 143 and
+    ``preempted.json`` either way."""
+    res = run_workers(1, "preempt_worker.py", str(tmp_path), mode, timeout_s=60)
+    assert res.returncode == EXIT_CODE, res.stdout[-3000:]
+    record = read_record(LocalStorage(tmp_path))
+    assert record is not None and record["last_committed_step"] == 5, (record, res.stdout[-3000:])
+    final = record["final_save"]
+    if mode == "committed":
+        assert final == {"step": 5, "committed": True, "saved": False, "error": None}, final
+    else:
+        assert final["step"] == 3 and not final["committed"] and "StepOrderError" in final["error"], final
+        assert "the final save of step 3 failed" in res.stdout, res.stdout[-3000:]
+    assert CheckpointManager(tmp_path).steps() == [4, 5]

@@ -5,17 +5,26 @@
     guard = PreemptionGuard(mgr, grace_s=60).install()     # main thread, every rank
     for step in ...:
         train_step()
+        if step % 100 == 0:
+            mgr.save(step, state)      # the regular schedule
         if guard.check():              # collective: True on every rank once any rank got SIGTERM
-            mgr.save(step, state)      # a final save at a safe point
-            guard.exit()               # waits for it within the grace period, records, exits 143
+            guard.final_save(step, state)  # saves (unless step is saved already), records, exits 143
 
-On SIGTERM the handler only marks the job preempted and starts the grace clock. ``exit()``
-lets the pending save commit if it can within what is left of ``grace_s``; past the grace
-period a watchdog thread exits the process whatever the loop is doing. Either way a save that
-did not commit is abandoned: its manifest was never written, so it is not visible, and gc
-removes its files later. Rank 0 records the outcome in ``<root>/preempted.json``
-(``{"last_committed_step", "abandoned_step", "signal_time", "exit_time"}``), logs it and sets
-the ``checkpoint_last_committed_step`` metric. The exit code is 128 + SIGTERM = 143.
+On SIGTERM the handler only marks the job preempted and starts the grace clock.
+``final_save(step, state)`` is the final save at a safe point and then ``exit()``; it never
+returns. A step this manager already committed or is saving (the signal landed on a step the
+schedule saves too) is not saved again, which ``mgr.save`` would refuse: the save in flight
+is waited for instead. Whatever the save does (it raises, or outlasts the grace period), the
+record is written and the process exits with the exit code. ``exit()`` alone (after the
+loop's own final ``mgr.save``) lets the pending save commit if it can within what is left of
+``grace_s``. Past the grace period a watchdog thread exits the process whatever the loop is
+doing. Either way a save that did not commit is abandoned: its manifest was never written, so
+it is not visible, and gc removes its files later. Rank 0 records the outcome in
+``<root>/preempted.json`` (``{"last_committed_step", "abandoned_step", "signal_time",
+"exit_time"}``, and after ``final_save`` ``"final_save": {"step", "committed", "saved",
+"error"}``: whether the step is committed, whether this call saved it or found it saved or
+in flight, and the save's error), logs it and sets the ``checkpoint_last_committed_step``
+metric. The exit code is 128 + SIGTERM = 143.
 
 With a local tier (``local=``) the final save commits on the nodes first, and a node that is
 replaced after the preemption loses it: so ``exit()`` then uploads the newest step committed
@@ -34,8 +43,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from shardkeeper.core import metrics
 from shardkeeper.core.commit import newest_committed
@@ -63,6 +73,8 @@ class PreemptionGuard:
         self._exit_lock = threading.Lock()
         self._previous: Any = None
         self._final_upload: int | None = None  # with a local tier: the step exit() uploads
+        self._final: dict[str, Any] | None = None  # what final_save did (the record's "final_save")
+        self._final_handle: Any = None  # the save whose outcome the final save is
 
     @property
     def preempted(self) -> bool:
@@ -102,20 +114,56 @@ class PreemptionGuard:
         time.sleep(self.remaining_s())
         self._finish(abandon=True)
 
-    def exit(self) -> None:
-        """Wait for the pending save within the grace period, record, and exit."""
-        pending = getattr(self.mgr, "_pending", None)
+    def final_save(self, step: int, state: Mapping[str, Any], **save_kwargs: Any) -> NoReturn:
+        """The final save of ``step`` at a safe point, then ``exit()``: never returns (every
+        rank, after ``check()`` said True).
+
+        A step this manager committed or is saving (the schedule's own save of this step) is
+        not saved again: ``exit()`` waits for the save in flight within the grace period. Any
+        other step is saved with ``mgr.save(step, state, **save_kwargs)``. Whatever that does
+        (raises: a step another writer committed, a step below the newest, a failing storage;
+        or runs past the grace period), the record is written and the process exits with
+        ``exit_code``: the scheduler sees a preemption, never a crash."""
+        self._final = {"step": step, "committed": False, "saved": False, "error": None}
+        try:
+            pending = getattr(self.mgr, "_pending", None)
+            order = getattr(getattr(self.mgr, "_saver", None), "_order", None)
+            if pending is not None and pending.step == step:
+                self._final_handle = pending  # in flight (or committed meanwhile): waited for
+            elif getattr(order, "own", None) != step:
+                self._final["saved"] = True
+                self._final_handle = self.mgr.save(step, state, **save_kwargs)
+            else:
+                self._final["committed"] = True  # committed by this manager already
+        except Exception as e:  # noqa: BLE001 - recorded; the exit below always runs
+            self._final["error"] = f"{type(e).__name__}: {e}"
+            log.warning("rank %d: the final save of step %d failed: %s", self.mgr.rank, step, self._final["error"])
+        finally:
+            self.exit()
+
+    def exit(self) -> NoReturn:
+        """Wait for the pending save within the grace period, record, and exit (whatever the
+        wait or the upload raise)."""
         abandon = False
-        if pending is not None:
-            try:
-                pending.wait(timeout_s=self.remaining_s())
-            except Exception as e:  # noqa: BLE001 - a failed or late save is abandoned
-                log.warning("rank %d: the save of step %d did not commit in time: %s", self.mgr.rank, pending.step, e)
-                abandon = not pending.done()
-        tiers = getattr(self.mgr, "_tiers", None)
-        if tiers is not None and not abandon:
-            self._upload_final(tiers)
-        self._finish(abandon=abandon)
+        try:
+            pending = getattr(self.mgr, "_pending", None)
+            if pending is not None:
+                try:
+                    pending.wait(timeout_s=self.remaining_s())
+                except Exception as e:  # noqa: BLE001 - a failed or late save is abandoned
+                    log.warning(
+                        "rank %d: the save of step %d did not commit in time: %s", self.mgr.rank, pending.step, e
+                    )
+                    abandon = not pending.done()
+            tiers = getattr(self.mgr, "_tiers", None)
+            if tiers is not None and not abandon:
+                self._upload_final(tiers)
+        except BaseException as e:  # noqa: BLE001 - the record and the exit status come first
+            log.warning("rank %d: preempted, and waiting for the last save failed: %s", self.mgr.rank, e)
+        finally:
+            self._finish(abandon=abandon)
+        self._exit_lock.acquire()  # the watchdog is exiting the process: never return to the loop
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _upload_final(self, tiers: Any) -> None:
         """With a local tier, every rank: upload the newest step committed locally (the final
@@ -173,6 +221,8 @@ class PreemptionGuard:
                 "exit_time": time.time(),
                 "rank": self.mgr.rank,
             }
+            if self._final is not None:
+                record["final_save"] = self._final_outcome()
             if tiers is not None:
                 record.update(self._tier_record(tiers))
                 newest = [s for s in (last, record["last_persisted_step"]) if s is not None]
@@ -195,6 +245,20 @@ class PreemptionGuard:
         finally:
             logging.shutdown()
             os._exit(self.exit_code)
+
+    def _final_outcome(self) -> dict[str, Any]:
+        """The record's ``final_save``: whether its save committed (by now: one still running
+        at the end of the grace period is abandoned), and its error."""
+        out = dict(self._final or {})
+        handle = self._final_handle
+        if handle is not None and out.get("error") is None:
+            try:
+                handle.wait(timeout_s=0)
+                out["committed"] = True
+            except Exception as e:  # noqa: BLE001 - failed, or still running: not committed
+                out["committed"] = False
+                out["error"] = f"{type(e).__name__}: {e}"
+        return out
 
 
 def read_record(storage: Any) -> dict[str, Any] | None:

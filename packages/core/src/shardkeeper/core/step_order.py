@@ -7,7 +7,7 @@ would commit, yet a resume goes back to the newest step, so the state trained la
 silently lost. The newest committed step is what a resume restores, so retention never
 deletes it (``retention.py``) and the advice never says to delete an intact one; only
 ``delete(step, damaged=True)`` (``shardkeeper delete --damaged``) removes it, once verification
-finds it damaged.
+finds it damaged, or a restore that fell back past it quarantines it (``quarantine.py``).
 
 Cost: one listing per manager (its first save), then this manager's own commits raise the
 newest step it knows. A step below that is refused only after a fresh listing agrees, so a
@@ -37,6 +37,7 @@ class StepOrder:
         self._listed = False  # whether the root was listed yet
         self._newest: int | None = None
         self._newest_in = storage  # the root that holds the newest step (messages name it)
+        self.own: int | None = None  # the newest step this manager committed (PreemptionGuard.final_save)
 
     def refusal(self, step: int) -> CommitConflictError | None:
         """Why a save at ``step`` is refused (None: it may go ahead). A storage that fails
@@ -65,6 +66,8 @@ class StepOrder:
 
     def committed(self, step: int) -> None:
         """Every rank, once this manager committed ``step``."""
+        if self.own is None or step > self.own:
+            self.own = step
         if self._newest is None or step > self._newest:
             self._newest, self._newest_in = step, self._storage
 
