@@ -88,3 +88,21 @@ def test_a_step_whose_local_and_persistent_copies_differ_is_not_restored(tmp_pat
     with CheckpointManager(root, local=node) as mgr:
         assert mgr.restore(target) == 1 and mgr.last_restore_tier == "persistent"
     assert torch.equal(target["w"], _state(1)["w"])
+
+
+def test_a_copy_of_a_node_directory_is_another_writer(tmp_path: Path) -> None:
+    """Job B's local directory is a copy of job A's (``cp -a``: the same node token): before,
+    a claim of A's counted as B's own, both saves of step 3 were acknowledged and A's upload
+    later failed. The same directory at its real path is still the same writer."""
+    root = tmp_path / "root"
+    with CheckpointManager(root, local=tmp_path / "a", persist_every=10) as a:
+        a.save(1, _state(1)).wait()
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    with CheckpointManager(root, local=tmp_path / "a", persist_every=10) as a:
+        a.save(3, _state(3)).wait()
+        with CheckpointManager(root, local=tmp_path / "b", persist_every=10) as b:
+            with pytest.raises(StepClaimedError, match=r"step 3 of .* is claimed by another writer"):
+                b.save(3, _state(3, seed=1)).wait()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    with CheckpointManager(root, local=tmp_path / "link", persist_every=10) as again:  # the same directory
+        again.save(4, _state(4)).wait()

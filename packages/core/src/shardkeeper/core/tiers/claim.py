@@ -10,7 +10,8 @@ claim another writer holds fails the save with ``StepClaimedError``, naming both
 upload checks the claim again right before its persistent commit.
 
 A claim is this writer's when it names this manager, or this manager's coordinator node (the
-same local directory, by its node token): a predecessor on this node, whose local commit of
+same local directory: its node token, at the same real path; a copy elsewhere is another
+writer): a predecessor on this node, whose local commit of
 the step would be in this very directory, where put-if-absent fences it. A persistent root
 that cannot be reached at the claim does not fail the local commit (the tiers exist to
 outlive a slow or absent object store): it is logged, and the upload takes the claim before
@@ -147,7 +148,13 @@ class Claims:
 
     def _mine(self, held: dict[str, Any]) -> bool:
         assert self.writer is not None
-        return held.get("writer") == self.writer.id or (bool(held.get("node")) and held.get("node") == self.writer.node)
+        if held.get("writer") == self.writer.id:
+            return True
+        # The same directory (its node token, at its real path): a predecessor on this node. A
+        # copy of the directory elsewhere (``cp -a``, a disk snapshot) carries the token but
+        # is another job's.
+        node = held.get("node")
+        return bool(node) and node == self.writer.node and held.get("local") == self.writer.local
 
     def _conflict(self, step: int, held: dict[str, Any], what: str) -> StepClaimedError:
         assert self.writer is not None

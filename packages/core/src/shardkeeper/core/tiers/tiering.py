@@ -25,6 +25,7 @@ from typing import Any
 
 from shardkeeper.core import deletion
 from shardkeeper.core.codec.crypto import EncryptedStorage
+from shardkeeper.core.codec.crypto_format import root_identity
 from shardkeeper.core.codec.keys import key_provider
 from shardkeeper.core.commit import manifest_steps
 from shardkeeper.core.context import Encryption
@@ -121,7 +122,8 @@ class Tiering:
             error = e
         self.group.agree_ok(error, f"rank {coord.rank}: listing the persistent root {persistent.raw.url}")
         newest = self.group.all_reduce_max([listed[-1] if listed else -1], "the persistent tier's newest step")[0]
-        writer = Writer.new(local.raw.url, node_token(local.raw)) if coord.rank == 0 and persist_every else None
+        here = root_identity(local.raw.url)  # the directory itself: a copy elsewhere is another writer
+        writer = Writer.new(here, node_token(local.raw)) if coord.rank == 0 and persist_every else None
         self.claims = Claims(persistent.raw, writer)
         self.persister = Persister(
             coord,
