@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardkeeper.accelerate as ska
 from shardkeeper.core import CheckpointManager
 
-REPLACED = ("save_state", "load_state", "prepare_data_loader", "end_training")
+REPLACED = ("save_state", "load_state", "prepare_data_loader", "end_training", "backward")
 
 
 def test_disable_restores_the_accelerator(tmp_path: Path) -> None:

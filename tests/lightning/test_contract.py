@@ -21,6 +21,7 @@ PATCHED = (
     "optimizer_state",
     "remove_checkpoint",
     "teardown",
+    "on_train_start",
 )
 
 
@@ -49,8 +50,9 @@ def test_disconnect_and_uninstall_restore_lightning(tmp_path: Path) -> None:
 
 
 def test_a_save_below_the_newest_committed_step_is_refused_and_a_resume_continues(tmp_path: Path) -> None:
-    """A fresh run into a root whose newest step is 5 cannot commit step 2 (a resume from the
-    root would go back to 5); resumed from the root, the Trainer continues at global_step 5."""
+    """A run at step 2 cannot commit step 2 into a root whose newest step became 5 meanwhile
+    (a resume from the root would go back to 5); resumed from the root, the Trainer continues
+    at global_step 5."""
     import pytest
 
     from shardkeeper.core import CheckpointManager, StepOrderError
@@ -58,11 +60,11 @@ def test_a_save_below_the_newest_committed_step_is_refused_and_a_resume_continue
 
     root = tmp_path / "root"
 
+    fresh = _trainer(tmp_path, root, 2)
+    fresh.fit(Net(), loader())
     first = _trainer(tmp_path, root, 5)
     first.fit(Net(), loader())
     first.save_checkpoint(str(tmp_path / "five.ckpt"))
-    fresh = _trainer(tmp_path, root, 2)
-    fresh.fit(Net(), loader())
     with pytest.raises(
         StepOrderError,
         match=r"global_step 2 .* step 2 is below the newest committed step 5 under "
@@ -108,17 +110,17 @@ def _core_save(root: Path, step: int) -> None:
 
 
 def test_a_fresh_run_at_a_committed_step_is_refused(tmp_path: Path) -> None:
-    """Only the step a run resumed from may be 'saved' again (kept as it is); a fresh run whose
-    save lands on another run's committed step would otherwise persist nothing."""
+    """Only the step a run resumed from may be 'saved' again (kept as it is); a run whose save
+    lands on another run's committed step would otherwise persist nothing."""
     import pytest
 
     from shardkeeper.core import CommitConflictError
     from tests.lightning.common import Net, loader
 
     root = tmp_path / "root"
-    _core_save(root, 2)
     fresh = _trainer(tmp_path, root, 2)
     fresh.fit(Net(), loader())
+    _core_save(root, 2)  # another writer, while this run trained
     with pytest.raises(CommitConflictError, match=r"step 2 is already committed under .*root \(rank 0\)"):
         fresh.save_checkpoint(str(tmp_path / "two.ckpt"))
 
@@ -142,3 +144,46 @@ def test_retention_never_deletes_a_step_another_framework_wrote(tmp_path: Path) 
     t.strategy.remove_checkpoint(str(tmp_path / "five.ckpt"))
     with CheckpointManager(str(root)) as mgr:
         assert mgr.steps() == [3, 5]  # still named by five-again.ckpt
+
+
+def test_a_fresh_fit_on_a_used_root_is_refused_before_training(tmp_path: Path) -> None:
+    """A fresh fit() on a root holding step 5 would train to its first save and die there:
+    it is refused before its first training step, naming the root, the newest step and the
+    remedies. A resumed fit, a second fit() of that Trainer and a root holding only a torn
+    step go ahead."""
+    import pytest
+
+    from shardkeeper.core import CheckpointManager, StartRefusedError
+    from tests.lightning.common import Net, loader
+
+    root = tmp_path / "root"
+    first = _trainer(tmp_path, root, 5)
+    first.fit(Net(), loader())
+    first.save_checkpoint(str(tmp_path / "five.ckpt"))
+    net = Net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    fresh = _trainer(tmp_path, root, 8)
+    with pytest.raises(StartRefusedError) as refused:
+        fresh.fit(net, loader())
+    msg = str(refused.value)
+    assert f"{root} already holds committed step 5 (rank 0); this run starts from step 0" in msg
+    assert f"ckpt_path={str(root)!r}" in msg and "ckpt_path='last'" in msg
+    assert "another root" in msg and "start over with this root emptied" in msg
+    assert fresh.global_step == 0 and net.losses == {}
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+    resumed = _trainer(tmp_path, root, 7)
+    model = Net()
+    resumed.fit(model, loader(), ckpt_path=str(root))
+    resumed.save_checkpoint(str(tmp_path / "seven.ckpt"))
+    resumed.fit_loop.epoch_loop.max_steps = 9  # a second fit() continues this run's steps
+    resumed.fit(model, loader())
+    resumed.save_checkpoint(str(tmp_path / "nine.ckpt"))
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [5, 7, 9]
+
+    torn = tmp_path / "torn"
+    (torn / "step-000000000005" / "data").mkdir(parents=True)  # a crash's leftovers: no manifest
+    again = _trainer(tmp_path, torn, 2)
+    again.fit(Net(), loader())
+    assert again.global_step == 2

@@ -119,6 +119,27 @@ def test_resume_targets_that_cannot_resume_fail_before_training(tmp_path: Path, 
         assert again.state.global_step == STEPS and again.losses == []
 
 
+def test_a_fresh_run_on_a_used_root_is_refused_before_any_step(tmp_path: Path, reference: tuple[Path, Any]) -> None:
+    """The Trainer's refusal is the core's shared one (every adapter's): a ``StartRefusedError``
+    (a ``ValueError`` still) before the first step, naming the root, the newest step and every
+    remedy, the model untouched."""
+    from shardkeeper.core import StartRefusedError
+
+    ref_root, _ = reference
+    copy = tmp_path / "copy"
+    shutil.copytree(ref_root, copy)
+    fresh = make_trainer(copy)
+    before = state_of(fresh.model)
+    with pytest.raises(StartRefusedError) as refused:
+        fresh.train()
+    msg = str(refused.value)
+    assert f"{copy} already holds committed step 12 (rank 0); this run starts from step 0" in msg
+    assert "resume_from_checkpoint=True" in msg and "another output_dir, or enable(trainer, root=...)" in msg
+    assert "start over with this root emptied" in msg
+    assert fresh.state.global_step == 0 and fresh.losses == []
+    assert not state_diff(state_of(fresh.model), before)
+
+
 def _run_the_remedy(message: str) -> None:
     """Run the ``shardkeeper delete ... --damaged`` command the error names, as a user would."""
     import re

@@ -1,4 +1,8 @@
-"""``enable(accelerator)``: ``save_state`` / ``load_state`` go entirely through shardkeeper."""
+"""``enable(accelerator)``: ``save_state`` / ``load_state`` go entirely through shardkeeper.
+
+The first ``accelerator.backward()`` (before the first training step, after any
+``load_state()``) checks the root: a fresh run on a root holding later steps could save none
+of its checkpoints there, and is refused with the remedies instead of at its first save."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from shardkeeper.accelerate.config import resolve_settings, split_settings
 from shardkeeper.accelerate.dataloaders import track, untrack
 from shardkeeper.accelerate.state import FRAMEWORK, build_state, global_rank
 from shardkeeper.core import CheckpointManager, SaveHandle, parse_step_dir
-from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ class AcceleratePlugin:
         )
         self.last_handle: SaveHandle | None = None
         self.patches = Patches()  # what enable() replaced on the Accelerator (disable() undoes it)
+        self.started = False  # the root was checked before the first training step
+        self.loaded = False  # load_state() restored a step
 
     @property
     def accelerator(self) -> Any:
@@ -105,6 +111,29 @@ class AcceleratePlugin:
             f"{', '.join(sorted(GENERIC_TYPES))}); do not enable shardkeeper for this run"
         )
 
+    def check_start(self) -> None:
+        """Before the first training step (the first ``backward``, on every rank): refuse a run
+        whose next save (the iteration counter) could not commit under the default root (the
+        core's ``check_start``). Without a default root, each ``save_state(output_dir)`` checks."""
+        if self.started:
+            return
+        try:
+            root = self.default_root()
+        except ValueError:
+            root = None
+        if root is not None:
+            n = int(self.accelerator.project_configuration.iteration)
+            check_start(
+                self.manager(root),
+                n,
+                "shardkeeper.accelerate",
+                resume="accelerator.load_state() before training",
+                elsewhere="enable(accelerator, root=...), or another project_dir",
+                resumed=self.loaded,
+                first_save=n,
+            )
+        self.started = True
+
     # -- save --------------------------------------------------------------------------------
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, *, step: int | None = None, **kwargs: Any
@@ -130,6 +159,7 @@ class AcceleratePlugin:
             "Call accelerator.load_state() first to continue the iteration counter, set "
             "accelerator.project_configuration.iteration, or pass save_state(step=...).",
         )
+        self.started = True  # this run's saves check their own steps from now on
         for dl in acci.prepared_dataloaders(acc):
             track(dl)
         state = build_state(acc, step=n, next_iteration=max(int(pc.iteration), n) + 1)
@@ -174,6 +204,7 @@ class AcceleratePlugin:
         present = list(mgr.manifest(target).leaves)
         state = build_state(acc, present=present, resume_dataloaders=bool(self.settings.get("resume_dataloaders")))
         restored = mgr.restore(state, step=target, strict=strict)
+        self.loaded = True
         log.info("shardkeeper: restored step %d from %s", restored, root)
         return restored
 
@@ -230,14 +261,20 @@ def enable(accelerator: Any, root: str | None = None, **options: Any) -> Acceler
         plugin.close()
         cls.end_training(accelerator)
 
+    def backward(loss: Any, **kwargs: Any) -> Any:
+        plugin.check_start()
+        return cls.backward(accelerator, loss, **kwargs)
+
     patches.set(accelerator, "prepare_data_loader", prepare_data_loader)
+    patches.set(accelerator, "backward", backward)
     patches.set(accelerator, "end_training", end_training)
     return plugin
 
 
 def disable(accelerator: Any) -> None:
     """Wait for the pending saves, close the managers, and give the Accelerator its own
-    ``save_state`` / ``load_state`` / ``prepare_data_loader`` / ``end_training`` back."""
+    ``save_state`` / ``load_state`` / ``prepare_data_loader`` / ``end_training`` /
+    ``backward`` back."""
     plugin: AcceleratePlugin | None = getattr(accelerator, _ATTR, None)
     if plugin is None:
         return

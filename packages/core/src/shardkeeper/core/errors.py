@@ -78,6 +78,13 @@ class StepOrderError(CommitConflictError):
         self.newest = newest
 
 
+class StartRefusedError(StepOrderError, ValueError):
+    """A run that starts at or below the newest committed step of its root (a fresh run on a
+    used root, a resume from an older step): it could commit none of its saves up to that
+    step, so an adapter refuses it before its first training step, not at its first save.
+    ``step`` is the first step the run could save, ``newest`` the root's newest step."""
+
+
 class StepClaimedError(CommitConflictError):
     """With a local tier: another writer claimed this step on the persistent root (its claim
     file names it) before this save's local commit or upload; two jobs write one root."""
@@ -172,6 +179,7 @@ __all__ = [
     "KeyNotHeldError",
     "ProtocolError",
     "JsonValueError",
+    "StartRefusedError",
     "StateMismatchError",
     "StepClaimedError",
     "StepOrderError",

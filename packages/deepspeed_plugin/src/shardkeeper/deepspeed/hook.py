@@ -5,14 +5,19 @@ The hook replaces both methods on the engine object: DeepSpeed writes ``latest``
 ``open()``, globs model files and copies ``zero_to_fp32.py`` outside its ``checkpoint_engine``
 slot, so owning the slot alone would still write DeepSpeed's files. Nothing of DeepSpeed's
 own format is written or read while attached; ``detach()`` puts the originals back.
+
+The engine's first ``backward`` or ``step`` (before the first training step, after any
+``load_checkpoint``) checks the root: a fresh run on a root holding later steps could save
+none of its checkpoints there, and is refused with the remedies instead of at its first save.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +27,7 @@ from shardkeeper.core import (
     CheckpointNotFoundError,
     StateMismatchError,
 )
-from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start
 from shardkeeper.core.settings import options_from_mapping
 from shardkeeper.deepspeed import _ds_internals as dsi
 from shardkeeper.deepspeed.state import FRAMEWORK, engine_state
@@ -109,6 +114,10 @@ class DeepSpeedCheckpointHook:
         self._patches = Patches()
         self._patches.set(engine, "save_checkpoint", self.save_checkpoint)
         self._patches.set(engine, "load_checkpoint", self.load_checkpoint)
+        self.started = False  # the roots were checked before the first training step (or a save ran)
+        self.loaded = False  # load_checkpoint restored a step
+        for name in ("backward", "step"):
+            self._patches.set(engine, name, self._checked(getattr(engine, name)))
 
     # -- managers --------------------------------------------------------------------------
     def manager(self, directory: str | None = None) -> CheckpointManager:
@@ -120,6 +129,34 @@ class DeepSpeedCheckpointHook:
                 "save_checkpoint / load_checkpoint"
             )
         return self.managers.get(str(root))
+
+    def check_start(self) -> None:
+        """Before the first training step (every rank): refuse a run whose step count
+        (``engine.global_steps``) lies below the newest committed step of its root (the
+        attach root; without one, the directories ``load_checkpoint`` was given): it could
+        save nothing there (the core's ``check_start``). A save checks its own step."""
+        for mgr in [self.manager()] if self.root is not None else list(self.managers):
+            url = mgr.storage.url
+            check_start(
+                mgr,
+                int(self.engine.global_steps),
+                "shardkeeper.deepspeed",
+                resume=f"engine.load_checkpoint({url!r}) before training",
+                elsewhere="attach(engine, <another root>)",
+                resumed=self.loaded,
+            )
+        self.started = True
+
+    def _checked(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (the engine's ``backward`` / ``step``), checking the roots first once."""
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.started:
+                self.check_start()
+            return method(*args, **kwargs)
+
+        return call
 
     # -- the engine's methods --------------------------------------------------------------
     def save_checkpoint(
@@ -144,6 +181,7 @@ class DeepSpeedCheckpointHook:
             f"DeepSpeed save_checkpoint (tag {tag!r})",
             "engine.load_checkpoint(root) resumes the engine's step count from the root.",
         )
+        self.started = True  # this run's saves check their own steps from now on
         state = engine_state(self.engine)
         if exclude_frozen_parameters:
             state["model"].exclude_frozen = True
@@ -192,6 +230,7 @@ class DeepSpeedCheckpointHook:
             state["extra"] = {"client_state": client_target.get("", client_target)}
             only.append(f"{CLIENT_PREFIX}*")
         mgr.restore(state, step=step, only=only, strict=load_module_strict)
+        self.loaded = True
         client = state.get("extra", {}).get("client_state")
         if load_module_only:
             client = {}

@@ -16,7 +16,10 @@ removes checkpoints:
 - ``remove_checkpoint`` (all ranks): removes our pointer file (rank 0), then deletes the step
   once no path names it (``mgr.delete``, a collective);
 - ``teardown``: waits for the save in flight, so ``fit()`` returns with every save committed
-  and, after a normal end, on every rank once rank 0 has pointed its paths at the last step.
+  and, after a normal end, on every rank once rank 0 has pointed its paths at the last step;
+- ``on_train_start`` (all ranks, after any resume, before the first training step): a run
+  that could save nothing in its root (a fresh ``fit()`` on a root holding later steps) is
+  refused there with the remedies (the core's ``check_start``), not at its first save.
 
 Under ``DeepSpeedStrategy`` the engine's state comes from the DeepSpeed adapter
 (``load_adapter("deepspeed").engine_state(engine)``); DeepSpeed's own checkpoint methods are
@@ -36,7 +39,7 @@ import functools
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
-from shardkeeper.core.adapter import Patches
+from shardkeeper.core.adapter import Patches, check_start
 from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import strategy as st
 from shardkeeper.lightning.loading import hook_loaders
@@ -69,6 +72,7 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
     orig_load_optim = strategy.load_optimizer_state_dict
     orig_remove = strategy.remove_checkpoint
     orig_teardown = strategy.teardown
+    orig_train_start = strategy.on_train_start
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         plugin._save(strategy, checkpoint, filepath, storage_options)
@@ -108,6 +112,19 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         if normal:  # every rank is here: a collective is safe
             plugin._finish(strategy)
 
+    def on_train_start() -> None:
+        trainer = st.trainer(strategy)  # global_step: the resumed step, or the previous fit's
+        if trainer is not None:
+            check_start(
+                plugin.manager(),
+                int(trainer.global_step),
+                "shardkeeper.lightning",
+                resume=f"trainer.fit(..., ckpt_path={plugin.root!r}), or ckpt_path='last' after a save_last",
+                elsewhere="ShardkeeperCheckpointIO(<another root>)",
+                resumed=trainer.ckpt_path is not None,
+            )
+        orig_train_start()
+
     for name, fn in (
         ("save_checkpoint", save_checkpoint),
         ("load_checkpoint", load_checkpoint),
@@ -117,6 +134,7 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         ("optimizer_state", lambda optimizer: {}),
         ("remove_checkpoint", remove_checkpoint),
         ("teardown", teardown),
+        ("on_train_start", on_train_start),
     ):
         patches.set(strategy, name, fn)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardkeeper.core import CheckpointManager, CorruptCheckpointError, SaveHandle
-from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, read_progress
+from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start, read_progress
 from shardkeeper.transformers import _internals as tfi
 from shardkeeper.transformers.resume import Resume, resolve, rng_policy, trainer_folder_step, with_remedy
 from shardkeeper.transformers.state import (
@@ -77,35 +77,22 @@ class TrainerPlugin:
 
     def check_start(self, target: Resume | str | None) -> None:
         """A run that starts below the newest step of its root could save none of the steps
-        up to it (checkpoints are immutable; a save at or below the newest step is refused):
-        say so before training, not at its first save. The steps count as the save's check
-        counts them, by their manifests' names (a damaged one too); a collective."""
+        up to it: say so before training, not at its first save (the core's ``check_start``,
+        a collective)."""
         if isinstance(target, Resume):
-            start, at = target.step, f"resumes from step {target.step}"
+            start, source = target.step, ""
         elif isinstance(target, str):
-            start = trainer_folder_step(target)
-            at = f"resumes from step {start} ({target})"
+            start, source = trainer_folder_step(target), target
         else:
-            start, at = 0, "starts from step 0"
-        mgr = self.manager()
-        check = check_save_step(mgr, start + 1)
-        if not check.refused:
-            return
-        newest = check.newest if check.newest is not None else start + 1
-        if not mgr.is_committed(newest):  # listed by its manifest's name, which cannot be read
-            raise ValueError(
-                f"shardkeeper.transformers: step {newest} under {self.root} is damaged: its manifest cannot be "
-                f"read (rank {self.rank()}). This run {at} and could save no checkpoint up to step {newest} "
-                f"there. Delete the damaged step (`shardkeeper delete {self.root} {newest} --damaged`, or remove "
-                f"its folder, {mgr.step_url(newest)}), then resume; or give this run another output_dir (or "
-                f"enable(trainer, root=...))"
-            )
-        raise ValueError(
-            f"shardkeeper.transformers: {self.root} already holds committed step {newest} (rank {self.rank()}); "
-            f"this run {at}, so it could save no checkpoint up to step {newest} there: checkpoints are "
-            f"immutable. Resume from the newest step (resume_from_checkpoint=True), or give this run another "
-            f"output_dir (or enable(trainer, root=...)). If step {newest} is damaged, delete it first: "
-            f"`shardkeeper delete {self.root} {newest} --damaged`"
+            start, source = 0, ""
+        check_start(
+            self.manager(),
+            start,
+            "shardkeeper.transformers",
+            resume="resume_from_checkpoint=True",
+            elsewhere="another output_dir, or enable(trainer, root=...)",
+            resumed=target is not None,
+            source=source,
         )
 
     def restore(self, patterns: Sequence[str], *, model_only: bool = False) -> None:
