@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, overload
 
 from shardkeeper.core.options import CheckpointOptions, describe_groups
+from shardkeeper.core.root_check import check_manager_root
 from shardkeeper.core.storage.base import Storage
 
 #: How each method is called, for the messages.
@@ -129,9 +130,12 @@ def check_replicas(value: Any) -> int:
 def check_manager_arguments(
     *, root: Any, storage_options: Any, metadata: Any, options: Any, process_group: Any
 ) -> None:
-    """The types of the manager's root and own keywords other than the counts (``check_count``)."""
+    """The types of the manager's root and own keywords other than the counts (``check_count``),
+    and the usual mistakes about the root (``root_check``: a step directory, a pointer file)."""
     if not isinstance(root, (str, os.PathLike, Storage)):
         _refuse("root", "a path (str or os.PathLike), an fsspec URL or a Storage", root)
+    if not isinstance(root, Storage):
+        check_manager_root(os.fspath(root))
     for name, value in (("storage_options", storage_options), ("metadata", metadata)):
         if value is not None and not isinstance(value, Mapping):
             _refuse(name, "a mapping (dict) or None", value)
