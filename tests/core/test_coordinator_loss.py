@@ -1,7 +1,9 @@
 """The coordinator (rank 0) dies during a save, in a job where its process hosts the c10d store
 (MASTER_ADDR/MASTER_PORT, no launcher agent): the other ranks' saves fail with a
 ``CheckpointSaveError`` naming the step, the coordinator and whether the step may have
-committed, torch's ``DistNetworkError`` chained, instead of torch's raw error."""
+committed, torch's ``DistNetworkError`` chained, instead of torch's raw error; a restore that
+meets the dead rank in a collective raises a named ``CheckpointError``, and the preemption
+guard's check stops as preempted."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def _free_port() -> int:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["reported", "unreported"])
+@pytest.mark.parametrize("mode", ["reported", "unreported", "after_commit"])
 def test_the_coordinators_death_is_a_named_save_error(tmp_path: Path, mode: str) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -15,7 +15,7 @@ OVER = {
     "core/src/shardkeeper/core/tensor/state.py": 429,
     "core/src/shardkeeper/core/format/grid.py": 431,
     "core/src/shardkeeper/core/protocol.py": 431,
-    "core/src/shardkeeper/core/tensor/coordination.py": 433,
+    "core/src/shardkeeper/core/tensor/coordination.py": 402,
     "core/src/shardkeeper/core/storage/fsspec_store.py": 436,
     "core/src/shardkeeper/core/format/described.py": 443,
     "lightning_plugin/src/shardkeeper/lightning/plugin.py": 445,

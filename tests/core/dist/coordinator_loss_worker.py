@@ -9,6 +9,9 @@ starts the store's server). 2 ranks.
   coordinator and that the step may have been committed, with torch's error chained.
 - ``unreported``: rank 1's write takes 5 s; rank 0 exits while rank 1 still writes: rank 1's
   save fails, once written, naming that the step was not committed.
+- ``after_commit``: rank 0 dies after both committed step 1: rank 1's ``restore()`` fails with
+  a named ``CheckpointError`` (a rank is gone), and ``PreemptionGuard.check()`` stops as
+  preempted instead of raising gloo's error.
 """
 
 from __future__ import annotations
@@ -50,10 +53,41 @@ class Slow(StorageWrapper):
         return self.inner.open_writer(path)
 
 
+def after_commit(root: str, out: Path) -> None:
+    """Both ranks commit step 1; rank 0 dies; rank 1's restore and its preemption guard's
+    check meet the dead rank in a collective of the training group."""
+    from shardkeeper.core import CheckpointError, PreemptionGuard
+
+    rank = dist.get_rank()
+    mgr = CheckpointManager(root, commit_timeout_s=60)
+    mgr.save(1, {"w": torch.arange(16, dtype=torch.float32)}).wait()
+    dist.barrier()
+    if rank == 0:
+        os._exit(17)
+    time.sleep(1.0)
+    try:
+        mgr.restore({"w": torch.zeros(16)})
+    except CheckpointError as e:
+        check("restore fails with a named CheckpointError", "a rank died or its host is gone" in str(e), str(e))
+    except BaseException as e:  # noqa: BLE001 - the defect: gloo's raw error
+        check("restore fails with a named CheckpointError", False, f"{type(e).__name__}: {e}")
+    else:
+        check("restore fails", False, "restored")
+    guard = PreemptionGuard(mgr, grace_s=30)
+    try:
+        check("the guard stops as preempted", guard.check() is True)
+    except BaseException as e:  # noqa: BLE001
+        check("the guard stops as preempted", False, f"{type(e).__name__}: {e}")
+    checks.write(out / f"checks-r{rank}.json")
+    os._exit(0)
+
+
 def main() -> None:
     mode, root, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if mode == "after_commit":
+        after_commit(root, out)
     what, who, delay_s = {"reported": ("manifest", 0, 60.0), "unreported": ("data", 1, 5.0)}[mode]
     storage = Slow(LocalStorage(root), what, delay_s if rank == who else 0.0)
     mgr = CheckpointManager(storage, commit_timeout_s=120)

@@ -50,6 +50,7 @@ from typing import Any, NoReturn
 from shardkeeper.core import metrics
 from shardkeeper.core.commit import newest_committed
 from shardkeeper.core.format.untrusted import loads_untrusted
+from shardkeeper.core.tensor.store_channel import RankLostError
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,11 @@ class PreemptionGuard:
         """Whether any rank was preempted (a collective when the manager spans several ranks)."""
         flag = int(self._event.is_set())
         if getattr(self.mgr, "world_size", 1) > 1:
-            flag = self.mgr._coord.agree_int(flag, "max")
+            try:
+                flag = self.mgr._coord.agree_int(flag, "max")
+            except RankLostError as e:  # a rank is gone (preempted first, or crashed): stop as preempted
+                log.warning("rank %d: %s; stopping as preempted", self.mgr.rank, e)
+                flag = 1
         if flag and not self._event.is_set():  # another rank got the signal: same clock here
             self._signal_time = time.time()
             self._event.set()

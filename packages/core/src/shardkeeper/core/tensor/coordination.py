@@ -36,7 +36,8 @@ from shardkeeper.core.protocol import (
 )
 from shardkeeper.core.save_terms import MEMBER, SaveTerms, mismatch
 from shardkeeper.core.tensor import _torch_compat as tc
-from shardkeeper.core.tensor.store_channel import StoreChannel, StoreTimeout
+from shardkeeper.core.tensor.local_coordinator import LocalCoordinator
+from shardkeeper.core.tensor.store_channel import StoreChannel, StoreTimeout, rank_lost
 
 
 class Coordinator(Protocol):
@@ -85,44 +86,6 @@ class Coordinator(Protocol):
     def agree_text(self, text: str) -> str:
         """Caller's thread only: rank 0's ``text`` on every rank (an error's reason)."""
         ...
-
-
-class LocalCoordinator:
-    """One process, no process group."""
-
-    rank = 0
-    world_size = 1
-
-    def __init__(self) -> None:
-        self._outcomes: dict[int, Outcome] = {}
-
-    def report(self, seq: int, report: Report, *, terms: SaveTerms | None = None) -> None:
-        raise AssertionError("the only rank is the coordinator; it does not report to itself")
-
-    def leads(self) -> bool:
-        return False
-
-    def collect_group(
-        self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None
-    ) -> list[RankReport] | Failure | None:
-        return []
-
-    def collect(
-        self, seq: int, own: RankReport, timeout_s: float, *, step: int, terms: SaveTerms | None = None
-    ) -> list[RankReport] | Failure:
-        return [own]
-
-    def publish(self, seq: int, outcome: Outcome, *, terms: SaveTerms | None = None) -> None:
-        self._outcomes[seq] = outcome
-
-    def outcome(self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None) -> Outcome:
-        return self._outcomes.pop(seq)
-
-    def agree_int(self, value: int, op: str) -> int:
-        return value
-
-    def agree_text(self, text: str) -> str:
-        return text
 
 
 def _collective_device(group: Any) -> torch.device:
@@ -358,11 +321,14 @@ class StoreCoordinator:
 
     def agree_int(self, value: int, op: str) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=_collective_device(self.group))
-        if op == "bcast":
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast(t, src=src, group=self.group)
-        else:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
+        try:
+            if op == "bcast":
+                src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+                dist.broadcast(t, src=src, group=self.group)
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
+        except RuntimeError as e:  # gloo's closed connection (DistBackendError, DistNetworkError)
+            raise rank_lost(self.rank, f"agreeing on a value ({op})", e) from e
         return int(t.item())
 
     def agree_text(self, text: str) -> str:
@@ -375,7 +341,10 @@ class StoreCoordinator:
         buf = bytearray(data) if self.rank == 0 else bytearray(n)
         t = torch.frombuffer(buf, dtype=torch.uint8).to(_collective_device(self.group))
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast(t, src=src, group=self.group)
+        try:
+            dist.broadcast(t, src=src, group=self.group)
+        except RuntimeError as e:
+            raise rank_lost(self.rank, "agreeing on a text", e) from e
         return t.cpu().numpy().tobytes().decode(errors="replace")
 
 

@@ -31,6 +31,11 @@ class CoordinatorLostError(CheckpointError):
     coordinator died or its host is gone. ``what``: the operation that failed."""
 
 
+class RankLostError(CheckpointError, RuntimeError):
+    """A collective of the manager's ranks on the training group failed: a rank died or its
+    host is gone (gloo's connection closed; torch's error chained)."""
+
+
 class StoreTimeout(Exception):
     """A channel's ``wait`` timed out (the key was not set in time)."""
 
@@ -131,4 +136,21 @@ def coordinator_lost(
     return CheckpointSaveError(f"save of step {step} on rank {rank}: {error}; {status}", step=step)
 
 
-__all__ = ["CoordinatorLostError", "StoreChannel", "StoreTimeout", "coordinator_lost", "gloo_group", "own_connection"]
+def rank_lost(rank: int, what: str, e: BaseException) -> RankLostError:
+    """The error of a collective that failed under ``what`` on ``rank``."""
+    first = _first_line(e)
+    return RankLostError(
+        f"rank {rank}: a collective of the manager's ranks failed while {what} ({type(e).__name__}: {first}); "
+        f"a rank died or its host is gone. Restart the job: restore takes the newest committed step"
+    )
+
+
+__all__ = [
+    "CoordinatorLostError",
+    "RankLostError",
+    "StoreChannel",
+    "StoreTimeout",
+    "coordinator_lost",
+    "gloo_group",
+    "own_connection",
+]
