@@ -558,7 +558,8 @@ class CheckpointManager:
         # A manager holds itself alive while its save runs, so this runs once the save is over.
         p = getattr(self, "_pending", None)
         if p is not None and not getattr(self, "_closed", True):
-            p.warn_if_unwaited(f"CheckpointManager for {self.storage.url} (rank {self.rank})")
+            where = (t := getattr(self, "_tiers", None)) and t.persistent  # the root, not a node's directory
+            p.warn_if_unwaited(f"CheckpointManager for {(where or self).storage.url} (rank {self.rank})")
 
 
 __all__ = ["CheckpointManager", "CheckpointOptions", "SaveHandle"]

@@ -198,12 +198,14 @@ class PreemptionGuard:
         if step is not None and not done:
             log.warning(
                 "rank %d: step %d was not uploaded to %s within the grace period (%.1f s): it is committed in the "
-                "local tier only; a job restarted on these nodes restores it, one on new nodes restores step %s",
+                "local tier only; a job restarted on these nodes restores it, one on new nodes restores %s",
                 self.mgr.rank,
                 step,
                 tiers.persistent.storage.url,
                 self.grace_s,
-                out["last_persisted_step"],
+                "nothing (no step is persisted)"
+                if out["last_persisted_step"] is None
+                else f"step {out['last_persisted_step']}",
             )
         return out
 
