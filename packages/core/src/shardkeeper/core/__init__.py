@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from shardkeeper.core.quantize import quantized
     from shardkeeper.core.settings import options_from_env, options_from_file, options_from_mapping
     from shardkeeper.core.tensor.fragment import Fragment
+    from shardkeeper.core.tensor.logical import LogicalPartial, logical_combine, logical_digest, logical_partial
     from shardkeeper.core.tensor.state import PerRank, RNGState, dtype_from_name, normalize_fqn
 
 _LAZY = {
@@ -63,6 +64,10 @@ _LAZY = {
     "SaveHandle": "shardkeeper.core.manager",
     "UnwaitedSaveWarning": "shardkeeper.core.handle",
     "Fragment": "shardkeeper.core.tensor.fragment",
+    "LogicalPartial": "shardkeeper.core.tensor.logical",
+    "logical_combine": "shardkeeper.core.tensor.logical",
+    "logical_digest": "shardkeeper.core.tensor.logical",
+    "logical_partial": "shardkeeper.core.tensor.logical",
     "PerRank": "shardkeeper.core.tensor.state",
     "RNGState": "shardkeeper.core.tensor.state",
     "normalize_fqn": "shardkeeper.core.tensor.state",
@@ -137,6 +142,7 @@ __all__ = [
     "IneffectiveOptionWarning",
     "KeyProvider",
     "LocalKeyProvider",
+    "LogicalPartial",
     "PerRank",
     "PreemptionGuard",
     "RNGState",
@@ -154,6 +160,9 @@ __all__ = [
     "dtype_from_name",
     "export_safetensors",
     "import_dcp",
+    "logical_combine",
+    "logical_digest",
+    "logical_partial",
     "import_hf",
     "load_hf",
     "metrics",

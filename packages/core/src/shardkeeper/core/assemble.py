@@ -25,6 +25,7 @@ from shardkeeper.core.format.columns import (
 from shardkeeper.core.format.described import DescribedLeaves
 from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.leaves import LazyLeaves
+from shardkeeper.core.format.logical_member import combine_reports
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.format.reports import decode_report
@@ -133,6 +134,7 @@ def _assemble(
     shapes = [d[2] for d in decls]
     iszs = [DTYPES[d[1]][1] if d[1] in DTYPES else 1 for d in decls]
     rows_list = [rows_of.get(k, []) for k in keys]
+    dropped: list[str] = []  # leaves whose replicas two ranks wrote (and counted in their logical sums)
     perm = list(chain.from_iterable(rows_list))
     if not all_slabs(shapes, iszs, list(map(len, rows_list)), perm, table, check_lengths=raw_only):
         for j, key in enumerate(keys):
@@ -143,6 +145,7 @@ def _assemble(
                 unique = list({table.box(i): i for i in rows}.values())
                 if len(unique) < len(rows):
                     rows_list[j] = rows = sorted(unique)
+                    dropped.append(key)
                     why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
             if why is not None:
                 problems.append(f"{key}: {why}")
@@ -152,6 +155,11 @@ def _assemble(
     both = sorted(declared.keys() & objects.keys())
     if both:
         problems.append(f"keys {both[:3]} are tensors on some ranks and JSON values on others")
+    logical = None
+    try:
+        logical = combine_reports(reports, declared, described, dropped) if not problems else None
+    except ValueError as e:
+        problems.append(f"the logical digests cannot be combined: {e}")
     if problems:
         raise StateMismatchError(
             f"step {step}: the ranks' states do not form one checkpoint: "
@@ -204,6 +212,7 @@ def _assemble(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         attempt=attempt,
         format_version=version,
+        logical=logical,
     )
 
 

@@ -31,6 +31,7 @@ from shardkeeper.core.format.jsonvalue import (
     dumps_extended,
 )
 from shardkeeper.core.format.leaves import LazyLeaves, leaves_fields, read_leaves
+from shardkeeper.core.format.logical_member import MEMBER, member_problem
 from shardkeeper.core.format.manifest_checks import check_envelope, manifest_problem
 from shardkeeper.core.format.pages import Pages
 from shardkeeper.core.format.records import (
@@ -78,6 +79,8 @@ class Manifest:
     #: the "encryption" member of an encrypted checkpoint's manifest (codec/crypto.py
     #: ``seal_manifest`` appends it, with its MAC, after ``dumps``); None: not encrypted
     encryption: dict[str, Any] | None = None
+    #: the optional "logical" member: each tensor leaf's logical digest (format/logical_member.py)
+    logical: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -92,6 +95,7 @@ class Manifest:
             "metadata": self.metadata,
             "files": self.files,
             **leaves_fields(self.leaves),
+            **({MEMBER: self.logical} if self.logical is not None else {}),
         }
 
     def object_values(self) -> dict[str, Any]:
@@ -160,6 +164,7 @@ class Manifest:
                 attempt=d.get("attempt", ""),
                 format_version=version,
                 encryption=d.get("encryption"),
+                logical=d.get(MEMBER),
             )
         except (LookupError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(
@@ -181,7 +186,8 @@ class Manifest:
         """Why this manifest cannot be trusted, or None: what restore relies on, checked once
         (types, sizes, digest counts, paths), so later reads need no per-field checks
         (``manifest_checks.manifest_problem``)."""
-        return manifest_problem(self)
+        why = manifest_problem(self)
+        return why if why is not None or self.logical is None else member_problem(self.logical, self.leaves)
 
     def chunks(self) -> Iterator[tuple[str, ChunkRecord]]:
         for key, leaf in self.leaves.items():

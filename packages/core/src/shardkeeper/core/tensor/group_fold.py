@@ -27,6 +27,7 @@ from shardkeeper.core.format.pages import encode_page, parse_page
 from shardkeeper.core.protocol import RankReport, Timings
 from shardkeeper.core.put_manifest import check_files
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.logical import with_group_sums
 from shardkeeper.core.tensor.save import write_durably
 
 
@@ -95,6 +96,7 @@ def fold_group(
         # coordinator's commit intent names them and checks them, as for its own references
         refs = [[p, e] for p, e in sorted(ends.items()) if p.startswith("../")]
         folded = _folded(residuals, leader, page, refs, {rel: {"size_bytes": len(data), "rank": leader.rank}})
+        folded = with_group_sums(folded, reports)  # (their described sums, added: not in the signatures)
     except BaseException:
         if written is not None:  # the check's (or the fold's) error is the one to report; the write ends first
             wait([written])

@@ -11,6 +11,7 @@ from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.index_files import encode_index
 from shardkeeper.core.format.layout import data_dir, index_file
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.logical import split_sums
 from shardkeeper.core.tensor.save import sync_data_dirs, write_durably
 
 
@@ -84,7 +85,9 @@ def index_report(
     ``plan`` (a ``SavePlan``) describes leaves: its enumerated chunks, its files with its
     index file, and the ``described`` member (the plan's digest, the index file's entry, the
     chunk files)."""
+    before = chunks
     chunks, keys, table = split_report(chunks, plan.described)
+    chunks, logical = split_sums(before, chunks, plan.described)
     entry: list[Any] | None = None
     chunk_files: list[list[Any]] = []
     if table is not None:
@@ -95,7 +98,7 @@ def index_report(
         entry = [rel, size, digest]
     elif files:  # no index file to write: the shard files' directory, made durable here
         sync_data_dirs(storage, step_dir, data_dir(rank, prefixes))
-    return chunks, files, {"digest": plan.described_digest(), "index": entry, "chunk_files": chunk_files}
+    return chunks, files, {"digest": plan.described_digest(), "index": entry, "chunk_files": chunk_files, **logical}
 
 
 __all__ = ["index_report", "split_report", "write_index"]

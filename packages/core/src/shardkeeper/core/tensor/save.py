@@ -26,6 +26,7 @@ from shardkeeper.core.format.safetensors import (
     chunk_name,
 )
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tensor.logical import submit_sums, with_logical
 from shardkeeper.core.tensor.save_plan import WriteItem
 from shardkeeper.core.tensor.staging import Span
 
@@ -349,6 +350,7 @@ def write_shards(
     ``sync`` False: the caller makes the directory durable after writing more into it (the
     index file of described leaves), once."""
     coded = codecs if codecs is not None and codecs.active else None
+    sums = submit_sums(groups, spans, memo)  # each leaf's logical sum, beside the writes
     futures = [
         executor.submit(
             _write_coded, storage, step_dir, shard_file(rank, attempt, i, prefixes), g, r, algorithm, block_bytes, coded
@@ -391,7 +393,7 @@ def write_shards(
         raise errors[0]
     if files and sync:
         sync_data_dirs(storage, step_dir, data_dir(rank, prefixes))
-    return WriteResult(rows_report(keys, ChunkTable.concat(tables, 0)), files, written, reused)
+    return WriteResult(with_logical(rows_report(keys, ChunkTable.concat(tables, 0)), sums), files, written, reused)
 
 
 __all__ = ["WriteResult", "chunk_records", "sync_data_dirs", "write_durably", "write_shards"]
