@@ -5,25 +5,36 @@ the real index writer, ``fold_group``, ``assemble_manifest``, ``commit_manifest`
 manifest and first page are then rewritten as an attacker would; ``load``, ``restore`` and
 ``verify`` (the function and the CLI) must fail at once with a ``CorruptCheckpointError``
 naming the step and what is wrong, in bounded time and memory, and a restore of the newest
-step falls back past it."""
+step falls back past it. A target-free ``load()`` sizes its tensors from the manifest: a leaf
+of a tebibyte that the step's files cannot back fails before anything is allocated, and one
+they back that the machine cannot allocate is a named error, not torch's."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import shutil
 import time
 import tracemalloc
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from shardkeeper.core import CheckpointManager, CorruptCheckpointError
-from shardkeeper.core.format.bounds import MAX_WORLD_SIZE, PAGE_BYTES_PER_RANK, max_page_ranks
+from shardkeeper.core import CheckpointManager, CheckpointRestoreError, CorruptCheckpointError
+from shardkeeper.core.format.bounds import (
+    MAX_WORLD_SIZE,
+    PAGE_BYTES_PER_RANK,
+    ZSTD_FRAME_MIN_BYTES,
+    ZSTD_MAX_EXPANSION,
+    max_page_ranks,
+)
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.pages import encode_page
 from shardkeeper.core.storage import LocalStorage
@@ -192,3 +203,107 @@ def test_cells_come_one_at_a_time_so_the_first_unbacked_one_fails(
     size = PAGE_BYTES_PER_RANK * MAX_WORLD_SIZE
     forge(root, world=MAX_WORLD_SIZE, mesh=[1024, 1024], shape=shape, placements=placements, page_size=size)
     every_reader_fails_fast(root, capsys, shape, "(the records of ranks 0 to 1048575) does not match the size")
+
+
+# -- leaves the step's files cannot back (load() sizes its tensors from the manifest) ----------
+
+#: A uint8 leaf of 1 TiB, and the fewest stored bytes of one zstd chunk that may decode to it.
+TIB = [1 << 20, 1 << 20]
+TIB_BYTES = 1 << 40
+ZSTD_LEN = TIB_BYTES // ZSTD_MAX_EXPANSION + ZSTD_FRAME_MIN_BYTES
+
+
+@pytest.mark.parametrize(("world", "mesh"), [(4, [2, 2]), (MAX_WORLD_SIZE, [1024, 1024])])
+def test_a_described_leaf_of_a_tebibyte_fails_before_allocating(root: Path, world: int, mesh: list[int]) -> None:
+    """A page whose recorded size backs its ranks: the manifest validates, and the leaf's
+    chunks, read from that page before the leaf is allocated, fail it (not torch's allocator)."""
+    forge(root, world=world, mesh=mesh, shape=TIB, placements=[["S", 0], ["S", 1]], page_size=10 * world)
+    why = f"(the records of ranks 0 to {world - 1}) does not match the size"
+    with CheckpointManager(str(root)) as mgr:
+        fails("load", lambda: mgr.load(2), why)
+        fails("load newest", lambda: mgr.load(), why)  # load() does not fall back: it names the damage
+
+
+def _plain(root: Path) -> None:
+    """Steps 1 and 2 of a plain one-rank save (chunks listed in the manifest)."""
+    with CheckpointManager(str(root)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"m": {"x": torch.ones(4, 4, dtype=torch.uint8), "y": torch.ones(8)}}, async_save=False)
+
+
+def forge_tebibytes(root: Path, keys: list[str], *, backed: bool) -> Path:
+    """Rewrite step 2's ``keys`` as 1 TiB uint8 leaves, each one zstd chunk of ``ZSTD_LEN``
+    stored bytes (the fewest that may decode to it) at offset 0 of step 1's data file, by
+    reference (section 5.3: a file of another step, which the manifest's checks cannot size),
+    which ``backed`` extends (sparse) to those bytes. Returns that file."""
+    (file,) = json.loads((root / step_dir(1) / "manifest.json").read_text())["files"]
+    d = root / step_dir(2)
+    m = json.loads((d / "manifest.json").read_text())
+    m.pop("logical", None)  # (sums of the values the forger replaced)
+    digests = ",".join(["0" * 32] * -(-ZSTD_LEN // m["digest_block_bytes"]))
+    chunk = {"file": f"../{step_dir(1)}/{file}", "offset": 0, "length": ZSTD_LEN, "offsets": [0, 0], "shape": TIB}
+    for key in keys:
+        m["leaves"][key] = {
+            "kind": "tensor",
+            "dtype": "uint8",
+            "shape": TIB,
+            "chunks": [{**chunk, "digests": digests, "encoding": "zstd"}],
+        }
+    (d / "manifest.json").write_text(json.dumps(m))
+    if backed:
+        os.truncate(root / step_dir(1) / file, ZSTD_LEN)
+    return root / step_dir(1) / file
+
+
+def test_a_leaf_its_file_cannot_hold_fails_before_allocating(tmp_path: Path) -> None:
+    """The manifest validates (a zstd frame of ``ZSTD_LEN`` bytes may decode to 1 TiB), but
+    the data file it names is a few hundred bytes: refused naming the leaf and the sizes, nothing
+    allocated (before: torch's raw ``RuntimeError: DefaultCPUAllocator``)."""
+    _plain(tmp_path)
+    size = forge_tebibytes(tmp_path, ["m/x"], backed=False).stat().st_size
+    why = ("'m/x'", f"uint8 {TIB}", f"{TIB_BYTES} bytes", f"is {size} bytes, shorter than the {ZSTD_LEN}")
+    with CheckpointManager(str(tmp_path)) as mgr:
+        fails("load", lambda: mgr.load(2), *why)
+        fails("load newest", lambda: mgr.load(), *why)
+        assert mgr.load(2, only="m/y")["m"]["y"].equal(torch.ones(8))  # the rest of the step loads
+
+
+def test_leaves_sharing_stored_bytes_fail_before_allocating(tmp_path: Path) -> None:
+    """Each of two 1 TiB leaves is backed by the file alone, both by the same bytes: together
+    they claim twice what the file holds (no writer stores a byte for two chunks)."""
+    _plain(tmp_path)
+    forge_tebibytes(tmp_path, ["m/x", "m/y"], backed=True)
+    why = ("'m/y'", f"claim {2 * ZSTD_LEN} stored bytes, more than the {ZSTD_LEN}", "share stored bytes")
+    with CheckpointManager(str(tmp_path)) as mgr:
+        fails("load", lambda: mgr.load(2), *why)
+
+
+@contextmanager
+def address_space(extra: int) -> Iterator[None]:
+    """This process may map at most ``extra`` more bytes (RLIMIT_AS), whatever the machine's
+    memory and overcommit policy: an allocation above that fails for real."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    status = Path("/proc/self/status").read_text()
+    now = int(re.search(r"VmSize:\s+(\d+) kB", status)[1]) << 10  # type: ignore[index]
+    resource.setrlimit(
+        resource.RLIMIT_AS, (now + extra if hard == resource.RLIM_INFINITY else min(now + extra, hard), hard)
+    )
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the address space's size from /proc")
+def test_a_backed_leaf_this_machine_cannot_allocate_is_a_named_error(tmp_path: Path) -> None:
+    """The file holds what the chunk may decode to, so the step is not damage: an allocation
+    that fails is a ``CheckpointRestoreError`` naming the leaf, its size and the remedy, not
+    torch's raw ``RuntimeError``, and not damage."""
+    _plain(tmp_path)
+    forge_tebibytes(tmp_path, ["m/x"], backed=True)
+    with CheckpointManager(str(tmp_path)) as mgr, address_space(32 << 30):
+        with pytest.raises(CheckpointRestoreError) as info:
+            mgr.load(2)
+    text = str(info.value)
+    assert not isinstance(info.value, CorruptCheckpointError) and isinstance(info.value.__cause__, RuntimeError)
+    assert all(w in text for w in ("'m/x'", f"{TIB_BYTES} bytes", "cannot allocate", "only=", str(tmp_path))), text

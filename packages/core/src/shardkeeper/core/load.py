@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from shardkeeper.core.chunk_reader import size_or_none
 from shardkeeper.core.commit import newest_committed
 from shardkeeper.core.context import ManagerContext
-from shardkeeper.core.errors import CheckpointNotFoundError, CheckpointRestoreError
+from shardkeeper.core.errors import CheckpointNotFoundError, CheckpointRestoreError, CorruptCheckpointError
+from shardkeeper.core.format.bounds import max_decoded_bytes, stored_bytes_problem
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest, itemsize
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.restoring import readable_manifest
+from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.sizes import human_size
 from shardkeeper.core.tensor.restore import restore_flat
 from shardkeeper.core.tensor.restore_plan import RestoreStats, listing, matches
@@ -82,6 +85,97 @@ def _nesting_clash(keys: Sequence[str]) -> tuple[str, str] | None:
     return None
 
 
+def _check_backed(ctx: ManagerContext, manifest: Manifest, records: dict[str, Any], where: str) -> None:
+    """Before any leaf is allocated: the step's files must be able to hold every tensor and
+    bytes leaf of ``records`` (docs/format.md 12). The manifest alone sizes what ``load()``
+    allocates, so a forged shape would otherwise become an allocation nothing backs. Each
+    leaf's chunks (a described leaf's read from its ranks' index files, as the restore reads
+    them next) must lie in files that exist and hold them, the chunks of all the leaves
+    together no more stored bytes than their files hold (no writer stores a byte for two
+    chunks), and the leaf no more bytes than its chunks decode to (raw: their length; zstd:
+    ``max_decoded_bytes``)."""
+    keys = [k for k, r in records.items() if r.kind != "object" and _nbytes(r)]
+    found = _chunks_of(manifest.leaves, keys, records)
+    sizes: dict[str, int | None] = {}
+    held = stored = 0
+
+    def size_of(file: str) -> int | None:
+        nonlocal held
+        if file not in sizes:
+            path = resolve_file(manifest.step, file)
+            got = sizes[file] = None if path is None else size_or_none(ctx.storage, path)
+            held += got or 0
+        return sizes[file]
+
+    for key, chunks in zip(keys, found):
+        rec = records[key]
+        why = stored_bytes_problem(chunks, size_of)
+        decodes = 0
+        for c in chunks:
+            stored += c.length
+            decodes += c.length if c.encoding == "raw" else max_decoded_bytes(c.length)
+        if why is None and decodes < _nbytes(rec):
+            why = f"its {len(chunks)} chunks decode to at most {decodes} bytes"
+        if why is None and stored > held:
+            why = (
+                f"with it the leaves' chunks claim {stored} stored bytes, more than the {held} their "
+                f"{len(sizes)} file(s) hold: chunks of two leaves share stored bytes, which no writer does"
+            )
+        if why is not None:
+            raise CorruptCheckpointError(
+                f"load(): {where}: {rec.kind} leaf {key!r} ({rec.dtype} {list(rec.shape)}, {_nbytes(rec)} bytes) "
+                f"is more than the files of {ctx.storage.describe(step_dir(manifest.step))} can hold: {why}; the "
+                f"checkpoint is damaged, nothing was allocated or read: load another step and run `shardkeeper "
+                f"verify {ctx.storage.url} {manifest.step}`"
+            )
+
+
+class _Span(NamedTuple):
+    """The stored bytes of one chunk (what ``stored_bytes_problem`` and the bound read)."""
+
+    file: str
+    offset: int
+    length: int
+    encoding: str
+
+
+def _chunks_of(leaves: Any, keys: list[str], records: dict[str, Any]) -> list[Sequence[Any]]:
+    """The chunks of each of ``keys``: a table-form leaf's read from the columns (no records
+    made: the restore makes those next), described leaves' derived in one batch (their index
+    files read once: the restore reuses them), any other leaf's from its record."""
+    if not isinstance(leaves, TableLeaves):
+        return [leaves[k].chunks for k in keys]
+    lt, t = leaves.leaf_table, leaves.table
+    enc = t.extras.get("encoding") or [None] * len(t.length)
+    out: list[Sequence[Any]] = []
+    rest = []
+    for k in keys:
+        j = lt.index.get(k)
+        if j is None:
+            rest.append(len(out))
+            out.append(())
+        else:
+            rows = lt.rows_of(j)
+            out.append([_Span(t.paths[t.file[i]], t.offset[i], t.length[i], enc[i] or "raw") for i in rows])
+    if rest:
+        boxes = [(keys[n], (0,) * len(records[keys[n]].shape), records[keys[n]].shape) for n in rest]
+        for n, got in zip(rest, leaves.overlapping_many(boxes)):
+            out[n] = got
+    return out
+
+
+def _allocate(rec: Any, key: str, where: str) -> torch.Tensor:
+    """Leaf ``key``'s result tensor; an allocation this machine cannot make is named."""
+    try:
+        return torch.empty(tuple(rec.shape), dtype=dtype_from_name(rec.dtype))
+    except (RuntimeError, MemoryError) as e:
+        raise CheckpointRestoreError(
+            f"load(): {where}: tensor leaf {key!r} ({rec.dtype} {list(rec.shape)}) takes {_nbytes(rec)} bytes "
+            f"({human_size(_nbytes(rec))}), which this process cannot allocate ({type(e).__name__}: "
+            f"{str(e)[:200]}); nothing was read. Load a part with only=[...] or on a machine with more memory"
+        ) from e
+
+
 def resolve_step(ctx: ManagerContext, step: int | None) -> int:
     """``step``, or the newest committed one (a ``CheckpointNotFoundError`` when none is)."""
     if step is not None:
@@ -131,12 +225,13 @@ def load_step(
             f"{listing([f'{k} ({human_size(_nbytes(records[k]))})' for k in big], 4)}. Load a part "
             f"with only=['model/*'], or pass a larger max_bytes= (None: no bound)"
         )
+    _check_backed(ctx, manifest, records, where)
     out: dict[str, Any] = {}
     flat = FlatState()
     for key, rec in records.items():
         put = _slot(out, key)
         if rec.kind == "tensor":
-            tensor = torch.empty(tuple(rec.shape), dtype=dtype_from_name(rec.dtype))
+            tensor = _allocate(rec, key, where)
             put(tensor)
             flat.leaves[key] = Leaf(key, tensor, "tensor")
         else:  # bytes and JSON values are set once every read succeeded
