@@ -347,6 +347,7 @@ def test_inspect(storage, capsys):
         "chunks": 2,
         "size_bytes": 120,
         "stored_bytes": 120,
+        "logical_digest": None,  # (the test builder records none: docs/format.md 6.1)
     }
 
     code, out, _ = run(capsys, "inspect", storage.root, "--json", "--keys", "progress/*")
