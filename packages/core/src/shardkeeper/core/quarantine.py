@@ -3,7 +3,7 @@
 A restore of the newest step falls back past a damaged step, but the step stays committed, so
 the loop's next save of it (``start = mgr.restore(state) + 1``) is refused, on every restart.
 So the restore's coordinator quarantines each damaged step it fell back past
-(``tensor/restore_quarantine.py``):
+(``restore_quarantine.py``):
 
 - **Verified** as ``delete --damaged`` verifies (``delete_damaged.judge_damaged``), limited to
   the manifest, its pages and index files and the files the ranks' errors named: only damage

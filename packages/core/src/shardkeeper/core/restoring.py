@@ -6,7 +6,7 @@ reads into the target (``tensor/restore.py``); the ranks then agree on the worst
 ``Verdict``: restored, damaged (every rank falls back to the next candidate together, with
 a warning; an asked step raises), or fatal (raised: a failing storage may hold an intact
 step, and falling back would lose its progress). The damaged steps a fallback passed over
-are then quarantined, so that the run can save them again (``tensor/restore_quarantine.py``).
+are then quarantined, so that the run can save them again (``restore_quarantine.py``).
 What the attempts wrote into the target is tracked (``TargetWrites``): a fallback rewrites
 all of it, and an error raised after a write says that the target is partly restored.
 """
@@ -38,7 +38,7 @@ from shardkeeper.core.quantize import check_restore_target
 from shardkeeper.core.quarantine import named_files
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
 from shardkeeper.core.tensor.restore_plan import RestoreStats
-from shardkeeper.core.tensor.restore_quarantine import quarantine_passed_over
+from shardkeeper.core.restore_quarantine import quarantine_passed_over
 from shardkeeper.core.tensor.restore_share import PeerExchangeError, ReadShare, peer_group
 from shardkeeper.core.tensor.state import flatten_for_restore
 
