@@ -1,7 +1,8 @@
 """The etcd catalog: a real etcd (Debian's etcd-server package, fetched and started on
 loopback by the fixture), commits recorded through the manager, compare-and-swap on the
 latest step under racing writers, and a catalog that is down, or answers JSON of another
-shape (a loopback HTTP server of the test's), never failing a save."""
+shape (a loopback HTTP server of the test's), never failing a save, and one that drips its
+answer, loops or answers without end, delaying a save by the catalog's deadline at most."""
 
 from __future__ import annotations
 
@@ -9,20 +10,24 @@ import base64
 import http.server
 import json
 import logging
+import re
 import shutil
 import socket
 import subprocess
 import threading
 import time
+import tracemalloc
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from shardkeeper.core import CatalogError, CheckpointManager, metrics
-from shardkeeper.core.catalog import EtcdCatalog, open_catalog
+from shardkeeper.core import catalog as catalog_module
+from shardkeeper.core.catalog import DEFAULT_TIMEOUT_S, MAX_ANSWER_BYTES, EtcdCatalog, open_catalog
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -173,6 +178,12 @@ class _Gateway(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body = self.server.answers.get(self.path.removeprefix("/v3/"), b"{}")  # type: ignore[attr-defined]
+        if callable(body):  # an answer that writes itself (slowly, or without end)
+            try:
+                body(self)
+            except OSError:  # the client gave up and closed
+                pass
+            return
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -233,3 +244,142 @@ def test_a_catalog_answering_another_shape_never_fails_a_committed_save(
     assert len(warned) == 2 and warned[0].startswith("step 1 committed under ") and "CatalogError" in warned[0]
     with pytest.raises(CatalogError, match=r"127\.0\.0\.1.*(answered|failed|holds)"):
         EtcdCatalog(f"http://127.0.0.1:{gateway.server_address[1]}").record("s3://b/run", 3)
+
+
+def _headers(h: http.server.BaseHTTPRequestHandler) -> None:
+    """A 200 whose body ends when the connection closes (no length: the client reads on)."""
+    h.send_response(200)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Connection", "close")
+    h.end_headers()
+    h.wfile.flush()
+
+
+def _drip(h: http.server.BaseHTTPRequestHandler) -> None:
+    """The reviewer's endpoint, faster: a valid answer, one byte every 0.2 s for 8 s. Each
+    read gets a byte well within any per-read timeout; only a deadline for the call ends it."""
+    _headers(h)
+    for c in b'{"kvs": []}'.ljust(40):
+        h.wfile.write(bytes([c]))
+        h.wfile.flush()
+        time.sleep(0.2)
+
+
+def _slow_refusal(h: http.server.BaseHTTPRequestHandler) -> None:
+    """A transaction that fails its compare after 0.3 s, every time: each call is quick
+    enough, but the compare-and-swap loop retries ``max_retries`` (20) times."""
+    time.sleep(0.3)
+    _headers(h)
+    h.wfile.write(b'{"succeeded": false}')
+
+
+#: Seconds a catalog call, and the catalog work after a commit, may take in these tests
+#: (``?timeout=``), and what a loaded machine may add to a save around it (less than the
+#: deadline: a save that waited for it twice, once to record and once to forget, is late).
+DEADLINE, MARGIN = 1.5, 1.2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("answers", "said"),
+    [
+        (
+            {"kv/range": _drip, "kv/deleterange": _drip},
+            rf"kv/range gave no complete answer within its deadline \({DEADLINE:g} s",
+        ),
+        (
+            {"kv/range": b"{}", "kv/txn": _slow_refusal, "kv/deleterange": _drip},
+            rf"kv/(txn|range) \S.* deadline .*\({DEADLINE:g} s",
+        ),
+    ],
+    ids=["dripping answer", "slow compare-and-swap loop"],
+)
+def test_a_slow_catalog_delays_a_save_by_its_deadline_at_most(
+    gateway: http.server.ThreadingHTTPServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    answers: dict[str, Any],
+    said: str,
+) -> None:
+    """One deadline for a whole call (connect to last byte), and one for all the catalog work
+    after a commit (recording it, then forgetting the step retention deletes): wait() returns
+    within it, the warnings say what happened, the metric counts both (before: a read
+    timeout that each dripped byte renewed, 20 retries of 0.3 s, and a deadline of its own
+    for the deletion)."""
+    gateway.answers.update(answers)  # type: ignore[attr-defined]
+    url = f"etcd://127.0.0.1:{gateway.server_address[1]}/jobs?timeout={DEADLINE:g}"
+    failures = metrics.AFTER_COMMIT_ERRORS
+    before = failures.value(what="catalog"), failures.value(what="catalog_forget")
+    with caplog.at_level(logging.WARNING), CheckpointManager(tmp_path / "r", catalog=url, keep_last=1) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+        t0 = time.monotonic()
+        mgr.save(2, {"w": torch.ones(2)}).wait()  # records step 2, retention deletes step 1
+        took = time.monotonic() - t0
+        assert mgr.steps() == [2]
+    assert took < DEADLINE + MARGIN, f"wait() took {took:.1f} s"
+    assert (failures.value(what="catalog"), failures.value(what="catalog_forget")) == (before[0] + 2, before[1] + 1)
+    warned = [r.getMessage() for r in caplog.records if "catalog was not updated" in r.getMessage()]
+    assert len(warned) == 2 and "127.0.0.1" in warned[1] and re.search(said, warned[1]), warned
+    forgot = [r.getMessage() for r in caplog.records if "the catalog still lists them" in r.getMessage()]
+    assert len(forgot) == 1 and "past the deadline of this update" in forgot[0], forgot
+
+
+def _huge(h: http.server.BaseHTTPRequestHandler) -> None:
+    """The reviewer's endpoint, smaller: 64 MiB of well-formed key-values."""
+    _headers(h)
+    kv = b'{"key":"eA==","value":"eA==","mod_revision":"1"},'
+    h.wfile.write(b'{"kvs": [')
+    block = kv * ((1 << 20) // len(kv))
+    for _ in range(64):
+        h.wfile.write(block)
+    h.wfile.write(kv[:-1] + b"]}")
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_answer_is_refused_without_reading_it(
+    gateway: http.server.ThreadingHTTPServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An answer past ``MAX_ANSWER_BYTES`` (4 MiB) stops the read there: the save's Python
+    allocations stay far below the 64 MiB sent (before: all of it, and its JSON, parsed)."""
+    gateway.answers["kv/range"] = _huge  # type: ignore[attr-defined]
+    url = f"etcd://127.0.0.1:{gateway.server_address[1]}/jobs"
+    with caplog.at_level(logging.WARNING), CheckpointManager(tmp_path / "r", catalog=url) as mgr:
+        tracemalloc.start()
+        try:
+            mgr.save(1, {"w": torch.ones(2)}, async_save=False)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert mgr.steps() == [1]
+    assert peak < 4 * MAX_ANSWER_BYTES, f"peak {peak >> 20} MiB"
+    warned = [r.getMessage() for r in caplog.records if "catalog was not updated" in r.getMessage()]
+    assert len(warned) == 1 and f"kv/range answered more than {MAX_ANSWER_BYTES} bytes" in warned[0], warned
+
+
+def test_the_timeout_is_an_option_of_the_catalog_url(tmp_path: Path) -> None:
+    cat = open_catalog("etcd://127.0.0.1:2379/jobs?timeout=0.5")
+    assert cat is not None and cat.timeout_s == 0.5 and cat.prefix == "jobs/" and cat.endpoint.endswith(":2379")
+    assert open_catalog("etcd://127.0.0.1:2379").timeout_s == DEFAULT_TIMEOUT_S  # type: ignore[union-attr]
+    for bad in ("timeout=0", "timeout=-1", "timeout=nan", "timeout=x", "retries=3"):
+        with pytest.raises(ValueError, match="the one option is timeout="):
+            open_catalog(f"etcd://127.0.0.1:2379/jobs?{bad}")
+    with pytest.raises(ValueError, match="timeout="):
+        CheckpointManager(tmp_path / "r", catalog="etcd://127.0.0.1:2379?timeout=soon")
+
+
+def test_steps_are_listed_a_page_at_a_time(etcd: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each answer stays small however many steps a run records (pages of ``STEPS_PAGE``)."""
+    monkeypatch.setattr(catalog_module, "STEPS_PAGE", 7)
+    cat = EtcdCatalog(etcd, prefix="pages/")
+    for step in range(1, 24):
+        cat.record("s3://b/run", step)
+    cat.record("s3://b/run-2", 99)  # a root whose URL extends the first's: not listed with it
+    assert sorted(cat.steps("s3://b/run")) == list(range(1, 24))
+
+
+def test_a_listing_that_never_ends_is_refused(gateway: http.server.ThreadingHTTPServer) -> None:
+    """An answer that says "more" and lists a key that does not move the listing forward."""
+    stuck = {"kvs": [{"key": base64.b64encode(b"elsewhere/1").decode(), "value": "e30="}], "more": True}
+    gateway.answers["kv/range"] = json.dumps(stuck).encode()  # type: ignore[attr-defined]
+    with pytest.raises(CatalogError, match="keys under"):
+        EtcdCatalog(f"http://127.0.0.1:{gateway.server_address[1]}").steps("s3://b/run")

@@ -4,7 +4,10 @@ X" for schedulers and dashboards, updated transactionally.
 The manifest stays the source of truth: the catalog is written after the commit (a failure
 there, whatever it is, is logged and counted in ``checkpoint_after_commit_errors_total``, never
 fails the save) and may lag or be lost; readers that need certainty list the root. Torch-free,
-no client library: etcd's v3 JSON gateway through ``urllib``. Its answers are checked for their
+no client library: etcd's v3 JSON gateway over HTTP (catalog_http.py). Every call has one
+deadline, ``timeout_s``, for all of it (connect to last byte), and its answer at most
+``MAX_ANSWER_BYTES``; the update after a commit has one deadline for all its calls, so a slow
+or dripping endpoint delays a save by at most ``timeout_s``. Its answers are checked for their
 shape: anything but what etcd answers (a proxy's page, another service, a gateway of another
 version) is a :class:`CatalogError` naming the endpoint, the call and what was found.
 
@@ -21,17 +24,30 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import urllib.error
-import urllib.request
+import math
+import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
+from urllib.parse import parse_qsl
 
 from shardkeeper.core import metrics
+from shardkeeper.core.catalog_http import post_json
 from shardkeeper.core.errors import CatalogError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "shardkeeper/"
+#: Seconds one call may take, connect to last byte; also what the update after a commit may
+#: take in all (``etcd://host:2379/prefix?timeout=2`` sets another).
+DEFAULT_TIMEOUT_S = 5.0
+#: Most bytes of one answer. The catalog reads single keys (``latest``: a step number) and
+#: the step records in pages of ``STEPS_PAGE`` (a record is a few hundred bytes, about a
+#: kilobyte with a long root URL, base64 and etcd's fields included): a real answer stays
+#: far below; more is not etcd, and is not read into memory.
+MAX_ANSWER_BYTES = 4 << 20
+#: Step records per range call of ``steps()`` (etcd's ``limit``; the next page starts past
+#: the last key). 500 records of a kilobyte are an eighth of ``MAX_ANSWER_BYTES``.
+STEPS_PAGE = 500
 
 
 def _b64(s: str) -> str:
@@ -63,25 +79,48 @@ class EtcdCatalog:
     """A catalog in etcd at ``endpoint`` (``http://host:2379``), through its v3 JSON gateway."""
 
     def __init__(
-        self, endpoint: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0, max_retries: int = 20
+        self,
+        endpoint: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = 20,
     ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        #: When set (``time.monotonic()``): no call of this catalog ends later (``bounded``).
+        self.until: float | None = None
+
+    def bounded(self) -> EtcdCatalog:
+        """This catalog, every later call of it ending within ``timeout_s`` from now: the
+        update after a commit, whatever number of calls it makes, delays the save no longer."""
+        self.until = time.monotonic() + self.timeout_s
+        return self
 
     # -- transport ---------------------------------------------------------------------------
     def _call(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(
-            f"{self.endpoint}/v3/{path}",
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
+        """The one place the catalog talks HTTP: one deadline for the whole call, a capped answer."""
+        deadline = time.monotonic() + self.timeout_s
+        if self.until is not None:
+            if self.until <= time.monotonic():
+                raise CatalogError(
+                    f"etcd catalog at {self.endpoint}: {path} not sent: past the deadline of this update "
+                    f"({self.timeout_s:g} s in all); the checkpoints are unaffected (the manifests are the truth)"
+                )
+            deadline = min(deadline, self.until)
+        answer = post_json(
+            self.endpoint,
+            f"/v3/{path}",
+            json.dumps(body).encode(),
+            deadline=deadline,
+            max_bytes=MAX_ANSWER_BYTES,
+            timeout_s=self.timeout_s,
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                out = json.loads(resp.read().decode() or "{}")
-        except (urllib.error.URLError, OSError, ValueError) as e:
+            out = json.loads(answer.decode() or "{}")
+        except ValueError as e:
             raise CatalogError(
                 f"etcd catalog at {self.endpoint}: {path} failed: {e}; the checkpoints "
                 f"are unaffected (the manifests are the truth)"
@@ -106,15 +145,15 @@ class EtcdCatalog:
             raise self._shape(path, "'kvs' as a list of key-value objects", kvs)
         return kvs
 
-    def _value(self, path: str, kv: dict[str, Any]) -> str:
-        """A key-value's ``value``, base64 of UTF-8 text."""
-        raw = kv.get("value", "")
+    def _value(self, path: str, kv: dict[str, Any], field: str = "value") -> str:
+        """A key-value's ``value`` (or ``key``), base64 of UTF-8 text."""
+        raw = kv.get(field, "")
         try:
             if not isinstance(raw, str):
                 raise TypeError
             return base64.b64decode(raw, validate=True).decode()
         except (TypeError, ValueError):
-            raise self._shape(path, "'value' as base64 of UTF-8 text", raw) from None
+            raise self._shape(path, f"'{field}' as base64 of UTF-8 text", raw) from None
 
     def _key(self, root: str, rest: str) -> str:
         return f"{self.prefix}{root.rstrip('/')}/{rest}"
@@ -185,9 +224,8 @@ class EtcdCatalog:
         """Every recorded step of ``root`` with its record (a record that is not one is skipped,
         with a warning)."""
         start = self._key(root, "steps/")
-        kvs = self._kvs("kv/range", self._call("kv/range", {"key": _b64(start), "range_end": _prefix_end(start)}))
         out: dict[int, dict[str, Any]] = {}
-        for kv in kvs:
+        for kv in self._range(start):
             try:
                 rec = json.loads(self._value("kv/range", kv))
             except (CatalogError, ValueError) as e:
@@ -202,18 +240,52 @@ class EtcdCatalog:
             out[step] = rec
         return dict(sorted(out.items()))
 
+    def _range(self, start: str) -> list[dict[str, Any]]:
+        """Every key-value under the prefix ``start``, read ``STEPS_PAGE`` at a time, each page
+        starting past the last key of the one before (keys must grow and keep the prefix, or
+        the answer is not etcd's and the listing would not end)."""
+        out: list[dict[str, Any]] = []
+        key = start
+        while True:
+            body = {"key": _b64(key), "range_end": _prefix_end(start), "limit": STEPS_PAGE}
+            answer = self._call("kv/range", body)
+            kvs = self._kvs("kv/range", answer)
+            out += kvs
+            more = answer.get("more", False)  # etcd leaves a false one out
+            if not isinstance(more, bool):
+                raise self._shape("kv/range", "'more' as a boolean", more)
+            if not more or not kvs:
+                return out
+            last = self._value("kv/range", kvs[-1], "key")
+            if not (last.startswith(start) and last >= key):
+                raise self._shape("kv/range", f"keys under {start!r} after {key!r}", last)
+            key = last + "\0"  # the next key in etcd's (byte) order
+
     def forget(self, root: str, step: int) -> None:
         """Drop a deleted step's record (retention); ``latest`` is left alone."""
         self._call("kv/deleterange", {"key": _b64(self._key(root, f"steps/{step:012d}"))})
 
 
 def open_catalog(url: str | None, **options: Any) -> EtcdCatalog | None:
-    """``etcd://host:2379[/prefix]`` or ``http(s)://host:2379`` -> a catalog; None -> None."""
+    """``etcd://host:2379[/prefix][?timeout=S]`` or ``http(s)://host:2379`` -> a catalog;
+    None -> None. ``timeout``: seconds a call, and the update after a commit, may take."""
     if not url:
         return None
+    url, _, query = url.partition("?")
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("etcd", "http", "https"):
         raise ValueError(f"catalog={url!r}: give an etcd endpoint, e.g. etcd://127.0.0.1:2379")
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        try:
+            seconds = float(value) if name == "timeout" else math.nan
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(
+                f"catalog={url}?{query}: {name}={value!r} is not an option of the catalog; the one option is "
+                f"timeout=<seconds > 0>, e.g. etcd://127.0.0.1:2379/jobs?timeout=2"
+            )
+        options.setdefault("timeout_s", seconds)
     host, _, path = rest.partition("/")
     endpoint = f"{'https' if scheme == 'https' else 'http'}://{host}"
     if path:
@@ -226,6 +298,12 @@ def _failed(what: str, step: int) -> None:
     metrics.record(metrics.AFTER_COMMIT_ERRORS, 1, step=step, what=what)
 
 
+#: Per (catalog URL, root URL): the step last committed and when the catalog's update after
+#: it must end. Retention's deletions after that commit share that deadline (``forget_deleted``),
+#: so that all the catalog work after a commit delays the save by one timeout at most.
+_AFTER_COMMIT: dict[tuple[str, str], tuple[int, float]] = {}
+
+
 def record_commit(url: str | None, storage: Any, step: int, manifest: Any) -> None:
     """After a commit (coordinator): record it in the catalog at ``url``, if one is set. Any
     failure is logged and counted, never raised: the manifest is already the truth, and a
@@ -235,6 +313,7 @@ def record_commit(url: str | None, storage: Any, step: int, manifest: Any) -> No
     try:
         catalog = open_catalog(url)
         assert catalog is not None
+        _AFTER_COMMIT[(url, storage.url)] = (step, cast(float, catalog.bounded().until))
         catalog.record(
             storage.url,
             step,
@@ -256,15 +335,20 @@ def record_commit(url: str | None, storage: Any, step: int, manifest: Any) -> No
         )
 
 
-def forget_deleted(url: str | None, storage: Any, steps: list[int]) -> None:
+def forget_deleted(url: str | None, storage: Any, steps: list[int], *, after_commit: int | None = None) -> None:
     """After retention or ``delete()`` (coordinator): drop the records of deleted ``steps``.
     Any failure is logged and counted, never raised: a stale record is only a hint (restore
-    lists the root)."""
+    lists the root). ``after_commit``: the step whose save's retention this is; the deletions
+    get what is left of that commit's catalog deadline (others a deadline of their own)."""
     if not url or not steps:
         return
+    shared = _AFTER_COMMIT.pop((url, storage.url), None) if after_commit is not None else None
     try:
         catalog = open_catalog(url)
         assert catalog is not None
+        catalog.bounded()
+        if shared is not None and shared[0] == after_commit:
+            catalog.until = shared[1]
         for step in steps:
             catalog.forget(storage.url, step)
     except Exception as e:  # whatever the endpoint answered: never the deletion's failure

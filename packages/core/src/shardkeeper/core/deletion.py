@@ -43,7 +43,7 @@ def retain(storage: Storage, policy: RetentionPolicy, catalog: str | None, step:
         metrics.record(metrics.AFTER_COMMIT_ERRORS, 1, step=step, what="retention")
         log.warning("retention after step %d failed (will retry after the next save): %s", step, e)
     else:
-        forget_deleted(catalog, storage, deleted)
+        forget_deleted(catalog, storage, deleted, after_commit=step)  # (within the commit's catalog deadline)
 
 
 def delete_step(ctx: ManagerContext, step: int, *, damaged: bool = False) -> bool:
