@@ -48,6 +48,10 @@ TORCH_SIDE = (
     "load_hf",
     "quantized",
     "ResumableDistributedSampler",
+    "LogicalPartial",
+    "logical_combine",
+    "logical_digest",
+    "logical_partial",
 )
 #: Lazy names that work without torch (options, settings, advisor, catalog, keys, preemption).
 TORCH_FREE = tuple(sorted(set(shardkeeper.core._LAZY) - set(TORCH_SIDE)))

@@ -110,6 +110,16 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
         self.failures: dict[int, Any] = dict(failures or {})
 
 
+class CoordinatorLostError(CheckpointError):
+    """The c10d store, which the coordinator (rank 0) hosts, cannot be reached: the
+    coordinator died or its host is gone. ``what``: the operation that failed."""
+
+
+class RankLostError(CheckpointError, RuntimeError):
+    """A collective of the manager's ranks on the training group failed: a rank died or its
+    host is gone (gloo's connection closed; torch's error chained)."""
+
+
 class ProtocolError(CheckpointError, ValueError):
     """A message in the store is not a record of this protocol (another shardkeeper version on
     some rank, or something else writing under the manager's keys)."""
@@ -172,6 +182,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "ChecksumMismatchError",
     "CommitConflictError",
+    "CoordinatorLostError",
     "CorruptCheckpointError",
     "EncryptionKeyError",
     "ForeignManifestError",
@@ -179,6 +190,7 @@ __all__ = [
     "KeyNotHeldError",
     "ProtocolError",
     "JsonValueError",
+    "RankLostError",
     "StartRefusedError",
     "StateMismatchError",
     "StepClaimedError",

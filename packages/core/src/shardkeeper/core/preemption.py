@@ -49,8 +49,8 @@ from typing import Any, NoReturn
 
 from shardkeeper.core import metrics
 from shardkeeper.core.commit import newest_committed
+from shardkeeper.core.errors import RankLostError
 from shardkeeper.core.format.untrusted import loads_untrusted
-from shardkeeper.core.tensor.store_channel import RankLostError
 
 log = logging.getLogger(__name__)
 

@@ -23,17 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardkeeper.core.errors import CheckpointError, CheckpointSaveError
-
-
-class CoordinatorLostError(CheckpointError):
-    """The c10d store, which the coordinator (rank 0) hosts, cannot be reached: the
-    coordinator died or its host is gone. ``what``: the operation that failed."""
-
-
-class RankLostError(CheckpointError, RuntimeError):
-    """A collective of the manager's ranks on the training group failed: a rank died or its
-    host is gone (gloo's connection closed; torch's error chained)."""
+from shardkeeper.core.errors import CheckpointSaveError, CoordinatorLostError, RankLostError
 
 
 class StoreTimeout(Exception):
