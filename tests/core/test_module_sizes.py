@@ -22,7 +22,7 @@ OVER = {
     "core/src/shardkeeper/core/saving.py": 458,
     "core/src/shardkeeper/core/options.py": 461,
     "core/src/shardkeeper/core/tensor/restore_plan.py": 471,
-    "core/src/shardkeeper/core/manager.py": 565,
+    "core/src/shardkeeper/core/manager.py": 560,
 }
 
 

@@ -2,8 +2,10 @@
 
 ``wait()`` raises the save's failure on every call; the manager raises it from its next
 ``save()``/``wait()``/``close()`` (or reports it at exit, ``at_exit.py``) only if no
-``wait()`` has delivered it yet. A manager collected with a save nobody waited for warns
-(``UnwaitedSaveWarning``).
+``wait()`` has delivered it yet. A save whose handle is collected with nobody having waited
+for it (neither through the handle nor through its manager) warns (``UnwaitedSaveWarning``):
+the handle, not the manager, since a handle still held is a wait still to come (in
+``CheckpointManager(root).save(...).wait()`` the manager goes first, while its handle waits).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SaveHandle:
     _staged: threading.Event | None = field(default=None, repr=False)
     _delivered: bool = field(default=False, repr=False)
     _waited: bool = field(default=False, repr=False)  # someone waited for the outcome
+    _owner: str = field(default="", repr=False)  # its manager, as the warning names it ("": no warning)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def done(self) -> bool:
@@ -93,18 +96,22 @@ class SaveHandle:
 
         self._future.add_done_callback(call)
 
-    def warn_if_unwaited(self, manager: str) -> None:
-        """Warn (``UnwaitedSaveWarning``) when nobody waited for this save's outcome, nor did
-        its manager, which ``manager`` names: it is being collected, and whether the save
-        committed or failed was never checked (a failure is reported nowhere else)."""
-        if not self._waited:
+    def __del__(self) -> None:
+        """Warn (``UnwaitedSaveWarning``) when nobody waited for this save's outcome, neither
+        through this handle nor through its manager: whether it committed or failed was never
+        checked (a failure is reported nowhere else)."""
+        if self._waited or not self._owner:
+            return
+        try:
             warnings.warn(
-                f"{manager} was garbage-collected with the save of step {self.step} never waited for, "
-                f"so whether it committed or failed was never checked; call mgr.wait() (or "
-                f"handle.wait()) after save(), or mgr.close()",
+                f"{self._owner}: step {self.step} never waited for (its save's handle was garbage-collected), so "
+                f"whether it committed or failed was never checked; call mgr.wait() (or handle.wait()) after "
+                f"save(), or mgr.close()",
                 UnwaitedSaveWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
+        except Exception:  # noqa: BLE001 - at interpreter teardown warnings may be gone
+            pass
 
     def _is_outcome(self, e: BaseException) -> bool:
         """Is ``e`` the save's own failure (rather than something that interrupted a wait)?"""

@@ -290,6 +290,8 @@ class CheckpointManager:
         stall_s = 0.0
         try:
             handle = self._pending = self._saver.submit(self._bg, job, owner=self)
+            where = self._tiers.persistent if self._tiers is not None else self  # the root, not a node's directory
+            handle._owner = f"CheckpointManager for {where.storage.url} (rank {self.rank})"
             handle.stall_s = stall_s = time.perf_counter() - t0
             metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
             msg = "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)"
@@ -553,13 +555,6 @@ class CheckpointManager:
         if exc_type is not None and not issubclass(exc_type, Exception):
             return  # Ctrl-C / SystemExit: propagate at once; the exit still waits for the save
         self.close()
-
-    def __del__(self) -> None:
-        # A manager holds itself alive while its save runs, so this runs once the save is over.
-        p = getattr(self, "_pending", None)
-        if p is not None and not getattr(self, "_closed", True):
-            where = (t := getattr(self, "_tiers", None)) and t.persistent  # the root, not a node's directory
-            p.warn_if_unwaited(f"CheckpointManager for {(where or self).storage.url} (rank {self.rank})")
 
 
 __all__ = ["CheckpointManager", "CheckpointOptions", "SaveHandle"]
