@@ -21,36 +21,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager, CheckpointSaveError, PerRank
 from shardkeeper.core.storage.local import LocalStorage
-from shardkeeper.core.storage.wrapper import StorageWrapper
 from tests.checks import Checks
+from tests.core.dist.slow_storage import Slow
 
 checks = Checks()
 check = checks.check
-
-
-class Slow(StorageWrapper):
-    """Hangs ``delay_s`` in the put of a manifest, or in opening a data file for writing."""
-
-    def __init__(self, inner: Any, what: str, delay_s: float) -> None:
-        super().__init__(inner)
-        self.what, self.delay_s = what, delay_s
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        if self.what == "manifest" and path.endswith("manifest.json"):
-            time.sleep(self.delay_s)
-        self.inner.put_if_absent(path, data)
-
-    def open_writer(self, path: str) -> Any:
-        if self.what == "data" and "/data/" in path:
-            time.sleep(self.delay_s)
-        return self.inner.open_writer(path)
 
 
 def after_commit(root: str, out: Path) -> None:
@@ -89,7 +70,8 @@ def main() -> None:
     if mode == "after_commit":
         after_commit(root, out)
     what, who, delay_s = {"reported": ("manifest", 0, 60.0), "unreported": ("data", 1, 5.0)}[mode]
-    storage = Slow(LocalStorage(root), what, delay_s if rank == who else 0.0)
+    delay_s = delay_s if rank == who else 0.0
+    storage = Slow(LocalStorage(root), delay_s) if what == "manifest" else Slow(LocalStorage(root), delay_s, data="*/data/*")
     mgr = CheckpointManager(storage, commit_timeout_s=120)
     state = {"w": torch.arange(16, dtype=torch.float32), "own": PerRank(torch.full((4,), float(rank)))}
     if rank == 0:

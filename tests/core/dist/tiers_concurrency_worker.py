@@ -24,24 +24,11 @@ import torch.distributed as dist
 
 from shardkeeper.core import CheckpointError, CheckpointManager
 from shardkeeper.core.storage.local import LocalStorage
-from shardkeeper.core.storage.wrapper import StorageWrapper
 from tests.checks import Checks
+from tests.core.dist.slow_storage import Slow
 
 checks = Checks()
 check = checks.check
-
-
-class SlowCommit(StorageWrapper):
-    """A root whose manifest puts take ``delay_s`` (the persistent tier's commit)."""
-
-    def __init__(self, inner: Any, delay_s: float) -> None:
-        super().__init__(inner)
-        self.delay_s = delay_s
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        if path.endswith("manifest.json"):
-            time.sleep(self.delay_s)
-        self.inner.put_if_absent(path, data)
 
 
 def state(step: int) -> dict[str, Any]:
@@ -51,7 +38,7 @@ def state(step: int) -> dict[str, Any]:
 
 def manager(cfg: dict[str, Any], **extra: Any) -> CheckpointManager:
     rank = dist.get_rank()
-    root = SlowCommit(LocalStorage(cfg["root"]), cfg["commit_delay_s"])
+    root = Slow(LocalStorage(cfg["root"]), cfg["commit_delay_s"])
     kwargs: dict[str, Any] = {
         "local": cfg["locals"][rank],
         "replicas": 1,

@@ -21,22 +21,15 @@ import torch.distributed as dist
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.preemption import PreemptionGuard
 from shardkeeper.core.storage import LocalStorage
-from shardkeeper.core.storage.wrapper import StorageWrapper
 from shardkeeper.core.testing.campaign import deterministic_state
-
-
-class SlowCommit(StorageWrapper):
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        if path == "step-000000000004/manifest.json":
-            time.sleep(30)
-        self.inner.put_if_absent(path, data)
+from tests.core.dist.slow_storage import Slow
 
 
 def main() -> None:
     run, root, node0, node1, mode = sys.argv[1:6]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    storage: Any = SlowCommit(LocalStorage(root)) if mode == "slow" else root
+    storage: Any = Slow(LocalStorage(root), 30, manifests="step-000000000004/manifest.json") if mode == "slow" else root
     mgr = CheckpointManager(storage, local=(node0, node1)[rank], replicas=1, persist_every=100)
     guard = PreemptionGuard(mgr, grace_s=4.0 if mode == "slow" else 60.0).install()
     Path(run, f"pid{rank}").write_text(str(os.getpid()))

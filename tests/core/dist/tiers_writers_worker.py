@@ -31,22 +31,10 @@ from shardkeeper.core import CheckpointError, CheckpointManager, StepClaimedErro
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.storage.wrapper import StorageWrapper
 from tests.checks import Checks
+from tests.core.dist.slow_storage import Slow
 
 checks = Checks()
 check = checks.check
-
-
-class SlowCommit(StorageWrapper):
-    """A root whose manifest puts take ``delay_s``."""
-
-    def __init__(self, inner: Any, delay_s: float) -> None:
-        super().__init__(inner)
-        self.delay_s = delay_s
-
-    def put_if_absent(self, path: str, data: bytes) -> None:
-        if path.endswith("manifest.json"):
-            time.sleep(self.delay_s)
-        self.inner.put_if_absent(path, data)
 
 
 class HeldUpload(StorageWrapper):
@@ -85,7 +73,7 @@ def two_writers(cfg: dict[str, Any]) -> None:
     rank = dist.get_rank()
     root, node0, node1 = cfg["root"], cfg["locals"][0], cfg["locals"][1]
     if rank == 0:  # job A
-        mgr = manager(SlowCommit(LocalStorage(root), cfg["commit_delay_s"]), node0, persist_every=1)
+        mgr = manager(Slow(LocalStorage(root), cfg["commit_delay_s"]), node0, persist_every=1)
         try:
             mgr.save(1, state(1, "A")).wait()
             check("A: save 1 acknowledged", True)

@@ -22,6 +22,7 @@ from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.testing.campaign import _blank_like, deterministic_state
 from shardkeeper.core.testing.procs import kill_tree
 from tests.core._launch import DIST_DIR
+from tests.launch import WORKER_MAIN
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
@@ -31,7 +32,7 @@ def _run(tmp_path: Path, mode: str) -> tuple[int, str]:
     run.mkdir()
     args = [str(run), str(tmp_path / "root"), str(tmp_path / "node0"), str(tmp_path / "node1"), mode]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(DIST_DIR / "tiers_preempt_worker.py"), *args]
+    cmd += [str(WORKER_MAIN), str(DIST_DIR / "tiers_preempt_worker.py"), *args]  # (the shared tests.* helpers)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True

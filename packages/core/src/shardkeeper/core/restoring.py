@@ -36,9 +36,9 @@ from shardkeeper.core.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.protocol import Verdict
 from shardkeeper.core.quantize import check_restore_target
 from shardkeeper.core.quarantine import named_files
+from shardkeeper.core.restore_quarantine import quarantine_passed_over
 from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
 from shardkeeper.core.tensor.restore_plan import RestoreStats
-from shardkeeper.core.restore_quarantine import quarantine_passed_over
 from shardkeeper.core.tensor.restore_share import PeerExchangeError, ReadShare, peer_group
 from shardkeeper.core.tensor.state import flatten_for_restore
 
