@@ -84,7 +84,7 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
 
 def count_store() -> list[CountingStore]:
     """Every coordinator's store calls, counted (the save protocol's round trips and bytes)."""
-    from shardkeeper.core.tensor import coordination
+    from shardkeeper.core.runtime import coordinator as coordination
 
     made: list[CountingStore] = []
     orig = coordination.StoreCoordinator._store

@@ -11,7 +11,7 @@ Synthetic rank reports (``_scale_layout.py``), real code: every rank but 0 sends
 through the real ``StoreCoordinator.report`` into a counting wrapper around an in-process
 c10d ``HashStore``; the files the reports list exist at their sizes (sparse placeholders; rank
 0's index file is written for real: its plan reads it). Above 128 ranks in the described
-layout, the save is a group commit (``tensor/group_fold.py``): rank 0 is a group of its own,
+layout, the save is a group commit (``save/group.py``): rank 0 is a group of its own,
 and every other group's leader collects its group's reports, checks their files, writes its
 page and reports (run before the timing, one after another; ``leader_fold_s`` is the slowest,
 each leader's own share when they run in parallel, and on a save's critical path before the
@@ -59,7 +59,7 @@ COUNTED = (
 
 
 def _coordinator_class() -> Any:
-    from shardkeeper.core.tensor.coordination import StoreCoordinator
+    from shardkeeper.core.runtime.coordinator import StoreCoordinator
 
     @dataclass
     class BenchCoordinator(StoreCoordinator):
@@ -77,14 +77,14 @@ def _coordinator_class() -> Any:
 def rank_report(
     ranks: int, tensors: int, layout: str, r: int, declared: dict[str, Any], digest: str, index: Any = None
 ) -> Any:
-    """Rank ``r``'s ``RankReport`` as its writer makes it (``tensor/save.py``: a ``ChunkTable``
+    """Rank ``r``'s ``RankReport`` as its writer makes it (``save/write.py``: a ``ChunkTable``
     in ``rows_report``'s form); rank 0 declares every leaf, the others send the digest.
     ``described``: the row-sharded chunks recorded by their rule, the table going to the rank's
     index file instead: ``index(keys, table)`` writes it and returns its ``[path, size,
     digest]`` (None: not written, a placeholder entry; nothing measured reads it)."""
+    from shardkeeper.core.commit.protocol import RankReport
     from shardkeeper.core.format.columns import ChunkTable
     from shardkeeper.core.format.table import rows_report
-    from shardkeeper.core.protocol import RankReport
 
     rel = f"data/r{r:05d}-0123abcd-000.safetensors"
     if layout == "described" and index is None:  # its rows go to an index file no measured step reads
@@ -129,9 +129,9 @@ def rank_report(
 def _described_placeholder(ranks: int, tensors: int, r: int, rel: str, declared: dict[str, Any], digest: str) -> Any:
     """Rank ``r``'s report in the described layout, as it sends it (files, its index file's
     entry, no chunk rows), its index file not written (nothing measured reads it)."""
+    from shardkeeper.core.commit.protocol import RankReport
     from shardkeeper.core.format.columns import ChunkTable
     from shardkeeper.core.format.table import rows_report
-    from shardkeeper.core.protocol import RankReport
 
     _, count = row_split(n_rows(ranks), ranks, r)
     size = HEADER + count * COLS * ITEM * tensors
@@ -168,14 +168,13 @@ def measure_point(
     are medians of ``dcp_repeats`` (default ``repeats``; 0 leaves them out)."""
     import torch.distributed as dist
 
-    from shardkeeper.core.advisor import save_timings
-    from shardkeeper.core.assemble import assemble_manifest, declared_digest
+    from shardkeeper.core.commit.merge import assemble_manifest, declared_digest
+    from shardkeeper.core.commit.protocol import COMMITTED
+    from shardkeeper.core.commit.put import commit_manifest
     from shardkeeper.core.format.table import no_gc
-    from shardkeeper.core.protocol import COMMITTED
-    from shardkeeper.core.put_manifest import commit_manifest
+    from shardkeeper.core.save.group import unfold
+    from shardkeeper.core.save.timings import save_timings
     from shardkeeper.core.storage import LocalStorage
-    from shardkeeper.core.tensor import restore  # noqa: F401  (imported before timing, as in a restoring process)
-    from shardkeeper.core.tensor.group_fold import unfold
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
@@ -339,7 +338,7 @@ def _group(coord: Any, seq: int, step: int) -> list[Any]:
 
 
 def _fold(storage: Any, step: int, reports: list[Any], layout: str) -> Any:
-    """A leader's fold (tensor/group_fold.py): check the group's files, write its page (where
+    """A leader's fold (save/group.py): check the group's files, write its page (where
     leaves are described, as a save does); it reports once the page is durable."""
     report, written = _fold_group(storage, step, reports, layout)
     if written is not None:
@@ -351,7 +350,7 @@ def _fold_group(storage: Any, step: int, reports: list[Any], layout: str) -> tup
     """The coordinator's fold of its own group, as a save makes it: its page's write still
     under way (waited for before ``commit_manifest``)."""
     from shardkeeper.core.format.layout import step_dir
-    from shardkeeper.core.tensor.group_fold import fold_group
+    from shardkeeper.core.save.group import fold_group
 
     return fold_group(
         storage,
@@ -380,11 +379,11 @@ def _placeholder_files(storage: Any, step: int, report: Any) -> None:
 
 
 def _index_writer(storage: Any, step: int) -> Any:
-    """Rank 0's index file of ``step``, written as a rank writes it (tensor/describe.py)."""
+    """Rank 0's index file of ``step``, written as a rank writes it (save/describe.py)."""
 
     def write(keys: list[str], table: Any) -> list[Any]:
         from shardkeeper.core.format.layout import step_dir
-        from shardkeeper.core.tensor.index_write import write_index
+        from shardkeeper.core.save.index_write import write_index
 
         rel, size, digest, _ = write_index(storage, step_dir(step), step, 0, "0123abcd", keys, table, "xxh3_128")
         return [rel, size, digest]
@@ -398,10 +397,10 @@ def _plan(storage: Any, start: int, rows: int) -> tuple[list[Any], list[Any], An
     the ops, the reads and the manifest (which a restore holds while it reads)."""
     import torch
 
-    from shardkeeper.core.commit import load_manifest
+    from shardkeeper.core.commit.committed import load_manifest
     from shardkeeper.core.format.table import TableLeaves
-    from shardkeeper.core.tensor.chunks import Piece
-    from shardkeeper.core.tensor.restore_plan import piece_ops, plan_reads
+    from shardkeeper.core.restore.plan import piece_ops, plan_reads
+    from shardkeeper.core.state.chunks import Piece
 
     local = torch.empty((rows, COLS), device="meta")
     manifest = load_manifest(storage, 1)

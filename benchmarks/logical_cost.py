@@ -1,5 +1,5 @@
 """What logical digests (docs/format.md, "Logical digests") cost a save: one process saves a
-state with them and without (``shardkeeper.core.tensor.logical.ENABLED``), in alternating
+state with them and without (``shardkeeper.core.save.logical.ENABLED``), in alternating
 rounds, and prints the medians of the save's wall time (``save()`` to committed) and of the
 process's CPU time, with the difference.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.tensor import logical
+from shardkeeper.core.save import logical
 
 
 def state(mib: int, small: bool) -> dict[str, torch.Tensor]:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.commit import load_manifest
-from shardkeeper.core.quantize import quantized
+from shardkeeper.core.commit.committed import load_manifest
+from shardkeeper.core.state.quantize import quantized
 from shardkeeper.core.storage import open_storage
 
 HERE = Path(__file__).resolve().parent

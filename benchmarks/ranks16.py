@@ -95,7 +95,7 @@ def summarize(saves: list[dict[str, Any]], restores: list[dict[str, Any]], sizes
 
 def checkpoint_bytes(storage_url: str, opts: dict[str, Any]) -> dict[str, int]:
     """Stored chunk bytes of each layout's checkpoint (what a restore of all of it needs)."""
-    from shardkeeper.core.commit import load_manifest
+    from shardkeeper.core.commit.committed import load_manifest
     from shardkeeper.core.storage import open_storage
 
     out = {}

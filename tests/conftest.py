@@ -435,7 +435,7 @@ def held() -> Iterator[threading.Event]:
     """While the event is not set, every deferred copy of overlapped staging waits before it
     starts (the ``overlap._before_copy`` seam): "the mutation ran before the copy" becomes a
     fact of the test, not a timing."""
-    from shardkeeper.core.tensor import overlap
+    from shardkeeper.core.save import overlap
 
     release = threading.Event()
     overlap._before_copy = lambda: release.wait(60)

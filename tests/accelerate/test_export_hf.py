@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.export import export_safetensors
+from shardkeeper.core.tools.export import export_safetensors
 
 transformers = pytest.importorskip("transformers", reason="transformers is installed in the adapters suites")
 

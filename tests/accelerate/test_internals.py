@@ -106,7 +106,7 @@ def test_private_attributes_are_used_only_in_the_internals_module() -> None:
 def test_trust_pickle_is_only_passed_to_the_core_gate() -> None:
     """The core's ``require_trust`` is the one ``trust_pickle`` gate (PermissionError); the
     adapter never tests the value itself."""
-    from shardkeeper.core.tensor import legacy
+    from shardkeeper.core.state import unpickle as legacy
 
     assert own_trust_checks(PACKAGE) == []
     assert own_trust_checks(Path(legacy.__file__).parent)  # the scan sees the gate's own test

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from shardkeeper.core.commit import load_manifest, manifest_path, write_latest_hint
+from shardkeeper.core.commit.committed import load_manifest, manifest_path, write_latest_hint
 from shardkeeper.core.format.digest import block_digests
 from shardkeeper.core.format.layout import new_attempt_id, shard_file, step_dir
 from shardkeeper.core.format.manifest import Manifest
@@ -201,7 +201,7 @@ def set_mtime(root: str | os.PathLike[str], rel: str, mtime: float) -> None:
 def age_everything(root: str | os.PathLike[str], seconds: float | None = None) -> None:
     """Make every file under a local root ``seconds`` old (default: an hour beyond gc's default age)."""
     if seconds is None:
-        from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S
+        from shardkeeper.core.lifecycle.gc import DEFAULT_GC_MIN_AGE_S
 
         seconds = DEFAULT_GC_MIN_AGE_S + 3600.0
     t = time.time() - seconds

@@ -2,7 +2,7 @@
 
 torch's pinned allocator rounds every request up to a power of two (a 4 GiB + 1 page buffer
 would pin 8 GiB); the stager registers memory of the exact size instead
-(``tensor/pinned.py``). And the copies, events and synchronisation of staging follow the
+(``save/pinned.py``). And the copies, events and synchronisation of staging follow the
 device each source is on, not the thread's current device (a background thread starts on
 device 0; a rank's tensors are on its own GPU).
 """

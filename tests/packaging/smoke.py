@@ -161,7 +161,7 @@ def check_adapter(short: str) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - every failure is reported
         return [f"import {module} failed: {type(exc).__name__}: {exc}"]
     if short == "deepspeed":
-        from shardkeeper.core.adapters import load_adapter
+        from shardkeeper.core.adapter.registry import load_adapter
 
         if load_adapter("deepspeed").__name__ != module:
             return [f"load_adapter('deepspeed') did not return {module}"]

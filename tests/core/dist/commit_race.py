@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.retention import collect_garbage
+from shardkeeper.core.lifecycle.retention import collect_garbage
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.wrapper import StorageWrapper
 

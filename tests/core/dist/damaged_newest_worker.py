@@ -1,4 +1,4 @@
-"""A damaged newest step under a restarted loop on 2 gloo ranks (test_damaged_newest.py).
+"""A damaged newest step under a restarted loop on 2 gloo ranks (tests/core/restore/test_damaged_newest.py).
 
     damaged_newest_worker.py ROOT OUT_DIR
 

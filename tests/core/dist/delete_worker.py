@@ -1,4 +1,4 @@
-"""``delete(step, damaged=True)`` as a collective on a real process group (test_delete_damaged.py).
+"""``delete(step, damaged=True)`` as a collective on a real process group (tests/core/lifecycle/test_delete_damaged.py).
 
     delete_worker.py ROOT OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Described layouts on real process groups (test_described.py).
+"""Described layouts on real process groups (tests/core/save/test_described.py).
 
     described_worker.py ROOT OUT_DIR
 
@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardkeeper.core import CheckpointManager, CorruptCheckpointError
 from shardkeeper.core.storage.local import LocalStorage
-from shardkeeper.core.verify import verify_step
+from shardkeeper.core.verify.step import verify_step
 
 
 def full() -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from shardkeeper.core import (  # noqa: E402
     StorageError,
 )
 from shardkeeper.core.storage import LocalStorage  # noqa: E402
-from shardkeeper.core.storage.faults import FaultyStorage  # noqa: E402
+from shardkeeper.core.testing.faults import FaultyStorage  # noqa: E402
 from tests.checks import Checks, state_diff  # noqa: E402
 
 checks = Checks()

@@ -1,4 +1,4 @@
-"""Group commit on a real process group (test_group_commit.py).
+"""Group commit on a real process group (tests/core/commit/test_group_commit.py).
 
     group_worker.py ROOT OUT_DIR
 
@@ -26,9 +26,9 @@ from seen import finish
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.errors import StorageError
-from shardkeeper.core.garbage import collect_garbage
+from shardkeeper.core.lifecycle.gc import collect_garbage
 from shardkeeper.core.storage.local import LocalStorage
-from shardkeeper.core.verify import verify_step
+from shardkeeper.core.verify.step import verify_step
 
 
 def _error(fn) -> str | None:  # type: ignore[no-untyped-def]
@@ -82,7 +82,7 @@ def main(root: str, out: str) -> None:
         # A file removed before its leader checks it (as by a gc with a too short --min-age-s):
         # the leader's failure reaches every rank, naming the file's rank.
         if rank == 1:
-            import shardkeeper.core.tensor.group_fold as group_fold
+            import shardkeeper.core.save.group as group_fold
 
             real = group_fold.check_files
 
@@ -101,7 +101,7 @@ def main(root: str, out: str) -> None:
         # written: the save fails on every rank with that error, and on rank 0 returns only
         # once the write has ended (nothing of a failed save is still being written).
         if rank == 0:
-            import shardkeeper.core.tensor.group_fold as group_fold
+            import shardkeeper.core.save.group as group_fold
 
             real_write, ended = group_fold.write_durably, []
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from layouts import build, full_state, train_step  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
-from shardkeeper.core.quantize import dequantize_int8, quantize_int8, quantized  # noqa: E402
+from shardkeeper.core.state.quantize import dequantize_int8, quantize_int8, quantized  # noqa: E402
 from tests.checks import Checks  # noqa: E402
 
 

@@ -118,7 +118,7 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
         get_optimizer_state_dict,
     )
 
-    from shardkeeper.core.tensor.state import normalize_fqn
+    from shardkeeper.core.state.flatten import normalize_fqn
 
     opts = StateDictOptions(full_state_dict=True)
     out: dict[str, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""Logical digests on a real process group (test_logical_digest.py).
+"""Logical digests on a real process group (tests/core/save/test_logical_digest.py).
 
     logical_worker.py ROOT RESULTS
 

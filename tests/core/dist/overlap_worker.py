@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from layouts import batch, build, full_state, train_step  # noqa: E402
 
 from shardkeeper.core import CheckpointManager, CheckpointSaveError  # noqa: E402
-from shardkeeper.core.tensor import overlap  # noqa: E402
+from shardkeeper.core.save import overlap
 from tests.checks import Checks, state_diff  # noqa: E402
 
 LAYOUTS = ("plain", "fsdp2", "tp", "fsdp1")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.preemption import PreemptionGuard
+from shardkeeper.core.tools.preemption import PreemptionGuard
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.testing.campaign import deterministic_state
 

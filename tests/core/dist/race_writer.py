@@ -1,5 +1,5 @@
 """One of two writers that race to commit the same step on every backend (a restarted job and
-a zombie of the previous one); tests/core/test_fenced_race.py starts two of these at once.
+a zombie of the previous one); tests/core/commit/test_fenced_race.py starts two of these at once.
 
     race_writer.py NAME SEED BARRIER_DIR OUT_JSON SPEC_JSON
 

@@ -1,4 +1,4 @@
-"""An epoch interrupted at one world size and finished at another (test_resumable_sampler.py).
+"""An epoch interrupted at one world size and finished at another (tests/core/data/test_resumable_sampler.py).
 
     sampler_worker.py first|second ROOT OUT
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager, CheckpointTimeoutError
-from shardkeeper.core.tensor import restore_share
+from shardkeeper.core.restore import share as restore_share
 from tests.checks import Checks
 
 ROOT, MODE = Path(sys.argv[1]), sys.argv[2]

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from shardkeeper.core import CheckpointManager, CheckpointRestoreError, CorruptCheckpointError, StorageError
 from shardkeeper.core.storage import LocalStorage
-from shardkeeper.core.storage.faults import FaultyStorage
+from shardkeeper.core.testing.faults import FaultyStorage
 from tests.checks import Checks
 
 checks = Checks()

@@ -1,4 +1,4 @@
-"""Every rank of a group refuses a save below the newest committed step (test_step_rule.py).
+"""Every rank of a group refuses a save below the newest committed step (tests/core/commit/test_step_rule.py).
 
     step_rule_worker.py ROOT OUT_DIR
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-import shardkeeper.core.assemble as assemble
+import shardkeeper.core.commit.merge as assemble
 from shardkeeper.core import CheckpointManager, PerRank
 from tests.checks import Checks
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager, CheckpointSaveError, PerRank
-from shardkeeper.core.commit import manifest_steps
+from shardkeeper.core.commit.committed import manifest_steps
 from shardkeeper.core.storage.local import LocalStorage
 from tests.checks import Checks
 

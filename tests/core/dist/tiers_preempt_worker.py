@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.preemption import PreemptionGuard
+from shardkeeper.core.tools.preemption import PreemptionGuard
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.testing.campaign import deterministic_state
 from tests.core.dist.slow_storage import Slow

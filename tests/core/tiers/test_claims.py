@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from shardkeeper.core import CheckpointError, CheckpointManager, StepClaimedError
-from shardkeeper.core.garbage import collect_garbage
+from shardkeeper.core.commit.claim import claim_path, list_claims
+from shardkeeper.core.lifecycle.gc import collect_garbage
 from shardkeeper.core.storage import LocalStorage
-from shardkeeper.core.tiers.claim import claim_path, list_claims
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from shardkeeper.core import CheckpointManager
-from shardkeeper.core.preemption import EXIT_CODE, RECORD_NAME, read_record
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.testing.campaign import _blank_like, deterministic_state
 from shardkeeper.core.testing.procs import kill_tree
+from shardkeeper.core.tools.preemption import EXIT_CODE, RECORD_NAME, read_record
 from tests.core._launch import DIST_DIR
 from tests.launch import WORKER_MAIN
 

@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from shardkeeper.core import CheckpointManager, CommitConflictError, StateMismatchError  # noqa: E402
-from shardkeeper.core.adapters import load_adapter  # noqa: E402
+from shardkeeper.core.adapter.registry import load_adapter  # noqa: E402
 from tests.checks import Checks, state_diff  # noqa: E402
 
 from deepspeed.accelerator import get_accelerator  # noqa: E402

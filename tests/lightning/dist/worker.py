@@ -406,7 +406,7 @@ def cross_out_of_lightning(d: str, ref1: dict[str, torch.Tensor]) -> None:
     """The plugin's ModelParallel FSDP2 checkpoint (dp=2, step 8) restored outside Lightning:
     into plain torch through the core, and into a DeepSpeed ZeRO-2 engine through the adapter."""
     from shardkeeper.core import CheckpointManager
-    from shardkeeper.core.adapters import load_adapter
+    from shardkeeper.core.adapter.registry import load_adapter
 
     root = f"{d}/fsdp2/root"
     torch.manual_seed(5)

@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import TrainerCallback  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
-from shardkeeper.core.commit import manifest_path  # noqa: E402
+from shardkeeper.core.commit.committed import manifest_path  # noqa: E402
 from shardkeeper.transformers import plugin_of  # noqa: E402
 from tests.transformers import cpu_fsdp  # noqa: E402
 from tests.transformers.common import SAVE_EVERY, STEPS, Recording, make_trainer, tiny_model  # noqa: E402

@@ -14,15 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardkeeper.core.options import describe_unknown, option_types
-from shardkeeper.core.settings import options_from_env, options_from_file, options_from_mapping
+from shardkeeper.core.config.options import describe_unknown, option_types
+from shardkeeper.core.config.settings import options_from_env, options_from_file, options_from_mapping
 
 CONFIG_FILE_NAME = "shardkeeper.yaml"
 CONFIG_FILE_ENV = "SHARDKEEPER_CONFIG_FILE"
 ENV_PREFIX = "SHARDKEEPER_"
 
 #: Settings of the adapter itself (not CheckpointOptions), with their types and defaults; read
-#: and converted by the core's reader (``shardkeeper.core.settings``) like the options.
+#: and converted by the core's reader (``shardkeeper.core.config.settings``) like the options.
 ADAPTER_SETTINGS: dict[str, tuple[Any, Any]] = {
     "root": (str | None, None),
     "keep_last": (int | None, None),

@@ -31,56 +31,56 @@ from shardkeeper.core.errors import (
     StorageError,
     TornStateError,
 )
-from shardkeeper.core.extras import EXTRA_OF
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
+from shardkeeper.core.util.extras import EXTRA_OF
 
 if TYPE_CHECKING:
     from shardkeeper.core import metrics
-    from shardkeeper.core.advisor import advise, advise_root
-    from shardkeeper.core.catalog import open_catalog
     from shardkeeper.core.codec.keys import KeyProvider, LocalKeyProvider
+    from shardkeeper.core.commit.catalog import open_catalog
+    from shardkeeper.core.config.options import CheckpointOptions, IneffectiveOptionWarning
+    from shardkeeper.core.config.settings import options_from_env, options_from_file, options_from_mapping
     from shardkeeper.core.data.sampler import ResumableDistributedSampler
-    from shardkeeper.core.dcp_import import import_dcp
-    from shardkeeper.core.export import export_safetensors
-    from shardkeeper.core.handle import UnwaitedSaveWarning
     from shardkeeper.core.hf.importer import import_hf
     from shardkeeper.core.hf.load import load_hf
-    from shardkeeper.core.manager import CheckpointManager, SaveHandle
-    from shardkeeper.core.options import CheckpointOptions, IneffectiveOptionWarning
-    from shardkeeper.core.preemption import PreemptionGuard
-    from shardkeeper.core.quantize import quantized
-    from shardkeeper.core.settings import options_from_env, options_from_file, options_from_mapping
-    from shardkeeper.core.tensor.fragment import Fragment
-    from shardkeeper.core.tensor.logical import LogicalPartial, logical_combine, logical_digest, logical_partial
-    from shardkeeper.core.tensor.state import PerRank, RNGState, dtype_from_name, normalize_fqn
+    from shardkeeper.core.manager.manager import CheckpointManager, SaveHandle
+    from shardkeeper.core.save.handle import UnwaitedSaveWarning
+    from shardkeeper.core.save.logical import LogicalPartial, logical_combine, logical_digest, logical_partial
+    from shardkeeper.core.state.flatten import PerRank, RNGState, dtype_from_name, normalize_fqn
+    from shardkeeper.core.state.fragment import Fragment
+    from shardkeeper.core.state.quantize import quantized
+    from shardkeeper.core.tools.advisor import advise, advise_root
+    from shardkeeper.core.tools.dcp_import import import_dcp
+    from shardkeeper.core.tools.export import export_safetensors
+    from shardkeeper.core.tools.preemption import PreemptionGuard
 
 _LAZY = {
-    "CheckpointManager": "shardkeeper.core.manager",
-    "CheckpointOptions": "shardkeeper.core.options",
-    "IneffectiveOptionWarning": "shardkeeper.core.options",
-    "options_from_env": "shardkeeper.core.settings",
-    "options_from_file": "shardkeeper.core.settings",
-    "options_from_mapping": "shardkeeper.core.settings",
-    "SaveHandle": "shardkeeper.core.manager",
-    "UnwaitedSaveWarning": "shardkeeper.core.handle",
-    "Fragment": "shardkeeper.core.tensor.fragment",
-    "LogicalPartial": "shardkeeper.core.tensor.logical",
-    "logical_combine": "shardkeeper.core.tensor.logical",
-    "logical_digest": "shardkeeper.core.tensor.logical",
-    "logical_partial": "shardkeeper.core.tensor.logical",
-    "PerRank": "shardkeeper.core.tensor.state",
-    "RNGState": "shardkeeper.core.tensor.state",
-    "normalize_fqn": "shardkeeper.core.tensor.state",
-    "dtype_from_name": "shardkeeper.core.tensor.state",
-    "export_safetensors": "shardkeeper.core.export",
-    "import_dcp": "shardkeeper.core.dcp_import",
+    "CheckpointManager": "shardkeeper.core.manager.manager",
+    "CheckpointOptions": "shardkeeper.core.config.options",
+    "IneffectiveOptionWarning": "shardkeeper.core.config.options",
+    "options_from_env": "shardkeeper.core.config.settings",
+    "options_from_file": "shardkeeper.core.config.settings",
+    "options_from_mapping": "shardkeeper.core.config.settings",
+    "SaveHandle": "shardkeeper.core.manager.manager",
+    "UnwaitedSaveWarning": "shardkeeper.core.save.handle",
+    "Fragment": "shardkeeper.core.state.fragment",
+    "LogicalPartial": "shardkeeper.core.save.logical",
+    "logical_combine": "shardkeeper.core.save.logical",
+    "logical_digest": "shardkeeper.core.save.logical",
+    "logical_partial": "shardkeeper.core.save.logical",
+    "PerRank": "shardkeeper.core.state.flatten",
+    "RNGState": "shardkeeper.core.state.flatten",
+    "normalize_fqn": "shardkeeper.core.state.flatten",
+    "dtype_from_name": "shardkeeper.core.state.flatten",
+    "export_safetensors": "shardkeeper.core.tools.export",
+    "import_dcp": "shardkeeper.core.tools.dcp_import",
     "import_hf": "shardkeeper.core.hf.importer",
     "load_hf": "shardkeeper.core.hf.load",
-    "advise": "shardkeeper.core.advisor",
-    "advise_root": "shardkeeper.core.advisor",
-    "open_catalog": "shardkeeper.core.catalog",
-    "PreemptionGuard": "shardkeeper.core.preemption",
-    "quantized": "shardkeeper.core.quantize",
+    "advise": "shardkeeper.core.tools.advisor",
+    "advise_root": "shardkeeper.core.tools.advisor",
+    "open_catalog": "shardkeeper.core.commit.catalog",
+    "PreemptionGuard": "shardkeeper.core.tools.preemption",
+    "quantized": "shardkeeper.core.state.quantize",
     "ResumableDistributedSampler": "shardkeeper.core.data.sampler",
     "KeyProvider": "shardkeeper.core.codec.keys",
     "LocalKeyProvider": "shardkeeper.core.codec.keys",

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from shardkeeper.core.adapter import RootManagers
-from shardkeeper.core.progress import progress_state
-from shardkeeper.core.tensor.legacy import load_trusted_pickle, require_trust
-from shardkeeper.core.tensor.state import normalize_fqn
+from shardkeeper.core.format.progress import progress_state
+from shardkeeper.core.state.flatten import normalize_fqn
+from shardkeeper.core.state.unpickle import load_trusted_pickle, require_trust
 from shardkeeper.deepspeed._ds_internals import SCALER_FIELDS
 from shardkeeper.deepspeed.hook import tag_to_step
 from shardkeeper.deepspeed.state import FRAMEWORK

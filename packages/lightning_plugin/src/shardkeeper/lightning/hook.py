@@ -58,7 +58,7 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         raise TypeError(f"ShardkeeperCheckpointIO does not support {name}")
     li.warn_if_untested()
     if is_deepspeed(strategy):
-        from shardkeeper.core.adapters import load_adapter
+        from shardkeeper.core.adapter.registry import load_adapter
 
         load_adapter("deepspeed")  # fail now, with the install hint, not at the first save
     if getattr(strategy, "_shardkeeper_plugin", None) is plugin:

@@ -20,7 +20,7 @@ from shardkeeper.core import CheckpointManager, RNGState
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.progress import framework_of, progress_state, read_progress
+from shardkeeper.core.format.progress import framework_of, progress_state, read_progress
 from shardkeeper.lightning import codec
 from shardkeeper.lightning import strategy as st
 from shardkeeper.lightning._loops import fit_loop_at

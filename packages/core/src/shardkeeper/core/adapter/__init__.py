@@ -4,7 +4,7 @@ One place for the rules the three adapters used to write each on their own:
 
 - :mod:`.roots`: one manager per root, with the adapter's options and the same manifest
   metadata (``framework``, versions, ``progress_schema``);
-- :mod:`shardkeeper.core.progress`: one progress schema (``progress/step``, ``progress/epoch``,
+- :mod:`shardkeeper.core.format.progress`: one progress schema (``progress/step``, ``progress/epoch``,
   ``progress/samples``, ``progress/<framework>/...``), so a resume under any framework
   continues the step count of the checkpoint it came from;
 - :mod:`.steps`: the decision whether a save at a step may go ahead (refused when the step is
@@ -19,12 +19,12 @@ The core never imports a framework: adapters pass their framework's name and ver
 """
 
 from shardkeeper.core.adapter.patching import Patches
+from shardkeeper.core.adapter.registry import available_adapters, load_adapter
 from shardkeeper.core.adapter.roots import RootManagers, adapter_metadata
 from shardkeeper.core.adapter.start import check_start
 from shardkeeper.core.adapter.steps import StepCheck, agree, check_save_step
 from shardkeeper.core.adapter.versions import VersionGate, in_range, parse_version
-from shardkeeper.core.adapters import available_adapters, load_adapter
-from shardkeeper.core.progress import (
+from shardkeeper.core.format.progress import (
     PROGRESS_SCHEMA,
     Progress,
     ProgressTarget,
@@ -33,7 +33,7 @@ from shardkeeper.core.progress import (
     progress_state,
     read_progress,
 )
-from shardkeeper.core.tensor.legacy import require_trust
+from shardkeeper.core.state.unpickle import require_trust
 
 __all__ = [
     "PROGRESS_SCHEMA",

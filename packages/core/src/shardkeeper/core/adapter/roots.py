@@ -7,7 +7,7 @@ same keys, so tools (``shardkeeper ls``, the other adapters) can tell who wrote 
 - ``framework``: ``deepspeed`` / ``lightning`` / ``accelerate`` (``torch`` for a plain core save)
 - ``framework_version``, and ``<framework>_version`` (the key older checkpoints used)
 - ``shardkeeper_version``, ``torch_version``
-- ``progress_schema``: the version of the ``progress`` layout (:mod:`shardkeeper.core.progress`)
+- ``progress_schema``: the version of the ``progress`` layout (:mod:`shardkeeper.core.format.progress`)
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core.manager import CheckpointManager
-from shardkeeper.core.progress import PROGRESS_SCHEMA
-from shardkeeper.core.version import shardkeeper_version
+from shardkeeper.core.format.progress import PROGRESS_SCHEMA
+from shardkeeper.core.manager.manager import CheckpointManager
+from shardkeeper.core.util.version import shardkeeper_version
 
 
 def adapter_metadata(framework: str, framework_version: str, **more: Any) -> dict[str, Any]:

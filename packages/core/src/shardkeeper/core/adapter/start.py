@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from shardkeeper.core.adapter.steps import agree, check_save_step
 from shardkeeper.core.errors import StartRefusedError
-from shardkeeper.core.manager import CheckpointManager
+from shardkeeper.core.manager.manager import CheckpointManager
 
 
 def check_start(

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardkeeper.core.commit import manifest_steps
+from shardkeeper.core.commit.committed import manifest_steps
 from shardkeeper.core.errors import CommitConflictError, StepOrderError
-from shardkeeper.core.manager import CheckpointManager
+from shardkeeper.core.manager.manager import CheckpointManager
 
 
 @dataclass(frozen=True)

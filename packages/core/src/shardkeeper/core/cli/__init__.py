@@ -34,15 +34,15 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core.bars import BarSafeHandler
 from shardkeeper.core.cli import advise, check, convert, keys, view
 from shardkeeper.core.cli.common import EXIT_OK, EXIT_USAGE, PROG
 from shardkeeper.core.cli.display import PrintableFormatter, say
 from shardkeeper.core.errors import CheckpointError, UsageError
-from shardkeeper.core.extras import EXTRA_OF, install_hint
 from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage.retry import wait_log
-from shardkeeper.core.version import shardkeeper_version
+from shardkeeper.core.util.bars import BarSafeHandler
+from shardkeeper.core.util.extras import EXTRA_OF, install_hint
+from shardkeeper.core.util.version import shardkeeper_version
 
 
 def build_parser() -> argparse.ArgumentParser:

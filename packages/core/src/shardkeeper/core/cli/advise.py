@@ -11,7 +11,7 @@ from shardkeeper.core.errors import UsageError
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from shardkeeper.core import advisor
+    from shardkeeper.core.tools import advisor
 
     try:
         if args.mtbf is not None:

@@ -8,7 +8,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardkeeper.core.bars import make_bar
 from shardkeeper.core.cli.common import (
     EXIT_DAMAGED,
     EXIT_OK,
@@ -24,9 +23,10 @@ from shardkeeper.core.cli.common import (
 )
 from shardkeeper.core.cli.display import human_size, say
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
-from shardkeeper.core.garbage import DEFAULT_GC_MIN_AGE_S, collect_garbage
-from shardkeeper.core.quarantine import load_quarantined
-from shardkeeper.core.verify_report import Problem, RootVerifyReport
+from shardkeeper.core.lifecycle.gc import DEFAULT_GC_MIN_AGE_S, collect_garbage
+from shardkeeper.core.lifecycle.quarantine import load_quarantined
+from shardkeeper.core.util.bars import make_bar
+from shardkeeper.core.verify.report import Problem, RootVerifyReport
 
 
 def _print_problems(problems: Sequence[Problem]) -> None:
@@ -35,8 +35,8 @@ def _print_problems(problems: Sequence[Problem]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from shardkeeper.core.verify import stored_bytes, verify_step  # numpy (the chunk reader)
-    from shardkeeper.core.verify_all import verify_root
+    from shardkeeper.core.verify.root import verify_root
+    from shardkeeper.core.verify.step import stored_bytes, verify_step  # numpy (the chunk reader)
 
     storage = with_key(open_root(args), args.key, args.encryption_root)
     if args.quarantined and args.step is None:
@@ -127,13 +127,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from shardkeeper.core.commit import committed_steps, manifest_steps
-    from shardkeeper.core.retention import DeleteOnly, apply_retention
+    from shardkeeper.core.commit.committed import committed_steps, manifest_steps
+    from shardkeeper.core.lifecycle.retention import DeleteOnly, apply_retention
 
     storage = with_key(open_root(args), args.key, args.encryption_root)
     step, url = args.step, storage.url
     if args.damaged:
-        from shardkeeper.core.delete_damaged import delete_damaged  # numpy (the chunk reader)
+        from shardkeeper.core.lifecycle.delete_damaged import delete_damaged  # numpy (the chunk reader)
 
         found = delete_damaged(storage, step)
         if args.json:

@@ -7,7 +7,6 @@ import argparse
 import json
 from typing import Any
 
-from shardkeeper.core.bars import want_progress
 from shardkeeper.core.cli.roots import check_root
 from shardkeeper.core.errors import CheckpointNotFoundError, UsageError
 from shardkeeper.core.format.manifest import Manifest
@@ -15,6 +14,7 @@ from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.object_stores import OBJECT_STORE_PROTOCOLS
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
+from shardkeeper.core.util.bars import want_progress
 
 PROG = "shardkeeper"
 EXIT_OK = 0
@@ -104,7 +104,7 @@ def _check_bucket(storage: Storage, root: str) -> None:
 
 
 def show_progress(args: argparse.Namespace) -> bool:
-    """Whether this command shows progress bars (``core/bars.py``: stderr, terminals only
+    """Whether this command shows progress bars (``core/util/bars.py``: stderr, terminals only
     unless ``--progress``; never with ``--no-progress``, and by default not with ``--json``
     or ``--quiet``)."""
     return want_progress(getattr(args, "progress", None), json=getattr(args, "json", False), quiet=args.quiet)
@@ -158,8 +158,8 @@ QUARANTINED_HELP = (
 def load_step_manifest(storage: Storage, step: int) -> Manifest:
     """``step``'s manifest (``commit.load_manifest``); a step that is not committed but was
     quarantined says so, and how to look at it."""
-    from shardkeeper.core.commit import load_manifest
-    from shardkeeper.core.quarantine import quarantined_manifests
+    from shardkeeper.core.commit.committed import load_manifest
+    from shardkeeper.core.lifecycle.quarantine import quarantined_manifests
 
     try:
         return load_manifest(storage, step)

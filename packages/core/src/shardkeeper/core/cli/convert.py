@@ -21,7 +21,7 @@ from shardkeeper.core.cli.display import human_size, say
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardkeeper.core.export import export_safetensors  # numpy: the [torch] extra
+    from shardkeeper.core.tools.export import export_safetensors  # numpy: the [torch] extra
 
     storage = with_key(open_root(args), args.key, args.encryption_root)
     res = export_safetensors(
@@ -67,7 +67,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         m = import_hf(args.source, storage, step=args.step, prefix=args.prefix, progress=show_progress(args))
         kind = "the safetensors folder "
     else:
-        from shardkeeper.core.dcp_import import import_dcp  # torch: the [torch] extra
+        from shardkeeper.core.tools.dcp_import import import_dcp  # torch: the [torch] extra
 
         m = import_dcp(
             args.source, storage, step=args.step, trust_pickle=args.trust_pickle, progress=show_progress(args)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from shardkeeper.core.sizes import human_size
+from shardkeeper.core.util.sizes import human_size
 
 
 def printable(text: str) -> str:

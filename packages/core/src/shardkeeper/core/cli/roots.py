@@ -1,5 +1,5 @@
 """The usual mistakes about ROOT, caught before a command runs, each with its remedy (the
-diagnosis itself is the core's, :mod:`shardkeeper.core.root_check`, shared with the manager).
+diagnosis itself is the core's, :mod:`shardkeeper.core.runtime.root_check`, shared with the manager).
 
 - A step directory (``ROOT/step-000000001200``) or a path inside one given for the root:
   every command would find "no checkpoint" there; the message names the root.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from shardkeeper.core.errors import CheckpointNotFoundError, UsageError
-from shardkeeper.core.root_check import did_you_mean, file_target, in_step_dir, local_path
+from shardkeeper.core.runtime.root_check import did_you_mean, file_target, in_step_dir, local_path
 
 
 def check_root(root: str, command: str, *, must_exist: bool = True) -> None:

@@ -12,11 +12,11 @@ import os
 from typing import Any
 
 from shardkeeper.core.cli.common import manifest_figures
-from shardkeeper.core.commit import load_manifest, manifest_digest, manifest_path, manifest_steps
+from shardkeeper.core.commit.committed import load_manifest, manifest_digest, manifest_path, manifest_steps
+from shardkeeper.core.commit.files import resolve_file, walk_files
 from shardkeeper.core.errors import CheckpointError, UsageError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.root_files import resolve_file, walk_files
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.base import Storage
 

@@ -9,7 +9,6 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
-from shardkeeper.core.bars import make_bar
 from shardkeeper.core.cli.common import (
     EXIT_OK,
     QUARANTINED_HELP,
@@ -22,7 +21,7 @@ from shardkeeper.core.cli.common import (
 )
 from shardkeeper.core.cli.display import human_size, preview, printable, say, table_lines
 from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
-from shardkeeper.core.commit import committed_steps, load_manifest, step_dirs
+from shardkeeper.core.commit.committed import committed_steps, load_manifest, step_dirs
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -34,8 +33,9 @@ from shardkeeper.core.errors import (
 from shardkeeper.core.format.layout import LATEST_NAME
 from shardkeeper.core.format.logical_member import digests_of
 from shardkeeper.core.format.manifest import MANIFEST_NAME, Manifest
-from shardkeeper.core.quarantine import is_quarantined, load_quarantined
+from shardkeeper.core.lifecycle.quarantine import is_quarantined, load_quarantined
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.util.bars import make_bar
 
 
 def _shape(shape: Sequence[int]) -> str:

@@ -33,7 +33,7 @@ SAMPLE_SLICES = 4
 #: compressed / raw above this: not worth a whole-chunk read and the CPU; keep raw.
 KEEP_RAW_RATIO = 0.9
 #: With compression on, chunks larger than this are written as slabs of whole rows of about
-#: this size, one frame each (tensor/save.py ``_slabs``): partial reads stay partial.
+#: this size, one frame each (save/write.py ``_slabs``): partial reads stay partial.
 SLAB_BYTES = 4 << 20
 
 _local = threading.local()

@@ -79,7 +79,7 @@ def stored_size(plain: int, header: int) -> int:
 def files_look_encrypted(storage: Storage, step: int, m: Any) -> bool:
     """Whether the first data file a manifest of ``step`` lists starts as an encrypted file
     does (no key needed): a manifest that claims encryption over plain files was edited."""
-    from shardkeeper.core.root_files import resolve_file
+    from shardkeeper.core.commit.files import resolve_file
 
     for rel in sorted(m.files):
         path = resolve_file(step, rel)
@@ -111,8 +111,8 @@ def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tup
     names (its own and referenced ones) exists, has an intact encryption header and exactly
     the stored size its plaintext size implies, and holds every chunk's byte range. Digests
     and tags need the key. Returns (files checked, [(kind, message, path)])."""
+    from shardkeeper.core.commit.files import resolve_file
     from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
-    from shardkeeper.core.root_files import resolve_file
 
     ends: dict[str, int] = {}
     problems: list[tuple[str, str, str]] = []

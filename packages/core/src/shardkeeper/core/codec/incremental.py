@@ -19,14 +19,14 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardkeeper.core.commit import lists_manifest, load_manifest, step_dirs
+from shardkeeper.core.commit.committed import lists_manifest, load_manifest, step_dirs
+from shardkeeper.core.commit.files import resolve_file
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import BlockDigests, ChunkRecord
 from shardkeeper.core.format.table import TableLeaves
-from shardkeeper.core.root_files import resolve_file
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)

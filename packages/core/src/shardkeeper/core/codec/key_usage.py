@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkeeper.core.codec.crypto_format import is_data_path, read_header
-from shardkeeper.core.commit import load_manifest, manifest_steps
+from shardkeeper.core.commit.committed import load_manifest, manifest_steps
+from shardkeeper.core.commit.files import referenced_paths
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
-from shardkeeper.core.root_files import referenced_paths
 from shardkeeper.core.storage.base import Storage
 
 #: Encryption headers read at once (two small ranged reads each).

@@ -342,7 +342,7 @@ class DescribedLeaves:
         if self._read is None or self._digest is None:
             raise CorruptCheckpointError(
                 "this manifest's described leaves keep their chunks in index files, and it was parsed "
-                "without its storage: load it with shardkeeper.core.commit.load_manifest"
+                "without its storage: load it with shardkeeper.core.commit.committed.load_manifest"
             )
         if size > MAX_INDEX_BYTES:
             raise self._damage(rank, f"is {size} bytes, more than the {MAX_INDEX_BYTES} a reader accepts")

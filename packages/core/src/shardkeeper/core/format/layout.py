@@ -10,6 +10,8 @@ import xxhash
 STEP_PREFIX = "step-"
 STEP_DIGITS = 12
 LATEST_NAME = "LATEST"
+#: The preemption record a ``PreemptionGuard`` leaves at the root (tools/preemption.py).
+PREEMPTED_NAME = "preempted.json"
 DATA_DIR = "data"
 _STEP_RE = re.compile(r"^step-(\d{12,})$")
 
@@ -97,6 +99,7 @@ __all__ = [
     "PAGES_DIR",
     "page_file",
     "LATEST_NAME",
+    "PREEMPTED_NAME",
     "STEP_DIGITS",
     "STEP_PREFIX",
     "new_attempt_id",

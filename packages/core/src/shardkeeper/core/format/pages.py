@@ -283,7 +283,7 @@ class Pages:
         if self._read is None or self._digest is None:
             raise CorruptCheckpointError(
                 "this manifest keeps its ranks' records in pages, and it was parsed without its storage: "
-                "load it with shardkeeper.core.commit.load_manifest"
+                "load it with shardkeeper.core.commit.committed.load_manifest"
             )
         if size > MAX_PAGE_BYTES:
             raise self._damage(p, f"is {size} bytes, more than the {MAX_PAGE_BYTES} a reader accepts")

@@ -2,7 +2,7 @@
 ``ChunkTable`` (``keys``, ``counts`` per key, the ``table``), not one JSON object per chunk.
 
 Layering: a wire form over format/columns.py, apart from the manifest's own use of the
-tables; the coordinator (tensor/coordination.py) and the manifest's assembly (assemble.py)
+tables; the coordinator (runtime/coordinator.py) and the manifest's assembly (commit/merge.py)
 use it, the format's readers do not.
 """
 

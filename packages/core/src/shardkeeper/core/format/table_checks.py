@@ -6,7 +6,7 @@ what ``TableLeaves.problem`` runs). Linear in the number of rows where the layou
 
 Layering: above the columns (format/columns.py) and the records' checks
 (format/records.py), below the leaves made from the tables (format/table.py) and the
-manifest's assembly (assemble.py), which both run these checks.
+manifest's assembly (commit/merge.py), which both run these checks.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The folder's tensors (selected, renamed and tied as ``load_hf`` does it, hf/view
 read in batches of at most ``batch_bytes`` into full CPU tensors of their stored dtype, by
 restore's reader (ranged reads of the folder's byte ranges, checked against the headers'
 bounds), and each batch is written as one shard file by the importers' step writer
-(``tensor/imported.py``: digested as a save digests, committed with put-if-absent). No cast,
+(``save/imported.py``: digested as a save digests, committed with put-if-absent). No cast,
 no pickle: the step holds the folder's bytes, bit for bit, under ``prefix`` + name
 (``model/<name>`` by default, which ``restore({"model": model})`` fills).
 """
@@ -18,20 +18,20 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core.bars import make_bar
+from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTES
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.hf.folder import REMEDY, Folder
 from shardkeeper.core.hf.load import SOURCE, open_folder
 from shardkeeper.core.hf.view import Rename, as_manifest, select, target_keys
-from shardkeeper.core.options import CheckpointOptions
+from shardkeeper.core.restore.flat import restore_flat
+from shardkeeper.core.restore.plan import listing
+from shardkeeper.core.save.imported import ImportedStep, batches
+from shardkeeper.core.state.flatten import FlatState, Leaf, dtype_from_name
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tensor.imported import ImportedStep, batches
-from shardkeeper.core.tensor.restore import restore_flat
-from shardkeeper.core.tensor.restore_plan import listing
-from shardkeeper.core.tensor.state import FlatState, Leaf, dtype_from_name
+from shardkeeper.core.util.bars import make_bar
 
 DEFAULT_BATCH_BYTES = 512 << 20
 

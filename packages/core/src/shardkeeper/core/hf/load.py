@@ -6,7 +6,7 @@ target's keys (hf/view.py, where the declared transformations apply), and ``rest
 fills the target from it as from a committed step: each rank plans the overlaps of its pieces
 (a DTensor's local shard, a ZeRO fragment, a plain tensor whole) with those chunks and reads
 only those byte ranges, straight into the target where it can; a range several ranks need is
-read from storage once and sent to the others (``tensor/restore_share.py``); keys, shapes and
+read from storage once and sent to the others (``restore/share.py``); keys, shapes and
 dtypes are checked before a tensor byte is read. No pickle anywhere, and no digests (the
 format has none): bytes are used as read. A collective over the process group, as a restore.
 """
@@ -24,19 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.errors import CheckpointNotFoundError, CheckpointRestoreError, StateMismatchError
 from shardkeeper.core.hf.folder import REMEDY, Folder, Tensor
 from shardkeeper.core.hf.view import Rename, as_manifest, select, target_keys
-from shardkeeper.core.options import CheckpointOptions
+from shardkeeper.core.restore.flat import TargetWrites, restore_flat
+from shardkeeper.core.restore.plan import RestoreStats, listing
+from shardkeeper.core.restore.share import PeerExchangeError, ReadShare, peer_group
+from shardkeeper.core.runtime.coordinator import make_coordinator
+from shardkeeper.core.state.flatten import FlatState, as_torch, flatten_for_restore, torch_dtype_name
+from shardkeeper.core.state.tied import tied_aliases
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.retry import with_retries
-from shardkeeper.core.tensor.coordination import make_coordinator
-from shardkeeper.core.tensor.restore import TargetWrites, restore_flat
-from shardkeeper.core.tensor.restore_plan import RestoreStats, listing
-from shardkeeper.core.tensor.restore_share import PeerExchangeError, ReadShare, peer_group
-from shardkeeper.core.tensor.state import FlatState, as_torch, flatten_for_restore, torch_dtype_name
-from shardkeeper.core.tensor.tied import tied_aliases
 
 #: How errors name what ``load_hf`` reads.
 SOURCE = "Hugging Face folder"

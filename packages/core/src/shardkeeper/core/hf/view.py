@@ -14,7 +14,7 @@ The transformations are data, applied to names before anything is read, in this 
 ``as_manifest`` then presents the chosen tensors under their target keys: one whole-tensor
 chunk each, pointing at its byte range in its file. A tie's alias and its twin share one
 chunk. The folder records no digests: each chunk carries its location instead, so that
-restore's check of tied weights (``tensor/tied.py``) compares locations, and it is read
+restore's check of tied weights (``state/tied.py``) compares locations, and it is read
 unverified (``ChunkReader.verify``).
 """
 
@@ -26,8 +26,8 @@ from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.digest import DEFAULT_ALGORITHM
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest
 from shardkeeper.core.hf.folder import Tensor
-from shardkeeper.core.tensor.restore_plan import listing, matches
-from shardkeeper.core.tensor.state import normalize_fqn
+from shardkeeper.core.restore.plan import listing, matches
+from shardkeeper.core.state.flatten import normalize_fqn
 
 #: ``rename=``: a mapping of source names to target keys, or a function (None: leave it out).
 Rename = Mapping[str, str] | Callable[[str], str | None] | None

@@ -130,7 +130,7 @@ def _writer(
 
 def _multipart_uploads(storage: Any) -> list[dict[str, Any]]:
     """The incomplete multipart uploads under the root; none where the backend has none."""
-    from shardkeeper.core.garbage import list_incomplete_uploads
+    from shardkeeper.core.lifecycle.gc import list_incomplete_uploads
 
     try:
         return list_incomplete_uploads(storage)
@@ -145,8 +145,8 @@ def _check(
     (root, storage options, local) when ``storage`` is a local tier, whose newest step is
     restored as the restarted job would (a manager refuses a node's directory as its root).
     Every check records what it finds in ``s``; none raises (``checked``)."""
-    from shardkeeper.core.commit import committed_steps, step_dirs
-    from shardkeeper.core.garbage import collect_garbage
+    from shardkeeper.core.commit.committed import committed_steps, step_dirs
+    from shardkeeper.core.lifecycle.gc import collect_garbage
 
     where = _where(t)
     attempted_max = t.first_step + t.steps - 1
@@ -202,7 +202,7 @@ def _restores_exactly(storage: Any, step: int, tensor_bytes: int, tier: tuple[An
     """Whether ``step`` restores bit for bit to its state (raises what the restore raises)."""
     import torch
 
-    from shardkeeper.core.manager import CheckpointManager
+    from shardkeeper.core.manager.manager import CheckpointManager
 
     want = deterministic_state(step, tensor_bytes)
     got = blank_like(want)

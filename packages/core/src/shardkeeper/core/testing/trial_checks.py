@@ -87,7 +87,7 @@ def checked(s: Summary, where: str, what: str, check: Callable[[], T], default: 
 
 def verify_all(storage: Any, committed: list[int], where: str, s: Summary) -> None:
     """Every committed step verifies clean; each one that does not is a failure."""
-    from shardkeeper.core.verify import verify_step
+    from shardkeeper.core.verify.step import verify_step
 
     for c in committed:
         s.steps_verified += 1
@@ -99,8 +99,8 @@ def verify_all(storage: Any, committed: list[int], where: str, s: Summary) -> No
 def check_persistent(storage: Any, where: str, s: Summary) -> None:
     """The persistent tier behind a killed local one: what is committed verifies, and gc
     removes the rest of an upload the kill cut short."""
-    from shardkeeper.core.commit import committed_steps, step_dirs
-    from shardkeeper.core.garbage import collect_garbage
+    from shardkeeper.core.commit.committed import committed_steps, step_dirs
+    from shardkeeper.core.lifecycle.gc import collect_garbage
 
     where = f"{where}, the persistent tier"
     committed = checked(s, where, "its committed steps could not be listed", lambda: committed_steps(storage), None)

@@ -26,11 +26,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkeeper.core.commit import load_manifest, manifest_digest, manifest_path, manifest_steps
+from shardkeeper.core.commit.committed import load_manifest, manifest_digest, manifest_path, manifest_steps
+from shardkeeper.core.commit.files import resolve_file, walk_files
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME
-from shardkeeper.core.root_files import resolve_file, walk_files
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.transfer import Move, move_files, remove_copy

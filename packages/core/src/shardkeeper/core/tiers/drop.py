@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from shardkeeper.core.commit import manifest_path
+from shardkeeper.core.commit.committed import manifest_path
+from shardkeeper.core.commit.files import remove_file, walk_files
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.root_files import remove_file, walk_files
 from shardkeeper.core.storage.base import Storage
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointError, CommitConflictError
+from shardkeeper.core.runtime.binding import NODE_TOKEN, ROOT_NAME, bind_root
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tiers.binding import NODE_TOKEN, ROOT_NAME, bind_root
 from shardkeeper.core.tiers.wire import TierGroup
 
 

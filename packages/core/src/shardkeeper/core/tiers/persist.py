@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from shardkeeper.core import deletion
-from shardkeeper.core.commit import write_latest_hint
+from shardkeeper.core.commit.claim import Claims
+from shardkeeper.core.commit.committed import write_latest_hint
+from shardkeeper.core.commit.put import commit_manifest
 from shardkeeper.core.errors import (
     CheckpointError,
     CheckpointSaveError,
@@ -38,12 +39,11 @@ from shardkeeper.core.errors import (
     StepClaimedError,
 )
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.put_manifest import commit_manifest
-from shardkeeper.core.retention import RetentionPolicy
+from shardkeeper.core.lifecycle import delete as deletion
+from shardkeeper.core.lifecycle.retention import RetentionPolicy
+from shardkeeper.core.runtime.store_channel import CoordinatorLostError, StoreTimeout
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tensor.store_channel import CoordinatorLostError, StoreTimeout
-from shardkeeper.core.tiers.claim import Claims
-from shardkeeper.core.verify import verify_step
+from shardkeeper.core.verify.step import verify_step
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -1,7 +1,7 @@
 """A local commit recorded on every node, through the c10d store (no shared file system).
 
 The coordinator commits the manifest into its own node's directory with the fenced protocol
-(``put_manifest.py``: every rank reported its files durable and its replicas taken), then
+(``commit/put.py``: every rank reported its files durable and its replicas taken), then
 ``offer``s the manifest's bytes under the save's keys before it publishes the outcome. Once a
 rank hears the commit, ``record`` has each other node's leader put the same bytes into its
 node's directory (put-if-absent) and count itself in; every rank then waits until every node
@@ -14,10 +14,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from shardkeeper.core.commit import manifest_path
+from shardkeeper.core.commit.committed import manifest_path
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
+from shardkeeper.core.runtime.store_channel import StoreTimeout
 from shardkeeper.core.storage.base import Storage
-from shardkeeper.core.tensor.store_channel import StoreTimeout
 from shardkeeper.core.tiers.nodes import NodeMap
 
 COORDINATOR = 0

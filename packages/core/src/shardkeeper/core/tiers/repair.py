@@ -24,7 +24,7 @@ from shardkeeper.core.errors import ChecksumMismatchError
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.transfer import Move, move_files, remove_copy
 from shardkeeper.core.tiers.wire import TierGroup
-from shardkeeper.core.verify import verify_step
+from shardkeeper.core.verify.step import verify_step
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ fall back across the tiers when the chosen copy turns out damaged.
   that no tier holds whole, and every rank waits for that before it returns; the coordinator
   takes over the step claims above the step restored (``claim.py``), also when nothing was
   found to restore; and damaged steps the persistent restore quarantined there
-  (``quarantine.py``) count as not persisted, so that the save of such a step is uploaded.
+  (``lifecycle/quarantine.py``) count as not persisted, so that the save of such a step is uploaded.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from shardkeeper.core.restoring import Restorer
+from shardkeeper.core.restore.restorer import Restorer
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice
 from shardkeeper.core.tiers.repair import damaged_files
 from shardkeeper.core.tiers.tiering import Tiering

@@ -23,21 +23,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardkeeper.core import deletion
 from shardkeeper.core.codec.crypto import EncryptedStorage
 from shardkeeper.core.codec.crypto_format import root_identity
 from shardkeeper.core.codec.keys import key_provider
-from shardkeeper.core.commit import manifest_steps
-from shardkeeper.core.context import Encryption
+from shardkeeper.core.commit.claim import Claims, Writer
+from shardkeeper.core.commit.committed import manifest_steps
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.retention import DeleteOnly, RetentionPolicy, apply_retention
+from shardkeeper.core.lifecycle import delete as deletion
+from shardkeeper.core.lifecycle.retention import DeleteOnly, RetentionPolicy, apply_retention
+from shardkeeper.core.runtime.context import Encryption
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole, required_files
-from shardkeeper.core.tiers.claim import Claims, Writer
 from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover, node_token
 from shardkeeper.core.tiers.persist import Persister

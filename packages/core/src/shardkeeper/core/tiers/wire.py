@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
-from shardkeeper.core.tensor import _torch_compat as tc
-from shardkeeper.core.tensor.store_channel import StoreChannel, gloo_group
+from shardkeeper.core.runtime.store_channel import StoreChannel, gloo_group
+from shardkeeper.core.state import _torch_compat as tc
 
 
 class TierGroupBroken(CheckpointTimeoutError):

@@ -1,0 +1,562 @@
+"""``CheckpointManager``: save and restore a training state, on every rank.
+
+A façade: the commit protocol and its records are ``commit/protocol.py``; a save's caller-side and
+background halves ``save/runner.py`` (its handle ``save/handle.py``); restore with fallback
+``restore/restorer.py``; retention and ``delete()`` ``lifecycle/delete.py``. Save on every rank: plan ->
+stage (caller's thread) -> write -> report (background) -> commit on the coordinator
+(rank 0) -> retain. Restore on every rank: discover -> plan -> ranged, verified reads ->
+copy in place; all ranks agree on the step and on success, and "restore the newest" falls
+back to the previous committed step when a step is damaged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import Any, NoReturn
+
+from shardkeeper.core import metrics
+from shardkeeper.core.codec import CodecState
+from shardkeeper.core.codec.keys import KeyProvider
+from shardkeeper.core.commit.committed import committed_steps, is_committed, load_manifest, newest_committed
+from shardkeeper.core.config.arguments import (
+    MANAGER_PARAMETERS,
+    check_count,
+    check_manager_arguments,
+    check_replicas,
+    check_state,
+    check_step,
+    describe_keywords,
+)
+from shardkeeper.core.config.options import (
+    DEFAULT,
+    OPTION_NAMES,
+    CheckpointOptions,
+    Compression,
+    DigestAlgorithm,
+    PerRankPolicy,
+    Staging,
+    describe_unknown,
+    given_options,
+)
+from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
+from shardkeeper.core.format.jsonvalue import snapshot
+from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.lifecycle import delete as deletion
+from shardkeeper.core.lifecycle.retention import RetentionPolicy
+from shardkeeper.core.manager import at_exit
+from shardkeeper.core.restore.load import load_step
+from shardkeeper.core.restore.plan import PER_RANK_POLICIES, RestoreStats
+from shardkeeper.core.restore.restorer import Restorer
+from shardkeeper.core.runtime.context import ManagerContext, open_root
+from shardkeeper.core.runtime.coordinator import make_coordinator
+from shardkeeper.core.save.handle import SaveHandle
+from shardkeeper.core.save.overlap import StagingGate
+from shardkeeper.core.save.plan import PlanCache
+from shardkeeper.core.save.runner import SaveRunner
+from shardkeeper.core.save.stage import Stager
+from shardkeeper.core.storage import Storage
+from shardkeeper.core.tiers.choose import LOCAL
+from shardkeeper.core.tiers.opening import TierView, check_tier_options, open_tiers
+from shardkeeper.core.tiers.restore import restore_tiered
+from shardkeeper.core.tiers.tiering import Tiering
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Durable, async, resharding checkpoints under one root (a path or an fsspec URL).
+
+    In a process group every rank creates the manager (a collective) and calls ``save()`` /
+    ``restore()`` with its own local state, as with ``torch.distributed.checkpoint``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | Storage,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        options: CheckpointOptions | None = None,
+        local: str | os.PathLike[str] | None = None,
+        persist_every: int | None = None,
+        replicas: int = 0,
+        local_keep: int | None = None,
+        # The fields of CheckpointOptions, one keyword each (a test holds them equal).
+        async_save: bool = DEFAULT.async_save,
+        staging: Staging = DEFAULT.staging,
+        per_rank: PerRankPolicy = DEFAULT.per_rank,
+        share_restore_reads: bool = DEFAULT.share_restore_reads,
+        digest: DigestAlgorithm = DEFAULT.digest,
+        digest_block_bytes: int = DEFAULT.digest_block_bytes,
+        commit_timeout_s: float = DEFAULT.commit_timeout_s,
+        commit_group_ranks: int = DEFAULT.commit_group_ranks,
+        io_threads: int = DEFAULT.io_threads,
+        max_files_per_rank: int = DEFAULT.max_files_per_rank,
+        min_file_bytes: int = DEFAULT.min_file_bytes,
+        data_prefixes: int | None = DEFAULT.data_prefixes,
+        describe_layouts: bool | None = DEFAULT.describe_layouts,
+        max_read_bytes: int = DEFAULT.max_read_bytes,
+        catalog: str | None = DEFAULT.catalog,
+        incremental: bool = DEFAULT.incremental,
+        compression: Compression | None = DEFAULT.compression,
+        compression_level: int = DEFAULT.compression_level,
+        encryption: str | KeyProvider | None = DEFAULT.encryption,
+        encryption_root: str | None = DEFAULT.encryption_root,
+        retry_max_attempts: int = DEFAULT.retry_max_attempts,
+        retry_base_delay_s: float = DEFAULT.retry_base_delay_s,
+        retry_max_delay_s: float = DEFAULT.retry_max_delay_s,
+        retry_deadline_s: float = DEFAULT.retry_deadline_s,
+        **unknown_options: NoReturn,
+    ) -> None:
+        """Open ``root`` (in a process group a collective: every rank, in the same order).
+
+        ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save
+        together (default: the world, or none; ``"local"``: this process alone, not a
+        collective even in a process group, e.g. one rank that only loads); ``storage_options``: fsspec options of a URL
+        root; ``metadata``: written into every manifest.
+
+        Two tiers (docs/tiers.md): ``local`` (a directory on each node's own disk or RAM)
+        takes every save, committed across the nodes without a shared file system;
+        ``replicas`` (default 0) copies each rank's files to that many other nodes;
+        ``persist_every`` uploads a step to ``root`` once it is that many steps past the last
+        uploaded one (None: never); ``local_keep`` keeps that many steps per node (None: all).
+        Restore takes the newest step whole in some tier, each byte from the nearest copy.
+
+        Every other keyword is a field of
+        :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
+
+        - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``,
+          ``commit_group_ranks`` (ranks per group leader at larger worlds)
+        - layout: ``max_files_per_rank``, ``min_file_bytes``, ``data_prefixes``, ``describe_layouts``; io: ``io_threads``, ``max_read_bytes``
+        - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop),
+          ``share_restore_reads`` (a range several ranks restore is read once and sent to the others)
+        - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``
+        - codecs: ``incremental``, ``compression`` ("zstd"), ``compression_level``,
+          ``encryption`` ("env:VAR" | "file:PATH" | a KeyProvider), ``encryption_root``
+        - retry: ``retry_max_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``, ``retry_deadline_s``
+        - catalog: ``catalog`` (``etcd://host:2379``: record commits there too)
+
+        A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
+        ``TypeError`` naming the close matches; all before the root is touched.
+        """
+        given = given_options(locals())
+        if unknown_options:
+            names = describe_unknown(unknown_options, MANAGER_PARAMETERS + OPTION_NAMES)
+            raise TypeError(f"unknown CheckpointManager keyword(s): {names}; {describe_keywords()}")
+        keep_last, keep_every = check_count("keep_last", keep_last), check_count("keep_every", keep_every)
+        persist_every, local_keep = check_count("persist_every", persist_every), check_count("local_keep", local_keep)
+        replicas = check_replicas(replicas)
+        if local is None and (persist_every is not None or replicas or local_keep is not None):
+            raise ValueError(
+                "CheckpointManager(): persist_every=, replicas= and local_keep= configure the local tier; pass "
+                "local='/node/local/dir' too (or drop them to save straight to the root)"
+            )
+        check_manager_arguments(
+            root=root, storage_options=storage_options, metadata=metadata, options=options, process_group=process_group
+        )
+        base = (options or CheckpointOptions()).replace(**given)
+        if local is not None:
+            base = check_tier_options(base)
+        self.options = base
+        self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        tiers_roots = None
+        if local is None:
+            self.storage, read_storage, keyed = open_root(
+                root,
+                storage_options,
+                retry=base.retry_policy(),
+                encryption=base.encryption,
+                bound_to=base.encryption_root,
+            )
+        else:
+            tiers_roots = open_tiers(root, local, storage_options, base)
+            self.storage, read_storage, keyed = tiers_roots[0].storage, tiers_roots[0].read, tiers_roots[0].encryption
+        self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
+        self._coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks, tiered=local is not None)
+        self.rank, self.world_size = self._coord.rank, self._coord.world_size
+        self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
+        self._tiers: Tiering | None = None
+        if tiers_roots is not None:
+            self._tiers = Tiering(
+                self._coord,
+                local=tiers_roots[0],
+                persistent=tiers_roots[1],
+                persist_every=persist_every,
+                replicas=replicas,
+                local_keep=local_keep,
+                retention=self.retention,
+                catalog=base.catalog,
+                io=self._io,
+                timeout_s=base.commit_timeout_s,
+            )
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
+        self._stager = Stager()
+        self._plans = PlanCache()
+        self._gate = StagingGate()
+        ctx = ManagerContext(self.storage, read_storage, self._coord, base, self._io, keyed)
+        codecs = CodecState(
+            incremental=base.incremental,
+            compression=base.compression,
+            level=base.compression_level,
+            keys=keyed.keys if keyed is not None else None,
+        )
+        self._saver = SaveRunner(
+            ctx, codecs=codecs, stager=self._stager, plans=self._plans, gate=self._gate, tiers=self._tiers
+        )
+        self._restorer = Restorer(ctx)
+        self._ctx = ctx
+        self._persistent: TierView | None = None
+        if self._tiers is not None:
+            self._persistent = TierView.of(self._tiers, self._coord, base, self._io)
+        self._last_restorer = self._restorer
+        self._last_tier: str | None = None
+        self._persistent_reads = 0
+        self._pending: SaveHandle | None = None
+        self._seq = 0  # every rank numbers its saves alike: the keys a save's ranks meet under
+        self._closed = False
+        at_exit.track(self)
+
+    @property
+    def last_restore_stats(self) -> RestoreStats | None:
+        """What the last restore attempt that succeeded on this rank read (keys, bytes)."""
+        return self._last_restorer.last_stats
+
+    @property
+    def last_restore_tier(self) -> str | None:
+        """With a local tier: ``"local"`` or ``"persistent"``, where the last restore read from."""
+        return self._last_tier
+
+    @property
+    def persistent_reads(self) -> int:
+        """With a local tier: bytes this rank's restores read from the persistent root."""
+        return self._persistent_reads
+
+    @property
+    def persisted_steps(self) -> list[int]:
+        """With a local tier: the steps this manager has uploaded and committed to the
+        persistent root so far (an upload still running is not listed)."""
+        return list(self._tiers.persister.persisted) if self._tiers is not None else []
+
+    def wait_persisted(self) -> None:
+        """With a local tier: block until the running upload to the persistent root ends;
+        raise its failure (``CheckpointSaveError``; the step stays in the local tier)."""
+        self._wait_pending(raise_error=True)
+        if self._tiers is not None:
+            self._tiers.persister.wait()
+
+    # -- save --------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        async_save: bool | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Stage ``state`` and return; write and commit in the background (see ``async_save``).
+
+        A save started while the previous one still writes first waits for it (that wait
+        counts as stall), and raises the previous save's failure if nobody has seen it yet.
+        """
+        self._check_open()
+        step = check_step("save", step)
+        check_state("save", state)
+        t0 = time.perf_counter()
+        self._wait_pending(raise_error=True)
+        refused = self._saver.refusal(step)
+        if refused is not None:  # it still takes its turn in the protocol (no rank waits for it)
+            seq, self._seq = self._seq, self._seq + 1
+            self._pending = self._saver.submit_refused(self._bg, step, seq, refused, owner=self)
+            self._pending._waited = True  # its outcome is the refusal, raised right here
+            raise refused
+        synchronous = not (self.options.async_save if async_save is None else async_save)
+        job = self._saver.prepare(
+            step,
+            self._seq,
+            state,
+            sync=synchronous,
+            defaults=self.metadata,
+            metadata=metadata,
+            retention=self.retention,
+        )
+        self._seq += 1
+        stall_s = 0.0
+        try:
+            handle = self._pending = self._saver.submit(self._bg, job, owner=self)
+            where = self._tiers.persistent if self._tiers is not None else self  # the root, not a node's directory
+            handle._owner = f"CheckpointManager for {where.storage.url} (rank {self.rank})"
+            handle.stall_s = stall_s = time.perf_counter() - t0
+            metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
+            msg = "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)"
+            log.info(msg, self.rank, step, len(job.plan.items), job.plan.nbytes, stall_s)
+        finally:
+            job.start.give(stall_s)  # the writer starts once save() is done with its own work
+        if synchronous:
+            handle.wait()
+        return handle
+
+    def _wait_pending(self, *, raise_error: bool) -> None:
+        """Wait for the pending save. A Ctrl-C during the wait propagates at once (the save
+        goes on; the handle stays pending, so the next call and the exit still wait for it)."""
+        p = self._pending
+        if p is None:
+            return
+        futures_wait([p._future])
+        p._waited = True
+        if not raise_error:  # keep the handle: its failure reaches the next save() or wait()
+            return
+        self._pending = None
+        err = p._undelivered_error()
+        if err is not None:
+            raise err
+
+    def _finish_at_exit(self) -> str | None:
+        """At interpreter exit (``at_exit``): wait for the pending save; describe its failure
+        if nobody has seen it."""
+        p = self._pending
+        if p is None or self._closed:
+            return None
+        futures_wait([p._future])
+        p._waited = True
+        err = p._undelivered_error()
+        if err is None:
+            return None
+        return (
+            f"the save of step {p.step} under {self.storage.url} (rank {self.rank}) failed at exit "
+            f"and was not committed: {type(err).__name__}: {err}"
+        )
+
+    # -- what is committed; delete -----------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (reads and validates every manifest of the root: to ask
+        about one step or the newest, ``is_committed`` and ``latest_step`` read one)."""
+        if self._persistent is not None:  # this node's local tier and the persistent root
+            return self._persistent.steps(self._ctx)
+        return committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None; manifests are validated newest first only until
+        one validates. With a local tier: the newest of this node's and the persistent root's."""
+        if self._persistent is not None:
+            return self._persistent.latest(self._ctx)
+        return newest_committed(self.storage)
+
+    def is_committed(self, step: int) -> bool:
+        """Whether ``step`` is committed under the root (its manifest exists and validates);
+        with a local tier, in this node's directory or the persistent root."""
+        step = check_step("is_committed", step)
+        if self._persistent is not None and is_committed(self._persistent.ctx.storage, step):
+            return True
+        return is_committed(self.storage, step)
+
+    def _ctx_for(self, step: int | None) -> ManagerContext:
+        """Where one process reads ``step`` (None: the newest) from (``TierView.ctx_for``)."""
+        return self._ctx if self._persistent is None else self._persistent.ctx_for(self._ctx, step)
+
+    def manifest(self, step: int | None = None) -> Manifest:
+        """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
+        kinds, shapes, dtypes), world size and metadata, without reading any tensor data."""
+        self._check_open()
+        step = check_step("manifest", step, optional=True)
+        ctx = self._ctx_for(step)
+        if step is None:
+            step = newest_committed(ctx.storage)
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.storage.url} (rank {self.rank})")
+        return load_manifest(ctx.read_storage, step)  # authenticated when encrypted
+
+    def step_url(self, step: int) -> str:
+        """Where ``step``'s directory lives (a path or URL), for messages and other tools."""
+        step = check_step("step_url", step)
+        return self.storage.describe(step_dir(step))
+
+    def delete(self, step: int, *, damaged: bool = False) -> bool:
+        """Delete committed ``step`` with retention's guarantees; True if it is gone.
+
+        Call it on every rank (a collective); the coordinator deletes. This manager's pending
+        save is waited for first (its failure stays for the next ``wait()``), so it never races
+        the deletion; a commit of another process that references ``step`` keeps the files it
+        needs (``commit/intents.py``). Never deletes the newest committed step, nor files that another
+        retained step references (returns False for the newest: ask again later). A step that
+        is not committed counts as gone; one whose manifest cannot be read is not deleted
+        (False, with a warning: see ``shardkeeper verify``).
+
+        ``damaged=True`` deletes a damaged step, the newest one included (a run whose newest
+        step is damaged can save there again only once it is gone): the step is verified
+        first (every file and digest) and deleted only if its manifest does not validate or
+        its data is missing or differs; an intact step, one the storage could not be asked
+        about, or one of a newer format raises ``ValueError`` with nothing deleted.
+        """
+        self._check_open()
+        step = check_step("delete", step)
+        if not isinstance(damaged, bool):
+            raise TypeError(f"delete(damaged=...) must be True or False, not {damaged!r}")
+        self._wait_pending(raise_error=False)
+        if self._persistent is not None:
+            return self._persistent.delete(step, damaged=damaged)
+        return deletion.delete_step(self._ctx, step, damaged=damaged)
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore(
+        self,
+        state: Mapping[str, Any],
+        step: int | None = None,
+        only: str | Sequence[str] | None = None,
+        *,
+        strict: bool = True,
+        per_rank: str | None = None,
+        cast_dtypes: bool = False,
+        optional: str | Sequence[str] | None = None,
+    ) -> int:
+        """Restore ``state`` in place from ``step`` (None: the newest committed); return the step.
+
+        ``only`` takes key patterns (``"model/*"``) for a partial restore; ``optional`` takes
+        patterns of target keys that may be absent from the checkpoint (``"rng/*"`` when
+        restoring a checkpoint another framework wrote): those keep their values, silently.
+        A stateful object gets ``load_state_dict`` only when some of its keys were restored,
+        and only after every read succeeded.
+        When the newest step turns out damaged, the previous committed one is restored
+        instead, with a warning: it rewrites every key the damaged step's attempt wrote, or
+        the restore fails naming the keys it cannot rewrite. When the storage fails (after its
+        retries), the error is raised, since the step may be intact. An error raised after
+        reads wrote into ``state`` says that it is partly restored.
+        A :class:`~shardkeeper.core.format.progress.ProgressTarget` entry (an adapter's ``progress``) is
+        handed the restored step's progress, read from its manifest (any framework's layout),
+        when ``only`` selects ``progress/``.
+        A target that holds nothing to fill (``{}``) is a ``ValueError``: to read a checkpoint
+        without a model, use :meth:`load`.
+        """
+        self._check_open()
+        check_state("restore", state)
+        step = check_step("restore", step, optional=True)
+        policy = per_rank or self.options.per_rank
+        if policy not in PER_RANK_POLICIES:
+            raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
+        patterns = [only] if isinstance(only, str) else (list(only) if only else None)
+        optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
+        self._wait_pending(raise_error=False)
+        if self._tiers is not None:
+            return self._restore_tiered(state, step, patterns, strict, policy, cast_dtypes, optional_patterns)
+        return self._restorer.restore_state(
+            state, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes, optional=optional_patterns
+        )
+
+    def _restore_tiered(
+        self,
+        state: Mapping[str, Any],
+        step: int | None,
+        patterns: list[str] | None,
+        strict: bool,
+        policy: str,
+        cast: bool,
+        optional: list[str],
+    ) -> int:
+        """``restore`` with a local tier (``tiers/restore.py``)."""
+        assert self._tiers is not None and self._persistent is not None
+        kwargs = {"strict": strict, "per_rank": policy, "cast": cast, "optional": optional}
+        got = restore_tiered(self._tiers, self._restorer, self._persistent.restorer, state, step, patterns, kwargs)
+        self._last_restorer, self._last_tier = got.restorer, got.tier
+        stats = got.restorer.last_stats
+        if got.tier != LOCAL and stats is not None:
+            self._persistent_reads += stats.bytes_read
+        return got.step
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        only: str | Sequence[str] | None = None,
+        max_bytes: int | None = None,
+    ) -> dict[str, Any]:
+        """``step`` (None: the newest committed) read into a NEW nested dict, without a target.
+
+        Like ``torch.load``: full CPU tensors in their saved dtype (assembled from every
+        saving rank's shards, whatever the layout), JSON values and bytes, nested by the ``/``
+        key paths (``load()["model"]["fc.weight"]``); per-rank state one entry per saving rank
+        (``load()["rng"]["0"]``). ``only``: key patterns, as ``restore``'s. ``max_bytes``:
+        refuse up front when the selection takes more memory (None: no bound). Not a
+        collective: one process may call it alone. Reads are verified; a damaged step raises.
+        """
+        self._check_open()
+        step = check_step("load", step, optional=True)
+        patterns = [only] if isinstance(only, str) else (list(only) if only else None)
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+            raise ValueError(f"load(): max_bytes must be an int >= 0 or None (no bound), got {max_bytes!r}")
+        self._wait_pending(raise_error=False)
+        out, _ = load_step(self._ctx_for(step), step, patterns, max_bytes)
+        return out
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def wait_staged(self) -> None:
+        """Block until the pending save has copied the state (``staging="overlap"``).
+
+        Call it before changing saved tensors in place outside ``optimizer.step()`` (EMA
+        updates, manual edits, ``load_state_dict``). Cheap when nothing is being staged.
+        """
+        self._gate.wait()
+
+    @property
+    def staging_waits(self) -> int:
+        """How many times an optimizer step or ``wait_staged()`` waited for overlapped staging."""
+        return self._gate.waits
+
+    def wait(self) -> None:
+        """Block until the pending save (the last one started) is committed or has failed.
+
+        Raises that save's failure (``CheckpointSaveError`` and the like) unless a
+        ``SaveHandle.wait()`` already raised it; returns at once when nothing is pending. A
+        Ctrl-C during the wait propagates at once: the save goes on in the background, stays
+        pending (the next ``wait()``/``save()``/``close()`` waits for it again) and is waited
+        for at interpreter exit. Collective in effect: the commit needs every rank's save.
+        """
+        self._wait_pending(raise_error=True)
+
+    def close(self) -> None:
+        """Wait for the pending save as ``wait()`` does, then release the manager's threads.
+
+        Raises the pending save's failure if nobody has seen it (the manager is closed all the
+        same). Idempotent; after it, every other method raises ``CheckpointError``. A Ctrl-C
+        during the wait propagates at once and leaves the manager open: the save goes on and
+        is still waited for at exit. ``with CheckpointManager(...) as mgr:`` calls it.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait_persisted()
+        except Exception:
+            self._shutdown()
+            raise
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._gate.close()
+        self._closed = True
+        at_exit.untrack(self)
+        self._bg.shutdown(wait=True)
+        if self._tiers is not None:
+            self._tiers.close()
+        self._io.shutdown(wait=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager for {self.storage.url} is closed")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            return  # Ctrl-C / SystemExit: propagate at once; the exit still waits for the save
+        self.close()
+
+
+__all__ = ["CheckpointManager", "CheckpointOptions", "SaveHandle"]

@@ -1,0 +1,471 @@
+"""Restore planning, per rank: which bytes of which saved chunks fill which target pieces.
+
+``plan_restore`` matches the target's leaves with the manifest's and refuses, before any
+read, what the target cannot take (shapes, dtypes, kinds, meta tensors, missing keys under
+``strict``). Each overlap of a target piece and a saved chunk becomes an ``Op``: the minimal
+contiguous byte range of the chunk that holds it, split along dimension 0 so that no read
+exceeds ``max_read_bytes``. ``schedule`` then sorts the ops by how they are read
+(``restore/fill.py``): straight into the target, coalesced into scratch reads widened
+to digest blocks, or, for an encoded chunk, the whole chunk once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import operator
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.digest import block_span
+from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
+from shardkeeper.core.format.safetensors import ITEM_ALIGN
+from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.state.chunks import Piece, contiguous_strides, layout_of
+from shardkeeper.core.state.flatten import (
+    PLAIN_TENSORS,
+    FlatState,
+    Leaf,
+    as_torch,
+    conform,
+    dtype_from_name,
+    torch_dtype_name,
+)
+from shardkeeper.core.state.optim_compat import check_optimizers
+from shardkeeper.core.state.tied import check_ties, tied_aliases
+from shardkeeper.core.storage.base import Storage
+
+PER_RANK_POLICIES = ("exact", "modulo", "drop")
+
+#: Reads that go through a scratch buffer (small or strided overlaps) are capped at this, so
+#: restore needs at most io_threads x 8 MiB beyond the target's own memory.
+_BUFFERED_READ_BYTES = 8 << 20
+#: Overlaps at least this large and contiguous in the target are read straight into it.
+_DIRECT_MIN_BYTES = 1 << 20
+
+
+@dataclass
+class RestoreStats:
+    """What a restore read: for tests and benchmarks (bytes read vs bytes needed)."""
+
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    bytes_direct: int = 0  # read straight into the target's memory, no scratch buffer
+    bytes_received: int = 0  # from the rank that read them (``restore/share.py``), not in bytes_read
+    reads: int = 0
+    #: index files of described leaves (format.md 3.8) read to plan: the ranks that wrote what
+    #: this rank restores, never every rank's
+    index_files: int = 0
+    #: pages (format.md 3.9) read to find those index files: the pages of those ranks alone
+    pages: int = 0
+    files: set[str] = field(default_factory=set)
+    keys: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_read(self, file: str, n: int, *, direct: bool = False) -> None:
+        with self._lock:
+            self.bytes_read += n
+            self.bytes_direct += n if direct else 0
+            self.reads += 1
+            self.files.add(file)
+
+
+@dataclass(slots=True)
+class Op:
+    """Copy one box (the overlap of a target piece and a saved chunk) into the target."""
+
+    key: str
+    chunk: ChunkRecord
+    dtype: torch.dtype
+    dest: torch.Tensor
+    rel_lo: tuple[int, ...]  # overlap box relative to the chunk
+    rel_shape: tuple[int, ...]
+    start: int  # minimal contiguous byte range within the chunk
+    end: int
+    #: the overlap is ``dest``'s whole memory, byte for byte (``_holds_its_values``), and under
+    #: ``_DIRECT_MIN_BYTES``: a buffered read copies it with one memmove instead of building a
+    #: source view and calling ``copy_`` (about 10 us per tensor, in threads sharing the GIL)
+    as_bytes: bool = False
+
+
+def overlap_ops(key: str, piece: Piece, chunk: ChunkRecord, dtype: torch.dtype, isz: int, max_read: int) -> list[Op]:
+    """The copies that move the overlap of ``piece`` and ``chunk`` (split along dimension 0
+    so that no single read exceeds ``max_read`` bytes); none if they do not overlap."""
+    poffs, pshape, coffs, cshape = piece.offsets, piece.shape, chunk.offsets, chunk.shape
+    ndim = len(cshape)
+    if ndim == 0:
+        return [Op(key, chunk, dtype, piece.local, (), (), 0, isz)]
+    if poffs == coffs and pshape == cshape:  # the common case: the piece is the chunk
+        nbytes = math.prod(cshape) * isz
+        if nbytes <= max_read:  # ... and one read: the whole chunk into the whole piece
+            return [Op(key, chunk, dtype, piece.local, (0,) * ndim, tuple(cshape), 0, nbytes)]
+        rel_lo, shape = [0] * ndim, list(cshape)
+    else:
+        rel_lo, shape = [], []
+        for d in range(ndim):
+            lo = max(poffs[d], coffs[d])
+            hi = min(poffs[d] + pshape[d], coffs[d] + cshape[d])
+            if lo >= hi:
+                return []
+            rel_lo.append(lo - coffs[d])
+            shape.append(hi - lo)
+    strides = contiguous_strides(cshape)
+    row_bytes = strides[0] * isz
+    step = max(1, max_read // max(row_bytes, 1))
+    # Offsets of the overlap within the chunk beyond dimension 0 (the same for every slab).
+    inner_first = sum(rel_lo[d] * strides[d] for d in range(1, ndim))
+    inner_last = sum((rel_lo[d] + shape[d] - 1) * strides[d] for d in range(1, ndim))
+    ops = []
+    rows = shape[0]
+    for r0 in range(0, rows, step):
+        n = min(rows - r0, step)
+        lo0 = rel_lo[0] + r0
+        sub_lo = (lo0, *rel_lo[1:])
+        sub_shape = (n, *shape[1:])
+        first = lo0 * strides[0] + inner_first
+        last = (lo0 + n - 1) * strides[0] + inner_last
+        dest = piece.local
+        for d in range(ndim):
+            start_in_piece = coffs[d] + sub_lo[d] - poffs[d]
+            if start_in_piece != 0 or sub_shape[d] != dest.shape[d]:
+                dest = dest.narrow(d, start_in_piece, sub_shape[d])
+        ops.append(Op(key, chunk, dtype, dest, sub_lo, sub_shape, first * isz, (last + 1) * isz))
+    return ops
+
+
+#: A target piece to fill: its key, the saved key it reads, the piece, the saved dtype and
+#: its item size.
+Wanted = tuple[str, str, Piece, torch.dtype, int]
+
+
+def piece_ops(leaves: Mapping[str, Any], wanted: Sequence[Wanted], max_read: int) -> list[Op]:
+    """The ops that fill each piece of ``wanted`` from the saved chunks it overlaps. A
+    table-form manifest makes only those chunks' records, in one batch (``TableLeaves.
+    overlapping_many``); the common op, a piece that is one whole chunk read at once, is made
+    inline."""
+    if isinstance(leaves, TableLeaves):
+        found = leaves.overlapping_many([(w[1], w[2].offsets, w[2].shape) for w in wanted])
+    else:
+        found = [leaves[w[1]].chunks for w in wanted]
+    ops: list[Op] = []
+    append = ops.append
+    for (key, _, piece, dtype, isz), chunks in zip(wanted, found):
+        for chunk in chunks:
+            shape = chunk.shape
+            nbytes = math.prod(shape) * isz
+            if shape and nbytes <= max_read and shape == piece.shape and chunk.offsets == piece.offsets:
+                append(Op(key, chunk, dtype, piece.local, (0,) * len(shape), tuple(shape), 0, nbytes))
+            else:
+                ops.extend(overlap_ops(key, piece, chunk, dtype, isz, max_read))
+    return ops
+
+
+@dataclass(slots=True)
+class Segment:
+    """The ops of one chunk that one read serves, and the block-aligned range they need."""
+
+    key: str
+    chunk: ChunkRecord
+    start: int  # block-aligned byte range within the chunk
+    end: int
+    ops: list[Op]
+
+
+@dataclass(slots=True)
+class Read:
+    """One ranged read of a file into a scratch buffer."""
+
+    file: str
+    start: int  # absolute file offsets
+    end: int
+    segments: list[Segment]
+
+
+def plan_reads(ops: Iterable[Op], block_bytes: int, max_read: int) -> list[Read]:
+    """Widen each op to digest blocks, merge the overlapping ranges of one chunk, and
+    coalesce adjacent ranges of one file into reads of at most ``max_read`` bytes."""
+    by_chunk: dict[tuple[str, int], list[Op]] = {}
+    for op in ops:
+        c = op.chunk
+        same = by_chunk.get((c.file, c.offset))
+        if same is None:
+            by_chunk[(c.file, c.offset)] = [op]
+        else:
+            same.append(op)
+    segments: list[tuple[str, int, int, Segment]] = []  # file, absolute start and end, segment
+    add = segments.append
+    for (file, at), chunk_ops in by_chunk.items():
+        chunk = chunk_ops[0].chunk
+        if len(chunk_ops) == 1:  # the common case: one op of the chunk, often all of it
+            o = chunk_ops[0]
+            whole = o.start == 0 and o.end == chunk.length
+            lo, hi = (0, o.end) if whole else block_span(o.start, o.end, block_bytes, chunk.length)
+            add((file, at + lo, at + hi, Segment(o.key, chunk, lo, hi, chunk_ops)))
+            continue
+        spans = sorted((block_span(o.start, o.end, block_bytes, chunk.length), i) for i, o in enumerate(chunk_ops))
+        cur: Segment | None = None
+        for (lo, hi), i in spans:
+            if cur is not None and lo <= cur.end and hi - cur.start <= max(max_read, cur.end - cur.start):
+                cur.end = max(cur.end, hi)
+                cur.ops.append(chunk_ops[i])
+            else:
+                if cur is not None:
+                    add((file, at + cur.start, at + cur.end, cur))
+                cur = Segment(chunk_ops[i].key, chunk, lo, hi, [chunk_ops[i]])
+        if cur is not None:
+            add((file, at + cur.start, at + cur.end, cur))
+    segments.sort(key=operator.itemgetter(0, 1))  # file order, so adjacent ranges coalesce
+    reads: list[Read] = []
+    last: Read | None = None
+    last_file, last_start, last_end = "", 0, 0
+    for file, abs_start, abs_end, seg in segments:
+        # Chunks a save aligned (format/safetensors.py ITEM_ALIGN) leave gaps under 64 bytes
+        # between them: read through those rather than split the read.
+        if (
+            last is not None
+            and last_file == file
+            and 0 <= abs_start - last_end < ITEM_ALIGN
+            and abs_end - last_start <= max_read
+        ):
+            last.end = last_end = abs_end
+            last.segments.append(seg)
+        else:
+            last = Read(file, abs_start, abs_end, [seg])
+            reads.append(last)
+            last_file, last_start, last_end = file, abs_start, abs_end
+    return reads
+
+
+def _holds_its_values(op: Op) -> bool:
+    """Is ``op.dest``'s memory exactly its values, of the saved dtype, so that bytes can be
+    written into it without torch (a read straight into it, a memmove)? A plain CPU tensor,
+    contiguous and strided, not a lazily negated view, not a zero tensor (no memory), not an
+    inference tensor (``copy_`` refuses to write those outside inference mode: so do we), and
+    ``op`` covers all of it."""
+    d = op.dest
+    return (
+        op.chunk.encoding == "raw"
+        and type(d) in PLAIN_TENSORS
+        and d.device.type == "cpu"
+        and d.dtype == op.dtype
+        and d.layout == torch.strided
+        and d.is_contiguous()
+        and not d.is_neg()
+        and not d._is_zerotensor()
+        and not d.is_inference()
+        and op.end - op.start == d.numel() * d.element_size()
+    )
+
+
+def schedule(
+    ops: Sequence[Op], block: int, bytes_needed: int, max_read_bytes: int
+) -> tuple[list[Op], list[Read], list[list[Op]]]:
+    """The ops as the fill runs them: read straight into the target; coalesced scratch reads
+    (copied out by memmove where ``as_bytes``, else ``copy_`` into a strided, cast, negated
+    (...) target); and, per encoded chunk, its ops."""
+    direct: list[Op] = []
+    buffered: list[Op] = []
+    encoded: dict[tuple[str, int], list[Op]] = {}
+    for op in ops:
+        if op.chunk.encoding != "raw":
+            encoded.setdefault((op.chunk.file, op.chunk.offset), []).append(op)
+        elif not _holds_its_values(op):
+            buffered.append(op)
+        elif op.end - op.start >= _DIRECT_MIN_BYTES:
+            direct.append(op)
+        else:
+            op.as_bytes = True
+            buffered.append(op)
+    # Scratch reads stay within ~5% of what this rank restores (at least 256 KiB each, at
+    # most 8 MiB), so restore memory stays close to the target's own size.
+    buffered_cap = int(min(_BUFFERED_READ_BYTES, max(256 << 10, bytes_needed // 80)))
+    return direct, plan_reads(buffered, block, min(max_read_bytes, buffered_cap)), list(encoded.values())
+
+
+def matches(key: str, patterns: Sequence[str] | None) -> bool:
+    """Does ``key`` match one of ``patterns`` (a glob, a ``/``-prefix, the key itself)?"""
+    if not patterns:
+        return True
+    return any(fnmatch.fnmatchcase(key, p) or key.startswith(p.rstrip("/") + "/") or key == p for p in patterns)
+
+
+def listing(items: Sequence[str], limit: int = 20) -> str:
+    more = f"; and {len(items) - limit} more" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more
+
+
+def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, policy: str, where: str) -> str | None:
+    """The saved key a per-rank target leaf reads from, by policy; None means skip it."""
+    if leaf.per_rank is None:
+        return key
+    prefix = f"{leaf.per_rank}/{rank}"
+    rest = key[len(prefix) :]
+    if saved_world == world:
+        return key
+    if policy == "modulo":
+        return f"{leaf.per_rank}/{rank % saved_world}{rest}"
+    if policy == "drop":
+        return None
+    raise StateMismatchError(
+        f"per-rank state {leaf.per_rank!r} of {where} was saved at world size {saved_world}, restoring "
+        f"at {world}; choose a policy, as restore(per_rank=...) or the manager's option per_rank "
+        f"(an adapter's manager options): 'modulo' (rank r reads rank r % {saved_world}) or 'drop' "
+        f"(start it fresh)"
+    )
+
+
+@dataclass
+class RestorePlan:
+    """What one attempt reads and sets (``plan_restore``)."""
+
+    stats: RestoreStats
+    ops: list[Op] = field(default_factory=list)  # the tensors' copies
+    restored: list[str] = field(default_factory=list)  # target keys the step holds
+    deferred: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # objects, set last
+    bytes_leaves: list[tuple[str, Leaf, LeafRecord]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # saved keys absent (strict=False: warned)
+    dropped: list[str] = field(default_factory=list)  # per-rank keys not restored (per_rank='drop')
+
+
+def plan_restore(
+    storage: Storage,
+    manifest: Manifest,
+    flat: FlatState,
+    *,
+    rank: int,
+    world_size: int,
+    only: Sequence[str] | None,
+    strict: bool,
+    optional: Sequence[str] | None,
+    per_rank: str,
+    cast: bool,
+    max_read_bytes: int,
+    where: str,
+) -> RestorePlan:
+    """Match ``flat``'s leaves with ``manifest``'s; raise ``StateMismatchError`` for what the
+    target cannot take, before anything is read. ``where`` names the step and rank."""
+    if flat.optimizers:
+        check_optimizers(flat.optimizers, manifest, lambda k: matches(k, only), where)
+    plan = RestorePlan(RestoreStats())
+    stats, ops = plan.stats, plan.ops
+    mismatched: list[str] = []
+    wrong_dtype: list[str] = []
+    on_meta: list[str] = []
+    table = manifest.leaves if isinstance(manifest.leaves, TableLeaves) else None
+    wanted: list[Wanted] = []  # each target piece, its chunks found once every leaf is checked
+    for key, leaf in flat.leaves.items():
+        if not matches(key, only):
+            continue
+        src_key = _source_key(leaf, key, rank, manifest.world_size, world_size, per_rank, where)
+        if src_key is None:
+            plan.dropped.append(key)
+            continue
+        rec = table.head(src_key) if table is not None else manifest.leaves.get(src_key)
+        if rec is None:
+            if not (optional and matches(key, optional)):
+                plan.missing.append(src_key)
+            continue
+        stats.keys += 1
+        plan.restored.append(key)
+        if leaf.kind == "object" or rec.kind == "object":
+            if leaf.kind != rec.kind:
+                raise StateMismatchError(
+                    f"key {key!r} in {where} is a {rec.kind} leaf in the checkpoint but a "
+                    f"{leaf.kind} in the target state; the state's structure changed"
+                )
+            assert leaf.set is not None
+            setter, value, current = leaf.set, rec.value, leaf.value
+
+            def fill(s: Callable[[Any], None] = setter, v: Any = value, c: Any = current) -> None:
+                s(conform(v, c))
+
+            plan.deferred.append((key, fill))
+            continue
+        if rec.kind == "bytes":
+            if leaf.kind != "bytes":
+                raise StateMismatchError(
+                    f"key {key!r} in {where} is a bytes leaf in the checkpoint but a {leaf.kind} "
+                    f"in the target state; the state's structure changed"
+                )
+            plan.bytes_leaves.append((key, leaf, manifest.leaves[src_key]))  # read after every check
+            continue
+        target = as_torch(leaf.value)
+        layout = layout_of(target, world_size, rank)
+        if any(p.local.is_meta for p in layout.pieces):
+            on_meta.append(key)  # no memory: a copy into it does nothing
+            continue
+        if tuple(layout.global_shape) != tuple(rec.shape):
+            mismatched.append(f"{key!r}: checkpoint shape {list(rec.shape)}, target {list(layout.global_shape)}")
+            continue
+        saved_dtype = dtype_from_name(rec.dtype)
+        if saved_dtype != layout.dtype and not cast:
+            wrong_dtype.append(f"{key!r}: checkpoint {rec.dtype}, target {torch_dtype_name(layout.dtype)}")
+            continue
+        isz = itemsize(rec.dtype)
+        for piece in layout.pieces:
+            stats.bytes_needed += piece.numel * isz
+            wanted.append((key, src_key, piece, saved_dtype, isz))
+    if on_meta:
+        raise StateMismatchError(
+            f"{len(on_meta)} tensor(s) of the target state are on the meta device (a shape without "
+            f"memory: restoring into them would do nothing), so nothing of {where} was read: "
+            f"{listing(on_meta, 8)}. Give the model memory first, model.to_empty(device=...) "
+            f"(build the optimizer after that), or build it on a real device, then restore"
+        )
+    if mismatched:
+        raise StateMismatchError(
+            f"{len(mismatched)} key(s) in {where} have another shape than the target state: "
+            f"{listing(mismatched)}; build the model with the saved configuration, or exclude "
+            f"the keys with only=[...]"
+        )
+    if wrong_dtype:
+        raise StateMismatchError(
+            f"{len(wrong_dtype)} key(s) in {where} have another dtype than the target state: "
+            f"{listing(wrong_dtype)}; pass cast_dtypes=True to cast on restore"
+        )
+    if only and not stats.keys and not plan.missing and not plan.dropped:
+        raise StateMismatchError(
+            f"only={list(only)} matches no key of the target state in {where}; list the "
+            f"checkpoint's keys with `shardkeeper inspect {storage.url} {manifest.step}`"
+        )
+    if flat.ties:  # two saved tensors for one tied tensor: refused unless they are the same bytes
+        check_ties(flat.ties, plan.restored, lambda k: manifest.leaves[k].chunks, manifest.digest_algorithm, where)
+    if plan.missing:  # a tied weight's alias is filled through its twin
+        tied = tied_aliases(flat.ties, plan.missing, plan.restored)
+        plan.missing = [k for k in plan.missing if k not in tied]
+    if plan.missing and strict:
+        raise StateMismatchError(
+            f"{len(plan.missing)} key(s) of the target state are not in {where}: {missing_list(plan.missing)}; "
+            f"restore a subset with only=[...] or pass strict=False to skip them"
+        )
+    ops.extend(piece_ops(manifest.leaves, wanted, max_read_bytes))
+    return plan
+
+
+def missing_list(missing: Sequence[str]) -> str:
+    """The first missing keys, as messages list them."""
+    return f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+
+
+__all__ = [
+    "Op",
+    "PER_RANK_POLICIES",
+    "Read",
+    "RestorePlan",
+    "RestoreStats",
+    "Segment",
+    "Wanted",
+    "listing",
+    "matches",
+    "missing_list",
+    "overlap_ops",
+    "piece_ops",
+    "plan_reads",
+    "plan_restore",
+    "schedule",
+]

@@ -1,0 +1,459 @@
+"""The save protocol of one rank, in ``commit/protocol.py``'s order.
+
+Caller's thread: ``refusal`` (``commit/step_rule.py``: a step already committed, or below the
+newest committed one, is refused before anything is written; ``run_refused`` then takes the
+save's turn in the protocol), ``prepare`` (flatten, plan, stage: a ``SaveJob``). Background thread: ``run`` (write, report or collect and commit,
+publish or wait for the outcome, raise the save's failure, retain on the coordinator). The
+runner holds no reference to the manager: what one save needs travels in its ``SaveJob``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+
+from shardkeeper.core import metrics
+from shardkeeper.core.codec import CodecState
+from shardkeeper.core.codec.crypto import seal_manifest
+from shardkeeper.core.commit.catalog import record_commit
+from shardkeeper.core.commit.committed import write_latest_hint
+from shardkeeper.core.commit.merge import assemble_manifest
+from shardkeeper.core.commit.protocol import (
+    COMMITTED,
+    COORDINATOR,
+    Failure,
+    Outcome,
+    Phase,
+    RankReport,
+    Report,
+    Timings,
+)
+from shardkeeper.core.commit.put import commit_manifest
+from shardkeeper.core.commit.step_rule import StepOrder
+from shardkeeper.core.commit.terms import SaveTerms, agreed_options
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError, StepClaimedError
+from shardkeeper.core.format.jsonvalue import snapshot
+from shardkeeper.core.format.layout import data_prefixes, new_attempt_id, step_dir
+from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION
+from shardkeeper.core.lifecycle import delete as deletion
+from shardkeeper.core.lifecycle.retention import RetentionPolicy
+from shardkeeper.core.runtime.context import ManagerContext
+from shardkeeper.core.runtime.store_channel import CoordinatorLostError, coordinator_lost
+from shardkeeper.core.save.group import fold_group, unfold
+from shardkeeper.core.save.handle import SaveHandle
+from shardkeeper.core.save.index_write import index_report
+from shardkeeper.core.save.job import SaveJob, Start, outcome_timeout
+from shardkeeper.core.save.overlap import OptimizerTensors, StagingGate, find_optimizers
+from shardkeeper.core.save.plan import PlanCache
+from shardkeeper.core.save.stage import Stager
+from shardkeeper.core.save.timings import save_timings
+from shardkeeper.core.save.write import write_shards
+from shardkeeper.core.state.flatten import flatten_for_save
+from shardkeeper.core.state.quantize import state_metadata
+from shardkeeper.core.util.version import shardkeeper_version
+
+log = logging.getLogger(__name__)
+
+
+def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` with ``owner`` referenced until it returns."""
+    fn(*args)
+
+
+class SaveRunner:
+    """The save protocol of one manager: its root, coordinator, codecs and staging state."""
+
+    def __init__(
+        self,
+        ctx: ManagerContext,
+        *,
+        codecs: CodecState,
+        stager: Stager,
+        plans: PlanCache,
+        gate: StagingGate,
+        tiers: Any = None,
+    ) -> None:
+        """``tiers``: a local tier's hooks (``tiers/tiering.py``), or None."""
+        self.ctx = ctx
+        self._tiers = tiers
+        self._codecs = codecs
+        self._stager = stager
+        self._plans = plans
+        self._gate = gate
+        self._order = StepOrder(ctx.storage, ctx.rank, also=tiers.persistent.storage if tiers is not None else None)
+        binding = ctx.encryption.binding if ctx.encryption is not None else None
+        self._options = agreed_options(ctx.settings, binding, tiered=tiers is not None)
+
+    def terms(self, step: int) -> SaveTerms:
+        """What every rank of the save of ``step`` must share (``commit/terms.py``)."""
+        return SaveTerms(step, self._options)
+
+    # -- caller's thread ---------------------------------------------------------------------
+    def refusal(self, step: int) -> CommitConflictError | None:
+        """The root's refusal of a save at ``step`` (``commit/step_rule.py``), before anything is written."""
+        return self._order.refusal(step)
+
+    def prepare(
+        self,
+        step: int,
+        seq: int,
+        state: Mapping[str, Any],
+        *,
+        sync: bool,
+        defaults: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None,
+        retention: RetentionPolicy,
+    ) -> SaveJob:
+        """Flatten, plan and stage ``state`` (``defaults``: the manager's metadata)."""
+        ctx, settings = self.ctx, self.ctx.settings
+        flat = flatten_for_save(state, ctx.rank)
+        describe = settings.describe_layouts if settings.compression in (None, "none") else False
+        plan, groups = self._plans.plan(
+            flat, ctx.rank, ctx.world_size, settings.max_files_per_rank, settings.min_file_bytes, describe
+        )
+        # A synchronous save returns after the commit, so the caller cannot change its tensors
+        # meanwhile: they are written from their own memory, without a staging copy.
+        defer = None
+        if settings.staging == "overlap" and not sync:
+            optimizers = find_optimizers(state)
+            self._gate.install(optimizers)
+            owned = OptimizerTensors(optimizers)
+            if owned:
+                defer = owned.owners
+        spans, deferred = self._stager.stage_split(
+            groups, copy=not sync, defer=defer, token=plan.token, sources=plan.sources
+        )
+        objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly
+        meta, _ = snapshot({**defaults, **state_metadata(state), **dict(metadata or {})}, "metadata key")
+        return SaveJob(
+            step,
+            seq,
+            new_attempt_id(),
+            plan,
+            groups,
+            spans,
+            objects,
+            extended,
+            meta,
+            sync,
+            retention,
+            Start(),
+            deferred,
+            self._gate.begin(deferred) if deferred is not None else None,
+        )
+
+    def submit(self, bg: ThreadPoolExecutor, job: SaveJob, *, owner: object) -> SaveHandle:
+        """``job`` handed to the background thread ``bg``; it waits for ``job.start``. ``owner``
+        (the manager) is held until the save ends: at exit only live managers are waited for."""
+        try:
+            future = bg.submit(_holding, owner, self.run, job)
+        except BaseException:
+            if job.staged is not None:
+                job.staged.set()  # nothing will copy: never leave an optimizer step waiting
+            raise
+        handle = SaveHandle(job.step, future, _staged=job.staged)
+        handle.deferred_bytes = job.deferred.nbytes if job.deferred is not None else 0
+        return handle
+
+    def submit_refused(
+        self, bg: ThreadPoolExecutor, step: int, seq: int, err: CheckpointError, *, owner: object
+    ) -> SaveHandle:
+        """The refused save's turn in the protocol (``run_refused``), its error already delivered
+        (the caller raises it right now); ``owner`` as for ``submit``."""
+        handle = SaveHandle(step, bg.submit(_holding, owner, self.run_refused, step, seq, err))
+        handle._deliver()
+        return handle
+
+    # -- background thread -------------------------------------------------------------------
+    def run_refused(self, step: int, seq: int, err: CheckpointError) -> None:
+        """A save refused on this rank still takes its turn: the coordinator hears a failure
+        report (or publishes one), so no other rank waits for this rank's until the timeout."""
+        ctx = self.ctx
+        if ctx.world_size == 1:
+            raise err
+        if self._tiers is not None:  # its peers wait for its replicas: it sends none
+            try:
+                self._tiers.replicate(step, None)
+            except Exception as e:  # the refusal is the error this save raises
+                log.warning("step %d, rank %d: the peer replicas of a refused save: %s", step, ctx.rank, e)
+        failure = Failure.of(ctx.rank, Phase.CHECK, ctx.storage.describe(step_dir(step)), err)
+        terms = self.terms(step)
+        if ctx.rank == COORDINATOR:
+            ctx.coord.publish(seq, Outcome(failure), terms=terms)
+        else:
+            try:
+                ctx.coord.report(seq, failure, terms=terms)
+                ctx.coord.outcome(seq, outcome_timeout(ctx.settings.commit_timeout_s), step=step, terms=terms)
+            except CoordinatorLostError as e:
+                log.warning("step %d, rank %d: %s", step, ctx.rank, e)  # the refusal is this save's error
+        raise err
+
+    def run(self, job: SaveJob) -> None:
+        """Write, report (or commit), hear the outcome, and raise the save's failure."""
+        stall_s = job.start.wait()
+        ctx, step = self.ctx, job.step
+        sdir = step_dir(step)
+        t0 = time.perf_counter()
+        phase = Phase.WRITE
+        own: Report
+        try:
+            if job.deferred is not None and job.staged is not None:
+                phase = Phase.STAGE
+                self._gate.run(job.deferred, job.staged)
+                phase = Phase.WRITE
+            own = self._write(job, stall_s, t0)
+        except BaseException as e:
+            own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
+            local_error: BaseException | None = e
+        else:
+            local_error = None
+        if self._tiers is not None:  # every rank, whatever its write did: its peers wait for it
+            files = (
+                {f"{sdir}/{rel}": int(info["size_bytes"]) for rel, info in own.files.items()}
+                if isinstance(own, RankReport)
+                else None
+            )
+            job.tier["files"] = files or {}
+            try:
+                self._tiers.replicate(step, files)
+            except BaseException as e:
+                if local_error is None:
+                    phase, local_error = Phase.REPLICATE, e
+                    own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
+        terms = self.terms(step)
+        reported = False  # whether the coordinator may have this rank's report: it may have committed
+        try:
+            if ctx.rank == COORDINATOR:
+                outcome = self._commit(job, own)
+                ctx.coord.publish(job.seq, outcome, terms=terms)
+            else:
+                sent: Report | None = own
+                if ctx.coord.leads() and isinstance(own, RankReport):
+                    sent = self._fold(job, own)
+                if sent is not None:  # (None: a rank of this leader's group failed, and said so itself)
+                    ctx.coord.report(job.seq, sent, terms=terms)
+                    reported = isinstance(sent, RankReport)
+                timeout_s = outcome_timeout(ctx.settings.commit_timeout_s)
+                outcome = ctx.coord.outcome(job.seq, timeout_s, step=step, terms=terms)
+        except CoordinatorLostError as e:
+            raise coordinator_lost(step, ctx.rank, e, committed=None if reported else False) from e
+        if local_error is not None:
+            raise CheckpointSaveError(
+                f"save of step {step} failed on rank {ctx.rank} in phase {phase} at "
+                f"{ctx.storage.describe(sdir)}: {type(local_error).__name__}: {local_error}; "
+                f"the checkpoint was not committed",
+                step=step,
+                failures={ctx.rank: own.to_json()},
+            ) from local_error
+        self._raise_failed(step, outcome)
+        self._order.committed(step)
+        metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
+        metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
+        if self._tiers is not None:
+            try:
+                self._tiers.after_commit(
+                    job.seq, step, job.tier["files"], job.tier.get("manifest"), job.tier.get("data")
+                )
+            except CoordinatorLostError as e:
+                raise coordinator_lost(step, ctx.rank, e, committed=True) from e
+        elif ctx.rank == COORDINATOR:
+            deletion.retain(ctx.storage, job.retention, ctx.settings.catalog, step)
+
+    def _write(self, job: SaveJob, stall_s: float, t0: float) -> RankReport:
+        ctx, settings = self.ctx, self.ctx.settings
+        codecs = self._codecs.for_save(ctx.read_storage, job.step, settings.digest, settings.digest_block_bytes)
+        res = write_shards(
+            ctx.storage,
+            step_dir(job.step),
+            job.groups,
+            job.spans,
+            rank=ctx.rank,
+            attempt=job.attempt,
+            algorithm=settings.digest,
+            block_bytes=settings.digest_block_bytes,
+            executor=ctx.io,
+            codecs=codecs,
+            memo=job.plan.memo,
+            prefixes=data_prefixes(settings.data_prefixes, ctx.world_size),
+            sync=not job.plan.described,  # (then once, with the index file: index_report)
+        )
+        declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
+        chunks, files, described = res.chunks, res.files, dict[str, Any]()
+        if job.plan.described:
+            chunks, files, described = index_report(
+                ctx.storage,
+                step_dir(job.step),
+                job.step,
+                ctx.rank,
+                job.attempt,
+                res.chunks,
+                res.files,
+                job.plan,
+                settings.digest,
+                data_prefixes(settings.data_prefixes, ctx.world_size),
+            )
+        report = RankReport(
+            rank=ctx.rank,
+            attempt=job.attempt,
+            declared=declarations["declared"],
+            declared_digest=declarations["declared_digest"],
+            chunks=chunks,
+            files=files,
+            objects=job.objects,
+            bases=[codecs.reuse.base.step] if codecs.reuse is not None and codecs.reuse.usable else [],
+            extended=job.extended,
+            per_rank_prefixes=job.plan.per_rank_prefixes,
+            layouts=sorted(job.plan.layouts),
+            timings=Timings(stall_s=stall_s, write_s=time.perf_counter() - t0, sync=job.sync),
+            described=described,
+        )
+        log.info(
+            "rank %d step %d: wrote %d bytes in %.3f s", ctx.rank, job.step, res.bytes_written, time.perf_counter() - t0
+        )
+        metrics.record(metrics.BYTES_WRITTEN, res.bytes_written, rank=ctx.rank, step=job.step)
+        return report
+
+    def _fold(self, job: SaveJob, own: RankReport) -> Report | None:
+        """A group leader: its group's folded report (``save/group.py``), a failure of
+        its own, or None when a rank of its group reported a failure."""
+        ctx = self.ctx
+        try:
+            got = ctx.coord.collect_group(
+                job.seq, ctx.settings.commit_timeout_s, step=job.step, terms=self.terms(job.step)
+            )
+            if got is None or isinstance(got, Failure):
+                return got
+            report, written = self._fold_group(job, [own, *got])
+            if written is not None:  # a leader reports only a durable page
+                written.result()
+            return report
+        except BaseException as e:
+            return Failure.of(ctx.rank, Phase.COMMIT, ctx.storage.describe(step_dir(job.step)), e)
+
+    def _fold_group(self, job: SaveJob, reports: list[RankReport]) -> tuple[RankReport, Future[None] | None]:
+        """``fold_group``: the folded report and its page's write, still under way."""
+        ctx = self.ctx
+        return fold_group(
+            ctx.storage,
+            step_dir(job.step),
+            job.step,
+            job.attempt,
+            reports,
+            algorithm=ctx.settings.digest,
+            paging=bool(job.plan.described),
+            executor=ctx.io,
+        )
+
+    def _commit(self, job: SaveJob, own: Report) -> Outcome:
+        """Coordinator: collect reports, check tiling, write the manifest if absent."""
+        if isinstance(own, Failure):
+            return Outcome(own)
+        ctx, settings, step = self.ctx, self.ctx.settings, job.step
+        sdir = step_dir(step)
+        reports: list[RankReport] = []
+        page: list[Future[None]] = []  # its own group's page, synced while it merges
+        t_commit = time.perf_counter()
+        try:
+            if ctx.coord.leads():  # group commit: its own page (a group of one), as every leader writes one
+                own, written = self._fold_group(job, [own])
+                page += [written] if written is not None else []
+            got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step, terms=self.terms(step))
+            if isinstance(got, Failure):
+                return Outcome(got)
+            reports, pages, refs = unfold(got)
+            members = [r.members() for r in reports]
+            manifest = assemble_manifest(
+                step,
+                job.attempt,
+                members,
+                world_size=ctx.world_size,
+                digest=settings.digest,
+                block_bytes=settings.digest_block_bytes,
+                described=job.plan.described,
+                pages=pages,
+                metadata={
+                    "framework": "torch",
+                    "torch_version": str(torch.__version__),
+                    "shardkeeper_version": shardkeeper_version(),
+                    **job.metadata,
+                    "timings": save_timings(members, time.perf_counter() - t_commit),
+                },
+            )
+            enc = ctx.encryption
+            if enc is not None:  # bound to its root: readers before version 6 would refuse its files
+                manifest.format_version = max(manifest.format_version, ROOT_BOUND_VERSION)
+            data = manifest.dumps()
+            data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)
+            bases = sorted({b for r in reports for b in r.bases})
+            for w in page:  # durable before the intent names it (and before a tier records it)
+                w.result()
+            tiers = self._tiers
+            checked = tiers.checked_here if tiers is not None else None
+            if tiers is not None:  # before the put: nothing may fail between it and the outcome
+                job.tier.update(manifest=manifest, data=data)
+                tiers.before_commit(job.seq, step, job.attempt, data)  # claims the step, offers the manifest
+            commit_manifest(
+                ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io, checked=checked
+            )
+        except BaseException as e:
+            wait(page)  # (its page is discarded once written)
+            self._discard_attempt(sdir, reports)
+            if self._tiers is not None:
+                self._tiers.recorder.forget(job.seq)
+            return Outcome(
+                Failure.of(
+                    COORDINATOR,
+                    Phase.COMMIT,
+                    ctx.storage.describe(sdir),
+                    e,
+                    conflict=isinstance(e, CommitConflictError),
+                )
+            )
+        finally:
+            wait(page)  # (a save that failed elsewhere returns only once its page is written)
+        # The manifest is put: the step is committed and a retry would be refused, so nothing
+        # from here on fails the save (a failure is logged and counted, never raised).
+        try:
+            write_latest_hint(ctx.storage, step)
+        except Exception as e:  # a hint only; the manifest is the truth
+            metrics.record(metrics.AFTER_COMMIT_ERRORS, 1, rank=ctx.rank, step=step, what="latest_hint")
+            log.warning("step %d committed, but the LATEST hint was not updated: %s: %s", step, type(e).__name__, e)
+        record_commit(settings.catalog, ctx.storage, step, manifest)  # logs and counts its own failures
+        log.info("step %d committed at %s (%d leaves)", step, ctx.storage.describe(sdir), len(manifest.leaves))
+        return COMMITTED
+
+    def _discard_attempt(self, sdir: str, reports: list[RankReport]) -> None:
+        for r in reports:
+            for rel in r.files:
+                try:
+                    self.ctx.storage.delete(f"{sdir}/{rel}")
+                except CheckpointError:
+                    pass
+
+    def _raise_failed(self, step: int, outcome: Outcome) -> None:
+        f = outcome.failure
+        if f is None:
+            return
+        claimed = f"{StepClaimedError.__name__}: "
+        if f.conflict and f.error.startswith(claimed):  # another writer's claim (commit/claim.py), as it says
+            raise StepClaimedError(f"{f.error[len(claimed) :]} (rank {self.ctx.rank})")
+        if f.conflict:
+            raise CommitConflictError(
+                f"step {step} was committed under {self.ctx.storage.url} by another writer while "
+                f"this save ran (two jobs on one root: a restarted job racing a zombie); this "
+                f"save's files were discarded. Stop the other writer, or save under another root"
+            )
+        raise CheckpointSaveError(
+            f"save of step {step} failed on rank {f.rank} in phase {f.phase} at {f.path}: {f.error}; "
+            f"the checkpoint was not committed",
+            step=step,
+            failures={f.rank: f.to_json()},
+        )
+
+
+__all__ = ["SaveJob", "SaveRunner", "Start", "outcome_timeout"]

@@ -1,0 +1,3 @@
+"""Checking committed steps end to end: files, ranges, digests, headers (torch-free)."""
+
+__all__: list[str] = []

@@ -1,0 +1,1 @@
+"""The adapter contract the core owns."""

@@ -1,0 +1,1 @@
+"""Chunk encodings, encryption and incremental saves."""

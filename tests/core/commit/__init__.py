@@ -1,0 +1,1 @@
+"""The commit protocol and its races."""

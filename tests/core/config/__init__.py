@@ -1,0 +1,1 @@
+"""Options and argument checks."""

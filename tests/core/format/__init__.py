@@ -1,0 +1,1 @@
+"""The on-storage format, hostile input included."""

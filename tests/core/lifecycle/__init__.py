@@ -1,0 +1,1 @@
+"""Retention, gc, delete, quarantine."""

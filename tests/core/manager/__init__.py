@@ -1,0 +1,1 @@
+"""The manager as a training loop uses it."""

@@ -1,0 +1,1 @@
+"""Restores, fallbacks and resharding."""

@@ -1,0 +1,1 @@
+"""One rank's save: plan, stage, write."""

@@ -1,0 +1,1 @@
+"""The kits shipped for users."""

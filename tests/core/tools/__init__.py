@@ -1,0 +1,1 @@
+"""Advisor, export, importers, preemption."""
