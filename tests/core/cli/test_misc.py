@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from shardkeeper.core.cli import main
+from shardkeeper.core.format.features import FORMAT_VERSION
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.retry import RetryingStorage, RetryPolicy, wait_log
 from shardkeeper.core.util.version import shardkeeper_version

@@ -63,7 +63,7 @@ def test_compressed_round_trip_on_every_backend(storage_root) -> None:
         mgr.save(1, state)  # async
         mgr.wait()
         m = json.loads(storage.read_bytes(f"{step_dir(1)}/manifest.json"))
-        assert m["format_version"] >= 2  # encodings need format_version 2 or later
+        assert m["format_version"] == 1 and "requires" not in m  # encodings are of the core schema
         enc = _encodings(m)
         # multi-byte dtypes are byte-shuffled before zstd; bytes leaves (uint8) are not
         assert enc["zeros"] == enc["bf16"] == enc["ids"] == {"shuffle-zstd"}, enc
@@ -192,12 +192,17 @@ def test_bad_options_and_hostile_encodings(tmp_path: Path) -> None:
         mgr.save(1, {"z": torch.zeros(64, 1024)}).wait()
     mpath = tmp_path / step_dir(1) / "manifest.json"
     good = json.loads(mpath.read_text())
-    # A version-1 manifest cannot carry encodings (a v1 reader would refuse them).
-    bad = {**good, "format_version": 1}
+    # An encoding no reader knows is damage, named.
+    bad = json.loads(json.dumps(good))
+    for leaf in bad["leaves"].values():
+        for c in leaf.get("chunks", ()):
+            if c.get("encoding", "raw") != "raw":
+                c["encoding"] = "lz4"
     mpath.write_text(json.dumps(bad))
     with CheckpointManager(tmp_path) as mgr:
-        with pytest.raises(CorruptCheckpointError, match="unknown to format_version 1"):
+        with pytest.raises(CorruptCheckpointError, match="unknown chunk encoding 'lz4'"):
             mgr.restore({"z": torch.ones(64, 1024)}, step=1)
+    mpath.write_text(json.dumps(good))
     # A frame whose size claim disagrees with the box: refused before anything is allocated.
     from shardkeeper.core.codec.compression import decompress_into, maybe_compress
 

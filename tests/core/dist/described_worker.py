@@ -92,7 +92,7 @@ def main(root: str, out: str) -> None:
             mgr.save(1, {"m": layout_a(w)}).wait()
             step_dir = path / "step-000000000001"
             man = json.loads((step_dir / "manifest.json").read_text())
-            seen[f"{name} version"] = man["format_version"]
+            seen[f"{name} version"] = [man["format_version"], man.get("requires", [])]
             seen[f"{name} described"] = man.get("described", {}).get("keys", [])
             seen[f"{name} enumerated"] = man["leaf_table"]["keys"] if "leaf_table" in man else sorted(man["leaves"])
             for tname, target in (

@@ -3,7 +3,7 @@
     group_worker.py ROOT OUT_DIR
 
 At 4 ranks with ``commit_group_ranks=2``: rank 0 is a group of its own, rank 1 leads ranks 1
-and 2, rank 3 itself; each leader folds its group's reports and writes its page; the manifest (format_version 8) lists the pages instead of the
+and 2, rank 3 itself; each leader folds its group's reports and writes its page; the manifest (requiring pages) lists the pages instead of the
 ranks' files. A state of described DTensors plus a replicated tensor is saved and restored
 into the same layout, another one and plain tensors, bit for bit, reading only the pages it
 needs; verify and gc; incremental saves and retention; an encrypted root; a damaged page;
@@ -50,7 +50,7 @@ def main(root: str, out: str) -> None:
         mgr.save(1, {"m": layout_a(w)}).wait()
         mgr.save(2, {"m": layout_a(w)}).wait()  # a second save: the store keys of the first are gone
         man = json.loads((path / "step-000000000001" / "manifest.json").read_text())
-        seen["version"] = man["format_version"]
+        seen["version"] = [man["format_version"], man.get("requires", [])]
         seen["pages"] = man["described"].get("pages")
         seen["index entries"] = man["described"]["index"]["path"]
         seen["files"] = sorted(man["files"])

@@ -1,4 +1,4 @@
-"""The chunk and leaf tables (format_versions 3 and 5): the columnar form of large manifests.
+"""The chunk and leaf tables (docs/format.md 3.6, 3.7): the columnar form of large manifests.
 
 Checkpoints with at least ``TABLE_MIN_CHUNKS`` chunks store their chunk records as columns;
 here the threshold is lowered so that small, real saves take that form. Restores are compared
@@ -31,7 +31,6 @@ from shardkeeper.core.format.reports import (
 )
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
-from shardkeeper.core.format.versions import FORMAT_VERSION, LEAF_TABLE_VERSION, TABLE_VERSION
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.verify.step import verify_step
 from tests.checks import assert_checks, assert_same_state, read_checks
@@ -69,7 +68,7 @@ def test_table_form_round_trips_bit_for_bit(tmp_path: Path, table_form: None, di
     with CheckpointManager(tmp_path, digest=digest, digest_block_bytes=64) as mgr:
         mgr.save(1, make_state(), async_save=False)
         doc = json.loads((tmp_path / MDIR).read_text())
-        assert doc["format_version"] == FORMAT_VERSION >= LEAF_TABLE_VERSION > TABLE_VERSION and "chunk_table" in doc
+        assert doc["format_version"] == 1 and "requires" not in doc and "chunk_table" in doc
         assert all(leaf["kind"] == "object" for leaf in doc["leaves"].values())  # tensors: the leaf table
         assert "model/l1" in doc["leaf_table"]["keys"] and len(doc["leaf_table"]["rows"]) == len(
             doc["chunk_table"]["file"]
@@ -166,50 +165,13 @@ def test_damaged_tables_are_refused_when_read(tmp_path: Path, path: str, value: 
         mgr.restore(zero_state(), step=1)
 
 
-def _as_version_4(doc: dict[str, Any]) -> dict[str, Any]:
-    """The same manifest in the form format_versions 3 and 4 write: tensor leaves in
-    ``leaves``, each listing its chunk-table rows."""
-    lt = doc.pop("leaf_table")
-    at_s = at_r = 0
-    for j, key in enumerate(lt["keys"]):
-        nd, nr = lt["ndim"][j], lt["nrows"][j]
-        doc["leaves"][key] = {
-            "kind": lt["kind"][j],
-            "dtype": lt["dtype"][j],
-            "shape": lt["shape"][at_s : at_s + nd],
-            "rows": lt["rows"][at_r : at_r + nr],
-        }
-        at_s, at_r = at_s + nd, at_r + nr
-    doc["format_version"] = 4
-    return doc
-
-
-def test_version_4_table_manifests_still_restore_bit_for_bit(tmp_path: Path) -> None:
-    doc = _as_version_4(_table_doc(tmp_path))
-    (tmp_path / MDIR).write_text(json.dumps(doc))
-    target = zero_state()
-    with CheckpointManager(tmp_path) as mgr:
-        assert mgr.restore(target) == 1
-    want = make_state()
-    assert_same_state(target["model"], want["model"], what="the model")
-    assert torch.equal(target["ints"], want["ints"]) and target["extra"] == want["extra"]
-    assert not verify_step(LocalStorage(tmp_path), 1, read_bytes=1 << 30).problems
-    doc["leaves"]["model/l1"]["rows"] = [10**6]  # and a damaged one is still refused
-    with pytest.raises(CorruptCheckpointError, match="not a list of table rows"):
-        Manifest.loads(json.dumps(doc).encode())
-
-
-def test_a_leaf_table_needs_format_version_5(tmp_path: Path) -> None:
+@pytest.mark.parametrize("member", ["leaf_table", "chunk_table"])
+def test_one_table_without_the_other_is_refused(tmp_path: Path, member: str) -> None:
+    """The tables come together: a reader finds a table-form manifest's tensor leaves in the
+    leaf table and their chunks in the chunk table, never one without the other."""
     doc = _table_doc(tmp_path)
-    doc["format_version"] = 4
-    with pytest.raises(CorruptCheckpointError, match="leaf_table"):
-        Manifest.loads(json.dumps(doc).encode())
-
-
-def test_a_table_needs_format_version_3(tmp_path: Path) -> None:
-    doc = _table_doc(tmp_path)
-    doc["format_version"] = 2  # an older version has no chunk_table: its leaves make no sense
-    with pytest.raises(CorruptCheckpointError):
+    del doc[member]
+    with pytest.raises(CorruptCheckpointError, match="without a"):
         Manifest.loads(json.dumps(doc).encode())
 
 

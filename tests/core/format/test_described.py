@@ -111,7 +111,11 @@ def test_a_described_checkpoint_restores_whole_in_one_process(tmp_path: Path) ->
     got, want = _restore(tmp_path), _full()
     assert all(torch.equal(got[k], want[k]) for k in SHAPES)
     man = json.loads((tmp_path / step_dir(1) / "manifest.json").read_text())
-    assert man["format_version"] == 7 and man["described"]["keys"] == [f"m/{k}" for k in sorted(SHAPES)]
+    assert (
+        man["format_version"] == 1
+        and man["requires"] == ["described"]
+        and man["described"]["keys"] == [f"m/{k}" for k in sorted(SHAPES)]
+    )
     assert man["leaf_table"]["keys"] == [] and man["described"]["meshes"][0]["ranks"] == [2, 0, 3, 1]
     assert not verify_step(LocalStorage(tmp_path), 1).problems
 
@@ -149,7 +153,7 @@ def test_a_batch_of_boxes_finds_what_each_box_finds_alone(tmp_path: Path) -> Non
     ]
     rows = [{"file": "data/v", "offset": 64 * i, "length": 12, "offsets": [3 * i], "shape": [3]} for i in range(3)]
     table = ChunkTable.concat([decode_report({"v": [{**r, "digests": "a" * 32} for r in rows]}, 32)[0]], 32)
-    enumerated = LeafTable.from_leaves({"v": {"kind": "tensor", "dtype": "float32", "shape": [9], "rows": [0, 1, 2]}})
+    enumerated = LeafTable(["v"], ["tensor"], ["float32"], [1], [9], [3], [0, 1, 2])
 
     def leaves() -> TableLeaves:  # a fresh reader each time: nothing made before
         described = load_manifest(storage, 1).leaves.described
@@ -218,7 +222,8 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     "edit,why",
     [
-        (lambda d: d.update(format_version=6), "described member in a format_version 6"),
+        (lambda d: d.pop("requires"), "has the member described but does not require 'described'"),
+        (lambda d: d.pop("described"), "requires 'described' but has no member described"),
         (lambda d: d["described"]["meshes"][0].update(ranks=[0, 0, 1, 2]), "not distinct ranks"),
         (lambda d: d["described"]["meshes"][0].update(ranks=[0, 1, 2, 9]), "not distinct ranks"),
         (lambda d: d["described"]["meshes"][0].update(shape=[3]), "lists 4 ranks"),
@@ -239,34 +244,22 @@ def _edit(root: Path, fn) -> None:  # type: ignore[no-untyped-def]
         (lambda d: d["described"]["index"]["path"].__setitem__(2, None), "a rank without an index file has"),
         (lambda d: d["described"]["layouts"][0].__setitem__(1, [["F", 0]]), "not the only placement"),
         (lambda d: d["described"]["layouts"][0].__setitem__(1, [["F", 0, 1]]), "cannot hold"),
-        # format_version 8's forms in a manifest of 7: pages, a mesh by its first rank
-        (lambda d: d["described"].update(pages={}), "pages or ranges of ranks in a format_version 7"),
-        (lambda d: d["described"]["meshes"][0].update(first_rank=0), "pages or ranges of ranks in a format_version 7"),
-        (
-            lambda d: d.update(format_version=8) or d["described"]["meshes"][0].update(first_rank=1),
-            "or it lists ranks too",
-        ),
+        # pages the manifest does not require; a mesh by its first rank
+        (lambda d: d["described"].update(pages={}), "has the member described.pages but does not require 'pages'"),
+        (lambda d: d.update(requires=["described", "pages"]), "requires 'pages' but has no member described.pages"),
+        (lambda d: d["described"]["meshes"][0].update(first_rank=1), "or it lists ranks too"),
         (
             lambda d: (
-                d.update(format_version=8)
-                or d["described"]["meshes"][0].pop("ranks")
-                and None
-                or d["described"]["meshes"][0].update(first_rank=1)
+                d["described"]["meshes"][0].pop("ranks") and None or d["described"]["meshes"][0].update(first_rank=1)
             ),
             "ranks from 1 are not 4 ranks of the world of 4",
         ),
         (  # 16 million ranks by a first rank: refused without making them
-            lambda d: (
-                d.update(format_version=8)
-                or d["described"]["meshes"].__setitem__(0, {"shape": [4096, 4096], "first_rank": 0})
-            ),
+            lambda d: d["described"]["meshes"].__setitem__(0, {"shape": [4096, 4096], "first_rank": 0}),
             "has 16777216 ranks, more than a world's 1048576",
         ),
         (  # as many as the largest world, but not of this one
-            lambda d: (
-                d.update(format_version=8)
-                or d["described"]["meshes"].__setitem__(0, {"shape": [1024, 1024], "first_rank": 0})
-            ),
+            lambda d: d["described"]["meshes"].__setitem__(0, {"shape": [1024, 1024], "first_rank": 0}),
             "are not 1048576 ranks of the world of 4",
         ),
     ],

@@ -20,11 +20,9 @@ import torch
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.errors import CheckpointSaveError, CorruptCheckpointError, StateMismatchError
-from shardkeeper.core.format import manifest as manifest_format
 from shardkeeper.core.format.columns import TABLE_MIN_CHUNKS
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.format.versions import EXTENDED_JSON_VERSION, FORMAT_VERSION
 from tests.core._launch import run_workers
 
 BIG = 2**80
@@ -76,7 +74,7 @@ def test_non_finite_floats_and_big_integers_round_trip(tmp_path: Path, table: bo
         mgr.save(1, {"tensors": tensors, "values": values}, metadata={"seed": 2**77, "score": float("nan")})
         mgr.wait()
         m = mgr.manifest(1)
-        assert m.format_version == EXTENDED_JSON_VERSION
+        assert m.format_version == 1 and m.requires == ("extended-json",)
         assert m.metadata["run_id"] == BIG and type(m.metadata["run_id"]) is int
         assert m.metadata["seed"] == 2**77 and math.isnan(m.metadata["score"]) and m.metadata["lr_floor"] == -math.inf
         target = {"tensors": {k: torch.zeros(2) for k in tensors}, "values": _blank(values)}
@@ -93,11 +91,11 @@ def test_non_finite_floats_and_big_integers_round_trip(tmp_path: Path, table: bo
     assert all(torch.equal(target["tensors"][k], tensors[k]) for k in tensors)
 
 
-def test_a_plain_checkpoint_stays_at_the_base_format_version(tmp_path: Path) -> None:
+def test_a_plain_checkpoint_requires_no_extended_values(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"w": torch.ones(2), "loss": 0.5, "step": 2**62}, async_save=False)
         doc = json.loads((tmp_path / step_dir(1) / "manifest.json").read_bytes())
-    assert doc["format_version"] == FORMAT_VERSION and "extended_json" not in doc
+    assert doc["format_version"] == 1 and "requires" not in doc
 
 
 @pytest.mark.multiprocess
@@ -145,11 +143,11 @@ def test_a_lone_surrogate_in_metadata_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_coordinator_parses_what_it_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A writer that loses a value (here: the dumps of a version that wrote big integers
-    without declaring them, which a fast reader takes for floats) must fail the save, naming
-    the key, instead of committing a step whose value comes back different."""
+    """A writer that loses a value (here: a dumps that writes big integers without requiring
+    extended values, which a fast reader takes for floats) must fail the save, naming the
+    key, instead of committing a step whose value comes back different."""
 
-    def undeclared(self: Manifest) -> bytes:
+    def undeclared(self: Manifest, *, sealed: bool = False) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
 
     monkeypatch.setattr(Manifest, "dumps", undeclared)
@@ -167,19 +165,20 @@ def _saved(tmp_path: Path) -> tuple[Path, dict]:
     return path, json.loads(path.read_bytes().decode(), parse_constant=float)
 
 
-@pytest.mark.parametrize("edit", ["undeclared", "old-version", "not-true"])
-def test_extended_values_must_be_declared(tmp_path: Path, edit: str) -> None:
+@pytest.mark.parametrize("edit", ["undeclared", "by-a-member", "not-a-list"])
+def test_extended_values_must_be_required(tmp_path: Path, edit: str) -> None:
     path, doc = _saved(tmp_path)
+    assert doc["requires"] == ["extended-json"]
     if edit == "undeclared":
-        del doc["extended_json"]
-    elif edit == "old-version":
-        doc["format_version"] = 5
+        del doc["requires"]
+    elif edit == "by-a-member":  # an unknown optional field declares nothing
+        del doc["requires"]
+        doc["extended_json"] = True
     else:
-        doc["extended_json"] = "yes"
+        doc["requires"] = "extended-json"
     data = json.dumps(doc, allow_nan=True).encode()
     with pytest.raises(CorruptCheckpointError):
         Manifest.loads(data, where="edited")
-    assert manifest_format.READ_VERSION >= EXTENDED_JSON_VERSION
 
 
 def test_an_integer_no_reader_parses_is_refused_by_save(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Damage to a group-commit step (format_version 8: the ranks' records in pages) as the tools
+"""Damage to a group-commit step (the ranks' records in pages, format.md 3.9) as the tools
 that act on damage meet it, on a real 4-rank step of 2 groups built in one process through
 the real index writer, ``fold_group``, ``unfold``, ``assemble_manifest`` and
 ``commit_manifest``: ``delete(step, damaged=True)`` deletes a step whose only damage is a page

@@ -13,7 +13,6 @@ from shardkeeper.core import CheckpointManager, CorruptCheckpointError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import ChunkRecord, check_tiling, safe_relative_path
-from shardkeeper.core.format.versions import ENCRYPTION_VERSION, FORMAT_VERSION
 from shardkeeper.core.state.chunks import _runs, balance_plain
 
 
@@ -179,21 +178,6 @@ def test_synchronous_saves_write_from_the_tensors_own_memory(tmp_path: Path) -> 
         mgr.restore(target)
     for k, v in state.items():
         assert target[k].dtype == v.dtype and torch.equal(target[k], v), k
-
-
-def test_an_encryption_member_needs_format_version_4(tmp_path: Path) -> None:
-    """A version 3 reader would take an encrypted step's ciphertext for damage, so encryption
-    is format_version 4, and a manifest claiming an older version with it is refused."""
-    with CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, {"w": torch.ones(4)}).wait()
-    path = tmp_path / "step-000000000001" / "manifest.json"
-    m = json.loads(path.read_text())
-    assert m["format_version"] == FORMAT_VERSION >= ENCRYPTION_VERSION == 4
-    m["encryption"] = {"algorithm": "AES-256-GCM", "key_id": "k", "wrapped_mac_key": "", "mac": "0" * 64}
-    assert Manifest.loads(json.dumps(m).encode(), where=str(path)).encryption is not None
-    m["format_version"] = 3
-    with pytest.raises(CorruptCheckpointError, match="encryption member but format_version 3"):
-        Manifest.loads(json.dumps(m).encode(), where=str(path))
 
 
 def test_an_unchecked_chunk_record_equals_a_constructed_one() -> None:

@@ -43,7 +43,6 @@ from shardkeeper.core import (
     StorageError,
 )
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.versions import READ_VERSION
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.testing.faults import FaultyStorage
 from tests.checks import assert_same_state
@@ -615,20 +614,20 @@ def test_missing_step_raises_not_found_naming_the_step(tmp_path: Path) -> None:
         assert target["meta"] == {"seed": 0}
 
 
-def test_newer_format_version_asks_for_an_upgrade(tmp_path: Path) -> None:
+def test_a_feature_this_version_does_not_know_asks_for_an_upgrade(tmp_path: Path) -> None:
     root = tmp_path / "root"
     with CheckpointManager(str(root)) as mgr:
         mgr.save(1, tensor_state(1)).wait()
     mpath = root / step_dir(1) / "manifest.json"
     m = json.loads(mpath.read_text())
-    m["format_version"] = READ_VERSION + 1
+    m["requires"] = ["hologram"]
     mpath.write_text(json.dumps(m))
     with CheckpointManager(str(root)) as mgr:
         for step in (None, 1):
             with pytest.raises(IncompatibleFormatError) as e:
                 mgr.restore(tensor_state(0), step=step)
             msg = str(e.value)
-            assert "upgrade" in msg and "format_version" in msg and str(mpath) in msg
+            assert "upgrade" in msg and "'hologram'" in msg and str(mpath) in msg
 
 
 def test_extra_target_key_strict_and_not_strict(tmp_path: Path, caplog) -> None:

@@ -69,7 +69,9 @@ def test_a_described_point_plans_from_rank_0s_index_file(bench: Any, tmp_path: P
     e = case_e.measure_point(tmp_path, 3, 40, "sharded", 1, dcp_repeats=0)
     assert p["dcp_metadata_bytes"] > 0 and p["reads"] == e["reads"]
     man = json.loads((tmp_path / "described-3x40" / "step-000000000001" / "manifest.json").read_text())
-    assert man["format_version"] == 7 and len(man["described"]["keys"]) == 40 and man["chunk_table"]["offset"] == []
+    assert (
+        man["requires"] == ["described"] and len(man["described"]["keys"]) == 40 and man["chunk_table"]["offset"] == []
+    )
 
 
 def test_rows_split_as_torch_chunk_does(bench: Any) -> None:
@@ -134,9 +136,9 @@ def test_a_point_above_the_group_size_commits_in_groups(bench: Any, tmp_path: Pa
     man = json.loads((tmp_path / f"{layout}-260x3" / "step-000000000001" / "manifest.json").read_text())
     if layout == "described":  # the ranks' records in four pages, the ranks' mesh by its first rank
         pages = man["described"]["pages"]
-        assert man["format_version"] == 8 and pages["count"] == [1, 128, 128, 3]
+        assert man["requires"] == ["described", "pages"] and pages["count"] == [1, 128, 128, 3]
         assert pages["first"] == [0, 1, 129, 257]
         assert man["described"]["meshes"] == [{"shape": [260], "first_rank": 0}]
         assert p["reads"] >= 1 and p["overlaps"] == 3
     else:  # no described leaves: folded reports, no pages
-        assert man["format_version"] < 8 and "described" not in man
+        assert "requires" not in man and "described" not in man

@@ -57,7 +57,8 @@ class KeyNotHeldError(ChecksumMismatchError):
 
 
 class IncompatibleFormatError(CheckpointError, ValueError):
-    """The manifest was written by a newer shardkeeper (a higher ``format_version``)."""
+    """The manifest is of another ``format_version`` (a pre-release build wrote it) or requires
+    a feature this shardkeeper does not know (a newer one wrote it): committed, not readable."""
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -38,7 +38,7 @@ from shardkeeper.core.cli import advise, check, convert, keys, view
 from shardkeeper.core.cli.common import EXIT_OK, EXIT_USAGE, PROG
 from shardkeeper.core.cli.display import PrintableFormatter, say
 from shardkeeper.core.errors import CheckpointError, UsageError
-from shardkeeper.core.format.versions import FORMAT_VERSION
+from shardkeeper.core.format.features import FORMAT_VERSION
 from shardkeeper.core.storage.retry import wait_log
 from shardkeeper.core.util.bars import BarSafeHandler
 from shardkeeper.core.util.extras import EXTRA_OF, install_hint
@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def version_line() -> str:
-    """``shardkeeper 0.1.0 (checkpoint format 5)``: the core's release and the newest format
-    version it writes and reads."""
+    """``shardkeeper 0.1.0 (checkpoint format 1)``: the core's release and the format version
+    it writes and reads."""
     return f"{PROG} {shardkeeper_version()} (checkpoint format {FORMAT_VERSION})"
 
 

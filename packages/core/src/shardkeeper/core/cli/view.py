@@ -87,7 +87,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             try:
                 m = load_manifest(storage, step)
             except IncompatibleFormatError:
-                row["status"] = "newer-format"
+                row["status"] = "other-format"
             except CheckpointError:
                 row["status"] = "invalid"  # damaged or deleted since the listing
             else:
@@ -171,6 +171,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "root": storage.url,
                 "step": m.step,
                 "format_version": m.format_version,
+                "requires": list(m.requires),
                 "created_at": m.created_at,
                 "attempt": m.attempt,
                 "world_size": m.world_size,
@@ -190,6 +191,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("root", storage.url),
         ("step", m.step),
         ("format version", m.format_version),
+        ("requires", ", ".join(m.requires) or "-"),
         ("created at", m.created_at or "-"),
         ("attempt", m.attempt or "-"),
         ("world size", m.world_size),

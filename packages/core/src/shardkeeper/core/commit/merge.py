@@ -31,7 +31,6 @@ from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.format.reports import decode_report
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
-from shardkeeper.core.format.versions import DESCRIBED_VERSION, FORMAT_VERSION, PAGED_VERSION
 
 
 def declared_digest(declared: Mapping[str, Any]) -> str:
@@ -64,7 +63,7 @@ def assemble_manifest(
     coordinator's described leaves (key -> ``format.grid.Rule``, save/describe.py),
     whose chunks the ranks' index files hold (their reports' ``described``). ``pages``: a
     group commit's (first rank, count, ``[path, size, digest, files, bytes]``) per group,
-    whose pages hold every rank's index entry and chunk files instead (format_version 8);
+    whose pages hold every rank's index entry and chunk files instead (format.md 3.9);
     a report then stands for the ranks its ``ranks`` runs name.
     """
     with no_gc():
@@ -169,7 +168,6 @@ def _assemble(
             "(wrap per-rank tensors in PerRank)"
         )
     object_leaves = {k: {"kind": "object", "value": objects[k]} for k in sorted(objects)}
-    version = FORMAT_VERSION
     if len(table) >= TABLE_MIN_CHUNKS or described:
         table.digest_text()
         why = table.problem(block_bytes)
@@ -187,7 +185,6 @@ def _assemble(
         dl = None
         if described:
             dl = DescribedLeaves(_described_json(described, declared, reports, world_size, pages), width, block_bytes)
-            version = PAGED_VERSION if pages else DESCRIBED_VERSION
         out: Mapping[str, Any] = TableLeaves(object_leaves, lt, table, block_bytes, dl)
     else:  # the per-chunk form: small manifests stay easy to read by eye
         leaves: dict[str, Any] = {
@@ -211,7 +208,6 @@ def _assemble(
         metadata={**metadata, "world_size": world_size, "layouts": sorted(layouts)},
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         attempt=attempt,
-        format_version=version,
         logical=logical,
     )
 

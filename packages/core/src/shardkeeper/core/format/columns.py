@@ -1,6 +1,5 @@
 """The chunk and leaf tables as columns: the columnar form of a large manifest's chunk
-records (format_version 3, ``ChunkTable``); the tensor leaves' table (format_version 5) is in
-format/leaf_table.py.
+records (``ChunkTable``); the tensor leaves' table is in format/leaf_table.py.
 
 A manifest of 100,000 tensors sharded over 8 ranks has 800,000 chunks. As one JSON object
 per chunk it is ~170 MB and takes seconds to write, parse and check in Python. The table

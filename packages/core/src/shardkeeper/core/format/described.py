@@ -1,4 +1,4 @@
-"""Described leaves (format_version 7, docs/format.md 3.8): tensor leaves whose chunks follow
+"""Described leaves (docs/format.md 3.8): tensor leaves whose chunks follow
 the closed-form rule of format/grid.py, listed once per leaf, with their per-chunk fields
 (file, byte range, digests) in one *index file* per rank instead of the manifest.
 
@@ -80,7 +80,7 @@ class DescribedLeaves:
         # every file the index files' rows name, and the end of the last byte they reference
         self.file_path: list[str] = files["path"]
         self.file_end: list[int] = files["end"]
-        # format_version 8: the per-rank records (index entries, chunk files) in pages instead
+        # with pages: the per-rank records (index entries, chunk files) in pages instead
         pages = d.get("pages")
         self.pages: Pages | None = Pages(pages) if pages is not None else None
         self.width, self.block = width, block

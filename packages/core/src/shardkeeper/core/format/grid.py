@@ -1,4 +1,4 @@
-"""The closed-form rule of a described layout (format_version 7, docs/format.md 3.8): which
+"""The closed-form rule of a described layout (docs/format.md 3.8): which
 box of a tensor each rank of a device mesh holds, and which rank writes it.
 
 A described leaf records a mesh (its shape and the rank at each coordinate, row-major), one
@@ -64,8 +64,9 @@ class Mesh:
     _first: int | None = field(default=None, compare=False, hash=False, repr=False)
 
     def to_json(self, *, compact: bool = False) -> dict[str, Any]:
-        """``compact`` (format_version 8): a mesh of consecutive ranks in order as its first
-        rank, not a list of every rank (16,384 ranks are 100 KB of manifest otherwise)."""
+        """``compact`` (the writer's choice with pages; readers take either form): a mesh of
+        consecutive ranks in order as its first rank, not a list of every rank (16,384 ranks
+        are 100 KB of manifest otherwise)."""
         r0 = self.ranks[0] if self.ranks else 0
         if compact and (self._first is not None or tuple(self.ranks) == tuple(range(r0, r0 + len(self.ranks)))):
             return {"shape": list(self.shape), "first_rank": r0}

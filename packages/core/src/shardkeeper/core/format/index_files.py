@@ -1,4 +1,4 @@
-"""Index files (format_version 7, docs/format.md 3.8): a rank's chunks of described leaves,
+"""Index files (docs/format.md 3.8): a rank's chunks of described leaves,
 one row of a chunk table each, beside its shard files; their bytes, and what a reader checks
 of them once their size and digest matched the manifest's (or their page's) record.
 

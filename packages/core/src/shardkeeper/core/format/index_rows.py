@@ -18,9 +18,9 @@ from itertools import repeat
 from operator import add, itemgetter, le, sub
 from typing import cast
 
+from shardkeeper.core.format.features import ENCODINGS
 from shardkeeper.core.format.index_files import Index
 from shardkeeper.core.format.records import CHUNK_SLOTS, BlockDigests, ChunkRecord, encoded_length_problem
-from shardkeeper.core.format.versions import ENCODINGS
 
 
 class RankRows:

@@ -11,8 +11,9 @@ the same types:
   state of 128-bit integers) are kept exactly. Standard JSON has no NaN or infinity, and fast
   parsers (orjson) read integers beyond 64 bits as floats. A document holding such a value
   is written by the standard library (``NaN``, ``Infinity``, ``-Infinity`` tokens; integers
-  digit for digit) and says so with the top-level member ``"extended_json": true``; readers
-  of such a document use a parser that keeps them (``loads_exact``).
+  digit for digit) and says so: a manifest by requiring ``"extended-json"``
+  (format/features.py), a rank's report by the member ``"extended_json": true``; readers of
+  such a document use a parser that keeps them (``loads_exact``).
 
 Depth is bounded by ``MAX_VALUE_DEPTH``: readers refuse documents nested deeper than
 ``untrusted.MAX_JSON_DEPTH`` levels, and a value sits a few levels down in the manifest.
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardkeeper.core.errors import JsonValueError, StateMismatchError
 from shardkeeper.core.format.fastjson import orjson
 
-#: The top-level member that marks a document holding NaN/infinities or integers beyond 64 bits.
+#: The top-level member that marks a rank's report holding NaN/infinities or integers beyond
+#: 64 bits (a manifest requires ``features.EXTENDED_JSON`` instead).
 EXTENDED_MEMBER = "extended_json"
 #: Nesting limit of one JSON value (an object leaf's, a metadata entry's): readers refuse a
 #: document nested more than 100 levels, and an object leaf's value starts at level 4 of the
@@ -130,18 +132,24 @@ def snapshot(values: Mapping[str, Any], what: str) -> tuple[dict[str, Any], bool
     return json.loads(json.dumps(dict(values), allow_nan=True)), extended
 
 
-def loads_exact(data: bytes) -> Any:
-    """Parse a document that may declare ``extended_json``: the fast parser, unless the
-    document declares the extension (then the standard library's, which keeps integers
-    exact and reads NaN/Infinity). A document that uses the extension without declaring it
-    is refused (``ValueError``), as is one whose strings hold lone surrogates."""
+def declares_member(d: Any) -> bool:
+    """Whether a parsed report declares extended values (``EXTENDED_MEMBER`` is true)."""
+    return isinstance(d, dict) and d.get(EXTENDED_MEMBER) is True
+
+
+def loads_exact(data: bytes, declares: Callable[[Any], bool] = declares_member) -> Any:
+    """Parse a document that may declare extended values (``declares`` says whether a parsed
+    one does): the fast parser, unless the document declares them (then the standard
+    library's, which keeps integers exact and reads NaN/Infinity). A document that uses them
+    without declaring them is refused (``ValueError``), as is one whose strings hold lone
+    surrogates."""
     if orjson is not None:
         try:
             d = orjson.loads(data)
         except orjson.JSONDecodeError as e:
             fast_error: Exception | None = e
         else:
-            if not (isinstance(d, dict) and d.get(EXTENDED_MEMBER) is True):
+            if not declares(d):
                 return d
             fast_error = None
     else:
@@ -153,11 +161,11 @@ def loads_exact(data: bytes) -> Any:
         return float(name.replace("Infinity", "inf"))
 
     d = json.loads(data, parse_constant=constant)
-    if not (isinstance(d, dict) and d.get(EXTENDED_MEMBER) is True):
+    if not declares(d):
         if fast_error is not None:
             raise fast_error
         if constants:
-            raise ValueError(f"{constants[0]} in a document that does not declare {EXTENDED_MEMBER}")
+            raise ValueError(f"{constants[0]} in a document that does not declare extended values")
         return d
     _no_lone_surrogates(d)
     return d
@@ -180,7 +188,7 @@ def _no_lone_surrogates(d: Any) -> None:
 
 
 def dumps_extended(doc: Any) -> bytes:
-    """``doc`` (with ``EXTENDED_MEMBER`` set) as the standard library writes it: integers digit
+    """``doc`` (which declares extended values) as the standard library writes it: integers digit
     for digit, NaN/Infinity as tokens."""
     return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
 
@@ -229,6 +237,7 @@ __all__ = [
     "MAX_VALUE_DEPTH",
     "JsonValueError",  # defined in errors; re-exported for the modules that still import it from here
     "check_value",
+    "declares_member",
     "describe_problem",
     "dumps_extended",
     "loads_exact",

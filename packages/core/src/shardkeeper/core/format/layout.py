@@ -75,18 +75,18 @@ def shard_file(rank: int, attempt: str, index: int, prefixes: int = 1) -> str:
 
 def index_file(rank: int, attempt: str, prefixes: int = 1) -> str:
     """Relative to the step directory: ``data/r00000-<attempt>.index.json``, a rank's chunks
-    of described leaves (format_version 7), beside its shard files."""
+    of described leaves (docs/format.md 3.8), beside its shard files."""
     return f"{data_dir(rank, prefixes)}/r{rank:05d}-{attempt}.index.json"
 
 
-#: Where a step's pages are (format_version 8): beside ``data/``, so that they are not
+#: Where a step's pages are (docs/format.md 3.9): beside ``data/``, so that they are not
 #: encrypted with the data files; the manifest's digests authenticate them.
 PAGES_DIR = "pages"
 
 
 def page_file(first: int, attempt: str) -> str:
     """Relative to the step directory: ``pages/g00128-<attempt>.index.json``, the page of the
-    group of ranks from ``first`` on (format_version 8)."""
+    group of ranks from ``first`` on."""
     return f"{PAGES_DIR}/g{first:05d}-{attempt}.index.json"
 
 

@@ -1,4 +1,4 @@
-"""The tensor and bytes leaves of a table-form manifest as columns (format_version 5).
+"""The tensor and bytes leaves of a table-form manifest as columns (docs/format.md 3.7).
 
 Apart from the chunk table (format/columns.py) because it is its own record: seven columns
 that name each leaf and its rows in the chunk table. Its checks here need nothing but its own
@@ -16,7 +16,7 @@ from shardkeeper.core.format.records import DTYPES
 
 
 class LeafTable:
-    """The tensor and bytes leaves of a table-form manifest as columns (format_version 5).
+    """The tensor and bytes leaves of a table-form manifest as columns.
 
     Leaf ``j``: ``keys[j]``, ``kind[j]``, ``dtype[j]``, shape ``shape[sdims[j]:sdims[j+1]]``
     (``ndim`` values each), and its chunks: chunk-table rows ``rows[rdims[j]:rdims[j+1]]``
@@ -40,26 +40,6 @@ class LeafTable:
         self._index: dict[str, int] | None = None
         self._shapes: list[tuple[int, ...]] | None = None
         self._rdims: list[int] | None = None
-
-    @classmethod
-    def from_leaves(cls, leaves: Mapping[str, Mapping[str, Any]]) -> LeafTable:
-        """From ``key -> {"kind", "dtype", "shape", "rows"}`` (format_version 3 and 4 store
-        leaves so; the coordinator builds them so)."""
-        vals = list(leaves.values())
-        shape: list[int] = []
-        rows: list[int] = []
-        for d in vals:
-            shape.extend(d["shape"])
-            rows.extend(d["rows"])
-        return cls(
-            list(leaves),
-            [d["kind"] for d in vals],
-            [d["dtype"] for d in vals],
-            [len(d["shape"]) for d in vals],
-            shape,
-            [len(d["rows"]) for d in vals],
-            rows,
-        )
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -1,6 +1,7 @@
-"""A manifest's ``leaves`` in either form, made into records on first access: the per-chunk
-JSON form (``LazyLeaves``) or the tables (``TableLeaves``, format/table.py); and the
-members a manifest reads them from and writes them to (``read_leaves``, ``leaves_fields``).
+"""A manifest's leaves in either form, made into records on first access: the per-chunk
+JSON form (``LazyLeaves``) or the tables, with any described leaves (``TableLeaves``,
+format/table.py); and the members a manifest reads them from and writes them to
+(``read_leaves``, ``leaves_fields``).
 
 A manifest of 100,000 tensors is parsed once; a restore of a few keys, ``ls`` or a retention
 pass then pays only for the leaves it touches.
@@ -20,7 +21,6 @@ from shardkeeper.core.format.described import DescribedLeaves
 from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import LeafRecord
 from shardkeeper.core.format.table import TableLeaves
-from shardkeeper.core.format.versions import DESCRIBED_VERSION, LEAF_TABLE_VERSION, PAGED_VERSION, TABLE_VERSION
 
 
 class RawLeaves(Mapping[str, Any]):
@@ -76,32 +76,23 @@ def leaves_fields(leaves: Mapping[str, LeafRecord]) -> dict[str, Any]:
     return {"leaves": leaves_json(leaves)}
 
 
-def read_leaves(d: dict[str, Any], version: int) -> Mapping[str, LeafRecord]:
-    """The leaves of a parsed manifest: per-chunk records; (format_version 3, 4) leaves that
-    list rows of the ``chunk_table``; or (5) the ``leaf_table`` over the ``chunk_table``."""
-    if "leaf_table" in d and version < LEAF_TABLE_VERSION:
-        raise ValueError(f"a leaf_table in a format_version {version} manifest (introduced in {LEAF_TABLE_VERSION})")
-    if "leaf_table" in d and "chunk_table" not in d:
-        raise ValueError("a leaf_table without a chunk_table")
-    if "described" in d and (version < DESCRIBED_VERSION or "leaf_table" not in d):
-        raise ValueError(f"a described member in a format_version {version} manifest without a leaf_table")
-    given = _as_dict(d.get("described", {}))
-    if version < PAGED_VERSION and (
-        "pages" in given or any(isinstance(m, dict) and "first_rank" in m for m in given.get("meshes", ()))
-    ):
-        raise ValueError(f"described pages or ranges of ranks in a format_version {version} manifest (both 8)")
-    if version >= TABLE_VERSION and "chunk_table" in d:
-        width = DIGEST_HEX.get(str(d["digest_algorithm"]), 0)
-        table = ChunkTable.from_json(_as_dict(d["chunk_table"]), width)
-        block = int(d["digest_block_bytes"])
-        if "leaf_table" in d:
-            described = DescribedLeaves(_as_dict(d["described"]), width, block) if "described" in d else None
-            lt = LeafTable.from_json(_as_dict(d["leaf_table"]))
-            return TableLeaves(_as_dict(d["leaves"]), lt, table, block, described)
-        if version >= LEAF_TABLE_VERSION:  # writers of 5 and later always write both tables
-            raise ValueError(f"a chunk_table without a leaf_table at format_version {version}")
-        return TableLeaves.from_raw(_as_dict(d["leaves"]), table, block)
-    return LazyLeaves(_as_dict(d["leaves"]))
+def read_leaves(d: dict[str, Any]) -> Mapping[str, LeafRecord]:
+    """The leaves of a parsed manifest: per-chunk records in ``leaves``; or the ``leaf_table``
+    over the ``chunk_table`` beside the object leaves in ``leaves``, and the ``described``
+    leaves, if any (docs/format.md 3.6-3.8)."""
+    tables = ("chunk_table" in d) + ("leaf_table" in d)
+    if tables == 1:
+        raise ValueError("a chunk_table without a leaf_table, or a leaf_table without a chunk_table")
+    if "described" in d and not tables:
+        raise ValueError("a described member without a leaf_table and a chunk_table")
+    if not tables:
+        return LazyLeaves(_as_dict(d["leaves"]))
+    width = DIGEST_HEX.get(str(d["digest_algorithm"]), 0)
+    table = ChunkTable.from_json(_as_dict(d["chunk_table"]), width)
+    block = int(d["digest_block_bytes"])
+    described = DescribedLeaves(_as_dict(d["described"]), width, block) if "described" in d else None
+    lt = LeafTable.from_json(_as_dict(d["leaf_table"]))
+    return TableLeaves(_as_dict(d["leaves"]), lt, table, block, described)
 
 
 def _as_dict(x: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@ ranks report for it.
 The member is ``{"algorithm": "sk-logical-1", "digests": "<d0>,<d1>,..."}``: one digest (16
 lowercase hex digits, format/logical.py ``finalize``) per tensor and bytes leaf, in the order
 of their keys sorted by code point, ``""`` where the writer recorded none. A reader that does
-not know the member, or its algorithm, ignores it (no format_version change).
+not know the member, or its algorithm, ignores it (an optional member, not a required feature).
 
 On the wire, a rank's report carries, per key it wrote, its sum (lowercase hex, ``""`` for
 0), in the order of its chunk report's ``keys`` (``chunks.logical``), and, with described

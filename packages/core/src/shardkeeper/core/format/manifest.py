@@ -1,16 +1,17 @@
 """The manifest: the one file whose presence commits a checkpoint.
 
-A versioned JSON document listing every leaf (tensor, object or bytes), every chunk of every
-tensor leaf with its file, byte range, global offsets, shape, encoding and block digests, and
-every file with its size. See ``docs/format.md`` for the normative description.
+A JSON document of one format_version listing every leaf (tensor, object or bytes), every
+chunk of every tensor leaf with its file, byte range, global offsets, shape, encoding and
+block digests, every file with its size, and the features (``requires``) a reader needs
+beyond the core schema. See ``docs/format.md`` for the normative description.
 
 Layering: the top of the format package. ``Manifest`` and its (de)serialisation are here;
 what it is made of and checked by sits below it, each apart so that none imports another in
-a circle: the versions (format/versions.py), the records (format/records.py), the leaves in
-either form (format/leaves.py, over the tables of format/table.py) and the checks of an
-untrusted manifest (format/manifest_checks.py). This module also names the records, versions
-and record checks for their importers, so ``shardkeeper.core.format.manifest`` keeps the names
-it always had.
+a circle: the version and features (format/features.py), the records (format/records.py),
+the leaves in either form (format/leaves.py, over the tables of format/table.py) and the
+checks of an untrusted manifest (format/manifest_checks.py). This module also names the
+records and record checks for their importers, so ``shardkeeper.core.format.manifest``
+keeps the names it always had.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 from shardkeeper.core.errors import CorruptCheckpointError
 from shardkeeper.core.format.columns import no_gc
 from shardkeeper.core.format.fastjson import orjson as _orjson
+from shardkeeper.core.format.features import DESCRIBED, ENCRYPTION, EXTENDED_JSON, FORMAT_VERSION, PAGES
 from shardkeeper.core.format.jsonvalue import (
-    EXTENDED_MEMBER,
     JsonValueError,
     check_value,
     describe_problem,
@@ -32,7 +33,7 @@ from shardkeeper.core.format.jsonvalue import (
 )
 from shardkeeper.core.format.leaves import LazyLeaves, leaves_fields, read_leaves
 from shardkeeper.core.format.logical_member import MEMBER, member_problem
-from shardkeeper.core.format.manifest_checks import check_envelope, manifest_problem
+from shardkeeper.core.format.manifest_checks import check_envelope, declares_extended, manifest_problem
 from shardkeeper.core.format.pages import Pages
 from shardkeeper.core.format.records import (
     DTYPES,
@@ -47,13 +48,6 @@ from shardkeeper.core.format.records import (
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.format.tiling import check_tiling_boxes
 from shardkeeper.core.format.untrusted import UntrustedJSONError, loads_untrusted
-from shardkeeper.core.format.versions import (
-    ENCRYPTION_VERSION,
-    EXTENDED_JSON_VERSION,
-    FORMAT_VERSION,
-    READ_VERSION,
-    ROOT_BOUND_VERSION,
-)
 
 MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is refused before it is read (parsed JSON takes several times
@@ -75,16 +69,23 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     attempt: str = ""
-    format_version: int = FORMAT_VERSION
+    #: the features a reader needs beyond the core schema (docs/format.md 10), as read;
+    #: ``dumps`` derives them from what it writes and sets them
+    requires: tuple[str, ...] = ()
     #: the "encryption" member of an encrypted checkpoint's manifest (codec/crypto.py
     #: ``seal_manifest`` appends it, with its MAC, after ``dumps``); None: not encrypted
     encryption: dict[str, Any] | None = None
     #: the optional "logical" member: each tensor leaf's logical digest (format/logical_member.py)
     logical: dict[str, Any] | None = None
 
+    #: the one format_version (format/features.py): a manifest of another is never read
+    format_version = FORMAT_VERSION
+
     def to_json(self) -> dict[str, Any]:
+        """The manifest's members, but for ``requires`` (``dumps`` adds it) and ``encryption``
+        (sealing appends it)."""
         return {
-            "format_version": self.format_version,
+            "format_version": FORMAT_VERSION,
             "step": self.step,
             "created_at": self.created_at,
             "attempt": self.attempt,
@@ -108,21 +109,35 @@ class Manifest:
             objects = {k: v.to_json() for k, v in self.leaves.items() if v.kind == "object"}
         return {"metadata": self.metadata, **{k: v.get("value") for k, v in objects.items()}}
 
-    def dumps(self) -> bytes:
-        """The manifest's bytes. Values that standard JSON or a fast parser would not give back
-        exactly (NaN, infinities, integers beyond 64 bits) are written in the extended form
-        (format/jsonvalue.py), at format_version ``EXTENDED_JSON_VERSION``; a value that cannot
-        come back at all (a lone surrogate, a non-string key) raises ``ValueError``."""
+    def uses(self) -> set[str]:
+        """The features the leaves use: described leaves, and their pages."""
+        described = self.leaves.described if isinstance(self.leaves, TableLeaves) else None
+        if described is None:
+            return set()
+        return {DESCRIBED, PAGES} if described.pages is not None else {DESCRIBED}
+
+    def dumps(self, *, sealed: bool = False) -> bytes:
+        """The manifest's bytes, ``requires`` naming exactly the features they use (``sealed``:
+        the bytes will be sealed, codec/crypto_manifest.py ``seal_manifest``, so they require
+        encryption). Values that standard JSON or a fast parser would not give back exactly
+        (NaN, infinities, integers beyond 64 bits) are written in the extended form
+        (format/jsonvalue.py), which the manifest then requires; a value that cannot come
+        back at all (a lone surrogate, a non-string key) raises ``ValueError``."""
         extended = False
         for key, value in self.object_values().items():
             try:
                 extended |= check_value(value)
             except JsonValueError as e:
                 raise ValueError(describe_problem(key, e)) from None
-        d = self.to_json()
+        uses = self.uses() | ({ENCRYPTION} if sealed else set()) | ({EXTENDED_JSON} if extended else set())
+        self.requires = tuple(sorted(uses))
+        body = self.to_json()
+        d = {
+            "format_version": body.pop("format_version"),
+            **({"requires": list(self.requires)} if uses else {}),
+            **body,
+        }
         if extended:
-            d["format_version"] = max(self.format_version, EXTENDED_JSON_VERSION)
-            d[EXTENDED_MEMBER] = True
             return dumps_extended(d)
         if _orjson is not None:
             try:
@@ -143,18 +158,18 @@ class Manifest:
             raise CorruptCheckpointError(too_large(where, len(data)))
         try:
             # NaN, infinities and big integers only where declared (jsonvalue.py)
-            d = loads_untrusted(data, max_bytes=MAX_MANIFEST_BYTES, exact=True)
+            d = loads_untrusted(data, max_bytes=MAX_MANIFEST_BYTES, exact=declares_extended)
         except UntrustedJSONError as e:
             raise CorruptCheckpointError(
                 f"manifest {where} {e}; the checkpoint is damaged: restore another step, or run "
                 f"`shardkeeper verify` on the root"
             ) from None
-        version = check_envelope(d, where)
+        requires = check_envelope(d, where)
         try:
             m = cls(
                 step=d["step"],
                 world_size=d["world_size"],
-                leaves=read_leaves(d, version),
+                leaves=read_leaves(d),
                 files=d["files"],
                 digest_algorithm=d["digest_algorithm"],
                 digest_block_bytes=d["digest_block_bytes"],
@@ -162,7 +177,7 @@ class Manifest:
                 metadata=d.get("metadata", {}),
                 created_at=d.get("created_at", ""),
                 attempt=d.get("attempt", ""),
-                format_version=version,
+                requires=requires,
                 encryption=d.get("encryption"),
                 logical=d.get(MEMBER),
             )
@@ -196,7 +211,7 @@ class Manifest:
 
     @property
     def pages(self) -> Pages | None:
-        """The pages holding the ranks' records (format_version 8), or None."""
+        """The pages holding the ranks' records (docs/format.md 3.9), or None."""
         described = self.leaves.described if isinstance(self.leaves, TableLeaves) else None
         return described.pages if described is not None else None
 
@@ -265,13 +280,9 @@ def too_large(where: str, size: int) -> str:
 
 __all__ = [
     "DTYPES",
-    "ENCRYPTION_VERSION",
-    "EXTENDED_JSON_VERSION",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
-    "READ_VERSION",
-    "ROOT_BOUND_VERSION",
     "BlockDigests",
     "ChunkRecord",
     "LazyLeaves",

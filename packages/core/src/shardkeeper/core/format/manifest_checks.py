@@ -1,10 +1,10 @@
 """The checks of an untrusted manifest: its envelope (``check_envelope``: format_version,
-the members a version may carry, the top-level fields' JSON types), then everything restore
-relies on (``manifest_problem``: digests, sizes, paths, encodings, tiling), once, so later
-reads need no per-field checks. Each names what it finds wrong.
+``requires`` and the members it names, the top-level fields' JSON types), then everything
+restore relies on (``manifest_problem``: digests, sizes, paths, encodings, tiling), once, so
+later reads need no per-field checks. Each names what it finds wrong.
 
 Layering: below the manifest (format/manifest.py, whose ``loads`` and ``problem`` run these)
-and above the records, the leaves and the versions they compare against; it reads a
+and above the records, the leaves and the features they compare against; it reads a
 manifest's fields (``ManifestFields``) without importing the ``Manifest`` class, so the
 manifest can import it.
 """
@@ -17,7 +17,15 @@ from typing import Any, Protocol
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
 from shardkeeper.core.format.bounds import MAX_WORLD_SIZE
-from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER
+from shardkeeper.core.format.features import (
+    DESCRIBED,
+    ENCODINGS,
+    ENCRYPTION,
+    EXTENDED_JSON,
+    FEATURES,
+    FORMAT_VERSION,
+    PAGES,
+)
 from shardkeeper.core.format.leaves import leaves_json
 from shardkeeper.core.format.records import (
     DTYPES,
@@ -29,13 +37,6 @@ from shardkeeper.core.format.records import (
 )
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.format.tiling import check_tiling_boxes
-from shardkeeper.core.format.versions import (
-    ENCODINGS,
-    ENCRYPTION_VERSION,
-    EXTENDED_JSON_VERSION,
-    READ_VERSION,
-    ROOT_BOUND_VERSION,
-)
 
 #: Digest blocks larger than this are refused: a reader holds whole blocks in memory.
 MAX_DIGEST_BLOCK_BYTES = 1 << 30
@@ -54,6 +55,7 @@ _OPTIONAL: dict[str, type] = {
     "per_rank_prefixes": list,
     "metadata": dict,
     "encryption": dict,
+    "requires": list,
 }
 
 
@@ -67,13 +69,23 @@ class ManifestFields(Protocol):
     digest_algorithm: str
     digest_block_bytes: int
     per_rank_prefixes: tuple[str, ...]
-    format_version: int
 
 
-def check_envelope(d: Any, where: str) -> int:
-    """The format_version of a parsed manifest ``d`` (``where`` names it), once its envelope
-    is one this code reads: else ``CorruptCheckpointError`` (or ``IncompatibleFormatError``
-    for a newer version), naming what is wrong and the remedy."""
+def declares_extended(d: Any) -> bool:
+    """Whether a parsed manifest may hold extended JSON values: it requires them, or it has a
+    format_version other than this one (parsed so, only so that its version is refused as
+    such by ``check_envelope``, never read)."""
+    if not isinstance(d, dict):
+        return False
+    requires = d.get("requires")
+    return (isinstance(requires, list) and EXTENDED_JSON in requires) or d.get("format_version") != FORMAT_VERSION
+
+
+def check_envelope(d: Any, where: str) -> tuple[str, ...]:
+    """The features a parsed manifest ``d`` (``where`` names it) requires, once its envelope
+    is one this code reads: else ``CorruptCheckpointError``, or ``IncompatibleFormatError``
+    for another format_version or a feature it does not know, naming what is wrong and the
+    remedy."""
     if not isinstance(d, dict) or type(d.get("format_version")) is not int:
         raise CorruptCheckpointError(
             f"manifest {where} has no integer format_version; it is not a shardkeeper "
@@ -85,37 +97,57 @@ def check_envelope(d: Any, where: str) -> int:
             f"manifest {where} has format_version {version}; versions start at 1, so it is damaged: "
             f"restore another step"
         )
-    if version > READ_VERSION:
+    if version != FORMAT_VERSION:
         raise IncompatibleFormatError(
-            f"manifest {where} has format_version {version}, newer than the {READ_VERSION} "
-            f"this shardkeeper reads; upgrade shardkeeper-core to restore it"
+            f"manifest {where}{_of_step(d)} has format_version {str(version)[:24]}, and this shardkeeper "
+            f"reads format_version {FORMAT_VERSION} only: a pre-release build of shardkeeper wrote it. "
+            f"Read it with the build that wrote it, or re-save the checkpoint with this one (restore it "
+            f"there, then save it here)"
         )
-    extended = d.get(EXTENDED_MEMBER, False)
-    if extended is not False and (extended is not True or version < EXTENDED_JSON_VERSION):
+    requires = d.get("requires", [])
+    if type(requires) is not list or not all(type(r) is str for r in requires) or len(set(requires)) < len(requires):
         raise CorruptCheckpointError(
-            f"manifest {where} declares {EXTENDED_MEMBER}={_short(d[EXTENDED_MEMBER])} at format_version "
-            f"{version}; extended JSON values are format_version {EXTENDED_JSON_VERSION} or later (true only), "
-            f"so the manifest was edited or damaged: restore another step"
+            f"manifest {where} is malformed: requires is {_short(requires)}, not a list of distinct "
+            f"feature names; the checkpoint is damaged: restore another step"
         )
-    enc = d.get("encryption")
-    if isinstance(enc, dict) and "root" in enc and version < ROOT_BOUND_VERSION:
-        raise CorruptCheckpointError(
-            f"manifest {where} names the root it is bound to but has format_version {version}; "
-            f"bound checkpoints are format_version {ROOT_BOUND_VERSION} or later, so the manifest "
-            f"was edited or damaged: restore another step"
+    unknown = sorted(set(requires) - FEATURES)
+    if unknown:
+        raise IncompatibleFormatError(
+            f"manifest {where}{_of_step(d)} requires {', '.join(map(_short, unknown[:3]))}, which this "
+            f"shardkeeper does not know (it knows {', '.join(sorted(FEATURES))}): a newer shardkeeper "
+            f"wrote the step; upgrade shardkeeper-core to read it"
         )
-    if "encryption" in d and version < ENCRYPTION_VERSION:
-        raise CorruptCheckpointError(
-            f"manifest {where} has an encryption member but format_version {version}; "
-            f"encrypted checkpoints are format_version {ENCRYPTION_VERSION} or later, so the "
-            f"manifest was edited or damaged: restore another step"
-        )
-    why = _fields_problem(d)
+    why = _fields_problem(d) or _members_problem(d, set(requires))
     if why is not None:
         raise CorruptCheckpointError(
             f"manifest {where} is malformed: {why}; the checkpoint is damaged: restore another step"
         )
-    return version
+    return tuple(requires)
+
+
+def _members_problem(d: dict[str, Any], requires: set[str]) -> str | None:
+    """Which member ``requires`` names without its member, or the reverse, or None: a reader
+    that does not know a feature ignores its member, so a member must be required."""
+    described = d.get("described")
+    enc = d.get("encryption")
+    members = {
+        ENCRYPTION: ("encryption", "encryption" in d),
+        DESCRIBED: ("described", "described" in d),
+        PAGES: ("described.pages", isinstance(described, dict) and "pages" in described),
+    }
+    for feature, (member, present) in members.items():
+        if present and feature not in requires:
+            return f"it has the member {member} but does not require {feature!r}"
+        if feature in requires and not present:
+            return f"it requires {feature!r} but has no member {member}"
+    if isinstance(enc, dict) and type(enc.get("root")) is not str:
+        return "its encryption member names no root it is bound to"
+    return None
+
+
+def _of_step(d: dict[str, Any]) -> str:
+    step = d.get("step")
+    return f" (step {step})" if type(step) is int else ""
 
 
 def manifest_problem(m: ManifestFields) -> str | None:
@@ -140,7 +172,7 @@ def manifest_problem(m: ManifestFields) -> str | None:
         if type(size) is not int or size < 0:
             return f"file {_short(rel)} has no size_bytes that is a non-negative integer"
     if isinstance(m.leaves, TableLeaves):  # the chunk table: checked in linear passes
-        why = m.leaves.problem(m.files, m.format_version, m.world_size)
+        why = m.leaves.problem(m.files, m.world_size)
         if why is not None:
             return why
         raw = m.leaves.objects()
@@ -189,11 +221,8 @@ def manifest_problem(m: ManifestFields) -> str | None:
                     )
                 encoding = c.get("encoding", "raw")
                 if encoding != "raw":
-                    since = ENCODINGS.get(encoding) if isinstance(encoding, str) else None
-                    if since is None or since > m.format_version:
-                        return (
-                            f"{key}: chunk encoding {_short(encoding)} is unknown to format_version {m.format_version}"
-                        )
+                    if not isinstance(encoding, str) or encoding not in ENCODINGS:
+                        return f"{key}: unknown chunk encoding {_short(encoding)}"
                     if not isinstance(c.get("content", ""), str) or length == 0:
                         return f"{key}: encoded chunk without content id or bytes"
                     why = encoded_length_problem(encoding, length, math.prod(cshape) * isz)
@@ -252,4 +281,4 @@ def _short(x: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-__all__ = ["MAX_DIGEST_BLOCK_BYTES", "ManifestFields", "check_envelope", "manifest_problem"]
+__all__ = ["MAX_DIGEST_BLOCK_BYTES", "ManifestFields", "check_envelope", "declares_extended", "manifest_problem"]

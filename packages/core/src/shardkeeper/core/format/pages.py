@@ -1,4 +1,4 @@
-"""Rank pages (format_version 8, docs/format.md 3.9): the per-rank records of a described
+"""Rank pages (docs/format.md 3.9): the per-rank records of a described
 save (each rank's files, index file and chunk-file ends) in one file per group of ranks,
 so that the manifest holds O(groups) entries instead of O(ranks).
 

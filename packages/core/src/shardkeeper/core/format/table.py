@@ -3,8 +3,7 @@ from the chunk and leaf tables, and the chunks a restore needs found without mak
 
 Layering: the top of the table modules, which it also names for their importers (the
 columns, format/columns.py; the checks, format/table_checks.py; the coordinator's reports,
-format/reports.py; the versions that introduced the tables, format/versions.py), so that
-``shardkeeper.core.format.table`` keeps the names it always had. It makes the records of
+format/reports.py), so that ``shardkeeper.core.format.table`` keeps the names it always had. It makes the records of
 format/records.py; format/leaves.py chooses between these leaves and the per-chunk form.
 """
 
@@ -32,7 +31,6 @@ from shardkeeper.core.format.reports import (
     rows_report,
 )
 from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem, tables_problem
-from shardkeeper.core.format.versions import LEAF_TABLE_VERSION, TABLE_VERSION
 
 
 class TableLeaves(Mapping[str, Any]):
@@ -55,20 +53,13 @@ class TableLeaves(Mapping[str, Any]):
         self.leaf_table = leaf_table
         self.table = table
         self.block = block
-        #: format_version 7: leaves whose chunks follow a rule, in index files (format/described.py)
+        #: leaves whose chunks follow a rule, in index files (format/described.py), or None
         self.described = described
         self._made: dict[str, Any] = {}
         self._order: list[str] | None = None
         self._dims: list[int] | None = None  # the chunk table's, cached for _record
         self._dig: list[int] | None = None
         self._dim0: tuple[list[int], list[int]] | None = None  # each row's offset and size along dimension 0
-
-    @classmethod
-    def from_raw(cls, raw: dict[str, Any], table: ChunkTable, block: int) -> TableLeaves:
-        """From the ``leaves`` of format_version 3 and 4, where each tensor or bytes leaf
-        lists its table rows under ``rows``."""
-        objects = {k: d for k, d in raw.items() if isinstance(d, dict) and d.get("kind") == "object"}
-        return cls(objects, LeafTable.from_leaves({k: d for k, d in raw.items() if k not in objects}), table, block)
 
     def __iter__(self) -> Iterator[str]:
         if not self.object_leaves and self.described is None:
@@ -211,11 +202,11 @@ class TableLeaves(Mapping[str, Any]):
                 out[key] = self[key].to_json()
         return out
 
-    def problem(self, files: Mapping[str, Any], version: int, world_size: int = 1) -> str | None:
+    def problem(self, files: Mapping[str, Any], world_size: int = 1) -> str | None:
         """Why the leaves and the tables cannot be trusted, or None (see ``Manifest.problem``);
-        linear in the number of rows (``version``: the manifest's format_version). Described
-        leaves' chunks are checked when their index files are read."""
-        why = tables_problem(self.object_leaves, self.leaf_table, self.table, self.block, files, version)
+        linear in the number of rows. Described leaves' chunks are checked when their index
+        files are read."""
+        why = tables_problem(self.object_leaves, self.leaf_table, self.table, self.block, files)
         if why is None and self.described is not None:
             why = self.described.problem(world_size, files)
             keys = self.described.keys
@@ -228,9 +219,7 @@ class TableLeaves(Mapping[str, Any]):
 
 __all__ = [
     "DIGEST_HEX",
-    "LEAF_TABLE_VERSION",
     "TABLE_MIN_CHUNKS",
-    "TABLE_VERSION",
     "ChunkTable",
     "LeafTable",
     "TableLeaves",

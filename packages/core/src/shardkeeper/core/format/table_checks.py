@@ -18,10 +18,10 @@ from itertools import accumulate
 from typing import Any
 
 from shardkeeper.core.format.columns import ChunkTable, expand, gather
+from shardkeeper.core.format.features import ENCODINGS
 from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.records import DTYPES, NOT_A_DATA_FILE, encoded_length_problem, safe_chunk_path
 from shardkeeper.core.format.tiling import check_tiling_boxes
-from shardkeeper.core.format.versions import ENCODINGS
 
 
 def all_slabs(
@@ -138,10 +138,10 @@ def leaf_table_slabs(lt: LeafTable, t: ChunkTable, *, check_lengths: bool) -> bo
     )
 
 
-def encoded_rows_problem(lt: LeafTable, t: ChunkTable, version: int) -> str | None:
+def encoded_rows_problem(lt: LeafTable, t: ChunkTable) -> str | None:
     """The checks of ``Manifest.problem`` on the rows of a table with an ``encoding`` column:
-    a raw row's length is its box's bytes; an encoded row's encoding is known to ``version``,
-    its length positive and within what its box allows (``records.encoded_length_problem``)."""
+    a raw row's length is its box's bytes; an encoded row's encoding is known, its length
+    positive and within what its box allows (``records.encoded_length_problem``)."""
     encoding, dims, shape, length = t.extras["encoding"], t.dims, t.shape, t.length
     for key, _, isz, rows in lt.items():
         for i in rows:
@@ -151,9 +151,8 @@ def encoded_rows_problem(lt: LeafTable, t: ChunkTable, version: int) -> str | No
                 if length[i] != box:
                     return f"{key}: chunk_table row {i} has {length[i]} bytes, its box {box}"
                 continue
-            since = ENCODINGS.get(enc)
-            if since is None or since > version:
-                return f"{key}: chunk encoding {enc[:40]!r} is unknown to format_version {version}"
+            if enc not in ENCODINGS:
+                return f"{key}: unknown chunk encoding {enc[:40]!r}"
             why = "encoded chunk without bytes" if length[i] == 0 else encoded_length_problem(enc, length[i], box)
             if why is not None:
                 return f"{key}: chunk_table row {i}: {why}"
@@ -161,11 +160,11 @@ def encoded_rows_problem(lt: LeafTable, t: ChunkTable, version: int) -> str | No
 
 
 def tables_problem(
-    objects: Mapping[str, Any], lt: LeafTable, t: ChunkTable, block: int, files: Mapping[str, Any], version: int
+    objects: Mapping[str, Any], lt: LeafTable, t: ChunkTable, block: int, files: Mapping[str, Any]
 ) -> str | None:
     """Why the leaves of a table-form manifest (``objects``: its object leaves, ``lt`` over
     ``t``, in digest blocks of ``block`` bytes) cannot be trusted, or None (see
-    ``Manifest.problem``); linear in the number of rows (``version``: the format_version)."""
+    ``Manifest.problem``); linear in the number of rows."""
     why = t.problem(block)
     if why is not None:
         return why
@@ -203,7 +202,7 @@ def tables_problem(
                     return f"{key}: chunk_table row {i} has {t.ndim[i]} dimensions, the leaf has {len(shape)}"
     check_lengths = "encoding" not in t.extras
     if not check_lengths:  # raw rows' lengths and encoded rows' bounds, row by row
-        why = encoded_rows_problem(lt, t, version)
+        why = encoded_rows_problem(lt, t)
         if why is not None:
             return why
     if leaf_table_slabs(lt, t, check_lengths=check_lengths):

@@ -15,6 +15,7 @@ is still too deep for the code after them. Callers turn the error into a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from shardkeeper.core.errors import UntrustedJSONError
@@ -26,14 +27,21 @@ from shardkeeper.core.format.jsonvalue import loads_exact
 MAX_JSON_DEPTH = 100
 
 
-def loads_untrusted(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH, exact: bool = False) -> Any:
+def loads_untrusted(
+    data: bytes | str,
+    *,
+    max_bytes: int,
+    max_depth: int = MAX_JSON_DEPTH,
+    exact: Callable[[Any], bool] | None = None,
+) -> Any:
     """Parse ``data`` (at most ``max_bytes`` long, nested at most ``max_depth`` levels).
-    ``exact``: a document that may declare extended JSON values (a manifest: jsonvalue.py)."""
+    ``exact``: the document may declare extended JSON values, and this says whether a parsed
+    one does (a manifest: jsonvalue.py ``loads_exact``)."""
     if len(data) > max_bytes:
         raise UntrustedJSONError(f"is {len(data)} bytes, more than the {max_bytes} a reader accepts")
     try:
-        if exact:
-            value = loads_exact(data.encode() if isinstance(data, str) else data)
+        if exact is not None:
+            value = loads_exact(data.encode() if isinstance(data, str) else data, exact)
         else:
             value = _orjson.loads(data) if _orjson is not None else json.loads(data, parse_constant=_no_constant)
     except (ValueError, RecursionError, TypeError) as e:  # also UnicodeDecodeError, orjson's depth limit

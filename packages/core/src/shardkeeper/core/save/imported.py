@@ -23,7 +23,6 @@ from shardkeeper.core.format.layout import DATA_DIR, new_attempt_id, shard_file,
 from shardkeeper.core.format.leaves import LazyLeaves
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.tiling import check_tiling_boxes
-from shardkeeper.core.format.versions import FORMAT_VERSION
 from shardkeeper.core.save.plan import WriteItem
 from shardkeeper.core.save.write import _write_file, chunk_records
 from shardkeeper.core.state.flatten import torch_dtype_name
@@ -111,7 +110,6 @@ class ImportedStep:
             metadata={"framework": "torch", "torch_version": torch.__version__, "world_size": 1, **metadata},
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             attempt=self.attempt,
-            format_version=FORMAT_VERSION,
         )
         data = manifest.dumps()
         path = manifest_path(self.step)

@@ -39,7 +39,6 @@ from shardkeeper.core.commit.terms import SaveTerms, agreed_options
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError, StepClaimedError
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.format.layout import data_prefixes, new_attempt_id, step_dir
-from shardkeeper.core.format.manifest import ROOT_BOUND_VERSION
 from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.runtime.context import ManagerContext
@@ -385,9 +384,7 @@ class SaveRunner:
                 },
             )
             enc = ctx.encryption
-            if enc is not None:  # bound to its root: readers before version 6 would refuse its files
-                manifest.format_version = max(manifest.format_version, ROOT_BOUND_VERSION)
-            data = manifest.dumps()
+            data = manifest.dumps(sealed=enc is not None)
             data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)
             bases = sorted({b for r in reports for b in r.bases})
             for w in page:  # durable before the intent names it (and before a tier records it)
