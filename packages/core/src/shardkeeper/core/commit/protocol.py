@@ -238,11 +238,11 @@ class RankReport:
     layouts: list[str]
     timings: Timings = field(default_factory=Timings)
     described: dict[str, Any] = field(default_factory=dict)
-    """Described leaves (format_version 7): ``digest`` of which and how, this rank's ``index``
+    """Described leaves (format.md 3.8): ``digest`` of which and how, this rank's ``index``
     file (``[path, size, digest]``, or None) and the ``chunk_files`` its rows name; {}: none."""
     ranks: list[list[int]] = field(default_factory=list)
     """The ranks this report stands for, as ``[first, last]`` runs, when a group leader folded
-    the equal reports of several ranks into one (``fold.py``); []: ``rank`` alone."""
+    the equal reports of several ranks into one (``save/group.py``); []: ``rank`` alone."""
     group: dict[str, Any] = field(default_factory=dict)
     """A group leader's report (a save at a world above ``commit_group_ranks``): ``count``
     (its group's ranks, from ``rank`` on), ``page`` (``[path, size, digest, files, bytes]``
