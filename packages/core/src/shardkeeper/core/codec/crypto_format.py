@@ -117,7 +117,7 @@ def keyless_problems(storage: Storage, m: Any, step: int) -> tuple[int, list[tup
     ends: dict[str, int] = {}
     problems: list[tuple[str, str, str]] = []
 
-    # Pages (format_version 8) are not encrypted (the manifest's digests authenticate them):
+    # Pages (format.md 3.9) are not encrypted (the manifest's digests authenticate them):
     # a damaged one is said, and the files of the others are still checked.
     def damaged_page(rel: str, e: CheckpointError) -> None:
         problems.append(("page", f"step {step}: {e}", resolve_file(step, rel) or rel))

@@ -73,7 +73,7 @@ def load_manifest(storage: Storage, step: int) -> Manifest:
 
 
 def attach_index_files(storage: Storage, m: Manifest) -> None:
-    """Let ``m``'s described leaves (format_version 7) read their index files from ``storage``."""
+    """Let ``m``'s described leaves (format.md 3.8) read their index files from ``storage``."""
     described = getattr(m.leaves, "described", None)
     if described is None:
         return

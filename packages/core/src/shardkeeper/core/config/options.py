@@ -70,7 +70,7 @@ class CheckpointOptions:
     commit_group_ranks: int = 128
     """At a world larger than this, ranks 1, 2, ... form groups of this many consecutive ranks,
     each led by its first rank (rank 0, the coordinator, is a group of its own): a leader folds
-    its group's reports into one and writes their records into a page (format_version 8), so
+    its group's reports into one and writes their records into a page (docs/format.md 3.9), so
     that the coordinator's work and the manifest do not grow with ranks (docs/protocol.md,
     "Group commit"). Every rank must pass the same value."""
     io_threads: int = 4
@@ -86,7 +86,7 @@ class CheckpointOptions:
     describe_layouts: bool | None = None
     """DTensors sharded by Shard/Replicate placements (and FSDP1's ShardedTensors, ZeRO
     fragments that name their partition) are recorded by their rule (mesh, placements) with
-    their chunks in per-rank index files, so that the manifest and restore planning do not grow with ranks x tensors (docs/format.md 3.8, format_version 7). None:
+    their chunks in per-rank index files, so that the manifest and restore planning do not grow with ranks x tensors (docs/format.md 3.8). None:
     when such tensors x ranks reach 4096 (and compression is off); True: always (except with
     compression); False: never (every chunk listed in the manifest)."""
     max_read_bytes: int = 64 << 20

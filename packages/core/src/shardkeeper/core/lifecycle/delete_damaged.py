@@ -55,7 +55,7 @@ DAMAGE = frozenset(
         "header",
         "path",  # a file entry outside the root, or a file behind an entry the format never writes
         "dtype",
-        "page",  # a page (format_version 8) missing, of another digest or that does not parse
+        "page",  # a page (format.md 3.9) missing, of another digest or that does not parse
         "index",  # an index file (described leaves) that does not validate
     }
 )

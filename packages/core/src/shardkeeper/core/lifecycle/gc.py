@@ -212,7 +212,7 @@ def _committed_references(storage: Storage) -> tuple[set[int], set[str]]:
             continue
         try:
             referenced |= referenced_paths(s, m)
-        except CheckpointError as e:  # a page (format_version 8) of a committed step: its files are unknown
+        except CheckpointError as e:  # a page (format.md 3.9) of a committed step: its files are unknown
             raise CorruptCheckpointError(
                 f"gc refuses to run on {storage.url}: step {s} is committed, but the files it references cannot "
                 f"all be read ({e}); run `shardkeeper verify` on the root, and delete the step or restore the "

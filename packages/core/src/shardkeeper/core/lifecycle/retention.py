@@ -142,7 +142,7 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
             m = load_manifest(storage, s)
             try:
                 refs[s] = referenced_paths(s, m)
-            except CheckpointError as e:  # a page (format_version 8) that cannot be read
+            except CheckpointError as e:  # a page (format.md 3.9) that cannot be read
                 if s in keep:  # what a retained step references is unknown: delete nothing
                     raise
                 log.warning("step %d under %s is deleted with a damaged page: %s", s, storage.url, e)

@@ -118,7 +118,7 @@ def stored_bytes(m: Manifest) -> int:
 
 
 def _recorded(m: Manifest, rel: str) -> str:
-    """Who records a file's size: the manifest, or one of its pages (format_version 8)."""
+    """Who records a file's size: the manifest, or one of its pages (format.md 3.9)."""
     return "the manifest records" if rel in m.files or m.pages is None else "its page records"
 
 
