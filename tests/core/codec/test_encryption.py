@@ -249,6 +249,22 @@ def test_tampered_swapped_and_truncated_blocks_are_detected(tmp_path: Path) -> N
     assert not verify_step(open_storage(str(roots["cut"])), 1).ok  # truncation shows without key
 
 
+def test_a_data_file_whose_header_names_no_root_is_damage(tmp_path: Path) -> None:
+    """Every encrypted file is bound to its root (format.md 4.2): a header without ``root`` is
+    damage, named, not a file to authenticate without the binding."""
+    with CheckpointManager(tmp_path, encryption=_keys(), async_save=False) as mgr:
+        mgr.save(1, {"frozen": _state()["frozen"]})
+    path = tmp_path / _data_files(open_storage(str(tmp_path)), 1)[0]
+    data = path.read_bytes()
+    end = 12 + int.from_bytes(data[8:12], "little")
+    h = json.loads(data[12:end])
+    del h["root"]
+    new = json.dumps(h, separators=(",", ":")).encode()
+    path.write_bytes(MAGIC + len(new).to_bytes(4, "little") + new + data[end:])
+    msg = _restore_fails(tmp_path, CorruptCheckpointError, "names no root it is bound to", ["frozen"])
+    assert path.name in msg and "restore another step" in msg, msg
+
+
 def test_tampered_or_unsealed_manifest_is_refused_before_data_is_read(tmp_path: Path) -> None:
     state = _state()
     with CheckpointManager(tmp_path, encryption=_keys(), async_save=False) as mgr:

@@ -121,7 +121,7 @@ class _FileInfo:
     blocks: int
     key_id: str
     wrapped: bytes
-    root: str | None = None  # the root the header says the file was written under (None: unbound)
+    root: str  # the root the header says the file was written under
     aead: Any = None  # set once the data key is unwrapped (sizes need no key)
 
 
@@ -250,8 +250,8 @@ class EncryptedStorage(StorageWrapper):
             root = h.get("root")
             if type(key_id) is not str:
                 raise TypeError(f"key_id is {type(key_id).__name__}, not a string")
-            if root is not None and type(root) is not str:
-                raise TypeError(f"root is {type(root).__name__}, not a string")
+            if type(root) is not str:
+                raise TypeError("it names no root it is bound to" if root is None else "root is not a string")
         except (ValueError, KeyError, TypeError) as e:  # UntrustedJSONError is a ValueError
             raise CorruptCheckpointError(f"{where}: encryption header is damaged ({e}); restore another step") from None
         if alg != ALGORITHM or block != BLOCK:
@@ -266,7 +266,7 @@ class EncryptedStorage(StorageWrapper):
             raise CorruptCheckpointError(
                 f"{where}: {size} bytes is not a whole number of encrypted blocks (truncated?); restore another step"
             )
-        if root is not None and bound_name(str(root)) != self.binding:
+        if bound_name(root) != self.binding:
             raise CorruptCheckpointError(
                 f"{where} is an encrypted file of the root {root!r}, read as part of {self.binding!r}: "
                 f"a file of another root was put here (restore another step), or this root was moved "

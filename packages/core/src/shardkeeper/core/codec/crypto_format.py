@@ -27,8 +27,7 @@ ALGORITHM = "AES-256-GCM"
 BLOCK = 64 << 10
 TAG = 16
 MAX_HEADER = 64 << 10
-_AAD_PREFIX = b"shardkeeper/aes-256-gcm/v1\0"
-_AAD_PREFIX_V2 = b"shardkeeper/aes-256-gcm/v2\0"  # v2: the root's identity is bound too
+_AAD_PREFIX = b"shardkeeper/aes-256-gcm/v2\0"
 _SCHEMES = {"gcs": "gs", "s3a": "s3"}
 
 
@@ -47,13 +46,11 @@ def block_nonce(i: int) -> bytes:
     return struct.pack(">4xQ", i)
 
 
-def block_aad(path: str, i: int, final: bool, root: str | None) -> bytes:
-    """A block's associated data: its file's root (the binding; None in files written before
-    roots were bound), root-relative path, index and last-block flag."""
-    if root is None:
-        return _AAD_PREFIX + path.encode() + struct.pack(">xQ?", i, final)
+def block_aad(path: str, i: int, final: bool, root: str) -> bytes:
+    """A block's associated data: its file's root (the binding), root-relative path, index and
+    last-block flag."""
     r = root.encode("utf-8", "surrogateescape")
-    return _AAD_PREFIX_V2 + struct.pack(">I", len(r)) + r + path.encode() + struct.pack(">xQ?", i, final)
+    return _AAD_PREFIX + struct.pack(">I", len(r)) + r + path.encode() + struct.pack(">xQ?", i, final)
 
 
 def root_identity(url: str) -> str:
