@@ -3,8 +3,8 @@
 to the older step, bit for bit) before any of its data is read. No IndexError, TypeError or
 RecursionError escapes from ``Manifest.loads``, ``shardkeeper ls/inspect/verify/gc``,
 ``steps()`` or ``restore()``; no allocation is larger than the step's files can back; the
-tiling check stays near-linear on large legitimate layouts; the normative example of
-docs/format.md parses and restores.
+tiling check stays near-linear on large legitimate layouts (the examples of docs/format.md:
+test_doc_examples.py).
 
 Each root holds step 1 and step 2 (different values); step 2 is damaged by editing its real
 manifest (per-chunk form, or the chunk and leaf tables) or its files.
@@ -43,7 +43,6 @@ from shardkeeper.core.verify.step import verify_step
 from tests.checks import assert_same_state
 from tests.core.format.test_hostile import JSON_VALUES, RecordingStorage, _apply, _paths
 
-REPO = Path(__file__).resolve().parents[3]
 STEP2 = "step-000000000002"
 BLOCK = 64
 #: What a document nested past the limit is told: the parser's own limit (orjson, ~1000) or ours
@@ -615,65 +614,6 @@ def test_a_layout_split_along_13_dimensions_is_refused_not_checked_for_minutes()
     why = check_tiling_boxes("k", shape, boxes)
     assert why is not None and "split the tensor along 13 dimensions" in why and "no writer" in why
     assert time.process_time() - t < 5
-
-
-# -- docs/format.md --------------------------------------------------------------------------
-
-
-def format_md_json() -> list[Any]:
-    text = (REPO / "docs" / "format.md").read_text()
-    out = []
-    for block in re.findall(r"```json\n(.*?)```", text, re.S):
-        try:
-            out.append(json.loads(block))
-        except ValueError:
-            continue  # a fragment (one member of an object)
-    return out
-
-
-def test_the_example_manifest_of_format_md_parses_verifies_and_restores(tmp_path: Path) -> None:
-    """Section 11's manifest, with files written as its text describes (the data are the test
-    builder's ``make_bytes``), verifies (every digest and both safetensors headers) and
-    restores bit for bit; the chunk record of 3.3.1 is its rank 1 weight chunk."""
-    from shardkeeper.core.format.safetensors import build_header, chunk_name
-    from tests.core._builders import make_bytes
-
-    text = (REPO / "docs" / "format.md").read_text()
-    manifests = [d for d in format_md_json() if isinstance(d, dict) and "format_version" in d]
-    assert len(manifests) == 1
-    (doc,) = manifests
-    raw = re.search(r"```json\n(\{\n  \"format_version\".*?)```", text, re.S)[1].encode()  # type: ignore[index]
-    m = Manifest.loads(raw, where="docs/format.md")
-    assert m.step == 1200 and m.leaves["model/layers.0.weight"].shape == (4, 3)
-
-    weight, rng = make_bytes(24, 1), {0: make_bytes(16, 2), 1: make_bytes(16, 3)}
-    root = tmp_path / "root"
-    for rank, (rel, rec) in enumerate(sorted(doc["files"].items())):
-        lo = 2 * rank
-        entries = [
-            (chunk_name("model/layers.0.weight", (lo, 0), (2, 3), (4, 3)), "bfloat16", (2, 3), 12),
-            (f"rng/{rank}/torch", "uint8", (16,), 16),
-        ]
-        header, at = build_header(entries, {"format": "pt", "writer": "shardkeeper"})
-        assert at == [216, 228] and len(header) + 28 == rec["size_bytes"] == 244
-        if rank == 0:
-            quoted = re.search(r"^\{\"__metadata__\".*\}$", text, re.M)[0]  # type: ignore[index]
-            assert header[:8] == struct.pack("<Q", 208) and header[8:].rstrip(b" ").decode() == quoted
-        path = root / "step-000000001200" / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(header + weight[12 * rank : 12 * rank + 12] + rng[rank])
-    (root / "step-000000001200" / "manifest.json").write_bytes(raw)
-    report = verify_step(LocalStorage(root), 1200)
-    assert report.ok and report.chunks_checked == 4, report.problems
-    got = {"model": {"layers.0.weight": torch.zeros(4, 3, dtype=torch.bfloat16)}}
-    with CheckpointManager(root) as mgr:
-        assert mgr.restore(got, only="model/*") == 1200
-    want = torch.frombuffer(bytearray(weight), dtype=torch.bfloat16).reshape(4, 3)
-    assert torch.equal(got["model"]["layers.0.weight"].view(torch.int16), want.view(torch.int16))
-
-    chunk = next(d for d in format_md_json() if isinstance(d, dict) and "digests" in d and "file" in d)
-    second = dict(doc["leaves"]["model/layers.0.weight"]["chunks"][1], encoding="raw")
-    assert chunk == second
 
 
 # -- fuzzing ---------------------------------------------------------------------------------
