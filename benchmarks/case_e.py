@@ -23,7 +23,7 @@ and the real ``commit_manifest`` (intent, checks of the files it lists, put-if-a
 validates the manifest and plans the reads of its own shard (reading its page and its index
 file). DCP's ``.metadata`` for the same chunks beside it (``dcp_*``). Timings are medians
 over ``--repeats``. ``described``: the row-sharded chunks recorded by their layout rule
-(format_version 7; 8 with pages), each rank's chunk table in its index file.
+(docs/format.md 3.8; with pages, 3.9), each rank's chunk table in its index file.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def measure_point(
     store = CountingStore(dist.HashStore())
     coord = _coordinator_class()
     coords = [coord(None, r, ranks, "shardkeeper/bench", store=store) for r in range(ranks)]
-    grouped = ranks > GROUP  # a group commit: pages (format_version 8) where leaves are described
+    grouped = ranks > GROUP  # a group commit: pages (format.md 3.9) where leaves are described
     for c in coords:
         c.group_ranks = GROUP
     rule: dict[str, Any] = {}

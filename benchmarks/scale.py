@@ -4,8 +4,8 @@
                                [--layouts described,sharded] [--out-dir benchmarks/results] [--quick]
 
 Every point is ``case_e.py --ranks R --tensors T --layout L`` in its own process, with a
-timeout, for each layout: ``described`` (row sharding recorded by its rule, format_version
-7) and ``sharded`` (the same chunks enumerated in the manifest). An enumerated point whose
+timeout, for each layout: ``described`` (row sharding recorded by its rule, docs/format.md
+3.8) and ``sharded`` (the same chunks enumerated in the manifest). An enumerated point whose
 predicted memory (the largest bytes per chunk measured so far, times its chunks) exceeds 85%
 of the available memory is skipped and recorded as such; DCP's figures (the same chunks) are
 measured in the first layout's points up to ``--dcp-max-chunks``. Writes
@@ -231,7 +231,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"# World-size sweep, {doc['date']}\n\n`{doc['command']}`\n\n"
         f"Machine: {doc['machine']['cpus']} CPUs, {doc['machine']['mem_available_gib']:.0f} GiB available; "
         f"layouts {', '.join(_layouts(doc))}, float32 tensors of max(1024, ranks) x 256 rows split by torch.chunk's "
-        f"rule (described: recorded by that rule, format_version 7; sharded: every chunk enumerated).\n\n"
+        f"rule (described: recorded by that rule, format.md 3.8; sharded: every chunk enumerated).\n\n"
         f"{table(pts)}\n\ncommit_s: rank 0 collects the reports from the store, merges and checks the tiling, "
         f"serializes and durably writes the manifest. plan_s: rank 0 reads and validates the manifest and plans "
         f"the reads of its shard. DCP: the same chunks' pickled Metadata; plan = read + unpickle + "
