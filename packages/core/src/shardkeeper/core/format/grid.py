@@ -64,9 +64,8 @@ class Mesh:
     _first: int | None = field(default=None, compare=False, hash=False, repr=False)
 
     def to_json(self, *, compact: bool = False) -> dict[str, Any]:
-        """``compact`` (the writer's choice with pages; readers take either form): a mesh of
-        consecutive ranks in order as its first rank, not a list of every rank (16,384 ranks
-        are 100 KB of manifest otherwise)."""
+        """``compact`` (the writer's form with pages): a mesh of consecutive ranks in order as
+        its first rank, not a list of every rank (16,384 ranks are 100 KB of manifest otherwise)."""
         r0 = self.ranks[0] if self.ranks else 0
         if compact and (self._first is not None or tuple(self.ranks) == tuple(range(r0, r0 + len(self.ranks)))):
             return {"shape": list(self.shape), "first_rank": r0}
