@@ -14,10 +14,11 @@ wrapped key travels in the file that holds the bytes) and compression work uncha
 ranged read reads and opens only the blocks it overlaps. Manifest reads of an authenticated
 view check the manifest's MAC first (codec/crypto_manifest.py).
 
-Layering: the cipher and its storage wrapper only. The stored form of a data file and what
-can be checked of it without a key are in codec/crypto_format.py, the manifests' MAC in
-codec/crypto_manifest.py; both sit below this module, which names their public functions
-too, so ``shardkeeper.core.codec.crypto`` keeps the names it always had.
+Layering: the storage wrapper and its reads only. The writer that seals a data file is in
+codec/crypto_writer.py, the stored form of a data file and what can be checked of it without
+a key in codec/crypto_format.py, the manifests' MAC in codec/crypto_manifest.py; all sit
+below this module, which names the public functions of the last two too, so
+``shardkeeper.core.codec.crypto`` keeps the names it always had.
 """
 
 from __future__ import annotations
@@ -47,71 +48,17 @@ from shardkeeper.core.codec.crypto_format import (
     stored_size,
 )
 from shardkeeper.core.codec.crypto_manifest import open_manifest, seal_manifest
+from shardkeeper.core.codec.crypto_writer import EncWriter
 from shardkeeper.core.codec.keys import EncryptionKeyError, KeyProvider, require_cryptography
 from shardkeeper.core.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError, KeyNotHeldError
 from shardkeeper.core.format.untrusted import loads_untrusted
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.storage.wrapper import StorageWrapper
 
-_FLUSH = 4 << 20
 #: A ranged read is done in windows of this many blocks (~16 MiB): bounded scratch memory
 #: per I/O thread, and few enough requests on an object store.
 _READ_BLOCKS = 256
 _WRITTEN = 4096  # files this process wrote whose key ``sealed_under`` knows without a read
-
-
-class _EncWriter:
-    """Buffers up to one block; a block goes out only when more bytes follow it, so the
-    last block (flagged final in its associated data) is known at ``close``. Ciphertext is
-    gathered into fresh ~4 MiB buffers (a retrying writer keeps references to them)."""
-
-    def __init__(self, inner: Writer, path: str, aead: Any, header: bytes, root: str) -> None:
-        self._inner, self._path, self._aead, self._root = inner, path, aead, root
-        self._into = getattr(aead, "encrypt_into", None)
-        self._buf = bytearray()
-        self._header = header
-        self._out = bytearray(_FLUSH + BLOCK + TAG)
-        self._n = 0
-        self._i = 0
-
-    def _emit(self, block: Any, final: bool) -> None:
-        if self._header:
-            self._inner.write(self._header)
-            self._header = b""
-        k = len(block) + TAG
-        nonce, aad = block_nonce(self._i), block_aad(self._path, self._i, final, self._root)
-        if self._into is not None:
-            self._into(nonce, block, aad, memoryview(self._out)[self._n : self._n + k])
-        else:
-            self._out[self._n : self._n + k] = self._aead.encrypt(nonce, bytes(block), aad)
-        self._n += k
-        self._i += 1
-        if self._n >= _FLUSH or final:
-            self._inner.write(memoryview(self._out)[: self._n])
-            self._out = bytearray(_FLUSH + BLOCK + TAG) if not final else bytearray()
-            self._n = 0
-
-    def write(self, data: memoryview | bytes) -> None:
-        mv = memoryview(data).cast("B")
-        n, pos = len(mv), 0
-        if self._buf:
-            pos = min(BLOCK - len(self._buf), n)
-            self._buf += mv[:pos]
-            if len(self._buf) < BLOCK or pos == n:
-                return
-            self._emit(self._buf, False)
-            self._buf = bytearray()
-        while n - pos > BLOCK:
-            self._emit(mv[pos : pos + BLOCK], False)
-            pos += BLOCK
-        self._buf += mv[pos:]
-
-    def close(self) -> None:
-        self._emit(self._buf, True)
-        self._inner.close()
-
-    def abort(self) -> None:
-        self._inner.abort()
 
 
 @dataclass(frozen=True)
@@ -370,7 +317,7 @@ class EncryptedStorage(StorageWrapper):
             },
             separators=(",", ":"),
         ).encode()
-        return _EncWriter(
+        return EncWriter(
             self.inner.open_writer(path),
             path,
             self._aead_mod.AESGCM(key),
