@@ -10,7 +10,6 @@ PACKAGES = Path(__file__).resolve().parents[3] / "packages"
 LIMIT = 400
 #: Modules over ``LIMIT``, each at most the lines it had when it was listed.
 OVER = {
-    "core/src/shardkeeper/core/lifecycle/gc.py": 424,
     "core/src/shardkeeper/core/state/flatten.py": 429,
     "core/src/shardkeeper/core/format/grid.py": 431,
     "core/src/shardkeeper/core/commit/protocol.py": 431,

@@ -33,6 +33,7 @@ from shardkeeper.core.commit.files import (
 from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError, IncompatibleFormatError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME
+from shardkeeper.core.lifecycle.uploads import abort_incomplete_uploads, list_incomplete_uploads
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.util.bars import make_bar
 
@@ -136,65 +137,97 @@ def collect_garbage(
     bar = make_bar(len(plan.files) + len(plan.dirs), verb, shown, unit="path")
     try:
         records = pending.read_records(storage, now)
-        intents = [] if no_running_saves else [r for r in records if r.kind == "intent" and r.live]
-        unknown = [r for r in intents if r.unknown]
-        if unknown:
-            report.errors.append(
-                f"the record of a commit in progress {storage.describe(unknown[0].path)} cannot be read, so what "
-                f"it protects is unknown; nothing was removed. A writer's records are written whole: if no "
-                f"save is running, remove it (it expires by itself {pending.INTENT_TTL_S:.0f} s after it was "
-                f"written)"
-            )
+        busy = _busy(storage, records, listed | committed, no_running_saves, report)
+        if busy is None:
             return report
-        busy_steps = {s for r in intents for s in r.steps}
-        busy_files = {f for r in intents for f in r.files}
-        # A commit whose intent is already gone put its manifest before removing it: it is
-        # listed now, and what it references is kept (its step too).
-        new_steps, new_refs = committed_since(storage, listed | committed)
-        busy_steps |= new_steps
-        busy_files |= new_refs
-
-        def in_time() -> bool:
-            if time.monotonic() - t0 < pending.CLAIM_TTL_S / 2:
-                return True
-            report.errors.append(f"gc under {storage.url} stopped: its claim is about to expire; run it again")
-            return False
-
-        for f in plan.files:
-            if f in busy_files:
-                report.kept_in_flight.append(f)
-            elif in_time():
-                _remove(storage, f, dry_run, report)
-            bar.update(1)
-        for s, files in sorted(plan.dirs.items()):
-            bar.update(1)
-            if s in busy_steps:
-                report.kept_in_flight.append(step_dir(s))
-                continue
-            if not in_time():
-                break
-            if any(f in busy_files for f in files):
-                for f in files:
-                    if f in busy_files:
-                        report.kept_in_flight.append(f)
-                    else:
-                        _remove(storage, f, dry_run, report)
-                continue
-            _remove_dir(storage, step_dir(s), files, dry_run, report)
+        _remove_planned(storage, plan, busy, t0, bar, dry_run, report)
         _remove_stale_records(storage, records, claim, no_running_saves, dry_run, report)
-        try:
-            for path in spent_claims(storage, max(committed, default=None)):
-                if not dry_run:
-                    storage.delete(path)
-                report.removed_files.append(path)
-        except CheckpointError as e:
-            report.errors.append(f"could not remove the spent step claims under {storage.url}: {e}")
+        _remove_spent_claims(storage, committed, dry_run, report)
     finally:
         bar.close()
         if claim is not None:
             pending.remove(storage, claim)
-    _abort_incomplete_uploads(storage, referenced, min_age_s, now, dry_run, report)
+    swept = abort_incomplete_uploads(storage, referenced, min_age_s, now, dry_run)
+    report.skipped_young += swept.young
+    report.errors += swept.errors
+    report.aborted_uploads += swept.aborted
     return report
+
+
+def _busy(
+    storage: Storage, records: list[pending.PendingRecord], known: set[int], no_running_saves: bool, report: GcReport
+) -> tuple[set[int], set[str]] | None:
+    """The steps and files commits in progress need (``known``: the steps listed or committed
+    when gc began); None, with an error reported, when a record of one cannot be read."""
+    intents = [] if no_running_saves else [r for r in records if r.kind == "intent" and r.live]
+    unknown = [r for r in intents if r.unknown]
+    if unknown:
+        report.errors.append(
+            f"the record of a commit in progress {storage.describe(unknown[0].path)} cannot be read, so what "
+            f"it protects is unknown; nothing was removed. A writer's records are written whole: if no "
+            f"save is running, remove it (it expires by itself {pending.INTENT_TTL_S:.0f} s after it was "
+            f"written)"
+        )
+        return None
+    busy_steps = {s for r in intents for s in r.steps}
+    busy_files = {f for r in intents for f in r.files}
+    # A commit whose intent is already gone put its manifest before removing it: it is
+    # listed now, and what it references is kept (its step too).
+    new_steps, new_refs = committed_since(storage, known)
+    return busy_steps | new_steps, busy_files | new_refs
+
+
+def _remove_planned(
+    storage: Storage,
+    plan: _Plan,
+    busy: tuple[set[int], set[str]],
+    t0: float,
+    bar: Any,
+    dry_run: bool,
+    report: GcReport,
+) -> None:
+    """Remove what ``plan`` names but ``busy`` (steps, files) does not, while gc's claim
+    (taken at ``t0``) has time left."""
+    busy_steps, busy_files = busy
+
+    def in_time() -> bool:
+        if time.monotonic() - t0 < pending.CLAIM_TTL_S / 2:
+            return True
+        report.errors.append(f"gc under {storage.url} stopped: its claim is about to expire; run it again")
+        return False
+
+    for f in plan.files:
+        if f in busy_files:
+            report.kept_in_flight.append(f)
+        elif in_time():
+            _remove(storage, f, dry_run, report)
+        bar.update(1)
+    for s, files in sorted(plan.dirs.items()):
+        bar.update(1)
+        if s in busy_steps:
+            report.kept_in_flight.append(step_dir(s))
+            continue
+        if not in_time():
+            break
+        if any(f in busy_files for f in files):
+            for f in files:
+                if f in busy_files:
+                    report.kept_in_flight.append(f)
+                else:
+                    _remove(storage, f, dry_run, report)
+            continue
+        _remove_dir(storage, step_dir(s), files, dry_run, report)
+
+
+def _remove_spent_claims(storage: Storage, committed: set[int], dry_run: bool, report: GcReport) -> None:
+    """A local tier's step claims at or below the newest committed step."""
+    try:
+        for path in spent_claims(storage, max(committed, default=None)):
+            if not dry_run:
+                storage.delete(path)
+            report.removed_files.append(path)
+    except CheckpointError as e:
+        report.errors.append(f"could not remove the spent step claims under {storage.url}: {e}")
 
 
 def _committed_references(storage: Storage) -> tuple[set[int], set[str]]:
@@ -350,75 +383,6 @@ def _remove_stale_records(
         if not dry_run:
             pending.remove(storage, r.path)
         report.removed_files.append(r.path)
-
-
-def list_incomplete_uploads(storage: Storage) -> list[dict[str, Any]]:
-    """Incomplete S3 multipart uploads of files under the root's step directories.
-
-    Each: ``{"path", "key", "upload_id", "initiated"}`` (path relative to the root, initiated
-    in seconds since the epoch). Empty on other backends: a GCS resumable session or a local
-    temporary file is not listed this way (local leftovers are files gc already sees).
-    """
-    fs = getattr(storage, "fs", None)
-    root = getattr(storage, "root", None)
-    protocol = getattr(storage, "protocol", None)
-    if fs is None or not isinstance(root, str) or protocol not in ("s3", "s3a"):
-        return []
-    bucket, _, prefix = root.partition("/")
-    prefix = f"{prefix}/" if prefix else ""
-    out: list[dict[str, Any]] = []
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-    while True:
-        page = fs.call_s3("list_multipart_uploads", **kwargs)
-        for u in page.get("Uploads") or []:
-            rel = str(u["Key"])[len(prefix) :]
-            if parse_step_dir(rel.split("/", 1)[0]) is None:
-                continue  # only what the format writes is ours to judge
-            initiated = u.get("Initiated")
-            out.append(
-                {
-                    "path": rel,
-                    "key": u["Key"],
-                    "upload_id": u["UploadId"],
-                    "initiated": initiated.timestamp() if hasattr(initiated, "timestamp") else None,
-                }
-            )
-        if not page.get("IsTruncated"):
-            return out
-        kwargs["KeyMarker"] = page.get("NextKeyMarker")
-        kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker")
-
-
-def _abort_incomplete_uploads(
-    storage: Storage, referenced: set[str], min_age_s: float, now: float, dry_run: bool, report: GcReport
-) -> None:
-    """Abort incomplete multipart uploads initiated at least ``min_age_s`` ago (the same age
-    rule as files: older than the longest save, so no running save owns them)."""
-    try:
-        uploads = list_incomplete_uploads(storage)
-    except Exception as e:  # noqa: BLE001 - e.g. a store without the API: report, go on
-        report.errors.append(f"could not list incomplete multipart uploads under {storage.url}: {e}")
-        return
-    fs = getattr(storage, "fs", None)
-    bucket = str(getattr(storage, "root", "")).split("/", 1)[0]
-    for u in uploads:
-        if u["path"] in referenced:
-            continue
-        if u["initiated"] is not None and now - u["initiated"] < min_age_s:
-            report.skipped_young.append(f"{u['path']} (multipart upload {u['upload_id']})")
-            continue
-        if not dry_run and fs is not None:
-            try:
-                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=u["key"], UploadId=u["upload_id"])
-            except Exception as e:  # noqa: BLE001
-                report.errors.append(f"could not abort the multipart upload of {storage.describe(u['path'])}: {e}")
-                continue
-        log.info(
-            "gc: %s incomplete multipart upload of %s",
-            "would abort" if dry_run else "aborted",
-            storage.describe(u["path"]),
-        )
-        report.aborted_uploads.append(u["path"])
 
 
 __all__ = ["DEFAULT_GC_MIN_AGE_S", "GcReport", "collect_garbage", "list_incomplete_uploads"]
