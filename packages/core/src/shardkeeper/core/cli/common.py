@@ -64,9 +64,13 @@ def _retry_policy(options: dict[str, Any]) -> RetryPolicy:
 def open_root(args: argparse.Namespace, *, must_exist: bool = True) -> Storage:
     """The storage of ``args.root`` with the ``-o KEY=VALUE`` options, after ``check_root``
     (a step directory given for a root, a local root that is not there: an error with the
-    remedy). Object stores are opened with retries that announce themselves (``CLI_RETRY``):
-    the client's own silent retries are cut to one attempt."""
-    check_root(args.root, getattr(args, "command", None) or "ls", must_exist=must_exist)
+    remedy; a pointer or a folder leading to one root: ``args.root`` becomes that root, and a
+    pointer's step ``args.step`` where STEP is optional and not given). Object stores are
+    opened with retries that announce themselves (``CLI_RETRY``): the client's own silent
+    retries are cut to one attempt."""
+    args.root, step = check_root(args.root, getattr(args, "command", None) or "ls", must_exist=must_exist)
+    if step is not None and getattr(args, "step", False) is None:
+        args.step = step
     options = dict(_parse_option(o) for o in args.storage_option or ())
     policy = _retry_policy(options)
     remote = args.root.split("://", 1)[0] in OBJECT_STORE_PROTOCOLS if "://" in args.root else False

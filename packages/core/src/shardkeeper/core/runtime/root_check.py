@@ -19,15 +19,12 @@ warns when the root's parent does not exist and looks like a typo. Torch-free.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import warnings
 
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import parse_step_dir
-
-#: A pointer file is small; more than this is not one.
-_POINTER_BYTES = 1 << 16
+from shardkeeper.core.format.pointer import MAX_POINTER_BYTES, is_pointer_format, looks_like_pointer, pointer_document
 
 
 def local_path(root: str) -> str | None:
@@ -61,19 +58,20 @@ def holds_steps(path: str) -> bool:
 
 
 def pointer_target(path: str) -> tuple[str, int] | None:
-    """``(root, step)`` a shardkeeper pointer file names (an adapter's ``last.ckpt``: a small
-    JSON document whose ``format`` is ``shardkeeper-<adapter>-pointer``); None for any other
-    file. A local root that moved with its pointer is looked for by ``root_relative``."""
+    """``(root, step)`` a shardkeeper pointer file names (an adapter's ``last.ckpt``:
+    :mod:`shardkeeper.core.format.pointer`, whose ``format`` is ``shardkeeper-<adapter>-pointer``);
+    None for any other file. A local root that moved with its pointer is looked for by
+    ``root_relative``."""
     try:
         with open(path, "rb") as f:
-            data = f.read(_POINTER_BYTES + 1)
-        doc = json.loads(data) if len(data) <= _POINTER_BYTES and data.lstrip()[:1] == b"{" else None
+            data = f.read(MAX_POINTER_BYTES + 1)
+        doc = pointer_document(data) if looks_like_pointer(data) else None
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict):
+    if doc is None:
         return None
     fmt, root, step, rel = doc.get("format"), doc.get("root"), doc.get("step"), doc.get("root_relative")
-    if not (isinstance(fmt, str) and fmt.startswith("shardkeeper-") and fmt.endswith("-pointer")):
+    if not is_pointer_format(fmt):
         return None
     if not isinstance(root, str) or type(step) is not int:
         return None
