@@ -1,4 +1,4 @@
-"""Inference loads of the plugin's pointer files (``last.ckpt`` is JSON, not a torch file):
+"""Inference loads of the plugin's pointer files (``last.ckpt`` names a root and a step):
 ``LightningModule.load_from_checkpoint``, ``LightningDataModule.load_from_checkpoint``,
 ``trainer.test/validate/predict(ckpt_path=...)`` with and without the plugin, and
 ``shardkeeper.lightning.load_checkpoint``; plain ``.ckpt`` files still load as Lightning loads
@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import shardkeeper.lightning as skl
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.format.pointer import pointer_document
 from shardkeeper.lightning.paths import write_pointer
 from tests.checks import assert_same_state
 from tests.lightning.common import HNet, cpu_trainer, loader
@@ -62,7 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_load_from_checkpoint_restores_weights_and_hparams_from_a_pointer(run: dict[str, Any]) -> None:
-    assert os.path.getsize(run["pointer"]) < 512  # a pointer, not a torch file
+    assert pointer_document(run["pointer"].read_bytes())["step"] == run["step"]  # a pointer, not a torch file
     L.seed_everything(5)  # a fresh module's init differs from the saved weights
     lm = HNet.load_from_checkpoint(run["pointer"])
     assert dict(lm.hparams) == {"mode": "none", "lr": 0.01, "tag": "run"}
@@ -152,8 +153,9 @@ def test_uninstall_gives_lightning_its_loader_back(run: dict[str, Any]) -> None:
     try:
         assert saving.pl_load is torch_io.pl_load is cloud_io._load
         assert not hasattr(cloud_io._load, "__wrapped__")
-        with pytest.raises(Exception, match="[Ww]eights only load failed|invalid load key"):
-            HNet.load_from_checkpoint(run["pointer"])  # Lightning's own loader: a torch file only
+        # Lightning's own loader: the pointer's torch view, whose state_dict names what it is
+        with pytest.raises(RuntimeError, match=r"Unexpected key.*This file is a shardkeeper pointer.*step \d+ of"):
+            HNet.load_from_checkpoint(run["pointer"])
         assert_same_state(skl.load_checkpoint(run["pointer"])["state_dict"], run["state"], what="uninstalled")
     finally:
         skl.install()

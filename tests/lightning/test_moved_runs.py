@@ -15,6 +15,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.format.pointer import pointer_document
 from shardkeeper.lightning import ShardkeeperCheckpointIO
 from tests.checks import assert_same_state
 from tests.lightning.common import HNet, full_state, loader
@@ -52,7 +53,7 @@ def _resume(run: Path, pointer: Path) -> tuple[L.Trainer, HNet]:
 
 def test_a_moved_run_resumes_and_loads_from_its_last_ckpt(tmp_path: Path) -> None:
     before = _train(tmp_path / "run")
-    doc = json.loads((tmp_path / "run" / "ckpts" / "last.ckpt").read_text())
+    doc = pointer_document((tmp_path / "run" / "ckpts" / "last.ckpt").read_bytes())
     assert doc["root_relative"] == "../root" and doc["root"] == str(tmp_path / "run" / "root")
     moved = tmp_path / "elsewhere" / "run-moved"
     shutil.move(str(tmp_path / "run"), str(moved))
@@ -70,15 +71,15 @@ def test_a_moved_run_resumes_and_loads_from_its_last_ckpt(tmp_path: Path) -> Non
     # the moved run goes on saving into its moved root, and its new pointers name it
     t3 = _trainer(moved, 3)
     t3.fit(HNet(lr=0.02), loader(), ckpt_path=str(moved / "ckpts" / "last.ckpt"))
-    newest = json.loads(Path(t3.checkpoint_callback.last_model_path).read_text())  # type: ignore[union-attr]
+    newest = pointer_document(Path(t3.checkpoint_callback.last_model_path).read_bytes())  # type: ignore[union-attr]
     assert newest["root"] == str(moved / "root") and newest["step"] == t3.global_step > before["step"]
 
 
 def test_an_older_pointer_finds_the_moved_root_by_its_name(tmp_path: Path) -> None:
     before = _train(tmp_path / "run")
     last = tmp_path / "run" / "ckpts" / "last.ckpt"
-    doc = json.loads(last.read_text())
-    del doc["root_relative"]  # a pointer written before root_relative existed
+    doc = pointer_document(last.read_bytes())
+    del doc["root_relative"]  # a pointer written before root_relative existed (bare JSON then)
     last.write_text(json.dumps(doc))
     moved = tmp_path / "copy"
     shutil.copytree(tmp_path / "run", moved)

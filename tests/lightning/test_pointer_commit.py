@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.format.pointer import pointer_document
 from shardkeeper.core.testing.procs import kill_tree
 from shardkeeper.lightning import ShardkeeperCheckpointIO, load_checkpoint
 from shardkeeper.lightning.paths import write_pointer
@@ -81,7 +82,7 @@ def _copy(killed: Path, to: Path) -> tuple[Path, Path]:
 
 
 def _step(pointer: Path) -> int:
-    return int(json.loads(pointer.read_text())["step"])
+    return int(pointer_document(pointer.read_bytes())["step"])
 
 
 class _Start(Callback):

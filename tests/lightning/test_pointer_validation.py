@@ -1,13 +1,15 @@
 """A pointer file's fields are checked with their exact types, at the one place pointers are
 parsed, so the inference loader, ``load_from_checkpoint`` and ``fit(ckpt_path=pointer)`` all
 refuse a damaged or altered pointer with one error naming the pointer, the field, what was
-found and the remedy; a file that starts like a pointer (``{``) but does not parse never
-reaches ``torch.load``; real ``.ckpt`` files still go to Lightning's loader."""
+found and the remedy; a file that starts like a pointer (the core's zip, or a bare ``{``) but
+does not parse never reaches ``torch.load``; real ``.ckpt`` files still go to Lightning's loader."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 
 import shardkeeper.lightning as skl
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
+from shardkeeper.core.format.pointer import MEMBER, pointer_document
 from shardkeeper.lightning.loading import is_pointer
 from shardkeeper.lightning.paths import read_pointer
 from tests.checks import assert_same_state
@@ -38,7 +41,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "tmp": tmp,
         "root": tmp / "root",
         "step": t.global_step,
-        "doc": json.loads((tmp / "good.ckpt").read_text()),
+        "doc": pointer_document((tmp / "good.ckpt").read_bytes()),
+        "bytes": (tmp / "good.ckpt").read_bytes(),
         "state": {k: v.detach().clone() for k, v in net.state_dict().items()},
     }
 
@@ -48,8 +52,16 @@ def _pointer(run: dict[str, Any], tmp: Path, name: str = "bad.ckpt", **fields: A
     doc = {**run["doc"], **fields}
     doc = {k: v for k, v in doc.items() if v is not ...}
     path = tmp / name
-    path.write_text(json.dumps(doc))
+    path.write_bytes(_zipped(json.dumps(doc).encode()))
     return path
+
+
+def _zipped(document: bytes) -> bytes:
+    """A pointer file's zip holding ``document`` as its JSON member (and nothing for torch)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr(MEMBER, document)
+    return out.getvalue()
 
 
 BAD_FIELDS = [
@@ -113,7 +125,7 @@ def test_unknown_extra_fields_are_ignored(run: dict[str, Any], tmp_path: Path) -
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncated", "leading-space", "not-a-pointer", "array-in-braces", "oversized"],
+    ["truncated", "leading-space", "not-a-pointer", "array-in-braces", "oversized", "zip-truncated", "zip-not-json"],
 )
 def test_a_damaged_pointer_raises_the_clear_error_never_torch_loads_error(
     run: dict[str, Any], tmp_path: Path, damage: str
@@ -125,6 +137,8 @@ def test_a_damaged_pointer_raises_the_clear_error_never_torch_loads_error(
         "not-a-pointer": b'{"some": "json"}',
         "array-in-braces": b"{[1, 2]}",
         "oversized": b"{" + b" " * (1 << 17) + b"}",
+        "zip-truncated": run["bytes"][: len(run["bytes"]) // 2],
+        "zip-not-json": _zipped(good[:-1]),
     }[damage]
     bad = tmp_path / "damaged.ckpt"
     bad.write_bytes(data)
@@ -186,7 +200,7 @@ def test_removing_a_damaged_pointer_removes_it_and_forgets_its_path(tmp_path: Pa
     t.fit(HNet(), loader())
     path = tmp_path / "a.ckpt"
     t.save_checkpoint(path)
-    path.write_bytes(path.read_bytes()[:10])
+    path.write_bytes(path.read_bytes()[:100])
     t.strategy.remove_checkpoint(path)
     assert not path.exists()
     index = json.loads((tmp_path / "root" / "lightning-paths.json").read_text())

@@ -1,7 +1,7 @@
 """A shardkeeper checkpoint as Lightning's checkpoint dict, in one process: inference loads.
 
-The ``.ckpt`` files the plugin leaves are pointers (JSON), not torch files, so Lightning's
-own loader (``torch.load``) refuses them. :func:`load_checkpoint` reads the step a pointer
+The ``.ckpt`` files the plugin leaves are pointers, not checkpoints: Lightning's own loader
+(``torch.load``) finds only a message naming the root and step. :func:`load_checkpoint` reads the step a pointer
 (or a root, or a step directory) names and returns the dict ``torch.load`` returns for a
 Lightning ``.ckpt``: ``state_dict`` of full CPU tensors (assembled from any saved layout:
 ddp, FSDP2/TP shards, FSDP1, DeepSpeed fragments), ``hyper_parameters``, ``epoch``,

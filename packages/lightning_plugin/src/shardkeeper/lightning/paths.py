@@ -1,7 +1,9 @@
 """Lightning checkpoint paths as names of shardkeeper steps.
 
 A Lightning path (``.../epoch=0-step=10.ckpt``, ``last.ckpt``) becomes a *pointer file*: a
-small JSON document naming the checkpoint root and the step that holds the state. Lightning
+small file naming the checkpoint root and the step that holds the state (the core's pointer
+format, :mod:`shardkeeper.core.format.pointer`: ``torch.load`` of it gives a message naming
+both and how to load them). Lightning
 keeps working with paths (``ModelCheckpoint`` lists, links and removes them, ``fit(ckpt_path=
 "last")`` finds the newest ``last.ckpt``), while the state itself lives once, as a committed
 step under the root. Pointers hold no tensors and are never unpickled.
@@ -31,6 +33,7 @@ from typing import Any
 
 from shardkeeper.core import parse_step_dir, step_dir
 from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.format.pointer import encode_pointer, looks_like_pointer, pointer_message
 from shardkeeper.core.storage.safe_files import write_file
 from shardkeeper.lightning.pointer_doc import MAX_POINTER_BYTES, POINTER_FORMAT, POINTER_VERSION, parse_pointer
 
@@ -63,7 +66,9 @@ def write_pointer(path: str, root: str, step: int) -> None:
     doc: dict[str, Any] = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "root": root, "step": step}
     if _local(root) and _local(path):
         doc["root_relative"] = os.path.relpath(root, os.path.dirname(os.path.abspath(path))).replace(os.sep, "/")
-    data = json.dumps(doc).encode()
+    data = encode_pointer(
+        doc, pointer_message(root, step, _how(path, root)), {"pytorch-lightning_version": _lightning_version()}
+    )
     fs, p = _fs(path)
     parent = p.rsplit("/", 1)[0] if "/" in p else ""
     if parent:
@@ -80,6 +85,24 @@ def write_pointer(path: str, root: str, step: int) -> None:
         fs.pipe_file(p, data)
 
 
+def _lightning_version() -> str:
+    """In a pointer's ``torch.load`` view, so that Lightning's own loader (the plugin not
+    installed) reaches its ``state_dict``, whose error names the pointer's message."""
+    import lightning
+
+    return str(lightning.__version__)
+
+
+def _how(path: str, root: str) -> str:
+    """How to load a pointer's checkpoint, in the message ``torch.load`` of it shows."""
+    return (
+        f"Resume with Trainer(plugins=[shardkeeper.lightning.ShardkeeperCheckpointIO({root!r})])"
+        f".fit(model, ckpt_path={path!r}); load it with shardkeeper.lightning.load_checkpoint({path!r}) "
+        f"or, once shardkeeper.lightning is imported, YourModule.load_from_checkpoint({path!r}); "
+        f"`shardkeeper ls {path}` lists its root"
+    )
+
+
 def _local(path: str) -> bool:
     """A plain local path (a URL, ``file://`` included, is left to fsspec as it is)."""
     return "://" not in path
@@ -87,16 +110,16 @@ def _local(path: str) -> bool:
 
 def read_pointer(path: str) -> Target | None:
     """The target of a pointer file (its root found as the module docstring says), or ``None``
-    when ``path`` is not a pointer file: not a file, or one whose first non-space byte is not
-    ``{`` (a Lightning ``.ckpt`` is a zip or a pickle, never JSON). A file that starts like a
-    pointer but is not a valid one raises (:func:`parse_pointer`): it must never reach
-    ``torch.load``."""
+    when ``path`` is not a pointer file: not a file, or one that does not start as a pointer
+    does (a Lightning ``.ckpt`` is a zip whose first member is its ``data.pkl``, or a pickle).
+    A file that starts like a pointer but is not a valid one raises (:func:`parse_pointer`):
+    it must never reach ``torch.load``."""
     fs, p = _fs(path)
     if not fs.isfile(p):
         return None
     with fs.open(p, "rb") as f:
         data = f.read(MAX_POINTER_BYTES + 1)
-    if data.lstrip()[:1] != b"{":
+    if not looks_like_pointer(data):
         return None
     doc = parse_pointer(path, data)
     named, step, rel = doc["root"], doc["step"], doc.get("root_relative")

@@ -1,26 +1,32 @@
 """The one parser of a pointer file's bytes: every field checked with its exact type.
 
-A pointer (``last.ckpt``, ``epoch=0-step=10.ckpt``) is the JSON document ``{"format":
-"shardkeeper-lightning-pointer", "version": 1, "root": ..., "step": ..., "root_relative": ...}``.
-Every reader (the plugin's restore, ``fit(ckpt_path=pointer)``, ``load_checkpoint`` and the
-hooked ``load_from_checkpoint``) goes through :func:`parse_pointer`, so a damaged or altered
-pointer fails the same way everywhere: one error naming the pointer, the field, what was found
-and the remedy (resume from the root itself). Nothing is coerced (``"16"``, ``16.0``, ``true``
-are not steps), and a file that starts like a pointer (``{``) but is not one is refused here
-rather than handed to ``torch.load``, whose own error suggests unpickling it.
+A pointer (``last.ckpt``, ``epoch=0-step=10.ckpt``) is the core's pointer file
+(:mod:`shardkeeper.core.format.pointer`: a small zip ``torch.load`` shows as a message naming
+the root and step) holding the JSON document ``{"format": "shardkeeper-lightning-pointer",
+"version": 1, "root": ..., "step": ..., "root_relative": ...}``; a bare JSON document (the
+earlier form) is read too. Every reader (the plugin's restore, ``fit(ckpt_path=pointer)``,
+``load_checkpoint`` and the hooked ``load_from_checkpoint``) goes through :func:`parse_pointer`,
+so a damaged or altered pointer fails the same way everywhere: one error naming the pointer,
+the field, what was found and the remedy (resume from the root itself). Nothing is coerced
+(``"16"``, ``16.0``, ``true`` are not steps), and a file that starts like a pointer but is not
+one is refused here rather than handed to ``torch.load``.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
+from shardkeeper.core.format.pointer import (
+    MAX_POINTER_BYTES,
+    POINTER_VERSION,
+    PointerDamagedError,
+    pointer_document,
+    pointer_format,
+)
 
-POINTER_FORMAT = "shardkeeper-lightning-pointer"
-POINTER_VERSION = 1  # the newest version this shardkeeper writes and reads
-KNOWN_VERSIONS = frozenset({1})
-MAX_POINTER_BYTES = 1 << 16
+POINTER_FORMAT = pointer_format("lightning")
+KNOWN_VERSIONS = frozenset({POINTER_VERSION})
 _MISSING = object()
 _FOUND_CHARS = 48
 
@@ -40,7 +46,7 @@ def _remedy(root: Any) -> str:
     return (
         f"Resume from the checkpoint root itself (the directory or URL holding step-XXXXXXXXXXXX "
         f"directories): trainer.fit(..., ckpt_path={where}) or shardkeeper.lightning.load_checkpoint({where}); "
-        f"do not torch.load this file (it is not a torch checkpoint)"
+        f"torch.load of this file gives only a message naming its root and step"
     )
 
 
@@ -57,14 +63,10 @@ def parse_pointer(path: str, data: bytes) -> dict[str, Any]:
     ``root`` (a non-empty string), ``step`` (an int >= 0), ``root_relative`` (a string, when
     present). Unknown extra fields are ignored. Raises :class:`CorruptCheckpointError` for a
     damaged pointer and :class:`IncompatibleFormatError` for one of a newer format."""
-    if len(data) > MAX_POINTER_BYTES:
-        raise _damaged(path, f"it starts like one (JSON) but is larger than a pointer ({MAX_POINTER_BYTES} bytes)")
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _damaged(path, f"it starts like one (JSON) but does not parse (truncated or overwritten?): {e}") from None
-    if not isinstance(doc, dict):
-        raise _damaged(path, f"it holds {found(doc)}, not a JSON object")
+        doc = pointer_document(data)
+    except PointerDamagedError as e:
+        raise _damaged(path, str(e)) from None
     fmt = doc.get("format", _MISSING)
     if fmt != POINTER_FORMAT:
         raise _damaged(path, f"field 'format' must be {POINTER_FORMAT!r}, found {found(fmt)} (not a pointer file?)")
