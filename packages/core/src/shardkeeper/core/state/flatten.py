@@ -17,7 +17,6 @@ and stateful objects get ``load_state_dict`` with their own filled state dict.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -31,6 +30,7 @@ from shardkeeper.core.format.columns import without_gc
 from shardkeeper.core.format.jsonvalue import check_value, describe_problem
 from shardkeeper.core.state.fragment import Fragment
 from shardkeeper.core.state.optim_compat import OptimizerTarget, optimizer_class
+from shardkeeper.core.state.per_rank import PerRank, RNGState
 from shardkeeper.core.state.tied import merge_ties, object_ties
 
 #: Wrapper path components stripped from FQNs so one model has one set of keys everywhere.
@@ -57,59 +57,6 @@ def module_ties(key: str, module: nn.Module) -> list[tuple[str, ...]]:
     for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         by_object.setdefault(id(t), []).append(f"{key}/{normalize_fqn(name)}")
     return [tuple(dict.fromkeys(names)) for names in by_object.values() if len(set(names)) > 1]
-
-
-class PerRank:
-    """Marks state that differs per rank (RNG, data position): stored as ``<key>/<rank>/...``."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-class RNGState:
-    """The calling process's RNG state: torch (CPU and CUDA), numpy, python ``random``.
-
-    Per-rank by nature; put it in the state as ``{"rng": RNGState()}``.
-    """
-
-    __shardkeeper_per_rank__ = True
-
-    def state_dict(self) -> dict[str, Any]:
-        # The legacy (default) form: a tuple, as long as the global generator is MT19937.
-        np_state = cast("tuple[str, np.ndarray[Any, Any], int, int, float]", np.random.get_state())
-        py_state = random.getstate()
-        out: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "numpy": {
-                "kind": np_state[0],
-                "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                "pos": int(np_state[2]),
-                "has_gauss": int(np_state[3]),
-                "cached_gaussian": float(np_state[4]),
-            },
-            "python": {"version": py_state[0], "state": list(py_state[1]), "gauss": py_state[2]},
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            out["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-        return out
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        torch.set_rng_state(sd["torch"].to(torch.uint8))
-        n = sd["numpy"]
-        np.random.set_state(
-            (
-                n["kind"],
-                n["keys"].numpy().astype(np.uint32),
-                int(n["pos"]),
-                int(n["has_gauss"]),
-                float(n["cached_gaussian"]),
-            )
-        )
-        p = sd["python"]
-        random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
-        if "cuda" in sd and torch.cuda.is_available():
-            states = [sd["cuda"][str(i)] for i in range(len(sd["cuda"]))]
-            torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
 
 
 #: The types of plain tensor leaves (flattened inline; their save plans are cached as they are).
