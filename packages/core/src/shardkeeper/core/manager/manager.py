@@ -51,7 +51,8 @@ from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.manager import at_exit
 from shardkeeper.core.restore.load import load_step
-from shardkeeper.core.restore.plan import PER_RANK_POLICIES, RestoreStats
+from shardkeeper.core.restore.plan import RestoreStats
+from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.restore.restorer import Restorer
 from shardkeeper.core.runtime.context import ManagerContext, open_root
 from shardkeeper.core.runtime.coordinator import make_coordinator
@@ -437,33 +438,24 @@ class CheckpointManager:
         """
         self._check_open()
         check_state("restore", state)
-        step = check_step("restore", step, optional=True)
-        policy = per_rank or self.options.per_rank
-        if policy not in PER_RANK_POLICIES:
-            raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
-        patterns = [only] if isinstance(only, str) else (list(only) if only else None)
-        optional_patterns = [optional] if isinstance(optional, str) else list(optional or [])
+        request = RestoreRequest.checked(
+            step,
+            only,
+            strict=strict,
+            per_rank=per_rank,
+            cast_dtypes=cast_dtypes,
+            optional=optional,
+            default_per_rank=self.options.per_rank,
+        )
         self._wait_pending(raise_error=False)
         if self._tiers is not None:
-            return self._restore_tiered(state, step, patterns, strict, policy, cast_dtypes, optional_patterns)
-        return self._restorer.restore_state(
-            state, step, patterns, strict=strict, per_rank=policy, cast=cast_dtypes, optional=optional_patterns
-        )
+            return self._restore_tiered(state, request)
+        return self._restorer.restore_state(state, request)
 
-    def _restore_tiered(
-        self,
-        state: Mapping[str, Any],
-        step: int | None,
-        patterns: list[str] | None,
-        strict: bool,
-        policy: str,
-        cast: bool,
-        optional: list[str],
-    ) -> int:
+    def _restore_tiered(self, state: Mapping[str, Any], request: RestoreRequest) -> int:
         """``restore`` with a local tier (``tiers/restore.py``)."""
         assert self._tiers is not None and self._persistent is not None
-        kwargs = {"strict": strict, "per_rank": policy, "cast": cast, "optional": optional}
-        got = restore_tiered(self._tiers, self._restorer, self._persistent.restorer, state, step, patterns, kwargs)
+        got = restore_tiered(self._tiers, self._restorer, self._persistent.restorer, state, request)
         self._last_restorer, self._last_tier = got.restorer, got.tier
         stats = got.restorer.last_stats
         if got.tier != LOCAL and stats is not None:

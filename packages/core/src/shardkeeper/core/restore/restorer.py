@@ -38,6 +38,7 @@ from shardkeeper.core.lifecycle.quarantine import named_files
 from shardkeeper.core.restore.flat import TargetWrites, restore_flat
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.quarantine import quarantine_passed_over
+from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.restore.share import PeerExchangeError, ReadShare, peer_group
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.state.flatten import flatten_for_restore
@@ -63,35 +64,15 @@ class Restorer:
         self.quarantined: list[int] = []  # the damaged steps the last restore quarantined
         self._loaded: Manifest | None = None
 
-    def restore_state(
-        self,
-        state: Mapping[str, Any],
-        step: int | None,
-        patterns: list[str] | None,
-        *,
-        strict: bool,
-        per_rank: str,
-        cast: bool,
-        optional: list[str],
-        agreed: bool = False,
-    ) -> int:
+    def restore_state(self, state: Mapping[str, Any], request: RestoreRequest, *, stacklevel: int = 2) -> int:
         """``CheckpointManager.restore``: ``restore`` of ``state`` without its progress
-        targets, which are handed the restored step's progress when ``patterns`` select it.
-        ``agreed``: the ranks already agreed on ``step`` (a tiered restore chose it together)."""
+        targets, which are handed the restored step's progress when the request's patterns
+        select it (``stacklevel``: of the fallback warning, counted from the caller of this
+        method as ``warnings.warn`` counts: 2, its caller's caller)."""
         rest, targets = split_targets(state)
-        restored = self.restore(
-            rest,
-            step,
-            patterns,
-            strict=strict,
-            per_rank=per_rank,
-            cast=cast,
-            optional=optional,
-            stacklevel=3,  # the warning names the manager's caller
-            allow_empty=bool(targets),
-            agreed=agreed,
-        )
+        restored = self.restore(rest, request, stacklevel=stacklevel + 1, allow_empty=bool(targets))
         merge_back(state, rest)
+        patterns = request.patterns
         if targets and (not patterns or any(_selects_progress(p) for p in patterns)):
             manifest = self.last_manifest  # the restored step's, read by the restore
             assert manifest is not None and manifest.step == restored
@@ -101,18 +82,7 @@ class Restorer:
         return restored
 
     def restore(
-        self,
-        state: Mapping[str, Any],
-        step: int | None,
-        patterns: list[str] | None,
-        *,
-        strict: bool,
-        per_rank: str,
-        cast: bool,
-        optional: list[str],
-        stacklevel: int = 1,
-        allow_empty: bool = False,
-        agreed: bool = False,
+        self, state: Mapping[str, Any], request: RestoreRequest, *, stacklevel: int = 1, allow_empty: bool = False
     ) -> int:
         """The step restored into ``state``, or raise (``stacklevel``: of the fallback warning,
         counted from the caller of this method). A ``state`` without leaves is a ``ValueError``
@@ -120,10 +90,11 @@ class Restorer:
         progress targets alone, which read the manifest)."""
         ctx = self.ctx
         url = ctx.storage.url
+        step = request.step
         explicit = step is not None
         # Newest first by listing alone: each candidate's manifest is validated when it is
         # loaded, and a damaged one falls back to the next (never a parse of every manifest).
-        agreed = agreed and step is not None  # (two collectives fewer: the tiers agreed on it)
+        agreed = request.agreed and step is not None  # (two collectives fewer: the tiers agreed on it)
         if ctx.world_size > 1 and not agreed:
             self._same_step_everywhere(step)
         candidates = [step] if step is not None else sorted(commit.manifest_steps(ctx.storage), reverse=True)
@@ -141,9 +112,7 @@ class Restorer:
         share = self._share_group()
         for s in candidates:
             attempt_share = None if share is None else ReadShare(share, ctx.rank, ctx.world_size, s)
-            verdict, err = self._attempt(
-                state, s, patterns, strict, per_rank, cast, optional, writes, allow_empty, attempt_share
-            )
+            verdict, err = self._attempt(state, s, request, writes, allow_empty, attempt_share)
             if isinstance(err, PeerExchangeError):  # a rank is gone: every survivor meets this, agree on nothing
                 raise partly_restored(err, writes)
             if ctx.world_size > 1:
@@ -216,24 +185,21 @@ class Restorer:
         self,
         state: Mapping[str, Any],
         step: int,
-        patterns: list[str] | None,
-        strict: bool,
-        policy: str,
-        cast: bool,
-        optional: list[str],
+        request: RestoreRequest,
         writes: TargetWrites,
         allow_empty: bool,
         share: ReadShare | None,
     ) -> tuple[Verdict, BaseException | None]:
-        """This rank's attempt at ``step``, and its error (``share``: its part in the exchange
-        of shared reads, which it joins even when it fails first)."""
+        """This rank's attempt at ``step`` (the request's other arguments), and its error
+        (``share``: its part in the exchange of shared reads, which it joins even when it
+        fails first)."""
         ctx = self.ctx
         url = ctx.storage.url
         t0 = time.perf_counter()
         try:
             manifest = self._loaded = readable_manifest(ctx, step)
             check_restore_target(manifest.metadata, state, f"step {step} under {url}")
-            flat = flatten_for_restore(state, ctx.rank, strict=strict)
+            flat = flatten_for_restore(state, ctx.rank, strict=request.strict)
             if not flat.leaves and not allow_empty:
                 raise ValueError(
                     f"restore(): the target state holds nothing to fill (an empty mapping, or only "
@@ -248,11 +214,11 @@ class Restorer:
                 flat,
                 rank=ctx.rank,
                 world_size=ctx.world_size,
-                only=patterns,
-                strict=strict,
-                optional=optional,
-                per_rank=policy,
-                cast=cast,
+                only=request.patterns,
+                strict=request.strict,
+                optional=request.optional,
+                per_rank=request.per_rank,
+                cast=request.cast,
                 executor=ctx.io,
                 max_read_bytes=ctx.settings.max_read_bytes,
                 writes=writes,

@@ -10,7 +10,7 @@ fall back across the tiers when the chosen copy turns out damaged.
   root's newest was damaged) restores that local step instead.
 - After restoring the newest, each node drops its local steps newer than the one restored
   that no tier holds whole, and every rank waits for that before it returns; the coordinator
-  takes over the step claims above the step restored (``claim.py``), also when nothing was
+  takes over the step claims above the step restored (``commit/claim.py``), also when nothing was
   found to restore; and damaged steps the persistent restore quarantined there
   (``lifecycle/quarantine.py``) count as not persisted, so that the save of such a step is uploaded.
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.restore.restorer import Restorer
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice
 from shardkeeper.core.tiers.repair import damaged_files
@@ -56,13 +57,11 @@ def restore_tiered(
     local: Restorer,
     remote: Restorer,
     state: Mapping[str, Any],
-    step: int | None,
-    patterns: list[str] | None,
-    kwargs: dict[str, Any],
+    request: RestoreRequest,
 ) -> Restored:
     """Collective: restore ``state`` from the tiers (``local`` / ``remote``: the restorers of
     this node's directory and of the persistent root)."""
-    rank = tiers.rank
+    rank, step = tiers.rank, request.step
     choice = tiers.choose(step)
     if choice.tier is None:
         if step is None:
@@ -74,9 +73,9 @@ def restore_tiered(
         )
     if choice.tier == LOCAL:
         assert choice.step is not None
-        out = _local_with_fallback(tiers, local, remote, state, step, patterns, kwargs, choice)
+        out = _local_with_fallback(tiers, local, remote, state, request, choice)
     else:
-        out = Restored(remote.restore_state(state, choice.step, patterns, **kwargs), PERSISTENT, remote)
+        out = Restored(remote.restore_state(state, request.at(choice.step)), PERSISTENT, remote)
         newest_local = choice.local_steps[0] if choice.local_steps else None
         if step is None and newest_local is not None and out.step < newest_local:
             warnings.warn(
@@ -85,7 +84,7 @@ def restore_tiered(
                 stacklevel=4,
             )
             tiers.make_whole(choice, newest_local)
-            out = _restore_repairing(tiers, local, state, newest_local, patterns, kwargs)
+            out = _restore_repairing(tiers, local, state, request, newest_local)
     if step is None:
         tiers.drop_newer(choice, out.step)
         tiers.take_over(out.step)
@@ -98,9 +97,7 @@ def _local_with_fallback(
     local: Restorer,
     remote: Restorer,
     state: Mapping[str, Any],
-    step: int | None,
-    patterns: list[str] | None,
-    kwargs: dict[str, Any],
+    request: RestoreRequest,
     choice: Choice,
 ) -> Restored:
     """The chosen local step; when its bytes fail their digests (the ranks agree) and the
@@ -109,6 +106,7 @@ def _local_with_fallback(
     ``choice.local_steps``, so the drop after the restore removes it from every node (else
     every restart would try it again, and a save below it would be refused)."""
     assert choice.step is not None
+    step = request.step
     candidates: list[int] = [choice.step] if step is not None else list(choice.local_steps)
     newest_persisted = choice.persisted[-1] if choice.persisted else None
     for i, s in enumerate(candidates):
@@ -117,7 +115,7 @@ def _local_with_fallback(
         if i:
             tiers.make_whole(choice, s)
         try:
-            return _restore_repairing(tiers, local, state, s, patterns, kwargs)
+            return _restore_repairing(tiers, local, state, request, s)
         except Exception as e:  # (agreed on by every rank before it was raised)
             if getattr(e, "tier_damage", None) != 1 or step is not None:
                 raise
@@ -132,27 +130,26 @@ def _local_with_fallback(
             note = getattr(e, "partly_restored_note", "")  # (the restore that follows rewrites the target)
             why = str(e).replace(note, "") if note else str(e)
             warnings.warn(f"step {s} in the local tier is damaged ({why}); restoring {later}", stacklevel=5)
-    return Restored(remote.restore_state(state, None, patterns, **kwargs), PERSISTENT, remote)
+    return Restored(remote.restore_state(state, request.at(None)), PERSISTENT, remote)
 
 
 def _restore_repairing(
     tiers: Tiering,
     local: Restorer,
     state: Mapping[str, Any],
+    request: RestoreRequest,
     s: int,
-    patterns: list[str] | None,
-    kwargs: dict[str, Any],
 ) -> Restored:
-    """Local step ``s``; when its bytes fail their digests, the damaged copies the ranks'
-    errors lead to are replaced by other nodes' good copies (``repair.py``) and ``s`` is read
-    again, up to ``MAX_REPAIRS`` times. A failure is raised on every rank together, carrying
-    the ranks' agreed verdict as ``tier_damage`` (1: the step is damaged, 2: anything else,
-    for which no other step is tried), also when nothing could be repaired or the repair
-    itself failed (the step then counts as damaged)."""
+    """``request`` at local step ``s``; when its bytes fail their digests, the damaged copies
+    the ranks' errors lead to are replaced by other nodes' good copies (``repair.py``) and
+    ``s`` is read again, up to ``MAX_REPAIRS`` times. A failure is raised on every rank
+    together, carrying the ranks' agreed verdict as ``tier_damage`` (1: the step is damaged,
+    2: anything else, for which no other step is tried), also when nothing could be repaired
+    or the repair itself failed (the step then counts as damaged)."""
     rank = tiers.rank
     for attempt in range(MAX_REPAIRS + 1):
         try:
-            return Restored(local.restore_state(state, s, patterns, agreed=True, **kwargs), LOCAL, local)
+            return Restored(local.restore_state(state, request.at(s, agreed=True)), LOCAL, local)
         except Exception as e:  # every rank agrees on what failed, so none waits on another
             code = tiers.group.all_reduce_max([_damage_code(e)], f"rank {rank}: whether step {s} is damaged")[0]
             e.tier_damage = code  # type: ignore[attr-defined]
