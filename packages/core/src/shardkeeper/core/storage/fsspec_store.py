@@ -26,7 +26,9 @@ What the commit protocol relies on, per backend:
 
 This module imports neither torch nor a backend library: fsspec loads ``s3fs`` or ``gcsfs``
 when a URL asks for it. Layering: the generic store; what only S3 and GCS need (errors, zonal
-buckets, leftover folders) is in storage/object_stores.py, the writer in storage/fsspec_writer.py.
+buckets, leftover folders) is in storage/object_stores.py, the writer in storage/fsspec_writer.py,
+the non-atomic ``put_if_absent`` in storage/unatomic_put.py, and the reading of modification
+times in storage/stamps.py.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import fsspec
@@ -62,6 +63,8 @@ from shardkeeper.core.storage.object_stores import (
     is_zonal_bucket,
     remove_empty_folders,
 )
+from shardkeeper.core.storage.stamps import stamp_of, timestamp
+from shardkeeper.core.storage.unatomic_put import put_checked
 
 log = logging.getLogger(__name__)
 
@@ -75,38 +78,10 @@ _VOLATILE_PROTOCOLS = frozenset({"memory"})
 #: buffers at most about one part.
 DEFAULT_PART_SIZE_BYTES = 32 * 2**20
 
-# put_if_absent on backends without a conditional write: serialize within this process.
-_fallback_lock = threading.Lock()
-_warned_protocols: set[str] = set()
-_warned_lock = threading.Lock()
-
 
 def _protocol_of(fs: Any) -> str:
     proto = fs.protocol
     return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
-
-
-def _stamp_of(info: dict[str, Any]) -> float | None:
-    """The modification time in an fsspec ``info`` or listing entry, if it has one."""
-    for key in ("LastModified", "mtime", "updated", "last_modified", "modified", "created"):
-        if info.get(key) is not None:
-            try:
-                return _timestamp(info[key])
-            except (TypeError, ValueError):
-                continue
-    return None
-
-
-def _timestamp(value: Any) -> float:
-    if isinstance(value, datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
-        return value.timestamp()
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        return _timestamp(datetime.fromisoformat(value.replace("Z", "+00:00")))
-    raise TypeError(f"not a timestamp: {value!r}")
 
 
 class FsspecStorage:
@@ -297,7 +272,7 @@ class FsspecStorage:
 
     def mtime(self, path: str) -> float:
         info = self._info(path)
-        stamp = _stamp_of(info)
+        stamp = stamp_of(info)
         if stamp is not None:
             return stamp
         full = self._full(path)
@@ -306,10 +281,10 @@ class FsspecStorage:
             # (``ls`` hides it on GCS; ``find`` lists it, as the object ``path/``.)
             found = self._call("mtime", path, lambda: self.fs.find(full, maxdepth=1, withdirs=True, detail=True))
             marker = found.get(full + "/") if isinstance(found, dict) else None
-            stamp = _stamp_of(marker) if isinstance(marker, dict) else None
+            stamp = stamp_of(marker) if isinstance(marker, dict) else None
             if stamp is not None:
                 return stamp
-        return self._call("mtime", path, lambda: _timestamp(self.fs.modified(full)))
+        return self._call("mtime", path, lambda: timestamp(self.fs.modified(full)))
 
     def read_bytes(self, path: str) -> bytes:
         full = self._full(path)
@@ -373,27 +348,15 @@ class FsspecStorage:
                     raise self._translate("put_if_absent", path, e) from e
             self._invalidate(path)
             return
-        self._warn_not_atomic()
-        with _fallback_lock:
-            if self.exists(path):
-                raise CommitConflictError(f"{self.describe(path)} already exists (put_if_absent)") from FileExistsError(
-                    errno.EEXIST, "object exists", full
-                )
-            self._call("put_if_absent", path, lambda: self.fs.pipe_file(full, data))
-        self._invalidate(path)
-
-    def _warn_not_atomic(self) -> None:
-        with _warned_lock:
-            if self.protocol in _warned_protocols:
-                return
-            _warned_protocols.add(self.protocol)
-        log.warning(
-            "%s:// has no conditional write: put_if_absent on %s checks then writes, which is "
-            "atomic only among threads of this process; two jobs committing the same step "
-            "concurrently could both succeed",
+        put_checked(
             self.protocol,
             self.url,
+            self.describe(path),
+            full,
+            lambda: self.exists(path),
+            lambda: self._call("put_if_absent", path, lambda: self.fs.pipe_file(full, data)),
         )
+        self._invalidate(path)
 
     def put(self, path: str, data: bytes) -> None:
         full = self._full(path)
