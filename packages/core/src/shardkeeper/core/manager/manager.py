@@ -1,8 +1,11 @@
 """``CheckpointManager``: save and restore a training state, on every rank.
 
-A façade: the commit protocol and its records are ``commit/protocol.py``; a save's caller-side and
-background halves ``save/runner.py`` (its handle ``save/handle.py``); restore with fallback
-``restore/restorer.py``; retention and ``delete()`` ``lifecycle/delete.py``. Save on every rank: plan ->
+A façade: it is made by ``build.py`` and holds a tier strategy (``tiers/strategy.py``: one tier
+or two), which every call that differs between them goes through. The commit protocol and its
+records are ``commit/protocol.py``; a save's caller-side and background halves
+``save/runner.py`` (its handle ``save/handle.py``); restore with fallback
+``restore/restorer.py``; ``delete()`` ``lifecycle/delete.py``, retention after each commit the
+strategy's save hooks (``save/hooks.py``). Save on every rank: plan ->
 stage (caller's thread) -> write -> report (background) -> commit on the coordinator
 (rank 0) -> retain. Restore on every rank: discover -> plan -> ranged, verified reads ->
 copy in place; all ranks agree on the step and on success, and "restore the newest" falls
@@ -15,57 +18,31 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, NoReturn
 
 from shardkeeper.core import metrics
-from shardkeeper.core.codec import CodecState
 from shardkeeper.core.codec.keys import KeyProvider
-from shardkeeper.core.commit.committed import committed_steps, is_committed, load_manifest, newest_committed
-from shardkeeper.core.config.arguments import (
-    MANAGER_PARAMETERS,
-    check_count,
-    check_manager_arguments,
-    check_replicas,
-    check_state,
-    check_step,
-    describe_keywords,
-)
+from shardkeeper.core.commit.committed import load_manifest, newest_committed
+from shardkeeper.core.config.arguments import check_manager_arguments, check_state, check_step
 from shardkeeper.core.config.options import (
     DEFAULT,
-    OPTION_NAMES,
     CheckpointOptions,
     Compression,
     DigestAlgorithm,
     PerRankPolicy,
     Staging,
-    describe_unknown,
-    given_options,
 )
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
-from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.lifecycle import delete as deletion
-from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.manager import at_exit
+from shardkeeper.core.manager.build import ManagerKeywords, build_parts
 from shardkeeper.core.restore.load import load_step
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.request import RestoreRequest
-from shardkeeper.core.restore.restorer import Restorer
-from shardkeeper.core.runtime.context import ManagerContext, open_root
-from shardkeeper.core.runtime.coordinator import make_coordinator
 from shardkeeper.core.save.handle import SaveHandle
-from shardkeeper.core.save.overlap import StagingGate
-from shardkeeper.core.save.plan import PlanCache
-from shardkeeper.core.save.runner import SaveRunner
-from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.storage import Storage
-from shardkeeper.core.tiers.choose import LOCAL
-from shardkeeper.core.tiers.opening import TierView, check_tier_options, open_tiers
-from shardkeeper.core.tiers.restore import restore_tiered
-from shardkeeper.core.tiers.tiering import Tiering
 
 log = logging.getLogger(__name__)
 
@@ -149,110 +126,46 @@ class CheckpointManager:
         A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
         ``TypeError`` naming the close matches; all before the root is touched.
         """
-        given = given_options(locals())
-        if unknown_options:
-            names = describe_unknown(unknown_options, MANAGER_PARAMETERS + OPTION_NAMES)
-            raise TypeError(f"unknown CheckpointManager keyword(s): {names}; {describe_keywords()}")
-        keep_last, keep_every = check_count("keep_last", keep_last), check_count("keep_every", keep_every)
-        persist_every, local_keep = check_count("persist_every", persist_every), check_count("local_keep", local_keep)
-        replicas = check_replicas(replicas)
-        if local is None and (persist_every is not None or replicas or local_keep is not None):
-            raise ValueError(
-                "CheckpointManager(): persist_every=, replicas= and local_keep= configure the local tier; pass "
-                "local='/node/local/dir' too (or drop them to save straight to the root)"
-            )
-        check_manager_arguments(
+        keywords = ManagerKeywords.checked(locals())  # check, build, assign
+        check_manager_arguments(  # (called from here: its warning about the root names our caller)
             root=root, storage_options=storage_options, metadata=metadata, options=options, process_group=process_group
         )
-        base = (options or CheckpointOptions()).replace(**given)
-        if local is not None:
-            base = check_tier_options(base)
-        self.options = base
-        self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
-        tiers_roots = None
-        if local is None:
-            self.storage, read_storage, keyed = open_root(
-                root,
-                storage_options,
-                retry=base.retry_policy(),
-                encryption=base.encryption,
-                bound_to=base.encryption_root,
-            )
-        else:
-            tiers_roots = open_tiers(root, local, storage_options, base)
-            self.storage, read_storage, keyed = tiers_roots[0].storage, tiers_roots[0].read, tiers_roots[0].encryption
-        self.metadata, _ = snapshot(dict(metadata or {}), "metadata key")
-        self._coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks, tiered=local is not None)
-        self.rank, self.world_size = self._coord.rank, self._coord.world_size
-        self._io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
-        self._tiers: Tiering | None = None
-        if tiers_roots is not None:
-            self._tiers = Tiering(
-                self._coord,
-                local=tiers_roots[0],
-                persistent=tiers_roots[1],
-                persist_every=persist_every,
-                replicas=replicas,
-                local_keep=local_keep,
-                retention=self.retention,
-                catalog=base.catalog,
-                io=self._io,
-                timeout_s=base.commit_timeout_s,
-            )
-        self._bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
-        self._stager = Stager()
-        self._plans = PlanCache()
-        self._gate = StagingGate()
-        ctx = ManagerContext(self.storage, read_storage, self._coord, base, self._io, keyed)
-        codecs = CodecState(
-            incremental=base.incremental,
-            compression=base.compression,
-            level=base.compression_level,
-            keys=keyed.keys if keyed is not None else None,
-        )
-        self._saver = SaveRunner(
-            ctx, codecs=codecs, stager=self._stager, plans=self._plans, gate=self._gate, tiers=self._tiers
-        )
-        self._restorer = Restorer(ctx)
-        self._ctx = ctx
-        self._persistent: TierView | None = None
-        if self._tiers is not None:
-            self._persistent = TierView.of(self._tiers, self._coord, base, self._io)
-        self._last_restorer = self._restorer
-        self._last_tier: str | None = None
-        self._persistent_reads = 0
-        self._pending: SaveHandle | None = None
-        self._seq = 0  # every rank numbers its saves alike: the keys a save's ranks meet under
-        self._closed = False
+        parts = build_parts(root, keywords, options, storage_options, metadata, process_group)
+        self.options, self.retention, self.metadata = parts.options, parts.retention, parts.metadata
+        self.storage, self.rank, self.world_size = parts.storage, parts.coord.rank, parts.coord.world_size
+        self._ctx, self._coord, self._io, self._bg = parts.ctx, parts.coord, parts.io, parts.bg
+        self._saver, self._stager, self._plans, self._gate = parts.saver, parts.stager, parts.plans, parts.gate
+        self._strategy = parts.strategy  # one tier or two (tiers/strategy.py)
+        self._tiers = parts.tiering  # the two tiers' state, or None: PreemptionGuard's final upload reads it
+        self._pending, self._seq, self._closed = None, 0, False
         at_exit.track(self)
 
     @property
     def last_restore_stats(self) -> RestoreStats | None:
         """What the last restore attempt that succeeded on this rank read (keys, bytes)."""
-        return self._last_restorer.last_stats
+        return self._strategy.last_stats
 
     @property
     def last_restore_tier(self) -> str | None:
         """With a local tier: ``"local"`` or ``"persistent"``, where the last restore read from."""
-        return self._last_tier
+        return self._strategy.last_tier
 
     @property
     def persistent_reads(self) -> int:
         """With a local tier: bytes this rank's restores read from the persistent root."""
-        return self._persistent_reads
+        return self._strategy.persistent_reads
 
     @property
     def persisted_steps(self) -> list[int]:
         """With a local tier: the steps this manager has uploaded and committed to the
         persistent root so far (an upload still running is not listed)."""
-        return list(self._tiers.persister.persisted) if self._tiers is not None else []
+        return self._strategy.persisted_steps()
 
     def wait_persisted(self) -> None:
         """With a local tier: block until the running upload to the persistent root ends;
         raise its failure (``CheckpointSaveError``; the step stays in the local tier)."""
         self._wait_pending(raise_error=True)
-        if self._tiers is not None:
-            self._tiers.persister.wait()
+        self._strategy.wait_persisted()
 
     # -- save --------------------------------------------------------------------------------
     def save(
@@ -293,8 +206,7 @@ class CheckpointManager:
         stall_s = 0.0
         try:
             handle = self._pending = self._saver.submit(self._bg, job, owner=self)
-            where = self._tiers.persistent if self._tiers is not None else self  # the root, not a node's directory
-            handle._owner = f"CheckpointManager for {where.storage.url} (rank {self.rank})"
+            handle._owner = f"CheckpointManager for {self._strategy.url} (rank {self.rank})"  # not a node's directory
             handle.stall_s = stall_s = time.perf_counter() - t0
             metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
             msg = "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)"
@@ -340,35 +252,25 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """Committed steps, ascending (reads and validates every manifest of the root: to ask
         about one step or the newest, ``is_committed`` and ``latest_step`` read one)."""
-        if self._persistent is not None:  # this node's local tier and the persistent root
-            return self._persistent.steps(self._ctx)
-        return committed_steps(self.storage)
+        return self._strategy.steps()  # with a local tier: this node's and the persistent root's
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None; manifests are validated newest first only until
         one validates. With a local tier: the newest of this node's and the persistent root's."""
-        if self._persistent is not None:
-            return self._persistent.latest(self._ctx)
-        return newest_committed(self.storage)
+        return self._strategy.latest()
 
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` is committed under the root (its manifest exists and validates);
         with a local tier, in this node's directory or the persistent root."""
         step = check_step("is_committed", step)
-        if self._persistent is not None and is_committed(self._persistent.ctx.storage, step):
-            return True
-        return is_committed(self.storage, step)
-
-    def _ctx_for(self, step: int | None) -> ManagerContext:
-        """Where one process reads ``step`` (None: the newest) from (``TierView.ctx_for``)."""
-        return self._ctx if self._persistent is None else self._persistent.ctx_for(self._ctx, step)
+        return self._strategy.is_committed(step)
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The validated manifest of ``step`` (None: the newest committed): its leaves (keys,
         kinds, shapes, dtypes), world size and metadata, without reading any tensor data."""
         self._check_open()
         step = check_step("manifest", step, optional=True)
-        ctx = self._ctx_for(step)
+        ctx = self._strategy.reader(step)
         if step is None:
             step = newest_committed(ctx.storage)
             if step is None:
@@ -379,6 +281,19 @@ class CheckpointManager:
         """Where ``step``'s directory lives (a path or URL), for messages and other tools."""
         step = check_step("step_url", step)
         return self.storage.describe(step_dir(step))
+
+    def agree(self, value: int, op: str = "bcast") -> int:
+        """``value`` as every rank of the manager's process group agrees on it: rank 0's
+        (``op="bcast"``), or the largest (``"max"``) or smallest (``"min"``) of all ranks'.
+        A collective: call it on every rank, on the caller's thread (adapters decide a save's
+        step with it)."""
+        self._check_open()
+        where = f"(root {self.storage.url}, rank {self.rank})"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"agree(): value must be an int, not {type(value).__name__} {where}")
+        if op not in ("bcast", "max", "min"):
+            raise ValueError(f"agree(): op must be 'bcast', 'max' or 'min', got {op!r} {where}")
+        return value if self.world_size == 1 else self._coord.agree_int(value, op)
 
     def delete(self, step: int, *, damaged: bool = False) -> bool:
         """Delete committed ``step`` with retention's guarantees; True if it is gone.
@@ -402,9 +317,7 @@ class CheckpointManager:
         if not isinstance(damaged, bool):
             raise TypeError(f"delete(damaged=...) must be True or False, not {damaged!r}")
         self._wait_pending(raise_error=False)
-        if self._persistent is not None:
-            return self._persistent.delete(step, damaged=damaged)
-        return deletion.delete_step(self._ctx, step, damaged=damaged)
+        return self._strategy.delete(step, damaged=damaged)
 
     # -- restore -----------------------------------------------------------------------------
     def restore(
@@ -448,19 +361,7 @@ class CheckpointManager:
             default_per_rank=self.options.per_rank,
         )
         self._wait_pending(raise_error=False)
-        if self._tiers is not None:
-            return self._restore_tiered(state, request)
-        return self._restorer.restore_state(state, request)
-
-    def _restore_tiered(self, state: Mapping[str, Any], request: RestoreRequest) -> int:
-        """``restore`` with a local tier (``tiers/restore.py``)."""
-        assert self._tiers is not None and self._persistent is not None
-        got = restore_tiered(self._tiers, self._restorer, self._persistent.restorer, state, request)
-        self._last_restorer, self._last_tier = got.restorer, got.tier
-        stats = got.restorer.last_stats
-        if got.tier != LOCAL and stats is not None:
-            self._persistent_reads += stats.bytes_read
-        return got.step
+        return self._strategy.restore(state, request)
 
     def load(
         self,
@@ -484,7 +385,7 @@ class CheckpointManager:
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"load(): max_bytes must be an int >= 0 or None (no bound), got {max_bytes!r}")
         self._wait_pending(raise_error=False)
-        out, _ = load_step(self._ctx_for(step), step, patterns, max_bytes)
+        out, _ = load_step(self._strategy.reader(step), step, patterns, max_bytes)
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -534,8 +435,7 @@ class CheckpointManager:
         self._closed = True
         at_exit.untrack(self)
         self._bg.shutdown(wait=True)
-        if self._tiers is not None:
-            self._tiers.close()
+        self._strategy.close()
         self._io.shutdown(wait=True)
 
     def _check_open(self) -> None:

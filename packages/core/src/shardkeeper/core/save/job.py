@@ -4,7 +4,7 @@ spans and metadata) and the ``Start`` signal, and how long a rank waits for the 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
@@ -50,8 +50,6 @@ class SaveJob:
     deferred: DeferredCopy | None = None
     staged: threading.Event | None = None
     """Set once ``deferred`` is copied (``staging="overlap"``); optimizer steps wait for it."""
-    tier: dict[str, Any] = field(default_factory=dict)
-    """With a local tier: the files this rank wrote, and on the coordinator the manifest committed."""
 
 
 def outcome_timeout(commit_timeout_s: float) -> float:

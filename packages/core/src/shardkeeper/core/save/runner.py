@@ -2,13 +2,16 @@
 
 Caller's thread: ``refusal`` (``commit/step_rule.py``: a step already committed, or below the
 newest committed one, is refused before anything is written; ``run_refused`` then takes the
-save's turn in the protocol), ``prepare`` (flatten, plan, stage: a ``SaveJob``). Background thread: ``run`` (write, report or collect and commit,
-publish or wait for the outcome, raise the save's failure, retain on the coordinator). The
-runner holds no reference to the manager: what one save needs travels in its ``SaveJob``.
+save's turn in the protocol), ``prepare`` (flatten, plan, stage: a ``SaveJob``). Background
+thread: ``run`` (write; report, or collect and commit; publish or wait for the outcome; raise
+the save's failure). The manager's tiers act at fixed points of both
+(``save/hooks.py``: a local tier's replicas, claims and uploads; retention after a commit).
+The runner holds no reference to the manager: what one save needs travels in its ``SaveJob``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -39,12 +42,12 @@ from shardkeeper.core.commit.terms import SaveTerms, agreed_options
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError, StepClaimedError
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.format.layout import data_prefixes, new_attempt_id, step_dir
-from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.store_channel import CoordinatorLostError, coordinator_lost
 from shardkeeper.core.save.group import fold_group, unfold
 from shardkeeper.core.save.handle import SaveHandle
+from shardkeeper.core.save.hooks import Committed, SaveHooks
 from shardkeeper.core.save.index_write import index_report
 from shardkeeper.core.save.job import SaveJob, Start, outcome_timeout
 from shardkeeper.core.save.overlap import OptimizerTensors, StagingGate, find_optimizers
@@ -75,18 +78,18 @@ class SaveRunner:
         stager: Stager,
         plans: PlanCache,
         gate: StagingGate,
-        tiers: Any = None,
+        hooks: SaveHooks,
     ) -> None:
-        """``tiers``: a local tier's hooks (``tiers/tiering.py``), or None."""
+        """``hooks``: where the manager's tiers act in each save (``save/hooks.py``)."""
         self.ctx = ctx
-        self._tiers = tiers
+        self._hooks = hooks
         self._codecs = codecs
         self._stager = stager
         self._plans = plans
         self._gate = gate
-        self._order = StepOrder(ctx.storage, ctx.rank, also=tiers.persistent.storage if tiers is not None else None)
+        self._order = StepOrder(ctx.storage, ctx.rank, also=hooks.other_root)
         binding = ctx.encryption.binding if ctx.encryption is not None else None
-        self._options = agreed_options(ctx.settings, binding, tiered=tiers is not None)
+        self._options = agreed_options(ctx.settings, binding, tiered=hooks.tiered)
 
     def terms(self, step: int) -> SaveTerms:
         """What every rank of the save of ``step`` must share (``commit/terms.py``)."""
@@ -175,11 +178,10 @@ class SaveRunner:
         ctx = self.ctx
         if ctx.world_size == 1:
             raise err
-        if self._tiers is not None:  # its peers wait for its replicas: it sends none
-            try:
-                self._tiers.replicate(step, None)
-            except Exception as e:  # the refusal is the error this save raises
-                log.warning("step %d, rank %d: the peer replicas of a refused save: %s", step, ctx.rank, e)
+        try:  # its peers may wait for what it wrote (a local tier's replicas): nothing
+            self._hooks.after_write(step, None)
+        except Exception as e:  # the refusal is the error this save raises
+            log.warning("step %d, rank %d: the peer replicas of a refused save: %s", step, ctx.rank, e)
         failure = Failure.of(ctx.rank, Phase.CHECK, ctx.storage.describe(step_dir(step)), err)
         terms = self.terms(step)
         if ctx.rank == COORDINATOR:
@@ -211,24 +213,23 @@ class SaveRunner:
             local_error: BaseException | None = e
         else:
             local_error = None
-        if self._tiers is not None:  # every rank, whatever its write did: its peers wait for it
-            files = (
-                {f"{sdir}/{rel}": int(info["size_bytes"]) for rel, info in own.files.items()}
-                if isinstance(own, RankReport)
-                else None
-            )
-            job.tier["files"] = files or {}
-            try:
-                self._tiers.replicate(step, files)
-            except BaseException as e:
-                if local_error is None:
-                    phase, local_error = Phase.REPLICATE, e
-                    own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
+        files = (
+            {f"{sdir}/{rel}": int(info["size_bytes"]) for rel, info in own.files.items()}
+            if isinstance(own, RankReport)
+            else None
+        )
+        try:  # every rank, whatever its write did: its peers may wait for it (a local tier's replicas)
+            self._hooks.after_write(step, files)
+        except BaseException as e:
+            if local_error is None:
+                phase, local_error = Phase.REPLICATE, e
+                own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
         terms = self.terms(step)
         reported = False  # whether the coordinator may have this rank's report: it may have committed
+        committed = Committed(files or {})
         try:
             if ctx.rank == COORDINATOR:
-                outcome = self._commit(job, own)
+                outcome, committed = self._commit(job, own, committed)
                 ctx.coord.publish(job.seq, outcome, terms=terms)
             else:
                 sent: Report | None = own
@@ -253,15 +254,10 @@ class SaveRunner:
         self._order.committed(step)
         metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
         metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
-        if self._tiers is not None:
-            try:
-                self._tiers.after_commit(
-                    job.seq, step, job.tier["files"], job.tier.get("manifest"), job.tier.get("data")
-                )
-            except CoordinatorLostError as e:
-                raise coordinator_lost(step, ctx.rank, e, committed=True) from e
-        elif ctx.rank == COORDINATOR:
-            deletion.retain(ctx.storage, job.retention, ctx.settings.catalog, step)
+        try:
+            self._hooks.after_commit(job.seq, step, committed, job.retention)
+        except CoordinatorLostError as e:
+            raise coordinator_lost(step, ctx.rank, e, committed=True) from e
 
     def _write(self, job: SaveJob, stall_s: float, t0: float) -> RankReport:
         ctx, settings = self.ctx, self.ctx.settings
@@ -348,10 +344,11 @@ class SaveRunner:
             executor=ctx.io,
         )
 
-    def _commit(self, job: SaveJob, own: Report) -> Outcome:
-        """Coordinator: collect reports, check tiling, write the manifest if absent."""
+    def _commit(self, job: SaveJob, own: Report, committed: Committed) -> tuple[Outcome, Committed]:
+        """Coordinator: collect reports, check tiling, write the manifest if absent; the
+        outcome, and ``committed`` with the manifest once it is committed."""
         if isinstance(own, Failure):
-            return Outcome(own)
+            return Outcome(own), committed
         ctx, settings, step = self.ctx, self.ctx.settings, job.step
         sdir = step_dir(step)
         reports: list[RankReport] = []
@@ -363,7 +360,7 @@ class SaveRunner:
                 page += [written] if written is not None else []
             got = ctx.coord.collect(job.seq, own, settings.commit_timeout_s, step=step, terms=self.terms(step))
             if isinstance(got, Failure):
-                return Outcome(got)
+                return Outcome(got), committed
             reports, pages, refs = unfold(got)
             members = [r.members() for r in reports]
             manifest = assemble_manifest(
@@ -389,28 +386,27 @@ class SaveRunner:
             bases = sorted({b for r in reports for b in r.bases})
             for w in page:  # durable before the intent names it (and before a tier records it)
                 w.result()
-            tiers = self._tiers
-            checked = tiers.checked_here if tiers is not None else None
-            if tiers is not None:  # before the put: nothing may fail between it and the outcome
-                job.tier.update(manifest=manifest, data=data)
-                tiers.before_commit(job.seq, step, job.attempt, data)  # claims the step, offers the manifest
+            # Before the put: nothing may fail between it and the outcome (a local tier claims
+            # the step and offers the manifest).
+            self._hooks.before_commit(job.seq, step, job.attempt, data)
             commit_manifest(
-                ctx.storage, step, manifest, data, bases=bases, references=refs, executor=ctx.io, checked=checked
+                ctx.storage,
+                step,
+                manifest,
+                data,
+                bases=bases,
+                references=refs,
+                executor=ctx.io,
+                checked=self._hooks.checked,
             )
         except BaseException as e:
             wait(page)  # (its page is discarded once written)
             self._discard_attempt(sdir, reports)
-            if self._tiers is not None:
-                self._tiers.recorder.forget(job.seq)
-            return Outcome(
-                Failure.of(
-                    COORDINATOR,
-                    Phase.COMMIT,
-                    ctx.storage.describe(sdir),
-                    e,
-                    conflict=isinstance(e, CommitConflictError),
-                )
+            self._hooks.commit_failed(job.seq)
+            failure = Failure.of(
+                COORDINATOR, Phase.COMMIT, ctx.storage.describe(sdir), e, conflict=isinstance(e, CommitConflictError)
             )
+            return Outcome(failure), committed
         finally:
             wait(page)  # (a save that failed elsewhere returns only once its page is written)
         # The manifest is put: the step is committed and a retry would be refused, so nothing
@@ -422,7 +418,7 @@ class SaveRunner:
             log.warning("step %d committed, but the LATEST hint was not updated: %s: %s", step, type(e).__name__, e)
         record_commit(settings.catalog, ctx.storage, step, manifest)  # logs and counts its own failures
         log.info("step %d committed at %s (%d leaves)", step, ctx.storage.describe(sdir), len(manifest.leaves))
-        return COMMITTED
+        return COMMITTED, dataclasses.replace(committed, manifest=manifest, data=data)
 
     def _discard_attempt(self, sdir: str, reports: list[RankReport]) -> None:
         for r in reports:

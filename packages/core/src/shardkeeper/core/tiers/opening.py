@@ -1,5 +1,4 @@
-"""What the manager needs to open two tiers: the options they allow, both roots, and the
-persistent root seen as a plain manager's (a context and a restorer of its own)."""
+"""What the manager needs to open two tiers: the options they allow, and both roots."""
 
 from __future__ import annotations
 
@@ -7,19 +6,12 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from shardkeeper.core.commit.committed import committed_steps, is_committed, manifest_steps, newest_committed
 from shardkeeper.core.config.options import CheckpointOptions
-from shardkeeper.core.errors import CheckpointError
-from shardkeeper.core.lifecycle import delete as deletion
-from shardkeeper.core.restore.restorer import Restorer
 from shardkeeper.core.runtime.binding import refuse_local_tier
-from shardkeeper.core.runtime.context import ManagerContext
-from shardkeeper.core.tiers.choose import covers, required_files
 from shardkeeper.core.tiers.tee import Tee
-from shardkeeper.core.tiers.tiering import Opened, Tiering, local_root, open_tier
+from shardkeeper.core.tiers.tiering import Opened, local_root, open_tier
 
 log = logging.getLogger(__name__)
 
@@ -65,65 +57,4 @@ def _refuse_nested(local: str, root: str) -> None:
         )
 
 
-@dataclass
-class TierView:
-    """The persistent root as a plain manager sees it, and the manager's one-process reads
-    and its ``delete()`` over both tiers."""
-
-    ctx: ManagerContext
-    restorer: Restorer
-    tiers: Tiering
-
-    @classmethod
-    def of(cls, tiers: Tiering, coord: Any, settings: Any, io: Any) -> TierView:
-        p = tiers.persistent
-        ctx = ManagerContext(p.storage, p.read, coord, settings, io, p.encryption)
-        return cls(ctx, Restorer(ctx), tiers)
-
-    def steps(self, local: ManagerContext) -> list[int]:
-        """Committed in this node's directory or the persistent root, ascending."""
-        return sorted(set(committed_steps(local.storage)) | set(committed_steps(self.ctx.storage)))
-
-    def latest(self, local: ManagerContext) -> int | None:
-        found = [s for s in (newest_committed(local.storage), newest_committed(self.ctx.storage)) if s is not None]
-        return max(found) if found else None
-
-    def ctx_for(self, local: ManagerContext, step: int | None) -> ManagerContext:
-        """Where one process reads ``step`` (None: the newest of both): this node's directory
-        when it holds the step whole (with ``replicas=0`` a node rarely does), else the
-        persistent root."""
-        if step is None:
-            mine, remote = newest_committed(local.storage), newest_committed(self.ctx.storage)
-            if mine is None or (remote is not None and remote > mine):
-                return self.ctx
-            step = mine
-        try:
-            need = required_files(local.read_storage, step)
-            whole = all(covers(local.storage.size(p), n) for p, n in need.items())
-        except CheckpointError:
-            whole = False
-        return local if whole or not is_committed(self.ctx.storage, step) else self.ctx
-
-    def delete(self, step: int, *, damaged: bool) -> bool:
-        """Collective: ``step`` deleted from the persistent root (as without tiers) and from
-        every node's directory. ``damaged=True`` judges the persistent copy when there is one
-        (a node's copy alone lacks the other nodes' files); a step only the local tiers hold
-        is deleted from every node only when they do not hold it whole together."""
-        self.tiers.persister.join()  # an upload of ``step`` that is running would commit it after the delete
-        persisted = step in manifest_steps(self.ctx.storage) if self.ctx.rank == 0 else False
-        persisted = bool(self.tiers.group.all_reduce_max([int(persisted)], "whether the step is persisted")[0])
-        gone = True
-        if persisted or not damaged:
-            gone = deletion.delete_step(self.ctx, step, damaged=damaged)
-        if damaged and not persisted and self.tiers.whole_locally(step):
-            raise ValueError(
-                f"step {step} is whole in the local tiers (every file at its size on some node), so it is not "
-                f"deleted as damaged; restore() checks its bytes and falls back from a damaged copy"
-            )
-        gone = self.tiers.delete_local(step, force=damaged) and gone
-        if gone and self.ctx.rank == 0:
-            self.tiers.claims.release(step)  # (this job's claim of it: no tier holds the step now)
-        return gone
-
-
-__all__ = ["TierView", "check_tier_options", "open_tiers"]
+__all__ = ["check_tier_options", "open_tiers"]

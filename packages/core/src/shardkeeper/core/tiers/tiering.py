@@ -1,4 +1,5 @@
-"""A ``CheckpointManager``'s two tiers: the save protocol's hooks and the tiered restore.
+"""A ``CheckpointManager``'s two tiers: the state and steps its tier strategy (``two_tiers.py``)
+calls in each save and the tiered restore (``restore.py``) in each restore.
 
 Saves write each rank's files into its node's own directory (``local=``); before reporting,
 every rank sends them to its peers (``replicas``) and takes theirs, so the coordinator's
@@ -7,7 +8,7 @@ are checked on their node (a rank by its write and its received replicas, the co
 its own node), since no node can see another's disk. The commit is then recorded on every
 node (``record.py``), retention runs per node (``local_keep``), and every ``persist_every``
 steps the step is uploaded to the persistent root (``persist.py``). With uploads on, the
-coordinator claims each step on the persistent root before its local commit (``claim.py``),
+coordinator claims each step on the persistent root before its local commit (``commit/claim.py``),
 so a second writer of the step fails at its save, not in an upload. Restore agrees on the
 tier and step (``choose.py``), makes every node's copy of a local step whole from its peers,
 and reads it like any root; from the persistent tier it restores as a plain manager would.
@@ -33,6 +34,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import DeleteOnly, RetentionPolicy, apply_retention
 from shardkeeper.core.runtime.context import Encryption
+from shardkeeper.core.save.hooks import Committed
 from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.local import LocalStorage
@@ -109,7 +111,7 @@ class Tiering:
                 f"replicas={replicas} asked, but the job's ranks share {len(self.nodes.nodes)} local director"
                 f"{'y' if len(self.nodes.nodes) == 1 else 'ies'} (nodes): {self.replicas} replica(s) per rank; a "
                 f"lost node loses what only it held since the last persisted step",
-                stacklevel=3,
+                stacklevel=5,  # the caller of CheckpointManager() (strategy.make_strategy made these)
             )
         self.local_keep = local_keep
         if local.tee is not None:
@@ -181,7 +183,7 @@ class Tiering:
 
     def before_commit(self, seq: int, step: int, attempt: str, data: bytes) -> None:
         """Coordinator, right before its local commit of ``step`` (nothing may fail between
-        that put and the outcome): claim the step on the persistent root (``claim.py``; raises
+        that put and the outcome): claim the step on the persistent root (``commit/claim.py``; raises
         ``StepClaimedError`` when another writer holds it), then offer the manifest's bytes
         and whether the step is uploaded to the other nodes (``record.py``)."""
         self.claims.take(step, attempt)
@@ -193,13 +195,14 @@ class Tiering:
         rank = writer_rank(path)
         return rank is None or rank in self.nodes.same_node(self.rank)
 
-    def after_commit(self, seq: int, step: int, files: Mapping[str, int], manifest: Any, data: bytes | None) -> None:
+    def after_commit(self, seq: int, step: int, committed: Committed) -> None:
         """Every rank, the step committed: record it on every node, upload it when due, and
         retain per node (the node's leader)."""
         due = self.recorder.record(seq, step, self.local.storage)  # the coordinator's decision
-        self.persister.keep(step, dict(files), manifest, data)  # what a preemption's ``flush`` uploads
+        manifest, data = committed.manifest, committed.data
+        self.persister.keep(step, dict(committed.files), manifest, data)  # what a preemption's ``flush`` uploads
         if due:
-            self.persister.submit(step, dict(files), manifest, data, self._my_references(step))
+            self.persister.submit(step, dict(committed.files), manifest, data, self._my_references(step))
         if self.local_keep is not None and self.nodes.is_leader(self.rank):
             policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(self.persister.protected()))
             deletion.retain(self.local.storage, policy, None, step)
