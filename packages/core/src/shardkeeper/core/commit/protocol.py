@@ -34,16 +34,17 @@ deletes and broadcasts a ``Deletion``.
 Reports and outcomes cross the c10d store as JSON objects (``to_json``/``from_json``;
 ``runtime/coordinator.py`` sends them). Their member names and order are the wire format:
 ``ok`` first, then the record's fields. A message that is not such a record is refused with
-``ProtocolError`` naming the step, the rank, the store key and the member. Torch-free.
+``ProtocolError`` naming the step, the rank, the store key and the member (the checks of
+members: ``commit/members.py``). Torch-free.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from shardkeeper.core.commit.members import as_object, describe_value, malformed, member
 from shardkeeper.core.errors import ProtocolError
 from shardkeeper.core.format.columns import ChunkTable
 from shardkeeper.core.format.jsonvalue import EXTENDED_MEMBER
@@ -83,68 +84,6 @@ class Deletion(enum.IntEnum):
     GONE = 1
 
 
-def malformed(where: str, problem: str) -> ProtocolError:
-    """The error for a message at ``where`` (the step, the rank, the store key) that is not a record."""
-    return ProtocolError(
-        f"{where}: {problem}; every rank must run the same shardkeeper version, and nothing else "
-        f"may write under the manager's store keys. The checkpoint was not committed"
-    )
-
-
-def _object(doc: object, where: str) -> Mapping[str, Any]:
-    if not isinstance(doc, dict):
-        raise malformed(where, f"it is a JSON {type(doc).__name__}, not an object")
-    return doc
-
-
-_KINDS: dict[str, tuple[type, ...]] = {
-    "int": (int,),
-    "str": (str,),
-    "bool": (bool,),
-    "number": (int, float),
-    "object": (dict,),
-    "list": (list,),
-}
-_NAMES = {
-    "int": "an integer",
-    "str": "a string",
-    "bool": "true or false",
-    "number": "a number",
-    "object": "an object",
-    "list": "a list",
-    "list[int]": "a list of integers",
-    "list[str]": "a list of strings",
-}
-
-
-#: kind -> (the types of the value, of its items for a list kind or None, whether bool is one)
-_SPECS: dict[str, tuple[tuple[type, ...], tuple[type, ...] | None, bool]] = {
-    k: (_KINDS[k.partition("[")[0]], _KINDS[k.partition("[")[2][:-1]] if "[" in k else None, k == "bool")
-    for k in _NAMES
-}
-
-
-def _get(doc: Mapping[str, Any], name: str, kind: str, where: str) -> Any:
-    """Member ``name`` of ``doc``, of ``kind`` (``list[str]``, ``list[int]``: a list of those).
-    (The coordinator checks every member of 16,384 reports: no string work per call.)"""
-    try:
-        value = doc[name]
-    except KeyError:
-        raise malformed(where, f"member {name!r} is missing") from None
-    outer, inner, is_bool = _SPECS[kind]
-    ok = isinstance(value, outer) and (is_bool or value.__class__ is not bool)
-    if ok and inner is not None and value:
-        ok = all(isinstance(v, inner) and v.__class__ is not bool for v in value)
-    if not ok:
-        raise malformed(where, f"member {name!r} is {_describe(value)}, not {_NAMES[kind]}")
-    return value
-
-
-def _describe(value: object) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
-
-
 @dataclass(frozen=True)
 class Failure:
     """A failed save as every rank hears it: the failing rank, the phase, the path and the
@@ -176,18 +115,18 @@ class Failure:
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> Failure:
-        d = _object(doc, where)
+        d = as_object(doc, where)
         if d.get("ok") is not False:
-            raise malformed(where, f"member 'ok' is {_describe(d.get('ok'))}, not false")
-        phase = _get(d, "phase", "str", where)
+            raise malformed(where, f"member 'ok' is {describe_value(d.get('ok'))}, not false")
+        phase = member(d, "phase", "str", where)
         if phase not in {p.value for p in Phase}:
             raise malformed(where, f"phase {phase!r} is none of {', '.join(p.value for p in Phase)}")
-        conflict = _get(d, "conflict", "bool", where) if "conflict" in d else False
+        conflict = member(d, "conflict", "bool", where) if "conflict" in d else False
         return cls(
-            _get(d, "rank", "int", where),
+            member(d, "rank", "int", where),
             Phase(phase),
-            _get(d, "path", "str", where),
-            _get(d, "error", "str", where),
+            member(d, "path", "str", where),
+            member(d, "error", "str", where),
             conflict,
         )
 
@@ -205,11 +144,11 @@ class Timings:
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> Timings:
-        d = _object(doc, where)
+        d = as_object(doc, where)
         return cls(
-            float(_get(d, "stall_s", "number", where)),
-            float(_get(d, "write_s", "number", where)),
-            _get(d, "sync", "bool", where),
+            float(member(d, "stall_s", "number", where)),
+            float(member(d, "write_s", "number", where)),
+            member(d, "sync", "bool", where),
         )
 
 
@@ -285,33 +224,35 @@ class RankReport:
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> RankReport:
-        d = _object(doc, where)
+        d = as_object(doc, where)
         if d.get("ok") is not True:
-            raise malformed(where, f"member 'ok' is {_describe(d.get('ok'))}, not true")
-        declared = _get(d, "declared", "object", where)
+            raise malformed(where, f"member 'ok' is {describe_value(d.get('ok'))}, not true")
+        declared = member(d, "declared", "object", where)
         for key, decl in declared.items():
             if not (isinstance(decl, list) and len(decl) == 3):
-                raise malformed(where, f"the declaration of {key!r} is {_describe(decl)}, not [kind, dtype, shape]")
-        chunks = _get(d, "chunks", "object", where)
+                raise malformed(
+                    where, f"the declaration of {key!r} is {describe_value(decl)}, not [kind, dtype, shape]"
+                )
+        chunks = member(d, "chunks", "object", where)
         for name, kind in (("keys", "list[str]"), ("counts", "list[int]"), ("table", "object")):
-            _get(chunks, name, kind, f"{where}, member 'chunks'")
-        files = _get(d, "files", "object", where)
+            member(chunks, name, kind, f"{where}, member 'chunks'")
+        files = member(d, "files", "object", where)
         for rel, info in files.items():
             if not isinstance(info, dict):
-                raise malformed(where, f"the record of file {rel!r} is {_describe(info)}, not an object")
+                raise malformed(where, f"the record of file {rel!r} is {describe_value(info)}, not an object")
         return cls(
-            rank=_get(d, "rank", "int", where),
-            attempt=_get(d, "attempt", "str", where),
+            rank=member(d, "rank", "int", where),
+            attempt=member(d, "attempt", "str", where),
             declared=declared,
-            declared_digest=_get(d, "declared_digest", "str", where),
+            declared_digest=member(d, "declared_digest", "str", where),
             chunks=chunks,
             files=files,
-            objects=_get(d, "objects", "object", where),
-            bases=_get(d, "bases", "list[int]", where),
-            extended=_get(d, EXTENDED_MEMBER, "bool", where),
-            per_rank_prefixes=_get(d, "per_rank_prefixes", "list[str]", where),
-            layouts=_get(d, "layouts", "list[str]", where),
-            timings=Timings.from_json(_get(d, "timings", "object", where), where=f"{where}, member 'timings'"),
+            objects=member(d, "objects", "object", where),
+            bases=member(d, "bases", "list[int]", where),
+            extended=member(d, EXTENDED_MEMBER, "bool", where),
+            per_rank_prefixes=member(d, "per_rank_prefixes", "list[str]", where),
+            layouts=member(d, "layouts", "list[str]", where),
+            timings=Timings.from_json(member(d, "timings", "object", where), where=f"{where}, member 'timings'"),
             described=_described(d.get("described", {}), where),
             ranks=_ranks(d.get("ranks", []), where),
             group=_group(d.get("group", {}), where),
@@ -322,17 +263,17 @@ def _ranks(doc: object, where: str) -> list[list[int]]:
     if not isinstance(doc, list) or not all(
         isinstance(e, list) and len(e) == 2 and type(e[0]) is int and type(e[1]) is int and e[0] <= e[1] for e in doc
     ):
-        raise malformed(where, f"member 'ranks' is {_describe(doc)}, not a list of [first, last] runs")
+        raise malformed(where, f"member 'ranks' is {describe_value(doc)}, not a list of [first, last] runs")
     return doc
 
 
 def _group(doc: object, where: str) -> dict[str, Any]:
     """A leader's ``group`` member, checked for its shape; its ``others`` parsed as reports."""
-    d = _object(doc, f"{where}, member 'group'")
+    d = as_object(doc, f"{where}, member 'group'")
     if not d:
         return {}
     w = f"{where}, member 'group'"
-    _get(d, "count", "int", w)
+    member(d, "count", "int", w)
     page = d.get("page")
     if page is not None and not (
         isinstance(page, list)
@@ -341,9 +282,9 @@ def _group(doc: object, where: str) -> dict[str, Any]:
         and isinstance(page[2], str)
         and all(type(page[i]) is int and page[i] >= 0 for i in (1, 3, 4))
     ):
-        raise malformed(w, f"the page entry is {_describe(page)}, not [path, size, digest, files, bytes]")
-    others = [RankReport.from_json(o, where=f"{w}, one of 'others'") for o in _get(d, "others", "list", w)]
-    refs = _get(d, "refs", "list", w)
+        raise malformed(w, f"the page entry is {describe_value(page)}, not [path, size, digest, files, bytes]")
+    others = [RankReport.from_json(o, where=f"{w}, one of 'others'") for o in member(d, "others", "list", w)]
+    refs = member(d, "refs", "list", w)
     if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int for e in refs):
         raise malformed(w, "its refs are not [path, end] pairs")
     return {"count": d["count"], "page": page, "others": others, "refs": refs}
@@ -351,12 +292,12 @@ def _group(doc: object, where: str) -> dict[str, Any]:
 
 def _described(doc: object, where: str) -> dict[str, Any]:
     """A report's ``described`` member, checked for its shape."""
-    d = _object(doc, f"{where}, member 'described'")
+    d = as_object(doc, f"{where}, member 'described'")
     if not d:
         return {}
     w = f"{where}, member 'described'"
-    _get(d, "digest", "str", w)
-    files = _get(d, "chunk_files", "list", w)
+    member(d, "digest", "str", w)
+    files = member(d, "chunk_files", "list", w)
     if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int for e in files):
         raise malformed(where, "the chunk_files of 'described' are not [path, end] pairs")
     entry = d.get("index")
@@ -367,7 +308,7 @@ def _described(doc: object, where: str) -> dict[str, Any]:
         and type(entry[1]) is int
         and isinstance(entry[2], str)
     ):
-        raise malformed(where, f"the index entry is {_describe(entry)}, not [path, size, digest]")
+        raise malformed(where, f"the index entry is {describe_value(entry)}, not [path, size, digest]")
     return dict(d)
 
 
@@ -377,10 +318,10 @@ Report = RankReport | Failure
 def report_from_json(doc: object, *, rank: int, where: str) -> Report:
     """The report of ``rank`` as the coordinator reads it from the store: a ``RankReport`` or a
     ``Failure``, sent by that rank (``where`` names the step and the store key)."""
-    d = _object(doc, where)
+    d = as_object(doc, where)
     ok = d.get("ok")
     if not isinstance(ok, bool):
-        raise malformed(where, f"member 'ok' is {_describe(ok)}, not true or false")
+        raise malformed(where, f"member 'ok' is {describe_value(ok)}, not true or false")
     report: Report = RankReport.from_json(d, where=where) if ok else Failure.from_json(d, where=where)
     if report.rank != rank:
         raise malformed(where, f"it says it is from rank {report.rank}, its key is rank {rank}'s")
@@ -402,13 +343,13 @@ class Outcome:
 
     @classmethod
     def from_json(cls, doc: object, *, where: str) -> Outcome:
-        d = _object(doc, where)
+        d = as_object(doc, where)
         ok = d.get("ok")
         if ok is True:
             return COMMITTED
         if ok is False:
             return cls(Failure.from_json(d, where=where))
-        raise malformed(where, f"member 'ok' is {_describe(ok)}, not true or false")
+        raise malformed(where, f"member 'ok' is {describe_value(ok)}, not true or false")
 
 
 COMMITTED = Outcome()

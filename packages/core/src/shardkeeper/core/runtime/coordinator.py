@@ -2,8 +2,9 @@
 
 The background thread of every rank *reports* its chunk records (or its failure) to the
 coordinator (rank 0) through the process group's c10d store, and waits for the *outcome*
-the coordinator publishes there (``core/commit/protocol.py``: the order, and the records as JSON).
-Store operations are point-to-point requests to the store server: safe from a background
+the coordinator publishes there (``core/commit/protocol.py``: the order, and the records as
+JSON; ``runtime/coordination.py``: the ``Coordinator`` protocol, which this module and
+``local_coordinator.py`` implement). Store operations are point-to-point requests to the store server: safe from a background
 thread, and independent of NCCL/gloo streams.
 
 Collectives are used only on the caller's thread: once when a manager is created (to agree
@@ -17,7 +18,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,57 +36,10 @@ from shardkeeper.core.commit.terms import MEMBER, SaveTerms, mismatch
 from shardkeeper.core.errors import CheckpointTimeoutError
 from shardkeeper.core.format.columns import no_gc
 from shardkeeper.core.format.jsonvalue import loads_exact
+from shardkeeper.core.runtime.coordination import Coordinator
 from shardkeeper.core.runtime.local_coordinator import LocalCoordinator
 from shardkeeper.core.runtime.store_channel import StoreChannel, StoreTimeout, rank_lost
 from shardkeeper.core.state import _torch_compat as tc
-
-
-class Coordinator(Protocol):
-    rank: int
-    world_size: int
-
-    def report(self, seq: int, report: Report, *, terms: SaveTerms | None = None) -> None:
-        """Every rank but the coordinator: send this rank's report (or its failure); a group
-        leader, its group's folded report. ``terms``: the save's, sent with it."""
-        ...
-
-    def leads(self) -> bool:
-        """Whether this rank folds a group's reports (a world above ``group_ranks``)."""
-        ...
-
-    def collect_group(
-        self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None
-    ) -> list[RankReport] | Failure | None:
-        """A group leader: its group's other ranks' reports, in rank order, or None for a
-        failure in its group (the failing rank tells the coordinator itself). The coordinator
-        is a group of its own: none. Raises ``SaveTermsMismatch`` when a report's terms
-        differ from ``terms``."""
-        ...
-
-    def collect(
-        self, seq: int, own: RankReport, timeout_s: float, *, step: int, terms: SaveTerms | None = None
-    ) -> list[RankReport] | Failure:
-        """Coordinator only: its own report and every other rank's, in rank order; fails fast
-        on a failure report (then returns that one). Raises ``SaveTermsMismatch`` when a
-        report's terms differ from ``terms``."""
-        ...
-
-    def publish(self, seq: int, outcome: Outcome, *, terms: SaveTerms | None = None) -> None:
-        """Coordinator only: the save's outcome, for every other rank, with its ``terms``."""
-        ...
-
-    def outcome(self, seq: int, timeout_s: float, *, step: int, terms: SaveTerms | None = None) -> Outcome:
-        """Every rank but the coordinator: wait for the outcome the coordinator publishes; a
-        commit of other terms than ``terms`` raises ``SaveTermsMismatch``."""
-        ...
-
-    def agree_int(self, value: int, op: str) -> int:
-        """Caller's thread only: ``max``/``min`` of ``value`` over ranks, or rank 0's (``bcast``)."""
-        ...
-
-    def agree_text(self, text: str) -> str:
-        """Caller's thread only: rank 0's ``text`` on every rank (an error's reason)."""
-        ...
 
 
 def _collective_device(group: Any) -> torch.device:
