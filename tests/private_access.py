@@ -1,4 +1,5 @@
-"""Static check that an adapter touches private framework names only in its internals module.
+"""Static checks that an adapter touches private framework names only in its internals module,
+and private names of the core's objects nowhere.
 
 ``private_accesses(package_dir, internals)`` parses every module of an adapter package except
 ``internals`` and lists each use of a private name (``_x``, not ``__x__``) that is not the
@@ -13,6 +14,11 @@ classes; ``obj._x`` where ``obj`` is annotated with, or built by calling, one of
 classes, is one of those classes, or is a ``shardkeeper`` module (module-private names);
 attributes named ``_shardkeeper...`` (markers the adapter sets on framework objects to find
 its own state again).
+
+``core_private_accesses(package_dir, package, internals)`` holds the core's objects to the same
+line: the same scan with only ``package``'s own imports counted as its own, so a manager or a
+handle made by a ``shardkeeper.core`` callable is foreign; and, in ``internals`` (where framework
+privates belong), each private name that a class of the core defines.
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _ours(module: str | None, level: int) -> bool:
-    return level > 0 or (module or "").split(".")[0] == "shardkeeper"
+def _ours(module: str | None, level: int, own: str = "shardkeeper") -> bool:
+    """Whether an import is of the scanned code's own (``own``: a package prefix)."""
+    name = module or ""
+    return level > 0 or name == own or name.startswith(own + ".")
 
 
 class _Scan(ast.NodeVisitor):
-    def __init__(self, own_classes: set[str], consts: dict[str, str], where: str) -> None:
+    def __init__(self, own_classes: set[str], consts: dict[str, str], where: str, own: str = "shardkeeper") -> None:
         self.own_classes = own_classes
+        self.own = own
         self.consts = consts
         self.where = where
         self.scopes: list[dict[str, bool]] = [{}]
@@ -113,13 +122,13 @@ class _Scan(ast.NodeVisitor):
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
-            ours = _ours(alias.name, 0)
+            ours = _ours(alias.name, 0, self.own)
             if not ours and any(_private(part) for part in alias.name.split(".")):
                 self._report(node, f"import {alias.name}")
             self.scopes[-1][(alias.asname or alias.name).split(".")[0]] = ours
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        ours = _ours(node.module, node.level)
+        ours = _ours(node.module, node.level, self.own)
         if not ours and any(_private(part) for part in (node.module or "").split(".")):
             self._report(node, f"from {node.module} import ...")
         for alias in node.names:
@@ -160,9 +169,9 @@ def _module_consts(tree: ast.Module) -> dict[str, str]:
     return out
 
 
-def scan_file(path: Path, own_classes: set[str], where: str) -> list[str]:
+def scan_file(path: Path, own_classes: set[str], where: str, own: str = "shardkeeper") -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
-    s = _Scan(own_classes, _module_consts(tree), where)
+    s = _Scan(own_classes, _module_consts(tree), where, own)
     s.visit(tree)
     return s.found
 
@@ -186,6 +195,41 @@ def private_accesses(package_dir: Path, internals: str) -> list[str]:
 def internals_accesses(package_dir: Path, internals: str) -> list[str]:
     """The same findings inside ``internals`` itself (where they belong): shows the scan sees them."""
     return scan_file(package_dir / internals, adapter_classes(package_dir), internals)
+
+
+def core_private_names(core_dir: Path) -> set[str]:
+    """The private names the core's classes define: methods, ``self._x`` and annotated fields."""
+    names: set[str] = set()
+    for f in sorted(core_dir.rglob("*.py")):
+        for cls in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for n in ast.walk(cls):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(n.name)
+                elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                    names.add(n.attr)
+                elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                    names.add(n.target.id)
+    return {n for n in names if _private(n)}
+
+
+def core_private_accesses(package_dir: Path, package: str, core_dir: Path, internals: str | None = None) -> list[str]:
+    """``file:line: code`` of every use of a private name of the core's objects in ``package``
+    (an adapter, or the core's own adapter contract): in each module but ``internals``, every
+    private name of an object that is not ``package``'s own (the core's objects, a manager
+    included, are not); in ``internals``, each private name a class of the core defines."""
+    own = adapter_classes(package_dir)
+    found: list[str] = []
+    for f in sorted(package_dir.glob("*.py")):
+        if f.name != internals:
+            found += scan_file(f, own, f.name, own=package)
+    if internals is not None:
+        core = core_private_names(core_dir)
+        for hit in scan_file(package_dir / internals, own, internals, own=package):
+            if set(re.findall(r"\b_\w+", hit.split(": ", 1)[1])) & core:
+                found.append(hit)
+    return found
 
 
 def _tests_trust(expr: ast.expr) -> bool:
@@ -213,7 +257,7 @@ def own_trust_checks(package_dir: Path) -> list[str]:
             else:
                 hit = isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp)) and _tests_trust(node)
             if hit:
-                found.append(f"{f.name}:{node.lineno}: {ast.unparse(node).splitlines()[0][:100]}")
+                found.append(f"{f.name}:{getattr(node, 'lineno', 0)}: {ast.unparse(node).splitlines()[0][:100]}")
     return found
 
 

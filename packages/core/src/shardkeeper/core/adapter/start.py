@@ -16,7 +16,7 @@ Accelerate iteration set by hand) goes ahead too: its saves can all commit.
 
 from __future__ import annotations
 
-from shardkeeper.core.adapter.steps import agree, check_save_step
+from shardkeeper.core.adapter.steps import check_save_step
 from shardkeeper.core.errors import StartRefusedError
 from shardkeeper.core.manager.manager import CheckpointManager
 
@@ -50,7 +50,7 @@ def check_start(
     root, rank = mgr.storage.url, mgr.rank
     newest = check.newest if check.newest is not None else first
     at = f"{'resumes' if resumed else 'starts'} from step {start}{f' ({source})' if source else ''}"
-    intact = agree(mgr, int(mgr.is_committed(newest)) if rank == 0 else 0)
+    intact = mgr.agree(int(mgr.is_committed(newest)) if rank == 0 else 0)
     if not intact:  # listed by its manifest's name, which cannot be read
         raise StartRefusedError(
             f"{who}: step {newest} under {root} is damaged: its manifest cannot be read (rank {rank}). "

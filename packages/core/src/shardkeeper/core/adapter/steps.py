@@ -79,18 +79,11 @@ def check_save_step(mgr: CheckpointManager, step: int) -> StepCheck:
         steps = manifest_steps(mgr.storage)
         newest = steps[-1] if steps else -1
         committed = int(step in steps)
-    newest = agree(mgr, newest)
-    committed = agree(mgr, committed)
+    newest = mgr.agree(newest)
+    committed = mgr.agree(committed)
     return StepCheck(
         root=mgr.storage.url, rank=mgr.rank, step=step, newest=None if newest < 0 else newest, committed=bool(committed)
     )
 
 
-def agree(mgr: CheckpointManager, value: int) -> int:
-    """Rank 0's ``value`` on every rank of the manager's process group (a collective)."""
-    if mgr.world_size == 1:
-        return value
-    return mgr._coord.agree_int(value, "bcast")
-
-
-__all__ = ["StepCheck", "agree", "check_save_step"]
+__all__ = ["StepCheck", "check_save_step"]

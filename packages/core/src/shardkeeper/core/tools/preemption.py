@@ -101,7 +101,7 @@ class PreemptionGuard:
         flag = int(self._event.is_set())
         if getattr(self.mgr, "world_size", 1) > 1:
             try:
-                flag = self.mgr._coord.agree_int(flag, "max")
+                flag = self.mgr.agree(flag, "max")
             except RankLostError as e:  # a rank is gone (preempted first, or crashed): stop as preempted
                 log.warning("rank %d: %s; stopping as preempted", self.mgr.rank, e)
                 flag = 1
