@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shardkeeper.core.adapter.versions import VersionGate
+from shardkeeper.core.adapter import VersionGate
 
 #: Accelerate releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((1, 14), (1, 16))

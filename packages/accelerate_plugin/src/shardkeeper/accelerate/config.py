@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardkeeper.core.config.options import describe_unknown, option_types
-from shardkeeper.core.config.settings import options_from_env, options_from_file, options_from_mapping
+from shardkeeper.core import options_from_env, options_from_file, options_from_mapping
+from shardkeeper.core.adapter import describe_unknown, option_types
 
 CONFIG_FILE_NAME = "shardkeeper.yaml"
 CONFIG_FILE_ENV = "SHARDKEEPER_CONFIG_FILE"

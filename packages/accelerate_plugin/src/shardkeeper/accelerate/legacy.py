@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from shardkeeper.accelerate.plugin import plugin_of
-from shardkeeper.core.state.unpickle import possible_pickles, require_trust
+from shardkeeper.core.adapter import possible_pickles, require_trust
 
 
 def import_accelerate_checkpoint(

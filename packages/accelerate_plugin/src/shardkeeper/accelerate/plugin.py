@@ -96,7 +96,7 @@ class AcceleratePlugin:
         if kind in GENERIC_TYPES:
             return
         if kind == "DEEPSPEED":
-            from shardkeeper.core.adapter.registry import load_adapter
+            from shardkeeper.core.adapter import load_adapter
 
             try:
                 load_adapter("deepspeed")

@@ -27,8 +27,8 @@ from torch import nn
 from shardkeeper.accelerate import _internals as acci
 from shardkeeper.accelerate.dataloaders import LoaderPositions
 from shardkeeper.core import PerRank, RNGState
-from shardkeeper.core.format.progress import Progress as CheckpointProgress
-from shardkeeper.core.format.progress import ProgressTarget, progress_state
+from shardkeeper.core.adapter import Progress as CheckpointProgress
+from shardkeeper.core.adapter import ProgressTarget, progress_state
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def deepspeed_engine(accelerator: Any) -> Any:
 
 def deepspeed_engine_state(accelerator: Any) -> dict[str, Any]:
     """The DeepSpeed adapter's canonical state of the engine, found through its entry point."""
-    from shardkeeper.core.adapter.registry import load_adapter
+    from shardkeeper.core.adapter import load_adapter
 
     return dict(load_adapter("deepspeed").engine_state(deepspeed_engine(accelerator)))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core.adapter.versions import VersionGate
+from shardkeeper.core.adapter import VersionGate
 
 #: DeepSpeed releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((0, 16), (0, 20))

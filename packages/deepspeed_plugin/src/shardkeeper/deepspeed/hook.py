@@ -26,9 +26,10 @@ from shardkeeper.core import (
     CheckpointManager,
     CheckpointNotFoundError,
     StateMismatchError,
+    dtype_from_name,
+    options_from_mapping,
 )
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start
-from shardkeeper.core.config.settings import options_from_mapping
 from shardkeeper.deepspeed import _ds_internals as dsi
 from shardkeeper.deepspeed.state import FRAMEWORK, engine_state
 
@@ -67,8 +68,6 @@ def _rebuild(prefix: str, leaves: Mapping[str, Any]) -> dict[str, Any]:
             continue
         parts = key[len(prefix) :].strip("/").split("/") if key != prefix else []
         if rec.kind == "tensor":
-            from shardkeeper.core.state.flatten import dtype_from_name
-
             value: Any = torch.empty(tuple(rec.shape), dtype=dtype_from_name(rec.dtype))
         elif rec.kind == "bytes":
             value = b""

@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core.adapter import RootManagers
-from shardkeeper.core.format.progress import progress_state
-from shardkeeper.core.state.flatten import normalize_fqn
-from shardkeeper.core.state.unpickle import load_trusted_pickle, require_trust
+from shardkeeper.core import normalize_fqn
+from shardkeeper.core.adapter import RootManagers, load_trusted_pickle, progress_state, require_trust
 from shardkeeper.deepspeed._ds_internals import SCALER_FIELDS
 from shardkeeper.deepspeed.hook import tag_to_step
 from shardkeeper.deepspeed.state import FRAMEWORK

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core import Fragment, StateMismatchError
-from shardkeeper.core.format.progress import Progress, ProgressTarget, progress_state
-from shardkeeper.core.state.flatten import normalize_fqn
+from shardkeeper.core import Fragment, StateMismatchError, normalize_fqn
+from shardkeeper.core.adapter import Progress, ProgressTarget, progress_state
 from shardkeeper.deepspeed import _ds_internals as dsi
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from shardkeeper.core.adapter.versions import VersionGate
+from shardkeeper.core.adapter import VersionGate
 
 #: transformers releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((5, 23), (5, 25))

@@ -7,8 +7,8 @@ import shutil
 import tempfile
 from typing import Any
 
-from shardkeeper.core.storage.safe_files import move_in
-from shardkeeper.core.tools.export import ExportResult, export_safetensors
+from shardkeeper.core import export_safetensors
+from shardkeeper.core.adapter import ExportResult, move_in
 
 
 def export_pretrained(
