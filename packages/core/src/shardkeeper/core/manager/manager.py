@@ -1,11 +1,11 @@
 """``CheckpointManager``: save and restore a training state, on every rank.
 
 A façade: it is made by ``build.py`` and holds a tier strategy (``tiers/strategy.py``: one tier
-or two), which every call that differs between them goes through. The commit protocol and its
-records are ``commit/protocol.py``; a save's caller-side and background halves
-``save/runner.py`` (its handle ``save/handle.py``); restore with fallback
-``restore/restorer.py``; ``delete()`` ``lifecycle/delete.py``, retention after each commit the
-strategy's save hooks (``save/hooks.py``). Save on every rank: plan ->
+or two), which every call that differs between them goes through; its save side is
+``save_calls.py``. The commit protocol and its records are ``commit/protocol.py``; a save's
+caller-side and background halves ``save/runner.py`` (its handle ``save/handle.py``); restore
+with fallback ``restore/restorer.py``; ``delete()`` ``lifecycle/delete.py``, retention after
+each commit the strategy's save hooks (``save/hooks.py``). Save on every rank: plan ->
 stage (caller's thread) -> write -> report (background) -> commit on the coordinator
 (rank 0) -> retain. Restore on every rank: discover -> plan -> ranged, verified reads ->
 copy in place; all ranks agree on the step and on success, and "restore the newest" falls
@@ -14,14 +14,10 @@ back to the previous committed step when a step is damaged.
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import wait as futures_wait
 from typing import Any, NoReturn
 
-from shardkeeper.core import metrics
 from shardkeeper.core.codec.keys import KeyProvider
 from shardkeeper.core.commit.committed import load_manifest, newest_committed
 from shardkeeper.core.config.arguments import check_manager_arguments, check_state, check_step
@@ -33,21 +29,20 @@ from shardkeeper.core.config.options import (
     PerRankPolicy,
     Staging,
 )
-from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
+from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.manager import at_exit
 from shardkeeper.core.manager.build import ManagerKeywords, build_parts
+from shardkeeper.core.manager.save_calls import SaveCalls
 from shardkeeper.core.restore.load import load_step
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.save.handle import SaveHandle
 from shardkeeper.core.storage import Storage
 
-log = logging.getLogger(__name__)
 
-
-class CheckpointManager:
+class CheckpointManager(SaveCalls):
     """Durable, async, resharding checkpoints under one root (a path or an fsspec URL).
 
     In a process group every rank creates the manager (a collective) and calls ``save()`` /
@@ -166,87 +161,6 @@ class CheckpointManager:
         raise its failure (``CheckpointSaveError``; the step stays in the local tier)."""
         self._wait_pending(raise_error=True)
         self._strategy.wait_persisted()
-
-    # -- save --------------------------------------------------------------------------------
-    def save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        *,
-        async_save: bool | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> SaveHandle:
-        """Stage ``state`` and return; write and commit in the background (see ``async_save``).
-
-        A save started while the previous one still writes first waits for it (that wait
-        counts as stall), and raises the previous save's failure if nobody has seen it yet.
-        """
-        self._check_open()
-        step = check_step("save", step)
-        check_state("save", state)
-        t0 = time.perf_counter()
-        self._wait_pending(raise_error=True)
-        refused = self._saver.refusal(step)
-        if refused is not None:  # it still takes its turn in the protocol (no rank waits for it)
-            seq, self._seq = self._seq, self._seq + 1
-            self._pending = self._saver.submit_refused(self._bg, step, seq, refused, owner=self)
-            self._pending._waited = True  # its outcome is the refusal, raised right here
-            raise refused
-        synchronous = not (self.options.async_save if async_save is None else async_save)
-        job = self._saver.prepare(
-            step,
-            self._seq,
-            state,
-            sync=synchronous,
-            defaults=self.metadata,
-            metadata=metadata,
-            retention=self.retention,
-        )
-        self._seq += 1
-        stall_s = 0.0
-        try:
-            handle = self._pending = self._saver.submit(self._bg, job, owner=self)
-            handle._owner = f"CheckpointManager for {self._strategy.url} (rank {self.rank})"  # not a node's directory
-            handle.stall_s = stall_s = time.perf_counter() - t0
-            metrics.record(metrics.STALL_SECONDS, stall_s, rank=self.rank, step=step)
-            msg = "rank %d step %d: staged %d chunks, %d bytes in %.3f s (stall)"
-            log.info(msg, self.rank, step, len(job.plan.items), job.plan.nbytes, stall_s)
-        finally:
-            job.start.give(stall_s)  # the writer starts once save() is done with its own work
-        if synchronous:
-            handle.wait()
-        return handle
-
-    def _wait_pending(self, *, raise_error: bool) -> None:
-        """Wait for the pending save. A Ctrl-C during the wait propagates at once (the save
-        goes on; the handle stays pending, so the next call and the exit still wait for it)."""
-        p = self._pending
-        if p is None:
-            return
-        futures_wait([p._future])
-        p._waited = True
-        if not raise_error:  # keep the handle: its failure reaches the next save() or wait()
-            return
-        self._pending = None
-        err = p._undelivered_error()
-        if err is not None:
-            raise err
-
-    def _finish_at_exit(self) -> str | None:
-        """At interpreter exit (``at_exit``): wait for the pending save; describe its failure
-        if nobody has seen it."""
-        p = self._pending
-        if p is None or self._closed:
-            return None
-        futures_wait([p._future])
-        p._waited = True
-        err = p._undelivered_error()
-        if err is None:
-            return None
-        return (
-            f"the save of step {p.step} under {self.storage.url} (rank {self.rank}) failed at exit "
-            f"and was not committed: {type(err).__name__}: {err}"
-        )
 
     # -- what is committed; delete -----------------------------------------------------------
     def steps(self) -> list[int]:
@@ -389,30 +303,6 @@ class CheckpointManager:
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def wait_staged(self) -> None:
-        """Block until the pending save has copied the state (``staging="overlap"``).
-
-        Call it before changing saved tensors in place outside ``optimizer.step()`` (EMA
-        updates, manual edits, ``load_state_dict``). Cheap when nothing is being staged.
-        """
-        self._gate.wait()
-
-    @property
-    def staging_waits(self) -> int:
-        """How many times an optimizer step or ``wait_staged()`` waited for overlapped staging."""
-        return self._gate.waits
-
-    def wait(self) -> None:
-        """Block until the pending save (the last one started) is committed or has failed.
-
-        Raises that save's failure (``CheckpointSaveError`` and the like) unless a
-        ``SaveHandle.wait()`` already raised it; returns at once when nothing is pending. A
-        Ctrl-C during the wait propagates at once: the save goes on in the background, stays
-        pending (the next ``wait()``/``save()``/``close()`` waits for it again) and is waited
-        for at interpreter exit. Collective in effect: the commit needs every rank's save.
-        """
-        self._wait_pending(raise_error=True)
-
     def close(self) -> None:
         """Wait for the pending save as ``wait()`` does, then release the manager's threads.
 
@@ -437,10 +327,6 @@ class CheckpointManager:
         self._bg.shutdown(wait=True)
         self._strategy.close()
         self._io.shutdown(wait=True)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError(f"CheckpointManager for {self.storage.url} is closed")
 
     def __enter__(self) -> CheckpointManager:
         return self

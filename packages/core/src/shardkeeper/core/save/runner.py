@@ -3,8 +3,8 @@
 Caller's thread: ``refusal`` (``commit/step_rule.py``: a step already committed, or below the
 newest committed one, is refused before anything is written; ``run_refused`` then takes the
 save's turn in the protocol), ``prepare`` (flatten, plan, stage: a ``SaveJob``). Background
-thread: ``run`` (write; report, or collect and commit; publish or wait for the outcome; raise
-the save's failure). The manager's tiers act at fixed points of both
+thread: ``run`` (write: ``rank_write.py``; report, or collect and commit; publish or wait for
+the outcome; raise the save's failure). The manager's tiers act at fixed points of both
 (``save/hooks.py``: a local tier's replicas, claims and uploads; retention after a commit).
 The runner holds no reference to the manager: what one save needs travels in its ``SaveJob``.
 """
@@ -34,27 +34,25 @@ from shardkeeper.core.commit.protocol import (
     Phase,
     RankReport,
     Report,
-    Timings,
 )
 from shardkeeper.core.commit.put import commit_manifest
 from shardkeeper.core.commit.step_rule import StepOrder
 from shardkeeper.core.commit.terms import SaveTerms, agreed_options
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError, StepClaimedError
 from shardkeeper.core.format.jsonvalue import snapshot
-from shardkeeper.core.format.layout import data_prefixes, new_attempt_id, step_dir
+from shardkeeper.core.format.layout import new_attempt_id, step_dir
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.store_channel import CoordinatorLostError, coordinator_lost
 from shardkeeper.core.save.group import fold_group, unfold
 from shardkeeper.core.save.handle import SaveHandle
 from shardkeeper.core.save.hooks import Committed, SaveHooks
-from shardkeeper.core.save.index_write import index_report
 from shardkeeper.core.save.job import SaveJob, Start, outcome_timeout
 from shardkeeper.core.save.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.save.plan import PlanCache
+from shardkeeper.core.save.rank_write import write_rank
 from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.save.timings import save_timings
-from shardkeeper.core.save.write import write_shards
 from shardkeeper.core.state.flatten import flatten_for_save
 from shardkeeper.core.state.quantize import state_metadata
 from shardkeeper.core.util.version import shardkeeper_version
@@ -207,7 +205,7 @@ class SaveRunner:
                 phase = Phase.STAGE
                 self._gate.run(job.deferred, job.staged)
                 phase = Phase.WRITE
-            own = self._write(job, stall_s, t0)
+            own = write_rank(ctx, self._codecs, job, stall_s, t0)
         except BaseException as e:
             own = Failure.of(ctx.rank, phase, ctx.storage.describe(sdir), e)
             local_error: BaseException | None = e
@@ -258,60 +256,6 @@ class SaveRunner:
             self._hooks.after_commit(job.seq, step, committed, job.retention)
         except CoordinatorLostError as e:
             raise coordinator_lost(step, ctx.rank, e, committed=True) from e
-
-    def _write(self, job: SaveJob, stall_s: float, t0: float) -> RankReport:
-        ctx, settings = self.ctx, self.ctx.settings
-        codecs = self._codecs.for_save(ctx.read_storage, job.step, settings.digest, settings.digest_block_bytes)
-        res = write_shards(
-            ctx.storage,
-            step_dir(job.step),
-            job.groups,
-            job.spans,
-            rank=ctx.rank,
-            attempt=job.attempt,
-            algorithm=settings.digest,
-            block_bytes=settings.digest_block_bytes,
-            executor=ctx.io,
-            codecs=codecs,
-            memo=job.plan.memo,
-            prefixes=data_prefixes(settings.data_prefixes, ctx.world_size),
-            sync=not job.plan.described,  # (then once, with the index file: index_report)
-        )
-        declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
-        chunks, files, described = res.chunks, res.files, dict[str, Any]()
-        if job.plan.described:
-            chunks, files, described = index_report(
-                ctx.storage,
-                step_dir(job.step),
-                job.step,
-                ctx.rank,
-                job.attempt,
-                res.chunks,
-                res.files,
-                job.plan,
-                settings.digest,
-                data_prefixes(settings.data_prefixes, ctx.world_size),
-            )
-        report = RankReport(
-            rank=ctx.rank,
-            attempt=job.attempt,
-            declared=declarations["declared"],
-            declared_digest=declarations["declared_digest"],
-            chunks=chunks,
-            files=files,
-            objects=job.objects,
-            bases=[codecs.reuse.base.step] if codecs.reuse is not None and codecs.reuse.usable else [],
-            extended=job.extended,
-            per_rank_prefixes=job.plan.per_rank_prefixes,
-            layouts=sorted(job.plan.layouts),
-            timings=Timings(stall_s=stall_s, write_s=time.perf_counter() - t0, sync=job.sync),
-            described=described,
-        )
-        log.info(
-            "rank %d step %d: wrote %d bytes in %.3f s", ctx.rank, job.step, res.bytes_written, time.perf_counter() - t0
-        )
-        metrics.record(metrics.BYTES_WRITTEN, res.bytes_written, rank=ctx.rank, step=job.step)
-        return report
 
     def _fold(self, job: SaveJob, own: RankReport) -> Report | None:
         """A group leader: its group's folded report (``save/group.py``), a failure of
