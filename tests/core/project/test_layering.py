@@ -1,5 +1,5 @@
-"""The core's module layering: every module imports on its own, whatever was imported before
-it, and the format, storage and codec packages form no import cycle.
+"""The module layering: every module of the core imports on its own, whatever was imported
+before it, and no package under ``packages/`` (the core, each adapter) has an import cycle.
 
 Two checks, because each catches what the other cannot: a fresh interpreter importing every
 module of ``shardkeeper.core`` (alphabetically, then in reverse) finds a cycle that breaks at
@@ -23,6 +23,7 @@ import pytest
 import shardkeeper.core
 
 CORE = Path(shardkeeper.core.__file__).parent
+REPO = Path(__file__).resolve().parents[3]
 #: The packages whose modules must form no import cycle (with each other or through any other
 #: module of the core).
 LAYERED = ("shardkeeper.core.format", "shardkeeper.core.storage", "shardkeeper.core.codec")
@@ -149,6 +150,23 @@ def test_format_storage_and_codec_form_no_import_cycle() -> None:
     graph = _import_graph(CORE, "shardkeeper.core")
     assert "shardkeeper.core.format.manifest" in graph and graph["shardkeeper.core.format.manifest"]
     cycles = [c for c in _cycles(graph) if _layered(c)]
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _packages() -> dict[str, Path]:
+    """Every package under ``packages/`` (the core and each adapter): dotted name -> directory."""
+    return {
+        f"shardkeeper.{p.parent.name}": p.parent for p in sorted(REPO.glob("packages/*/src/shardkeeper/*/__init__.py"))
+    }
+
+
+def test_no_package_has_an_import_cycle() -> None:
+    """The core and each adapter, scanned as the core is: an adapter's modules form no cycle
+    either (across packages, the import-linter contracts hold the adapters above the core and
+    apart from each other)."""
+    packages = _packages()
+    assert {"shardkeeper.core", "shardkeeper.lightning", "shardkeeper.deepspeed"} <= set(packages), packages
+    cycles = [c for name, root in packages.items() for c in _cycles(_import_graph(root, name))]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkeeper.core.adapter.versions import VersionGate
+from shardkeeper.core.adapter import VersionGate
 
 #: Lightning releases whose internals this module was verified against: [low, high).
 TESTED_RANGE = ((2, 5), (2, 7))

@@ -5,7 +5,8 @@ plugin`` (``Trainer(plugins=[...])`` and ``Strategy(checkpoint_io=...)`` both en
 import, this module extends that property's setter: it still stores the plugin, and when the
 plugin is a :class:`ShardkeeperCheckpointIO` it also *connects* it to the strategy, which
 replaces, on that strategy instance only, the methods through which Lightning saves, loads and
-removes checkpoints:
+removes checkpoints, with functions that call the plugin's public ``binding``
+(:mod:`shardkeeper.lightning.binding`):
 
 - ``save_checkpoint`` (all ranks): one shardkeeper save; the strategy writes nothing itself;
 - ``load_checkpoint``: restores model (and optimizers, when they exist yet), returns the rest;
@@ -39,16 +40,16 @@ import functools
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
-from shardkeeper.core.adapter import Patches, check_start
+from shardkeeper.core.adapter import check_start, load_adapter
 from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import strategy as st
+from shardkeeper.lightning.binding import MARK
+from shardkeeper.lightning.installation import INSTALLED, installed
 from shardkeeper.lightning.loading import hook_loaders
-from shardkeeper.lightning.plugin import MARK, ShardkeeperCheckpointIO
+from shardkeeper.lightning.plugin import ShardkeeperCheckpointIO
 from shardkeeper.lightning.strategy import is_deepspeed
 
 _UNSUPPORTED = ("XLAStrategy", "SingleDeviceXLAStrategy")
-#: The class-level patch of ``Strategy.checkpoint_io`` (``install`` / ``uninstall``).
-_INSTALLED = Patches()
 
 
 def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
@@ -58,15 +59,14 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         raise TypeError(f"ShardkeeperCheckpointIO does not support {name}")
     li.warn_if_untested()
     if is_deepspeed(strategy):
-        from shardkeeper.core.adapter.registry import load_adapter
-
         load_adapter("deepspeed")  # fail now, with the install hint, not at the first save
     if getattr(strategy, "_shardkeeper_plugin", None) is plugin:
         return
     if plugin.strategy is not None and plugin.strategy is not strategy:
         disconnect(plugin)
     plugin.strategy = strategy
-    patches = plugin._patches
+    binding = plugin.binding  # what the replacements below call
+    patches = binding.patches
     patches.set(strategy, "_shardkeeper_plugin", plugin)
     orig_load_model = strategy.load_model_state_dict
     orig_load_optim = strategy.load_optimizer_state_dict
@@ -75,10 +75,10 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
     orig_train_start = strategy.on_train_start
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        plugin._save(strategy, checkpoint, filepath, storage_options)
+        binding.save(strategy, checkpoint, filepath, storage_options)
 
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return plugin._load(strategy, checkpoint_path)
+        return binding.load(strategy, checkpoint_path)
 
     def load_model_state_dict(checkpoint: Any, strict: bool = True) -> None:
         if MARK not in checkpoint:
@@ -88,18 +88,18 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         if MARK not in checkpoint:
             orig_load_optim(checkpoint)
             return
-        plugin._restore_deferred_optim(strategy)
+        binding.restore_deferred_optim(strategy)
 
     def remove_checkpoint(filepath: Any) -> None:
-        if plugin._remove(filepath, strategy):
+        if binding.remove(filepath, strategy):
             return
         # not our pointer: the strategy removes it through its checkpoint_io, this plugin, which
         # then removes the file as Lightning's TorchCheckpointIO would (instead of coming back here)
-        plugin._foreign_removal = True
+        binding.foreign_removal = True
         try:
             orig_remove(filepath)
         finally:
-            plugin._foreign_removal = False
+            binding.foreign_removal = False
 
     @functools.wraps(orig_teardown)
     def teardown() -> None:
@@ -110,7 +110,7 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
         finally:
             plugin.wait()
         if normal:  # every rank is here: a collective is safe
-            plugin._finish(strategy)
+            binding.finish(strategy)
 
     def on_train_start() -> None:
         trainer = st.trainer(strategy)  # global_step: the resumed step, or the previous fit's
@@ -146,7 +146,7 @@ def disconnect(plugin: ShardkeeperCheckpointIO) -> None:
     try:
         plugin.wait()
     finally:
-        plugin._patches.restore()
+        plugin.binding.patches.restore()
         plugin.strategy = None
         if strategy is not None and strategy.checkpoint_io is plugin:
             from lightning.fabric.plugins import TorchCheckpointIO
@@ -158,7 +158,7 @@ def install() -> None:
     """Extend ``Strategy.checkpoint_io``'s setter and wrap the ``.ckpt`` loader, once (see the
     module docstring)."""
     prop = Strategy.__dict__["checkpoint_io"]
-    if _INSTALLED.patched(Strategy, "checkpoint_io"):
+    if installed():
         return
     fset = prop.fset
 
@@ -167,8 +167,8 @@ def install() -> None:
         if isinstance(io, ShardkeeperCheckpointIO):
             connect(io, self)
 
-    _INSTALLED.set(Strategy, "checkpoint_io", property(prop.fget, setter, prop.fdel, prop.__doc__))
-    hook_loaders(_INSTALLED)
+    INSTALLED.set(Strategy, "checkpoint_io", property(prop.fget, setter, prop.fdel, prop.__doc__))
+    hook_loaders(INSTALLED)
 
 
 def uninstall() -> None:
@@ -176,12 +176,7 @@ def uninstall() -> None:
     back: plugins set from now on are plain ``CheckpointIO`` objects to Lightning (connected
     strategies stay so until ``disconnect``), and pointer files load only through
     :func:`shardkeeper.lightning.load_checkpoint`."""
-    _INSTALLED.restore()
-
-
-def installed() -> bool:
-    """Whether the hook is installed (importing :mod:`shardkeeper.lightning` installs it)."""
-    return _INSTALLED.patched(Strategy, "checkpoint_io")
+    INSTALLED.restore()
 
 
 __all__ = ["connect", "disconnect", "install", "installed", "uninstall"]

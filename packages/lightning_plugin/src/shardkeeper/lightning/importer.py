@@ -19,12 +19,10 @@ from typing import Any
 import torch
 
 from shardkeeper.core import normalize_fqn
-from shardkeeper.core.adapter import RootManagers
-from shardkeeper.core.format.progress import progress_state
-from shardkeeper.core.state.unpickle import load_trusted_pickle, require_trust
+from shardkeeper.core.adapter import RootManagers, load_dcp, load_trusted_pickle, progress_state, require_trust
 from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import codec
-from shardkeeper.lightning.plugin import FRAMEWORK
+from shardkeeper.lightning.binding import FRAMEWORK
 
 
 def import_lightning_checkpoint(
@@ -137,8 +135,6 @@ def _read_sharded(src: str, trust_pickle: bool) -> tuple[dict[str, Any], dict[st
     """A sharded directory, read whole in this process (DCP without a process group): the
     ``meta.pt`` dict, the model entry and the optimizer entries, keyed by normalized FQN as the
     core keys a module and an optimizer (``<fqn>``; ``state/<fqn>/<name>``, ``param_groups``)."""
-    from shardkeeper.core.tools.dcp_import import load_dcp
-
     meta_path = os.path.join(src, "meta.pt")
     if not os.path.isfile(meta_path):
         raise ValueError(

@@ -28,10 +28,8 @@ from typing import Any
 import torch
 
 from shardkeeper.core import CheckpointManager, parse_step_dir
-from shardkeeper.core.adapter import Patches
+from shardkeeper.core.adapter import Manifest, Patches, read_progress
 from shardkeeper.core.errors import CheckpointNotFoundError
-from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.format.progress import read_progress
 from shardkeeper.lightning import _internals as li
 from shardkeeper.lightning import codec
 from shardkeeper.lightning import strategy as st

@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from shardkeeper.core import parse_step_dir, step_dir
+from shardkeeper.core.adapter import encode_pointer, looks_like_pointer, pointer_message, write_file
 from shardkeeper.core.errors import CheckpointNotFoundError
-from shardkeeper.core.format.pointer import encode_pointer, looks_like_pointer, pointer_message
-from shardkeeper.core.storage.safe_files import write_file
 from shardkeeper.lightning.pointer_doc import MAX_POINTER_BYTES, POINTER_FORMAT, POINTER_VERSION, parse_pointer
 
 log = logging.getLogger(__name__)

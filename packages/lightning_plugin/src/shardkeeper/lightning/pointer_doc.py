@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
-from shardkeeper.core.format.pointer import (
+from shardkeeper.core.adapter import (
     MAX_POINTER_BYTES,
     POINTER_VERSION,
     PointerDamagedError,
     pointer_document,
     pointer_format,
 )
+from shardkeeper.core.errors import CorruptCheckpointError, IncompatibleFormatError
 
 POINTER_FORMAT = pointer_format("lightning")
 KNOWN_VERSIONS = frozenset({POINTER_VERSION})

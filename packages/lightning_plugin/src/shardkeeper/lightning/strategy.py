@@ -23,7 +23,7 @@ def engine_state(strategy: Any) -> dict[str, Any] | None:
     (``model``, ``optim``, ``progress``, maybe ``sched``); ``None`` for other strategies."""
     if not is_deepspeed(strategy):
         return None
-    from shardkeeper.core.adapter.registry import load_adapter
+    from shardkeeper.core.adapter import load_adapter
 
     engine = getattr(strategy, "model", None)
     if engine is None or not hasattr(engine, "optimizer"):
