@@ -174,7 +174,8 @@ def test_the_planned_reads_serve_every_piece_once(tmp_path: Path, max_read: int)
     ``max_read``."""
     import random
 
-    from shardkeeper.core.restore.plan import overlap_ops, piece_ops, plan_reads
+    from shardkeeper.core.restore.plan import overlap_ops, piece_ops
+    from shardkeeper.core.restore.reads import plan_reads
     from shardkeeper.core.state.chunks import Piece
 
     storage = _write(tmp_path)

@@ -13,7 +13,6 @@ OVER = {
     "core/src/shardkeeper/core/format/grid.py": 431,
     "core/src/shardkeeper/core/format/described.py": 443,
     "core/src/shardkeeper/core/config/options.py": 461,
-    "core/src/shardkeeper/core/restore/plan.py": 471,
 }
 
 

@@ -19,7 +19,8 @@ from torch.autograd.graph import increment_version
 
 from shardkeeper.core.codec.read import ChunkReader
 from shardkeeper.core.format.manifest import LeafRecord, itemsize
-from shardkeeper.core.restore.plan import Op, Read, RestoreStats
+from shardkeeper.core.restore.plan import Op, RestoreStats
+from shardkeeper.core.restore.reads import Read
 from shardkeeper.core.state.chunks import contiguous_strides
 from shardkeeper.core.state.flatten import torch_dtype_name
 

@@ -34,13 +34,12 @@ from shardkeeper.core.restore.fill import (
 )
 from shardkeeper.core.restore.plan import (
     Op,
-    Read,
     RestoreStats,
     listing,
     missing_list,
     plan_restore,
-    schedule,
 )
+from shardkeeper.core.restore.reads import Read, schedule
 from shardkeeper.core.restore.share import Job, ReadShare
 from shardkeeper.core.state.flatten import FlatState
 from shardkeeper.core.storage.base import Storage

@@ -4,31 +4,25 @@
 read, what the target cannot take (shapes, dtypes, kinds, meta tensors, missing keys under
 ``strict``). Each overlap of a target piece and a saved chunk becomes an ``Op``: the minimal
 contiguous byte range of the chunk that holds it, split along dimension 0 so that no read
-exceeds ``max_read_bytes``. ``schedule`` then sorts the ops by how they are read
-(``restore/fill.py``): straight into the target, coalesced into scratch reads widened
-to digest blocks, or, for an encoded chunk, the whole chunk once.
+exceeds ``max_read_bytes``. ``restore/reads.py`` then sorts the ops by how they are read.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-import operator
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.digest import block_span
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
-from shardkeeper.core.format.safetensors import ITEM_ALIGN
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.state.chunks import Piece, contiguous_strides, layout_of
 from shardkeeper.core.state.flatten import (
-    PLAIN_TENSORS,
     FlatState,
     Leaf,
     as_torch,
@@ -41,12 +35,6 @@ from shardkeeper.core.state.tied import check_ties, tied_aliases
 from shardkeeper.core.storage.base import Storage
 
 PER_RANK_POLICIES = ("exact", "modulo", "drop")
-
-#: Reads that go through a scratch buffer (small or strided overlaps) are capped at this, so
-#: restore needs at most io_threads x 8 MiB beyond the target's own memory.
-_BUFFERED_READ_BYTES = 8 << 20
-#: Overlaps at least this large and contiguous in the target are read straight into it.
-_DIRECT_MIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -87,8 +75,8 @@ class Op:
     rel_shape: tuple[int, ...]
     start: int  # minimal contiguous byte range within the chunk
     end: int
-    #: the overlap is ``dest``'s whole memory, byte for byte (``_holds_its_values``), and under
-    #: ``_DIRECT_MIN_BYTES``: a buffered read copies it with one memmove instead of building a
+    #: the overlap is ``dest``'s whole memory, byte for byte, and under ``_DIRECT_MIN_BYTES``
+    #: (``restore/reads.py``): a buffered read copies it with one memmove instead of building a
     #: source view and calling ``copy_`` (about 10 us per tensor, in threads sharing the GIL)
     as_bytes: bool = False
 
@@ -165,128 +153,6 @@ def piece_ops(leaves: Mapping[str, Any], wanted: Sequence[Wanted], max_read: int
     return ops
 
 
-@dataclass(slots=True)
-class Segment:
-    """The ops of one chunk that one read serves, and the block-aligned range they need."""
-
-    key: str
-    chunk: ChunkRecord
-    start: int  # block-aligned byte range within the chunk
-    end: int
-    ops: list[Op]
-
-
-@dataclass(slots=True)
-class Read:
-    """One ranged read of a file into a scratch buffer."""
-
-    file: str
-    start: int  # absolute file offsets
-    end: int
-    segments: list[Segment]
-
-
-def plan_reads(ops: Iterable[Op], block_bytes: int, max_read: int) -> list[Read]:
-    """Widen each op to digest blocks, merge the overlapping ranges of one chunk, and
-    coalesce adjacent ranges of one file into reads of at most ``max_read`` bytes."""
-    by_chunk: dict[tuple[str, int], list[Op]] = {}
-    for op in ops:
-        c = op.chunk
-        same = by_chunk.get((c.file, c.offset))
-        if same is None:
-            by_chunk[(c.file, c.offset)] = [op]
-        else:
-            same.append(op)
-    segments: list[tuple[str, int, int, Segment]] = []  # file, absolute start and end, segment
-    add = segments.append
-    for (file, at), chunk_ops in by_chunk.items():
-        chunk = chunk_ops[0].chunk
-        if len(chunk_ops) == 1:  # the common case: one op of the chunk, often all of it
-            o = chunk_ops[0]
-            whole = o.start == 0 and o.end == chunk.length
-            lo, hi = (0, o.end) if whole else block_span(o.start, o.end, block_bytes, chunk.length)
-            add((file, at + lo, at + hi, Segment(o.key, chunk, lo, hi, chunk_ops)))
-            continue
-        spans = sorted((block_span(o.start, o.end, block_bytes, chunk.length), i) for i, o in enumerate(chunk_ops))
-        cur: Segment | None = None
-        for (lo, hi), i in spans:
-            if cur is not None and lo <= cur.end and hi - cur.start <= max(max_read, cur.end - cur.start):
-                cur.end = max(cur.end, hi)
-                cur.ops.append(chunk_ops[i])
-            else:
-                if cur is not None:
-                    add((file, at + cur.start, at + cur.end, cur))
-                cur = Segment(chunk_ops[i].key, chunk, lo, hi, [chunk_ops[i]])
-        if cur is not None:
-            add((file, at + cur.start, at + cur.end, cur))
-    segments.sort(key=operator.itemgetter(0, 1))  # file order, so adjacent ranges coalesce
-    reads: list[Read] = []
-    last: Read | None = None
-    last_file, last_start, last_end = "", 0, 0
-    for file, abs_start, abs_end, seg in segments:
-        # Chunks a save aligned (format/safetensors.py ITEM_ALIGN) leave gaps under 64 bytes
-        # between them: read through those rather than split the read.
-        if (
-            last is not None
-            and last_file == file
-            and 0 <= abs_start - last_end < ITEM_ALIGN
-            and abs_end - last_start <= max_read
-        ):
-            last.end = last_end = abs_end
-            last.segments.append(seg)
-        else:
-            last = Read(file, abs_start, abs_end, [seg])
-            reads.append(last)
-            last_file, last_start, last_end = file, abs_start, abs_end
-    return reads
-
-
-def _holds_its_values(op: Op) -> bool:
-    """Is ``op.dest``'s memory exactly its values, of the saved dtype, so that bytes can be
-    written into it without torch (a read straight into it, a memmove)? A plain CPU tensor,
-    contiguous and strided, not a lazily negated view, not a zero tensor (no memory), not an
-    inference tensor (``copy_`` refuses to write those outside inference mode: so do we), and
-    ``op`` covers all of it."""
-    d = op.dest
-    return (
-        op.chunk.encoding == "raw"
-        and type(d) in PLAIN_TENSORS
-        and d.device.type == "cpu"
-        and d.dtype == op.dtype
-        and d.layout == torch.strided
-        and d.is_contiguous()
-        and not d.is_neg()
-        and not d._is_zerotensor()
-        and not d.is_inference()
-        and op.end - op.start == d.numel() * d.element_size()
-    )
-
-
-def schedule(
-    ops: Sequence[Op], block: int, bytes_needed: int, max_read_bytes: int
-) -> tuple[list[Op], list[Read], list[list[Op]]]:
-    """The ops as the fill runs them: read straight into the target; coalesced scratch reads
-    (copied out by memmove where ``as_bytes``, else ``copy_`` into a strided, cast, negated
-    (...) target); and, per encoded chunk, its ops."""
-    direct: list[Op] = []
-    buffered: list[Op] = []
-    encoded: dict[tuple[str, int], list[Op]] = {}
-    for op in ops:
-        if op.chunk.encoding != "raw":
-            encoded.setdefault((op.chunk.file, op.chunk.offset), []).append(op)
-        elif not _holds_its_values(op):
-            buffered.append(op)
-        elif op.end - op.start >= _DIRECT_MIN_BYTES:
-            direct.append(op)
-        else:
-            op.as_bytes = True
-            buffered.append(op)
-    # Scratch reads stay within ~5% of what this rank restores (at least 256 KiB each, at
-    # most 8 MiB), so restore memory stays close to the target's own size.
-    buffered_cap = int(min(_BUFFERED_READ_BYTES, max(256 << 10, bytes_needed // 80)))
-    return direct, plan_reads(buffered, block, min(max_read_bytes, buffered_cap)), list(encoded.values())
-
-
 def matches(key: str, patterns: Sequence[str] | None) -> bool:
     """Does ``key`` match one of ``patterns`` (a glob, a ``/``-prefix, the key itself)?"""
     if not patterns:
@@ -352,10 +218,7 @@ def plan_restore(
     if flat.optimizers:
         check_optimizers(flat.optimizers, manifest, lambda k: matches(k, only), where)
     plan = RestorePlan(RestoreStats())
-    stats, ops = plan.stats, plan.ops
-    mismatched: list[str] = []
-    wrong_dtype: list[str] = []
-    on_meta: list[str] = []
+    refused = _Refused()
     table = manifest.leaves if isinstance(manifest.leaves, TableLeaves) else None
     wanted: list[Wanted] = []  # each target piece, its chunks found once every leaf is checked
     for key, leaf in flat.leaves.items():
@@ -370,65 +233,14 @@ def plan_restore(
             if not (optional and matches(key, optional)):
                 plan.missing.append(src_key)
             continue
-        stats.keys += 1
+        plan.stats.keys += 1
         plan.restored.append(key)
-        if leaf.kind == "object" or rec.kind == "object":
-            if leaf.kind != rec.kind:
-                raise StateMismatchError(
-                    f"key {key!r} in {where} is a {rec.kind} leaf in the checkpoint but a "
-                    f"{leaf.kind} in the target state; the state's structure changed"
-                )
-            assert leaf.set is not None
-            setter, value, current = leaf.set, rec.value, leaf.value
-
-            def fill(s: Callable[[Any], None] = setter, v: Any = value, c: Any = current) -> None:
-                s(conform(v, c))
-
-            plan.deferred.append((key, fill))
-            continue
-        if rec.kind == "bytes":
-            if leaf.kind != "bytes":
-                raise StateMismatchError(
-                    f"key {key!r} in {where} is a bytes leaf in the checkpoint but a {leaf.kind} "
-                    f"in the target state; the state's structure changed"
-                )
-            plan.bytes_leaves.append((key, leaf, manifest.leaves[src_key]))  # read after every check
-            continue
-        target = as_torch(leaf.value)
-        layout = layout_of(target, world_size, rank)
-        if any(p.local.is_meta for p in layout.pieces):
-            on_meta.append(key)  # no memory: a copy into it does nothing
-            continue
-        if tuple(layout.global_shape) != tuple(rec.shape):
-            mismatched.append(f"{key!r}: checkpoint shape {list(rec.shape)}, target {list(layout.global_shape)}")
-            continue
-        saved_dtype = dtype_from_name(rec.dtype)
-        if saved_dtype != layout.dtype and not cast:
-            wrong_dtype.append(f"{key!r}: checkpoint {rec.dtype}, target {torch_dtype_name(layout.dtype)}")
-            continue
-        isz = itemsize(rec.dtype)
-        for piece in layout.pieces:
-            stats.bytes_needed += piece.numel * isz
-            wanted.append((key, src_key, piece, saved_dtype, isz))
-    if on_meta:
-        raise StateMismatchError(
-            f"{len(on_meta)} tensor(s) of the target state are on the meta device (a shape without "
-            f"memory: restoring into them would do nothing), so nothing of {where} was read: "
-            f"{listing(on_meta, 8)}. Give the model memory first, model.to_empty(device=...) "
-            f"(build the optimizer after that), or build it on a real device, then restore"
-        )
-    if mismatched:
-        raise StateMismatchError(
-            f"{len(mismatched)} key(s) in {where} have another shape than the target state: "
-            f"{listing(mismatched)}; build the model with the saved configuration, or exclude "
-            f"the keys with only=[...]"
-        )
-    if wrong_dtype:
-        raise StateMismatchError(
-            f"{len(wrong_dtype)} key(s) in {where} have another dtype than the target state: "
-            f"{listing(wrong_dtype)}; pass cast_dtypes=True to cast on restore"
-        )
-    if only and not stats.keys and not plan.missing and not plan.dropped:
+        if leaf.kind == "object" or rec.kind in ("object", "bytes"):
+            _plan_value(plan, key, leaf, rec, manifest, src_key, where)
+        else:
+            _want_pieces(plan.stats, wanted, refused, key, src_key, leaf, rec, rank, world_size, cast)
+    refused.raise_any(where)
+    if only and not plan.stats.keys and not plan.missing and not plan.dropped:
         raise StateMismatchError(
             f"only={list(only)} matches no key of the target state in {where}; list the "
             f"checkpoint's keys with `shardkeeper inspect {storage.url} {manifest.step}`"
@@ -443,8 +255,96 @@ def plan_restore(
             f"{len(plan.missing)} key(s) of the target state are not in {where}: {missing_list(plan.missing)}; "
             f"restore a subset with only=[...] or pass strict=False to skip them"
         )
-    ops.extend(piece_ops(manifest.leaves, wanted, max_read_bytes))
+    plan.ops.extend(piece_ops(manifest.leaves, wanted, max_read_bytes))
     return plan
+
+
+def _plan_value(
+    plan: RestorePlan, key: str, leaf: Leaf, rec: LeafRecord, manifest: Manifest, src_key: str, where: str
+) -> None:
+    """An object leaf, set after every tensor, or a bytes leaf, read after every check (from
+    its record under ``src_key``)."""
+    if leaf.kind == "object" or rec.kind == "object":
+        if leaf.kind != rec.kind:
+            raise StateMismatchError(
+                f"key {key!r} in {where} is a {rec.kind} leaf in the checkpoint but a "
+                f"{leaf.kind} in the target state; the state's structure changed"
+            )
+        assert leaf.set is not None
+        setter, value, current = leaf.set, rec.value, leaf.value
+
+        def fill(s: Callable[[Any], None] = setter, v: Any = value, c: Any = current) -> None:
+            s(conform(v, c))
+
+        plan.deferred.append((key, fill))
+        return
+    if leaf.kind != "bytes":
+        raise StateMismatchError(
+            f"key {key!r} in {where} is a bytes leaf in the checkpoint but a {leaf.kind} "
+            f"in the target state; the state's structure changed"
+        )
+    plan.bytes_leaves.append((key, leaf, manifest.leaves[src_key]))
+
+
+@dataclass
+class _Refused:
+    """Tensor leaves the target cannot take, gathered so that one error names them all."""
+
+    on_meta: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    wrong_dtype: list[str] = field(default_factory=list)
+
+    def raise_any(self, where: str) -> None:
+        if self.on_meta:
+            raise StateMismatchError(
+                f"{len(self.on_meta)} tensor(s) of the target state are on the meta device (a shape without "
+                f"memory: restoring into them would do nothing), so nothing of {where} was read: "
+                f"{listing(self.on_meta, 8)}. Give the model memory first, model.to_empty(device=...) "
+                f"(build the optimizer after that), or build it on a real device, then restore"
+            )
+        if self.mismatched:
+            raise StateMismatchError(
+                f"{len(self.mismatched)} key(s) in {where} have another shape than the target state: "
+                f"{listing(self.mismatched)}; build the model with the saved configuration, or exclude "
+                f"the keys with only=[...]"
+            )
+        if self.wrong_dtype:
+            raise StateMismatchError(
+                f"{len(self.wrong_dtype)} key(s) in {where} have another dtype than the target state: "
+                f"{listing(self.wrong_dtype)}; pass cast_dtypes=True to cast on restore"
+            )
+
+
+def _want_pieces(
+    stats: RestoreStats,
+    wanted: list[Wanted],
+    refused: _Refused,
+    key: str,
+    src_key: str,
+    leaf: Leaf,
+    rec: LeafRecord,
+    rank: int,
+    world_size: int,
+    cast: bool,
+) -> None:
+    """Add a tensor leaf's pieces on this rank to ``wanted``, or the reason it cannot take the
+    saved tensor to ``refused``."""
+    target = as_torch(leaf.value)
+    layout = layout_of(target, world_size, rank)
+    if any(p.local.is_meta for p in layout.pieces):
+        refused.on_meta.append(key)  # no memory: a copy into it does nothing
+        return
+    if tuple(layout.global_shape) != tuple(rec.shape):
+        refused.mismatched.append(f"{key!r}: checkpoint shape {list(rec.shape)}, target {list(layout.global_shape)}")
+        return
+    saved_dtype = dtype_from_name(rec.dtype)
+    if saved_dtype != layout.dtype and not cast:
+        refused.wrong_dtype.append(f"{key!r}: checkpoint {rec.dtype}, target {torch_dtype_name(layout.dtype)}")
+        return
+    isz = itemsize(rec.dtype)
+    for piece in layout.pieces:
+        stats.bytes_needed += piece.numel * isz
+        wanted.append((key, src_key, piece, saved_dtype, isz))
 
 
 def missing_list(missing: Sequence[str]) -> str:
@@ -455,17 +355,13 @@ def missing_list(missing: Sequence[str]) -> str:
 __all__ = [
     "Op",
     "PER_RANK_POLICIES",
-    "Read",
     "RestorePlan",
     "RestoreStats",
-    "Segment",
     "Wanted",
     "listing",
     "matches",
     "missing_list",
     "overlap_ops",
     "piece_ops",
-    "plan_reads",
     "plan_restore",
-    "schedule",
 ]
