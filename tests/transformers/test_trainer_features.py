@@ -293,8 +293,8 @@ def test_best_checkpoint_is_kept_and_loaded_at_the_end(tmp_path: Path) -> None:
     best = trainer.state.best_global_step
     assert best in (4, 8), best
     assert _steps(root) == [best, 12]
+    assert trainer.state.best_model_checkpoint == str(root / f"checkpoint-{best}")  # its folder, as the Trainer's
     with CheckpointManager(root) as mgr:
-        assert trainer.state.best_model_checkpoint == mgr.step_url(best)
         saved = mgr.load(best, only="model/*")["model"]
     got = {k: v.detach() for k, v in trainer.model.state_dict().items() if k in saved}
     assert not state_diff(got, {k: saved[k] for k in got})

@@ -1,7 +1,8 @@
 """The real Trainer killed with a save in flight, then resumed: one process, DDP, DeepSpeed
 ZeRO-3 and FSDP2 sharded at load time (torchrun, 2 gloo ranks). The torn step is never resumed
-from; the resume lands mid-epoch on the newest committed step, and every later loss and the
-final parameters and AdamW state equal an uninterrupted run's bit for bit
+from and has no ``checkpoint-N`` folder: ``get_last_checkpoint`` names the newest committed
+step, and the resume from that folder lands mid-epoch on it; every later loss and the final
+parameters and AdamW state equal an uninterrupted run's bit for bit
 (tests/transformers/dist/trainer_worker.py)."""
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ WORKER = Path(__file__).parent / "dist" / "trainer_worker.py"
 ENV = {"HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
 RESUME_CHECKS = [
     "crashed_step_not_committed",
+    "newest_folder_is_the_newest_committed_step",
     "resumed_at_committed_step",
     "next_losses_bit_exact",
     "final_params_and_optimizer_bit_exact",
     "saves_after_resume_committed",
+    "folders_are_the_committed_steps",
 ]
 
 

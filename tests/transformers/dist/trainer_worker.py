@@ -6,9 +6,11 @@ DDP, DeepSpeed ZeRO or FSDP2 under torchrun (gloo).
 ``reference``: 12 steps uninterrupted (saves at 4, 8, 12 into ``OUT/ref``); records every
 micro-step's loss and the final parameters and AdamW state. ``crash``: the same run into
 ``OUT/run`` with async saves; the manifest of step 8 is held back and every rank kills itself
-(SIGKILL) with that save in flight. ``resume``: ``train(resume_from_checkpoint=True)`` in a
-new process: it must resume at step 4 (mid-epoch: 6 steps an epoch), and every later loss
-and the final state must equal the reference's bit for bit. Each rank writes its checks to
+(SIGKILL) with that save in flight. ``resume``: in a new process, ``get_last_checkpoint(OUT/run)``
+must name ``checkpoint-4`` (the folder of the newest committed step, none for the torn one),
+and ``train(resume_from_checkpoint=<that folder>)`` must resume at step 4 (mid-epoch: 6 steps
+an epoch); every later loss and the final state must equal the reference's bit for bit, and
+the folders must then be those of the committed steps. Each rank writes its checks to
 ``OUT/<mode>-rank<r>.json`` and its losses and state to ``OUT/<mode>-rank<r>.pt``.
 ``reference+crash``: both, one after the other in one launch.
 
@@ -43,6 +45,7 @@ from tests.checks import Checks, deepspeed_full_state, state_of
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
 from shardkeeper.core.commit.committed import manifest_path  # noqa: E402
@@ -230,6 +233,13 @@ def cross(out: Path, checks: Checks, layout: str) -> None:
     checks.same("sharded_checkpoint_restores_in_another_layout", start.state, ref)
 
 
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def main() -> None:
     global UNTIED
     mode, out = sys.argv[1], Path(sys.argv[2])
@@ -258,7 +268,10 @@ def run(mode: str, out: Path, layout: str, rank: int) -> None:
         mgr = CheckpointManager(root)
         checks.check("crashed_step_not_committed", mgr.steps() == [SAVE_EVERY], f"committed: {mgr.steps()}")
         mgr.close()
-        trainer.train(resume_from_checkpoint=True)
+        last = get_last_checkpoint(str(root))
+        want = str(root / f"checkpoint-{SAVE_EVERY}")
+        checks.check("newest_folder_is_the_newest_committed_step", last == want, f"{last} (want {want})")
+        trainer.train(resume_from_checkpoint=last)
     else:
         trainer.train()
     state = full_state(trainer)
@@ -271,6 +284,10 @@ def run(mode: str, out: Path, layout: str, rank: int) -> None:
         checks.same("final_params_and_optimizer_bit_exact", state, ref["state"])
         steps = CheckpointManager(root).steps()
         checks.check("saves_after_resume_committed", steps == [SAVE_EVERY, CRASH_AT, STEPS], str(steps))
+        barrier()  # rank 0 writes the folders before its train() returns
+        folders = sorted((p.name for p in root.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+        want_folders = [f"checkpoint-{s}" for s in steps]
+        checks.check("folders_are_the_committed_steps", folders == want_folders, f"{folders} vs {want_folders}")
     checks.write()
 
 

@@ -2,7 +2,8 @@
 
 ``ShardkeeperTrainer(...)`` (or ``shardkeeper.transformers.enable(trainer)``) makes every
 checkpoint the Trainer saves a shardkeeper step (committed whole or not at all) in the
-canonical namespaces (``model``, ``optim``, ``sched``, ``progress``, ``rng``, ``extra``), and
+canonical namespaces (``model``, ``optim``, ``sched``, ``progress``, ``rng``, ``extra``), shown
+once committed as ``output_dir/checkpoint-N`` (no tensors in it) for ``get_last_checkpoint``, and
 ``train(resume_from_checkpoint=True)`` resume from the newest committed one. They restore in
 plain torch through the core and in the other adapters. Imports only the public API of
 shardkeeper.core, transformers and accelerate, never another adapter.

@@ -2,10 +2,10 @@
 
 The Trainer's checkpoint methods are replaced on the instance (``_internals.METHODS``;
 ``disable`` gives them back). A save at ``global_step`` N commits step N under the root
-(default: ``args.output_dir``), with the fenced protocol: a resume never sees a torn one.
-``train(resume_from_checkpoint=True)`` resumes from the newest committed step; a step number,
-a root or a step folder works too, and a folder the Trainer itself wrote (with its
-``trainer_state.json``) still resumes through the Trainer's own loaders.
+(default: ``args.output_dir``), with the fenced protocol: a resume never sees a torn one, and
+then appears as ``output_dir/checkpoint-N`` (``folders.py``). ``train(resume_from_checkpoint=True)``
+resumes from the newest committed step; a step number, a root, a step folder or a ``checkpoint-N``
+folder works too, and a folder the Trainer itself wrote resumes through the Trainer's own loaders.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from shardkeeper.core import CheckpointManager, CorruptCheckpointError, SaveHandle
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start, read_progress
 from shardkeeper.transformers import _internals as tfi
+from shardkeeper.transformers.folders import Folders
 from shardkeeper.transformers.resume import Resume, resolve, rng_policy, trainer_folder_step, with_remedy
 from shardkeeper.transformers.state import (
     FRAMEWORK,
@@ -53,6 +54,7 @@ class TrainerPlugin:
         self.resume: Resume | None = None
         self.last_handle: SaveHandle | None = None
         self.patches = Patches()
+        self.folders = Folders(str(trainer.args.output_dir), self.root, writer=bool(trainer.args.should_save))
 
     @property
     def trainer(self) -> Any:
@@ -150,14 +152,22 @@ class TrainerPlugin:
         pinned: frozenset[int] = frozenset()
         if best and _saves_best(tr.args.save_strategy):
             if best == step or mgr.is_committed(best):
-                tr.state.best_model_checkpoint = mgr.step_url(best)
+                tr.state.best_model_checkpoint = self.folders.path(int(best))
                 pinned = frozenset({int(best)})  # retention keeps the best checkpoint, as the Trainer does
         mgr.retention = dataclasses.replace(mgr.retention, keep_steps=pinned)
+        self.folders.before_save(mgr, step, self.last_handle)  # the folders of the steps retention drops go
         tfi.record_callback_states(tr)
         state = build_state(tr, self.progress, model_only=bool(tr.args.save_only_model))
-        self.last_handle = mgr.save(
+        self.last_handle = handle = mgr.save(
             step, state, metadata={"transformers_save_only_model": bool(tr.args.save_only_model)}
         )
+        if tr.control.should_training_stop:  # the last save: the Trainer's end of training sees its folder
+            handle.wait()
+        self.folders.watch(mgr, handle)  # its checkpoint-N once it commits
+
+    def sync_folders(self) -> None:
+        """The folders in ``output_dir`` agree with the committed steps again (``Folders.sync``)."""
+        self.folders.sync(self.manager())  # the manager on every rank: its first use is a collective
 
     def wait(self) -> None:
         self._managers.wait()
@@ -239,8 +249,11 @@ def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, An
         resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kw: Any
     ) -> Any:
         p.settle("before this train() call")  # a save a failed call left in flight counts
-        target = p.resolve(resume_from_checkpoint)
-        p.check_start(target)
+        try:
+            target = p.resolve(resume_from_checkpoint)
+            p.check_start(target)
+        finally:
+            p.sync_folders()  # a folder whose step went goes, a missing one comes
         if isinstance(target, Resume):
             log.info("shardkeeper: resuming from step %d of %s", target.step, target.manager.storage.url)
         p.resume = target if isinstance(target, Resume) else None
@@ -252,6 +265,7 @@ def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, An
                 tr, resume_from_checkpoint=own_folder, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kw
             )
             p.wait()  # the last save committed (or its failure raised) before train() returns
+            p.sync_folders()  # those the Trainer's end of training removed come back
             done = True
             return out
         finally:

@@ -1,9 +1,10 @@
 """What ``train(resume_from_checkpoint=...)`` resumes from, decided before the Trainer starts.
 
-``True`` is the newest committed step under the root; a step number, a root or a step folder
-(of any root) work too; a ``checkpoint-N`` folder the Trainer wrote itself goes to the
-Trainer's own loaders. As text (a command line's), ``"true"`` and digits mean ``True`` and a
-step number. Every refusal names the root or folder, the rank and the remedy.
+``True`` is the newest committed step under the root; a step number, a root, a step folder
+(of any root) or a ``checkpoint-N`` folder of shardkeeper's (``folders.py``) work too; a
+``checkpoint-N`` folder the Trainer wrote itself goes to the Trainer's own loaders. As text (a
+command line's), ``"true"`` and digits mean ``True`` and a step number. Every refusal names the
+root or folder, the rank and the remedy.
 """
 
 from __future__ import annotations
@@ -14,17 +15,14 @@ import json
 import logging
 import numbers
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError, parse_step_dir
+from shardkeeper.transformers.folders import FOLDER, POINTER_NAME, Pointer, read_pointer, same_root
 
 log = logging.getLogger(__name__)
-
-#: The Trainer's own checkpoint folders (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``).
-_OWN_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -73,6 +71,9 @@ def resolve(
     path = os.fspath(target).rstrip("/")
     if not path:
         raise ValueError(f"resume_from_checkpoint={target!r} names no root or folder (rank {rank})")
+    pointer = read_pointer(path, rank) if os.path.isdir(path) else None
+    if pointer is not None:  # a checkpoint-N folder of shardkeeper's
+        return _pointed(pointer, manager, root, rank)
     if os.path.isfile(os.path.join(path, "trainer_state.json")):
         return path  # a checkpoint-N folder of the Trainer's own: its own loaders read it
     parent, _, last = path.rpartition("/")
@@ -94,6 +95,27 @@ def resolve(
     if os.path.isfile(path):
         raise ValueError(f"resume_from_checkpoint={path!r} is a file, not a root or a step folder (rank {rank})")
     return newest(manager(path), path, rank)
+
+
+def _pointed(p: Pointer, manager: Callable[[str | None], CheckpointManager], root: str, rank: int) -> Resume:
+    """The committed step a ``checkpoint-N`` folder names."""
+    own = same_root(p.root, root)
+    if not own and "://" not in p.root and not os.path.isdir(p.root):
+        raise CheckpointNotFoundError(
+            f"shardkeeper.transformers: {p.folder} names step {p.step} under {p.named}, which does not exist, nor "
+            f"beside the folder (rank {rank}): was the root moved apart from its output_dir? Pass the root itself "
+            f"as resume_from_checkpoint, or True for the newest committed step under {root}"
+        )
+    mgr = manager(None if own else p.root)
+    if not mgr.is_committed(p.step):
+        raise CheckpointNotFoundError(
+            f"shardkeeper.transformers: {p.folder} names step {p.step} under {p.root}, which is not committed "
+            f"(rank {rank}): the step was deleted (by retention, `shardkeeper delete` or as damaged) after its "
+            f"folder was written, and train() removes such a folder from its output_dir. Committed steps under "
+            f"{p.root}: {listing(mgr.steps())}. Pass resume_from_checkpoint=True (the newest), or call "
+            f"get_last_checkpoint(output_dir) again"
+        )
+    return Resume(mgr, p.step)
 
 
 def _from_text(text: str) -> Any:
@@ -134,13 +156,18 @@ def newest(mgr: CheckpointManager, root: str, rank: int) -> Resume:
 
 
 def own_folders(root: str) -> list[str]:
-    """The Trainer's ``checkpoint-N`` folders directly under a local ``root``, by step."""
+    """The Trainer's own ``checkpoint-N`` folders directly under a local ``root``, by step
+    (not shardkeeper's, which hold a pointer)."""
     try:
         names = os.listdir(root)
     except OSError:
         return []
     found = [
-        (int(m.group(1)), n) for n in names if (m := _OWN_FOLDER.match(n)) and os.path.isdir(os.path.join(root, n))
+        (int(m.group(1)), n)
+        for n in names
+        if (m := FOLDER.match(n))
+        and os.path.isdir(os.path.join(root, n))
+        and not os.path.isfile(os.path.join(root, n, POINTER_NAME))
     ]
     return [n for _, n in sorted(found)]
 

@@ -88,20 +88,25 @@ class TrainerProgress(ProgressTarget):
     def trainer_state(self) -> dict[str, Any]:
         """The ``TrainerState`` fields to resume with (the Trainer's own, or the step count
         and epoch of another framework's checkpoint)."""
-        p = self.loaded
-        if p is None:  # (restore() reads it for every resumed step)
+        if self.loaded is None:  # (restore() reads it for every resumed step)
             raise RuntimeError("shardkeeper.transformers: the resumed step's progress was not read")
-        saved = p.of(FRAMEWORK).get("trainer_state")
-        if isinstance(saved, dict) and isinstance(saved.get("global_step"), int):
-            return dict(saved)
-        if saved is not None:
-            log.warning(
-                "shardkeeper: the checkpoint of step %s holds a trainer_state that is not one; the "
-                "Trainer resumes at step %d with a new TrainerState",
-                p.checkpoint_step,
-                p.step,
-            )
-        return {"global_step": p.step, "epoch": float(p.epoch)}
+        return trainer_state_of(self.loaded)
+
+
+def trainer_state_of(p: CheckpointProgress) -> dict[str, Any]:
+    """The ``TrainerState`` fields a step's progress holds: the Trainer's own, or the step count
+    and epoch of another framework's checkpoint."""
+    saved = p.of(FRAMEWORK).get("trainer_state")
+    if isinstance(saved, dict) and isinstance(saved.get("global_step"), int):
+        return dict(saved)
+    if saved is not None:
+        log.warning(
+            "shardkeeper: the checkpoint of step %s holds a trainer_state that is not one; the "
+            "Trainer resumes at step %d with a new TrainerState",
+            p.checkpoint_step,
+            p.step,
+        )
+    return {"global_step": p.step, "epoch": float(p.epoch)}
 
 
 def sharded_at_load(model: Any) -> bool:
@@ -161,4 +166,5 @@ __all__ = [
     "raw_model",
     "raw_optimizer",
     "sharded_at_load",
+    "trainer_state_of",
 ]
