@@ -7,6 +7,8 @@ any other torch version is a download of several GB.
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import shutil
 import subprocess
@@ -54,15 +56,47 @@ def _install_torch(session: nox.Session) -> None:
     _install(session, "--upgrade", PIP)
 
 
-#: The framework versions the adapters are tested against: the newest releases, and an older
-#: minor of each that still works with torch 2.13. DeepSpeed has none: 0.18.9 cannot train
-#: ZeRO-1/2 on torch 2.13 and its ZeRO-3 runs are not reproducible (a CI run once saw every
-#: ZeRO-3 case differ from its uninterrupted twin, a rerun passed), so both sets use 0.19.8
-#: (docs/decisions.md D17). Bump them here.
-FRAMEWORKS = {
-    "newest": ("deepspeed==0.19.8", "lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0"),
-    "older": ("deepspeed==0.19.8", "lightning==2.5.6", "accelerate==1.14.0", "transformers==5.23.0"),
+#: Each adapter's framework and the module that holds its verified release range
+#: (``TESTED_RANGE``, [low, high) as major.minor; the adapter warns outside it). The two test
+#: sets come from these ranges and from the index, never from pins written here:
+#: - newest: nothing pinned, so pip installs what a plain ``pip install`` of the adapters gets
+#:   beside torch 2.13 (constraints.txt). When the index serves a release past a range, the
+#:   adapter's ``test_internals`` fails and says so; once the rest of the suite passes on it,
+#:   raise ``TESTED_RANGE``: the ranges follow what passed, and a default install is a tested one.
+#: - older: the lowest minor of each range, its newest patch.
+#: DeepSpeed has no older minor that works with torch 2.13 (0.18.9 cannot train ZeRO-1/2 on it
+#: and its ZeRO-3 runs are not reproducible; docs/decisions.md D17), so the older set takes the
+#: newest DeepSpeed too and leaves its suite to the newest set.
+GATES = {
+    "deepspeed": ("deepspeed", "packages/deepspeed_plugin/src/shardkeeper/deepspeed/_ds_internals.py"),
+    "lightning": ("lightning", "packages/lightning_plugin/src/shardkeeper/lightning/_internals.py"),
+    "accelerate": ("accelerate", "packages/accelerate_plugin/src/shardkeeper/accelerate/_internals.py"),
+    "transformers": ("transformers", "packages/transformers_plugin/src/shardkeeper/transformers/_internals.py"),
 }
+#: The adapters whose older set is the newest release (see above).
+OLDER_IS_NEWEST = ("deepspeed",)
+
+
+def tested_range(adapter: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``TESTED_RANGE`` of an adapter's internals module, read without importing it."""
+    path = ROOT / GATES[adapter][1]
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["TESTED_RANGE"]:
+            low, high = ast.literal_eval(node.value)
+            return tuple(low), tuple(high)
+    raise RuntimeError(f"{path}: no TESTED_RANGE = ((major, minor), (major, minor))")
+
+
+def framework_requirements(suite: str) -> tuple[str, ...]:
+    """What pip is asked for: the frameworks unpinned (newest), or each range's lowest minor."""
+    out = []
+    for adapter, (dist, _) in GATES.items():
+        low = tested_range(adapter)[0]
+        older = suite == "older" and adapter not in OLDER_IS_NEWEST
+        out.append(f"{dist}=={'.'.join(map(str, low))}.*" if older else dist)
+    return tuple(out)
+
+
 ADAPTERS = ("deepspeed", "lightning", "accelerate", "transformers")
 #: The multiprocess tests the older minor runs: the chain, where each framework saves in real
 #: launches and the next resumes it. Every layout of every adapter (each a few launches of ~10 s
@@ -142,7 +176,7 @@ def tests(session: nox.Session, suite: str) -> None:
     then pytest, so that CI tests what users install.
     core: the core alone, with no framework installed (which proves it needs none).
     adapters-*: the four adapters, on the newest release and on an older minor of each
-    framework (FRAMEWORKS). The older minor checks each adapter's hooks into its framework:
+    framework (GATES: the newest is what the index serves). The older minor checks each adapter's hooks into its framework:
     every single-process test (the real Trainer, Lightning and Accelerate in one process) and,
     of the multiprocess ones, the framework chain (OLDER_MULTIPROCESS: every framework saves
     and resumes in real torchrun launches); the layout-by-layout matrix runs on the newest.
@@ -156,21 +190,42 @@ def tests(session: nox.Session, suite: str) -> None:
         args = ["tests/core", "tests/cuda", "tests/packaging", "-x", "-q", DURATIONS, *session.posargs]
         _pytest_split(session, args, env)
         return
-    versions = FRAMEWORKS[suite.removeprefix("adapters-")]
+    frameworks = suite.removeprefix("adapters-")
     dist = _build_dists(session, tuple(DISTRIBUTIONS))
     wheels = [_wheel(dist, "core", "torch,s3,gcs"), *(_wheel(dist, name) for name in ADAPTERS)]
-    _install_wheels(session, wheels, *versions, *TEST_DEPS)
+    _install_wheels(session, wheels, *framework_requirements(frameworks), *TEST_DEPS)
+    _record_frameworks(session, frameworks)
     session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), *DISTRIBUTIONS, env=env)
     names = (*ADAPTERS, "chain")
-    if versions[0] == FRAMEWORKS["newest"][0] and suite != "adapters-newest":
-        # the same DeepSpeed release as the newest set: its own suite would only run twice
-        names = tuple(n for n in names if n != "deepspeed")
+    if frameworks == "older":
+        # the same release as the newest set: its own suite would only run twice
+        names = tuple(n for n in names if n not in OLDER_IS_NEWEST)
     suites = [f"tests/{name}" for name in names if (ROOT / "tests" / name).is_dir()]
     if not suites:
         session.error("no adapter test suite found under tests/")
     # tests named after `--` are run as named, on either set
     multi = None if suite == "adapters-newest" or session.posargs else [*OLDER_MULTIPROCESS, "-q", DURATIONS]
     _pytest_split(session, [*suites, "-q", DURATIONS, *session.posargs], {**env, **ADAPTER_ENV}, multi)
+
+
+def _record_frameworks(session: nox.Session, frameworks: str) -> None:
+    """Log the framework releases this suite tests and keep them in the session's folder
+    (``frameworks-tested.json``), so that every CI run says what it verified."""
+    code = "import importlib.metadata as m, json, sys; print(json.dumps({d: m.version(d) for d in sys.argv[1:]}))"
+    dists = [dist for dist, _ in GATES.values()]
+    out = session.run("python", "-c", code, *dists, silent=True) or "{}"
+    tested = {"set": frameworks, **json.loads(str(out).strip().splitlines()[-1])}
+    record = Path(session.create_tmp()) / "frameworks-tested.json"
+    record.write_text(json.dumps(tested, indent=1) + "\n")
+    session.log("frameworks under test: " + ", ".join(f"{k} {v}" for k, v in tested.items() if k != "set"))
+    for adapter, (dist, path) in GATES.items():
+        low, high = tested_range(adapter)
+        version = tuple(int(p) for p in tested[dist].split(".")[:2] if p.isdigit())
+        if not low <= version < high:
+            session.warn(
+                f"{dist} {tested[dist]} lies outside {path}'s TESTED_RANGE {low}-{high}: the adapter's "
+                f"test_internals fails; raise the range once the rest of this suite passes"
+            )
 
 
 def _pytest_split(

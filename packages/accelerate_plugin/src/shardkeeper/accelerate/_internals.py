@@ -2,8 +2,8 @@
 
 Accelerate has no public way to list what ``prepare()`` and ``register_for_checkpointing()``
 collected (its own ``save_state`` reads the same private lists), nor a hook per batch of a
-prepared DataLoader. Each function below reads one such attribute; each was checked on
-Accelerate 1.14.0 and 1.15.0. ``contract_check`` says which of them an Accelerator has, and
+prepared DataLoader. Each function below reads one such attribute; each was checked on the
+releases of ``TESTED_RANGE`` (CI tests its lowest minor and the newest the index serves). ``contract_check`` says which of them an Accelerator has, and
 ``tests/accelerate/test_internals.py`` asserts all of them on the installed release, so a
 release that renames or removes one fails loudly there (bump ``TESTED_RANGE`` only after that
 test passes on the new release). ``warn_if_untested`` warns once per process outside the range.
@@ -17,7 +17,7 @@ from typing import Any
 from shardkeeper.core.adapter import VersionGate
 
 #: Accelerate releases whose internals this module was verified against: [low, high).
-TESTED_RANGE = ((1, 14), (1, 16))
+TESTED_RANGE = ((1, 14), (1, 17))
 #: The Accelerator's lists of prepared and registered objects (each a ``list``), read live:
 #: ``free_memory()`` replaces them with new lists.
 ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects")
@@ -44,27 +44,27 @@ def warn_if_untested() -> None:
 
 # -- what prepare() and register_for_checkpointing() collected -------------------------------
 def prepared_models(accelerator: Any) -> list[Any]:
-    """``accelerator._models``: the prepared models, in prepare order (1.14.0, 1.15.0)."""
+    """``accelerator._models``: the prepared models, in prepare order."""
     return accelerator._models
 
 
 def prepared_optimizers(accelerator: Any) -> list[Any]:
-    """``accelerator._optimizers``: the prepared ``AcceleratedOptimizer``s (1.14.0, 1.15.0)."""
+    """``accelerator._optimizers``: the prepared ``AcceleratedOptimizer``s."""
     return accelerator._optimizers
 
 
 def prepared_schedulers(accelerator: Any) -> list[Any]:
-    """``accelerator._schedulers``: the prepared ``AcceleratedScheduler``s (1.14.0, 1.15.0)."""
+    """``accelerator._schedulers``: the prepared ``AcceleratedScheduler``s."""
     return accelerator._schedulers
 
 
 def prepared_dataloaders(accelerator: Any) -> list[Any]:
-    """``accelerator._dataloaders``: the prepared DataLoaders (1.14.0, 1.15.0)."""
+    """``accelerator._dataloaders``: the prepared DataLoaders."""
     return accelerator._dataloaders
 
 
 def registered_objects(accelerator: Any) -> list[Any]:
-    """``accelerator._custom_objects``: what ``register_for_checkpointing`` got (1.14.0, 1.15.0)."""
+    """``accelerator._custom_objects``: what ``register_for_checkpointing`` got."""
     return accelerator._custom_objects
 
 
@@ -72,7 +72,7 @@ def registered_objects(accelerator: Any) -> list[Any]:
 def hook_per_batch(dl: Any, hook: Callable[[], None]) -> Callable[[], None]:
     """Make ``DataLoaderShard.__iter__`` call ``hook`` where it calls ``self._update_state_dict()``
     (before yielding each batch, and once more before the last one), on this instance only;
-    return the original bound method, for ``hook`` to call (1.14.0, 1.15.0)."""
+    return the original bound method, for ``hook`` to call."""
     original: Callable[[], None] = dl._update_state_dict
     object.__setattr__(dl, "_update_state_dict", hook)  # an instance attribute shadows the method
     return original

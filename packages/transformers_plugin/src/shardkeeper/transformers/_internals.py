@@ -3,8 +3,8 @@ the tested releases.
 
 The Trainer has no storage seam: ``train()`` reads ``<checkpoint>/trainer_state.json`` itself,
 and its loaders look for files by name. So the adapter takes over these methods on the
-Trainer instance (``plugin.py``), each with the signature listed in ``METHODS``, verified on
-transformers 5.23.0 and 5.24.0:
+Trainer instance (``plugin.py``), each with the signature listed in ``METHODS``, verified on the
+releases of ``TESTED_RANGE`` (CI tests its lowest minor and the newest the index serves):
 
 - ``train`` resolves the resume target itself and hands the Trainer ``None`` (so it opens no
   file), then ``_inner_training_loop`` gets the target back;
@@ -31,7 +31,7 @@ from typing import Any
 from shardkeeper.core.adapter import VersionGate
 
 #: transformers releases whose internals this module was verified against: [low, high).
-TESTED_RANGE = ((5, 23), (5, 25))
+TESTED_RANGE = ((5, 23), (5, 26))
 
 #: The private (and public) Trainer methods the adapter replaces or calls, with their parameters.
 METHODS: dict[str, tuple[str, ...]] = {
@@ -110,7 +110,7 @@ def require_trainer(trainer: Any) -> None:
 
 class Originals:
     """The Trainer class's own methods that ``replace_methods`` shadows on an instance, by
-    public names, for the replacements to call (5.23.0, 5.24.0)."""
+    public names, for the replacements to call."""
 
     def __init__(self, cls: Any) -> None:
         self.train = cls.train
@@ -174,7 +174,7 @@ def warn_if_overridden(cls: Any) -> None:
 
 def load_callback_state(trainer: Any) -> None:
     """``Trainer._load_callback_state``: the saved callback states, where
-    ``args.restore_callback_states_from_checkpoint`` asks for them (5.23.0, 5.24.0)."""
+    ``args.restore_callback_states_from_checkpoint`` asks for them."""
     trainer._load_callback_state()
 
 
@@ -187,7 +187,7 @@ def exportable_callbacks(trainer: Any) -> list[Any]:
 
 def record_callback_states(trainer: Any) -> None:
     """What ``_save_checkpoint`` does before writing ``trainer_state.json``: each exportable
-    callback's ``state()`` into ``state.stateful_callbacks`` (5.23.0, 5.24.0)."""
+    callback's ``state()`` into ``state.stateful_callbacks``."""
     stateful = trainer.state.stateful_callbacks
     for cb in exportable_callbacks(trainer):
         name = type(cb).__name__
