@@ -1,4 +1,4 @@
-"""The safetensors header checks of ``verify`` (verify/step.py): a step's own unencoded shard
+"""The safetensors header checks of ``verify`` (verify/checks.py): a step's own unencoded shard
 files carry a header naming each chunk's tensor, dtype, shape and byte range, which must agree
 with the manifest's records. Torch-free."""
 

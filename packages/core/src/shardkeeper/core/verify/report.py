@@ -1,4 +1,4 @@
-"""What verifying a checkpoint found: problems, per step and per root (``verify/step.py`` checks).
+"""What verifying a checkpoint found: problems, per step and per root (``verify/checks.py`` checks).
 
 A problem names the step, the key, the file, the byte range, and what was expected against
 what was found; ``to_json`` is the form ``shardkeeper verify --json`` prints.
