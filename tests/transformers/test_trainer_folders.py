@@ -65,7 +65,7 @@ def test_each_committed_step_is_a_checkpoint_folder_without_tensor_data(referenc
         assert names == ["shardkeeper.json", "trainer_state.json"], names
         assert sum(p.stat().st_size for p in folder.iterdir()) < 64 * 1024  # no tensor data
         pointer = json.loads((folder / "shardkeeper.json").read_text())
-        assert pointer["format"] == "shardkeeper-trainer-checkpoint" and pointer["step"] == step
+        assert pointer["format"] == "shardkeeper-transformers-pointer" and pointer["step"] == step
         assert pointer["root"] == str(root) and pointer["root_relative"] == ".."
         state = TrainerState.load_from_json(str(folder / "trainer_state.json"))  # the Trainer's own reader
         assert state.global_step == step
@@ -255,7 +255,9 @@ def test_a_damaged_pointer_is_refused_by_name_and_written_again(tmp_path: Path, 
     folder = root / "checkpoint-12"
     (folder / "shardkeeper.json").write_text("{ truncated")
     trainer = make_trainer(root, max_steps=STEPS)
-    with pytest.raises(CorruptCheckpointError, match=r"checkpoint-12/shardkeeper.json is not a .* \(rank 0\): remove"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"checkpoint-12/shardkeeper.json is damaged: .* \(rank 0\): remove"
+    ):
         trainer.train(resume_from_checkpoint=str(folder))
     assert json.loads((folder / "shardkeeper.json").read_text())["step"] == 12
     resumed = make_trainer(root, max_steps=STEPS, **CONSTANT)

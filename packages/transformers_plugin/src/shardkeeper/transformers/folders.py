@@ -5,9 +5,10 @@
 ``checkpoint-N`` folders. The process that writes the Trainer's files (``args.should_save``)
 keeps one per committed step of the root, with no tensor data in it:
 
-- ``shardkeeper.json``, the pointer: ``format``, ``version``, ``root``, ``step`` and, for a
-  local root, ``root_relative`` (from the folder; tried first, so a copied or moved
-  ``output_dir`` names the root beside it);
+- ``shardkeeper.json``, the pointer (the JSON document of every adapter's pointers,
+  ``shardkeeper.core.adapter``): ``format``, ``version``, ``root``, ``step`` and, for a local
+  root, ``root_relative`` (from the folder; tried first, so a copied or moved ``output_dir``
+  names the root beside it);
 - ``trainer_state.json``: the step's ``TrainerState`` as the Trainer writes it (from the
   step's manifest), for the tools that read it.
 
@@ -43,23 +44,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core import CheckpointManager, CorruptCheckpointError, IncompatibleFormatError
-from shardkeeper.core.adapter import read_progress
-from shardkeeper.core.lifecycle.retention import RetentionPolicy
-from shardkeeper.core.storage.safe_files import write_file
-from shardkeeper.transformers.state import trainer_state_of
+from shardkeeper.core.adapter import (
+    MAX_POINTER_BYTES,
+    POINTER_VERSION,
+    PointerDamagedError,
+    RetentionPolicy,
+    pointer_document,
+    pointer_format,
+    read_progress,
+    write_file,
+)
+from shardkeeper.transformers.state import FRAMEWORK, trainer_state_of
 
 log = logging.getLogger(__name__)
 
 POINTER_NAME = "shardkeeper.json"
-POINTER_FORMAT = "shardkeeper-trainer-checkpoint"
-POINTER_VERSION = 1
+#: ``shardkeeper-transformers-pointer``: the pointer document every adapter's pointers share.
+POINTER_FORMAT = pointer_format(FRAMEWORK)
 #: ``transformers.trainer.TRAINER_STATE_NAME``
 STATE_NAME = "trainer_state.json"
 #: The Trainer's folder names (``transformers.trainer_utils._re_checkpoint``).
 FOLDER = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.checkpoint-\d+\.[^/]+\.(tmp|gone)$")
 _TMP_AGE_S = 3600.0  # a hidden folder still being written is younger
-_MAX_POINTER_BYTES = 1 << 16
 
 
 def folder_name(step: int) -> str:
@@ -93,16 +100,16 @@ def read_pointer(folder: str, rank: int | None = None) -> Pointer | None:
     if not os.path.isfile(path):
         return None
     with open(path, "rb") as f:
-        data = f.read(_MAX_POINTER_BYTES + 1)
+        data = f.read(MAX_POINTER_BYTES + 1)
     remedy = (
         f"It holds no tensors{'' if rank is None else f' (rank {rank})'}: remove {folder} (train() writes it "
         f"again if its step is committed) and pass resume_from_checkpoint=True, or the root itself"
     )
     try:
-        doc: Any = json.loads(data) if len(data) <= _MAX_POINTER_BYTES else None
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        doc = pointer_document(data)
+    except PointerDamagedError as e:
+        raise CorruptCheckpointError(f"shardkeeper.transformers: {path} is damaged: {e}. {remedy}") from None
+    if doc.get("format") != POINTER_FORMAT:
         raise CorruptCheckpointError(f"shardkeeper.transformers: {path} is not a {POINTER_FORMAT} document. {remedy}")
     version, root, step, rel = (doc.get(k) for k in ("version", "root", "step", "root_relative"))
     if type(version) is int and version > POINTER_VERSION:
