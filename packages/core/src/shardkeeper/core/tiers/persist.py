@@ -6,7 +6,7 @@ Each rank uploads the files it wrote, after checking them against the manifest's
 local copy damaged since it was written is never uploaded: the persistent root is the tier of
 last resort, and its commit checks only that files are there at their sizes); the
 coordinator waits until every rank has (through the
-c10d store), checks that the step's claim is this writer's (``claim.py``), commits the
+c10d store), checks that the step's claim is this writer's (``commit/claim.py``), commits the
 manifest with ``put_manifest.commit_manifest`` (its intent, its checks that every file is there
 at its size, put-if-absent), applies the manager's retention to the persistent root, removes
 the claims up to the step, and publishes the outcome. One upload runs at a time: the next one waits for
