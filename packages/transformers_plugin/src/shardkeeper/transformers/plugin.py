@@ -200,7 +200,7 @@ def _check_supported(trainer: Any) -> None:
             f"FSDP plugin (args.fsdp, FSDP1 or FSDP2) and FSDP2 applied by transformers at load time"
         )
     if is_deepspeed(trainer):
-        from shardkeeper.core.adapter.registry import load_adapter
+        from shardkeeper.core.adapter import load_adapter
 
         try:
             load_adapter("deepspeed")

@@ -29,8 +29,8 @@ import logging
 from typing import Any
 
 from shardkeeper.core import RNGState
-from shardkeeper.core.format.progress import Progress as CheckpointProgress
-from shardkeeper.core.format.progress import ProgressTarget, progress_state
+from shardkeeper.core.adapter import Progress as CheckpointProgress
+from shardkeeper.core.adapter import ProgressTarget, progress_state
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def is_deepspeed(trainer: Any) -> bool:
 def deepspeed_engine_state(trainer: Any) -> dict[str, Any]:
     """The DeepSpeed adapter's canonical state of the Trainer's engine (``model_wrapped`` once
     the Trainer prepared it), found through the adapter's entry point."""
-    from shardkeeper.core.adapter.registry import load_adapter
+    from shardkeeper.core.adapter import load_adapter
 
     engine = trainer.model_wrapped
     if type(engine).__name__ != "DeepSpeedEngine":
