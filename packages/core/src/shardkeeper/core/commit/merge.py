@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from itertools import accumulate, chain
 from typing import Any
@@ -70,6 +71,19 @@ def assemble_manifest(
         return _assemble(step, attempt, reports, world_size, digest, block_bytes, metadata, described or {}, pages)
 
 
+@dataclass
+class _Gathered:
+    """What the ranks' reports hold, gathered rank after rank (``_gather``)."""
+
+    declared: dict[str, list[Any]] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    prefixes: list[str] = field(default_factory=list)
+    layouts: set[str] = field(default_factory=set)
+    tables: list[ChunkTable] = field(default_factory=list)
+    reported: list[tuple[list[str], list[int]]] = field(default_factory=list)  # per rank: its keys, row counts
+
+
 def _assemble(
     step: int,
     attempt: str,
@@ -82,25 +96,75 @@ def _assemble(
     pages: Sequence[tuple[int, int, Sequence[Any]]],
 ) -> Manifest:
     problems: list[str] = []
-    declared: dict[str, list[Any]] = {}
-    owner: dict[str, int] = {}
     ref = reports[0].get("declared_digest")
     differing = [x for r in reports[1:] if "declared_digest" in r and r["declared_digest"] != ref for x in _ranks(r)]
     if differing:
         problems.append(
             f"ranks {differing} hold states whose keys, dtypes or shapes differ from rank {reports[0]['rank']}'s"
         )
-    files: dict[str, dict[str, Any]] = {}
-    objects: dict[str, Any] = {}
-    prefixes: list[str] = []
-    layouts: set[str] = set()
     width = DIGEST_HEX.get(digest, 0)
-    tables: list[ChunkTable] = []
-    reported: list[tuple[list[str], list[int]]] = []  # per rank: its keys and their row counts
+    got = _gather(reports, width, problems)
+    declared = got.declared
+    # Every rank's rows in one table (rank after rank); each leaf lists its rows.
+    table = ChunkTable.concat(got.tables, width)
+    bases = list(accumulate([len(t) for t in got.tables], initial=0))
+    rows_of = _rows_by_key(bases, got.reported)
+    if described or any(r.get("described") for r in reports):
+        problems.extend(_described_problems(reports, described, declared, rows_of))
+    # The leaves as columns, in key order (the leaf table's form, format.md 3.7).
+    keys = sorted(declared.keys() - described.keys())
+    decls = [declared[k] for k in keys]
+    rows_list = [rows_of.get(k, []) for k in keys]
+    dropped = _tiling_problems(keys, decls, rows_list, table, problems)
+    unknown = sorted(rows_of.keys() - declared.keys())
+    if unknown:
+        problems.append(f"chunks of undeclared keys {unknown[:3]}")
+    both = sorted(declared.keys() & got.objects.keys())
+    if both:
+        problems.append(f"keys {both[:3]} are tensors on some ranks and JSON values on others")
+    logical = None
+    try:
+        logical = combine_reports(reports, declared, described, dropped) if not problems else None
+    except ValueError as e:
+        problems.append(f"the logical digests cannot be combined: {e}")
+    if problems:
+        raise _not_one_checkpoint(step, problems)
+    object_leaves = {k: {"kind": "object", "value": got.objects[k]} for k in sorted(got.objects)}
+    if len(table) >= TABLE_MIN_CHUNKS or described:
+        table.digest_text()
+        why = table.problem(block_bytes)
+        if why is not None:  # what every reader would refuse: never commit it
+            raise StateMismatchError(f"step {step}: the ranks' chunk records are inconsistent: {why}")
+        dl = None
+        if described:
+            dl = DescribedLeaves(_described_json(described, declared, reports, world_size, pages), width, block_bytes)
+        out: Mapping[str, Any] = TableLeaves(object_leaves, _leaf_table(keys, decls, rows_list), table, block_bytes, dl)
+    else:  # the per-chunk form: small manifests stay easy to read by eye
+        out = _chunk_leaves(keys, decls, rows_list, table, block_bytes, object_leaves)
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        leaves=out,
+        files=dict(sorted(got.files.items())),
+        digest_algorithm=digest,
+        digest_block_bytes=block_bytes,
+        per_rank_prefixes=tuple(got.prefixes),
+        metadata={**metadata, "world_size": world_size, "layouts": sorted(got.layouts)},
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        attempt=attempt,
+        logical=logical,
+    )
+
+
+def _gather(reports: Sequence[Mapping[str, Any]], width: int, problems: list[str]) -> _Gathered:
+    """Every report's declarations (adding a problem where two ranks declare a key otherwise),
+    chunk table, files, objects, per-rank prefixes and layouts."""
+    got = _Gathered()
+    owner: dict[str, int] = {}
     for r in reports:
         rank = r["rank"]
         for key, decl in r.get("declared", {}).items():
-            prev = declared.setdefault(key, decl)
+            prev = got.declared.setdefault(key, decl)
             if prev != decl:
                 problems.append(
                     f"{key}: rank {owner[key]} has {prev[1]} {prev[2]}, rank {rank} has {decl[1]} {decl[2]}"
@@ -111,104 +175,88 @@ def _assemble(
             problems.append(
                 f"rank {rank}'s report lists {sum(counts)} chunks for {len(keys)} keys in a table of {len(table)} rows"
             )
-        tables.append(table)
-        reported.append((keys, counts))
-        files.update(r["files"])
+        got.tables.append(table)
+        got.reported.append((keys, counts))
+        got.files.update(r["files"])
         for key, val in r["objects"].items():
-            objects.setdefault(key, val)
-        layouts.update(r.get("layouts", ()))
+            got.objects.setdefault(key, val)
+        got.layouts.update(r.get("layouts", ()))
         for p in r["per_rank_prefixes"]:
-            if p not in prefixes:
-                prefixes.append(p)
-    # Every rank's rows in one table (rank after rank); each leaf lists its rows.
-    table = ChunkTable.concat(tables, width)
-    bases = list(accumulate([len(t) for t in tables], initial=0))
+            if p not in got.prefixes:
+                got.prefixes.append(p)
+    return got
+
+
+def _tiling_problems(
+    keys: list[str], decls: list[list[Any]], rows_list: list[list[int]], table: ChunkTable, problems: list[str]
+) -> list[str]:
+    """Add a problem for each leaf whose chunks do not tile its shape; returns the leaves whose
+    replicas two ranks wrote (each counted once: their rows in ``rows_list`` are deduplicated,
+    and their logical sums are corrected)."""
     raw_only = "encoding" not in table.extras  # encoded chunks' lengths are their own
-    rows_of = _rows_by_key(bases, reported)
-    if described or any(r.get("described") for r in reports):
-        problems.extend(_described_problems(reports, described, declared, rows_of))
-    # The leaves as columns, in key order (the leaf table's form, format.md 3.7).
-    keys = sorted(declared.keys() - described.keys())
-    decls = [declared[k] for k in keys]
     shapes = [d[2] for d in decls]
-    iszs = [DTYPES[d[1]][1] if d[1] in DTYPES else 1 for d in decls]
-    rows_list = [rows_of.get(k, []) for k in keys]
-    dropped: list[str] = []  # leaves whose replicas two ranks wrote (and counted in their logical sums)
+    item_sizes = [DTYPES[d[1]][1] if d[1] in DTYPES else 1 for d in decls]
+    dropped: list[str] = []
     perm = list(chain.from_iterable(rows_list))
-    if not all_slabs(shapes, iszs, list(map(len, rows_list)), perm, table, check_lengths=raw_only):
-        for j, key in enumerate(keys):
-            rows, shape, isz = rows_list[j], shapes[j], iszs[j]
-            why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
-            if why is not None and len(rows) > 1:
-                # A replica written by more than one rank counts once.
-                unique = list({table.box(i): i for i in rows}.values())
-                if len(unique) < len(rows):
-                    rows_list[j] = rows = sorted(unique)
-                    dropped.append(key)
-                    why = leaf_chunks_problem(key, shape, isz, rows, table, check_lengths=raw_only)
-            if why is not None:
-                problems.append(f"{key}: {why}")
-    unknown = sorted(rows_of.keys() - declared.keys())
-    if unknown:
-        problems.append(f"chunks of undeclared keys {unknown[:3]}")
-    both = sorted(declared.keys() & objects.keys())
-    if both:
-        problems.append(f"keys {both[:3]} are tensors on some ranks and JSON values on others")
-    logical = None
-    try:
-        logical = combine_reports(reports, declared, described, dropped) if not problems else None
-    except ValueError as e:
-        problems.append(f"the logical digests cannot be combined: {e}")
-    if problems:
-        raise StateMismatchError(
-            f"step {step}: the ranks' states do not form one checkpoint: "
-            + "; ".join(problems[:5])
-            + ("; ..." if len(problems) > 5 else "")
-            + ". Every rank must pass the same keys; plain tensors are treated as replicated "
-            "(wrap per-rank tensors in PerRank)"
-        )
-    object_leaves = {k: {"kind": "object", "value": objects[k]} for k in sorted(objects)}
-    if len(table) >= TABLE_MIN_CHUNKS or described:
-        table.digest_text()
-        why = table.problem(block_bytes)
-        if why is not None:  # what every reader would refuse: never commit it
-            raise StateMismatchError(f"step {step}: the ranks' chunk records are inconsistent: {why}")
-        lt = LeafTable(
-            keys,
-            [d[0] for d in decls],
-            [d[1] for d in decls],
-            list(map(len, shapes)),
-            list(chain.from_iterable(shapes)),
-            list(map(len, rows_list)),
-            list(chain.from_iterable(rows_list)),
-        )
-        dl = None
-        if described:
-            dl = DescribedLeaves(_described_json(described, declared, reports, world_size, pages), width, block_bytes)
-        out: Mapping[str, Any] = TableLeaves(object_leaves, lt, table, block_bytes, dl)
-    else:  # the per-chunk form: small manifests stay easy to read by eye
-        leaves: dict[str, Any] = {
-            key: {
-                "kind": d[0],
-                "dtype": d[1],
-                "shape": d[2],
-                "chunks": [table.record_json(i, block_bytes) for i in rows],
-            }
-            for key, d, rows in zip(keys, decls, rows_list)
+    if all_slabs(shapes, item_sizes, list(map(len, rows_list)), perm, table, check_lengths=raw_only):
+        return dropped
+    for j, key in enumerate(keys):
+        rows, shape, item_size = rows_list[j], shapes[j], item_sizes[j]
+        why = leaf_chunks_problem(key, shape, item_size, rows, table, check_lengths=raw_only)
+        if why is not None and len(rows) > 1:
+            # A replica written by more than one rank counts once.
+            unique = list({table.box(i): i for i in rows}.values())
+            if len(unique) < len(rows):
+                rows_list[j] = rows = sorted(unique)
+                dropped.append(key)
+                why = leaf_chunks_problem(key, shape, item_size, rows, table, check_lengths=raw_only)
+        if why is not None:
+            problems.append(f"{key}: {why}")
+    return dropped
+
+
+def _not_one_checkpoint(step: int, problems: list[str]) -> StateMismatchError:
+    return StateMismatchError(
+        f"step {step}: the ranks' states do not form one checkpoint: "
+        + "; ".join(problems[:5])
+        + ("; ..." if len(problems) > 5 else "")
+        + ". Every rank must pass the same keys; plain tensors are treated as replicated "
+        "(wrap per-rank tensors in PerRank)"
+    )
+
+
+def _chunk_leaves(
+    keys: list[str],
+    decls: list[list[Any]],
+    rows_list: list[list[int]],
+    table: ChunkTable,
+    block_bytes: int,
+    object_leaves: dict[str, Any],
+) -> LazyLeaves:
+    """Every leaf with its chunk records, in key order (the per-chunk form)."""
+    leaves: dict[str, Any] = {
+        key: {
+            "kind": d[0],
+            "dtype": d[1],
+            "shape": d[2],
+            "chunks": [table.record_json(i, block_bytes) for i in rows],
         }
-        out = LazyLeaves(dict(sorted({**leaves, **object_leaves}.items())))
-    return Manifest(
-        step=step,
-        world_size=world_size,
-        leaves=out,
-        files=dict(sorted(files.items())),
-        digest_algorithm=digest,
-        digest_block_bytes=block_bytes,
-        per_rank_prefixes=tuple(prefixes),
-        metadata={**metadata, "world_size": world_size, "layouts": sorted(layouts)},
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        attempt=attempt,
-        logical=logical,
+        for key, d, rows in zip(keys, decls, rows_list)
+    }
+    return LazyLeaves(dict(sorted({**leaves, **object_leaves}.items())))
+
+
+def _leaf_table(keys: list[str], decls: list[list[Any]], rows_list: list[list[int]]) -> LeafTable:
+    """The tensor leaves as the leaf table's columns (format.md 3.7)."""
+    shapes = [d[2] for d in decls]
+    return LeafTable(
+        keys,
+        [d[0] for d in decls],
+        [d[1] for d in decls],
+        list(map(len, shapes)),
+        list(chain.from_iterable(shapes)),
+        list(map(len, rows_list)),
+        list(chain.from_iterable(rows_list)),
     )
 
 
