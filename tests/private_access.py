@@ -19,6 +19,10 @@ its own state again).
 line: the same scan with only ``package``'s own imports counted as its own, so a manager or a
 handle made by a ``shardkeeper.core`` callable is foreign; and, in ``internals`` (where framework
 privates belong), each private name that a class of the core defines.
+
+``framework_private_accesses(package_dir, framework, names, internals=...)`` runs the scan over
+a package and its subpackages for one framework's private names alone: the core touches
+torch's privates only in ``state/_torch_compat.py``.
 """
 
 from __future__ import annotations
@@ -229,6 +233,72 @@ def core_private_accesses(package_dir: Path, package: str, core_dir: Path, inter
         for hit in scan_file(package_dir / internals, own, internals, own=package):
             if set(re.findall(r"\b_\w+", hit.split(": ", 1)[1])) & core:
                 found.append(hit)
+    return found
+
+
+class _FrameworkScan(_Scan):
+    """The scan, keeping only what touches ``framework``'s private names: an import of a
+    private name or module of it, an access through a name its imports bound (``torch._x``,
+    ``dist._x``), or a private name among ``names`` (its classes' private attributes, which a
+    value of unknown type such as a tensor argument carries: ``t._version``)."""
+
+    def __init__(
+        self, own_classes: set[str], consts: dict[str, str], where: str, framework: str, names: set[str]
+    ) -> None:
+        super().__init__(own_classes, consts, where)
+        self.framework = framework
+        self.names = names
+        self.bound: set[str] = set()  # names its imports bound in this module
+
+    def _of_framework(self, module: str | None) -> bool:
+        return (module or "").split(".")[0] == self.framework
+
+    def _keep(self, before: int, keep: bool) -> None:
+        if not keep:
+            del self.found[before:]
+
+    def visit_Import(self, node: ast.Import) -> None:
+        before = len(self.found)
+        super().visit_Import(node)
+        mine = [a for a in node.names if self._of_framework(a.name)]
+        self.bound.update((a.asname or a.name).split(".")[0] for a in mine)
+        self._keep(before, bool(mine))
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        before = len(self.found)
+        super().visit_ImportFrom(node)
+        mine = not node.level and self._of_framework(node.module)
+        if mine:
+            self.bound.update(a.asname or a.name for a in node.names)
+        self._keep(before, mine)
+
+    def _check(self, node: ast.AST, obj: ast.expr, name: str) -> None:
+        before = len(self.found)
+        super()._check(node, obj, name)
+        root = obj
+        while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        self._keep(before, name in self.names or (isinstance(root, ast.Name) and root.id in self.bound))
+
+
+def framework_private_accesses(
+    package_dir: Path, framework: str, names: set[str], *, internals: str | None = None, only: str | None = None
+) -> list[str]:
+    """``file:line: code`` of every use of ``framework``'s private names (see ``_FrameworkScan``;
+    ``names``: its classes' private attributes) in the modules of ``package_dir`` and its
+    subpackages but ``internals``, or in the module ``only`` alone (paths relative to
+    ``package_dir``): the core's check that torch's privates are touched in one module."""
+    files = sorted(package_dir.rglob("*.py"))
+    own = {n.name for f in files for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ClassDef)}
+    found: list[str] = []
+    for f in files:
+        where = f.relative_to(package_dir).as_posix()
+        if where == internals or (only is not None and where != only):
+            continue
+        tree = ast.parse(f.read_text(), str(f))
+        scan = _FrameworkScan(own, _module_consts(tree), where, framework, names)
+        scan.visit(tree)
+        found += scan.found
     return found
 
 

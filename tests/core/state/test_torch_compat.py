@@ -25,6 +25,10 @@ SYMBOLS = [
     ("torch.distributed.tensor._utils", "_get_shard_size_and_offsets"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.distributed_c10d", "_world"),
+    ("torch", "_foreach_zero_"),
+    ("torch", "_foreach_copy_"),
+    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
 ]
 
 
@@ -84,6 +88,24 @@ def test_shard_dim_indices_even_uneven_strided_and_composed() -> None:
     assert [i.tolist() for _, i in got] == [[0, 2], [1, 3]]
 
 
+def test_tensor_privates_behave_as_staging_and_restore_assume() -> None:
+    """The version counter grows with each in-place change (overlapped staging's torn-copy
+    check), a zero tensor is told apart (restore never reads into one), and the batched copy
+    and zeroing do what one ``copy_`` / ``zero_`` per tensor would."""
+    t = torch.zeros(4)
+    before = tc.version(t)
+    t.add_(1)
+    assert tc.version(t) == before + 1
+    t[1:3].mul_(2)  # a view shares the counter
+    assert tc.version(t) == before + 2
+    assert not tc.is_zero_tensor(t) and tc.is_zero_tensor(torch._efficientzerotensor(3))
+    dsts, srcs = [torch.empty(2), torch.empty(3, dtype=torch.float64)], [torch.ones(2), torch.arange(3.0)]
+    tc.copy_all(dsts, srcs)
+    assert dsts[0].tolist() == [1.0, 1.0] and dsts[1].tolist() == [0.0, 1.0, 2.0]
+    tc.zero_all(dsts)
+    assert all(not d.any() for d in dsts)
+
+
 def test_placement_predicates() -> None:
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
@@ -117,6 +139,8 @@ def test_stores_and_dtensor_in_a_one_rank_group(tmp_path) -> None:
             dt = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
             assert tc.is_dtensor(dt) and tc.is_shard_placement(dt.placements[0])
             assert isinstance(getattr(dt, "_local_tensor", None), torch.Tensor)  # local_shape's fast path
+            local = tc.local_tensor(dt)
+            assert local.data_ptr() == dt.to_local().data_ptr() and local.shape == (3, 2)
             assert tc.local_shape(dt) == dt.to_local().shape == (3, 2)
             p = DTensor.from_local(torch.ones(2), mesh, [Partial()])
             assert tc.is_partial(p.placements[0])

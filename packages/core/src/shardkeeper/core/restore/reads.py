@@ -13,6 +13,7 @@ from shardkeeper.core.format.digest import block_span
 from shardkeeper.core.format.manifest import ChunkRecord
 from shardkeeper.core.format.safetensors import ITEM_ALIGN
 from shardkeeper.core.restore.plan import Op
+from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.flatten import PLAIN_TENSORS
 
 #: Reads that go through a scratch buffer (small or strided overlaps) are capped at this, so
@@ -113,7 +114,7 @@ def _holds_its_values(op: Op) -> bool:
         and d.layout == torch.strided
         and d.is_contiguous()
         and not d.is_neg()
-        and not d._is_zerotensor()
+        and not tc.is_zero_tensor(d)
         and not d.is_inference()
         and op.end - op.start == d.numel() * d.element_size()
     )

@@ -80,7 +80,7 @@ def find_optimizers(state: Any) -> list[torch.optim.Optimizer]:
 
 def _storage_key(t: Any) -> int:
     if tc.is_dtensor(t):
-        t = t._local_tensor
+        t = tc.local_tensor(t)
     if not isinstance(t, torch.Tensor) or t.is_meta:
         return 0
     try:
@@ -109,7 +109,7 @@ class OptimizerTensors:
                 key = _storage_key(t)
                 if not key:
                     continue
-                local = t._local_tensor if tc.is_dtensor(t) else t
+                local = tc.local_tensor(t) if tc.is_dtensor(t) else t
                 start = local.data_ptr()
                 if local.numel():
                     spans.setdefault(key, []).append((start, start + local.numel() * local.element_size(), t))

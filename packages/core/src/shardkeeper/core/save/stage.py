@@ -19,6 +19,7 @@ from shardkeeper.core.errors import StateMismatchError, TornStateError
 from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_offsets, data_on_a_page
 from shardkeeper.core.save.pinned import cuda_devices, pinned_host_buffer
 from shardkeeper.core.save.plan import WriteItem
+from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.chunks import contiguous_strides
 
 if TYPE_CHECKING:
@@ -177,11 +178,11 @@ class Stager:
         last, self._last = self._last, None  # until this copy succeeds, the buffer is nobody's
         with torch.no_grad():  # sources may be parameters: the buffer must not join their graph
             if lay.pads and lay is not last:  # still zero since this layout's last save
-                torch._foreach_zero_(lay.pads)
+                tc.zero_all(lay.pads)
             if dsts:
                 # One call for all copies: per-tensor Python overhead matters with many small tensors.
                 try:
-                    torch._foreach_copy_(dsts, srcs, non_blocking=bool(lay.cuda))
+                    tc.copy_all(dsts, srcs, non_blocking=bool(lay.cuda))
                 except (RuntimeError, NotImplementedError):
                     # (Never deferred: a meta or storage-less tensor has no storage for
                     # save/overlap.py to match, so its copy fails here, on the caller's thread.)
@@ -331,7 +332,7 @@ class DeferredCopy:
         self.items.append(item)
         self.srcs.append(src)
         self.dsts.append(dst)
-        self.watched.append([(t, t._version) for t in (src, *watch)])
+        self.watched.append([(t, tc.version(t)) for t in (src, *watch)])
         self.nbytes += item.nbytes
 
     def mark_ready(self) -> None:
@@ -352,17 +353,15 @@ class DeferredCopy:
                         side = torch.cuda.Stream(device)
                         side.wait_event(event)
                         with torch.cuda.stream(side):
-                            torch._foreach_copy_(
-                                [self.dsts[i] for i in idx], [self.srcs[i] for i in idx], non_blocking=True
-                            )
+                            tc.copy_all([self.dsts[i] for i in idx], [self.srcs[i] for i in idx], non_blocking=True)
                         side.synchronize()
                 rest = [i for i, s in enumerate(self.srcs) if not s.is_cuda]
                 if rest:
-                    torch._foreach_copy_([self.dsts[i] for i in rest], [self.srcs[i] for i in rest])
+                    tc.copy_all([self.dsts[i] for i in rest], [self.srcs[i] for i in rest])
             else:
-                torch._foreach_copy_(self.dsts, self.srcs)
+                tc.copy_all(self.dsts, self.srcs)
         self.copy_s = time.perf_counter() - t0
-        changed = [it.key for it, w in zip(self.items, self.watched) if any(t._version != v for t, v in w)]
+        changed = [it.key for it, w in zip(self.items, self.watched) if any(tc.version(t) != v for t, v in w)]
         if changed:
             raise TornStateError(sorted(set(changed)))
 

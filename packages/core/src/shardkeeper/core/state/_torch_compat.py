@@ -1,7 +1,8 @@
 """Every use of a private torch API, in one place, so a torch upgrade breaks one module.
 
 Tested by ``tests/core/state/test_torch_compat.py``: if a release moves one of these, that test
-fails with the name of the symbol.
+fails with the name of the symbol. ``tests/core/project/test_private_access.py`` fails if any
+other module of the core touches a private name of torch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,44 @@ def local_shape(dt: DTensor) -> torch.Size:
     autograd node."""
     local = getattr(dt, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else dt.to_local()).shape
+
+
+def local_tensor(dt: DTensor) -> torch.Tensor:
+    """A DTensor's local tensor itself, whose storage is the shard's memory (``to_local()``
+    may return an autograd view of it)."""
+    return dt._local_tensor  # type: ignore[no-any-return]
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter, which every in-place change of ``t`` (or of a view sharing its
+    counter) increments."""
+    return int(t._version)
+
+
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a zero tensor: all zeros with no memory behind it (a gradient torch
+    leaves unmaterialized)."""
+    return bool(t._is_zerotensor())
+
+
+def zero_all(tensors: list[torch.Tensor]) -> None:
+    """Zero every tensor of ``tensors`` in one call, not one Python call each."""
+    torch._foreach_zero_(tensors)
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+    """``d.copy_(s)`` for each pair in one call (per-tensor Python overhead matters with many
+    small tensors)."""
+    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+
+
+def load_dcp_state_dict(sd: dict[str, Any], reader: Any, keys: set[str] | None) -> None:
+    """Fill ``sd`` with what the DCP ``reader`` holds (only the flat DCP ``keys`` if given),
+    in this process without a process group: full tensors, whatever the saving layout."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
 
 
 def is_sharded_tensor(x: Any) -> bool:
@@ -160,7 +199,13 @@ __all__ = [
     "root_mesh",
     "submesh_dims",
     "local_shape",
+    "local_tensor",
     "mesh_ranks",
+    "copy_all",
+    "is_zero_tensor",
+    "load_dcp_state_dict",
+    "version",
+    "zero_all",
     "placement_rule",
     "strided_split_factor",
     "shard_dim_indices",

@@ -32,6 +32,7 @@ from shardkeeper.core.format.digest import DEFAULT_ALGORITHM, DEFAULT_BLOCK_BYTE
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.save.imported import ImportedStep
+from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.flatten import normalize_fqn, torch_dtype_name
 from shardkeeper.core.state.unpickle import require_trust
 from shardkeeper.core.storage import open_storage
@@ -64,15 +65,11 @@ def load_dcp(path: str | os.PathLike[str], *, trust_pickle: bool, keys: set[str]
     """The nested state dict DCP saved at ``path`` (only the flat DCP ``keys`` if given), read
     whole in this process without a process group; full tensors, whatever the saving layout."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     src = os.fspath(path)
     _refuse_untrusted(src, trust_pickle)
     sd: dict[str, Any] = {}
-    _load_state_dict(
-        sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
-    )
+    tc.load_dcp_state_dict(sd, FileSystemReader(src), keys)
     return sd
 
 
