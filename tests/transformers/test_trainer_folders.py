@@ -137,6 +137,7 @@ def test_a_save_that_fails_leaves_no_folder(tmp_path: Path, reference: tuple[Pat
     _same_as_reference(resumed, ref, 4)
 
 
+@pytest.mark.multiprocess
 def test_a_kill_between_the_commit_and_its_folder_leaves_only_a_missing_folder(tmp_path: Path) -> None:
     """SIGKILL right after step 8's manifest is written (committed), before anything else:
     its folder is missing, never a folder of an uncommitted step; the next ``train()`` writes
