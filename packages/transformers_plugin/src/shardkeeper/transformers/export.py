@@ -23,7 +23,7 @@ def export_pretrained(
     ``to`` as ``save_pretrained`` would: the model's tensors as safetensors shards with their
     index (``model/`` dropped from the names), and ``config`` (a ``PretrainedConfig``, e.g.
     ``trainer.model.config``) as ``config.json``. ``options`` go to
-    :func:`shardkeeper.core.tools.export.export_safetensors` (``max_shard_size``, ``storage_options``,
+    :func:`shardkeeper.core.export_safetensors` (``max_shard_size``, ``storage_options``,
     ``encryption``, ``overwrite``)."""
     if not callable(getattr(config, "save_pretrained", None)):
         raise TypeError(
