@@ -12,7 +12,7 @@ test passes on the new release). ``warn_if_untested`` warns once per process out
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from shardkeeper.core.adapter import VersionGate
 
@@ -45,27 +45,27 @@ def warn_if_untested() -> None:
 # -- what prepare() and register_for_checkpointing() collected -------------------------------
 def prepared_models(accelerator: Any) -> list[Any]:
     """``accelerator._models``: the prepared models, in prepare order."""
-    return accelerator._models
+    return cast("list[Any]", accelerator._models)
 
 
 def prepared_optimizers(accelerator: Any) -> list[Any]:
     """``accelerator._optimizers``: the prepared ``AcceleratedOptimizer``s."""
-    return accelerator._optimizers
+    return cast("list[Any]", accelerator._optimizers)
 
 
 def prepared_schedulers(accelerator: Any) -> list[Any]:
     """``accelerator._schedulers``: the prepared ``AcceleratedScheduler``s."""
-    return accelerator._schedulers
+    return cast("list[Any]", accelerator._schedulers)
 
 
 def prepared_dataloaders(accelerator: Any) -> list[Any]:
     """``accelerator._dataloaders``: the prepared DataLoaders."""
-    return accelerator._dataloaders
+    return cast("list[Any]", accelerator._dataloaders)
 
 
 def registered_objects(accelerator: Any) -> list[Any]:
     """``accelerator._custom_objects``: what ``register_for_checkpointing`` got."""
-    return accelerator._custom_objects
+    return cast("list[Any]", accelerator._custom_objects)
 
 
 # -- a DataLoaderShard's batches --------------------------------------------------------------

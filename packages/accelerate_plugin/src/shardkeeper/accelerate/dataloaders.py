@@ -17,7 +17,7 @@ the checkpoint right where the interrupted run was when it saved.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -148,7 +148,7 @@ def track(dl: Any) -> LoaderTracker | None:
     """Attach a tracker to a prepared DataLoader (idempotent); None when it cannot be tracked."""
     existing = getattr(dl, "__dict__", {}).get(_ATTR)
     if existing is not None:
-        return existing
+        return cast("LoaderTracker | None", existing)
     kind = type(dl).__name__  # the real class: DataLoaderAdapter fakes __class__
     if kind != "DataLoaderShard":
         log.warning(

@@ -10,7 +10,7 @@ this Lightning version expects is there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 #: The fit loop's counters set here (keys of ``fit_loop.state_dict()`` in Lightning 2.x).
 OPTIMIZER_STEPS = "epoch_loop.automatic_optimization.optim_progress"
@@ -45,7 +45,7 @@ def fit_loop_at(trainer: Any, *, step: int, epoch: int) -> dict[str, Any]:
         _set_counts(sd[MANUAL_STEPS], step)
     sd[EPOCH_LOOP]["_batches_that_stepped"] = step
     _set_counts(sd[EPOCHS], epoch)
-    return sd
+    return cast("dict[str, Any]", sd)
 
 
 __all__ = ["fit_loop_at"]

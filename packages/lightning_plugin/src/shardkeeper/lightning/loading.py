@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -202,7 +202,7 @@ def _mapped(ck: dict[str, Any], map_location: Any) -> dict[str, Any]:
             return [move(v) for v in x]
         return x
 
-    return move(ck)
+    return cast("dict[str, Any]", move(ck))
 
 
 def hook_loaders(patches: Patches) -> None:

@@ -29,7 +29,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from shardkeeper.core import parse_step_dir, step_dir
 from shardkeeper.core.adapter import encode_pointer, looks_like_pointer, pointer_message, write_file
@@ -57,7 +57,7 @@ class Target:
 def _fs(path: str) -> tuple[Any, str]:
     from fsspec.core import url_to_fs
 
-    return url_to_fs(path)
+    return cast("tuple[Any, str]", url_to_fs(path))
 
 
 def write_pointer(path: str, root: str, step: int) -> None:
@@ -193,7 +193,7 @@ def pointed_step(target: Target, mgr: Any) -> int | None:
         target.root,
         below[-1],
     )
-    return below[-1]
+    return cast("int | None", below[-1])
 
 
 def remove_pointer(path: str) -> None:

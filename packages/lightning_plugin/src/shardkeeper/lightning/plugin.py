@@ -9,7 +9,7 @@ hook (:mod:`shardkeeper.lightning.hook`) connects them: the strategy's ``save_ch
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 from lightning.fabric.plugins import CheckpointIO
 from shardkeeper.core import CheckpointManager
@@ -51,7 +51,7 @@ class ShardkeeperCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         if self.strategy is None:
             raise RuntimeError(_NOT_CONNECTED)
-        return self.strategy.load_checkpoint(path)
+        return cast("dict[str, Any]", self.strategy.load_checkpoint(path))
 
     def remove_checkpoint(self, path: Any) -> None:
         if self.binding.foreign_removal:  # the strategy's own removal of a file that is not our pointer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,7 +31,7 @@ def engine_state(strategy: Any) -> dict[str, Any] | None:
             "DeepSpeedStrategy has no DeepSpeed engine yet (Trainer.fit() builds it); the "
             "shardkeeper Lightning plugin saves and restores the engine's state"
         )
-    return load_adapter("deepspeed").engine_state(engine)
+    return cast("dict[str, Any] | None", load_adapter("deepspeed").engine_state(engine))
 
 
 def is_deepspeed(strategy: Any) -> bool:
@@ -68,7 +68,7 @@ def model(strategy: Any) -> torch.nn.Module:
     lm = strategy.lightning_module
     if lm is None:
         raise RuntimeError("the strategy has no LightningModule attached; nothing to checkpoint")
-    return lm
+    return cast("torch.nn.Module", lm)
 
 
 def trainer(strategy: Any) -> Any:

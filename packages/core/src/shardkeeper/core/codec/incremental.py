@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from shardkeeper.core.commit.committed import lists_manifest, load_manifest, step_dirs
 from shardkeeper.core.commit.files import resolve_file
@@ -116,7 +116,7 @@ class ReuseIndex:
         if prev.encoding != "raw" and "content" not in rec:
             rec["content"] = content
         rec["digests"] = BlockDigests.of(prev.digests).text
-        return rec
+        return cast("dict[str, Any] | None", rec)
 
     def _may_reference(self, rel: str) -> bool:
         """Whether the base's file ``rel`` may hold a new step's bytes (asked once per file)."""

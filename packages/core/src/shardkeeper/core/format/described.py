@@ -431,7 +431,7 @@ class DescribedRecord(LeafRecord):
     """A described tensor leaf: a ``LeafRecord`` whose chunks are read from the index files
     when first asked for, so that walking a manifest's leaves reads none."""
 
-    @property  # type: ignore[override]
+    @property
     def chunks(self) -> tuple[ChunkRecord, ...]:
         got = self.__dict__["_chunks"]
         if got is None:

@@ -93,7 +93,7 @@ class BlockDigests(Sequence[str]):
                 self._items = tuple(self._text.split(",")) if self._text else ()
         return self._items
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]  # int or slice, as Sequence has it
         return self._split()[i]
 
     def __len__(self) -> int:

@@ -91,7 +91,7 @@ def _mesh_of(dm: Any, meshes: dict[Any, Any]) -> Mesh:
     mesh = meshes.get(id(dm))
     if mesh is None:
         mesh = meshes[id(dm)] = _shared(Mesh(*tc.mesh_ranks(dm)), meshes)
-    return mesh  # type: ignore[no-any-return]
+    return mesh
 
 
 def _on_root(

@@ -39,7 +39,7 @@ def local_shape(dt: DTensor) -> torch.Size:
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """A DTensor's local tensor itself, whose storage is the shard's memory (``to_local()``
     may return an autograd view of it)."""
-    return dt._local_tensor  # type: ignore[no-any-return]
+    return dt._local_tensor
 
 
 def version(t: torch.Tensor) -> int:

@@ -354,7 +354,7 @@ def as_torch(value: Any) -> torch.Tensor:
                 "pass a copy (np.ascontiguousarray) instead"
             )
         return torch.from_numpy(value)  # a view: restore fills the caller's array
-    return value
+    return cast("torch.Tensor", value)
 
 
 __all__ = [

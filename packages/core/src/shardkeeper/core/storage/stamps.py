@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 
 def stamp_of(info: dict[str, Any]) -> float | None:
@@ -22,7 +22,7 @@ def timestamp(value: Any) -> float:
     if isinstance(value, datetime):
         if value.tzinfo is None:
             value = value.replace(tzinfo=timezone.utc)
-        return value.timestamp()
+        return cast("float", value.timestamp())
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):

@@ -110,13 +110,13 @@ def _writer(
     own = {**DEFAULTS, "async_save": t.async_save}  # the campaign's; manager_options override them
     if local is None:
         storage = KillingStorage(open_storage(root, **options), t.point, t.n, t.after_bytes)
-        mgr = CheckpointManager(storage, **{**own, **manager_options})  # type: ignore[arg-type]
+        mgr = CheckpointManager(storage, **{**own, **manager_options})
     else:  # the kills land in the local tier; every other step is uploaded to ``root`` meanwhile
         killing = KillingStorage(open_storage(local), t.point, t.n, t.after_bytes)
         mgr = CheckpointManager(
             root,
             storage_options=options,
-            local=killing,  # type: ignore[arg-type]
+            local=killing,
             **{**own, **TIER_DEFAULTS, **manager_options},
         )
     for i, step in enumerate(range(t.first_step, t.first_step + t.steps)):

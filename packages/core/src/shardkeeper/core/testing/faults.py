@@ -78,6 +78,7 @@ import errno
 import fnmatch
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import cast
 
 from shardkeeper.core.errors import (
     CheckpointError,
@@ -218,7 +219,7 @@ class FaultyStorage(StorageWrapper):
         if isinstance(spec, BaseException):
             return copy.copy(spec)
         if isinstance(spec, type):
-            return spec(f"injected fault: {op} {path}")
+            return cast("BaseException", spec(f"injected fault: {op} {path}"))
         return spec(op, path)
 
     def _translate(self, op: str, path: str, e: BaseException) -> BaseException:

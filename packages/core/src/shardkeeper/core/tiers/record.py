@@ -12,7 +12,7 @@ it is named in the error, and the step still restores from the nodes that did.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from shardkeeper.core.commit.committed import manifest_path
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
@@ -60,7 +60,7 @@ class Recorder:
             if store.add(self._key(seq, "acks"), 1) == self.coord.world_size:
                 store.delete_key(self._key(seq, "due"))
                 store.delete_key(self._key(seq, "acks"))
-            return due
+            return cast("bool", due)
         home = self.nodes.node_of(COORDINATOR)
         if self.nodes.is_leader(me) and self.nodes.node_of(me) != home:
             try:
@@ -98,7 +98,7 @@ class Recorder:
         if store.add(self._key(seq, "acks"), 1) == self.coord.world_size:
             for name in ("manifest", "due", "recorded", "done", "failures", "acks"):
                 store.delete_key(self._key(seq, name))
-        return due
+        return cast("bool", due)
 
 
 __all__ = ["Recorder"]
