@@ -1,11 +1,16 @@
-"""Every exception class of the core, in one module that imports nothing of the core.
+"""Every exception class of the core, in one module that imports nothing of the core; warning
+categories stay beside what warns. Two still live elsewhere until they move here: ``Mismatch``
+(config/types.py) and ``PointerDamagedError`` (format/pointer.py).
+``tests/core/project/test_errors.py`` fails on any other exception class defined outside.
 
 The errors a caller sees derive from :class:`CheckpointError` and, where one fits, from the
 matching builtin, so callers can catch either ``CheckpointError`` or e.g. ``FileNotFoundError``.
 Messages name the checkpoint root, the step, the rank, the key or file where known, and one
 remedy. The last group are signals between the core's own modules, caught there and turned into
 one of the errors above: ``TornStateError`` becomes the cause of a ``CheckpointSaveError``, the
-JSON ones an error that names the key or the file, and ``UsageError`` the CLI's exit status 2. They derive from builtins only.
+JSON ones an error that names the key or the file, ``UsageError`` the CLI's exit status 2,
+``StoreTimeout`` a ``CheckpointTimeoutError`` naming what was waited for and
+``CatalogReadStopped`` a ``CatalogError``. They derive from builtins only.
 """
 
 from __future__ import annotations
@@ -95,6 +100,18 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A rank did not report in time during a save or restore."""
 
 
+class TierGroupBroken(CheckpointTimeoutError):
+    """An operation of the tiers' group failed or timed out: a rank died or hangs. The group's
+    ranks may now be out of step, so every later use raises at once (restart the job)."""
+
+
+class PeerExchangeError(CheckpointTimeoutError):
+    """An operation of the restore exchange failed or timed out: a rank of the group died or
+    hangs. Every surviving rank meets it (each round ends in an operation of all ranks), so
+    restore raises it at once rather than agree on a verdict over the training group, which
+    would wait for the missing rank again."""
+
+
 class StorageError(CheckpointError, OSError):
     """A storage backend failed; the backend's own exception is kept as ``__cause__``."""
 
@@ -109,6 +126,10 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
         super().__init__(message)
         self.step = step
         self.failures: dict[int, Any] = dict(failures or {})
+
+
+class SaveTermsMismatch(CheckpointSaveError):
+    """The ranks of one save passed different steps, or options that must agree."""
 
 
 class CoordinatorLostError(CheckpointError):
@@ -174,8 +195,19 @@ class UsageError(Exception):
     """A bad argument to the CLI or nothing to work on: exit 2 with one line on stderr."""
 
 
+class StoreTimeout(Exception):
+    """A store channel's ``wait`` timed out (the key was not set in time); each caller raises
+    its own ``CheckpointTimeoutError``, naming what it waited for."""
+
+
+class CatalogReadStopped(Exception):
+    """The deadline passed, or the answer grew past its cap, while ``http.client`` read the
+    catalog's answer (the message: ``deadline`` or ``cap``); it becomes a ``CatalogError``."""
+
+
 __all__ = [
     "CatalogError",
+    "CatalogReadStopped",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointRestoreError",
@@ -189,14 +221,18 @@ __all__ = [
     "ForeignManifestError",
     "IncompatibleFormatError",
     "KeyNotHeldError",
+    "PeerExchangeError",
     "ProtocolError",
     "JsonValueError",
     "RankLostError",
+    "SaveTermsMismatch",
     "StartRefusedError",
     "StateMismatchError",
     "StepClaimedError",
     "StepOrderError",
     "StorageError",
+    "StoreTimeout",
+    "TierGroupBroken",
     "TornStateError",
     "UntrustedJSONError",
     "UsageError",

@@ -19,14 +19,10 @@ import ssl
 import time
 from urllib.parse import urlsplit
 
-from shardkeeper.core.errors import CatalogError
+from shardkeeper.core.errors import CatalogError, CatalogReadStopped
 from shardkeeper.core.util.sizes import human_size
 
 _UNAFFECTED = "the checkpoints are unaffected (the manifests are the truth)"
-
-
-class _Stop(Exception):
-    """The deadline passed, or the answer grew past its cap, while ``http.client`` read."""
 
 
 class _Bounded(io.RawIOBase):
@@ -42,15 +38,15 @@ class _Bounded(io.RawIOBase):
     def readinto(self, b: memoryview) -> int:  # type: ignore[override]
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise _Stop("deadline")
+            raise CatalogReadStopped("deadline")
         self.sock.settimeout(left)
         try:
             n = self.sock.recv_into(b, min(len(b), self.cap + 1 - self.got))
         except TimeoutError:
-            raise _Stop("deadline") from None
+            raise CatalogReadStopped("deadline") from None
         self.got += n
         if self.got > self.cap:
-            raise _Stop("cap")
+            raise CatalogReadStopped("cap")
         return n
 
 
@@ -94,7 +90,7 @@ def post_json(endpoint: str, path: str, body: bytes, *, deadline: float, max_byt
         resp = http.client.HTTPResponse(_Source(raw), method="POST")  # type: ignore[arg-type]
         resp.begin()
         data = resp.read()
-    except _Stop as e:
+    except CatalogReadStopped as e:
         got = raw.got if raw is not None else 0
         if str(e) == "cap":
             what = (

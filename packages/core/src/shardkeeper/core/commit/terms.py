@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkeeper.core.errors import CheckpointSaveError
+from shardkeeper.core.errors import SaveTermsMismatch
 
 #: The report and outcome member that carries the terms (absent: a sender that sets none).
 MEMBER = "terms"
@@ -37,10 +37,6 @@ class SaveTerms:
         if not isinstance(doc, dict) or type(doc.get("step")) is not int or not isinstance(doc.get("options"), dict):
             return None
         return SaveTerms(doc["step"], doc["options"])
-
-
-class SaveTermsMismatch(CheckpointSaveError):
-    """The ranks of one save passed different steps, or options that must agree."""
 
 
 def ranks_text(ranks: Iterable[int]) -> str:

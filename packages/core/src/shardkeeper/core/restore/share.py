@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardkeeper.core.errors import CheckpointTimeoutError
+from shardkeeper.core.errors import PeerExchangeError
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.runtime.store_channel import gloo_group
 from shardkeeper.core.state import _torch_compat as tc
@@ -80,13 +80,6 @@ class Piece:
 def _fid(path: str) -> int:
     """A file's id in the exchange: the same on every rank, no strings on the wire."""
     return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-class PeerExchangeError(CheckpointTimeoutError):
-    """An operation of the restore exchange failed or timed out: a rank of the group died or
-    hangs. Every surviving rank meets it (each round ends in an operation of all ranks), so
-    restore raises it at once rather than agree on a verdict over the training group, which
-    would wait for the missing rank again."""
 
 
 def _waited(work: Any, where: str) -> Any:

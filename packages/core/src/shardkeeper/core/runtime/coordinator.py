@@ -33,12 +33,12 @@ from shardkeeper.core.commit.protocol import (
     report_from_json,
 )
 from shardkeeper.core.commit.terms import MEMBER, SaveTerms, mismatch
-from shardkeeper.core.errors import CheckpointTimeoutError
+from shardkeeper.core.errors import CheckpointTimeoutError, StoreTimeout
 from shardkeeper.core.format.columns import no_gc
 from shardkeeper.core.format.jsonvalue import loads_exact
 from shardkeeper.core.runtime.coordination import Coordinator
 from shardkeeper.core.runtime.local_coordinator import LocalCoordinator
-from shardkeeper.core.runtime.store_channel import StoreChannel, StoreTimeout, rank_lost
+from shardkeeper.core.runtime.store_channel import StoreChannel, rank_lost
 from shardkeeper.core.state import _torch_compat as tc
 
 

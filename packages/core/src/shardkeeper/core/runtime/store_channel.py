@@ -23,11 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardkeeper.core.errors import CheckpointSaveError, CoordinatorLostError, RankLostError
-
-
-class StoreTimeout(Exception):
-    """A channel's ``wait`` timed out (the key was not set in time)."""
+from shardkeeper.core.errors import CheckpointSaveError, CoordinatorLostError, RankLostError, StoreTimeout
 
 
 def own_connection(store: Any) -> Any:

@@ -13,14 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
+from shardkeeper.core.errors import CheckpointError, TierGroupBroken
 from shardkeeper.core.runtime.store_channel import StoreChannel, gloo_group
 from shardkeeper.core.state import _torch_compat as tc
-
-
-class TierGroupBroken(CheckpointTimeoutError):
-    """An operation of the tiers' group failed or timed out: a rank died or hangs. The group's
-    ranks may now be out of step, so every later use raises at once (restart the job)."""
 
 
 @dataclass(frozen=True)
