@@ -21,8 +21,8 @@ errors to stderr.
 This module is the entry point (``main``: the parser, logging, the exit status of an error);
 each command lives in the module of its group: ``view`` (ls, inspect), ``check`` (verify, gc, delete),
 ``keys``, ``convert`` (export, import), ``advise``; ``common`` holds what they share, ``roots`` the
-mistakes about ROOT it catches, ``progress`` the bars, ``display`` how a person is shown
-untrusted text.
+mistakes about ROOT it catches, ``tiers_ls`` what ``ls`` shows of a root's local tiers,
+``display`` how a person is shown untrusted text.
 """
 
 from __future__ import annotations

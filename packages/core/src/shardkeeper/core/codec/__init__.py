@@ -1,7 +1,10 @@
 """Chunk codecs: what happens to a chunk's bytes between staging and storage.
 
 ``incremental`` (a chunk equal to one of the previous checkpoint becomes a reference to it)
-and ``compression`` (zstd per chunk). See ``docs/codecs.md``. Torch-free.
+and ``compression`` (zstd per chunk); below them, client-side encryption of data files and
+manifests (``crypto*``, the key providers in ``keys``, the keys a root needs in ``key_usage``);
+and ``read``, the chunk reader that restore, verify and export read stored bytes through. See
+``docs/codecs.md``. Torch-free.
 """
 
 from __future__ import annotations
