@@ -12,7 +12,6 @@ LIMIT = 400
 OVER = {
     "core/src/shardkeeper/core/format/grid.py": 431,
     "core/src/shardkeeper/core/format/described.py": 443,
-    "core/src/shardkeeper/core/config/options.py": 461,
 }
 
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 import math
 import sys
-import types
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 from shardkeeper.core.codec.keys import KeyProvider
+from shardkeeper.core.config.types import Mismatch, check_value, conform, type_name
 from shardkeeper.core.format.layout import MAX_DATA_PREFIXES
 
 if TYPE_CHECKING:
@@ -254,123 +253,6 @@ def option_types() -> dict[str, Any]:
     """Each option's declared type, resolved from the dataclass (``typing.get_type_hints``)."""
     hints = get_type_hints(CheckpointOptions)
     return {name: hints[name] for name in OPTION_NAMES}
-
-
-# -- types -----------------------------------------------------------------------------------
-class Mismatch(Exception):
-    """A value does not fit a type: ``reason`` says why; ``kind`` is the exception to raise
-    (TypeError: the wrong kind of value; ValueError: the right kind, not among the choices)."""
-
-    def __init__(self, reason: str, kind: type[Exception] = TypeError) -> None:
-        super().__init__(reason)
-        self.kind = kind
-
-
-def type_name(hint: Any) -> str:
-    """How an error names a type: ``int``, ``one of blocking, overlap``, ``str or KeyProvider``."""
-    if get_origin(hint) is Literal:
-        return "one of " + ", ".join(str(c) for c in get_args(hint))
-    if _is_union(hint):
-        return " or ".join(type_name(a) for a in get_args(hint) if a is not type(None))
-    if get_origin(hint) in (dict, Mapping) or hint in (dict, Mapping):
-        return "mapping"
-    return "value" if hint is Any else getattr(hint, "__name__", str(hint))
-
-
-def _is_union(hint: Any) -> bool:
-    return get_origin(hint) in (Union, types.UnionType)
-
-
-def conform(value: Any, hint: Any, *, from_text: bool = False) -> Any:
-    """``value`` as of type ``hint`` (an int for a float field becomes a float), or ``Mismatch``.
-
-    ``from_text``: text (and YAML's 0/1 for a bool) converts to the type, as settings read
-    from an environment variable or a file do; otherwise only the type itself is accepted.
-    """
-    if hint is Any:
-        return value
-    if _is_union(hint):
-        if value is None and type(None) in get_args(hint):
-            return None
-        arms = [a for a in get_args(hint) if a is not type(None)]
-        misses = []
-        for arm in sorted(arms, key=lambda a: get_origin(a) is not Literal):  # choices first
-            try:
-                return conform(value, arm, from_text=from_text)
-            except Mismatch as e:
-                misses.append(e)
-        kind = ValueError if any(e.kind is ValueError for e in misses) else TypeError
-        raise Mismatch("; ".join(str(e) for e in misses), kind)
-    if get_origin(hint) is Literal:
-        choices = get_args(hint)
-        text = value.strip() if from_text and isinstance(value, str) else value
-        if any(text == c and type(text) is type(c) for c in choices):
-            return text
-        raise Mismatch("not among the choices", ValueError if isinstance(value, str) else TypeError)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if from_text and (isinstance(value, str) or (isinstance(value, int) and value in (0, 1))):
-            low = str(value).strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-        raise Mismatch("expected true/false")
-    if hint in (int, float):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return hint(value)
-        if hint is float and isinstance(value, float):
-            return value
-        if from_text and isinstance(value, str):
-            try:
-                return hint(value.strip())
-            except ValueError:
-                pass
-        raise Mismatch("expected an integer" if hint is int else "expected a number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise Mismatch("expected text")
-    if get_origin(hint) in (dict, Mapping) or hint in (dict, Mapping):
-        if from_text and isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise Mismatch(f"not JSON: {e}") from None
-        if isinstance(value, Mapping):
-            return dict(value)
-        raise Mismatch("expected a mapping (JSON object)")
-    if isinstance(hint, type):
-        if isinstance(value, hint):
-            return value
-        raise Mismatch(f"expected a {hint.__name__}")
-    raise TypeError(f"no rule to check a value against the type {hint!r}")
-
-
-def check_value(name: str, value: Any, hint: Any) -> Any:
-    """``conform`` for a ``CheckpointOptions`` field: a ``TypeError`` (wrong kind of value) or
-    ``ValueError`` (not among the choices) that names the option, the value and what it takes."""
-    try:
-        return conform(value, hint)
-    except Mismatch as e:
-        if e.kind is ValueError:
-            raise ValueError(f"{name}={value!r}; choose {_takes(hint)}") from None
-        raise TypeError(f"{name}={value!r} is of type {type(value).__name__}; {name} takes {_takes(hint)}") from None
-
-
-def _takes(hint: Any) -> str:
-    """What a field takes, for an error: ``one of blocking, overlap``; ``one of zstd, none,
-    None``; ``an int``; ``a str or None``."""
-    if get_origin(hint) is Literal:
-        return "one of " + ", ".join(str(c) for c in get_args(hint))
-    if _is_union(hint):
-        arms = [a for a in get_args(hint) if a is not type(None)]
-        parts = [_takes(a) for a in arms] + (["None"] if type(None) in get_args(hint) else [])
-        return ", ".join(parts) if get_origin(arms[0]) is Literal else " or ".join(parts)
-    if hint is bool:
-        return "True or False"
-    return {int: "an int", float: "a number", str: "a str"}.get(hint, f"a {type_name(hint)}")
 
 
 # -- references and combinations -----------------------------------------------------------
