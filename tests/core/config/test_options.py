@@ -321,9 +321,9 @@ def test_mapping_unknown_keys_list_close_matches_and_groups() -> None:
     msg = str(e.value)
     assert msg.startswith(
         "config file /x.yaml: unknown setting(s) asynch_save (did you mean async_save?), "
-        "keep_lats (did you mean keep_last?), zzz; known, by group: saving: async_save"
+        "keep_lats (did you mean keep_last or keep_best?), zzz; known, by group: saving: async_save"
     ), msg
-    assert msg.endswith("catalog: catalog; others: keep_last"), msg
+    assert msg.endswith("retention: keep_best; others: keep_last"), msg
     with pytest.raises(ValueError, match=r"^the section must be a mapping of settings, got list$"):
         options_from_mapping(["io_threads"], source="the section")  # type: ignore[arg-type]
 

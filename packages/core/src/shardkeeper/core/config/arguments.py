@@ -28,6 +28,7 @@ CALL_FORMS = {
     "manifest": "mgr.manifest(step=None)",
     "is_committed": "mgr.is_committed(step)",
     "step_url": "mgr.step_url(step)",
+    "should_save": "mgr.should_save(step)",
 }
 
 

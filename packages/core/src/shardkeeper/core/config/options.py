@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 from shardkeeper.core.codec.keys import KeyProvider
+from shardkeeper.core.config.schedule import KeepBest, check_keep_best, check_schedule
 from shardkeeper.core.config.types import Mismatch, check_value, conform, type_name
 from shardkeeper.core.format.layout import MAX_DATA_PREFIXES
 
@@ -113,8 +114,22 @@ class CheckpointOptions:
     """Cap of one backoff."""
     retry_deadline_s: float = 120.0
     """No retry of one storage call starts later than this after its first attempt."""
+    save_every_steps: int | None = None
+    """``mgr.should_save(step)`` is True at every step divisible by this (not at or below the
+    newest step saved or restored)."""
+    save_every_s: float | Literal["advised"] | None = None
+    """``mgr.should_save(step)`` is True once this many seconds of rank 0's clock have passed
+    since the last True (or the first call); ``"advised"``: the Young/Daly interval from the
+    save timings recorded under the root and ``mtbf_s``. Converted to steps by the step time
+    measured from the calls; every rank gets rank 0's answer (manager/schedule.py)."""
+    mtbf_s: float | None = None
+    """The job's mean time between failures (seconds), for ``save_every_s="advised"``."""
+    keep_best: KeepBest | None = None
+    """``(n, metric, mode)``: retention also keeps the n committed steps with the lowest
+    (``"min"``) or highest (``"max"``) ``metadata[metric]`` (lifecycle/best.py)."""
 
     def __post_init__(self) -> None:
+        check_keep_best(self.keep_best)  # its own errors, before the type's
         for name, hint in option_types().items():
             value = check_value(name, getattr(self, name), hint)
             if value is not getattr(self, name):  # an int given for a float field
@@ -135,6 +150,9 @@ class CheckpointOptions:
         if self.commit_timeout_s <= 0:
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         self.retry_policy()  # validates the retry_* fields
+        object.__setattr__(self, "keep_best", check_keep_best(self.keep_best))
+        for message in check_schedule(self.save_every_steps, self.save_every_s, self.mtbf_s):
+            _ineffective(message)
         _check_references(self)
         _check_combinations(self)
 
@@ -184,6 +202,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "codecs": ("incremental", "compression", "compression_level", "encryption", "encryption_root"),
     "retry": ("retry_max_attempts", "retry_base_delay_s", "retry_max_delay_s", "retry_deadline_s"),
     "catalog": ("catalog",),
+    "schedule": ("save_every_steps", "save_every_s", "mtbf_s"),
+    "retention": ("keep_best",),
 }
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(CheckpointOptions))
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(CheckpointOptions)}
@@ -327,6 +347,7 @@ __all__ = [
     "DigestAlgorithm",
     "GROUPS",
     "IneffectiveOptionWarning",
+    "KeepBest",
     "Mismatch",
     "OPTION_NAMES",
     "OptionDefault",

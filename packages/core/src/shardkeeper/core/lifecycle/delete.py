@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def retain(storage: Storage, policy: RetentionPolicy, catalog: str | None, step: int) -> None:
     """Coordinator, after committing ``step``: apply ``policy``. Never fails the save."""
-    if policy.keep_last is None and policy.keep_every is None:
+    if policy.keeps_all:
         return
     try:
         deleted = apply_retention(storage, policy, protect=[step])

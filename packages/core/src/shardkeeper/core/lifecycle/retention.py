@@ -16,8 +16,9 @@ Needs no torch: an operator runs this (``shardkeeper gc``) from any machine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from shardkeeper.core.commit import intents as pending
 from shardkeeper.core.commit.committed import committed_steps, load_manifest, manifest_path
@@ -28,11 +29,14 @@ from shardkeeper.core.commit.files import (
     resolve_file,
     walk_files,
 )
+from shardkeeper.core.config.schedule import KeepBest, check_keep_best
 from shardkeeper.core.errors import (
     CheckpointError,
     IncompatibleFormatError,
 )
 from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.lifecycle.best import best_steps
 from shardkeeper.core.lifecycle.gc import (  # gc, once here: still importable from here
     DEFAULT_GC_MIN_AGE_S,
     GcReport,
@@ -61,29 +65,46 @@ class RetentionPolicy:
     """Which committed steps to keep.
 
     ``keep_last``: the N newest committed steps. ``keep_every``: every step divisible by N
-    (e.g. ``keep_every=10_000`` keeps long-term milestones). Both: the union. Neither: keep
-    everything. ``keep_steps``: these steps as well (an adapter pins the best checkpoint
-    so far, the Trainer's ``load_best_model_at_end``). Whatever the policy, the newest
-    committed step and the steps in flight are always kept (see :func:`apply_retention`).
+    (e.g. ``keep_every=10_000`` keeps long-term milestones). ``keep_best=(n, metric, mode)``:
+    the n steps with the lowest (``"min"``) or highest (``"max"``) ``metadata[metric]``
+    (``lifecycle/best.py``). Several: the union. None of the three: keep everything.
+    ``keep_steps``: these steps as well (an adapter pins the best checkpoint so far, the
+    Trainer's ``load_best_model_at_end``). Whatever the policy, the newest committed step and
+    the steps in flight are always kept (see :func:`apply_retention`).
     """
 
     keep_last: int | None = None
     keep_every: int | None = None
     keep_steps: frozenset[int] = frozenset()
+    keep_best: KeepBest | None = None
 
     def __post_init__(self) -> None:
         _check_count("keep_last", self.keep_last)
         _check_count("keep_every", self.keep_every)
+        object.__setattr__(self, "keep_best", check_keep_best(self.keep_best, "RetentionPolicy.keep_best"))
         steps = self.keep_steps
         if not isinstance(steps, frozenset) or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
             raise ValueError(f"RetentionPolicy.keep_steps must be a frozenset of ints, got {steps!r}")
 
     @property
     def keeps_all(self) -> bool:
-        return self.keep_last is None and self.keep_every is None
+        return self.keep_last is None and self.keep_every is None and self.keep_best is None
 
-    def retained(self, steps: Iterable[int]) -> set[int]:
-        """The subset of ``steps`` the policy keeps (before the newest/in-flight guarantees)."""
+    def retained(
+        self, steps: Iterable[int], metadata: Mapping[int, Mapping[str, Any]] | None = None, where: str = ""
+    ) -> set[int]:
+        """The subset of ``steps`` the policy keeps (before the newest/in-flight guarantees).
+        ``keep_best`` ranks by ``metadata`` (step -> its manifest's metadata); without it,
+        every step may be among the best and is kept. ``where``: the root, for the warning
+        about steps without the metric."""
+        keep = self.by_count(steps)
+        if self.keep_best is not None:
+            keep |= set(steps) if metadata is None else best_steps(self.keep_best, steps, metadata, where)
+        return keep
+
+    def by_count(self, steps: Iterable[int]) -> set[int]:
+        """What ``retained`` keeps by the rules that need only the step numbers: all but
+        ``keep_best``."""
         ordered = sorted(set(steps))
         if self.keeps_all:
             return set(ordered)
@@ -107,8 +128,14 @@ class DeleteOnly(RetentionPolicy):
     def keeps_all(self) -> bool:
         return False
 
-    def retained(self, steps: Iterable[int]) -> set[int]:
-        return set(steps) - self._drop  # type: ignore[attr-defined]
+    def retained(
+        self, steps: Iterable[int], metadata: Mapping[int, Mapping[str, Any]] | None = None, where: str = ""
+    ) -> set[int]:
+        return self.by_count(steps)
+
+    def by_count(self, steps: Iterable[int]) -> set[int]:
+        drop: frozenset[int] = self._drop  # type: ignore[attr-defined]
+        return set(steps) - drop
 
 
 def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Iterable[int] = ()) -> list[int]:
@@ -120,6 +147,8 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
     intent, commit/intents.py). Every doomed step's manifest goes first (newest first, so that a
     manifest referencing an older step's files is gone before those files are), then the
     intents are read, then the unreferenced files (the whole directory when none is kept).
+    ``keep_best`` ranks the steps by the metadata of the manifests read for their references
+    (no read of its own); a step whose manifest cannot be read is not among the best.
 
     A failure on one step is logged and the others continue. A step whose manifest was
     deleted but some of whose files could not be is returned (it is no longer committed) and
@@ -131,15 +160,32 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
     steps = committed_steps(storage)
     if not steps or policy.keeps_all:
         return []
-    keep = policy.retained(steps) | {steps[-1]} | (protected & set(steps))
+    keep = policy.by_count(steps) | {steps[-1]} | (protected & set(steps))
     doomed = [s for s in steps if s not in keep]
     if not doomed:
         return []
 
+    # Every manifest is read once: for the metric keep_best ranks by, then for the references.
+    loaded: dict[int, Manifest | CheckpointError] = {}
+    for s in steps:
+        try:
+            loaded[s] = load_manifest(storage, s)
+        except CheckpointError as e:
+            loaded[s] = e
+    if policy.keep_best is not None:
+        metadata = {s: m.metadata for s, m in loaded.items() if isinstance(m, Manifest)}
+        keep |= best_steps(policy.keep_best, metadata, metadata, storage.url)  # (unreadable ones: below)
+        doomed = [s for s in doomed if s not in keep]
+        if not doomed:
+            return []
+
     refs: dict[int, set[str]] = {}
     for s in steps:
         try:
-            m = load_manifest(storage, s)
+            got = loaded[s]
+            if isinstance(got, CheckpointError):
+                raise got
+            m = got
             try:
                 refs[s] = referenced_paths(s, m)
             except CheckpointError as e:  # a page (format.md 3.9) that cannot be read

@@ -1,7 +1,8 @@
 """How a ``CheckpointManager`` is made: its own keywords checked (``ManagerKeywords``; the root
 and the other keywords by ``config/arguments.py``), then its parts built and wired
 (``build_parts``): the options, the roots and the tier strategy (``tiers/strategy.py``), the
-coordinator, the thread pools, the staging state and the save protocol."""
+coordinator, the thread pools, the staging state, the save protocol and the save schedule
+(``schedule.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from shardkeeper.core.config.arguments import MANAGER_PARAMETERS, check_count, d
 from shardkeeper.core.config.options import OPTION_NAMES, CheckpointOptions, describe_unknown, given_options
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
+from shardkeeper.core.manager.schedule import RecordedTimings, SaveSchedule
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.coordinator import Coordinator, make_coordinator
 from shardkeeper.core.save.overlap import StagingGate
@@ -71,6 +73,7 @@ class ManagerParts:
     strategy: TierStrategy
     tiering: Tiering | None
     saver: SaveRunner
+    schedule: SaveSchedule
 
 
 def build_parts(
@@ -85,7 +88,7 @@ def build_parts(
     group (the coordinator, and with two tiers ``Tiering``, meet the other ranks)."""
     tiers = keywords.tiers
     base = tiers.check_options((options or CheckpointOptions()).replace(**keywords.given))
-    retention = RetentionPolicy(keep_last=keywords.keep_last, keep_every=keywords.keep_every)
+    retention = RetentionPolicy(keep_last=keywords.keep_last, keep_every=keywords.keep_every, keep_best=base.keep_best)
     roots = open_roots(tiers, root, storage_options, base)
     meta, _ = snapshot(dict(metadata or {}), "metadata key")
     coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks, tiered=tiers.tiered)
@@ -99,8 +102,29 @@ def build_parts(
         incremental=base.incremental, compression=base.compression, level=base.compression_level, keys=keys
     )
     saver = SaveRunner(ctx, codecs=codecs, stager=stager, plans=plans, gate=gate, hooks=strategy)
+    schedule = SaveSchedule(
+        base,
+        rank=coord.rank,
+        agree=(lambda v: v) if coord.world_size == 1 else (lambda v: coord.agree_int(v, "bcast")),
+        timings=RecordedTimings(lambda: ctx.read_storage),
+        where=f"(root {roots.storage.url}, rank {coord.rank})",
+    )
     return ManagerParts(
-        base, retention, meta, roots.storage, coord, ctx, io, bg, stager, plans, gate, strategy, tiering, saver
+        base,
+        retention,
+        meta,
+        roots.storage,
+        coord,
+        ctx,
+        io,
+        bg,
+        stager,
+        plans,
+        gate,
+        strategy,
+        tiering,
+        saver,
+        schedule,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 from shardkeeper.core.codec.keys import KeyProvider
 from shardkeeper.core.commit.committed import load_manifest, newest_committed
@@ -26,6 +26,7 @@ from shardkeeper.core.config.options import (
     CheckpointOptions,
     Compression,
     DigestAlgorithm,
+    KeepBest,
     PerRankPolicy,
     Staging,
 )
@@ -88,6 +89,10 @@ class CheckpointManager(SaveCalls):
         retry_base_delay_s: float = DEFAULT.retry_base_delay_s,
         retry_max_delay_s: float = DEFAULT.retry_max_delay_s,
         retry_deadline_s: float = DEFAULT.retry_deadline_s,
+        save_every_steps: int | None = DEFAULT.save_every_steps,
+        save_every_s: float | Literal["advised"] | None = DEFAULT.save_every_s,
+        mtbf_s: float | None = DEFAULT.mtbf_s,
+        keep_best: KeepBest | None = DEFAULT.keep_best,
         **unknown_options: NoReturn,
     ) -> None:
         """Open ``root`` (in a process group a collective: every rank, in the same order).
@@ -117,6 +122,10 @@ class CheckpointManager(SaveCalls):
           ``encryption`` ("env:VAR" | "file:PATH" | a KeyProvider), ``encryption_root``
         - retry: ``retry_max_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``, ``retry_deadline_s``
         - catalog: ``catalog`` (``etcd://host:2379``: record commits there too)
+        - schedule (``should_save``): ``save_every_steps``, ``save_every_s`` (seconds, or
+          ``"advised"``: the Young/Daly interval, with ``mtbf_s``)
+        - retention: ``keep_best=(n, metric, mode)`` (the n best steps by ``metadata[metric]``,
+          besides ``keep_last`` / ``keep_every``)
 
         A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
         ``TypeError`` naming the close matches; all before the root is touched.
@@ -132,6 +141,7 @@ class CheckpointManager(SaveCalls):
         self._saver, self._stager, self._plans, self._gate = parts.saver, parts.stager, parts.plans, parts.gate
         self._strategy = parts.strategy  # one tier or two (tiers/strategy.py)
         self._tiers = parts.tiering  # the two tiers' state, or None: PreemptionGuard's final upload reads it
+        self._schedule = parts.schedule  # should_save (schedule.py)
         self._pending, self._seq, self._closed = None, 0, False
         at_exit.track(self)
 
@@ -209,6 +219,17 @@ class CheckpointManager(SaveCalls):
             raise ValueError(f"agree(): op must be 'bcast', 'max' or 'min', got {op!r} {where}")
         return value if self.world_size == 1 else self._coord.agree_int(value, op)
 
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step`` by the schedule the options give: every
+        ``save_every_steps`` steps, every ``save_every_s`` seconds, or ``save_every_s="advised"``
+        (the Young/Daly interval from the root's recorded save timings and ``mtbf_s``). The same
+        answer on every rank: call it on every rank with the same steps; a time schedule is
+        rank 0's clock, agreed at a few steps per interval by a broadcast (``schedule.py``).
+        False at or below the newest step this manager saved or restored; without a schedule
+        a ``ValueError``."""
+        self._check_open()
+        return self._schedule.should_save(step)
+
     def delete(self, step: int, *, damaged: bool = False) -> bool:
         """Delete committed ``step`` with retention's guarantees; True if it is gone.
 
@@ -275,7 +296,9 @@ class CheckpointManager(SaveCalls):
             default_per_rank=self.options.per_rank,
         )
         self._wait_pending(raise_error=False)
-        return self._strategy.restore(state, request)
+        restored = self._strategy.restore(state, request)
+        self._schedule.mark(restored)
+        return restored
 
     def load(
         self,

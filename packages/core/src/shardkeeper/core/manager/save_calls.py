@@ -17,6 +17,7 @@ from shardkeeper.core.config.arguments import check_state, check_step
 from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
+from shardkeeper.core.manager.schedule import SaveSchedule
 from shardkeeper.core.save.handle import SaveHandle
 from shardkeeper.core.save.overlap import StagingGate
 from shardkeeper.core.save.runner import SaveRunner
@@ -38,6 +39,7 @@ class SaveCalls:
     _bg: ThreadPoolExecutor
     _gate: StagingGate
     _strategy: TierStrategy
+    _schedule: SaveSchedule
     _pending: SaveHandle | None
     _seq: int
     """Every rank numbers its saves alike: the keys a save's ranks meet under."""
@@ -78,6 +80,7 @@ class SaveCalls:
             retention=self.retention,
         )
         self._seq += 1
+        self._schedule.mark(step)  # should_save: nothing at or below it
         stall_s = 0.0
         try:
             handle = self._pending = self._saver.submit(self._bg, job, owner=self)

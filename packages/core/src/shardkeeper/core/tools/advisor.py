@@ -186,24 +186,29 @@ def recent_samples(storage: Any, last: int = 10) -> list[SaveSample]:
             m = load_manifest(storage, step)
         except CheckpointError:
             continue
-        t: Any = m.metadata.get("timings")
-        if not isinstance(t, dict):
-            continue
-        try:
-            out.append(
-                SaveSample(
-                    step,
-                    float(t["stall_s"]),
-                    float(t["write_s"]),
-                    float(t.get("commit_s", 0.0)),
-                    float(t["save_s"] if "save_s" in t else t["write_s"]),
-                    bool(t.get("sync", False)),
-                    m.created_at,
-                )
-            )
-        except (KeyError, TypeError, ValueError):
-            continue
+        sample = sample_of(step, m.metadata, m.created_at)
+        if sample is not None:
+            out.append(sample)
     return out[::-1]
+
+
+def sample_of(step: int, metadata: Mapping[str, Any], created_at: str = "") -> SaveSample | None:
+    """The timings a step's manifest metadata recorded (``metadata.timings``), or None."""
+    t: Any = metadata.get("timings")
+    if not isinstance(t, dict):
+        return None
+    try:
+        return SaveSample(
+            step,
+            float(t["stall_s"]),
+            float(t["write_s"]),
+            float(t.get("commit_s", 0.0)),
+            float(t["save_s"] if "save_s" in t else t["write_s"]),
+            bool(t.get("sync", False)),
+            created_at,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _seconds_per_step(samples: Sequence[SaveSample]) -> float | None:
@@ -321,6 +326,7 @@ __all__ = [
     "mtbf_from_restarts",
     "parse_duration",
     "recent_samples",
+    "sample_of",
     "waste_fraction",
     "young_interval",
 ]
