@@ -189,7 +189,7 @@ class Holder:
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         self.opt = opt
 
-    def __shardkeeper_optimizers__(self) -> list[torch.optim.Optimizer]:
+    def shardkeeper_optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.opt]
 
 

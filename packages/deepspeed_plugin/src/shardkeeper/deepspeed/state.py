@@ -140,10 +140,10 @@ class OptimState:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def __shardkeeper_optimizers__(self) -> list[Any]:
-        """The torch optimizer whose ``step()`` mutates the saved fp32 partitions and moments:
-        with ``staging="overlap"`` the core gates it on the background copy (the engine calls
-        it from ``engine.step()``)."""
+    def shardkeeper_optimizers(self) -> list[Any]:
+        """The torch optimizer whose ``step()`` mutates the saved fp32 partitions and moments
+        (``shardkeeper.core.adapter.OptimizerHolder``): with ``staging="overlap"`` the core
+        gates it on the background copy (the engine calls it from ``engine.step()``)."""
         return [self.engine.optimizer.optimizer]
 
     def _layout(self) -> tuple[list[dsi.FlatGroup], list[dsi.ParamSlice]]:

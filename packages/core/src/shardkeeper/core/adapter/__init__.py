@@ -21,7 +21,9 @@ One place for the rules the adapters used to write each on their own:
 And what adapters build on beside it: the types of what a manager hands out (``Manifest``
 from ``mgr.manifest()``, read only; ``RetentionPolicy``, ``mgr.retention``), the option
 reader's helpers for adapter settings, pointer files (a torch-loadable file naming a root and
-step), files written whole or not at all, and ``ExportResult``.
+step), files written whole or not at all, ``ExportResult``, and ``OptimizerHolder`` (the
+method a state object implements when it holds optimizers the state does not show, so that
+overlapped staging gates their ``step()``).
 
 The core never imports a framework: adapters pass their framework's name and version in.
 """
@@ -54,6 +56,7 @@ from shardkeeper.core.format.progress import (
     read_progress,
 )
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
+from shardkeeper.core.save.overlap import OptimizerHolder
 from shardkeeper.core.state.unpickle import load_trusted_pickle, possible_pickles, require_trust
 from shardkeeper.core.storage.safe_files import move_in, write_file
 from shardkeeper.core.tools.dcp_import import load_dcp
@@ -63,6 +66,7 @@ __all__ = [
     "ExportResult",
     "MAX_POINTER_BYTES",
     "Manifest",
+    "OptimizerHolder",
     "POINTER_VERSION",
     "PROGRESS_SCHEMA",
     "Patches",

@@ -10,8 +10,8 @@ copied before ``save()`` returns, as in blocking staging.
 
 Where optimizers come from: ``torch.optim.Optimizer`` objects anywhere in the saved state
 (their innermost ``.optimizer`` when wrapped, as Accelerate and Lightning wrap them), and
-objects exposing ``__shardkeeper_optimizers__()`` (an adapter's state object holding a
-framework's inner optimizer, e.g. a DeepSpeed engine's). A deferred tensor is one whose
+``OptimizerHolder`` objects (an adapter's state object holding a framework's inner optimizer,
+e.g. a DeepSpeed engine's). A deferred tensor is one whose
 storage is a parameter (a DTensor's local shard) or a state tensor of such an optimizer.
 
 Why the hook stays registered: torch iterates its hook dict while calling the hooks, so
@@ -27,7 +27,7 @@ import bisect
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -39,6 +39,17 @@ STAGING_MODES = ("blocking", "overlap")
 
 #: Test seam: called on the background thread right before a deferred copy (None in use).
 _before_copy: Any = None
+
+
+class OptimizerHolder(Protocol):
+    """An object of the saved state that holds optimizers the state does not show (an
+    adapter's state object around a framework's inner optimizer): with ``staging="overlap"``,
+    their ``step()`` waits for the copy of the tensors it mutates. Recognised by the method
+    alone (an attribute lookup per value of the state, not a protocol ``isinstance``)."""
+
+    def shardkeeper_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose ``step()`` mutates tensors this object saves."""
+        ...
 
 
 def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -64,8 +75,8 @@ def find_optimizers(state: Any) -> list[torch.optim.Optimizer]:
         if isinstance(v, torch.optim.Optimizer):
             inner = _innermost(v)
             found[id(inner)] = inner
-        elif callable(getattr(v, "__shardkeeper_optimizers__", None)):
-            for o in v.__shardkeeper_optimizers__():
+        elif callable(getattr(v, "shardkeeper_optimizers", None)):
+            for o in cast(OptimizerHolder, v).shardkeeper_optimizers():
                 if isinstance(o, torch.optim.Optimizer):
                     inner = _innermost(o)
                     found[id(inner)] = inner
@@ -213,4 +224,4 @@ class StagingGate:
         return len(self._hooks)
 
 
-__all__ = ["OptimizerTensors", "STAGING_MODES", "StagingGate", "find_optimizers"]
+__all__ = ["OptimizerHolder", "OptimizerTensors", "STAGING_MODES", "StagingGate", "find_optimizers"]
