@@ -112,9 +112,9 @@ def test_every_t_seconds_on_the_real_clock(tmp_path: Path) -> None:
                 mgr.save(step, {"w": torch.full((8,), float(step))})
         mgr.wait()
         elapsed = time.monotonic() - t0
-    assert said[0] >= 0.19, said
+    assert said[0] >= 0.15, said  # (a save comes up to half a step early: nearer than the next step)
     gaps = [b - a for a, b in zip(said, said[1:])]
-    assert all(g >= 0.15 for g in gaps), gaps
+    assert all(g >= 0.12 for g in gaps), gaps
     assert int(elapsed / 0.2) - 2 <= len(said) <= int(elapsed / 0.2) + 1, (said, elapsed)
 
 
