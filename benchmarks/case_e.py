@@ -399,7 +399,8 @@ def _plan(storage: Any, start: int, rows: int) -> tuple[list[Any], list[Any], An
 
     from shardkeeper.core.commit.committed import load_manifest
     from shardkeeper.core.format.table import TableLeaves
-    from shardkeeper.core.restore.plan import piece_ops, plan_reads
+    from shardkeeper.core.restore.plan import piece_ops
+    from shardkeeper.core.restore.reads import plan_reads
     from shardkeeper.core.state.chunks import Piece
 
     local = torch.empty((rows, COLS), device="meta")
