@@ -107,7 +107,7 @@ def test_types_are_resolved_from_the_dataclass_and_match_the_implementation() ->
         ("commit_timeout_s", "60", TypeError, "commit_timeout_s='60' is of type str; commit_timeout_s takes a number"),
         ("staging", "later", ValueError, "staging='later'; choose one of blocking, overlap"),
         ("staging", 1, TypeError, "staging=1 is of type int; staging takes one of blocking, overlap"),
-        ("per_rank", "bogus", ValueError, "per_rank='bogus'; choose one of exact, modulo, drop"),
+        ("per_rank", "bogus", ValueError, "per_rank='bogus'; choose one of map, exact, modulo, drop"),
         ("digest", "md5", ValueError, "digest='md5'; choose one of xxh3_128, sha256"),
         ("compression", "lz4", ValueError, "compression='lz4'; choose one of zstd, none, None"),
         ("catalog", 3, TypeError, "catalog=3 is of type int; catalog takes a str or None"),

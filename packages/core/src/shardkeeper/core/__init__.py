@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from shardkeeper.core.hf.importer import import_hf
     from shardkeeper.core.hf.load import load_hf
     from shardkeeper.core.manager.manager import CheckpointManager, SaveHandle
+    from shardkeeper.core.restore.per_rank import WorldSizeChangedWarning
     from shardkeeper.core.save.handle import UnwaitedSaveWarning
     from shardkeeper.core.save.logical import LogicalPartial, logical_combine, logical_digest, logical_partial
     from shardkeeper.core.state.flatten import PerRank, RNGState, dtype_from_name, normalize_fqn
@@ -63,6 +64,7 @@ _LAZY = {
     "options_from_mapping": "shardkeeper.core.config.settings",
     "SaveHandle": "shardkeeper.core.manager.manager",
     "UnwaitedSaveWarning": "shardkeeper.core.save.handle",
+    "WorldSizeChangedWarning": "shardkeeper.core.restore.per_rank",
     "Fragment": "shardkeeper.core.state.fragment",
     "LogicalPartial": "shardkeeper.core.save.logical",
     "logical_combine": "shardkeeper.core.save.logical",
@@ -155,6 +157,7 @@ __all__ = [
     "StorageError",
     "TornStateError",
     "UnwaitedSaveWarning",
+    "WorldSizeChangedWarning",
     "advise",
     "advise_root",
     "dtype_from_name",

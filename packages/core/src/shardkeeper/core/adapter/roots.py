@@ -13,6 +13,7 @@ same keys, so tools (``shardkeeper ls``, the other adapters) can tell who wrote 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -42,12 +43,21 @@ class RootManagers:
 
     ``options`` go to every manager (``keep_last``, ``storage_options``, ``async_save``, ...);
     a ``metadata`` entry among them is the user's, merged under the contract's keys.
+    ``per_rank_call``: the adapter's call where its user sets ``per_rank``
+    (``"enable(accelerator, per_rank=...)"``); every error and warning about it names that call.
     """
 
     def __init__(
-        self, framework: str, framework_version: str, options: Mapping[str, Any] | None = None, **metadata: Any
+        self,
+        framework: str,
+        framework_version: str,
+        options: Mapping[str, Any] | None = None,
+        *,
+        per_rank_call: str | None = None,
+        **metadata: Any,
     ) -> None:
         self.framework = framework
+        self.per_rank_call = per_rank_call
         opts = dict(options or {})
         user = dict(opts.pop("metadata", None) or {})
         owned = adapter_metadata(framework, framework_version, **metadata)
@@ -66,7 +76,14 @@ class RootManagers:
         root = os.fspath(root)
         mgr = self._managers.get(root)
         if mgr is None:
-            mgr = CheckpointManager(root, metadata=self.metadata, **{**self.options, **options})
+            try:
+                mgr = CheckpointManager(root, metadata=self.metadata, **{**self.options, **options})
+            except (TypeError, ValueError) as e:
+                if self.per_rank_call is None or not re.search(r"\bper_rank\b", str(e)):
+                    raise
+                raise type(e)(f"{e} (set it in {self.per_rank_call})") from e
+            if self.per_rank_call is not None:
+                mgr.per_rank_call = self.per_rank_call
             self._managers[root] = mgr
         return mgr
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from shardkeeper.core.storage.retry import RetryPolicy
 
 Staging = Literal["blocking", "overlap"]
-PerRankPolicy = Literal["exact", "modulo", "drop"]
+PerRankPolicy = Literal["map", "exact", "modulo", "drop"]
 DigestAlgorithm = Literal["xxh3_128", "sha256"]
 Compression = Literal["zstd", "none"]
 
@@ -55,8 +55,9 @@ class CheckpointOptions:
     need ``mgr.wait_staged()`` first (docs/performance.md, "Overlapped staging"). Only
     background saves stage: with ``async_save=False`` it applies to ``save(async_save=True)``
     calls alone, and making such options warns."""
-    per_rank: PerRankPolicy = "exact"
-    """Per-rank state (RNG, data position) at another world size: exact | modulo | drop."""
+    per_rank: PerRankPolicy = "map"
+    """Per-rank state (RNG, data position) at another world size: map (rank r takes saved rank
+    r's, a new rank keeps its own; warns) | exact (refuses) | modulo | drop (restore/per_rank.py)."""
     share_restore_reads: bool = True
     """In a group: a byte range several ranks restore is read from storage by one of them and
     sent to the others over a dedicated gloo group, verified by each (docs/performance.md,

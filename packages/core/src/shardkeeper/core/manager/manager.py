@@ -37,6 +37,7 @@ from shardkeeper.core.manager import at_exit
 from shardkeeper.core.manager.build import ManagerKeywords, build_parts
 from shardkeeper.core.manager.save_calls import SaveCalls
 from shardkeeper.core.restore.load import load_step
+from shardkeeper.core.restore.per_rank import PLAIN_CALL
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.save.handle import SaveHandle
@@ -49,6 +50,10 @@ class CheckpointManager(SaveCalls):
     In a process group every rank creates the manager (a collective) and calls ``save()`` /
     ``restore()`` with its own local state, as with ``torch.distributed.checkpoint``.
     """
+
+    #: Where the user sets ``per_rank``, named by its messages; an adapter's managers name the
+    #: adapter's call (``shardkeeper.core.adapter.RootManagers``).
+    per_rank_call: str = PLAIN_CALL
 
     def __init__(
         self,
@@ -115,7 +120,7 @@ class CheckpointManager(SaveCalls):
         - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``,
           ``commit_group_ranks`` (ranks per group leader at larger worlds)
         - layout: ``max_files_per_rank``, ``min_file_bytes``, ``data_prefixes``, ``describe_layouts``; io: ``io_threads``, ``max_read_bytes``
-        - restore: ``per_rank`` (per-rank state at another world size: exact | modulo | drop),
+        - restore: ``per_rank`` (per-rank state at another world size: map | exact | modulo | drop),
           ``share_restore_reads`` (a range several ranks restore is read once and sent to the others)
         - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``
         - codecs: ``incremental``, ``compression`` ("zstd"), ``compression_level``,
@@ -294,6 +299,7 @@ class CheckpointManager(SaveCalls):
             cast_dtypes=cast_dtypes,
             optional=optional,
             default_per_rank=self.options.per_rank,
+            per_rank_call=self.per_rank_call,
         )
         self._wait_pending(raise_error=False)
         restored = self._strategy.restore(state, request)

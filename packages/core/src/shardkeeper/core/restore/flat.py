@@ -32,8 +32,10 @@ from shardkeeper.core.restore.fill import (
     execute_read,
     read_bytes_leaf,
 )
+from shardkeeper.core.restore.per_rank import PLAIN_CALL, WorldSizeChangedWarning, world_change_note
 from shardkeeper.core.restore.plan import (
     Op,
+    RestorePlan,
     RestoreStats,
     listing,
     missing_list,
@@ -123,6 +125,7 @@ def restore_flat(
     source: str | None = None,
     remedy: str | None = None,
     verify: bool = True,
+    per_rank_call: str = PLAIN_CALL,
 ) -> RestoreStats:
     """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers.
 
@@ -140,6 +143,8 @@ def restore_flat(
     ``source``, ``remedy``: how errors name what is read and what to do about damage (by
     default the step, and an earlier step); ``verify=False``: the source records no digests
     (a safetensors folder presented as a manifest, hf/view.py), its bytes are used as read.
+    ``per_rank_call``: where the user sets ``per_rank``, for its messages. At another world
+    size than the save's, rank 0 warns once what the policy did with the per-rank state.
     """
     writes = TargetWrites() if writes is None else writes
     source = source or f"step {manifest.step}"
@@ -157,6 +162,7 @@ def restore_flat(
         cast=cast,
         max_read_bytes=max_read_bytes,
         where=where,
+        per_rank_call=per_rank_call,
     )
     stats = plan.stats
     described = getattr(manifest.leaves, "described", None)
@@ -167,14 +173,6 @@ def restore_flat(
             f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "
             f"keep their current values: {missing_list(plan.missing)}",
             stacklevel=3,
-        )
-    if plan.dropped:
-        log.warning(
-            "rank %d: per-rank state not restored (saved at world size %d, now %d, per_rank='drop'): %s",
-            rank,
-            manifest.world_size,
-            world_size,
-            ", ".join(plan.dropped[:8]),
         )
     reader = ChunkReader.of(
         storage,
@@ -222,7 +220,29 @@ def restore_flat(
                     fin()
     finally:
         writes.add(manifest.step, wrote)
+    if rank == 0 and manifest.world_size != world_size:
+        _warn_world_change(flat, plan, manifest, storage.url, world_size, per_rank, per_rank_call)
     return stats
+
+
+def _warn_world_change(
+    flat: FlatState, plan: RestorePlan, manifest: Manifest, root: str, world: int, policy: str, call: str
+) -> None:
+    """The one warning of a restore at another world size that touched per-rank state."""
+    touched = set(plan.restored) | set(plan.dropped)
+    prefixes = [p for p in flat.per_rank_prefixes if any(k.startswith(p + "/") for k in touched)]
+    if not prefixes:
+        return
+    note = world_change_note(
+        prefixes,
+        step=manifest.step,
+        root=root,
+        saved_world=manifest.world_size,
+        world=world,
+        policy=policy,
+        call=call,
+    )
+    warnings.warn(note, WorldSizeChangedWarning, stacklevel=4)
 
 
 def _jobs(

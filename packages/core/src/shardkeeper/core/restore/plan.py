@@ -21,6 +21,7 @@ import torch
 from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.manifest import ChunkRecord, LeafRecord, Manifest, itemsize
 from shardkeeper.core.format.table import TableLeaves
+from shardkeeper.core.restore.per_rank import PER_RANK_POLICIES, PLAIN_CALL, source_key
 from shardkeeper.core.state.chunks import Piece, contiguous_strides, layout_of
 from shardkeeper.core.state.flatten import (
     FlatState,
@@ -33,8 +34,6 @@ from shardkeeper.core.state.flatten import (
 from shardkeeper.core.state.optim_compat import check_optimizers
 from shardkeeper.core.state.tied import check_ties, tied_aliases
 from shardkeeper.core.storage.base import Storage
-
-PER_RANK_POLICIES = ("exact", "modulo", "drop")
 
 
 @dataclass
@@ -165,26 +164,6 @@ def listing(items: Sequence[str], limit: int = 20) -> str:
     return "; ".join(items[:limit]) + more
 
 
-def _source_key(leaf: Leaf, key: str, rank: int, saved_world: int, world: int, policy: str, where: str) -> str | None:
-    """The saved key a per-rank target leaf reads from, by policy; None means skip it."""
-    if leaf.per_rank is None:
-        return key
-    prefix = f"{leaf.per_rank}/{rank}"
-    rest = key[len(prefix) :]
-    if saved_world == world:
-        return key
-    if policy == "modulo":
-        return f"{leaf.per_rank}/{rank % saved_world}{rest}"
-    if policy == "drop":
-        return None
-    raise StateMismatchError(
-        f"per-rank state {leaf.per_rank!r} of {where} was saved at world size {saved_world}, restoring "
-        f"at {world}; choose a policy, as restore(per_rank=...) or the manager's option per_rank "
-        f"(an adapter's manager options): 'modulo' (rank r reads rank r % {saved_world}) or 'drop' "
-        f"(start it fresh)"
-    )
-
-
 @dataclass
 class RestorePlan:
     """What one attempt reads and sets (``plan_restore``)."""
@@ -195,7 +174,7 @@ class RestorePlan:
     deferred: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # objects, set last
     bytes_leaves: list[tuple[str, Leaf, LeafRecord]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # saved keys absent (strict=False: warned)
-    dropped: list[str] = field(default_factory=list)  # per-rank keys not restored (per_rank='drop')
+    dropped: list[str] = field(default_factory=list)  # per-rank keys that keep their values (restore/per_rank.py)
 
 
 def plan_restore(
@@ -212,9 +191,11 @@ def plan_restore(
     cast: bool,
     max_read_bytes: int,
     where: str,
+    per_rank_call: str = PLAIN_CALL,
 ) -> RestorePlan:
     """Match ``flat``'s leaves with ``manifest``'s; raise ``StateMismatchError`` for what the
-    target cannot take, before anything is read. ``where`` names the step and rank."""
+    target cannot take, before anything is read. ``where`` names the step and rank;
+    ``per_rank_call`` where the user sets ``per_rank`` (for the refusal's message)."""
     if flat.optimizers:
         check_optimizers(flat.optimizers, manifest, lambda k: matches(k, only), where)
     plan = RestorePlan(RestoreStats())
@@ -224,11 +205,14 @@ def plan_restore(
     for key, leaf in flat.leaves.items():
         if not matches(key, only):
             continue
-        src_key = _source_key(leaf, key, rank, manifest.world_size, world_size, per_rank, where)
+        src_key = source_key(leaf.per_rank, key, rank, manifest.world_size, world_size, per_rank, where, per_rank_call)
         if src_key is None:
             plan.dropped.append(key)
             continue
         rec = table.head(src_key) if table is not None else manifest.leaves.get(src_key)
+        if rec is None and leaf.per_rank is not None and manifest.world_size != world_size:
+            plan.dropped.append(key)  # per-rank state shaped by the world size (a loader's): kept
+            continue
         if rec is None:
             if not (optional and matches(key, optional)):
                 plan.missing.append(src_key)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.config.arguments import check_step
-from shardkeeper.core.restore.plan import PER_RANK_POLICIES
+from shardkeeper.core.restore.per_rank import PER_RANK_POLICIES, PLAIN_CALL
 
 
 def _patterns(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -20,8 +20,9 @@ def _patterns(value: str | Sequence[str] | None) -> tuple[str, ...]:
 class RestoreRequest:
     """What to restore: ``step`` (None: the newest committed), ``patterns`` (``only=``; None:
     every key), ``strict``, ``per_rank`` (the policy, resolved), ``cast`` (``cast_dtypes=``),
-    ``optional`` (patterns of target keys the checkpoint may lack), and ``agreed``: the ranks
-    already agreed on ``step`` (a tiered restore chose it together)."""
+    ``optional`` (patterns of target keys the checkpoint may lack), ``agreed``: the ranks
+    already agreed on ``step`` (a tiered restore chose it together), and ``per_rank_call``:
+    where the user sets ``per_rank`` (an adapter's call), for messages."""
 
     step: int | None
     patterns: tuple[str, ...] | None
@@ -30,6 +31,7 @@ class RestoreRequest:
     cast: bool
     optional: tuple[str, ...]
     agreed: bool = False
+    per_rank_call: str = PLAIN_CALL
 
     @classmethod
     def checked(
@@ -42,15 +44,18 @@ class RestoreRequest:
         cast_dtypes: bool,
         optional: str | Sequence[str] | None,
         default_per_rank: str,
+        per_rank_call: str = PLAIN_CALL,
     ) -> RestoreRequest:
         """``restore()``'s arguments checked (``step``: ``check_step``; ``per_rank``: one of
         ``PER_RANK_POLICIES``, None for ``default_per_rank``, the manager's option)."""
         step = check_step("restore", step, optional=True)
         policy = per_rank or default_per_rank
         if policy not in PER_RANK_POLICIES:
-            raise ValueError(f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)}")
+            raise ValueError(
+                f"per_rank={policy!r}; choose one of {', '.join(PER_RANK_POLICIES)} (set it in {per_rank_call})"
+            )
         patterns = _patterns(only) or None
-        return cls(step, patterns, strict, policy, cast_dtypes, _patterns(optional))
+        return cls(step, patterns, strict, policy, cast_dtypes, _patterns(optional), per_rank_call=per_rank_call)
 
     def at(self, step: int | None, *, agreed: bool = False) -> RestoreRequest:
         """The same request for ``step`` (``agreed``: the ranks chose it together)."""

@@ -218,6 +218,7 @@ class Restorer:
                 strict=request.strict,
                 optional=request.optional,
                 per_rank=request.per_rank,
+                per_rank_call=request.per_rank_call,
                 cast=request.cast,
                 executor=ctx.io,
                 max_read_bytes=ctx.settings.max_read_bytes,
