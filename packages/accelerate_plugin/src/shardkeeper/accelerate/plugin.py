@@ -21,6 +21,8 @@ from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, che
 log = logging.getLogger(__name__)
 
 _ATTR = "_shardkeeper"
+#: Where an Accelerate user sets ``per_rank`` (named by the core's messages about it).
+PER_RANK_CALL = "enable(accelerator, per_rank=...)"
 #: Distributed types whose state the generic path (torch's state-dict API) handles; DEEPSPEED
 #: delegates the engine to the DeepSpeed adapter (state.deepspeed_engine_state).
 GENERIC_TYPES = {
@@ -51,7 +53,10 @@ class AcceleratePlugin:
         import accelerate
 
         self._managers = RootManagers(
-            FRAMEWORK, accelerate.__version__, {**self.options, "metadata": self.settings.get("metadata")}
+            FRAMEWORK,
+            accelerate.__version__,
+            {**self.options, "metadata": self.settings.get("metadata")},
+            per_rank_call=PER_RANK_CALL,
         )
         self.last_handle: SaveHandle | None = None
         self.patches = Patches()  # what enable() replaced on the Accelerator (disable() undoes it)

@@ -106,6 +106,7 @@ class DeepSpeedCheckpointHook:
             FRAMEWORK,
             deepspeed.__version__,
             manager_options,
+            per_rank_call="attach(engine, per_rank=...)",
             zero_stage=dsi.zero_stage(e),
             dtype="bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
             dp_world_size=int(e.dp_world_size),

@@ -18,7 +18,6 @@ from shardkeeper.core import CheckpointManager, RNGState
 from shardkeeper.core.adapter import (
     Manifest,
     Patches,
-    RootManagers,
     check_save_step,
     framework_of,
     progress_state,
@@ -88,7 +87,7 @@ class StrategyBinding:
 
             p = self.plugin
             more = {"lightning_strategy": type(p.strategy).__name__} if p.strategy is not None else {}
-            self._mgr = RootManagers(FRAMEWORK, lightning.__version__, p.manager_options, **more).get(p.root)
+            self._mgr = st.root_managers(FRAMEWORK, lightning.__version__, p.manager_options, **more).get(p.root)
         return self._mgr
 
     def wait(self) -> None:
@@ -236,7 +235,7 @@ class StrategyBinding:
     def load(self, strategy: Any, ckpt_path: Any) -> dict[str, Any]:
         target = self._resolve(strategy, ckpt_path)
         own = target.root == self.plugin.root
-        mgr = self.manager() if own else CheckpointManager(target.root, **st.read_options(self.plugin.manager_options))
+        mgr = self.manager() if own else st.reading_manager(target.root, self.plugin.manager_options)
         try:
             step = target.step
             if own and self._handle is not None and (step is None or step == self._handle.step):

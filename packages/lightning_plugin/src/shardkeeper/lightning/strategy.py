@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 
 from shardkeeper.core import CheckpointManager, errors
+from shardkeeper.core.adapter import RootManagers
 from shardkeeper.lightning import _internals as li
 
 
@@ -103,6 +104,22 @@ _AS_THEMSELVES = (errors.CorruptCheckpointError, errors.IncompatibleFormatError)
 def read_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """Options for a manager that only restores from another root: no retention there."""
     return {k: v for k, v in options.items() if k not in ("keep_last", "keep_every", "metadata")}
+
+
+#: Where a Lightning user sets ``per_rank`` (named by the core's messages about it).
+PER_RANK_CALL = "ShardkeeperCheckpointIO(root, per_rank=...)"
+
+
+def root_managers(framework: str, version: str, options: Mapping[str, Any], **metadata: Any) -> RootManagers:
+    """The plugin's managers: its options, and ``per_rank`` named as its argument."""
+    return RootManagers(framework, version, options, per_rank_call=PER_RANK_CALL, **metadata)
+
+
+def reading_manager(root: str, options: Mapping[str, Any]) -> CheckpointManager:
+    """A manager that only restores from another root (``read_options``)."""
+    mgr = CheckpointManager(root, **read_options(options))
+    mgr.per_rank_call = PER_RANK_CALL
+    return mgr
 
 
 def not_ours(ckpt_path: Any, root: str) -> str:

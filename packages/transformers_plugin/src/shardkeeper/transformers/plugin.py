@@ -21,7 +21,7 @@ from shardkeeper.core import CheckpointManager, CorruptCheckpointError, SaveHand
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start, read_progress
 from shardkeeper.transformers import _internals as tfi
 from shardkeeper.transformers.folders import Folders
-from shardkeeper.transformers.resume import Resume, resolve, rng_policy, trainer_folder_step, with_remedy
+from shardkeeper.transformers.resume import Resume, resolve, trainer_folder_step, with_remedy
 from shardkeeper.transformers.state import (
     FRAMEWORK,
     PER_PROCESS,
@@ -35,6 +35,8 @@ from shardkeeper.transformers.state import (
 log = logging.getLogger(__name__)
 
 _ATTR = "_shardkeeper"
+#: Where a Trainer user sets ``per_rank`` (named by the core's messages about it).
+PER_RANK_CALL = "enable(trainer, per_rank=...) or ShardkeeperTrainer(shardkeeper_options={'per_rank': ...})"
 #: Keys the resume restores at each point of the Trainer's start-up.
 _MODEL_ONLY = ("model/*",)
 _MODEL = (*_MODEL_ONLY, "progress/*")
@@ -49,7 +51,7 @@ class TrainerPlugin:
 
         self._trainer = weakref.ref(trainer)
         self.root = os.fspath(root) if root is not None else str(trainer.args.output_dir)
-        self._managers = RootManagers(FRAMEWORK, transformers.__version__, options)
+        self._managers = RootManagers(FRAMEWORK, transformers.__version__, options, per_rank_call=PER_RANK_CALL)
         self.progress = TrainerProgress(trainer)
         self.resume: Resume | None = None
         self.last_handle: SaveHandle | None = None
@@ -123,17 +125,10 @@ class TrainerPlugin:
                 log.info("shardkeeper: step %d has no %s; it keeps its current values", step, prefix.rstrip("/"))
         if not want:
             return
-        policy = self._per_rank_policy(step) if "rng/*" in want else None
-        try:  # a rank the saving run did not have keeps its RNG (another world size)
-            mgr.restore(state, step=step, only=want, optional=["rng/*"], per_rank=policy)
+        try:  # at another world size the manager's per_rank decides (default: as the Trainer does)
+            mgr.restore(state, step=step, only=want, optional=["rng/*"])
         except CorruptCheckpointError as e:
             raise with_remedy(e, self.root, mgr.step_url(step), step, self.rank()) from e
-
-    def _per_rank_policy(self, step: int) -> str | None:
-        """The ``per_rank`` policy of the RNG restore (``resume.rng_policy``)."""
-        assert self.resume is not None
-        saved, world = self.resume.manager.manifest(step).world_size, int(self.trainer.args.world_size)
-        return rng_policy(step, saved, world, chosen="per_rank" in self._managers.options)
 
     # -- save --------------------------------------------------------------------------------
     def save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -195,25 +195,6 @@ def with_remedy(e: CorruptCheckpointError, root: str, url: str, step: int, rank:
     return err
 
 
-def rng_policy(step: int, saved: int, world: int, *, chosen: bool) -> str | None:
-    """The ``per_rank`` policy of restoring step ``step``'s RNG states, saved by ``saved`` ranks,
-    into ``world`` ranks: the manager's own at the same world size or when the options chose
-    one, else ``"drop"``: each rank keeps its RNG state, as the Trainer does for a rank without
-    an RNG file (with a warning that says how to choose otherwise)."""
-    if saved == world or chosen:
-        return None
-    log.warning(
-        "shardkeeper: step %d was saved by %d rank(s), this run has %d: each rank keeps its own RNG state, so "
-        "dropout and sampling do not continue the saved run's exactly; shardkeeper_options={'per_rank': "
-        "'modulo'} gives rank r the RNG of rank r %% %d instead",
-        step,
-        saved,
-        world,
-        saved,
-    )
-    return "drop"
-
-
 def listing(steps: Sequence[int]) -> str:
     if not steps:
         return "none"
@@ -227,7 +208,6 @@ __all__ = [
     "newest",
     "own_folders",
     "resolve",
-    "rng_policy",
     "trainer_folder_step",
     "with_remedy",
 ]
