@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from shardkeeper.accelerate import _internals as acci
 from shardkeeper.accelerate.config import resolve_settings, split_settings
@@ -86,7 +86,7 @@ class AcceleratePlugin:
     def keep_last(self) -> int | None:
         if self.settings.get("keep_last") is not None:
             return int(self.settings["keep_last"])
-        return self.accelerator.project_configuration.total_limit
+        return cast("int | None", self.accelerator.project_configuration.total_limit)
 
     def manager(self, root: str) -> CheckpointManager:
         return self._managers.get(
@@ -297,7 +297,7 @@ def plugin_of(accelerator: Any) -> AcceleratePlugin:
         raise RuntimeError(
             "shardkeeper is not enabled on this Accelerator: call shardkeeper.accelerate.enable(accelerator)"
         )
-    return p
+    return cast("AcceleratePlugin", p)
 
 
 def wait(accelerator: Any) -> None:

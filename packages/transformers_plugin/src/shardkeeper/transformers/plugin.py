@@ -15,7 +15,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from shardkeeper.core import CheckpointManager, CorruptCheckpointError, SaveHandle
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start, read_progress
@@ -320,32 +320,37 @@ def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, An
 
     def load_optimizer_and_scheduler(checkpoint: Any) -> None:
         if p.resume is None:
-            return own.load_optimizer_and_scheduler(tr, checkpoint)
+            own.load_optimizer_and_scheduler(tr, checkpoint)
+            return None
         p.restore(_OPTIM)
         return None
 
     def load_scaler(checkpoint: Any) -> None:
         if p.resume is None:
-            return own.load_scaler(tr, checkpoint)
+            own.load_scaler(tr, checkpoint)
+            return None
         p.restore(("extra/grad_scaler/*",))
         return None
 
     def load_rng_state(checkpoint: Any) -> None:
         if p.resume is None:
-            return own.load_rng_state(tr, checkpoint)
+            own.load_rng_state(tr, checkpoint)
+            return None
         p.restore(("rng/*",))
         return None
 
     def load_from_checkpoint(resume_from_checkpoint: Any, model: Any = None) -> None:
         if p.resume is None:
-            return own.load_from_checkpoint(tr, resume_from_checkpoint, model)
+            own.load_from_checkpoint(tr, resume_from_checkpoint, model)
+            return None
         return None  # the model was restored before it was wrapped
 
     def load_best_model() -> None:
         best = tr.state.best_global_step
         mgr = p.manager()
         if not best or not mgr.is_committed(int(best)):
-            return own.load_best_model(tr)
+            own.load_best_model(tr)
+            return None
         log.info(
             "shardkeeper: the best model is step %d (%s %s)", best, tr.args.metric_for_best_model, tr.state.best_metric
         )
@@ -382,7 +387,7 @@ def plugin_of(trainer: Any) -> TrainerPlugin:
     p = getattr(trainer, _ATTR, None)
     if p is None:
         raise RuntimeError("shardkeeper is not enabled on this Trainer: call shardkeeper.transformers.enable(trainer)")
-    return p
+    return cast("TrainerPlugin", p)
 
 
 def wait(trainer: Any) -> None:
