@@ -14,7 +14,6 @@ CORE = Path(shardkeeper.core.__file__).parent
 #: Exception classes another change moves into errors.py (``errors.py``'s docstring names them):
 #: name -> where it is defined. Remove an entry once its class is defined nowhere else.
 PENDING = {
-    "Mismatch": "config/types.py",
     "PointerDamagedError": "format/pointer.py",
 }
 

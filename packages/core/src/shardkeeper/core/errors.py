@@ -1,7 +1,7 @@
 """Every exception class of the core, in one module that imports nothing of the core; warning
-categories stay beside what warns. Two still live elsewhere until they move here: ``Mismatch``
-(config/types.py) and ``PointerDamagedError`` (format/pointer.py).
-``tests/core/project/test_errors.py`` fails on any other exception class defined outside.
+categories stay beside what warns. One still lives elsewhere until it moves here:
+``PointerDamagedError`` (format/pointer.py). ``tests/core/project/test_errors.py`` fails on any
+other exception class defined outside.
 
 The errors a caller sees derive from :class:`CheckpointError` and, where one fits, from the
 matching builtin, so callers can catch either ``CheckpointError`` or e.g. ``FileNotFoundError``.
@@ -9,8 +9,9 @@ Messages name the checkpoint root, the step, the rank, the key or file where kno
 remedy. The last group are signals between the core's own modules, caught there and turned into
 one of the errors above: ``TornStateError`` becomes the cause of a ``CheckpointSaveError``, the
 JSON ones an error that names the key or the file, ``UsageError`` the CLI's exit status 2,
-``StoreTimeout`` a ``CheckpointTimeoutError`` naming what was waited for and
-``CatalogReadStopped`` a ``CatalogError``. They derive from builtins only.
+``Mismatch`` the ``TypeError`` or ``ValueError`` of an option, ``StoreTimeout`` a
+``CheckpointTimeoutError`` naming what was waited for and ``CatalogReadStopped`` a
+``CatalogError``. They derive from builtins only.
 """
 
 from __future__ import annotations
@@ -195,6 +196,16 @@ class UsageError(Exception):
     """A bad argument to the CLI or nothing to work on: exit 2 with one line on stderr."""
 
 
+class Mismatch(Exception):
+    """A value does not fit a type (config/types.py): ``reason`` says why; ``kind`` is the
+    exception to raise (TypeError: the wrong kind of value; ValueError: the right kind, not
+    among the choices), with a message that names the option."""
+
+    def __init__(self, reason: str, kind: type[Exception] = TypeError) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
 class StoreTimeout(Exception):
     """A store channel's ``wait`` timed out (the key was not set in time); each caller raises
     its own ``CheckpointTimeoutError``, naming what it waited for."""
@@ -221,6 +232,7 @@ __all__ = [
     "ForeignManifestError",
     "IncompatibleFormatError",
     "KeyNotHeldError",
+    "Mismatch",
     "PeerExchangeError",
     "ProtocolError",
     "JsonValueError",

@@ -12,14 +12,7 @@ import types
 from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
-
-class Mismatch(Exception):
-    """A value does not fit a type: ``reason`` says why; ``kind`` is the exception to raise
-    (TypeError: the wrong kind of value; ValueError: the right kind, not among the choices)."""
-
-    def __init__(self, reason: str, kind: type[Exception] = TypeError) -> None:
-        super().__init__(reason)
-        self.kind = kind
+from shardkeeper.core.errors import Mismatch
 
 
 def type_name(hint: Any) -> str:
