@@ -271,7 +271,10 @@ def lint(session: nox.Session) -> None:
     _install_torch(session)
     # Third-party packages the sources import, so that mypy checks against their types;
     # the packages' own sources are found through mypy_path (root pyproject.toml).
-    _install(session, RUFF, MYPY, IMPORT_LINTER, "numpy", "xxhash", "fsspec", "safetensors")
+    _install(session, RUFF, MYPY, IMPORT_LINTER, "numpy", "safetensors", "pytest", "pyyaml")
+    # the core's own dependencies and the extras whose types the sources use (orjson, tqdm,
+    # cryptography, zstandard, prometheus_client); not the training frameworks
+    _install(session, "-e", "packages/core[zstd,crypto,metrics]")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", *session.posargs)

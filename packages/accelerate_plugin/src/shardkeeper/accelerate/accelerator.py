@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from shardkeeper.accelerate.plugin import enable
 
 
-class ShardkeeperAccelerator(Accelerator):  # type: ignore[misc]  # Accelerate ships no types
+class ShardkeeperAccelerator(Accelerator):
     """``Accelerator(...)`` whose ``save_state`` / ``load_state`` go through shardkeeper.
 
     ``shardkeeper_root`` and ``shardkeeper_options`` are ``enable()``'s arguments; every
