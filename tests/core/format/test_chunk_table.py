@@ -321,7 +321,7 @@ def test_the_writer_makes_no_container_per_chunk(tmp_path: Path, monkeypatch: py
     file's chunks as columns. Counted: GC-tracked allocations (net) while writing 2,000 chunks."""
     import gc
 
-    import shardkeeper.core.save.runner as saving_mod
+    import shardkeeper.core.save.rank_write as saving_mod  # where the save calls it
     from shardkeeper.core import CheckpointManager
 
     state = {f"t{i:04d}": torch.full((3,), float(i)) for i in range(2000)}

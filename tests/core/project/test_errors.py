@@ -13,9 +13,7 @@ import shardkeeper.core
 CORE = Path(shardkeeper.core.__file__).parent
 #: Exception classes another change moves into errors.py (``errors.py``'s docstring names them):
 #: name -> where it is defined. Remove an entry once its class is defined nowhere else.
-PENDING = {
-    "PointerDamagedError": "format/pointer.py",
-}
+PENDING: dict[str, str] = {}
 
 
 def _base_name(base: ast.expr) -> str:

@@ -1,7 +1,6 @@
 """Every exception class of the core, in one module that imports nothing of the core; warning
-categories stay beside what warns. One still lives elsewhere until it moves here:
-``PointerDamagedError`` (format/pointer.py). ``tests/core/project/test_errors.py`` fails on any
-other exception class defined outside.
+categories stay beside what warns. ``tests/core/project/test_errors.py`` fails on an exception
+class defined anywhere else.
 
 The errors a caller sees derive from :class:`CheckpointError` and, where one fits, from the
 matching builtin, so callers can catch either ``CheckpointError`` or e.g. ``FileNotFoundError``.
@@ -216,7 +215,13 @@ class CatalogReadStopped(Exception):
     catalog's answer (the message: ``deadline`` or ``cap``); it becomes a ``CatalogError``."""
 
 
+class PointerDamagedError(ValueError):
+    """Bytes that are a pointer's (its zip member, or a bare ``{``) but cannot be read; the
+    message says what was found, for the caller to name the file and the remedy."""
+
+
 __all__ = [
+    "PointerDamagedError",
     "CatalogError",
     "CatalogReadStopped",
     "CheckpointError",

@@ -30,6 +30,8 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
+from shardkeeper.core.errors import PointerDamagedError
+
 #: A pointer is small; a file larger than this is not one.
 MAX_POINTER_BYTES = 1 << 16
 FOLDER = "shardkeeper-pointer"
@@ -37,11 +39,6 @@ MEMBER = f"{FOLDER}/pointer.json"
 POINTER_VERSION = 1
 _ZIP_MAGIC = b"PK\x03\x04"
 _DATE = (1980, 1, 1, 0, 0, 0)  # fixed: the same pointer is the same bytes
-
-
-class PointerDamagedError(ValueError):
-    """Bytes that are a pointer's (its zip member, or a bare ``{``) but cannot be read; the
-    message says what was found, for the caller to name the file and the remedy."""
 
 
 def pointer_format(framework: str) -> str:
