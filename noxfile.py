@@ -59,14 +59,14 @@ def _install_torch(session: nox.Session) -> None:
 #: Each adapter's framework and the module that holds its verified release range
 #: (``TESTED_RANGE``, [low, high) as major.minor; the adapter warns outside it). The two test
 #: sets come from these ranges and from the index, never from pins written here:
-#: - newest: nothing pinned, so pip installs what a plain ``pip install`` of the adapters gets
-#:   beside torch 2.13 (constraints.txt). When the index serves a release past a range, the
+#: - newest: what a plain ``pip install`` of the adapters' wheels resolves beside torch 2.13
+#:   (constraints.txt), found by a dry run and then pinned, so the test tools cannot move it. When the index serves a release past a range, the
 #:   adapter's ``test_internals`` fails and says so; once the rest of the suite passes on it,
 #:   raise ``TESTED_RANGE``: the ranges follow what passed, and a default install is a tested one.
 #: - older: the lowest minor of each range, its newest patch.
 #: DeepSpeed has no older minor that works with torch 2.13 (0.18.9 cannot train ZeRO-1/2 on it
 #: and its ZeRO-3 runs are not reproducible; docs/decisions.md D17), so the older set takes the
-#: newest DeepSpeed too and leaves its suite to the newest set.
+#: release a plain install resolves too and leaves its suite to the newest set.
 GATES = {
     "deepspeed": ("deepspeed", "packages/deepspeed_plugin/src/shardkeeper/deepspeed/_ds_internals.py"),
     "lightning": ("lightning", "packages/lightning_plugin/src/shardkeeper/lightning/_internals.py"),
@@ -87,14 +87,42 @@ def tested_range(adapter: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     raise RuntimeError(f"{path}: no TESTED_RANGE = ((major, minor), (major, minor))")
 
 
-def framework_requirements(suite: str) -> tuple[str, ...]:
-    """What pip is asked for: the frameworks unpinned (newest), or each range's lowest minor."""
+def framework_requirements(suite: str, newest: dict[str, str] | None = None) -> tuple[str, ...]:
+    """What pip is asked for: the releases a plain install resolves (``newest``: distribution
+    -> version, unpinned where not given), or each range's lowest minor (the newest release for
+    OLDER_IS_NEWEST)."""
+    newest = newest or {}
     out = []
     for adapter, (dist, _) in GATES.items():
         low = tested_range(adapter)[0]
-        older = suite == "older" and adapter not in OLDER_IS_NEWEST
-        out.append(f"{dist}=={'.'.join(map(str, low))}.*" if older else dist)
+        if suite == "older" and adapter not in OLDER_IS_NEWEST:
+            out.append(f"{dist}=={'.'.join(map(str, low))}.*")
+        else:
+            out.append(f"{dist}=={newest[dist]}" if dist in newest else dist)
     return tuple(out)
+
+
+def _plain_install(session: nox.Session, wheels: list[str]) -> dict[str, str]:
+    """The framework releases ``pip install`` of the adapters' wheels alone resolves beside the
+    pinned torch (a dry run): what a user's plain install gets, whatever the test tools need."""
+    report = Path(session.create_tmp()) / "plain-install.json"
+    session.run(
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--quiet",
+        "--ignore-installed",
+        "--report",
+        str(report),
+        *CONSTRAINTS,
+        *wheels,
+        silent=True,
+    )
+    installs = json.loads(report.read_text()).get("install", [])
+    versions = {str(i["metadata"]["name"]).lower(): str(i["metadata"]["version"]) for i in installs}
+    return {dist: versions[dist] for dist, _ in GATES.values() if dist in versions}
 
 
 ADAPTERS = ("deepspeed", "lightning", "accelerate", "transformers")
@@ -193,7 +221,8 @@ def tests(session: nox.Session, suite: str) -> None:
     frameworks = suite.removeprefix("adapters-")
     dist = _build_dists(session, tuple(DISTRIBUTIONS))
     wheels = [_wheel(dist, "core", "torch,s3,gcs"), *(_wheel(dist, name) for name in ADAPTERS)]
-    _install_wheels(session, wheels, *framework_requirements(frameworks), *TEST_DEPS)
+    plain = _plain_install(session, wheels)
+    _install_wheels(session, wheels, *framework_requirements(frameworks, plain), *TEST_DEPS)
     _record_frameworks(session, frameworks)
     session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), *DISTRIBUTIONS, env=env)
     names = (*ADAPTERS, "chain")
