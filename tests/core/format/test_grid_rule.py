@@ -10,7 +10,8 @@ import random
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from shardkeeper.core.format.grid import Mesh, cell_box, chunk_part, overlapping_cells, replica_index, replicas
+from shardkeeper.core.format.cells import overlapping_cells
+from shardkeeper.core.format.grid import Mesh, cell_box, chunk_part, replica_index, replicas
 from shardkeeper.core.format.tiling import check_tiling_boxes
 
 torch_utils = pytest.importorskip("torch.distributed.tensor._utils")

@@ -9,10 +9,7 @@ from pathlib import Path
 PACKAGES = Path(__file__).resolve().parents[3] / "packages"
 LIMIT = 400
 #: Modules over ``LIMIT``, each at most the lines it had when it was listed.
-OVER = {
-    "core/src/shardkeeper/core/format/grid.py": 431,
-    "core/src/shardkeeper/core/format/described.py": 443,
-}
+OVER: dict[str, int] = {}
 
 
 def _sizes() -> dict[str, int]:

@@ -23,15 +23,11 @@ from itertools import accumulate
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError
-from shardkeeper.core.format.columns import MAX_NDIM
+from shardkeeper.core.format.cells import overlapping_cells
+from shardkeeper.core.format.described_checks import columns_problem
 from shardkeeper.core.format.grid import (
     Cell,
     Mesh,
-    flat_problem,
-    is_flat,
-    overlapping_cells,
-    placements_problem,
-    replicas,
 )
 from shardkeeper.core.format.index_files import INDEX_SCHEMA, MAX_INDEX_BYTES, Index, encode_index, parse_index
 from shardkeeper.core.format.index_rows import RankRows
@@ -41,21 +37,8 @@ from shardkeeper.core.format.records import (
     ChunkRecord,
     LeafRecord,
 )
-from shardkeeper.core.format.untrusted import strings_only
 
 _ITEM = {name: size for name, (_, size) in DTYPES.items()}
-
-
-def _layout_problem(specs: Sequence[tuple[Mesh, Any, Any]], li: int, rep: int, nd: int) -> str | None:
-    """Why a leaf of ``nd`` dimensions cannot be replica ``rep`` of layout ``li``, or None."""
-    if li >= len(specs):
-        return f"layout {li} is not one of the {len(specs)} described layouts"
-    mesh, pl, order = specs[li]
-    why = placements_problem(pl, mesh, nd, order)
-    if why is not None:
-        return why
-    got = replicas(mesh, pl)
-    return f"replica {rep} of a layout with {got} replicas" if rep >= got else None
 
 
 class DescribedLeaves:
@@ -155,49 +138,9 @@ class DescribedLeaves:
 
     def problem(self, world_size: int, files: Mapping[str, Any]) -> str | None:
         """Why the columns cannot be trusted, or None (types, lengths, the rule's fields)."""
-        n = len(self.keys) if isinstance(self.keys, list) else -1
-        cols = (self.kind, self.dtype, self.ndim, self.shape, self.layout, self.replica)
-        if n < 0 or not all(isinstance(c, list) for c in cols):
-            return "described columns are not arrays"
-        if not (len(self.kind) == len(self.dtype) == len(self.ndim) == len(self.layout) == len(self.replica) == n):
-            return "described columns differ in length"
-        if not strings_only(self.keys) or len(self.pos) != n:
-            return "described keys are not distinct strings"
-        for c in (self.ndim, self.shape, self.layout, self.replica):
-            if c and (not set(map(type, c)) <= {int} or min(c) < 0):
-                return "described columns hold something other than non-negative integers"
-        if (self.ndim and max(self.ndim) > MAX_NDIM) or len(self.shape) != sum(self.ndim):
-            return "described shape does not match its ndim column"
-        if not set(self.kind) <= {"tensor"} or not all(d in DTYPES for d in set(self.dtype)):
-            return "a described leaf is not a tensor of a known dtype"
-        for m in self.meshes:
-            why = m.problem(world_size)
-            if why is not None:
-                return why
-        specs = []
-        for spec in self.layouts:
-            if not (
-                isinstance(spec, list)
-                and len(spec) in (2, 3)
-                and type(spec[0]) is int
-                and 0 <= spec[0] < len(self.meshes)
-                and isinstance(spec[1], list)
-                and all(isinstance(p, list) for p in spec[1])
-            ):
-                return "a described layout is not [mesh index, placements] or [mesh index, placements, order]"
-            specs.append((self.meshes[spec[0]], tuple(tuple(p) for p in spec[1]), spec[2] if len(spec) == 3 else None))
-        # Each leaf's (layout, replica, ndim) judged once per distinct value (100,000 leaves
-        # have a few); the leaves are walked only for flat partitions (their shapes) or to
-        # name the first leaf of a problem.
-        kinds = {t: _layout_problem(specs, *t) for t in set(zip(self.layout, self.replica, self.ndim))}
-        flat = {li for li, (_, pl, _) in enumerate(specs) if is_flat(pl)}
-        if flat or any(why is not None for why in kinds.values()):
-            for j, t in enumerate(zip(self.layout, self.replica, self.ndim)):
-                why = kinds[t]
-                if why is None and t[0] in flat:  # (its placements checked)
-                    why = flat_problem(self.shapes()[j], specs[t[0]][0], specs[t[0]][1])
-                if why is not None:
-                    return f"{self.keys[j]}: {why}"
+        why, specs = columns_problem(self, world_size)
+        if why is not None:
+            return why
         self._specs = [(m, pl, tuple(o) if o is not None else None) for m, pl, o in specs]
         ip, isz, idg, fp, fe = self.index_path, self.index_size, self.index_digest, self.file_path, self.file_end
         if self.pages is not None:  # every rank's records are in the pages
