@@ -128,53 +128,13 @@ class Stager:
         items = [it for g in groups for it in g]
         srcs_all = sources if sources is not None else [it.src for it in items]
         t0 = time.perf_counter()
-        direct: dict[int, Span] = {}  # flat item index -> the item's own bytes
-        if not copy:
-            for j, it in enumerate(items):
-                if it.nbytes >= DIRECT_MIN_BYTES:
-                    src = srcs_all[j]
-                    _check_readable((it,), (src,))  # before is_contiguous(), which a sparse tensor lacks
-                    if src.device.type == "cpu" and src.is_contiguous():
-                        view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
-                        direct[j] = (view, 0, it.nbytes)
-        key = (token, tuple(direct)) if token is not None else None
-        lay = self._layouts.get(key) if key is not None else None
-        if lay is None or (lay.buffer is not None and lay.buffer is not self._buffer):
-            lay = self._lay_out(groups, srcs_all, direct, key)
-            if key is not None:
-                if len(self._layouts) >= 4:  # a few (e.g. a synchronous and an async one)
-                    self._layouts.clear()
-                self._layouts[key] = lay
-        if direct:
-            spans = []
-            j = 0
-            for placed in lay.spans:
-                row: list[Span] = []
-                for sp in placed:
-                    row.append(direct[j] if sp is None else sp)
-                    j += 1
-                spans.append(row)
-        else:
-            spans = lay.spans  # type: ignore[assignment]  # no direct item: no None in it
+        direct = {} if copy else _direct_items(items, srcs_all)  # flat item index -> the item's own bytes
+        lay = self._layout_for(groups, srcs_all, direct, token)
+        spans = _spans(lay, direct)
         if not lay.staged:
             self.last_stage_s = time.perf_counter() - t0
             return spans, None
-        later = DeferredCopy()
-        if defer is None:
-            if len(lay.staged) == len(items):
-                dsts, srcs = lay.staged_dsts, srcs_all
-            else:
-                dsts, srcs = lay.staged_dsts, [srcs_all[j] for j in lay.staged]
-        else:
-            dsts, srcs = [], []
-            for j in lay.staged:
-                src = srcs_all[j]
-                watch = defer(src)
-                if watch is not None:
-                    later.add(items[j], src, lay.dsts[j], watch)  # type: ignore[arg-type]
-                else:
-                    dsts.append(lay.dsts[j])  # type: ignore[arg-type]
-                    srcs.append(src)
+        dsts, srcs, later = _split_deferred(lay, items, srcs_all, defer)
         last, self._last = self._last, None  # until this copy succeeds, the buffer is nobody's
         with torch.no_grad():  # sources may be parameters: the buffer must not join their graph
             if lay.pads and lay is not last:  # still zero since this layout's last save
@@ -193,6 +153,21 @@ class Stager:
         self._last = lay
         self.last_stage_s = time.perf_counter() - t0
         return spans, (later if later.items else None)
+
+    def _layout_for(
+        self, groups: Sequence[Sequence[WriteItem]], srcs: Sequence[torch.Tensor], direct: dict[int, Span], token: Any
+    ) -> _Layout:
+        """The layout of the last save with ``token`` and the same direct items, while the
+        buffer it points into is still the buffer; else a new one (kept for a few keys)."""
+        key = (token, tuple(direct)) if token is not None else None
+        lay = self._layouts.get(key) if key is not None else None
+        if lay is None or (lay.buffer is not None and lay.buffer is not self._buffer):
+            lay = self._lay_out(groups, srcs, direct, key)
+            if key is not None:
+                if len(self._layouts) >= 4:  # a few (e.g. a synchronous and an async one)
+                    self._layouts.clear()
+                self._layouts[key] = lay
+        return lay
 
     def _lay_out(
         self, groups: Sequence[Sequence[WriteItem]], srcs: Sequence[torch.Tensor], direct: dict[int, Span], key: Any
@@ -272,6 +247,58 @@ class Stager:
             spans.append(group_spans)
         staged_dsts = cast("list[torch.Tensor]", [dsts[k] for k in staged])
         return _Layout(key, buf, dsts, spans, staged, staged_dsts, cuda, pads)
+
+
+def _direct_items(items: Sequence[WriteItem], srcs: Sequence[torch.Tensor]) -> dict[int, Span]:
+    """A synchronous save's items written from their own memory, by flat index: those of at
+    least ``DIRECT_MIN_BYTES`` held contiguously in CPU memory, each with its own bytes."""
+    direct: dict[int, Span] = {}
+    for j, it in enumerate(items):
+        if it.nbytes >= DIRECT_MIN_BYTES:
+            src = srcs[j]
+            _check_readable((it,), (src,))  # before is_contiguous(), which a sparse tensor lacks
+            if src.device.type == "cpu" and src.is_contiguous():
+                view = memoryview(cast("Buffer", src.detach().reshape(-1).view(torch.uint8).numpy()))
+                direct[j] = (view, 0, it.nbytes)
+    return direct
+
+
+def _spans(lay: _Layout, direct: dict[int, Span]) -> list[list[Span]]:
+    """``lay``'s spans per group, each direct item's own bytes in its place."""
+    if not direct:
+        return lay.spans  # type: ignore[return-value]  # no direct item: no None in it
+    spans: list[list[Span]] = []
+    j = 0  # the flat index of the group's first item
+    for placed in lay.spans:
+        spans.append([direct[j + i] if sp is None else sp for i, sp in enumerate(placed)])
+        j += len(placed)
+    return spans
+
+
+def _split_deferred(
+    lay: _Layout,
+    items: Sequence[WriteItem],
+    srcs_all: list[torch.Tensor],
+    defer: Callable[[torch.Tensor], Sequence[torch.Tensor] | None] | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], DeferredCopy]:
+    """The staged items' views and sources to copy now, and the copies ``defer`` puts off
+    (those for which it returns the tensors to watch)."""
+    later = DeferredCopy()
+    if defer is None:
+        if len(lay.staged) == len(items):
+            return lay.staged_dsts, srcs_all, later
+        return lay.staged_dsts, [srcs_all[j] for j in lay.staged], later
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for j in lay.staged:
+        src = srcs_all[j]
+        watch = defer(src)
+        if watch is not None:
+            later.add(items[j], src, lay.dsts[j], watch)  # type: ignore[arg-type]
+        else:
+            dsts.append(lay.dsts[j])  # type: ignore[arg-type]
+            srcs.append(src)
+    return dsts, srcs, later
 
 
 def _wait_for_copies(devices: Sequence[int]) -> None:
