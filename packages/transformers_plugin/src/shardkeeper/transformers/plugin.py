@@ -22,25 +22,14 @@ from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, che
 from shardkeeper.transformers import _internals as tfi
 from shardkeeper.transformers.folders import Folders
 from shardkeeper.transformers.resume import Resume, resolve, trainer_folder_step, with_remedy
-from shardkeeper.transformers.state import (
-    FRAMEWORK,
-    PER_PROCESS,
-    TrainerProgress,
-    build_state,
-    deepspeed_engine_state,
-    is_deepspeed,
-    raw_model,
-)
+from shardkeeper.transformers.state import FRAMEWORK, TrainerProgress, build_state, is_deepspeed
+from shardkeeper.transformers.trainer_methods import replacements
 
 log = logging.getLogger(__name__)
 
 _ATTR = "_shardkeeper"
 #: Where a Trainer user sets ``per_rank`` (named by the core's messages about it).
 PER_RANK_CALL = "enable(trainer, per_rank=...) or ShardkeeperTrainer(shardkeeper_options={'per_rank': ...})"
-#: Keys the resume restores at each point of the Trainer's start-up.
-_MODEL_ONLY = ("model/*",)
-_MODEL = (*_MODEL_ONLY, "progress/*")
-_OPTIM = ("optim/*", "sched/*")
 
 
 class TrainerPlugin:
@@ -232,144 +221,8 @@ def enable(trainer: Any, root: str | os.PathLike[str] | None = None, **options: 
         disable(trainer)
     plugin = TrainerPlugin(trainer, root, options)
     plugin.patches.set(trainer, _ATTR, plugin)
-    tfi.replace_methods(plugin.patches, trainer, _replacements(trainer, plugin, tfi.Originals(type(trainer))))
+    tfi.replace_methods(plugin.patches, trainer, replacements(trainer, plugin, tfi.Originals(type(trainer))))
     return plugin
-
-
-def _replacements(tr: Any, p: TrainerPlugin, own: tfi.Originals) -> dict[str, Any]:
-    """The methods ``enable`` puts on the Trainer ``tr`` (``own``: the class's, called where
-    the resume is not shardkeeper's)."""
-
-    def train(
-        resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kw: Any
-    ) -> Any:
-        p.settle("before this train() call")  # a save a failed call left in flight counts
-        try:
-            target = p.resolve(resume_from_checkpoint)
-            p.check_start(target)
-        finally:
-            p.sync_folders()  # a folder whose step went goes, a missing one comes
-        if isinstance(target, Resume):
-            log.info("shardkeeper: resuming from step %d of %s", target.step, target.manager.storage.url)
-        p.resume = target if isinstance(target, Resume) else None
-        p.progress.loaded = None
-        done = False
-        try:  # a folder of the Trainer's own goes to the Trainer as it is; a step is resumed here
-            own_folder = target if isinstance(target, str) else None
-            out = own.train(
-                tr, resume_from_checkpoint=own_folder, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kw
-            )
-            p.wait()  # the last save committed (or its failure raised) before train() returns
-            p.sync_folders()  # those the Trainer's end of training removed come back
-            done = True
-            return out
-        finally:
-            p.resume = None
-            if not done:
-                p.settle("after train() failed")  # its saves end before the error reaches the caller
-
-    def inner_training_loop(
-        batch_size: Any = None,
-        args: Any = None,
-        resume_from_checkpoint: Any = None,
-        trial: Any = None,
-        ignore_keys_for_eval: Any = None,
-    ) -> Any:
-        if p.resume is not None:
-            resume_from_checkpoint = p.resume.url  # the Trainer's resume branches run; our loaders read
-            # the model before it is wrapped (DDP) and prepared; under DeepSpeed, with the engine
-            p.restore(("progress/*",) if is_deepspeed(tr) else _MODEL, model_only=True)
-        return own.inner_training_loop(tr, batch_size, args, resume_from_checkpoint, trial, ignore_keys_for_eval)
-
-    def prepare_for_training(max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
-        if p.resume is None or not is_deepspeed(tr):
-            return own.prepare_for_training(tr, max_steps, train_dataloader, resume_from_checkpoint)
-        # no checkpoint: it would call deepspeed_load_checkpoint, which reads DeepSpeed's folders
-        out = own.prepare_for_training(tr, max_steps, train_dataloader, None)
-        p.restore(("progress/*", *_MODEL_ONLY, *_OPTIM, "extra/grad_scaler/*"))  # into the engine it made
-        return out
-
-    def init_training_state(
-        max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: Any, resume_from_checkpoint: Any, trial: Any
-    ) -> Any:
-        done, skip = own.init_training_state(
-            tr, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
-        )
-        if p.resume is None:
-            return done, skip
-        from transformers import TrainerState
-
-        fields = {f.name for f in dataclasses.fields(TrainerState)}
-        saved = {k: v for k, v in p.progress.trainer_state().items() if k in fields and k not in PER_PROCESS}
-        if set(saved) <= {"global_step", "epoch"}:  # another framework's checkpoint: its step count
-            for k, v in saved.items():
-                setattr(tr.state, k, v)
-        else:
-            tr.state = TrainerState(**saved)
-            if tr.state.train_batch_size is not None:  # the Trainer's warning on changed arguments
-                from transformers.trainer_utils import compare_trainer_and_checkpoint_args
-
-                compare_trainer_and_checkpoint_args(tr.args, tr.state)
-            tfi.load_callback_state(tr)
-        gs = int(tr.state.global_step)
-        per_epoch = num_update_steps_per_epoch
-        done = gs // per_epoch
-        skip = 0 if tr.args.ignore_data_skip else (gs % per_epoch) * tr.args.gradient_accumulation_steps
-        tr.state.init_training_references(tr, max_steps, num_train_epochs, trial)
-        return done, skip
-
-    def load_optimizer_and_scheduler(checkpoint: Any) -> None:
-        if p.resume is None:
-            own.load_optimizer_and_scheduler(tr, checkpoint)
-            return None
-        p.restore(_OPTIM)
-        return None
-
-    def load_scaler(checkpoint: Any) -> None:
-        if p.resume is None:
-            own.load_scaler(tr, checkpoint)
-            return None
-        p.restore(("extra/grad_scaler/*",))
-        return None
-
-    def load_rng_state(checkpoint: Any) -> None:
-        if p.resume is None:
-            own.load_rng_state(tr, checkpoint)
-            return None
-        p.restore(("rng/*",))
-        return None
-
-    def load_from_checkpoint(resume_from_checkpoint: Any, model: Any = None) -> None:
-        if p.resume is None:
-            own.load_from_checkpoint(tr, resume_from_checkpoint, model)
-            return None
-        return None  # the model was restored before it was wrapped
-
-    def load_best_model() -> None:
-        best = tr.state.best_global_step
-        mgr = p.manager()
-        if not best or not mgr.is_committed(int(best)):
-            own.load_best_model(tr)
-            return None
-        log.info(
-            "shardkeeper: the best model is step %d (%s %s)", best, tr.args.metric_for_best_model, tr.state.best_metric
-        )
-        model = deepspeed_engine_state(tr)["model"] if is_deepspeed(tr) else raw_model(tr)
-        mgr.restore({"model": model}, step=int(best), only="model/*")
-        return None
-
-    return {
-        "train": train,
-        "inner_training_loop": inner_training_loop,
-        "init_training_state": init_training_state,
-        "prepare_for_training": prepare_for_training,
-        "save_checkpoint": p.save_checkpoint,
-        "load_optimizer_and_scheduler": load_optimizer_and_scheduler,
-        "load_scaler": load_scaler,
-        "load_rng_state": load_rng_state,
-        "load_from_checkpoint": load_from_checkpoint,
-        "load_best_model": load_best_model,
-    }
 
 
 def disable(trainer: Any) -> None:
