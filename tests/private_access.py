@@ -13,7 +13,8 @@ Not reported, as the adapter's own: ``self._x`` / ``cls._x`` in methods of the a
 classes; ``obj._x`` where ``obj`` is annotated with, or built by calling, one of the adapter's
 classes, is one of those classes, or is a ``shardkeeper`` module (module-private names);
 attributes named ``_shardkeeper...`` (markers the adapter sets on framework objects to find
-its own state again).
+its own state again). Nor is a standard-library name that is documented API despite its
+underscore (``_DOCUMENTED``: ``os._exit``).
 
 ``core_private_accesses(package_dir, package, internals)`` holds the core's objects to the same
 line: the same scan with only ``package``'s own imports counted as its own, so a manager or a
@@ -34,6 +35,9 @@ from typing import Any
 
 _ATTR_FUNCS = {"getattr", "setattr", "hasattr", "delattr"}
 _OBJECT_FUNCS = {"__setattr__", "__getattribute__", "__delattr__"}
+#: Standard-library names that start with an underscore yet are documented API, by (module, name):
+#: ``os._exit`` is the exit a thread may take at once, without cleanup.
+_DOCUMENTED = {("os", "_exit")}
 
 
 def _private(name: str) -> bool:
@@ -142,6 +146,8 @@ class _Scan(ast.NodeVisitor):
 
     # -- the accesses ----------------------------------------------------------------------
     def _check(self, node: ast.AST, obj: ast.expr, name: str) -> None:
+        if isinstance(obj, ast.Name) and (obj.id, name) in _DOCUMENTED:
+            return
         if _private(name) and not name.startswith("_shardkeeper") and not self._own(obj):
             self._report(node, ast.unparse(node)[:100])
 

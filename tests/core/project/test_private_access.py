@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import shardkeeper.core
-from tests.private_access import framework_private_accesses
+from tests.private_access import core_private_accesses, framework_private_accesses
 
 CORE = Path(shardkeeper.core.__file__).parent
 INTERNALS = "state/_torch_compat.py"
@@ -38,3 +38,24 @@ def test_the_scan_sees_the_privates_of_torch_compat() -> None:
     text = "\n".join(found)
     for name in ("_StridedShard", "_get_default_store", "_local_tensor"):
         assert name in text, f"{name} not found by the scan in {INTERNALS}:\n{text}"
+
+
+def test_the_tools_read_no_private_name_of_the_rest_of_the_core() -> None:
+    """The tools (the preemption guard, the importers, export) use the manager they are handed
+    through its public members, as an adapter does: the adapters' scan over ``tools/`` as a
+    package of its own. ``_torch_compat`` is the one module for torch's privates, which any
+    core module may import."""
+    found = core_private_accesses(CORE / "tools", "shardkeeper.core.tools", CORE)
+    found = [f for f in found if not f.endswith(" import _torch_compat")]
+    assert not found, "private names of the core's objects read in tools/:\n" + "\n".join(found)
+
+
+def test_the_scan_takes_os_exit_for_the_public_function_it_is(tmp_path: Path) -> None:
+    """``os._exit`` is documented API (the one exit a thread may take without cleanup), unlike
+    another private name of ``os`` or of an object of the core."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "tool.py").write_text(
+        "import os\ndef f(mgr):\n    os._exit(1)\n    return os._wrap_close, mgr._pending\n"
+    )
+    assert core_private_accesses(package, "pkg", CORE) == ["tool.py:4: os._wrap_close", "tool.py:4: mgr._pending"]

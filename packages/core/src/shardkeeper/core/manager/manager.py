@@ -42,6 +42,7 @@ from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.save.handle import SaveHandle
 from shardkeeper.core.storage import Storage
+from shardkeeper.core.tiers.tiering import Tiering
 
 
 class CheckpointManager(SaveCalls):
@@ -176,6 +177,12 @@ class CheckpointManager(SaveCalls):
         raise its failure (``CheckpointSaveError``; the step stays in the local tier)."""
         self._wait_pending(raise_error=True)
         self._strategy.wait_persisted()
+
+    @property
+    def tiering(self) -> Tiering | None:
+        """With a local tier: the two tiers' state (the persistent root, the uploads to it),
+        which ``PreemptionGuard``'s final upload drives; None with one tier."""
+        return self._tiers
 
     # -- what is committed; delete -----------------------------------------------------------
     def steps(self) -> list[int]:

@@ -139,6 +139,18 @@ class SaveCalls:
         """How many times an optimizer step or ``wait_staged()`` waited for overlapped staging."""
         return self._gate.waits
 
+    @property
+    def pending_save(self) -> SaveHandle | None:
+        """The last save started, until ``wait()``, ``close()`` or the next ``save()`` delivered
+        its outcome (it may have ended meanwhile: ``done()``); None when there is none."""
+        return self._pending
+
+    @property
+    def newest_committed_save(self) -> int | None:
+        """The newest step this manager's saves committed (None: none yet), without reading
+        the root (``latest_step()`` reads it: other writers may have committed there too)."""
+        return self._saver.newest_committed_save
+
     def wait(self) -> None:
         """Block until the pending save (the last one started) is committed or has failed.
 

@@ -26,15 +26,7 @@ from shardkeeper.core.codec.crypto import seal_manifest
 from shardkeeper.core.commit.catalog import record_commit
 from shardkeeper.core.commit.committed import write_latest_hint
 from shardkeeper.core.commit.merge import assemble_manifest
-from shardkeeper.core.commit.protocol import (
-    COMMITTED,
-    COORDINATOR,
-    Failure,
-    Outcome,
-    Phase,
-    RankReport,
-    Report,
-)
+from shardkeeper.core.commit.protocol import COMMITTED, COORDINATOR, Failure, Outcome, Phase, RankReport, Report
 from shardkeeper.core.commit.put import commit_manifest
 from shardkeeper.core.commit.step_rule import StepOrder
 from shardkeeper.core.commit.terms import SaveTerms, agreed_options
@@ -97,6 +89,11 @@ class SaveRunner:
     def refusal(self, step: int) -> CommitConflictError | None:
         """The root's refusal of a save at ``step`` (``commit/step_rule.py``), before anything is written."""
         return self._order.refusal(step)
+
+    @property
+    def newest_committed_save(self) -> int | None:
+        """The newest step this runner's saves committed (None: none yet); reads no storage."""
+        return self._order.own
 
     def prepare(
         self,

@@ -132,11 +132,10 @@ class PreemptionGuard:
         ``exit_code``: the scheduler sees a preemption, never a crash."""
         self._final = {"step": step, "committed": False, "saved": False, "error": None}
         try:
-            pending = getattr(self.mgr, "_pending", None)
-            order = getattr(getattr(self.mgr, "_saver", None), "_order", None)
+            pending = self.mgr.pending_save
             if pending is not None and pending.step == step:
                 self._final_handle = pending  # in flight (or committed meanwhile): waited for
-            elif getattr(order, "own", None) != step:
+            elif self.mgr.newest_committed_save != step:
                 self._final["saved"] = True
                 self._final_handle = self.mgr.save(step, state, **save_kwargs)
             else:
@@ -152,7 +151,7 @@ class PreemptionGuard:
         wait or the upload raise)."""
         abandon = False
         try:
-            pending = getattr(self.mgr, "_pending", None)
+            pending = self.mgr.pending_save
             if pending is not None:
                 try:
                     pending.wait(timeout_s=self.remaining_s())
@@ -161,7 +160,7 @@ class PreemptionGuard:
                         "rank %d: the save of step %d did not commit in time: %s", self.mgr.rank, pending.step, e
                     )
                     abandon = not pending.done()
-            tiers = getattr(self.mgr, "_tiers", None)
+            tiers = self.mgr.tiering
             if tiers is not None and not abandon:
                 self._upload_final(tiers)
         except BaseException as e:  # noqa: BLE001 - the record and the exit status come first
@@ -214,14 +213,14 @@ class PreemptionGuard:
         if not self._exit_lock.acquire(blocking=False):
             return  # the other path is already exiting
         try:
-            pending = getattr(self.mgr, "_pending", None)
+            pending = self.mgr.pending_save
             abandoned = pending.step if abandon and pending is not None and not pending.done() else None
             last = None
             try:
                 last = newest_committed(self.mgr.storage)  # in the grace period: one manifest read
             except Exception as e:  # noqa: BLE001 - the record is best effort; exit anyway
                 log.warning("could not list committed steps while exiting: %s", e)
-            tiers = getattr(self.mgr, "_tiers", None)
+            tiers = self.mgr.tiering
             record: dict[str, Any] = {
                 "last_committed_step": last,
                 "abandoned_step": abandoned,
