@@ -210,6 +210,11 @@ class StoreTimeout(Exception):
     its own ``CheckpointTimeoutError``, naming what it waited for."""
 
 
+class PersistChannelClosed(EOFError):
+    """The other end of a trainer's channel to its persist process is gone: it exited, or
+    closed the channel; the trainer turns it into a ``CheckpointSaveError`` naming the step."""
+
+
 class CatalogReadStopped(Exception):
     """The deadline passed, or the answer grew past its cap, while ``http.client`` read the
     catalog's answer (the message: ``deadline`` or ``cap``); it becomes a ``CatalogError``."""
@@ -239,6 +244,7 @@ __all__ = [
     "KeyNotHeldError",
     "Mismatch",
     "PeerExchangeError",
+    "PersistChannelClosed",
     "ProtocolError",
     "JsonValueError",
     "RankLostError",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from shardkeeper.core.storage.retry import RetryPolicy
 
 Staging = Literal["blocking", "overlap"]
+Writer = Literal["thread", "process"]
 PerRankPolicy = Literal["map", "exact", "modulo", "drop"]
 DigestAlgorithm = Literal["xxh3_128", "sha256"]
 Compression = Literal["zstd", "none"]
@@ -55,6 +56,13 @@ class CheckpointOptions:
     need ``mgr.wait_staged()`` first (docs/performance.md, "Overlapped staging"). Only
     background saves stage: with ``async_save=False`` it applies to ``save(async_save=True)``
     calls alone, and making such options warns."""
+    writer: Writer = "thread"
+    """Where a save is hashed, encoded, written and committed. thread: a background thread of
+    the trainer's process. process: a persist process per rank, which maps the staging buffer
+    (shared memory: one copy) and commits with the other ranks' persist processes, so that
+    the save runs beside training without its interpreter's lock and a save whose ``save()``
+    returned commits even if the trainer is killed right after (docs/reliability.md, "The
+    persist process"). One root only (no ``local=`` tier); several ranks need a TCPStore."""
     per_rank: PerRankPolicy = "map"
     """Per-rank state (RNG, data position) at another world size: map (rank r takes saved rank
     r's, a new rank keeps its own; warns) | exact (refuses) | modulo | drop (restore/per_rank.py)."""
@@ -195,7 +203,7 @@ def _check_number(name: str, value: float) -> None:
 
 #: The fields of ``CheckpointOptions`` by what they are about (docs/protocol.md, "Options").
 GROUPS: dict[str, tuple[str, ...]] = {
-    "saving": ("async_save", "staging", "commit_timeout_s", "commit_group_ranks"),
+    "saving": ("async_save", "staging", "writer", "commit_timeout_s", "commit_group_ranks"),
     "layout": ("max_files_per_rank", "min_file_bytes", "data_prefixes", "describe_layouts"),
     "io": ("io_threads", "max_read_bytes"),
     "restore": ("per_rank", "share_restore_reads"),
@@ -354,6 +362,7 @@ __all__ = [
     "OptionDefault",
     "PerRankPolicy",
     "Staging",
+    "Writer",
     "check_value",
     "conform",
     "describe_groups",

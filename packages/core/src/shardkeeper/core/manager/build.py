@@ -11,16 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shardkeeper.core.codec import CodecState
 from shardkeeper.core.config.arguments import MANAGER_PARAMETERS, check_count, describe_keywords
 from shardkeeper.core.config.options import OPTION_NAMES, CheckpointOptions, describe_unknown, given_options
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.manager.schedule import RecordedTimings, SaveSchedule
+from shardkeeper.core.persist.client import persist_runner
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.coordinator import Coordinator, make_coordinator
 from shardkeeper.core.save.overlap import StagingGate
 from shardkeeper.core.save.plan import PlanCache
+from shardkeeper.core.save.recipe import save_runner
 from shardkeeper.core.save.runner import SaveRunner
 from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.storage import Storage
@@ -96,12 +97,22 @@ def build_parts(
     ctx = ManagerContext(roots.storage, roots.read, coord, base, io, roots.encryption)
     strategy, tiering = make_strategy(tiers, roots, ctx, retention)
     bg = ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-save")
-    stager, plans, gate = Stager(), PlanCache(), StagingGate()
-    keys = roots.encryption.keys if roots.encryption is not None else None
-    codecs = CodecState(
-        incremental=base.incremental, compression=base.compression, level=base.compression_level, keys=keys
-    )
-    saver = SaveRunner(ctx, codecs=codecs, stager=stager, plans=plans, gate=gate, hooks=strategy)
+    plans, gate = PlanCache(), StagingGate()
+    saver: SaveRunner
+    if base.writer == "process":  # (persist/client.py)
+        saver, stager = persist_runner(
+            ctx,
+            base,
+            strategy,
+            root=root,
+            storage_options=storage_options,
+            plans=plans,
+            gate=gate,
+            tiered=tiers.tiered,
+        )
+    else:
+        stager = Stager()
+        saver = save_runner(ctx, base, strategy, stager=stager, plans=plans, gate=gate)
     schedule = SaveSchedule(
         base,
         rank=coord.rank,

@@ -29,6 +29,7 @@ from shardkeeper.core.config.options import (
     KeepBest,
     PerRankPolicy,
     Staging,
+    Writer,
 )
 from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.layout import step_dir
@@ -36,11 +37,13 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.manager import at_exit
 from shardkeeper.core.manager.build import ManagerKeywords, build_parts
 from shardkeeper.core.manager.save_calls import SaveCalls
+from shardkeeper.core.persist.locks import wait_for_commits
 from shardkeeper.core.restore.load import load_step
 from shardkeeper.core.restore.per_rank import PLAIN_CALL
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.save.handle import SaveHandle
+from shardkeeper.core.save.job import outcome_timeout
 from shardkeeper.core.storage import Storage
 from shardkeeper.core.tiers.tiering import Tiering
 
@@ -73,6 +76,7 @@ class CheckpointManager(SaveCalls):
         # The fields of CheckpointOptions, one keyword each (a test holds them equal).
         async_save: bool = DEFAULT.async_save,
         staging: Staging = DEFAULT.staging,
+        writer: Writer = DEFAULT.writer,
         per_rank: PerRankPolicy = DEFAULT.per_rank,
         share_restore_reads: bool = DEFAULT.share_restore_reads,
         digest: DigestAlgorithm = DEFAULT.digest,
@@ -118,7 +122,8 @@ class CheckpointManager(SaveCalls):
         Every other keyword is a field of
         :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
 
-        - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``commit_timeout_s``,
+        - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``writer``
+          (thread | process: a persist process writes and commits), ``commit_timeout_s``,
           ``commit_group_ranks`` (ranks per group leader at larger worlds)
         - layout: ``max_files_per_rank``, ``min_file_bytes``, ``data_prefixes``, ``describe_layouts``; io: ``io_threads``, ``max_read_bytes``
         - restore: ``per_rank`` (per-rank state at another world size: map | exact | modulo | drop),
@@ -193,7 +198,14 @@ class CheckpointManager(SaveCalls):
     def latest_step(self) -> int | None:
         """The newest committed step, or None; manifests are validated newest first only until
         one validates. With a local tier: the newest of this node's and the persistent root's."""
+        self._settle()
         return self._strategy.latest()
+
+    def _settle(self) -> None:
+        """Before the newest step is chosen: wait for the saves that persist processes of an
+        earlier trainer on this node still commit (``persist/locks.py``)."""
+        timeout_s = outcome_timeout(self.options.commit_timeout_s)
+        wait_for_commits(self.storage.url, self._saver.lock_namespace, timeout_s, rank=self.rank)
 
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` is committed under the root (its manifest exists and validates);
@@ -309,6 +321,7 @@ class CheckpointManager(SaveCalls):
             per_rank_call=self.per_rank_call,
         )
         self._wait_pending(raise_error=False)
+        self._settle()
         restored = self._strategy.restore(state, request)
         self._schedule.mark(restored)
         return restored
@@ -361,6 +374,7 @@ class CheckpointManager(SaveCalls):
         self._closed = True
         at_exit.untrack(self)
         self._bg.shutdown(wait=True)
+        self._saver.close()  # (a persist process: after its last save)
         self._strategy.close()
         self._io.shutdown(wait=True)
 

@@ -77,6 +77,18 @@ class StoreCoordinator:
         coord._channel = StoreChannel(tc.group_store(group), "a save's reports and outcome")  # on the caller's thread
         return coord
 
+    @classmethod
+    def over(cls, store: Any, rank: int, world_size: int, namespace: str, group_ranks: int) -> StoreCoordinator:
+        """Not a collective: a coordinator of ``rank`` whose keys live under ``namespace`` of
+        ``store`` (a persist process's own connection to the job's store server)."""
+        coord = cls(None, rank, world_size, namespace, group_ranks=group_ranks)
+        coord._channel = StoreChannel(store, "a save's reports and outcome", own=False)
+        return coord
+
+    def mark(self, seq: int, name: str, amount: int = 1) -> int:
+        """Count ``amount`` into the counter ``name`` of save ``seq``; its new value (0: read it)."""
+        return int(self._store.add(self._key(seq, name), amount))
+
     @property
     def _store(self) -> Any:
         """The save path's own connection to the group's store (``store_channel.py``): its

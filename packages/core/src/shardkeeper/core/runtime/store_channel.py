@@ -38,6 +38,16 @@ def own_connection(store: Any) -> Any:
         return store
 
 
+def server_address(store: Any) -> tuple[str, int] | None:
+    """The host and port of the ``TCPStore`` server under ``store`` (through its prefixes), or
+    None for a store of another kind (a file or in-process store)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return str(store.host), int(store.port)
+    return None
+
+
 def gloo_group(store: Any, rank: int, world_size: int, timeout: timedelta, label: str) -> Any:
     """A gloo group of ``world_size`` ranks that meet on ``store`` (a prefix of the job's
     store); a store that cannot be reached raises ``CoordinatorLostError`` naming ``label``."""
@@ -139,4 +149,5 @@ __all__ = [
     "coordinator_lost",
     "gloo_group",
     "own_connection",
+    "server_address",
 ]

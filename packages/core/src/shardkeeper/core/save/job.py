@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
+from shardkeeper.core.save.deferred import DeferredCopy
 from shardkeeper.core.save.plan import SavePlan, WriteItem
-from shardkeeper.core.save.stage import DeferredCopy, Span
+from shardkeeper.core.save.stage import Span
 
 
 class Start:

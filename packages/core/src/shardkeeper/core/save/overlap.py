@@ -31,7 +31,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from shardkeeper.core.save.stage import DeferredCopy
+from shardkeeper.core.save.deferred import DeferredCopy
 from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.flatten import PerRank
 

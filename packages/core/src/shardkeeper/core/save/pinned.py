@@ -57,19 +57,35 @@ def _unregister(ptr: int, device: int) -> None:
     _on_device_thread(device, lambda: torch.cuda.cudart().cudaHostUnregister(ptr))
 
 
+def register(arr: np.ndarray, device: int) -> bool:
+    """Pin the host memory of ``arr`` (uint8) for ``device``'s copies until ``arr`` is
+    collected; False when the driver refuses (the memory stays as it is)."""
+    ptr, nbytes = int(arr.ctypes.data), arr.nbytes
+    err = _on_device_thread(device, lambda: torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+    if err != 0:
+        return False
+    done = weakref.finalize(arr, _unregister, ptr, device)  # an array's dealloc runs these before freeing
+    done.atexit = False  # never after the CUDA context is gone
+    return True
+
+
 def pinned_host_buffer(nbytes: int, device: int) -> tuple[torch.Tensor, str]:
     """A pinned uint8 host tensor of exactly ``nbytes``, and how it is pinned: ``"registered"``
     (exact size, see the module doc) or ``"allocator"`` (torch's power-of-two allocator, when
     the driver refuses to register)."""
-    arr = np.empty(nbytes, dtype=np.uint8)  # its dealloc runs weakref callbacks before freeing
-    ptr = int(arr.ctypes.data)
-    err = _on_device_thread(device, lambda: torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
-    if err == 0:
-        done = weakref.finalize(arr, _unregister, ptr, device)
-        done.atexit = False  # never after the CUDA context is gone
+    arr = np.empty(nbytes, dtype=np.uint8)
+    if register(arr, device):
         return torch.from_numpy(arr), "registered"
     del arr
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "allocator"
 
 
-__all__ = ["cuda_devices", "pinned_host_buffer"]
+def host_buffer(nbytes: int, device: int | None) -> tuple[torch.Tensor, str | None]:
+    """The staging buffer of a ``Stager``: pinned for ``device`` (``pinned_host_buffer``), or
+    ordinary memory when the sources are on no CUDA device (``device`` None; how: None)."""
+    if device is not None:
+        return pinned_host_buffer(nbytes, device)
+    return torch.empty(nbytes, dtype=torch.uint8), None
+
+
+__all__ = ["cuda_devices", "host_buffer", "pinned_host_buffer", "register"]

@@ -30,7 +30,7 @@ from shardkeeper.core.commit.protocol import COMMITTED, COORDINATOR, Failure, Ou
 from shardkeeper.core.commit.put import commit_manifest
 from shardkeeper.core.commit.step_rule import StepOrder
 from shardkeeper.core.commit.terms import SaveTerms, agreed_options
-from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError, StepClaimedError
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, CommitConflictError
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.format.layout import new_attempt_id, step_dir
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
@@ -40,6 +40,7 @@ from shardkeeper.core.save.group import fold_group, unfold
 from shardkeeper.core.save.handle import SaveHandle
 from shardkeeper.core.save.hooks import Committed, SaveHooks
 from shardkeeper.core.save.job import SaveJob, Start, outcome_timeout
+from shardkeeper.core.save.outcome import raise_failed
 from shardkeeper.core.save.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.save.plan import PlanCache
 from shardkeeper.core.save.rank_write import write_rank
@@ -59,6 +60,10 @@ def _holding(owner: object, fn: Callable[..., None], *args: Any) -> None:
 
 class SaveRunner:
     """The save protocol of one manager: its root, coordinator, codecs and staging state."""
+
+    stage_always = False
+    """Whether a synchronous save stages too (a writer in another process cannot read the
+    caller's tensors), instead of writing large items from their own memory."""
 
     def __init__(
         self,
@@ -123,7 +128,7 @@ class SaveRunner:
             if owned:
                 defer = owned.owners
         spans, deferred = self._stager.stage_split(
-            groups, copy=not sync, defer=defer, token=plan.token, sources=plan.sources
+            groups, copy=self.stage_always or not sync, defer=defer, token=plan.token, sources=plan.sources
         )
         objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly
         meta, _ = snapshot({**defaults, **state_metadata(state), **dict(metadata or {})}, "metadata key")
@@ -167,9 +172,10 @@ class SaveRunner:
         return handle
 
     # -- background thread -------------------------------------------------------------------
-    def run_refused(self, step: int, seq: int, err: CheckpointError) -> None:
-        """A save refused on this rank still takes its turn: the coordinator hears a failure
-        report (or publishes one), so no other rank waits for this rank's until the timeout."""
+    def run_refused(self, step: int, seq: int, err: CheckpointError, phase: Phase = Phase.CHECK) -> None:
+        """A save refused on this rank (or failed before its write, in ``phase``) still takes
+        its turn: the coordinator hears a failure report (or publishes one), so no other rank
+        waits for this rank's until the timeout."""
         ctx = self.ctx
         if ctx.world_size == 1:
             raise err
@@ -177,7 +183,7 @@ class SaveRunner:
             self._hooks.after_write(step, None)
         except Exception as e:  # the refusal is the error this save raises
             log.warning("step %d, rank %d: the peer replicas of a refused save: %s", step, ctx.rank, e)
-        failure = Failure.of(ctx.rank, Phase.CHECK, ctx.storage.describe(step_dir(step)), err)
+        failure = Failure.of(ctx.rank, phase, ctx.storage.describe(step_dir(step)), err)
         terms = self.terms(step)
         if ctx.rank == COORDINATOR:
             ctx.coord.publish(seq, Outcome(failure), terms=terms)
@@ -245,7 +251,7 @@ class SaveRunner:
                 step=step,
                 failures={ctx.rank: own.to_json()},
             ) from local_error
-        self._raise_failed(step, outcome)
+        raise_failed(step, outcome, ctx.rank, ctx.storage.url)
         self._order.committed(step)
         metrics.record(metrics.LAST_COMMITTED_STEP, step, rank=ctx.rank, step=step)
         metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=ctx.rank, step=step)
@@ -253,6 +259,15 @@ class SaveRunner:
             self._hooks.after_commit(job.seq, step, committed, job.retention)
         except CoordinatorLostError as e:
             raise coordinator_lost(step, ctx.rank, e, committed=True) from e
+
+    @property
+    def lock_namespace(self) -> str:
+        """The namespace of the in-flight locks this writer's saves hold (``persist/locks.py``;
+        "": none, every save commits in this process)."""
+        return ""
+
+    def close(self) -> None:
+        """Release what the writer holds beyond the manager's threads (nothing here)."""
 
     def _fold(self, job: SaveJob, own: RankReport) -> Report | None:
         """A group leader: its group's folded report (``save/group.py``), a failure of
@@ -368,26 +383,6 @@ class SaveRunner:
                     self.ctx.storage.delete(f"{sdir}/{rel}")
                 except CheckpointError:
                     pass
-
-    def _raise_failed(self, step: int, outcome: Outcome) -> None:
-        f = outcome.failure
-        if f is None:
-            return
-        claimed = f"{StepClaimedError.__name__}: "
-        if f.conflict and f.error.startswith(claimed):  # another writer's claim (commit/claim.py), as it says
-            raise StepClaimedError(f"{f.error[len(claimed) :]} (rank {self.ctx.rank})")
-        if f.conflict:
-            raise CommitConflictError(
-                f"step {step} was committed under {self.ctx.storage.url} by another writer while "
-                f"this save ran (two jobs on one root: a restarted job racing a zombie); this "
-                f"save's files were discarded. Stop the other writer, or save under another root"
-            )
-        raise CheckpointSaveError(
-            f"save of step {step} failed on rank {f.rank} in phase {f.phase} at {f.path}: {f.error}; "
-            f"the checkpoint was not committed",
-            step=step,
-            failures={f.rank: f.to_json()},
-        )
 
 
 __all__ = ["SaveJob", "SaveRunner", "Start", "outcome_timeout"]

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from shardkeeper.core.errors import StateMismatchError, TornStateError
+from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.safetensors import PAGE_ALIGN, data_offsets, data_on_a_page
-from shardkeeper.core.save.pinned import cuda_devices, pinned_host_buffer
+from shardkeeper.core.save.deferred import DeferredCopy
+from shardkeeper.core.save.pinned import cuda_devices, host_buffer
 from shardkeeper.core.save.plan import WriteItem
 from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.chunks import contiguous_strides
@@ -65,6 +66,8 @@ def _check_readable(items: Sequence[WriteItem], srcs: Sequence[torch.Tensor]) ->
 
 #: Where an item's bytes are for the writer: (buffer, start, end).
 Span = tuple[memoryview, int, int]
+#: How a ``Stager`` gets its buffer: (nbytes, CUDA device or None) -> (uint8 tensor, how pinned).
+Allocate = Callable[[int, "int | None"], "tuple[torch.Tensor, str | None]"]
 
 
 class Stager:
@@ -76,7 +79,10 @@ class Stager:
     how (``"registered"``, ``"allocator"``), None while the buffer is not pinned.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Allocate = host_buffer) -> None:
+        """``allocate(nbytes, cuda device or None)``: the buffer and how it is pinned
+        (``save/pinned.py``; a persist process's writer passes shared memory, ``save/shared.py``)."""
+        self._allocate = allocate
         self._buffer: torch.Tensor | None = None  # a page-aligned view of _raw
         self._raw: torch.Tensor | None = None
         self._layouts: dict[Any, _Layout] = {}  # by (plan token, direct items): stage_split
@@ -87,6 +93,14 @@ class Stager:
     @property
     def buffer_bytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
+
+    @property
+    def allocation(self) -> tuple[torch.Tensor, int] | None:
+        """The buffer as allocated (``allocate``'s tensor) and the offset in it where the
+        spans' offsets count from; None before the first staged item."""
+        if self._buffer is None or self._raw is None:
+            return None
+        return self._raw, self._buffer.data_ptr() - self._raw.data_ptr()
 
     def stage(self, groups: Sequence[Sequence[WriteItem]], *, copy: bool = True) -> list[list[Span]]:
         """Where each item's bytes are for the writer, everything copied now (see ``stage_split``)."""
@@ -201,10 +215,7 @@ class Stager:
             # page; so does such a file's data (format/safetensors.py): the bytes in the buffer
             # and in the file are congruent modulo the page size, and local storage writes them
             # with O_DIRECT.
-            if cuda:
-                raw, self.pinned_how = pinned_host_buffer(pos + PAGE_ALIGN, cuda[0])
-            else:
-                raw, self.pinned_how = torch.empty(pos + PAGE_ALIGN, dtype=torch.uint8), None
+            raw, self.pinned_how = self._allocate(pos + PAGE_ALIGN, cuda[0] if cuda else None)
             shift = -raw.data_ptr() % PAGE_ALIGN
             buf = raw[shift : shift + pos]
             self._buffer, self._raw = buf, raw
@@ -328,69 +339,4 @@ class _Layout:
     pads: list[torch.Tensor]
 
 
-class DeferredCopy:
-    """The part of a staging copy that runs later, off the caller's thread.
-
-    Made on the caller's thread, which records the version counters of each source and of the
-    tensors it belongs to (and, on CUDA, an event on the current stream of each device the
-    sources are on). ``run()`` copies every source into its place in the staging buffer, one
-    call per device (on CUDA: on a side stream of that device, after its event; the
-    background thread binds the device itself, since a new thread starts on device 0), and
-    then checks that no source was changed in place meanwhile: a torch in-place op bumps a
-    tensor's version counter, so a mutation that raced the copy is an error naming the keys,
-    never a silently torn checkpoint. (Writes through ``.data``, numpy views or raw pointers
-    do not bump it, nor do kernels that update their inputs internally, like BatchNorm's
-    running statistics, which is why only optimizer-owned tensors are ever deferred; the rest
-    is what ``wait_staged()`` is for.)
-    """
-
-    def __init__(self) -> None:
-        self.items: list[WriteItem] = []
-        self.srcs: list[torch.Tensor] = []
-        self.dsts: list[torch.Tensor] = []
-        self.watched: list[list[tuple[torch.Tensor, int]]] = []
-        self.nbytes = 0
-        self.copy_s = 0.0
-        self._ready: dict[int, torch.cuda.Event] = {}  # by device: where its sources are final
-
-    def add(self, item: WriteItem, src: torch.Tensor, dst: torch.Tensor, watch: Sequence[torch.Tensor] = ()) -> None:
-        """Copy ``src`` (``item``'s bytes) into ``dst`` later; ``watch``: the tensors whose
-        in-place changes before the copy ends make it torn."""
-        self.items.append(item)
-        self.srcs.append(src)
-        self.dsts.append(dst)
-        self.watched.append([(t, tc.version(t)) for t in (src, *watch)])
-        self.nbytes += item.nbytes
-
-    def mark_ready(self) -> None:
-        """Caller's thread, once every item is added: on CUDA, where the sources are final."""
-        for device in cuda_devices(self.srcs):
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            self._ready[device] = event
-
-    def run(self) -> None:
-        """Copy (any thread); raise ``TornStateError`` if a source changed before it ended."""
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            if self._ready:
-                for device, event in self._ready.items():
-                    idx = [i for i, s in enumerate(self.srcs) if s.is_cuda and s.device.index == device]
-                    with torch.cuda.device(device):
-                        side = torch.cuda.Stream(device)
-                        side.wait_event(event)
-                        with torch.cuda.stream(side):
-                            tc.copy_all([self.dsts[i] for i in idx], [self.srcs[i] for i in idx], non_blocking=True)
-                        side.synchronize()
-                rest = [i for i, s in enumerate(self.srcs) if not s.is_cuda]
-                if rest:
-                    tc.copy_all([self.dsts[i] for i in rest], [self.srcs[i] for i in rest])
-            else:
-                tc.copy_all(self.dsts, self.srcs)
-        self.copy_s = time.perf_counter() - t0
-        changed = [it.key for it, w in zip(self.items, self.watched) if any(tc.version(t) != v for t, v in w)]
-        if changed:
-            raise TornStateError(sorted(set(changed)))
-
-
-__all__ = ["DIRECT_MIN_BYTES", "DeferredCopy", "Span", "Stager", "unreadable"]
+__all__ = ["DIRECT_MIN_BYTES", "Span", "Stager", "unreadable"]

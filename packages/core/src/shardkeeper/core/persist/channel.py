@@ -1,0 +1,142 @@
+"""The private channel between a trainer and its persist process: framed messages over a
+socket pair that only the two hold, with file descriptors passed alongside (``SCM_RIGHTS``).
+
+A message is a kind and a payload of plain data and the core's own records (a save plan, its
+groups, a retention policy). Payloads are pickled, since both ends are the same program; the
+loader still admits only builtins' containers and classes of ``shardkeeper.core``, so even a
+forged message could never make the other end import or call anything else. A tensor in a
+payload goes as None: the bytes travel through the staging buffer in shared memory, never here.
+Nothing of this reaches the on-storage format.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import socket
+import struct
+from typing import Any
+
+import torch
+
+from shardkeeper.core import errors
+from shardkeeper.core.errors import PersistChannelClosed
+
+_HEADER = struct.Struct("!Q")
+#: Builtins a payload may hold besides the core's classes (containers and scalars pickle natively).
+_BUILTINS = frozenset({"set", "frozenset", "complex", "bytearray", "slice", "range"})
+_MAX_FDS = 4
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> str | None:
+        # A tensor never travels (WriteItem.src of a plan): its bytes are in the shared buffer.
+        return "tensor" if isinstance(obj, torch.Tensor) else None
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _BUILTINS:
+            return super().find_class(module, name)
+        if module == "shardkeeper.core" or module.startswith("shardkeeper.core."):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"the persist channel admits no {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid != "tensor":
+            raise pickle.UnpicklingError(f"unknown reference {pid!r} on the persist channel")
+        return None
+
+
+def encode(kind: str, payload: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump((kind, payload))
+    return buf.getvalue()
+
+
+def decode(data: bytes) -> tuple[str, Any]:
+    kind, payload = _Unpickler(io.BytesIO(data)).load()
+    if not isinstance(kind, str):
+        raise pickle.UnpicklingError("a persist message without a kind")
+    return kind, payload
+
+
+def send(sock: socket.socket, kind: str, payload: Any = None, fds: tuple[int, ...] = ()) -> None:
+    """Send one message (``fds``: descriptors the other end receives as its own)."""
+    data = encode(kind, payload)
+    head = _HEADER.pack(len(data))
+    if fds:
+        socket.send_fds(sock, [head], list(fds))
+    else:
+        sock.sendall(head)
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        got = sock.recv(min(n, 1 << 20))
+        if not got:
+            raise PersistChannelClosed("the other end of the persist channel closed it")
+        chunks.append(got)
+        n -= len(got)
+    return b"".join(chunks)
+
+
+def recv(sock: socket.socket) -> tuple[str, Any, list[int]]:
+    """The next message: its kind, payload and the descriptors that came with it."""
+    try:
+        head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
+    except (ConnectionResetError, BrokenPipeError) as e:
+        raise PersistChannelClosed(str(e)) from e
+    if not head:
+        for fd in fds:
+            _close(fd)
+        raise PersistChannelClosed("the other end of the persist channel closed it")
+    try:
+        if len(head) < _HEADER.size:
+            head += _recv_exact(sock, _HEADER.size - len(head))
+        (size,) = _HEADER.unpack(head)
+        kind, payload = decode(_recv_exact(sock, size))
+    except BaseException:
+        for fd in fds:
+            _close(fd)
+        raise
+    return kind, payload, list(fds)
+
+
+def error_record(e: BaseException) -> dict[str, Any]:
+    """How a save's failure crosses the channel (``rebuilt`` raises it again on the other side)."""
+    return {
+        "type": type(e).__name__,
+        "message": str(e),
+        "step": getattr(e, "step", None),
+        "failures": getattr(e, "failures", None),
+    }
+
+
+def rebuilt(record: dict[str, Any]) -> errors.CheckpointError:
+    """The error ``error_record`` describes: the core's class of that name with its message
+    (a save's step and failures kept), else a ``CheckpointSaveError`` with the same message."""
+    cls = getattr(errors, str(record.get("type")), None)
+    message, step = str(record.get("message")), record.get("step")
+    step = step if isinstance(step, int) else -1
+    if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
+        cls = errors.CheckpointSaveError
+    if issubclass(cls, errors.CheckpointSaveError):
+        return cls(message, step=step, failures=record.get("failures") or None)
+    try:
+        return cls(message)
+    except TypeError:
+        return errors.CheckpointSaveError(message, step=step)
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+__all__ = ["PersistChannelClosed", "decode", "encode", "error_record", "rebuilt", "recv", "send"]

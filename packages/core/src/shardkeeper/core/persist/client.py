@@ -1,0 +1,379 @@
+"""``writer="process"``: a ``SaveRunner`` whose saves a persist process writes and commits.
+
+The trainer keeps what must run in its interpreter: the refusal of a step, flattening,
+planning and the staging copy (into shared memory, ``save/shared.py``), and, with overlapped
+staging, the deferred copy. Before ``save()`` returns, the save is handed over: its lock taken
+(``locks.py``) and its plan, spans and metadata sent to the rank's persist process
+(``worker.py``), which does the rest. From then on the save no longer depends on the trainer:
+a trainer killed after ``save()`` returned leaves a save that commits all the same (with
+``staging="overlap"``, once ``handle.staged()``: the deferred copy needs the trainer). The
+handle's background thread only waits for the outcome.
+
+The persist process starts at the first save, in a session of its own, and is told to close
+with the manager; one that dies fails the save in hand (naming the rank, the step and how it
+ended), and the next save starts a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from shardkeeper.core import metrics
+from shardkeeper.core.codec import CodecState
+from shardkeeper.core.commit.protocol import Phase
+from shardkeeper.core.config.options import CheckpointOptions
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
+from shardkeeper.core.persist import locks
+from shardkeeper.core.persist.channel import error_record, rebuilt, recv, send
+from shardkeeper.core.persist.spec import PersistSpec, checked_spec
+from shardkeeper.core.runtime.context import ManagerContext
+from shardkeeper.core.runtime.coordinator import StoreCoordinator
+from shardkeeper.core.runtime.store_channel import server_address
+from shardkeeper.core.save.handle import SaveHandle
+from shardkeeper.core.save.hooks import SaveHooks
+from shardkeeper.core.save.job import SaveJob
+from shardkeeper.core.save.overlap import StagingGate
+from shardkeeper.core.save.plan import PlanCache
+from shardkeeper.core.save.recipe import codec_state
+from shardkeeper.core.save.runner import SaveRunner
+from shardkeeper.core.save.shared import SharedBuffers
+from shardkeeper.core.save.stage import Stager
+from shardkeeper.core.state import _torch_compat as tc
+
+log = logging.getLogger(__name__)
+
+_CLOSE_WAIT_S = 30.0
+
+
+class PersistRunner(SaveRunner):
+    """A manager's save protocol with its writer in a persist process (module doc)."""
+
+    stage_always = True
+
+    def __init__(
+        self,
+        ctx: ManagerContext,
+        *,
+        codecs: CodecState,
+        stager: Stager,
+        plans: PlanCache,
+        gate: StagingGate,
+        hooks: SaveHooks,
+        spec: PersistSpec,
+        buffers: SharedBuffers,
+    ) -> None:
+        super().__init__(ctx, codecs=codecs, stager=stager, plans=plans, gate=gate, hooks=hooks)
+        self._spec = spec
+        self._buffers = buffers
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._ready = False
+        self._buffer_sent = 0  # the generation of shared buffer the process has mapped
+        self._plan_ids: dict[int, int] = {}  # id(plan token) -> the id the process knows it by
+        self._tokens: list[object] = []  # keeps each token alive while its id is in use
+        self._handed: set[int] = set()  # seqs already sent
+        self._send_lock = threading.Lock()
+        self._prepared_at = 0.0
+        self._lock_path: Path | None = None  # the lock file of the last save handed over
+
+    @property
+    def lock_namespace(self) -> str:
+        return self._spec.namespace
+
+    # -- the persist process ------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        """The persist process's pid, None before the first save (or after it ended)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _start(self) -> socket.socket:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        env["CUDA_VISIBLE_DEVICES"] = ""  # it reads host memory only: no CUDA context of its own
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "shardkeeper.core.persist.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # out of reach of a teardown of the trainer's process group
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        send(ours, "hello", self._spec)
+        self._sock, self._ready, self._buffer_sent = ours, False, 0
+        self._plan_ids.clear()
+        self._tokens.clear()
+        return ours
+
+    def _channel(self) -> socket.socket:
+        if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
+            self._drop()
+            return self._start()
+        return self._sock
+
+    def _drop(self) -> None:
+        """Forget a persist process that is gone (or to be replaced)."""
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def _ended(self) -> str:
+        proc = self._proc
+        if proc is None:
+            return "never started"
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return f"pid {proc.pid}, still running but its channel closed"
+        if code < 0:
+            return f"pid {proc.pid}, killed by {signal.Signals(-code).name}"
+        return f"pid {proc.pid}, exit status {code}"
+
+    # -- handing a save over ------------------------------------------------------------------
+    def prepare(self, step: int, seq: int, state: Any, **kwargs: Any) -> SaveJob:
+        self._prepared_at = time.perf_counter()
+        return super().prepare(step, seq, state, **kwargs)
+
+    def _plan_message(self, job: SaveJob) -> tuple[int, Any]:
+        token = job.plan.token
+        if token is not None and id(token) in self._plan_ids:
+            return self._plan_ids[id(token)], None
+        plan_id = len(self._tokens) + 1
+        if token is not None:
+            self._plan_ids[id(token)] = plan_id
+            self._tokens.append(token)
+        else:
+            self._tokens.append(object())
+        # What travels is the plan's structure: no token, no source tensor, no cache of the trainer's.
+        return plan_id, (dataclasses.replace(job.plan, token=None, sources=None, memo={}), job.groups)
+
+    def _hand_over(self, job: SaveJob) -> None:
+        """Send ``job`` to the persist process with its lock (which it then holds)."""
+        ctx = self.ctx
+        placed = self._stager.allocation
+        with self._send_lock:
+            sock = self._channel()
+            if placed is not None and self._buffers.generation != self._buffer_sent and self._buffers.fd is not None:
+                send(sock, "buffer", self._buffers.nbytes, (self._buffers.fd,))
+                self._buffer_sent = self._buffers.generation
+            plan_id, plan = self._plan_message(job)
+            fd, path = locks.hold(ctx.storage.url, self._spec.namespace, ctx.rank, job.step)
+            try:
+                msg = {
+                    "step": job.step,
+                    "seq": job.seq,
+                    "attempt": job.attempt,
+                    "plan_id": plan_id,
+                    "plan": plan,
+                    "offset": placed[1] if placed is not None else 0,
+                    "spans": [[None if sp is None else (sp[1], sp[2]) for sp in row] for row in job.spans],
+                    "objects": job.objects,
+                    "extended": job.extended,
+                    "metadata": job.metadata,
+                    "sync": job.sync,
+                    "retention": job.retention,
+                    "stall_s": time.perf_counter() - self._prepared_at,
+                    "lock": str(path),
+                }
+                send(sock, "save", msg, (fd,))
+            except BaseException:
+                locks.release(fd, path)
+                raise
+            os.close(fd)  # the persist process holds the lock now
+            self._handed.add(job.seq)
+            self._lock_path = path
+
+    def submit(self, bg: ThreadPoolExecutor, job: SaveJob, *, owner: object) -> SaveHandle:
+        if job.deferred is None:
+            try:
+                self._hand_over(job)
+            except OSError as e:
+                raise CheckpointSaveError(
+                    f"save of step {job.step} on rank {self.ctx.rank}: its persist process could not take it "
+                    f"({type(e).__name__}: {e}; {self._ended()}); the step was not committed. The next save starts "
+                    f"a new persist process",
+                    step=job.step,
+                ) from e
+        return super().submit(bg, job, owner=owner)
+
+    def submit_refused(
+        self, bg: ThreadPoolExecutor, step: int, seq: int, err: CheckpointError, *, owner: object
+    ) -> SaveHandle:
+        if self.ctx.world_size > 1:
+            self._take_turn(step, seq, err, Phase.CHECK)
+        return super().submit_refused(bg, step, seq, err, owner=owner)
+
+    def _take_turn(self, step: int, seq: int, err: BaseException, phase: Phase) -> None:
+        """A save that fails before it is handed over still takes its turn, in the process."""
+        with self._send_lock:
+            try:
+                send(
+                    self._channel(),
+                    "fail",
+                    {"step": step, "seq": seq, "phase": phase.value, "error": error_record(err)},
+                )
+            except OSError as e:
+                log.warning(
+                    "step %d, rank %d: its persist process could not take a failed save's turn: %s",
+                    step,
+                    self.ctx.rank,
+                    e,
+                )
+                return
+            self._handed.add(seq)
+
+    # -- background thread --------------------------------------------------------------------
+    def run_refused(self, step: int, seq: int, err: CheckpointError, phase: Phase = Phase.CHECK) -> None:
+        if seq in self._handed:
+            self._outcome(step, seq)  # (the refusal is this save's error, whatever the turn's outcome)
+        raise err
+
+    def run(self, job: SaveJob) -> None:
+        """Wait for the outcome of ``job`` from the persist process (after the deferred copy,
+        then handing it over, when staging was overlapped)."""
+        job.start.wait()
+        t0 = time.perf_counter()
+        if job.seq not in self._handed:
+            try:
+                if job.deferred is not None and job.staged is not None:
+                    self._gate.run(job.deferred, job.staged)
+            except BaseException as e:
+                self._take_turn(job.step, job.seq, e, Phase.STAGE)
+                self._outcome(job.step, job.seq)
+                raise CheckpointSaveError(
+                    f"save of step {job.step} failed on rank {self.ctx.rank} in phase {Phase.STAGE}: "
+                    f"{type(e).__name__}: {e}; the checkpoint was not committed",
+                    step=job.step,
+                ) from e
+            self._hand_over(job)
+        error = self._outcome(job.step, job.seq)
+        if error is not None:
+            raise rebuilt(error)
+        self._order.committed(job.step)
+        metrics.record(metrics.LAST_COMMITTED_STEP, job.step, rank=self.ctx.rank, step=job.step)
+        metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=self.ctx.rank, step=job.step)
+
+    def _outcome(self, step: int, seq: int) -> dict[str, Any] | None:
+        """The persist process's outcome of save ``seq``: its error record, or None."""
+        self._handed.discard(seq)
+        sock = self._sock
+        try:
+            while True:
+                if sock is None:
+                    raise PersistChannelClosed("no persist process")
+                kind, payload, fds = recv(sock)
+                for fd in fds:
+                    os.close(fd)
+                if kind == "ready":
+                    self._ready = True
+                elif kind == "failed":
+                    self._drop()
+                    raise rebuilt(payload)
+                elif kind == "outcome" and payload["seq"] == seq:
+                    return payload["error"]  # type: ignore[no-any-return]
+        except PersistChannelClosed as e:
+            how = self._ended()
+            with self._send_lock:
+                self._drop()
+            if self._lock_path is not None:  # its process is gone: its lock is free, its file stale
+                locks.clear_if_free(self._lock_path)
+            raise CheckpointSaveError(
+                f"save of step {step} on rank {self.ctx.rank}: its persist process ended ({how}) before the "
+                f"save's outcome was known; the step may or may not be committed (a restore takes it if its "
+                f"manifest is there, else the newest step before it). The next save starts a new persist process",
+                step=step,
+            ) from e
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tell the persist process to end (after the saves it holds) and wait for it."""
+        with self._send_lock:
+            sock, proc = self._sock, self._proc
+            self._sock = self._proc = None
+        if sock is not None:
+            try:
+                send(sock, "close")
+            except OSError:
+                pass
+            sock.close()
+        if proc is not None:
+            try:
+                proc.wait(timeout=_CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("rank %d: its persist process (pid %d) did not end; killing it", self.ctx.rank, proc.pid)
+                proc.kill()
+                proc.wait()
+        self._buffers.close()
+
+
+def persist_runner(
+    ctx: ManagerContext,
+    options: CheckpointOptions,
+    hooks: SaveHooks,
+    *,
+    root: Any,
+    storage_options: Mapping[str, Any] | None,
+    plans: PlanCache,
+    gate: StagingGate,
+    tiered: bool,
+) -> tuple[PersistRunner, Stager]:
+    """The save protocol of a manager with ``writer="process"``, and its stager (staging into
+    shared memory); a ``ValueError`` for what a persist process cannot serve, before any save."""
+    where = f"(root {ctx.storage.url}, rank {ctx.rank})"
+    if tiered:
+        raise ValueError(
+            f"writer='process' writes to one root; with local= (a node-local tier) use writer='thread' {where}"
+        )
+    if not hasattr(os, "memfd_create"):
+        raise ValueError(f"writer='process' needs Linux (memfd_create) for its shared staging buffer {where}")
+    namespace, store = "local-" + secrets.token_hex(8), None
+    coord = ctx.coord
+    if isinstance(coord, StoreCoordinator):
+        namespace, store = coord.namespace, server_address(tc.group_store(coord.group))
+        if store is None:
+            raise ValueError(
+                f"writer='process' with {ctx.world_size} ranks: the persist processes meet on the process group's "
+                f"c10d store server, and this group's store is not a TCPStore (launch with torchrun, or "
+                f"init_process_group with env:// or tcp://), or use writer='thread' {where}"
+            )
+    spec = checked_spec(
+        root, storage_options, options, rank=ctx.rank, world_size=ctx.world_size, namespace=namespace, store=store
+    )
+    buffers = SharedBuffers()
+    stager = Stager(buffers)
+    runner = PersistRunner(
+        ctx,
+        codecs=codec_state(ctx, options),
+        stager=stager,
+        plans=plans,
+        gate=gate,
+        hooks=hooks,
+        spec=spec,
+        buffers=buffers,
+    )
+    return runner, stager
+
+
+__all__ = ["PersistRunner", "persist_runner"]

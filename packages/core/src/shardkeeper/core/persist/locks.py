@@ -1,0 +1,157 @@
+"""Which saves are still being committed by a persist process, as a restore on the same node
+must know before it chooses a step.
+
+A save handed to a persist process holds a lock file for as long as its commit may still
+happen: the trainer creates the file and takes an exclusive ``flock`` on it before it sends the
+save, and passes the descriptor along with the save; the persist process holds it until the
+save's outcome is known, then removes the file. The lock belongs to the open file, so it stays
+held while either process holds the descriptor (and while it travels between them), and the
+kernel drops it when both are gone, a crash included: a file left behind by a killed process
+is never locked, and the next waiter removes it.
+
+``wait_for_commits`` is what a restore calls first: it waits, up to a timeout, for every lock
+of the same root on this node that another manager holds (a trainer killed right after
+``save()`` returned leaves its persist process committing), so that the restore never chooses
+an older step while a newer one is about to commit.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from shardkeeper.core.errors import CheckpointTimeoutError
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+def lock_dir() -> Path:
+    """Where this node's in-flight locks live (``SHARDKEEPER_PERSIST_LOCKS`` overrides it)."""
+    where = os.environ.get("SHARDKEEPER_PERSIST_LOCKS") or os.path.join(tempfile.gettempdir(), "shardkeeper-persist")
+    return Path(where)
+
+
+def root_tag(url: str) -> str:
+    """A short name of the root ``url`` for lock file names."""
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def short(namespace: str) -> str:
+    """The part of a manager's namespace that names its locks (``shardkeeper/<hex>``: the hex)."""
+    return namespace.rsplit("/", 1)[-1]
+
+
+def hold(url: str, namespace: str, rank: int, step: int) -> tuple[int, Path]:
+    """An open, exclusively locked file for the save of ``step`` by ``rank`` of the manager
+    ``namespace`` on the root ``url``: its descriptor and path."""
+    where = lock_dir()
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = where / f"{root_tag(url)}.{short(namespace)}.{rank}.{step}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} rank {rank} step {step}\n".encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, path
+
+
+def release(fd: int, path: Path | str) -> None:
+    """The save's outcome is known: remove its lock file, then drop the lock."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _held_by_others(url: str, namespace: str) -> list[Path]:
+    ns = short(namespace) if namespace else None
+    try:
+        names = os.listdir(lock_dir())
+    except FileNotFoundError:
+        return []
+    tag = root_tag(url) + "."
+    out = []
+    for name in names:
+        if name.startswith(tag) and name.endswith(".lock") and name.split(".")[1] != ns:
+            out.append(lock_dir() / name)
+    return sorted(out)
+
+
+def clear_if_free(path: Path | str) -> bool:
+    """True when ``path`` is no longer locked (it is then removed), or is gone."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
+    return True
+
+
+def _describe(path: Path) -> str:
+    try:
+        return path.read_text().strip() or path.name
+    except OSError:
+        return path.name
+
+
+def wait_for_commits(url: str, namespace: str, timeout_s: float, *, rank: int) -> float:
+    """Block until no persist process of another manager than ``namespace``'s ("": any) still
+    commits a save to the root ``url`` on this node; the seconds waited. Past ``timeout_s``: ``CheckpointTimeoutError``
+    naming the process (kill it to go on without its save)."""
+    t0 = time.monotonic()
+    pending = _held_by_others(url, namespace)
+    logged = False
+    while pending:
+        pending = [p for p in pending if not clear_if_free(p)]
+        if not pending:
+            break
+        waited = time.monotonic() - t0
+        if not logged:
+            log.warning(
+                "rank %d: waiting for %d save(s) to %s still being committed by a persist process of an earlier "
+                "trainer (%s) before choosing the step to restore",
+                rank,
+                len(pending),
+                url,
+                "; ".join(_describe(p) for p in pending),
+            )
+            logged = True
+        if waited > timeout_s:
+            raise CheckpointTimeoutError(
+                f"rank {rank}: a persist process of an earlier trainer still commits a save to {url} after "
+                f"{waited:.0f} s ({'; '.join(_describe(p) for p in pending)}; lock files {', '.join(map(str, pending))}); "
+                f"restoring now could take an older step than the one it commits. Wait, or kill that process "
+                f"(its save is then not committed) and restore again"
+            )
+        time.sleep(_POLL_S)
+    return time.monotonic() - t0
+
+
+__all__ = ["clear_if_free", "hold", "lock_dir", "release", "root_tag", "wait_for_commits"]

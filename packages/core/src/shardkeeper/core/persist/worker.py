@@ -1,0 +1,210 @@
+"""The persist process: one per rank of a manager with ``writer="process"``, started by its
+trainer at the first save (``python -m shardkeeper.core.persist.worker FD``).
+
+It rebuilds the manager's writer from the ``PersistSpec`` it is sent first (the root opened
+the same way, the same codecs, a coordinator of its own on the job's c10d store server), then
+runs each save it is handed: the bytes are in the staging buffer it maps (``save/shared.py``),
+the plan and spans come over the channel (``channel.py``). It hashes, encodes, writes, reports,
+commits (rank 0), applies retention and answers the outcome; nothing of it runs in the
+trainer's interpreter. It holds each save's lock (``locks.py``) until the outcome is known.
+
+It runs in a session of its own, so torchrun's teardown of its workers' process groups does
+not reach it, and it outlives its trainer by design: once the channel closes without a
+``close`` message (the trainer died), it finishes the save in hand, takes the turn of the
+save that will never come (so no other rank waits for it until the timeout), and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from shardkeeper.core.commit.protocol import COORDINATOR, Failure, Outcome, Phase
+from shardkeeper.core.errors import CheckpointSaveError, CoordinatorLostError, PersistChannelClosed
+from shardkeeper.core.persist import locks
+from shardkeeper.core.persist.channel import error_record, rebuilt, recv, send
+from shardkeeper.core.persist.meeting import Meeting
+from shardkeeper.core.persist.spec import PersistSpec
+from shardkeeper.core.runtime.context import ManagerContext, open_root
+from shardkeeper.core.runtime.coordinator import LocalCoordinator
+from shardkeeper.core.save.hooks import OneRoot
+from shardkeeper.core.save.job import SaveJob, Start
+from shardkeeper.core.save.recipe import save_runner
+from shardkeeper.core.save.shared import map_shared
+
+log = logging.getLogger("shardkeeper.core.persist")
+
+
+def _coordinator(spec: PersistSpec) -> LocalCoordinator | Meeting:
+    if spec.world_size == 1 or spec.store is None:
+        return LocalCoordinator()
+    opts = spec.options
+    return Meeting(spec.store, spec.rank, spec.world_size, spec.namespace, spec.group_ranks, opts.commit_timeout_s)
+
+
+class Worker:
+    """The writer of one rank, rebuilt from ``spec``."""
+
+    def __init__(self, spec: PersistSpec) -> None:
+        opts = spec.options
+        storage, read, keyed = open_root(
+            spec.root,
+            spec.storage_options,
+            retry=opts.retry_policy(),
+            encryption=opts.encryption,
+            bound_to=opts.encryption_root,
+        )
+        self.spec = spec
+        self.io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="shardkeeper-io")
+        self.coord = _coordinator(spec)
+        self.ctx = ManagerContext(storage, read, self.coord, opts, self.io, keyed)
+        self.runner = save_runner(self.ctx, opts, OneRoot(self.ctx))
+        self.buffer: memoryview | None = None
+        self.plans: dict[int, tuple[Any, Any]] = {}  # the trainer's plan id -> (plan, groups)
+        self.next_seq = 0
+
+    def serve(self, sock: socket.socket) -> int:
+        """Run what the trainer sends until it says ``close`` (0) or is gone (0 as well)."""
+        while True:
+            try:
+                kind, payload, fds = recv(sock)
+            except PersistChannelClosed:
+                self._orphaned()
+                return 0
+            if kind == "close":
+                return 0
+            if kind == "buffer":
+                self.buffer = map_shared(fds[0], int(payload))
+            elif kind == "save":
+                self._save(sock, payload, fds[0] if fds else None)
+            elif kind == "fail":
+                self._turn(sock, payload)
+            else:
+                log.error("persist process of rank %d: unknown message %r", self.spec.rank, kind)
+
+    def _job(self, msg: dict[str, Any]) -> SaveJob:
+        if msg["plan"] is not None:
+            self.plans[msg["plan_id"]] = msg["plan"]
+            if len(self.plans) > 4:  # (a few layouts alive at once, as the trainer's stager keeps)
+                self.plans.pop(next(iter(self.plans)))
+        plan, groups = self.plans[msg["plan_id"]]
+        view = self.buffer[msg["offset"] :] if self.buffer is not None else memoryview(b"")
+        spans = [[None if sp is None else (view, sp[0], sp[1]) for sp in row] for row in msg["spans"]]
+        start = Start()
+        start.give(msg["stall_s"])
+        return SaveJob(
+            msg["step"],
+            msg["seq"],
+            msg["attempt"],
+            plan,
+            groups,
+            spans,  # type: ignore[arg-type]
+            msg["objects"],
+            msg["extended"],
+            msg["metadata"],
+            msg["sync"],
+            msg["retention"],
+            start,
+        )
+
+    def _save(self, sock: socket.socket, msg: dict[str, Any], lock: int | None) -> None:
+        self.next_seq = msg["seq"] + 1
+        t0 = time.perf_counter()
+        error: dict[str, Any] | None = None
+        try:
+            self.runner.run(self._job(msg))
+        except BaseException as e:  # the save's failure, sent to the trainer
+            log.debug("persist process of rank %d: save of step %d failed", self.spec.rank, msg["step"], exc_info=True)
+            error = error_record(e)
+            if isinstance(e.__cause__, CoordinatorLostError) and isinstance(self.coord, Meeting):
+                self.coord.lost()
+        finally:
+            if lock is not None:
+                locks.release(lock, msg["lock"])
+            if isinstance(self.coord, Meeting):
+                self.coord.seen(msg["seq"])
+        self._answer(sock, {"seq": msg["seq"], "error": error, "seconds": time.perf_counter() - t0})
+
+    def _turn(self, sock: socket.socket, msg: dict[str, Any]) -> None:
+        """A save that failed in the trainer before it was handed over still takes its turn."""
+        self.next_seq = msg["seq"] + 1
+        err = rebuilt(msg["error"])
+        error: dict[str, Any] | None = None
+        try:
+            self.runner.run_refused(msg["step"], msg["seq"], err, Phase(msg["phase"]))
+        except BaseException as e:
+            error = error_record(e)
+        self._answer(sock, {"seq": msg["seq"], "error": error, "seconds": 0.0})
+
+    def _answer(self, sock: socket.socket, outcome: dict[str, Any]) -> None:
+        try:
+            send(sock, "outcome", outcome)
+        except OSError:  # the trainer is gone: the save is committed (or not) all the same
+            log.info(
+                "persist process of rank %d: trainer gone before the outcome of save %d", self.spec.rank, outcome["seq"]
+            )
+
+    def _orphaned(self) -> None:
+        """The trainer is gone between saves: take the turn of its next save, which will
+        never come, so that the other ranks' persist processes do not wait for it."""
+        ctx, seq = self.ctx, self.next_seq
+        if ctx.world_size == 1:
+            return
+        err = CheckpointSaveError(
+            f"the trainer of rank {ctx.rank} exited before it handed over its next save (save #{seq} of this "
+            f"manager); that save cannot be committed",
+            step=-1,
+        )
+        failure = Failure.of(ctx.rank, Phase.WRITE, ctx.storage.url, err)
+        try:
+            if ctx.rank == COORDINATOR:
+                ctx.coord.publish(seq, Outcome(failure))
+            else:
+                ctx.coord.report(seq, failure)
+        except Exception as e:  # noqa: BLE001 - the job is ending; nobody to tell
+            log.debug("persist process of rank %d: the turn of save %d: %s", ctx.rank, seq, e)
+
+    def close(self) -> None:
+        if isinstance(self.coord, Meeting):
+            self.coord.before_exit()
+        self.io.shutdown(wait=True)
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[1]))
+    logging.basicConfig(level=os.environ.get("SHARDKEEPER_PERSIST_LOG", "WARNING").upper())
+    try:
+        kind, spec, _ = recv(sock)
+    except PersistChannelClosed:
+        return 0
+    try:
+        if kind != "hello" or not isinstance(spec, PersistSpec):
+            raise CheckpointSaveError(f"the persist process expected its spec first, got {kind!r}", step=-1)
+        worker = Worker(spec)
+    except BaseException as e:
+        log.exception("persist process could not start")
+        try:
+            send(sock, "failed", error_record(e))
+        except OSError:
+            pass
+        return 1
+    send(sock, "ready", os.getpid())
+    try:
+        return worker.serve(sock)
+    except BaseException:
+        log.exception("persist process of rank %d failed", spec.rank)
+        return 1
+    finally:
+        worker.close()
+
+
+__all__ = ["Worker", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,159 @@
+"""``writer="process"`` on one rank: every codec and staging mode through a persist process,
+bit for bit; a persist process that dies fails its save loudly and the next save goes on;
+nothing is left behind; inputs it cannot serve are refused up front."""
+
+from __future__ import annotations
+
+import base64
+import gc
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardkeeper.core import CheckpointManager, CheckpointSaveError, LocalKeyProvider
+from tests.checks import assert_same_state
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _state(step: int, n: int = 1 << 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(n, generator=g),
+        "mask": (torch.rand(n, generator=g) > 0.9).float(),  # compresses
+        "frozen": torch.arange(4096, dtype=torch.float64),  # the same every step: incremental reuses it
+        "ids": torch.arange(step, step + 100, dtype=torch.int64),
+    }
+
+
+class _UserKeys(LocalKeyProvider):
+    """A key provider of the user's own."""
+
+
+def _staging_maps() -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "shardkeeper-staging" in line]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"incremental": True, "compression": "zstd"},
+        {"encryption": "env:SK_TEST_PERSIST_KEY"},
+        {"staging": "overlap"},
+        {"async_save": False},
+    ],
+    ids=["plain", "codecs", "encrypted", "overlap", "sync"],
+)
+def test_saves_through_a_persist_process_restore_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
+) -> None:
+    monkeypatch.setenv("SK_TEST_PERSIST_KEY", base64.b64encode(bytes(range(32))).decode())
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "locks"))
+    root = str(tmp_path / "root")
+    live = _state(1)
+    with CheckpointManager(root, writer="process", **options) as mgr:
+        for step in (1, 2, 3):
+            for k, v in _state(step).items():
+                live[k].copy_(v)
+            mgr.save(step, {"s": live})  # back to back: the previous save may still be committing
+            live["w"].add_(1000.0)  # changed right after save() returned: the save keeps the staged bytes
+        pid = mgr._saver.pid
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 3]
+    assert pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # close() ended it
+    for step in (1, 2, 3):
+        target = {"s": {k: torch.zeros_like(v) for k, v in _state(step).items()}}
+        with CheckpointManager(root, **{k: v for k, v in options.items() if k == "encryption"}) as mgr:
+            assert mgr.restore(target, step=step) == step
+        assert_same_state(target["s"], _state(step), what=f"step {step}")
+    if options.get("incremental"):
+        with CheckpointManager(root) as mgr:
+            files = {c.file for c in mgr.manifest(3).leaves["s/frozen"].chunks}
+        assert all(f.startswith("../step-000000000001/") for f in files), files
+    assert not list((tmp_path / "locks").glob("*.lock"))
+    del mgr, target
+    gc.collect()
+    assert _staging_maps() == [], "the shared staging buffer outlived its managers"
+
+
+def test_a_persist_process_killed_mid_save_fails_it_loudly_and_the_next_save_goes_on(tmp_path: Path) -> None:
+    """The first save's persist process is killed while it starts: that save raises, naming
+    the rank, the step and the signal; the next save starts a new process and commits."""
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, writer="process") as mgr:
+        h = mgr.save(1, {"s": _state(1)})
+        pid = mgr._saver.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(CheckpointSaveError) as caught:
+            h.wait()
+        text = str(caught.value)
+        assert "step 1" in text and "rank 0" in text and "SIGKILL" in text and str(pid) in text, text
+        mgr.save(2, {"s": _state(2)}).wait()
+        assert mgr._saver.pid not in (None, pid)
+        assert mgr.steps() == [2]
+    target = {"s": {k: torch.zeros_like(v) for k, v in _state(2).items()}}
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(target) == 2
+    assert_same_state(target["s"], _state(2), what="step 2")
+
+
+def test_a_restore_waits_for_a_commit_still_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's lock held by another manager's persist process: ``latest_step()`` waits for it;
+    a lock nobody holds is stale and removed; past the timeout the error names the holder."""
+    from shardkeeper.core.errors import CheckpointTimeoutError
+    from shardkeeper.core.persist import locks
+
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "locks"))
+    root = tmp_path / "root"
+    with CheckpointManager(str(root)) as mgr:
+        mgr.save(1, {"s": _state(1)}).wait()
+        url = mgr.storage.url
+        fd, path = locks.hold(url, "shardkeeper/0123abcd", 0, 2)
+        with pytest.raises(CheckpointTimeoutError, match=f"pid {os.getpid()} rank 0 step 2"):
+            locks.wait_for_commits(url, "", 0.3, rank=0)
+        assert locks.wait_for_commits(url, "shardkeeper/0123abcd", 0.3, rank=0) < 0.1  # its own: not waited for
+        import threading
+
+        threading.Timer(0.5, locks.release, (fd, path)).start()
+        t0 = time.monotonic()
+        assert mgr.latest_step() == 1
+        assert time.monotonic() - t0 >= 0.4  # it waited for the release
+        stale = Path(locks.hold(url, "shardkeeper/feed", 0, 3)[1])
+        os.close(os.open(stale, os.O_RDONLY))  # (the holder's descriptor is closed below: the lock is gone)
+    for fd_name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd_name}") == str(stale):
+                os.close(int(fd_name))
+        except OSError:
+            pass
+    assert locks.wait_for_commits(url, "", 1.0, rank=0) < 0.5
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"writer": "disk"}, "writer"),
+        ({"writer": "process", "local": "LOCAL"}, "writer='process' writes to one root"),
+        ({"writer": "process", "encryption": "USER_KEYS"}, "cannot be"),
+    ],
+    ids=["unknown", "tiers", "user-key-provider"],
+)
+def test_what_a_persist_process_cannot_serve_is_refused_up_front(
+    tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    if kwargs.get("local") == "LOCAL":
+        kwargs = {**kwargs, "local": str(tmp_path / "local")}
+    if kwargs.get("encryption") == "USER_KEYS":  # a provider class of the user's own: not the core's to rebuild
+        kwargs = {**kwargs, "encryption": _UserKeys(bytes(range(32)))}
+    with pytest.raises(ValueError, match=match):
+        CheckpointManager(str(tmp_path / "root"), **kwargs)
