@@ -146,25 +146,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if patterns and not keys:
         raise UsageError(f"no key of step {step} matches {' or '.join(patterns)}")
 
-    logical = digests_of(m.logical, m.leaves) or {}  # each tensor's logical digest, where recorded
-    leaves = []
-    for k in keys:
-        leaf = m.leaves[k]
-        if leaf.kind == "object":
-            leaves.append({"key": k, "kind": "object", "value": leaf.value})
-        else:
-            leaves.append(
-                {
-                    "key": k,
-                    "kind": leaf.kind,
-                    "dtype": leaf.dtype,
-                    "shape": list(leaf.shape),
-                    "chunks": len(leaf.chunks),
-                    "size_bytes": leaf.nbytes,
-                    "stored_bytes": sum(c.length for c in leaf.chunks),
-                    "logical_digest": logical.get(k),
-                }
-            )
+    leaves = _leaf_rows(m, keys)
     if args.json:
         print_json(
             {
@@ -186,9 +168,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK
+    _say_manifest(storage.url, m, leaves)
+    return EXIT_OK
 
+
+def _leaf_rows(m: Manifest, keys: list[str]) -> list[dict[str, Any]]:
+    """What ``inspect`` shows of each of ``keys``: an object's value; a tensor's or bytes'
+    dtype, shape, chunks, sizes and logical digest (where recorded)."""
+    logical = digests_of(m.logical, m.leaves) or {}  # each tensor's logical digest, where recorded
+    leaves = []
+    for k in keys:
+        leaf = m.leaves[k]
+        if leaf.kind == "object":
+            leaves.append({"key": k, "kind": "object", "value": leaf.value})
+        else:
+            leaves.append(
+                {
+                    "key": k,
+                    "kind": leaf.kind,
+                    "dtype": leaf.dtype,
+                    "shape": list(leaf.shape),
+                    "chunks": len(leaf.chunks),
+                    "size_bytes": leaf.nbytes,
+                    "stored_bytes": sum(c.length for c in leaf.chunks),
+                    "logical_digest": logical.get(k),
+                }
+            )
+    return leaves
+
+
+def _say_manifest(url: str, m: Manifest, leaves: list[dict[str, Any]]) -> None:
+    """``inspect``'s text: the manifest's fields and metadata, then a table of ``leaves``."""
     head = [
-        ("root", storage.url),
+        ("root", url),
         ("step", m.step),
         ("format version", m.format_version),
         ("requires", ", ".join(m.requires) or "-"),
@@ -223,7 +235,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 ]
             )
     say(*table_lines(["KEY", "KIND", "DTYPE", "SHAPE", "CHUNKS", "SIZE", "VALUE"], table, "lllrrrl"))
-    return EXIT_OK
 
 
 def add_ls(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:

@@ -37,6 +37,7 @@ from shardkeeper.core.errors import (
 )
 from shardkeeper.core.lifecycle.retention import delete_unreferenced, referenced_paths
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.verify.report import VerifyReport
 from shardkeeper.core.verify.step import verify_step
 
 #: The verification problems that are damage (``verify_report.Problem.kind``); the others (the
@@ -128,21 +129,29 @@ def judge_damaged(
     if damage:
         out.damage = [p.message for p in damage[:5]]
         return out
+    raise _no_damage(storage, step, report, files, where, nothing)
+
+
+def _no_damage(
+    storage: Storage, step: int, report: VerifyReport, files: Collection[str] | None, where: str, nothing: str
+) -> ValueError:
+    """Why ``step``, verified without damage, is not judged damaged: it could not be checked,
+    the files named damaged verify intact now, or the whole step does."""
     if report.problems:
-        raise ValueError(
+        return ValueError(
             f"{where} could not be checked: {'; '.join(p.message for p in report.problems[:3])}. "
             f"That proves no damage; {nothing}. Retry when the storage answers (or with "
             f"the step's encryption key)"
         )
     if files is not None:
         shown = ", ".join(sorted(files)[:3]) + (" ..." if len(files) > 3 else "")
-        raise ValueError(
+        return ValueError(
             f"{where}: its manifest validates and the files found damaged ({shown or 'none named'}) verify "
             f"intact now (every digest checked): the damage seen did not last, or lies elsewhere; {nothing}. "
             f"`shardkeeper verify {storage.url} {step}` checks every file"
         )
     newest = newest_committed(storage) == step
-    raise ValueError(
+    return ValueError(
         f"{where} verifies intact ({report.files_checked} files, {report.chunks_checked} chunks, "
         f"every digest checked): {nothing}. "
         + (

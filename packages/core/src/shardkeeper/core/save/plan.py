@@ -136,21 +136,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
     meshes: dict[Any, Any] = {}
     plain_sizes: dict[str, int] = {}
     for key, leaf in flat.leaves.items():
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError as e:  # (only when planning afresh: a cached plan has the same keys)
-            raise StateMismatchError(
-                f"state key {key!r} holds a lone surrogate ({key[e.start]!r} at position {e.start}, e.g. "
-                f"from os.fsdecode of a non-UTF-8 name), which has no UTF-8 form: the key could not "
-                f"be stored; rename it"
-            ) from None
-        if not key or key.startswith(PAD_PREFIX):
-            raise StateMismatchError(
-                f"state key {key!r} is empty or starts with {PAD_PREFIX!r}, which shard files reserve "
-                f"for alignment padding (docs/format.md 4); rename it"
-                if key
-                else "a state key is empty (a dict with the key ''); give it a name"
-            )
+        _check_key(key)  # (only when planning afresh: a cached plan has the same keys)
         if leaf.kind == "object":
             if leaf.per_rank is not None or rank == 0:
                 plan.objects[key] = leaf.value
@@ -208,6 +194,26 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
                 continue
             plan.items.append(WriteItem(key, dtype, layout.global_shape, p.offsets, p.shape, p.local, n * size))
     return plan
+
+
+def _check_key(key: str) -> None:
+    """Refuse a state key the format cannot store: one without a UTF-8 form, an empty one, or
+    one in the prefix shard files reserve for padding."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise StateMismatchError(
+            f"state key {key!r} holds a lone surrogate ({key[e.start]!r} at position {e.start}, e.g. "
+            f"from os.fsdecode of a non-UTF-8 name), which has no UTF-8 form: the key could not "
+            f"be stored; rename it"
+        ) from None
+    if not key or key.startswith(PAD_PREFIX):
+        raise StateMismatchError(
+            f"state key {key!r} is empty or starts with {PAD_PREFIX!r}, which shard files reserve "
+            f"for alignment padding (docs/format.md 4); rename it"
+            if key
+            else "a state key is empty (a dict with the key ''); give it a name"
+        )
 
 
 def _signature(flat: FlatState) -> tuple[Any, ...] | None:
