@@ -10,6 +10,8 @@ MODE ``kill``: step 1 and 2 are saved and waited for, step 3 is saved and the ra
 wait in a barrier (torchrun then tears them down). Each rank writes its expected step-3 state
 to ``ROOT.expect.<rank>.pt`` first (a test-only file, saved with ``torch.save``) and its
 persist process's pid to ``ROOT.pid.<rank>``.
+MODE ``persist-kill``: rank 1's persist process is killed before it writes step 2: both
+ranks' saves fail at once (not after the commit timeout), and step 3 commits.
 MODE ``resume``: a fresh trainer restores the newest step and checks it is step 3, bit for bit.
 """
 
@@ -84,6 +86,41 @@ def main(results: Path, mode: str, root: str) -> None:
         if rank == victim:
             os.kill(os.getpid(), signal.SIGKILL)
         dist.barrier()  # never passes: torchrun tears this rank down
+    elif mode == "persist-kill":
+
+        def persist_killed() -> None:
+            import time
+
+            from shardkeeper.core import CheckpointSaveError
+
+            with CheckpointManager(root, commit_timeout_s=600.0, **opts) as mgr:
+                mgr.save(1, {"s": saved(state(rank, 1))}).wait()
+                dist.barrier()
+                t0 = time.monotonic()
+                h = mgr.save(2, {"s": saved(state(rank, 2))})
+                if rank == 1:  # stopped before it can write, then killed: it never reports
+                    pid = mgr._saver.pid
+                    assert pid is not None
+                    os.kill(pid, signal.SIGSTOP)
+                    os.kill(pid, signal.SIGKILL)
+                try:
+                    h.wait()
+                except CheckpointSaveError as e:
+                    text = str(e)
+                    assert "step 2" in text and ("rank 1" in text), text
+                    if rank == 1:
+                        assert "SIGKILL" in text, text
+                else:
+                    raise AssertionError("the save whose rank-1 persist process was killed committed")
+                waited = time.monotonic() - t0
+                print(f"rank {rank}: failure heard after {waited:.1f} s", flush=True)
+                assert waited < 120, f"rank {rank} heard of the failure only after {waited:.0f} s"
+                mgr.save(3, {"s": saved(state(rank, 3))}).wait()  # a new persist process on rank 1
+                assert mgr.steps() == [1, 3], mgr.steps()
+
+        checks.run(
+            "a killed persist process fails its save on every rank at once; the next save commits", persist_killed
+        )
     elif mode == "resume":
 
         def resume() -> None:

@@ -29,6 +29,12 @@ def test_back_to_back_saves_by_persist_processes(tmp_path: Path) -> None:
     assert_checks(read_checks(*(tmp_path / f"saves.r{r}.json" for r in range(2)), output=res.stdout))
 
 
+def test_a_killed_persist_process_fails_its_save_on_every_rank_at_once(tmp_path: Path) -> None:
+    res = run_workers(2, "persist_worker.py", str(tmp_path), "persist-kill", str(tmp_path / "root"))
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert_checks(read_checks(*(tmp_path / f"persist-kill.r{r}.json" for r in range(2)), output=res.stdout))
+
+
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_trainer_killed_after_save_returned_loses_nothing(tmp_path: Path, victim: int) -> None:
     """Rank ``victim``'s trainer SIGKILLs itself right after ``save(3)`` returns; torchrun tears

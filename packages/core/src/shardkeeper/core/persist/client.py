@@ -299,12 +299,16 @@ class PersistRunner(SaveRunner):
                 self._drop()
             if self._lock_path is not None:  # its process is gone: its lock is free, its file stale
                 locks.clear_if_free(self._lock_path)
-            raise CheckpointSaveError(
+            err = CheckpointSaveError(
                 f"save of step {step} on rank {self.ctx.rank}: its persist process ended ({how}) before the "
                 f"save's outcome was known; the step may or may not be committed (a restore takes it if its "
                 f"manifest is there, else the newest step before it). The next save starts a new persist process",
                 step=step,
-            ) from e
+            )
+            if self.ctx.world_size > 1:  # a new process takes the lost save's turn: no rank waits for its report
+                self._take_turn(step, seq, err, Phase.WRITE)
+                self._handed.discard(seq)  # (its outcome is not waited for: the next save's read skips it)
+            raise err from e
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -2,14 +2,15 @@
 trainer at the first save (``python -m shardkeeper.core.persist.worker FD``).
 
 It rebuilds the manager's writer from the ``PersistSpec`` it is sent first (the root opened
-the same way, the same codecs, a coordinator of its own on the job's c10d store server), then
+the same way, the same codecs, a coordinator of its own: ``meeting.py``), then
 runs each save it is handed: the bytes are in the staging buffer it maps (``save/shared.py``),
 the plan and spans come over the channel (``channel.py``). It hashes, encodes, writes, reports,
 commits (rank 0), applies retention and answers the outcome; nothing of it runs in the
 trainer's interpreter. It holds each save's lock (``locks.py``) until the outcome is known.
 
-It runs in a session of its own, so torchrun's teardown of its workers' process groups does
-not reach it, and it outlives its trainer by design: once the channel closes without a
+It runs at a lower CPU priority than its trainer (``NICENESS``) and in a session of its own,
+so torchrun's teardown of its workers' process groups does not reach it, and it outlives its
+trainer by design: once the channel closes without a
 ``close`` message (the trainer died), it finishes the save in hand, takes the turn of the
 save that will never come (so no other rank waits for it until the timeout), and exits.
 """
@@ -175,8 +176,17 @@ class Worker:
         self.io.shutdown(wait=True)
 
 
+#: The persist process's niceness above its trainer's: where CPUs are short, training's own
+#: threads (a kernel-launching loop, data loading) run first, and the save takes the rest.
+NICENESS = 10
+
+
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
+    try:
+        os.nice(NICENESS)
+    except OSError:  # (a sandbox that refuses it: the save runs at the trainer's priority)
+        pass
     logging.basicConfig(level=os.environ.get("SHARDKEEPER_PERSIST_LOG", "WARNING").upper())
     try:
         kind, spec, _ = recv(sock)
