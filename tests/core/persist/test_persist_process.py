@@ -157,3 +157,37 @@ def test_what_a_persist_process_cannot_serve_is_refused_up_front(
         kwargs = {**kwargs, "encryption": _UserKeys(bytes(range(32)))}
     with pytest.raises(ValueError, match=match):
         CheckpointManager(str(tmp_path / "root"), **kwargs)
+
+
+def test_a_script_that_ends_without_close_commits_and_leaves_no_process(tmp_path: Path) -> None:
+    """The save waited for at exit, as with the thread writer; then the persist process is told
+    to end, and does."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from shardkeeper.core import CheckpointManager\n"
+        "mgr = CheckpointManager(sys.argv[1], writer='process')\n"
+        "mgr.save(7, {'w': torch.arange(1 << 20, dtype=torch.float32)})\n"
+        "print(mgr._saver.pid, flush=True)\n"
+    )
+    env = {**os.environ, "SHARDKEEPER_PERSIST_LOCKS": str(tmp_path / "locks")}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "root")], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the persist process {pid} outlived its trainer's exit")
+    with CheckpointManager(str(tmp_path / "root")) as mgr:
+        assert mgr.latest_step() == 7
+        assert torch.equal(mgr.load(7)["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert not list((tmp_path / "locks").glob("*.lock"))

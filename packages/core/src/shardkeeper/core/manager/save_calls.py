@@ -111,8 +111,15 @@ class SaveCalls:
             raise err
 
     def _finish_at_exit(self) -> str | None:
-        """At interpreter exit (``at_exit``): wait for the pending save; describe its failure
-        if nobody has seen it."""
+        """At interpreter exit (``at_exit``): wait for the pending save, then end the writer's
+        persist process if it has one; describe the save's failure if nobody has seen it."""
+        try:
+            return self._pending_at_exit()
+        finally:
+            if not self._closed:
+                self._saver.close()
+
+    def _pending_at_exit(self) -> str | None:
         p = self._pending
         if p is None or self._closed:
             return None
