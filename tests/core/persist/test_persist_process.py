@@ -191,3 +191,27 @@ def test_a_script_that_ends_without_close_commits_and_leaves_no_process(tmp_path
         assert mgr.latest_step() == 7
         assert torch.equal(mgr.load(7)["w"], torch.arange(1 << 20, dtype=torch.float32))
     assert not list((tmp_path / "locks").glob("*.lock"))
+
+
+def test_a_lock_directory_others_could_plant_links_in_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock file is created and truncated by name: in a directory another user could write
+    (or a link to one), a planted link would make that truncate someone else's file."""
+    from shardkeeper.core.errors import CheckpointError
+    from shardkeeper.core.persist import locks
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(shared))
+    with pytest.raises(CheckpointError, match="not a directory of this user's alone"):
+        locks.hold("/root", "shardkeeper/ab", 0, 1)
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(link))
+    with pytest.raises(CheckpointError, match="SHARDKEEPER_PERSIST_LOCKS"):
+        locks.wait_for_commits("/root", "", 1.0, rank=0)
+    assert victim.read_text() == "precious"

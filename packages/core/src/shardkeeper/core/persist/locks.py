@@ -22,11 +22,12 @@ import fcntl
 import hashlib
 import logging
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
 
-from shardkeeper.core.errors import CheckpointTimeoutError
+from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,27 @@ _POLL_S = 0.05
 
 
 def lock_dir() -> Path:
-    """Where this node's in-flight locks live (``SHARDKEEPER_PERSIST_LOCKS`` overrides it)."""
-    where = os.environ.get("SHARDKEEPER_PERSIST_LOCKS") or os.path.join(tempfile.gettempdir(), "shardkeeper-persist")
+    """Where this user's in-flight locks live on this node (``SHARDKEEPER_PERSIST_LOCKS``
+    overrides it): a directory of this user's alone, so that nobody else can plant a file or a
+    link there."""
+    where = os.environ.get("SHARDKEEPER_PERSIST_LOCKS") or os.path.join(
+        tempfile.gettempdir(), f"shardkeeper-persist-{os.getuid()}"
+    )
     return Path(where)
+
+
+def _own_dir() -> Path:
+    """``lock_dir()``, made if missing, and checked to be a real directory this user owns that
+    no one else may write to (a shared temporary directory is a place for link attacks)."""
+    where = lock_dir()
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(where)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise CheckpointError(
+            f"the persist lock directory {where} is not a directory of this user's alone (a link, another "
+            f"user's, or writable by others); remove it, or set SHARDKEEPER_PERSIST_LOCKS to a directory of yours"
+        )
+    return where
 
 
 def root_tag(url: str) -> str:
@@ -52,10 +71,8 @@ def short(namespace: str) -> str:
 def hold(url: str, namespace: str, rank: int, step: int) -> tuple[int, Path]:
     """An open, exclusively locked file for the save of ``step`` by ``rank`` of the manager
     ``namespace`` on the root ``url``: its descriptor and path."""
-    where = lock_dir()
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = where / f"{root_tag(url)}.{short(namespace)}.{rank}.{step}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    path = _own_dir() / f"{root_tag(url)}.{short(namespace)}.{rank}.{step}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
@@ -80,10 +97,9 @@ def release(fd: int, path: Path | str) -> None:
 
 def _held_by_others(url: str, namespace: str) -> list[Path]:
     ns = short(namespace) if namespace else None
-    try:
-        names = os.listdir(lock_dir())
-    except FileNotFoundError:
+    if not lock_dir().exists():
         return []
+    names = os.listdir(_own_dir())
     tag = root_tag(url) + "."
     out = []
     for name in names:
@@ -96,7 +112,7 @@ def clear_if_free(path: Path | str) -> bool:
     """True when ``path`` is no longer locked (it is then removed), or is gone."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return True
     try:
