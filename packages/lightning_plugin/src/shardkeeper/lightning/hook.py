@@ -65,9 +65,16 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
     if plugin.strategy is not None and plugin.strategy is not strategy:
         disconnect(plugin)
     plugin.strategy = strategy
-    binding = plugin.binding  # what the replacements below call
-    patches = binding.patches
+    patches = plugin.binding.patches
     patches.set(strategy, "_shardkeeper_plugin", plugin)
+    for name, fn in _methods(plugin, strategy).items():
+        patches.set(strategy, name, fn)
+
+
+def _methods(plugin: ShardkeeperCheckpointIO, strategy: Any) -> dict[str, Any]:
+    """The methods ``connect`` puts on ``strategy``, by name: its checkpoint I/O through the
+    plugin's binding, and its start and end, which check the resume and finish the saves."""
+    binding = plugin.binding  # what the replacements below call
     orig_load_model = strategy.load_model_state_dict
     orig_load_optim = strategy.load_optimizer_state_dict
     orig_remove = strategy.remove_checkpoint
@@ -125,18 +132,17 @@ def connect(plugin: ShardkeeperCheckpointIO, strategy: Any) -> None:
             )
         orig_train_start()
 
-    for name, fn in (
-        ("save_checkpoint", save_checkpoint),
-        ("load_checkpoint", load_checkpoint),
-        ("load_model_state_dict", load_model_state_dict),
-        ("load_optimizer_state_dict", load_optimizer_state_dict),
-        ("lightning_module_state_dict", lambda: {}),
-        ("optimizer_state", lambda optimizer: {}),
-        ("remove_checkpoint", remove_checkpoint),
-        ("teardown", teardown),
-        ("on_train_start", on_train_start),
-    ):
-        patches.set(strategy, name, fn)
+    return {
+        "save_checkpoint": save_checkpoint,
+        "load_checkpoint": load_checkpoint,
+        "load_model_state_dict": load_model_state_dict,
+        "load_optimizer_state_dict": load_optimizer_state_dict,
+        "lightning_module_state_dict": lambda: {},
+        "optimizer_state": lambda optimizer: {},
+        "remove_checkpoint": remove_checkpoint,
+        "teardown": teardown,
+        "on_train_start": on_train_start,
+    }
 
 
 def disconnect(plugin: ShardkeeperCheckpointIO) -> None:
