@@ -226,7 +226,8 @@ def part_loop(args: argparse.Namespace, work: Path, size_mib: float, timeout_s: 
         repeats = 1  # on disk, 4 GiB checkpoints take seconds each: one round, not the budget
     cmd = [sys.executable, str(HERE / "loop.py"), f"--device={device}", "--nproc=1", f"--size-mib={size_mib:g}"]
     cmd += [f"--steps={args.steps}", "--save-after=1", f"--batch={args.batch}", f"--seq={args.seq}"]
-    cmd += [f"--repeats={repeats}", "--methods=sk_blocking,sk_overlap,dcp_reuse,dcp_async_staging"]
+    methods = "sk_blocking,sk_overlap,sk_process,sk_process_overlap,dcp_reuse,dcp_async_staging,dcp_process"
+    cmd += [f"--repeats={repeats}", f"--methods={methods}"]
     cmd += [f"--results-dir={out}", f"--workdir={args.workdir}", f"--timeout-s={max(timeout_s - 15, 5):.0f}"]
     res = _run(cmd, timeout_s)
     found = sorted(out.glob("loop-*.json"))

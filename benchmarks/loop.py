@@ -17,6 +17,10 @@ that outlasts the K steps is charged too. Methods:
 - ``dcp_reuse``: ``dcp.async_save`` with one reused ``DefaultStager`` (blocking staging);
 - ``dcp_async_staging``: the same stager with ``use_async_staging=True``; the loop waits for
   ``staging_completion`` right before the next ``optimizer.step()`` (DCP's contract).
+- ``sk_process`` / ``sk_process_overlap``: ``writer="process"`` with blocking / overlapped
+  staging (a persist process writes and commits);
+- ``dcp_process``: ``dcp.async_save(..., async_checkpointer_type=PROCESS)`` with a reused
+  blocking stager (DCP's writer daemon process).
 
 DCP's async collectives run on their own gloo group (sharing the training group deadlocks
 with FSDP's collectives); shardkeeper needs none. Reported per method: overhead = loop time
@@ -43,7 +47,17 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("none", "sk_blocking", "sk_overlap", "sk_buffered", "dcp_reuse", "dcp_async_staging")
+METHODS = (
+    "none",
+    "sk_blocking",
+    "sk_overlap",
+    "sk_buffered",
+    "sk_process",
+    "sk_process_overlap",
+    "dcp_reuse",
+    "dcp_async_staging",
+    "dcp_process",
+)
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -98,6 +112,7 @@ def worker(args: argparse.Namespace) -> None:
     from _dcp_stager import ReusableStager
     from torch.distributed.checkpoint.staging import StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.fsdp import fully_shard
 
     from shardkeeper.core import CheckpointManager
@@ -165,12 +180,16 @@ def worker(args: argparse.Namespace) -> None:
         "sk_buffered": lambda: CheckpointManager(
             work / "sk_buffered", staging="blocking", storage_options={"direct_io": False}
         ),
+        "sk_process": lambda: CheckpointManager(work / "sk_process", staging="blocking", writer="process"),
+        "sk_process_overlap": lambda: CheckpointManager(
+            work / "sk_process_overlap", staging="overlap", writer="process"
+        ),
     }
     mgrs = {m: build() for m, build in builders.items() if m in methods}
     opts = dict(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
     stagers = {
         m: ReusableStager(StagingOptions(use_async_staging=m == "dcp_async_staging", **opts))
-        for m in ("dcp_reuse", "dcp_async_staging")
+        for m in ("dcp_reuse", "dcp_async_staging", "dcp_process")
         if m in methods
     }
     counter = [0]
@@ -201,11 +220,13 @@ def worker(args: argparse.Namespace) -> None:
                 pending = mgrs[method].save(n, {"model": model, "optim": opt})
             else:
                 msd, osd = get_state_dict(model, opt)
+                kind = AsyncCheckpointerType.PROCESS if method == "dcp_process" else AsyncCheckpointerType.THREAD
                 resp = dcp.async_save(
                     {"model": msd, "optim": osd},
                     checkpoint_id=str(work / f"dcp-{n}"),
                     process_group=dcp_group,
                     async_stager=stagers[method],
+                    async_checkpointer_type=kind,
                 )
                 if hasattr(resp, "staging_completion"):
                     wait = resp.staging_completion.result
