@@ -34,14 +34,17 @@ def restored(mgr: CheckpointManager, step: int, device: Any) -> dict[str, Any]:
     return state_of(model, opt)
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
 @pytest.mark.parametrize("staging", ["blocking", "overlap"])
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_save_restore_bit_exact(tmp_path: Path, device: Any, async_save: bool, staging: str) -> None:
+def test_save_restore_bit_exact(tmp_path: Path, device: Any, async_save: bool, staging: str, writer: str) -> None:
+    """``writer="process"``: the device-to-host copy lands in shared memory (pinned where the
+    driver registers it), and a persist process writes it."""
     model, opt = trained(1, device)
     ref = state_of(model, opt)
     ineffective = staging == "overlap" and not async_save  # a synchronous save has no copy to overlap
     with pytest.warns(IneffectiveOptionWarning) if ineffective else contextlib.nullcontext():
-        mgr = CheckpointManager(tmp_path, async_save=async_save, staging=staging)
+        mgr = CheckpointManager(tmp_path, async_save=async_save, staging=staging, writer=writer)
     with mgr:
         mgr.save(3, {"model": model, "optim": opt}).wait()
         train_step(model, opt, 7)  # the live state moves on; the checkpoint must not
