@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardkeeper.core import CheckpointManager, CheckpointSaveError, LocalKeyProvider
+from shardkeeper.core import CheckpointManager, CheckpointSaveError, LocalKeyProvider, metrics
 from tests.checks import assert_same_state
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,6 +57,7 @@ def test_saves_through_a_persist_process_restore_bit_for_bit(
     monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "locks"))
     root = str(tmp_path / "root")
     live = _state(1)
+    written = metrics.BYTES_WRITTEN.total()
     with CheckpointManager(root, writer="process", **options) as mgr:
         for step in (1, 2, 3):
             for k, v in _state(step).items():
@@ -66,6 +67,7 @@ def test_saves_through_a_persist_process_restore_bit_for_bit(
         pid = mgr._saver.pid
         mgr.wait()
         assert mgr.steps() == [1, 2, 3]
+    assert metrics.BYTES_WRITTEN.total() > written  # the persist process's counts reach the trainer's metrics
     assert pid is not None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # close() ended it

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core import errors
+from shardkeeper.core import errors, metrics
 from shardkeeper.core.errors import PersistChannelClosed
+from shardkeeper.core.metrics import LabelKey
 
 _HEADER = struct.Struct("!Q")
 #: Builtins a payload may hold besides the core's classes (containers and scalars pickle natively).
@@ -132,6 +133,30 @@ def rebuilt(record: dict[str, Any]) -> errors.CheckpointError:
         return errors.CheckpointSaveError(message, step=step)
 
 
+def counters() -> dict[tuple[str, LabelKey], float]:
+    """Every counter of this process's metrics registry, by name and label set."""
+    return {(m.name, k): float(v) for m in metrics.REGISTRY if m.kind == "counter" for k, v in m.samples()}
+
+
+def counted_since(before: dict[tuple[str, LabelKey], float]) -> list[tuple[str, LabelKey, float]]:
+    """What the counters grew by since ``before`` (a persist process's share of a save: bytes
+    written, errors after a commit), for its trainer to add to its own registry."""
+    return [
+        (name, k, v - before.get((name, k), 0.0))
+        for (name, k), v in counters().items()
+        if v > before.get((name, k), 0.0)
+    ]
+
+
+def add_counted(grown: list[tuple[str, LabelKey, float]]) -> None:
+    """The trainer's side of ``counted_since``."""
+    for name, labels, amount in grown:
+        try:
+            metrics.REGISTRY[name].inc(amount, **dict(labels))
+        except (KeyError, ValueError):  # a counter this process does not have: nothing to add to
+            pass
+
+
 def _close(fd: int) -> None:
     try:
         os.close(fd)
@@ -139,4 +164,15 @@ def _close(fd: int) -> None:
         pass
 
 
-__all__ = ["PersistChannelClosed", "decode", "encode", "error_record", "rebuilt", "recv", "send"]
+__all__ = [
+    "PersistChannelClosed",
+    "add_counted",
+    "counted_since",
+    "counters",
+    "decode",
+    "encode",
+    "error_record",
+    "rebuilt",
+    "recv",
+    "send",
+]

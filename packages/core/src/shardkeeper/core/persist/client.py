@@ -37,7 +37,7 @@ from shardkeeper.core.commit.protocol import Phase
 from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
 from shardkeeper.core.persist import locks
-from shardkeeper.core.persist.channel import error_record, rebuilt, recv, send
+from shardkeeper.core.persist.channel import add_counted, error_record, rebuilt, recv, send
 from shardkeeper.core.persist.spec import PersistSpec, checked_spec
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.coordinator import StoreCoordinator
@@ -291,8 +291,10 @@ class PersistRunner(SaveRunner):
                 elif kind == "failed":
                     self._drop()
                     raise rebuilt(payload)
-                elif kind == "outcome" and payload["seq"] == seq:
-                    return payload["error"]  # type: ignore[no-any-return]
+                elif kind == "outcome":
+                    add_counted(payload.get("counted") or [])
+                    if payload["seq"] == seq:
+                        return payload["error"]  # type: ignore[no-any-return]
         except PersistChannelClosed as e:
             how = self._ended()
             with self._send_lock:

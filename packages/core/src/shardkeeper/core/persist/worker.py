@@ -28,7 +28,7 @@ from typing import Any
 from shardkeeper.core.commit.protocol import COORDINATOR, Failure, Outcome, Phase
 from shardkeeper.core.errors import CheckpointSaveError, CoordinatorLostError, PersistChannelClosed
 from shardkeeper.core.persist import locks
-from shardkeeper.core.persist.channel import error_record, rebuilt, recv, send
+from shardkeeper.core.persist.channel import counted_since, counters, error_record, rebuilt, recv, send
 from shardkeeper.core.persist.meeting import Meeting
 from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.runtime.context import ManagerContext, open_root
@@ -115,7 +115,7 @@ class Worker:
 
     def _save(self, sock: socket.socket, msg: dict[str, Any], lock: int | None) -> None:
         self.next_seq = msg["seq"] + 1
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), counters()
         error: dict[str, Any] | None = None
         try:
             self.runner.run(self._job(msg))
@@ -129,7 +129,8 @@ class Worker:
                 locks.release(lock, msg["lock"])
             if isinstance(self.coord, Meeting):
                 self.coord.seen(msg["seq"])
-        self._answer(sock, {"seq": msg["seq"], "error": error, "seconds": time.perf_counter() - t0})
+        grown = counted_since(before)
+        self._answer(sock, {"seq": msg["seq"], "error": error, "seconds": time.perf_counter() - t0, "counted": grown})
 
     def _turn(self, sock: socket.socket, msg: dict[str, Any]) -> None:
         """A save that failed in the trainer before it was handed over still takes its turn."""
