@@ -18,14 +18,15 @@ import pytest
 
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
+from tests.persist_probe import assert_persist_processes_gone
 
 pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
 
 WORKER = Path(__file__).parent / "dist" / "worker.py"
 
 
-def _run(nproc: int, phase: str, d: Path) -> list[dict]:
-    proc = run_script(nproc, WORKER, phase, str(d), timeout_s=240)
+def _run(nproc: int, phase: str, d: Path, env: dict[str, str] | None = None) -> list[dict]:
+    proc = run_script(nproc, WORKER, phase, str(d), timeout_s=240, env=env)
     assert proc.returncode == 0, proc.stdout[-6000:]
     checks = read_checks(d / f"{phase}.json", output=proc.stdout)
     assert checks, proc.stdout[-3000:]
@@ -53,6 +54,21 @@ def test_resume_matches_uninterrupted_run_bit_for_bit(runs: dict[str, list[dict]
     mine = [c for c in runs["resume"] if c["name"].startswith(f"{strategy} ") or "raised" in c["name"]]
     assert len(mine) == 12, runs["resume"]
     assert_checks(mine)
+
+
+@pytest.mark.timeout(600)
+def test_ddp_resume_bit_for_bit_with_the_process_writer(tmp_path: Path) -> None:
+    """The ddp launches again with ``writer="process"``: every save is written and committed by
+    persist processes, both resumes match the uninterrupted run bit for bit, and no persist
+    process outlives its trainer."""
+    env = {"SK_STRATEGIES": "ddp", "SK_WRITER": "process", "SHARDKEEPER_PERSIST_LOCKS": str(tmp_path / "locks")}
+    train = _run(2, "train", tmp_path, env)
+    assert_checks(train)
+    assert len(train) == 6, train  # 4 of ddp, its persist processes, no torch.save or DCP save
+    resume = _run(2, "resume", tmp_path, env)
+    assert_checks(resume)
+    assert len(resume) == 15, resume  # 12 of ddp, its persist processes from 2 checkpoints, no torch.save
+    assert_persist_processes_gone(*(tmp_path / f"persist-pids-r{r}" for r in range(2)))
 
 
 def _cross(runs: dict[str, list[dict]], *words: str) -> list[dict]:

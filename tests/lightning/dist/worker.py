@@ -14,6 +14,10 @@ are compared bit for bit with the uninterrupted run.
 1; a checkpoint written by the core directly resumes in a Trainer; a Lightning .ckpt and a
 Lightning sharded directory (stock ModelParallel, written at the end of ``train``) are imported.
 
+``SK_STRATEGIES=ddp,...``: those strategies only. ``SK_WRITER=process``: the plugins write with
+``writer="process"``; after each fit every rank checks that persist processes served its saves
+and notes their pids in ``DIR/persist-pids-r<rank>``.
+
 Rank 0 writes its checks (``tests.checks.Checks``) to ``DIR/<phase>.json``.
 """
 
@@ -38,6 +42,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from shardkeeper.lightning import ShardkeeperCheckpointIO  # noqa: E402
 from shardkeeper.core.format.pointer import looks_like_pointer  # noqa: E402
 from tests.checks import Checks, deepspeed_full_state  # noqa: E402
+from tests.persist_probe import note_persist_processes  # noqa: E402
 from tests.lightning.common import (  # noqa: E402
     Net,
     cpu_deepspeed_strategy,
@@ -48,6 +53,7 @@ from tests.lightning.common import (  # noqa: E402
 
 EPOCHS = 4
 STRATEGIES = tuple(os.environ.get("SK_STRATEGIES", "ddp,fsdp2,tp,fsdp1,ds2,ds3").split(","))  # a subset: debugging
+WRITER = os.environ.get("SK_WRITER", "thread")  # the plugin's writer option: "thread" or "process"
 MODE = {"ddp": "none", "fsdp1": "none", "ds2": "none", "ds3": "none"}
 checks = Checks()
 check = checks.check
@@ -172,9 +178,11 @@ def phase_train(d: str, world: int) -> None:
         L.seed_everything(0)
         net = Net(mode=MODE.get(name, name))
         rec = Recorder(out)
-        plugin = ShardkeeperCheckpointIO(f"{out}/root")
+        plugin = ShardkeeperCheckpointIO(f"{out}/root", writer=WRITER)
         t = trainer(make_strategy(name, world), plugin, f"{out}/ck", world, [rec])
         t.fit(net, loader())
+        if WRITER == "process":
+            note_persist_processes(checks, f"{name} train", plugin.manager().options, f"{d}/persist-pids-r{rank()}")
         st = state_of(t, net)
         save_file({k: v.contiguous() for k, v in st.items()}, f"{out}/ref-final-r{rank()}.safetensors")
         if rank() == 0:
@@ -201,7 +209,8 @@ def phase_train(d: str, world: int) -> None:
             want = [s for s in meta["steps"] if s != meta["steps"][2]]
             check(f"{name}: removing a path deletes its step on every rank (collective)", left == want and not os.path.exists(doomed), left)
     check("no torch.save and no DCP save by any strategy", counts == {"torch.save": 0, "dcp.save": 0}, counts)
-    stock_sharded_save(d, world)
+    if "fsdp2" in STRATEGIES:  # for phase cross (the FSDP2 checkpoint's import)
+        stock_sharded_save(d, world)
 
 
 def stock_sharded_save(d: str, world: int) -> None:
@@ -262,9 +271,11 @@ def phase_resume(d: str, world: int) -> None:
             L.seed_everything(0)
             net = Net(mode=MODE.get(name, name))
             at = AtStart()
-            plugin = ShardkeeperCheckpointIO(f"{out}/root-{epoch_ref}")
+            plugin = ShardkeeperCheckpointIO(f"{out}/root-{epoch_ref}", writer=WRITER)
             t = trainer(make_strategy(name, world), plugin, f"{out}/ck-{epoch_ref}", world, [at])
             t.fit(net, loader(), ckpt_path=f"{out}/ck/{ckpt}")
+            if WRITER == "process":
+                note_persist_processes(checks, f"{name} {label}", plugin.manager().options, f"{d}/persist-pids-r{rank()}")
             step0 = at.seen["global_step"]
             check(f"{name} {label}: resumed at global_step {step0}, epoch {at.seen['epoch']}", step0 == (epoch_ref + 1) * ref["global_step"] // EPOCHS == at.seen["engine_steps"] and at.seen["epoch"] == epoch_ref + 1, (at.seen["epoch"], at.seen["engine_steps"]))
             compare(name, f"{label} (at resume)", load_file(f"{out}/ref-epoch{epoch_ref}-r{rank()}.safetensors"), at.seen["state"])
