@@ -36,13 +36,18 @@ def persist_children(parent: int | None = None) -> list[int]:
     return sorted(found)
 
 
+def persist_check(what: str) -> str:
+    """The name of the check ``note_persist_processes(checks, what, ...)`` records."""
+    return f"{what}: the saves went through persist processes (writer='process')"
+
+
 def note_persist_processes(checks: Any, what: str, options: Any, out: str | os.PathLike[str]) -> list[int]:
     """Check (in ``checks``, a ``tests.checks.Checks``) that ``options`` (a manager's
     ``CheckpointOptions``) say ``writer="process"`` and that persist processes serve this
     trainer; append their pids to the file ``out``, one a line."""
     pids = persist_children()
     checks.check(
-        f"{what}: the saves went through persist processes (writer='process')",
+        persist_check(what),
         options.writer == "process" and len(pids) > 0,
         f"writer={options.writer!r}, persist processes of pid {os.getpid()}: {pids}",
     )

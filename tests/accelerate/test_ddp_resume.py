@@ -15,6 +15,7 @@ import pytest
 
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
+from tests.persist_probe import assert_persist_processes_gone, persist_check
 
 pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
 
@@ -44,8 +45,8 @@ RESUME_CHECKS = {
 }
 
 
-def _launch(mode: str, out: Path, expected: set[str]) -> None:
-    proc = run_script(2, WORKER, mode, str(out), timeout_s=150)
+def _launch(mode: str, out: Path, expected: set[str], env: dict[str, str] | None = None) -> None:
+    proc = run_script(2, WORKER, mode, str(out), timeout_s=150, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:]
     checks = read_checks(*(out / f"{mode}-rank{rank}.json" for rank in range(2)), output=proc.stdout)
     assert_checks(checks, sorted(expected), where=mode)
@@ -63,6 +64,17 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(360)
 def test_ddp_save_resume_in_new_process(ddp_run: Path) -> None:
     assert (ddp_run / "cross-0.pt").exists()
+
+
+@pytest.mark.timeout(360)
+def test_ddp_save_resume_with_the_process_writer(tmp_path: Path) -> None:
+    """Both launches again with ``SHARDKEEPER_WRITER=process`` (read by ``enable()``): every
+    save (async, sync, other roots, FSDP2) is written and committed by persist processes, the
+    same checks hold, and no persist process outlives its trainer."""
+    env = {"SHARDKEEPER_WRITER": "process", "SHARDKEEPER_PERSIST_LOCKS": str(tmp_path / "locks")}
+    _launch("save", tmp_path, SAVE_CHECKS | {persist_check("save")}, env)
+    _launch("resume", tmp_path, RESUME_CHECKS | {persist_check("resume")}, env)
+    assert_persist_processes_gone(*(tmp_path / f"persist-pids-{rank}" for rank in range(2)))
 
 
 @pytest.mark.timeout(420)

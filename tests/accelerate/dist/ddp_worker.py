@@ -5,7 +5,9 @@ then the same run interrupted after step 5 with save_state() after steps 1, 3 an
 (total_limit=2). ``resume OUT``: a new process with other seeds load_state()s, trains steps
 6..12 and compares with the reference bit for bit; then the retention, plain-torch, core-written,
 step-folder, several-models and fully_shard (FSDP2) checks. Each rank writes its checks
-(``tests.checks.Checks``) to ``OUT/<mode>-rank<r>.json``.
+(``tests.checks.Checks``) to ``OUT/<mode>-rank<r>.json``. With ``SHARDKEEPER_WRITER=process``
+(read by ``enable()``), each mode also checks that persist processes wrote its saves and notes
+their pids in ``OUT/persist-pids-<rank>``.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardkeeper.accelerate as ska
 from shardkeeper.core import CheckpointManager
 from tests.checks import Checks, state_diff, state_of
+from tests.persist_probe import note_persist_processes
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 TOTAL, STOP = 12, 5
 SAVE_AT = (1, 3, STOP)
 checks = Checks()
 check = checks.check
+PROCESS_WRITER = os.environ.get("SHARDKEEPER_WRITER") == "process"
 
 
 class Counter:
@@ -93,6 +97,13 @@ def snapshot(model, opt) -> dict:
     return state_of(getattr(model, "module", model), getattr(opt, "optimizer", opt))
 
 
+def note_writer(acc: Accelerator, root: str, rank: int) -> None:
+    """With the process writer: the plugin's saves under ``root`` went through persist processes."""
+    if PROCESS_WRITER:
+        options = ska.plugin_of(acc).manager(root).options
+        note_persist_processes(checks, MODE, options, os.path.join(OUT, f"persist-pids-{rank}"))
+
+
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     proj = os.path.join(OUT, "proj")
@@ -110,6 +121,7 @@ def main() -> None:
         model, opt, sched, dl, counter = setup(acc, seed=0)
         losses, seen = train(acc, model, opt, sched, dl, counter, 0, STOP, save_at=SAVE_AT)
         ska.wait(acc)
+        note_writer(acc, os.path.join(proj, "checkpoints"), rank)
         torch.save({"at_save": snapshot(model, opt), "losses": losses}, os.path.join(OUT, f"interrupted-{rank}.pt"))
         ref = torch.load(os.path.join(OUT, f"ref-{rank}.pt"))
         check("interrupted_run_matches_reference_so_far",
@@ -151,6 +163,7 @@ def resume(acc: Accelerator, rank: int, proj: str) -> None:
           f"{err or 'state equal'}; scheduler last_epoch {psched.last_epoch}, want {sched_steps}")
 
     losses, seen = train(acc, model, opt, sched, dl, counter, STOP, TOTAL, save_at=(8, 10))
+    note_writer(acc, root, rank)
     check("dataloader_resumes_at_right_batch", seen == ref["seen"][STOP:], f"{seen} vs {ref['seen'][STOP:]}")
     bad = [i for i, (a, b) in enumerate(zip(losses, ref["losses"][STOP:])) if not torch.equal(a, b)]
     check("next_losses_bit_exact", len(losses) == TOTAL - STOP and not bad, f"steps differ: {bad}")
