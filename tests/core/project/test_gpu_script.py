@@ -54,10 +54,19 @@ def test_the_dry_run_goes_through_every_part_and_writes_the_results(tmp_path: Pa
     assert names and all(n.startswith("tests/cuda/") or "fsdp_plugin" in n for n in names), names
     assert any("test_cuda_pinned" in n for n in names), names
     [loop] = data["loop"].values()
-    assert set(loop["methods"]) == {"none", "sk_blocking", "sk_overlap", "dcp_reuse", "dcp_async_staging"}
+    assert set(loop["methods"]) == {
+        "none",
+        "sk_blocking",
+        "sk_overlap",
+        "sk_process",
+        "sk_process_overlap",
+        "dcp_reuse",
+        "dcp_async_staging",
+        "dcp_process",
+    }
     assert loop["info"]["raw_copy_s"] > 0
     # This torch reuses a DefaultStager as it is: the stager's table never needed putting back.
-    assert loop["info"]["dcp_stager_refills"] == {"dcp_reuse": 0, "dcp_async_staging": 0}
+    assert loop["info"]["dcp_stager_refills"] == {"dcp_reuse": 0, "dcp_async_staging": 0, "dcp_process": 0}
     mem = data["memory"]["result"]["methods"]
     assert set(mem) == {"sk_blocking", "sk_overlap", "dcp_pinned"}
     assert all(len(m["samples"]) == data["memory"]["result"]["saves"] for m in mem.values())
