@@ -7,8 +7,9 @@ state of about ``--size-mib`` on the device, one optimizer step between saves. E
 saves ``--saves`` times, waiting for each save to end; after every save (``gc.collect()``
 first) it records the process RSS, the bytes torch's pinned allocator holds
 (``torch.cuda.host_memory_stats()``, where this torch has it) and shardkeeper's staging
-buffer (its size and how it is pinned). Methods: ``sk_blocking`` and ``sk_overlap`` (one
-``CheckpointManager`` each, async saves), ``dcp_pinned`` (``dcp.async_save`` with one reused
+buffer (its size and how it is pinned). Methods: ``sk_blocking``, ``sk_overlap`` and
+``sk_process`` (``writer="process"``: also its persist process's RSS; one ``CheckpointManager``
+each, async saves), ``dcp_pinned`` (``dcp.async_save`` with one reused
 ``DefaultStager(StagingOptions(use_pinned_memory=True, ...))``). Growth = the last save's
 figure minus the second's (the first allocates the buffers). Writes one JSON document.
 """
@@ -32,7 +33,20 @@ sys.path.insert(0, str(HERE))
 
 from _proc import rss_bytes  # noqa: E402
 
-METHODS = ("sk_blocking", "sk_overlap", "dcp_pinned")
+METHODS = ("sk_blocking", "sk_overlap", "sk_process", "dcp_pinned")
+
+
+def _rss_of(pid: int | None) -> int | None:
+    """Another process's RSS (a persist process's), None when it is gone or unreadable."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _free_port() -> int:
@@ -85,7 +99,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mgr = None
             stager = None
             if method.startswith("sk_"):
-                mgr = CheckpointManager(work / method, staging=method.removeprefix("sk_"))
+                if method == "sk_process":  # the staging buffer is shared memory, mapped by a persist process
+                    mgr = CheckpointManager(work / method, staging="blocking", writer="process")
+                else:
+                    mgr = CheckpointManager(work / method, staging=method.removeprefix("sk_"))
             else:
                 stager = ReusableStager(
                     StagingOptions(
@@ -120,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     st = mgr._stager
                     row["staging_buffer_bytes"] = st.buffer_bytes
                     row["pinned_how"] = st.pinned_how
+                    row["persist_rss_bytes"] = _rss_of(getattr(mgr._saver, "pid", None))
                 rows.append(row)
             if mgr is not None:
                 mgr.close()

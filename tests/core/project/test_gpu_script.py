@@ -68,7 +68,7 @@ def test_the_dry_run_goes_through_every_part_and_writes_the_results(tmp_path: Pa
     # This torch reuses a DefaultStager as it is: the stager's table never needed putting back.
     assert loop["info"]["dcp_stager_refills"] == {"dcp_reuse": 0, "dcp_async_staging": 0, "dcp_process": 0}
     mem = data["memory"]["result"]["methods"]
-    assert set(mem) == {"sk_blocking", "sk_overlap", "dcp_pinned"}
+    assert set(mem) == {"sk_blocking", "sk_overlap", "sk_process", "dcp_pinned"}
     assert all(len(m["samples"]) == data["memory"]["result"]["saves"] for m in mem.values())
     # A dry run's CPU figures are reported, never judged.
     judged = [r for r in data["targets"] if r["pass"] is not None]
