@@ -21,6 +21,7 @@ import pytest
 
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
+from tests.persist_probe import assert_persist_processes_gone, persist_check
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -140,3 +141,28 @@ def test_restore_at_any_world_size_and_stage(saved: Path, world: int) -> None:
     if world != 2 and 2 in stages:
         assert f"z2-fp32-w2 -> z2-fp32-w{world} vs DeepSpeed universal: next losses equal" in cases
     assert_checks(checks)
+
+
+def test_hook_saves_resume_bit_for_bit_with_the_process_writer(tmp_path: Path) -> None:
+    """The hook's cases again, with ``writer="process"`` from the DeepSpeed config's section (and
+    ``attach``'s arguments): saved at world size 2 through persist processes, restored in new
+    processes at the same stage bit for bit (masters, moments, next losses), the hook's options
+    hold, and no persist process outlives its trainer."""
+    env = {"SK_CASES": "hook", "SK_WRITER": "process", "SHARDKEEPER_PERSIST_LOCKS": str(tmp_path / "locks")}
+    for phase in ("save", "restore"):
+        res = run_script(2, WORKER, phase, str(tmp_path), timeout_s=240, env=env)
+        assert res.returncode == 0, res.stdout[-4000:]
+    stages = _stages(tmp_path)
+    hooked = [f"z{s}-{d}" for s, d in ((2, "bf16"), (3, "fp32")) if s in stages]  # the worker's HOOK_CASES
+    assert hooked, stages
+    want = [
+        f"hook-options-w2: {opt}"
+        for opt in ("a named tag saves at global_steps and loads by name", "saving a committed step again is refused")
+    ]
+    want.append(persist_check("hook-options-w2"))
+    for name in hooked:
+        want += [f"{name}: committed", persist_check(name)]
+        want.append(f"{name}-w2 -> {name}-w2: next losses bit-exact vs uninterrupted")
+        want.append(f"{name}-w2 -> {name}-w2: fp32 masters and Adam moments bit-exact vs safe_get_full_*")
+    assert_checks(_checks(tmp_path, "save", 2) + _checks(tmp_path, "restore", 2), want)
+    assert_persist_processes_gone(*(tmp_path / f"persist-pids-r{r}" for r in range(2)))

@@ -4,6 +4,10 @@
     worker.py restore ROOT   (any world size) restore every case into every target, check
 
 Results: ROOT/results/<phase>-w<world>-r<rank>.json, the checks (``tests.checks.Checks``).
+``SK_CASES=hook``: only the cases saved through the hook (and the hook's options), restored at
+the saver's stage. ``SK_WRITER=process``: the hook's managers write with ``writer="process"``
+(from the DeepSpeed config's section, and ``attach``'s arguments), each such save checks that
+persist processes wrote it and notes their pids in ROOT/persist-pids-r<rank>.
 References (rank 0, saved engine): ROOT/refs/<case>.safetensors (full fp32 params and Adam
 moments from DeepSpeed's own safe_get_full_*), ROOT/refs/<case>.json (losses of the steps
 after the save, uninterrupted).
@@ -35,6 +39,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from shardkeeper.core import CheckpointManager, CommitConflictError, StateMismatchError  # noqa: E402
 from shardkeeper.core.adapter.registry import load_adapter  # noqa: E402
 from tests.checks import Checks, state_diff  # noqa: E402
+from tests.persist_probe import note_persist_processes  # noqa: E402
 
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
@@ -62,6 +67,15 @@ HOOK_CASES = {(2, "bf16"), (3, "fp32")}
 NATIVE_CASES = {(2, "fp32"), (3, "bf16")}
 # saved with staging="overlap": the inner optimizer's step waits for the background copy
 OVERLAP_CASES = {(1, "bf16"), (3, "fp16")}
+HOOKS_ONLY = os.environ.get("SK_CASES") == "hook"
+WRITER = os.environ.get("SK_WRITER", "thread")  # the hook's writer option: "thread" or "process"
+
+
+def note_writer(res: Checks, what: str, root: Path, ckpt: str, hook) -> None:
+    """With the process writer: the hook's saves under ``ckpt`` went through persist processes."""
+    if WRITER == "process":
+        pids = root / f"persist-pids-r{dist.get_rank()}"
+        note_persist_processes(res, what, hook.manager(ckpt).options, pids)
 
 
 class Net(torch.nn.Module):
@@ -161,7 +175,7 @@ def compare(res: Checks, case: str, got: dict[str, torch.Tensor], ref: dict[str,
 def save_case(root: Path, res: Checks, stage: int, dtype: str) -> None:
     name = case_name(stage, dtype)
     # the hook's settings may live in the DeepSpeed config
-    extra = {"shardkeeper": {"keep_last": 2}} if (stage, dtype) in HOOK_CASES else None
+    extra = {"shardkeeper": {"keep_last": 2, "writer": WRITER}} if (stage, dtype) in HOOK_CASES else None
     engine = make_engine(stage, dtype, seed=0, extra=extra)
     for k in range(SAVE_STEPS):
         train_step(engine, k)
@@ -187,6 +201,7 @@ def save_case(root: Path, res: Checks, stage: int, dtype: str) -> None:
     losses = [train_step(engine, SAVE_STEPS + k) for k in range(MORE_STEPS)]  # mutates while writing
     if (stage, dtype) in HOOK_CASES:
         hook.wait()
+        note_writer(res, name, root, str(ckpt), hook)
         res.check(f"{name}: the hook wrote no DeepSpeed files", not any(ckpt.glob("global_step*")) and not (ckpt / "latest").exists())
         hook.detach()
     else:
@@ -446,8 +461,9 @@ def hook_options(root: Path, res: Checks, stage: int, dtype: str) -> None:
     res.check(f"{case}: load_optimizer_states=False keeps the optimizer", fresh and engine.global_steps == SAVE_STEPS
               and client["iteration"] == SAVE_STEPS, f"{fresh} {engine.global_steps} {client}")
     hook.detach()
-    hook = skds.attach(engine, str(root / f"named-w{w}"), async_save=False)
+    hook = skds.attach(engine, str(root / f"named-w{w}"), async_save=False, writer=WRITER)
     engine.save_checkpoint(None, tag="best", client_state={"k": [1, 2]})  # at global_steps (3)
+    note_writer(res, case, root, str(root / f"named-w{w}"), hook)
     path, client = engine.load_checkpoint(None, tag="best")
     res.check(f"{case}: a named tag saves at global_steps and loads by name",
               path.endswith(f"step-{SAVE_STEPS:012d}") and client == {"k": [1, 2]}, f"{path} {client}")
@@ -509,14 +525,22 @@ def main() -> None:
                 if str(stage) in broken:
                     continue
                 for s_, dtype in SAVED:
-                    if s_ == stage:
+                    if s_ == stage and (not HOOKS_ONLY or (s_, dtype) in HOOK_CASES):
                         res.guard(f"save {case_name(stage, dtype)}",
                                   lambda s=stage, d=dtype: save_case(root, res, s, d))
             working = [s for s in (1, 2, 3) if str(s) not in broken]
             if dist.get_rank() == 0:
                 (root / "stages.json").write_text(json.dumps({"working": working, "broken": broken, "fp16_probe": FP16_PROBE}))
-            res.guard("save plain", lambda: save_plain(root, res))
-            res.guard("save fsdp2", lambda: save_fsdp2(root, res))
+            if not HOOKS_ONLY:
+                res.guard("save plain", lambda: save_plain(root, res))
+                res.guard("save fsdp2", lambda: save_fsdp2(root, res))
+        elif HOOKS_ONLY:
+            W = working_stages(root)
+            for stage, dtype in sorted(HOOK_CASES):
+                if stage in W:
+                    res.guard(f"restore {case_name(stage, dtype)} -> z{stage}",
+                              lambda s=stage, d=dtype: restore_case(root, res, s, d, s))
+            res.guard("hook options", lambda: hook_options(root, res, *((2, "bf16") if 2 in W else (3, "fp32"))))
         else:
             W = working_stages(root)
             hook_case = (2, "bf16") if 2 in W else (3, "fp32")
