@@ -324,7 +324,9 @@ def bench(session: nox.Session) -> None:
 
     Extra arguments after `--` (`-- --quick` for a smoke run; see benchmarks/run.py --help).
     matplotlib draws the chart of the ratios. Then benchmarks/loop.py: the training-loop
-    overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too), and
+    overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too),
+    benchmarks/gil.py: the speed a Python-heavy thread keeps beside one async save of 512 MiB
+    (shardkeeper's thread and process writers, DCP's thread and process modes), and
     benchmarks/direct_io.py: buffered against O_DIRECT writes (decisions.md D19), then
     benchmarks/scale.py: commit, planning, manifest and store bytes against the world size,
     DCP's metadata beside them (`--quick`: small points), and benchmarks/ranks16.py: 16 real
@@ -337,6 +339,7 @@ def bench(session: nox.Session) -> None:
     _run_script(session, "benchmarks/run.py", *extras, core_extras="torch,s3")
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "benchmarks/loop.py", *quick)
+    session.run("python", "benchmarks/gil.py", *quick)
     session.run("python", "benchmarks/direct_io.py", *quick)
     session.run("python", "benchmarks/scale.py", *quick)
     session.run(
