@@ -12,6 +12,7 @@ to ``ROOT.expect.<rank>.pt`` first (a test-only file, saved with ``torch.save``)
 persist process's pid to ``ROOT.pid.<rank>``.
 MODE ``persist-kill``: rank 1's persist process is killed before it writes step 2: both
 ranks' saves fail at once (not after the commit timeout), and step 3 commits.
+MODE ``mixed``: rank 0 passes ``writer="process"``, rank 1 the thread writer: refused on both.
 MODE ``resume``: a fresh trainer restores the newest step and checks it is step 3, bit for bit.
 """
 
@@ -121,6 +122,18 @@ def main(results: Path, mode: str, root: str) -> None:
         checks.run(
             "a killed persist process fails its save on every rank at once; the next save commits", persist_killed
         )
+    elif mode == "mixed":
+
+        def mixed() -> None:
+            try:
+                CheckpointManager(root, writer="process" if rank == 0 else "thread")
+            except ValueError as e:
+                assert "some ranks passed writer='process' and others did not" in str(e), e
+                assert f"rank {rank}" in str(e), e
+            else:
+                raise AssertionError("a manager of mixed writers was made")
+
+        checks.run("ranks that pass different writers are refused on every rank", mixed)
     elif mode == "resume":
 
         def resume() -> None:

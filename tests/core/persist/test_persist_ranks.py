@@ -35,6 +35,12 @@ def test_a_killed_persist_process_fails_its_save_on_every_rank_at_once(tmp_path:
     assert_checks(read_checks(*(tmp_path / f"persist-kill.r{r}.json" for r in range(2)), output=res.stdout))
 
 
+def test_ranks_that_pass_different_writers_are_refused(tmp_path: Path) -> None:
+    res = run_workers(2, "persist_worker.py", str(tmp_path), "mixed", str(tmp_path / "root"))
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert_checks(read_checks(*(tmp_path / f"mixed.r{r}.json" for r in range(2)), output=res.stdout))
+
+
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_trainer_killed_after_save_returned_loses_nothing(tmp_path: Path, victim: int) -> None:
     """Rank ``victim``'s trainer SIGKILLs itself right after ``save(3)`` returns; torchrun tears

@@ -43,11 +43,6 @@ def test_the_thread_writer_loses_the_save_its_trainer_dies_after(tmp_path: Path)
     assert s.results[0].latest[0] in (None, 1) and s.results[0].persist_pids == [], js["per_trial"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the persist process started by the first save fails to send 'ready' to a trainer already gone "
-    "(BrokenPipeError in persist/worker.py main) and exits without committing the save",
-)
 @pytest.mark.timeout(300)
 def test_a_trainer_killed_right_after_its_first_save_loses_nothing(tmp_path: Path) -> None:
     """The save that started the persist process commits too, its trainer killed right after."""

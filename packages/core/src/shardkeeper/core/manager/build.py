@@ -92,7 +92,9 @@ def build_parts(
     retention = RetentionPolicy(keep_last=keywords.keep_last, keep_every=keywords.keep_every, keep_best=base.keep_best)
     roots = open_roots(tiers, root, storage_options, base)
     meta, _ = snapshot(dict(metadata or {}), "metadata key")
-    coord = make_coordinator(process_group, group_ranks=base.commit_group_ranks, tiered=tiers.tiered)
+    coord = make_coordinator(
+        process_group, group_ranks=base.commit_group_ranks, tiered=tiers.tiered, persist=base.writer == "process"
+    )
     io = ThreadPoolExecutor(base.io_threads, thread_name_prefix="shardkeeper-io")
     ctx = ManagerContext(roots.storage, roots.read, coord, base, io, roots.encryption)
     strategy, tiering = make_strategy(tiers, roots, ctx, retention)

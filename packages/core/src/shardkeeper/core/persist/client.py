@@ -9,8 +9,9 @@ a trainer killed after ``save()`` returned leaves a save that commits all the sa
 ``staging="overlap"``, once ``handle.staged()``: the deferred copy needs the trainer). The
 handle's background thread only waits for the outcome.
 
-The persist process starts at the first save, in a session of its own, and is told to close
-with the manager; one that dies fails the save in hand (naming the rank, the step and how it
+The persist process starts with the manager, in a session of its own (the first save waits
+until it is ready: it has met the other ranks' persist processes), and is told to close with
+the manager; one that dies fails the save in hand (naming the rank, the step and how it
 ended), and the next save starts a new one.
 """
 
@@ -87,6 +88,7 @@ class PersistRunner(SaveRunner):
         self._handed: set[int] = set()  # seqs already sent
         self._send_lock = threading.Lock()
         self._prepared_at = 0.0
+        self._start()  # now, so that it has met the other ranks' before the first save is handed over
         self._lock_path: Path | None = None  # the lock file of the last save handed over
 
     @property
@@ -96,7 +98,7 @@ class PersistRunner(SaveRunner):
     # -- the persist process ------------------------------------------------------------------
     @property
     def pid(self) -> int | None:
-        """The persist process's pid, None before the first save (or after it ended)."""
+        """The persist process's pid; None once it ended (a new one starts at the next save)."""
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     def _start(self) -> socket.socket:
@@ -124,10 +126,38 @@ class PersistRunner(SaveRunner):
         return ours
 
     def _channel(self) -> socket.socket:
+        """The channel to a persist process that is ready: it has rebuilt the writer and met
+        the other ranks' persist processes, so a save handed over needs no trainer (nor the
+        job's store) any more. Starts one when there is none (or it died)."""
         if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
             self._drop()
-            return self._start()
+            self._start()
+        assert self._sock is not None
+        if not self._ready:
+            self._await_ready(self._sock)
         return self._sock
+
+    def _await_ready(self, sock: socket.socket) -> None:
+        timeout_s = max(60.0, self.ctx.settings.commit_timeout_s)
+        sock.settimeout(timeout_s)
+        try:
+            kind, payload, fds = recv(sock)
+        except TimeoutError:
+            self._drop()
+            raise CheckpointSaveError(
+                f"rank {self.ctx.rank}: its persist process did not meet the other ranks' within {timeout_s:.0f} s "
+                f"(is every rank saving with writer='process', and rank 0 alive?); nothing was saved",
+                step=-1,
+            ) from None
+        finally:
+            if self._sock is not None:
+                sock.settimeout(None)
+        for fd in fds:
+            os.close(fd)
+        if kind == "failed":
+            self._drop()
+            raise rebuilt(payload)
+        self._ready = kind == "ready"
 
     def _drop(self) -> None:
         """Forget a persist process that is gone (or to be replaced)."""

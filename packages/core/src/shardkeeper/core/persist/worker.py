@@ -1,5 +1,5 @@
 """The persist process: one per rank of a manager with ``writer="process"``, started by its
-trainer at the first save (``python -m shardkeeper.core.persist.worker FD``).
+trainer with the manager (``python -m shardkeeper.core.persist.worker FD``).
 
 It rebuilds the manager's writer from the ``PersistSpec`` it is sent first (the root opened
 the same way, the same codecs, a coordinator of its own: ``meeting.py``), then
@@ -63,6 +63,8 @@ class Worker:
         self.spec = spec
         self.io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="shardkeeper-io")
         self.coord = _coordinator(spec)
+        if isinstance(self.coord, Meeting):
+            self.coord.current()  # met before "ready": a save handed over needs no job store any more
         self.ctx = ManagerContext(storage, read, self.coord, opts, self.io, keyed)
         self.runner = save_runner(self.ctx, opts, OneRoot(self.ctx))
         self.buffer: memoryview | None = None
@@ -204,7 +206,10 @@ def main(argv: list[str]) -> int:
         except OSError:
             pass
         return 1
-    send(sock, "ready", os.getpid())
+    try:
+        send(sock, "ready", os.getpid())
+    except OSError:  # the trainer is gone already: what it handed over is still to be saved
+        pass
     try:
         return worker.serve(sock)
     except BaseException:

@@ -334,27 +334,35 @@ def _read_report(data: bytes, *, rank: int, where: str) -> Report:
     return report_from_json(_parse(data, where), rank=rank, where=where)
 
 
-def make_coordinator(group: Any = None, *, group_ranks: int = 128, tiered: bool = False) -> Coordinator:
+def make_coordinator(
+    group: Any = None, *, group_ranks: int = 128, tiered: bool = False, persist: bool = False
+) -> Coordinator:
     """The coordinator for ``group``: ``"local"`` is this process alone, even inside an
     initialised process group (a lone reader: ``load()``, ``manifest()``); otherwise the
     group's ranks (default: the world) when there are several, else this process.
-    ``tiered``: this rank's manager has a local tier; the ranks must agree (checked with
-    ``group_ranks`` in the same two collectives: a rank without one would never join the
-    tiers' collectives)."""
+    ``tiered``: this rank's manager has a local tier; ``persist``: its saves are written by a
+    persist process (``writer="process"``). The ranks must agree on both and on
+    ``group_ranks`` (checked in the same two collectives: a rank without a local tier would
+    never join the tiers' collectives, one without a persist process never meet the others)."""
     if isinstance(group, str):
         if group != "local":
             raise ValueError(f"process_group must be a torch ProcessGroup, None or 'local', not {group!r}")
         return LocalCoordinator()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         coord = StoreCoordinator.create(group)
-        mine = 2 * group_ranks + int(tiered)
+        mine = 4 * group_ranks + 2 * int(persist) + int(tiered)
         lo, hi = coord.agree_int(mine, "min"), coord.agree_int(mine, "max")
-        if lo % 2 != hi % 2 and lo // 2 == hi // 2:
+        if lo // 4 == hi // 4 and (lo ^ hi) & 1:
             raise ValueError(
                 f"rank {coord.rank}: some ranks passed local= (a local tier) and others did not "
                 f"({'this one did' if tiered else 'this one did not'}); every rank must pass the same tier options"
             )
-        lo, hi = lo // 2, hi // 2
+        if lo // 4 == hi // 4 and (lo ^ hi) & 2:
+            raise ValueError(
+                f"rank {coord.rank}: some ranks passed writer='process' and others did not (this one passed "
+                f"writer={'process' if persist else 'thread'!r}); every rank must pass the same writer"
+            )
+        lo, hi = lo // 4, hi // 4
         if lo != hi:  # ranks would wait for leaders that do not lead
             raise ValueError(
                 f"rank {coord.rank}: commit_group_ranks differs between the ranks (from {lo} to {hi}); "
