@@ -13,6 +13,7 @@ import pytest
 
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
+from tests.persist_probe import assert_persist_processes_gone, persist_check
 
 pytest.importorskip("shardkeeper.transformers")
 
@@ -29,12 +30,20 @@ RESUME_CHECKS = [
     "saves_after_resume_committed",
     "folders_are_the_committed_steps",
 ]
+#: With ``writer="process"`` the killed trainers' persist processes commit the step in flight,
+#: and the resume starts there (``resume_from_checkpoint=True``).
+PROCESS_RESUME_CHECKS = [
+    "crashed_step_committed_by_persist_processes",
+    persist_check("resume"),
+    *RESUME_CHECKS[2:],
+]
 
 
-def _kill_and_resume(nproc: int, out: Path, *, layout: str = "") -> None:
+def _kill_and_resume(nproc: int, out: Path, *, layout: str = "", writer: str = "thread") -> None:
     """A launch of ``nproc`` ranks that runs the reference, then the crash (``layout``:
-    trainer_worker.py's); then the resume, in a new launch."""
-    env = ENV
+    trainer_worker.py's); then the resume, in a new launch. ``writer="process"``: the crash
+    run's persist processes commit the step in flight after its trainers died."""
+    env = {**ENV, "SK_WRITER": writer, "SHARDKEEPER_PERSIST_LOCKS": str(out / "locks")}
     more = (layout,) if layout else ()
     crash = run_script(nproc, WORKER, "reference+crash", str(out), *more, timeout_s=240, env=env)
     assert crash.returncode != 0, "the crash run was meant to kill itself:\n" + crash.stdout[-4000:]
@@ -47,10 +56,18 @@ def _kill_and_resume(nproc: int, out: Path, *, layout: str = "") -> None:
     assert killed == [f"killed-rank{r}" for r in range(nproc)], (
         f"not killed at its save: {killed}\n{crash.stdout[-4000:]}"
     )
+    if writer == "process":  # the launch ended with its persist processes (they hold its output)
+        committed = (out / "run" / "step-000000000008" / "manifest.json").exists()
+        assert committed and not (out / "run" / "checkpoint-8").exists(), (
+            f"step 8 was not committed by the persist processes alone: {sorted(p.name for p in (out / 'run').iterdir())}"
+        )
     resume = run_script(nproc, WORKER, "resume", str(out), *more, timeout_s=150, env=env)
     assert resume.returncode == 0, resume.stdout[-4000:]
     checks = read_checks(*(out / f"resume-rank{r}.json" for r in range(nproc)), output=resume.stdout)
-    assert_checks(checks, RESUME_CHECKS, where=f"{nproc} process(es)")
+    expected = PROCESS_RESUME_CHECKS if writer == "process" else RESUME_CHECKS
+    assert_checks(checks, expected, where=f"{nproc} process(es), writer={writer}")
+    if writer == "process":
+        assert_persist_processes_gone(*(out / f"persist-pids-r{r}" for r in range(nproc)))
 
 
 @pytest.mark.timeout(480)
@@ -59,8 +76,11 @@ def test_single_process_kill_during_save_then_resume_is_bit_exact(tmp_path: Path
 
 
 @pytest.mark.timeout(600)
-def test_ddp_kill_during_save_then_resume_is_bit_exact(tmp_path: Path) -> None:
-    _kill_and_resume(2, tmp_path)
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_ddp_kill_during_save_then_resume_is_bit_exact(tmp_path: Path, writer: str) -> None:
+    """thread: the step in flight is never committed and the resume takes the one before;
+    process: the persist processes commit it after the trainers died, and the resume takes it."""
+    _kill_and_resume(2, tmp_path, writer=writer)
 
 
 @pytest.mark.timeout(600)

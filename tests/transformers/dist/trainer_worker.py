@@ -14,6 +14,16 @@ the folders must then be those of the committed steps. Each rank writes its chec
 ``OUT/<mode>-rank<r>.json`` and its losses and state to ``OUT/<mode>-rank<r>.pt``.
 ``reference+crash``: both, one after the other in one launch.
 
+``SK_WRITER=process``: the Trainers write with ``writer="process"``. Then ``crash`` holds no
+manifest: each rank waits for step 4's commit (its persist processes have met then), stops
+(SIGSTOP) its persist processes before the save of step 8, notes their pids in
+``OUT/persist-pids-r<rank>`` once ``save()`` returned on every rank, and kills itself; a
+detached process continues them (SIGCONT) once that trainer is gone, so that step 8 is written
+and committed after every trainer died. ``resume`` must find step 8 committed
+(``latest_step()`` waits for commits in flight on the node) and resume from it with
+``resume_from_checkpoint=True`` (that ``train()`` writes its ``checkpoint-8`` folder: its
+trainer was gone at the commit).
+
 ``LAYOUT``: ``zero1``, ``zero2`` or ``zero3``: the Trainer runs under DeepSpeed ZeRO with the
 Trainer's own AdamW, and the state compared is the engine's full fp32 parameters and Adam
 moments; ``fsdp2``: the model is sharded at load time by transformers itself
@@ -41,6 +51,7 @@ from typing import Any
 import torch
 
 from tests.checks import Checks, deepspeed_full_state, state_of
+from tests.persist_probe import note_persist_processes, persist_children
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,24 +60,74 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from shardkeeper.core import CheckpointManager  # noqa: E402
 from shardkeeper.core.commit.committed import manifest_path  # noqa: E402
-from shardkeeper.transformers import plugin_of  # noqa: E402
+from shardkeeper.transformers import plugin_of, wait  # noqa: E402
 from tests.transformers import cpu_fsdp  # noqa: E402
 from tests.transformers.common import SAVE_EVERY, STEPS, Recording, make_trainer, tiny_model  # noqa: E402
 
 CRASH_AT = 8
+WRITER = os.environ.get("SK_WRITER", "thread")  # the Trainer's writer option: "thread" or "process"
 #: Marks a run whose model is untied (``plugin_model``), set in ``main``.
 UNTIED = Path("untied")
 
 
 class KillDuringSave(TrainerCallback):
     """After the save of ``CRASH_AT`` was handed to the background (its manifest held back),
-    every rank kills itself: that step is in flight and must never be resumed from."""
+    every rank kills itself: that step is in flight and must never be resumed from. With the
+    process writer nothing is held: the persist processes are stopped before that save (once
+    the previous one committed: they have met) and continued once their trainer is gone, so
+    they commit it after every trainer died."""
+
+    def __init__(self, trainer: Recording) -> None:
+        self.trainer = trainer
+        self.stopped: list[int] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == CRASH_AT and WRITER == "process":  # (its save comes next)
+            wait(self.trainer)
+            self.stopped = persist_children()
+            for pid in self.stopped:
+                os.kill(pid, signal.SIGSTOP)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if state.global_step == CRASH_AT:
+        if state.global_step == CRASH_AT and WRITER == "process":
+            out = Path(args.output_dir).parent
+            (out / f"persist-pids-r{args.process_index}").write_text("".join(f"{p}\n" for p in self.stopped))
+            continue_when_gone(self.stopped)
+            barrier()  # save() returned on every rank: each one's part of the step was handed over
+        elif state.global_step == CRASH_AT:
             time.sleep(0.5)  # the data files are written; the manifest put waits below
+        if state.global_step == CRASH_AT:
             Path(args.output_dir).parent.joinpath(f"killed-rank{args.process_index}").touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def continue_when_gone(pids: list[int]) -> None:
+    """A detached process (holding none of the launch's pipes) that continues the stopped
+    persist processes ``pids`` once this trainer's process is gone."""
+    import subprocess
+
+    subprocess.Popen(
+        [sys.executable, "-c", CONTINUE_WHEN_GONE, str(os.getpid()), *map(str, pids)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
+#: ``python -c`` this ``TRAINER PID...``: once the trainer's process is gone (or a zombie),
+#: continue the stopped persist processes ``PID...``.
+CONTINUE_WHEN_GONE = """
+import os, signal, sys, time
+trainer, pids = sys.argv[1], [int(p) for p in sys.argv[2:]]
+def gone():
+    try:
+        return open(f"/proc/{trainer}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+deadline = time.monotonic() + 120
+while not gone() and time.monotonic() < deadline:
+    time.sleep(0.05)
+for p in pids:
+    os.kill(p, signal.SIGCONT)
+"""
 
 
 def hold_manifest(trainer: Recording, step: int) -> None:
@@ -260,11 +321,21 @@ def run(mode: str, out: Path, layout: str, rank: int) -> None:
     checks = Checks(out / f"{mode}-rank{rank}.json", rank=rank)
     root = out / ("ref" if mode == "reference" else "run")
     more = layout_arguments(layout, out)
-    trainer = make_trainer(root, options={"async_save": True}, **more)
+    trainer = make_trainer(root, options={"async_save": True, "writer": WRITER}, **more)
     if mode == "crash":
-        hold_manifest(trainer, CRASH_AT)
-        trainer.add_callback(KillDuringSave())
-    if mode == "resume":
+        if WRITER != "process":  # the persist processes commit it, held or not here
+            hold_manifest(trainer, CRASH_AT)
+        trainer.add_callback(KillDuringSave(trainer))
+    start = CRASH_AT if WRITER == "process" else SAVE_EVERY  # the newest committed step after the crash
+    if mode == "resume" and WRITER == "process":
+        mgr = CheckpointManager(root)
+        newest = mgr.latest_step()  # waits for the persist processes' commit of CRASH_AT
+        checks.check("crashed_step_committed_by_persist_processes", newest == CRASH_AT and mgr.steps() == [SAVE_EVERY, CRASH_AT],
+                     f"newest {newest}, committed: {mgr.steps()}")
+        mgr.close()
+        trainer.train(resume_from_checkpoint=True)
+        note_persist_processes(checks, "resume", plugin_of(trainer).manager().options, out / f"persist-pids-r{rank}")
+    elif mode == "resume":
         mgr = CheckpointManager(root)
         checks.check("crashed_step_not_committed", mgr.steps() == [SAVE_EVERY], f"committed: {mgr.steps()}")
         mgr.close()
@@ -278,8 +349,8 @@ def run(mode: str, out: Path, layout: str, rank: int) -> None:
     torch.save({"losses": trainer.losses, "state": state}, out / f"{mode}-rank{rank}.pt")
     if mode == "resume":
         ref = torch.load(out / f"reference-rank{rank}.pt", weights_only=True)
-        later = [x for x in ref["losses"] if x[0] >= SAVE_EVERY]
-        checks.check("resumed_at_committed_step", trainer.losses[0][0] == SAVE_EVERY, str(trainer.losses[:1]))
+        later = [x for x in ref["losses"] if x[0] >= start]
+        checks.check("resumed_at_committed_step", trainer.losses[0][0] == start, str(trainer.losses[:1]))
         checks.check("next_losses_bit_exact", trainer.losses == later, f"{trainer.losses[:3]} vs {later[:3]}")
         checks.same("final_params_and_optimizer_bit_exact", state, ref["state"])
         steps = CheckpointManager(root).steps()
