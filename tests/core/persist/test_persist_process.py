@@ -123,6 +123,11 @@ def test_a_restore_waits_for_a_commit_still_in_flight(tmp_path: Path, monkeypatc
         with pytest.raises(CheckpointTimeoutError, match=f"pid {os.getpid()} rank 0 step 2"):
             locks.wait_for_commits(url, "", 0.3, rank=0)
         assert locks.wait_for_commits(url, "shardkeeper/0123abcd", 0.3, rank=0) < 0.1  # its own: not waited for
+        locks.mark(fd, 0, 2)  # as the persist process does on receipt: the process to wait for, or kill
+        with pytest.raises(
+            CheckpointTimeoutError, match=rf"pid {os.getpid()} \(the persist process of rank 0\) step 2"
+        ):
+            locks.wait_for_commits(url, "", 0.2, rank=0)
         import threading
 
         threading.Timer(0.5, locks.release, (fd, path)).start()

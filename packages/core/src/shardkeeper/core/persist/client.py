@@ -112,6 +112,7 @@ class PersistRunner(SaveRunner):
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # out of reach of a teardown of the trainer's process group
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # it prints nothing; its log goes to the trainer's stderr
                 env=env,
             )
         except BaseException:

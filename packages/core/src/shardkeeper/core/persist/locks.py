@@ -83,6 +83,16 @@ def hold(url: str, namespace: str, rank: int, step: int) -> tuple[int, Path]:
     return fd, path
 
 
+def mark(fd: int, rank: int, step: int) -> None:
+    """The persist process that now holds the lock ``fd`` names itself in it (the trainer that
+    took it may be gone: the process to wait for, or to kill, is this one)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} (the persist process of rank {rank}) step {step}\n".encode(), 0)
+    except OSError:  # (a name in a message only)
+        pass
+
+
 def release(fd: int, path: Path | str) -> None:
     """The save's outcome is known: remove its lock file, then drop the lock."""
     try:
@@ -170,4 +180,4 @@ def wait_for_commits(url: str, namespace: str, timeout_s: float, *, rank: int) -
     return time.monotonic() - t0
 
 
-__all__ = ["clear_if_free", "hold", "lock_dir", "release", "root_tag", "wait_for_commits"]
+__all__ = ["clear_if_free", "hold", "mark", "lock_dir", "release", "root_tag", "wait_for_commits"]

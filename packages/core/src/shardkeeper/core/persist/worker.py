@@ -117,6 +117,8 @@ class Worker:
 
     def _save(self, sock: socket.socket, msg: dict[str, Any], lock: int | None) -> None:
         self.next_seq = msg["seq"] + 1
+        if lock is not None:
+            locks.mark(lock, self.spec.rank, msg["step"])
         t0, before = time.perf_counter(), counters()
         error: dict[str, Any] | None = None
         try:
