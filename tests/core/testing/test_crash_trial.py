@@ -29,7 +29,7 @@ def test_a_trainer_killed_after_save_returned_loses_nothing_at_two_ranks(tmp_pat
     assert sorted(r.victim for r in s.results) == [0, 1]
     assert all(r.latest == [2, 2] and len(r.persist_pids) == 2 for r in s.results), js["per_trial"]
     assert js["persist_processes_left"] == 0 and js["lock_files_left"] == 0, _clean(js)
-    assert "| 2 | process | 2 | 2/2 | 2: 2/2 |" in to_markdown([s])
+    assert "| 2 | process | every rank's save() | 2 | 2/2 | 2: 2/2 |" in to_markdown([s])
     assert not any(tmp_path.glob("*/trial-*")), "a passing trial's folder was kept"
 
 

@@ -1,13 +1,16 @@
 """The trainer of a crash trial (``crash_trial``): one rank, launched by torchrun (or alone).
 
-    python -m shardkeeper.core.testing.crash_trainer save ROOT OUT --steps K --victim V --writer W [--commit-timeout S]
+    python -m shardkeeper.core.testing.crash_trainer save ROOT OUT --steps K --victim V --writer W
+        [--kill-after all|own] [--commit-timeout S]
     python -m shardkeeper.core.testing.crash_trainer restore ROOT OUT [--commit-timeout S]
 
 ``save``: saves ``rank_state(step, rank)`` for steps 1..K back to back (``save()`` only, as a
 training loop does; each save may still commit while the next is made). After each ``save()``
 returns, the rank rewrites ``OUT/save.r<rank>.json`` (the steps whose ``save()`` returned, and
-its persist process's pid). Rank V's trainer SIGKILLs itself right after that record of step K;
-the other ranks go on to the next collective, where torchrun tears them down.
+its persist process's pid). Rank V's trainer SIGKILLs itself right after the ``save()`` of step K
+returned on every rank (``all``: it polls the ranks' records every millisecond, the precondition
+of the guarantee under test) or on itself (``own``); the other ranks go on to the next
+collective, where torchrun tears them down.
 ``restore``: a fresh trainer reads ``latest_step()``, restores the newest step into zeroed
 tensors and writes ``OUT/restore.r<rank>.json``: the step, whether every tensor equals
 ``rank_state`` of it bit for bit, and how long ``latest_step()`` waited.
@@ -56,19 +59,41 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _save(mgr: CheckpointManager, out: Path, rank: int, steps: int, victim: int, tensor_bytes: int) -> None:
+def _save(mgr: CheckpointManager, out: Path, rank: int, a: argparse.Namespace) -> None:
     record: dict[str, Any] = {"rank": rank, "returned": [], "persist_pids": []}
-    for step in range(1, steps + 1):
-        mgr.save(step, _saved(rank_state(step, rank, tensor_bytes)))
+    for step in range(1, a.steps + 1):
+        mgr.save(step, _saved(rank_state(step, rank, a.tensor_bytes)))
         record["returned"].append(step)
         pid = getattr(mgr._saver, "pid", None)  # the persist process that holds this save
         if pid and pid not in record["persist_pids"]:
             record["persist_pids"].append(pid)
         _write_json(out / f"save.r{rank}.json", record)
-    if rank == victim:
+    if rank == a.victim:
+        if a.kill_after == "all":
+            _await_others(out, a.steps)
         os.kill(os.getpid(), signal.SIGKILL)
     _next_collective()
     mgr.close()
+
+
+def _await_others(out: Path, step: int, timeout_s: float = 120.0) -> None:
+    """Until every rank's record lists ``step`` (its ``save()`` returned), polled every
+    millisecond; past ``timeout_s``, go on (the trial then finds a rank whose save did not return)."""
+    import torch.distributed as dist
+
+    paths = [out / f"save.r{r}.json" for r in range(dist.get_world_size() if dist.is_initialized() else 1)]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(step in _returned(p) for p in paths):
+            return
+        time.sleep(0.001)
+
+
+def _returned(path: Path) -> list[int]:
+    try:
+        return list(json.loads(path.read_text()).get("returned", []))
+    except (OSError, ValueError):
+        return []
 
 
 def _next_collective() -> None:
@@ -118,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--victim", type=int, default=0)
     p.add_argument("--writer", default="process")
+    p.add_argument("--kill-after", choices=("all", "own"), default="all")
     p.add_argument("--tensor-bytes", type=int, default=1 << 20)
     p.add_argument("--commit-timeout", type=float, default=1800.0, help="the managers' commit_timeout_s")
     a = p.parse_args(argv)
@@ -132,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if a.mode == "save":
         mgr = CheckpointManager(a.root, writer=a.writer, commit_timeout_s=a.commit_timeout)
-        _save(mgr, a.out, rank, a.steps, a.victim, a.tensor_bytes)
+        _save(mgr, a.out, rank, a)
     else:
         _restore(CheckpointManager(a.root, commit_timeout_s=a.commit_timeout), a.out, rank, a.tensor_bytes)
     if dist.is_initialized():

@@ -5,7 +5,9 @@ summary (``--markdown FILE`` also writes it as a table). Each trial launches N r
 ``--standalone``, gloo, a free port; one rank runs alone), each saving a deterministic state of
 its step and rank (``crash_trainer.rank_state``) for steps 1..K back to back with
 ``writer="process"`` (``--writer thread`` for the contrast); one rank's trainer SIGKILLs itself
-right after the ``save()`` of step K returns, and torchrun tears the others down. The victim and
+right after the ``save()`` of step K returned on every rank (it polls their records every
+millisecond; ``--kill-after own``: right after its own returned), and torchrun tears the
+others down. The victim and
 K vary across trials (every pair of a rank and a K of ``--steps``, default 1,2,3, in an order
 the seed shuffles; K=1 kills right after the save that started the persist processes). Then a fresh launch of N ranks restores at once, and the trial checks:
 
@@ -15,8 +17,8 @@ the seed shuffles; K=1 kills right after the save that started the persist proce
   ``save()``) has ended, and no in-flight lock file is left (``SHARDKEEPER_PERSIST_LOCKS`` is
   set to a directory of the trial's own).
 
-A trial where a surviving rank was torn down before its own ``save()`` of K returned is outside
-that guarantee: it is counted (``not_returned_everywhere``) and checked only for a clean,
+A trial where a surviving rank was torn down before its own ``save()`` of K returned (with
+``--kill-after own``) is outside that guarantee: it is counted (``not_returned_everywhere``) and checked only for a clean,
 bit-exact restore. With ``writer="thread"`` the save dies with its trainer: lost steps are
 counted, not failures. DIR holds one folder per trial, removed when the trial passed
 (``--keep`` keeps them); a failing trial's launch logs stay there.
@@ -30,92 +32,17 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardkeeper.core.testing.crash_summary import CrashSummary, TrialResult, to_markdown
 from shardkeeper.core.testing.procs import kill_tree, signal_all
 
 TRAINER = "shardkeeper.core.testing.crash_trainer"
-_TIMINGS = ("save_launch_s", "restore_launch_s", "latest_wait_s", "persist_exit_s", "trial_s")
-
-
-@dataclass
-class TrialResult:
-    index: int
-    victim: int
-    step: int
-    returned_everywhere: bool = False
-    committed_at_save_exit: bool = False
-    latest: list[Any] = field(default_factory=list)  # each rank's latest_step()
-    committed_restored: bool = False
-    persist_pids: list[int] = field(default_factory=list)
-    persist_left: list[int] = field(default_factory=list)
-    locks_left: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    save_launch_s: float = 0.0
-    restore_launch_s: float = 0.0
-    latest_wait_s: float = 0.0
-    persist_exit_s: float = 0.0
-    trial_s: float = 0.0
-
-
-@dataclass
-class CrashSummary:
-    ranks: int
-    writer: str
-    seed: int
-    tensor_bytes: int
-    results: list[TrialResult] = field(default_factory=list)
-    load_before: tuple[float, ...] = ()
-    load_after: tuple[float, ...] = ()
-    seconds: float = 0.0
-
-    @property
-    def failures(self) -> list[str]:
-        return [f for r in self.results for f in r.failures]
-
-    def to_json(self) -> dict[str, Any]:
-        rs = self.results
-        return {
-            "ranks": self.ranks,
-            "writer": self.writer,
-            "seed": self.seed,
-            "tensor_bytes_per_rank": self.tensor_bytes,
-            "trials": len(rs),
-            "committed_restored": sum(r.committed_restored for r in rs),
-            "lost": sum(r.returned_everywhere and not r.committed_restored for r in rs),
-            "not_returned_everywhere": sum(not r.returned_everywhere for r in rs),
-            "committed_restored_by_step": _by_step(rs),
-            "committed_at_save_exit": sum(r.committed_at_save_exit for r in rs),
-            "persist_processes_left": sum(len(r.persist_left) for r in rs),
-            "lock_files_left": sum(len(r.locks_left) for r in rs),
-            "failures": self.failures,
-            "timings_s": {k: _spread([getattr(r, k) for r in rs]) for k in _TIMINGS},
-            "load_average_before": list(self.load_before),
-            "load_average_after": list(self.load_after),
-            "seconds": round(self.seconds, 1),
-            "per_trial": [asdict(r) for r in rs],
-        }
-
-
-def _by_step(rs: list[TrialResult]) -> dict[str, str]:
-    """For each killed save's step: trials committed and restored / trials."""
-    steps = sorted({r.step for r in rs})
-    return {
-        str(k): f"{sum(r.committed_restored for r in rs if r.step == k)}/{sum(r.step == k for r in rs)}" for k in steps
-    }
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
 def _launch(ranks: int, args: list[str], env: dict[str, str], log: Path, timeout_s: float) -> tuple[int, float]:
@@ -258,7 +185,8 @@ def _trial(
         "PYTHONFAULTHANDLER": "1",
     }
     size = ["--tensor-bytes", str(opts["tensor_bytes"]), "--commit-timeout", str(opts["commit_timeout_s"])]
-    args = ["save", str(root), str(out), "--steps", str(step), "--victim", str(victim), "--writer", writer, *size]
+    args = ["save", str(root), str(out), "--steps", str(step), "--victim", str(victim), "--writer", writer]
+    args += ["--kill-after", opts["kill_after"], *size]
     code, r.save_launch_s = _launch(ranks, args, env, here / "save.log", opts["timeout_s"])
     _check_saves(r, ranks, out, code, here / "save.log")
     r.committed_at_save_exit = step in _committed(root)
@@ -289,19 +217,26 @@ def run_crash_trials(
     trials: int = 20,
     seed: int = 0,
     writer: str = "process",
+    kill_after: str = "all",
     tensor_bytes: int = 2 << 20,
     steps: Sequence[int] = (1, 2, 3),
     commit_timeout_s: float = 30.0,
     trial_timeout_s: float = 300.0,
-    exit_grace_s: float = 30.0,
+    exit_grace_s: float | None = None,
     keep: bool = False,
 ) -> CrashSummary:
     """Run ``trials`` crash trials at ``ranks`` ranks under ``workdir`` (module doc); the
     summary lists every failure (none raises). ``commit_timeout_s``: the managers' (the fresh
     trainer waits up to ``2 * commit_timeout_s + 30`` s for an earlier trainer's commit, then
     fails naming it); ``trial_timeout_s`` bounds each launch; ``exit_grace_s`` is how long the
-    persist processes may take to end after the restore."""
+    persist processes may take to end after the restore (None: as long as a rank's wait for
+    an outcome, ``2 * commit_timeout_s + 30``: one whose trainer died before its hand-over
+    leaves the others waiting that long at most)."""
     check_options(ranks, trials, writer, steps, tensor_bytes)
+    if kill_after not in ("all", "own"):
+        raise ValueError(
+            f"crash trial: kill_after={kill_after!r}; choose 'all' (every rank's save() returned) or 'own'"
+        )
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     pairs = [(v, k) for k in sorted(set(steps)) for v in range(ranks)]
@@ -310,38 +245,18 @@ def run_crash_trials(
         "tensor_bytes": tensor_bytes,
         "commit_timeout_s": commit_timeout_s,
         "timeout_s": trial_timeout_s,
-        "grace_s": exit_grace_s,
+        "grace_s": 2 * commit_timeout_s + 30.0 if exit_grace_s is None else exit_grace_s,
         "keep": keep,
+        "kill_after": kill_after,
     }
-    s = CrashSummary(ranks=ranks, writer=writer, seed=seed, tensor_bytes=tensor_bytes, load_before=os.getloadavg())
+    s = CrashSummary(ranks, writer, seed, tensor_bytes, kill_after, load_before=os.getloadavg())
     t0 = time.monotonic()
     for i in range(trials):
         victim, step = pairs[i % len(pairs)]
-        s.results.append(_trial(work / f"ranks{ranks}-{writer}", i, ranks, victim, step, writer, opts))
+        s.results.append(_trial(work / f"ranks{ranks}-{writer}-{kill_after}", i, ranks, victim, step, writer, opts))
     s.seconds = time.monotonic() - t0
     s.load_after = os.getloadavg()
     return s
-
-
-def to_markdown(summaries: Sequence[CrashSummary]) -> str:
-    """One row per run: what committed and restored, what was lost or left, and the timings."""
-    rows = [
-        "| ranks | writer | trials | committed + restored bit-exact | by killed step | lost | not returned everywhere "
-        "| persist processes left | lock files left | save launch s | restore launch s | latest_step() wait s "
-        "| persist exit s | failures |",
-        "|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|---|---|---:|",
-    ]
-    for s in summaries:
-        js = s.to_json()
-        t = js["timings_s"]
-        cell = [f"{t[k]['median']} ({t[k]['min']}-{t[k]['max']})" if t[k] else "-" for k in _TIMINGS[:4]]
-        rows.append(
-            f"| {s.ranks} | {s.writer} | {js['trials']} | {js['committed_restored']}/{js['trials']} "
-            f"| {', '.join(f'{k}: {v}' for k, v in js['committed_restored_by_step'].items())} | {js['lost']} "
-            f"| {js['not_returned_everywhere']} | {js['persist_processes_left']} | {js['lock_files_left']} "
-            f"| {' | '.join(cell)} | {len(js['failures'])} |"
-        )
-    return "\n".join(rows) + "\n\nTimings: median (min-max) over the trials.\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -353,11 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--writer", choices=("process", "thread"), default="process")
+    p.add_argument("--kill-after", choices=("all", "own"), default="all", help="whose save() of K returned first")
     p.add_argument("--tensor-bytes", type=int, default=2 << 20, help="bytes of state per rank and step")
     p.add_argument("--steps", default="1,2,3", help="comma-separated steps the killed save's step is drawn from")
     p.add_argument("--commit-timeout", type=float, default=30.0, help="the managers' commit_timeout_s")
     p.add_argument("--trial-timeout", type=float, default=300.0, help="seconds each launch may take")
-    p.add_argument("--exit-grace", type=float, default=30.0, help="seconds the persist processes may take to end")
+    p.add_argument("--exit-grace", type=float, help="seconds the persist processes may take to end after the restore")
     p.add_argument("--markdown", metavar="FILE", help="also write the summary as a markdown table")
     p.add_argument("--keep", action="store_true", help="keep the folders of trials that passed")
     a = p.parse_args(argv)
@@ -370,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--ranks and --steps take comma-separated integers ({a.ranks!r}, {a.steps!r}): {e}")
     summaries = [
         run_crash_trials(
-            a.workdir, ranks=n, trials=a.trials, seed=a.seed, writer=a.writer,
+            a.workdir, ranks=n, trials=a.trials, seed=a.seed, writer=a.writer, kill_after=a.kill_after,
             tensor_bytes=a.tensor_bytes, steps=steps, commit_timeout_s=a.commit_timeout,
             trial_timeout_s=a.trial_timeout, exit_grace_s=a.exit_grace, keep=a.keep,
         )
