@@ -222,3 +222,53 @@ def test_a_lock_directory_others_could_plant_links_in_is_refused(
     with pytest.raises(CheckpointError, match="SHARDKEEPER_PERSIST_LOCKS"):
         locks.wait_for_commits("/root", "", 1.0, rank=0)
     assert victim.read_text() == "precious"
+
+
+def test_a_forked_child_neither_ends_the_persist_process_nor_waits_for_its_saves(tmp_path: Path) -> None:
+    """A DataLoader worker or a ``multiprocessing`` fork inherits the manager: at its exit it
+    must not tell the parent's persist process to close, nor wait for the parent's pending save."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    with CheckpointManager(str(tmp_path / "root"), writer="process") as mgr:
+        mgr.save(1, {"s": _state(1)}).wait()
+        pid = mgr._saver.pid
+        child = fork.Process(target=time.sleep, args=(0,))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        time.sleep(1.0)
+        assert pid is not None and mgr._saver.pid == pid, "the child's exit ended its parent's persist process"
+        pending = mgr.save(2, {"s": _state(2, 1 << 20)})  # the next save still has its persist process
+        child = fork.Process(target=time.sleep, args=(0,))  # forked while a save is pending
+        t0 = time.monotonic()
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0 and time.monotonic() - t0 < 30, "the child waited for its parent's save"
+        pending.wait()
+        mgr.save(3, {"s": _state(3)}).wait()
+        assert mgr.steps() == [1, 2, 3]
+
+
+def test_every_spelling_of_a_root_shares_its_locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
+    from shardkeeper.core.persist import locks
+
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "locks"))
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    fd, path = locks.hold(str(tmp_path / "link"), "shardkeeper/aa", 0, 1)
+    try:
+        for spelling in (str(real), f"file://{real}", str(real) + "/", str(tmp_path / "link" / ".")):
+            with pytest.raises(CheckpointTimeoutError):
+                locks.wait_for_commits(spelling, "", 0.1, rank=0)
+    finally:
+        locks.release(fd, path)
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", "relative/locks")
+    with pytest.raises(CheckpointError, match="relative"):
+        locks.wait_for_commits(str(real), "", 0.1, rank=0)
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "no" / "such" / "locks"))
+    with pytest.raises(CheckpointError, match="cannot be made"):
+        CheckpointManager(str(real), writer="process")
+    assert not (tmp_path / "no").exists()

@@ -72,8 +72,26 @@ def _at_interpreter_exit() -> None:
         _exit_with_failure()
 
 
+#: The process whose managers these are: a child forked from it (a DataLoader's worker, a
+#: ``multiprocessing`` fork) inherits the list but none of the saves, and must neither wait for
+#: them (they would never end there) nor end their writers.
+_owner_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _owner_pid
+    with _lock:
+        _live.clear()
+    _owner_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _finish_all() -> bool:
     """Wait for every live manager's pending save; report the failures; True if any."""
+    if os.getpid() != _owner_pid:  # (a fork the hook did not see: not this process's saves)
+        return False
     with _lock:
         managers = list(_live)
     failures = []
@@ -100,10 +118,16 @@ def _abandon(manager: Any) -> None:
     status of an interrupt (the interpreter's teardown with a save still running could abort)."""
     p = getattr(manager, "_pending", None)
     what = f"the save of step {p.step} under {manager.storage.url}" if p is not None else "a pending save"
+    options = getattr(manager, "options", None)
+    if getattr(options, "writer", None) == "process":
+        fate = "its persist process goes on and commits it unless that fails (list the root to see)"
+    else:
+        fate = (
+            "it is abandoned: not committed unless its commit had already happened (list the root to see); "
+            "`shardkeeper gc` removes the files of an uncommitted save"
+        )
     print(
-        f"ERROR shardkeeper: interrupted at exit while waiting for {what}; it is abandoned: not committed "
-        f"unless its commit had already happened (list the root to see); `shardkeeper gc` removes the files "
-        f"of an uncommitted save",
+        f"ERROR shardkeeper: interrupted at exit while waiting for {what}; {fate}",
         file=sys.stderr,
         flush=True,
     )

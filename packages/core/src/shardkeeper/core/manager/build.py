@@ -16,7 +16,7 @@ from shardkeeper.core.config.options import OPTION_NAMES, CheckpointOptions, des
 from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.manager.schedule import RecordedTimings, SaveSchedule
-from shardkeeper.core.persist.client import persist_runner
+from shardkeeper.core.persist.build import persist_runner
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.coordinator import Coordinator, make_coordinator
 from shardkeeper.core.save.overlap import StagingGate

@@ -117,7 +117,7 @@ class SaveCalls:
             return self._pending_at_exit()
         finally:
             if not self._closed:
-                self._saver.close()
+                self._saver.close(wait_s=0)  # (a persist process finishes what it holds on its own)
 
     def _pending_at_exit(self) -> str | None:
         p = self._pending

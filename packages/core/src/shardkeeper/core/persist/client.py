@@ -20,14 +20,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,24 +33,19 @@ from typing import Any
 from shardkeeper.core import metrics
 from shardkeeper.core.codec import CodecState
 from shardkeeper.core.commit.protocol import Phase
-from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
 from shardkeeper.core.persist import locks
 from shardkeeper.core.persist.channel import add_counted, error_record, rebuilt, recv, send
-from shardkeeper.core.persist.spec import PersistSpec, checked_spec
+from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.runtime.context import ManagerContext
-from shardkeeper.core.runtime.coordinator import StoreCoordinator
-from shardkeeper.core.runtime.store_channel import server_address
 from shardkeeper.core.save.handle import SaveHandle
 from shardkeeper.core.save.hooks import SaveHooks
 from shardkeeper.core.save.job import SaveJob
 from shardkeeper.core.save.overlap import StagingGate
 from shardkeeper.core.save.plan import PlanCache
-from shardkeeper.core.save.recipe import codec_state
 from shardkeeper.core.save.runner import SaveRunner
 from shardkeeper.core.save.shared import SharedBuffers
 from shardkeeper.core.save.stage import Stager
-from shardkeeper.core.state import _torch_compat as tc
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +81,7 @@ class PersistRunner(SaveRunner):
         self._handed: set[int] = set()  # seqs already sent
         self._send_lock = threading.Lock()
         self._prepared_at = 0.0
+        self._owner = os.getpid()  # a forked child inherits the channel, never the persist process
         self._start()  # now, so that it has met the other ranks' before the first save is handed over
         self._lock_path: Path | None = None  # the lock file of the last save handed over
 
@@ -344,8 +338,13 @@ class PersistRunner(SaveRunner):
             raise err from e
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Tell the persist process to end (after the saves it holds) and wait for it."""
+    def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
+        """Tell the persist process to end once the saves it holds are done, and wait up to
+        ``wait_s`` for it (0: not at all, as at exit). Never killed: a save it was handed
+        commits whatever the trainer does. Nothing in a forked child: the process is the
+        parent's."""
+        if os.getpid() != self._owner:
+            return
         with self._send_lock:
             sock, proc = self._sock, self._proc
             self._sock = self._proc = None
@@ -355,62 +354,17 @@ class PersistRunner(SaveRunner):
             except OSError:
                 pass
             sock.close()
-        if proc is not None:
+        if proc is not None and wait_s > 0:
             try:
-                proc.wait(timeout=_CLOSE_WAIT_S)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                log.warning("rank %d: its persist process (pid %d) did not end; killing it", self.ctx.rank, proc.pid)
-                proc.kill()
-                proc.wait()
+                log.warning(
+                    "rank %d: its persist process (pid %d) is still finishing a save after %.0f s; it ends on its own",
+                    self.ctx.rank,
+                    proc.pid,
+                    wait_s,
+                )
         self._buffers.close()
 
 
-def persist_runner(
-    ctx: ManagerContext,
-    options: CheckpointOptions,
-    hooks: SaveHooks,
-    *,
-    root: Any,
-    storage_options: Mapping[str, Any] | None,
-    plans: PlanCache,
-    gate: StagingGate,
-    tiered: bool,
-) -> tuple[PersistRunner, Stager]:
-    """The save protocol of a manager with ``writer="process"``, and its stager (staging into
-    shared memory); a ``ValueError`` for what a persist process cannot serve, before any save."""
-    where = f"(root {ctx.storage.url}, rank {ctx.rank})"
-    if tiered:
-        raise ValueError(
-            f"writer='process' writes to one root; with local= (a node-local tier) use writer='thread' {where}"
-        )
-    if not hasattr(os, "memfd_create"):
-        raise ValueError(f"writer='process' needs Linux (memfd_create) for its shared staging buffer {where}")
-    namespace, store = "local-" + secrets.token_hex(8), None
-    coord = ctx.coord
-    if isinstance(coord, StoreCoordinator):
-        namespace, store = coord.namespace, server_address(tc.group_store(coord.group))
-        if store is None:
-            raise ValueError(
-                f"writer='process' with {ctx.world_size} ranks: the persist processes meet on the process group's "
-                f"c10d store server, and this group's store is not a TCPStore (launch with torchrun, or "
-                f"init_process_group with env:// or tcp://), or use writer='thread' {where}"
-            )
-    spec = checked_spec(
-        root, storage_options, options, rank=ctx.rank, world_size=ctx.world_size, namespace=namespace, store=store
-    )
-    buffers = SharedBuffers()
-    stager = Stager(buffers)
-    runner = PersistRunner(
-        ctx,
-        codecs=codec_state(ctx, options),
-        stager=stager,
-        plans=plans,
-        gate=gate,
-        hooks=hooks,
-        spec=spec,
-        buffers=buffers,
-    )
-    return runner, stager
-
-
-__all__ = ["PersistRunner", "persist_runner"]
+__all__ = ["PersistRunner"]

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardkeeper.core.codec.crypto_format import root_identity
 from shardkeeper.core.errors import CheckpointError, CheckpointTimeoutError
 
 log = logging.getLogger(__name__)
@@ -38,17 +39,31 @@ def lock_dir() -> Path:
     """Where this user's in-flight locks live on this node (``SHARDKEEPER_PERSIST_LOCKS``
     overrides it): a directory of this user's alone, so that nobody else can plant a file or a
     link there."""
-    where = os.environ.get("SHARDKEEPER_PERSIST_LOCKS") or os.path.join(
-        tempfile.gettempdir(), f"shardkeeper-persist-{os.getuid()}"
-    )
-    return Path(where)
+    given = os.environ.get("SHARDKEEPER_PERSIST_LOCKS")
+    if given:
+        if not os.path.isabs(given):
+            raise CheckpointError(
+                f"SHARDKEEPER_PERSIST_LOCKS={given!r} is relative: a restart from another directory would not "
+                f"see the locks; give an absolute path"
+            )
+        return Path(given)
+    # /tmp, not $TMPDIR: a scheduler may give each job its own, and a restart must see the locks
+    # of the job before it.
+    base = "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
+    return Path(base) / f"shardkeeper-persist-{os.getuid()}"
 
 
 def _own_dir() -> Path:
     """``lock_dir()``, made if missing, and checked to be a real directory this user owns that
     no one else may write to (a shared temporary directory is a place for link attacks)."""
     where = lock_dir()
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        where.mkdir(mode=0o700, exist_ok=True)  # (its parent must exist: no tree made by a typo)
+    except OSError as e:
+        raise CheckpointError(
+            f"the persist lock directory {where} cannot be made ({type(e).__name__}: {e}); set "
+            f"SHARDKEEPER_PERSIST_LOCKS to a directory of yours (its parent must exist)"
+        ) from None
     st = os.lstat(where)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise CheckpointError(
@@ -59,8 +74,9 @@ def _own_dir() -> Path:
 
 
 def root_tag(url: str) -> str:
-    """A short name of the root ``url`` for lock file names."""
-    return hashlib.sha256(url.encode()).hexdigest()[:16]
+    """A short name of the root ``url`` for lock file names: of its identity, so that every
+    spelling of one root (through a link, relative, ``file://``) has the same."""
+    return hashlib.sha256(root_identity(url).encode()).hexdigest()[:16]
 
 
 def short(namespace: str) -> str:
@@ -161,8 +177,8 @@ def wait_for_commits(url: str, namespace: str, timeout_s: float, *, rank: int) -
         waited = time.monotonic() - t0
         if not logged:
             log.warning(
-                "rank %d: waiting for %d save(s) to %s still being committed by a persist process of an earlier "
-                "trainer (%s) before choosing the step to restore",
+                "rank %d: waiting for %d save(s) to %s still being committed by another manager's persist process "
+                "(%s) before choosing the newest step",
                 rank,
                 len(pending),
                 url,
@@ -171,7 +187,7 @@ def wait_for_commits(url: str, namespace: str, timeout_s: float, *, rank: int) -
             logged = True
         if waited > timeout_s:
             raise CheckpointTimeoutError(
-                f"rank {rank}: a persist process of an earlier trainer still commits a save to {url} after "
+                f"rank {rank}: another manager's persist process still commits a save to {url} after "
                 f"{waited:.0f} s ({'; '.join(_describe(p) for p in pending)}; lock files {', '.join(map(str, pending))}); "
                 f"restoring now could take an older step than the one it commits. Wait, or kill that process "
                 f"(its save is then not committed) and restore again"
@@ -180,4 +196,10 @@ def wait_for_commits(url: str, namespace: str, timeout_s: float, *, rank: int) -
     return time.monotonic() - t0
 
 
-__all__ = ["clear_if_free", "hold", "mark", "lock_dir", "release", "root_tag", "wait_for_commits"]
+def check_dir() -> None:
+    """``CheckpointError`` now when the lock directory is unusable (a manager checks it when it
+    is made, not at its first save)."""
+    _own_dir()
+
+
+__all__ = ["check_dir", "clear_if_free", "hold", "mark", "lock_dir", "release", "root_tag", "wait_for_commits"]

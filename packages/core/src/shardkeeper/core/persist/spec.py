@@ -38,6 +38,7 @@ def checked_spec(
     world_size: int,
     namespace: str,
     store: tuple[str, int] | None,
+    where: str,
 ) -> PersistSpec:
     """The spec of a manager with ``writer="process"``, or a ``ValueError`` naming what cannot be
     handed to another process (checked by the channel's own encoding, before any save)."""
@@ -53,14 +54,23 @@ def checked_spec(
         store,
         options.commit_group_ranks,
     )
-    try:
-        decode(encode("hello", spec))
-    except (pickle.PicklingError, pickle.UnpicklingError, TypeError, AttributeError) as e:
-        raise ValueError(
-            f"writer='process' (rank {rank}): the root, storage_options and options are handed to a persist "
-            f"process, and one of them cannot be ({type(e).__name__}: {e}). Pass plain values (a path or URL, "
-            f"storage options of str/int/bool, encryption='env:VAR' or 'file:PATH'), or use writer='thread'"
-        ) from None
+    parts = {
+        "root": spec.root,
+        "storage_options": spec.storage_options,
+        "encryption": options.encryption,
+        "options": options,
+    }
+    for name, value in parts.items():
+        try:
+            decode(encode("hello", value))
+        except (pickle.PicklingError, pickle.UnpicklingError, TypeError, AttributeError):
+            kind = type(value).__name__ if name != "storage_options" else "a value in it"
+            raise ValueError(
+                f"writer='process' (root {where}, rank {rank}): {name}= ({kind}) cannot be handed to the persist "
+                f"process, which rebuilds the writer from the core's own types and plain values only. Pass a path "
+                f"or URL as the root, storage options of str/int/float/bool, encryption='env:VAR', 'file:PATH' or "
+                f"the core's LocalKeyProvider; or use writer='thread'"
+            ) from None
     return spec
 
 

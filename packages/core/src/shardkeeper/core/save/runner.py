@@ -266,8 +266,9 @@ class SaveRunner:
         "": none, every save commits in this process)."""
         return ""
 
-    def close(self) -> None:
-        """Release what the writer holds beyond the manager's threads (nothing here)."""
+    def close(self, wait_s: float = 30.0) -> None:
+        """Release what the writer holds beyond the manager's threads (nothing here; a persist
+        process is told to end, and waited for up to ``wait_s``)."""
 
     def _fold(self, job: SaveJob, own: RankReport) -> Report | None:
         """A group leader: its group's folded report (``save/group.py``), a failure of
