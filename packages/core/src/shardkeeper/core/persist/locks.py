@@ -76,7 +76,7 @@ def _own_dir() -> Path:
 def root_tag(url: str) -> str:
     """A short name of the root ``url`` for lock file names: of its identity, so that every
     spelling of one root (through a link, relative, ``file://``) has the same."""
-    return hashlib.sha256(root_identity(url).encode()).hexdigest()[:16]
+    return hashlib.sha256(root_identity(url).encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def short(namespace: str) -> str:
