@@ -61,7 +61,10 @@ def main(results: Path, mode: str, root: str) -> None:
                     mgr.save(step, {"s": saved(state(rank, step))})  # the previous save may still commit
                 pid = mgr._saver.pid
                 mgr.wait()
-                assert mgr.steps() == [2, 3], mgr.steps()
+                # (retention runs on the coordinator after it publishes the outcome: the other
+                # ranks' wait() may return before step 1 is deleted)
+                if rank == 0:
+                    assert mgr.steps() == [2, 3], mgr.steps()
             assert pid is not None
             try:
                 os.kill(pid, 0)
