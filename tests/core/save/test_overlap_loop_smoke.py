@@ -34,11 +34,22 @@ def test_quick_loop_benchmark_runs_every_method(tmp_path: Path) -> None:
     [path] = (tmp_path / "results").glob("loop-*-quick.json")
     data = json.loads(path.read_text())
     methods = data["methods"]
-    assert set(methods) == {"none", "sk_blocking", "sk_overlap", "sk_buffered", "dcp_reuse", "dcp_async_staging"}
+    assert set(methods) == {
+        "none",
+        "sk_blocking",
+        "sk_overlap",
+        "sk_buffered",
+        "sk_process",
+        "sk_process_overlap",
+        "dcp_reuse",
+        "dcp_async_staging",
+        "dcp_process",
+    }
     for m, row in methods.items():
         assert row["loop_s"] > 0 and math.isfinite(row["overhead_s"]), (m, row)
     assert data["info"]["raw_copy_s"] > 0 and data["info"]["state_bytes_per_rank"] > 0
     assert methods["sk_overlap"]["stall_s"] > 0  # save() ran and returned in every round
+    assert methods["sk_process"]["stall_s"] > 0  # (and through a persist process)
     # the wait for the save after the last step: part of the loop, and none without a save
     assert all(0 <= row["tail_s"] <= row["loop_s"] for row in methods.values()), methods
     assert methods["none"]["tail_s"] < 0.01, methods["none"]
