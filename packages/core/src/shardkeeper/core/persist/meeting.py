@@ -31,8 +31,11 @@ from shardkeeper.core.runtime.store_channel import StoreChannel
 
 log = logging.getLogger(__name__)
 
-#: How long rank 0's process waits at its exit for the other ranks to read its last outcome.
+#: How long rank 0's process waits at its exit for the other ranks to join and read its last outcome.
 SEEN_WAIT_S = 60.0
+#: How long another rank's process waits for rank 0's address and its store: bounded, so that a
+#: persist process whose rank 0 never came ends within it.
+_JOIN = timedelta(seconds=60)
 
 
 def _reachable_host(job_host: str) -> str:
@@ -77,16 +80,17 @@ class Meeting:
     def current(self) -> StoreCoordinator:
         """The coordinator of the current connection (connecting first when there is none)."""
         if self._inner is None:
-            self._job.wait([self._key], self._timeout)
+            self._job.wait([self._key], _JOIN)
             addr = self._job.get(self._key).decode()
-            deadline = time.monotonic() + self._timeout.total_seconds()
+            deadline = time.monotonic() + _JOIN.total_seconds()
             while addr == self._addr and time.monotonic() < deadline:  # the old one's: wait for the new one
                 time.sleep(0.1)
                 addr = self._job.get(self._key).decode()
             host, _, port = addr.rpartition(":")
-            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=self._timeout)
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_JOIN)
             self._addr = addr
             self._inner = StoreCoordinator.over(store, self.rank, self.world_size, self._ns, self._group_ranks)
+            self._inner.mark(-1, "joined")  # rank 0's process keeps its store until every rank joined
         return self._inner
 
     def lost(self) -> None:
@@ -104,18 +108,23 @@ class Meeting:
                 pass
 
     def before_exit(self) -> None:
-        """Rank 0: wait (bounded) until every other rank has read the last outcome."""
-        if self.rank != 0 or self._inner is None or self._last_seq is None:
+        """Rank 0: wait (bounded) until every other rank has joined (a manager closed before
+        its first save: they still connect once) and read the last outcome."""
+        if self.rank != 0 or self._inner is None:
             return
         deadline = time.monotonic() + SEEN_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                if self._inner.mark(self._last_seq, "seen", 0) >= self.world_size - 1:
+        waits = [(-1, "joined")] + ([(self._last_seq, "seen")] if self._last_seq is not None else [])
+        for seq, name in waits:
+            while time.monotonic() < deadline:
+                try:
+                    if self._inner.mark(seq, name, 0) >= self.world_size - 1:
+                        break
+                except CoordinatorLostError:
                     return
-            except CoordinatorLostError:
+                time.sleep(0.05)
+            else:
+                log.warning("persist process of rank 0: not every rank %s (save %d) before its exit", name, seq)
                 return
-            time.sleep(0.05)
-        log.warning("persist process of rank 0: not every rank read the outcome of save %d", self._last_seq)
 
     # -- the Coordinator protocol -------------------------------------------------------------
     def report(self, seq: int, report: Report, *, terms: SaveTerms | None = None) -> None:
