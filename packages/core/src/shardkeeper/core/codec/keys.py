@@ -66,6 +66,11 @@ class LocalKeyProvider:
         self.source = source
         self.key_id = fingerprint(kek)
 
+    def handover(self) -> tuple[bytes, str]:
+        """The key and its source, for the manager's own persist process (``writer="process"``),
+        which gets them over a channel only the two processes hold."""
+        return self._kek, self.source
+
     def wrap(self, data_key: bytes) -> tuple[str, bytes]:
         from cryptography.hazmat.primitives.keywrap import aes_key_wrap
 

@@ -11,8 +11,9 @@ from typing import Any
 from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.persist import locks
+from shardkeeper.core.persist.channel import decode, encode
 from shardkeeper.core.persist.client import PersistRunner
-from shardkeeper.core.persist.spec import checked_spec
+from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.coordinator import StoreCoordinator
 from shardkeeper.core.runtime.store_channel import server_address
@@ -23,6 +24,51 @@ from shardkeeper.core.save.recipe import codec_state
 from shardkeeper.core.save.shared import SharedBuffers
 from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.state import _torch_compat as tc
+
+
+def checked_spec(
+    root: Any,
+    storage_options: Mapping[str, Any] | None,
+    options: CheckpointOptions,
+    *,
+    rank: int,
+    world_size: int,
+    namespace: str,
+    store: tuple[str, int] | None,
+    where: str,
+) -> PersistSpec:
+    """The spec of a manager with ``writer="process"``, or a ``ValueError`` naming what cannot be
+    handed to another process (checked by the channel's own encoding, before any save)."""
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    spec = PersistSpec(
+        root,
+        dict(storage_options or {}),
+        options,
+        rank,
+        world_size,
+        namespace,
+        store,
+        options.commit_group_ranks,
+    )
+    parts = {
+        "root": spec.root,
+        "storage_options": spec.storage_options,
+        "encryption": options.encryption,
+        "options": options,
+    }
+    for name, value in parts.items():
+        try:
+            decode(encode("hello", value))
+        except (TypeError, ValueError):
+            kind = type(value).__name__ if name != "storage_options" else "a value in it"
+            raise ValueError(
+                f"writer='process' (root {where}, rank {rank}): {name}= ({kind}) cannot be handed to the persist "
+                f"process, which rebuilds the writer from the core's own types and plain values only. Pass a path "
+                f"or URL as the root, storage options of str/int/float/bool, encryption='env:VAR', 'file:PATH' or "
+                f"the core's LocalKeyProvider; or use writer='thread'"
+            ) from None
+    return spec
 
 
 def persist_runner(

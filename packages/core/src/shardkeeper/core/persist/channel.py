@@ -2,65 +2,38 @@
 socket pair that only the two hold, with file descriptors passed alongside (``SCM_RIGHTS``).
 
 A message is a kind and a payload of plain data and the core's own records (a save plan, its
-groups, a retention policy). Payloads are pickled, since both ends are the same program; the
-loader still admits only builtins' containers and classes of ``shardkeeper.core``, so even a
-forged message could never make the other end import or call anything else. A tensor in a
-payload goes as None: the bytes travel through the staging buffer in shared memory, never here.
-Nothing of this reaches the on-storage format.
+groups, a retention policy), as JSON (``records.py``: no pickle). A tensor in a payload goes as
+None: the bytes travel through the staging buffer in shared memory, never here. Nothing of
+this reaches the on-storage format.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import socket
 import struct
 from typing import Any
 
-import torch
-
 from shardkeeper.core import errors, metrics
 from shardkeeper.core.errors import PersistChannelClosed
 from shardkeeper.core.metrics import LabelKey
+from shardkeeper.core.persist.records import dumps, loads
 
 _HEADER = struct.Struct("!Q")
-#: Builtins a payload may hold besides the core's classes (containers and scalars pickle natively).
-_BUILTINS = frozenset({"set", "frozenset", "complex", "bytearray", "slice", "range"})
 _MAX_FDS = 4
 
 
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> str | None:
-        # A tensor never travels (WriteItem.src of a plan): its bytes are in the shared buffer.
-        return "tensor" if isinstance(obj, torch.Tensor) else None
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in _BUILTINS:
-            return super().find_class(module, name)
-        if module == "shardkeeper.core" or module.startswith("shardkeeper.core."):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"the persist channel admits no {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if pid != "tensor":
-            raise pickle.UnpicklingError(f"unknown reference {pid!r} on the persist channel")
-        return None
-
-
 def encode(kind: str, payload: Any) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump((kind, payload))
-    return buf.getvalue()
+    """One message's bytes (``TypeError`` for a payload that cannot cross: ``records.py``)."""
+    return dumps([kind, payload])
 
 
 def decode(data: bytes) -> tuple[str, Any]:
-    kind, payload = _Unpickler(io.BytesIO(data)).load()
-    if not isinstance(kind, str):
-        raise pickle.UnpicklingError("a persist message without a kind")
-    return kind, payload
+    """A message's kind and payload (``ValueError`` for bytes that are not one)."""
+    msg = loads(data)
+    if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
+        raise ValueError("a persist message is [kind, payload]")
+    return msg[0], msg[1]
 
 
 def send(sock: socket.socket, kind: str, payload: Any = None, fds: tuple[int, ...] = ()) -> None:

@@ -213,7 +213,7 @@ class PersistRunner(SaveRunner):
                     "plan_id": plan_id,
                     "plan": plan,
                     "offset": placed[1] if placed is not None else 0,
-                    "spans": [[None if sp is None else (sp[1], sp[2]) for sp in row] for row in job.spans],
+                    "spans": [[None if sp is None else [sp[1], sp[2]] for sp in row] for row in job.spans],
                     "objects": job.objects,
                     "extended": job.extended,
                     "metadata": job.metadata,
