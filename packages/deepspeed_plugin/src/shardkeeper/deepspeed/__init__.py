@@ -8,6 +8,8 @@
   shardkeeper from then on.
 - ``import_native_checkpoint(src, root)``: a native DeepSpeed checkpoint directory as a
   committed shardkeeper step.
+- ``load_pretrained(engine, path)``: the engine's model from a Hugging Face safetensors folder
+  (``shardkeeper.core.load_hf`` into its fp32 master weights).
 
 Imports only the public API of shardkeeper.core and DeepSpeed itself, never another adapter;
 every private DeepSpeed attribute it touches is in ``_ds_internals``.
@@ -15,6 +17,7 @@ every private DeepSpeed attribute it touches is in ``_ds_internals``.
 
 from shardkeeper.deepspeed.hook import DeepSpeedCheckpointHook, attach, tag_to_step
 from shardkeeper.deepspeed.native import import_native_checkpoint
+from shardkeeper.deepspeed.pretrained import load_pretrained
 from shardkeeper.deepspeed.state import engine_state, ensure_optimizer_state
 
 __all__ = [
@@ -23,5 +26,6 @@ __all__ = [
     "engine_state",
     "ensure_optimizer_state",
     "import_native_checkpoint",
+    "load_pretrained",
     "tag_to_step",
 ]
