@@ -5,7 +5,9 @@ The plugin needs the Trainer a LightningModule is attached to, or ``None`` (Ligh
 outside a Trainer as the Trainer does (Lightning has no public function for that); the
 loader of pointer files wraps the function Lightning reads ``.ckpt`` files with. Each
 function below uses one private name (``checkpoint_loaders``: one function, by the names it
-is imported as); each was checked on Lightning 2.5.6 and 2.6.6.
+is imported as); each was checked on Lightning 2.5.6 and 2.6.6. The sampler Lightning puts
+in a train DataLoader is resolved by a private method, which the plugin wraps
+(``sampler_resolver``) to put its own there (:mod:`shardkeeper.lightning.data`).
 ``contract_check`` says which of them the installed Lightning has, and
 ``tests/lightning/test_internals.py`` asserts all of them, so a release that renames or
 removes one fails loudly there (bump ``TESTED_RANGE`` only after that test passes on the new
@@ -89,6 +91,19 @@ def checkpoint_loaders() -> list[tuple[Any, str]]:
     return found
 
 
+def sampler_resolver() -> tuple[Any, str]:
+    """Where Lightning resolves the sampler it puts in a DataLoader under
+    ``use_distributed_sampler`` (its ``DistributedSampler`` for a train loader), as
+    ``(class, method name)``: ``_DataConnector._resolve_sampler(self, dataloader, shuffle,
+    mode)`` in ``lightning.pytorch.trainer.connectors.data_connector`` (2.5.6, 2.6.6)."""
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    cls = getattr(data_connector, "_DataConnector", None)
+    if cls is None or not callable(getattr(cls, "_resolve_sampler", None)):
+        raise _missing("lightning.pytorch.trainer.connectors.data_connector._DataConnector._resolve_sampler")
+    return cls, "_resolve_sampler"
+
+
 # -- the contract -----------------------------------------------------------------------------
 def contract_check() -> dict[str, bool]:
     """Each private name this adapter uses: whether the installed Lightning has it as expected."""
@@ -101,7 +116,12 @@ def contract_check() -> dict[str, bool]:
         "LightningModule._trainer": False,
         "lightning.pytorch.core.optimizer._configure_optimizers": False,
         "the .ckpt loaders (cloud_io._load, saving.pl_load, torch_io.pl_load)": False,
+        "_DataConnector._resolve_sampler": False,
     }
+    try:
+        present["_DataConnector._resolve_sampler"] = sampler_resolver()[1] == "_resolve_sampler"
+    except LightningInternalsError:
+        pass
     try:
         present["the .ckpt loaders (cloud_io._load, saving.pl_load, torch_io.pl_load)"] = len(checkpoint_loaders()) == 3
     except LightningInternalsError:
@@ -126,6 +146,7 @@ __all__ = [
     "checkpoint_loaders",
     "contract_check",
     "parse_optimizers",
+    "sampler_resolver",
     "trainer_of",
     "version_tested",
     "warn_if_untested",

@@ -15,18 +15,12 @@ import logging
 from typing import Any, Protocol
 
 from shardkeeper.core import CheckpointManager, RNGState
-from shardkeeper.core.adapter import (
-    Manifest,
-    Patches,
-    check_save_step,
-    framework_of,
-    progress_state,
-    read_progress,
-)
+from shardkeeper.core.adapter import Manifest, Patches, check_save_step, framework_of, progress_state, read_progress
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
 from shardkeeper.lightning import codec
 from shardkeeper.lightning import strategy as st
 from shardkeeper.lightning._loops import fit_loop_at
+from shardkeeper.lightning.data import DataPositions
 from shardkeeper.lightning.loading import lightning_dict
 from shardkeeper.lightning.paths import (
     PathIndex,
@@ -70,6 +64,7 @@ class StrategyBinding:
         self._deferred_optim: tuple[CheckpointManager, int] | None = None
         self._resumed: int | None = None  # the step of this root this run resumed from
         self._pointers = DuePointers(plugin.root, self._path_index)  # rank 0: written on commit
+        self.data = DataPositions()  # the train samplers' positions (data.py)
 
     def finish(self, strategy: Any) -> None:
         """After ``fit()``'s teardown waited for the last save, on every rank (a normal end):
@@ -219,6 +214,7 @@ class StrategyBinding:
             if "sched" in engine and not weights_only:
                 state["sched"] = engine["sched"]
         state["rng"] = RNGState()
+        state.update(self.data.entry(st.trainer(strategy)) if not weights_only else {})  # data/sampler/<i>
         return state
 
     # -- load ----------------------------------------------------------------------------------
@@ -290,6 +286,7 @@ class StrategyBinding:
             only.append("rng/*")
         strict = bool(getattr(lm, "strict_loading", True))
         mgr.restore(state, step=step, only=only, strict=strict, optional=optional)
+        self.data.resume(codec.skeleton(leaves, "data/sampler") if fitting else None)  # for the train samplers
         extra = codec.decode(state.get("extra") or {})
         ck = lightning_dict(manifest, extra, state.get("sched"), step, mgr.storage.url)
         ck["state_dict"] = {}

@@ -21,13 +21,18 @@ removes checkpoints, with functions that call the plugin's public ``binding``
 - ``on_train_start`` (all ranks, after any resume, before the first training step): a run
   that could save nothing in its root (a fresh ``fit()`` on a root holding later steps) is
   refused there with the remedies (the core's ``check_start``), not at its first save.
+- ``on_train_batch_start``: the plugin's train samplers count the batch as taken
+  (:mod:`shardkeeper.lightning.data`).
 
 Under ``DeepSpeedStrategy`` the engine's state comes from the DeepSpeed adapter
 (``load_adapter("deepspeed").engine_state(engine)``); DeepSpeed's own checkpoint methods are
 never called. Other strategies and other plugins are untouched.
 
 :func:`install` also wraps Lightning's ``.ckpt`` loader so that ``load_from_checkpoint`` and
-``TorchCheckpointIO`` read the plugin's pointer files (:mod:`shardkeeper.lightning.loading`).
+``TorchCheckpointIO`` read the plugin's pointer files (:mod:`shardkeeper.lightning.loading`),
+and the method that resolves the sampler Lightning puts in a DataLoader, so that a Trainer
+with the plugin gets the plugin's resumable sampler for its train data
+(:mod:`shardkeeper.lightning.data`).
 Both patches are restorable (the core's ``Patches``): :func:`disconnect` gives a strategy its
 own methods back, :func:`uninstall` gives ``Strategy.checkpoint_io`` its own setter and
 Lightning its own loader back (strategies connected until then stay connected until
@@ -80,6 +85,7 @@ def _methods(plugin: ShardkeeperCheckpointIO, strategy: Any) -> dict[str, Any]:
     orig_remove = strategy.remove_checkpoint
     orig_teardown = strategy.teardown
     orig_train_start = strategy.on_train_start
+    orig_batch_start = strategy.on_train_batch_start
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         binding.save(strategy, checkpoint, filepath, storage_options)
@@ -132,6 +138,10 @@ def _methods(plugin: ShardkeeperCheckpointIO, strategy: Any) -> dict[str, Any]:
             )
         orig_train_start()
 
+    def on_train_batch_start(batch: Any, batch_idx: int, *args: Any) -> None:
+        binding.data.advance(st.trainer(strategy))
+        orig_batch_start(batch, batch_idx, *args)
+
     return {
         "save_checkpoint": save_checkpoint,
         "load_checkpoint": load_checkpoint,
@@ -142,6 +152,7 @@ def _methods(plugin: ShardkeeperCheckpointIO, strategy: Any) -> dict[str, Any]:
         "remove_checkpoint": remove_checkpoint,
         "teardown": teardown,
         "on_train_start": on_train_start,
+        "on_train_batch_start": on_train_batch_start,
     }
 
 
@@ -175,11 +186,30 @@ def install() -> None:
 
     INSTALLED.set(Strategy, "checkpoint_io", property(prop.fget, setter, prop.fdel, prop.__doc__))
     hook_loaders(INSTALLED)
+    _hook_sampler_resolver()
+
+
+def _hook_sampler_resolver() -> None:
+    """Under a connected plugin, the sampler Lightning resolves for a train DataLoader is the
+    plugin's (``binding.data.replace``); other Trainers get Lightning's own."""
+    cls, name = li.sampler_resolver()
+    orig = getattr(cls, name)
+
+    @functools.wraps(orig)
+    def resolve(self: Any, dataloader: Any, shuffle: bool, mode: Any = None) -> Any:
+        sampler = orig(self, dataloader, shuffle, mode)
+        trainer = self.trainer
+        plugin = getattr(trainer.strategy, "_shardkeeper_plugin", None)
+        if not isinstance(plugin, ShardkeeperCheckpointIO):
+            return sampler
+        return plugin.binding.data.replace(trainer, dataloader, sampler, mode)
+
+    INSTALLED.set(cls, name, resolve)
 
 
 def uninstall() -> None:
     """Give ``Strategy.checkpoint_io`` its own setter and Lightning its own ``.ckpt`` loader
-    back: plugins set from now on are plain ``CheckpointIO`` objects to Lightning (connected
+    and sampler resolution back: plugins set from now on are plain ``CheckpointIO`` objects to Lightning (connected
     strategies stay so until ``disconnect``), and pointer files load only through
     :func:`shardkeeper.lightning.load_checkpoint`."""
     INSTALLED.restore()
