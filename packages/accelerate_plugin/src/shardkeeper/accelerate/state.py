@@ -14,6 +14,7 @@
 | its scheduler, counters)         | adapter: ``model``, ``optim``, ``sched``, ``progress/...`` |
 | RNG of each rank                 | ``rng/<rank>/...``                               |
 | DataLoader epoch/batch position  | ``data/<rank>/<i>/...``                          |
+| the same at any world size       | ``extra/data_position/<i>/...`` (once)           |
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from shardkeeper.accelerate import _internals as acci
-from shardkeeper.accelerate.dataloaders import LoaderPositions
+from shardkeeper.accelerate.dataloaders import PREFIX, LoaderPositions
 from shardkeeper.core import PerRank, RNGState
 from shardkeeper.core.adapter import Progress as CheckpointProgress
 from shardkeeper.core.adapter import ProgressTarget, progress_state
@@ -180,6 +181,10 @@ def build_state(
     custom = list(acci.registered_objects(accelerator))
     if custom and has("extra/custom"):
         extra["custom"] = {str(i): o for i, o in enumerate(custom)}
+    dataloaders = list(acci.prepared_dataloaders(accelerator))
+    positions = LoaderPositions(dataloaders, resume=resume_dataloaders)
+    if dataloaders and (present is None or any(k.startswith(PREFIX + "/") for k in present)):
+        extra["data_position"] = positions.global_positions(present)  # restored before data/
     if extra:
         state["extra"] = extra
     state["progress"] = Progress(
@@ -188,9 +193,8 @@ def build_state(
     # rng before data: a DataLoader's resume point needs the checkpoint's RNG already set.
     if has("rng"):
         state["rng"] = RNGState()
-    dataloaders = list(acci.prepared_dataloaders(accelerator))
     if dataloaders and has("data"):
-        state["data"] = PerRank(LoaderPositions(dataloaders, resume=resume_dataloaders))
+        state["data"] = PerRank(positions)
     if missing:
         log.warning(
             "shardkeeper: the checkpoint has no %s; those parts of the state keep their current values",
