@@ -1,6 +1,6 @@
 """The CUDA paths, proven in one run on one GPU: correctness, stall and loop overhead vs DCP, host memory.
 
-    PYTHONPATH=packages/core/src:. python benchmarks/gpu.py              # on a GPU machine, < 8 min
+    PYTHONPATH=packages/core/src:. python benchmarks/gpu.py              # on a GPU machine, < 9 min
     python benchmarks/gpu.py --dry-run --results-dir /tmp/r               # anywhere: everything up to CUDA
 
 Runs from the source tree (no install step) on the torch it finds, CUDA builds from 2.9 on
@@ -22,12 +22,18 @@ results files are rewritten after every part, so a run cut short keeps what it m
    and below every DCP variant (blocking staging copies on the compute stream: reported).
 3. **Host memory** (``benchmarks/gpu_memory.py``): RSS and pinned bytes after each of N saves
    do not grow (target: pinned-allocator growth 0, RSS growth < 1% of the state).
+4. **Logical digests on the device** (``benchmarks/gpu_logical.py``, ``--logical-mib``,
+   default 1 GiB): the partial sums computed on the GPU by torch ops, in seconds per GiB,
+   against a raw device-to-host copy of the same bytes and the numpy path over the host copy
+   (what a save computes from its staged bytes), for a whole tensor, a column shard, rows that
+   are not whole blocks and 10,000 small tensors; the peak extra device memory; and whether
+   the device's sums equal the numpy path's (judged; the times are reported).
 
-``--parts`` names the parts to run (``tests,loop,memory`` by default): a second call on a
+``--parts`` names the parts to run (``tests,loop,memory,logical`` by default): a second call on a
 short lease redoes only what failed. Writes ``benchmarks/results/gpu-<date>.json`` and ``.md``
 (``--results-dir``).
 ``--dry-run`` (no GPU needed) runs the same script on CPU: the environment report, the
-collection of the CUDA tests, the loop and memory parts at a tiny size on CPU and the writer
+collection of the CUDA tests, the loop, memory and logical parts at a tiny size on CPU and the writer
 (results ``gpu-<date>-dry-run.*``); its figures say nothing about CUDA.
 """
 
@@ -249,6 +255,21 @@ def part_memory(args: argparse.Namespace, work: Path, timeout_s: float) -> dict[
     return res
 
 
+def part_logical(args: argparse.Namespace, work: Path, timeout_s: float) -> dict[str, Any]:
+    """Part 4: the logical digests' partial sums on the device against a raw copy."""
+    out = work / "logical.json"
+    device = "cpu" if args.dry_run else "cuda"
+    cmd = [sys.executable, str(HERE / "gpu_logical.py"), f"--out={out}", f"--device={device}"]
+    cmd += [f"--mib={args.logical_mib:g}", f"--repeats={args.repeats}"]
+    res = _run(cmd, timeout_s)
+    if out.is_file():
+        res["result"] = json.loads(out.read_text())
+    return res
+
+
+PARTS = ("tests", "loop", "memory", "logical")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="no GPU: everything up to the first CUDA call, on CPU")
@@ -259,22 +280,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--memory-mib", type=float, default=512.0)
     ap.add_argument("--saves", type=int, default=10)
-    ap.add_argument("--budget-s", type=float, default=460.0, help="the whole run's time, the parts' caps within it")
+    ap.add_argument("--logical-mib", type=float, default=1024.0, help="part 4's shard size, MiB")
+    ap.add_argument("--budget-s", type=float, default=520.0, help="the whole run's time, the parts' caps within it")
     ap.add_argument("--tests-timeout-s", type=float, default=90.0)
     ap.add_argument("--accelerate-timeout-s", type=float, default=75.0)
     ap.add_argument("--loop-timeout-s", type=float, default=75.0, help="per size; the largest gets twice this")
     ap.add_argument("--memory-timeout-s", type=float, default=45.0)
-    ap.add_argument("--parts", default="tests,loop,memory", help="the parts to run, of tests,loop,memory")
+    ap.add_argument("--logical-timeout-s", type=float, default=60.0)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"the parts to run, of {','.join(PARTS)}")
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--workdir", default=None, help="checkpoints go here (default: /dev/shm when it has room)")
     args = ap.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(args.parts) - {"tests", "loop", "memory"})
+    unknown = sorted(set(args.parts) - set(PARTS))
     if unknown or not args.parts:
-        ap.error(f"--parts {','.join(args.parts)!r}: name one or more of tests, loop, memory (unknown: {unknown})")
+        ap.error(f"--parts {','.join(args.parts)!r}: name one or more of {', '.join(PARTS)} (unknown: {unknown})")
     if args.dry_run:
         args.sizes_gib, args.steps, args.batch, args.seq, args.repeats = "0.015625", 3, 2, 16, 1
-        args.memory_mib, args.saves = 8.0, 3
+        args.memory_mib, args.saves, args.logical_mib = 8.0, 3, 2.0
     return args
 
 
@@ -326,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         if "memory" in args.parts:
             print("== part 3: host memory across saves", flush=True)
             res["memory"] = part_memory(args, work, budget.limit(args.memory_timeout_s))
+            write()
+        if "logical" in args.parts:
+            print("== part 4: logical digests on the device", flush=True)
+            res["logical"] = part_logical(args, work, budget.limit(args.logical_timeout_s))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         write()

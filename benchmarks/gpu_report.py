@@ -74,10 +74,31 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             if "pinned_how" in last:
                 rows.append(_row("memory", f"{m} staging buffer (bytes, pinned how)",
                                  f"{last['staging_buffer_bytes']} ({last['pinned_how']})", "info", None))  # fmt: skip
+    rows += _logical_rows(res)
     if res.get("dry_run"):  # CPU figures: the parts ran, their speeds say nothing about CUDA
         for r in rows:
             if r["part"] != "tests" and r["what"] != "ran":
                 r["pass"] = None
+    return rows
+
+
+def _logical_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Part 4: per case, the device's sums equal the host definition's (judged), its time per
+    GiB, per raw copy and the numpy path's (reported), its peak extra device memory."""
+    if "logical" not in res:
+        return []
+    got = res["logical"].get("result")
+    if got is None:
+        return [_row("logical", "ran", res["logical"].get("rc"), "exit 0 with results", False)]
+    rows = []
+    for name, c in got["cases"].items():
+        rows.append(_row("logical", f"{name}: device sums equal the host definition's", c["equal"], "yes", c["equal"]))
+        rows.append(_row("logical", f"{name}: device s/GiB", c["device_s_per_gib"], "reported", None))
+        rows.append(_row("logical", f"{name}: device / raw D2H", c["device_per_raw_copy"], "reported", None))
+        rows.append(_row("logical", f"{name}: host numpy s/GiB", c["host_numpy_s_per_gib"], "reported", None))
+        if c.get("peak_extra_device_bytes") is not None:
+            mib = c["peak_extra_device_bytes"] / (1 << 20)
+            rows.append(_row("logical", f"{name}: peak extra device MiB", mib, "reported", None))
     return rows
 
 
