@@ -16,7 +16,9 @@ releases of ``TESTED_RANGE`` (CI tests its lowest minor and the newest the index
   checkpoint under DeepSpeed, where it would call ``deepspeed_load_checkpoint`` on the
   Trainer's own folders; the DeepSpeed engine's state is restored after it;
 - ``_save_checkpoint`` saves; it still calls ``store_flos`` (a collective under DDP) and
-  records the ``ExportableState`` callbacks as the Trainer does.
+  records the ``ExportableState`` callbacks as the Trainer does;
+- ``_get_train_sampler`` and ``get_train_dataloader`` (each calling the class's own) give the
+  Trainer's train loader the world-size independent sampler (``position.py``).
 
 ``contract_check`` says which of them the installed Trainer has with those parameters, and
 ``tests/transformers/test_internals.py`` asserts all of them, so a release that renames or
@@ -53,7 +55,11 @@ METHODS: dict[str, tuple[str, ...]] = {
     "_load_best_model": (),
     "_load_callback_state": (),
     "store_flos": (),
+    "_get_train_sampler": ("train_dataset",),
+    "get_train_dataloader": (),
 }
+#: Replaced methods whose replacement calls the class's own (a subclass's override still runs).
+WRAPPED = ("_get_train_sampler", "get_train_dataloader")
 #: The ``TrainerState`` fields the adapter reads or sets.
 STATE_FIELDS = ("global_step", "epoch", "best_global_step", "best_model_checkpoint", "stateful_callbacks")
 
@@ -122,6 +128,8 @@ class Originals:
         self.load_rng_state = cls._load_rng_state
         self.load_from_checkpoint = cls._load_from_checkpoint
         self.load_best_model = cls._load_best_model
+        self.get_train_sampler = cls._get_train_sampler
+        self.get_train_dataloader = cls.get_train_dataloader
 
 
 def replace_methods(patches: Any, trainer: Any, fns: dict[str, Any]) -> None:
@@ -138,6 +146,8 @@ def replace_methods(patches: Any, trainer: Any, fns: dict[str, Any]) -> None:
         "load_rng_state": "_load_rng_state",
         "load_from_checkpoint": "_load_from_checkpoint",
         "load_best_model": "_load_best_model",
+        "get_train_sampler": "_get_train_sampler",
+        "get_train_dataloader": "get_train_dataloader",
     }
     if set(fns) != set(names):
         raise ValueError(f"replace_methods: expected {sorted(names)}, got {sorted(fns)}")
@@ -155,7 +165,7 @@ def warn_if_overridden(cls: Any) -> None:
 
     if Trainer not in cls.__mro__:
         return
-    replaced = sorted(set(METHODS) - {"store_flos", "_load_callback_state"})
+    replaced = sorted(set(METHODS) - {"store_flos", "_load_callback_state", *WRAPPED})
     own = [
         f"{klass.__name__}.{name}"
         for name in replaced
@@ -170,6 +180,14 @@ def warn_if_overridden(cls: Any) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def builds_own_train_sampler(cls: Any) -> bool:
+    """Whether the Trainer class ``cls`` builds its train sampler with the Trainer's own
+    ``_get_train_sampler`` (not a subclass's override)."""
+    from transformers import Trainer
+
+    return bool(cls._get_train_sampler is Trainer._get_train_sampler)
 
 
 def load_callback_state(trainer: Any) -> None:
@@ -203,8 +221,10 @@ __all__ = [
     "load_callback_state",
     "replace_methods",
     "STATE_FIELDS",
+    "builds_own_train_sampler",
     "TESTED_RANGE",
     "TransformersInternalsError",
+    "WRAPPED",
     "contract_check",
     "exportable_callbacks",
     "record_callback_states",

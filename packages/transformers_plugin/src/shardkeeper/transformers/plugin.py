@@ -21,6 +21,7 @@ from shardkeeper.core import CheckpointManager, CorruptCheckpointError, SaveHand
 from shardkeeper.core.adapter import Patches, RootManagers, check_save_step, check_start, read_progress
 from shardkeeper.transformers import _internals as tfi
 from shardkeeper.transformers.folders import Folders
+from shardkeeper.transformers.position import KEY, Position, callback
 from shardkeeper.transformers.resume import Resume, resolve, trainer_folder_step, with_remedy
 from shardkeeper.transformers.state import FRAMEWORK, TrainerProgress, build_state, is_deepspeed
 from shardkeeper.transformers.trainer_methods import replacements
@@ -46,6 +47,9 @@ class TrainerPlugin:
         self.last_handle: SaveHandle | None = None
         self.patches = Patches()
         self.folders = Folders(str(trainer.args.output_dir), self.root, writer=bool(trainer.args.should_save))
+        self.data = Position()  # the train sampler's position (position.py)
+        self.data.restore_rng = lambda: self.restore(("rng/*",))
+        self.data_callback = callback(self.data)
 
     @property
     def trainer(self) -> Any:
@@ -119,6 +123,16 @@ class TrainerPlugin:
         except CorruptCheckpointError as e:
             raise with_remedy(e, self.root, mgr.step_url(step), step, self.rank()) from e
 
+    def restore_position(self) -> None:
+        """The train sampler's position at the resumed step (``position.py``), alone: it is
+        read before the model is prepared (under DeepSpeed, before the engine exists)."""
+        assert self.resume is not None
+        mgr, step = self.resume.manager, self.resume.step
+        try:
+            mgr.restore(self.data.state(), step=step, only=[KEY + "/*"])
+        except CorruptCheckpointError as e:
+            raise with_remedy(e, self.root, mgr.step_url(step), step, self.rank()) from e
+
     # -- save --------------------------------------------------------------------------------
     def save_checkpoint(self, model: Any, trial: Any) -> None:
         """What ``Trainer._save_checkpoint`` does, into one shardkeeper step ``global_step``."""
@@ -141,7 +155,7 @@ class TrainerPlugin:
         mgr.retention = dataclasses.replace(mgr.retention, keep_steps=pinned)
         self.folders.before_save(mgr, step, self.last_handle)  # the folders of the steps retention drops go
         tfi.record_callback_states(tr)
-        state = build_state(tr, self.progress, model_only=bool(tr.args.save_only_model))
+        state = self.data.add_to(build_state(tr, self.progress, model_only=bool(tr.args.save_only_model)))
         self.last_handle = handle = mgr.save(
             step, state, metadata={"transformers_save_only_model": bool(tr.args.save_only_model)}
         )
@@ -222,6 +236,7 @@ def enable(trainer: Any, root: str | os.PathLike[str] | None = None, **options: 
     plugin = TrainerPlugin(trainer, root, options)
     plugin.patches.set(trainer, _ATTR, plugin)
     tfi.replace_methods(plugin.patches, trainer, replacements(trainer, plugin, tfi.Originals(type(trainer))))
+    trainer.add_callback(plugin.data_callback)
     return plugin
 
 
@@ -234,6 +249,7 @@ def disable(trainer: Any) -> None:
         plugin.close()
     finally:
         plugin.patches.restore()
+        plugin.trainer.remove_callback(plugin.data_callback)
 
 
 def plugin_of(trainer: Any) -> TrainerPlugin:

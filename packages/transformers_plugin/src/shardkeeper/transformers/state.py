@@ -14,9 +14,11 @@
 | optimizer, scheduler and counters      | adapter: ``model``, ``optim``, ``sched``,       |
 |                                        | ``progress/deepspeed/...``                      |
 
-The data position needs no key: the Trainer finds it from ``global_step`` (its sampler's
-order depends only on the seed and the epoch) and skips the batches already trained on.
-``save_only_model`` leaves out ``optim``, ``sched``, ``extra`` and ``rng``, as the Trainer does.
+The train sampler's position, where the Trainer built the sampler, is added beside these as
+``extra/sampler/...`` (``position.py``); with a sampler of the user's own the Trainer finds the
+position from ``global_step`` and skips the batches already trained on.
+``save_only_model`` leaves out ``optim``, ``sched``, ``extra`` (but the position) and ``rng``, as
+the Trainer does.
 Under DeepSpeed (ZeRO-1/2/3) the engine's state comes from the DeepSpeed adapter, found through
 its entry point (``load_adapter("deepspeed")``, never imported): the same keys, so a ZeRO
 checkpoint resumes in a DDP Trainer at another world size and the other way round.

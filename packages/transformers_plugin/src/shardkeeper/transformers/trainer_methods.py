@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from shardkeeper.core import CheckpointManager
 from shardkeeper.transformers import _internals as tfi
+from shardkeeper.transformers.position import KEY, Position
 from shardkeeper.transformers.resume import Resume
 from shardkeeper.transformers.state import PER_PROCESS, TrainerProgress, deepspeed_engine_state, is_deepspeed, raw_model
 
@@ -29,11 +30,13 @@ class Plugin(Protocol):
 
     resume: Resume | None
     progress: TrainerProgress
+    data: Position
 
     def manager(self, root: str | None = None) -> CheckpointManager: ...
     def resolve(self, target: Any) -> Resume | str | None: ...
     def check_start(self, target: Resume | str | None) -> None: ...
     def restore(self, patterns: Sequence[str], *, model_only: bool = False) -> None: ...
+    def restore_position(self) -> None: ...
     def save_checkpoint(self, model: Any, trial: Any) -> None: ...
     def sync_folders(self) -> None: ...
     def wait(self) -> None: ...
@@ -48,6 +51,7 @@ def replacements(tr: Any, p: Plugin, own: tfi.Originals) -> dict[str, Any]:
         **_start_up(tr, p, own),
         "save_checkpoint": p.save_checkpoint,
         **_loaders(tr, p, own),
+        **_data(tr, p, own),
     }
 
 
@@ -68,6 +72,7 @@ def _train(tr: Any, p: Plugin, own: tfi.Originals) -> Any:
             log.info("shardkeeper: resuming from step %d of %s", target.step, target.manager.storage.url)
         p.resume = target if isinstance(target, Resume) else None
         p.progress.loaded = None
+        p.data.begin(_keeps_own_sampler(target))
         done = False
         try:  # a folder of the Trainer's own goes to the Trainer as it is; a step is resumed here
             own_folder = target if isinstance(target, str) else None
@@ -139,6 +144,9 @@ def _start_up(tr: Any, p: Plugin, own: tfi.Originals) -> dict[str, Any]:
         done = gs // per_epoch
         skip = 0 if tr.args.ignore_data_skip else (gs % per_epoch) * tr.args.gradient_accumulation_steps
         tr.state.init_training_references(tr, max_steps, num_train_epochs, trial)
+        if p.data.sampler is not None and any(k.startswith(KEY + "/") for k in p.resume.keys):
+            p.restore_position()  # the loop starts at the position's epoch, the sampler where it stood
+            done, skip = p.data.resumed()
         return done, skip
 
     return {
@@ -171,6 +179,8 @@ def _loaders(tr: Any, p: Plugin, own: tfi.Originals) -> dict[str, Any]:
         if p.resume is None:
             own.load_rng_state(tr, checkpoint)
             return None
+        if p.data.rng_at_first_step:  # a mid-epoch position: at the first batch, as after a skip
+            return None
         p.restore(("rng/*",))
         return None
 
@@ -200,6 +210,29 @@ def _loaders(tr: Any, p: Plugin, own: tfi.Originals) -> dict[str, Any]:
         "load_from_checkpoint": load_from_checkpoint,
         "load_best_model": load_best_model,
     }
+
+
+def _data(tr: Any, p: Plugin, own: tfi.Originals) -> dict[str, Any]:
+    """``_get_train_sampler`` and ``get_train_dataloader``: the class's own (a subclass's
+    override still runs), the Trainer's own sampler given the world-size independent one."""
+
+    def get_train_sampler(train_dataset: Any = None) -> Any:
+        return p.data.train_sampler(tr, own.get_train_sampler, train_dataset)
+
+    def get_train_dataloader() -> Any:
+        return p.data.attach(tr, own.get_train_dataloader(tr))
+
+    return {"get_train_sampler": get_train_sampler, "get_train_dataloader": get_train_dataloader}
+
+
+def _keeps_own_sampler(target: Resume | str | None) -> str:
+    """Why a ``train()`` resuming ``target`` keeps the Trainer's own sampler: a step without a
+    position was saved with it, and its batch skip resumes that order ("": none)."""
+    if isinstance(target, str):
+        return "a resume from a folder the Trainer wrote"
+    if isinstance(target, Resume) and not any(k.startswith(KEY + "/") for k in target.keys):
+        return f"a resume from step {target.step}, saved without a data position"
+    return ""
 
 
 __all__ = ["Plugin", "replacements"]

@@ -1,0 +1,80 @@
+"""The Trainer's data position at another world size: a 2-rank DDP Trainer killed mid-epoch
+after a committed save and resumed by one process sees every sample of the epoch exactly once,
+then the next epoch in the order an uninterrupted one-process run uses; the parameters and
+AdamW state resume bit for bit (tests/transformers/dist/position_worker.py). A sampler of the
+user's own keeps the Trainer's batch skip, with a warning."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.checks import assert_same_state
+from tests.launch import run_script
+
+pytest.importorskip("shardkeeper.transformers")
+
+WORKER = Path(__file__).parent / "dist" / "position_worker.py"
+ENV = {"HF_HUB_OFFLINE": "1"}
+
+
+def _records(out: Path, mode: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for r in range(world) for line in (out / f"{mode}-r{r}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank run, killed after step 4 with step 2 committed (its folder, to copy)."""
+    out = tmp_path_factory.mktemp("killed")
+    first = run_script(2, WORKER, "first", str(out), timeout_s=120, env=ENV)
+    assert first.returncode != 0, "the first run was meant to kill itself:\n" + first.stdout[-4000:]
+    return out
+
+
+@pytest.mark.multiprocess  # launches processes: run one after another (noxfile)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("batch", [2, 3], ids=["skipped-batches", "sampler-rest"])
+def test_two_ranks_killed_mid_epoch_one_resumes_every_sample_once(killed: Path, tmp_path: Path, batch: int) -> None:
+    """8 samples consumed at 2 ranks: one process with batches of 2 skips 4 of them as the
+    Trainer skips batches; with batches of 3 the sampler yields the rest from its position."""
+    from tests.transformers.dist.position_worker import SAVED, SEED, N, Numbered
+
+    tmp_path = tmp_path / "out"
+    shutil.copytree(killed, tmp_path)
+    resume = run_script(1, WORKER, "resume", str(tmp_path), str(batch), timeout_s=120, env=ENV)
+    assert resume.returncode == 0, resume.stdout[-6000:]
+    assert (tmp_path / "resumed-step").read_text() == str(SAVED)
+    before = _records(tmp_path, "first", 2)
+    assert max(r["step"] for r in before) > SAVED, "the first run trained no step past its last save"
+    after = _records(tmp_path, "resume", 1)
+    epoch0 = [i for r in before if r["step"] <= SAVED for i in r["ids"]]
+    epoch0 += [i for r in after if r["epoch"] == 0 for i in r["ids"]]
+    assert Counter(epoch0) == Counter(range(N)), sorted(epoch0)
+    ref: torch.utils.data.DistributedSampler[Any] = torch.utils.data.DistributedSampler(Numbered(), 1, 0, seed=SEED)
+    ref.set_epoch(1)
+    assert [i for r in after if r["epoch"] == 1 for i in r["ids"]] == list(ref)
+    assert_same_state(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "saved.pt"), what="resumed state")
+
+
+class _OwnSampler(torch.utils.data.SequentialSampler):
+    """A sampler of the user's own."""
+
+
+def test_a_sampler_of_the_users_own_keeps_the_trainers_skip_with_a_warning(tmp_path: Path) -> None:
+    from tests.transformers.common import Recording, make_trainer
+
+    class Own(Recording):
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            return _OwnSampler(self.train_dataset if train_dataset is None else train_dataset)  # type: ignore[arg-type]
+
+    trainer = make_trainer(tmp_path / "run", cls=Own, max_steps=1)
+    with pytest.warns(UserWarning, match=r"sampler is _OwnSampler \(Own\._get_train_sampler builds it\).* exact at"):
+        trainer.train()
+    batches: Any = trainer.get_train_dataloader().batch_sampler  # one process: not sharded
+    assert isinstance(batches.sampler, _OwnSampler)
