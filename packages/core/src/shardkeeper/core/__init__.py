@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from shardkeeper.core.manager.manager import CheckpointManager, SaveHandle
     from shardkeeper.core.restore.per_rank import WorldSizeChangedWarning
     from shardkeeper.core.save.handle import UnwaitedSaveWarning
-    from shardkeeper.core.save.logical import LogicalPartial, logical_combine, logical_digest, logical_partial
     from shardkeeper.core.state.flatten import PerRank, RNGState, dtype_from_name, normalize_fqn
     from shardkeeper.core.state.fragment import Fragment
+    from shardkeeper.core.state.logical import LogicalPartial, logical_combine, logical_digest, logical_partial
     from shardkeeper.core.state.quantize import quantized
     from shardkeeper.core.tools.advisor import advise, advise_root
     from shardkeeper.core.tools.dcp_import import import_dcp
@@ -66,10 +66,10 @@ _LAZY = {
     "UnwaitedSaveWarning": "shardkeeper.core.save.handle",
     "WorldSizeChangedWarning": "shardkeeper.core.restore.per_rank",
     "Fragment": "shardkeeper.core.state.fragment",
-    "LogicalPartial": "shardkeeper.core.save.logical",
-    "logical_combine": "shardkeeper.core.save.logical",
-    "logical_digest": "shardkeeper.core.save.logical",
-    "logical_partial": "shardkeeper.core.save.logical",
+    "LogicalPartial": "shardkeeper.core.state.logical",
+    "logical_combine": "shardkeeper.core.state.logical",
+    "logical_digest": "shardkeeper.core.state.logical",
+    "logical_partial": "shardkeeper.core.state.logical",
     "PerRank": "shardkeeper.core.state.flatten",
     "RNGState": "shardkeeper.core.state.flatten",
     "normalize_fqn": "shardkeeper.core.state.flatten",

@@ -158,6 +158,11 @@ AFTER_COMMIT_ERRORS = REGISTRY.metric(
 )
 RESTORE_SECONDS = REGISTRY.metric("checkpoint_restore_seconds", "histogram", "Seconds to restore a step")
 BYTES_READ = REGISTRY.metric("checkpoint_bytes_read_total", "counter", "Bytes read to restore")
+LOGICAL_MISMATCHES = REGISTRY.metric(
+    "checkpoint_logical_mismatches_total",
+    "counter",
+    "Tensors whose logical digests disagreed (replicas at a save, or a restored tensor and its record)",
+)
 
 
 def record(metric: Metric, value: float, *, rank: int | None = None, step: int | None = None, **labels: Any) -> None:

@@ -33,6 +33,7 @@ Writer = Literal["thread", "process"]
 PerRankPolicy = Literal["map", "exact", "modulo", "drop"]
 DigestAlgorithm = Literal["xxh3_128", "sha256"]
 Compression = Literal["zstd", "none"]
+LogicalCheck = Literal["error", "warn", "off"]
 
 
 class IneffectiveOptionWarning(UserWarning):
@@ -74,6 +75,13 @@ class CheckpointOptions:
     """Chunk digest: xxh3_128 (fast, default) or sha256 (cryptographic)."""
     digest_block_bytes: int = 64 << 10
     """Digest granularity: a ranged read is widened to these blocks to be verified."""
+    logical_check: LogicalCheck = "error"
+    """Logical digests (docs/format.md 6.1: one per tensor, whatever its sharding): saves
+    record them, and a restore sums what it assembled and compares (docs/reliability.md,
+    "Logical digests"). error: a restored tensor that does not match fails the step as
+    damage (restore falls back to an earlier one; ``load()`` raises). warn: a warning and
+    the ``checkpoint_logical_mismatches_total`` metric, and the restore goes on. off: none
+    are recorded or checked (their cost: docs/performance.md)."""
     commit_timeout_s: float = 1800.0
     """How long the coordinator waits for every rank's report, and ranks for the outcome."""
     commit_group_ranks: int = 128
@@ -207,7 +215,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "layout": ("max_files_per_rank", "min_file_bytes", "data_prefixes", "describe_layouts"),
     "io": ("io_threads", "max_read_bytes"),
     "restore": ("per_rank", "share_restore_reads"),
-    "integrity": ("digest", "digest_block_bytes"),
+    "integrity": ("digest", "digest_block_bytes", "logical_check"),
     "codecs": ("incremental", "compression", "compression_level", "encryption", "encryption_root"),
     "retry": ("retry_max_attempts", "retry_base_delay_s", "retry_max_delay_s", "retry_deadline_s"),
     "catalog": ("catalog",),

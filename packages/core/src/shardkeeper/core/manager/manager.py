@@ -27,6 +27,7 @@ from shardkeeper.core.config.options import (
     Compression,
     DigestAlgorithm,
     KeepBest,
+    LogicalCheck,
     PerRankPolicy,
     Staging,
     Writer,
@@ -81,6 +82,7 @@ class CheckpointManager(SaveCalls):
         share_restore_reads: bool = DEFAULT.share_restore_reads,
         digest: DigestAlgorithm = DEFAULT.digest,
         digest_block_bytes: int = DEFAULT.digest_block_bytes,
+        logical_check: LogicalCheck = DEFAULT.logical_check,
         commit_timeout_s: float = DEFAULT.commit_timeout_s,
         commit_group_ranks: int = DEFAULT.commit_group_ranks,
         io_threads: int = DEFAULT.io_threads,
@@ -119,8 +121,7 @@ class CheckpointManager(SaveCalls):
         uploaded one (None: never); ``local_keep`` keeps that many steps per node (None: all).
         Restore takes the newest step whole in some tier, each byte from the nearest copy.
 
-        Every other keyword is a field of
-        :class:`CheckpointOptions` (docs/protocol.md, "Options"), and overrides ``options=``:
+        Every other keyword is a field of :class:`CheckpointOptions` (docs/protocol.md, "Options"):
 
         - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``writer``
           (thread | process: a persist process writes and commits), ``commit_timeout_s``,
@@ -128,17 +129,17 @@ class CheckpointManager(SaveCalls):
         - layout: ``max_files_per_rank``, ``min_file_bytes``, ``data_prefixes``, ``describe_layouts``; io: ``io_threads``, ``max_read_bytes``
         - restore: ``per_rank`` (per-rank state at another world size: map | exact | modulo | drop),
           ``share_restore_reads`` (a range several ranks restore is read once and sent to the others)
-        - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``
+        - integrity: ``digest`` (xxh3_128 | sha256), ``digest_block_bytes``, ``logical_check`` (error | warn | off)
         - codecs: ``incremental``, ``compression`` ("zstd"), ``compression_level``,
           ``encryption`` ("env:VAR" | "file:PATH" | a KeyProvider), ``encryption_root``
-        - retry: ``retry_max_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``, ``retry_deadline_s``
-        - catalog: ``catalog`` (``etcd://host:2379``: record commits there too)
+        - retry: ``retry_max_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``, ``retry_deadline_s``;
+          catalog: ``catalog`` (``etcd://host:2379``: record commits there too)
         - schedule (``should_save``): ``save_every_steps``, ``save_every_s`` (seconds, or
           ``"advised"``: the Young/Daly interval, with ``mtbf_s``)
         - retention: ``keep_best=(n, metric, mode)`` (the n best steps by ``metadata[metric]``,
           besides ``keep_last`` / ``keep_every``)
 
-        A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
+        Keywords override ``options=``. A wrong type is a ``TypeError``, a bad value a ``ValueError``, an unknown keyword a
         ``TypeError`` naming the close matches; all before the root is touched.
         """
         keywords = ManagerKeywords.checked(locals())  # check, build, assign

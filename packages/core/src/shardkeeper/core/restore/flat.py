@@ -32,6 +32,7 @@ from shardkeeper.core.restore.fill import (
     execute_read,
     read_bytes_leaf,
 )
+from shardkeeper.core.restore.logical_check import local_check
 from shardkeeper.core.restore.per_rank import PLAIN_CALL, WorldSizeChangedWarning, world_change_note
 from shardkeeper.core.restore.plan import (
     Op,
@@ -126,6 +127,7 @@ def restore_flat(
     remedy: str | None = None,
     verify: bool = True,
     per_rank_call: str = PLAIN_CALL,
+    logical: bool = True,
 ) -> RestoreStats:
     """Fill ``flat``'s leaves from ``manifest`` (in place), then run its finalizers.
 
@@ -145,6 +147,8 @@ def restore_flat(
     (a safetensors folder presented as a manifest, hf/view.py), its bytes are used as read.
     ``per_rank_call``: where the user sets ``per_rank``, for its messages. At another world
     size than the save's, rank 0 warns once what the policy did with the per-rank state.
+    ``logical``: sum what was assembled for the check against the recorded logical digests
+    (``stats.logical``, ``restore/logical_check.py``; judged by the caller).
     """
     writes = TargetWrites() if writes is None else writes
     source = source or f"step {manifest.step}"
@@ -207,22 +211,30 @@ def restore_flat(
                         errors.append(e)
             if errors:
                 raise errors[0]
-            for key, fn in plan.deferred:
-                wrote.add(key)
-                fn()
-            for (key, leaf, _), value in zip(plan.bytes_leaves, bytes_values):
-                assert leaf.set is not None
-                wrote.add(key)
-                leaf.set(value)
-            touched = _prefixes(plan.restored)
-            for prefix, fin in flat.finalizers:
-                if prefix in touched:
-                    fin()
+            if logical and verify:  # (before finalizers: the tensors as the reads left them)
+                stats.logical = local_check(flat, manifest, plan.restored, rank=rank, world_size=world_size)
+            _set_and_finalize(plan, flat, bytes_values, wrote)
     finally:
         writes.add(manifest.step, wrote)
     if rank == 0 and manifest.world_size != world_size:
         _warn_world_change(flat, plan, manifest, storage.url, world_size, per_rank, per_rank_call)
     return stats
+
+
+def _set_and_finalize(plan: RestorePlan, flat: FlatState, bytes_values: Sequence[bytes], wrote: set[str]) -> None:
+    """Once every read succeeded: set the objects and bytes leaves, then run the finalizers of
+    the prefixes something was restored under."""
+    for key, fn in plan.deferred:
+        wrote.add(key)
+        fn()
+    for (key, leaf, _), value in zip(plan.bytes_leaves, bytes_values):
+        assert leaf.set is not None
+        wrote.add(key)
+        leaf.set(value)
+    touched = _prefixes(plan.restored)
+    for prefix, fin in flat.finalizers:
+        if prefix in touched:
+            fin()
 
 
 def _warn_world_change(

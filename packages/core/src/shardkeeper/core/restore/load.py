@@ -31,6 +31,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest, itemsize
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.restore.flat import restore_flat
+from shardkeeper.core.restore.logical_check import judge
 from shardkeeper.core.restore.plan import RestoreStats, listing, matches
 from shardkeeper.core.restore.restorer import readable_manifest
 from shardkeeper.core.runtime.context import ManagerContext
@@ -249,7 +250,11 @@ def load_step(
         cast=False,
         executor=ctx.io,
         max_read_bytes=ctx.settings.max_read_bytes,
+        logical=ctx.settings.logical_check != "off",
     )
+    err = judge(ctx, stats.logical, step, collective=False)
+    if err is not None:
+        raise err
     return out, stats
 
 

@@ -36,6 +36,11 @@ from shardkeeper.core.state.tied import check_ties, tied_aliases
 from shardkeeper.core.storage.base import Storage
 
 
+#: Tests only: called with each plan before it is read, to misplace pieces on purpose (the
+#: restore's logical check must catch what a wrong plan assembles). None in use.
+FAULT: Callable[[RestorePlan], None] | None = None
+
+
 @dataclass
 class RestoreStats:
     """What a restore read: for tests and benchmarks (bytes read vs bytes needed)."""
@@ -52,6 +57,9 @@ class RestoreStats:
     pages: int = 0
     files: set[str] = field(default_factory=set)
     keys: int = 0
+    #: this rank's part of the check of what it assembled (``restore/logical_check.py``):
+    #: None when not checked (no digests recorded, ``logical_check="off"``)
+    logical: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_read(self, file: str, n: int, *, direct: bool = False) -> None:
@@ -240,6 +248,8 @@ def plan_restore(
             f"restore a subset with only=[...] or pass strict=False to skip them"
         )
     plan.ops.extend(piece_ops(manifest.leaves, wanted, max_read_bytes))
+    if FAULT is not None:
+        FAULT(plan)
     return plan
 
 

@@ -36,6 +36,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.lifecycle.quarantine import named_files
 from shardkeeper.core.restore.flat import TargetWrites, restore_flat
+from shardkeeper.core.restore.logical_check import judge
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.quarantine import quarantine_passed_over
 from shardkeeper.core.restore.request import RestoreRequest
@@ -107,7 +108,8 @@ class Restorer:
             )
         self.quarantined = []
         last_error: BaseException | None = None
-        damaged: dict[int, list[str]] = {}  # the steps passed over -> the files this rank found damaged
+        damaged: dict[int, list[str]] = {}  # the steps to quarantine -> the files this rank found damaged
+        passed: list[int] = []  # every step passed over
         writes = TargetWrites()  # what the attempts wrote into ``state``: a fallback rewrites it all
         share = self._share_group()
         for s in candidates:
@@ -117,6 +119,10 @@ class Restorer:
                 raise partly_restored(err, writes)
             if ctx.world_size > 1:
                 verdict = Verdict(ctx.coord.agree_int(verdict, "max"))
+            if verdict is Verdict.RESTORED and ctx.settings.logical_check != "off":
+                err = judge(ctx, self.last_stats.logical if self.last_stats is not None else None, s)
+                if err is not None:  # (the same on every rank)
+                    verdict = Verdict.DAMAGED
             if verdict is Verdict.RESTORED:
                 self.last_manifest = self._loaded
                 if last_error is not None:
@@ -126,7 +132,7 @@ class Restorer:
                         ctx.rank,
                         s,
                         url,
-                        ", ".join(map(str, damaged)),
+                        ", ".join(map(str, passed)),
                         last_error,
                         url,
                     )
@@ -140,7 +146,9 @@ class Restorer:
             if verdict is Verdict.FATAL or explicit:
                 raise partly_restored(err, writes)
             last_error = err
-            damaged[s] = [] if getattr(err, "on_other_rank", False) else named_files(err)
+            passed.append(s)
+            if not getattr(err, "logical_mismatch", False):  # (intact files: nothing to quarantine)
+                damaged[s] = [] if getattr(err, "on_other_rank", False) else named_files(err)
             warnings.warn(
                 f"step {s} under {url} is damaged ({err}); falling back to the previous committed step",
                 stacklevel=stacklevel + 1,
@@ -224,6 +232,7 @@ class Restorer:
                 max_read_bytes=ctx.settings.max_read_bytes,
                 writes=writes,
                 share=share,
+                logical=ctx.settings.logical_check != "off",
             )
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # damaged, or gone since listed
             return Verdict.DAMAGED, e

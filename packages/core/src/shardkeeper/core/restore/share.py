@@ -110,6 +110,9 @@ class PeerGroup:
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stubs: RedOpType vs ReduceOp
         _waited(self.pg.allreduce([t], opts), where)
 
+    def all_reduce_sum(self, t: torch.Tensor, where: str) -> None:
+        _waited(self.pg.allreduce([t]), where)
+
     def broadcast(self, t: torch.Tensor, root: int) -> Any:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0

@@ -39,6 +39,7 @@ def write_rank(ctx: ManagerContext, codec_state: CodecState, job: SaveJob, stall
         memo=job.plan.memo,
         prefixes=data_prefixes(settings.data_prefixes, ctx.world_size),
         sync=not job.plan.described,  # (then once, with the index file: index_report)
+        logical=settings.logical_check != "off",
     )
     declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
     chunks, files, described = res.chunks, res.files, dict[str, Any]()

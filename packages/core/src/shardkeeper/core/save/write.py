@@ -343,14 +343,15 @@ def write_shards(
     memo: dict[Any, Any] | None = None,
     prefixes: int = 1,
     sync: bool = True,
+    logical: bool = True,
 ) -> WriteResult:
     """Write each staged group to its own shard file, in parallel, durably. ``memo``: the
     plan's (``SavePlan.memo``), where file headers are kept for the next save of the plan;
     ``prefixes``: the hashed subdirectories of ``data/`` (format/layout.py ``data_dir``);
     ``sync`` False: the caller makes the directory durable after writing more into it (the
-    index file of described leaves), once."""
+    index file of described leaves), once; ``logical`` False: no logical sums (``logical_check="off"``)."""
     coded = codecs if codecs is not None and codecs.active else None
-    sums = submit_sums(groups, spans, memo)  # each leaf's logical sum, beside the writes
+    sums = submit_sums(groups, spans, memo) if logical else None  # each leaf's logical sum, beside the writes
     futures = [
         executor.submit(
             _write_coded, storage, step_dir, shard_file(rank, attempt, i, prefixes), g, r, algorithm, block_bytes, coded
