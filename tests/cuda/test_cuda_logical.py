@@ -80,3 +80,14 @@ def test_the_extra_device_memory_stays_bounded(device: torch.device) -> None:
         device_partial(shard, shape, offsets)
         extra = torch.cuda.max_memory_allocated(device) - base
         assert extra <= 10 * CHUNK_BYTES, f"{extra / 2**20:.1f} MiB of extra device memory"
+
+
+def test_the_public_digests_of_device_tensors_are_the_hosts(device: torch.device) -> None:
+    """``logical_digest`` and ``logical_partial`` of a tensor on the device (the restore's
+    check of CUDA targets sums them there) equal those of its host copy."""
+    from shardkeeper.core import logical_digest, logical_partial
+
+    t = _random((1001, 777), torch.bfloat16, device, 5)
+    assert logical_digest(t) == logical_digest(t.cpu())
+    part = logical_partial(t[10:500, 3:600], (10, 3), (1001, 777))
+    assert part == logical_partial(t[10:500, 3:600].cpu(), (10, 3), (1001, 777))

@@ -4,7 +4,8 @@ a DTensor, ShardedTensor or ZeRO fragment holds on this rank), of partials toget
 (``logical_combine``), and of the pieces a rank holds (``piece_sums``: the save's replica
 check and the restore's check of what it assembled).
 
-CPU tensors are digested in host memory; a CUDA tensor is copied to the host first.
+CPU tensors are digested in host memory (numpy); a CUDA tensor on its device, by torch ops
+(state/logical_torch.py), never copied to the host.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.chunks import Piece, layout_of
 from shardkeeper.core.state.flatten import torch_dtype_name
 from shardkeeper.core.state.fragment import Fragment
+from shardkeeper.core.state.logical_torch import device_partials
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ def host_bytes(t: torch.Tensor) -> memoryview:
 
 def _box_sum(local: torch.Tensor, shape: Sequence[int], offsets: Sequence[int]) -> int:
     _, size = _dtype(local)
+    if local.device.type != "cpu":  # summed where it lives (state/logical_torch.py)
+        return device_partials([(local, shape, offsets)])[0]
     return logical.box_sum(host_bytes(local), size, shape, offsets, tuple(local.shape))
 
 
@@ -118,10 +122,18 @@ def logical_combine(partials: Iterable[LogicalPartial]) -> str:
 
 def piece_sums(dtype: str, shape: Sequence[int], pieces: Sequence[Piece]) -> int:
     """The sum (mod 2^64) over ``pieces`` of a tensor of ``dtype`` and global ``shape``
-    (the pieces of a ``LocalLayout``: disjoint boxes), batched in one pass over their bytes."""
+    (the pieces of a ``LocalLayout``: disjoint boxes): those in host memory batched in one
+    pass over their bytes (numpy: the faster on a CPU), those on a device summed there
+    (state/logical_torch.py: no copy to the host)."""
     size = DTYPES[dtype][1]
-    boxes = [(host_bytes(p.local), size, logical.Box(shape, p.offsets, p.shape)) for p in pieces if p.local.numel()]
-    return logical.combine_sums(logical.box_sums(boxes))
+    held = [p for p in pieces if p.local.numel()]
+    on_device = [(p.local, shape, p.offsets) for p in held if p.local.device.type != "cpu"]
+    boxes = [
+        (host_bytes(p.local), size, logical.Box(shape, p.offsets, p.shape))
+        for p in held
+        if p.local.device.type == "cpu"
+    ]
+    return logical.combine_sums([*logical.box_sums(boxes), *(device_partials(on_device) if on_device else [])])
 
 
 __all__ = ["LogicalPartial", "host_bytes", "logical_combine", "logical_digest", "logical_partial", "piece_sums"]
