@@ -1,6 +1,7 @@
 """The checks of one step (``verify/step.py`` runs them in this order): its files and their
-sizes, each chunk's byte range and digests, the safetensors headers of its own shard files,
-and what index files and pages left unchecked. Torch-free."""
+sizes, each chunk's byte range and digests (and, asked, its logical sum: verify/logical.py),
+the safetensors headers of its own shard files, and what index files and pages left
+unchecked. Torch-free."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.records import ChunkRecord, LeafRecord, check_tiling, itemsize
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.verify.headers import check_header
+from shardkeeper.core.verify.logical import LogicalSums
 from shardkeeper.core.verify.report import Collector, VerifyReport, problem_kind, rng
 
 
@@ -52,6 +54,8 @@ class StepCheck:
     #: an index file or page that could not be read: its problem's kind (damage, or a read
     #: that failed) and the leaves it leaves unchecked
     unread: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+    #: ``verify --logical``: the sums of the leaves as their chunks are read
+    logical: LogicalSums | None = None
 
     def actual_size(self, path: str) -> int | None:
         """The size of ``path`` in storage (asked once); None when it is missing or unknown."""
@@ -166,6 +170,8 @@ class StepCheck:
                     f"step {step}: leaf {key} (shape {list(leaf.shape)}): chunks do not tile the tensor: {why}",
                     key=key,
                 )
+            if self.logical is not None:
+                self.logical.leaf(key, leaf, len(chunks), sound=why is None)
             for c in chunks:
                 self._chunk(key, leaf, c, isz, reader, block, span, on_bytes)
 
@@ -261,6 +267,7 @@ class StepCheck:
         report.chunks_checked += 1
         report.files_read.add(path)
         head = b""
+        acc = self.logical.chunk(key, c, isz) if self.logical is not None else None
         for w in reader.scan(path, c, span):
             if w.data is None:  # damage (an encrypted block that fails authentication), a key, or the storage
                 out.add(
@@ -271,6 +278,7 @@ class StepCheck:
                     start=w.start,
                     end=w.end,
                 )
+                acc = None
                 break
             report.bytes_checked += w.end - w.start
             if on_bytes is not None:
@@ -290,6 +298,10 @@ class StepCheck:
                     expected=bad.expected,
                     found=bad.found,
                 )
+            if w.bad:
+                acc = None
+            if acc is not None:
+                acc.feed(w.data)
         if c.encoding != "raw" and head:
             why = frame_problem(c.encoding, head, c.numel * isz)
             if why is not None:
@@ -303,6 +315,12 @@ class StepCheck:
                     expected=f"{c.numel * isz} bytes decoded",
                     found=why,
                 )
+                acc = None
+        if acc is not None:
+            try:
+                acc.finish(reader, path, key)
+            except CorruptCheckpointError as e:  # digests pass, the frame does not decode: as written
+                out.add("encoding", str(e), key=key, file=path, start=lo, end=hi)
 
     def missing_files(self) -> None:
         """A missing file that chunks are in, once, naming the leaves it holds."""

@@ -37,7 +37,7 @@ class Problem:
     step: int | None
     kind: str  # manifest, unsupported-format, missing-file, size, range, length, digests,
     #            digest, tiling, header, read, path, dtype, encoding, truncated-list, key (a key the
-    #            key given does not hold: not damage)
+    #            key given does not hold: not damage), logical (``verify --logical``: verify/logical.py)
     message: str
     key: str = ""
     file: str = ""
@@ -64,6 +64,33 @@ class Problem:
 
 
 @dataclass
+class LogicalTally:
+    """What ``verify --logical`` made of a step's tensor and bytes leaves (verify/logical.py)."""
+
+    checked: int = 0  # their digest recomputed from the stored chunks and compared
+    not_recorded: int = 0  # the save recorded no digest (``logical_check="off"``, an older writer)
+    not_checked: int = 0  # recorded, but a chunk is damaged or unread (said as such), or no byte was read
+    algorithm: str = ""  # the manifest's digest algorithm, when this version does not know it
+
+    def __str__(self) -> str:
+        parts = [f"{self.checked} checked"]
+        if self.not_recorded:
+            parts.append(f"{self.not_recorded} not recorded")
+        if self.not_checked:
+            why = f" (algorithm {self.algorithm!r}, unknown to this version)" if self.algorithm else ""
+            parts.append(f"{self.not_checked} not checked{why}")
+        return "logical digests: " + ", ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checked": self.checked,
+            "not_recorded": self.not_recorded,
+            "not_checked": self.not_checked,
+            "algorithm": self.algorithm or None,
+        }
+
+
+@dataclass
 class VerifyReport:
     """The result of verifying one committed step."""
 
@@ -75,6 +102,7 @@ class VerifyReport:
     seconds: float = 0.0  # wall time of the check
     files_read: set[str] = field(default_factory=set)  # files some chunk's bytes were checked in
     structure_only: bool = False  # encrypted, read without the key: no byte was checked
+    logical: LogicalTally | None = None  # ``verify --logical`` only
 
     @property
     def ok(self) -> bool:
@@ -89,6 +117,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked,
             "structure_only": self.structure_only,
             "seconds": round(self.seconds, 3),
+            **({"logical": self.logical.to_json()} if self.logical is not None else {}),
             "problems": [p.to_json() for p in self.problems],
         }
 
@@ -154,6 +183,7 @@ class Collector:
 __all__ = [
     "MAX_PROBLEMS_PER_FILE",
     "Collector",
+    "LogicalTally",
     "Problem",
     "RootVerifyReport",
     "VerifyReport",

@@ -5,7 +5,9 @@ Reads every chunk's stored bytes in bounded windows through the chunk reader
 most about 16 MiB at a time, whatever the checkpoint's size) and checks every digest block
 the manifest records. Unlike a restore it does not stop at the first problem: each is
 reported (``verify/report.py``), naming the step, the key, the file, the byte range, and
-what was expected against what was found. The checks themselves are in ``verify/checks.py``.
+what was expected against what was found. The checks themselves are in ``verify/checks.py``;
+``logical=True`` also recomputes each leaf's logical digest from the bytes read
+(``verify/logical.py``).
 
 Needs no torch: an operator verifies a bucket from any machine (``shardkeeper verify``).
 """
@@ -23,6 +25,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.util.sizes import human_size
 from shardkeeper.core.verify.checks import StepCheck
+from shardkeeper.core.verify.logical import LogicalSums
 from shardkeeper.core.verify.report import Collector, Problem, RootVerifyReport, VerifyReport
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ def verify_step(
     read_bytes: int = DEFAULT_READ_BYTES,
     on_bytes: Callable[[int], object] | None = None,
     files: Collection[str] | None = None,
+    logical: bool = False,
 ) -> VerifyReport:
     """Check one committed step; raises ``CheckpointNotFoundError`` if it is not committed and
     ``CorruptCheckpointError`` if its manifest does not validate (``verify_root`` turns that
@@ -58,12 +62,20 @@ def verify_step(
     a restore found damaged, before it takes another node's copy; an encrypted root read
     without its key has every file's structure checked, as without ``files``).
     ``report.files_read`` says which files had chunk bytes checked.
+
+    ``logical``: also sum every tensor and bytes leaf from its stored chunks as they are read
+    (an encoded chunk decoded: CPU, and one chunk's bytes of memory) and compare its logical
+    digest with the recorded one (docs/format.md 6.1): a mismatch is a ``logical`` problem;
+    ``report.logical`` counts what was checked and what was not recorded.
     """
     if isinstance(files, str):
         raise TypeError(f"verify_step(files=...) takes a collection of paths, not the string {files!r}")
+    if logical and files is not None:
+        raise ValueError("verify_step(logical=True) checks whole leaves: it takes no files=")
     t0 = time.monotonic()
     m = manifest if manifest is not None else load_manifest(storage, step)
-    report = _verify(storage, step, m, read_bytes, on_bytes, None if files is None else frozenset(files))
+    only = None if files is None else frozenset(files)
+    report = _verify(storage, step, m, read_bytes, on_bytes, only, LogicalSums(m) if logical else None)
     report.seconds = time.monotonic() - t0
     if report.ok:
         log.info(
@@ -107,9 +119,10 @@ def _verify(
     read_bytes: int,
     on_bytes: Callable[[int], object] | None,
     only: frozenset[str] | None,
+    logical: LogicalSums | None,
 ) -> VerifyReport:
-    """Run the checks of ``verify/checks.py`` in order: files, chunk ranges and digests,
-    headers, index files and pages."""
+    """Run the checks of ``verify/checks.py`` in order: files, chunk ranges and digests (and
+    logical sums), headers, index files and pages."""
     report = VerifyReport(step=step)
     out = Collector(report, storage.describe(step_dir(step)))
     if m.encryption is not None and not getattr(storage, "authenticate", False):
@@ -120,15 +133,19 @@ def _verify(
         report.files_checked, found = keyless_problems(storage, m, step)
         for kind, message, where in found:
             out.add(kind, message, file=where)
+        if logical is not None:
+            logical.unread(report)
         out.finish()
         return report
-    check = StepCheck(storage, step, m, report, out, only)
+    check = StepCheck(storage, step, m, report, out, only, logical=logical)
     check.files()
     reader, block, span = check.digest_reader(read_bytes)
     described = getattr(m.leaves, "described", None)
     if described is not None:  # count the boxes of the rule asked for, to find rows beyond them
         described.track = {}
     check.chunks(reader, block, span, on_bytes)
+    if logical is not None:
+        logical.judge(out, report, storage.url)
     check.missing_files()
     check.headers()
     check.index_files(described)
