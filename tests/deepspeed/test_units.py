@@ -118,7 +118,9 @@ def test_config_section_is_read_by_the_options_types() -> None:
     }
     assert config_settings(_Engine(None)) == {}
     section = "the DeepSpeed config's 'shardkeeper' section"
-    with pytest.raises(ValueError, match=rf"^{section}: unknown setting\(s\) keep_lats \(did you mean keep_last or keep_best\?\)"):
+    with pytest.raises(
+        ValueError, match=rf"^{section}: unknown setting\(s\) keep_lats \(did you mean keep_last or keep_best\?\)"
+    ):
         config_settings(_Engine({"keep_lats": 3}))
     with pytest.raises(ValueError, match=rf"'io_threads' from {section} is 'four', not a valid int"):
         config_settings(_Engine({"io_threads": "four"}))

@@ -167,6 +167,7 @@ def test_a_cast_restore_is_skipped_not_failed(tmp_path: Path) -> None:
     assert sorted(stats.logical.skipped) == ["a", "b", "c"] and stats.logical.checked == 0
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_find_a_piece_left_out_on_one_of_them(tmp_path: Path) -> None:
     res = run_workers(2, "logical_check_worker.py", str(tmp_path / "root"), str(tmp_path), timeout_s=240)
     assert res.returncode == 0, res.stdout[-6000:]

@@ -25,6 +25,9 @@ from shardkeeper.core.format.logical import ALGORITHM, MASK, finalize
 from shardkeeper.core.format.table import TableLeaves
 
 MEMBER = "logical"
+#: A rank's chunk report member with the sums of the replicated copies it holds and does not
+#: write (save/replicas.py): ``{"keys": [...], "copies": [...], "sums": "<hex>,..."}``.
+REPLICAS = "replicas"
 _DIGESTS = re.compile(r"(?:[0-9a-f]{16})?(?:,(?:[0-9a-f]{16})?)*")
 _SUMS = re.compile(r"(?:[0-9a-f]{1,16})?(?:,(?:[0-9a-f]{1,16})?)*")
 
@@ -122,11 +125,50 @@ def combine_reports(
     digests = [
         "" if k in skip else finalize(str(declared[k][1]), declared[k][2], sums.get(k, 0)) for k in sorted(declared)
     ]
-    return {"algorithm": ALGORITHM, "digests": ",".join(digests)}
+    member: dict[str, Any] = {"algorithm": ALGORITHM, "digests": ",".join(digests)}
+    disagree = _disagreements(reports, sums, declared, skip)
+    if disagree:
+        member["replicas_disagree"] = "; ".join(disagree)
+    return member
+
+
+def _disagreements(
+    reports: Sequence[Mapping[str, Any]], sums: Mapping[str, int], declared: Mapping[str, Any], skip: set[str]
+) -> list[str]:
+    """The copies whose sums (their ranks' ``replicas`` members added) differ from the written
+    copy's, each naming the tensor, the copy's ranks and the ranks that wrote it."""
+    copies: dict[tuple[str, int], list[Any]] = {}  # (key, copy) -> [sum, ranks]
+    for r in reports:
+        rep = r["chunks"].get(REPLICAS)
+        if rep is None:
+            continue
+        keys, nums = (
+            rep.get("keys") if isinstance(rep, dict) else None,
+            rep.get("copies") if isinstance(rep, dict) else None,
+        )
+        if not isinstance(keys, list) or not isinstance(nums, list) or len(keys) != len(nums):
+            raise ValueError(f"rank {r['rank']}'s report: its replicas member is not keys and copies of one length")
+        try:
+            values = decode_sums(rep.get("sums"), len(keys))
+        except ValueError as e:
+            raise ValueError(f"rank {r['rank']}'s report, its replicas: {e}") from None
+        for k, c, v in zip(keys, nums, values):
+            entry = copies.setdefault((str(k), int(c)), [0, []])
+            entry[0] = (entry[0] + v) & MASK
+            entry[1].append(r["rank"])
+    out = []
+    for (k, _), (total, ranks) in sorted(copies.items()):
+        if k in skip or k not in declared or total == sums.get(k, 0):
+            continue
+        writers = [r["rank"] for r in reports if k in r["chunks"].get("keys", ())]
+        wrote = f"rank(s) {writers}" if writers else "its written copy"
+        out.append(f"tensor {k!r}: the copy on rank(s) {sorted(ranks)} differs from the one {wrote} wrote")
+    return out
 
 
 __all__ = [
     "MEMBER",
+    "REPLICAS",
     "add_sums",
     "combine_reports",
     "decode_sums",

@@ -218,6 +218,7 @@ class PersistRunner(SaveRunner):
                     "extended": job.extended,
                     "metadata": job.metadata,
                     "sync": job.sync,
+                    "replicas": job.replicas,
                     "retention": job.retention,
                     "stall_s": time.perf_counter() - self._prepared_at,
                     "lock": str(path),

@@ -113,6 +113,7 @@ class Worker:
             msg["sync"],
             msg["retention"],
             start,
+            replicas=msg.get("replicas"),
         )
 
     def _save(self, sock: socket.socket, msg: dict[str, Any], lock: int | None) -> None:

@@ -35,7 +35,6 @@ from shardkeeper.core.state.optim_compat import check_optimizers
 from shardkeeper.core.state.tied import check_ties, tied_aliases
 from shardkeeper.core.storage.base import Storage
 
-
 #: Tests only: called with each plan before it is read, to misplace pieces on purpose (the
 #: restore's logical check must catch what a wrong plan assembles). None in use.
 FAULT: Callable[[RestorePlan], None] | None = None

@@ -51,6 +51,8 @@ class SaveJob:
     deferred: DeferredCopy | None = None
     staged: threading.Event | None = None
     """Set once ``deferred`` is copied (``staging="overlap"``); optimizer steps wait for it."""
+    replicas: dict[str, Any] | None = None
+    """The sums of the replicated copies this rank holds and does not write (save/replicas.py)."""
 
 
 def outcome_timeout(commit_timeout_s: float) -> float:

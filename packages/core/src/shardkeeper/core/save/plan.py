@@ -65,6 +65,8 @@ class SavePlan:
     layouts: set[str] = field(default_factory=set)
     #: keys of per-rank leaves (declared by their rank alone)
     per_rank_keys: set[str] = field(default_factory=set)
+    #: replicated leaves this rank holds and another copy writes (save/replicas.py compares them)
+    replica_keys: list[str] = field(default_factory=list)
     #: leaves recorded by their rule (save/describe.py): key -> format.grid.Rule;
     #: their chunks go to this rank's index file, not its report
     described: dict[str, Rule] = field(default_factory=dict)
@@ -179,12 +181,15 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
         rule = plan.described.get(key)
         if key in writers:
             if writers[key] != rank:
+                plan.replica_keys.append(key)
                 continue
         elif rule is not None:  # the rule's replica writes (on a submesh: copies the DTensor does not name)
             coord = rule.mesh.coordinate(rank)
             if coord is None or replica_index(rule.mesh, rule.placements, coord) != rule.replica:
+                plan.replica_keys += [key] if coord is not None else []
                 continue
         elif layout.replicas > 1 and replica_writer(key, layout.replicas) != layout.replica_index:
+            plan.replica_keys.append(key)
             continue
         dtype = plan.declared[key][1]
         size = DTYPES[dtype][1]

@@ -15,6 +15,7 @@ from shardkeeper.core.format.layout import data_prefixes, step_dir
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.save.index_write import index_report
 from shardkeeper.core.save.job import SaveJob
+from shardkeeper.core.save.replicas import with_replicas
 from shardkeeper.core.save.write import write_shards
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def write_rank(ctx: ManagerContext, codec_state: CodecState, job: SaveJob, stall
         logical=settings.logical_check != "off",
     )
     declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
-    chunks, files, described = res.chunks, res.files, dict[str, Any]()
+    chunks, files, described = with_replicas(res.chunks, job.replicas), res.files, dict[str, Any]()
     if job.plan.described:
         chunks, files, described = index_report(
             ctx.storage,

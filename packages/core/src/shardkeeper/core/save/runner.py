@@ -44,6 +44,8 @@ from shardkeeper.core.save.outcome import raise_failed
 from shardkeeper.core.save.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.save.plan import PlanCache
 from shardkeeper.core.save.rank_write import write_rank
+from shardkeeper.core.save.replicas import judge as judge_replicas
+from shardkeeper.core.save.replicas import replica_member
 from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.save.timings import save_timings
 from shardkeeper.core.state.flatten import flatten_for_save
@@ -147,6 +149,7 @@ class SaveRunner:
             Start(),
             deferred,
             self._gate.begin(deferred) if deferred is not None else None,
+            replica_member(flat, plan, ctx.rank, ctx.world_size) if settings.logical_check != "off" else None,
         )
 
     def submit(self, bg: ThreadPoolExecutor, job: SaveJob, *, owner: object) -> SaveHandle:
@@ -337,6 +340,7 @@ class SaveRunner:
                     "timings": save_timings(members, time.perf_counter() - t_commit),
                 },
             )
+            judge_replicas(manifest, settings.logical_check, ctx.rank)  # (copies that disagree)
             enc = ctx.encryption
             data = manifest.dumps(sealed=enc is not None)
             data = data if enc is None else seal_manifest(data, enc.keys, enc.binding)

@@ -125,6 +125,13 @@ def _verify(
     logical sums), headers, index files and pages."""
     report = VerifyReport(step=step)
     out = Collector(report, storage.describe(step_dir(step)))
+    said = m.logical.get("replicas_disagree") if isinstance(m.logical, dict) else None
+    if said:  # (save/replicas.py: committed under logical_check="warn")
+        out.add(
+            "replicas",
+            f"step {step} was committed with logical_check='warn' although copies of replicated tensors "
+            f"disagreed at the save: {str(said)[:2000]}; the written copy is what a restore gets",
+        )
     if m.encryption is not None and not getattr(storage, "authenticate", False):
         # Encrypted, no key (codec/crypto.py): structure only; digests and tags need the key.
         from shardkeeper.core.codec.crypto_format import keyless_problems

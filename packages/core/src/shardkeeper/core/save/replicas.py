@@ -1,0 +1,90 @@
+"""Replica agreement at save: the copies of a replicated tensor that are not written are
+compared with the one that is, through their logical sums (docs/reliability.md, "Replicas
+that disagree").
+
+A replicated tensor (a plain tensor under DDP, a DTensor with ``Replicate`` mesh dimensions:
+HSDP, TP-replicated norms) is written by one copy. Every rank that holds a copy it does not
+write sums its pieces in ``save()`` (``replica_sums``: before ``save()`` returns, while the
+tensors are the step's; on the device for CUDA tensors) and reports them with its chunks.
+The coordinator adds the sums of each copy's ranks and compares each copy with the written
+one (``format/logical_member.py``, ``combine_reports``); a copy that differs is marked in the
+manifest's ``logical`` member (``replicas_disagree``), and ``judge`` then refuses the save
+(``logical_check="error"``) or lets it commit with a warning (``"warn"``).
+
+Compared: plain tensors, and DTensors whose mesh is the whole world (a DTensor on a submesh
+has copies its mesh does not name; they are not compared).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from shardkeeper.core import metrics
+from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.logical_member import REPLICAS, encode_sums
+from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.save.plan import SavePlan
+from shardkeeper.core.state import _torch_compat as tc
+from shardkeeper.core.state.chunks import layout_of
+from shardkeeper.core.state.flatten import FlatState, as_torch
+from shardkeeper.core.state.logical import piece_sums
+
+log = logging.getLogger(__name__)
+
+
+def replica_member(flat: FlatState, plan: SavePlan, rank: int, world_size: int) -> dict[str, Any] | None:
+    """The ``replicas`` member of this rank's chunk report: per replicated key it holds and
+    does not write, its copy's number and the sum mod 2^64 of its pieces (None: none).
+    Synchronous: the tensors may change once ``save()`` returns."""
+    out: dict[str, list[int]] = {}
+    for key in plan.replica_keys:
+        leaf = flat.leaves.get(key)
+        if leaf is None:
+            continue
+        if leaf.kind == "bytes":
+            t = torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8) if leaf.value else torch.empty(0)
+        else:
+            t = as_torch(leaf.value)
+        if tc.is_dtensor(t) and t.device_mesh.size() != world_size:
+            continue  # (copies on other submeshes: not named by its mesh)
+        layout = layout_of(t, world_size, rank)
+        _, dtype, shape = plan.declared[key]
+        out[key] = [layout.replica_index, piece_sums(dtype, shape, layout.pieces)]
+    if not out:
+        return None
+    keys = sorted(out)
+    return {"keys": keys, "copies": [out[k][0] for k in keys], "sums": encode_sums(out[k][1] for k in keys)}
+
+
+def with_replicas(chunks: dict[str, Any], member: dict[str, Any] | None) -> dict[str, Any]:
+    """A rank's chunk report with its ``replicas`` member; as it was without one."""
+    return chunks if not member else {**chunks, REPLICAS: member}
+
+
+def judge(manifest: Manifest, mode: str, rank: int) -> None:
+    """The coordinator's verdict on a merged manifest whose replicas disagree: raise (the
+    save fails on every rank, the previous step stays the newest) for ``"error"``; warn and
+    count for ``"warn"`` (the manifest keeps the mark, which ``verify`` reports)."""
+    member = manifest.logical or {}
+    said = member.get("replicas_disagree") if isinstance(member, dict) else None
+    if not said:
+        return
+    metrics.record(metrics.LOGICAL_MISMATCHES, str(said).count(";") + 1, rank=rank, step=manifest.step)
+    text = (
+        f"step {manifest.step}: copies of a replicated tensor disagree: {said}. A replica diverged "
+        f"(silent data corruption on a device, a nondeterministic kernel, a framework bug), so the "
+        f"ranks do not train the same model"
+    )
+    if mode == "warn":
+        log.warning("%s; logical_check='warn': committed with the mark, which `shardkeeper verify` reports", text)
+        return
+    raise StateMismatchError(
+        f"{text}; the save is refused and the previous step stays the newest. Find the rank whose device "
+        f"misbehaves before training on; logical_check='warn' commits such a step with a mark"
+    )
+
+
+__all__ = ["judge", "replica_member", "with_replicas"]

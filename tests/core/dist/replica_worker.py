@@ -1,0 +1,65 @@
+"""2 ranks: replicated tensors whose copies disagree at save (tests/core/save/test_replicas.py).
+
+    replica_worker.py ROOT RESULTS
+
+Plain tensors (DDP's replication) and a replicated DTensor: step 1 saved with every copy
+equal; step 2 with rank 1's copy of ``model/w`` one ulp off (and, for the DTensor root, its
+copy of ``norm``): the save must fail on both ranks naming the tensor, the step and the
+ranks, and step 1 stays the newest; ``logical_check="warn"`` commits step 2 with the mark in
+the manifest; ``"off"`` compares nothing. Each rank writes ``RESULTS/r<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+
+from shardkeeper.core import CheckpointManager
+
+
+def _state(rank: int, off: bool, mesh: Any, dtensor: bool) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    w, b, n = torch.randn(6, 5, generator=g), torch.randn(5, generator=g), torch.randn(7, generator=g)
+    if off and rank == 1:
+        w = w.clone()
+        w[2, 3] = torch.nextafter(w[2, 3], torch.tensor(float("inf")))
+        n = n.clone()
+        n[4] = torch.nextafter(n[4], torch.tensor(float("inf")))
+    out: dict[str, Any] = {"model/w": w, "model/b": b}
+    if dtensor:
+        out["norm"] = distribute_tensor(torch.zeros(7), mesh, [Replicate()])
+        out["norm"].to_local().copy_(n)  # (distribute_tensor would broadcast rank 0's)
+    return out
+
+
+def main(root: Path, results: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    got: dict[str, Any] = {}
+    for name, mode, dtensor in (("error", "error", False), ("dtensor", "error", True), ("warn", "warn", False)):
+        with CheckpointManager(root / name, async_save=False, logical_check=mode) as mgr:
+            mgr.save(1, _state(rank, False, mesh, dtensor))
+            try:
+                mgr.save(2, _state(rank, True, mesh, dtensor))
+                err = ""
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+            member = mgr.manifest(mgr.latest_step()).logical or {}
+            got[name] = {"error": err, "latest": mgr.latest_step(), "mark": member.get("replicas_disagree", "")}
+    with CheckpointManager(root / "off", async_save=False, logical_check="off") as mgr:
+        mgr.save(1, _state(rank, True, mesh, False))
+        got["off"] = {"latest": mgr.latest_step()}
+    (results / f"r{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
