@@ -77,11 +77,12 @@ class CheckpointOptions:
     """Digest granularity: a ranged read is widened to these blocks to be verified."""
     logical_check: LogicalCheck = "error"
     """Logical digests (docs/format.md 6.1: one per tensor, whatever its sharding): saves
-    record them, and a restore sums what it assembled and compares (docs/reliability.md,
-    "Logical digests"). error: a restored tensor that does not match fails the step as
-    damage (restore falls back to an earlier one; ``load()`` raises). warn: a warning and
-    the ``checkpoint_logical_mismatches_total`` metric, and the restore goes on. off: none
-    are recorded or checked (their cost: docs/performance.md)."""
+    record them and compare the copies of replicated tensors with the written one, and a
+    restore sums what it assembled and compares (docs/reliability.md, "Logical digests").
+    error: copies that disagree fail the save; a restored tensor that does not match fails
+    the step as damage (restore falls back to an earlier one; ``load()`` raises). warn: a
+    warning and the ``checkpoint_logical_mismatches_total`` metric, and the save commits
+    (marked) or the restore goes on. off: nothing is summed, recorded or checked."""
     commit_timeout_s: float = 1800.0
     """How long the coordinator waits for every rank's report, and ranks for the outcome."""
     commit_group_ranks: int = 128
