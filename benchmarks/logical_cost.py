@@ -1,7 +1,8 @@
-"""What logical digests (docs/format.md, "Logical digests") cost a save: one process saves a
-state with them and without (``shardkeeper.core.save.logical.ENABLED``), in alternating
-rounds, and prints the medians of the save's wall time (``save()`` to committed) and of the
-process's CPU time, with the difference.
+"""What logical digests (docs/format.md, "Logical digests") cost a save and a restore: one
+process saves a state with them and without (``shardkeeper.core.save.logical.ENABLED``), in
+alternating rounds, and prints the medians of the save's wall time (``save()`` to committed)
+and of the process's CPU time, with the difference; then restores the saved step into a
+target with the restore's check (``logical_check="error"``) and without (``"off"``), likewise.
 
     python benchmarks/logical_cost.py                  # 256 MiB: 4 x 32 MiB float32 + 4 x 32 MiB bfloat16
     python benchmarks/logical_cost.py --mib 1024 --rounds 3
@@ -61,15 +62,40 @@ def main() -> None:
                     if r:
                         times[on].append((wall, cpu))
                     assert (mgr.manifest(step).logical is not None) == on
+        restores = restore_rounds(work / "root", st, args.rounds)
     finally:
         logical.ENABLED = True
         shutil.rmtree(work, ignore_errors=True)
-    med = {on: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for on, v in times.items()}
-    (w1, c1), (w0, c0) = med[True], med[False]
     what = "10,000 small tensors" if args.small else f"{nbytes / 2**20:.0f} MiB in 8 tensors"
     print(f"{what}, {args.rounds} rounds each, medians (torch threads: {torch.get_num_threads()}):")
-    print(f"  save, without logical digests: {w0:.3f} s wall, {c0:.3f} s CPU")
-    print(f"  save, with logical digests:    {w1:.3f} s wall, {c1:.3f} s CPU")
+    report("save", "logical digests", times)
+    report("restore", "the logical check", restores)
+
+
+def restore_rounds(root: Path, st: dict[str, torch.Tensor], rounds: int) -> dict[bool, list[tuple[float, float]]]:
+    """The newest step of ``root`` restored into zeros like ``st``, checked and not, alternating."""
+    target = {k: torch.zeros_like(v) for k, v in st.items()}
+    mgrs = {on: CheckpointManager(root, logical_check="error" if on else "off") for on in (True, False)}
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for r in range(rounds + 1):
+        for on in (r % 2 == 0, r % 2 != 0):
+            t0, c0 = time.perf_counter(), time.process_time()
+            mgrs[on].restore(target)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            stats = mgrs[on].last_restore_stats
+            assert stats is not None and (stats.logical is not None) == on
+            if r:
+                times[on].append((wall, cpu))
+    for m in mgrs.values():
+        m.close()
+    return times
+
+
+def report(what: str, feature: str, times: dict[bool, list[tuple[float, float]]]) -> None:
+    med = {on: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for on, v in times.items()}
+    (w1, c1), (w0, c0) = med[True], med[False]
+    print(f"  {what}, without {feature}: {w0:.3f} s wall, {c0:.3f} s CPU")
+    print(f"  {what}, with {feature}:    {w1:.3f} s wall, {c1:.3f} s CPU")
     print(f"  cost: {w1 - w0:+.3f} s wall ({(w1 / w0 - 1) * 100:+.1f} %), {c1 - c0:+.3f} s CPU")
 
 
