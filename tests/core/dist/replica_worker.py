@@ -39,6 +39,31 @@ def _state(rank: int, off: bool, mesh: Any, dtensor: bool) -> dict[str, Any]:
     return out
 
 
+def _ddp_batchnorm(root: Path, rank: int) -> dict[str, Any]:
+    """A DDP model with BatchNorm after a forward on each rank's own batch: its running
+    statistics differ by rank (DDP syncs buffers at the next forward), its parameters agree.
+    The save must commit; then one parameter changed on rank 1 must be refused."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)))
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + rank)))
+    out: dict[str, Any] = {}
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"model": model})
+        out["latest"] = mgr.latest_step()
+        with torch.no_grad():
+            if rank == 1:
+                model.module[0].weight[0, 0] += 1.0
+        try:
+            mgr.save(2, {"model": model})
+            out["error"] = ""
+        except Exception as e:
+            out["error"] = str(e)
+    return out
+
+
 def main(root: Path, results: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -57,6 +82,8 @@ def main(root: Path, results: Path) -> None:
     with CheckpointManager(root / "off", async_save=False, logical_check="off") as mgr:
         mgr.save(1, _state(rank, True, mesh, False))
         got["off"] = {"latest": mgr.latest_step()}
+    got["ddp_bn"] = _ddp_batchnorm(root / "ddp_bn", rank)
+
     (results / f"r{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 

@@ -3,7 +3,8 @@ not written are compared with the written one through their logical sums. At 2 r
 (``dist/replica_worker.py``): a copy one ulp off is refused on both ranks, naming the tensor,
 the step and the ranks on each side (the previous step stays the newest), for plain tensors
 (DDP) and a replicated DTensor; ``logical_check="warn"`` commits with the mark; ``"off"``
-compares nothing."""
+compares nothing; a DDP model's BatchNorm buffers, which differ by rank after a forward,
+are not compared, its parameters are."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_copies_that_disagree_are_refused_named_or_marked(tmp_path: Path) -> Non
         assert got["warn"]["error"] == "" and got["warn"]["latest"] == 2, (r, got)
         assert "tensor 'model/w'" in got["warn"]["mark"], (r, got)
         assert got["off"]["latest"] == 1, (r, got)
+        bn = got["ddp_bn"]  # buffers (BatchNorm's running statistics) differ by rank: not compared
+        assert bn["latest"] == 1 and "tensor 'model/0.weight'" in bn["error"] and "running" not in bn["error"], (r, bn)
     verified = subprocess.run(
         [sys.executable, "-m", "shardkeeper.core.cli", "verify", str(tmp_path / "roots" / "warn"), "2", "--json"],
         capture_output=True,

@@ -12,7 +12,9 @@ manifest's ``logical`` member (``replicas_disagree``), and ``judge`` then refuse
 (``logical_check="error"``) or lets it commit with a warning (``"warn"``).
 
 Compared: plain tensors, and DTensors whose mesh is the whole world (a DTensor on a submesh
-has copies its mesh does not name; they are not compared).
+has copies its mesh does not name; they are not compared). Not compared: the buffers of an
+``nn.Module`` in the state (BatchNorm's running statistics: under DDP each rank's forward
+updates its own copy, which DDP overwrites with rank 0's at the next forward).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def replica_member(flat: FlatState, plan: SavePlan, rank: int, world_size: int) 
     out: dict[str, list[int]] = {}
     for key in plan.replica_keys:
         leaf = flat.leaves.get(key)
-        if leaf is None:
+        if leaf is None or key in flat.buffers:  # (a module's buffers may differ by design)
             continue
         if leaf.kind == "bytes":
             t = torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8) if leaf.value else torch.empty(0)

@@ -91,6 +91,9 @@ class FlatState:
     #: Keys that name one tensor of a module (tied weights: GPT-2's ``lm_head.weight`` is
     #: ``transformer.wte.weight``), each group in the module's order (``state/tied.py``).
     ties: list[tuple[str, ...]] = field(default_factory=list)
+    #: Keys of modules' buffers (BatchNorm's running statistics: under DDP each rank updates
+    #: its own in its forward, so their copies may differ; save/replicas.py compares none).
+    buffers: set[str] = field(default_factory=set)
 
 
 def _contains_tensor(x: Any) -> bool:
@@ -254,8 +257,11 @@ class Flattener:
         )
 
         sd = get_model_state_dict(module, options=StateDictOptions())
+        buffers = {b.data_ptr() for b in module.buffers() if type(b) in PLAIN_TENSORS and b.numel()}
         for fqn, t in sd.items():
             self._visit(f"{key}/{normalize_fqn(fqn)}", t, {}, per_rank, self._dict_setter(sd, fqn))
+            if isinstance(t, torch.Tensor) and type(t) in PLAIN_TENSORS and t.numel() and t.data_ptr() in buffers:
+                self.out.buffers.add(f"{key}/{normalize_fqn(fqn)}")
         if self.restore:
             self.out.ties.extend(module_ties(key, module))
             strict = self.strict
