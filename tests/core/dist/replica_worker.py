@@ -50,6 +50,9 @@ def _ddp_batchnorm(root: Path, rank: int) -> dict[str, Any]:
     model = DDP(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)))
     model(torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + rank)))
     out: dict[str, Any] = {}
+    with CheckpointManager(root.with_name("ddp_bn_sd"), async_save=False) as mgr:
+        mgr.save(1, {"model": model.state_dict()})  # (plain tensors: no module to name its buffers)
+        out["state_dict_latest"] = mgr.latest_step()
     with CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, {"model": model})
         out["latest"] = mgr.latest_step()

@@ -105,6 +105,24 @@ def test_a_misplaced_piece_is_caught_named_and_restore_falls_back(tmp_path: Path
     assert 2 in mgr.steps()  # intact files: not quarantined
 
 
+def test_a_recorded_digest_that_is_not_the_steps_is_quarantined_and_saved_again(tmp_path: Path) -> None:
+    """A manifest whose recorded digest is not its tensor's (a writer bug, an edited manifest):
+    restore falls back, ``verify --logical`` proves it, so the step is quarantined and the run
+    saves it again (before, ``save(2)`` was refused as committed and ``delete --damaged``
+    found nothing to delete)."""
+    mgr = _saved(tmp_path / "root")
+    path = next((tmp_path / "root").glob("step-*2/manifest.json"))
+    doc = json.loads(path.read_text())
+    d = doc["logical"]["digests"]
+    doc["logical"]["digests"] = ("0" if d[0] != "0" else "1") + d[1:]
+    path.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match=r"step 2 .* quarantined"):
+        assert mgr.restore(_zeros()) == 1
+    assert mgr.steps() == [1]
+    mgr.save(2, _state(2))
+    assert mgr.restore(_zeros()) == 2
+
+
 def test_an_asked_step_that_assembles_wrong_raises_naming_the_tensor(tmp_path: Path, fault) -> None:
     mgr = _saved(tmp_path / "root")
     fault(_shift)

@@ -36,6 +36,7 @@ def test_copies_that_disagree_are_refused_named_or_marked(tmp_path: Path) -> Non
         assert "tensor 'model/w'" in got["warn"]["mark"], (r, got)
         assert got["off"]["latest"] == 1, (r, got)
         bn = got["ddp_bn"]  # buffers (BatchNorm's running statistics) differ by rank: not compared
+        assert bn["state_dict_latest"] == 1, (r, bn)  # its statistics as a state dict's plain tensors too
         assert bn["latest"] == 1 and "tensor 'model/0.weight'" in bn["error"] and "running" not in bn["error"], (r, bn)
     verified = subprocess.run(
         [sys.executable, "-m", "shardkeeper.core.cli", "verify", str(tmp_path / "roots" / "warn"), "2", "--json"],

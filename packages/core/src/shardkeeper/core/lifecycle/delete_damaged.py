@@ -58,6 +58,7 @@ DAMAGE = frozenset(
         "dtype",
         "page",  # a page (format.md 3.9) missing, of another digest or that does not parse
         "index",  # an index file (described leaves) that does not validate
+        "logical",  # chunks intact by their digests that do not form the tensor the save summed
     }
 )
 
@@ -124,7 +125,8 @@ def judge_damaged(
             f"{where} is encrypted, and no key was given, so its data cannot be checked: {nothing}. "
             f"Give the root's key (--key, or the manager's encryption=)"
         )
-    report = verify_step(reader, step, manifest=manifest, files=None if files is None else frozenset(files))
+    only = None if files is None else frozenset(files)  # None, a whole step: its logical digests too
+    report = verify_step(reader, step, manifest=manifest, files=only, logical=only is None)
     damage = [p for p in report.problems if p.kind in DAMAGE]
     if damage:
         out.damage = [p.message for p in damage[:5]]

@@ -186,8 +186,10 @@ def judge(ctx: Any, check: LogicalCheck | None, step: int, *, collective: bool =
     )
     text = (
         f"{where} (rank {ctx.rank}): what was assembled is not what was saved: {cause}. Every chunk read "
-        f"passed its digest, so bytes landed in the wrong place or a piece was left out (a restore into a "
-        f"layout this version places wrongly, or a target the framework changed while it was filled)"
+        f"passed its digest, so either the recorded digest is not the saved tensor's (a writer bug, an "
+        f"edited manifest: `shardkeeper verify {url} {step} --logical` finds it), or bytes landed in the "
+        f"wrong place (a restore into a layout this version places wrongly, a target the framework changed "
+        f"while it was filled)"
     )
     if ctx.settings.logical_check == "warn":
         log.warning("%s; logical_check='warn': the restore goes on with these values", text)
@@ -196,7 +198,7 @@ def judge(ctx: Any, check: LogicalCheck | None, step: int, *, collective: bool =
         f"{text}; the step counts as damaged. Report it with `shardkeeper inspect {url} {step} --json`; "
         f"logical_check='warn' restores it anyway"
     )
-    err.logical_mismatch = True  # type: ignore[attr-defined]  # (its files are intact: not quarantined)
+    err.logical_mismatch = True  # type: ignore[attr-defined]  # (quarantined if verify --logical proves it)
     return err
 
 

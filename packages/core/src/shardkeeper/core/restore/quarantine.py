@@ -28,6 +28,11 @@ from shardkeeper.core.restore.share import peer_group
 
 log = logging.getLogger(__name__)
 
+#: Named instead of files where the damage lies in no one file (a logical mismatch: the step's
+#: chunks do not form the tensors its manifest records): the whole step is verified, its
+#: logical digests too (``delete_damaged.judge_damaged``).
+WHOLE_STEP = "*"
+
 
 def quarantine_passed_over(ctx: Any, named: dict[int, list[str]], *, stacklevel: int) -> list[int]:
     """Collective (``ctx``: the manager's ``ManagerContext``): quarantine the damaged steps
@@ -70,7 +75,11 @@ def _quarantine(ctx: Any, step: int, files: list[str]) -> dict[str, Any]:
     storage = ctx.storage
     try:
         done = quarantine_damaged(
-            storage, step, read_storage=ctx.read_storage, files=files, catalog=ctx.settings.catalog
+            storage,
+            step,
+            read_storage=ctx.read_storage,
+            files=None if WHOLE_STEP in files else files,
+            catalog=ctx.settings.catalog,
         )
     except Exception as e:  # noqa: BLE001 - said on every rank; the restore stands
         return {"step": step, "why": f"{type(e).__name__}: {e}"}

@@ -38,7 +38,7 @@ from shardkeeper.core.lifecycle.quarantine import named_files
 from shardkeeper.core.restore.flat import TargetWrites, restore_flat
 from shardkeeper.core.restore.logical_check import judge
 from shardkeeper.core.restore.plan import RestoreStats
-from shardkeeper.core.restore.quarantine import quarantine_passed_over
+from shardkeeper.core.restore.quarantine import WHOLE_STEP, quarantine_passed_over
 from shardkeeper.core.restore.request import RestoreRequest
 from shardkeeper.core.restore.share import PeerExchangeError, ReadShare, peer_group
 from shardkeeper.core.runtime.context import ManagerContext
@@ -128,7 +128,7 @@ class Restorer:
                 if last_error is not None:
                     log.warning(
                         "rank %d restored step %d under %s instead of the newer, damaged step(s) %s "
-                        "(last error: %s); run `shardkeeper verify %s` to see the damage",
+                        "(last error: %s); run `shardkeeper verify %s --logical` to see the damage",
                         ctx.rank,
                         s,
                         url,
@@ -147,7 +147,9 @@ class Restorer:
                 raise partly_restored(err, writes)
             last_error = err
             passed.append(s)
-            if not getattr(err, "logical_mismatch", False):  # (intact files: nothing to quarantine)
+            if getattr(err, "logical_mismatch", False):  # (whether the step or the restore is wrong: verify --logical)
+                damaged[s] = [WHOLE_STEP]
+            else:
                 damaged[s] = [] if getattr(err, "on_other_rank", False) else named_files(err)
             warnings.warn(
                 f"step {s} under {url} is damaged ({err}); falling back to the previous committed step",

@@ -14,7 +14,9 @@ manifest's ``logical`` member (``replicas_disagree``), and ``judge`` then refuse
 Compared: plain tensors, and DTensors whose mesh is the whole world (a DTensor on a submesh
 has copies its mesh does not name; they are not compared). Not compared: the buffers of an
 ``nn.Module`` in the state (BatchNorm's running statistics: under DDP each rank's forward
-updates its own copy, which DDP overwrites with rank 0's at the next forward).
+updates its own copy, which DDP overwrites with rank 0's at the next forward), and, where a
+state dict holds them as plain tensors, keys ending in a normalization layer's statistics
+(``NORM_STATISTICS``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from shardkeeper.core.state.logical import piece_sums
 
 log = logging.getLogger(__name__)
 
+#: The buffers torch's normalization layers keep per rank (BatchNorm, InstanceNorm with running
+#: statistics): not compared where a state dict holds them as plain tensors (no module known).
+NORM_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
 
 def replica_member(flat: FlatState, plan: SavePlan, rank: int, world_size: int) -> dict[str, Any] | None:
     """The ``replicas`` member of this rank's chunk report: per replicated key it holds and
@@ -44,8 +50,8 @@ def replica_member(flat: FlatState, plan: SavePlan, rank: int, world_size: int) 
     out: dict[str, list[int]] = {}
     for key in plan.replica_keys:
         leaf = flat.leaves.get(key)
-        if leaf is None or key in flat.buffers:  # (a module's buffers may differ by design)
-            continue
+        if leaf is None or key in flat.buffers or key.rsplit("/", 1)[-1].rsplit(".", 1)[-1] in NORM_STATISTICS:
+            continue  # (a module's buffers may differ by design)
         if leaf.kind == "bytes":
             t = torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8) if leaf.value else torch.empty(0)
         else:
@@ -76,16 +82,18 @@ def judge(manifest: Manifest, mode: str, rank: int) -> None:
         return
     metrics.record(metrics.LOGICAL_MISMATCHES, str(said).count(";") + 1, rank=rank, step=manifest.step)
     text = (
-        f"step {manifest.step}: copies of a replicated tensor disagree: {said}. A replica diverged "
-        f"(silent data corruption on a device, a nondeterministic kernel, a framework bug), so the "
-        f"ranks do not train the same model"
+        f"step {manifest.step}: copies of a replicated tensor disagree: {str(said)[:2000]}. A plain tensor "
+        f"in the state is taken as replicated (DDP): if it is per-rank state (a counter, an RNG state, a "
+        f"rank's own statistics), wrap it in PerRank(...) (RNGState() for RNG states); if it is a "
+        f"parameter or optimizer state, a replica diverged (silent data corruption on a device, a "
+        f"nondeterministic kernel, a framework bug) and the ranks do not train the same model"
     )
     if mode == "warn":
         log.warning("%s; logical_check='warn': committed with the mark, which `shardkeeper verify` reports", text)
         return
     raise StateMismatchError(
-        f"{text}; the save is refused and the previous step stays the newest. Find the rank whose device "
-        f"misbehaves before training on; logical_check='warn' commits such a step with a mark"
+        f"{text}; the save is refused and the previous step stays the newest. logical_check='warn' "
+        f"commits such a step with a mark"
     )
 
 
