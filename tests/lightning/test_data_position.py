@@ -12,12 +12,15 @@ gets: nothing is replaced or recorded.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import lightning as L
 import pytest
+import torch.distributed
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from shardkeeper.core import CheckpointManager, ResumableDistributedSampler
@@ -30,6 +33,21 @@ from tests.lightning.common import BATCH, N_SAMPLES, Net, cpu_trainer, loader
 pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
 
 WORKER = Path(__file__).parent / "dist" / "data_worker.py"
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """A ddp fit in this process (``_ddp_one``) sets MASTER_PORT and the like in its
+    environment and binds that port: restore both, or every later launch of the session
+    inherits a port this process holds (EADDRINUSE)."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 N, SEED, SAVED_STEP = 48, 7, 3
 
 
