@@ -213,7 +213,7 @@ def tests(session: nox.Session, suite: str) -> None:
     env = {**TEST_ENV, "PYTHONPATH": ""}  # the installed wheels, never the sources
     if suite == "core":
         dist = _build_dists(session, ("core",))
-        _install_wheels(session, [_wheel(dist, "core", "torch,s3,gcs,zstd,crypto")], *TEST_DEPS)
+        _install_wheels(session, [_wheel(dist, "core", "torch,s3,gcs,zstd,crypto,erasure")], *TEST_DEPS)
         session.run("python", "tests/packaging/smoke.py", "--dist", str(dist), "core", env=env)
         args = ["tests/core", "tests/cuda", "tests/packaging", "-x", "-q", DURATIONS, *session.posargs]
         _pytest_split(session, args, env)
