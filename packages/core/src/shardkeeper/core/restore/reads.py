@@ -3,6 +3,8 @@ coalesced scratch reads widened to digest blocks, or, for an encoded chunk, the 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,6 +23,10 @@ from shardkeeper.core.state.flatten import PLAIN_TENSORS
 _BUFFERED_READ_BYTES = 8 << 20
 #: Overlaps at least this large and contiguous in the target are read straight into it.
 _DIRECT_MIN_BYTES = 1 << 20
+#: ... in reads of at most this (split on digest blocks), so that a replica-deduplicated
+#: restore (``restore/share.py``), which holds every exchanged byte a read needs until it
+#: runs, holds a few of these at a time, not a whole tensor.
+_DIRECT_MAX_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -120,10 +126,30 @@ def _holds_its_values(op: Op) -> bool:
     )
 
 
+def _split(op: Op, block: int) -> list[Op]:
+    """A direct ``op`` as reads of at most ``_DIRECT_MAX_BYTES`` (at least one digest block),
+    cut at multiples of the block and the item size within the chunk: each part is a
+    contiguous slice of ``op.dest`` and verifies whole blocks (its box, ``rel_lo`` and
+    ``rel_shape``, which direct reads do not use, stays the op's)."""
+    isz = op.dest.element_size()
+    unit = math.lcm(block, isz)
+    step = max(unit, _DIRECT_MAX_BYTES // unit * unit)
+    if op.end - op.start <= step:
+        return [op]
+    cuts = [op.start, *range((op.start // step + 1) * step, op.end, step), op.end]
+    with torch.no_grad():  # views of a parameter, written through numpy: no autograd graph
+        flat = op.dest.reshape(-1)
+        return [
+            dataclasses.replace(op, dest=flat[(lo - op.start) // isz : (hi - op.start) // isz], start=lo, end=hi)
+            for lo, hi in zip(cuts, cuts[1:])
+        ]
+
+
 def schedule(
     ops: Sequence[Op], block: int, bytes_needed: int, max_read_bytes: int
 ) -> tuple[list[Op], list[Read], list[list[Op]]]:
-    """The ops as the fill runs them: read straight into the target; coalesced scratch reads
+    """The ops as the fill runs them: read straight into the target (in parts of at most
+    ``_DIRECT_MAX_BYTES``); coalesced scratch reads
     (copied out by memmove where ``as_bytes``, else ``copy_`` into a strided, cast, negated
     (...) target); and, per encoded chunk, its ops."""
     direct: list[Op] = []
@@ -135,7 +161,7 @@ def schedule(
         elif not _holds_its_values(op):
             buffered.append(op)
         elif op.end - op.start >= _DIRECT_MIN_BYTES:
-            direct.append(op)
+            direct += _split(op, block)
         else:
             op.as_bytes = True
             buffered.append(op)

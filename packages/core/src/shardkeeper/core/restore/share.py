@@ -4,12 +4,13 @@ once, by one of them, and sent to the others over a dedicated gloo process group
 Every rank plans its restore as usual (``restore/plan.py``); its fill jobs each read
 one file range. The ranks exchange those ranges (``ReadShare.negotiate``, tensors only, no
 pickle) and cut the ranges two or more ranks need into pieces, each owned by one of them (the
-least loaded so far: reading spreads over the ranks). In rounds of at most ``ROUND_BYTES``
-of pieces, the owners read their pieces straight from storage, the ranks agree which reads
-failed, and the owners send the rest to the ranks that need them (a broadcast when all do,
-else gloo isend/irecv; bounded by the group's timeout); then each rank runs the fill jobs of
-the round. Those read through ``SharedStorage``: a range held in the round's cache comes from
-it, anything else from the storage. The chunk reader then checks every byte against the manifest's digests exactly as
+least loaded so far: reading spreads over the ranks). In rounds of a few percent of what a
+rank restores (``bounds``), the owners read their pieces straight from storage, the ranks
+agree which reads failed, and the owners send the rest to the ranks that need them (a
+broadcast when all do, else gloo isend/irecv; bounded by the group's timeout); then each rank
+runs the fill jobs of the round and drops the pieces no later job reads. Those read through
+``SharedStorage``: a range held in the round's cache comes from it, anything else from the
+storage. The chunk reader then checks every byte against the manifest's digests exactly as
 if it had read it (``ChunkReader.check``), so a peer can never inject unverified bytes: a
 damaged piece fails every rank that uses it, as a damaged file would. A piece whose owner
 could not read it is read by each rank that needs it itself (a warning names the step, the
@@ -49,8 +50,14 @@ log = logging.getLogger(__name__)
 #: Pieces longer than this are split, so that large shared ranges are read by several owners.
 PIECE_BYTES = 16 << 20
 #: The pieces of one round, summed over the group: what one rank holds at once is at most this
-#: (plus pieces kept for a job of a later round that also reads them).
+#: (plus pieces kept for a job of a later round that also reads them) ...
 ROUND_BYTES = 256 << 20
+#: ... and at most this share of what the rank that restores least reads (``bounds``), so that
+#: an exchange adds a few percent to a restore's memory, not the rounds' size: a rank that
+#: restores a whole replicated model receives nearly all of it.
+ROUND_SHARE = 1 / 32
+#: Rounds are at least this large, whatever the share: each is a few collectives.
+MIN_ROUND_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -131,6 +138,17 @@ def peer_group(coord: Any, timeout_s: float) -> PeerGroup:
     if group is None:
         group = coord.share_group = PeerGroup(coord, timeout_s)
     return group
+
+
+def bounds(needs: Sequence[np.ndarray]) -> tuple[int, int]:
+    """The piece and round sizes for ``needs`` (rows ``fid, lo, hi`` per rank): rounds of
+    ``ROUND_SHARE`` of the smallest rank's reads (between ``MIN_ROUND_BYTES`` and
+    ``ROUND_BYTES``), pieces of a quarter of that (at least 1 MiB, at most ``PIECE_BYTES``),
+    so that a round spreads its reads over the owners. The same on every rank."""
+    sizes = [int((a[:, 2] - a[:, 1]).clip(min=0).sum()) for a in needs]
+    least = min((n for n in sizes if n > 0), default=0)
+    round_bytes = int(min(ROUND_BYTES, max(MIN_ROUND_BYTES, least * ROUND_SHARE)))
+    return min(PIECE_BYTES, max(1 << 20, round_bytes // 4)), round_bytes
 
 
 def make_pieces(needs: Sequence[np.ndarray], piece_bytes: int, round_bytes: int) -> list[Piece]:
@@ -243,7 +261,7 @@ class ReadShare:
         got = [torch.zeros((width, 3), dtype=torch.int64) for _ in range(self.world_size)]
         g.all_gather(got, mine, where)
         needs = [t[:n].numpy() for t, n in zip(got, ns)]
-        self.pieces = make_pieces(needs, PIECE_BYTES, ROUND_BYTES)
+        self.pieces = make_pieces(needs, *bounds(needs))
         return bool(self.pieces)
 
     def finish(self) -> None:
@@ -355,13 +373,16 @@ class ReadShare:
 
 
 __all__ = [
+    "MIN_ROUND_BYTES",
     "PIECE_BYTES",
     "ROUND_BYTES",
+    "ROUND_SHARE",
     "Job",
     "PeerExchangeError",
     "PeerGroup",
     "ReadShare",
     "SharedStorage",
+    "bounds",
     "make_pieces",
     "peer_group",
 ]
