@@ -86,6 +86,15 @@ def test_a_tied_weight_the_file_omits_is_declared(folder: tuple[Path, dict]) -> 
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 
+def test_unused_lists_what_fills_nothing_not_what_rename_dropped(folder: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, src = folder
+    target = {k: torch.zeros_like(v) for k, v in src.items() if not k.startswith("model.layers.1.")}
+    del target["model.norm.bias"]  # in the folder, kept by rename, filling nothing: unused
+    got = load_hf(path, target, rename=lambda k: None if k.startswith("model.layers.1.") else k)
+    assert got.unused == ["model.norm.bias"]
+    assert set(got.keys) == set(target) and all(same_bits(v, src[k]) for k, v in target.items())
+
+
 def test_only_reads_the_files_that_hold_the_selection(folder: tuple[Path, dict]) -> None:
     path, src = folder
     index = json.loads((path / INDEX).read_text())["weight_map"]
@@ -222,3 +231,28 @@ def test_two_ranks_load_fsdp2_shards_and_deduplicate_replicas(folder: tuple[Path
         },
     )
     print("\n".join(line for line in res.stdout.splitlines() if line.startswith("hf_load")))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_replicas_load_in_bounded_memory_and_the_environment_turns_sharing_off(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    src = {"embed.weight": torch.randn(4096, 1536, generator=gen)}  # 24 MiB: read in parts
+    src |= {f"layers.{i}.weight": torch.randn(1024, 1024, generator=gen) for i in range(10)}  # 4 MiB each
+    src["norm.weight"] = torch.randn(1024, generator=gen)
+    path = write_folder(src, tmp_path / "hf")
+    env = {"SHARDKEEPER_SHARE_RESTORE_READS": ""}  # unset (the worker sets it for its second load)
+    res = run_workers(2, "hf_share_worker.py", str(path), str(tmp_path / "results"), timeout_s=240, env=env)
+    assert res.returncode == 0, res.stdout[-4000:]
+    checks = read_checks(*(tmp_path / "results" / f"r{r}.json" for r in range(2)), output=res.stdout)
+    assert_checks(
+        checks,
+        {
+            "shared: bit for bit",
+            "shared: peers sent bytes",
+            "shared: peak RSS <= 1.4 x the model",
+            "unshared: bit for bit",
+            "unshared: every rank reads all it loads, receives nothing",
+        },
+    )
+    print("\n".join(line for line in res.stdout.splitlines() if line.startswith("hf_share")))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardkeeper.core.config.options import CheckpointOptions
+from shardkeeper.core.config.settings import options_from_env
 from shardkeeper.core.errors import CheckpointNotFoundError, CheckpointRestoreError, StateMismatchError
 from shardkeeper.core.hf.folder import REMEDY, Folder, Tensor
 from shardkeeper.core.hf.view import Rename, as_manifest, select, target_keys
@@ -49,7 +50,7 @@ class HFLoad:
     keys: dict[str, str]
     """Target key -> the folder's tensor it was filled from (a tied alias's twin)."""
     unused: list[str]
-    """The folder's tensors (selected by ``only``) that fill no key of the target."""
+    """The folder's tensors (selected by ``only``, kept by ``rename``) that fill no key of the target."""
     stats: RestoreStats
     """This rank's reads: ``bytes_read`` from storage, ``bytes_received`` from peers."""
 
@@ -133,7 +134,7 @@ def _plan(
     renamed = target_keys(sources, rename, prefix, where)
     targets = [k for k, leaf in flat.leaves.items() if leaf.kind == "tensor" and k.startswith(prefix)]
     keys = {k: renamed[k] for k in targets if k in renamed}  # target key -> source name
-    unused = sorted(set(sources) - set(keys.values()))
+    unused = sorted(set(renamed.values()) - set(keys.values()))  # (not the names rename= dropped)
     if not keys:
         raise StateMismatchError(
             f"no tensor of {where} is a key of the target state: the folder's {listing(sorted(renamed), 3)} "
@@ -162,6 +163,22 @@ def _plan(
     return {k: sources[n] for k, n in keys.items()}, by_key, unused
 
 
+def _target(
+    state: Mapping[str, Any] | nn.Module, prefix: str | None, dtype: object, rename: object
+) -> tuple[Mapping[str, Any], str]:
+    """The target mapping and the prefix of its keys (``"model/"`` for a module by default);
+    a ``TypeError`` for arguments of the wrong kind."""
+    if isinstance(state, nn.Module):
+        state, prefix = {"model": state}, "model/" if prefix is None else prefix
+    if not isinstance(state, Mapping):
+        raise TypeError(f"load_hf(path, state): state must be an nn.Module or a mapping, not {type(state).__name__}")
+    if not (dtype is None or isinstance(dtype, (bool, torch.dtype))):
+        raise TypeError(f"dtype must be None, a bool or a torch.dtype, not {type(dtype).__name__}")
+    if rename is not None and not (callable(rename) or isinstance(rename, Mapping)):
+        raise TypeError(f"rename must be a mapping or a function of a name, not {type(rename).__name__}")
+    return state, prefix or ""
+
+
 def load_hf(
     path: str | os.PathLike[str] | Storage,
     state: Mapping[str, Any] | nn.Module,
@@ -183,22 +200,19 @@ def load_hf(
     tensors (plain, DTensors of FSDP2/TP, ZeRO fragments) are filled in place, each rank reading
     the byte ranges its pieces need. Transformations (hf/view.py): ``tied`` (``{alias: name}``
     for a tensor the folder omits), ``only`` (patterns of the folder's names), ``rename``
-    (mapping or function, to target keys) and ``prefix`` (before every key; default ``"model/"``
-    for a module, else ""). ``dtype``: None, every dtype must match; True, cast each tensor to
-    its target's dtype; a ``torch.dtype``, cast into the targets of that dtype. ``strict``:
-    target tensors the folder lacks are an error (False: a warning, they keep their values).
-    A collective over ``process_group`` (default: the world when initialized).
+    (mapping or function, to target keys; a function returning None drops a name) and
+    ``prefix`` (before every key; default ``"model/"`` for a module, else ""). ``dtype``: None,
+    every dtype must match; True, cast each tensor to its target's dtype; a ``torch.dtype``,
+    cast into the targets of that dtype. ``strict``: target tensors the folder lacks are an
+    error (False: a warning, they keep their values). ``options``: the I/O and restore options
+    (``io_threads``, ``max_read_bytes``, ``share_restore_reads``, retries); by default
+    ``CheckpointOptions`` with the ``SHARDKEEPER_<NAME>`` variables applied
+    (``options_from_env``), as an adapter reads them. A collective over ``process_group``
+    (default: the world when initialized).
     """
-    if isinstance(state, nn.Module):
-        state, prefix = {"model": state}, "model/" if prefix is None else prefix
-    if not isinstance(state, Mapping):
-        raise TypeError(f"load_hf(path, state): state must be an nn.Module or a mapping, not {type(state).__name__}")
-    if not (dtype is None or isinstance(dtype, (bool, torch.dtype))):
-        raise TypeError(f"dtype must be None, a bool or a torch.dtype, not {type(dtype).__name__}")
-    if rename is not None and not (callable(rename) or isinstance(rename, Mapping)):
-        raise TypeError(f"rename must be a mapping or a function of a name, not {type(rename).__name__}")
+    state, prefix = _target(state, prefix, dtype, rename)
     patterns = [only] if isinstance(only, str) else (list(only) if only else None)
-    opts = options or CheckpointOptions()
+    opts = options if options is not None else CheckpointOptions(**options_from_env())
     storage, dir = open_folder(path, storage_options, opts)
     coord = make_coordinator(process_group)
     rank, world = coord.rank, coord.world_size
@@ -217,46 +231,77 @@ def load_hf(
                 folder,
                 flat,
                 rename=rename,
-                prefix=prefix or "",
+                prefix=prefix,
                 tied=tied,
                 only=patterns,
                 strict=strict,
                 dtype=dtype,
                 where=where,
             )
-            stats = restore_flat(
-                storage,
-                dir,
-                as_manifest(tensors, folder.sizes),
-                flat,
-                rank=rank,
-                world_size=world,
-                only=None,
-                strict=True,
-                per_rank="exact",
-                cast=bool(dtype),
-                executor=io,
-                max_read_bytes=opts.max_read_bytes,
-                writes=writes,
-                share=share,
-                source=SOURCE,
-                remedy=REMEDY,
-                verify=False,
-            )
+            stats = _fill(storage, dir, folder, tensors, flat, rank, world, bool(dtype), io, opts, writes, share)
             result = HFLoad(keys, unused, stats)
         except BaseException as e:
             error = e
         finally:
             if share is not None:
                 share.finish()
-    if isinstance(error, PeerExchangeError) or world == 1 or not coord.agree_int(int(error is not None), "max"):
+    return _outcome(result, error, coord, writes, storage.describe(dir))
+
+
+def _fill(
+    storage: Storage,
+    dir: str,
+    folder: Folder,
+    tensors: Mapping[str, Tensor],
+    flat: FlatState,
+    rank: int,
+    world: int,
+    cast: bool,
+    io: ThreadPoolExecutor,
+    opts: CheckpointOptions,
+    writes: TargetWrites,
+    share: ReadShare | None,
+) -> RestoreStats:
+    """``flat`` filled from ``tensors`` (target key -> the folder's tensor) by restore's
+    machinery, unverified (the format has no digests)."""
+    return restore_flat(
+        storage,
+        dir,
+        as_manifest(tensors, folder.sizes),
+        flat,
+        rank=rank,
+        world_size=world,
+        only=None,
+        strict=True,
+        per_rank="exact",
+        cast=cast,
+        executor=io,
+        max_read_bytes=opts.max_read_bytes,
+        writes=writes,
+        share=share,
+        source=SOURCE,
+        remedy=REMEDY,
+        verify=False,
+    )
+
+
+def _outcome(
+    result: HFLoad | None, error: BaseException | None, coord: Any, writes: TargetWrites, folder: str
+) -> HFLoad:
+    """``result``, once every rank succeeded (a collective, unless the exchange with the peers
+    failed: then they may be gone); else this rank's error, or one saying another rank failed."""
+    if (
+        isinstance(error, PeerExchangeError)
+        or coord.world_size == 1
+        or not coord.agree_int(int(error is not None), "max")
+    ):
         if error is not None:
             raise _partly(error, writes)
         assert result is not None
         return result
     if error is None:
         error = CheckpointRestoreError(
-            f"load_hf of {storage.describe(dir)} failed on another rank (rank {rank} succeeded); see that rank's error"
+            f"load_hf of {folder} failed on another rank (rank {coord.rank} succeeded); see that rank's error"
         )
     raise _partly(error, writes)
 
