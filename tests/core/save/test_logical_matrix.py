@@ -16,7 +16,6 @@ have none. The test names exactly those leaves, so it fails when they gain one.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,8 @@ import torch
 from shardkeeper.core import CheckpointManager
 from tests.logical_matrix import assert_matrix, expected_digests, inspect_digests, one_ulp_off
 
-from .._launch import DIST_DIR, run_workers
+from .._launch import run_workers
+from ..dist.layouts import build, train_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -41,11 +41,6 @@ SUBMESH = {
 
 def _one_process_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
     """The model, its optimizer and their tensors keyed as a checkpoint keys them."""
-    sys.path.insert(0, str(DIST_DIR))
-    try:
-        from layouts import build, train_step
-    finally:
-        sys.path.remove(str(DIST_DIR))
     model, opt = build("plain", seed=1)
     train_step(model, opt, 0)
     tensors = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
