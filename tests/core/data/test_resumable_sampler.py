@@ -19,6 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardkeeper.core import CheckpointManager, ResumableDistributedSampler, StateMismatchError
+from shardkeeper.core.adapter import DATA_POSITION_KEY
+from shardkeeper.core.data.position import KEYS
 
 from .._launch import run_workers
 
@@ -207,20 +209,38 @@ def test_a_position_of_another_order_is_refused(kw: dict[str, Any], n: int, what
 
 
 def test_the_manager_saves_the_position_once_as_replicated_state(tmp_path: Path) -> None:
+    """Under the key every adapter reads (``extra/data_position/0``), with every adapter's keys."""
     _, state = _leg(_samplers(23, 2), 3)
     samplers = _samplers(23, 2)
     for s in samplers:
         s.load_state_dict(state)
     with CheckpointManager(tmp_path, process_group="local") as mgr:
-        mgr.save(1, {"weights": torch.ones(2), "sampler": samplers[0]}).wait()
+        mgr.save(1, {"weights": torch.ones(2), "extra": {"data_position": {"0": samplers[0]}}}).wait()
         manifest = mgr.manifest()
-        assert "sampler" not in manifest.per_rank_prefixes
-        assert mgr.load(only=["sampler/*"])["sampler"] == state
+        assert not set(manifest.per_rank_prefixes) & {"extra", "extra/data_position"}
+        assert sorted(k for k in manifest.leaves if k.startswith(DATA_POSITION_KEY + "/0/")) == sorted(
+            f"{DATA_POSITION_KEY}/0/{k}" for k in KEYS
+        )
+        assert mgr.load(only=[DATA_POSITION_KEY + "/*"])["extra"]["data_position"]["0"] == state
         assert len(json.dumps(state)) <= 1024
         (resumed,) = _samplers(23, 1)
         resumed.set_epoch(0)
-        mgr.restore({"sampler": resumed})
-    assert resumed.state_dict() == state and resumed.epoch == EPOCH and len(resumed) == 23 - 6
+        mgr.restore({"extra": {"data_position": {"0": resumed}}})
+    assert resumed.state_dict() == {**state, "world": 1} and resumed.epoch == EPOCH and len(resumed) == 23 - 6
+
+
+def test_a_position_in_another_samplers_order_is_refused_and_an_unshuffled_one_ignores_the_seed() -> None:
+    """An order only its writer can draw (Accelerate's generator, a user's sampler) is refused;
+    unshuffled, the order is ``range(n)`` whatever the seed, so the seed is not compared."""
+    _, state = _leg(_samplers(23, 2), 2)
+    for order in ("generator", "sampler:EpochPermutation"):
+        with pytest.raises(StateMismatchError, match=f"another sampler \\('{order}'.*use_seedable_sampler"):
+            _samplers(23, 3)[0].load_state_dict({**state, "order": order})
+    plain = [ResumableDistributedSampler(_Ids(23), 2, r, shuffle=False, seed=1) for r in range(2)]
+    _, state = _leg(plain, 2)
+    other = ResumableDistributedSampler(_Ids(23), 3, 0, shuffle=False, seed=5)
+    other.load_state_dict(state)
+    assert list(other) == list(range(state["consumed"], 23))[0::3]
 
 
 @pytest.mark.multiprocess

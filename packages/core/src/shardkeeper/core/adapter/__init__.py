@@ -25,6 +25,10 @@ step), files written whole or not at all, ``ExportResult``, and ``OptimizerHolde
 method a state object implements when it holds optimizers the state does not show, so that
 overlapped staging gates their ``step()``).
 
+And the train data's position (``shardkeeper.core.data``): where every adapter keeps it
+(``DATA_POSITION_KEY``, one layout), and the epoch's order and one rank's part of its rest,
+for an adapter that splits the rest itself.
+
 The core never imports a framework: adapters pass their framework's name and version in.
 """
 
@@ -35,6 +39,8 @@ from shardkeeper.core.adapter.start import check_start
 from shardkeeper.core.adapter.steps import StepCheck, check_save_step
 from shardkeeper.core.adapter.versions import VersionGate, in_range, parse_version
 from shardkeeper.core.config.options import describe_unknown, option_types
+from shardkeeper.core.data.order import epoch_order, rank_part
+from shardkeeper.core.data.position import DATA_POSITION_KEY, DISTRIBUTED_ORDER
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.pointer import (
     MAX_POINTER_BYTES,
@@ -63,6 +69,8 @@ from shardkeeper.core.tools.dcp_import import load_dcp
 from shardkeeper.core.tools.export import ExportResult
 
 __all__ = [
+    "DATA_POSITION_KEY",
+    "DISTRIBUTED_ORDER",
     "ExportResult",
     "MAX_POINTER_BYTES",
     "Manifest",
@@ -83,6 +91,7 @@ __all__ = [
     "check_start",
     "describe_unknown",
     "encode_pointer",
+    "epoch_order",
     "framework_of",
     "in_range",
     "load_adapter",
@@ -98,6 +107,7 @@ __all__ = [
     "pointer_message",
     "possible_pickles",
     "progress_state",
+    "rank_part",
     "read_progress",
     "require_trust",
     "write_file",

@@ -6,7 +6,7 @@ ranks together. The ranks take the order in turn (``order.py``), so while they s
 the consumed samples are a prefix of the order, ``consumed = start + world * k`` after each
 rank consumed ``k`` in this pass; a resume at another world size deals out the rest. The state
 is the same on every rank: the manager saves it once (rank 0's copy), as any replicated JSON
-value, in about 150 bytes of the manifest.
+value, in about 200 bytes of the manifest; its keys are every adapter's (``position.py``).
 
 What the training loop consumed is not what the sampler yielded: a ``DataLoader`` with workers
 draws ``prefetch_factor * num_workers`` batches of indices ahead of the loop, so a count of
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from shardkeeper.core.data.order import epoch_order, part_length, rank_part
+from shardkeeper.core.data.position import DISTRIBUTED_ORDER, KEYS
 from shardkeeper.core.errors import StateMismatchError
 
 #: The version of the state's layout, and the padding policy it records: the order's first
@@ -145,25 +146,33 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler[int]):
             "shuffle": bool(self.shuffle),
             "drop_last": bool(self.drop_last),
             "padding": _PADDING,
+            "order": DISTRIBUTED_ORDER,
+            "world": int(self.num_replicas),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume the saved epoch where it stood; the next pass yields this rank's part of the
-        rest. Refused when the order would differ (seed, shuffle, dataset length) or the saved
-        run dropped or padded differently."""
-        missing = [k for k in ("version", "epoch", "consumed", "dataset_len", "seed", "shuffle") if k not in state]
+        rest. Refused when the order would differ (seed, shuffle, dataset length, an order this
+        sampler cannot draw) or the saved run dropped or padded differently."""
+        missing = [k for k in KEYS if k not in state]
         if missing or state["version"] != _VERSION:
             raise StateMismatchError(
                 f"ResumableDistributedSampler.load_state_dict: not a sampler position of version "
                 f"{_VERSION} (missing {missing}, version {state.get('version')!r}); was another "
                 f"object saved under this key?"
             )
+        if state["order"] != DISTRIBUTED_ORDER:
+            raise StateMismatchError(
+                f"ResumableDistributedSampler (rank {self.rank}): the checkpoint's data position is "
+                f"in an order of another sampler ({state['order']!r}, not DistributedSampler's "
+                f"seed + epoch), which this sampler cannot draw: resuming it would see samples "
+                f"twice or never. Resume under the framework that saved it, save it with a seeded "
+                f"order (Accelerate: DataLoaderConfiguration(use_seedable_sampler=True)), or leave "
+                f"the position out of the restore to start the epoch afresh"
+            )
         now = self._state()
-        differ = [
-            f"{k}: saved {state.get(k)!r}, now {now[k]!r}"
-            for k in ("dataset_len", "seed", "shuffle", "drop_last", "padding")
-            if state.get(k) != now[k]
-        ]
+        compared = ("dataset_len", "shuffle", "drop_last", "padding") + (("seed",) if now["shuffle"] else ())
+        differ = [f"{k}: saved {state.get(k)!r}, now {now[k]!r}" for k in compared if state.get(k) != now[k]]
         if differ:
             raise StateMismatchError(
                 f"ResumableDistributedSampler (rank {self.rank}): the checkpoint's data position "
