@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
+import mmap
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -82,6 +83,14 @@ class Piece:
     path: str = ""  # known on the ranks that need it
     data: np.ndarray | None = None
     refs: int = 0  # this rank's jobs that read it and have not run
+
+
+def _buffer(n: int) -> np.ndarray:
+    """``n`` bytes (n >= 1) in a mapping of their own, unmapped as soon as the piece is dropped.
+    From the heap, pieces freed may stay resident: glibc raises its mmap threshold to the size
+    of a mapped block once freed, and then serves blocks of that size from arenas it trims
+    only past twice that (measured: some 20 MiB more peak RSS in a replicated restore)."""
+    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
 
 
 def _fid(path: str) -> int:
@@ -316,7 +325,7 @@ class ReadShare:
         errors: dict[int, BaseException] = {}
 
         def read(i: int, p: Piece) -> None:
-            buf = np.empty(p.hi - p.lo, dtype=np.uint8)
+            buf = _buffer(p.hi - p.lo)
             try:
                 storage.read_into(p.path, p.lo, memoryview(cast("Buffer", buf)))
             except Exception as e:  # the needers read it themselves
@@ -351,7 +360,7 @@ class ReadShare:
                 )
                 continue
             if p.owner != me:
-                p.data = np.empty(p.hi - p.lo, dtype=np.uint8)
+                p.data = _buffer(p.hi - p.lo)
             assert p.data is not None
             t = torch.from_numpy(p.data)
             if len(p.needers) == self.world_size:  # every rank needs it: one broadcast, not sends one by one
