@@ -153,24 +153,10 @@ def _of_step(d: dict[str, Any]) -> str:
 def manifest_problem(m: ManifestFields) -> str | None:
     """Why manifest ``m`` cannot be trusted, or None: what restore relies on, checked once
     (types, sizes, digest counts, paths), so later reads need no per-field checks."""
-    from shardkeeper.core.format.digest import algorithms
-
-    if m.digest_algorithm not in algorithms():
-        return f"unknown digest algorithm {m.digest_algorithm!r}"
-    block = m.digest_block_bytes
-    if not 0 < block <= MAX_DIGEST_BLOCK_BYTES or m.step < 0 or m.world_size < 1:
-        return "digest_block_bytes, step or world_size out of range"
-    if m.world_size > MAX_WORLD_SIZE:  # (before anything is derived from the ranks)
-        return f"world_size {str(m.world_size)[:24]} is more than the {MAX_WORLD_SIZE} ranks a reader accepts"
-    if not all(isinstance(p, str) for p in m.per_rank_prefixes):
-        return "per_rank_prefixes is not a list of strings"
+    why = _scalars_problem(m) or _files_problem(m.files)
+    if why is not None:
+        return why
     # (JSON nesting was bounded when the manifest was parsed: format/untrusted.py.)
-    for rel, rec in m.files.items():
-        if not safe_relative_path(rel):
-            return f"file {_short(rel)} is not a path inside the root"
-        size = rec.get("size_bytes") if type(rec) is dict else None
-        if type(size) is not int or size < 0:
-            return f"file {_short(rel)} has no size_bytes that is a non-negative integer"
     if isinstance(m.leaves, TableLeaves):  # the chunk table: checked in linear passes
         why = m.leaves.problem(m.files, m.world_size)
         if why is not None:
@@ -180,69 +166,117 @@ def manifest_problem(m: ManifestFields) -> str | None:
         raw = leaves_json(m.leaves)
     if "" in m.leaves:
         return "a leaf has an empty key"
+    return _leaves_problem(raw, m.files, m.digest_block_bytes)
+
+
+def _scalars_problem(m: ManifestFields) -> str | None:
+    """Which of the digest algorithm, block size, step, world size and rank prefixes is out of
+    range, or None."""
+    from shardkeeper.core.format.digest import algorithms
+
+    if m.digest_algorithm not in algorithms():
+        return f"unknown digest algorithm {m.digest_algorithm!r}"
+    if not 0 < m.digest_block_bytes <= MAX_DIGEST_BLOCK_BYTES or m.step < 0 or m.world_size < 1:
+        return "digest_block_bytes, step or world_size out of range"
+    if m.world_size > MAX_WORLD_SIZE:  # (before anything is derived from the ranks)
+        return f"world_size {str(m.world_size)[:24]} is more than the {MAX_WORLD_SIZE} ranks a reader accepts"
+    if not all(isinstance(p, str) for p in m.per_rank_prefixes):
+        return "per_rank_prefixes is not a list of strings"
+    return None
+
+
+def _files_problem(files: dict[str, dict[str, Any]]) -> str | None:
+    """Which listed file has a path outside the root or no valid size, or None."""
+    for rel, rec in files.items():
+        if not safe_relative_path(rel):
+            return f"file {_short(rel)} is not a path inside the root"
+        size = rec.get("size_bytes") if type(rec) is dict else None
+        if type(size) is not int or size < 0:
+            return f"file {_short(rel)} has no size_bytes that is a non-negative integer"
+    return None
+
+
+def _leaves_problem(raw: dict[str, Any], files: dict[str, dict[str, Any]], block: int) -> str | None:
+    """Which JSON leaf of ``raw`` is malformed, and why (prefixed by its key), or None."""
     key = ""
-    chunk_safe: dict[str, bool] = {}
+    chunk_safe: dict[str, bool] = {}  # each chunk file's path checked once
     try:
         for key, leaf in raw.items():
-            kind = leaf["kind"]
-            if kind == "object":
-                if "value" not in leaf:
-                    return f"{key}: an object leaf without a value"
-                continue
-            if kind not in ("tensor", "bytes"):
-                return f"{key}: unknown leaf kind {kind!r}"
-            dtype = leaf["dtype"]
-            if dtype not in DTYPES:
-                return f"{key}: unknown dtype {dtype!r}"
-            isz = DTYPES[dtype][1]
-            shape = leaf["shape"]
-            if not _is_sizes(shape):
-                return f"{key}: shape {_short(shape)} is not a list of sizes"
-            if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
-                return f"{key}: a bytes leaf must be a 1-d uint8 array"
-            ndim = len(shape)
-            chunks = leaf["chunks"]
-            if not isinstance(chunks, list):
-                return f"{key}: chunks is not a list"
-            for c in chunks:
-                f, offset, length = c["file"], c["offset"], c["length"]
-                offs, cshape, digests = c["offsets"], c["shape"], c["digests"]
-                ok = chunk_safe.get(f) if isinstance(f, str) else False
-                if ok is None:
-                    ok = chunk_safe[f] = safe_chunk_path(f)
-                if not ok:
-                    return f"{key}: chunk file {_short(f)} {NOT_A_DATA_FILE}"
-                if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-                    return f"{key}: chunk offset/length {offset!r}/{length!r} out of range"
-                if not _is_sizes(offs) or not _is_sizes(cshape) or len(offs) != ndim or len(cshape) != ndim:
-                    return (
-                        f"{key}: chunk offsets/shape {_short(offs)}/{_short(cshape)} are not "
-                        f"{ndim} non-negative integers each (the tensor's rank)"
-                    )
-                encoding = c.get("encoding", "raw")
-                if encoding != "raw":
-                    if not isinstance(encoding, str) or encoding not in ENCODINGS:
-                        return f"{key}: unknown chunk encoding {_short(encoding)}"
-                    if not isinstance(c.get("content", ""), str) or length == 0:
-                        return f"{key}: encoded chunk without content id or bytes"
-                    why = encoded_length_problem(encoding, length, math.prod(cshape) * isz)
-                    if why is not None:
-                        return f"{key}: {why}"
-                if not isinstance(digests, str):
-                    return f"{key}: chunk digests are not a comma-separated string"
-                ndig = digests.count(",") + 1 if digests else 0
-                if ndig != -(-length // block):
-                    return f"{key}: chunk of {length} bytes has {ndig} digests"
-                if encoding == "raw" and length != math.prod(cshape) * isz:
-                    return f"{key}: chunk of shape {cshape} {dtype} has {length} bytes"
-                frec = m.files.get(f)  # absent: a reference into another step's files
-                if frec is not None and offset + length > frec["size_bytes"]:
-                    return f"{key}: chunk [{offset}, {offset + length}) lies beyond the end of {_short(f)}"
-            why = check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in chunks])
+            why = _leaf_problem(key, leaf, files, block, chunk_safe)
             if why is not None:
                 return f"{key}: {why}"
     except (LookupError, TypeError, AttributeError) as e:
         return f"{key}: malformed leaf ({type(e).__name__}: {e})"
+    return None
+
+
+def _leaf_problem(
+    key: str, leaf: Any, files: dict[str, dict[str, Any]], block: int, chunk_safe: dict[str, bool]
+) -> str | None:
+    """Why leaf ``key`` is malformed (its kind, dtype, shape, chunks, their tiling), or None;
+    a missing or mistyped field raises ``LookupError`` or ``TypeError``."""
+    kind = leaf["kind"]
+    if kind == "object":
+        return None if "value" in leaf else "an object leaf without a value"
+    if kind not in ("tensor", "bytes"):
+        return f"unknown leaf kind {kind!r}"
+    dtype = leaf["dtype"]
+    if dtype not in DTYPES:
+        return f"unknown dtype {dtype!r}"
+    shape = leaf["shape"]
+    if not _is_sizes(shape):
+        return f"shape {_short(shape)} is not a list of sizes"
+    if kind == "bytes" and (dtype != "uint8" or len(shape) != 1):
+        return "a bytes leaf must be a 1-d uint8 array"
+    chunks = leaf["chunks"]
+    if not isinstance(chunks, list):
+        return "chunks is not a list"
+    for c in chunks:
+        why = _chunk_problem(c, dtype, len(shape), files, block, chunk_safe)
+        if why is not None:
+            return why
+    return check_tiling_boxes(key, shape, [(c["offsets"], c["shape"]) for c in chunks])
+
+
+def _chunk_problem(
+    c: Any, dtype: str, ndim: int, files: dict[str, dict[str, Any]], block: int, chunk_safe: dict[str, bool]
+) -> str | None:
+    """Why chunk ``c`` of an ``ndim``-d ``dtype`` leaf is malformed (its file, byte range, box,
+    encoding, digest count), or None."""
+    f, offset, length = c["file"], c["offset"], c["length"]
+    offs, cshape, digests = c["offsets"], c["shape"], c["digests"]
+    ok = chunk_safe.get(f) if isinstance(f, str) else False
+    if ok is None:
+        ok = chunk_safe[f] = safe_chunk_path(f)
+    if not ok:
+        return f"chunk file {_short(f)} {NOT_A_DATA_FILE}"
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        return f"chunk offset/length {offset!r}/{length!r} out of range"
+    if not _is_sizes(offs) or not _is_sizes(cshape) or len(offs) != ndim or len(cshape) != ndim:
+        return (
+            f"chunk offsets/shape {_short(offs)}/{_short(cshape)} are not "
+            f"{ndim} non-negative integers each (the tensor's rank)"
+        )
+    nbytes = math.prod(cshape) * DTYPES[dtype][1]
+    encoding = c.get("encoding", "raw")
+    if encoding != "raw":
+        if not isinstance(encoding, str) or encoding not in ENCODINGS:
+            return f"unknown chunk encoding {_short(encoding)}"
+        if not isinstance(c.get("content", ""), str) or length == 0:
+            return "encoded chunk without content id or bytes"
+        why = encoded_length_problem(encoding, length, nbytes)
+        if why is not None:
+            return why
+    if not isinstance(digests, str):
+        return "chunk digests are not a comma-separated string"
+    ndig = digests.count(",") + 1 if digests else 0
+    if ndig != -(-length // block):
+        return f"chunk of {length} bytes has {ndig} digests"
+    if encoding == "raw" and length != nbytes:
+        return f"chunk of shape {cshape} {dtype} has {length} bytes"
+    frec = files.get(f)  # absent: a reference into another step's files
+    if frec is not None and offset + length > frec["size_bytes"]:
+        return f"chunk [{offset}, {offset + length}) lies beyond the end of {_short(f)}"
     return None
 
 
