@@ -164,30 +164,50 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
     doomed = [s for s in steps if s not in keep]
     if not doomed:
         return []
-
     # Every manifest is read once: for the metric keep_best ranks by, then for the references.
-    loaded: dict[int, Manifest | CheckpointError] = {}
-    for s in steps:
-        try:
-            loaded[s] = load_manifest(storage, s)
-        except CheckpointError as e:
-            loaded[s] = e
+    loaded = _load_manifests(storage, steps)
     if policy.keep_best is not None:
         metadata = {s: m.metadata for s, m in loaded.items() if isinstance(m, Manifest)}
         keep |= best_steps(policy.keep_best, metadata, metadata, storage.url)  # (unreadable ones: below)
         doomed = [s for s in doomed if s not in keep]
         if not doomed:
             return []
+    refs = _references(storage, loaded, keep)
+    if refs is None:
+        return []
+    deleted = _delete_manifests(storage, [s for s in doomed if s in refs])
+    if not deleted:
+        return []
+    gone = set(deleted)
+    live: set[str] = set().union(*(r for s, r in refs.items() if s not in gone))
+    return delete_unreferenced(storage, deleted, live, set(steps), "retention")
 
-    refs: dict[int, set[str]] = {}
+
+def _load_manifests(storage: Storage, steps: list[int]) -> dict[int, Manifest | CheckpointError]:
+    """Each step's manifest, or the error that reading it raised."""
+    loaded: dict[int, Manifest | CheckpointError] = {}
     for s in steps:
         try:
-            got = loaded[s]
+            loaded[s] = load_manifest(storage, s)
+        except CheckpointError as e:
+            loaded[s] = e
+    return loaded
+
+
+def _references(
+    storage: Storage, loaded: dict[int, Manifest | CheckpointError], keep: set[int]
+) -> dict[int, set[str]] | None:
+    """The files each loaded step references, by step; None (logged) when nothing may be
+    deleted: a step of a newer format or a retained step cannot be read. A doomed step that
+    vanished or broke is left out, so it is not deleted; one with a damaged page references
+    nothing (its files are listed when it is deleted)."""
+    refs: dict[int, set[str]] = {}
+    for s, got in loaded.items():
+        try:
             if isinstance(got, CheckpointError):
                 raise got
-            m = got
             try:
-                refs[s] = referenced_paths(s, m)
+                refs[s] = referenced_paths(s, got)
             except CheckpointError as e:  # a page (format.md 3.9) that cannot be read
                 if s in keep:  # what a retained step references is unknown: delete nothing
                     raise
@@ -201,7 +221,7 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
                 s,
                 e,
             )
-            return []
+            return None
         except CheckpointError as e:
             if s in keep:
                 log.error(
@@ -210,12 +230,15 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
                     s,
                     e,
                 )
-                return []
+                return None
             log.warning("step %d under %s vanished or broke while applying retention: %s", s, storage.url, e)
-            doomed.remove(s)
+    return refs
 
-    # Every doomed manifest first (newest first): the steps stop being committed, and a
-    # commit that references them sees that (commit/intents.py); only then are intents read.
+
+def _delete_manifests(storage: Storage, doomed: list[int]) -> list[int]:
+    """Delete the manifests of ``doomed``, newest first; returns the steps whose manifest went
+    (a failure is logged, and that step stays committed). The steps stop being committed, and a
+    commit that references them sees that (commit/intents.py); only then are intents read."""
     deleted: list[int] = []
     for s in sorted(doomed, reverse=True):
         try:
@@ -228,12 +251,8 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, *, protect: Itera
                 e,
             )
             continue
-        refs.pop(s, None)
         deleted.append(s)
-    if not deleted:
-        return []
-    live: set[str] = set().union(*refs.values()) if refs else set()
-    return delete_unreferenced(storage, deleted, live, set(steps), "retention")
+    return deleted
 
 
 def delete_unreferenced(storage: Storage, deleted: list[int], live: set[str], listed: set[int], who: str) -> list[int]:
