@@ -37,6 +37,7 @@ OWN = (
     "local",
     "persist_every",
     "replicas",
+    "erasure",
     "local_keep",
 )
 

@@ -235,7 +235,7 @@ def test_manager_warns_at_its_caller_and_lists_close_matches(tmp_path: Path) -> 
     assert msg.startswith(
         "unknown CheckpointManager keyword(s): asynch_save (did you mean async_save?); "
         "the manager's own: keep_last, keep_every, process_group, storage_options, metadata, options, local, "
-        "persist_every, replicas, local_keep; "
+        "persist_every, replicas, erasure, local_keep; "
         "the options, by group: saving: async_save, staging, writer, commit_timeout_s, commit_group_ranks; layout:"
     ), msg
     with pytest.raises(TypeError, match=r"keyword\(s\): no_such_option; the manager's own"):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.tiers.erasure import (
     RS,
     XOR,
@@ -25,6 +26,7 @@ from shardkeeper.core.tiers.erasure import (
     parity_length,
     rebuild_files,
 )
+from shardkeeper.core.tiers.parity import PARITY_DIR, Group, arrange, parity_name, prune
 
 
 def _reader(data: bytes):  # type: ignore[no-untyped-def]
@@ -166,3 +168,46 @@ def test_the_module_imports_no_torch_and_names_the_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install 'shardkeeper-core[erasure]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_groups_and_parity_holders() -> None:
+    """Groups of k consecutive nodes, the last one shorter; parity on the m nodes after each."""
+    assert arrange(4, 3, 1) == [Group(0, (0, 1, 2), (3,)), Group(1, (3,), (0,))]
+    assert arrange(7, 3, 1) == [Group(0, (0, 1, 2), (3,)), Group(1, (3, 4, 5), (6,)), Group(2, (6,), (0,))]
+    assert arrange(4, 2, 2) == [Group(0, (0, 1), (2, 3)), Group(1, (2, 3), (0, 1))]
+    for count, k, m in [(4, 3, 1), (7, 3, 1), (9, 4, 2), (5, 2, 3)]:
+        for g in arrange(count, k, m):
+            assert not set(g.holders) & set(g.data) and len(set(g.holders)) == m
+    with pytest.raises(ValueError, match=r"needs at least k \+ m = 5 nodes .* share 4.*Pass erasure=\(3, 1\)"):
+        arrange(4, 4, 1)
+    with pytest.raises(ValueError, match=r"share 2.*Pass erasure=\(1, 1\) or replicas=1"):
+        arrange(2, 1, 2)
+    with pytest.raises(ValueError, match=r"share 1.*Drop erasure="):
+        arrange(1, 1, 1)
+
+
+def test_the_option_is_checked_before_any_root_is_touched(tmp_path: Path) -> None:
+    from shardkeeper.core import CheckpointManager
+
+    p, local = tmp_path / "p", tmp_path / "l"
+    with pytest.raises(ValueError, match="erasure= and local_keep= configure the local tier"):
+        CheckpointManager(p, erasure=(3, 1))
+    with pytest.raises(ValueError, match=r"replicas=1 and erasure=\(3, 1\) both protect.*pass one of them"):
+        CheckpointManager(p, local=local, replicas=1, erasure=(3, 1))
+    with pytest.raises(ValueError, match="k=0, but a group needs at least 1 data node"):
+        CheckpointManager(p, local=local, erasure=(0, 1))
+    with pytest.raises(ValueError, match="m=0, but parity needs at least 1 node"):
+        CheckpointManager(p, local=local, erasure=(3, 0))
+    with pytest.raises(TypeError, match=r"erasure must be a pair \(k, m\)"):
+        CheckpointManager(p, local=local, erasure=3)  # type: ignore[arg-type]
+    assert not p.exists() and not local.exists()
+    with pytest.raises(ValueError, match=r"needs at least k \+ m = 2 nodes .* share 1"):
+        CheckpointManager(p, local=local, erasure=(1, 1))
+
+
+def test_the_parity_of_steps_gone_from_a_node_is_pruned(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    for step in (1, 2, 3):
+        storage.put(parity_name(step, 0, 0), b"x")
+    prune(storage, {2, 3})
+    assert sorted(p.name for p in (tmp_path / PARITY_DIR).iterdir()) == ["step-000000000002", "step-000000000003"]

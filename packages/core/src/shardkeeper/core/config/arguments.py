@@ -96,6 +96,7 @@ MANAGER_PARAMETERS = (
     "local",
     "persist_every",
     "replicas",
+    "erasure",
     "local_keep",
 )
 

@@ -51,7 +51,11 @@ class ManagerKeywords:
         keep_last = check_count("keep_last", arguments["keep_last"])
         keep_every = check_count("keep_every", arguments["keep_every"])
         tiers = TierSettings.checked(
-            arguments["local"], arguments["persist_every"], arguments["replicas"], arguments["local_keep"]
+            arguments["local"],
+            arguments["persist_every"],
+            arguments["replicas"],
+            arguments["local_keep"],
+            arguments.get("erasure"),
         )
         return cls(given, keep_last, keep_every, tiers)
 

@@ -73,6 +73,7 @@ class CheckpointManager(SaveCalls):
         local: str | os.PathLike[str] | None = None,
         persist_every: int | None = None,
         replicas: int = 0,
+        erasure: tuple[int, int] | None = None,
         local_keep: int | None = None,
         # The fields of CheckpointOptions, one keyword each (a test holds them equal).
         async_save: bool = DEFAULT.async_save,
@@ -114,12 +115,11 @@ class CheckpointManager(SaveCalls):
         collective even in a process group, e.g. one rank that only loads); ``storage_options``: fsspec options of a URL
         root; ``metadata``: written into every manifest.
 
-        Two tiers (docs/tiers.md): ``local`` (a directory on each node's own disk or RAM)
-        takes every save, committed across the nodes without a shared file system;
-        ``replicas`` (default 0) copies each rank's files to that many other nodes;
-        ``persist_every`` uploads a step to ``root`` once it is that many steps past the last
-        uploaded one (None: never); ``local_keep`` keeps that many steps per node (None: all).
-        Restore takes the newest step whole in some tier, each byte from the nearest copy.
+        Two tiers (docs/tiers.md): ``local`` (each node's own directory) takes every save, committed across the
+        nodes without a shared file system; ``replicas`` (default 0) copies each rank's files to that many other
+        nodes; ``erasure=(k, m)`` instead: m parity shards per k nodes; ``persist_every`` uploads a step to
+        ``root`` once it is that many steps past the last uploaded one (None: never); ``local_keep`` keeps that
+        many steps per node (None: all). Restore takes the newest step whole in some tier.
 
         Every other keyword is a field of :class:`CheckpointOptions` (docs/protocol.md, "Options"):
 

@@ -99,15 +99,17 @@ class Code:
     def name(self) -> str:
         return XOR if self.m == 1 else RS
 
-    def encode(self, blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The m parity blocks of ``k`` equal-length uint8 blocks (lengths a multiple of 8)."""
+    def encode(self, blocks: Sequence[np.ndarray], shards: Sequence[int] | None = None) -> list[np.ndarray]:
+        """The parity blocks ``shards`` (default all m: ``0..m-1``) of ``k`` equal-length uint8
+        blocks (lengths a multiple of 8)."""
+        which = tuple(range(self.m)) if shards is None else tuple(shards)
         if self.m == 1:
             acc = blocks[0].view(np.uint64).copy()
             for b in blocks[1:]:
                 np.bitwise_xor(acc, b.view(np.uint64), out=acc)
-            return [acc.view(np.uint8)]
+            return [acc.view(np.uint8) for _ in which]
         out = _coder("enc", self.k, self.k + self.m).encode(
-            tuple(_view(b) for b in blocks), tuple(range(self.k, self.k + self.m))
+            tuple(_view(b) for b in blocks), tuple(self.k + j for j in which)
         )
         return [np.frombuffer(p, dtype=np.uint8) for p in out]
 

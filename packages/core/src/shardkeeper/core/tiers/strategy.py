@@ -28,6 +28,7 @@ from shardkeeper.core.restore.restorer import Restorer
 from shardkeeper.core.runtime.context import Encryption, ManagerContext, open_root
 from shardkeeper.core.save.hooks import OneRoot, SaveHooks
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tiers.erasure import Code
 from shardkeeper.core.tiers.opening import check_tier_options, open_tiers
 from shardkeeper.core.tiers.tiering import Opened, Tiering
 from shardkeeper.core.tiers.two_tiers import TwoTiers
@@ -139,27 +140,49 @@ class OneTier(OneRoot):
         pass
 
 
+def check_erasure(erasure: Any, replicas: int) -> tuple[int, int] | None:
+    """``erasure``: None, or a pair (k, m) of ints >= 1; never with ``replicas``."""
+    if erasure is None:
+        return None
+    if not isinstance(erasure, (tuple, list)) or len(erasure) != 2:
+        raise TypeError(
+            f"CheckpointManager(): erasure must be a pair (k, m) (k data nodes per group, m parity nodes), got "
+            f"{erasure!r}; e.g. erasure=(4, 1)"
+        )
+    k, m = Code(*erasure).k, erasure[1]  # (m >= 2 without zfec: an ImportError naming the extra)
+    if replicas:
+        raise ValueError(
+            f"CheckpointManager(): replicas={replicas} and erasure={tuple(erasure)} both protect the local tier "
+            f"against a node's loss; pass one of them (erasure=(k, m) costs m/k extra memory, replicas=1 a full copy)"
+        )
+    return k, m
+
+
 @dataclass(frozen=True)
 class TierSettings:
     """The manager's tier keywords, checked: ``local`` (None: one tier), ``persist_every``,
-    ``replicas`` and ``local_keep`` (docs/tiers.md)."""
+    ``replicas``, ``local_keep`` and ``erasure`` ((k, m) or None; docs/tiers.md)."""
 
     local: str | os.PathLike[str] | None
     persist_every: int | None
     replicas: int
     local_keep: int | None
+    erasure: tuple[int, int] | None = None
 
     @classmethod
-    def checked(cls, local: Any, persist_every: Any, replicas: Any, local_keep: Any) -> TierSettings:
-        """The counts' types and ranges; the other three only with ``local``."""
+    def checked(
+        cls, local: Any, persist_every: Any, replicas: Any, local_keep: Any, erasure: Any = None
+    ) -> TierSettings:
+        """The counts' types and ranges; the other four only with ``local``."""
         persist_every, local_keep = check_count("persist_every", persist_every), check_count("local_keep", local_keep)
         replicas = check_replicas(replicas)
-        if local is None and (persist_every is not None or replicas or local_keep is not None):
+        code = check_erasure(erasure, replicas)
+        if local is None and (persist_every is not None or replicas or local_keep is not None or code):
             raise ValueError(
-                "CheckpointManager(): persist_every=, replicas= and local_keep= configure the local tier; pass "
-                "local='/node/local/dir' too (or drop them to save straight to the root)"
+                "CheckpointManager(): persist_every=, replicas=, erasure= and local_keep= configure the local tier; "
+                "pass local='/node/local/dir' too (or drop them to save straight to the root)"
             )
-        return cls(local, persist_every, replicas, local_keep)
+        return cls(local, persist_every, replicas, local_keep, code)
 
     @property
     def tiered(self) -> bool:
@@ -214,6 +237,7 @@ def make_strategy(
         persistent=persistent,
         persist_every=tiers.persist_every,
         replicas=tiers.replicas,
+        erasure=tiers.erasure,
         local_keep=tiers.local_keep,
         retention=retention,
         catalog=ctx.settings.catalog,
@@ -223,4 +247,4 @@ def make_strategy(
     return TwoTiers(ctx, tiering), tiering
 
 
-__all__ = ["OneTier", "Roots", "TierSettings", "TierStrategy", "make_strategy", "open_roots"]
+__all__ = ["check_erasure", "OneTier", "Roots", "TierSettings", "TierStrategy", "make_strategy", "open_roots"]

@@ -30,7 +30,7 @@ from shardkeeper.core.codec.keys import key_provider
 from shardkeeper.core.commit.claim import Claims, Writer
 from shardkeeper.core.commit.committed import manifest_steps
 from shardkeeper.core.errors import CheckpointError
-from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import DeleteOnly, RetentionPolicy, apply_retention
 from shardkeeper.core.runtime.context import Encryption
@@ -42,7 +42,9 @@ from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole, required_files
 from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover, node_token
+from shardkeeper.core.tiers.parity import arrange, encode_step, prune
 from shardkeeper.core.tiers.persist import Persister
+from shardkeeper.core.tiers.rebuild import rebuild_lost
 from shardkeeper.core.tiers.record import Recorder
 from shardkeeper.core.tiers.repair import Repair, repair
 from shardkeeper.core.tiers.tee import Tee
@@ -95,6 +97,7 @@ class Tiering:
         persist_every: int | None,
         replicas: int,
         local_keep: int | None,
+        erasure: tuple[int, int] | None = None,
         retention: RetentionPolicy,
         catalog: str | None,
         io: Any,
@@ -103,8 +106,11 @@ class Tiering:
         coord = TierCoord.of(coord)
         self.coord, self.local, self.persistent = coord, local, persistent
         self.group = TierGroup(coord, timeout_s)
-        options = {"replicas": replicas, "persist_every": persist_every, "local_keep": local_keep}
+        options = {"replicas": replicas, "persist_every": persist_every, "local_keep": local_keep, "erasure": erasure}
         self.nodes: NodeMap = discover(self.group, local.raw, persistent.raw.url, options)
+        self.erasure = erasure
+        if erasure is not None:
+            arrange(len(self.nodes.nodes), *erasure)  # (too few nodes: the same ValueError on every rank)
         self.replicas = min(replicas, len(self.nodes.nodes) - 1)
         if self.replicas < replicas:
             warnings.warn(
@@ -175,6 +181,8 @@ class Tiering:
                 plan += [Move(path, size, src, dst) for path, size in own]
         try:
             move_files(self.group, self.local.raw, plan, f"step {step}, rank {self.rank}: the peer replicas")
+            if self.erasure is not None:
+                encode_step(self.group, self.nodes, self.local.raw, step, listed, *self.erasure)
         finally:
             if self.local.tee is not None:
                 self.local.tee.forget()
@@ -206,6 +214,8 @@ class Tiering:
         if self.local_keep is not None and self.nodes.is_leader(self.rank):
             policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(self.persister.protected()))
             deletion.retain(self.local.storage, policy, None, step)
+        if self.erasure is not None and self.nodes.is_leader(self.rank):  # the parity of steps gone from the node
+            prune(self.local.raw, {s for s in map(parse_step_dir, self.local.raw.list_dir("")) if s is not None})
 
     def _my_references(self, step: int) -> list[str]:
         """The files of earlier steps ``step`` points at (an incremental save) that this rank
@@ -240,6 +250,8 @@ class Tiering:
         """Collective: the tier and step to restore; a local one made whole on every node.
         The running upload is waited for first (its failure stays for ``wait_persisted``)."""
         self.persister.join()
+        if self.erasure is not None:  # lost nodes' files of the newest step, from parity first
+            rebuild_lost(self.group, self.nodes, self.local, asked)
         c = choose(self.group, self.nodes, self.local, self.persistent.raw, asked)
         self.last_choice = c
         if c.tier == LOCAL:

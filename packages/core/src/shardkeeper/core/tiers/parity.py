@@ -1,0 +1,268 @@
+"""The erasure-coded node tier (``erasure=(k, m)``): which nodes form a group, which nodes hold
+its parity, and the parity of a save computed over the tiers' gloo group.
+
+Nodes ``0..N-1`` (``nodes.py``) form groups of ``k`` consecutive nodes; when N is not a
+multiple of k the last group has the N mod k nodes left (its parity costs m of its own
+size). Parity shard ``j`` of a group starting at node ``s`` with ``r`` nodes is held by node
+``(s + r + j) % N``: the m nodes after the group, never one of its own, which needs
+N >= k + m. A node's data, as coded, is every file its ranks wrote in the save, as stored
+(encrypted files as encrypted), in path order, one after the other; the group's data
+streams are padded with zeros to the longest (``erasure.py``). Each holder's leader receives
+the group's k streams piece by piece from the data nodes' leaders, codes its own shard and
+writes it with a record (``PARITY_DIR``/step/``g<G>-p<J>.json``: the code, the members'
+files and sizes, the parity's length and xxh3-128 digest), both durable before the save
+reports, so that the commit of a step stands for its parity on the m holders.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+import xxhash
+
+from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
+from shardkeeper.core.storage.base import Storage, Writer
+from shardkeeper.core.tiers.erasure import PIECE_BYTES, Code, check_code, parity_length
+from shardkeeper.core.tiers.nodes import NodeMap
+from shardkeeper.core.tiers.wire import TierGroup
+
+#: Where a node keeps the parity it holds: beside the step directories, never in them (a step
+#: directory holds what its manifest lists; uploads, gc and verification see only that).
+PARITY_DIR = ".parity"
+#: gloo tags of the parity's pieces: ``TAG + round * 256 + shard`` (distinct from transfer.py's).
+TAG = 1 << 16
+
+
+@dataclass(frozen=True)
+class Group:
+    """Group ``index``: its data nodes and its parity holders (node indices)."""
+
+    index: int
+    data: tuple[int, ...]
+    holders: tuple[int, ...]
+
+
+def arrange(count: int, k: int, m: int) -> list[Group]:
+    """The groups of ``count`` nodes under ``erasure=(k, m)``; a ``ValueError`` saying what
+    to do when there are fewer than k + m nodes."""
+    k, m = check_code(k, m)
+    if count < k + m:
+        if count - m >= 1:
+            hint = f"pass erasure=({count - m}, {m}) (or a smaller m), or run on more nodes"
+        elif count > 1:
+            hint = f"pass erasure=({count - 1}, 1) or replicas=1, or run on more nodes"
+        else:
+            hint = "drop erasure= (one node: only the persistent root outlives its loss), or run on more nodes"
+        raise ValueError(
+            f"erasure=({k}, {m}) needs at least k + m = {k + m} nodes (local directories), but the job's ranks "
+            f"share {count}: a group's parity must lie on m nodes outside it. {hint[0].upper()}{hint[1:]}"
+        )
+    out = []
+    for g, start in enumerate(range(0, count, k)):
+        data = tuple(range(start, min(start + k, count)))
+        out.append(Group(g, data, tuple((start + len(data) + j) % count for j in range(m))))
+    return out
+
+
+def parity_name(step: int, group: int, shard: int) -> str:
+    """The parity file of ``shard`` of ``group`` for ``step`` (its record: ``+ ".json"``)."""
+    return f"{PARITY_DIR}/{step_dir(step)}/g{group}-p{shard}"
+
+
+def node_files(nodes: NodeMap, listed: Sequence[Any], node: int) -> list[tuple[str, int]]:
+    """The files (path, stored size) ``node``'s ranks wrote, in path order (``listed``: every
+    rank's ``[[path, size], ...]`` or None)."""
+    out = {str(p): int(n) for r in nodes.nodes[node] for p, n in (listed[r] or [])}
+    return sorted(out.items())
+
+
+class Concat:
+    """A node's files read as one stream, from ``storage`` (unencrypted, as stored)."""
+
+    def __init__(self, storage: Storage, files: Sequence[tuple[str, int]]) -> None:
+        self.storage, self.files = storage, list(files)
+        self.length = sum(n for _, n in self.files)
+
+    def read(self, offset: int, buf: memoryview) -> None:
+        pos = 0
+        start = 0
+        for path, size in self.files:
+            if pos < len(buf) and offset + pos < start + size:
+                a = offset + pos - start
+                n = min(size - a, len(buf) - pos)
+                self.storage.read_into(path, a, buf[pos : pos + n])
+                pos += n
+            start += size
+            if pos == len(buf):
+                return
+        if pos != len(buf):
+            raise CheckpointError(f"reading past the end of a node's files ({offset + len(buf)} > {self.length})")
+
+
+def _remove(storage: Storage, path: str) -> None:
+    if storage.exists(path):
+        storage.delete(path)
+
+
+def encode_step(
+    group: TierGroup, nodes: NodeMap, storage: Storage, step: int, listed: Sequence[Any], k: int, m: int
+) -> None:
+    """Collective: the parity of ``step`` written on its holders (``storage``: each node's
+    directory, unencrypted; ``listed``: every rank's files as the replicas' exchange gathered
+    them). Every local failure is agreed on: every rank raises together, and none waits."""
+    where = f"step {step}, rank {group.rank}: the erasure parity"
+    error: BaseException | None = None
+    job = _Encoding(group, nodes, storage, step, listed, k, m)
+    try:
+        job.run()
+    except Exception as e:  # this rank's own, or a broken peer's: agreed below
+        job.abort()
+        group.check()  # (a broken group raises at once: no collective can follow)
+        error = e
+    group.agree_ok(error, where)
+
+
+@dataclass
+class _Shard:
+    """A parity shard this node's leader codes: its group, index, code, length and output."""
+
+    group: Group
+    shard: int
+    code: Code
+    total: int
+    path: str
+    writer: Writer
+    bufs: list[np.ndarray]
+    hash: Any
+
+
+class _Encoding:
+    """One rank's part of ``encode_step``: a data node's leader sends its node's stream to its
+    group's holders; a holder's leader codes each shard it holds. Round ``r`` carries piece
+    ``r`` of every stream; each rank posts its sends and receives of a round before waiting."""
+
+    def __init__(
+        self, group: TierGroup, nodes: NodeMap, storage: Storage, step: int, listed: Sequence[Any], k: int, m: int
+    ) -> None:
+        self.group, self.nodes, self.storage, self.step, self.m = group, nodes, storage, step, m
+        self.node = nodes.node_of(group.rank)
+        self.leader = nodes.is_leader(group.rank)
+        self.groups = arrange(len(nodes.nodes), k, m)
+        self.files = [node_files(nodes, listed, n) for n in range(len(nodes.nodes))]
+        self.lengths = [sum(s for _, s in f) for f in self.files]
+        self.mine = next(g for g in self.groups if self.node in g.data)
+        self.send_len = parity_length([self.lengths[n] for n in self.mine.data]) if self.leader else 0
+        self.sending = Concat(storage, self.files[self.node])
+        self.shards: list[_Shard] = []
+
+    def run(self) -> None:
+        held = [(g, j) for g in self.groups for j, h in enumerate(g.holders) if h == self.node] if self.leader else []
+        for g, j in held:
+            path = parity_name(self.step, g.index, j)
+            for p in (path + ".json", path):
+                _remove(self.storage, p)
+            total = parity_length([self.lengths[n] for n in g.data])
+            bufs = [np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for _ in g.data]
+            writer = self.storage.open_writer(path)
+            self.shards.append(_Shard(g, j, Code(len(g.data), self.m), total, path, writer, bufs, xxhash.xxh3_128()))
+        mine = [-(-s.total // PIECE_BYTES) for s in self.shards] + [-(-self.send_len // PIECE_BYTES)]
+        rounds = self.group.all_reduce_max([max(mine)], f"step {self.step}: the parity's pieces")[0]
+        piece = np.empty(min(PIECE_BYTES, self.send_len), dtype=np.uint8)
+        for rnd in range(rounds):
+            self._round(rnd, piece)
+        for s in self.shards:
+            s.writer.close()
+            self._record(s)
+        if self.shards:
+            for d in (f"{PARITY_DIR}/{step_dir(self.step)}", PARITY_DIR, ""):
+                self.storage.sync_dir(d)
+
+    def _round(self, rnd: int, piece: np.ndarray) -> None:
+        works: list[tuple[Any, int]] = []
+        off = rnd * PIECE_BYTES
+        if off < self.send_len:
+            n = min(PIECE_BYTES, self.send_len - off)
+            got = max(0, min(n, self.sending.length - off))
+            if got:
+                self.sending.read(off, memoryview(cast("Any", piece[:got])))
+            piece[got:n] = 0
+            t = torch.from_numpy(piece[:n])
+            index = self.mine.data.index(self.node)
+            for h in self.mine.holders:
+                dst = self.nodes.leader(h)
+                works.append((self.group.send(t, dst, TAG + rnd * 256 + index), dst))
+        live = [s for s in self.shards if off < s.total]
+        for s in live:
+            n = min(PIECE_BYTES, s.total - off)
+            for i, d in enumerate(s.group.data):
+                src = self.nodes.leader(d)
+                works.append((self.group.recv(torch.from_numpy(s.bufs[i][:n]), src, TAG + rnd * 256 + i), src))
+        for work, peer in works:
+            self.group.wait(work, f"step {self.step}, rank {self.group.rank}: the parity's pieces (with rank {peer})")
+        for s in live:
+            n = min(PIECE_BYTES, s.total - off)
+            block = s.code.encode([b[:n] for b in s.bufs], [s.shard])[0]
+            s.hash.update(block)
+            s.writer.write(memoryview(cast("Any", block)))
+
+    def _record(self, s: _Shard) -> None:
+        data = s.group.data
+        record = {
+            "step": self.step,
+            "group": s.group.index,
+            "shard": s.shard,
+            "k": len(data),
+            "m": self.m,
+            "code": s.code.name,
+            "nodes": list(data),
+            "members": [[list(f) for f in self.files[n]] for n in data],
+            "lengths": [self.lengths[n] for n in data],
+            "length": s.total,
+            "digest": s.hash.hexdigest(),
+        }
+        w = self.storage.open_writer(s.path + ".json")
+        w.write(json.dumps(record, sort_keys=True).encode())
+        w.close()
+
+    def abort(self) -> None:
+        for s in self.shards:
+            try:
+                s.writer.abort()
+            except Exception:  # already failing: the first error is the one raised
+                pass
+
+
+def records(storage: Storage) -> dict[int, list[dict[str, Any]]]:
+    """This node's parity records by step (one whose JSON does not parse is skipped: its
+    shard then counts as lost)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    if not storage.exists(PARITY_DIR):
+        return out
+    for name in storage.list_dir(PARITY_DIR):
+        base = f"{PARITY_DIR}/{name.rstrip('/')}"
+        for f in storage.list_dir(base):
+            if not f.endswith(".json"):
+                continue
+            try:
+                rec = json.loads(storage.read_bytes(f"{base}/{f}"))
+                out.setdefault(int(rec["step"]), []).append(rec)
+            except (CheckpointError, ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def prune(storage: Storage, keep: set[int]) -> None:
+    """Remove the parity of every step not in ``keep`` (the steps this node still holds)."""
+    for name in storage.list_dir(PARITY_DIR):
+        step = parse_step_dir(name)
+        if step is not None and step not in keep:
+            storage.delete_dir(f"{PARITY_DIR}/{step_dir(step)}")
+
+
+__all__ = ["PARITY_DIR", "Concat", "Group", "arrange", "encode_step", "node_files", "parity_name", "prune", "records"]

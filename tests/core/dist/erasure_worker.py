@@ -1,0 +1,116 @@
+"""The erasure-coded node tier on 4 gloo ranks, each its own local directory (four simulated
+nodes, one rank each); the persistent root a local directory.
+
+    erasure_worker.py MODE OUT CONFIG_JSON
+
+Each rank saves a replicated tensor and a per-rank one of a length of its own (the nodes'
+data differ in length), steps 1..3 with ``persist_every=100`` (step 1 alone is uploaded).
+The nodes named in ``CONFIG["lose"]`` then lose their directories (replaced by empty ones)
+and a new manager restores into zeroed tensors.
+
+- ``rebuild``: the newest step restores bit for bit from the local tier, rebuilt from
+  parity, with no byte read from the persistent root; the lost nodes hold its files again.
+- ``fallback``: more nodes of a group lost than it has parity: the restore falls back to
+  the persisted step 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardkeeper.core import CheckpointManager, PerRank
+from tests.checks import Checks
+
+checks = Checks()
+check = checks.check
+
+
+def shared(step: int) -> torch.Tensor:
+    return torch.arange(3000, dtype=torch.float32) * step
+
+
+def own(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5000 + 1531 * rank, generator=g, dtype=torch.float64)
+
+
+def manager(cfg: dict[str, Any]) -> CheckpointManager:
+    rank = dist.get_rank()
+    return CheckpointManager(
+        cfg["root"],
+        local=cfg["locals"][rank],
+        erasure=tuple(cfg["erasure"]),
+        persist_every=100,
+        commit_timeout_s=60,
+    )
+
+
+def save_then_lose(cfg: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    mgr = manager(cfg)
+    for step in (1, 2, 3):
+        mgr.save(step, {"shared": shared(step), "own": PerRank(own(step, rank))}).wait()
+    mgr.wait_persisted()
+    mgr.close()
+    held = sorted(p.name for p in (Path(cfg["locals"][rank]) / ".parity" / "step-000000000003").glob("*"))
+    check(f"node {rank} holds the parity it should", held == cfg["parity"][rank], held)
+    dist.barrier()
+    if rank in cfg["lose"]:
+        shutil.rmtree(cfg["locals"][rank])
+    dist.barrier()
+
+
+def restore(cfg: dict[str, Any]) -> tuple[int, CheckpointManager, dict[str, Any]]:
+    rank = dist.get_rank()
+    mgr = manager(cfg)
+    target = {"shared": torch.zeros(3000), "own": PerRank(torch.zeros(5000 + 1531 * rank, dtype=torch.float64))}
+    step = mgr.restore(target)
+    return step, mgr, target
+
+
+def rebuild(out: Path, cfg: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    save_then_lose(cfg)
+    step, mgr, got = restore(cfg)
+    check("the newest step restored", step == 3, step)
+    check("from the local tier", mgr.last_restore_tier == "local", mgr.last_restore_tier)
+    check("no byte read from the persistent root", mgr.persistent_reads == 0, mgr.persistent_reads)
+    check("replicated tensor bit-exact", torch.equal(got["shared"], shared(3)))
+    check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(3, rank)))
+    mine = sorted(p.name for p in (Path(cfg["locals"][rank]) / "step-000000000003" / "data").glob("*"))
+    check("this node holds the step's data again", any(f"r{rank:05d}-" in name for name in mine), mine)
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
+def fallback(out: Path, cfg: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    save_then_lose(cfg)
+    step, mgr, got = restore(cfg)
+    check("the persisted step restored", step == 1, step)
+    check("from the persistent root", mgr.last_restore_tier == "persistent", mgr.last_restore_tier)
+    check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(1, rank)))
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
+def main() -> None:
+    out, runs = Path(sys.argv[1]), json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    for run in runs:
+        where = out / run["name"]
+        where.mkdir(parents=True, exist_ok=True)
+        {"rebuild": rebuild, "fallback": fallback}[run["mode"]](where, run)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

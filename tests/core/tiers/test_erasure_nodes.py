@@ -1,0 +1,73 @@
+"""The erasure-coded node tier across four simulated nodes (4 gloo ranks, a local directory
+each; ``dist/erasure_worker.py``): parity lies on the nodes the placement names, a node
+replaced by an empty one (XOR), or two of a group (Reed-Solomon, m=2), is rebuilt from
+parity and the newest step restores bit for bit with no read from the persistent root, and
+more losses than parity fall back to the persisted step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.checks import assert_checks, read_checks
+from tests.core._launch import run_workers
+
+
+def _run(
+    tmp_path: Path, name: str, mode: str, erasure: list[int], lose: list[int], parity: list[list[str]]
+) -> dict[str, Any]:
+    base = tmp_path / name
+    return {
+        "name": name,
+        "mode": mode,
+        "root": str(base / "root"),
+        "locals": [str(base / f"node{r}") for r in range(4)],
+        "erasure": erasure,
+        "lose": lose,
+        "parity": parity,
+    }
+
+
+def _names(*held: str) -> list[str]:
+    return sorted(n for h in held for n in (h, h + ".json"))
+
+
+def _launch(tmp_path: Path, runs: list[dict[str, Any]]) -> None:
+    out = tmp_path / "out"
+    res = run_workers(4, "erasure_worker.py", str(out), json.dumps(runs), timeout_s=150)
+    assert res.returncode == 0, res.stdout[-8000:]
+    for run in runs:
+        checks = read_checks(*(out / run["name"] / f"checks-r{r}.json" for r in range(4)), output=res.stdout)
+        assert_checks(checks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Path) -> None:
+    """Before the rebuild, both restores fell back to the persisted step 1 (reading S3's copy)."""
+    _launch(
+        tmp_path,
+        [
+            # groups [0, 1, 2] (parity on 3) and [3] (parity on 0); node 1 lost
+            _run(tmp_path, "xor", "rebuild", [3, 1], [1], [_names("g1-p0"), [], [], _names("g0-p0")]),
+            # groups [0, 1] (parity on 2, 3) and [2, 3] (parity on 0, 1); nodes 0 and 1 lost
+            _run(
+                tmp_path,
+                "rs",
+                "rebuild",
+                [2, 2],
+                [0, 1],
+                [_names("g1-p0"), _names("g1-p1"), _names("g0-p0"), _names("g0-p1")],
+            ),
+        ],
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_more_losses_than_parity_fall_back_to_the_persisted_step(tmp_path: Path) -> None:
+    # two of group [0, 1, 2] lost, one parity shard: the persisted step 1
+    _launch(tmp_path, [_run(tmp_path, "over", "fallback", [3, 1], [0, 1], [_names("g1-p0"), [], [], _names("g0-p0")])])
