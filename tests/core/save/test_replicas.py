@@ -44,6 +44,8 @@ def test_copies_that_disagree_are_refused_named_or_marked(tmp_path: Path) -> Non
         text=True,
         timeout=120,
     )
-    assert verified.returncode == 1, verified.stdout + verified.stderr
-    problems = json.loads(verified.stdout)["steps"][0]["problems"]
-    assert [p["kind"] for p in problems] == ["replicas"] and "tensor 'model/w'" in problems[0]["message"], problems
+    assert verified.returncode == 0, verified.stdout + verified.stderr  # readable: a warning, not damage
+    warned = json.loads(verified.stdout)["steps"][0]
+    assert warned["problems"] == [], warned
+    (w,) = warned["warnings"]
+    assert w["kind"] == "replicas" and "tensor 'model/w'" in w["message"], w

@@ -78,6 +78,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         say(p.message)
     for r in root.steps:
         tally = f"; {r.logical}" if r.logical is not None else ""
+        warned = f", with {len(r.warnings)} warning(s)" if r.warnings else ""
         if r.ok and r.structure_only:
             say(
                 f"step {r.step}: structure OK ({r.files_checked} files{tally}); encrypted, and read without the key, "
@@ -85,21 +86,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
         elif r.ok:
             say(
-                f"step {r.step}: OK ({r.files_checked} files, {r.chunks_checked} chunks, "
+                f"step {r.step}: OK{warned} ({r.files_checked} files, {r.chunks_checked} chunks, "
                 f"{human_size(r.bytes_checked)} checked in {r.seconds:.2f} s{tally})"
             )
         elif all(p.kind == "key" for p in r.problems):
             say(f"step {r.step}: NOT CHECKED: it needs a key the key given does not hold (`{PROG} keys ROOT`)")
             _print_problems(r.problems)
         else:
-            say(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s){tally})")
+            say(f"step {r.step}: DAMAGED ({len(r.problems)} problem(s){tally}{warned})")
             _print_problems(r.problems)
+        for w in r.warnings:  # readable, not damaged: no exit status of their own
+            say(f"  - warning: {w.message}")
     bad = len(root.all_problems)
     if bad:
         keyed = sum(p.kind == "key" for p in root.all_problems)
         more = f" ({keyed} of them a key the key given does not hold, not damage)" if keyed else ""
         say(f"verify: {bad} problem(s) under {storage.url}{more}", file=sys.stderr)
         return EXIT_DAMAGED
+    if root.all_warnings:
+        say(f"verify: no damage under {storage.url}; {len(root.all_warnings)} warning(s)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -188,7 +193,7 @@ def add_delete(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
 
 
 def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
-    """``verify ROOT [STEP]``: exit 0 clean, 1 damaged."""
+    """``verify ROOT [STEP]``: exit 0 clean (warnings included), 1 damaged."""
     p = sub.add_parser("verify", parents=[common], help="check files, sizes and every digest; exit 1 on damage")
     p.add_argument("step", metavar="STEP", nargs="?", type=step_arg, help="the step (default: every committed step)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

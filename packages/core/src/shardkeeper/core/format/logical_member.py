@@ -28,7 +28,11 @@ MEMBER = "logical"
 #: A rank's chunk report member with the sums of the replicated copies it holds and does not
 #: write (save/replicas.py): ``{"keys": [...], "copies": [...], "sums": "<hex>,..."}``.
 REPLICAS = "replicas"
-_DIGESTS = re.compile(r"(?:[0-9a-f]{16})?(?:,(?:[0-9a-f]{16})?)*")
+#: The member's mark of a step committed although replicas disagreed (``logical_check="warn"``):
+#: a non-empty string of at most ``MARK_CHARS`` characters naming the tensors and ranks.
+MARK = "replicas_disagree"
+MARK_CHARS = 65536
+_DIGEST = re.compile(r"[0-9a-f]{16}")
 _SUMS = re.compile(r"(?:[0-9a-f]{1,16})?(?:,(?:[0-9a-f]{1,16})?)*")
 
 
@@ -65,19 +69,55 @@ def tensor_keys(leaves: Mapping[str, Any]) -> list[str]:
     return sorted(k for k, v in leaves.items() if v.kind in ("tensor", "bytes"))
 
 
+class _Null:
+    """A ``"logical": null`` as read: kept apart from an absent member, so that it is refused."""
+
+    def __repr__(self) -> str:
+        return "null"
+
+
+NULL = _Null()
+
+
+def member_of(doc: Mapping[str, Any]) -> Any:
+    """A manifest document's ``logical`` member as ``Manifest.logical`` holds it: None when
+    absent, ``NULL`` for ``null`` (which ``member_problem`` refuses), else as read."""
+    if MEMBER not in doc:
+        return None
+    return NULL if doc[MEMBER] is None else doc[MEMBER]
+
+
 def member_problem(member: object, leaves: Mapping[str, Any]) -> str | None:
-    """Why a manifest's ``logical`` member is damaged, or None: not an object of two strings,
-    or (of a known algorithm) not one digest or ``""`` per tensor and bytes leaf."""
+    """Why a manifest's ``logical`` member is damaged, or None: not an object of two strings
+    (``null`` included: an absent member is left out), a ``replicas_disagree`` mark that is
+    not a non-empty string of at most ``MARK_CHARS`` characters, or (of a known algorithm)
+    not one digest or ``""`` per tensor and bytes leaf, the first wrong entry named."""
+    if member is None or member is NULL:
+        return "its logical member is null (a manifest without digests leaves the member out)"
     if not isinstance(member, dict) or not isinstance(member.get("algorithm"), str):
         return "its logical member is not an object with a string algorithm"
     digests = member.get("digests")
     if not isinstance(digests, str):
         return "its logical member has no string of digests"
+    if MARK in member:
+        mark = member[MARK]
+        if not isinstance(mark, str) or not mark or len(mark) > MARK_CHARS:
+            what = f"a string of {len(mark)} characters" if isinstance(mark, str) else f"of type {type(mark).__name__}"
+            return f"its logical member's {MARK} mark is {what}, not a string of 1 to {MARK_CHARS} characters"
     if member["algorithm"] != ALGORITHM:
         return None  # another definition's: ignored, not judged
-    n = len(tensor_keys(leaves))
-    if not _DIGESTS.fullmatch(digests) or (digests.count(",") + 1 if n else len(digests)) != n:
-        return f"its logical member does not hold one digest or an empty one per tensor and bytes leaf ({n})"
+    keys = tensor_keys(leaves)
+    fields = digests.split(",") if keys or digests else []
+    if len(fields) != len(keys):
+        return (
+            f"its logical member holds {len(fields)} digest(s) for {len(keys)} tensor and bytes leaves "
+            f"(one digest or an empty one per leaf, in key order)"
+        )
+    for i, (key, d) in enumerate(zip(keys, fields)):
+        if d and not _DIGEST.fullmatch(d):
+            return (
+                f"its logical member's digest {i} (of leaf {key!r}) is {d[:40]!r}, not 16 lowercase hex digits or empty"
+            )
     return None
 
 
@@ -128,8 +168,21 @@ def combine_reports(
     member: dict[str, Any] = {"algorithm": ALGORITHM, "digests": ",".join(digests)}
     disagree = _disagreements(reports, sums, declared, skip)
     if disagree:
-        member["replicas_disagree"] = "; ".join(disagree)
+        member[MARK] = _mark(disagree)
     return member
+
+
+def _mark(disagree: Sequence[str]) -> str:
+    """The disagreements as the mark says them: joined, those beyond ``MARK_CHARS`` counted."""
+    out: list[str] = []
+    used = 0
+    for i, d in enumerate(disagree):
+        more = f"; and {len(disagree) - i} more tensor(s)"
+        if used + len(d) + 2 + len(more) > MARK_CHARS:
+            return "; ".join(out) + more
+        out.append(d)
+        used += len(d) + 2
+    return "; ".join(out)
 
 
 def _disagreements(
@@ -167,13 +220,17 @@ def _disagreements(
 
 
 __all__ = [
+    "MARK",
+    "MARK_CHARS",
     "MEMBER",
+    "NULL",
     "REPLICAS",
     "add_sums",
     "combine_reports",
     "decode_sums",
     "digests_of",
     "encode_sums",
+    "member_of",
     "member_problem",
     "tensor_keys",
 ]

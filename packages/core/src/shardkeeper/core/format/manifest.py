@@ -32,7 +32,7 @@ from shardkeeper.core.format.jsonvalue import (
     dumps_extended,
 )
 from shardkeeper.core.format.leaves import LazyLeaves, leaves_fields, read_leaves
-from shardkeeper.core.format.logical_member import MEMBER, member_problem
+from shardkeeper.core.format.logical_member import MEMBER, member_of, member_problem
 from shardkeeper.core.format.manifest_checks import check_envelope, declares_extended, manifest_problem
 from shardkeeper.core.format.pages import Pages
 from shardkeeper.core.format.records import (
@@ -179,7 +179,7 @@ class Manifest:
                 attempt=d.get("attempt", ""),
                 requires=requires,
                 encryption=d.get("encryption"),
-                logical=d.get(MEMBER),
+                logical=member_of(d),  # null: refused by problem()
             )
         except (LookupError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(

@@ -153,9 +153,10 @@ def _no_damage(
             f"`shardkeeper verify {storage.url} {step}` checks every file"
         )
     newest = newest_committed(storage) == step
+    warned = "".join(f" A warning, not damage: {w.message}." for w in report.warnings[:1])
     return ValueError(
         f"{where} verifies intact ({report.files_checked} files, {report.chunks_checked} chunks, "
-        f"every digest checked): {nothing}. "
+        f"every digest checked): {nothing}.{warned} "
         + (
             "It is the newest committed step, which a resume goes back to: delete it without "
             "damaged=/--damaged once a newer step is committed"

@@ -37,7 +37,8 @@ class Problem:
     step: int | None
     kind: str  # manifest, unsupported-format, missing-file, size, range, length, digests,
     #            digest, tiling, header, read, path, dtype, encoding, truncated-list, key (a key the
-    #            key given does not hold: not damage), logical (``verify --logical``: verify/logical.py)
+    #            key given does not hold: not damage), logical (``verify --logical``: verify/logical.py);
+    #            a warning's: replicas (``VerifyReport.warnings``)
     message: str
     key: str = ""
     file: str = ""
@@ -103,6 +104,9 @@ class VerifyReport:
     files_read: set[str] = field(default_factory=set)  # files some chunk's bytes were checked in
     structure_only: bool = False  # encrypted, read without the key: no byte was checked
     logical: LogicalTally | None = None  # ``verify --logical`` only
+    #: what is not damage but a user should know (kind ``replicas``: committed although
+    #: replicas disagreed, under ``logical_check="warn"``); the step is ``ok`` with them
+    warnings: list[Problem] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -119,6 +123,7 @@ class VerifyReport:
             "seconds": round(self.seconds, 3),
             **({"logical": self.logical.to_json()} if self.logical is not None else {}),
             "problems": [p.to_json() for p in self.problems],
+            "warnings": [p.to_json() for p in self.warnings],
         }
 
 
@@ -141,6 +146,10 @@ class RootVerifyReport:
         for r in self.steps:
             out.extend(r.problems)
         return out
+
+    @property
+    def all_warnings(self) -> list[Problem]:
+        return [w for r in self.steps for w in r.warnings]
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection
 from shardkeeper.core.commit.committed import load_manifest
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import step_dir
+from shardkeeper.core.format.logical_member import MARK
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.util.sizes import human_size
@@ -125,12 +126,15 @@ def _verify(
     logical sums), headers, index files and pages."""
     report = VerifyReport(step=step)
     out = Collector(report, storage.describe(step_dir(step)))
-    said = m.logical.get("replicas_disagree") if isinstance(m.logical, dict) else None
-    if said:  # (save/replicas.py: committed under logical_check="warn")
-        out.add(
-            "replicas",
-            f"step {step} was committed with logical_check='warn' although copies of replicated tensors "
-            f"disagreed at the save: {str(said)[:2000]}; the written copy is what a restore gets",
+    said = m.logical.get(MARK) if isinstance(m.logical, dict) else None
+    if said:  # (save/replicas.py: committed under logical_check="warn"): readable, not damaged
+        report.warnings.append(
+            Problem(
+                step=step,
+                kind="replicas",
+                message=f"step {step} was committed with logical_check='warn' although copies of replicated "
+                f"tensors disagreed at the save: {str(said)[:2000]}; the written copy is what a restore gets",
+            )
         )
     if m.encryption is not None and not getattr(storage, "authenticate", False):
         # Encrypted, no key (codec/crypto.py): structure only; digests and tags need the key.
