@@ -42,6 +42,20 @@ class LogicalPartial:
         return LogicalPartial(self.dtype, self.shape, (self.value + other.value) & logical.MASK)
 
 
+def _dense(t: torch.Tensor, what: str) -> None:
+    """TypeError unless ``t`` is a dense tensor holding its elements (not meta, not sparse)."""
+    if t.device.type == "meta":
+        raise TypeError(
+            f"{what}: a meta tensor (shape {list(t.shape)}, {t.dtype}) holds no elements to digest; "
+            f"materialize it first (e.g. to_empty() and load its weights)"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{what}: a {str(t.layout).removeprefix('torch.')} tensor has no row-major elements to digest; "
+            f"pass its to_dense() (a checkpoint stores sparse tensors as dense leaves, if at all)"
+        )
+
+
 def _dtype(t: torch.Tensor) -> tuple[str, int]:
     name = torch_dtype_name(t.dtype)
     if name not in DTYPES:
@@ -66,12 +80,14 @@ def logical_digest(tensor: torch.Tensor) -> str:
     """The logical digest of a whole tensor (docs/format.md, "Logical digests"): 16 hex
     digits, equal to the ``logical`` digest a checkpoint records for a leaf holding the same
     dtype, shape and elements, however it was sharded when saved. A DTensor or ShardedTensor
-    is refused: ``logical_combine`` every rank's ``logical_partial``, or pass ``full_tensor()``."""
+    is refused: ``logical_combine`` every rank's ``logical_partial``, or pass ``full_tensor()``;
+    so is a meta or sparse tensor (TypeError: no row-major elements to digest)."""
     if not isinstance(tensor, torch.Tensor) or tc.is_dtensor(tensor) or tc.is_sharded_tensor(tensor):
         raise TypeError(
             f"logical_digest takes a whole torch.Tensor, not a {type(tensor).__name__}: for a distributed "
             f"tensor, logical_combine() every rank's logical_partial(), or pass its full_tensor()"
         )
+    _dense(tensor, "logical_digest")
     name, _ = _dtype(tensor)
     shape = tuple(tensor.shape)
     return logical.finalize(name, shape, _box_sum(tensor, shape, (0,) * len(shape)))
@@ -103,6 +119,7 @@ def logical_partial(
         raise TypeError(
             "logical_partial(shard, offsets, global_shape): a plain tensor's place in its tensor is required"
         )
+    _dense(shard, "logical_partial")
     name, _ = _dtype(shard)
     shape = tuple(int(n) for n in global_shape)
     return LogicalPartial(name, shape, _box_sum(shard, shape, tuple(int(o) for o in offsets)))
