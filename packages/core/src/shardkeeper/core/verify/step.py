@@ -80,13 +80,14 @@ def verify_step(
     report.seconds = time.monotonic() - t0
     if report.ok:
         log.info(
-            "step %d: OK: %d %sfiles, %d chunks, %s checked in %.2f s",
+            "step %d: OK: %d %sfiles, %d chunks, %s checked in %.2f s%s",
             step,
             report.files_checked,
             "" if files is None else "of the asked ",
             report.chunks_checked,
             human_size(report.bytes_checked),
             report.seconds,
+            "".join(f"; warning: {w.message}" for w in report.warnings),
         )
     else:
         log.info(
