@@ -8,6 +8,8 @@ data differ in length), steps 1..3 with ``persist_every=100`` (step 1 alone is u
 The nodes named in ``CONFIG["lose"]`` then lose their directories (replaced by empty ones)
 and a new manager restores into zeroed tensors.
 
+Before the restore, ``ls --local`` shows step 3 recoverable (``rebuild``) or partial.
+
 - ``rebuild``: the newest step restores bit for bit from the local tier, rebuilt from
   parity, with no byte read from the persistent root; the lost nodes hold its files again.
 - ``fallback``: more nodes of a group lost than it has parity: the restore falls back to
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager, PerRank
+from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
 from tests.checks import Checks
 
 checks = Checks()
@@ -64,7 +67,14 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
     dist.barrier()
     if rank in cfg["lose"]:
         shutil.rmtree(cfg["locals"][rank])
+        Path(cfg["locals"][rank]).mkdir()  # the replaced node's empty directory
     dist.barrier()
+    if rank == 0:  # what `shardkeeper ls ROOT --local DIR...` shows of the nodes left
+        rows: list[dict[str, Any]] = []
+        add_tiers(rows, cfg["locals"])
+        row = next(r for r in rows if r["step"] == 3)
+        want = "recoverable" if cfg["mode"] == "rebuild" else "partial"
+        check(f"ls --local shows step 3 {want}", tiers_cell(row).endswith(f"({want})"), tiers_cell(row))
 
 
 def restore(cfg: dict[str, Any]) -> tuple[int, CheckpointManager, dict[str, Any]]:

@@ -26,7 +26,7 @@ from shardkeeper.core.tiers.erasure import (
     parity_length,
     rebuild_files,
 )
-from shardkeeper.core.tiers.parity import PARITY_DIR, Group, arrange, parity_name, prune
+from shardkeeper.core.tiers.placement import PARITY_DIR, Group, arrange, parity_name, prune
 
 
 def _reader(data: bytes):  # type: ignore[no-untyped-def]

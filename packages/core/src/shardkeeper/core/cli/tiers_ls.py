@@ -4,7 +4,9 @@ Each ``--local`` is one node's local directory (docs/tiers.md). A step is listed
 ``persistent`` when it is committed under ROOT, under ``local:K`` for each directory K that
 holds its manifest, and ``local_whole`` says whether the directories given, together, hold
 every file its manifest lists at its size (None when no given directory's manifest can be
-read here, e.g. an encrypted one). Torch-free, like every command."""
+read here, e.g. an encrypted one); ``local_recoverable`` whether a step not whole there can
+be rebuilt from the parity they hold (``erasure=(k, m)``; the directories given in node
+order). Torch-free, like every command."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.storage import LocalStorage
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tiers.placement import PARITY_DIR, listing, plan
 
 
 def _sizes(storage: Storage, step: int) -> dict[str, int]:
@@ -57,6 +60,7 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
     dirs: list[Storage] = [LocalStorage(d) for d in local_dirs]
     steps = sorted({s for d in dirs for s in manifest_steps(d)} | {r["step"] for r in rows})
     by_step = {r["step"]: r for r in rows}
+    parity = [listing(d) for d in dirs] if any(d.exists(PARITY_DIR) for d in dirs) else None
     for step in steps:
         row = by_step.get(step)
         if row is None:
@@ -70,6 +74,7 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
             row.update(manifest_figures(m))
         files = [_sizes(d, step) for d in dirs] if holders else []
         row["local_whole"] = _whole(m, step, files) if holders else False
+        row["local_recoverable"] = bool(holders and parity and not row["local_whole"] and plan(parity, step, len(dirs)))
         # different manifests of one step on two nodes: restore refuses the step (docs/tiers.md)
         row["local_conflict"] = len({manifest_digest(dirs[k], step) for k in holders}) > 1
     rows.sort(key=lambda r: r["step"])
@@ -78,11 +83,16 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
 def tiers_cell(row: dict[str, Any]) -> str:
     tiers = ",".join(row.get("tiers", [])) or "-"
     whole = row.get("local_whole")
-    locals_ = any(t.startswith("local:") for t in row.get("tiers", []))
     conflict = " (conflict)" if row.get("local_conflict") else ""
-    return (
-        tiers + ("" if not locals_ else " (whole)" if whole else " (partial)" if whole is False else " (?)") + conflict
-    )
+    if not any(t.startswith("local:") for t in row.get("tiers", [])):
+        state = ""
+    elif whole:
+        state = " (whole)"
+    elif row.get("local_recoverable"):
+        state = " (recoverable)"  # from the parity of erasure=(k, m)
+    else:
+        state = " (partial)" if whole is False else " (?)"
+    return tiers + state + conflict
 
 
 __all__ = ["add_tiers", "tiers_cell"]

@@ -1,17 +1,12 @@
-"""The erasure-coded node tier (``erasure=(k, m)``): which nodes form a group, which nodes hold
-its parity, and the parity of a save computed over the tiers' gloo group.
+"""The parity of a save under ``erasure=(k, m)``, computed over the tiers' gloo group (where
+it lies and what its record holds: ``placement.py``).
 
-Nodes ``0..N-1`` (``nodes.py``) form groups of ``k`` consecutive nodes; when N is not a
-multiple of k the last group has the N mod k nodes left (its parity costs m of its own
-size). Parity shard ``j`` of a group starting at node ``s`` with ``r`` nodes is held by node
-``(s + r + j) % N``: the m nodes after the group, never one of its own, which needs
-N >= k + m. A node's data, as coded, is every file its ranks wrote in the save, as stored
-(encrypted files as encrypted), in path order, one after the other; the group's data
-streams are padded with zeros to the longest (``erasure.py``). Each holder's leader receives
-the group's k streams piece by piece from the data nodes' leaders, codes its own shard and
-writes it with a record (``PARITY_DIR``/step/``g<G>-p<J>.json``: the code, the members'
-files and sizes, the parity's length and xxh3-128 digest), both durable before the save
-reports, so that the commit of a step stands for its parity on the m holders.
+A node's data, as coded, is every file its ranks wrote in the save, as stored (encrypted
+files as encrypted), in path order, one after the other; the group's data streams are padded
+with zeros to the longest (``erasure.py``). Each holder's leader receives the group's k
+streams piece by piece from the data nodes' leaders, codes its own shard and writes it, then
+its record; both are durable before the save's ranks report, so the local commit of a step
+stands for its parity on the m holders.
 """
 
 from __future__ import annotations
@@ -26,53 +21,15 @@ import torch
 import xxhash
 
 from shardkeeper.core.errors import CheckpointError
-from shardkeeper.core.format.layout import parse_step_dir, step_dir
+from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.storage.base import Storage, Writer
-from shardkeeper.core.tiers.erasure import PIECE_BYTES, Code, check_code, parity_length
+from shardkeeper.core.tiers.erasure import PIECE_BYTES, Code, parity_length
 from shardkeeper.core.tiers.nodes import NodeMap
+from shardkeeper.core.tiers.placement import PARITY_DIR, Group, arrange, parity_name
 from shardkeeper.core.tiers.wire import TierGroup
 
-#: Where a node keeps the parity it holds: beside the step directories, never in them (a step
-#: directory holds what its manifest lists; uploads, gc and verification see only that).
-PARITY_DIR = ".parity"
 #: gloo tags of the parity's pieces: ``TAG + round * 256 + shard`` (distinct from transfer.py's).
 TAG = 1 << 16
-
-
-@dataclass(frozen=True)
-class Group:
-    """Group ``index``: its data nodes and its parity holders (node indices)."""
-
-    index: int
-    data: tuple[int, ...]
-    holders: tuple[int, ...]
-
-
-def arrange(count: int, k: int, m: int) -> list[Group]:
-    """The groups of ``count`` nodes under ``erasure=(k, m)``; a ``ValueError`` saying what
-    to do when there are fewer than k + m nodes."""
-    k, m = check_code(k, m)
-    if count < k + m:
-        if count - m >= 1:
-            hint = f"pass erasure=({count - m}, {m}) (or a smaller m), or run on more nodes"
-        elif count > 1:
-            hint = f"pass erasure=({count - 1}, 1) or replicas=1, or run on more nodes"
-        else:
-            hint = "drop erasure= (one node: only the persistent root outlives its loss), or run on more nodes"
-        raise ValueError(
-            f"erasure=({k}, {m}) needs at least k + m = {k + m} nodes (local directories), but the job's ranks "
-            f"share {count}: a group's parity must lie on m nodes outside it. {hint[0].upper()}{hint[1:]}"
-        )
-    out = []
-    for g, start in enumerate(range(0, count, k)):
-        data = tuple(range(start, min(start + k, count)))
-        out.append(Group(g, data, tuple((start + len(data) + j) % count for j in range(m))))
-    return out
-
-
-def parity_name(step: int, group: int, shard: int) -> str:
-    """The parity file of ``shard`` of ``group`` for ``step`` (its record: ``+ ".json"``)."""
-    return f"{PARITY_DIR}/{step_dir(step)}/g{group}-p{shard}"
 
 
 def node_files(nodes: NodeMap, listed: Sequence[Any], node: int) -> list[tuple[str, int]]:
@@ -238,31 +195,4 @@ class _Encoding:
                 pass
 
 
-def records(storage: Storage) -> dict[int, list[dict[str, Any]]]:
-    """This node's parity records by step (one whose JSON does not parse is skipped: its
-    shard then counts as lost)."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    if not storage.exists(PARITY_DIR):
-        return out
-    for name in storage.list_dir(PARITY_DIR):
-        base = f"{PARITY_DIR}/{name.rstrip('/')}"
-        for f in storage.list_dir(base):
-            if not f.endswith(".json"):
-                continue
-            try:
-                rec = json.loads(storage.read_bytes(f"{base}/{f}"))
-                out.setdefault(int(rec["step"]), []).append(rec)
-            except (CheckpointError, ValueError, KeyError, TypeError):
-                continue
-    return out
-
-
-def prune(storage: Storage, keep: set[int]) -> None:
-    """Remove the parity of every step not in ``keep`` (the steps this node still holds)."""
-    for name in storage.list_dir(PARITY_DIR):
-        step = parse_step_dir(name)
-        if step is not None and step not in keep:
-            storage.delete_dir(f"{PARITY_DIR}/{step_dir(step)}")
-
-
-__all__ = ["PARITY_DIR", "Concat", "Group", "arrange", "encode_step", "node_files", "parity_name", "prune", "records"]
+__all__ = ["Concat", "encode_step", "node_files"]

@@ -16,7 +16,6 @@ is left as it is: the next older one is tried, and the restore falls back as wit
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -24,13 +23,12 @@ import torch
 import xxhash
 
 from shardkeeper.core.commit.committed import manifest_path
-from shardkeeper.core.commit.files import walk_files
 from shardkeeper.core.errors import CheckpointError
-from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.tiers.erasure import PIECE_BYTES, Code
 from shardkeeper.core.tiers.nodes import NodeMap
-from shardkeeper.core.tiers.parity import PARITY_DIR, Concat, parity_name, records
+from shardkeeper.core.tiers.parity import Concat
+from shardkeeper.core.tiers.placement import Job, listing, parity_name, plan
 from shardkeeper.core.tiers.transfer import remove_copy
 from shardkeeper.core.tiers.wire import TierGroup
 from shardkeeper.core.verify.step import verify_step
@@ -38,83 +36,6 @@ from shardkeeper.core.verify.step import verify_step
 log = logging.getLogger(__name__)
 #: gloo tags of a rebuild's pieces: ``TAG + round * 256 + shard``.
 TAG = 1 << 26
-
-
-def _listing(local: Any) -> dict[str, Any]:
-    """This node's parity records, the files (stored sizes) of its steps, and their manifests."""
-    raw = local.raw
-    recs = records(raw)
-    files: dict[str, dict[str, int]] = {}
-    manifests = []
-    for step, got in recs.items():
-        for rec in got:  # a parity file cut short is no shard
-            path = parity_name(step, rec["group"], rec["shard"])
-            rec["ok"] = raw.exists(path) and raw.size(path) == rec["length"]
-    for step in sorted({s for s in map(parse_step_dir, raw.list_dir("")) if s is not None}):
-        here = {}
-        for p in walk_files(raw, step_dir(step)):
-            try:
-                here[p] = raw.size(p)
-            except CheckpointError:
-                continue
-        files[str(step)] = here
-        if raw.exists(manifest_path(step)):
-            manifests.append(step)
-    return {"records": {str(s): r for s, r in recs.items()}, "files": files, "manifests": manifests}
-
-
-@dataclass(frozen=True)
-class Job:
-    """One group of ``step`` rebuilt on ``target`` (a node): ``sources`` shard -> node that
-    streams it (k of them), ``lost`` the data shards rebuilt, ``record`` the group's record."""
-
-    step: int
-    target: int
-    sources: dict[int, int]
-    lost: list[int]
-    record: dict[str, Any]
-    digests: dict[int, str]  # the parity shards' xxh3-128, from their own records
-
-
-def plan(listings: list[dict[str, Any]], asked: int | None, nodes: int) -> list[Job]:
-    """The groups to rebuild (every rank alike), or [] when the step chosen needs none."""
-    steps = sorted({s for lst in listings for s in lst["manifests"]}, reverse=True)
-    if asked is not None:
-        steps = [s for s in steps if s == asked]
-    for step in steps:
-        key = str(step)
-        have = [lst["files"].get(key, {}) for lst in listings]
-        groups: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
-        for n, lst in enumerate(listings):
-            for rec in lst["records"].get(key, []):
-                if rec["ok"]:
-                    groups.setdefault(rec["group"], {})[rec["k"] + rec["shard"]] = (n, rec)
-        jobs, whole, possible = [], True, True
-        for shards in groups.values():
-            rec = next(iter(shards.values()))[1]
-            holder = [
-                next((n for n, h in enumerate(have) if all(h.get(p) == s for p, s in member)), None)
-                for member in rec["members"]
-            ]
-            lost = [i for i, h in enumerate(holder) if h is None]
-            if not lost:
-                continue
-            whole = False
-            for i, h in enumerate(holder):
-                if h is not None:
-                    shards[i] = (h, rec)
-            if len(shards) < rec["k"]:
-                possible = False
-                break
-            home = rec["nodes"][lost[0]] % nodes
-            sources = {i: shards[i][0] for i in sorted(shards)[: rec["k"]]}
-            digests = {i: shards[i][1]["digest"] for i in sources if i >= rec["k"]}
-            jobs.append(Job(step, home, sources, lost, rec, digests))
-        if whole or not groups:
-            return []  # the newest step is whole (or has no parity): nothing to rebuild
-        if possible:
-            return jobs
-    return []
 
 
 def rebuild_lost(group: TierGroup, nodes: NodeMap, local: Any, asked: int | None) -> list[Job]:
@@ -125,7 +46,7 @@ def rebuild_lost(group: TierGroup, nodes: NodeMap, local: Any, asked: int | None
     mine, error = None, None
     if nodes.is_leader(me):
         try:
-            mine = _listing(local)
+            mine = listing(local.raw)
         except Exception as e:  # every rank hears it (agreed below)
             error = e
     group.agree_ok(error, f"{where}: listing the parity")
@@ -318,4 +239,4 @@ def _verify(local: Any, step: int, paths: list[str]) -> None:
         )
 
 
-__all__ = ["PARITY_DIR", "Job", "plan", "rebuild_lost"]
+__all__ = ["rebuild_lost"]

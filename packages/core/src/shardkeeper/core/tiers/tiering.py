@@ -42,8 +42,9 @@ from shardkeeper.core.storage.retry import RetryPolicy, with_retries
 from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole, required_files
 from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover, node_token
-from shardkeeper.core.tiers.parity import arrange, encode_step, prune
+from shardkeeper.core.tiers.parity import encode_step
 from shardkeeper.core.tiers.persist import Persister
+from shardkeeper.core.tiers.placement import arrange, prune
 from shardkeeper.core.tiers.rebuild import rebuild_lost
 from shardkeeper.core.tiers.record import Recorder
 from shardkeeper.core.tiers.repair import Repair, repair

@@ -1,0 +1,173 @@
+"""Where the erasure-coded node tier's parity lies, what a node holds of it, and which lost
+files can be rebuilt: torch-free, for the tiers (``parity.py``, ``rebuild.py``) and for
+``shardkeeper ls --local``.
+
+Nodes ``0..N-1`` form groups of ``k`` consecutive nodes; when N is not a multiple of k the last
+group has the N mod k nodes left (its parity costs m times its own size). Parity shard ``j`` of
+a group starting at node ``s`` with ``r`` nodes is held by node ``(s + r + j) % N``: the m
+nodes after the group, never one of its own, which needs N >= k + m. A holder keeps shard
+``j`` of a step's group ``g`` as ``PARITY_DIR/<step dir>/g<g>-p<j>`` beside a JSON record
+(``+ ".json"``): the code, the group's nodes, each node's files with their stored sizes, the
+data streams' lengths, the parity's length and its xxh3-128 digest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shardkeeper.core.commit.committed import manifest_path
+from shardkeeper.core.commit.files import walk_files
+from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.format.layout import parse_step_dir, step_dir
+from shardkeeper.core.storage.base import Storage
+
+#: Where a node keeps the parity it holds: beside the step directories, never in them (a step
+#: directory holds what its manifest lists; uploads, gc and verification see only that).
+PARITY_DIR = ".parity"
+
+
+@dataclass(frozen=True)
+class Group:
+    """Group ``index``: its data nodes and its parity holders (node indices)."""
+
+    index: int
+    data: tuple[int, ...]
+    holders: tuple[int, ...]
+
+
+def arrange(count: int, k: int, m: int) -> list[Group]:
+    """The groups of ``count`` nodes under ``erasure=(k, m)``; a ``ValueError`` saying what
+    to do when there are fewer than k + m nodes."""
+    from shardkeeper.core.tiers.erasure import check_code  # (numpy: not for the CLI, which reads parity only)
+
+    k, m = check_code(k, m)
+    if count < k + m:
+        if count - m >= 1:
+            hint = f"pass erasure=({count - m}, {m}) (or a smaller m), or run on more nodes"
+        elif count > 1:
+            hint = f"pass erasure=({count - 1}, 1) or replicas=1, or run on more nodes"
+        else:
+            hint = "drop erasure= (one node: only the persistent root outlives its loss), or run on more nodes"
+        raise ValueError(
+            f"erasure=({k}, {m}) needs at least k + m = {k + m} nodes (local directories), but the job's ranks "
+            f"share {count}: a group's parity must lie on m nodes outside it. {hint[0].upper()}{hint[1:]}"
+        )
+    out = []
+    for g, start in enumerate(range(0, count, k)):
+        data = tuple(range(start, min(start + k, count)))
+        out.append(Group(g, data, tuple((start + len(data) + j) % count for j in range(m))))
+    return out
+
+
+def parity_name(step: int, group: int, shard: int) -> str:
+    """The parity file of ``shard`` of ``group`` for ``step`` (its record: ``+ ".json"``)."""
+    return f"{PARITY_DIR}/{step_dir(step)}/g{group}-p{shard}"
+
+
+def records(storage: Storage) -> dict[int, list[dict[str, Any]]]:
+    """This node's parity records by step (one whose JSON does not parse is skipped: its
+    shard then counts as lost)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    if not storage.exists(PARITY_DIR):
+        return out
+    for name in storage.list_dir(PARITY_DIR):
+        base = f"{PARITY_DIR}/{name.rstrip('/')}"
+        for f in storage.list_dir(base):
+            if not f.endswith(".json"):
+                continue
+            try:
+                rec = json.loads(storage.read_bytes(f"{base}/{f}"))
+                out.setdefault(int(rec["step"]), []).append(rec)
+            except (CheckpointError, ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def prune(storage: Storage, keep: set[int]) -> None:
+    """Remove the parity of every step not in ``keep`` (the steps this node still holds)."""
+    for name in storage.list_dir(PARITY_DIR):
+        step = parse_step_dir(name)
+        if step is not None and step not in keep:
+            storage.delete_dir(f"{PARITY_DIR}/{step_dir(step)}")
+
+
+def listing(raw: Storage) -> dict[str, Any]:
+    """A node's parity records, the files of its steps (stored sizes) and their manifests
+    (``raw``: its directory, unencrypted), as ``plan`` reads them."""
+    recs = records(raw)
+    files: dict[str, dict[str, int]] = {}
+    manifests = []
+    for step, got in recs.items():
+        for rec in got:  # a parity file cut short is no shard
+            path = parity_name(step, rec["group"], rec["shard"])
+            rec["ok"] = raw.exists(path) and raw.size(path) == rec["length"]
+    for step in sorted({s for s in map(parse_step_dir, raw.list_dir("")) if s is not None}):
+        here = {}
+        for p in walk_files(raw, step_dir(step)):
+            try:
+                here[p] = raw.size(p)
+            except CheckpointError:
+                continue
+        files[str(step)] = here
+        if raw.exists(manifest_path(step)):
+            manifests.append(step)
+    return {"records": {str(s): r for s, r in recs.items()}, "files": files, "manifests": manifests}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One group of ``step`` rebuilt on ``target`` (a node): ``sources`` shard -> node that
+    streams it (k of them), ``lost`` the data shards rebuilt, ``record`` the group's record."""
+
+    step: int
+    target: int
+    sources: dict[int, int]
+    lost: list[int]
+    record: dict[str, Any]
+    digests: dict[int, str]  # the parity shards' xxh3-128, from their own records
+
+
+def plan(listings: list[dict[str, Any]], asked: int | None, nodes: int) -> list[Job]:
+    """The groups to rebuild (every rank alike), or [] when the step chosen needs none."""
+    steps = sorted({s for lst in listings for s in lst["manifests"]}, reverse=True)
+    if asked is not None:
+        steps = [s for s in steps if s == asked]
+    for step in steps:
+        key = str(step)
+        have = [lst["files"].get(key, {}) for lst in listings]
+        groups: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
+        for n, lst in enumerate(listings):
+            for rec in lst["records"].get(key, []):
+                if rec["ok"]:
+                    groups.setdefault(rec["group"], {})[rec["k"] + rec["shard"]] = (n, rec)
+        jobs, whole, possible = [], True, True
+        for shards in groups.values():
+            rec = next(iter(shards.values()))[1]
+            holder = [
+                next((n for n, h in enumerate(have) if all(h.get(p) == s for p, s in member)), None)
+                for member in rec["members"]
+            ]
+            lost = [i for i, h in enumerate(holder) if h is None]
+            if not lost:
+                continue
+            whole = False
+            for i, h in enumerate(holder):
+                if h is not None:
+                    shards[i] = (h, rec)
+            if len(shards) < rec["k"]:
+                possible = False
+                break
+            home = rec["nodes"][lost[0]] % nodes
+            sources = {i: shards[i][0] for i in sorted(shards)[: rec["k"]]}
+            digests = {i: shards[i][1]["digest"] for i in sources if i >= rec["k"]}
+            jobs.append(Job(step, home, sources, lost, rec, digests))
+        if whole or not groups:
+            return []  # the newest step is whole (or has no parity): nothing to rebuild
+        if possible:
+            return jobs
+    return []
+
+
+__all__ = ["PARITY_DIR", "Group", "Job", "arrange", "listing", "parity_name", "plan", "prune", "records"]
