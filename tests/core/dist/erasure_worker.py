@@ -4,7 +4,8 @@ nodes, one rank each); the persistent root a local directory.
     erasure_worker.py MODE OUT CONFIG_JSON
 
 Each rank saves a replicated tensor and a per-rank one of a length of its own (the nodes'
-data differ in length), steps 1..3 with ``persist_every=100`` (step 1 alone is uploaded).
+data differ in length), steps 1..3 with ``persist_every=100`` (step 1 alone is uploaded) and
+the manager's options ``CONFIG["options"]`` (the codecs).
 The nodes named in ``CONFIG["lose"]`` then lose their directories (replaced by empty ones)
 and a new manager restores into zeroed tensors.
 
@@ -52,6 +53,7 @@ def manager(cfg: dict[str, Any]) -> CheckpointManager:
         erasure=tuple(cfg["erasure"]),
         persist_every=100,
         commit_timeout_s=60,
+        **cfg.get("options", {}),
     )
 
 

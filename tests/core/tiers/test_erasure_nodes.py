@@ -6,6 +6,7 @@ more losses than parity fall back to the persisted step."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,9 @@ def _names(*held: str) -> list[str]:
     return sorted(n for h in held for n in (h, h + ".json"))
 
 
-def _launch(tmp_path: Path, runs: list[dict[str, Any]]) -> None:
+def _launch(tmp_path: Path, runs: list[dict[str, Any]], env: dict[str, str] | None = None) -> None:
     out = tmp_path / "out"
-    res = run_workers(4, "erasure_worker.py", str(out), json.dumps(runs), timeout_s=150)
+    res = run_workers(4, "erasure_worker.py", str(out), json.dumps(runs), timeout_s=150, env=env)
     assert res.returncode == 0, res.stdout[-8000:]
     for run in runs:
         checks = read_checks(*(out / run["name"] / f"checks-r{r}.json" for r in range(4)), output=res.stdout)
@@ -68,6 +69,11 @@ def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Pa
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_more_losses_than_parity_fall_back_to_the_persisted_step(tmp_path: Path) -> None:
+def test_an_encrypted_step_rebuilds_and_more_losses_than_parity_fall_back(tmp_path: Path) -> None:
+    pytest.importorskip("cryptography")
+    pytest.importorskip("zstandard")
+    codecs = _run(tmp_path, "codecs", "rebuild", [3, 1], [2], [_names("g1-p0"), [], [], _names("g0-p0")])
+    codecs["options"] = {"encryption": "env:SK_ERASURE_KEK", "compression": "zstd"}
     # two of group [0, 1, 2] lost, one parity shard: the persisted step 1
-    _launch(tmp_path, [_run(tmp_path, "over", "fallback", [3, 1], [0, 1], [_names("g1-p0"), [], [], _names("g0-p0")])])
+    over = _run(tmp_path, "over", "fallback", [3, 1], [0, 1], [_names("g1-p0"), [], [], _names("g0-p0")])
+    _launch(tmp_path, [codecs, over], env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()})
