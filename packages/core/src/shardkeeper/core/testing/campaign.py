@@ -29,28 +29,23 @@ Every check reports what it finds in the summary and none raises, damage include
 cache alive, so a lying ``fsync`` on a POSIX file system passes; a storage that drops what it
 acknowledged (``FaultyStorage(..., lose=...)``) shows what a power cut would
 (docs/reliability.md). The kill points are in ``kill_points``, the writers' manager options
-in ``writer_options``.
+in ``writer_options``, the forked writer in ``trial_writer``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
-import select
-import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardkeeper.core.errors import CheckpointError
-from shardkeeper.core.testing.kill_points import KILL_POINTS, KillingStorage, check_points, kill_self
+from shardkeeper.core.testing.kill_points import KILL_POINTS, KillingStorage, check_points
 from shardkeeper.core.testing.trial_checks import (
     Summary,
     blank_like,
@@ -59,24 +54,13 @@ from shardkeeper.core.testing.trial_checks import (
     deterministic_state,
     verify_all,
 )
-from shardkeeper.core.testing.writer_options import DEFAULTS, TIER_DEFAULTS, check_manager_options
+from shardkeeper.core.testing.trial_writer import Trial, fork_writer, kill_quietly, read_until_exit, record_exit
+from shardkeeper.core.testing.writer_options import check_manager_options
 
 if TYPE_CHECKING:
     from shardkeeper.core.storage.base import Storage
 
 _blank_like = blank_like  # the name callers import
-
-
-@dataclass
-class Trial:
-    index: int
-    point: str
-    n: int
-    after_bytes: int
-    delay_s: float
-    first_step: int
-    steps: int
-    async_save: bool
 
 
 def _draw(rng: random.Random, index: int, first_step: int, points: Sequence[str], tensor_bytes: int) -> Trial:
@@ -93,39 +77,6 @@ def _draw(rng: random.Random, index: int, first_step: int, points: Sequence[str]
         steps=steps,
         async_save=rng.random() < 0.5,
     )
-
-
-def _writer(
-    root: str | os.PathLike[str] | Storage,
-    options: dict[str, Any],
-    manager_options: dict[str, Any],
-    t: Trial,
-    tensor_bytes: int,
-    wfd: int,
-    local: str | None = None,
-) -> None:
-    from shardkeeper.core import CheckpointManager
-    from shardkeeper.core.storage import open_storage
-
-    own = {**DEFAULTS, "async_save": t.async_save}  # the campaign's; manager_options override them
-    if local is None:
-        storage = KillingStorage(open_storage(root, **options), t.point, t.n, t.after_bytes)
-        mgr = CheckpointManager(storage, **{**own, **manager_options})
-    else:  # the kills land in the local tier; every other step is uploaded to ``root`` meanwhile
-        killing = KillingStorage(open_storage(local), t.point, t.n, t.after_bytes)
-        mgr = CheckpointManager(
-            root,
-            storage_options=options,
-            local=killing,
-            **{**own, **TIER_DEFAULTS, **manager_options},
-        )
-    for i, step in enumerate(range(t.first_step, t.first_step + t.steps)):
-        state = deterministic_state(step, tensor_bytes)
-        if t.point == "staging" and i == t.n - 1:
-            threading.Timer(random.uniform(0.0, 0.003), kill_self).start()
-        mgr.save(step, state).wait()
-        os.write(wfd, f"{step}\n".encode())
-    mgr.close()
 
 
 def _multipart_uploads(storage: Any) -> list[dict[str, Any]]:
@@ -265,65 +216,22 @@ def run_campaign(
         t = _draw(rng, i, next_step, points, tensor_bytes)
         s.trials += 1
         s.points[t.point] += 1
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the writer
-            code = 0
-            try:
-                os.close(rfd)
-                random.seed(seed * 7919 + i)
-                _writer(root, options, mopts, t, tensor_bytes, wfd, local)
-            except BaseException as e:
-                traceback.print_exc()
-                with contextlib.suppress(OSError):  # the parent reports it with the trial
-                    os.write(wfd, f"!{type(e).__name__}: {e}".replace("\n", " ").encode() + b"\n")
-                code = 3
-            finally:
-                os._exit(code)
-        os.close(wfd)
+        pid, rfd = fork_writer(root, options, mopts, t, tensor_bytes, local, seed)
         started = time.monotonic()
         if t.point == "random_time":  # a fraction of how long a trial's writer typically lives
-            threading.Timer(t.delay_s * typical_s, lambda p=pid: _kill_quietly(p)).start()
-        out = b""
-        deadline = time.monotonic() + trial_timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([rfd], [], [], 0.5)
-            if ready:
-                chunk = os.read(rfd, 4096)
-                if not chunk:
-                    break
-                out += chunk
-        else:
-            _kill_quietly(pid)
-            s.failures.append(f"trial {i}: the writer did not finish in {trial_timeout_s} s")
-        os.close(rfd)
-        _, status = os.waitpid(pid, 0)
+            threading.Timer(t.delay_s * typical_s, lambda p=pid: kill_quietly(p)).start()
+        lines, status = read_until_exit(pid, rfd, trial_timeout_s, t, s)
         lived = time.monotonic() - started
-        lines = out.decode(errors="replace").splitlines()
         acked = [int(x) for x in lines if x and not x.startswith("!")]
-        said = [x[1:] for x in lines if x.startswith("!")]
         s.commits_acknowledged += len(acked)
-        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-            s.killed += 1
-            s.points_hit[t.point] += 1
-        elif os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-            s.completed += 1
+        if record_exit(s, t, status, [x[1:] for x in lines if x.startswith("!")]):
             typical_s = 0.5 * typical_s + 0.5 * lived  # how long a whole writer run takes
-        else:
-            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
-            why = said[0] if said else "see its traceback on stderr"
-            s.writer_errors.append(f"trial {i} ({t.point}): the writer failed (exit status {code}): {why}")
         tier = (root, options, local) if local is not None else None
         next_step = _check(storage, t, acked, tensor_bytes, s, tier)
         if local is not None:
             check_persistent(persistent, _where(t), s)
     s.seconds = time.monotonic() - t0
     return s
-
-
-def _kill_quietly(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
