@@ -34,6 +34,9 @@ from tests.checks import Checks
 
 checks = Checks()
 check = checks.check
+#: Elements of the per-rank tensor: about 10 MiB, three pieces of parity (``erasure.PIECE_BYTES``),
+#: spread over the nodes outside each group.
+SIZE = 1_300_000
 
 
 def shared(step: int) -> torch.Tensor:
@@ -42,7 +45,7 @@ def shared(step: int) -> torch.Tensor:
 
 def own(step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(5000 + 1531 * rank, generator=g, dtype=torch.float64)
+    return torch.randn(SIZE + 1531 * rank, generator=g, dtype=torch.float64)
 
 
 def manager(cfg: dict[str, Any]) -> CheckpointManager:
@@ -82,7 +85,7 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
 def restore(cfg: dict[str, Any]) -> tuple[int, CheckpointManager, dict[str, Any]]:
     rank = dist.get_rank()
     mgr = manager(cfg)
-    target = {"shared": torch.zeros(3000), "own": PerRank(torch.zeros(5000 + 1531 * rank, dtype=torch.float64))}
+    target = {"shared": torch.zeros(3000), "own": PerRank(torch.zeros(SIZE + 1531 * rank, dtype=torch.float64))}
     step = mgr.restore(target)
     return step, mgr, target
 

@@ -171,13 +171,21 @@ def test_the_module_imports_no_torch_and_names_the_extra() -> None:
 
 
 def test_groups_and_parity_holders() -> None:
-    """Groups of k consecutive nodes, the last one shorter; parity on the m nodes after each."""
-    assert arrange(4, 3, 1) == [Group(0, (0, 1, 2), (3,)), Group(1, (3,), (0,))]
-    assert arrange(7, 3, 1) == [Group(0, (0, 1, 2), (3,)), Group(1, (3, 4, 5), (6,)), Group(2, (6,), (0,))]
+    """Groups of k consecutive nodes, the last one shorter; each piece's m parity shards on m
+    different nodes outside the group, the pieces spread evenly over those nodes."""
+    assert arrange(4, 3, 1) == [Group(0, (0, 1, 2), (3,)), Group(1, (3,), (0, 1, 2))]
+    assert [g.data for g in arrange(7, 3, 1)] == [(0, 1, 2), (3, 4, 5), (6,)]
     assert arrange(4, 2, 2) == [Group(0, (0, 1), (2, 3)), Group(1, (2, 3), (0, 1))]
-    for count, k, m in [(4, 3, 1), (7, 3, 1), (9, 4, 2), (5, 2, 3)]:
+    for count, k, m in [(4, 3, 1), (7, 3, 1), (8, 4, 1), (9, 4, 2), (5, 2, 3), (12, 4, 2)]:
         for g in arrange(count, k, m):
-            assert not set(g.holders) & set(g.data) and len(set(g.holders)) == m
+            held: dict[int, int] = {}
+            for piece in range(24):
+                nodes = [g.holder(j, piece, m) for j in range(m)]
+                assert len(set(nodes)) == m and not set(nodes) & set(g.data), (count, k, m, g, piece)
+                for n in nodes:
+                    held[n] = held.get(n, 0) + 1
+            if count % k == 0:  # every node outside holds the same share: m/k of a node's data per group
+                assert set(held) == set(g.outside) and len(set(held.values())) == 1, (count, k, m, held)
     with pytest.raises(ValueError, match=r"needs at least k \+ m = 5 nodes .* share 4.*Pass erasure=\(3, 1\)"):
         arrange(4, 4, 1)
     with pytest.raises(ValueError, match=r"share 2.*Pass erasure=\(1, 1\) or replicas=1"):

@@ -45,6 +45,11 @@ def _launch(tmp_path: Path, runs: list[dict[str, Any]], env: dict[str, str] | No
         assert_checks(checks)
 
 
+#: Where erasure=(3, 1) puts the parity of 4 nodes' ~10 MiB (3 pieces): group [0, 1, 2]'s on
+#: node 3, group [3]'s pieces on nodes 0, 1 and 2, one each.
+XOR = [_names("g1-p0"), _names("g1-p0"), _names("g1-p0"), _names("g0-p0")]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Path) -> None:
@@ -52,8 +57,8 @@ def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Pa
     _launch(
         tmp_path,
         [
-            # groups [0, 1, 2] (parity on 3) and [3] (parity on 0); node 1 lost
-            _run(tmp_path, "xor", "rebuild", [3, 1], [1], [_names("g1-p0"), [], [], _names("g0-p0")]),
+            # groups [0, 1, 2] (parity on 3) and [3] (its 3 pieces of parity on 0, 1, 2); node 3 lost
+            _run(tmp_path, "xor", "rebuild", [3, 1], [3], XOR),
             # groups [0, 1] (parity on 2, 3) and [2, 3] (parity on 0, 1); nodes 0 and 1 lost
             _run(
                 tmp_path,
@@ -72,8 +77,8 @@ def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Pa
 def test_an_encrypted_step_rebuilds_and_more_losses_than_parity_fall_back(tmp_path: Path) -> None:
     pytest.importorskip("cryptography")
     pytest.importorskip("zstandard")
-    codecs = _run(tmp_path, "codecs", "rebuild", [3, 1], [2], [_names("g1-p0"), [], [], _names("g0-p0")])
+    codecs = _run(tmp_path, "codecs", "rebuild", [3, 1], [2], XOR)
     codecs["options"] = {"encryption": "env:SK_ERASURE_KEK", "compression": "zstd"}
     # two of group [0, 1, 2] lost, one parity shard: the persisted step 1
-    over = _run(tmp_path, "over", "fallback", [3, 1], [0, 1], [_names("g1-p0"), [], [], _names("g0-p0")])
+    over = _run(tmp_path, "over", "fallback", [3, 1], [0, 1], XOR)
     _launch(tmp_path, [codecs, over], env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()})

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 #: The piece of each file coded at once (a multiple of 8).
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 4 << 20
 #: The codes, as recorded beside the parity: a reader rebuilds only with the same one.
 XOR, RS = "xor", "zfec-rs"
 #: zfec's largest k + m (GF(2^8)).

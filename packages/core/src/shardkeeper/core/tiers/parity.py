@@ -87,22 +87,26 @@ def encode_step(
 
 @dataclass
 class _Shard:
-    """A parity shard this node's leader codes: its group, index, code, length and output."""
+    """Parity ``shard`` of ``group`` as this node holds it: the pieces it codes, their
+    digests, its output (opened at its first piece) and a buffer per data node."""
 
     group: Group
     shard: int
     code: Code
     total: int
     path: str
-    writer: Writer
     bufs: list[np.ndarray]
-    hash: Any
+    pieces: list[int]
+    digests: list[str]
+    writer: Writer | None = None
+    size: int = 0
 
 
 class _Encoding:
-    """One rank's part of ``encode_step``: a data node's leader sends its node's stream to its
-    group's holders; a holder's leader codes each shard it holds. Round ``r`` carries piece
-    ``r`` of every stream; each rank posts its sends and receives of a round before waiting."""
+    """One rank's part of ``encode_step``: a data node's leader sends its node's stream to the
+    holders of each piece; a holder's leader codes the pieces it holds. Round ``r`` carries
+    piece ``r`` of every stream; each rank posts its sends and receives of a round before
+    waiting on any."""
 
     def __init__(
         self, group: TierGroup, nodes: NodeMap, storage: Storage, step: int, listed: Sequence[Any], k: int, m: int
@@ -113,27 +117,28 @@ class _Encoding:
         self.groups = arrange(len(nodes.nodes), k, m)
         self.files = [node_files(nodes, listed, n) for n in range(len(nodes.nodes))]
         self.lengths = [sum(s for _, s in f) for f in self.files]
+        self.totals = [parity_length([self.lengths[n] for n in g.data]) for g in self.groups]
         self.mine = next(g for g in self.groups if self.node in g.data)
-        self.send_len = parity_length([self.lengths[n] for n in self.mine.data]) if self.leader else 0
         self.sending = Concat(storage, self.files[self.node])
         self.shards: list[_Shard] = []
 
     def run(self) -> None:
-        held = [(g, j) for g in self.groups for j, h in enumerate(g.holders) if h == self.node] if self.leader else []
-        for g, j in held:
-            path = parity_name(self.step, g.index, j)
-            for p in (path + ".json", path):
-                _remove(self.storage, p)
-            total = parity_length([self.lengths[n] for n in g.data])
-            bufs = [np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for _ in g.data]
-            writer = self.storage.open_writer(path)
-            self.shards.append(_Shard(g, j, Code(len(g.data), self.m), total, path, writer, bufs, xxhash.xxh3_128()))
-        mine = [-(-s.total // PIECE_BYTES) for s in self.shards] + [-(-self.send_len // PIECE_BYTES)]
-        rounds = self.group.all_reduce_max([max(mine)], f"step {self.step}: the parity's pieces")[0]
-        piece = np.empty(min(PIECE_BYTES, self.send_len), dtype=np.uint8)
-        for rnd in range(rounds):
+        for g in self.groups if self.leader else ():
+            total = self.totals[g.index]
+            for j in range(self.m):
+                held = [r for r in range(-(-total // PIECE_BYTES)) if g.holder(j, r, self.m) == self.node]
+                if not held:
+                    continue
+                path = parity_name(self.step, g.index, j)
+                for p in (path + ".json", path):
+                    _remove(self.storage, p)
+                bufs = [np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for _ in g.data]
+                self.shards.append(_Shard(g, j, Code(len(g.data), self.m), total, path, bufs, held, []))
+        piece = np.empty(min(PIECE_BYTES, self.totals[self.mine.index]), dtype=np.uint8)
+        for rnd in range(-(-max(self.totals) // PIECE_BYTES)):
             self._round(rnd, piece)
         for s in self.shards:
+            assert s.writer is not None
             s.writer.close()
             self._record(s)
         if self.shards:
@@ -142,19 +147,19 @@ class _Encoding:
 
     def _round(self, rnd: int, piece: np.ndarray) -> None:
         works: list[tuple[Any, int]] = []
-        off = rnd * PIECE_BYTES
-        if off < self.send_len:
-            n = min(PIECE_BYTES, self.send_len - off)
+        off, total = rnd * PIECE_BYTES, self.totals[self.mine.index]
+        if self.leader and off < total:
+            n = min(PIECE_BYTES, total - off)
             got = max(0, min(n, self.sending.length - off))
             if got:
                 self.sending.read(off, memoryview(cast("Any", piece[:got])))
             piece[got:n] = 0
             t = torch.from_numpy(piece[:n])
             index = self.mine.data.index(self.node)
-            for h in self.mine.holders:
-                dst = self.nodes.leader(h)
+            for j in range(self.m):
+                dst = self.nodes.leader(self.mine.holder(j, rnd, self.m))
                 works.append((self.group.send(t, dst, TAG + rnd * 256 + index), dst))
-        live = [s for s in self.shards if off < s.total]
+        live = [s for s in self.shards if rnd in s.pieces]
         for s in live:
             n = min(PIECE_BYTES, s.total - off)
             for i, d in enumerate(s.group.data):
@@ -165,8 +170,11 @@ class _Encoding:
         for s in live:
             n = min(PIECE_BYTES, s.total - off)
             block = s.code.encode([b[:n] for b in s.bufs], [s.shard])[0]
-            s.hash.update(block)
+            s.digests.append(xxhash.xxh3_128_hexdigest(memoryview(cast("Any", block))))
+            if s.writer is None:
+                s.writer = self.storage.open_writer(s.path)
             s.writer.write(memoryview(cast("Any", block)))
+            s.size += n
 
     def _record(self, s: _Shard) -> None:
         data = s.group.data
@@ -181,7 +189,10 @@ class _Encoding:
             "members": [[list(f) for f in self.files[n]] for n in data],
             "lengths": [self.lengths[n] for n in data],
             "length": s.total,
-            "digest": s.hash.hexdigest(),
+            "piece_bytes": PIECE_BYTES,
+            "pieces": s.pieces,
+            "digests": s.digests,
+            "size": s.size,
         }
         w = self.storage.open_writer(s.path + ".json")
         w.write(json.dumps(record, sort_keys=True).encode())
@@ -190,7 +201,8 @@ class _Encoding:
     def abort(self) -> None:
         for s in self.shards:
             try:
-                s.writer.abort()
+                if s.writer is not None:
+                    s.writer.abort()
             except Exception:  # already failing: the first error is the one raised
                 pass
 

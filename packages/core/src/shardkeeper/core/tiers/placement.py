@@ -3,12 +3,16 @@ files can be rebuilt: torch-free, for the tiers (``parity.py``, ``rebuild.py``) 
 ``shardkeeper ls --local``.
 
 Nodes ``0..N-1`` form groups of ``k`` consecutive nodes; when N is not a multiple of k the last
-group has the N mod k nodes left (its parity costs m times its own size). Parity shard ``j`` of
-a group starting at node ``s`` with ``r`` nodes is held by node ``(s + r + j) % N``: the m
-nodes after the group, never one of its own, which needs N >= k + m. A holder keeps shard
-``j`` of a step's group ``g`` as ``PARITY_DIR/<step dir>/g<g>-p<j>`` beside a JSON record
-(``+ ".json"``): the code, the group's nodes, each node's files with their stored sizes, the
-data streams' lengths, the parity's length and its xxh3-128 digest.
+group has the N mod k nodes left (its parity costs m times its own size, spread as below).
+A group's parity is cut into pieces (``erasure.PIECE_BYTES``); piece ``r`` of shard ``j`` of a
+group is held by the ``(r * m + j) mod (N - size)``-th node after the group: never a node of
+the group (which needs N >= k + m), the m shards of one piece on m different nodes, and the
+pieces spread evenly over the nodes outside the group, so that each node holds about m/k of
+a node's data in parity when N is a multiple of k and larger than k. A holder keeps the
+pieces it holds of shard ``j`` of a step's group ``g``, in order, as ``PARITY_DIR/<step
+dir>/g<g>-p<j>`` beside a JSON record (``+ ".json"``): the code, the group's nodes, each
+node's files with their stored sizes, the data streams' lengths, the parity's length, which
+pieces the file holds and each one's xxh3-128 digest.
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ PARITY_DIR = ".parity"
 
 @dataclass(frozen=True)
 class Group:
-    """Group ``index``: its data nodes and its parity holders (node indices)."""
+    """Group ``index``: its data nodes and the other nodes, in order after it (node indices)."""
 
     index: int
     data: tuple[int, ...]
-    holders: tuple[int, ...]
+    outside: tuple[int, ...]
+
+    def holder(self, shard: int, piece: int, m: int) -> int:
+        """The node that holds ``piece`` of parity ``shard``."""
+        return self.outside[(piece * m + shard) % len(self.outside)]
 
 
 def arrange(count: int, k: int, m: int) -> list[Group]:
@@ -57,7 +65,7 @@ def arrange(count: int, k: int, m: int) -> list[Group]:
     out = []
     for g, start in enumerate(range(0, count, k)):
         data = tuple(range(start, min(start + k, count)))
-        out.append(Group(g, data, tuple((start + len(data) + j) % count for j in range(m))))
+        out.append(Group(g, data, tuple((start + len(data) + j) % count for j in range(count - len(data)))))
     return out
 
 
@@ -102,7 +110,7 @@ def listing(raw: Storage) -> dict[str, Any]:
     for step, got in recs.items():
         for rec in got:  # a parity file cut short is no shard
             path = parity_name(step, rec["group"], rec["shard"])
-            rec["ok"] = raw.exists(path) and raw.size(path) == rec["length"]
+            rec["ok"] = raw.exists(path) and raw.size(path) == rec["size"]
     for step in sorted({s for s in map(parse_step_dir, raw.list_dir("")) if s is not None}):
         here = {}
         for p in walk_files(raw, step_dir(step)):
@@ -118,55 +126,64 @@ def listing(raw: Storage) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Job:
-    """One group of ``step`` rebuilt on ``target`` (a node): ``sources`` shard -> node that
-    streams it (k of them), ``lost`` the data shards rebuilt, ``record`` the group's record."""
+    """One group of ``step`` rebuilt on node ``target``: ``lost`` its data shards rebuilt,
+    ``record`` one of its records, ``rounds[r]`` for piece ``r`` the k shards read (shard ->
+    [node, offset in the file or stream]), ``digests`` each parity piece's xxh3-128."""
 
     step: int
     target: int
-    sources: dict[int, int]
     lost: list[int]
     record: dict[str, Any]
-    digests: dict[int, str]  # the parity shards' xxh3-128, from their own records
+    rounds: list[dict[int, tuple[int, int]]]
+    digests: dict[tuple[int, int], str]  # (parity shard, piece) -> digest
+
+
+def _job(step: int, shards: list[tuple[int, dict[str, Any]]], have: list[dict[str, int]], nodes: int) -> Job | None:
+    """The rebuild of one group (``shards``: its records and their nodes), or None when no
+    data node was lost; raises ``LookupError`` when some piece lacks k shards."""
+    rec = shards[0][1]
+    k, piece = rec["k"], rec["piece_bytes"]
+    holder = [
+        next((n for n, h in enumerate(have) if all(h.get(p) == s for p, s in member)), None)
+        for member in rec["members"]
+    ]
+    lost = [i for i, h in enumerate(holder) if h is None]
+    if not lost:
+        return None
+    at: dict[tuple[int, int], tuple[int, int]] = {}
+    digests: dict[tuple[int, int], str] = {}
+    for n, r in shards:
+        for index, (p, digest) in enumerate(zip(r["pieces"], r["digests"])):
+            at[(r["shard"], p)] = (n, index * piece)
+            digests[(r["shard"], p)] = digest
+    rounds = []
+    for p in range(-(-rec["length"] // piece)):
+        avail = {i: (h, p * piece) for i, h in enumerate(holder) if h is not None}
+        avail.update({k + j: at[(j, p)] for j in range(rec["m"]) if (j, p) in at})
+        if len(avail) < k:
+            raise LookupError(p)
+        rounds.append({i: avail[i] for i in sorted(avail)[:k]})
+    return Job(step, rec["nodes"][lost[0]] % nodes, lost, rec, rounds, digests)
 
 
 def plan(listings: list[dict[str, Any]], asked: int | None, nodes: int) -> list[Job]:
-    """The groups to rebuild (every rank alike), or [] when the step chosen needs none."""
+    """The groups to rebuild (every rank alike): those of the newest step with a manifest
+    somewhere (or ``asked``) that lost data nodes, when each piece keeps k shards; else of
+    the next older step; [] when the newest is whole on the nodes (or nothing can be rebuilt)."""
     steps = sorted({s for lst in listings for s in lst["manifests"]}, reverse=True)
-    if asked is not None:
-        steps = [s for s in steps if s == asked]
-    for step in steps:
+    for step in [s for s in steps if s == asked] if asked is not None else steps:
         key = str(step)
         have = [lst["files"].get(key, {}) for lst in listings]
-        groups: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
+        groups: dict[int, list[tuple[int, dict[str, Any]]]] = {}
         for n, lst in enumerate(listings):
             for rec in lst["records"].get(key, []):
                 if rec["ok"]:
-                    groups.setdefault(rec["group"], {})[rec["k"] + rec["shard"]] = (n, rec)
-        jobs, whole, possible = [], True, True
-        for shards in groups.values():
-            rec = next(iter(shards.values()))[1]
-            holder = [
-                next((n for n, h in enumerate(have) if all(h.get(p) == s for p, s in member)), None)
-                for member in rec["members"]
-            ]
-            lost = [i for i, h in enumerate(holder) if h is None]
-            if not lost:
-                continue
-            whole = False
-            for i, h in enumerate(holder):
-                if h is not None:
-                    shards[i] = (h, rec)
-            if len(shards) < rec["k"]:
-                possible = False
-                break
-            home = rec["nodes"][lost[0]] % nodes
-            sources = {i: shards[i][0] for i in sorted(shards)[: rec["k"]]}
-            digests = {i: shards[i][1]["digest"] for i in sources if i >= rec["k"]}
-            jobs.append(Job(step, home, sources, lost, rec, digests))
-        if whole or not groups:
-            return []  # the newest step is whole (or has no parity): nothing to rebuild
-        if possible:
-            return jobs
+                    groups.setdefault(rec["group"], []).append((n, rec))
+        try:
+            jobs = [j for j in (_job(step, g, have, nodes) for g in groups.values()) if j is not None]
+        except LookupError:
+            continue  # more lost than parity left: an older step, or the restore falls back
+        return jobs  # (none: whole, or no parity of the step is left to judge it by)
     return []
 
 

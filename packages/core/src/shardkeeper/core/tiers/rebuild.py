@@ -1,16 +1,17 @@
 """Lost local files rebuilt from parity (``erasure=(k, m)``), before a restore chooses its step.
 
-Every node's leader lists the parity records it holds (``parity.py``) and the files of those
-steps it has; the listings are all-gathered, so every rank plans alike. A data node of a
-group is lost in a step when one of its files is on no node at its size. The newest step
-with a manifest somewhere is taken (``step=``: that one); when it lost nodes and every group
-that lost some has at most as many as it has parity shards left, each such group is rebuilt
-on the first lost node's leader: k shards stream to it piece by piece (surviving data nodes'
-files, then parity files, from the leaders that hold them), are decoded (``erasure.py``) and
-written as the lost nodes' files. The manifest goes there too, and the rebuilt files are
-checked against its digests (``verify_step``); a file that fails is removed again. Choosing
-the step then finds it whole, and ``make_whole`` copies it on. A step that cannot be rebuilt
-is left as it is: the next older one is tried, and the restore falls back as without parity.
+Every node's leader lists the parity records it holds and the files of its steps
+(``placement.listing``); the listings are all-gathered, so every rank plans alike
+(``placement.plan``). A data node of a group is lost in a step when one of its files is on no
+node at its size. The newest step with a manifest somewhere is taken (``step=``: that one);
+when every piece of every group that lost data nodes keeps k shards, each such group is
+rebuilt on its first lost node's leader: piece by piece, k shards stream to it (surviving
+data nodes' files first, then parity pieces, each checked against its recorded digest), are
+decoded (``erasure.py``) and written as the lost nodes' files. The manifest goes there too,
+and the rebuilt files are checked against its digests (``verify_step``); files that fail are
+removed again. Choosing the step then finds it whole, and ``make_whole`` copies it on. A step
+that cannot be rebuilt is left as it is: the next older one is tried, and the restore falls
+back as without parity.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import xxhash
 from shardkeeper.core.commit.committed import manifest_path
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.storage.base import Storage, Writer
-from shardkeeper.core.tiers.erasure import PIECE_BYTES, Code
+from shardkeeper.core.tiers.erasure import Code
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.parity import Concat
 from shardkeeper.core.tiers.placement import Job, listing, parity_name, plan
@@ -90,95 +91,72 @@ def _manifest_to(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listing
     group.agree_ok(error, f"step {job.step}, rank {me}: recording the manifest on the rebuilt node")
 
 
-def _stream(local: Any, rec: dict[str, Any], shard: int) -> tuple[Concat, int]:
-    """What ``shard`` of ``rec``'s group streams: a data node's files, or a parity file."""
+def _read(local: Any, rec: dict[str, Any], shard: int, at: int, buf: np.ndarray) -> None:
+    """``buf`` from ``shard`` of ``rec``'s group at ``at``: a data node's files as one stream
+    (zeros past its length), or the pieces this node holds of a parity shard."""
     if shard < rec["k"]:
-        files = [(p, int(s)) for p, s in rec["members"][shard]]
-        return Concat(local.raw, files), rec["lengths"][shard]
-    path = parity_name(rec["step"], rec["group"], shard - rec["k"])
-    return Concat(local.raw, [(path, rec["length"])]), rec["length"]
+        files, length = [(p, int(s)) for p, s in rec["members"][shard]], rec["lengths"][shard]
+    else:
+        path = parity_name(rec["step"], rec["group"], shard - rec["k"])
+        files = [(path, local.raw.size(path))]
+        length = files[0][1]
+    got = max(0, min(len(buf), length - at))
+    if got:
+        Concat(local.raw, files).read(at, memoryview(cast("Any", buf[:got])))
+    buf[got:] = 0
 
 
 def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
-    """This rank's part of ``job``: stream the shards it holds to the target, or (the
-    target's leader) receive k shards, decode and write the lost nodes' files, then verify."""
-    me = group.rank
+    """This rank's part of ``job``: send the pieces it holds to the target's leader, or (that
+    leader) receive k shards of each piece, decode and write the lost nodes' files, verify."""
+    me, rec = group.rank, job.record
+    k, total, size = rec["k"], rec["length"], rec["piece_bytes"]
     target = nodes.leader(job.target)
-    mine = {i: _stream(local, job.record, i) for i, n in job.sources.items() if nodes.leader(n) == me}
-    if me != target:
-        if mine:
-            _send(group, job, mine, target)
-        return
-    rec, k = job.record, job.record["k"]
-    for i in job.lost:
-        for p, _ in rec["members"][i]:
+    out = _Out(local.raw, rec, job.lost) if me == target else None
+    if out is not None:
+        for p in out.paths:
             if local.raw.exists(p):
                 remove_copy(local.storage, p)  # (a copy cut short: replaced)
-    out = _Out(local.raw, rec, job.lost)
+    bufs = {i: np.empty(min(size, total), dtype=np.uint8) for i in range(k + rec["m"])}
+    code = Code(k, rec["m"])
     try:
-        hashes = _receive(group, nodes, job, mine, out)
-        bad = [i - k for i, h in hashes.items() if h != job.digests[i]]
-        if bad:
-            raise CheckpointError(
-                f"step {job.step}: parity shard(s) {bad} of group {rec['group']} fail their recorded digests (a "
-                f"node's parity file is damaged); nothing rebuilt"
-            )
-        out.close()
+        for r, sources in enumerate(job.rounds):
+            n = min(size, total - r * size)
+            works = []
+            for i, (node, at) in sources.items():
+                src = nodes.leader(node)
+                if src == me:
+                    _read(local, rec, i, at, bufs[i][:n])
+                    if me != target:
+                        works.append((group.send(torch.from_numpy(bufs[i][:n]), target, TAG + r * 256 + i), target))
+                elif me == target:
+                    works.append((group.recv(torch.from_numpy(bufs[i][:n]), src, TAG + r * 256 + i), src))
+            for work, peer in works:
+                group.wait(work, f"step {job.step}, rank {me}: the rebuild's pieces (with rank {peer})")
+            if out is not None:
+                _decode(job, code, r, {i: bufs[i][:n] for i in sources}, out)
+        if out is not None:
+            out.close()
     except BaseException:
-        out.abort()
+        if out is not None:
+            out.abort()
         raise
-    _verify(local, job.step, out.paths)
+    if out is not None:
+        _verify(local, job.step, out.paths)
 
 
-def _piece(stream: tuple[Concat, int], buf: np.ndarray, off: int) -> np.ndarray:
-    """``buf`` holding the stream's bytes at ``off``, zeros past its length."""
-    reader, length = stream
-    got = max(0, min(len(buf), length - off))
-    if got:
-        reader.read(off, memoryview(cast("Any", buf[:got])))
-    buf[got:] = 0
-    return buf
-
-
-def _send(group: TierGroup, job: Job, mine: dict[int, tuple[Concat, int]], target: int) -> None:
-    total = job.record["length"]
-    bufs = {i: np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for i in mine}
-    for off in range(0, total, PIECE_BYTES):
-        n, rnd = min(PIECE_BYTES, total - off), off // PIECE_BYTES
-        works = [
-            group.send(torch.from_numpy(_piece(stream, bufs[i][:n], off)), target, TAG + rnd * 256 + i)
-            for i, stream in mine.items()
-        ]
-        for work in works:
-            group.wait(work, f"step {job.step}, rank {group.rank}: the rebuild's pieces (to rank {target})")
-
-
-def _receive(
-    group: TierGroup, nodes: NodeMap, job: Job, mine: dict[int, tuple[Concat, int]], out: _Out
-) -> dict[int, str]:
-    """The target's rounds: k shards' pieces in, the lost files' pieces out; returns the
-    xxh3-128 of each parity shard as it arrived."""
-    rec, total = job.record, job.record["length"]
-    code = Code(rec["k"], rec["m"])
-    bufs = {i: np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for i in job.sources}
-    hashes = {i: xxhash.xxh3_128() for i in job.sources if i >= rec["k"]}
-    for off in range(0, total, PIECE_BYTES):
-        n, rnd = min(PIECE_BYTES, total - off), off // PIECE_BYTES
-        works = []
-        for i, src in job.sources.items():
-            if i in mine:
-                _piece(mine[i], bufs[i][:n], off)
-            else:
-                peer = nodes.leader(src)
-                works.append((group.recv(torch.from_numpy(bufs[i][:n]), peer, TAG + rnd * 256 + i), peer))
-        for work, peer in works:
-            group.wait(work, f"step {job.step}, rank {group.rank}: the rebuild's pieces (from rank {peer})")
-        blocks = {i: bufs[i][:n] for i in job.sources}
-        for i, h in hashes.items():
-            h.update(memoryview(cast("Any", blocks[i])))
-        for i, block in code.decode(blocks, job.lost).items():
-            out.write(i, block[: max(0, min(n, rec["lengths"][i] - off))])
-    return {i: h.hexdigest() for i, h in hashes.items()}
+def _decode(job: Job, code: Code, r: int, blocks: dict[int, np.ndarray], out: _Out) -> None:
+    """Piece ``r`` of the lost data shards from ``blocks``, after checking each parity piece."""
+    rec = job.record
+    k, off = rec["k"], r * rec["piece_bytes"]
+    for i, block in blocks.items():
+        if i >= k and xxhash.xxh3_128_hexdigest(memoryview(cast("Any", block))) != job.digests[(i - k, r)]:
+            raise CheckpointError(
+                f"step {job.step}: piece {r} of parity shard {i - k} of group {rec['group']} fails its recorded "
+                f"digest (a node's parity file is damaged); nothing rebuilt"
+            )
+    for i, block in code.decode(blocks, job.lost).items():
+        out.write(i, block[: max(0, min(len(block), rec["lengths"][i] - off))])
 
 
 class _Out:
