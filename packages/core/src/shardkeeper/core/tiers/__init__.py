@@ -14,7 +14,9 @@ node; ``choose.py`` agrees at restore on the tier and the newest step whole some
 node's damaged copies by other nodes' good ones); ``persist.py`` uploads steps
 from the local files to the persistent root (``commit/claim.py`` claims each step there
 before its local commit, so a second writer of a step is refused at its save); ``drop.py``
-removes local steps no tier holds whole.
+removes local steps no tier holds whole. With ``erasure=(k, m)`` instead of replicas,
+``placement.py`` says where a group's parity lies, ``parity.py`` computes it during a save
+(``erasure.py``: the code) and ``rebuild.py`` rebuilds lost nodes' files from it at restore.
 """
 
 __all__: list[str] = []
