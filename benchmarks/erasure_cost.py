@@ -109,7 +109,7 @@ def main() -> None:
         for name, extra in SETTINGS:
             got = run(name, extra, base, args.mib, args.rounds)
             code = extra.get("erasure")
-            got["encode"] = raw_encode(*code, args.mib) if code and rank == 0 else None
+            got["encode"] = raw_encode(code[0], code[1], args.mib) if code and rank == 0 else None
             rows.append((name, got))
     finally:
         dist.barrier()
