@@ -1,30 +1,38 @@
-"""A real Accelerator(cpu=True) loop saved mid-epoch on 2 gloo ranks (torchrun) resumes on 1:
-over the epoch every sample is seen exactly once.
+"""A real Accelerator(cpu=True) loop saved mid-epoch on gloo ranks (torchrun) resumes at
+another world size: over the epoch every sample is seen exactly once.
 
-``dist/data_worker.py first`` (2 ranks) calls ``save_state()`` after step 3 of a 6-step epoch
-and trains on to step 5 (lost work); ``second`` (1 rank) calls ``load_state()``, finishes the
-epoch and trains the next. The indices trained on in the epoch (steps 1-3 of the first run, the
-rest in the second) are the dataset, each once; the next epoch is all of it once; parameters
-and optimizer state come back bit for bit. Once with a plain shuffled DataLoader (Accelerate's
-synchronized generator), once with a sampler of the user's own (a seeded permutation per epoch).
+``dist/data_worker.py first`` calls ``save_state()`` after step 3 and trains on to step 5 (lost
+work); ``second`` calls ``load_state()`` at the other world size, finishes the epoch and trains
+the next. The indices trained on in the epoch (steps 1-3 of the first run, the rest in the
+second) are the dataset, each once; the next epoch is all of it once; parameters and optimizer
+state come back bit for bit. 2 -> 1 with a plain shuffled DataLoader (Accelerate's synchronized
+generator) and with a sampler of the user's own (a seeded permutation per epoch); 1 -> 2, where
+the 3 batches consumed do not divide by the 2 new ranks (the rest is split by samples), with
+the user's sampler. Accelerate's seedable sampler is resumed from a Trainer's position in
+tests/transformers/test_trainer_position.py.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
+from shardkeeper.core import CheckpointManager, ResumableDistributedSampler
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
 pytestmark = [pytest.mark.multiprocess]  # launches processes: run one after another (noxfile)
 
 WORKER = Path(__file__).parent / "dist" / "data_worker.py"
-N, SAVED_STEP = 48, 3
+N, SAVED_STEP, BATCH = 48, 3, 4
 
 
 def _ids(out: Path, phase: str, world: int) -> list[list[list[Any]]]:
@@ -32,22 +40,88 @@ def _ids(out: Path, phase: str, world: int) -> list[list[list[Any]]]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("kind", ["shuffle", "own"])
-def test_a_loop_saved_mid_epoch_at_two_ranks_resumes_at_one_every_sample_once(tmp_path: Path, kind: str) -> None:
-    first = run_script(2, WORKER, "first", str(tmp_path), kind, timeout_s=90, torchrun=True)
+@pytest.mark.parametrize(
+    ("worlds", "kind"),
+    [((2, 1), "shuffle"), ((2, 1), "own"), ((1, 2), "own")],
+    ids=["2to1-shuffle", "2to1-own", "1to2-own"],
+)
+def test_a_loop_saved_mid_epoch_resumes_at_another_world_size_every_sample_once(
+    tmp_path: Path, worlds: tuple[int, int], kind: str
+) -> None:
+    w1, w2 = worlds
+    first = run_script(w1, WORKER, "first", str(tmp_path), kind, timeout_s=90, torchrun=True)
     assert first.returncode == 0, first.stdout[-4000:]
-    second = run_script(1, WORKER, "second", str(tmp_path), kind, timeout_s=90, torchrun=True)
+    second = run_script(w2, WORKER, "second", str(tmp_path), kind, timeout_s=90, torchrun=True)
     assert second.returncode == 0, second.stdout[-4000:]
-    assert_checks(
-        read_checks(tmp_path / "second-r0.json", output=second.stdout),
-        ["restored the saved step", "parameters and optimizer state restored bit for bit"],
-        where="2 -> 1",
-    )
-    before = [ids for rank in _ids(tmp_path, "first", 2) for _, step, ids in rank if step <= SAVED_STEP]
-    (after,) = _ids(tmp_path, "second", 1)
-    rest = [ids for p, _, ids in after if p == 0]
-    seen = Counter(i for ids in before + rest for i in ids)
+    for r in range(w2):
+        assert_checks(
+            read_checks(tmp_path / f"second-r{r}.json", output=second.stdout),
+            ["restored the saved step", "parameters and optimizer state restored bit for bit"],
+            where=f"{w1} -> {w2}, rank {r}",
+        )
+    before = [ids for rank in _ids(tmp_path, "first", w1) for _, step, ids in rank if step <= SAVED_STEP]
+    after = _ids(tmp_path, "second", w2)
+    rest = [[ids for p, _, ids in rank if p == 0] for rank in after]
+    seen = Counter(i for ids in before + [ids for rank in rest for ids in rank] for i in ids)
     assert sorted(seen) == list(range(N)), f"skipped: {sorted(set(range(N)) - set(seen))}"
     assert [i for i, c in seen.items() if c > 1] == [], "duplicated"
-    assert len(rest) == 6  # 24 samples left, in batches of 4 on the one rank
-    assert sorted(i for p, _, ids in after if p == 1 for i in ids) == list(range(N))  # the next epoch, whole
+    left = N - SAVED_STEP * BATCH * w1  # split across the new ranks by samples, in batches of 4
+    assert [len(r) for r in rest] == [math.ceil(left / w2 / BATCH)] * w2
+    assert sorted(i for rank in after for p, _, ids in rank if p == 1 for i in ids) == list(range(N))  # the next epoch
+
+
+class _Ids(Dataset[tuple[torch.Tensor, int]]):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.zeros(2), i
+
+
+def _accelerate_leg(root: Path, take: int | None) -> list[int]:
+    """One process: ``load_state()``, then the DataLoader's indices (``take`` batches, then
+    ``save_state()``; None: to the end of the pass)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    import shardkeeper.accelerate as ska
+
+    AcceleratorState._reset_state()
+    acc = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=5),
+        project_config=ProjectConfiguration(project_dir=str(root)),
+    )
+    _, dl = acc.prepare(nn.Linear(2, 1), DataLoader(_Ids(), batch_size=3, shuffle=True))
+    ska.enable(acc, str(root), async_save=False)
+    seen: list[int] = []
+    try:
+        acc.load_state()
+        for k, (_, idx) in enumerate(dl):
+            seen += [int(i) for i in idx]
+            if k + 1 == take:
+                acc.save_state()
+                break
+    finally:
+        ska.disable(acc)
+        AcceleratorState._reset_state()
+    return seen
+
+
+def test_a_plain_loops_position_resumes_and_a_save_in_that_pass_resumes_at_the_same_size(tmp_path: Path) -> None:
+    """A plain loop's position (``extra/data_position/0``: 2 ranks took 4 samples each) resumes
+    in an Accelerate loop on one process, which saves after 2 batches of 3; a second one
+    resumes that save at the same world size from the position too (not the per-rank replay,
+    which knows nothing of the split rest): over the epoch every sample once."""
+    samplers = [ResumableDistributedSampler(_Ids(), num_replicas=2, rank=r, seed=5) for r in range(2)]
+    consumed = []
+    for s in samplers:
+        it = iter(s)
+        consumed += [next(it) for _ in range(4)]
+        s.advance(4)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": nn.Linear(2, 1), "extra": {"data_position": {"0": samplers[0]}}}).wait()
+    first = _accelerate_leg(tmp_path, take=2)
+    second = _accelerate_leg(tmp_path, take=None)
+    assert len(first) == 6 and Counter(consumed + first + second) == Counter(range(30)), (consumed, first, second)

@@ -306,9 +306,11 @@ def test_save_only_model_saves_no_optimizer_and_still_resumes(tmp_path: Path) ->
     with CheckpointManager(root) as mgr:
         keys = list(mgr.manifest(8).leaves)
     assert keys and not [
-        k for k in keys if k.split("/")[0] in ("optim", "sched", "rng", "extra") and not k.startswith("extra/sampler/")
+        k
+        for k in keys
+        if k.split("/")[0] in ("optim", "sched", "rng", "extra") and not k.startswith("extra/data_position/")
     ]
-    assert "extra/sampler/consumed" in keys  # the data position, as the step count, is kept
+    assert "extra/data_position/0/consumed" in keys  # the data position, as the step count, is kept
     resumed = make_trainer(root, save_only_model=True)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.losses[0][0] == 8 and resumed.state.global_step == STEPS

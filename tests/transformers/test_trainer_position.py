@@ -1,8 +1,9 @@
 """The Trainer's data position at another world size: a 2-rank DDP Trainer killed mid-epoch
 after a committed save and resumed by one process sees every sample of the epoch exactly once,
 then the next epoch in the order an uninterrupted one-process run uses; the parameters and
-AdamW state resume bit for bit (tests/transformers/dist/position_worker.py). A sampler of the
-user's own keeps the Trainer's batch skip, with a warning."""
+AdamW state resume bit for bit (tests/transformers/dist/position_worker.py). The same position
+resumes under another framework: an Accelerate loop on one process finishes that epoch, every
+sample once. A sampler of the user's own keeps the Trainer's batch skip, with a warning."""
 
 from __future__ import annotations
 
@@ -60,6 +61,43 @@ def test_two_ranks_killed_mid_epoch_one_resumes_every_sample_once(killed: Path, 
     ref.set_epoch(1)
     assert [i for r in after if r["epoch"] == 1 for i in r["ids"]] == list(ref)
     assert_same_state(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "saved.pt"), what="resumed state")
+
+
+@pytest.mark.multiprocess  # the 2-rank run it resumes launches processes
+@pytest.mark.timeout(240)
+def test_accelerate_resumes_the_trainers_position_mid_epoch_every_sample_once(killed: Path, tmp_path: Path) -> None:
+    """The position the 2-rank Trainer saved at step 2 (8 of 32 samples, ``extra/data_position/0``)
+    resumes in an Accelerate loop on one process (``load_state`` through its adapter; a shuffled
+    DataLoader with Accelerate's seedable sampler at the Trainer's seed, batches of 3, so the
+    consumed samples are no whole number of its batches): the rest of the epoch is the rest of
+    the Trainer's order, each sample of the epoch once; the next epoch is the one the Trainer
+    would have drawn at one process."""
+    ska = pytest.importorskip("shardkeeper.accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DataLoaderConfiguration
+
+    from tests.transformers.common import tiny_model
+    from tests.transformers.dist.position_worker import SAVED, SEED, N, Numbered
+
+    root = tmp_path / "run"
+    shutil.copytree(killed / "run", root)
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=SEED))
+    loader = torch.utils.data.DataLoader(Numbered(), batch_size=3, shuffle=True)
+    model, loader = acc.prepare(tiny_model(), loader)
+    ska.enable(acc, str(root))
+    try:
+        assert acc.load_state() == SAVED
+        epochs = [[int(i) for batch in loader for i in batch["input_ids"][:, 0]] for _ in range(2)]
+    finally:
+        ska.disable(acc)
+        AcceleratorState._reset_state()
+    before = [i for r in _records(killed, "first", 2) if r["step"] <= SAVED for i in r["ids"]]
+    assert len(before) == 8 and Counter(before + epochs[0]) == Counter(range(N)), (before, epochs[0])
+    ref: torch.utils.data.DistributedSampler[Any] = torch.utils.data.DistributedSampler(Numbered(), 1, 0, seed=SEED)
+    ref.set_epoch(1)
+    assert epochs[1] == list(ref)
 
 
 class _OwnSampler(torch.utils.data.SequentialSampler):

@@ -1,11 +1,11 @@
 """An Accelerate loop interrupted mid-epoch at one world size and resumed at another (torchrun).
 
-    data_worker.py first OUT KIND   # 2 ranks: save_state() after step 3 of 6, train on to step 5, stop
+    data_worker.py first OUT KIND   # any world size: save_state() after step 3, train on to step 5, stop
     data_worker.py second OUT KIND  # any world size: load_state(), finish the epoch, train the next
 
 ``KIND``: ``shuffle``, a plain ``DataLoader(shuffle=True)`` (Accelerate gives its sampler a
 synchronized generator); ``own``, a sampler of the user's own (a seeded permutation per epoch,
-``set_epoch``). The dataset returns each sample's index; every rank records, per pass over the
+``set_epoch``); ``seedable``, ``shuffle=True`` with ``use_seedable_sampler=True``. The dataset returns each sample's index; every rank records, per pass over the
 DataLoader, the indices of each batch (``OUT/<phase>-ids-r<rank>.json``: ``[[pass, step,
 [ids]], ...]``). ``first`` writes the parameters and optimizer state after step 3 to
 ``OUT/saved-r<rank>.pt``; ``second`` compares them bit for bit with what it restored
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 from tests.checks import Checks, state_of
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -67,6 +67,7 @@ def main() -> None:
     acc = Accelerator(
         cpu=True,
         project_config=ProjectConfiguration(project_dir=os.path.join(out, "proj"), automatic_checkpoint_naming=True),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=kind == "seedable", data_seed=3),
     )
     ska.enable(acc, async_save=False)
     torch.manual_seed(0 if phase == "first" else 99)  # other seeds: the restore must matter

@@ -14,12 +14,11 @@ those, replays (loads and drops) the batches already seen, and switches to the R
 the checkpoint right where the interrupted run was when it saved.
 
 That per-rank position means nothing at another world size, so each loader's position is also
-saved once, as global state (:meth:`LoaderTracker.global_state`): the world size, the epoch,
-the batches each rank took, and the state of the sampler's generator at the epoch's start
-(the order of the epoch: Accelerate synchronizes it across ranks). Ranks take the underlying
-batches in turn (``BatchSamplerShard``), so ``batches_seen * world`` of them were consumed (one
-per step with ``split_batches``); a resume at another world size gives the sampler that order
-back and skips the consumed batches split across the new ranks.
+saved once, as global state in the layout every adapter writes (``position.py``): the samples
+of the epoch's order consumed, and what the order is. A resume at another world size, from
+another framework's checkpoint, or from a save made in such a resumed pass, hands the rest of
+the epoch to the ranks from that position (``position.Resplit``); at the world size of an
+Accelerate save the per-rank replay above is used.
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ from typing import Any, cast
 import torch
 
 from shardkeeper.accelerate import _internals as acci
+from shardkeeper.accelerate.position import Resplit, inner_sampler, layout, position_of, resplit
+from shardkeeper.core.adapter import DATA_POSITION_KEY
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +62,9 @@ def _sampler(dl: Any) -> Any:
         return None
 
 
-def _layout(dl: Any) -> tuple[int, bool]:
-    """(world size the loader is sharded for, ``split_batches``): (1, False) when unsharded."""
-    bs = getattr(dl, "batch_sampler", None)
-    return int(getattr(bs, "num_processes", 1) or 1), bool(getattr(bs, "split_batches", False))
-
-
-def _inner_sampler(dl: Any) -> Any:
-    """The sampler under the loader's batch samplers (``BatchSamplerShard`` wraps one)."""
-    bs: Any = getattr(dl, "batch_sampler", None)
-    while hasattr(bs, "batch_sampler"):
-        bs = bs.batch_sampler
-    return getattr(bs, "sampler", None) if bs is not None else getattr(dl, "sampler", None)
-
-
 def _order_generator(dl: Any) -> torch.Generator | None:
     """The generator the sampler draws the epoch's order from (None: none, or seeded per epoch)."""
-    sampler = _inner_sampler(dl)
+    sampler = inner_sampler(dl)
     g = getattr(sampler, "generator", None)
     if hasattr(sampler, "initial_seed") or not isinstance(g, torch.Generator) or g.device.type != "cpu":
         return None
@@ -93,6 +80,9 @@ class LoaderTracker:
         self.epoch_rng: dict[str, torch.Tensor] = self._rng_now()
         self.epoch_order: torch.Tensor | None = self._order_now()
         self._resume: dict[str, Any] | None = None
+        self.resumed: Resplit | None = None  # this pass resumes a saved position (position.py)
+        self._pending: Resplit | None = None  # the next pass will
+        self.saved_position: dict[str, Any] | None = None  # the checkpoint's, at a restore
         self._orig_skip = int(getattr(dl, "skip_batches", 0) or 0)
         self._orig_begin = dl.begin
         self._orig_end = dl.end
@@ -122,6 +112,9 @@ class LoaderTracker:
                     g.set_state(rng[name])
         self.epoch_rng = self._rng_now()
         self.epoch_order = self._order_now()
+        self.resumed, self._pending = self._pending, None
+        if self.resumed is not None:
+            self.resumed.install(self.dl)
 
     def _update(self) -> None:
         self._orig_update()
@@ -133,6 +126,11 @@ class LoaderTracker:
     def _end(self) -> None:
         if self._resume is not None:
             self._finish_resume()
+        if self.resumed is not None:
+            self.resumed.uninstall()
+            if self.batches_seen == 0:  # nothing left of the epoch: Accelerate ends no epoch then
+                self.dl.iteration = self.resumed.epoch + 1
+            self.resumed = None
         self.batches_seen = 0
         self._orig_end()
 
@@ -141,8 +139,6 @@ class LoaderTracker:
         assert self._resume is not None
         if self._resume["rng_at_save"] is not None:
             torch.set_rng_state(self._resume["rng_at_save"])
-        if self._resume.get("lent_generator"):  # the order's generator, lent for this epoch only
-            _inner_sampler(self.dl).generator = None
         self.dl.skip_batches = self._orig_skip
         self._resume = None
 
@@ -151,6 +147,9 @@ class LoaderTracker:
         if self._resume is not None:
             self.dl.skip_batches = self._orig_skip
             self._resume = None
+        if self.resumed is not None:
+            self.resumed.uninstall()
+        self.resumed = self._pending = None
         for name in ("begin", "end"):
             vars(self.dl).pop(name, None)
         acci.unhook_per_batch(self.dl)
@@ -162,72 +161,31 @@ class LoaderTracker:
             "epoch": int(getattr(self.dl, "iteration", 0)),
             "batches_seen": self.batches_seen,
             "epoch_rng": dict(self.epoch_rng),
+            "resumed": self.resumed is not None,  # a pass resumed from a position: so is its resume
         }
-        sampler = _sampler(self.dl)
+        sampler = _sampler(self.dl) if self.resumed is None else self.resumed.sampler
         if sampler is not None and hasattr(sampler, "initial_seed") and hasattr(sampler, "epoch"):
             out["sampler"] = {"initial_seed": int(sampler.initial_seed), "epoch": int(sampler.epoch)}
         return out
 
     def global_state(self) -> dict[str, Any]:
-        """The position as the same on every rank: world size, ``split_batches``, epoch,
-        batches each rank took, and the order's generator at the epoch's start (if any)."""
-        world, split = _layout(self.dl)
-        out: dict[str, Any] = {
-            "world": world,
-            "split_batches": split,
-            "epoch": int(getattr(self.dl, "iteration", 0)),
-            "batches_seen": self.batches_seen,
-        }
-        if self.epoch_order is not None:
-            out["order"] = self.epoch_order
-        sampler = _inner_sampler(self.dl)
-        if hasattr(sampler, "initial_seed") and hasattr(sampler, "epoch"):
-            out["seed"], out["sampler_epoch"] = int(sampler.initial_seed), int(sampler.epoch)
-        return out
+        """The position, the same on every rank, in the layout every adapter writes."""
+        order = self.resumed.saved.get("generator") if self.resumed is not None else self.epoch_order
+        return position_of(self.dl, self.batches_seen, order, self.resumed)
 
-    def load_global_state(self, sd: dict[str, Any], *, resume: bool) -> bool:
-        """Resume from the global position when it was saved at another world size (True:
-        then the per-rank position is not used). Exact when the underlying batches consumed
-        divide by the new world size; otherwise the rest of one round is seen twice (warned)."""
-        world, split = _layout(self.dl)
-        saved_world = int(sd["world"])
-        if saved_world == world:
-            return False
-        self.dl.iteration = int(sd["epoch"])
+    def load_position(self, sd: dict[str, Any], *, index: int, resume: bool) -> None:
+        """Resume from the position ``sd``: the next pass yields this rank's part of the rest
+        of its epoch (the per-rank position is then not used)."""
         self.batches_seen = 0
-        consumed = int(sd["batches_seen"]) * (1 if sd.get("split_batches") else saved_world)
-        skip, extra = (consumed, 0) if split else divmod(consumed, world)
-        lent = False
-        sampler = _inner_sampler(self.dl)
-        if "seed" in sd and hasattr(sampler, "initial_seed"):  # SeedableRandomSampler: seed + epoch
-            sampler.initial_seed, sampler.epoch = int(sd["seed"]), int(sd["sampler_epoch"])
-        if "order" in sd and resume:
-            if getattr(sampler, "generator", None) is None:
-                sampler.generator, lent = torch.Generator(), True
-            sampler.generator.set_state(sd["order"])
-        elif "order" not in sd and hasattr(sampler, "generator") and not hasattr(sampler, "initial_seed"):
-            log.warning(
-                "shardkeeper: the DataLoader's epoch %d was saved at world size %d without a "
-                "generator for its shuffled order (drawn from the global RNG), so at world size %d "
-                "its order cannot be given back: samples of that epoch may be seen twice or never. "
-                "Prepare it with DataLoaderConfiguration(use_seedable_sampler=True) to resume exactly",
-                int(sd["epoch"]),
-                saved_world,
-                world,
-            )
-        if extra:
-            log.warning(
-                "shardkeeper: %d batches of epoch %d were consumed at world size %d, which %d ranks "
-                "cannot split evenly: each rank skips %d, so %d batches are seen twice. Resume at a "
-                "world size that divides %d for every sample once",
-                consumed, int(sd["epoch"]), saved_world, world, skip, extra, consumed,
-            )  # fmt: skip
-        if resume and (skip > 0 or lent):
-            self._resume = {"skip": skip, "epoch_rng": None, "rng_at_save": None, "lent_generator": lent}
-            self.dl.skip_batches = self._orig_skip + skip
-        return True
+        self._resume = None
+        self.dl.skip_batches = self._orig_skip
+        pending = resplit(self.dl, sd, index=index)
+        self._pending = pending if resume else None
 
-    def load_state_dict(self, sd: dict[str, Any], *, resume: bool) -> None:
+    def load_state_dict(self, sd: dict[str, Any], *, resume: bool, index: int = 0) -> None:
+        if sd.get("resumed") and self.saved_position is not None:  # saved in a pass resumed from a position
+            self.load_position(self.saved_position, index=index, resume=resume)
+            return
         self.dl.iteration = int(sd["epoch"])
         sampler = _sampler(self.dl)
         if "sampler" in sd and sampler is not None:
@@ -294,14 +252,14 @@ class LoaderPositions:
             if i in self.elsewhere:  # saved at another world size: the global position resumed it
                 continue
             if t is not None:
-                t.load_state_dict(sd[str(i)], resume=self.resume)
+                t.load_state_dict(sd[str(i)], resume=self.resume, index=i)
             elif hasattr(dl, "iteration"):
                 dl.iteration = int(sd[str(i)]["epoch"])
 
 
 class GlobalPositions:
     """The trackers' global positions (replicated: rank 0's is saved). On restore, the template
-    holds what the checkpoint has (``present``: its keys), so any world size restores it."""
+    holds the keys the checkpoint has (``present``), so a position any adapter wrote restores."""
 
     def __init__(self, positions: LoaderPositions, present: Collection[str] | None) -> None:
         self.positions = positions
@@ -315,20 +273,35 @@ class GlobalPositions:
                 continue
             sd = t.global_state()
             if self.present is not None:  # a restore: the checkpoint's keys, with this shape
-                sd.pop("order", None)
-                if f"{PREFIX}/{i}/order" in self.present:
-                    sd["order"] = torch.Generator().get_state()
+                head = f"{PREFIX}/{i}/"
+                keys = [k[len(head) :] for k in self.present if k.startswith(head)]
+                if not keys:
+                    continue
+                sd = {k: torch.Generator().get_state() if k == "generator" else sd.get(k) for k in keys}
             out[str(i)] = sd
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Each position resumes its loader now where the per-rank one cannot (another world
+        size, or none in the checkpoint); else the per-rank restore decides (``load_state_dict``)."""
         for i, dl in enumerate(self.positions.dataloaders):
             t = track(dl)
-            if t is not None and str(i) in sd and t.load_global_state(sd[str(i)], resume=self.positions.resume):
+            if t is None or str(i) not in sd:
+                continue
+            saved = dict(sd[str(i)])
+            t.saved_position = saved
+            if int(saved.get("world", 0)) != layout(dl)[0] or not self._per_rank(i):
+                t.load_position(saved, index=i, resume=self.positions.resume)
                 self.positions.elsewhere.add(i)
 
+    def _per_rank(self, i: int) -> bool:
+        """Whether the checkpoint holds a per-rank position of loader ``i`` (``data/<rank>/<i>``)."""
+        return self.present is not None and any(
+            k.split("/")[2:3] == [str(i)] for k in self.present if k.startswith("data/")
+        )
 
-#: Where the global positions are in a checkpoint.
-PREFIX = "extra/data_position"
+
+#: Where the global positions are in a checkpoint (every adapter's key).
+PREFIX = DATA_POSITION_KEY
 
 __all__ = ["PREFIX", "GlobalPositions", "LoaderPositions", "LoaderTracker", "track", "untrack"]

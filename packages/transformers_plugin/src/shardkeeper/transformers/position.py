@@ -8,7 +8,8 @@ overridden, a dataset with a length), ``enable()`` gives it the core's
 ``ResumableDistributedSampler`` instead: rank-aware, so Accelerate's batch sharding is made a
 passthrough, as the Trainer does for its own rank-aware ``BatchRebalanceSampler``. Each
 optimizer step reports its samples consumed (a callback's ``on_step_end``), the position is
-saved as ``extra/sampler/...`` (replicated, about 150 bytes), and a resume positions the
+saved as ``extra/data_position/0/...`` (replicated, about 200 bytes; the key and layout of every
+adapter, so another framework resumes it), and a resume positions the
 sampler and starts the epoch loop at its epoch: the rest of the epoch is split across the new
 ranks (``Position.resumed``). Any other sampler keeps the Trainer's behaviour, with a warning.
 """
@@ -23,12 +24,14 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from shardkeeper.core import ResumableDistributedSampler
+from shardkeeper.core.adapter import DATA_POSITION_KEY
 from shardkeeper.transformers import _internals as tfi
 
 log = logging.getLogger(__name__)
 
-#: Where the position is saved: ``extra/sampler/epoch``, ``extra/sampler/consumed``, ...
-KEY = "extra/sampler"
+#: Where the position is saved: ``extra/data_position/0/epoch``, ``.../consumed``, ... (the
+#: Trainer has one train loader, the first).
+KEY = DATA_POSITION_KEY + "/0"
 #: The Trainer's own samplers this adapter replaces, by ``train_sampling_strategy``.
 STRATEGIES = {"random": True, "sequential": False}  # shuffle
 
@@ -122,12 +125,12 @@ class Position:
     # -- saving and resuming ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """The position alone, as the saved state holds it (none when the sampler is not ours)."""
-        return {} if self.sampler is None else {"extra": {"sampler": self.sampler}}
+        return {} if self.sampler is None else {"extra": {"data_position": {"0": self.sampler}}}
 
     def add_to(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (``build_state``'s) with the position in it, beside ``extra/grad_scaler``."""
         if self.sampler is not None:
-            state["extra"] = {**state.get("extra", {}), "sampler": self.sampler}
+            state["extra"] = {**state.get("extra", {}), **self.state()["extra"]}
         return state
 
     def step_done(self) -> None:

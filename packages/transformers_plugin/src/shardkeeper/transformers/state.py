@@ -15,8 +15,8 @@
 |                                        | ``progress/deepspeed/...``                      |
 
 The train sampler's position, where the Trainer built the sampler, is added beside these as
-``extra/sampler/...`` (``position.py``); with a sampler of the user's own the Trainer finds the
-position from ``global_step`` and skips the batches already trained on.
+``extra/data_position/0/...`` (``position.py``); with a sampler of the user's own the Trainer
+finds the position from ``global_step`` and skips the batches already trained on.
 ``save_only_model`` leaves out ``optim``, ``sched``, ``extra`` (but the position) and ``rng``, as
 the Trainer does.
 Under DeepSpeed (ZeRO-1/2/3) the engine's state comes from the DeepSpeed adapter, found through
