@@ -32,7 +32,7 @@ from shardkeeper.core.restore.fill import (
     execute_read,
     read_bytes_leaf,
 )
-from shardkeeper.core.restore.logical_check import local_check
+from shardkeeper.core.restore.logical_check import LogicalCheck, plan_check
 from shardkeeper.core.restore.per_rank import PLAIN_CALL, WorldSizeChangedWarning, world_change_note
 from shardkeeper.core.restore.plan import (
     Op,
@@ -44,6 +44,7 @@ from shardkeeper.core.restore.plan import (
 )
 from shardkeeper.core.restore.reads import Read, schedule
 from shardkeeper.core.restore.share import Job, ReadShare
+from shardkeeper.core.restore.sum_as_filled import SumsAsFilled
 from shardkeeper.core.state.flatten import FlatState
 from shardkeeper.core.storage.base import Storage
 
@@ -198,27 +199,50 @@ def restore_flat(
         rounds = share.rounds(jobs, storage, executor, stats)
         batches = ((dataclasses.replace(reader, storage=st), js) for st, js in rounds)
     wrote: set[str] = set()
-    failed = threading.Event()
+    # (the tensors summed as their reads land, the rest after them: before the finalizers)
+    check = plan_check(flat, manifest, plan.restored, rank=rank, world_size=world_size) if logical and verify else None
     try:
-        with torch.no_grad():
-            errors: list[BaseException] = []
-            for rd, js in batches:  # every round, even after a failure: the other ranks wait on it
-                futures = [executor.submit(_guarded(j.fn, failed), rd, j.path, j.item, stats, wrote) for j in js]
-                for f in futures:  # every one, even after a failure: none may still write afterwards
-                    try:
-                        f.result()
-                    except BaseException as e:
-                        errors.append(e)
-            if errors:
-                raise errors[0]
-            if logical and verify:  # (before finalizers: the tensors as the reads left them)
-                stats.logical = local_check(flat, manifest, plan.restored, rank=rank, world_size=world_size)
-            _set_and_finalize(plan, flat, bytes_values, wrote)
+        _fill(executor, batches, stats, wrote, check, jobs)
+        if check is not None:
+            check.sum_rest()
+            stats.logical = check
+        _set_and_finalize(plan, flat, bytes_values, wrote)
     finally:
         writes.add(manifest.step, wrote)
     if rank == 0 and manifest.world_size != world_size:
         _warn_world_change(flat, plan, manifest, storage.url, world_size, per_rank, per_rank_call)
     return stats
+
+
+def _fill(
+    executor: Executor,
+    batches: Iterable[tuple[ChunkReader, Sequence[Job]]],
+    stats: RestoreStats,
+    wrote: set[str],
+    check: LogicalCheck | None,
+    jobs: Sequence[Job],
+) -> None:
+    """Run every job of every round (even after a failure: the other ranks of a shared
+    restore wait on each round), wait for each (none may still write afterwards), and raise
+    the first failure; ``check``'s tensors are summed as their reads land."""
+    failed = threading.Event()
+    sums = SumsAsFilled(check, jobs) if check is not None else None
+    errors: list[BaseException] = []
+    with torch.no_grad():
+        for rd, js in batches:
+            futures = [
+                executor.submit(
+                    _guarded(j.fn if sums is None else sums.wrap(j, failed), failed), rd, j.path, j.item, stats, wrote
+                )
+                for j in js
+            ]
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException as e:
+                    errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _set_and_finalize(plan: RestorePlan, flat: FlatState, bytes_values: Sequence[bytes], wrote: set[str]) -> None:

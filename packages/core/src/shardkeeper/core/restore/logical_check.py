@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.restore.share import peer_group
 from shardkeeper.core.state import _torch_compat as tc
-from shardkeeper.core.state.chunks import layout_of
+from shardkeeper.core.state.chunks import Piece, layout_of
 from shardkeeper.core.state.flatten import FlatState, torch_dtype_name
 from shardkeeper.core.state.fragment import Fragment
 from shardkeeper.core.state.logical import piece_sums
@@ -52,38 +53,89 @@ _WIDTH = _LIMBS + 1
 _MAX_ELEMENTS = 1 << 22
 
 
+@dataclass(frozen=True)
+class _Task:
+    """One restored tensor to sum: its index in ``keys``, recorded dtype and shape, its value
+    in the target, the pieces this rank holds as planned (their memory tells which reads
+    write into them), and its slot when they are part of a sharded tensor."""
+
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    value: torch.Tensor | Fragment
+    pieces: tuple[Piece, ...]
+    slot: tuple[int, int] | None  # (key index, copy): None for a whole tensor
+
+
 @dataclass
 class LogicalCheck:
     """One rank's part of a restore's logical check: ``keys``, the manifest's tensors with a
     digest (every rank's same order); ``problems``: whole tensors this rank found wrong;
     ``slots``: (key index, replica index) -> this rank's partial of a tensor it holds part
     of; ``checked``: tensors checked here or through ``slots``; ``skipped``: restored
-    tensors this check cannot judge."""
+    tensors this check cannot judge. ``plan_check`` makes it; ``sum`` each of ``tasks``
+    once its reads have landed (from any thread), ``sum_rest`` the ones not summed yet."""
 
-    keys: list[str]
-    digests: list[str]
-    manifest: Manifest
+    keys: list[str] = field(repr=False)
+    digests: list[str] = field(repr=False)
+    manifest: Manifest = field(repr=False)
     problems: list[str] = field(default_factory=list)
-    slots: dict[tuple[int, int], int] = field(default_factory=dict)
+    slots: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
     checked: int = 0
     skipped: list[str] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
+    tasks: dict[str, _Task] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __repr__(self) -> str:  # counts and the step checked: a log line, never the manifest or keys
+        return (
+            f"LogicalCheck(step={self.manifest.step}, checked={self.checked}, problems={len(self.problems)}, "
+            f"skipped={len(self.skipped)}, rank={self.rank})"
+        )
+
+    def sum(self, key: str) -> None:
+        """Sum ``key``'s pieces as they are now (the reads into them done) and record the
+        result; a key summed before, or not to be checked, is left alone."""
+        with self._lock:
+            task = self.tasks.pop(key, None)
+        if task is None:
+            return
+        # The pieces found again, now: a layout whose local view is a copy (not the target's
+        # memory) copies what the reads left. Outside the lock: sums run in parallel.
+        pieces = layout_of(task.value, self.world_size, self.rank).pieces
+        total = piece_sums(task.dtype, task.shape, pieces)
+        with self._lock:
+            self.checked += 1
+            if task.slot is not None:
+                self.slots[task.slot] = (self.slots.get(task.slot, 0) + total) & logical.MASK
+                return
+            got, want = logical.finalize(task.dtype, task.shape, total), self.digests[task.index]
+            if got != want:
+                self.problems.append(_wrong(key, got, want, f"restored on rank {self.rank}"))
+
+    def sum_rest(self) -> None:
+        """Sum every task not summed yet (after the reads: those no read's end summed)."""
+        for key in list(self.tasks):
+            self.sum(key)
 
 
 def _wrong(key: str, got: str, want: str, whose: str) -> str:
     return f"tensor {key!r} as {whose} has logical digest {got}, the save recorded {want}"
 
 
-def local_check(
+def plan_check(
     flat: FlatState, manifest: Manifest, restored: Sequence[str], *, rank: int, world_size: int
 ) -> LogicalCheck | None:
-    """This rank's sums over the tensors it restored (``restored``: target keys), and its
-    verdict on the whole ones; None when the manifest records no digests."""
+    """What this rank will sum of the tensors it restores (``restored``: target keys), one
+    task per tensor; None when the manifest records no digests. Planned before the reads,
+    summed as they land (``restore/sum_as_filled.py``) or after them."""
     recorded = digests_of(manifest.logical, manifest.leaves)
     if not recorded:
         return None
     keys = [k for k, d in recorded.items() if d is not None]
     index = {k: i for i, k in enumerate(keys)}
-    check = LogicalCheck(keys, [str(recorded[k]) for k in keys], manifest)
+    check = LogicalCheck(keys, [str(recorded[k]) for k in keys], manifest, rank=rank, world_size=world_size)
     for key in restored:
         leaf = flat.leaves.get(key)
         i = index.get(key)
@@ -103,15 +155,19 @@ def local_check(
         held, numel = sum(p.numel for p in layout.pieces), math.prod(shape, start=1)
         if not held and numel:
             continue  # (none of it here: the ranks that hold it judge it)
-        total = piece_sums(dtype, shape, layout.pieces)
-        check.checked += 1
-        if held == numel:  # a whole tensor: judged here
-            got = logical.finalize(dtype, shape, total)
-            if got != check.digests[i]:
-                check.problems.append(_wrong(key, got, check.digests[i], f"restored on rank {rank}"))
-        else:
-            slot = (i, layout.replica_index + layout.replicas * _mesh_first_rank(value))
-            check.slots[slot] = (check.slots.get(slot, 0) + total) & logical.MASK
+        slot = None if held == numel else (i, layout.replica_index + layout.replicas * _mesh_first_rank(value))
+        check.tasks[key] = _Task(i, dtype, shape, value, tuple(layout.pieces), slot)
+    return check
+
+
+def local_check(
+    flat: FlatState, manifest: Manifest, restored: Sequence[str], *, rank: int, world_size: int
+) -> LogicalCheck | None:
+    """``plan_check``, every task summed now (the reads done): this rank's sums over the
+    tensors it restored and its verdict on the whole ones."""
+    check = plan_check(flat, manifest, restored, rank=rank, world_size=world_size)
+    if check is not None:
+        check.sum_rest()
     return check
 
 
@@ -202,4 +258,4 @@ def judge(ctx: Any, check: LogicalCheck | None, step: int, *, collective: bool =
     return err
 
 
-__all__ = ["LogicalCheck", "agree", "judge", "local_check"]
+__all__ = ["LogicalCheck", "agree", "judge", "local_check", "plan_check"]

@@ -1,0 +1,145 @@
+"""The restore's logical sums as the reads land, not after all of them: each tensor is summed
+by the I/O thread that finishes the last read writing into its memory, while the other
+threads go on reading, so on storage slower than the sums the check costs almost nothing.
+
+What counts is memory, not keys: a tensor is summed once no planned read writes into bytes
+it shares with it (another key that aliases it, a tied weight, a view into one flat buffer),
+so a sum never sees a half-written value. The tensors whose memory overlaps, and the pieces
+of one tensor, are summed together (``_components``); a tensor no read writes into is summed
+after the reads (``LogicalCheck.sum_rest``), as is everything when a read failed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from shardkeeper.core.restore.logical_check import LogicalCheck
+from shardkeeper.core.restore.plan import Op
+from shardkeeper.core.restore.reads import Read
+from shardkeeper.core.restore.share import Job
+
+#: A span of memory: (device, first byte address, end address).
+Span = tuple[str, int, int]
+
+
+def _span(t: torch.Tensor) -> Span | None:
+    """The bytes ``t``'s elements lie within (its strides may leave gaps: the span covers
+    them, which only makes more tensors wait for each other)."""
+    if not t.numel():
+        return None
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    lo = t.data_ptr()
+    return str(t.device), lo, lo + extent * t.element_size()
+
+
+def _ops(item: Any) -> Iterator[Op]:
+    """The ops a job's item carries: one op, a coalesced read's segments, an encoded chunk's."""
+    if isinstance(item, Op):
+        yield item
+    elif isinstance(item, Read):
+        for seg in item.segments:
+            yield from seg.ops
+    else:
+        yield from item
+
+
+class SumsAsFilled:
+    """Which jobs write into which checked tensors, and the sums that run as they finish."""
+
+    def __init__(self, check: LogicalCheck, jobs: Sequence[Job]) -> None:
+        self._check = check
+        self._lock = threading.Lock()
+        keys, self._blocks = _components(check)
+        self._keys: list[list[str]] = keys
+        self._remaining = [0] * len(keys)
+        self._of_job: dict[int, tuple[int, ...]] = {}
+        for job in jobs:
+            touched = {c for op in _ops(job.item) for c in self._touching(op.dest)}
+            self._of_job[id(job)] = tuple(touched)
+            for c in touched:
+                self._remaining[c] += 1
+
+    def _touching(self, dest: torch.Tensor) -> Iterable[int]:
+        """The components whose memory ``dest`` overlaps."""
+        span = _span(dest)
+        if span is None:
+            return ()
+        dev, lo, hi = span
+        starts, ends, comps = self._blocks.get(dev, ((), (), ()))
+        i = bisect.bisect_left(starts, hi) - 1  # blocks are disjoint and sorted: walk back
+        out = []
+        while i >= 0 and ends[i] > lo:
+            out.append(comps[i])
+            i -= 1
+        return out
+
+    def wrap(self, job: Job, failed: threading.Event) -> Callable[..., None]:
+        """``job.fn``, then the sums of the tensors it was the last to write into (none once
+        some read of the attempt has failed: the restore fails anyway)."""
+
+        def run(*args: Any) -> None:
+            job.fn(*args)
+            done = []
+            with self._lock:
+                for c in self._of_job.get(id(job), ()):
+                    self._remaining[c] -= 1
+                    if self._remaining[c] == 0:
+                        done.append(c)
+            for c in done:
+                for key in self._keys[c]:
+                    if failed.is_set():
+                        return
+                    self._check.sum(key)
+
+        return run
+
+
+def _components(check: LogicalCheck) -> tuple[list[list[str]], dict[str, tuple[list[int], list[int], list[int]]]]:
+    """The checked tensors grouped so that a group's memory overlaps no other group's: its
+    keys, and per device the sorted disjoint blocks of memory with their group's index."""
+    spans: list[tuple[str, int, int, int]] = []  # (device, lo, hi, key index)
+    names = list(check.tasks)
+    for k, key in enumerate(names):
+        for p in check.tasks[key].pieces:
+            s = _span(p.local)
+            if s is not None:
+                spans.append((*s, k))
+    parent = list(range(len(names)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    merged: list[tuple[str, int, int, int]] = []  # (device, lo, hi, a key in the block)
+    for dev, lo, hi, k in sorted(spans):
+        if merged and merged[-1][0] == dev and lo < merged[-1][2]:
+            d, mlo, mhi, mk = merged[-1]
+            parent[find(k)] = find(mk)
+            merged[-1] = (d, mlo, max(mhi, hi), mk)
+        else:
+            merged.append((dev, lo, hi, k))
+    groups: dict[int, int] = {}
+    keys: list[list[str]] = []
+    for k, key in enumerate(names):
+        root = find(k)
+        if root not in groups:
+            groups[root] = len(keys)
+            keys.append([])
+        keys[groups[root]].append(key)
+    blocks: dict[str, tuple[list[int], list[int], list[int]]] = {}
+    for dev, lo, hi, k in merged:
+        starts, ends, comps = blocks.setdefault(dev, ([], [], []))
+        starts.append(lo)
+        ends.append(hi)
+        comps.append(groups[find(k)])
+    return keys, blocks
+
+
+__all__ = ["SumsAsFilled"]
