@@ -73,99 +73,138 @@ def move_files(group: TierGroup, storage: Storage, plan: Sequence[Move], where: 
             streams.setdefault((m.src, m.dst), []).append(m)
     if not streams:
         return []
-    pieces = {pair: [(m, k) for m in moves for k in range(_pieces(m.size))] for pair, moves in streams.items()}
-    hashes = {(pair, m.path): xxhash.xxh3_128() for pair, moves in streams.items() for m in moves}
-    writers: dict[str, Writer] = {}
-    failed: list[BaseException] = []  # this rank's first failure (its reads and writes run on threads)
+    t = _Transfer(storage, me, streams)
+    _run_rounds(group, t, where)
+    failure = t.failed[0] if t.failed else None
+    try:
+        trails = _trailers(group, streams, t.hashes, failure, where)
+        if failure is not None:
+            raise failure
+        received = _accept(t, trails, where)
+        _sync_parents(storage, received)
+        return received
+    finally:
+        _abort(t.writers)
 
-    def read_round(rnd: int) -> list[tuple[tuple[int, int], np.ndarray]]:
+
+#: A piece received: its stream, its file, and the buffer it arrives in.
+_Received = tuple[tuple[int, int], Move, np.ndarray]
+
+
+class _Transfer:
+    """This rank's side of a transfer: its streams cut into pieces, a running digest of each
+    file, the writers of the files it receives, and its first failure (reads and writes run on
+    threads; after one, the rounds go on with filler)."""
+
+    def __init__(self, storage: Storage, me: int, streams: dict[tuple[int, int], list[Move]]) -> None:
+        self.storage, self.me, self.streams = storage, me, streams
+        self.pieces = {pair: [(m, k) for m in moves for k in range(_pieces(m.size))] for pair, moves in streams.items()}
+        self.hashes = {(pair, m.path): xxhash.xxh3_128() for pair, moves in streams.items() for m in moves}
+        self.writers: dict[str, Writer] = {}
+        self.failed: list[BaseException] = []
+
+    @property
+    def rounds(self) -> int:
+        """How many rounds the transfer takes: the most pieces of any stream."""
+        return max(len(p) for p in self.pieces.values())
+
+    def read_round(self, rnd: int) -> list[tuple[tuple[int, int], np.ndarray]]:
+        """The pieces this rank sends in round ``rnd``, read from its disk, by stream."""
         out = []
-        for pair, ps in sorted(pieces.items()):
-            if pair[0] != me or rnd >= len(ps):
+        for pair, ps in sorted(self.pieces.items()):
+            if pair[0] != self.me or rnd >= len(ps):
                 continue
             m, k = ps[rnd]
             buf = np.zeros(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
-            if not failed:
+            if not self.failed:
                 try:
                     if len(buf):
-                        storage.read_into(m.path, k * PIECE_BYTES, memoryview(cast("Buffer", buf)))
-                    hashes[(pair, m.path)].update(cast("Buffer", buf))
+                        self.storage.read_into(m.path, k * PIECE_BYTES, memoryview(cast("Buffer", buf)))
+                    self.hashes[(pair, m.path)].update(cast("Buffer", buf))
                 except Exception as e:  # said in the trailer; the rounds go on
-                    failed.append(e)
+                    self.failed.append(e)
             out.append((pair, buf))
         return out
 
-    def write_round(got: list[tuple[tuple[int, int], Move, np.ndarray]]) -> None:
-        for pair, m, buf in got:
-            hashes[(pair, m.path)].update(cast("Buffer", buf))
-            if not failed and len(buf):
+    def receive_round(self, group: TierGroup, rnd: int) -> tuple[list[tuple[Any, int]], list[_Received]]:
+        """Post the receives of round ``rnd`` (opening a file's writer at its first piece);
+        their works with the peer, and the buffers they fill."""
+        works: list[tuple[Any, int]] = []
+        got: list[_Received] = []
+        for pair, ps in sorted(self.pieces.items()):
+            if pair[1] != self.me or rnd >= len(ps):
+                continue
+            m, k = ps[rnd]
+            buf = np.zeros(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
+            if k == 0 and not self.failed:
                 try:
-                    writers[m.path].write(memoryview(cast("Buffer", buf)))
+                    self.writers[m.path] = self.storage.open_writer(m.path)
                 except Exception as e:
-                    failed.append(e)
+                    self.failed.append(e)
+            works.append((group.recv(torch.from_numpy(buf), pair[0], _DATA + rnd), pair[0]))
+            got.append((pair, m, buf))
+        return works, got
 
-    rounds = max(len(p) for p in pieces.values())
-    # Reads of the next round and writes of the last one run beside this round's transfer.
+    def write_round(self, got: list[_Received]) -> None:
+        """Hash the pieces that arrived and write them to their files (unless this rank failed)."""
+        for pair, m, buf in got:
+            self.hashes[(pair, m.path)].update(cast("Buffer", buf))
+            if not self.failed and len(buf):
+                try:
+                    self.writers[m.path].write(memoryview(cast("Buffer", buf)))
+                except Exception as e:
+                    self.failed.append(e)
+
+
+def _run_rounds(group: TierGroup, t: _Transfer, where: str) -> None:
+    """Send and receive every round of ``t``; the reads of the next round and the writes of the
+    last one run beside this round's transfer. On an error the writers are aborted."""
+    rounds = t.rounds
     with (
         ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-tier-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="shardkeeper-tier-write") as writer,
     ):
         try:
-            ahead = reader.submit(read_round, 0)
+            ahead = reader.submit(t.read_round, 0)
             for rnd in range(rounds):
                 sending = ahead.result()
                 if rnd + 1 < rounds:
-                    ahead = reader.submit(read_round, rnd + 1)
+                    ahead = reader.submit(t.read_round, rnd + 1)
                 works: list[tuple[Any, int]] = [
                     (group.send(torch.from_numpy(buf), pair[1], _DATA + rnd), pair[1]) for pair, buf in sending
                 ]
-                got: list[tuple[tuple[int, int], Move, np.ndarray]] = []
-                for pair, ps in sorted(pieces.items()):
-                    if pair[1] != me or rnd >= len(ps):
-                        continue
-                    m, k = ps[rnd]
-                    buf = np.zeros(min(PIECE_BYTES, m.size - k * PIECE_BYTES), dtype=np.uint8)
-                    if k == 0 and not failed:
-                        try:
-                            writers[m.path] = storage.open_writer(m.path)
-                        except Exception as e:
-                            failed.append(e)
-                    works.append((group.recv(torch.from_numpy(buf), pair[0], _DATA + rnd), pair[0]))
-                    got.append((pair, m, buf))
-                _wait_all(group, works, where)
-                writer.submit(write_round, got)
+                receives, got = t.receive_round(group, rnd)
+                _wait_all(group, works + receives, where)
+                writer.submit(t.write_round, got)
         except BaseException:
             writer.shutdown(wait=True)
-            _abort(writers)
+            _abort(t.writers)
             raise
         finally:
             writer.shutdown(wait=True)  # every write done (in order) before the trailers and closes
-    failure = failed[0] if failed else None
-    try:
-        trails = _trailers(group, streams, hashes, failure, where)
-        if failure is not None:
-            raise failure
-        received = []
-        for (src, dst), moves in sorted(streams.items()):
-            if dst != me:
-                continue
-            sent_error = trails[(src, dst)].get(_ERROR)
-            if sent_error is not None:
-                raise CorruptCheckpointError(f"{where}: rank {src} could not send its files ({sent_error})")
-            for m in moves:
-                want, have = trails[(src, dst)].get(m.path), hashes[((src, dst), m.path)].hexdigest()
-                if want != have:
-                    raise CorruptCheckpointError(
-                        f"{where}: {storage.describe(m.path)} from rank {src} arrived with digest {have}, not "
-                        f"the sender's {want} (the network or a disk corrupted it)"
-                    )
-            for m in moves:
-                writers.pop(m.path).close()
-                received.append(m.path)
-        _sync_parents(storage, received)
-        return received
-    finally:
-        _abort(writers)
+
+
+def _accept(t: _Transfer, trails: dict[tuple[int, int], dict[str, str]], where: str) -> list[str]:
+    """Check each file this rank received against its sender's digest and close it; the paths,
+    in stream order. A sender's failure or a differing digest raises."""
+    received = []
+    for (src, dst), moves in sorted(t.streams.items()):
+        if dst != t.me:
+            continue
+        sent_error = trails[(src, dst)].get(_ERROR)
+        if sent_error is not None:
+            raise CorruptCheckpointError(f"{where}: rank {src} could not send its files ({sent_error})")
+        for m in moves:
+            want, have = trails[(src, dst)].get(m.path), t.hashes[((src, dst), m.path)].hexdigest()
+            if want != have:
+                raise CorruptCheckpointError(
+                    f"{where}: {t.storage.describe(m.path)} from rank {src} arrived with digest {have}, not "
+                    f"the sender's {want} (the network or a disk corrupted it)"
+                )
+        for m in moves:
+            t.writers.pop(m.path).close()
+            received.append(m.path)
+    return received
 
 
 def _abort(writers: dict[str, Writer]) -> None:
