@@ -13,6 +13,8 @@ Before the restore, ``ls --local`` shows step 3 recoverable (``rebuild``) or par
 
 - ``rebuild``: the newest step restores bit for bit from the local tier, rebuilt from
   parity, with no byte read from the persistent root; the lost nodes hold its files again.
+- ``damaged``: a byte of the newest step's parity flipped as well: its rebuild fails that
+  piece's digest, and step 2 is rebuilt and restored instead, from the local tier.
 - ``fallback``: more nodes of a group lost than it has parity: the restore falls back to
   the persisted step 1.
 """
@@ -73,12 +75,17 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
     if rank in cfg["lose"]:
         shutil.rmtree(cfg["locals"][rank])
         Path(cfg["locals"][rank]).mkdir()  # the replaced node's empty directory
+    if cfg.get("damage") and rank == cfg["damage"][0]:  # a byte of a parity file flipped
+        f = Path(cfg["locals"][rank]) / ".parity" / "step-000000000003" / cfg["damage"][1]
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
     dist.barrier()
     if rank == 0:  # what `shardkeeper ls ROOT --local DIR...` shows of the nodes left
         rows: list[dict[str, Any]] = []
         add_tiers(rows, cfg["locals"])
         row = next(r for r in rows if r["step"] == 3)
-        want = "recoverable" if cfg["mode"] == "rebuild" else "partial"
+        want = "partial" if cfg["mode"] == "fallback" else "recoverable"  # (ls does not check digests)
         check(f"ls --local shows step 3 {want}", tiers_cell(row).endswith(f"({want})"), tiers_cell(row))
 
 
@@ -105,6 +112,18 @@ def rebuild(out: Path, cfg: dict[str, Any]) -> None:
     checks.write(out / f"checks-r{rank}.json")
 
 
+def damaged(out: Path, cfg: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    save_then_lose(cfg)
+    step, mgr, got = restore(cfg)
+    check("the step before the damaged parity's restored", step == 2, step)
+    check("from the local tier", mgr.last_restore_tier == "local", mgr.last_restore_tier)
+    check("no byte read from the persistent root", mgr.persistent_reads == 0, mgr.persistent_reads)
+    check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(2, rank)))
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
 def fallback(out: Path, cfg: dict[str, Any]) -> None:
     rank = dist.get_rank()
     save_then_lose(cfg)
@@ -122,7 +141,7 @@ def main() -> None:
     for run in runs:
         where = out / run["name"]
         where.mkdir(parents=True, exist_ok=True)
-        {"rebuild": rebuild, "fallback": fallback}[run["mode"]](where, run)
+        {"rebuild": rebuild, "damaged": damaged, "fallback": fallback}[run["mode"]](where, run)
         dist.barrier()
     dist.destroy_process_group()
 

@@ -74,11 +74,16 @@ def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Pa
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_an_encrypted_step_rebuilds_and_more_losses_than_parity_fall_back(tmp_path: Path) -> None:
+def test_an_encrypted_step_rebuilds_and_damaged_parity_or_more_losses_fall_back(tmp_path: Path) -> None:
+    """A damaged parity piece fails its digest: the rebuild goes to the step before (before,
+    the rebuild's failure failed the whole restore)."""
     pytest.importorskip("cryptography")
     pytest.importorskip("zstandard")
     codecs = _run(tmp_path, "codecs", "rebuild", [3, 1], [2], XOR)
     codecs["options"] = {"encryption": "env:SK_ERASURE_KEK", "compression": "zstd"}
     # two of group [0, 1, 2] lost, one parity shard: the persisted step 1
+    # node 1 lost and node 3's parity of step 3 damaged: step 2, rebuilt
+    damaged = _run(tmp_path, "damaged", "damaged", [3, 1], [1], XOR)
+    damaged["damage"] = [3, "g0-p0"]
     over = _run(tmp_path, "over", "fallback", [3, 1], [0, 1], XOR)
-    _launch(tmp_path, [codecs, over], env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()})
+    _launch(tmp_path, [codecs, damaged, over], env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()})

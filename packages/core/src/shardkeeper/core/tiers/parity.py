@@ -121,6 +121,7 @@ class _Encoding:
         self.mine = next(g for g in self.groups if self.node in g.data)
         self.sending = Concat(storage, self.files[self.node])
         self.shards: list[_Shard] = []
+        self.failed: list[BaseException] = []  # this rank's first failure: raised after the last round
 
     def run(self) -> None:
         for g in self.groups if self.leader else ():
@@ -130,13 +131,18 @@ class _Encoding:
                 if not held:
                     continue
                 path = parity_name(self.step, g.index, j)
-                for p in (path + ".json", path):
-                    _remove(self.storage, p)
+                try:
+                    for p in (path + ".json", path):
+                        _remove(self.storage, p)  # (a failed save's leftovers)
+                except Exception as e:  # the rounds go on: no data node waits on this rank
+                    self.failed.append(e)
                 bufs = [np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for _ in g.data]
                 self.shards.append(_Shard(g, j, Code(len(g.data), self.m), total, path, bufs, held, []))
         piece = np.empty(min(PIECE_BYTES, self.totals[self.mine.index]), dtype=np.uint8)
         for rnd in range(-(-max(self.totals) // PIECE_BYTES)):
             self._round(rnd, piece)
+        if self.failed:
+            raise self.failed[0]
         for s in self.shards:
             assert s.writer is not None
             s.writer.close()
@@ -150,16 +156,20 @@ class _Encoding:
         off, total = rnd * PIECE_BYTES, self.totals[self.mine.index]
         if self.leader and off < total:
             n = min(PIECE_BYTES, total - off)
-            got = max(0, min(n, self.sending.length - off))
-            if got:
-                self.sending.read(off, memoryview(cast("Any", piece[:got])))
+            got = 0 if self.failed else max(0, min(n, self.sending.length - off))
+            try:
+                if got:
+                    self.sending.read(off, memoryview(cast("Any", piece[:got])))
+            except Exception as e:  # zeros go out instead: no holder waits on this rank
+                self.failed.append(e)
+                got = 0
             piece[got:n] = 0
             t = torch.from_numpy(piece[:n])
             index = self.mine.data.index(self.node)
             for j in range(self.m):
                 dst = self.nodes.leader(self.mine.holder(j, rnd, self.m))
                 works.append((self.group.send(t, dst, TAG + rnd * 256 + index), dst))
-        live = [s for s in self.shards if rnd in s.pieces]
+        live = [s for s in self.shards if off < s.total and s.group.holder(s.shard, rnd, self.m) == self.node]
         for s in live:
             n = min(PIECE_BYTES, s.total - off)
             for i, d in enumerate(s.group.data):
@@ -167,14 +177,19 @@ class _Encoding:
                 works.append((self.group.recv(torch.from_numpy(s.bufs[i][:n]), src, TAG + rnd * 256 + i), src))
         for work, peer in works:
             self.group.wait(work, f"step {self.step}, rank {self.group.rank}: the parity's pieces (with rank {peer})")
-        for s in live:
-            n = min(PIECE_BYTES, s.total - off)
-            block = s.code.encode([b[:n] for b in s.bufs], [s.shard])[0]
-            s.digests.append(xxhash.xxh3_128_hexdigest(memoryview(cast("Any", block))))
-            if s.writer is None:
-                s.writer = self.storage.open_writer(s.path)
-            s.writer.write(memoryview(cast("Any", block)))
-            s.size += n
+        for s in live if not self.failed else ():
+            try:
+                self._code(s, min(PIECE_BYTES, s.total - off))
+            except Exception as e:  # the rounds go on: no data node waits on this rank
+                self.failed.append(e)
+
+    def _code(self, s: _Shard, n: int) -> None:
+        block = s.code.encode([b[:n] for b in s.bufs], [s.shard])[0]
+        s.digests.append(xxhash.xxh3_128_hexdigest(memoryview(cast("Any", block))))
+        if s.writer is None:
+            s.writer = self.storage.open_writer(s.path)
+        s.writer.write(memoryview(cast("Any", block)))
+        s.size += n
 
     def _record(self, s: _Shard) -> None:
         data = s.group.data

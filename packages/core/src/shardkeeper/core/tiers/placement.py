@@ -166,11 +166,12 @@ def _job(step: int, shards: list[tuple[int, dict[str, Any]]], have: list[dict[st
     return Job(step, rec["nodes"][lost[0]] % nodes, lost, rec, rounds, digests)
 
 
-def plan(listings: list[dict[str, Any]], asked: int | None, nodes: int) -> list[Job]:
+def plan(listings: list[dict[str, Any]], asked: int | None, nodes: int, skip: set[int] | None = None) -> list[Job]:
     """The groups to rebuild (every rank alike): those of the newest step with a manifest
     somewhere (or ``asked``) that lost data nodes, when each piece keeps k shards; else of
-    the next older step; [] when the newest is whole on the nodes (or nothing can be rebuilt)."""
-    steps = sorted({s for lst in listings for s in lst["manifests"]}, reverse=True)
+    the next older step; [] when the newest is whole on the nodes (or nothing can be rebuilt).
+    Steps in ``skip`` (a rebuild of them failed) count as not rebuildable."""
+    steps = sorted({s for lst in listings for s in lst["manifests"]} - (skip or set()), reverse=True)
     for step in [s for s in steps if s == asked] if asked is not None else steps:
         key = str(step)
         have = [lst["files"].get(key, {}) for lst in listings]

@@ -31,7 +31,7 @@ from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.parity import Concat
 from shardkeeper.core.tiers.placement import Job, listing, parity_name, plan
 from shardkeeper.core.tiers.transfer import remove_copy
-from shardkeeper.core.tiers.wire import TierGroup
+from shardkeeper.core.tiers.wire import TierGroup, TierGroupBroken
 from shardkeeper.core.verify.step import verify_step
 
 log = logging.getLogger(__name__)
@@ -52,20 +52,35 @@ def rebuild_lost(group: TierGroup, nodes: NodeMap, local: Any, asked: int | None
             error = e
     group.agree_ok(error, f"{where}: listing the parity")
     got = group.all_gather_json(mine, f"{where}: the parity's listings")
-    jobs = plan([got[nodes.leader(k)] for k in range(len(nodes.nodes))], asked, len(nodes.nodes))
-    for job in jobs:
-        _manifest_to(group, nodes, local, job, [got[nodes.leader(k)] for k in range(len(nodes.nodes))])
-        error = None
+    listings = [got[nodes.leader(k)] for k in range(len(nodes.nodes))]
+    failed: set[int] = set()
+    while True:
+        jobs = plan(listings, asked, len(nodes.nodes), failed)
         try:
-            _run(group, nodes, local, job)
-        except Exception as e:  # this rank's own failure, or a sender's: agreed below
-            group.check()
-            error = e
-        group.agree_ok(error, f"step {job.step}, {where}")
-        if me == nodes.leader(job.target):
-            shown = ", ".join(str(job.record["nodes"][i]) for i in job.lost)
-            log.warning("rank %d: step %d: the files of node(s) %s rebuilt here from parity", me, job.step, shown)
-    return jobs
+            for job in jobs:
+                _job(group, nodes, local, job, listings, where)
+            return jobs
+        except TierGroupBroken:
+            raise
+        except CheckpointError as e:  # (agreed: every rank is here) an older step, or the fallback
+            log.warning("rank %d: step %d could not be rebuilt from parity: %s", me, jobs[0].step, e)
+            failed.add(jobs[0].step)
+
+
+def _job(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[Any], where: str) -> None:
+    """Collective: one group rebuilt on its target (``_run``); a failure raised on every rank."""
+    me = group.rank
+    _manifest_to(group, nodes, local, job, listings)
+    error = None
+    try:
+        _run(group, nodes, local, job)
+    except Exception as e:  # this rank's own failure, or a sender's: agreed below
+        group.check()
+        error = e
+    group.agree_ok(error, f"step {job.step}, {where}")
+    if me == nodes.leader(job.target):
+        shown = ", ".join(str(job.record["nodes"][i]) for i in job.lost)
+        log.warning("rank %d: step %d: the files of node(s) %s rebuilt here from parity", me, job.step, shown)
 
 
 def _manifest_to(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[dict[str, Any]]) -> None:
@@ -108,16 +123,21 @@ def _read(local: Any, rec: dict[str, Any], shard: int, at: int, buf: np.ndarray)
 
 def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
     """This rank's part of ``job``: send the pieces it holds to the target's leader, or (that
-    leader) receive k shards of each piece, decode and write the lost nodes' files, verify."""
+    leader) receive k shards of each piece, decode and write the lost nodes' files, verify.
+    A rank whose read, check or write fails keeps taking part in every round (sending zeros,
+    dropping what arrives), so that no peer waits on it, and raises at the end."""
     me, rec = group.rank, job.record
     k, total, size = rec["k"], rec["length"], rec["piece_bytes"]
     target = nodes.leader(job.target)
     out = _Out(local.raw, rec, job.lost) if me == target else None
-    if out is not None:
-        for p in out.paths:
+    failed: list[BaseException] = []
+    try:
+        for p in out.paths if out is not None else ():
             if local.raw.exists(p):
                 remove_copy(local.storage, p)  # (a copy cut short: replaced)
-    bufs = {i: np.empty(min(size, total), dtype=np.uint8) for i in range(k + rec["m"])}
+    except Exception as e:
+        failed.append(e)
+    bufs = {i: np.zeros(min(size, total), dtype=np.uint8) for i in range(k + rec["m"])}
     code = Code(k, rec["m"])
     try:
         for r, sources in enumerate(job.rounds):
@@ -126,7 +146,7 @@ def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
             for i, (node, at) in sources.items():
                 src = nodes.leader(node)
                 if src == me:
-                    _read(local, rec, i, at, bufs[i][:n])
+                    _attempt(failed, _read, local, rec, i, at, bufs[i][:n])
                     if me != target:
                         works.append((group.send(torch.from_numpy(bufs[i][:n]), target, TAG + r * 256 + i), target))
                 elif me == target:
@@ -134,15 +154,27 @@ def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
             for work, peer in works:
                 group.wait(work, f"step {job.step}, rank {me}: the rebuild's pieces (with rank {peer})")
             if out is not None:
-                _decode(job, code, r, {i: bufs[i][:n] for i in sources}, out)
-        if out is not None:
+                _attempt(failed, _decode, job, code, r, {i: bufs[i][:n] for i in sources}, out)
+        if out is not None and not failed:
             out.close()
+        if failed:
+            raise failed[0]
     except BaseException:
         if out is not None:
             out.abort()
         raise
     if out is not None:
         _verify(local, job.step, out.paths)
+
+
+def _attempt(failed: list[BaseException], fn: Any, *args: Any) -> None:
+    """``fn(*args)`` unless an earlier step of this rank failed; its failure kept in ``failed``."""
+    if failed:
+        return
+    try:
+        fn(*args)
+    except Exception as e:  # raised after the last round, which the peers wait on
+        failed.append(e)
 
 
 def _decode(job: Job, code: Code, r: int, blocks: dict[int, np.ndarray], out: _Out) -> None:
