@@ -258,6 +258,46 @@ def export_safetensors(
     ``to`` must be new or empty (``FileExistsError`` otherwise, before anything is read);
     ``overwrite=True`` first removes the ``*.safetensors`` files and indexes in it, only those.
     """
+    storage = _open(root, storage_options, encryption, encryption_root)
+    step, m, where = _load_step(storage, step)
+    items = _select(m, list(keys), None if keep_prefix else "model/", where)
+    limit = parse_size(max_shard_size)
+    if limit < 1:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
+    shards = _plan_shards(items, limit)
+    outdir = os.fspath(to)
+    removed = _prepare_dir(outdir, overwrite)
+    res = ExportResult(step=step, directory=outdir, removed=removed)
+    reader = ChunkReader.of(
+        storage, m, where=where, remedy=f"export another step and run `shardkeeper verify {storage.url}`"
+    )
+    bar = make_bar(sum(it[2].nbytes for it in items), f"export step {step}", progress)
+    # Every file is written by ``atomic_file``: a temporary created anew (a link planted at
+    # its name is unlinked, never written through), renamed over the final name (a link there
+    # is replaced); so nothing lands outside ``outdir``, even if links appear there meanwhile.
+    try:
+        meta = {"format": "pt", "shardkeeper_root": storage.url, "shardkeeper_step": str(step)}
+        _write_shards(shards, reader, m, meta, res, bar)
+        _write_index(res)
+    except BaseException:
+        # a failed export leaves its folder as it found it (empty, or emptied by overwrite=True):
+        # no half-written shard, no shard without an index, and nothing to overwrite next time
+        for fname in res.files:
+            with contextlib.suppress(OSError):
+                remove_entry(os.path.join(outdir, fname))
+        raise
+    finally:
+        bar.close()
+    return res
+
+
+def _open(
+    root: str | os.PathLike[str] | Storage,
+    storage_options: Mapping[str, Any] | None,
+    encryption: Any,
+    encryption_root: str | None,
+) -> Storage:
+    """The storage at ``root``; with ``encryption``, one that decrypts and authenticates."""
     storage = open_storage(root, **dict(storage_options or {}))
     if encryption is not None:
         from shardkeeper.core.codec.crypto import EncryptedStorage
@@ -266,6 +306,12 @@ def export_safetensors(
         provider = key_provider(encryption)
         assert provider is not None
         storage = EncryptedStorage(storage, provider, root=encryption_root).authenticated()
+    return storage
+
+
+def _load_step(storage: Storage, step: int | None) -> tuple[int, Manifest, str]:
+    """``step`` (None: the newest committed), its manifest, and the words that name it; an
+    encrypted step read without its key is refused."""
     if step is None:
         steps = committed_steps(storage)
         if not steps:
@@ -280,56 +326,44 @@ def export_safetensors(
             f"{where} is encrypted (key {m.encryption.get('key_id')}); pass its key: "
             f"export_safetensors(..., encryption='env:VAR' | 'file:PATH' | a KeyProvider)"
         )
-    items = _select(m, list(keys), None if keep_prefix else "model/", where)
-    limit = parse_size(max_shard_size)
-    if limit < 1:
-        raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    shards = _plan_shards(items, limit)
-    outdir = os.fspath(to)
-    removed = _prepare_dir(outdir, overwrite)
-    res = ExportResult(step=step, directory=outdir, removed=removed)
-    reader = ChunkReader.of(
-        storage, m, where=where, remedy=f"export another step and run `shardkeeper verify {storage.url}`"
-    )
-    bar = make_bar(sum(it[2].nbytes for it in items), f"export step {step}", progress)
+    return step, m, where
+
+
+def _write_shards(
+    shards: list[list[tuple[str, str, LeafRecord]]],
+    reader: ChunkReader,
+    m: Manifest,
+    meta: dict[str, str],
+    res: ExportResult,
+    bar: Any,
+) -> None:
+    """Write each shard into ``res.directory`` (its header, then one assembled tensor at a
+    time), recording its file, names and bytes in ``res``."""
     n = len(shards)
-    # Every file is written by ``atomic_file``: a temporary created anew (a link planted at
-    # its name is unlinked, never written through), renamed over the final name (a link there
-    # is replaced); so nothing lands outside ``outdir``, even if links appear there meanwhile.
-    try:
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-            header, _ = build_header(
-                [(name, leaf.dtype, leaf.shape, leaf.nbytes) for name, _, leaf in shard],
-                {"format": "pt", "shardkeeper_root": storage.url, "shardkeeper_step": str(step)},
-            )
-            final = os.path.join(outdir, fname)
-            with atomic_file(final, final + ".partial") as f:
-                f.write(header)
-                for name, key, leaf in shard:
-                    data = _assemble(reader, m, key, leaf)
-                    f.write(_view(data))
-                    del data
-                    res.weight_map[name] = fname
-                    res.total_size += leaf.nbytes
-                    bar.update(leaf.nbytes)
-            res.files.append(fname)
-        index = {
-            "metadata": {"total_size": res.total_size, "shardkeeper_step": step},
-            "weight_map": dict(sorted(res.weight_map.items())),
-        }
-        final = os.path.join(outdir, INDEX_NAME)
-        write_file(final, (json.dumps(index, indent=2) + "\n").encode(), tmp=final + ".partial")
-    except BaseException:
-        # a failed export leaves its folder as it found it (empty, or emptied by overwrite=True):
-        # no half-written shard, no shard without an index, and nothing to overwrite next time
-        for fname in res.files:
-            with contextlib.suppress(OSError):
-                remove_entry(os.path.join(outdir, fname))
-        raise
-    finally:
-        bar.close()
-    return res
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        header, _ = build_header([(name, leaf.dtype, leaf.shape, leaf.nbytes) for name, _, leaf in shard], meta)
+        final = os.path.join(res.directory, fname)
+        with atomic_file(final, final + ".partial") as f:
+            f.write(header)
+            for name, key, leaf in shard:
+                data = _assemble(reader, m, key, leaf)
+                f.write(_view(data))
+                del data
+                res.weight_map[name] = fname
+                res.total_size += leaf.nbytes
+                bar.update(leaf.nbytes)
+        res.files.append(fname)
+
+
+def _write_index(res: ExportResult) -> None:
+    """Write the index of the shards ``res`` records, last."""
+    index = {
+        "metadata": {"total_size": res.total_size, "shardkeeper_step": res.step},
+        "weight_map": dict(sorted(res.weight_map.items())),
+    }
+    final = os.path.join(res.directory, INDEX_NAME)
+    write_file(final, (json.dumps(index, indent=2) + "\n").encode(), tmp=final + ".partial")
 
 
 __all__ = [
