@@ -214,7 +214,8 @@ class StrategyBinding:
             if "sched" in engine and not weights_only:
                 state["sched"] = engine["sched"]
         state["rng"] = RNGState()
-        state.update(self.data.entry(st.trainer(strategy)) if not weights_only else {})  # data/sampler/<i>
+        if not weights_only:
+            self.data.add_to(state, st.trainer(strategy))  # extra/data_position/<i>
         return state
 
     # -- load ----------------------------------------------------------------------------------
@@ -286,7 +287,8 @@ class StrategyBinding:
             only.append("rng/*")
         strict = bool(getattr(lm, "strict_loading", True))
         mgr.restore(state, step=step, only=only, strict=strict, optional=optional)
-        self.data.resume(codec.skeleton(leaves, "data/sampler") if fitting else None)  # for the train samplers
+        positions = (state.get("extra") or {}).get("data_position") if fitting else None
+        self.data.resume(positions)  # extra/data_position/<i>, for the train samplers
         extra = codec.decode(state.get("extra") or {})
         ck = lightning_dict(manifest, extra, state.get("sched"), step, mgr.storage.url)
         ck["state_dict"] = {}

@@ -6,8 +6,9 @@ With ``use_distributed_sampler=True`` (the default), Lightning replaces a train 
 shuffle, seed)``. Under the plugin, that sampler is a :class:`LightningSampler` built with the
 same arguments instead: a ``ResumableDistributedSampler`` (same order, index for index), which
 the plugin advances by the loader's batch size before each training batch, saves once
-(``data/sampler/<i>/...``, rank 0's copy, the same on every rank) and, on a resume, hands the
-epoch's rest to the new ranks.
+(``extra/data_position/<i>/...``, rank 0's copy, the same on every rank: the key and layout of
+every adapter, so another framework resumes it) and, on a resume, hands the epoch's rest to the
+new ranks.
 
 Lightning counts an epoch's batches against ``len(dataloader)``, fixed when the loader is set
 up, and resumes mid-epoch at the number of batches it had taken. So the sampler's ``len`` is
@@ -88,10 +89,11 @@ class DataPositions:
         self._made = 0  # samplers made since the restore
 
     # -- save ----------------------------------------------------------------------------------
-    def entry(self, trainer: Any) -> dict[str, Any]:
-        """``{"data": {"sampler": self}}`` for a save, or ``{}`` without samplers."""
+    def add_to(self, state: dict[str, Any], trainer: Any) -> None:
+        """Put the positions in ``state`` for a save, as ``extra/data_position`` (none without samplers)."""
         self.trainer = trainer
-        return {"data": {"sampler": self}} if train_samplers(trainer) else {}
+        if train_samplers(trainer):
+            state["extra"] = {**state.get("extra", {}), "data_position": self}
 
     def state_dict(self) -> dict[str, Any]:
         return {str(i): s.state_dict() for i, s in enumerate(train_samplers(self.trainer))}
@@ -101,7 +103,7 @@ class DataPositions:
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self, saved: Mapping[str, Any] | None) -> None:
-        """Keep the checkpoint's positions (``data/sampler`` of its manifest) for the samplers
+        """Keep the checkpoint's positions (``extra/data_position``, restored) for the samplers
         Lightning makes next, when it sets up the train data of the resumed fit."""
         self._pending = {str(k): dict(v) for k, v in (saved or {}).items() if isinstance(v, Mapping)}
         self._made = 0
