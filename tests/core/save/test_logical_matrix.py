@@ -8,10 +8,10 @@ FSDP2+TP models and saves each. Every manifest's digests, read with ``shardkeepe
 --json``, must equal this process's ``logical_digest`` of every parameter, buffer and
 optimizer state tensor; with one parameter one ulp off they must not.
 
-One gap is asserted as it stands: under FSDP2+TP the tensors sharded over the data-parallel
-submesh only (every copy on the tensor-parallel dimension writes the same chunks; the
-coordinator keeps one and, as docs/format.md 6.1 says, records no digest for such a leaf)
-have none. The test names exactly those leaves, so it fails when they gain one.
+Under FSDP2+TP the tensors sharded over the data-parallel submesh alone are written twice
+(every copy on the tensor-parallel dimension writes the same chunks): the coordinator keeps
+one of each and takes the digest from ranks that cover the tensor once, so they record the
+same digests as every other layout.
 """
 
 from __future__ import annotations
@@ -30,13 +30,6 @@ from ..dist.layouts import build, train_step
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 LAYOUTS = ("plain", "fsdp1", "fsdp2", "tp", "fsdp2_tp")
-#: FSDP2+TP's tensors on the data-parallel submesh alone: written twice, recorded without a digest.
-SUBMESH = {
-    f"{kind}{m}.{p}{state}"
-    for m in ("emb", "head", "big")
-    for p in ("weight", "bias")
-    for kind, state in (("model/", ""), ("optim/state/", "/exp_avg"), ("optim/state/", "/exp_avg_sq"))
-}
 
 
 def _one_process_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
@@ -61,17 +54,13 @@ def test_every_layout_records_the_one_process_digests(tmp_path: Path) -> None:
     res = run_workers(4, "logical_matrix_worker.py", str(tmp_path / "ref.safetensors"), str(tmp_path), timeout_s=240)
     assert res.returncode == 0, res.stdout[-4000:]
     roots = [("one process", tmp_path / "one-process", 1), *((f"{n} at 4 ranks", tmp_path / n, 1) for n in LAYOUTS)]
-    # every layout saved every tensor of the state and no other; each recorded a digest for
-    # each (FSDP2+TP: but its submesh tensors')
+    # every layout saved every tensor of the state and no other, each with a digest
     for name, root, step in roots:
         recorded = inspect_digests(root, step)
         assert set(recorded) == set(tensors), (name, sorted(set(recorded) ^ set(tensors)))
         missing = {k for k, d in recorded.items() if d is None}
-        assert missing == (SUBMESH if name.startswith("fsdp2_tp") else set()), (name, sorted(missing))
-    assert_matrix([r for r in roots if not r[0].startswith("fsdp2_tp")], tensors)
-    assert_matrix(
-        [r for r in roots if r[0].startswith("fsdp2_tp")], {k: v for k, v in tensors.items() if k not in SUBMESH}
-    )
+        assert not missing, (name, sorted(missing))
+    assert_matrix(roots, tensors)
 
 
 def test_a_one_ulp_change_in_the_expected_model_fails_the_compare(tmp_path: Path) -> None:

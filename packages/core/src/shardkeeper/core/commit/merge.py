@@ -16,6 +16,7 @@ from typing import Any
 
 import xxhash
 
+from shardkeeper.core.commit.tiling import covering_reports, tiling_problems
 from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.columns import (
     DIGEST_HEX,
@@ -28,10 +29,8 @@ from shardkeeper.core.format.leaf_table import LeafTable
 from shardkeeper.core.format.leaves import LazyLeaves
 from shardkeeper.core.format.logical_member import combine_reports
 from shardkeeper.core.format.manifest import Manifest
-from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.format.reports import decode_report
 from shardkeeper.core.format.table import TableLeaves
-from shardkeeper.core.format.table_checks import all_slabs, leaf_chunks_problem
 
 
 def declared_digest(declared: Mapping[str, Any]) -> str:
@@ -115,7 +114,7 @@ def _assemble(
     keys = sorted(declared.keys() - described.keys())
     decls = [declared[k] for k in keys]
     rows_list = [rows_of.get(k, []) for k in keys]
-    dropped = _tiling_problems(keys, decls, rows_list, table, problems)
+    dropped = tiling_problems(keys, decls, rows_list, table, problems)
     unknown = sorted(rows_of.keys() - declared.keys())
     if unknown:
         problems.append(f"chunks of undeclared keys {unknown[:3]}")
@@ -124,7 +123,8 @@ def _assemble(
         problems.append(f"keys {both[:3]} are tensors on some ranks and JSON values on others")
     logical = None
     try:
-        logical = combine_reports(reports, declared, described, dropped) if not problems else None
+        counted = {k: covering_reports(rows_of[k], table, bases) for k in dropped}
+        logical = combine_reports(reports, declared, described, counted) if not problems else None
     except ValueError as e:
         problems.append(f"the logical digests cannot be combined: {e}")
     if problems:
@@ -185,34 +185,6 @@ def _gather(reports: Sequence[Mapping[str, Any]], width: int, problems: list[str
             if p not in got.prefixes:
                 got.prefixes.append(p)
     return got
-
-
-def _tiling_problems(
-    keys: list[str], decls: list[list[Any]], rows_list: list[list[int]], table: ChunkTable, problems: list[str]
-) -> list[str]:
-    """Add a problem for each leaf whose chunks do not tile its shape; returns the leaves whose
-    replicas two ranks wrote (each counted once: their rows in ``rows_list`` are deduplicated,
-    and their logical sums are corrected)."""
-    raw_only = "encoding" not in table.extras  # encoded chunks' lengths are their own
-    shapes = [d[2] for d in decls]
-    item_sizes = [DTYPES[d[1]][1] if d[1] in DTYPES else 1 for d in decls]
-    dropped: list[str] = []
-    perm = list(chain.from_iterable(rows_list))
-    if all_slabs(shapes, item_sizes, list(map(len, rows_list)), perm, table, check_lengths=raw_only):
-        return dropped
-    for j, key in enumerate(keys):
-        rows, shape, item_size = rows_list[j], shapes[j], item_sizes[j]
-        why = leaf_chunks_problem(key, shape, item_size, rows, table, check_lengths=raw_only)
-        if why is not None and len(rows) > 1:
-            # A replica written by more than one rank counts once.
-            unique = list({table.box(i): i for i in rows}.values())
-            if len(unique) < len(rows):
-                rows_list[j] = rows = sorted(unique)
-                dropped.append(key)
-                why = leaf_chunks_problem(key, shape, item_size, rows, table, check_lengths=raw_only)
-        if why is not None:
-            problems.append(f"{key}: {why}")
-    return dropped
 
 
 def _not_one_checkpoint(step: int, problems: list[str]) -> StateMismatchError:

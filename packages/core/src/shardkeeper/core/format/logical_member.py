@@ -17,7 +17,7 @@ Torch- and numpy-free.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from shardkeeper.core.format.leaves import RawLeaves
@@ -135,16 +135,18 @@ def combine_reports(
     reports: Sequence[Mapping[str, Any]],
     declared: Mapping[str, Sequence[Any]],
     described: Iterable[str],
-    uncounted: Iterable[str] = (),
+    counted: Mapping[str, Collection[int] | None] | None = None,
 ) -> dict[str, Any] | None:
     """The manifest's member from every rank's report (their chunks' and described sums) and
-    the leaves every rank declared (key -> [kind, dtype, shape]); ``uncounted``: leaves whose
-    duplicate chunks the coordinator dropped (two ranks counted them: no digest). None when a
-    report has no sums (a writer that does not compute them). ValueError names a rank whose
-    sums do not match its keys."""
+    the leaves every rank declared (key -> [kind, dtype, shape]); ``counted``: leaves whose
+    duplicate chunks the coordinator dropped (two ranks wrote a box), each with the indices
+    of the reports whose sums together cover it once (``commit/merge.py``), or None where no
+    such reports exist (no digest). None when a report has no sums (a writer that does not
+    compute them). ValueError names a rank whose sums do not match its keys."""
+    counted = counted or {}
     dkeys = sorted(described)
     sums: dict[str, int] = {}
-    for r in reports:
+    for n, r in enumerate(reports):
         chunks = r["chunks"]
         if not isinstance(chunks, dict) or "logical" not in chunks or "keys" not in chunks:
             return None
@@ -160,10 +162,12 @@ def combine_reports(
             except ValueError as e:
                 raise ValueError(f"rank {r['rank']}'s report: {e}") from None
             for k, s in zip(keys, values):
-                sums[k] = (sums.get(k, 0) + s) & MASK
-    skip = set(uncounted)
+                if k not in counted or n in (counted[k] or ()):
+                    sums[k] = (sums.get(k, 0) + s) & MASK
+    skip = set(counted)
     digests = [
-        "" if k in skip else finalize(str(declared[k][1]), declared[k][2], sums.get(k, 0)) for k in sorted(declared)
+        "" if k in skip and counted[k] is None else finalize(str(declared[k][1]), declared[k][2], sums.get(k, 0))
+        for k in sorted(declared)
     ]
     member: dict[str, Any] = {"algorithm": ALGORITHM, "digests": ",".join(digests)}
     disagree = _disagreements(reports, sums, declared, skip)
