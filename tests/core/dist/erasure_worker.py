@@ -1,5 +1,6 @@
 """The erasure-coded node tier on 4 gloo ranks, each its own local directory (four simulated
-nodes, one rank each); the persistent root a local directory.
+nodes, one rank each; with ``CONFIG["per_node"] = 2`` two nodes of two ranks, sharing one);
+the persistent root a local directory.
 
     erasure_worker.py MODE OUT CONFIG_JSON
 
@@ -36,9 +37,9 @@ from tests.checks import Checks
 
 checks = Checks()
 check = checks.check
-#: Elements of the per-rank tensor: about 10 MiB, three pieces of parity (``erasure.PIECE_BYTES``),
+#: Elements of the per-rank tensor: about 4.6 MiB, two pieces of parity (``erasure.PIECE_BYTES``),
 #: spread over the nodes outside each group.
-SIZE = 1_300_000
+SIZE = 600_000
 
 
 def shared(step: int) -> torch.Tensor:
@@ -50,11 +51,15 @@ def own(step: int, rank: int) -> torch.Tensor:
     return torch.randn(SIZE + 1531 * rank, generator=g, dtype=torch.float64)
 
 
+def node_dir(cfg: dict[str, Any]) -> Path:
+    """This rank's node's directory: ``CONFIG["per_node"]`` consecutive ranks share one."""
+    return Path(cfg["locals"][dist.get_rank() // cfg.get("per_node", 1)])
+
+
 def manager(cfg: dict[str, Any]) -> CheckpointManager:
-    rank = dist.get_rank()
     return CheckpointManager(
         cfg["root"],
-        local=cfg["locals"][rank],
+        local=node_dir(cfg),
         erasure=tuple(cfg["erasure"]),
         persist_every=100,
         commit_timeout_s=60,
@@ -69,14 +74,15 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
         mgr.save(step, {"shared": shared(step), "own": PerRank(own(step, rank))}).wait()
     mgr.wait_persisted()
     mgr.close()
-    held = sorted(p.name for p in (Path(cfg["locals"][rank]) / ".parity" / "step-000000000003").glob("*"))
-    check(f"node {rank} holds the parity it should", held == cfg["parity"][rank], held)
+    node, leader = divmod(rank, cfg.get("per_node", 1))
+    held = sorted(p.name for p in (node_dir(cfg) / ".parity" / "step-000000000003").glob("*"))
+    check(f"node {node} holds the parity it should", held == cfg["parity"][node], held)
     dist.barrier()
-    if rank in cfg["lose"]:
-        shutil.rmtree(cfg["locals"][rank])
-        Path(cfg["locals"][rank]).mkdir()  # the replaced node's empty directory
-    if cfg.get("damage") and rank == cfg["damage"][0]:  # a byte of a parity file flipped
-        f = Path(cfg["locals"][rank]) / ".parity" / "step-000000000003" / cfg["damage"][1]
+    if node in cfg["lose"] and leader == 0:
+        shutil.rmtree(node_dir(cfg))
+        node_dir(cfg).mkdir()  # the replaced node's empty directory
+    if cfg.get("damage") and node == cfg["damage"][0] and leader == 0:  # a byte of a parity file flipped
+        f = node_dir(cfg) / ".parity" / "step-000000000003" / cfg["damage"][1]
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
@@ -106,7 +112,7 @@ def rebuild(out: Path, cfg: dict[str, Any]) -> None:
     check("no byte read from the persistent root", mgr.persistent_reads == 0, mgr.persistent_reads)
     check("replicated tensor bit-exact", torch.equal(got["shared"], shared(3)))
     check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(3, rank)))
-    mine = sorted(p.name for p in (Path(cfg["locals"][rank]) / "step-000000000003" / "data").glob("*"))
+    mine = sorted(p.name for p in (node_dir(cfg) / "step-000000000003" / "data").glob("*"))
     check("this node holds the step's data again", any(f"r{rank:05d}-" in name for name in mine), mine)
     mgr.close()
     checks.write(out / f"checks-r{rank}.json")

@@ -45,9 +45,15 @@ def _launch(tmp_path: Path, runs: list[dict[str, Any]], env: dict[str, str] | No
         assert_checks(checks)
 
 
-#: Where erasure=(3, 1) puts the parity of 4 nodes' ~10 MiB (3 pieces): group [0, 1, 2]'s on
-#: node 3, group [3]'s pieces on nodes 0, 1 and 2, one each.
-XOR = [_names("g1-p0"), _names("g1-p0"), _names("g1-p0"), _names("g0-p0")]
+def _pairs(tmp_path: Path) -> dict[str, Any]:
+    """Two nodes of two ranks each, erasure=(1, 1): each node's parity on the other; node 1 lost."""
+    run = _run(tmp_path, "pairs", "rebuild", [1, 1], [1], [_names("g1-p0"), _names("g0-p0")])
+    return {**run, "per_node": 2, "locals": run["locals"][:2]}
+
+
+#: Where erasure=(3, 1) puts the parity of 4 nodes' ~4.6 MiB (2 pieces): group [0, 1, 2]'s on
+#: node 3, group [3]'s two pieces on nodes 0 and 1.
+XOR = [_names("g1-p0"), _names("g1-p0"), [], _names("g0-p0")]
 
 
 @pytest.mark.multiprocess
@@ -57,7 +63,7 @@ def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Pa
     _launch(
         tmp_path,
         [
-            # groups [0, 1, 2] (parity on 3) and [3] (its 3 pieces of parity on 0, 1, 2); node 3 lost
+            # groups [0, 1, 2] (parity on 3) and [3] (its 2 pieces of parity on 0 and 1); node 3 lost
             _run(tmp_path, "xor", "rebuild", [3, 1], [3], XOR),
             # groups [0, 1] (parity on 2, 3) and [2, 3] (parity on 0, 1); nodes 0 and 1 lost
             _run(
@@ -68,6 +74,9 @@ def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Pa
                 [0, 1],
                 [_names("g1-p0"), _names("g1-p1"), _names("g0-p0"), _names("g0-p1")],
             ),
+            # two nodes of two ranks (their files one stream per node): groups [0] and [1], each
+            # one's parity on the other; node 1 lost
+            _pairs(tmp_path),
         ],
     )
 
