@@ -14,7 +14,6 @@ LIMIT = 80
 OVER: dict[str, int] = {
     "core/src/shardkeeper/core/manager/manager.py:CheckpointManager.__init__": 96,
     "core/src/shardkeeper/core/restore/flat.py:restore_flat": 118,
-    "deepspeed_plugin/src/shardkeeper/deepspeed/native.py:_read_universal": 105,
 }
 
 

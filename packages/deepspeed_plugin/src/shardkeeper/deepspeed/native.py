@@ -168,18 +168,50 @@ def import_native_checkpoint(
 
 
 def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict[str, Any], int]:
+    """The state to save of DeepSpeed's universal checkpoint ``out`` (converted from
+    ``ckpt_dir``), and the checkpoint's global step."""
     model_files = sorted(out.glob("*model_states.pt")) or sorted(ckpt_dir.glob("*model_states.pt"))
     if not model_files:
         raise FileNotFoundError(f"no *model_states.pt in {ckpt_dir}")
     ms = _load(model_files[0], trust_pickle)
     zero = out / "zero"
+    opt_file = zero / "optimizer_state.pt"
+    opt_sd = _load(opt_file, trust_pickle) if opt_file.is_file() else {}
+    model, optim_state, group_fqns = _trained_params(ms, zero, _find_step(opt_sd), trust_pickle)
+    module = ms.get("module") or {}
+    _add_frozen(model, ms, module, zero, ckpt_dir, trust_pickle)
+    for name in ms.get("buffer_names") or []:
+        if name in module:  # fp32, as engine_state stores buffers DeepSpeed cast down
+            buf = module[name]
+            model[normalize_fqn(name)] = buf.float() if buf.dtype in (torch.bfloat16, torch.float16) else buf
+    param_groups = []
+    if opt_sd:
+        saved_groups = opt_sd.get("param_groups", [])
+        for g, fqns in zip(saved_groups, group_fqns):
+            param_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+    client = _client_state(ms)
+    ds_step = int(ms.get("global_steps", 0))
+    state: dict[str, Any] = {
+        "model": model,
+        "optim": {"state": optim_state, "param_groups": param_groups},
+        "progress": _progress(ms, opt_sd, ds_step),
+        "extra": {"client_state": client},
+    }
+    if ms.get("lr_scheduler") is not None:
+        state["sched"] = _jsonable("lr_scheduler", ms["lr_scheduler"], [])
+    return state, ds_step
+
+
+def _trained_params(
+    ms: dict[str, Any], zero: Path, fallback_step: Any, trust_pickle: bool
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[list[str]]]:
+    """The trained parameters' fp32 weights and optimizer state (by canonical name) from the
+    converter's per-parameter files under ``zero``, and each parameter group's names.
+    ``fallback_step``: the optimizer's step, for ZeRO-3, whose conversion writes none per
+    parameter."""
     groups_shapes = ms.get("param_shapes") or []
     if isinstance(groups_shapes, dict):
         groups_shapes = [groups_shapes]
-    opt_file = zero / "optimizer_state.pt"
-    opt_sd = _load(opt_file, trust_pickle) if opt_file.is_file() else {}
-    # ZeRO-3's universal conversion writes no per-parameter step: take the optimizer's own.
-    fallback_step = _find_step(opt_sd)
     model: dict[str, Any] = {}
     optim_state: dict[str, dict[str, Any]] = {}
     group_fqns: list[list[str]] = []
@@ -205,9 +237,15 @@ def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict
                 raise FileNotFoundError(f"DeepSpeed's converter wrote no fp32 weights for {name} under {zero}")
             optim_state[fqn] = per
         group_fqns.append(fqns)
-    module = ms.get("module") or {}
-    # Frozen parameters have no fp32 master: DeepSpeed's converter writes their module value
-    # (ZeRO-1/2) when it has one; else the module state has it. Stored as fp32, like buffers.
+    return model, optim_state, group_fqns
+
+
+def _add_frozen(
+    model: dict[str, Any], ms: dict[str, Any], module: dict[str, Any], zero: Path, ckpt_dir: Path, trust_pickle: bool
+) -> None:
+    """Add the frozen parameters to ``model``, as fp32 like buffers. They have no fp32 master:
+    DeepSpeed's converter writes their module value (ZeRO-1/2) when it has one; else the
+    module state has it. One found nowhere is warned about and left out."""
     for name, shape in (ms.get("frozen_param_shapes") or {}).items():
         fqn = normalize_fqn(name)
         f = zero / name / "fp32.pt"
@@ -218,16 +256,12 @@ def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict
         if isinstance(value, torch.Tensor) and value.numel() == math.prod(tuple(shape)):
             model[fqn] = value.float().reshape(tuple(shape)).contiguous()
         else:
-            warnings.warn(f"frozen parameter {name} is not in {ckpt_dir}; it is not imported", stacklevel=3)
-    for name in ms.get("buffer_names") or []:
-        if name in module:  # fp32, as engine_state stores buffers DeepSpeed cast down
-            buf = module[name]
-            model[normalize_fqn(name)] = buf.float() if buf.dtype in (torch.bfloat16, torch.float16) else buf
-    param_groups = []
-    if opt_sd:
-        saved_groups = opt_sd.get("param_groups", [])
-        for g, fqns in zip(saved_groups, group_fqns):
-            param_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+            warnings.warn(f"frozen parameter {name} is not in {ckpt_dir}; it is not imported", stacklevel=4)
+
+
+def _client_state(ms: dict[str, Any]) -> dict[str, Any]:
+    """The entries of the model-states file that are not DeepSpeed's own, as JSON or tensors;
+    the others are warned about and left out."""
     dropped: list[str] = []
     client = {
         k: _jsonable(k, v, dropped)
@@ -236,9 +270,14 @@ def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict
     }
     if dropped:
         warnings.warn(
-            f"client state entries that are neither tensors nor JSON were not imported: {dropped}", stacklevel=3
+            f"client state entries that are neither tensors nor JSON were not imported: {dropped}", stacklevel=4
         )
-    ds_step = int(ms.get("global_steps", 0))
+    return client
+
+
+def _progress(ms: dict[str, Any], opt_sd: Any, ds_step: int) -> dict[str, Any]:
+    """The training progress at ``ds_step``, with DeepSpeed's counters and its loss scaler's
+    fields."""
     gas = (
         int((ms.get("ds_config") or {}).get("gradient_accumulation_steps", 1) or 1)
         if isinstance(ms.get("ds_config"), dict)
@@ -251,27 +290,19 @@ def _read_universal(out: Path, ckpt_dir: Path, trust_pickle: bool) -> tuple[dict
             if hasattr(ls, name):
                 v = getattr(ls, name)
                 scaler[name] = float(v) if isinstance(v, (float, torch.Tensor)) else v
-    state: dict[str, Any] = {
-        "model": model,
-        "optim": {"state": optim_state, "param_groups": param_groups},
-        "progress": progress_state(
-            step=ds_step,
-            samples=int(ms.get("global_samples", 0)),
-            counters={
-                FRAMEWORK: {
-                    "global_step": ds_step,
-                    "global_samples": int(ms.get("global_samples", 0)),
-                    "skipped_steps": int(ms.get("skipped_steps", 0)),
-                    "micro_steps": ds_step * gas,
-                    "loss_scaler": scaler,
-                }
-            },
-        ),
-        "extra": {"client_state": client},
-    }
-    if ms.get("lr_scheduler") is not None:
-        state["sched"] = _jsonable("lr_scheduler", ms["lr_scheduler"], dropped)
-    return state, ds_step
+    return progress_state(
+        step=ds_step,
+        samples=int(ms.get("global_samples", 0)),
+        counters={
+            FRAMEWORK: {
+                "global_step": ds_step,
+                "global_samples": int(ms.get("global_samples", 0)),
+                "skipped_steps": int(ms.get("skipped_steps", 0)),
+                "micro_steps": ds_step * gas,
+                "loss_scaler": scaler,
+            }
+        },
+    )
 
 
 __all__ = ["import_native_checkpoint"]
