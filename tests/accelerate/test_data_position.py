@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from shardkeeper.core import CheckpointManager, ResumableDistributedSampler
+from shardkeeper.core import CheckpointManager, ResumableDistributedSampler, StateMismatchError
 from tests.checks import assert_checks, read_checks
 from tests.launch import run_script
 
@@ -71,14 +71,17 @@ def test_a_loop_saved_mid_epoch_resumes_at_another_world_size_every_sample_once(
 
 
 class _Ids(Dataset[tuple[torch.Tensor, int]]):
+    def __init__(self, n: int = 30) -> None:
+        self.n = n
+
     def __len__(self) -> int:
-        return 30
+        return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return torch.zeros(2), i
 
 
-def _accelerate_leg(root: Path, take: int | None) -> list[int]:
+def _accelerate_leg(root: Path, take: int | None, n: int = 30) -> list[int]:
     """One process: ``load_state()``, then the DataLoader's indices (``take`` batches, then
     ``save_state()``; None: to the end of the pass)."""
     from accelerate import Accelerator
@@ -93,7 +96,7 @@ def _accelerate_leg(root: Path, take: int | None) -> list[int]:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=5),
         project_config=ProjectConfiguration(project_dir=str(root)),
     )
-    _, dl = acc.prepare(nn.Linear(2, 1), DataLoader(_Ids(), batch_size=3, shuffle=True))
+    _, dl = acc.prepare(nn.Linear(2, 1), DataLoader(_Ids(n), batch_size=3, shuffle=True))
     ska.enable(acc, str(root), async_save=False)
     seen: list[int] = []
     try:
@@ -125,3 +128,21 @@ def test_a_plain_loops_position_resumes_and_a_save_in_that_pass_resumes_at_the_s
     first = _accelerate_leg(tmp_path, take=2)
     second = _accelerate_leg(tmp_path, take=None)
     assert len(first) == 6 and Counter(consumed + first + second) == Counter(range(30)), (consumed, first, second)
+
+
+@pytest.mark.parametrize(
+    ("n", "order", "match"),
+    [(31, "distributed", "is over 30 samples, this DataLoader's dataset has 31"), (30, "generator", "'generator'")],
+)
+def test_a_position_the_loader_cannot_resume_is_refused_with_the_remedy(
+    tmp_path: Path, n: int, order: str, match: str
+) -> None:
+    """Another dataset length, or an order only another sampler draws (a plain shuffled
+    loader's generator, here against Accelerate's seedable sampler): refused, naming the
+    loader, the rank and how to start the epoch afresh."""
+    sampler = ResumableDistributedSampler(_Ids(), num_replicas=1, rank=0, seed=5)
+    position = {**sampler.state_dict(), "order": order}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": nn.Linear(2, 1), "extra": {"data_position": {"0": position}}}).wait()
+    with pytest.raises(StateMismatchError, match=f"DataLoader 0 \\(rank 0\\).*{match}.*resume_dataloaders=False"):
+        _accelerate_leg(tmp_path, take=None, n=n)

@@ -179,8 +179,10 @@ class LoaderTracker:
         self.batches_seen = 0
         self._resume = None
         self.dl.skip_batches = self._orig_skip
-        pending = resplit(self.dl, sd, index=index)
-        self._pending = pending if resume else None
+        if not resume:  # the epoch only, from its beginning
+            self.dl.iteration = int(sd["epoch"])
+            return
+        self._pending = resplit(self.dl, sd, index=index)
 
     def load_state_dict(self, sd: dict[str, Any], *, resume: bool, index: int = 0) -> None:
         if sd.get("resumed") and self.saved_position is not None:  # saved in a pass resumed from a position

@@ -171,13 +171,15 @@ def resplit(dl: Any, sd: Mapping[str, Any], *, index: int) -> Resplit | None:
     """The pass that resumes ``sd`` on ``dl`` (None: the epoch is over, the next one starts
     whole). Refused when the loader's data or order cannot be the saved one."""
     world, rank, split = layout(dl)
-    n, batch = len(dl.dataset), int(getattr(inner_batch_sampler(dl), "batch_size", 0) or 0)
+    n, inner = len(dl.dataset), inner_batch_sampler(dl)
+    batch = int(inner.batch_size or 0) if isinstance(inner, torch.utils.data.BatchSampler) else 0
     where = f"the data position of prepared DataLoader {index} (rank {rank})"
     if int(sd["dataset_len"]) != n:
         raise StateMismatchError(
             f"shardkeeper.accelerate: {where} is over {sd['dataset_len']} samples, this DataLoader's "
             f"dataset has {n}: resuming it would see samples twice or never. Prepare the same "
-            f"DataLoaders in the same order as the saved run, or resume at the epoch's start"
+            f"DataLoaders in the same order as the saved run, or start the epoch from its beginning "
+            f"with enable(accelerator, resume_dataloaders=False)"
         )
     order = str(sd["order"])
     own = order_kind(inner_sampler(dl))[0]
@@ -185,7 +187,8 @@ def resplit(dl: Any, sd: Mapping[str, Any], *, index: int) -> Resplit | None:
         raise StateMismatchError(
             f"shardkeeper.accelerate: {where} is in the order of {order!r}, which this DataLoader's "
             f"sampler ({own!r}) cannot draw: resuming it would see samples twice or never. Prepare "
-            f"the DataLoader as the saved run did, or save with a seeded order (use_seedable_sampler)"
+            f"the DataLoader as the saved run did (a seeded order resumes anywhere: use_seedable_sampler), "
+            f"or start the epoch from its beginning with enable(accelerator, resume_dataloaders=False)"
         )
     if order == "generator" and "generator" not in sd:
         log.warning(
@@ -200,6 +203,13 @@ def resplit(dl: Any, sd: Mapping[str, Any], *, index: int) -> Resplit | None:
     dl.iteration = int(sd["epoch"])
     if int(sd["consumed"]) >= n:
         dl.iteration += 1
+        return None
+    if batch <= 0:
+        log.warning(
+            "shardkeeper: %s cannot be resumed: the DataLoader batches with a batch_sampler of "
+            "its own, not torch's BatchSampler, so epoch %d starts from its beginning",
+            where, int(sd["epoch"]),
+        )  # fmt: skip
         return None
     return Resplit(sd, batch=batch // world if split else batch, world=world)
 
