@@ -51,6 +51,11 @@ def own(step: int, rank: int) -> torch.Tensor:
     return torch.randn(SIZE + 1531 * rank, generator=g, dtype=torch.float64)
 
 
+def frozen(rank: int) -> torch.Tensor:
+    """The same every step: with ``incremental`` later steps point at step 1's files for it."""
+    return torch.full((50_000,), float(rank))
+
+
 def node_dir(cfg: dict[str, Any]) -> Path:
     """This rank's node's directory: ``CONFIG["per_node"]`` consecutive ranks share one."""
     return Path(cfg["locals"][dist.get_rank() // cfg.get("per_node", 1)])
@@ -71,7 +76,9 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
     rank = dist.get_rank()
     mgr = manager(cfg)
     for step in (1, 2, 3):
-        mgr.save(step, {"shared": shared(step), "own": PerRank(own(step, rank))}).wait()
+        mgr.save(
+            step, {"shared": shared(step), "own": PerRank(own(step, rank)), "frozen": PerRank(frozen(rank))}
+        ).wait()
     mgr.wait_persisted()
     mgr.close()
     node, leader = divmod(rank, cfg.get("per_node", 1))
@@ -98,7 +105,11 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
 def restore(cfg: dict[str, Any]) -> tuple[int, CheckpointManager, dict[str, Any]]:
     rank = dist.get_rank()
     mgr = manager(cfg)
-    target = {"shared": torch.zeros(3000), "own": PerRank(torch.zeros(SIZE + 1531 * rank, dtype=torch.float64))}
+    target = {
+        "shared": torch.zeros(3000),
+        "own": PerRank(torch.zeros(SIZE + 1531 * rank, dtype=torch.float64)),
+        "frozen": PerRank(torch.zeros(50_000)),
+    }
     step = mgr.restore(target)
     return step, mgr, target
 
@@ -112,6 +123,7 @@ def rebuild(out: Path, cfg: dict[str, Any]) -> None:
     check("no byte read from the persistent root", mgr.persistent_reads == 0, mgr.persistent_reads)
     check("replicated tensor bit-exact", torch.equal(got["shared"], shared(3)))
     check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(3, rank)))
+    check("unchanged per-rank tensor bit-exact", torch.equal(got["frozen"].value, frozen(rank)))
     mine = sorted(p.name for p in (node_dir(cfg) / "step-000000000003" / "data").glob("*"))
     check("this node holds the step's data again", any(f"r{rank:05d}-" in name for name in mine), mine)
     mgr.close()

@@ -60,7 +60,7 @@ def add_tiers(rows: list[dict[str, Any]], local_dirs: list[str]) -> None:
     dirs: list[Storage] = [LocalStorage(d) for d in local_dirs]
     steps = sorted({s for d in dirs for s in manifest_steps(d)} | {r["step"] for r in rows})
     by_step = {r["step"]: r for r in rows}
-    parity = [listing(d) for d in dirs] if any(d.exists(PARITY_DIR) for d in dirs) else None
+    parity = [listing(d, d) for d in dirs] if any(d.exists(PARITY_DIR) for d in dirs) else None
     for step in steps:
         row = by_step.get(step)
         if row is None:

@@ -18,11 +18,11 @@ pieces the file holds and each one's xxh3-128 digest.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from shardkeeper.core.commit.committed import manifest_path
-from shardkeeper.core.commit.files import walk_files
+from shardkeeper.core.commit.committed import load_manifest, manifest_path
+from shardkeeper.core.commit.files import resolve_file, walk_files
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.storage.base import Storage
@@ -101,12 +101,24 @@ def prune(storage: Storage, keep: set[int]) -> None:
             storage.delete_dir(f"{PARITY_DIR}/{step_dir(step)}")
 
 
-def listing(raw: Storage) -> dict[str, Any]:
-    """A node's parity records, the files of its steps (stored sizes) and their manifests
-    (``raw``: its directory, unencrypted), as ``plan`` reads them."""
+def _points_at(read: Storage, step: int) -> list[int]:
+    """The earlier steps whose files ``step`` points at (an incremental save); [] when its
+    manifest cannot be read here (encrypted without the key)."""
+    try:
+        ends = load_manifest(read, step).chunk_file_ends(pages=False)
+    except CheckpointError:
+        return []
+    paths = (resolve_file(step, rel) for rel in ends)
+    return sorted({s for p in paths if p for s in [parse_step_dir(p.split("/", 1)[0])] if s is not None} - {step})
+
+
+def listing(raw: Storage, read: Storage) -> dict[str, Any]:
+    """A node's parity records, the files of its steps (stored sizes), their manifests and
+    the earlier steps each points at (``raw``: its directory, unencrypted; ``read``: the view
+    manifests are read through), as ``plan`` reads them."""
     recs = records(raw)
     files: dict[str, dict[str, int]] = {}
-    manifests = []
+    manifests, refs = [], {}
     for step, got in recs.items():
         for rec in got:  # a parity file cut short is no shard
             path = parity_name(step, rec["group"], rec["shard"])
@@ -121,15 +133,19 @@ def listing(raw: Storage) -> dict[str, Any]:
         files[str(step)] = here
         if raw.exists(manifest_path(step)):
             manifests.append(step)
-    return {"records": {str(s): r for s, r in recs.items()}, "files": files, "manifests": manifests}
+            refs[str(step)] = _points_at(read, step)
+    return {"records": {str(s): r for s, r in recs.items()}, "files": files, "manifests": manifests, "refs": refs}
 
 
 @dataclass(frozen=True)
 class Job:
-    """One group of ``step`` rebuilt on node ``target``: ``lost`` its data shards rebuilt,
-    ``record`` one of its records, ``rounds[r]`` for piece ``r`` the k shards read (shard ->
-    [node, offset in the file or stream]), ``digests`` each parity piece's xxh3-128."""
+    """One group of ``step`` rebuilt on node ``target``, for the restore of step ``of``
+    (``step`` itself, or a later one that points at its files), whose manifest checks the
+    rebuilt files: ``lost`` its data shards rebuilt, ``record`` one of its records,
+    ``rounds[r]`` for piece ``r`` the k shards read (shard -> [node, offset in the file or
+    stream]), ``digests`` each parity piece's xxh3-128."""
 
+    of: int
     step: int
     target: int
     lost: list[int]
@@ -163,28 +179,36 @@ def _job(step: int, shards: list[tuple[int, dict[str, Any]]], have: list[dict[st
         if len(avail) < k:
             raise LookupError(p)
         rounds.append({i: avail[i] for i in sorted(avail)[:k]})
-    return Job(step, rec["nodes"][lost[0]] % nodes, lost, rec, rounds, digests)
+    return Job(step, step, rec["nodes"][lost[0]] % nodes, lost, rec, rounds, digests)
+
+
+def _step_jobs(listings: list[dict[str, Any]], step: int, nodes: int) -> list[Job]:
+    """The groups of ``step`` that lost data nodes (``LookupError``: some cannot be rebuilt)."""
+    key = str(step)
+    have = [lst["files"].get(key, {}) for lst in listings]
+    groups: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for n, lst in enumerate(listings):
+        for rec in lst["records"].get(key, []):
+            if rec["ok"]:
+                groups.setdefault(rec["group"], []).append((n, rec))
+    return [j for j in (_job(step, g, have, nodes) for g in groups.values()) if j is not None]
 
 
 def plan(listings: list[dict[str, Any]], asked: int | None, nodes: int, skip: set[int] | None = None) -> list[Job]:
-    """The groups to rebuild (every rank alike): those of the newest step with a manifest
-    somewhere (or ``asked``) that lost data nodes, when each piece keeps k shards; else of
-    the next older step; [] when the newest is whole on the nodes (or nothing can be rebuilt).
-    Steps in ``skip`` (a rebuild of them failed) count as not rebuildable."""
+    """The groups to rebuild (every rank alike): those that lost data nodes, of the newest step
+    with a manifest somewhere (or ``asked``) and of the earlier steps it points at, when each
+    of their pieces keeps k shards; else the same for the next older step. [] when the newest
+    is whole on the nodes (or nothing can be rebuilt; a step judged without parity counts as
+    whole: the restore then judges it). Steps in ``skip`` (a rebuild of them failed) count
+    as not rebuildable."""
     steps = sorted({s for lst in listings for s in lst["manifests"]} - (skip or set()), reverse=True)
     for step in [s for s in steps if s == asked] if asked is not None else steps:
-        key = str(step)
-        have = [lst["files"].get(key, {}) for lst in listings]
-        groups: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-        for n, lst in enumerate(listings):
-            for rec in lst["records"].get(key, []):
-                if rec["ok"]:
-                    groups.setdefault(rec["group"], []).append((n, rec))
+        refs = sorted({r for lst in listings for r in lst.get("refs", {}).get(str(step), [])})
         try:
-            jobs = [j for j in (_job(step, g, have, nodes) for g in groups.values()) if j is not None]
+            jobs = [replace(j, of=step) for s in [step, *refs] for j in _step_jobs(listings, s, nodes)]
         except LookupError:
             continue  # more lost than parity left: an older step, or the restore falls back
-        return jobs  # (none: whole, or no parity of the step is left to judge it by)
+        return jobs
     return []
 
 

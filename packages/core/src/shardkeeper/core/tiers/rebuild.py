@@ -47,7 +47,7 @@ def rebuild_lost(group: TierGroup, nodes: NodeMap, local: Any, asked: int | None
     mine, error = None, None
     if nodes.is_leader(me):
         try:
-            mine = listing(local.raw)
+            mine = listing(local.raw, local.read)
         except Exception as e:  # every rank hears it (agreed below)
             error = e
     group.agree_ok(error, f"{where}: listing the parity")
@@ -63,8 +63,8 @@ def rebuild_lost(group: TierGroup, nodes: NodeMap, local: Any, asked: int | None
         except TierGroupBroken:
             raise
         except CheckpointError as e:  # (agreed: every rank is here) an older step, or the fallback
-            log.warning("rank %d: step %d could not be rebuilt from parity: %s", me, jobs[0].step, e)
-            failed.add(jobs[0].step)
+            log.warning("rank %d: step %d could not be rebuilt from parity: %s", me, jobs[0].of, e)
+            failed.add(jobs[0].of)
 
 
 def _job(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[Any], where: str) -> None:
@@ -84,26 +84,26 @@ def _job(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[
 
 
 def _manifest_to(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[dict[str, Any]]) -> None:
-    """The manifest of ``job.step`` put on the target node when it lacks it (one broadcast)."""
-    holders = [n for n, lst in enumerate(listings) if job.step in lst["manifests"]]
+    """The manifest of ``job.of`` (the step restored) put on the target node when it lacks it (one broadcast)."""
+    holders = [n for n, lst in enumerate(listings) if job.of in lst["manifests"]]
     if job.target in holders:
         return
     me, src = group.rank, nodes.leader(holders[0])
     data, error = None, None
     if me == src:
         try:
-            data = local.raw.read_bytes(manifest_path(job.step))
+            data = local.raw.read_bytes(manifest_path(job.of))
         except Exception as e:
             error = e
-    data = group.broadcast_bytes(data, src, f"step {job.step}, rank {me}: the manifest for the rebuilt node")
+    data = group.broadcast_bytes(data, src, f"step {job.of}, rank {me}: the manifest for the rebuilt node")
     if me == nodes.leader(job.target) and error is None and data:
         try:
-            if local.raw.exists(manifest_path(job.step)):
-                local.storage.delete(manifest_path(job.step))  # a copy that does not validate
-            local.raw.put_if_absent(manifest_path(job.step), data)
+            if local.raw.exists(manifest_path(job.of)):
+                local.storage.delete(manifest_path(job.of))  # a copy that does not validate
+            local.raw.put_if_absent(manifest_path(job.of), data)
         except Exception as e:
             error = e
-    group.agree_ok(error, f"step {job.step}, rank {me}: recording the manifest on the rebuilt node")
+    group.agree_ok(error, f"step {job.of}, rank {me}: recording the manifest on the rebuilt node")
 
 
 def _read(local: Any, rec: dict[str, Any], shard: int, at: int, buf: np.ndarray) -> None:
@@ -164,7 +164,7 @@ def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
             out.abort()
         raise
     if out is not None:
-        _verify(local, job.step, out.paths)
+        _verify(local, job.of, out.paths)
 
 
 def _attempt(failed: list[BaseException], fn: Any, *args: Any) -> None:
