@@ -4,8 +4,9 @@ that disagree").
 
 A replicated tensor (a plain tensor under DDP, a DTensor with ``Replicate`` mesh dimensions:
 HSDP, TP-replicated norms) is written by one copy. Every rank that holds a copy it does not
-write sums its pieces in ``save()`` (``replica_sums``: before ``save()`` returns, while the
-tensors are the step's; on the device for CUDA tensors) and reports them with its chunks.
+write sums its pieces in ``save()`` (``ReplicaSums``: on two threads beside the staging copy,
+awaited before ``save()`` returns, while the tensors are the step's; on the device for CUDA
+tensors) and reports them with its chunks.
 The coordinator adds the sums of each copy's ranks and compares each copy with the written
 one (``format/logical_member.py``, ``combine_reports``); a copy that differs is marked in the
 manifest's ``logical`` member (``replicas_disagree``), and ``judge`` then refuses the save
@@ -22,6 +23,7 @@ state dict holds them as plain tensors, keys ending in a normalization layer's s
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ from shardkeeper.core.format.logical_member import REPLICAS, encode_sums
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.save.plan import SavePlan
 from shardkeeper.core.state import _torch_compat as tc
-from shardkeeper.core.state.chunks import layout_of
+from shardkeeper.core.state.chunks import Piece, layout_of
 from shardkeeper.core.state.flatten import FlatState, as_torch
 from shardkeeper.core.state.logical import piece_sums
 
@@ -43,28 +45,74 @@ log = logging.getLogger(__name__)
 NORM_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 
-def replica_member(flat: FlatState, plan: SavePlan, rank: int, world_size: int) -> dict[str, Any] | None:
-    """The ``replicas`` member of this rank's chunk report: per replicated key it holds and
-    does not write, its copy's number and the sum mod 2^64 of its pieces (None: none).
-    Synchronous: the tensors may change once ``save()`` returns."""
-    out: dict[str, list[int]] = {}
-    for key in plan.replica_keys:
-        leaf = flat.leaves.get(key)
-        if leaf is None or key in flat.buffers or key.rsplit("/", 1)[-1].rsplit(".", 1)[-1] in NORM_STATISTICS:
-            continue  # (a module's buffers may differ by design)
-        if leaf.kind == "bytes":
-            t = torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8) if leaf.value else torch.empty(0)
-        else:
-            t = as_torch(leaf.value)
-        if tc.is_dtensor(t) and t.device_mesh.size() != world_size:
-            continue  # (copies on other submeshes: not named by its mesh)
-        layout = layout_of(t, world_size, rank)
-        _, dtype, shape = plan.declared[key]
-        out[key] = [layout.replica_index, piece_sums(dtype, shape, layout.pieces)]
-    if not out:
-        return None
-    keys = sorted(out)
-    return {"keys": keys, "copies": [out[k][0] for k in keys], "sums": encode_sums(out[k][1] for k in keys)}
+#: Threads that sum the copies a rank does not write, beside the caller's staging copy.
+SUM_THREADS = 2
+
+
+class ReplicaSums:
+    """The sums of the replicated copies this rank holds and does not write, running on
+    ``SUM_THREADS`` threads beside ``save()``'s staging copy (numpy's products and torch's
+    device sums release the interpreter lock), split by bytes; ``member()`` waits for them.
+    Started and awaited within ``save()``: the tensors may change once it returns."""
+
+    def __init__(self, flat: FlatState, plan: SavePlan, rank: int, world_size: int) -> None:
+        self._parts: list[tuple[str, int, str, tuple[int, ...], list[Piece]]] = []
+        for key in plan.replica_keys:
+            leaf = flat.leaves.get(key)
+            if leaf is None or key in flat.buffers or key.rsplit("/", 1)[-1].rsplit(".", 1)[-1] in NORM_STATISTICS:
+                continue  # (a module's buffers may differ by design)
+            if leaf.kind == "bytes":
+                t = torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8) if leaf.value else torch.empty(0)
+            else:
+                t = as_torch(leaf.value)
+            if tc.is_dtensor(t) and t.device_mesh.size() != world_size:
+                continue  # (copies on other submeshes: not named by its mesh)
+            layout = layout_of(t, world_size, rank)
+            _, dtype, shape = plan.declared[key]
+            self._parts.append((key, layout.replica_index, dtype, tuple(shape), layout.pieces))
+        self._sums = [0] * len(self._parts)
+        self._errors: list[BaseException] = []
+        shares: list[list[int]] = [[] for _ in range(SUM_THREADS)]
+        load = [0] * SUM_THREADS
+        for i in sorted(range(len(self._parts)), key=lambda i: -_nbytes(self._parts[i][4])):
+            j = load.index(min(load))  # (the largest first, each to the least loaded thread)
+            shares[j].append(i)
+            load[j] += _nbytes(self._parts[i][4])
+        self._threads = [
+            threading.Thread(target=self._sum, args=(share,), name="shardkeeper-replica-sums", daemon=True)
+            for share in shares
+            if share
+        ]
+        for th in self._threads:
+            th.start()
+
+    def _sum(self, share: list[int]) -> None:
+        try:
+            for i in share:
+                _, _, dtype, shape, pieces = self._parts[i]
+                self._sums[i] = piece_sums(dtype, shape, pieces)
+        except BaseException as e:  # raised by member(), on the caller's thread
+            self._errors.append(e)
+
+    def member(self) -> dict[str, Any] | None:
+        """The ``replicas`` member of this rank's chunk report: per replicated key it holds
+        and does not write, its copy's number and the sum mod 2^64 of its pieces (None: none)."""
+        for th in self._threads:
+            th.join()
+        if self._errors:
+            raise self._errors[0]
+        if not self._parts:
+            return None
+        order = sorted(range(len(self._parts)), key=lambda i: self._parts[i][0])
+        return {
+            "keys": [self._parts[i][0] for i in order],
+            "copies": [self._parts[i][1] for i in order],
+            "sums": encode_sums(self._sums[i] for i in order),
+        }
+
+
+def _nbytes(pieces: list[Piece]) -> int:
+    return sum(p.local.numel() * p.local.element_size() for p in pieces)
 
 
 def with_replicas(chunks: dict[str, Any], member: dict[str, Any] | None) -> dict[str, Any]:
@@ -97,4 +145,4 @@ def judge(manifest: Manifest, mode: str, rank: int) -> None:
     )
 
 
-__all__ = ["judge", "replica_member", "with_replicas"]
+__all__ = ["SUM_THREADS", "ReplicaSums", "judge", "with_replicas"]

@@ -44,8 +44,8 @@ from shardkeeper.core.save.outcome import raise_failed
 from shardkeeper.core.save.overlap import OptimizerTensors, StagingGate, find_optimizers
 from shardkeeper.core.save.plan import PlanCache
 from shardkeeper.core.save.rank_write import write_rank
+from shardkeeper.core.save.replicas import ReplicaSums
 from shardkeeper.core.save.replicas import judge as judge_replicas
-from shardkeeper.core.save.replicas import replica_member
 from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.save.timings import save_timings
 from shardkeeper.core.state.flatten import flatten_for_save
@@ -129,9 +129,11 @@ class SaveRunner:
             owned = OptimizerTensors(optimizers)
             if owned:
                 defer = owned.owners
+        sums = ReplicaSums(flat, plan, ctx.rank, ctx.world_size) if settings.logical_check != "off" else None
         spans, deferred = self._stager.stage_split(
             groups, copy=self.stage_always or not sync, defer=defer, token=plan.token, sources=plan.sources
         )
+        replicas = sums.member() if sums is not None else None  # (before save() returns)
         objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly
         meta, _ = snapshot({**defaults, **state_metadata(state), **dict(metadata or {})}, "metadata key")
         return SaveJob(
@@ -149,7 +151,7 @@ class SaveRunner:
             Start(),
             deferred,
             self._gate.begin(deferred) if deferred is not None else None,
-            replica_member(flat, plan, ctx.rank, ctx.world_size) if settings.logical_check != "off" else None,
+            replicas,
         )
 
     def submit(self, bg: ThreadPoolExecutor, job: SaveJob, *, owner: object) -> SaveHandle:
