@@ -68,6 +68,7 @@ def manager(cfg: dict, **extra: object) -> CheckpointManager:
         "local": cfg["locals"][node],
         "persist_every": cfg.get("persist_every"),
         "replicas": cfg.get("replicas", 0),
+        "erasure": tuple(cfg["erasure"]) if cfg.get("erasure") else None,
         "local_keep": cfg.get("local_keep"),
         "commit_timeout_s": cfg.get("commit_timeout_s", 60),
         "min_file_bytes": 1,  # several files per rank, so replicas and repairs move several
