@@ -3,10 +3,11 @@ it lies and what its record holds: ``placement.py``).
 
 A node's data, as coded, is every file its ranks wrote in the save, as stored (encrypted
 files as encrypted), in path order, one after the other; the group's data streams are padded
-with zeros to the longest (``erasure.py``). Each holder's leader receives the group's k
-streams piece by piece from the data nodes' leaders, codes its own shard and writes it, then
-its record; both are durable before the save's ranks report, so the local commit of a step
-stands for its parity on the m holders.
+with zeros to the longest (``erasure.py``). Piece by piece, the data nodes' leaders send
+their streams' piece to the m nodes that hold that piece's parity shards; each of those
+nodes' leaders codes its shard's piece and appends it to its file. The files and their
+records are durable before the save's ranks report, so the local commit of a step stands
+for its parity on the holders.
 """
 
 from __future__ import annotations

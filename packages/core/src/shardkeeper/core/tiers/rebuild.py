@@ -3,15 +3,16 @@
 Every node's leader lists the parity records it holds and the files of its steps
 (``placement.listing``); the listings are all-gathered, so every rank plans alike
 (``placement.plan``). A data node of a group is lost in a step when one of its files is on no
-node at its size. The newest step with a manifest somewhere is taken (``step=``: that one);
-when every piece of every group that lost data nodes keeps k shards, each such group is
-rebuilt on its first lost node's leader: piece by piece, k shards stream to it (surviving
-data nodes' files first, then parity pieces, each checked against its recorded digest), are
-decoded (``erasure.py``) and written as the lost nodes' files. The manifest goes there too,
-and the rebuilt files are checked against its digests (``verify_step``); files that fail are
-removed again. Choosing the step then finds it whole, and ``make_whole`` copies it on. A step
-that cannot be rebuilt is left as it is: the next older one is tried, and the restore falls
-back as without parity.
+node at its size. The newest step with a manifest somewhere is taken (``step=``: that one),
+with the earlier steps whose files it points at (an incremental save); when every piece of
+every group of those steps that lost data nodes keeps k shards, each such group is rebuilt
+on its first lost node's leader: piece by piece, k shards stream to it (surviving data
+nodes' files first, then parity pieces, each checked against its recorded digest), are
+decoded (``erasure.py``) and written as the lost nodes' files. The manifest of the step
+restored goes there too, and the rebuilt files are checked against its digests
+(``verify_step``); files that fail are removed again. Choosing the step then finds it whole,
+and ``make_whole`` copies it on. A step whose rebuild fails is skipped, with a warning: the
+next older one is tried, and the restore falls back as without parity.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _job(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[
 
 
 def _manifest_to(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[dict[str, Any]]) -> None:
-    """The manifest of ``job.of`` (the step restored) put on the target node when it lacks it (one broadcast)."""
+    """The manifest of ``job.of`` (the step restored) put on the target node when it lacks it
+    (one broadcast)."""
     holders = [n for n, lst in enumerate(listings) if job.of in lst["manifests"]]
     if job.target in holders:
         return
