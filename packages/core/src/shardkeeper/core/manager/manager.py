@@ -36,7 +36,7 @@ from shardkeeper.core.errors import CheckpointNotFoundError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.manager import at_exit
-from shardkeeper.core.manager.build import ManagerKeywords, build_parts
+from shardkeeper.core.manager.build import ManagerKeywords, ManagerParts, build_parts
 from shardkeeper.core.manager.save_calls import SaveCalls
 from shardkeeper.core.persist.locks import wait_for_commits
 from shardkeeper.core.restore.load import load_step
@@ -54,6 +54,12 @@ class CheckpointManager(SaveCalls):
 
     In a process group every rank creates the manager (a collective) and calls ``save()`` /
     ``restore()`` with its own local state, as with ``torch.distributed.checkpoint``.
+
+    Two tiers (docs/tiers.md): ``local`` (each node's own directory) takes every save, committed across the
+    nodes without a shared file system; ``replicas`` (default 0) copies each rank's files to that many other
+    nodes; ``erasure=(k, m)`` instead: m parity shards per k nodes; ``persist_every`` uploads a step to
+    ``root`` once it is that many steps past the last uploaded one (None: never); ``local_keep`` keeps that
+    many steps per node (None: all). Restore takes the newest step whole in some tier.
     """
 
     #: Where the user sets ``per_rank``, named by its messages; an adapter's managers name the
@@ -110,18 +116,11 @@ class CheckpointManager(SaveCalls):
     ) -> None:
         """Open ``root`` (in a process group a collective: every rank, in the same order).
 
-        ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save
-        together (default: the world, or none; ``"local"``: this process alone, not a
-        collective even in a process group, e.g. one rank that only loads); ``storage_options``: fsspec options of a URL
-        root; ``metadata``: written into every manifest.
-
-        Two tiers (docs/tiers.md): ``local`` (each node's own directory) takes every save, committed across the
-        nodes without a shared file system; ``replicas`` (default 0) copies each rank's files to that many other
-        nodes; ``erasure=(k, m)`` instead: m parity shards per k nodes; ``persist_every`` uploads a step to
-        ``root`` once it is that many steps past the last uploaded one (None: never); ``local_keep`` keeps that
-        many steps per node (None: all). Restore takes the newest step whole in some tier.
-
-        Every other keyword is a field of :class:`CheckpointOptions` (docs/protocol.md, "Options"):
+        ``keep_last`` / ``keep_every``: retention; ``process_group``: the ranks that save together (default: the world,
+        or none; ``"local"``: this process alone, not a collective even in a process group, e.g. one rank that only
+        loads); ``storage_options``: fsspec options of a URL root; ``metadata``: written into every manifest; ``local``,
+        ``replicas``, ``erasure``, ``persist_every``, ``local_keep``: two tiers (see the class). Every other keyword is
+        a field of :class:`CheckpointOptions` (docs/protocol.md, "Options"):
 
         - saving: ``async_save`` (return once staged), ``staging`` (blocking | overlap), ``writer``
           (thread | process: a persist process writes and commits), ``commit_timeout_s``,
@@ -146,7 +145,11 @@ class CheckpointManager(SaveCalls):
         check_manager_arguments(  # (called from here: its warning about the root names our caller)
             root=root, storage_options=storage_options, metadata=metadata, options=options, process_group=process_group
         )
-        parts = build_parts(root, keywords, options, storage_options, metadata, process_group)
+        self._assign(build_parts(root, keywords, options, storage_options, metadata, process_group))
+
+    def _assign(self, parts: ManagerParts) -> None:
+        """Hold the built ``parts``, no save pending yet, and have the exit hook wait for this
+        manager's saves (``at_exit``)."""
         self.options, self.retention, self.metadata = parts.options, parts.retention, parts.metadata
         self.storage, self.rank, self.world_size = parts.storage, parts.coord.rank, parts.coord.world_size
         self._ctx, self._coord, self._io, self._bg = parts.ctx, parts.coord, parts.io, parts.bg
