@@ -225,8 +225,14 @@ class PointerDamagedError(ValueError):
     message says what was found, for the caller to name the file and the remedy."""
 
 
+class TooManyLost(CheckpointError):
+    """More files of an erasure-coded group are lost than its parity can rebuild
+    (``tiers/erasure.py``): the restore falls back as without parity."""
+
+
 __all__ = [
     "PointerDamagedError",
+    "TooManyLost",
     "CatalogError",
     "CatalogReadStopped",
     "CheckpointError",

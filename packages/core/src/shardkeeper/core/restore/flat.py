@@ -169,16 +169,38 @@ def restore_flat(
         where=where,
         per_rank_call=per_rank_call,
     )
+    stats = _planned(plan, manifest, where)
+    reader, jobs, bytes_values = _prepare_reads(
+        storage, step_dir, manifest, plan, writes, where, source, remedy, verify, max_read_bytes
+    )
+    batches = _batches(reader, storage, jobs, share, executor, stats, manifest.step)
+    wrote: set[str] = set()
+    # (the tensors summed as their reads land, the rest after them: before the finalizers)
+    check = plan_check(flat, manifest, plan.restored, rank=rank, world_size=world_size) if logical and verify else None
+    try:
+        _fill(executor, batches, stats, wrote, check, jobs)
+        _set_and_finalize(plan, flat, bytes_values, wrote)
+    finally:
+        writes.add(manifest.step, wrote)
+    _warn_world_change(flat, plan, manifest, storage.url, rank, world_size, per_rank, per_rank_call)
+    return stats
+
+
+def _prepare_reads(
+    storage: Storage,
+    step_dir: str,
+    manifest: Manifest,
+    plan: RestorePlan,
+    writes: TargetWrites,
+    where: str,
+    source: str,
+    remedy: str | None,
+    verify: bool,
+    max_read_bytes: int,
+) -> tuple[ChunkReader, list[Job], list[bytes]]:
+    """The reader, the fill's jobs and the bytes leaves' values, once the checks that come
+    before any read into the target passed (every rewritten key, every file's end)."""
     stats = plan.stats
-    described = getattr(manifest.leaves, "described", None)
-    stats.index_files = described.index_reads if described is not None else 0
-    stats.pages = described.pages.reads if described is not None and described.pages is not None else 0
-    if plan.missing:  # (strict: plan_restore raised)
-        warnings.warn(
-            f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "
-            f"keep their current values: {missing_list(plan.missing)}",
-            stacklevel=3,
-        )
     reader = ChunkReader.of(
         storage,
         manifest,
@@ -194,24 +216,40 @@ def restore_flat(
     # Bytes leaves are read first but set only with the objects, once every read succeeded.
     bytes_values = [_bytes_of(reader, step_dir, rec, manifest.step, key, stats) for key, _, rec in plan.bytes_leaves]
     jobs = _jobs(step_dir, reader.block, direct, reads, encoded)
-    batches: Iterable[tuple[ChunkReader, Sequence[Job]]] = [(reader, jobs)]
-    if share is not None and share.negotiate(jobs, manifest.step):
-        rounds = share.rounds(jobs, storage, executor, stats)
-        batches = ((dataclasses.replace(reader, storage=st), js) for st, js in rounds)
-    wrote: set[str] = set()
-    # (the tensors summed as their reads land, the rest after them: before the finalizers)
-    check = plan_check(flat, manifest, plan.restored, rank=rank, world_size=world_size) if logical and verify else None
-    try:
-        _fill(executor, batches, stats, wrote, check, jobs)
-        if check is not None:
-            check.sum_rest()
-            stats.logical = check
-        _set_and_finalize(plan, flat, bytes_values, wrote)
-    finally:
-        writes.add(manifest.step, wrote)
-    if rank == 0 and manifest.world_size != world_size:
-        _warn_world_change(flat, plan, manifest, storage.url, world_size, per_rank, per_rank_call)
+    return reader, jobs, bytes_values
+
+
+def _planned(plan: RestorePlan, manifest: Manifest, where: str) -> RestoreStats:
+    """The plan's stats, with the index files and pages its planning read; the warning of a
+    ``strict=False`` restore whose target has keys the step lacks."""
+    stats = plan.stats
+    described = getattr(manifest.leaves, "described", None)
+    stats.index_files = described.index_reads if described is not None else 0
+    stats.pages = described.pages.reads if described is not None and described.pages is not None else 0
+    if plan.missing:  # (strict: plan_restore raised)
+        warnings.warn(
+            f"strict=False: {len(plan.missing)} key(s) of the target state are not in {where} and "
+            f"keep their current values: {missing_list(plan.missing)}",
+            stacklevel=4,
+        )
     return stats
+
+
+def _batches(
+    reader: ChunkReader,
+    storage: Storage,
+    jobs: list[Job],
+    share: ReadShare | None,
+    executor: Executor,
+    stats: RestoreStats,
+    step: int,
+) -> Iterable[tuple[ChunkReader, Sequence[Job]]]:
+    """The jobs as one batch, or, where the ranks share reads (``restore/share.py``), in
+    rounds, each reading through the round's received pieces."""
+    if share is None or not share.negotiate(jobs, step):
+        return [(reader, jobs)]
+    rounds = share.rounds(jobs, storage, executor, stats)
+    return ((dataclasses.replace(reader, storage=st), js) for st, js in rounds)
 
 
 def _fill(
@@ -224,7 +262,8 @@ def _fill(
 ) -> None:
     """Run every job of every round (even after a failure: the other ranks of a shared
     restore wait on each round), wait for each (none may still write afterwards), and raise
-    the first failure; ``check``'s tensors are summed as their reads land."""
+    the first failure; ``check``'s tensors are summed as their reads land, the rest after
+    them, and it goes into ``stats``."""
     failed = threading.Event()
     sums = SumsAsFilled(check, jobs) if check is not None else None
     errors: list[BaseException] = []
@@ -243,6 +282,9 @@ def _fill(
                     errors.append(e)
     if errors:
         raise errors[0]
+    if check is not None:
+        check.sum_rest()
+        stats.logical = check
 
 
 def _set_and_finalize(plan: RestorePlan, flat: FlatState, bytes_values: Sequence[bytes], wrote: set[str]) -> None:
@@ -262,9 +304,11 @@ def _set_and_finalize(plan: RestorePlan, flat: FlatState, bytes_values: Sequence
 
 
 def _warn_world_change(
-    flat: FlatState, plan: RestorePlan, manifest: Manifest, root: str, world: int, policy: str, call: str
+    flat: FlatState, plan: RestorePlan, manifest: Manifest, root: str, rank: int, world: int, policy: str, call: str
 ) -> None:
-    """The one warning of a restore at another world size that touched per-rank state."""
+    """The one warning (on rank 0) of a restore at another world size that touched per-rank state."""
+    if rank != 0 or manifest.world_size == world:
+        return
     touched = set(plan.restored) | set(plan.dropped)
     prefixes = [p for p in flat.per_rank_prefixes if any(k.startswith(p + "/") for k in touched)]
     if not prefixes:

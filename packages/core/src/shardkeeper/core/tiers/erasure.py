@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import xxhash
 
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.errors import TooManyLost
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -36,10 +36,6 @@ MAX_SHARDS = 256
 Read = Callable[[int, memoryview], None]
 #: ``write(data)``: append ``data`` to a file being written.
 Write = Callable[[memoryview], object]
-
-
-class TooManyLost(CheckpointError):
-    """More files of a group are lost than its parity can rebuild."""
 
 
 def check_code(k: Any, m: Any) -> tuple[int, int]:
