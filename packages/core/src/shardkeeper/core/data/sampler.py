@@ -65,6 +65,15 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler[int]):
         *,
         count: str = "advanced",
     ) -> None:
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError(
+                f"ResumableDistributedSampler takes a map-style dataset (with __len__ and "
+                f"__getitem__), not an IterableDataset ({type(dataset).__name__}): a stream has "
+                f"no sampler, its position is inside each worker's iterator. Use a map-style "
+                f"dataset, or keep the stream's own state per rank (torchdata's "
+                f"StatefulDataLoader, PerRank(loader.state_dict())); docs/data.md, 'Iterable "
+                f"datasets and worker processes'"
+            )
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         if count not in _COUNTS:
             raise ValueError(f"count must be one of {_COUNTS}, got {count!r}")
@@ -154,12 +163,17 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler[int]):
         """Resume the saved epoch where it stood; the next pass yields this rank's part of the
         rest. Refused when the order would differ (seed, shuffle, dataset length, an order this
         sampler cannot draw) or the saved run dropped or padded differently."""
+        if not isinstance(state, Mapping):
+            raise StateMismatchError(
+                f"ResumableDistributedSampler (rank {self.rank}): not a sampler position but a "
+                f"{type(state).__name__}; was another object saved under this key?"
+            )
         missing = [k for k in KEYS if k not in state]
         if missing or state["version"] != _VERSION:
             raise StateMismatchError(
-                f"ResumableDistributedSampler.load_state_dict: not a sampler position of version "
-                f"{_VERSION} (missing {missing}, version {state.get('version')!r}); was another "
-                f"object saved under this key?"
+                f"ResumableDistributedSampler (rank {self.rank}): not a sampler position of "
+                f"version {_VERSION} (missing {missing}, version {state.get('version')!r}); was "
+                f"another object saved under this key?"
             )
         if state["order"] != DISTRIBUTED_ORDER:
             raise StateMismatchError(
@@ -180,13 +194,23 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler[int]):
                 f"twice or never; construct the sampler as the saved run did, or leave the "
                 f"sampler out of the restore to start the epoch afresh"
             )
-        consumed = state["consumed"]
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= self._n():
-            raise StateMismatchError(
-                f"ResumableDistributedSampler: the saved consumed count {consumed!r} is not an "
-                f"int within [0, dataset length {self._n()}]; the position was damaged or edited"
+        epoch, consumed = state["epoch"], state["consumed"]
+        bad = [
+            f"{name} {value!r} is not {want}"
+            for name, value, high, want in (
+                ("epoch", epoch, None, "an int >= 0"),
+                ("consumed", consumed, self._n(), f"an int within [0, {self._n()}]"),
             )
-        super().set_epoch(int(state["epoch"]))
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (high is not None and value > high)
+        ]
+        if bad:
+            raise StateMismatchError(
+                f"ResumableDistributedSampler (rank {self.rank}): the saved position's "
+                f"{' and '.join(bad)} (dataset length {self._n()}); the position was damaged or "
+                f"edited. Restore another step, or leave the sampler out of the restore to start "
+                f"the epoch afresh"
+            )
+        super().set_epoch(epoch)
         self._start = consumed
         self._new_pass()
 
