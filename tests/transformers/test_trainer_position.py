@@ -65,6 +65,27 @@ def test_two_ranks_killed_mid_epoch_one_resumes_every_sample_once(killed: Path, 
 
 @pytest.mark.multiprocess  # the 2-rank run it resumes launches processes
 @pytest.mark.timeout(240)
+def test_a_resume_with_more_accumulation_trains_every_sample_of_both_epochs(killed: Path, tmp_path: Path) -> None:
+    """The 8 consumed samples are 4 batches of 2 at one process, no whole step of 3 of them: the
+    Trainer's skip would leave the resumed epoch a partial first step and one step too many, so
+    the run would reach ``max_steps`` with the last batch untrained. Every sample of the epoch
+    once, then the whole next epoch."""
+    from tests.transformers.dist.position_worker import SEED, N, Numbered
+
+    tmp_path = tmp_path / "out"
+    shutil.copytree(killed, tmp_path)
+    resume = run_script(1, WORKER, "resume", str(tmp_path), "2", "3", timeout_s=120, env=ENV)
+    assert resume.returncode == 0, resume.stdout[-6000:]
+    before = [i for r in _records(tmp_path, "first", 2) if r["step"] <= 2 for i in r["ids"]]
+    after = _records(tmp_path, "resume", 1)
+    assert Counter(before + [i for r in after if r["epoch"] == 0 for i in r["ids"]]) == Counter(range(N))
+    ref: torch.utils.data.DistributedSampler[Any] = torch.utils.data.DistributedSampler(Numbered(), 1, 0, seed=SEED)
+    ref.set_epoch(1)
+    assert [i for r in after if r["epoch"] == 1 for i in r["ids"]] == list(ref)
+
+
+@pytest.mark.multiprocess  # the 2-rank run it resumes launches processes
+@pytest.mark.timeout(240)
 def test_accelerate_resumes_the_trainers_position_mid_epoch_every_sample_once(killed: Path, tmp_path: Path) -> None:
     """The position the 2-rank Trainer saved at step 2 (8 of 32 samples, ``extra/data_position/0``)
     resumes in an Accelerate loop on one process (``load_state`` through its adapter; a shuffled

@@ -1,6 +1,6 @@
 """The Trainer's data position across a change of world size (tests/transformers/test_trainer_position.py).
 
-    position_worker.py MODE OUT [BATCH]
+    position_worker.py MODE OUT [BATCH [ACCUMULATE]]
 
 A Trainer (tiny GPT-2, CPU) over 32 numbered samples (sample ``i`` starts with token ``i``),
 batches of 2 a rank (``BATCH`` in ``resume``), 2 epochs, a save every 2 steps. Each micro-step appends
@@ -9,7 +9,7 @@ sampler's). ``first`` (2 ranks, DDP): rank 0 writes the model and AdamW state of
 ``OUT/saved.pt`` when it is saved; at the end of step 4 every rank waits for step 2's commit
 and kills itself (SIGKILL), 8 steps an epoch: mid-epoch, 8 samples consumed. ``resume`` (1
 process, batches of ``BATCH``: 2 resumes through the Trainer's skip of 4 batches, 3 from the
-sampler's position, 8 being no whole number of batches):
+sampler's position, 8 being no whole number of batches; ``ACCUMULATE`` micro-batches a step):
 ``train(resume_from_checkpoint=True)``; the state the training starts from goes to
 ``OUT/resumed.pt`` and the resumed step to ``OUT/resumed-step``.
 """
@@ -89,10 +89,11 @@ class Watch(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def trainer(out: Path, mode: str, rank: int, batch: int) -> Logged:
+def trainer(out: Path, mode: str, rank: int, batch: int, accumulate: int = 1) -> Logged:
     args = TrainingArguments(
         output_dir=str(out / "run"),
         per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulate,
         num_train_epochs=2,
         save_strategy="steps",
         save_steps=SAVED,
@@ -110,13 +111,13 @@ def trainer(out: Path, mode: str, rank: int, batch: int) -> Logged:
     return tr
 
 
-def main(mode: str, out_text: str, batch: str = "2") -> None:
+def main(mode: str, out_text: str, batch: str = "2", accumulate: str = "1") -> None:
     out = Path(out_text)
     rank = int(os.environ.get("RANK", "0"))
-    tr = trainer(out, mode, rank, int(batch))
+    tr = trainer(out, mode, rank, int(batch), int(accumulate))
     tr.train(resume_from_checkpoint=True if mode == "resume" else None)
     tr.ids_file.close()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -143,23 +143,25 @@ class Position:
     def resumed(self) -> tuple[int, int]:
         """After the sampler's position was restored: the epoch the Trainer's loop starts at and
         the batches it skips. None left at this world size: the next epoch. Consumed samples that
-        are whole rounds of batches at this world size (always so at the world size of the save):
-        the sampler starts the epoch over and the Trainer skips those batches as it does on its
-        own (its step count, RNG restore and epoch end unchanged), the same samples as the
-        position's rest. Otherwise the sampler yields the rest from the position, nothing is
-        skipped, and the step's RNG is restored at the first batch, as after a skip."""
+        are whole optimizer steps at this world size, batch size and accumulation (always so when
+        none changed): the sampler starts the epoch over and the Trainer skips those batches as
+        it does on its own (its step count, RNG restore and epoch end unchanged), the same
+        samples as the position's rest. Otherwise the sampler yields the rest from the position,
+        nothing is skipped, and the step's RNG is restored at the first batch, as after a skip
+        (a skip of a part of a step would leave a partial first step and shift the epoch's steps,
+        so a run counted in epochs would reach ``max_steps`` with batches untrained)."""
         assert self.sampler is not None
         s, batch = self.sampler, int(self.batches.batch_size)
         epoch, consumed = int(s.epoch), s.consumed
         if len(self.batches) == 0:
             return epoch + 1, 0
-        rounds, rest = divmod(consumed, s.num_replicas * batch)
+        steps, rest = divmod(consumed, s.num_replicas * self.per_step)
         if rest:
             self.rng_at_first_step = True
             return epoch, 0
         s.load_state_dict({**s.state_dict(), "consumed": 0})
-        self.skipped = rounds * batch  # this rank's, counted at the first step
-        return epoch, rounds
+        self.skipped = steps * self.per_step  # this rank's, counted at the first step
+        return epoch, steps * self.per_step // batch
 
     def first_step(self) -> None:
         """The first batch of a mid-epoch resume is drawn: restore the step's RNG now."""
