@@ -86,6 +86,22 @@ def test_a_resume_with_more_accumulation_trains_every_sample_of_both_epochs(kill
 
 @pytest.mark.multiprocess  # the 2-rank run it resumes launches processes
 @pytest.mark.timeout(240)
+def test_a_resume_whose_max_steps_cuts_the_data_warns(killed: Path, tmp_path: Path) -> None:
+    """Resumed with batches of 8 (a global batch twice the saved one), the 2 epochs at one
+    process are 8 steps, but global_step resumes at 2 (8 samples, one step of 8): the rest
+    needs 3 + 4 steps, one more than max_steps, so the last batch is never trained. The
+    resume says so, with the step, the rank and the remedy."""
+    tmp_path = tmp_path / "out"
+    shutil.copytree(killed, tmp_path)
+    resume = run_script(1, WORKER, "resume", str(tmp_path), "8", timeout_s=120, env=ENV)
+    assert resume.returncode == 0, resume.stdout[-6000:]
+    text = " ".join(resume.stdout.split())
+    assert "reaches max_steps 8 at step 8 (rank 0)" in text, resume.stdout[-6000:]
+    assert "1 optimizer step(s) of data untrained" in text and "max_steps" in text
+
+
+@pytest.mark.multiprocess  # the 2-rank run it resumes launches processes
+@pytest.mark.timeout(240)
 def test_accelerate_resumes_the_trainers_position_mid_epoch_every_sample_once(killed: Path, tmp_path: Path) -> None:
     """The position the 2-rank Trainer saved at step 2 (8 of 32 samples, ``extra/data_position/0``)
     resumes in an Accelerate loop on one process (``load_state`` through its adapter; a shuffled

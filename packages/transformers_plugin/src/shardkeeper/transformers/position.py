@@ -17,6 +17,7 @@ ranks (``Position.resumed``). Any other sampler keeps the Trainer's behaviour, w
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,32 @@ class Position:
         s.load_state_dict({**s.state_dict(), "consumed": 0})
         self.skipped = steps * self.per_step  # this rank's, counted at the first step
         return epoch, steps * self.per_step // batch
+
+    def warn_if_cut(self, tr: Any, max_steps: int, per_epoch: int, epochs: Any, done: int, skip: int) -> None:
+        """After ``resumed()``: warn when a run counted in epochs (no ``args.max_steps``) reaches
+        ``max_steps`` before its data ends. ``global_step`` resumes in the saved run's steps, so
+        at a larger global batch the rest needs more steps than ``max_steps`` leaves."""
+        if self.sampler is None or int(tr.args.max_steps) > 0:
+            return
+        ga = max(1, int(tr.args.gradient_accumulation_steps))
+        if done == int(self.sampler.epoch):  # the resumed epoch's rest, then the epochs after it
+            left = max(0, len(self.batches) - skip)
+            needed = -(-left // ga) + max(0, math.ceil(float(epochs)) - done - 1) * per_epoch
+        else:  # nothing left of it: the epochs from ``done``
+            needed = max(0, math.ceil(float(epochs)) - done) * per_epoch
+        gs = int(tr.state.global_step)
+        if gs + needed <= max_steps:
+            return
+        warnings.warn(
+            f"shardkeeper.transformers: the resumed run reaches max_steps {max_steps} at step "
+            f"{max_steps} (rank {tr.args.process_index}) with {gs + needed - max_steps} optimizer "
+            f"step(s) of data untrained: global_step resumes at {gs}, counted in the saved run's "
+            f"steps, and the rest of its {epochs} epoch(s) needs {needed} steps of this run's global "
+            f"batch (world size x per-device batch x gradient accumulation). Give "
+            f"max_steps={gs + needed} (or more num_train_epochs) to train on all of it",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def first_step(self) -> None:
         """The first batch of a mid-epoch resume is drawn: restore the step's RNG now."""

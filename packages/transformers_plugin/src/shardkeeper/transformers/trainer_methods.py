@@ -147,6 +147,7 @@ def _start_up(tr: Any, p: Plugin, own: tfi.Originals) -> dict[str, Any]:
         if p.data.sampler is not None and any(k.startswith(KEY + "/") for k in p.resume.keys):
             p.restore_position()  # the loop starts at the position's epoch, the sampler where it stood
             done, skip = p.data.resumed()
+            p.data.warn_if_cut(tr, max_steps, num_update_steps_per_epoch, num_train_epochs, done, skip)
         return done, skip
 
     return {
