@@ -33,7 +33,7 @@ from shardkeeper.core.restore.fill import (
     read_bytes_leaf,
 )
 from shardkeeper.core.restore.logical_check import LogicalCheck, plan_check
-from shardkeeper.core.restore.per_rank import PLAIN_CALL, WorldSizeChangedWarning, world_change_note
+from shardkeeper.core.restore.per_rank import PLAIN_CALL, warn_world_change
 from shardkeeper.core.restore.plan import (
     Op,
     RestorePlan,
@@ -182,7 +182,8 @@ def restore_flat(
         _set_and_finalize(plan, flat, bytes_values, wrote)
     finally:
         writes.add(manifest.step, wrote)
-    _warn_world_change(flat, plan, manifest, storage.url, rank, world_size, per_rank, per_rank_call)
+    touched = set(plan.restored) | set(plan.dropped)
+    warn_world_change(flat.per_rank_prefixes, touched, manifest, rank, world_size, storage.url, per_rank, per_rank_call)
     return stats
 
 
@@ -265,21 +266,25 @@ def _fill(
     the first failure; ``check``'s tensors are summed as their reads land, the rest after
     them, and it goes into ``stats``."""
     failed = threading.Event()
-    sums = SumsAsFilled(check, jobs) if check is not None else None
+    sums = SumsAsFilled(check, jobs, failed) if check is not None else None
     errors: list[BaseException] = []
-    with torch.no_grad():
-        for rd, js in batches:
-            futures = [
-                executor.submit(
-                    _guarded(j.fn if sums is None else sums.wrap(j, failed), failed), rd, j.path, j.item, stats, wrote
-                )
-                for j in js
-            ]
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException as e:
-                    errors.append(e)
+    try:
+        with torch.no_grad():
+            for rd, js in batches:
+                futures = [
+                    executor.submit(
+                        _guarded(j.fn if sums is None else sums.wrap(j), failed), rd, j.path, j.item, stats, wrote
+                    )
+                    for j in js
+                ]
+                for f in futures:
+                    try:
+                        f.result()
+                    except BaseException as e:
+                        errors.append(e)
+    finally:
+        if sums is not None:
+            sums.close()  # (its thread ends, whatever happened)
     if errors:
         raise errors[0]
     if check is not None:
@@ -301,28 +306,6 @@ def _set_and_finalize(plan: RestorePlan, flat: FlatState, bytes_values: Sequence
     for prefix, fin in flat.finalizers:
         if prefix in touched:
             fin()
-
-
-def _warn_world_change(
-    flat: FlatState, plan: RestorePlan, manifest: Manifest, root: str, rank: int, world: int, policy: str, call: str
-) -> None:
-    """The one warning (on rank 0) of a restore at another world size that touched per-rank state."""
-    if rank != 0 or manifest.world_size == world:
-        return
-    touched = set(plan.restored) | set(plan.dropped)
-    prefixes = [p for p in flat.per_rank_prefixes if any(k.startswith(p + "/") for k in touched)]
-    if not prefixes:
-        return
-    note = world_change_note(
-        prefixes,
-        step=manifest.step,
-        root=root,
-        saved_world=manifest.world_size,
-        world=world,
-        policy=policy,
-        call=call,
-    )
-    warnings.warn(note, WorldSizeChangedWarning, stacklevel=4)
 
 
 def _jobs(

@@ -15,9 +15,11 @@ Policies (docs/protocol.md, "Per-rank state at another world size"):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from shardkeeper.core.errors import StateMismatchError
+from shardkeeper.core.format.manifest import Manifest
 
 PER_RANK_POLICIES = ("map", "exact", "modulo", "drop")
 
@@ -83,4 +85,39 @@ def world_change_note(
     )
 
 
-__all__ = ["PER_RANK_POLICIES", "PLAIN_CALL", "WorldSizeChangedWarning", "source_key", "world_change_note"]
+def warn_world_change(
+    per_rank_prefixes: Sequence[str],
+    touched: set[str],
+    manifest: Manifest,
+    rank: int,
+    world: int,
+    root: str,
+    policy: str,
+    call: str,
+) -> None:
+    """The one warning (on rank 0) of a restore of ``manifest`` at another world size than its
+    save's that touched (restored or dropped) per-rank state."""
+    if rank != 0 or manifest.world_size == world:
+        return
+    prefixes = [p for p in per_rank_prefixes if any(k.startswith(p + "/") for k in touched)]
+    if prefixes:
+        text = world_change_note(
+            prefixes,
+            step=manifest.step,
+            root=root,
+            saved_world=manifest.world_size,
+            world=world,
+            policy=policy,
+            call=call,
+        )
+        warnings.warn(text, WorldSizeChangedWarning, stacklevel=4)
+
+
+__all__ = [
+    "PER_RANK_POLICIES",
+    "PLAIN_CALL",
+    "WorldSizeChangedWarning",
+    "source_key",
+    "warn_world_change",
+    "world_change_note",
+]

@@ -1,6 +1,8 @@
-"""The restore's logical sums as the reads land, not after all of them: each tensor is summed
-by the I/O thread that finishes the last read writing into its memory, while the other
-threads go on reading, so on storage slower than the sums the check costs almost nothing.
+"""The restore's logical sums as the reads land, not after all of them: once the last read
+writing into a tensor's memory is done, the tensor is summed by the check's own thread while
+the I/O threads go on reading, so on storage slower than the sums the check costs almost
+nothing. One thread, not the I/O threads themselves: sums running in several threads beside
+torch's copies made each slower (the cores spent spinning, not summing).
 
 What counts is memory, not keys: a tensor is summed once no planned read writes into bytes
 it shares with it (another key that aliases it, a tied weight, a view into one flat buffer),
@@ -12,6 +14,7 @@ after the reads (``LogicalCheck.sum_rest``), as is everything when a read failed
 from __future__ import annotations
 
 import bisect
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -51,9 +54,12 @@ def _ops(item: Any) -> Iterator[Op]:
 class SumsAsFilled:
     """Which jobs write into which checked tensors, and the sums that run as they finish."""
 
-    def __init__(self, check: LogicalCheck, jobs: Sequence[Job]) -> None:
+    def __init__(self, check: LogicalCheck, jobs: Sequence[Job], failed: threading.Event) -> None:
         self._check = check
+        self._failed = failed
         self._lock = threading.Lock()
+        self._ready: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._errors: list[BaseException] = []
         keys, self._blocks = _components(check)
         self._keys: list[list[str]] = keys
         self._remaining = [0] * len(keys)
@@ -63,6 +69,26 @@ class SumsAsFilled:
             self._of_job[id(job)] = tuple(touched)
             for c in touched:
                 self._remaining[c] += 1
+        self._thread = threading.Thread(target=self._sum_ready, name="shardkeeper-logical-sums", daemon=True)
+        self._thread.start()
+
+    def _sum_ready(self) -> None:
+        """The check's thread: sums each group of tensors handed to it, until ``close``."""
+        while (c := self._ready.get()) is not None:
+            if self._failed.is_set() or self._errors:
+                continue  # (the restore fails anyway: drain, sum nothing)
+            try:
+                for key in self._keys[c]:
+                    self._check.sum(key)
+            except BaseException as e:  # raised by close(), on the restoring thread
+                self._errors.append(e)
+
+    def close(self) -> None:
+        """Once every job has run: wait for the sums handed over, and raise a failure of one."""
+        self._ready.put(None)
+        self._thread.join()
+        if self._errors:
+            raise self._errors[0]
 
     def _touching(self, dest: torch.Tensor) -> Iterable[int]:
         """The components whose memory ``dest`` overlaps."""
@@ -78,23 +104,17 @@ class SumsAsFilled:
             i -= 1
         return out
 
-    def wrap(self, job: Job, failed: threading.Event) -> Callable[..., None]:
-        """``job.fn``, then the sums of the tensors it was the last to write into (none once
-        some read of the attempt has failed: the restore fails anyway)."""
+    def wrap(self, job: Job) -> Callable[..., None]:
+        """``job.fn``, then the tensors it was the last to write into handed to the check's
+        thread."""
 
         def run(*args: Any) -> None:
             job.fn(*args)
-            done = []
             with self._lock:
                 for c in self._of_job.get(id(job), ()):
                     self._remaining[c] -= 1
                     if self._remaining[c] == 0:
-                        done.append(c)
-            for c in done:
-                for key in self._keys[c]:
-                    if failed.is_set():
-                        return
-                    self._check.sum(key)
+                        self._ready.put(c)
 
         return run
 
