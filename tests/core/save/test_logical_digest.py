@@ -393,8 +393,12 @@ def test_the_coordinator_adds_every_ranks_sums() -> None:
         logical.finalize("int8", [2, 2], 9),
         logical.finalize("bfloat16", [6], 3),
     ]
-    dropped = combine_reports(reports, declared, ["d"], ["b"])
+    dropped = combine_reports(reports, declared, ["d"], {"b": None})  # (no reports cover "b" once)
     assert dropped is not None and dropped["digests"].split(",")[1] == ""
+    # a leaf whose copies two ranks wrote: only the covering reports' sums count (rank 0's
+    # report, index 0, alone for "a"; its sum 5, not 5 + 2**64 - 2)
+    covered = combine_reports(reports, declared, ["d"], {"a": [0]})
+    assert covered is not None and covered["digests"].split(",")[0] == logical.finalize("float32", [4], 5)
     assert combine_reports([*reports, {"rank": 2, "chunks": {"keys": []}}], declared, ["d"]) is None  # an old writer
     with pytest.raises(ValueError, match="rank 1's report"):
         combine_reports([reports[0], _report(1, ["a", "b"], [1])], declared, [])
