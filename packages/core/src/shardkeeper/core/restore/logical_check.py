@@ -2,8 +2,9 @@
 its save recorded (docs/format.md 6.1, docs/reliability.md "Logical digests").
 
 Chunk digests prove that the bytes read are the bytes written; this proves that they landed
-where they belong. Each rank sums, per tensor, the pieces it restored (``local_check``, run
-by ``restore_flat`` after the reads, before objects are set and finalizers run). A rank that
+where they belong. Each rank sums, per tensor, the pieces it restored (``plan_check`` before
+the reads; each tensor summed as its reads land, ``restore/sum_as_filled.py``, the rest after
+them; all before objects are set and finalizers run). A rank that
 holds a whole tensor (DDP, a replicated DTensor) judges it alone; one that holds none of it
 takes no part. The pieces of a sharded tensor add up over the ranks that hold one copy of it (a DTensor's
 ``replica_index``, and on a submesh the mesh itself: FSDP2 over the data-parallel dimension
@@ -160,17 +161,6 @@ def plan_check(
     return check
 
 
-def local_check(
-    flat: FlatState, manifest: Manifest, restored: Sequence[str], *, rank: int, world_size: int
-) -> LogicalCheck | None:
-    """``plan_check``, every task summed now (the reads done): this rank's sums over the
-    tensors it restored and its verdict on the whole ones."""
-    check = plan_check(flat, manifest, restored, rank=rank, world_size=world_size)
-    if check is not None:
-        check.sum_rest()
-    return check
-
-
 def _mesh_first_rank(value: Any) -> int:
     """The lowest rank of a DTensor's mesh, 0 for other tensors: a DTensor on a submesh (FSDP2
     over the data-parallel dimension of a 2-D world) has copies on the other submeshes, which
@@ -187,7 +177,7 @@ def _head(manifest: Manifest, key: str) -> tuple[str, tuple[int, ...]]:
 
 def agree(check: LogicalCheck | None, group: Any, where: str) -> tuple[list[str], bool]:
     """Collective over ``group`` (the restore's ``PeerGroup``; every rank calls it with its
-    ``local_check``, None where the manifest has no digests): the problems every rank found,
+    ``plan_check``, every task summed; None where the manifest has no digests): the problems every rank found,
     the same list on every rank, and whether some other rank found whole tensors wrong (named
     in its own error)."""
     mine = check.problems if check is not None else []
@@ -258,4 +248,4 @@ def judge(ctx: Any, check: LogicalCheck | None, step: int, *, collective: bool =
     return err
 
 
-__all__ = ["LogicalCheck", "agree", "judge", "local_check", "plan_check"]
+__all__ = ["LogicalCheck", "agree", "judge", "plan_check"]
