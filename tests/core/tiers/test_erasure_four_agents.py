@@ -9,58 +9,23 @@ covers, and the restore falls back to the persisted step, saying so."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.checks import assert_checks, read_checks
-from tests.core.tiers.test_tiers import WORKER, _free_port, _logs, _run_until
-from tests.launch import WORKER_MAIN
+from tests.core.tiers.test_tiers import _agents, _logs, _run_until
 
 NODES = 4
-
-
-def _agents(mode: str, out: Path, cfg: dict[str, Any]) -> list[subprocess.Popen[str]]:
-    """One torchrun agent per node, one rank each (``test_tiers._agents`` starts two)."""
-    port = _free_port()
-    procs = []
-    for node in range(NODES):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={NODES}",
-            "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=erasure4",
-            "--max-restarts=0",
-            "--local-addr=127.0.0.1",
-            str(WORKER_MAIN),
-            str(WORKER),
-            mode,
-            str(out),
-            json.dumps(cfg),
-        ]
-        env = {**os.environ, "TIER_NODE": str(node), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        log = open(out.parent / f"{out.name}-agent{node}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append(
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        )
-        log.close()
-    return procs
 
 
 def _resume(tmp: Path, name: str, cfg: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     """Restore the newest step on the four nodes; each rank's report and the agents' logs."""
     out = tmp / name
     out.mkdir()
-    _run_until(_agents("resume", out, cfg), out, None, 90)
+    _run_until(_agents(list(range(NODES)), "resume", out, cfg, per_node=1), out, None, 90)
     assert_checks(read_checks(*(out / f"checks-r{r}.json" for r in range(NODES)), output=_logs(out)))
     return [json.loads((out / f"resume-r{r}.json").read_text()) for r in range(NODES)], _logs(out)
 
@@ -84,7 +49,12 @@ def test_one_lost_node_is_rebuilt_from_parity_and_two_fall_back_to_s3(
     }
     out = tmp_path / "save"
     out.mkdir()
-    _run_until(_agents("save", out, cfg), out, lambda: len(list(out.glob("[kw]*-r*"))) == NODES, 90)
+    _run_until(
+        _agents(list(range(NODES)), "save", out, cfg, per_node=1),
+        out,
+        lambda: len(list(out.glob("[kw]*-r*"))) == NODES,
+        90,
+    )
     assert_checks(read_checks(*(out / f"save-r{r}.json" for r in range(NODES)), output=_logs(out)))
     assert (out / "killed-r1").exists()
     assert not any(tmp_path.glob("node*/step-000000000004/manifest.json"))  # the save in flight

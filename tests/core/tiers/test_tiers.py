@@ -31,8 +31,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _agents(nodes: list[int], mode: str, out: Path, cfg: dict[str, Any]) -> list[subprocess.Popen[str]]:
-    """One torchrun agent per entry of ``nodes`` (its local directory's index), 2 ranks each."""
+def _agents(
+    nodes: list[int], mode: str, out: Path, cfg: dict[str, Any], per_node: int = 2
+) -> list[subprocess.Popen[str]]:
+    """One torchrun agent per entry of ``nodes`` (its local directory's index), ``per_node`` ranks each."""
     port = _free_port()
     procs = []
     for i, node in enumerate(nodes):
@@ -41,7 +43,7 @@ def _agents(nodes: list[int], mode: str, out: Path, cfg: dict[str, Any]) -> list
             "-m",
             "torch.distributed.run",
             f"--nnodes={len(nodes)}",
-            "--nproc-per-node=2",
+            f"--nproc-per-node={per_node}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=tiers",
