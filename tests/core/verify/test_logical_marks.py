@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 
-from shardkeeper.core import CheckpointManager
+from shardkeeper.core import CheckpointManager, metrics
 from shardkeeper.core.errors import CorruptCheckpointError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.logical_member import MARK, MARK_CHARS, combine_reports, tensor_keys
 from shardkeeper.core.format.manifest import Manifest
+from shardkeeper.core.save.replicas import judge
 
 from .._builders import run_cli as run
 
@@ -104,6 +106,10 @@ def test_the_writer_bounds_its_mark(tmp_path: Path) -> None:
     assert member is not None
     mark = member[MARK]
     assert 0 < len(mark) <= MARK_CHARS and mark.endswith(" more tensor(s)") and "tensor 't00000'" in mark, mark[-200:]
+    # The metric counts every tensor the mark stands for, those it only counts included.
+    before = metrics.LOGICAL_MISMATCHES.total()
+    judge(cast(Manifest, SimpleNamespace(logical=member, step=7)), "warn", 0)
+    assert metrics.LOGICAL_MISMATCHES.total() - before == 2000
 
 
 def test_a_null_logical_member_is_damage(tmp_path: Path, capsys: Any) -> None:

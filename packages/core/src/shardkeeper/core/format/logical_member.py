@@ -189,6 +189,18 @@ def _mark(disagree: Sequence[str]) -> str:
     return "; ".join(out)
 
 
+def disagreements_in(mark: str) -> int:
+    """How many tensors a ``replicas_disagree`` mark names: its entries (each begins
+    ``tensor ``), plus the ``N`` of a trailing ``; and N more tensor(s)``."""
+    more = _MORE.search(mark)
+    shown = mark[: more.start()] if more else mark
+    return len(_ENTRY.findall(shown)) + (int(more.group(1)) if more else 0)
+
+
+_MORE = re.compile(r"; and (\d+) more tensor\(s\)$")
+_ENTRY = re.compile(r"(?:^|; )tensor ")
+
+
 def _disagreements(
     reports: Sequence[Mapping[str, Any]], sums: Mapping[str, int], declared: Mapping[str, Any], skip: set[str]
 ) -> list[str]:
@@ -233,6 +245,7 @@ __all__ = [
     "combine_reports",
     "decode_sums",
     "digests_of",
+    "disagreements_in",
     "encode_sums",
     "member_of",
     "member_problem",

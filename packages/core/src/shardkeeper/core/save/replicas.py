@@ -30,7 +30,7 @@ import torch
 
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.logical_member import REPLICAS, encode_sums
+from shardkeeper.core.format.logical_member import REPLICAS, disagreements_in, encode_sums
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.save.plan import SavePlan
 from shardkeeper.core.state import _torch_compat as tc
@@ -128,7 +128,7 @@ def judge(manifest: Manifest, mode: str, rank: int) -> None:
     said = member.get("replicas_disagree") if isinstance(member, dict) else None
     if not said:
         return
-    metrics.record(metrics.LOGICAL_MISMATCHES, str(said).count(";") + 1, rank=rank, step=manifest.step)
+    metrics.record(metrics.LOGICAL_MISMATCHES, disagreements_in(str(said)), rank=rank, step=manifest.step)
     text = (
         f"step {manifest.step}: copies of a replicated tensor disagree: {str(said)[:2000]}. A plain tensor "
         f"in the state is taken as replicated (DDP): if it is per-rank state (a counter, an RNG state, a "
