@@ -72,8 +72,14 @@ def main(root: Path, results: Path) -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
     got: dict[str, Any] = {}
-    for name, mode, dtensor in (("error", "error", False), ("dtensor", "error", True), ("warn", "warn", False)):
-        with CheckpointManager(root / name, async_save=False, logical_check=mode) as mgr:
+    runs = (
+        ("error", "error", False, False),
+        ("dtensor", "error", True, False),
+        ("described", "error", True, True),  # (the DTensor recorded by its rule, its chunks in index files)
+        ("warn", "warn", False, False),
+    )
+    for name, mode, dtensor, described in runs:
+        with CheckpointManager(root / name, async_save=False, logical_check=mode, describe_layouts=described) as mgr:
             mgr.save(1, _state(rank, False, mesh, dtensor))
             try:
                 mgr.save(2, _state(rank, True, mesh, dtensor))

@@ -2,7 +2,7 @@
 not written are compared with the written one through their logical sums. At 2 ranks
 (``dist/replica_worker.py``): a copy one ulp off is refused on both ranks, naming the tensor,
 the step and the ranks on each side (the previous step stays the newest), for plain tensors
-(DDP) and a replicated DTensor; ``logical_check="warn"`` commits with the mark; ``"off"``
+(DDP) and a replicated DTensor, also when recorded by its rule (described layouts); ``logical_check="warn"`` commits with the mark; ``"off"``
 compares nothing; a DDP model's BatchNorm buffers, which differ by rank after a forward,
 are not compared, its parameters are."""
 
@@ -32,6 +32,9 @@ def test_copies_that_disagree_are_refused_named_or_marked(tmp_path: Path) -> Non
         assert got["error"]["latest"] == 1, (r, got)
         dt = got["dtensor"]["error"]
         assert "tensor 'norm'" in dt and "tensor 'model/w'" in dt and got["dtensor"]["latest"] == 1, (r, dt)
+        described = got["described"]["error"]  # the copies' sums survive the described report's split
+        assert "tensor 'norm'" in described and "tensor 'model/w'" in described, (r, described)
+        assert got["described"]["latest"] == 1, (r, got)
         assert got["warn"]["error"] == "" and got["warn"]["latest"] == 2, (r, got)
         assert "tensor 'model/w'" in got["warn"]["mark"], (r, got)
         assert got["off"]["latest"] == 1, (r, got)

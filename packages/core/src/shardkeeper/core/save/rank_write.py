@@ -43,7 +43,7 @@ def write_rank(ctx: ManagerContext, codec_state: CodecState, job: SaveJob, stall
         logical=settings.logical_check != "off",
     )
     declarations = job.plan.report_declarations(coordinator=ctx.rank == COORDINATOR)
-    chunks, files, described = with_replicas(res.chunks, job.replicas), res.files, dict[str, Any]()
+    chunks, files, described = res.chunks, res.files, dict[str, Any]()
     if job.plan.described:
         chunks, files, described = index_report(
             ctx.storage,
@@ -57,6 +57,7 @@ def write_rank(ctx: ManagerContext, codec_state: CodecState, job: SaveJob, stall
             settings.digest,
             data_prefixes(settings.data_prefixes, ctx.world_size),
         )
+    chunks = with_replicas(chunks, job.replicas)  # (after the split: it keeps only the chunk records)
     report = RankReport(
         rank=ctx.rank,
         attempt=job.attempt,
