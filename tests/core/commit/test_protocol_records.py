@@ -319,6 +319,21 @@ def test_every_member_of_another_kind_is_refused_by_name(path: tuple[str, ...]) 
     assert report_from_json(json.loads(json.dumps(_GOOD)), rank=1, where="w").rank == 1
 
 
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [("bases", True), ("bases", 1.0), ("bases", None), ("per_rank_prefixes", 7), ("per_rank_prefixes", ["a/"])],
+)
+@pytest.mark.parametrize("at", [0, 5_000, -1])
+def test_one_item_of_another_kind_anywhere_in_a_long_list_is_refused(name: str, bad: Any, at: int) -> None:
+    """Lists are checked item by item, whatever their length: one item of another kind (a bool
+    among integers, too) at the start, the middle or the end is named."""
+    good: Any = list(range(10_000)) if name == "bases" else [f"p{i}/" for i in range(10_000)]
+    assert report_from_json({**_GOOD, name: good}, rank=1, where="w").rank == 1
+    good[at] = bad
+    with pytest.raises(ProtocolError, match=re.escape(f"member {name!r} is list")):
+        report_from_json({**_GOOD, name: good}, rank=1, where="w")
+
+
 def test_a_malformed_outcome_is_refused_naming_step_rank_and_key() -> None:
     store, _, coord1 = _pair()
     key = f"{NS}/5/outcome"

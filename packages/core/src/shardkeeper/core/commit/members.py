@@ -44,16 +44,19 @@ _NAMES = {
 }
 
 
-#: kind -> (the types of the value, of its items for a list kind or None, whether bool is one)
-_SPECS: dict[str, tuple[tuple[type, ...], tuple[type, ...] | None, bool]] = {
-    k: (_KINDS[k.partition("[")[0]], _KINDS[k.partition("[")[2][:-1]] if "[" in k else None, k == "bool")
+#: kind -> (the types of the value, the exact types of its items for a list kind or None,
+#: whether bool is one)
+_SPECS: dict[str, tuple[tuple[type, ...], frozenset[type] | None, bool]] = {
+    k: (_KINDS[k.partition("[")[0]], frozenset(_KINDS[k.partition("[")[2][:-1]]) if "[" in k else None, k == "bool")
     for k in _NAMES
 }
 
 
 def member(doc: Mapping[str, Any], name: str, kind: str, where: str) -> Any:
     """Member ``name`` of ``doc``, of ``kind`` (``list[str]``, ``list[int]``: a list of those).
-    (The coordinator checks every member of 16,384 reports: no string work per call.)"""
+    (The coordinator checks every member of 16,384 reports: no string work per call, and a
+    list's items checked by their exact types in one pass in C; a JSON parser makes no
+    subclasses, and ``bool`` is not ``int`` there.)"""
     try:
         value = doc[name]
     except KeyError:
@@ -61,7 +64,7 @@ def member(doc: Mapping[str, Any], name: str, kind: str, where: str) -> Any:
     outer, inner, is_bool = _SPECS[kind]
     ok = isinstance(value, outer) and (is_bool or value.__class__ is not bool)
     if ok and inner is not None and value:
-        ok = all(isinstance(v, inner) and v.__class__ is not bool for v in value)
+        ok = set(map(type, value)) <= inner
     if not ok:
         raise malformed(where, f"member {name!r} is {describe_value(value)}, not {_NAMES[kind]}")
     return value
