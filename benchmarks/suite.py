@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -143,7 +144,12 @@ def run_all(suite: Sequence[Bench], cwd: Path = ROOT) -> list[Outcome]:
     return outcomes
 
 
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _sigterm)  # a kill still stops the running benchmark's tree
     outcomes = run_all(benches(list(sys.argv[1:] if argv is None else argv)))
     print(summary(outcomes), flush=True)
     return exit_status(outcomes)
