@@ -29,7 +29,8 @@ Every check reports what it finds in the summary and none raises, damage include
 cache alive, so a lying ``fsync`` on a POSIX file system passes; a storage that drops what it
 acknowledged (``FaultyStorage(..., lose=...)``) shows what a power cut would
 (docs/reliability.md). The kill points are in ``kill_points``, the writers' manager options
-in ``writer_options``, the forked writer in ``trial_writer``.
+in ``writer_options``, the forked writer in ``trial_writer``. ``--local DIR --erasure K,M
+--nodes N`` runs it on N simulated nodes of an erasure-coded tier instead (``tier_campaign``).
 """
 
 from __future__ import annotations
@@ -234,6 +235,25 @@ def run_campaign(
     return s
 
 
+def _tier_campaign(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """``--erasure``: the campaign on simulated nodes (``tier_campaign``)."""
+    from shardkeeper.core.testing.tier_campaign import parse_erasure, run_tier_campaign
+
+    if a.local is None:
+        p.error("--erasure needs --local DIR: the nodes' directories go under it")
+    try:
+        summary = run_tier_campaign(
+            a.root, a.local, nodes=a.nodes, erasure=parse_erasure(a.erasure), trials=a.trials, seed=a.seed,
+            tensor_bytes=a.tensor_bytes, points=a.points.split(","), manager_options=json.loads(a.manager_options),
+            storage_options=json.loads(a.storage_options),
+        )  # fmt: skip
+    except ValueError as e:  # (a JSON error is one)
+        p.error(str(e))
+    json.dump(summary.to_json(), sys.stdout, indent=2)
+    print()
+    return 1 if summary.failures or summary.writer_errors else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shardkeeper.core.testing.campaign", description=__doc__.split("\n")[0])
     p.add_argument("root", help="checkpoint root to torture (a path or URL); it should be empty")
@@ -244,7 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--storage-options", default="{}", help="JSON: fsspec storage options")
     p.add_argument("--manager-options", default="{}", help="JSON: CheckpointManager options")
     p.add_argument("--local", metavar="DIR", help="a local tier's directory: kill there, ROOT is the persistent tier")
+    p.add_argument("--erasure", metavar="K,M", help="with --local: N simulated nodes under DIR (tier_campaign)")
+    p.add_argument("--nodes", type=int, default=4, help="with --erasure: the simulated nodes, one process each")
     a = p.parse_args(argv)
+    if a.erasure is not None:
+        return _tier_campaign(p, a)
     try:
         manager_options = json.loads(a.manager_options)
         storage_options = json.loads(a.storage_options)
