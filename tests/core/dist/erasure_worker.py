@@ -18,6 +18,8 @@ Before the restore, ``ls --local`` shows step 3 recoverable (``rebuild``) or par
   piece's digest, and step 2 is rebuilt and restored instead, from the local tier.
 - ``fallback``: more nodes of a group lost than it has parity: the restore falls back to
   the persisted step 1.
+- ``nothing``: the same with nothing uploaded (``CONFIG["persist_every"]`` None): the
+  restore's error says which steps, group and nodes were lost (``CONFIG["said"]``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager, PerRank
 from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
+from shardkeeper.core.errors import CheckpointNotFoundError
 from tests.checks import Checks
 
 checks = Checks()
@@ -66,7 +69,7 @@ def manager(cfg: dict[str, Any]) -> CheckpointManager:
         cfg["root"],
         local=node_dir(cfg),
         erasure=tuple(cfg["erasure"]),
-        persist_every=100,
+        persist_every=cfg.get("persist_every", 100),
         commit_timeout_s=60,
         **cfg.get("options", {}),
     )
@@ -98,7 +101,7 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
         rows: list[dict[str, Any]] = []
         add_tiers(rows, cfg["locals"])
         row = next(r for r in rows if r["step"] == 3)
-        want = "partial" if cfg["mode"] == "fallback" else "recoverable"  # (ls does not check digests)
+        want = "partial" if cfg["mode"] in ("fallback", "nothing") else "recoverable"  # (ls does not check digests)
         check(f"ls --local shows step 3 {want}", tiers_cell(row).endswith(f"({want})"), tiers_cell(row))
 
 
@@ -153,13 +156,28 @@ def fallback(out: Path, cfg: dict[str, Any]) -> None:
     checks.write(out / f"checks-r{rank}.json")
 
 
+def nothing(out: Path, cfg: dict[str, Any]) -> None:
+    """More losses than parity and nothing uploaded: the restore finds nothing, and says why."""
+    rank = dist.get_rank()
+    save_then_lose(cfg)
+    mgr = manager(cfg)
+    try:
+        mgr.restore({"own": PerRank(torch.zeros(SIZE + 1531 * rank, dtype=torch.float64))})
+        check("nothing restores", False)
+    except CheckpointNotFoundError as e:
+        for want in cfg["said"]:
+            check(f"the error says {want!r}", want in str(e), str(e))
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
 def main() -> None:
     out, runs = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo")
     for run in runs:
         where = out / run["name"]
         where.mkdir(parents=True, exist_ok=True)
-        {"rebuild": rebuild, "damaged": damaged, "fallback": fallback}[run["mode"]](where, run)
+        {"rebuild": rebuild, "damaged": damaged, "fallback": fallback, "nothing": nothing}[run["mode"]](where, run)
         dist.barrier()
     dist.destroy_process_group()
 

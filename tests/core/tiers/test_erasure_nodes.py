@@ -36,13 +36,15 @@ def _names(*held: str) -> list[str]:
     return sorted(n for h in held for n in (h, h + ".json"))
 
 
-def _launch(tmp_path: Path, runs: list[dict[str, Any]], env: dict[str, str] | None = None) -> None:
+def _launch(tmp_path: Path, runs: list[dict[str, Any]], env: dict[str, str] | None = None) -> str:
+    """Run ``runs`` on 4 ranks, assert every check passed; the launch's output."""
     out = tmp_path / "out"
     res = run_workers(4, "erasure_worker.py", str(out), json.dumps(runs), timeout_s=150, env=env)
     assert res.returncode == 0, res.stdout[-8000:]
     for run in runs:
         checks = read_checks(*(out / run["name"] / f"checks-r{r}.json" for r in range(4)), output=res.stdout)
         assert_checks(checks)
+    return res.stdout
 
 
 def _pairs(tmp_path: Path) -> dict[str, Any]:
@@ -98,3 +100,27 @@ def test_an_encrypted_incremental_step_rebuilds_and_damaged_parity_or_more_losse
     damaged["damage"] = [3, "g0-p0"]
     over = _run(tmp_path, "over", "fallback", [3, 1], [0, 1], XOR)
     _launch(tmp_path, [codecs, damaged, over], env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_more_losses_than_parity_name_the_steps_group_and_lost_nodes(tmp_path: Path) -> None:
+    """Nodes 0 and 1 of group [0, 1, 2] lost, one parity shard: the warning of the fallback to
+    the persisted step, and the error when nothing was uploaded, name the steps, the group,
+    each lost node with its rank and directory, and the remedy (before, only the steps
+    removed and the roots were named)."""
+    over = _run(tmp_path, "over", "fallback", [3, 1], [0, 1], XOR)
+    nothing = _run(tmp_path, "nothing", "nothing", [3, 1], [0, 1], XOR)
+    nothing["persist_every"] = None
+    said = [
+        "group 0 (nodes 0, 1, 2) lost node 0 (rank 0, {0}) and node 1 (rank 1, {1}); erasure=(3, 1) rebuilds at "
+        "most 1 lost node(s) of a group",
+        "put the lost nodes' directories back as they were",
+        "pass a larger m in erasure=(k, m)",
+    ]
+    nothing["said"] = ["steps 1, 2, 3 lost more nodes than parity rebuilds"] + [
+        w.format(*nothing["locals"]) for w in said
+    ]
+    output = _launch(tmp_path, [over, nothing])
+    for want in ["steps 1, 2, 3 lost more nodes than parity rebuilds"] + [w.format(*over["locals"]) for w in said]:
+        assert want in output, output[-6000:]

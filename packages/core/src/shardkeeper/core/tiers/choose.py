@@ -53,6 +53,7 @@ class Choice:
     listings: list[dict[str, Any]] = field(default_factory=list)  # per node
     needs: dict[int, dict[str, tuple[int, bool]]] = field(default_factory=dict)  # what this rank read of manifests
     conflicts: list[int] = field(default_factory=list)  # steps whose manifests differ between nodes: kept
+    lost_beyond_parity: list[str] = field(default_factory=list)  # notes: newer steps parity cannot rebuild
 
 
 def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:

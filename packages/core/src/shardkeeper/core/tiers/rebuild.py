@@ -28,6 +28,7 @@ from shardkeeper.core.commit.committed import manifest_path
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.tiers.erasure import Code
+from shardkeeper.core.tiers.losses import lost_beyond_parity
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.parity import Concat
 from shardkeeper.core.tiers.placement import Job, listing, parity_name, plan
@@ -40,15 +41,19 @@ log = logging.getLogger(__name__)
 TAG = 1 << 26
 
 
-def rebuild_lost(group: TierGroup, nodes: NodeMap, local: Any, asked: int | None) -> list[Job]:
+def rebuild_lost(
+    group: TierGroup, nodes: NodeMap, local: Any, asked: int | None, erasure: tuple[int, int]
+) -> list[str]:
     """Collective: the lost files of the newest step (or ``asked``) rebuilt from parity on
-    their nodes, verified; returns the jobs done. Every local failure is agreed on."""
+    their nodes, verified. Every local failure is agreed on. Returns, for each newer step
+    that lost more nodes of a group than its parity rebuilds, a note naming the step, the
+    group and the lost nodes (``lost_beyond_parity``), also logged on rank 0."""
     me = group.rank
     where = f"rank {me}: rebuilding lost files from parity"
     mine, error = None, None
     if nodes.is_leader(me):
         try:
-            mine = listing(local.raw, local.read)
+            mine = {**listing(local.raw, local.read), "dir": local.raw.url}
         except Exception as e:  # every rank hears it (agreed below)
             error = e
     group.agree_ok(error, f"{where}: listing the parity")
@@ -60,12 +65,16 @@ def rebuild_lost(group: TierGroup, nodes: NodeMap, local: Any, asked: int | None
         try:
             for job in jobs:
                 _job(group, nodes, local, job, listings, where)
-            return jobs
         except TierGroupBroken:
             raise
         except CheckpointError as e:  # (agreed: every rank is here) an older step, or the fallback
             log.warning("rank %d: step %d could not be rebuilt from parity: %s", me, jobs[0].of, e)
             failed.add(jobs[0].of)
+            continue
+        notes = lost_beyond_parity(listings, nodes, erasure, asked, jobs[0].of if jobs else None)
+        for note in notes if me == 0 else ():
+            log.warning("%s", note)
+        return notes
 
 
 def _job(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[Any], where: str) -> None:

@@ -67,8 +67,9 @@ def restore_tiered(
         if step is None:
             tiers.take_over(None)  # a job that starts over takes over what a dead one claimed
         where = f"the local tier ({tiers.local.raw.url} and the other nodes' directories) or {tiers.persistent.raw.url}"
+        lost = "".join(f" ({note})" for note in choice.lost_beyond_parity)
         raise CheckpointNotFoundError(
-            f"no {'committed checkpoint' if step is None else f'step {step}'} is whole in {where} (rank {rank}); "
+            f"no {'committed checkpoint' if step is None else f'step {step}'} is whole in {where} (rank {rank}){lost}; "
             f"nothing to restore. Check the roots, or start training from scratch"
         )
     if choice.tier == LOCAL:

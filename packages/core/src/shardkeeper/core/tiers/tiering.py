@@ -251,9 +251,11 @@ class Tiering:
         """Collective: the tier and step to restore; a local one made whole on every node.
         The running upload is waited for first (its failure stays for ``wait_persisted``)."""
         self.persister.join()
+        lost = []  # the steps newer than the one rebuilt that lost more nodes than parity rebuilds
         if self.erasure is not None:  # lost nodes' files of the newest step, from parity first
-            rebuild_lost(self.group, self.nodes, self.local, asked)
+            lost = rebuild_lost(self.group, self.nodes, self.local, asked, self.erasure)
         c = choose(self.group, self.nodes, self.local, self.persistent.raw, asked)
+        c.lost_beyond_parity = lost
         self.last_choice = c
         if c.tier == LOCAL:
             assert c.step is not None
