@@ -150,16 +150,13 @@ def test_a_restore_waits_for_a_commit_still_in_flight(tmp_path: Path, monkeypatc
     ("kwargs", "match"),
     [
         ({"writer": "disk"}, "writer"),
-        ({"writer": "process", "local": "LOCAL"}, "writer='process' writes to one root"),
         ({"writer": "process", "encryption": "USER_KEYS"}, "cannot be"),
     ],
-    ids=["unknown", "tiers", "user-key-provider"],
+    ids=["unknown", "user-key-provider"],
 )
 def test_what_a_persist_process_cannot_serve_is_refused_up_front(
     tmp_path: Path, kwargs: dict[str, Any], match: str
 ) -> None:
-    if kwargs.get("local") == "LOCAL":
-        kwargs = {**kwargs, "local": str(tmp_path / "local")}
     if kwargs.get("encryption") == "USER_KEYS":  # a provider class of the user's own: not the core's to rebuild
         kwargs = {**kwargs, "encryption": _UserKeys(bytes(range(32)))}
     with pytest.raises(ValueError, match=match):

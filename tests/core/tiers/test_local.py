@@ -10,6 +10,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -71,10 +72,18 @@ def _steps(root: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "manifest.json").exists())
 
 
-def test_local_commit_upload_retention_and_restore_from_each_tier(tmp_path: Path, shm: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_local_commit_upload_retention_and_restore_from_each_tier(
+    tmp_path: Path, shm: Path, writer: Literal["thread", "process"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``writer="process"`` the persist process writes, commits, uploads and retains, and
+    the trainer hears of the uploads over the channel (``persisted_steps``, ``wait_persisted``)."""
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "locks"))
     persistent = tmp_path / "persistent"
     with pytest.warns(UserWarning, match="replicas=1 asked, but the job's ranks share 1 local directory"):
-        mgr = CheckpointManager(persistent, local=shm, persist_every=2, local_keep=2, keep_last=2, replicas=1)
+        mgr = CheckpointManager(
+            persistent, local=shm, persist_every=2, local_keep=2, keep_last=2, replicas=1, writer=writer
+        )
     with mgr:
         for step in range(1, 6):
             mgr.save(step, _state(step))
@@ -86,7 +95,7 @@ def test_local_commit_upload_retention_and_restore_from_each_tier(tmp_path: Path
     assert (shm / NODE_TOKEN).exists()
     # a restarted process restores from RAM, reading nothing from the persistent root
     target = {k: torch.zeros_like(v) for k, v in _state(5).items()}
-    with CheckpointManager(persistent, local=shm) as mgr:
+    with CheckpointManager(persistent, local=shm, writer=writer) as mgr:
         assert mgr.restore(target) == 5
         assert mgr.last_restore_tier == "local" and mgr.persistent_reads == 0
         assert mgr.restore(target, step=3) == 3  # only in the persistent root

@@ -17,6 +17,7 @@ from shardkeeper.core.format.jsonvalue import snapshot
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
 from shardkeeper.core.manager.schedule import RecordedTimings, SaveSchedule
 from shardkeeper.core.persist.build import persist_runner
+from shardkeeper.core.persist.uploads import RemoteUploads
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.runtime.coordinator import Coordinator, make_coordinator
 from shardkeeper.core.save.overlap import StagingGate
@@ -25,8 +26,10 @@ from shardkeeper.core.save.recipe import save_runner
 from shardkeeper.core.save.runner import SaveRunner
 from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.storage import Storage
+from shardkeeper.core.tiers import process_writer
 from shardkeeper.core.tiers.strategy import TierSettings, TierStrategy, make_strategy, open_roots
 from shardkeeper.core.tiers.tiering import Tiering
+from shardkeeper.core.tiers.two_tiers import TwoTiers
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,11 @@ def build_parts(
             storage_options=storage_options,
             plans=plans,
             gate=gate,
-            tiered=tiers.tiered,
+            tiers=_persist_tiers(tiers, retention),
+            entry=process_writer.ENTRY if tiers.tiered else "shardkeeper.core.persist.worker",
         )
+        if isinstance(strategy, TwoTiers):  # the uploads run in the persist process
+            strategy.uploads = RemoteUploads(saver)
     else:
         stager = Stager()
         saver = save_runner(ctx, base, strategy, stager=stager, plans=plans, gate=gate)
@@ -143,6 +149,20 @@ def build_parts(
         saver,
         schedule,
     )
+
+
+def _persist_tiers(tiers: TierSettings, retention: RetentionPolicy) -> dict[str, Any] | None:
+    """The tier keywords a persist process reopens the tiers with (``persist/spec.py``)."""
+    if not tiers.tiered:
+        return None
+    return {
+        "local": tiers.local,
+        "persist_every": tiers.persist_every,
+        "replicas": tiers.replicas,
+        "local_keep": tiers.local_keep,
+        "erasure": tiers.erasure,
+        "retention": retention,
+    }
 
 
 __all__ = ["ManagerKeywords", "ManagerParts", "build_parts"]

@@ -36,6 +36,8 @@ def checked_spec(
     namespace: str,
     store: tuple[str, int] | None,
     where: str,
+    tiers: dict[str, Any] | None = None,
+    entry: str = "shardkeeper.core.persist.worker",
 ) -> PersistSpec:
     """The spec of a manager with ``writer="process"``, or a ``ValueError`` naming what cannot be
     handed to another process (checked by the channel's own encoding, before any save)."""
@@ -50,6 +52,8 @@ def checked_spec(
         namespace,
         store,
         options.commit_group_ranks,
+        tiers,
+        entry,
     )
     parts = {
         "root": spec.root,
@@ -80,15 +84,21 @@ def persist_runner(
     storage_options: Mapping[str, Any] | None,
     plans: PlanCache,
     gate: StagingGate,
-    tiered: bool,
+    tiers: dict[str, Any] | None = None,
+    entry: str = "shardkeeper.core.persist.worker",
 ) -> tuple[PersistRunner, Stager]:
     """The save protocol of a manager with ``writer="process"``, and its stager (staging into
-    shared memory); a ``ValueError`` for what a persist process cannot serve, before any save."""
+    shared memory); a ``ValueError`` for what a persist process cannot serve, before any save.
+    With a node-local tier, ``tiers`` holds its keywords (``PersistSpec``) and ``entry`` the
+    module that runs the tiers' persist process."""
     where = f"(root {root}, rank {ctx.rank})"
-    if tiered:
-        raise ValueError(
-            f"writer='process' writes to one root; with local= (a node-local tier) use writer='thread' {where}"
-        )
+    if tiers is not None:
+        if not isinstance(tiers["local"], (str, os.PathLike)):
+            raise ValueError(
+                f"writer='process' reopens the local tier in the persist process: pass local= as a directory "
+                f"path (not a {type(tiers['local']).__name__}), or use writer='thread' {where}"
+            )
+        tiers = {**tiers, "local": os.fspath(tiers["local"])}
     try:
         locks.check_dir()
     except CheckpointError as e:
@@ -118,6 +128,8 @@ def persist_runner(
         namespace=namespace,
         store=store,
         where=str(root),
+        tiers=tiers,
+        entry=entry,
     )
     buffers = SharedBuffers()
     stager = Stager(buffers)

@@ -102,7 +102,7 @@ class PersistRunner(SaveRunner):
         env["CUDA_VISIBLE_DEVICES"] = ""  # it reads host memory only: no CUDA context of its own
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "shardkeeper.core.persist.worker", str(theirs.fileno())],
+                [sys.executable, "-m", self._spec.entry, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # out of reach of a teardown of the trainer's process group
                 stdin=subprocess.DEVNULL,

@@ -65,11 +65,13 @@ class Meeting:
         self._addr = ""
         self._inner: StoreCoordinator | None = None
         self._server: Any = None
+        self.raw_store: Any = None  # the store itself, of the current connection (the tiers' group meets on it)
         self._last_seq: int | None = None
         if rank == 0:
             host = _reachable_host(job_store[0])
             self._server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
             self._addr = f"{host}:{self._server.port}"
+            self.raw_store = self._server
             self._inner = StoreCoordinator.over(self._server, 0, world_size, self._ns, group_ranks)
             self._job.set(self._key, self._addr)
 
@@ -88,7 +90,7 @@ class Meeting:
                 addr = self._job.get(self._key).decode()
             host, _, port = addr.rpartition(":")
             store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=_JOIN)
-            self._addr = addr
+            self._addr, self.raw_store = addr, store
             self._inner = StoreCoordinator.over(store, self.rank, self.world_size, self._ns, self._group_ranks)
             self._inner.mark(-1, "joined")  # rank 0's process keeps its store until every rank joined
         return self._inner

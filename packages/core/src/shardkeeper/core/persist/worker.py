@@ -7,6 +7,10 @@ runs each save it is handed: the bytes are in the staging buffer it maps (``save
 the plan and spans come over the channel (``channel.py``). It hashes, encodes, writes, reports,
 commits (rank 0), applies retention and answers the outcome; nothing of it runs in the
 trainer's interpreter. It holds each save's lock (``locks.py``) until the outcome is known.
+With a node-local tier the writer is the tiers' (``tiers/process_writer.py``, which runs this
+process with its own ``opener``): it also sends replicas or parity to the other nodes'
+persist processes, records the commit on every node, uploads to the persistent root and
+applies retention per node; the trainer asks about the uploads over the channel (``uploads``).
 
 It runs at a lower CPU priority than its trainer (``NICENESS``) and in a session of its own,
 so torchrun's teardown of its workers' process groups does not reach it, and it outlives its
@@ -22,8 +26,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from shardkeeper.core.commit.protocol import COORDINATOR, Failure, Outcome, Phase
 from shardkeeper.core.errors import CheckpointSaveError, CoordinatorLostError, PersistChannelClosed
@@ -33,7 +39,7 @@ from shardkeeper.core.persist.meeting import Meeting
 from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.runtime.context import ManagerContext, open_root
 from shardkeeper.core.runtime.coordinator import LocalCoordinator
-from shardkeeper.core.save.hooks import OneRoot
+from shardkeeper.core.save.hooks import OneRoot, SaveHooks
 from shardkeeper.core.save.job import SaveJob, Start
 from shardkeeper.core.save.recipe import save_runner
 from shardkeeper.core.save.shared import map_shared
@@ -48,25 +54,62 @@ def _coordinator(spec: PersistSpec) -> LocalCoordinator | Meeting:
     return Meeting(spec.store, spec.rank, spec.world_size, spec.namespace, spec.group_ranks, opts.commit_timeout_s)
 
 
-class Worker:
-    """The writer of one rank, rebuilt from ``spec``."""
+class Uploads(Protocol):
+    """A writer's uploads to a persistent root behind its local tier (``tiers/persist.py``)."""
 
-    def __init__(self, spec: PersistSpec) -> None:
+    persisted: list[int]
+
+    def join(self) -> None: ...
+
+    def wait(self, *, raise_error: bool = True) -> None: ...
+
+
+@dataclass(frozen=True)
+class Writer:
+    """What a persist process writes with: its context (root, coordinator, codecs), the save's
+    hooks, its uploads (None: one root) and what to release at its end."""
+
+    ctx: ManagerContext
+    hooks: SaveHooks
+    uploads: Uploads | None = None
+    close: Callable[[], None] = lambda: None
+
+
+def one_root(spec: PersistSpec, coord: Any, io: ThreadPoolExecutor) -> Writer:
+    """The writer of a manager without tiers: ``spec.root`` opened as the manager opened it."""
+    opts = spec.options
+    storage, read, keyed = open_root(
+        spec.root,
+        spec.storage_options,
+        retry=opts.retry_policy(),
+        encryption=opts.encryption,
+        bound_to=opts.encryption_root,
+    )
+    ctx = ManagerContext(storage, read, coord, opts, io, keyed)
+    return Writer(ctx, OneRoot(ctx))
+
+
+#: How a persist process opens its writer (``spec``, its coordinator, its I/O threads).
+Opener = Callable[[PersistSpec, Any, ThreadPoolExecutor], Writer]
+
+
+class Worker:
+    """The writer of one rank, rebuilt from ``spec`` (by ``opener``)."""
+
+    def __init__(self, spec: PersistSpec, opener: Opener = one_root) -> None:
         opts = spec.options
-        storage, read, keyed = open_root(
-            spec.root,
-            spec.storage_options,
-            retry=opts.retry_policy(),
-            encryption=opts.encryption,
-            bound_to=opts.encryption_root,
-        )
         self.spec = spec
         self.io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="shardkeeper-io")
         self.coord = _coordinator(spec)
         if isinstance(self.coord, Meeting):
             self.coord.current()  # met before "ready": a save handed over needs no job store any more
-        self.ctx = ManagerContext(storage, read, self.coord, opts, self.io, keyed)
-        self.runner = save_runner(self.ctx, opts, OneRoot(self.ctx))
+        try:
+            writer = opener(spec, self.coord, self.io)
+        except BaseException:
+            self.io.shutdown(wait=False)
+            raise
+        self.ctx, self.uploads, self._release = writer.ctx, writer.uploads, writer.close
+        self.runner = save_runner(self.ctx, opts, writer.hooks)
         self.buffer: memoryview | None = None
         self.plans: dict[int, tuple[Any, Any]] = {}  # the trainer's plan id -> (plan, groups)
         self.next_seq = 0
@@ -87,6 +130,8 @@ class Worker:
                 self._save(sock, payload, fds[0] if fds else None)
             elif kind == "fail":
                 self._turn(sock, payload)
+            elif kind == "uploads":
+                self._uploads(sock, payload)
             else:
                 log.error("persist process of rank %d: unknown message %r", self.spec.rank, kind)
 
@@ -148,6 +193,23 @@ class Worker:
             error = error_record(e)
         self._answer(sock, {"seq": msg["seq"], "error": error, "seconds": 0.0})
 
+    def _uploads(self, sock: socket.socket, msg: dict[str, Any]) -> None:
+        """The trainer asks about the uploads (a local tier's): waits for the running one when
+        ``join``, hands over an upload failure nobody has seen when ``take_error``."""
+        up, error = self.uploads, None
+        if up is not None and msg.get("join"):
+            up.join()
+        if up is not None and msg.get("take_error"):
+            try:
+                up.wait()
+            except BaseException as e:  # the upload's failure, raised by the trainer's wait_persisted
+                error = error_record(e)
+        answer = {"steps": list(up.persisted) if up is not None else [], "error": error}
+        try:
+            send(sock, "uploads", answer)
+        except OSError:
+            log.info("persist process of rank %d: trainer gone before the uploads' answer", self.spec.rank)
+
     def _answer(self, sock: socket.socket, outcome: dict[str, Any]) -> None:
         try:
             send(sock, "outcome", outcome)
@@ -177,9 +239,13 @@ class Worker:
             log.debug("persist process of rank %d: the turn of save %d: %s", ctx.rank, seq, e)
 
     def close(self) -> None:
-        if isinstance(self.coord, Meeting):
-            self.coord.before_exit()
-        self.io.shutdown(wait=True)
+        """The uploads end first (they need rank 0's store), then rank 0 waits for the others."""
+        try:
+            self._release()
+        finally:
+            if isinstance(self.coord, Meeting):
+                self.coord.before_exit()
+            self.io.shutdown(wait=True)
 
 
 #: The persist process's niceness above its trainer's: where CPUs are short, training's own
@@ -187,7 +253,8 @@ class Worker:
 NICENESS = 10
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], opener: Opener = one_root) -> int:
+    """Serve the trainer at the other end of descriptor ``argv[1]`` with ``opener``'s writer."""
     sock = socket.socket(fileno=int(argv[1]))
     try:
         os.nice(NICENESS)
@@ -201,7 +268,7 @@ def main(argv: list[str]) -> int:
     try:
         if kind != "hello" or not isinstance(spec, PersistSpec):
             raise CheckpointSaveError(f"the persist process expected its spec first, got {kind!r}", step=-1)
-        worker = Worker(spec)
+        worker = Worker(spec, opener)
     except BaseException as e:
         log.exception("persist process could not start")
         try:

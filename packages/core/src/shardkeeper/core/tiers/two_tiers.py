@@ -5,6 +5,7 @@ restorer of its own), for one process's reads and for ``delete()`` over both tie
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ from shardkeeper.core.tiers.choose import LOCAL, covers, required_files
 from shardkeeper.core.tiers.restore import restore_tiered
 from shardkeeper.core.tiers.tiering import Tiering
 
+log = logging.getLogger(__name__)
+
 
 class TwoTiers:
     """The two tiers of one manager: ``local`` its context on this node's directory,
@@ -37,6 +40,9 @@ class TwoTiers:
         self.last_tier: str | None = None
         self.persistent_reads = 0
         self._last_restorer = self.restorer
+        #: The uploads (``join``, ``wait``, ``persisted``): the tiers' own, or with
+        #: ``writer="process"`` the persist process's, asked over its channel (``persist/uploads.py``).
+        self.uploads: Any = tiers.persister
 
     # -- the save's hooks (save/hooks.py) ----------------------------------------------------
     @property
@@ -105,7 +111,7 @@ class TwoTiers:
         (a node's copy alone lacks the other nodes' files); a step only the local tiers hold
         is deleted from every node only when they do not hold it whole together."""
         tiers, ctx = self.tiers, self.persistent
-        tiers.persister.join()  # an upload of ``step`` that is running would commit it after the delete
+        self.uploads.join()  # an upload of ``step`` that is running would commit it after the delete
         persisted = step in manifest_steps(ctx.storage) if ctx.rank == 0 else False
         persisted = bool(tiers.group.all_reduce_max([int(persisted)], "whether the step is persisted")[0])
         gone = True
@@ -123,7 +129,14 @@ class TwoTiers:
 
     # -- restore; the persistent uploads; close ----------------------------------------------
     def restore(self, state: Mapping[str, Any], request: RestoreRequest) -> int:
-        """``restore.restore_tiered``; counts the bytes read from the persistent root."""
+        """``restore.restore_tiered``, once the running upload ended (its failure stays for
+        ``wait_persisted``); counts the bytes read from the persistent root."""
+        try:
+            self.uploads.join()
+        except CheckpointError as e:  # (a persist process that died: raised by ``wait_persisted``)
+            log.warning(
+                "rank %d: the running upload could not be waited for before the restore: %s", self.local.rank, e
+            )
         got = restore_tiered(self.tiers, self.restorer, self.persistent_restorer, state, request)
         self._last_restorer, self.last_tier = got.restorer, got.tier
         stats = got.restorer.last_stats
@@ -136,10 +149,10 @@ class TwoTiers:
         return self._last_restorer.last_stats
 
     def persisted_steps(self) -> list[int]:
-        return list(self.tiers.persister.persisted)
+        return list(self.uploads.persisted)
 
     def wait_persisted(self) -> None:
-        self.tiers.persister.wait()
+        self.uploads.wait()
 
     def close(self) -> None:
         self.tiers.close()

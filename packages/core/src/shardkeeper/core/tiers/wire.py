@@ -34,7 +34,10 @@ class TierCoord:
 
     @classmethod
     def of(cls, coord: Any) -> TierCoord:
-        """The tiers' coordinates of a manager's coordinator."""
+        """The tiers' coordinates of a manager's coordinator (or ``coord`` itself, made by a
+        persist process: ``process_writer.py``)."""
+        if isinstance(coord, TierCoord):
+            return coord
         if coord.world_size == 1 and not hasattr(coord, "namespace"):
             local = dist.HashStore()  # in-process: a wait blocks no other caller
             return cls(StoreChannel(local, "the local tier", own=False), local, "shardkeeper/local", 0, 1)

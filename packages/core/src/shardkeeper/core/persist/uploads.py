@@ -1,0 +1,78 @@
+"""The uploads of a manager with a node-local tier and ``writer="process"``, as its trainer
+sees them: they run in the persist process (``tiers/process_writer.py``), so the trainer's
+``persisted_steps``, ``wait_persisted()`` and the waits of ``restore()`` and ``delete()`` ask
+it over the channel (an ``uploads`` message; the answer comes after every save handed over
+before it, which the manager has waited for already)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shardkeeper.core.errors import CheckpointSaveError, PersistChannelClosed
+from shardkeeper.core.persist.channel import add_counted, rebuilt, recv, send
+from shardkeeper.core.persist.client import PersistRunner
+
+
+class RemoteUploads:
+    """``Persister``'s ``join``, ``wait`` and ``persisted``, answered by ``runner``'s persist
+    process. With no persist process (closed, or none yet after one died) nothing runs: the
+    steps last heard of, and no failure."""
+
+    def __init__(self, runner: PersistRunner) -> None:
+        self.runner = runner
+        self._steps: list[int] = []
+
+    def _ask(self, *, join: bool, take_error: bool) -> dict[str, Any] | None:
+        r = self.runner
+        with r._send_lock:
+            sock = r._sock
+            if sock is None or os.getpid() != r._owner or r._lock_path is None:
+                return None  # (no persist process, or none this manager has handed a save: no upload)
+            try:
+                send(sock, "uploads", {"join": join, "take_error": take_error})
+                while True:
+                    kind, payload, fds = recv(sock)
+                    for fd in fds:
+                        os.close(fd)
+                    if kind == "uploads":
+                        self._steps = [int(s) for s in payload["steps"]]
+                        return payload  # type: ignore[no-any-return]
+                    if kind == "ready":
+                        r._ready = True
+                    elif kind == "failed":
+                        r._drop()
+                        raise rebuilt(payload)
+                    elif kind == "outcome":  # (of a save whose wait was given up)
+                        add_counted(payload.get("counted") or [])
+            except (OSError, PersistChannelClosed) as e:
+                how = r._ended()
+                r._drop()
+                raise CheckpointSaveError(
+                    f"rank {r.ctx.rank}: its persist process ended ({how}) before it said how its uploads to the "
+                    f"persistent root went; a step it was uploading may not be persisted (each step stays committed "
+                    f"in the local tier; the next save starts a new persist process)",
+                    step=-1,
+                ) from e
+
+    @property
+    def persisted(self) -> list[int]:
+        """The steps the persist process has uploaded and committed (a running upload not yet)."""
+        try:
+            self._ask(join=False, take_error=False)
+        except CheckpointSaveError:
+            pass
+        return list(self._steps)
+
+    def join(self) -> None:
+        """Wait for the running upload, keeping its failure for ``wait``."""
+        self._ask(join=True, take_error=False)
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Wait for the running upload; raise an upload failure nobody has seen."""
+        answer = self._ask(join=True, take_error=True)
+        if answer is not None and answer["error"] is not None and raise_error:
+            raise rebuilt(answer["error"])
+
+
+__all__ = ["RemoteUploads"]
