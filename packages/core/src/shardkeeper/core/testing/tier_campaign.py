@@ -17,10 +17,15 @@ restore is checked against what the directories and ROOT hold:
   state the launch that saved it last wrote (each attempt at a step saves other bytes, so an
   uncommitted attempt's files or parity never pass for the committed one);
 - from the local tier, with no byte read from ROOT, unless ROOT holds a newer step;
+- no rank's ``steps()`` lists a step newer than the one restored (a step not whole is no
+  step);
 - what ROOT lists as committed verifies, and its gc leaves no uncommitted directory.
 
-A last launch restores only. Parity of steps no node holds a manifest of, and step
-directories without one, left at the end, are counted (ignored by every restore).
+Each restore ignores what uncommitted saves left on the nodes (step directories without a
+manifest, their parity). Before a last launch, which restores and saves one step, gc
+removes those directories from each node (``collect_garbage``, as ``shardkeeper gc DIR``);
+after it, no node may hold a step directory without a manifest nor the parity of a step
+without one (the save removes the parity of the steps gone from its node).
 ``DIR/logs`` holds each process's output, named in the failures.
 """
 
@@ -41,7 +46,16 @@ from pathlib import Path
 from typing import Any
 
 from shardkeeper.core.testing.kill_points import KILL_POINTS, check_points
-from shardkeeper.core.testing.tier_checks import Expect, Ran, TierSummary, check_restores, count_end, judge, leftovers
+from shardkeeper.core.testing.tier_checks import (
+    Expect,
+    Ran,
+    TierSummary,
+    check_restores,
+    count_end,
+    gc_nodes,
+    judge,
+    leftovers,
+)
 from shardkeeper.core.testing.tier_node import Launch, fork_node
 from shardkeeper.core.testing.trial_writer import kill_quietly
 
@@ -181,12 +195,14 @@ def run_tier_campaign(
     for i in range(trials + 1):
         last = i == trials
         d = _draw(rng, i, nodes, points)
+        if last:  # what the kills left uncommitted on the nodes: gc's, as docs/tiers.md says
+            gc_nodes(dirs, s)
         launch = Launch(
             i, os.fspath(root), dict(storage_options or {}), [str(p) for p in dirs], (k, m), _free_port(),
-            0 if last else d["steps"], tensor_bytes, dict(versions), -1 if last else d["victim"], d["point"],
+            1 if last else d["steps"], tensor_bytes, dict(versions), -1 if last else d["victim"], d["point"],
             d["n"], rng.randint(1, tensor_bytes // 2), d["async_save"], dict(manager_options or {}),
         )  # fmt: skip
-        where = f"trial {i} (victim node {d['victim']}, kill point {d['point']}, n={d['n']})" if not last else "the last restore"  # fmt: skip
+        where = f"trial {i} (victim node {d['victim']}, kill point {d['point']}, n={d['n']})" if not last else "the last launch"  # fmt: skip
         if not last:
             s.trials += 1
             s.points[d["point"]] += 1
@@ -194,6 +210,8 @@ def run_tier_campaign(
         ran = _launch(launch, logs, seed, delay, d["linger_s"], launch_timeout_s)
         check_restores(ran, expect, where, logs, i, s)
         if last:
+            if ran.said or len(ran.acked) != 1:
+                s.failures.append(f"{where}: its save did not commit: {ran.said}")
             break
         s.commits_acknowledged += len(ran.acked)
         first = 1 if expect.step is None else expect.step + 1

@@ -102,6 +102,8 @@ def check_restores(ran: Ran, expect: Expect, where: str, logs: Path, index: int,
             bad.append(f"rank {r} restored step {expect.step} from the {rep['tier']} tier, not the {expect.tier}")
         elif expect.tier == "local" and rep["persistent_reads"]:
             bad.append(f"rank {r} read {rep['persistent_reads']} bytes from the persistent root")
+        elif rep["newer"]:
+            bad.append(f"rank {r} lists step(s) {rep['newer']} newer than step {expect.step} it restored")
     s.failures += [f"{where}: {b}" for b in bad]
     if not bad:
         s.restores[expect.tier] += 1
@@ -110,8 +112,23 @@ def check_restores(ran: Ran, expect: Expect, where: str, logs: Path, index: int,
         s.rebuilt_from_parity += expect.rebuild and expect.tier == "local"
 
 
+def gc_nodes(nodes: list[Path], s: TierSummary) -> None:
+    """``collect_garbage`` on every node's directory (no process runs): the removed count."""
+    from shardkeeper.core.lifecycle.gc import collect_garbage
+    from shardkeeper.core.storage import open_storage
+
+    for n in nodes:
+        if n.is_dir():
+            try:
+                report = collect_garbage(open_storage(str(n)), min_age_s=0.0, no_running_saves=True)
+            except Exception as e:
+                s.failures.append(f"gc of {n} failed: {type(e).__name__}: {e}")
+                continue
+            s.leftovers_removed += len(report.removed_paths)
+
+
 def leftovers(nodes: list[Path], s: TierSummary) -> None:
-    """Parity of steps no node holds a manifest of, and step directories without one."""
+    """Parity of steps no node holds a manifest of, and step directories without one: failures."""
     from shardkeeper.core.format.layout import parse_step_dir
 
     committed = {x for n in nodes for x in _manifests(n)}
@@ -121,6 +138,11 @@ def leftovers(nodes: list[Path], s: TierSummary) -> None:
                 step = parse_step_dir(p.name)
                 if step is not None and step not in committed:
                     out.append(str(p))
+    if s.orphan_parity_left or s.uncommitted_dirs_left:
+        s.failures.append(
+            f"after gc of the nodes and a save, uncommitted leftovers stay: step directories without a manifest "
+            f"{s.uncommitted_dirs_left}, parity of steps without one {s.orphan_parity_left}"
+        )
 
 
 def count_end(s: TierSummary, d: dict[str, Any], ran: Ran, where: str) -> bool:

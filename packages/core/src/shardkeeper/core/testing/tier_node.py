@@ -71,8 +71,9 @@ def _say(wfd: int, line: str) -> None:
 
 def run_node(launch: Launch, rank: int, wfd: int) -> None:
     """Rank ``rank`` of ``launch``: writes ``R{json}`` once restored (the step, its tier, the
-    bytes read from the persistent root, whether it is bit for bit the state saved), then each
-    step whose save it saw committed, a line each."""
+    bytes read from the persistent root, whether it is bit for bit the state saved, the steps
+    newer than it ``steps()`` still lists), then each step whose save it saw committed, a line
+    each."""
     import torch
     import torch.distributed as dist
 
@@ -104,7 +105,8 @@ def run_node(launch: Launch, rank: int, wfd: int) -> None:
         want = node_state(restored, launch.versions.get(restored, -1), rank, launch.tensor_bytes)
         exact = _equal({**got, "own": own.value}, want)
     report = {"restored": restored, "tier": mgr.last_restore_tier, "persistent_reads": mgr.persistent_reads}
-    _say(wfd, "R" + json.dumps({**report, "exact": exact}))
+    newer = [x for x in mgr.steps() if restored is None or x > restored]  # listed after the restore: none
+    _say(wfd, "R" + json.dumps({**report, "exact": exact, "newer": newer}))
     first = 1 if restored is None else restored + 1
     if rank == launch.victim:
         local.point, local.n = launch.point, launch.n

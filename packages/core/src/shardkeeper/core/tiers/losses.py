@@ -68,7 +68,8 @@ def lost_beyond_parity(
                 break
             continue
         parts = "; ".join(
-            f"group {g.index} (nodes {', '.join(map(str, g.data))}) lost {_names(nodes, listings, lost)}"
+            f"group {g.index} (node{'s' if len(g.data) > 1 else ''} {', '.join(map(str, g.data))}) lost "
+            f"{_names(nodes, listings, lost)}"
             + (f", and its parity on {_names(nodes, listings, gone)}" if gone else "")
             for g, (lost, gone) in over
         )
