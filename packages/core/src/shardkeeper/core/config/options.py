@@ -63,7 +63,8 @@ class CheckpointOptions:
     (shared memory: one copy) and commits with the other ranks' persist processes, so that
     the save runs beside training without its interpreter's lock and a save whose ``save()``
     returned commits even if the trainer is killed right after (docs/reliability.md, "The
-    persist process"). One root only (no ``local=`` tier); several ranks need a TCPStore."""
+    persist process"). With ``local=``, the persist processes also replicate, commit, record,
+    upload and retain (docs/tiers.md); several ranks need a TCPStore."""
     per_rank: PerRankPolicy = "map"
     """Per-rank state (RNG, data position) at another world size: map (rank r takes saved rank
     r's, a new rank keeps its own; warns) | exact (refuses) | modulo | drop (restore/per_rank.py)."""

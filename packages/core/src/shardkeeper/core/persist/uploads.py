@@ -36,7 +36,8 @@ class RemoteUploads:
                     for fd in fds:
                         os.close(fd)
                     if kind == "uploads":
-                        self._steps = [int(s) for s in payload["steps"]]
+                        # (a union: a persist process started after one died knows only its own)
+                        self._steps = sorted(set(self._steps) | {int(s) for s in payload["steps"]})
                         return payload  # type: ignore[no-any-return]
                     if kind == "ready":
                         r._ready = True
