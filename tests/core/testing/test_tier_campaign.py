@@ -17,10 +17,12 @@ from shardkeeper.core.testing.tier_campaign import run_tier_campaign
 @pytest.mark.timeout(120)
 def test_a_short_campaign_on_four_nodes_loses_nothing(tmp_path: Path) -> None:
     """Every restore is the newest committed step, bit for bit, from the local tier with no
-    byte read from the persistent root, also right after a node lost its directory; some of
-    those restores rebuild the lost node's files from parity."""
+    byte read from the persistent root, also right after a node lost its directory (some of
+    those restores rebuild the lost node's files from parity) or after a restore was killed;
+    gc and a save leave nothing of the uncommitted saves on the nodes."""
     summary = run_tier_campaign(
         tmp_path / "root", tmp_path / "local", nodes=4, erasure=(3, 1), trials=6, seed=3, lose_probability=1.0,
+        points=("random_time", "close", "restore", "mid_write", "before_manifest", "retention"),
         tensor_bytes=64 << 10,
     )  # fmt: skip
     js = summary.to_json()

@@ -237,14 +237,15 @@ def run_campaign(
 
 def _tier_campaign(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """``--erasure``: the campaign on simulated nodes (``tier_campaign``)."""
-    from shardkeeper.core.testing.tier_campaign import parse_erasure, run_tier_campaign
+    from shardkeeper.core.testing.tier_campaign import TIER_POINTS, parse_erasure, run_tier_campaign
 
     if a.local is None:
         p.error("--erasure needs --local DIR: the nodes' directories go under it")
     try:
         summary = run_tier_campaign(
             a.root, a.local, nodes=a.nodes, erasure=parse_erasure(a.erasure), trials=a.trials, seed=a.seed,
-            tensor_bytes=a.tensor_bytes, points=a.points.split(","), manager_options=json.loads(a.manager_options),
+            tensor_bytes=a.tensor_bytes, manager_options=json.loads(a.manager_options),
+            points=TIER_POINTS if a.points == ",".join(KILL_POINTS) else a.points.split(","),
             storage_options=json.loads(a.storage_options),
         )  # fmt: skip
     except ValueError as e:  # (a JSON error is one)

@@ -7,7 +7,8 @@ imported once), rank ``i`` of a gloo group; ROOT is the persistent root (every o
 uploaded). Each trial is one launch of N processes, as a restarted job: each restores the
 newest step, says what it restored, then saves 1-3 steps, until one node's process (drawn)
 is SIGKILLed at a kill point of ``campaign`` (in its local directory, parity files
-included) or at a random moment of the saves; the others are killed soon after (a job
+included) or at a random moment of the saves (or, ``restore``, of the restore before them:
+a rebuild or a copy cut short); the others are killed soon after (a job
 torn down). Then, drawn, the victim's directory is deleted (a replaced node), and at times
 up to M - 1 other nodes' too: never more than M nodes lost at once. The next launch's
 restore is checked against what the directories and ROOT hold:
@@ -59,6 +60,10 @@ from shardkeeper.core.testing.tier_checks import (
 from shardkeeper.core.testing.tier_node import Launch, fork_node
 from shardkeeper.core.testing.trial_writer import kill_quietly
 
+#: ``campaign``'s kill points, and ``restore``: the victim killed at a random moment of the
+#: launch's restore (a rebuild from parity, a copy made whole; no node is then replaced).
+TIER_POINTS = (*KILL_POINTS, "restore")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -75,17 +80,21 @@ def _parse(rank: int, line: str, ran: Ran) -> None:
         ran.acked.add(int(line))
 
 
-def _launch(launch: Launch, logs: Path, seed: int, delay: float | None, linger_s: float, timeout_s: float) -> Ran:
-    """Run ``launch``'s processes until they end: the victim is SIGKILLed ``delay`` of the
-    saves' typical length after every rank restored (None: only at its kill point), the others
-    ``linger_s`` after the victim died; every process still running at ``timeout_s``."""
+def _launch(
+    launch: Launch, logs: Path, seed: int, delay: float | None, linger_s: float, timeout_s: float, at_start: bool
+) -> Ran:
+    """Run ``launch``'s processes until they end: the victim is SIGKILLed ``delay`` seconds
+    after every rank restored (``at_start``: after the launch began; None: only at its kill
+    point), the others ``linger_s`` after the victim died; every process still running at
+    ``timeout_s``."""
     world = len(launch.nodes)
     forked = [fork_node(launch, r, str(logs / f"launch{launch.index:03d}-r{r}.log"), seed) for r in range(world)]
     pids = {pid: r for r, (pid, _) in enumerate(forked)}
     fds = {fd: r for r, (_, fd) in enumerate(forked)}
     ran, bufs = Ran([None] * world, set(), {}, False, 0.0), {fd: "" for fd in fds}
     t0 = time.monotonic()
-    deadline, kill_at, dead_at, restored_at = t0 + timeout_s, None, None, None
+    deadline, dead_at, restored_at = t0 + timeout_s, None, None
+    kill_at = t0 + delay if at_start and delay is not None else None
     while pids or fds:
         for fd in select.select(list(fds), [], [], 0.05)[0] if fds else ():
             chunk, r = os.read(fd, 65536), fds[fd]
@@ -98,8 +107,8 @@ def _launch(launch: Launch, logs: Path, seed: int, delay: float | None, linger_s
                 _parse(r, line, ran)
         now = time.monotonic()
         if restored_at is None and all(r is not None for r in ran.reports):
-            restored_at = now
-            kill_at = None if delay is None else now + delay
+            restored_at, ran.restore_s = now, now - t0
+            kill_at = kill_at if at_start or delay is None else now + delay
         if kill_at is not None and now >= kill_at and launch.victim >= 0:
             kill_quietly(forked[launch.victim][0])
             kill_at = None
@@ -122,6 +131,18 @@ def _launch(launch: Launch, logs: Path, seed: int, delay: float | None, linger_s
             deadline = now + 3600.0
     ran.save_s = time.monotonic() - (restored_at or t0)
     return ran
+
+
+def _replace(rng: random.Random, victim: int, dirs: list[Path], m: int, probability: float) -> list[int]:
+    """Drawn with ``probability``: the victim's node replaced by an empty one (its directory
+    deleted), with up to m - 1 others; the nodes replaced."""
+    if rng.random() >= probability:
+        return []
+    others = [n for n in range(len(dirs)) if n != victim]
+    lost = [victim, *rng.sample(others, rng.randint(0, m - 1))]
+    for n in lost:
+        shutil.rmtree(dirs[n], ignore_errors=True)
+    return lost
 
 
 def _check_options(given: Mapping[str, Any] | None) -> None:
@@ -162,7 +183,7 @@ def run_tier_campaign(
     trials: int = 10,
     seed: int = 0,
     tensor_bytes: int = 256 << 10,
-    points: Sequence[str] = KILL_POINTS,
+    points: Sequence[str] = TIER_POINTS,
     lose_probability: float = 0.5,
     manager_options: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -178,7 +199,7 @@ def run_tier_campaign(
     from shardkeeper.core.storage import open_storage
 
     torch.set_num_threads(1)
-    check_points(points)
+    check_points([x for x in points if x != "restore"])
     k, m = erasure
     _check_options(manager_options)
     if nodes < k + m or not 0.0 <= lose_probability <= 1.0:
@@ -189,7 +210,7 @@ def run_tier_campaign(
     persistent = open_storage(os.fspath(root), **dict(storage_options or {}))
     rng = random.Random(seed)
     s = TierSummary(root=os.fspath(root), seed=seed, nodes=nodes, erasure=(k, m))
-    t0, typical_s = time.monotonic(), 1.0
+    t0, typical_s, restore_s = time.monotonic(), 1.0, 1.0  # the saves' and the restores' typical seconds
     expect, attempted = Expect(None, "none"), 0
     versions: dict[int, int] = {}  # step -> the launch that saved it last
     for i in range(trials + 1):
@@ -206,9 +227,13 @@ def run_tier_campaign(
         if not last:
             s.trials += 1
             s.points[d["point"]] += 1
-        delay = d["delay"] * typical_s if d["point"] == "random_time" and not last else None
-        ran = _launch(launch, logs, seed, delay, d["linger_s"], launch_timeout_s)
-        check_restores(ran, expect, where, logs, i, s)
+        timed = d["point"] in ("random_time", "restore") and not last
+        delay = d["delay"] * (typical_s if d["point"] == "random_time" else restore_s) if timed else None
+        ran = _launch(launch, logs, seed, delay, d["linger_s"], launch_timeout_s, d["point"] == "restore")
+        restore_s = 0.5 * restore_s + 0.5 * ran.restore_s if ran.restore_s else restore_s
+        in_restore = ran.killed and ran.reports[d["victim"]] is None  # (nothing saved: no node replaced)
+        s.killed_in_restore += in_restore
+        check_restores(ran, expect, where, logs, i, s, in_restore)
         if last:
             if ran.said or len(ran.acked) != 1:
                 s.failures.append(f"{where}: its save did not commit: {ran.said}")
@@ -219,12 +244,7 @@ def run_tier_campaign(
         attempted = max(attempted, first + d["steps"] - 1)
         if count_end(s, d, ran, where):
             typical_s = 0.5 * typical_s + 0.5 * ran.save_s
-        lost: list[int] = []
-        if ran.killed and rng.random() < lose_probability:  # the victim's node replaced, and at times others
-            others = [n for n in range(nodes) if n != d["victim"]]
-            lost = [d["victim"], *rng.sample(others, rng.randint(0, m - 1))]
-        for n in lost:
-            shutil.rmtree(dirs[n], ignore_errors=True)
+        lost = [] if in_restore or not ran.killed else _replace(rng, d["victim"], dirs, m, lose_probability)
         s.nodes_replaced += len(lost)
         expect = judge(s, where, expect.step, dirs, persistent, bool(lost), ran, attempted)
     leftovers(dirs, s)
@@ -250,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-bytes", type=int, default=256 << 10, help="bytes of state per rank and step")
-    p.add_argument("--points", default=",".join(KILL_POINTS), help="comma-separated kill points")
+    p.add_argument("--points", default=",".join(TIER_POINTS), help="comma-separated kill points")
     p.add_argument("--lose", type=float, default=0.5, help="probability that a killed node loses its directory")
     p.add_argument("--manager-options", default="{}", help="JSON: CheckpointManager options")
     a = p.parse_args(argv)

@@ -20,6 +20,7 @@ class TierSummary(Summary):
     nodes: int = 0
     erasure: tuple[int, int] = (1, 1)
     nodes_replaced: int = 0
+    killed_in_restore: int = 0  # victims killed before their restore returned
     restores: Counter[str] = field(default_factory=Counter)  # by tier ("none": nothing committed yet)
     restores_after_node_loss: int = 0  # local restores right after a node lost its directory
     rebuilt_from_parity: int = 0  # of those, the ones whose step the lost node held alone (with parity)
@@ -32,6 +33,7 @@ class TierSummary(Summary):
             nodes=self.nodes,
             erasure=list(self.erasure),
             nodes_replaced=self.nodes_replaced,
+            killed_in_restore=self.killed_in_restore,
             restores_by_tier=dict(sorted(self.restores.items())),
             local_restores_after_node_loss=self.restores_after_node_loss,
             rebuilt_from_parity=self.rebuilt_from_parity,
@@ -50,6 +52,7 @@ class Ran:
     said: dict[int, str]  # rank -> its error
     killed: bool  # the victim died by SIGKILL
     save_s: float  # from the last restore report to the end
+    restore_s: float = 0.0  # from the start to the last restore report (0: some rank never reported)
 
 
 def _manifests(node: Path) -> set[int]:
@@ -87,11 +90,16 @@ def _tail(path: Path, n: int = 1200) -> str:
         return "(no log)"
 
 
-def check_restores(ran: Ran, expect: Expect, where: str, logs: Path, index: int, s: TierSummary) -> None:
-    """Every rank restored what ``expect`` says, bit for bit, from the tier it says."""
+def check_restores(
+    ran: Ran, expect: Expect, where: str, logs: Path, index: int, s: TierSummary, killed_in_restore: bool = False
+) -> None:
+    """Every rank restored what ``expect`` says, bit for bit, from the tier it says (with
+    ``killed_in_restore``, every rank that got to say what it restored)."""
     bad = []
     for r, rep in enumerate(ran.reports):
         log = logs / f"launch{index:03d}-r{r}.log"
+        if rep is None and killed_in_restore:
+            continue
         if rep is None:
             bad.append(f"rank {r} did not restore: {ran.said.get(r, 'no report')}; log: {_tail(log)}")
         elif rep["restored"] != expect.step:
@@ -105,7 +113,7 @@ def check_restores(ran: Ran, expect: Expect, where: str, logs: Path, index: int,
         elif rep["newer"]:
             bad.append(f"rank {r} lists step(s) {rep['newer']} newer than step {expect.step} it restored")
     s.failures += [f"{where}: {b}" for b in bad]
-    if not bad:
+    if not bad and not killed_in_restore:
         s.restores[expect.tier] += 1
         s.restores_bit_exact += expect.step is not None
         s.restores_after_node_loss += expect.after_loss and expect.tier == "local"
