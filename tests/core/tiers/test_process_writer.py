@@ -1,6 +1,7 @@
 """The node-local tier with ``writer="process"`` (``tiers/process_writer.py``): the tier
-tests' key scenarios across three simulated nodes with persist processes, and a trainer killed right after ``save()``
-returned whose step the restarted trainer restores from the local tier."""
+tests' key scenarios across three simulated nodes with persist processes, and a trainer
+killed right after ``save()`` returned whose step the restarted trainer restores from the
+local tier."""
 
 from __future__ import annotations
 
