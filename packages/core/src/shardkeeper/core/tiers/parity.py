@@ -89,14 +89,15 @@ def encode_step(
 @dataclass
 class _Shard:
     """Parity ``shard`` of ``group`` as this node holds it: the pieces it codes, their
-    digests, its output (opened at its first piece) and a buffer per data node."""
+    digests, its output (opened at its first piece) and two buffers per data node (one
+    round's pieces are coded while the next round's arrive)."""
 
     group: Group
     shard: int
     code: Code
     total: int
     path: str
-    bufs: list[np.ndarray]
+    bufs: list[list[np.ndarray]]
     pieces: list[int]
     digests: list[str]
     writer: Writer | None = None
@@ -107,7 +108,7 @@ class _Encoding:
     """One rank's part of ``encode_step``: a data node's leader sends its node's stream to the
     holders of each piece; a holder's leader codes the pieces it holds. Round ``r`` carries
     piece ``r`` of every stream; each rank posts its sends and receives of a round before
-    waiting on any."""
+    waiting on any, and codes the previous round's pieces while they travel."""
 
     def __init__(
         self, group: TierGroup, nodes: NodeMap, storage: Storage, step: int, listed: Sequence[Any], k: int, m: int
@@ -137,11 +138,23 @@ class _Encoding:
                         _remove(self.storage, p)  # (a failed save's leftovers)
                 except Exception as e:  # the rounds go on: no data node waits on this rank
                     self.failed.append(e)
-                bufs = [np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for _ in g.data]
+                bufs = [[np.empty(min(PIECE_BYTES, total), dtype=np.uint8) for _ in g.data] for _ in range(2)]
                 self.shards.append(_Shard(g, j, Code(len(g.data), self.m), total, path, bufs, held, []))
-        piece = np.empty(min(PIECE_BYTES, self.totals[self.mine.index]), dtype=np.uint8)
+        pieces = [np.empty(min(PIECE_BYTES, self.totals[self.mine.index]), dtype=np.uint8) for _ in range(2)]
+        self._read(0, pieces[0])
+        received: tuple[int, list[_Shard]] | None = None
         for rnd in range(-(-max(self.totals) // PIECE_BYTES)):
-            self._round(rnd, piece)
+            works, live = self._post(rnd, pieces[rnd % 2])
+            if received is not None:  # the previous round's pieces coded while this round's travel
+                self._code_round(*received)
+            self._read(rnd + 1, pieces[(rnd + 1) % 2])  # and the next piece read
+            for work, peer in works:
+                self.group.wait(
+                    work, f"step {self.step}, rank {self.group.rank}: the parity's pieces (with rank {peer})"
+                )
+            received = (rnd, live)
+        if received is not None:
+            self._code_round(*received)
         if self.failed:
             raise self.failed[0]
         for s in self.shards:
@@ -152,40 +165,53 @@ class _Encoding:
             for d in (f"{PARITY_DIR}/{step_dir(self.step)}", PARITY_DIR, ""):
                 self.storage.sync_dir(d)
 
-    def _round(self, rnd: int, piece: np.ndarray) -> None:
+    def _post(self, rnd: int, piece: np.ndarray) -> tuple[list[tuple[Any, int]], list[_Shard]]:
+        """Post round ``rnd``'s receives (into the shards' buffers ``rnd % 2``: the previous
+        round's are being coded) and the sends of ``piece`` (read ahead); returns the works
+        (with their peers) and the shards that get a piece in this round."""
         works: list[tuple[Any, int]] = []
-        off, total = rnd * PIECE_BYTES, self.totals[self.mine.index]
-        if self.leader and off < total:
-            n = min(PIECE_BYTES, total - off)
-            got = 0 if self.failed else max(0, min(n, self.sending.length - off))
-            try:
-                if got:
-                    self.sending.read(off, memoryview(cast("Any", piece[:got])))
-            except Exception as e:  # zeros go out instead: no holder waits on this rank
-                self.failed.append(e)
-                got = 0
-            piece[got:n] = 0
-            t = torch.from_numpy(piece[:n])
-            index = self.mine.data.index(self.node)
-            for j in range(self.m):
-                dst = self.nodes.leader(self.mine.holder(j, rnd, self.m))
-                works.append((self.group.send(t, dst, TAG + rnd * 256 + index), dst))
+        off, slot = rnd * PIECE_BYTES, rnd % 2
         live = [s for s in self.shards if off < s.total and s.group.holder(s.shard, rnd, self.m) == self.node]
         for s in live:
             n = min(PIECE_BYTES, s.total - off)
             for i, d in enumerate(s.group.data):
                 src = self.nodes.leader(d)
-                works.append((self.group.recv(torch.from_numpy(s.bufs[i][:n]), src, TAG + rnd * 256 + i), src))
-        for work, peer in works:
-            self.group.wait(work, f"step {self.step}, rank {self.group.rank}: the parity's pieces (with rank {peer})")
+                works.append((self.group.recv(torch.from_numpy(s.bufs[slot][i][:n]), src, TAG + rnd * 256 + i), src))
+        total = self.totals[self.mine.index]
+        if self.leader and off < total:
+            t = torch.from_numpy(piece[: min(PIECE_BYTES, total - off)])
+            index = self.mine.data.index(self.node)
+            for j in range(self.m):
+                dst = self.nodes.leader(self.mine.holder(j, rnd, self.m))
+                works.append((self.group.send(t, dst, TAG + rnd * 256 + index), dst))
+        return works, live
+
+    def _read(self, rnd: int, piece: np.ndarray) -> None:
+        """A data node's leader: piece ``rnd`` of its node's stream into ``piece``, zeros past
+        its end (and after a failure: no holder waits on this rank)."""
+        off, total = rnd * PIECE_BYTES, self.totals[self.mine.index]
+        if not self.leader or off >= total:
+            return
+        n = min(PIECE_BYTES, total - off)
+        got = 0 if self.failed else max(0, min(n, self.sending.length - off))
+        try:
+            if got:
+                self.sending.read(off, memoryview(cast("Any", piece[:got])))
+        except Exception as e:  # zeros go out instead
+            self.failed.append(e)
+            got = 0
+        piece[got:n] = 0
+
+    def _code_round(self, rnd: int, live: list[_Shard]) -> None:
+        off = rnd * PIECE_BYTES
         for s in live if not self.failed else ():
             try:
-                self._code(s, min(PIECE_BYTES, s.total - off))
+                self._code(s, s.bufs[rnd % 2], min(PIECE_BYTES, s.total - off))
             except Exception as e:  # the rounds go on: no data node waits on this rank
                 self.failed.append(e)
 
-    def _code(self, s: _Shard, n: int) -> None:
-        block = s.code.encode([b[:n] for b in s.bufs], [s.shard])[0]
+    def _code(self, s: _Shard, bufs: list[np.ndarray], n: int) -> None:
+        block = s.code.encode([b[:n] for b in bufs], [s.shard])[0]
         s.digests.append(xxhash.xxh3_128_hexdigest(memoryview(cast("Any", block))))
         if s.writer is None:
             s.writer = self.storage.open_writer(s.path)
