@@ -66,6 +66,12 @@ def test_a_differing_rank_is_named_through_its_leaders_report(seen: list[dict]) 
         assert s["mismatch"] is not None and "ranks [2] hold states" in s["mismatch"], s["mismatch"]
 
 
+def test_a_replica_one_ulp_off_is_named_through_its_leaders_folded_sums(seen: list[dict]) -> None:
+    for s in seen:
+        err = s["replica off"]
+        assert err is not None and "step 3" in err and "tensor 'm/plain'" in err and "[2]" in err, err
+
+
 def test_a_damaged_page_is_refused_naming_its_ranks(seen: list[dict]) -> None:
     for s in seen:
         assert s["damaged"] is not None and "CorruptCheckpointError" in s["damaged"]

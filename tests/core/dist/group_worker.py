@@ -79,6 +79,13 @@ def main(root: str, out: str) -> None:
         if rank == 2:
             odd["extra"] = torch.ones(2)
         seen["mismatch"] = _error(lambda: mgr.save(3, {"m": odd}, async_save=False))
+        # A replicated copy one ulp off on rank 2: its leader folds the copies' sums, and the
+        # coordinator still names the tensor and rank 2.
+        off = layout_a(w)
+        if rank == 2:
+            off["plain"] = off["plain"].clone()
+            off["plain"].view(-1)[0] = torch.nextafter(off["plain"].view(-1)[0], torch.tensor(float("inf")))
+        seen["replica off"] = _error(lambda: mgr.save(3, {"m": off}, async_save=False))
         # A file removed before its leader checks it (as by a gc with a too short --min-age-s):
         # the leader's failure reaches every rank, naming the file's rank.
         if rank == 1:

@@ -150,3 +150,68 @@ def test_the_fold_returns_with_the_page_still_being_synced(tmp_path: Path, io: A
     written.result()
     assert page.stat().st_size == folded.group["page"][1]
     assert folded.ranks == [[0, 2]] and folded.group["count"] == 3
+
+
+def _holding(rep: RankReport, copies: dict[str, tuple[int, int]]) -> RankReport:
+    """``rep`` with a ``replicas`` member: key -> (its copy's number, its sum)."""
+    from dataclasses import replace
+
+    from shardkeeper.core.format.logical_member import REPLICAS, encode_sums
+
+    keys = sorted(copies)
+    member = {"keys": keys, "copies": [copies[k][0] for k in keys], "sums": encode_sums(copies[k][1] for k in keys)}
+    return replace(rep, chunks={**rep.chunks, REPLICAS: member})
+
+
+def test_ranks_that_differ_only_by_the_copy_they_hold_fold_into_one(tmp_path: Path, io: Any) -> None:
+    """Under DDP each rank holds its own copy of the replicated tensors: its report differs
+    from its neighbours' only by its copy's number. The leader folds the copies' sums into one
+    member, so the group's reports fold again, and the coordinator still names a copy that
+    differs (format/replica_copies.py)."""
+    from shardkeeper.core.format.logical_member import combine_reports
+
+    reports = [_holding(_report(r), {"model/w": (r, 7), "model/b": (r, 9)}) for r in range(1, 5)]
+    _files(tmp_path, reports)
+    folded = _fold(LocalStorage(tmp_path), reports, io)
+    assert folded.ranks == [[1, 4]] and folded.group["others"] == []
+    member = folded.chunks["replicas"]
+    assert member["keys"] == ["model/b", "model/w"] and member["copies"] == [[[1, 4]], [[1, 4]]]
+    declared = {"model/b": ["tensor", "float32", [2]], "model/w": ["tensor", "float32", [2]]}
+    writer = {"rank": 0, "chunks": {"keys": ["model/b", "model/w"], "logical": "9,7"}}
+    agreed = combine_reports([writer, {"rank": 1, "chunks": {**folded.chunks, "logical": ""}}], declared, [])
+    assert agreed is not None and "replicas_disagree" not in agreed
+    odd = [_holding(_report(r), {"model/w": (r, 8 if r == 3 else 7)}) for r in range(1, 5)]
+    _files(tmp_path / "odd", odd)
+    folded = _fold(LocalStorage(tmp_path / "odd"), odd, io)
+    assert folded.group["others"] == []
+    member = combine_reports([writer, {"rank": 1, "chunks": {**folded.chunks, "logical": ""}}], declared, [])
+    assert member is not None
+    assert member["replicas_disagree"] == (
+        "tensor 'model/w': the copy on rank(s) [3] differs from the one rank(s) [0] wrote"
+    ), member
+
+
+def test_a_copy_split_over_two_groups_adds_its_parts() -> None:
+    """A copy whose pieces lie on ranks of two groups (an HSDP shard group wider than
+    ``commit_group_ranks``): each leader sends its part, the coordinator adds them."""
+    from shardkeeper.core.format.logical_member import combine_reports
+    from shardkeeper.core.format.replica_copies import fold
+
+    declared = {"t": ["tensor", "float32", [4]]}
+    writer = {"rank": 0, "chunks": {"keys": ["t"], "logical": "a"}}
+    first = fold([(1, {"keys": ["t"], "copies": [1], "sums": "3"}), (2, {"keys": ["t"], "copies": [2], "sums": "3"})])
+    second = fold([(3, {"keys": ["t"], "copies": [1], "sums": "7"}), (4, {"keys": ["t"], "copies": [2], "sums": "7"})])
+    assert first is not None and second is not None
+    leaders = [
+        {"rank": 1, "chunks": {"keys": [], "logical": "", "replicas": first}},
+        {"rank": 3, "chunks": {"keys": [], "logical": "", "replicas": second}},
+    ]
+    member = combine_reports([writer, *leaders], declared, [])
+    assert member is not None and "replicas_disagree" not in member, member
+    second = fold([(3, {"keys": ["t"], "copies": [1], "sums": "7"}), (4, {"keys": ["t"], "copies": [2], "sums": "6"})])
+    leaders[1] = {"rank": 3, "chunks": {"keys": [], "logical": "", "replicas": second}}
+    member = combine_reports([writer, *leaders], declared, [])
+    assert member is not None
+    assert member["replicas_disagree"] == (
+        "tensor 't': the copy 2, held among rank(s) [1, 2, 4], differs from the one rank(s) [0] wrote"
+    )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -322,14 +323,44 @@ def reference_sum(data: bytes, itemsize: int, shape: Sequence[int], offsets: Seq
     return total & MASK
 
 
+#: The wire's text of sums: hex without leading zeros, ``""`` for 0, comma-separated.
+_SUMS = re.compile(r"(?:[0-9a-f]{1,16})?(?:,(?:[0-9a-f]{1,16})?)*")
+
+
+def encode_sums(sums: Iterable[int]) -> str:
+    """Sums as the wire has them: hex without leading zeros, ``""`` for 0, comma-separated."""
+    return ",".join(format(s, "x") if s else "" for s in sums)
+
+
+def decode_sums(text: object, count: int) -> list[int]:
+    """``encode_sums``' text of ``count`` sums, or ValueError saying what is wrong."""
+    if not isinstance(text, str) or not _SUMS.fullmatch(text):
+        raise ValueError(f"its logical sums are not comma-separated hex numbers: {str(text)[:60]!r}")
+    fields = text.split(",") if count else []
+    if count == 0 and text or len(fields) != count:
+        raise ValueError(f"it sends {len(fields) if text or count else 0} logical sums for {count} keys")
+    return [int(f, 16) if f else 0 for f in fields]
+
+
+def add_sums(texts: Sequence[object], count: int) -> str:
+    """Several ranks' sums of the same ``count`` keys (described ones), added per key."""
+    total = [0] * count
+    for text in texts:
+        total = [(a + b) & MASK for a, b in zip(total, decode_sums(text, count))]
+    return encode_sums(total)
+
+
 __all__ = [
     "ALGORITHM",
     "BLOCK",
     "Box",
     "block_multiplier",
     "box_sum",
+    "add_sums",
     "box_sums",
     "combine_sums",
+    "decode_sums",
+    "encode_sums",
     "finalize",
     "gathered_sums",
     "lane_weight",

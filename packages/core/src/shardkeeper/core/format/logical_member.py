@@ -21,42 +21,16 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from shardkeeper.core.format.leaves import RawLeaves
-from shardkeeper.core.format.logical import ALGORITHM, MASK, finalize
+from shardkeeper.core.format.logical import ALGORITHM, MASK, add_sums, decode_sums, encode_sums, finalize
+from shardkeeper.core.format.replica_copies import REPLICAS, disagreements
 from shardkeeper.core.format.table import TableLeaves
 
 MEMBER = "logical"
-#: A rank's chunk report member with the sums of the replicated copies it holds and does not
-#: write (save/replicas.py): ``{"keys": [...], "copies": [...], "sums": "<hex>,..."}``.
-REPLICAS = "replicas"
 #: The member's mark of a step committed although replicas disagreed (``logical_check="warn"``):
 #: a non-empty string of at most ``MARK_CHARS`` characters naming the tensors and ranks.
 MARK = "replicas_disagree"
 MARK_CHARS = 65536
 _DIGEST = re.compile(r"[0-9a-f]{16}")
-_SUMS = re.compile(r"(?:[0-9a-f]{1,16})?(?:,(?:[0-9a-f]{1,16})?)*")
-
-
-def encode_sums(sums: Iterable[int]) -> str:
-    """Sums as the wire has them: hex without leading zeros, ``""`` for 0, comma-separated."""
-    return ",".join(format(s, "x") if s else "" for s in sums)
-
-
-def decode_sums(text: object, count: int) -> list[int]:
-    """``encode_sums``' text of ``count`` sums, or ValueError saying what is wrong."""
-    if not isinstance(text, str) or not _SUMS.fullmatch(text):
-        raise ValueError(f"its logical sums are not comma-separated hex numbers: {str(text)[:60]!r}")
-    fields = text.split(",") if count else []
-    if count == 0 and text or len(fields) != count:
-        raise ValueError(f"it sends {len(fields) if text or count else 0} logical sums for {count} keys")
-    return [int(f, 16) if f else 0 for f in fields]
-
-
-def add_sums(texts: Sequence[object], count: int) -> str:
-    """Several ranks' sums of the same ``count`` keys (described ones), added per key."""
-    total = [0] * count
-    for text in texts:
-        total = [(a + b) & MASK for a, b in zip(total, decode_sums(text, count))]
-    return encode_sums(total)
 
 
 def tensor_keys(leaves: Mapping[str, Any]) -> list[str]:
@@ -170,7 +144,7 @@ def combine_reports(
         for k in sorted(declared)
     ]
     member: dict[str, Any] = {"algorithm": ALGORITHM, "digests": ",".join(digests)}
-    disagree = _disagreements(reports, sums, declared, skip)
+    disagree = disagreements(reports, sums, declared, skip)
     if disagree:
         member[MARK] = _mark(disagree)
     return member
@@ -199,40 +173,6 @@ def disagreements_in(mark: str) -> int:
 
 _MORE = re.compile(r"; and (\d+) more tensor\(s\)$")
 _ENTRY = re.compile(r"(?:^|; )tensor ")
-
-
-def _disagreements(
-    reports: Sequence[Mapping[str, Any]], sums: Mapping[str, int], declared: Mapping[str, Any], skip: set[str]
-) -> list[str]:
-    """The copies whose sums (their ranks' ``replicas`` members added) differ from the written
-    copy's, each naming the tensor, the copy's ranks and the ranks that wrote it."""
-    copies: dict[tuple[str, int], list[Any]] = {}  # (key, copy) -> [sum, ranks]
-    for r in reports:
-        rep = r["chunks"].get(REPLICAS)
-        if rep is None:
-            continue
-        keys, nums = (
-            rep.get("keys") if isinstance(rep, dict) else None,
-            rep.get("copies") if isinstance(rep, dict) else None,
-        )
-        if not isinstance(keys, list) or not isinstance(nums, list) or len(keys) != len(nums):
-            raise ValueError(f"rank {r['rank']}'s report: its replicas member is not keys and copies of one length")
-        try:
-            values = decode_sums(rep.get("sums"), len(keys))
-        except ValueError as e:
-            raise ValueError(f"rank {r['rank']}'s report, its replicas: {e}") from None
-        for k, c, v in zip(keys, nums, values):
-            entry = copies.setdefault((str(k), int(c)), [0, []])
-            entry[0] = (entry[0] + v) & MASK
-            entry[1].append(r["rank"])
-    out = []
-    for (k, _), (total, ranks) in sorted(copies.items()):
-        if k in skip or k not in declared or total == sums.get(k, 0):
-            continue
-        writers = [r["rank"] for r in reports if k in r["chunks"].get("keys", ())]
-        wrote = f"rank(s) {writers}" if writers else "its written copy"
-        out.append(f"tensor {k!r}: the copy on rank(s) {sorted(ranks)} differs from the one {wrote} wrote")
-    return out
 
 
 __all__ = [

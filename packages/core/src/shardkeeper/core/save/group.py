@@ -5,7 +5,8 @@ a group of its own) collects its group's reports, writes the group's *page* (the
 index entries and chunk-file ends, format/pages.py) durably while it checks that each of
 their files is there at the size its rank wrote, and folds the reports into one: the ranks whose reports are then equal (every rank that
 wrote only described leaves, apart from its timings) count once, the others travel inside
-it. The coordinator merges one report per group (``unfold``), so its work, the store bytes
+it (the sums of the replicated copies they hold are folded into one member first, so that
+ranks differing only by their copy fold too). The coordinator merges one report per group (``unfold``), so its work, the store bytes
 it reads and the manifest stay the same size from 64 ranks to 16,384 (docs/protocol.md,
 "Group commit").
 """
@@ -26,6 +27,7 @@ from shardkeeper.core.format.digest import digest_function
 from shardkeeper.core.format.fastjson import orjson
 from shardkeeper.core.format.layout import PAGES_DIR, page_file
 from shardkeeper.core.format.pages import encode_page, parse_page
+from shardkeeper.core.format.replica_copies import REPLICAS, fold
 from shardkeeper.core.save.logical import with_group_sums
 from shardkeeper.core.save.write import write_durably
 from shardkeeper.core.storage.base import Storage
@@ -50,9 +52,11 @@ def fold_group(
     once the write has ended. ``paging`` False (a save without described leaves, whose chunk
     table names every file anyway): no page, the reports folded as they are. ``executor``:
     where the page is written (and, on a remote storage, the files' sizes asked for)."""
+    reports, copies = _without_replicas(reports)
     leader = reports[0]
     if not paging:
-        return _folded([(rep, rep.files, rep.described) for rep in reports], leader, None, []), None
+        folded = _folded([(rep, rep.files, rep.described) for rep in reports], leader, None, [])
+        return _with_replicas(folded, copies), None
     paged: dict[str, dict[str, Any]] = {}
     index: list[Any] = []
     ends: dict[str, int] = {}
@@ -97,11 +101,30 @@ def fold_group(
         refs = [[p, e] for p, e in sorted(ends.items()) if p.startswith("../")]
         folded = _folded(residuals, leader, page, refs, {rel: {"size_bytes": len(data), "rank": leader.rank}})
         folded = with_group_sums(folded, reports)  # (their described sums, added: not in the signatures)
+        folded = _with_replicas(folded, copies)
     except BaseException:
         if written is not None:  # the check's (or the fold's) error is the one to report; the write ends first
             wait([written])
         raise
     return folded, written
+
+
+def _without_replicas(reports: Sequence[RankReport]) -> tuple[Sequence[RankReport], dict[str, Any] | None]:
+    """The group's reports without their ``replicas`` members, and those members folded into
+    one (format/replica_copies.py): ranks that differ only by the copy they hold fold alike.
+    As they are (and None) when none has one, or one is malformed (the coordinator names it)."""
+    members = [(r.rank, r.chunks.get(REPLICAS)) for r in reports]
+    if all(m is None for _, m in members):
+        return reports, None
+    try:
+        folded = fold(members)
+    except ValueError:
+        return reports, None
+    return [replace(r, chunks={k: v for k, v in r.chunks.items() if k != REPLICAS}) for r in reports], folded
+
+
+def _with_replicas(report: RankReport, member: dict[str, Any] | None) -> RankReport:
+    return report if member is None else replace(report, chunks={**report.chunks, REPLICAS: member})
 
 
 #: A rank's report and what of it stays in the leader's: the files and ``described`` member
