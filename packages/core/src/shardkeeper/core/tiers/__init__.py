@@ -17,6 +17,8 @@ before its local commit, so a second writer of a step is refused at its save); `
 removes local steps no tier holds whole. With ``erasure=(k, m)`` instead of replicas,
 ``placement.py`` says where a group's parity lies, ``parity.py`` computes it during a save
 (``erasure.py``: the code) and ``rebuild.py`` rebuilds lost nodes' files from it at restore.
+With ``writer="process"``, ``process_writer.py`` runs the save's side of the tiers in the
+persist processes.
 """
 
 __all__: list[str] = []
