@@ -151,12 +151,17 @@ def test_a_restore_waits_for_a_commit_still_in_flight(tmp_path: Path, monkeypatc
     [
         ({"writer": "disk"}, "writer"),
         ({"writer": "process", "encryption": "USER_KEYS"}, "cannot be"),
+        ({"writer": "process", "local": "STORAGE"}, "pass local= as a directory path"),
     ],
-    ids=["unknown", "user-key-provider"],
+    ids=["unknown", "user-key-provider", "local-storage-object"],
 )
 def test_what_a_persist_process_cannot_serve_is_refused_up_front(
     tmp_path: Path, kwargs: dict[str, Any], match: str
 ) -> None:
+    if kwargs.get("local") == "STORAGE":  # a local tier the persist process could not reopen
+        from shardkeeper.core.storage import LocalStorage
+
+        kwargs = {**kwargs, "local": LocalStorage(str(tmp_path / "local"))}
     if kwargs.get("encryption") == "USER_KEYS":  # a provider class of the user's own: not the core's to rebuild
         kwargs = {**kwargs, "encryption": _UserKeys(bytes(range(32)))}
     with pytest.raises(ValueError, match=match):
