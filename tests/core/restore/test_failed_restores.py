@@ -526,3 +526,33 @@ def test_only_per_rank_state_dropped_at_another_world_size_is_no_unmatched_only(
     assert plan.dropped and not plan.restored and not plan.missing
     with pytest.raises(StateMismatchError, match="saved at world size 1, restoring at 2"):
         plan_restore(storage, manifest, flat, per_rank="exact", max_read_bytes=1 << 20, where="step 1", **args)
+
+
+class _Refusing:
+    """An object whose ``load_state_dict`` refuses what it is given, as a changed scheduler's
+    does (``KeyError``: its ``__str__`` is the key's repr) or torch's size checks do
+    (``RuntimeError`` with a message)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": 3}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("size mismatch for w"), KeyError("lr_lambdas")])
+def test_an_objects_refusal_names_the_checkpoint_the_key_and_the_remedy_and_keeps_its_type(
+    tmp_path: Path, error: Exception
+) -> None:
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(3), "sched": _Refusing(RuntimeError("unused"))})
+        mgr.save(2, {"w": torch.ones(3), "sched": _Refusing(RuntimeError("unused"))})
+        with pytest.raises(type(error)) as got:
+            mgr.restore({"w": torch.zeros(3), "sched": _Refusing(error)})
+    said = "\n".join([str(got.value), *getattr(got.value, "__notes__", [])])
+    assert str(error).strip("'") in said, said  # the object's own words
+    for part in (str(tmp_path), "step-000000000002", "rank 0", "'sched'", "load_state_dict()", "mgr.load()"):
+        assert part in said, (part, said)

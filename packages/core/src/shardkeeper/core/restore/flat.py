@@ -32,6 +32,7 @@ from shardkeeper.core.restore.fill import (
     execute_read,
     read_bytes_leaf,
 )
+from shardkeeper.core.restore.finalize import set_and_finalize
 from shardkeeper.core.restore.logical_check import LogicalCheck, plan_check
 from shardkeeper.core.restore.per_rank import PLAIN_CALL, warn_world_change
 from shardkeeper.core.restore.plan import (
@@ -93,17 +94,6 @@ def _guarded(fn: Callable[..., None], failed: threading.Event) -> Callable[..., 
             raise
 
     return run
-
-
-def _prefixes(keys: Sequence[str]) -> set[str]:
-    """Every ``/``-prefix of every key (``a/b/c`` -> ``a``, ``a/b``, ``a/b/c``): one set
-    answers "was anything under this prefix restored" for every finalizer."""
-    out: set[str] = set()
-    for k in keys:
-        parts = k.split("/")
-        for i in range(1, len(parts) + 1):
-            out.add("/".join(parts[:i]))
-    return out
 
 
 @without_gc  # planning makes a few objects per chunk: no full collections meanwhile
@@ -179,7 +169,7 @@ def restore_flat(
     check = plan_check(flat, manifest, plan.restored, rank=rank, world_size=world_size) if logical and verify else None
     try:
         _fill(executor, batches, stats, wrote, check, jobs)
-        _set_and_finalize(plan, flat, bytes_values, wrote)
+        set_and_finalize(plan, flat, bytes_values, wrote, where)
     finally:
         writes.add(manifest.step, wrote)
     touched = set(plan.restored) | set(plan.dropped)
@@ -290,22 +280,6 @@ def _fill(
     if check is not None:
         check.sum_rest()
         stats.logical = check
-
-
-def _set_and_finalize(plan: RestorePlan, flat: FlatState, bytes_values: Sequence[bytes], wrote: set[str]) -> None:
-    """Once every read succeeded: set the objects and bytes leaves, then run the finalizers of
-    the prefixes something was restored under."""
-    for key, fn in plan.deferred:
-        wrote.add(key)
-        fn()
-    for (key, leaf, _), value in zip(plan.bytes_leaves, bytes_values):
-        assert leaf.set is not None
-        wrote.add(key)
-        leaf.set(value)
-    touched = _prefixes(plan.restored)
-    for prefix, fin in flat.finalizers:
-        if prefix in touched:
-            fin()
 
 
 def _jobs(
