@@ -90,6 +90,9 @@ def test_the_note_names_each_policy_s_mapping() -> None:
     assert PER_RANK_POLICIES[0] == "map"
     grow = world_change_note(["rng"], saved_world=2, world=4, policy="map", step=7, root="/r", call="X(per_rank=...)")
     assert "ranks 0-1 took the saved state of the same rank; ranks 2-3 kept their own" in grow, grow
+    # a global data position (the samplers', every adapter's) does continue exactly: not denied
+    assert "a data position that shardkeeper's samplers or an adapter saved" in grow, grow
+    assert "data positions kept per rank do not continue" in grow, grow
     assert "saved rank r % 2's" in world_change_note(
         ["rng"], saved_world=2, world=3, policy="modulo", step=7, root="/r", call="X(per_rank=...)"
     )

@@ -80,8 +80,10 @@ def world_change_note(
     return (
         f"step {step} under {root} was saved at world size {saved_world} and is restored at world size "
         f"{world}: per-rank state {names}: {'; '.join(how)}. Model, optimizer and other shared state "
-        f"are resharded exactly. Dropout, sampling and per-rank data positions do not continue the "
-        f"saved run's exactly; per_rank='exact' (in {call}) refuses a change of world size instead"
+        f"are resharded exactly, and so is a data position that shardkeeper's samplers or an adapter "
+        f"saved (docs/data.md). Random streams (dropout, sampling) and data positions kept per rank do "
+        f"not continue the saved run's exactly; per_rank='exact' (in {call}) refuses a change of world "
+        f"size instead"
     )
 
 
