@@ -230,7 +230,24 @@ class TooManyLost(CheckpointError):
     (``tiers/erasure.py``): the restore falls back as without parity."""
 
 
+def extended(err: BaseException, note: str, *, head: str = "") -> BaseException:
+    """``err`` with ``head`` before its message and ``note`` after it, its type and attributes
+    kept (callers catch e.g. ``KeyError`` or ``ChecksumMismatchError``): in its message where
+    that is its first argument, else as a note (Python >= 3.11), else a
+    ``CheckpointRestoreError`` caused by it."""
+    if err.args and isinstance(err.args[0], str) and type(err).__str__ is BaseException.__str__:
+        err.args = (f"{head}{err.args[0].rstrip('. ')}. {note}", *err.args[1:])
+        return err
+    if hasattr(err, "add_note"):
+        err.add_note(f"{head}{note}")
+        return err
+    wrapped = CheckpointRestoreError(f"{head}{type(err).__name__}: {err}. {note}")
+    wrapped.__cause__ = err
+    return wrapped
+
+
 __all__ = [
+    "extended",
     "PointerDamagedError",
     "TooManyLost",
     "CatalogError",

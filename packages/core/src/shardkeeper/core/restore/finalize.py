@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardkeeper.core.errors import CheckpointRestoreError
+from shardkeeper.core.errors import extended
 from shardkeeper.core.restore.plan import RestorePlan
 from shardkeeper.core.state.flatten import FlatState
 
@@ -48,26 +48,17 @@ def prefixes(keys: Sequence[str]) -> set[str]:
     return out
 
 
-def named(err: Exception, prefix: str, where: str) -> Exception:
+def named(err: Exception, prefix: str, where: str) -> BaseException:
     """``err`` of ``prefix``'s ``load_state_dict``, its message led by where and what it was
-    restoring and followed by the remedy; its type kept (a caller may catch ``KeyError`` or
-    ``RuntimeError`` as torch raises them), else wrapped (a message that is not its first
-    argument, before Python 3.11's notes)."""
+    restoring and followed by the remedy (``errors.extended``: its type kept, as a caller may
+    catch ``KeyError`` or ``RuntimeError`` as torch raises them)."""
     head = f"restoring {where}: the load_state_dict() of {prefix!r} refused the state it was given"
     tail = (
         f"the object no longer fits what was saved under {prefix!r} (a changed model, optimizer or scheduler?): "
         f"restore into an object built as it was at the save, leave {prefix!r} out of the state (or of only=), or "
         f"read the checkpoint with mgr.load() and adapt it"
     )
-    if err.args and isinstance(err.args[0], str) and type(err).__str__ is BaseException.__str__:
-        err.args = (f"{head}: {err.args[0].rstrip('. ')}. {tail}", *err.args[1:])
-        return err
-    if hasattr(err, "add_note"):  # Python >= 3.11
-        err.add_note(f"{head}; {tail}")
-        return err
-    wrapped = CheckpointRestoreError(f"{head}: {type(err).__name__}: {err}. {tail}")
-    wrapped.__cause__ = err
-    return wrapped
+    return extended(err, tail, head=f"{head}: ")
 
 
 __all__ = ["named", "prefixes", "set_and_finalize"]

@@ -30,6 +30,7 @@ from shardkeeper.core.errors import (
     CheckpointRestoreError,
     CorruptCheckpointError,
     StorageError,
+    extended,
 )
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest
@@ -297,16 +298,10 @@ def partly_restored(err: BaseException, writes: TargetWrites) -> BaseException:
         f"wrote {len(keys)} of its keys ({shown}) before the restore failed; do not train from it; "
         f"restore again or rebuild it"
     )
-    if err.args and isinstance(err.args[0], str) and type(err).__str__ is BaseException.__str__:
-        err.args = (f"{err.args[0].rstrip('. ')}. {note}", *err.args[1:])
+    out = extended(err, note)
+    if out is err and err.args and isinstance(err.args[0], str) and err.args[0].endswith(note):
         err.partly_restored_note = f". {note}"  # type: ignore[attr-defined]  # (a caller that restores on drops it)
-    elif hasattr(err, "add_note"):  # Python >= 3.11
-        err.add_note(note)
-    else:
-        wrapped = CheckpointRestoreError(f"{type(err).__name__}: {err}. {note}")
-        wrapped.__cause__ = err
-        return wrapped
-    return err
+    return out
 
 
 __all__ = ["Restorer", "partly_restored", "readable_manifest"]
