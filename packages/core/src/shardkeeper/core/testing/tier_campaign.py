@@ -65,7 +65,7 @@ from shardkeeper.core.testing.trial_writer import kill_quietly
 TIER_POINTS = (*KILL_POINTS, "restore")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -80,7 +80,7 @@ def _parse(rank: int, line: str, ran: Ran) -> None:
         ran.acked.add(int(line))
 
 
-def _launch(
+def launch_nodes(
     launch: Launch, logs: Path, seed: int, delay: float | None, linger_s: float, timeout_s: float, at_start: bool
 ) -> Ran:
     """Run ``launch``'s processes until they end: the victim is SIGKILLed ``delay`` seconds
@@ -219,7 +219,7 @@ def run_tier_campaign(
         if last:  # what the kills left uncommitted on the nodes: gc's, as docs/tiers.md says
             gc_nodes(dirs, s)
         launch = Launch(
-            i, os.fspath(root), dict(storage_options or {}), [str(p) for p in dirs], (k, m), _free_port(),
+            i, os.fspath(root), dict(storage_options or {}), [str(p) for p in dirs], (k, m), free_port(),
             1 if last else d["steps"], tensor_bytes, dict(versions), -1 if last else d["victim"], d["point"],
             d["n"], rng.randint(1, tensor_bytes // 2), d["async_save"], dict(manager_options or {}),
         )  # fmt: skip
@@ -229,7 +229,7 @@ def run_tier_campaign(
             s.points[d["point"]] += 1
         timed = d["point"] in ("random_time", "restore") and not last
         delay = d["delay"] * (typical_s if d["point"] == "random_time" else restore_s) if timed else None
-        ran = _launch(launch, logs, seed, delay, d["linger_s"], launch_timeout_s, d["point"] == "restore")
+        ran = launch_nodes(launch, logs, seed, delay, d["linger_s"], launch_timeout_s, d["point"] == "restore")
         restore_s = 0.5 * restore_s + 0.5 * ran.restore_s if ran.restore_s else restore_s
         in_restore = ran.killed and ran.reports[d["victim"]] is None  # (nothing saved: no node replaced)
         s.killed_in_restore += in_restore
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if summary.failures or summary.writer_errors else 0
 
 
-__all__ = ["TierSummary", "main", "parse_erasure", "run_tier_campaign"]
+__all__ = ["TIER_POINTS", "TierSummary", "free_port", "launch_nodes", "main", "parse_erasure", "run_tier_campaign"]
 
 
 if __name__ == "__main__":

@@ -138,8 +138,12 @@ def gc_nodes(nodes: list[Path], s: TierSummary) -> None:
 def leftovers(nodes: list[Path], s: TierSummary) -> None:
     """Parity of steps no node holds a manifest of, and step directories without one: failures."""
     from shardkeeper.core.format.layout import parse_step_dir
+    from shardkeeper.core.storage import open_storage
+    from shardkeeper.core.testing.trial_checks import pointed_at
 
     committed = {x for n in nodes for x in _manifests(n)}
+    for n in nodes:  # (the steps the committed ones point at keep their files, and the parity of them)
+        committed |= pointed_at(open_storage(str(n)), sorted(_manifests(n))) if n.is_dir() else set()
     for n in nodes:
         for sub, out in ((n / ".parity", s.orphan_parity_left), (n, s.uncommitted_dirs_left)):
             for p in sorted(sub.iterdir()) if sub.is_dir() else ():

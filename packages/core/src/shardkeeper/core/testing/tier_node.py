@@ -51,8 +51,13 @@ class Launch:
 
 def node_state(step: int, version: int, rank: int, tensor_bytes: int) -> dict[str, Any]:
     """What ``rank`` saves at ``step`` in launch ``version``: replicated tensors (the same on
-    every rank), its own (saved as ``PerRank``) and the step."""
-    return {**rank_state(step * 100_003 + version, rank, tensor_bytes), "step": step}
+    every rank), its own and one the same at every step (with ``incremental=True``, later
+    steps point at the file that holds it; both saved as ``PerRank``), and the step."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank)  # (odd ranks: empty, so that only some nodes' files are pointed at)
+    frozen = torch.randn(max(1, tensor_bytes // 16) if rank % 2 == 0 else 0, generator=g)
+    return {**rank_state(step * 100_003 + version, rank, tensor_bytes), "frozen": frozen, "step": step}
 
 
 def _equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
@@ -60,7 +65,7 @@ def _equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
 
     return (
         got["step"] == want["step"]
-        and torch.equal(got["own"], want["own"])
+        and all(torch.equal(got[k].value, want[k]) for k in ("own", "frozen"))
         and all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
     )
 
@@ -94,8 +99,8 @@ def run_node(launch: Launch, rank: int, wfd: int) -> None:
         launch.root, storage_options=launch.storage_options, local=local, erasure=launch.erasure, **opts
     )
     blank = node_state(0, 0, rank, launch.tensor_bytes)
-    own = PerRank(torch.zeros_like(blank["own"]))
-    got: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in blank["model"].items()}, "own": own, "step": -1}
+    got: dict[str, Any] = {k: PerRank(torch.zeros_like(blank[k])) for k in ("own", "frozen")}
+    got.update(model={k: torch.zeros_like(v) for k, v in blank["model"].items()}, step=-1)
     try:
         restored: int | None = mgr.restore(got)
     except CheckpointNotFoundError:
@@ -103,7 +108,7 @@ def run_node(launch: Launch, rank: int, wfd: int) -> None:
     exact = False
     if restored is not None:
         want = node_state(restored, launch.versions.get(restored, -1), rank, launch.tensor_bytes)
-        exact = _equal({**got, "own": own.value}, want)
+        exact = _equal(got, want)
     report = {"restored": restored, "tier": mgr.last_restore_tier, "persistent_reads": mgr.persistent_reads}
     newer = [x for x in mgr.steps() if restored is None or x > restored]  # listed after the restore: none
     _say(wfd, "R" + json.dumps({**report, "exact": exact, "newer": newer}))
@@ -114,7 +119,7 @@ def run_node(launch: Launch, rank: int, wfd: int) -> None:
         state = node_state(step, launch.index, rank, launch.tensor_bytes)
         if rank == launch.victim and launch.point == "staging" and i == launch.n - 1:
             threading.Timer(random.uniform(0.0, 0.003), kill_self).start()
-        mgr.save(step, {**state, "own": PerRank(state["own"])}).wait()
+        mgr.save(step, {**state, "own": PerRank(state["own"]), "frozen": PerRank(state["frozen"])}).wait()
         _say(wfd, str(step))
     mgr.close()
     dist.destroy_process_group()

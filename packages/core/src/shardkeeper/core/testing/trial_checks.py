@@ -114,8 +114,20 @@ def check_persistent(storage: Any, where: str, s: Summary) -> None:
         s.leftovers_removed += len(report.removed_paths)
     after = checked(s, where, "its steps could not be listed after gc", lambda: committed_steps(storage), None)
     dirs = checked(s, where, "its step directories could not be listed", lambda: step_dirs(storage), None)
-    if after is not None and dirs is not None and (after != committed or sorted(set(dirs) - set(committed))):
+    kept = checked(s, where, "its steps' references could not be read", lambda: pointed_at(storage, committed), None)
+    if after is not None and dirs is not None and kept is not None and (after != committed or set(dirs) - set(committed) - kept):  # fmt: skip
         s.failures.append(f"{where}: gc changed the committed steps or left uncommitted directories")
 
 
-__all__ = ["Summary", "blank_like", "check_persistent", "checked", "deterministic_state", "verify_all"]
+def pointed_at(storage: Any, committed: list[int]) -> set[int]:
+    """The steps whose files ``committed`` steps point at (incremental saves): their
+    directories stay, without a manifest once their own step is deleted."""
+    from shardkeeper.core.commit.committed import load_manifest
+    from shardkeeper.core.commit.files import referenced_paths
+    from shardkeeper.core.format.layout import parse_step_dir
+
+    paths = {p for c in committed for p in referenced_paths(c, load_manifest(storage, c))}
+    return {s for p in paths if (s := parse_step_dir(p.split("/", 1)[0])) is not None}
+
+
+__all__ = ["Summary", "blank_like", "check_persistent", "checked", "deterministic_state", "pointed_at", "verify_all"]
