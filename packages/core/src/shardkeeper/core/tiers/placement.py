@@ -112,6 +112,14 @@ def _points_at(read: Storage, step: int) -> list[int]:
     return sorted({s for p in paths if p for s in [parse_step_dir(p.split("/", 1)[0])] if s is not None} - {step})
 
 
+def pointed_at(raw: Storage, read: Storage) -> set[int]:
+    """The earlier steps that the steps committed on this node point at (incremental saves).
+    Retention keeps them whole: a group's parity rebuilds a lost node's files only with every
+    other node's files of the step (and the parity itself stays while the step does)."""
+    steps = {s for s in map(parse_step_dir, raw.list_dir("")) if s is not None}
+    return {r for s in steps if raw.exists(manifest_path(s)) for r in _points_at(read, s)}
+
+
 def listing(raw: Storage, read: Storage) -> dict[str, Any]:
     """A node's parity records, the files of its steps (stored sizes), their manifests and
     the earlier steps each points at (``raw``: its directory, unencrypted; ``read``: the view
@@ -212,4 +220,4 @@ def plan(listings: list[dict[str, Any]], asked: int | None, nodes: int, skip: se
     return []
 
 
-__all__ = ["PARITY_DIR", "Group", "Job", "arrange", "listing", "parity_name", "plan", "prune", "records"]
+__all__ = ["PARITY_DIR", "Group", "Job", "arrange", "listing", "parity_name", "plan", "pointed_at", "prune", "records"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.nodes import NodeMap, discover, node_token
 from shardkeeper.core.tiers.parity import encode_step
 from shardkeeper.core.tiers.persist import Persister
-from shardkeeper.core.tiers.placement import arrange, prune
+from shardkeeper.core.tiers.placement import arrange, pointed_at, prune
 from shardkeeper.core.tiers.rebuild import rebuild_lost
 from shardkeeper.core.tiers.record import Recorder
 from shardkeeper.core.tiers.repair import Repair, repair
@@ -213,7 +214,10 @@ class Tiering:
         if due:
             self.persister.submit(step, dict(committed.files), manifest, data, self._my_references(step))
         if self.local_keep is not None and self.nodes.is_leader(self.rank):
-            policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(self.persister.protected()))
+            keep = set(self.persister.protected())
+            if self.erasure is not None:  # steps pointed at stay whole: their parity needs every node's files
+                keep |= pointed_at(self.local.raw, self.local.read)
+            policy = RetentionPolicy(keep_last=self.local_keep, keep_steps=frozenset(keep))
             deletion.retain(self.local.storage, policy, None, step)
         if self.erasure is not None and self.nodes.is_leader(self.rank):  # the parity of steps gone from the node
             prune(self.local.raw, {s for s in map(parse_step_dir, self.local.raw.list_dir("")) if s is not None})
@@ -245,6 +249,18 @@ class Tiering:
         if kept is not None and (self.persister.last_step is None or kept[0] > self.persister.last_step):
             self.persister.submit(*kept, self._my_references(kept[0]))
         return self.persister.last_step
+
+    def upload_newest(self, timeout_s: float) -> tuple[int | None, bool]:
+        """Every rank alike (a preemption's exit): ``flush`` once the running upload ended,
+        all within ``timeout_s``. Returns the newest step committed locally (None: none) and
+        whether it is uploaded and committed to the persistent root by now."""
+        p, deadline = self.persister, time.monotonic() + timeout_s
+        kept = p.kept  # (named first: the flush may start its upload)
+        step = kept[0] if kept is not None else None
+        if p.wait_for(timeout_s):  # (one still running past the deadline: not uploaded in time)
+            self.flush()
+            p.wait_for(deadline - time.monotonic())
+        return step, step is not None and step in p.persisted
 
     # -- restore -----------------------------------------------------------------------------
     def choose(self, asked: int | None) -> Choice:
