@@ -27,10 +27,10 @@ from tests.launch import WORKER_MAIN
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
 
-def _run(tmp_path: Path, mode: str) -> tuple[int, str]:
+def _run(tmp_path: Path, mode: str, writer: str = "thread") -> tuple[int, str]:
     run = tmp_path / "run"
     run.mkdir()
-    args = [str(run), str(tmp_path / "root"), str(tmp_path / "node0"), str(tmp_path / "node1"), mode]
+    args = [str(run), str(tmp_path / "root"), str(tmp_path / "node0"), str(tmp_path / "node1"), mode, writer]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(WORKER_MAIN), str(DIST_DIR / "tiers_preempt_worker.py"), *args]  # (the shared tests.* helpers)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -56,10 +56,13 @@ def _steps(root: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "manifest.json").exists())
 
 
-def test_the_final_save_is_uploaded_and_restores_after_every_node_is_replaced(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_the_final_save_is_uploaded_and_restores_after_every_node_is_replaced(tmp_path: Path, writer: str) -> None:
     """Before, exit() waited for the local commit only, then exited: the root held step 1 and
-    no record, and new nodes restored step 1."""
-    code, out = _run(tmp_path, "final")
+    no record, and new nodes restored step 1. With ``writer="process"`` the trainer's tiers
+    upload nothing: the final upload is the persist process's (before, the record said
+    ``{"step": None, "done": False}`` and the root held step 1 only)."""
+    code, out = _run(tmp_path, "final", writer)
     assert code != 0 and str(EXIT_CODE) in out, out[-3000:]
     root = tmp_path / "root"
     assert not (tmp_path / "node0" / RECORD_NAME).exists()  # the record is the root's, not a node's
@@ -88,4 +91,19 @@ def test_a_final_upload_that_outlasts_the_grace_period_is_recorded_and_logged(tm
     assert record["final_upload"] == {"step": 4, "done": False} and record["last_persisted_step"] == 1, record
     assert record["last_local_step"] == 4 and record["last_committed_step"] == 4, record
     assert "step 4 was not uploaded to" in out and "within the grace period" in out, out[-3000:]
+    assert "one on new nodes restores step 1" in out, out[-3000:]
+
+
+def test_a_persist_process_dead_before_the_final_upload_is_recorded_as_not_uploaded(tmp_path: Path) -> None:
+    """``writer="process"``: step 4 committed locally, then every persist process killed before
+    ``exit()``: nothing can upload it, and the record and the log say so (never ``done``)."""
+    code, out = _run(tmp_path, "dead", "process")
+    assert code != 0 and str(EXIT_CODE) in out, out[-3000:]
+    record = read_record(LocalStorage(tmp_path / "root"))
+    assert record is not None, out[-3000:]
+    final = record["final_upload"]
+    assert final["step"] == 4 and final["done"] is False and "its persist process ended" in final["error"], record
+    assert record["last_persisted_step"] == 1 and record["last_local_step"] == 4, record
+    assert _steps(tmp_path / "root") == [1]
+    assert "the final upload failed" in out and "step 4 was not uploaded to" in out, out[-3000:]
     assert "one on new nodes restores step 1" in out, out[-3000:]

@@ -155,7 +155,7 @@ class CheckpointManager(SaveCalls):
         self._ctx, self._coord, self._io, self._bg = parts.ctx, parts.coord, parts.io, parts.bg
         self._saver, self._stager, self._plans, self._gate = parts.saver, parts.stager, parts.plans, parts.gate
         self._strategy = parts.strategy  # one tier or two (tiers/strategy.py)
-        self._tiers = parts.tiering  # the two tiers' state, or None: PreemptionGuard's final upload reads it
+        self._tiers = parts.tiering  # the two tiers' state, or None (``tiering``)
         self._schedule = parts.schedule  # should_save (schedule.py)
         self._pending, self._seq, self._closed = None, 0, False
         at_exit.track(self)
@@ -189,8 +189,9 @@ class CheckpointManager(SaveCalls):
 
     @property
     def tiering(self) -> Tiering | None:
-        """With a local tier: the two tiers' state (the persistent root, the uploads to it),
-        which ``PreemptionGuard``'s final upload drives; None with one tier."""
+        """With a local tier: the two tiers' state (the persistent root, the uploads to it,
+        which with ``writer="process"`` run in the persist process instead: ask
+        ``persisted_steps``, ``upload_newest``); None with one tier."""
         return self._tiers
 
     # -- what is committed; delete -----------------------------------------------------------

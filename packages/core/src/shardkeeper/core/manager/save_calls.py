@@ -1,7 +1,7 @@
 """``CheckpointManager``'s save side, a base class of it: ``save()``, the pending save it leaves
-(``wait()``, ``wait_staged()``, ``staging_waits``, the wait at interpreter exit) and the check
-that the manager is open, which every call makes. The manager (``manager.py``) sets the
-attributes annotated here."""
+(``wait()``, ``wait_staged()``, ``staging_waits``, the wait at interpreter exit), a
+preemption's final upload (``upload_newest``) and the check that the manager is open, which
+every call makes. The manager (``manager.py``) sets the attributes annotated here."""
 
 from __future__ import annotations
 
@@ -157,6 +157,22 @@ class SaveCalls:
         """The newest step this manager's saves committed (None: none yet), without reading
         the root (``latest_step()`` reads it: other writers may have committed there too)."""
         return self._saver.newest_committed_save
+
+    def upload_newest(self, timeout_s: float) -> tuple[int | None, bool]:
+        """With a local tier, every rank alike (``PreemptionGuard``'s exit): upload the newest
+        step committed locally to the persistent root, whatever ``persist_every`` says, unless
+        an upload has it, and wait up to ``timeout_s`` for it. Returns that step (None: this
+        manager committed none) and whether it is committed there by now; ``(None, False)``
+        with one tier. Raises when nothing can upload it (``writer="process"``: the persist
+        process ended), and while a save is still running (``wait()`` for it first)."""
+        self._check_open()
+        p = self._pending
+        if p is not None and not p.done():
+            raise CheckpointError(
+                f"upload_newest(): the save of step {p.step} under {self.storage.url} is still running (rank "
+                f"{self.rank}); wait() for it first, then upload the newest committed step"
+            )
+        return self._strategy.upload_newest(timeout_s)
 
     def wait(self) -> None:
         """Block until the pending save (the last one started) is committed or has failed.

@@ -1,8 +1,9 @@
 """The uploads of a manager with a node-local tier and ``writer="process"``, as its trainer
 sees them: they run in the persist process (``tiers/process_writer.py``), so the trainer's
-``persisted_steps``, ``wait_persisted()`` and the waits of ``restore()`` and ``delete()`` ask
-it over the channel (an ``uploads`` message; the answer comes after every save handed over
-before it, which the manager has waited for already)."""
+``persisted_steps``, ``wait_persisted()``, the waits of ``restore()`` and ``delete()`` and a
+preemption's final upload (``upload_newest``) ask it over the channel (an ``uploads``
+message; the answer comes after every save handed over before it, which the manager has
+waited for already)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,23 @@ from shardkeeper.core.persist.client import PersistRunner
 
 
 class RemoteUploads:
-    """``Persister``'s ``join``, ``wait`` and ``persisted``, answered by ``runner``'s persist
-    process. With no persist process (closed, or none yet after one died) nothing runs: the
-    steps last heard of, and no failure."""
+    """``Persister``'s ``join``, ``wait`` and ``persisted`` and ``Tiering.upload_newest``,
+    answered by ``runner``'s persist process. With no persist process (closed, or none yet
+    after one died) nothing runs: the steps last heard of, and no failure (``upload_newest``
+    raises)."""
 
     def __init__(self, runner: PersistRunner) -> None:
         self.runner = runner
         self._steps: list[int] = []
 
-    def _ask(self, *, join: bool, take_error: bool) -> dict[str, Any] | None:
+    def _ask(self, *, join: bool, take_error: bool, final: float | None = None) -> dict[str, Any] | None:
         r = self.runner
         with r._send_lock:
             sock = r._sock
             if sock is None or os.getpid() != r._owner or r._lock_path is None:
                 return None  # (no persist process, or none this manager has handed a save: no upload)
             try:
-                send(sock, "uploads", {"join": join, "take_error": take_error})
+                send(sock, "uploads", {"join": join, "take_error": take_error, "final": final})
                 while True:
                     kind, payload, fds = recv(sock)
                     for fd in fds:
@@ -68,6 +70,25 @@ class RemoteUploads:
     def join(self) -> None:
         """Wait for the running upload, keeping its failure for ``wait``."""
         self._ask(join=True, take_error=False)
+
+    def upload_newest(self, timeout_s: float) -> tuple[int | None, bool]:
+        """``Tiering.upload_newest``, run by the persist process: (the newest step it committed
+        locally, whether it is uploaded by now). Raises ``CheckpointSaveError`` when the persist
+        process has ended (none uploads that step now)."""
+        r = self.runner
+        answer = self._ask(join=False, take_error=False, final=timeout_s)
+        if answer is None and r._lock_path is None:
+            return None, False  # (no save handed over: nothing of this manager's to upload)
+        if answer is None:
+            raise CheckpointSaveError(
+                f"rank {r.ctx.rank}: its persist process ended ({r._ended()}) before the final upload to the "
+                f"persistent root; the newest step committed in the local tier is not uploaded",
+                step=-1,
+            )
+        final = answer["final"]
+        if final["error"] is not None:
+            raise rebuilt(final["error"])
+        return final["step"], bool(final["done"])
 
     def wait(self, *, raise_error: bool = True) -> None:
         """Wait for the running upload; raise an upload failure nobody has seen."""

@@ -10,7 +10,8 @@ trainer's interpreter. It holds each save's lock (``locks.py``) until the outcom
 With a node-local tier the writer is the tiers' (``tiers/process_writer.py``, which runs this
 process with its own ``opener``): it also sends replicas or parity to the other nodes'
 persist processes, records the commit on every node, uploads to the persistent root and
-applies retention per node; the trainer asks about the uploads over the channel (``uploads``).
+applies retention per node; the trainer asks about the uploads over the channel (``uploads``),
+and has a preemption's final upload run there.
 
 It runs at a lower CPU priority than its trainer (``NICENESS``) and in a session of its own,
 so torchrun's teardown of its workers' process groups does not reach it, and it outlives its
@@ -67,12 +68,14 @@ class Uploads(Protocol):
 @dataclass(frozen=True)
 class Writer:
     """What a persist process writes with: its context (root, coordinator, codecs), the save's
-    hooks, its uploads (None: one root) and what to release at its end."""
+    hooks, its uploads (None: one root), what to release at its end and a preemption's final
+    upload (``Tiering.upload_newest``; None: one root)."""
 
     ctx: ManagerContext
     hooks: SaveHooks
     uploads: Uploads | None = None
     close: Callable[[], None] = lambda: None
+    final_upload: Callable[[float], tuple[int | None, bool]] | None = None
 
 
 def one_root(spec: PersistSpec, coord: Any, io: ThreadPoolExecutor) -> Writer:
@@ -109,6 +112,7 @@ class Worker:
             self.io.shutdown(wait=False)
             raise
         self.ctx, self.uploads, self._release = writer.ctx, writer.uploads, writer.close
+        self._final_upload = writer.final_upload
         self.runner = save_runner(self.ctx, opts, writer.hooks)
         self.buffer: memoryview | None = None
         self.plans: dict[int, tuple[Any, Any]] = {}  # the trainer's plan id -> (plan, groups)
@@ -195,8 +199,10 @@ class Worker:
 
     def _uploads(self, sock: socket.socket, msg: dict[str, Any]) -> None:
         """The trainer asks about the uploads (a local tier's): waits for the running one when
-        ``join``, hands over an upload failure nobody has seen when ``take_error``."""
+        ``join``, hands over an upload failure nobody has seen when ``take_error``, runs a
+        preemption's final upload for up to ``final`` seconds when it is given."""
         up, error = self.uploads, None
+        final = None if msg.get("final") is None else self._final(float(msg["final"]))
         if up is not None and msg.get("join"):
             up.join()
         if up is not None and msg.get("take_error"):
@@ -204,11 +210,23 @@ class Worker:
                 up.wait()
             except BaseException as e:  # the upload's failure, raised by the trainer's wait_persisted
                 error = error_record(e)
-        answer = {"steps": list(up.persisted) if up is not None else [], "error": error}
+        answer = {"steps": list(up.persisted) if up is not None else [], "error": error, "final": final}
         try:
             send(sock, "uploads", answer)
         except OSError:
             log.info("persist process of rank %d: trainer gone before the uploads' answer", self.spec.rank)
+
+    def _final(self, timeout_s: float) -> dict[str, Any]:
+        """``Writer.final_upload`` within ``timeout_s``: the step, whether it is uploaded, and
+        the error that stopped it."""
+        step, done, error = None, False, None
+        try:
+            if self._final_upload is None:
+                raise CheckpointSaveError("this persist process has no persistent root to upload to", step=-1)
+            step, done = self._final_upload(timeout_s)
+        except BaseException as e:  # sent to the trainer, whose guard records the step as not uploaded
+            error = error_record(e)
+        return {"step": step, "done": done, "error": error}
 
     def _answer(self, sock: socket.socket, outcome: dict[str, Any]) -> None:
         try:

@@ -9,11 +9,11 @@ commit into the coordinator's node directory, record the commit on every node, u
 persistent root in the background and apply both tiers' retention. The trainer keeps the
 tiers it opened with the manager (its own gloo group, on the job's store) for restore,
 ``delete()`` and the listings; it asks its persist process about the uploads over the channel
-(``RemoteUploads``). The two never write a node's directory at once: a restore or
-``delete()`` first waits for the manager's pending save and, when it needs it, for the
-running upload; a restarted trainer first waits for the save locks (``persist/locks.py``,
-keyed by the node's directory) that an earlier trainer's persist processes still hold, until
-the step is committed and recorded on every node.
+(``RemoteUploads``) and has it run a preemption's final upload. The two never write a node's
+directory at once: a restore or ``delete()`` first waits for the manager's pending save and,
+when it needs it, for the running upload; a restarted trainer first waits for the save
+locks (``persist/locks.py``, keyed by the node's directory) that an earlier trainer's persist
+processes still hold, until the step is committed and recorded on every node.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def open_tiered(spec: PersistSpec, coord: Any, io: ThreadPoolExecutor) -> Writer
             _await_acks(tiering.persister)
         tiering.close()
 
-    return Writer(ctx, TwoTiers(ctx, tiering), tiering.persister, close)
+    return Writer(ctx, TwoTiers(ctx, tiering), tiering.persister, close, tiering.upload_newest)
 
 
 def _await_acks(p: Persister) -> None:

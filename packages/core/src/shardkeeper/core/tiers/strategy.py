@@ -4,10 +4,10 @@ one tier or two (docs/tiers.md).
 A strategy is the save's hooks (``save/hooks.py``: what runs around each commit, retention
 included) and what else differs between one tier and two: which steps are committed and
 where one process reads them, restore, ``delete()``, the members the manager shows for the
-tiers (``last_restore_tier``, ``persistent_reads``, ``persisted_steps``, ``wait_persisted``)
-and close. ``OneTier`` is a plain manager's, its root alone; ``TwoTiers`` (``two_tiers.py``)
-a node-local tier in front of the persistent root. ``TierSettings`` are the manager's tier
-keywords, checked; ``open_roots`` and ``make_strategy`` choose between the two, once.
+tiers (``last_restore_tier``, ``persistent_reads``, ``persisted_steps``, ``wait_persisted``,
+``upload_newest``) and close. ``OneTier`` is a plain manager's, its root alone; ``TwoTiers``
+(``two_tiers.py``) a node-local tier in front of the persistent root. ``TierSettings`` are the
+manager's tier keywords, checked; ``open_roots`` and ``make_strategy`` choose between the two, once.
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ class TierStrategy(SaveHooks, Protocol):
         """Block until the running upload ends; raise its failure (nothing with one tier)."""
         ...
 
+    def upload_newest(self, timeout_s: float) -> tuple[int | None, bool]:
+        """Every rank, a preemption's exit: upload the newest step committed locally unless an
+        upload has it, waiting up to ``timeout_s``; (that step, whether it is persisted now).
+        ``(None, False)`` with one tier."""
+        ...
+
     def steps(self) -> list[int]:
         """The committed steps, ascending."""
         ...
@@ -117,6 +123,9 @@ class OneTier(OneRoot):
 
     def wait_persisted(self) -> None:
         pass
+
+    def upload_newest(self, timeout_s: float) -> tuple[int | None, bool]:
+        return None, False
 
     def steps(self) -> list[int]:
         return committed_steps(self.ctx.storage)
@@ -226,8 +235,8 @@ def make_strategy(
     tiers: TierSettings, roots: Roots, ctx: ManagerContext, retention: RetentionPolicy
 ) -> tuple[TierStrategy, Tiering | None]:
     """The strategy over ``roots`` (``ctx``: the manager's, on ``roots.storage``), and the two
-    tiers' ``Tiering`` (None with one), which the preemption guard's final upload reads. With
-    two tiers a collective: ``Tiering`` finds the nodes."""
+    tiers' ``Tiering`` (None with one: ``CheckpointManager.tiering``). With two tiers a
+    collective: ``Tiering`` finds the nodes."""
     if roots.tiers is None:
         return OneTier(ctx), None
     local, persistent = roots.tiers

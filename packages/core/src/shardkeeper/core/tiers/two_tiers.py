@@ -20,6 +20,7 @@ from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.save.hooks import Committed
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tiers.choose import LOCAL, covers, required_files
+from shardkeeper.core.tiers.persist import Persister
 from shardkeeper.core.tiers.restore import restore_tiered
 from shardkeeper.core.tiers.tiering import Tiering
 
@@ -40,7 +41,7 @@ class TwoTiers:
         self.last_tier: str | None = None
         self.persistent_reads = 0
         self._last_restorer = self.restorer
-        #: The uploads (``join``, ``wait``, ``persisted``): the tiers' own, or with
+        #: The uploads (``join``, ``wait``, ``persisted``, ``upload_newest``): the tiers' own, or with
         #: ``writer="process"`` the persist process's, asked over its channel (``persist/uploads.py``).
         self.uploads: Any = tiers.persister
 
@@ -153,6 +154,12 @@ class TwoTiers:
 
     def wait_persisted(self) -> None:
         self.uploads.wait()
+
+    def upload_newest(self, timeout_s: float) -> tuple[int | None, bool]:
+        """``Tiering.upload_newest`` where the uploads run: these tiers', or with
+        ``writer="process"`` the persist process's (which raises when it has ended)."""
+        up = self.uploads
+        return self.tiers.upload_newest(timeout_s) if isinstance(up, Persister) else up.upload_newest(timeout_s)
 
     def close(self) -> None:
         self.tiers.close()

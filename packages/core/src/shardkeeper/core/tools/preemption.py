@@ -29,10 +29,12 @@ metric. The exit code is 128 + SIGTERM = 143.
 With a local tier (``local=``) the final save commits on the nodes first, and a node that is
 replaced after the preemption loses it: so ``exit()`` then uploads the newest step committed
 locally to the persistent root (whatever ``persist_every`` says; every rank, as in any upload)
-and waits for it within the grace period, logging when it did not finish. The record goes to
-the persistent root, with ``last_persisted_step`` (the persistent root's newest: what a job on
-new nodes restores), ``last_local_step`` (rank 0's node's newest) and ``final_upload``
-(``{"step", "done"}``).
+and waits for it within the grace period: ``mgr.upload_newest``, which runs it where the
+uploads run (with ``writer="process"``, in the persist process). The record goes to the
+persistent root, with ``last_persisted_step`` (the persistent root's newest: what a job on new
+nodes restores), ``last_local_step`` (rank 0's node's newest) and ``final_upload``
+(``{"step", "done"}``, and ``"error"`` when the upload could not run: a persist process that
+ended); every rank logs a step it did not upload.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class PreemptionGuard:
         self._signal_time: float | None = None
         self._exit_lock = threading.Lock()
         self._previous: Any = None
-        self._final_upload: int | None = None  # with a local tier: the step exit() uploads
+        self._final_upload: dict[str, Any] | None = None  # with a local tier: the record's "final_upload"
         self._final: dict[str, Any] | None = None  # what final_save did (the record's "final_save")
         self._final_handle: Any = None  # the save whose outcome the final save is
 
@@ -160,9 +162,8 @@ class PreemptionGuard:
                         "rank %d: the save of step %d did not commit in time: %s", self.mgr.rank, pending.step, e
                     )
                     abandon = not pending.done()
-            tiers = self.mgr.tiering
-            if tiers is not None and not abandon:
-                self._upload_final(tiers)
+            if self.mgr.tiering is not None and not abandon:
+                self._upload_final()
         except BaseException as e:  # noqa: BLE001 - the record and the exit status come first
             log.warning("rank %d: preempted, and waiting for the last save failed: %s", self.mgr.rank, e)
         finally:
@@ -170,39 +171,41 @@ class PreemptionGuard:
         self._exit_lock.acquire()  # the watchdog is exiting the process: never return to the loop
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _upload_final(self, tiers: Any) -> None:
-        """With a local tier, every rank: upload the newest step committed locally (the final
-        save) when no upload has taken it yet, and wait for it within the grace period, less
-        a moment to write the record (the watchdog ends a wait that overruns)."""
-        kept = tiers.persister.kept  # (named before the flush, which may wait for a running upload)
-        self._final_upload = kept[0] if kept is not None else None
+    def _upload_final(self) -> None:
+        """With a local tier, every rank: ``mgr.upload_newest`` (the newest step committed
+        locally, the final save, uploaded unless an upload has it, wherever the uploads run)
+        within the grace period, less a moment to write the record (the watchdog ends a wait
+        that overruns: the record then names this node's newest step, not uploaded)."""
+        self._final_upload = {"step": None, "done": False, "running": True}
         try:
-            tiers.flush()
-            reserve = min(1.0, self.grace_s / 10)
-            tiers.persister.wait_for(self.remaining_s() - reserve)
-        except Exception as e:  # noqa: BLE001 - exit anyway; the record says it was not uploaded
+            step, done = self.mgr.upload_newest(self.remaining_s() - min(1.0, self.grace_s / 10))
+            self._final_upload = {"step": step, "done": bool(done)}
+        except Exception as e:  # noqa: BLE001 - exit anyway; the record says it was not uploaded, and why
+            self._final_upload = {"step": None, "done": False, "error": f"{type(e).__name__}: {e}"}
             log.warning("rank %d: the final upload to the persistent root failed: %s", self.mgr.rank, e)
 
     def _tier_record(self, tiers: Any) -> dict[str, Any]:
         """What a local tier adds to the record: the newest step of each tier and whether the
         final upload finished (said in the log too when it did not)."""
-        step = self._final_upload
-        done = step is not None and step in tiers.persister.persisted
         out: dict[str, Any] = {"last_persisted_step": None, "last_local_step": None}
         for name, storage in (("last_persisted_step", tiers.persistent.storage), ("last_local_step", self.mgr.storage)):
             try:
                 out[name] = newest_committed(storage)
             except Exception as e:  # noqa: BLE001 - the record is best effort
                 log.warning("could not list the committed steps of %s while exiting: %s", storage.url, e)
-        out["final_upload"] = {"step": step, "done": done}
-        if step is not None and not done:
+        final = dict(self._final_upload or {"step": None, "done": False})
+        if final.pop("running", False) or "error" in final:  # (cut off, or failed: this node's newest is not up)
+            final["step"] = out["last_local_step"]
+        out["final_upload"] = final
+        step, error = final["step"], final.get("error")
+        if step is not None and not final["done"]:
             log.warning(
-                "rank %d: step %d was not uploaded to %s within the grace period (%.1f s): it is committed in the "
-                "local tier only; a job restarted on these nodes restores it, one on new nodes restores %s",
+                "rank %d: step %d was not uploaded to %s %s: it is committed in the local tier only; a job "
+                "restarted on these nodes restores it, one on new nodes restores %s",
                 self.mgr.rank,
                 step,
                 tiers.persistent.storage.url,
-                self.grace_s,
+                f"(the final upload failed: {error})" if error else f"within the grace period ({self.grace_s:.1f} s)",
                 "nothing (no step is persisted)"
                 if out["last_persisted_step"] is None
                 else f"step {out['last_persisted_step']}",
