@@ -96,13 +96,30 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
+    if cfg.get("redirect") and leader == 0:
+        _redirect(cfg, node)
     dist.barrier()
-    if rank == 0:  # what `shardkeeper ls ROOT --local DIR...` shows of the nodes left
+    if rank == 0 and not cfg.get("redirect"):  # what `shardkeeper ls ROOT --local DIR...` shows of the nodes left
         rows: list[dict[str, Any]] = []
         add_tiers(rows, cfg["locals"])
         row = next(r for r in rows if r["step"] == 3)
         want = "partial" if cfg["mode"] in ("fallback", "nothing") else "recoverable"  # (ls does not check digests)
         check(f"ls --local shows step 3 {want}", tiers_cell(row).endswith(f"({want})"), tiers_cell(row))
+
+
+def _redirect(cfg: dict[str, Any], node: int) -> None:
+    """Node 1 loses only its step-3 data file, and node 3's parity record of group 0 is edited
+    (its digests intact) to name node 1's step-2 data file as the file to rebuild."""
+    one = Path(cfg["locals"][1])
+    if node == 1:
+        (f3,) = (one / "step-000000000003" / "data").glob("r00001-*.safetensors")
+        f3.unlink()
+    if node == 3:
+        (f2,) = (one / "step-000000000002" / "data").glob("r00001-*.safetensors")
+        record = Path(cfg["locals"][3]) / ".parity" / "step-000000000003" / "g0-p0.json"
+        doc = json.loads(record.read_text())
+        doc["members"][1] = [[f"step-000000000002/data/{f2.name}", size] for _, size in doc["members"][1]][:1]
+        record.write_text(json.dumps(doc))
 
 
 def restore(cfg: dict[str, Any]) -> tuple[int, CheckpointManager, dict[str, Any]]:
@@ -145,6 +162,21 @@ def damaged(out: Path, cfg: dict[str, Any]) -> None:
     checks.write(out / f"checks-r{rank}.json")
 
 
+def redirected(out: Path, cfg: dict[str, Any]) -> None:
+    """A record that names another step's file: nothing written over it, step 2 restored."""
+    rank = dist.get_rank()
+    save_then_lose(cfg)
+    (f2,) = (Path(cfg["locals"][1]) / "step-000000000002" / "data").glob("r00001-*.safetensors")
+    before = f2.read_bytes()
+    step, mgr, got = restore(cfg)
+    check("the step before the forged record's restored", step == 2, step)
+    check("from the local tier", mgr.last_restore_tier == "local", mgr.last_restore_tier)
+    check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(2, rank)))
+    check("node 1's step-2 file untouched", f2.read_bytes() == before)
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
 def fallback(out: Path, cfg: dict[str, Any]) -> None:
     rank = dist.get_rank()
     save_then_lose(cfg)
@@ -177,7 +209,9 @@ def main() -> None:
     for run in runs:
         where = out / run["name"]
         where.mkdir(parents=True, exist_ok=True)
-        {"rebuild": rebuild, "damaged": damaged, "fallback": fallback, "nothing": nothing}[run["mode"]](where, run)
+        {"rebuild": rebuild, "damaged": damaged, "redirected": redirected, "fallback": fallback, "nothing": nothing}[
+            run["mode"]
+        ](where, run)
         dist.barrier()
     dist.destroy_process_group()
 

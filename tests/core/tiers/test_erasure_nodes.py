@@ -99,7 +99,15 @@ def test_an_encrypted_incremental_step_rebuilds_and_damaged_parity_or_more_losse
     damaged = _run(tmp_path, "damaged", "damaged", [3, 1], [1], XOR)
     damaged["damage"] = [3, "g0-p0"]
     over = _run(tmp_path, "over", "fallback", [3, 1], [0, 1], XOR)
-    _launch(tmp_path, [codecs, damaged, over], env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()})
+    # node 1's step-3 data file lost and the record edited to name its step-2 file: nothing is
+    # written over that file (before, the rebuild wrote step 3's bytes over it and lost step 2)
+    redirected = _run(tmp_path, "redirected", "redirected", [3, 1], [], XOR)
+    redirected["redirect"] = True
+    _launch(
+        tmp_path,
+        [codecs, damaged, redirected, over],
+        env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()},
+    )
 
 
 @pytest.mark.multiprocess

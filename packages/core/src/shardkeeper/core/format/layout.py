@@ -73,6 +73,15 @@ def shard_file(rank: int, attempt: str, index: int, prefixes: int = 1) -> str:
     return f"{data_dir(rank, prefixes)}/r{rank:05d}-{attempt}-{index:03d}.safetensors"
 
 
+_RANK_RE = re.compile(r"^r(\d{5,})-")
+
+
+def writer_rank(path: str) -> int | None:
+    """The rank that wrote a data or index file, from its name (``r00003-<attempt>-000.safetensors``)."""
+    m = _RANK_RE.match(path.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
 def index_file(rank: int, attempt: str, prefixes: int = 1) -> str:
     """Relative to the step directory: ``data/r00000-<attempt>.index.json``, a rank's chunks
     of described leaves (docs/format.md 3.8), beside its shard files."""
@@ -91,6 +100,7 @@ def page_file(first: int, attempt: str) -> str:
 
 
 __all__ = [
+    "writer_rank",
     "DATA_DIR",
     "MAX_DATA_PREFIXES",
     "data_dir",

@@ -25,7 +25,8 @@ import torch
 import xxhash
 
 from shardkeeper.core.commit.committed import manifest_path
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError
+from shardkeeper.core.format.layout import step_dir, writer_rank
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.tiers.erasure import Code
 from shardkeeper.core.tiers.losses import lost_beyond_parity
@@ -140,8 +141,11 @@ def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
     me, rec = group.rank, job.record
     k, total, size = rec["k"], rec["length"], rec["piece_bytes"]
     target = nodes.leader(job.target)
-    out = _Out(local.raw, rec, job.lost) if me == target else None
     failed: list[BaseException] = []
+    problem = _members_problem(job, nodes) if me == target else None
+    if problem is not None:
+        failed.append(CorruptCheckpointError(problem))
+    out = _Out(local.raw, rec, job.lost) if me == target and problem is None else None
     try:
         for p in out.paths if out is not None else ():
             if local.raw.exists(p):
@@ -176,6 +180,26 @@ def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
         raise
     if out is not None:
         _verify(local, job.of, out.paths)
+
+
+def _members_problem(job: Job, nodes: NodeMap) -> str | None:
+    """Why the record's files of a lost node may not be written, or None: each must lie in
+    the rebuilt step's directory and be named for one of that node's ranks, so that a
+    damaged or forged record never writes over another step's or another node's file."""
+    rec, top = job.record, step_dir(job.step)
+    for i in job.lost:
+        node = rec["nodes"][i] % len(nodes.nodes)
+        ranks = set(nodes.nodes[node])
+        for path, _ in rec["members"][i]:
+            parts = str(path).split("/")
+            if parts[0] != top or len(parts) < 2 or ".." in parts or "" in parts or writer_rank(path) not in ranks:
+                return (
+                    f"step {job.step}: the parity record of group {rec.get('group')} names {str(path)[:200]!r} as a "
+                    f"file of node {node}, which is not a file of that node's ranks {sorted(ranks)} in {top}/: the "
+                    f"record is damaged (or forged), so nothing is rebuilt from it and the restore goes on as without "
+                    f"this parity (an older step, then the persistent root)"
+                )
+    return None
 
 
 def _attempt(failed: list[BaseException], fn: Any, *args: Any) -> None:

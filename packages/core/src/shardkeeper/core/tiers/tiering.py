@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 import warnings
 from collections.abc import Mapping
@@ -31,7 +30,7 @@ from shardkeeper.core.codec.keys import key_provider
 from shardkeeper.core.commit.claim import Claims, Writer
 from shardkeeper.core.commit.committed import manifest_steps
 from shardkeeper.core.errors import CheckpointError
-from shardkeeper.core.format.layout import parse_step_dir, step_dir
+from shardkeeper.core.format.layout import parse_step_dir, step_dir, writer_rank
 from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import DeleteOnly, RetentionPolicy, apply_retention
 from shardkeeper.core.runtime.context import Encryption
@@ -54,7 +53,6 @@ from shardkeeper.core.tiers.transfer import Move, move_files
 from shardkeeper.core.tiers.wire import TierCoord, TierGroup
 
 log = logging.getLogger(__name__)
-_RANK_RE = re.compile(r"^r(\d{5,})-")
 
 
 @dataclass(frozen=True)
@@ -79,12 +77,6 @@ def open_tier(
         return Opened(raw, raw, raw, None)
     enc = EncryptedStorage(raw, keys, root=bound_to)
     return Opened(raw, enc, enc.authenticated(), Encryption(keys, enc.binding))
-
-
-def writer_rank(path: str) -> int | None:
-    """The rank that wrote a data file, from its name (``r00003-<attempt>-000.safetensors``)."""
-    m = _RANK_RE.match(path.rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else None
 
 
 class Tiering:
