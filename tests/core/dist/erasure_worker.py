@@ -14,10 +14,11 @@ Before the restore, ``ls --local`` shows step 3 recoverable (``rebuild``) or par
 
 - ``rebuild``: the newest step restores bit for bit from the local tier, rebuilt from
   parity, with no byte read from the persistent root; the lost nodes hold its files again.
-- ``damaged``: a byte of the newest step's parity flipped as well: its rebuild fails that
-  piece's digest, and step 2 is rebuilt and restored instead, from the local tier.
-- ``fallback``: more nodes of a group lost than it has parity: the restore falls back to
-  the persisted step 1.
+- ``damaged``: a byte of the newest step's parity flipped as well (or the files named in
+  ``CONFIG["harm"]`` flipped or cut short): its rebuild fails that piece's digest, and step
+  2 (``CONFIG["restored"]``) is rebuilt and restored instead, from the local tier.
+- ``fallback``: more nodes of a group lost than it has parity (or the parity directory of
+  node ``CONFIG["link"]`` made a symbolic link): the restore falls back to the persisted step 1.
 - ``nothing``: the same with nothing uploaded (``CONFIG["persist_every"]`` None): the
   restore's error says which steps, group and nodes were lost (``CONFIG["said"]``).
 """
@@ -96,6 +97,16 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
+    for at, pattern, how in cfg.get("harm", []):  # a file of this node's cut short or a byte flipped
+        if node == at and leader == 0:
+            (f,) = node_dir(cfg).glob(pattern)
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            f.write_bytes(bytes(data[: len(data) // 2] if how == "cut" else data))
+    if cfg.get("link") == node and leader == 0:  # its parity moved away, a symbolic link in its place
+        parity, away = node_dir(cfg) / ".parity", node_dir(cfg).parent / f"parity-of-node{node}"
+        parity.rename(away)
+        parity.symlink_to(away)
     if cfg.get("redirect") and leader == 0:
         _redirect(cfg, node)
     dist.barrier()
@@ -104,6 +115,7 @@ def save_then_lose(cfg: dict[str, Any]) -> None:
         add_tiers(rows, cfg["locals"])
         row = next(r for r in rows if r["step"] == 3)
         want = "partial" if cfg["mode"] in ("fallback", "nothing") else "recoverable"  # (ls does not check digests)
+        want = cfg.get("ls", want)
         check(f"ls --local shows step 3 {want}", tiers_cell(row).endswith(f"({want})"), tiers_cell(row))
 
 
@@ -154,10 +166,11 @@ def damaged(out: Path, cfg: dict[str, Any]) -> None:
     rank = dist.get_rank()
     save_then_lose(cfg)
     step, mgr, got = restore(cfg)
-    check("the step before the damaged parity's restored", step == 2, step)
+    want = cfg.get("restored", 2)
+    check("the step before the damaged parity's restored", step == want, step)
     check("from the local tier", mgr.last_restore_tier == "local", mgr.last_restore_tier)
     check("no byte read from the persistent root", mgr.persistent_reads == 0, mgr.persistent_reads)
-    check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(2, rank)))
+    check("per-rank tensor bit-exact", torch.equal(got["own"].value, own(want, rank)))
     mgr.close()
     checks.write(out / f"checks-r{rank}.json")
 

@@ -103,11 +103,15 @@ def test_an_encrypted_incremental_step_rebuilds_and_damaged_parity_or_more_losse
     # written over that file (before, the rebuild wrote step 3's bytes over it and lost step 2)
     redirected = _run(tmp_path, "redirected", "redirected", [3, 1], [], XOR)
     redirected["redirect"] = True
-    _launch(
+    output = _launch(
         tmp_path,
         [codecs, damaged, redirected, over],
         env={"SK_ERASURE_KEK": base64.b64encode(bytes(range(32))).decode()},
     )
+    # the warning names the node, its directory and the parity file (before: only the piece)
+    where = damaged["locals"][3]
+    want = f"held by node 3 (rank 3, {where}) in .parity/step-000000000003/g0-p0, fails its recorded digest"
+    assert want in output, output[-6000:]
 
 
 @pytest.mark.multiprocess
@@ -129,6 +133,28 @@ def test_more_losses_than_parity_name_the_steps_group_and_lost_nodes(tmp_path: P
     nothing["said"] = ["steps 1, 2, 3 lost more nodes than parity rebuilds"] + [
         w.format(*nothing["locals"]) for w in said
     ]
-    output = _launch(tmp_path, [over, nothing])
+    # node 1 lost; node 3's parity of step 3 cut short, a byte of node 0's step-2 file flipped:
+    # step 1 is rebuilt. The warnings name the damaged parity file (before: "its parity on
+    # node 3" was called lost) and the files step 2 was decoded from (before: only the rebuilt ones)
+    harmed = _run(tmp_path, "harmed", "damaged", [3, 1], [1], XOR)
+    harmed.update(restored=1, ls="partial")
+    harmed["harm"] = [
+        [3, ".parity/step-000000000003/g0-p0", "cut"],
+        [0, "step-000000000002/data/r00000-*.safetensors", "flip"],
+    ]
+    # node 1 lost and node 3's .parity a symbolic link: its parity is named unreadable, with
+    # the link (before: called lost, with the remedy to put the lost directories back)
+    linked = _run(tmp_path, "linked", "fallback", [3, 1], [1], XOR)
+    linked["link"] = 3
+    output = _launch(tmp_path, [over, nothing, harmed, linked])
+    want = "and its parity on node 3 (rank 3, {3}) unreadable: {3}/.parity is a symbolic link to "
+    assert want.format(*linked["locals"]) in output, output[-8000:]
     for want in ["steps 1, 2, 3 lost more nodes than parity rebuilds"] + [w.format(*over["locals"]) for w in said]:
         assert want in output, output[-6000:]
+    for want in [
+        "step 3 lost more nodes than parity rebuilds (group 0 (nodes 0, 1, 2) lost node 1 (rank 1, {1}), and its "
+        "parity on node 3 (rank 3, {3}) damaged: {3}/.parity/step-000000000003/g0-p0 holds ",
+        "step 2: the files rebuilt from parity on {1} fail the manifest's digests",
+        "decoded from these files, one of which may be damaged: node 0 (rank 0, {0}): step-000000000002/data/r00000-",
+    ]:
+        assert want.format(*harmed["locals"]) in output, output[-8000:]

@@ -18,6 +18,7 @@ pieces the file holds and each one's xxh3-128 digest.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -120,17 +121,65 @@ def pointed_at(raw: Storage, read: Storage) -> set[int]:
     return {r for s in steps if raw.exists(manifest_path(s)) for r in _points_at(read, s)}
 
 
+def _damage(raw: Storage, step: int, rec: dict[str, Any]) -> str | None:
+    """Why a parity record, or its file, cannot rebuild anything (named for the warnings), or
+    None: its lengths must be its members' sizes, its parity's length the longest rounded up
+    to 8 bytes, its file as long as the pieces it records. Raises ``KeyError``, ``TypeError``
+    or ``ValueError`` for a record that is no parity record at all."""
+    rel = parity_name(step, int(rec["group"]), int(rec["shard"]))
+    lengths, total, piece = [int(n) for n in rec["lengths"]], int(rec["length"]), int(rec["piece_bytes"])
+    sizes = [sum(int(n) for _, n in member) for member in rec["members"]]
+    count = -(-total // piece) if piece > 0 else -1
+    want = sum(min(piece, total - int(p) * piece) for p in rec["pieces"] if 0 <= int(p) < count)
+    if (
+        sizes != lengths
+        or len(lengths) != int(rec["k"])
+        or total != -(-max(lengths, default=0) // 8) * 8
+        or len(rec["pieces"]) != len(rec["digests"])
+        or any(not 0 <= int(p) < count for p in rec["pieces"])
+        or int(rec["size"]) != want
+    ):
+        return f"its record {raw.url}/{rel}.json is damaged (its lengths, pieces and size disagree)"
+    if not raw.exists(rel):
+        return f"{raw.url}/{rel} is missing"
+    size = raw.size(rel)
+    return None if size == want else f"{raw.url}/{rel} holds {size} bytes, its record says {want}"
+
+
+def _link(raw: Storage) -> str | None:
+    """Why the node's parity directory is not read (a symbolic link), or None."""
+    is_link = getattr(raw, "is_link", None)
+    if is_link is None or not is_link(PARITY_DIR):
+        return None
+    try:
+        target = repr(os.readlink(os.path.join(raw.url, PARITY_DIR)))
+    except OSError:
+        target = "?"
+    return (
+        f"{raw.url}/{PARITY_DIR} is a symbolic link to {target}: shardkeeper never lists, writes or deletes through "
+        f"a link (a save there fails), so the parity it points at is not read. Remedy: move what it points at into "
+        f"{raw.url} in its place, or remove the link"
+    )
+
+
 def listing(raw: Storage, read: Storage) -> dict[str, Any]:
-    """A node's parity records, the files of its steps (stored sizes), their manifests and
-    the earlier steps each points at (``raw``: its directory, unencrypted; ``read``: the view
-    manifests are read through), as ``plan`` reads them."""
+    """A node's parity records (each with ``ok`` and, when not, why: ``damage``), why its
+    parity directory is not read (``link``), the files of its steps (stored sizes), their
+    manifests and the earlier steps each points at (``raw``: its directory, unencrypted;
+    ``read``: the view manifests are read through), as ``plan`` reads them."""
     recs = records(raw)
     files: dict[str, dict[str, int]] = {}
     manifests, refs = [], {}
-    for step, got in recs.items():
-        for rec in got:  # a parity file cut short is no shard
-            path = parity_name(step, rec["group"], rec["shard"])
-            rec["ok"] = raw.exists(path) and raw.size(path) == rec["size"]
+    for step, got in list(recs.items()):
+        kept = []
+        for rec in got:  # a parity file cut short, or a record that disagrees with itself, is no shard
+            try:
+                rec["damage"] = _damage(raw, step, rec)
+            except (KeyError, TypeError, ValueError):
+                continue  # no parity record (as one whose JSON does not parse)
+            rec["ok"] = rec["damage"] is None
+            kept.append(rec)
+        recs[step] = kept
     for step in sorted({s for s in map(parse_step_dir, raw.list_dir("")) if s is not None}):
         here = {}
         for p in walk_files(raw, step_dir(step)):
@@ -142,7 +191,13 @@ def listing(raw: Storage, read: Storage) -> dict[str, Any]:
         if raw.exists(manifest_path(step)):
             manifests.append(step)
             refs[str(step)] = _points_at(read, step)
-    return {"records": {str(s): r for s, r in recs.items()}, "files": files, "manifests": manifests, "refs": refs}
+    return {
+        "records": {str(s): r for s, r in recs.items()},
+        "link": _link(raw),
+        "files": files,
+        "manifests": manifests,
+        "refs": refs,
+    }
 
 
 @dataclass(frozen=True)
@@ -163,9 +218,11 @@ class Job:
 
 
 def _job(step: int, shards: list[tuple[int, dict[str, Any]]], have: list[dict[str, int]], nodes: int) -> Job | None:
-    """The rebuild of one group (``shards``: its records and their nodes), or None when no
-    data node was lost; raises ``LookupError`` when some piece lacks k shards."""
-    rec = shards[0][1]
+    """The rebuild of one group (``shards``: its records and their nodes, damaged ones too),
+    or None when no data node was lost; raises ``LookupError`` when some piece lacks k
+    intact shards."""
+    ok = [(n, r) for n, r in shards if r["ok"]]
+    rec = (ok or shards)[0][1]
     k, piece = rec["k"], rec["piece_bytes"]
     holder = [
         next((n for n, h in enumerate(have) if all(h.get(p) == s for p, s in member)), None)
@@ -174,9 +231,11 @@ def _job(step: int, shards: list[tuple[int, dict[str, Any]]], have: list[dict[st
     lost = [i for i, h in enumerate(holder) if h is None]
     if not lost:
         return None
+    if not ok:
+        raise LookupError(0)  # every record of the group damaged: no parity left
     at: dict[tuple[int, int], tuple[int, int]] = {}
     digests: dict[tuple[int, int], str] = {}
-    for n, r in shards:
+    for n, r in ok:
         for index, (p, digest) in enumerate(zip(r["pieces"], r["digests"])):
             at[(r["shard"], p)] = (n, index * piece)
             digests[(r["shard"], p)] = digest
@@ -197,8 +256,7 @@ def _step_jobs(listings: list[dict[str, Any]], step: int, nodes: int) -> list[Jo
     groups: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     for n, lst in enumerate(listings):
         for rec in lst["records"].get(key, []):
-            if rec["ok"]:
-                groups.setdefault(rec["group"], []).append((n, rec))
+            groups.setdefault(rec["group"], []).append((n, rec))
     return [j for j in (_job(step, g, have, nodes) for g in groups.values()) if j is not None]
 
 

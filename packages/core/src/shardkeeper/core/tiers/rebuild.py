@@ -18,6 +18,7 @@ next older one is tried, and the restore falls back as without parity.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -29,7 +30,7 @@ from shardkeeper.core.errors import CheckpointError, CorruptCheckpointError
 from shardkeeper.core.format.layout import step_dir, writer_rank
 from shardkeeper.core.storage.base import Storage, Writer
 from shardkeeper.core.tiers.erasure import Code
-from shardkeeper.core.tiers.losses import lost_beyond_parity
+from shardkeeper.core.tiers.losses import lost_beyond_parity, node_names
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.parity import Concat
 from shardkeeper.core.tiers.placement import Job, listing, parity_name, plan
@@ -84,7 +85,7 @@ def _job(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[
     _manifest_to(group, nodes, local, job, listings)
     error = None
     try:
-        _run(group, nodes, local, job)
+        _run(group, nodes, local, job, listings)
     except Exception as e:  # this rank's own failure, or a sender's: agreed below
         group.check()
         error = e
@@ -133,12 +134,14 @@ def _read(local: Any, rec: dict[str, Any], shard: int, at: int, buf: np.ndarray)
     buf[got:] = 0
 
 
-def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
+def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[Any]) -> None:
     """This rank's part of ``job``: send the pieces it holds to the target's leader, or (that
-    leader) receive k shards of each piece, decode and write the lost nodes' files, verify.
+    leader) receive k shards of each piece, decode and write the lost nodes' files, verify
+    (``listings``: the nodes' directories, which a failure names).
     A rank whose read, check or write fails keeps taking part in every round (sending zeros,
     dropping what arrives), so that no peer waits on it, and raises at the end."""
     me, rec = group.rank, job.record
+    named = partial(_named, nodes, listings, job)
     k, total, size = rec["k"], rec["length"], rec["piece_bytes"]
     target = nodes.leader(job.target)
     failed: list[BaseException] = []
@@ -169,7 +172,7 @@ def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
             for work, peer in works:
                 group.wait(work, f"step {job.step}, rank {me}: the rebuild's pieces (with rank {peer})")
             if out is not None:
-                _attempt(failed, _decode, job, code, r, {i: bufs[i][:n] for i in sources}, out)
+                _attempt(failed, _decode, job, code, r, {i: bufs[i][:n] for i in sources}, out, named)
         if out is not None and not failed:
             out.close()
         if failed:
@@ -179,7 +182,8 @@ def _run(group: TierGroup, nodes: NodeMap, local: Any, job: Job) -> None:
             out.abort()
         raise
     if out is not None:
-        _verify(local, job.of, out.paths)
+        used = sorted({(i, node) for sources in job.rounds for i, (node, _) in sources.items()})
+        _verify(local, job.of, out.paths, "; ".join(named(i, node) for i, node in used))
 
 
 def _members_problem(job: Job, nodes: NodeMap) -> str | None:
@@ -212,15 +216,30 @@ def _attempt(failed: list[BaseException], fn: Any, *args: Any) -> None:
         failed.append(e)
 
 
-def _decode(job: Job, code: Code, r: int, blocks: dict[int, np.ndarray], out: _Out) -> None:
-    """Piece ``r`` of the lost data shards from ``blocks``, after checking each parity piece."""
+def _named(nodes: NodeMap, listings: list[Any], job: Job, shard: int, node: int) -> str:
+    """Shard ``shard`` of ``job``'s group as ``node`` holds it, for a message: the node (its
+    index, ranks and directory) and its files (a data node's, or the parity file)."""
+    rec = job.record
+    if shard >= rec["k"]:
+        files = [parity_name(job.step, rec["group"], shard - rec["k"])]
+    else:
+        files = [str(p) for p, _ in rec["members"][shard]]
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    return f"{node_names(nodes, listings, [node])}: {', '.join(files[:3])}{more}"
+
+
+def _decode(job: Job, code: Code, r: int, blocks: dict[int, np.ndarray], out: _Out, named: Any) -> None:
+    """Piece ``r`` of the lost data shards from ``blocks``, after checking each parity piece
+    (``named``: a shard and its node named for the error)."""
     rec = job.record
     k, off = rec["k"], r * rec["piece_bytes"]
     for i, block in blocks.items():
         if i >= k and xxhash.xxh3_128_hexdigest(memoryview(cast("Any", block))) != job.digests[(i - k, r)]:
+            node, shown = job.rounds[r][i][0], named(i, job.rounds[r][i][0])
             raise CheckpointError(
-                f"step {job.step}: piece {r} of parity shard {i - k} of group {rec['group']} fails its recorded "
-                f"digest (a node's parity file is damaged); nothing rebuilt"
+                f"step {job.step}: piece {r} of parity shard {i - k} of group {rec['group']}, held by "
+                f"{shown.split(': ', 1)[0]} in {shown.split(': ', 1)[1]}, fails its recorded digest: that parity "
+                f"file (or its record) on node {node} is damaged; nothing rebuilt from it"
             )
     for i, block in code.decode(blocks, job.lost).items():
         out.write(i, block[: max(0, min(len(block), rec["lengths"][i] - off))])
@@ -271,8 +290,9 @@ class _Out:
                 pass
 
 
-def _verify(local: Any, step: int, paths: list[str]) -> None:
-    """The rebuilt files checked against the manifest's digests; removed when they fail."""
+def _verify(local: Any, step: int, paths: list[str], used: str) -> None:
+    """The rebuilt files checked against the manifest's digests; removed when they fail
+    (the error names the files ``used`` to decode them: one of those is damaged)."""
     report = verify_step(local.read, step, files=paths)
     if report.problems:
         for p in paths:
@@ -280,7 +300,9 @@ def _verify(local: Any, step: int, paths: list[str]) -> None:
                 remove_copy(local.storage, p)
         raise CheckpointError(
             f"step {step}: the files rebuilt from parity on {local.raw.url} fail the manifest's digests "
-            f"({'; '.join(str(q) for q in report.problems[:3])}); removed. The step falls back"
+            f"({'; '.join(str(q) for q in report.problems[:3])}); removed. They were decoded from these files, one "
+            f"of which may be damaged: {used} (a data file changed since its save, or parity whose record was "
+            f"forged). The step falls back"
         )
 
 
