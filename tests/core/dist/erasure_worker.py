@@ -19,6 +19,8 @@ Before the restore, ``ls --local`` shows step 3 recoverable (``rebuild``) or par
   2 (``CONFIG["restored"]``) is rebuilt and restored instead, from the local tier.
 - ``fallback``: more nodes of a group lost than it has parity (or the parity directory of
   node ``CONFIG["link"]`` made a symbolic link): the restore falls back to the persisted step 1.
+- ``linked``: as ``fallback`` with ``CONFIG["link"]``, then a save that fails there and one
+  after the link is gone leave no parity of the failed step.
 - ``nothing``: the same with nothing uploaded (``CONFIG["persist_every"]`` None): the
   restore's error says which steps, group and nodes were lost (``CONFIG["said"]``).
 """
@@ -36,7 +38,7 @@ import torch.distributed as dist
 
 from shardkeeper.core import CheckpointManager, PerRank
 from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
-from shardkeeper.core.errors import CheckpointNotFoundError
+from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
 from tests.checks import Checks
 
 checks = Checks()
@@ -201,6 +203,40 @@ def fallback(out: Path, cfg: dict[str, Any]) -> None:
     checks.write(out / f"checks-r{rank}.json")
 
 
+def linked(out: Path, cfg: dict[str, Any]) -> None:
+    """Node ``CONFIG["link"]``'s ``.parity`` a symbolic link: the persisted step 1 restored, and
+    a save of step 4 fails leaving no parity of it on any node; with the link gone and a
+    killed save's parity of step 4 left on that node, the next save's commit removes it."""
+    rank, base = dist.get_rank(), Path(cfg["locals"][0]).parent
+    node, leader = divmod(rank, cfg.get("per_node", 1))
+    save_then_lose(cfg)
+    step, mgr, _ = restore(cfg)
+    check("the persisted step restored", step == 1, step)
+    state = {"shared": shared(4), "own": PerRank(own(4, rank)), "frozen": PerRank(frozen(rank))}
+    try:
+        mgr.save(4, state).wait()
+        check("the save with a node's parity a link fails", False)
+    except CheckpointError as e:
+        check("the save's error names the link", "symbolic link" in str(e), str(e))
+    dist.barrier()
+    left = sorted(str(p) for p in base.glob("*/.parity/step-000000000004"))
+    check("no node keeps the failed save's parity", left == [], left)
+    dist.barrier()
+    parity = node_dir(cfg) / ".parity"
+    if node == cfg["link"] and leader == 0:  # the link replaced by what it pointed at
+        parity.unlink()
+        (base / f"parity-of-node{node}").rename(parity)
+        shutil.copytree(parity / "step-000000000001", parity / "step-000000000004")  # a killed save's
+        (node_dir(cfg) / "step-000000000004").mkdir(exist_ok=True)
+    dist.barrier()
+    mgr.save(5, {**state, "shared": shared(5)}).wait()
+    dist.barrier()
+    left = sorted(str(p) for p in base.glob("*/.parity/step-000000000004"))
+    check("the next commit removes a killed save's parity", left == [], left)
+    mgr.close()
+    checks.write(out / f"checks-r{rank}.json")
+
+
 def nothing(out: Path, cfg: dict[str, Any]) -> None:
     """More losses than parity and nothing uploaded: the restore finds nothing, and says why."""
     rank = dist.get_rank()
@@ -222,9 +258,8 @@ def main() -> None:
     for run in runs:
         where = out / run["name"]
         where.mkdir(parents=True, exist_ok=True)
-        {"rebuild": rebuild, "damaged": damaged, "redirected": redirected, "fallback": fallback, "nothing": nothing}[
-            run["mode"]
-        ](where, run)
+        modes = {"rebuild": rebuild, "damaged": damaged, "redirected": redirected, "fallback": fallback}
+        {**modes, "nothing": nothing, "linked": linked}[run["mode"]](where, run)
         dist.barrier()
     dist.destroy_process_group()
 

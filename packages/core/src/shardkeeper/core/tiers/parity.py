@@ -73,17 +73,35 @@ def encode_step(
 ) -> None:
     """Collective: the parity of ``step`` written on its holders (``storage``: each node's
     directory, unencrypted; ``listed``: every rank's files as the replicas' exchange gathered
-    them). Every local failure is agreed on: every rank raises together, and none waits."""
+    them). Every local failure is agreed on: every rank raises together, and none waits; each
+    node's leader then removes what it wrote of the step's parity (best effort, as the data
+    files of a failed save), so that nothing of a save that failed stays."""
     where = f"step {step}, rank {group.rank}: the erasure parity"
     error: BaseException | None = None
     job = _Encoding(group, nodes, storage, step, listed, k, m)
     try:
-        job.run()
-    except Exception as e:  # this rank's own, or a broken peer's: agreed below
-        job.abort()
-        group.check()  # (a broken group raises at once: no collective can follow)
-        error = e
-    group.agree_ok(error, where)
+        try:
+            job.run()
+        except Exception as e:  # this rank's own, or a broken peer's: agreed below
+            job.abort()
+            group.check()  # (a broken group raises at once: no collective can follow)
+            error = e
+        group.agree_ok(error, where)
+    except BaseException:
+        if nodes.is_leader(group.rank):
+            _drop(storage, step)
+        raise
+
+
+def _drop(storage: Storage, step: int) -> None:
+    """Best effort: this node's parity of ``step`` removed (never through a link: the storage
+    refuses, and the first error is the one raised)."""
+    path = f"{PARITY_DIR}/{step_dir(step)}"
+    try:
+        if storage.exists(path):
+            storage.delete_dir(path)
+    except Exception:  # (already failing)
+        pass
 
 
 @dataclass

@@ -95,10 +95,16 @@ def records(storage: Storage) -> dict[int, list[dict[str, Any]]]:
 
 
 def prune(storage: Storage, keep: set[int]) -> None:
-    """Remove the parity of every step not in ``keep`` (the steps this node still holds)."""
+    """Remove the parity of every step not in ``keep`` (the steps this node still holds), and
+    of every step without a manifest older than the newest committed one of ``keep``: a
+    failed or killed save's leftovers (a save in flight is newer), never a committed step's."""
+    newest = max((s for s in keep if storage.exists(manifest_path(s))), default=None)
     for name in storage.list_dir(PARITY_DIR):
         step = parse_step_dir(name)
-        if step is not None and step not in keep:
+        if step is None:
+            continue
+        left = newest is not None and step < newest and not storage.exists(manifest_path(step))
+        if step not in keep or left:
             storage.delete_dir(f"{PARITY_DIR}/{step_dir(step)}")
 
 
