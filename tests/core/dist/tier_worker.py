@@ -172,6 +172,20 @@ def mismatch(out: Path, cfg: dict) -> None:
         check("different replicas refused", "different tier options" in str(e) and "replicas" in str(e), str(e))
     else:
         check("different replicas refused", False)
+    try:  # named by root and rank, each value as passed (before: "replicas: 0" for node 0, erasure as a list)
+        manager(cfg, **({"erasure": (1, 1)} if node == 0 else {"replicas": 1})).close()
+    except ValueError as e:
+        said = (str(e), f"{cfg['root']}, rank {rank}: ", "rank 0: erasure=(1, 1), replicas not passed;")
+        check("different erasure= refused by root and rank", said[1] in said[0] and said[2] in said[0], said)
+    else:
+        check("different erasure= refused by root and rank", False)
+    try:  # too few nodes for the code: the root, the rank and every alternative named
+        manager(cfg, erasure=(2, 1)).close()
+    except ValueError as e:
+        said = (str(e), f"{cfg['root']}, rank {rank}: erasure=(2, 1) needs at least k + m = 3 nodes", "replicas=1")
+        check("too few nodes refused by root and rank", said[1] in said[0] and said[2] in said[0], said)
+    else:
+        check("too few nodes refused by root and rank", False)
     try:
         if node == 0:
             manager(cfg).close()

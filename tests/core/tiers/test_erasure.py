@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -186,7 +187,10 @@ def test_groups_and_parity_holders() -> None:
                     held[n] = held.get(n, 0) + 1
             if count % k == 0:  # every node outside holds the same share: m/k of a node's data per group
                 assert set(held) == set(g.outside) and len(set(held.values())) == 1, (count, k, m, held)
-    with pytest.raises(ValueError, match=r"needs at least k \+ m = 5 nodes .* share 4.*Pass erasure=\(3, 1\)"):
+    # every alternative the docs promise, replicas=1 included (before: not named)
+    with pytest.raises(
+        ValueError, match=r"k \+ m = 5 nodes .* share 4.*Pass erasure=\(3, 1\), a smaller m, or replicas=1"
+    ):
         arrange(4, 4, 1)
     with pytest.raises(ValueError, match=r"share 2.*Pass erasure=\(1, 1\) or replicas=1"):
         arrange(2, 1, 2)
@@ -209,7 +213,10 @@ def test_the_option_is_checked_before_any_root_is_touched(tmp_path: Path) -> Non
     with pytest.raises(TypeError, match=r"erasure must be a pair \(k, m\)"):
         CheckpointManager(p, local=local, erasure=3)  # type: ignore[arg-type]
     assert not p.exists() and not local.exists()
-    with pytest.raises(ValueError, match=r"needs at least k \+ m = 2 nodes .* share 1"):
+    # the root and the rank named (before: neither)
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(str(p))}, rank 0: erasure=\(1, 1\) needs at least k \+ m = 2 nodes .* share 1"
+    ):
         CheckpointManager(p, local=local, erasure=(1, 1))
 
 

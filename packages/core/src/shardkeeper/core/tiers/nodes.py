@@ -22,6 +22,7 @@ from typing import Any
 from shardkeeper.core.errors import CheckpointError, CommitConflictError
 from shardkeeper.core.runtime.binding import NODE_TOKEN, ROOT_NAME, bind_root
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.tiers.placement import arrange
 from shardkeeper.core.tiers.wire import TierGroup
 
 
@@ -92,9 +93,9 @@ def discover(group: TierGroup, storage: Storage, root: str, options: dict[str, A
         raise CheckpointError(f"rank {group.rank}: opening the local tiers failed: {'; '.join(errors)}")
     kinds = {json.dumps(g["options"], sort_keys=True) for g in got}
     if len(kinds) > 1:
-        which = "; ".join(f"rank {r}: {g['options']}" for r, g in enumerate(got))
         raise ValueError(
-            f"rank {group.rank}: the ranks passed different tier options ({which}); pass the same on every rank"
+            f"{root}, rank {group.rank}: the ranks passed different tier options to CheckpointManager "
+            f"({_differing([g['options'] for g in got])}); pass the same on every rank"
         )
     places: dict[str, set[tuple[str, str]]] = {}
     for g in got:
@@ -110,7 +111,26 @@ def discover(group: TierGroup, storage: Storage, root: str, options: dict[str, A
     by_token: dict[str, list[int]] = {}
     for rank, g in enumerate(got):
         by_token.setdefault(g["token"], []).append(rank)
-    return NodeMap(tuple(sorted(tuple(r) for r in by_token.values())))
+    nodes = NodeMap(tuple(sorted(tuple(r) for r in by_token.values())))
+    if options.get("erasure") is not None:
+        try:
+            arrange(len(nodes.nodes), *options["erasure"])
+        except ValueError as e:  # (too few nodes: the same on every rank)
+            raise ValueError(f"{root}, rank {group.rank}: {e}") from None
+    return nodes
+
+
+def _differing(options: list[dict[str, Any]]) -> str:
+    """Each rank's tier options that differ between the ranks, as passed (a default: "not
+    passed")."""
+    keys = [k for k in sorted(options[0]) if len({json.dumps(o.get(k)) for o in options}) > 1]
+
+    def shown(key: str, value: Any) -> str:
+        if value in (None, 0):
+            return f"{key} not passed"
+        return f"{key}={tuple(value) if isinstance(value, list) else value!r}"
+
+    return "; ".join(f"rank {r}: {', '.join(shown(k, o.get(k)) for k in keys)}" for r, o in enumerate(options))
 
 
 __all__ = ["NODE_TOKEN", "ROOT_NAME", "NodeMap", "bind_root", "discover", "node_token"]

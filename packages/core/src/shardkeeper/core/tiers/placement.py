@@ -54,7 +54,7 @@ def arrange(count: int, k: int, m: int) -> list[Group]:
     k, m = check_code(k, m)
     if count < k + m:
         if count - m >= 1:
-            hint = f"pass erasure=({count - m}, {m}) (or a smaller m), or run on more nodes"
+            hint = f"pass erasure=({count - m}, {m}), a smaller m, or replicas=1 (a full copy), or run on more nodes"
         elif count > 1:
             hint = f"pass erasure=({count - 1}, 1) or replicas=1, or run on more nodes"
         else:
