@@ -301,26 +301,34 @@ class PersistRunner(SaveRunner):
         metrics.record(metrics.LAST_COMMITTED_STEP, job.step, rank=self.ctx.rank, step=job.step)
         metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=self.ctx.rank, step=job.step)
 
+    def receive(self, sock: socket.socket, want: str, seq: int | None = None) -> dict[str, Any]:
+        """The persist process's next ``want`` message (``"outcome"``: that of save ``seq``);
+        what comes before it is taken as it comes: ``ready``, a start that ``failed`` (raised),
+        the outcome of a save whose wait was given up (its counters added)."""
+        while True:
+            kind, payload, fds = recv(sock)
+            for fd in fds:
+                os.close(fd)
+            if kind == "ready":
+                self._ready = True
+            elif kind == "failed":
+                self._drop()
+                raise rebuilt(payload)
+            elif kind == "outcome":
+                add_counted(payload.get("counted") or [])
+                if want == "outcome" and payload["seq"] == seq:
+                    return payload  # type: ignore[no-any-return]
+            elif kind == want:
+                return payload  # type: ignore[no-any-return]
+
     def _outcome(self, step: int, seq: int) -> dict[str, Any] | None:
         """The persist process's outcome of save ``seq``: its error record, or None."""
         self._handed.discard(seq)
         sock = self._sock
         try:
-            while True:
-                if sock is None:
-                    raise PersistChannelClosed("no persist process")
-                kind, payload, fds = recv(sock)
-                for fd in fds:
-                    os.close(fd)
-                if kind == "ready":
-                    self._ready = True
-                elif kind == "failed":
-                    self._drop()
-                    raise rebuilt(payload)
-                elif kind == "outcome":
-                    add_counted(payload.get("counted") or [])
-                    if payload["seq"] == seq:
-                        return payload["error"]  # type: ignore[no-any-return]
+            if sock is None:
+                raise PersistChannelClosed("no persist process")
+            return self.receive(sock, "outcome", seq)["error"]  # type: ignore[no-any-return]
         except PersistChannelClosed as e:
             how = self._ended()
             with self._send_lock:

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointSaveError, PersistChannelClosed
-from shardkeeper.core.persist.channel import add_counted, rebuilt, recv, send
+from shardkeeper.core.persist.channel import rebuilt, send
 from shardkeeper.core.persist.client import PersistRunner
 
 
@@ -33,21 +33,10 @@ class RemoteUploads:
                 return None  # (no persist process, or none this manager has handed a save: no upload)
             try:
                 send(sock, "uploads", {"join": join, "take_error": take_error, "final": final})
-                while True:
-                    kind, payload, fds = recv(sock)
-                    for fd in fds:
-                        os.close(fd)
-                    if kind == "uploads":
-                        # (a union: a persist process started after one died knows only its own)
-                        self._steps = sorted(set(self._steps) | {int(s) for s in payload["steps"]})
-                        return payload  # type: ignore[no-any-return]
-                    if kind == "ready":
-                        r._ready = True
-                    elif kind == "failed":
-                        r._drop()
-                        raise rebuilt(payload)
-                    elif kind == "outcome":  # (of a save whose wait was given up)
-                        add_counted(payload.get("counted") or [])
+                payload = r.receive(sock, "uploads")
+                # (a union: a persist process started after one died knows only its own)
+                self._steps = sorted(set(self._steps) | {int(s) for s in payload["steps"]})
+                return payload
             except (OSError, PersistChannelClosed) as e:
                 how = r._ended()
                 r._drop()
