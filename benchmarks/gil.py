@@ -12,7 +12,10 @@ from the ``save()`` call until the save is committed. Kept = the loop's iteratio
 the save / its iterations/s in the window just before; medians and min-max over rounds, with
 the save's duration, how long the call blocked, the machine's busy cores in each window (all
 processes), and where the loop thread's time went (``/proc/self/task/<tid>/schedstat``: on a
-CPU, runnable but waiting for one, or neither: blocked on the GIL). Writers:
+CPU, runnable but waiting for one, or neither) with how often it went to sleep (its voluntary
+context switches, ``/proc/self/task/<tid>/status``: every wait for the GIL is one). "Neither"
+with no sleeps is not the GIL: it is time this kernel does not account to the thread at all
+(on a virtual machine, time its virtual CPU did not run). Writers:
 
 - ``sk_thread``: ``CheckpointManager(writer="thread")``: staging copy in the call, then
   digests, writes and the commit on a thread of this process;
@@ -22,9 +25,11 @@ CPU, runnable but waiting for one, or neither: blocked on the GIL). Writers:
 - ``dcp_process``: ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, one reused
   ``DefaultStager`` staging into shared memory; DCP's daemon process writes.
 
-Target: ``sk_process`` keeps >= 0.95. The work dir (under ``--workdir``, default the system
-temp dir) is made fresh and removed after. Results: ``benchmarks/results/gil-<date>.json``
-and ``.md`` (``-quick`` with ``--quick``).
+Target: ``sk_process`` keeps >= 0.95. ``--sk-options '{"io_threads": 1}'`` passes options to
+both shardkeeper managers (a trial of a setting). The work dir (under ``--workdir``, default
+the system temp dir) is made fresh and removed after. Results:
+``benchmarks/results/gil-<date>[-<tag>].json`` and ``.md`` (``--tag``; ``quick`` with
+``--quick``).
 """
 
 from __future__ import annotations
@@ -60,8 +65,9 @@ def _busy_s() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
-# (time, loop iterations, machine busy s, loop thread's s on a CPU, its s runnable waiting for one)
-Mark = tuple[float, int, float, float, float]
+# (time, loop iterations, machine busy s, loop thread's s on a CPU, its s runnable waiting for one,
+#  its voluntary context switches: the times it went to sleep)
+Mark = tuple[float, int, float, float, float, int]
 
 
 class Spinner:
@@ -98,7 +104,9 @@ class Spinner:
     def mark(self) -> Mark:
         with open(f"/proc/self/task/{self._tid}/schedstat") as f:
             run_ns, queued_ns = map(int, f.read().split()[:2])
-        return time.perf_counter(), self.count, _busy_s(), run_ns / 1e9, queued_ns / 1e9
+        with open(f"/proc/self/task/{self._tid}/status") as f:
+            sleeps = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        return time.perf_counter(), self.count, _busy_s(), run_ns / 1e9, queued_ns / 1e9, sleeps
 
 
 def _window(a: Mark, b: Mark) -> dict[str, float]:
@@ -111,6 +119,7 @@ def _window(a: Mark, b: Mark) -> dict[str, float]:
         "loop_on_cpu": on_cpu,
         "loop_cpu_queued": queued,
         "loop_off_cpu": max(0.0, 1.0 - on_cpu - queued),
+        "loop_sleeps_per_s": (b[5] - a[5]) / wall,
     }
 
 
@@ -127,7 +136,7 @@ def _writers(args: argparse.Namespace, work: Path, state: dict[str, Any], group:
     out: dict[str, Any] = {}
     for name in args.writers.split(","):
         if name.startswith("sk_"):
-            mgr = CheckpointManager(work / name, writer=name.removeprefix("sk_"))
+            mgr = CheckpointManager(work / name, writer=name.removeprefix("sk_"), **json.loads(args.sk_options))
 
             def sk_save(step: int, mgr: Any = mgr) -> Any:
                 return mgr.save(step, state).wait
@@ -173,6 +182,7 @@ def worker(args: argparse.Namespace) -> None:
     state = {f"t{i}": torch.randn(numel, generator=gen) for i in range(N_TENSORS)}
     info: dict[str, Any] = {"state_bytes": sum(t.numel() * t.element_size() for t in state.values())}
     info.update(tensors=N_TENSORS, repeats=args.repeats, torch=torch.__version__, loadavg_before=os.getloadavg())
+    info["sk_options"] = args.sk_options
     errors: dict[str, str] = {}
     samples: list[dict[str, Any]] = []
     raw_file = work / "gil-raw.json"
@@ -250,7 +260,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             **{
                 f"{when}_{k}": statistics.median(x[when][k] for x in s)
                 for when in ("base", "during")
-                for k in ("busy_cores", "loop_on_cpu", "loop_cpu_queued", "loop_off_cpu")
+                for k in ("busy_cores", "loop_on_cpu", "loop_cpu_queued", "loop_off_cpu", "loop_sleeps_per_s")
             },
         }
     sk = rows.get("sk_process")
@@ -274,7 +284,8 @@ def markdown(res: dict[str, Any], command: str) -> str:
         f"one async save of {i['state_bytes'] / 2**20:.0f} MiB ({i['tensors']} float32 tensors); "
         f"{i['repeats']} rounds after a warm-up save each, writers alternating (order rotated each round); "
         f"{m.get('cpus')} CPUs, {m.get('platform')}, torch {i['torch']}; load average before "
-        f"{i['loadavg_before'][0]:.2f}, after {i.get('loadavg_after', [float('nan')])[0]:.2f}.",
+        f"{i['loadavg_before'][0]:.2f}, after {i.get('loadavg_after', [float('nan')])[0]:.2f}."
+        + (f" shardkeeper options: `{i['sk_options']}`." if i.get("sk_options", "{}") != "{}" else ""),
         "",
         "| writer | kept (median) | min - max | loop it/s without | loop it/s during | save (s) "
         "| save() call (s) | busy cores without / during |",
@@ -290,15 +301,18 @@ def markdown(res: dict[str, Any], command: str) -> str:
         "",
         "Where the loop thread's time went (fractions of the window, without / during the save): on a CPU; "
         "runnable but waiting for a CPU (other threads and processes, on this machine and beside it); "
-        "neither (blocked: in this loop, on the GIL).",
+        "neither; and how often per second it went to sleep (voluntary context switches: each wait for the "
+        "GIL is one). Time in neither with next to no sleeps is not the GIL: it is time the kernel accounted "
+        "to no state of the thread (on a virtual machine, time its virtual CPU did not run).",
         "",
-        "| writer | on a CPU | waiting for a CPU | blocked (the GIL) |",
-        "|---|---:|---:|---:|",
+        "| writer | on a CPU | waiting for a CPU | neither | sleeps/s |",
+        "|---|---:|---:|---:|---:|",
     ]
     for w, r in res["writers"].items():
         cells = [
             f"{r[f'base_{k}']:.2f} / {r[f'during_{k}']:.2f}" for k in ("loop_on_cpu", "loop_cpu_queued", "loop_off_cpu")
         ]
+        cells.append(f"{r.get('base_loop_sleeps_per_s', 0):.0f} / {r.get('during_loop_sleeps_per_s', 0):.0f}")
         lines.append(f"| {w} | {' | '.join(cells)} |")
     queued = max((r["base_loop_cpu_queued"] for r in res["writers"].values()), default=0.0)
     if queued > BUSY_QUEUED:
@@ -336,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results-dir", default=str(HERE / "results"))
     ap.add_argument("--workdir", default=None, help="where the fresh work dir goes (default: the system temp dir)")
     ap.add_argument("--timeout-s", type=float, default=540.0)
+    ap.add_argument("--sk-options", default="{}", help="JSON: keyword options for both shardkeeper managers")
+    ap.add_argument("--tag", default="", help="a suffix of the results' names: gil-<date>-<tag>")
     ap.add_argument("--save-timeout-s", type=float, default=120.0, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -344,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.writers.split(",")) - set(WRITERS)
     if unknown:
         ap.error(f"unknown --writers {sorted(unknown)}; choose from {', '.join(WRITERS)}")
+    try:
+        if not isinstance(json.loads(args.sk_options), dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        ap.error(f"--sk-options must be a JSON object of manager options, like '{{\"io_threads\": 1}}': {e}")
     if args.worker:
         worker(args)
         return 0
@@ -353,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         fwd = [
             f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
-            if k not in ("quick", "worker", "workdir", "results_dir", "timeout_s")
+            if k not in ("quick", "worker", "workdir", "results_dir", "timeout_s", "tag")
         ]
         cmd = [sys.executable, __file__, "--worker", f"--workdir={work}", *fwd]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -382,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
         out = Path(args.results_dir)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"gil-{time.strftime('%Y-%m-%d')}" + ("-quick" if args.quick else "")
+        stem = "-".join(
+            ["gil", time.strftime("%Y-%m-%d"), *([args.tag] if args.tag else []), *(["quick"] if args.quick else [])]
+        )
         (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
         (out / f"{stem}.md").write_text(md)
         print(f"wrote {out / stem}.json and .md")
