@@ -7,12 +7,15 @@ waited for already)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
-from shardkeeper.core.errors import CheckpointSaveError, PersistChannelClosed
+from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
 from shardkeeper.core.persist.channel import rebuilt, send
 from shardkeeper.core.persist.client import PersistRunner
+
+log = logging.getLogger(__name__)
 
 
 class RemoteUploads:
@@ -25,14 +28,19 @@ class RemoteUploads:
         self.runner = runner
         self._steps: list[int] = []
 
-    def _ask(self, *, join: bool, take_error: bool, final: float | None = None) -> dict[str, Any] | None:
+    def _ask(
+        self, *, join: bool, take_error: bool, final: float | None = None, forget: tuple[int | None] | None = None
+    ) -> dict[str, Any] | None:
         r = self.runner
         with r._send_lock:
             sock = r._sock
-            if sock is None or os.getpid() != r._owner or r._lock_path is None:
+            if sock is None or os.getpid() != r._owner or (r._lock_path is None and forget is None):
                 return None  # (no persist process, or none this manager has handed a save: no upload)
+            msg: dict[str, Any] = {"join": join, "take_error": take_error, "final": final}
+            if forget is not None:
+                msg["forget_above"] = forget[0]
             try:
-                send(sock, "uploads", {"join": join, "take_error": take_error, "final": final})
+                send(sock, "uploads", msg)
                 payload = r.receive(sock, "uploads")
                 # (a union: a persist process started after one died knows only its own)
                 self._steps = sorted(set(self._steps) | {int(s) for s in payload["steps"]})
@@ -59,6 +67,16 @@ class RemoteUploads:
     def join(self) -> None:
         """Wait for the running upload, keeping its failure for ``wait``."""
         self._ask(join=True, take_error=False)
+
+    def forget_above(self, newest: int | None) -> None:
+        """``Persister.forget_above`` in the persist process (a restore quarantined the
+        persistent root's steps above ``newest``), told even before its first save: it may
+        have listed the root before the quarantine. One that has ended is not told: the next
+        one lists the root afresh."""
+        try:
+            self._ask(join=False, take_error=False, forget=(newest,))
+        except CheckpointError as e:
+            log.warning("rank %d: its persist process was not told of the quarantine: %s", self.runner.ctx.rank, e)
 
     def upload_newest(self, timeout_s: float) -> tuple[int | None, bool]:
         """``Tiering.upload_newest``, run by the persist process: (the newest step it committed

@@ -64,6 +64,8 @@ class Uploads(Protocol):
 
     def wait(self, *, raise_error: bool = True) -> None: ...
 
+    def forget_above(self, newest: int | None) -> None: ...
+
 
 @dataclass(frozen=True)
 class Writer:
@@ -198,10 +200,15 @@ class Worker:
         self._answer(sock, {"seq": msg["seq"], "error": error, "seconds": 0.0})
 
     def _uploads(self, sock: socket.socket, msg: dict[str, Any]) -> None:
-        """The trainer asks about the uploads (a local tier's): waits for the running one when
-        ``join``, hands over an upload failure nobody has seen when ``take_error``, runs a
-        preemption's final upload for up to ``final`` seconds when it is given."""
+        """The trainer asks about the uploads (a local tier's): counts them from the step
+        ``forget_above`` names when it is given (a restore quarantined the ones above), waits
+        for the running one when ``join``, hands over an upload failure nobody has seen when
+        ``take_error``, runs a preemption's final upload for up to ``final`` seconds when it
+        is given."""
         up, error = self.uploads, None
+        if up is not None and "forget_above" in msg:
+            up.join()
+            up.forget_above(msg["forget_above"])
         final = None if msg.get("final") is None else self._final(float(msg["final"]))
         if up is not None and msg.get("join"):
             up.join()

@@ -116,6 +116,13 @@ class Persister:
         with the commit, ``record.py``, so they never disagree)."""
         return self.every is not None and (self.last_step is None or step >= self.last_step + self.every)
 
+    def forget_above(self, newest: int | None) -> None:
+        """Every rank alike, after a restore quarantined the persistent root's steps above
+        ``newest`` (its newest step left; None: none left): ``due`` counts from ``newest``, so
+        that a save of one of those steps is uploaded again when due."""
+        if self.last_step is not None and (newest is None or self.last_step > newest):
+            self.last_step = self._previous = newest
+
     def keep(self, step: int, files: dict[str, int], manifest: Manifest | None, data: bytes | None) -> None:
         """Every rank, ``step`` committed locally: what a preemption uploads (``Tiering.flush``)."""
         self.kept = (step, files, manifest, data)

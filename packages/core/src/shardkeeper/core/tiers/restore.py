@@ -58,9 +58,11 @@ def restore_tiered(
     remote: Restorer,
     state: Mapping[str, Any],
     request: RestoreRequest,
+    uploads: Any = None,
 ) -> Restored:
     """Collective: restore ``state`` from the tiers (``local`` / ``remote``: the restorers of
-    this node's directory and of the persistent root)."""
+    this node's directory and of the persistent root; ``uploads``: where the uploads run, told
+    of the steps the restore quarantined, ``Tiering.forget_persisted``)."""
     rank, step = tiers.rank, request.step
     choice = tiers.choose(step)
     if choice.tier is None:
@@ -89,7 +91,7 @@ def restore_tiered(
     if step is None:
         tiers.drop_newer(choice, out.step)
         tiers.take_over(out.step)
-        tiers.forget_persisted(remote.quarantined)
+        tiers.forget_persisted(remote.quarantined, uploads)
     return out
 
 

@@ -278,17 +278,19 @@ class Tiering:
         persisted = self.last_choice.persisted if self.last_choice is not None else []
         self.claims.take_over(restored, persisted)
 
-    def forget_persisted(self, quarantined: list[int]) -> None:
+    def forget_persisted(self, quarantined: list[int], uploads: Any = None) -> None:
         """Every rank alike, after a restore quarantined ``quarantined`` on the persistent root:
         the newest step persisted there is the newest left, so that a save of one of those
-        steps is due for upload again (``persist_every`` counts from there)."""
+        steps is due for upload again (``persist_every`` counts from there). ``uploads``: where
+        the uploads run when not here (``writer="process"``: the persist process's, told over
+        its channel), told the same."""
         if not quarantined or self.last_choice is None:
             return
         left = [s for s in self.last_choice.persisted if s not in quarantined]
         newest = max(left, default=None)
-        p = self.persister
-        if p.last_step is not None and (newest is None or p.last_step > newest):
-            p.last_step = p._previous = newest
+        self.persister.forget_above(newest)
+        if uploads is not None and uploads is not self.persister:
+            uploads.forget_above(newest)
 
     def make_whole(self, c: Choice, step: int) -> None:
         self.last_received = make_whole(self.group, self.nodes, self.local, c, step)

@@ -138,7 +138,7 @@ class TwoTiers:
             log.warning(
                 "rank %d: the running upload could not be waited for before the restore: %s", self.local.rank, e
             )
-        got = restore_tiered(self.tiers, self.restorer, self.persistent_restorer, state, request)
+        got = restore_tiered(self.tiers, self.restorer, self.persistent_restorer, state, request, self.uploads)
         self._last_restorer, self.last_tier = got.restorer, got.tier
         stats = got.restorer.last_stats
         if got.tier != LOCAL and stats is not None:
