@@ -27,7 +27,7 @@ from shardkeeper.core.save.runner import SaveRunner
 from shardkeeper.core.save.stage import Stager
 from shardkeeper.core.storage import Storage
 from shardkeeper.core.tiers import process_writer
-from shardkeeper.core.tiers.strategy import TierSettings, TierStrategy, make_strategy, open_roots
+from shardkeeper.core.tiers.strategy import TierSettings, TierStrategy, make_strategy, open_roots, tier_where
 from shardkeeper.core.tiers.tiering import Tiering
 from shardkeeper.core.tiers.two_tiers import TwoTiers
 
@@ -59,6 +59,7 @@ class ManagerKeywords:
             arguments["replicas"],
             arguments["local_keep"],
             arguments.get("erasure"),
+            tier_where(arguments.get("root")),
         )
         return cls(given, keep_last, keep_every, tiers)
 

@@ -79,7 +79,7 @@ class CheckpointManager(SaveCalls):
         local: str | os.PathLike[str] | None = None,
         persist_every: int | None = None,
         replicas: int = 0,
-        erasure: tuple[int, int] | None = None,
+        erasure: Sequence[int] | None = None,
         local_keep: int | None = None,
         # The fields of CheckpointOptions, one keyword each (a test holds them equal).
         async_save: bool = DEFAULT.async_save,

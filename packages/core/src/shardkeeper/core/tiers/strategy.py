@@ -12,10 +12,14 @@ manager's tier keywords, checked; ``open_roots`` and ``make_strategy`` choose be
 
 from __future__ import annotations
 
+import operator
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
+import torch.distributed as dist
 
 from shardkeeper.core.commit.committed import committed_steps, is_committed, newest_committed
 from shardkeeper.core.config.arguments import check_count, check_replicas
@@ -149,22 +153,74 @@ class OneTier(OneRoot):
         pass
 
 
-def check_erasure(erasure: Any, replicas: int) -> tuple[int, int] | None:
-    """``erasure``: None, or a pair (k, m) of ints >= 1; never with ``replicas``."""
+def tier_where(root: Any) -> str:
+    """``"ROOT, rank N"``, naming who refuses a tier keyword before anything is opened (the
+    global rank when torch.distributed is initialised, else 0)."""
+    if isinstance(root, Storage):
+        name = root.url
+    else:
+        name = os.fspath(root) if isinstance(root, (str, os.PathLike)) else repr(root)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"{name}, rank {rank}"
+
+
+def _int(value: Any) -> int | None:
+    """``value`` as an int when it is of an integral type other than bool (``numpy.int64``)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (bool, int, float, str)):
+        return f"{type(value).__name__} {value!r}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def check_erasure(erasure: Any, replicas: int, where: str = "CheckpointManager()") -> tuple[int, int] | None:
+    """``erasure``: None, or a pair (k, m) of ints >= 1 (any two-item sequence: a tuple, a
+    list as JSON or YAML configs give it, a numpy array; numpy ints too); never with
+    ``replicas``. Refusals start with ``where`` (``tier_where``)."""
     if erasure is None:
         return None
-    if not isinstance(erasure, (tuple, list)) or len(erasure) != 2:
+    pair = erasure.tolist() if isinstance(erasure, np.ndarray) else erasure
+    if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
         raise TypeError(
-            f"CheckpointManager(): erasure must be a pair (k, m) (k data nodes per group, m parity nodes), got "
-            f"{erasure!r}; e.g. erasure=(4, 1)"
+            f"{where}: erasure must be a pair (k, m) of ints (k data nodes per group, m parity nodes; a tuple, or a "
+            f"list from a config), got {_kind(erasure)}; pass e.g. erasure=(4, 1), or drop erasure="
         )
-    k, m = Code(*erasure).k, erasure[1]  # (m >= 2 without zfec: an ImportError naming the extra)
+    k, m = (_int(v) for v in pair)
+    for name, got, raw in (("k", k, pair[0]), ("m", m, pair[1])):
+        if got is None:
+            raise TypeError(
+                f"{where}: erasure=(k, m): {name} must be an int, got {_kind(raw)}; pass e.g. erasure=(4, 1)"
+            )
+    assert k is not None and m is not None
+    try:
+        Code(k, m)  # (m >= 2 without zfec: an ImportError naming the extra)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    except ImportError as e:
+        raise ImportError(f"{where}: {e}") from e
     if replicas:
         raise ValueError(
-            f"CheckpointManager(): replicas={replicas} and erasure={tuple(erasure)} both protect the local tier "
-            f"against a node's loss; pass one of them (erasure=(k, m) costs m/k extra memory, replicas=1 a full copy)"
+            f"{where}: replicas={replicas} and erasure={(k, m)} both protect the local tier against a node's loss; "
+            f"pass one of them (erasure=(k, m) costs m/k extra memory, replicas=1 a full copy)"
         )
     return k, m
+
+
+def _checked(check: Callable[[], Any], where: str, remedy: str) -> Any:
+    """``check()``, its refusal re-raised naming ``where`` and ``remedy``."""
+    try:
+        return check()
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {str(e).removeprefix('CheckpointManager(): ')}; {remedy}") from None
 
 
 @dataclass(frozen=True)
@@ -180,15 +236,29 @@ class TierSettings:
 
     @classmethod
     def checked(
-        cls, local: Any, persist_every: Any, replicas: Any, local_keep: Any, erasure: Any = None
+        cls,
+        local: Any,
+        persist_every: Any,
+        replicas: Any,
+        local_keep: Any,
+        erasure: Any = None,
+        where: str = "CheckpointManager()",
     ) -> TierSettings:
-        """The counts' types and ranges; the other four only with ``local``."""
-        persist_every, local_keep = check_count("persist_every", persist_every), check_count("local_keep", local_keep)
-        replicas = check_replicas(replicas)
-        code = check_erasure(erasure, replicas)
+        """The counts' types and ranges; the other four only with ``local``. Refusals start
+        with ``where`` (``tier_where``: the root and the rank) and end with the remedy."""
+        persist_every = _checked(
+            lambda: check_count("persist_every", persist_every), where, "pass persist_every=N (upload every N steps)"
+        )
+        local_keep = _checked(
+            lambda: check_count("local_keep", local_keep), where, "pass local_keep=N (keep N steps per node)"
+        )
+        replicas = _checked(
+            lambda: check_replicas(replicas), where, "pass replicas=1 (a copy on another node), or 0 (none)"
+        )
+        code = check_erasure(erasure, replicas, where)
         if local is None and (persist_every is not None or replicas or local_keep is not None or code):
             raise ValueError(
-                "CheckpointManager(): persist_every=, replicas=, erasure= and local_keep= configure the local tier; "
+                f"{where}: persist_every=, replicas=, erasure= and local_keep= configure the local tier; "
                 "pass local='/node/local/dir' too (or drop them to save straight to the root)"
             )
         return cls(local, persist_every, replicas, local_keep, code)
@@ -256,4 +326,13 @@ def make_strategy(
     return TwoTiers(ctx, tiering), tiering
 
 
-__all__ = ["check_erasure", "OneTier", "Roots", "TierSettings", "TierStrategy", "make_strategy", "open_roots"]
+__all__ = [
+    "check_erasure",
+    "tier_where",
+    "OneTier",
+    "Roots",
+    "TierSettings",
+    "TierStrategy",
+    "make_strategy",
+    "open_roots",
+]
