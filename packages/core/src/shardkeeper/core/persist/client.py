@@ -164,7 +164,27 @@ class PersistRunner(SaveRunner):
             self._proc.wait()
         self._proc = None
 
-    def _ended(self) -> str:
+    @property
+    def handed_over(self) -> bool:  # (this manager handed a save over to a persist process)
+        return self._lock_path is not None
+
+    def ask(self, kind: str, payload: Any) -> dict[str, Any] | None:
+        """Send ``kind`` to the persist process, return its answer of that kind (None: no process,
+        or a forked child); one that is gone is dropped, raising ``PersistChannelClosed(how)``."""
+        with self._send_lock:
+            sock = self._sock
+            if sock is None or os.getpid() != self._owner:
+                return None
+            try:
+                send(sock, kind, payload)
+                return self.receive(sock, kind)
+            except (OSError, PersistChannelClosed) as e:
+                how = self.ended()
+                self._drop()
+                raise PersistChannelClosed(how) from e
+
+    def ended(self) -> str:
+        """How the persist process ended, in words ("never started" when there was none)."""
         proc = self._proc
         if proc is None:
             return "never started"
@@ -238,7 +258,7 @@ class PersistRunner(SaveRunner):
             except OSError as e:
                 raise CheckpointSaveError(
                     f"save of step {job.step} on rank {self.ctx.rank}: its persist process could not take it "
-                    f"({type(e).__name__}: {e}; {self._ended()}); the step was not committed. The next save starts "
+                    f"({type(e).__name__}: {e}; {self.ended()}); the step was not committed. The next save starts "
                     f"a new persist process",
                     step=job.step,
                 ) from e
@@ -330,7 +350,7 @@ class PersistRunner(SaveRunner):
                 raise PersistChannelClosed("no persist process")
             return self.receive(sock, "outcome", seq)["error"]  # type: ignore[no-any-return]
         except PersistChannelClosed as e:
-            how = self._ended()
+            how = self.ended()
             with self._send_lock:
                 self._drop()
             if self._lock_path is not None:  # its process is gone: its lock is free, its file stale

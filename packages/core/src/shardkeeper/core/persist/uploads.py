@@ -8,11 +8,10 @@ waited for already)."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
-from shardkeeper.core.persist.channel import rebuilt, send
+from shardkeeper.core.persist.channel import rebuilt
 from shardkeeper.core.persist.client import PersistRunner
 
 log = logging.getLogger(__name__)
@@ -32,28 +31,23 @@ class RemoteUploads:
         self, *, join: bool, take_error: bool, final: float | None = None, forget: tuple[int | None] | None = None
     ) -> dict[str, Any] | None:
         r = self.runner
-        with r._send_lock:
-            sock = r._sock
-            if sock is None or os.getpid() != r._owner or (r._lock_path is None and forget is None):
-                return None  # (no persist process, or none this manager has handed a save: no upload)
-            msg: dict[str, Any] = {"join": join, "take_error": take_error, "final": final}
-            if forget is not None:
-                msg["forget_above"] = forget[0]
-            try:
-                send(sock, "uploads", msg)
-                payload = r.receive(sock, "uploads")
-                # (a union: a persist process started after one died knows only its own)
-                self._steps = sorted(set(self._steps) | {int(s) for s in payload["steps"]})
-                return payload
-            except (OSError, PersistChannelClosed) as e:
-                how = r._ended()
-                r._drop()
-                raise CheckpointSaveError(
-                    f"rank {r.ctx.rank}: its persist process ended ({how}) before it said how its uploads to the "
-                    f"persistent root went; a step it was uploading may not be persisted (each step stays committed "
-                    f"in the local tier; the next save starts a new persist process)",
-                    step=-1,
-                ) from e
+        if not r.handed_over and forget is None:
+            return None  # (none this manager has handed a save: no upload)
+        msg: dict[str, Any] = {"join": join, "take_error": take_error, "final": final}
+        if forget is not None:
+            msg["forget_above"] = forget[0]
+        try:
+            payload = r.ask("uploads", msg)
+        except PersistChannelClosed as e:
+            raise CheckpointSaveError(
+                f"rank {r.ctx.rank}: its persist process ended ({e}) before it said how its uploads to the "
+                f"persistent root went; a step it was uploading may not be persisted (each step stays committed "
+                f"in the local tier; the next save starts a new persist process)",
+                step=-1,
+            ) from e
+        if payload is not None:  # (a union: a persist process started after one died knows only its own)
+            self._steps = sorted(set(self._steps) | {int(s) for s in payload["steps"]})
+        return payload
 
     @property
     def persisted(self) -> list[int]:
@@ -84,11 +78,11 @@ class RemoteUploads:
         process has ended (none uploads that step now)."""
         r = self.runner
         answer = self._ask(join=False, take_error=False, final=timeout_s)
-        if answer is None and r._lock_path is None:
+        if answer is None and not r.handed_over:
             return None, False  # (no save handed over: nothing of this manager's to upload)
         if answer is None:
             raise CheckpointSaveError(
-                f"rank {r.ctx.rank}: its persist process ended ({r._ended()}) before the final upload to the "
+                f"rank {r.ctx.rank}: its persist process ended ({r.ended()}) before the final upload to the "
                 f"persistent root; the newest step committed in the local tier is not uploaded",
                 step=-1,
             )

@@ -97,6 +97,12 @@ class StoreCoordinator:
             self._channel = StoreChannel(tc.group_store(self.group), "a save's reports and outcome")
         return self._channel
 
+    @property
+    def save_store(self) -> Any:
+        """The save path's own connection to the group's store (what the tiers' coordinates
+        of a persist process use, ``tiers/process_writer.py``)."""
+        return self._store
+
     def _key(self, seq: int, name: str) -> str:
         return f"{self.namespace}/{seq}/{name}"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -257,6 +258,19 @@ class Persister:
         deletion.retain(self.storage, self.retention, self.catalog, step)
         self.claims.sweep(step)
         return None
+
+    def await_acks(self, wait_s: float) -> None:
+        """Rank 0, about to exit (its store goes with it): wait up to ``wait_s`` until every
+        rank has read the outcome of the last upload (its keys go once the last rank read it)."""
+        if self.last_step is None:
+            return
+        key = self._key(self.last_step, "outcome")
+        deadline = time.monotonic() + wait_s
+        try:
+            while self.store.check([key]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is ours; nothing else to wait for
+            return
 
     def protected(self) -> Sequence[int]:
         with self._lock:

@@ -19,7 +19,6 @@ processes still hold, until the step is committed and recorded on every node.
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,7 +29,6 @@ from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.persist.worker import Writer, main
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.tiers.opening import open_tiers
-from shardkeeper.core.tiers.persist import Persister
 from shardkeeper.core.tiers.tiering import Tiering
 from shardkeeper.core.tiers.two_tiers import TwoTiers
 from shardkeeper.core.tiers.wire import TierCoord
@@ -44,7 +42,7 @@ def _tier_coord(coord: Any) -> Any:
     if not isinstance(coord, Meeting):
         return coord
     inner = coord.current()
-    return TierCoord(inner._store, coord.raw_store, inner.namespace, coord.rank, coord.world_size)
+    return TierCoord(inner.save_store, coord.raw_store, inner.namespace, coord.rank, coord.world_size)
 
 
 def open_tiered(spec: PersistSpec, coord: Any, io: ThreadPoolExecutor) -> Writer:
@@ -73,24 +71,10 @@ def open_tiered(spec: PersistSpec, coord: Any, io: ThreadPoolExecutor) -> Writer
     def close() -> None:
         tiering.persister.join()
         if tiering.rank == 0 and tiering.coord.world_size > 1:
-            _await_acks(tiering.persister)
+            tiering.persister.await_acks(SEEN_WAIT_S)
         tiering.close()
 
     return Writer(ctx, TwoTiers(ctx, tiering), tiering.persister, close, tiering.upload_newest)
-
-
-def _await_acks(p: Persister) -> None:
-    """Rank 0, about to exit (its store goes with it): wait, bounded, until every rank has read
-    the outcome of the last upload (its keys go once the last rank acknowledged it)."""
-    if p.last_step is None:
-        return
-    key = p._key(p.last_step, "outcome")
-    deadline = time.monotonic() + SEEN_WAIT_S
-    try:
-        while p.store.check([key]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - the store is ours; nothing else to wait for
-        return
 
 
 __all__ = ["ENTRY", "open_tiered"]

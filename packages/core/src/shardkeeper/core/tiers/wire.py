@@ -41,7 +41,7 @@ class TierCoord:
         if coord.world_size == 1 and not hasattr(coord, "namespace"):
             local = dist.HashStore()  # in-process: a wait blocks no other caller
             return cls(StoreChannel(local, "the local tier", own=False), local, "shardkeeper/local", 0, 1)
-        return cls(coord._store, tc.group_store(coord.group), coord.namespace, coord.rank, coord.world_size)
+        return cls(coord.save_store, tc.group_store(coord.group), coord.namespace, coord.rank, coord.world_size)
 
     def channel(self, label: str) -> StoreChannel:
         """A connection of its own to the store, for a path that runs beside the save's."""
