@@ -4,7 +4,8 @@ not written are compared with the written one through their logical sums. At 2 r
 the step and the ranks on each side (the previous step stays the newest), for plain tensors
 (DDP) and a replicated DTensor, also when recorded by its rule (described layouts); ``logical_check="warn"`` commits with the mark; ``"off"``
 compares nothing; a DDP model's BatchNorm buffers, which differ by rank after a forward,
-are not compared, its parameters are."""
+are not compared, its parameters are. At 4 ranks (``dist/submesh_replica_worker.py``): the
+copies of a DTensor on a submesh, which its mesh does not name, are compared too."""
 
 from __future__ import annotations
 
@@ -52,3 +53,28 @@ def test_copies_that_disagree_are_refused_named_or_marked(tmp_path: Path) -> Non
     assert warned["problems"] == [], warned
     (w,) = warned["warnings"]
     assert w["kind"] == "replicas" and "tensor 'model/w'" in w["message"], w
+
+
+def test_copies_of_a_submesh_dtensor_are_compared(tmp_path: Path) -> None:
+    """4 ranks, a 2x2 ("dp", "tp") mesh and DTensors row-sharded on ``mesh["dp"]``
+    (``dist/submesh_replica_worker.py``): the TP copies, which the DTensor's mesh does not
+    name, are compared as a ``Replicate`` dimension's are, chunks listed or described."""
+    res = run_workers(4, "submesh_replica_worker.py", str(tmp_path / "roots"), str(tmp_path), timeout_s=300)
+    assert res.returncode == 0, res.stdout[-6000:]
+    for r in range(4):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        for name in ("listed", "described", "warn"):
+            run = got[name]
+            assert run["clean"] and run["restored"] == 1 and run["exact"], (r, name, run)  # equal copies
+        for name in ("listed", "described"):
+            err = got[name]["error"]  # refused on every rank, naming the tensor, the step and both sides
+            assert "StateMismatchError" in err and "step 2" in err and "tensor 'fsdp/w'" in err, (r, name, err)
+            assert "copy on rank(s) [0, 2]" in err or "copy on rank(s) [1, 3]" in err, (r, name, err)
+            assert "fsdp/b" not in err and got[name]["latest"] == 1, (r, name, got[name])
+        listed = got["listed"]["error"]  # the ranks on each side
+        assert "rank(s) [0, 2]" in listed and "rank(s) [1, 3]" in listed, (r, listed)
+        # (a described leaf's writers are its rule's copy, which no report's chunks name)
+        assert "its written copy" in got["described"]["error"], (r, got["described"])
+        warn = got["warn"]
+        assert warn["error"] == "" and warn["latest"] == 2 and "tensor 'fsdp/w'" in warn["mark"], (r, warn)
+        assert "rank(s) [0, 2]" in warn["mark"] and "rank(s) [1, 3]" in warn["mark"], (r, warn)

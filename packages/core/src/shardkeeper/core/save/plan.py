@@ -30,12 +30,8 @@ from shardkeeper.core.save.describe import (
     described_digest,
 )
 from shardkeeper.core.state import _torch_compat as tc
-from shardkeeper.core.state.chunks import (
-    balance_plain,
-    layout_of,
-    plain_layout,
-    replica_writer,
-)
+from shardkeeper.core.state.chunks import balance_plain, layout_of, plain_layout, replica_writer
+from shardkeeper.core.state.copies import Copy, copy_of
 from shardkeeper.core.state.flatten import PLAIN_TENSORS, FlatState, as_torch, torch_dtype_name
 from shardkeeper.core.state.fragment import Fragment
 
@@ -134,6 +130,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
     option) which leaves are recorded by their rule. Deterministic: needs no communication."""
     plan = SavePlan(per_rank_prefixes=list(flat.per_rank_prefixes))
     layouts = {}
+    copies: dict[str, Copy | None] = {}  # (the world's copies: a submesh's too, state/copies.py)
     candidates: dict[str, Rule] = {}
     meshes: dict[Any, Any] = {}
     plain_sizes: dict[str, int] = {}
@@ -163,6 +160,7 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
             plan.per_rank_keys.add(key)
         plan.layouts.add(describe_layout(t))
         layouts[key] = layout
+        copies[key] = copy_of(t, layout, world_size) if leaf.per_rank is None else None
         if layout.plain and leaf.per_rank is None:
             plain_sizes[key] = math.prod(layout.global_shape) * DTYPES[dtype][1]
         elif describe is not False and leaf.per_rank is None and leaf.kind == "tensor":
@@ -188,9 +186,11 @@ def plan_save(flat: FlatState, rank: int, world_size: int, describe: bool | None
             if coord is None or replica_index(rule.mesh, rule.placements, coord) != rule.replica:
                 plan.replica_keys += [key] if coord is not None else []
                 continue
-        elif layout.replicas > 1 and replica_writer(key, layout.replicas) != layout.replica_index:
-            plan.replica_keys.append(key)
-            continue
+        else:  # one copy writes; the others are compared with it (save/replicas.py)
+            c = copies[key] or Copy(layout.replicas, layout.replica_index)
+            if c.copies > 1 and replica_writer(key, c.copies) != c.index:
+                plan.replica_keys.append(key)
+                continue
         dtype = plan.declared[key][1]
         size = DTYPES[dtype][1]
         for p in layout.pieces:

@@ -12,8 +12,11 @@ one (``format/logical_member.py``, ``combine_reports``); a copy that differs is 
 manifest's ``logical`` member (``replicas_disagree``), and ``judge`` then refuses the save
 (``logical_check="error"``) or lets it commit with a warning (``"warn"``).
 
-Compared: plain tensors, and DTensors whose mesh is the whole world (a DTensor on a submesh
-has copies its mesh does not name; they are not compared). Not compared: the buffers of an
+Compared: plain tensors, DTensors whose mesh is the whole world, and DTensors on a submesh
+of a named mesh over the whole world (FSDP2 over the data-parallel dimension of a 2-D world:
+the copies along the dimensions the submesh leaves out, numbered by ``state/copies.py`` as
+the whole mesh's ``Replicate`` dimensions; one of them writes). Not compared: a DTensor on
+another mesh (a flattened dimension's, a subgroup's: its copies are not known), the buffers of an
 ``nn.Module`` in the state (BatchNorm's running statistics: under DDP each rank's forward
 updates its own copy, which DDP overwrites with rank 0's at the next forward), and, where a
 state dict holds them as plain tensors, keys ending in a normalization layer's statistics
@@ -33,8 +36,8 @@ from shardkeeper.core.errors import StateMismatchError
 from shardkeeper.core.format.logical_member import REPLICAS, disagreements_in, encode_sums
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.save.plan import SavePlan
-from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.chunks import Piece, layout_of
+from shardkeeper.core.state.copies import copy_of
 from shardkeeper.core.state.flatten import FlatState, as_torch
 from shardkeeper.core.state.logical import piece_sums
 
@@ -65,11 +68,12 @@ class ReplicaSums:
                 t = torch.frombuffer(bytearray(leaf.value), dtype=torch.uint8) if leaf.value else torch.empty(0)
             else:
                 t = as_torch(leaf.value)
-            if tc.is_dtensor(t) and t.device_mesh.size() != world_size:
-                continue  # (copies on other submeshes: not named by its mesh)
             layout = layout_of(t, world_size, rank)
+            copy = copy_of(t, layout, world_size)
+            if copy is None:
+                continue  # (a DTensor whose copies the saving world does not name)
             _, dtype, shape = plan.declared[key]
-            self._parts.append((key, layout.replica_index, dtype, tuple(shape), layout.pieces))
+            self._parts.append((key, copy.index, dtype, tuple(shape), layout.pieces))
         self._sums = [0] * len(self._parts)
         self._errors: list[BaseException] = []
         shares: list[list[int]] = [[] for _ in range(SUM_THREADS)]
