@@ -178,7 +178,7 @@ class CheckpointManager(SaveCalls):
     @property
     def persisted_steps(self) -> list[int]:
         """With a local tier: the steps this manager has uploaded and committed to the
-        persistent root so far (an upload still running is not listed)."""
+        persistent root so far, sorted, each once (an upload still running is not listed)."""
         return self._strategy.persisted_steps()
 
     def wait_persisted(self) -> None:

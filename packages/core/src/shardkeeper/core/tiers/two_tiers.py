@@ -150,7 +150,7 @@ class TwoTiers:
         return self._last_restorer.last_stats
 
     def persisted_steps(self) -> list[int]:
-        return list(self.uploads.persisted)
+        return sorted(set(self.uploads.persisted))  # (a step uploaded again after a quarantine: once)
 
     def wait_persisted(self) -> None:
         self.uploads.wait()
