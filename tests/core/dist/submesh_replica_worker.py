@@ -7,8 +7,9 @@ A 2x2 mesh ``("dp", "tp")``; ``fsdp/w`` and ``fsdp/b`` are row-sharded on ``mesh
 shard, a copy the DTensor's mesh does not name. Per run (chunks listed, and recorded by their
 rule): step 1 saved with every copy equal, then restored bit for bit; step 2 with rank 3's
 copy of ``fsdp/w`` one ulp off: refused on every rank naming the tensor, the step and the
-ranks (step 1 stays the newest); with ``logical_check="warn"`` committed with the mark. Each
-rank writes ``RESULTS/r<rank>.json``.
+ranks (step 1 stays the newest); with ``logical_check="warn"`` committed with the mark. Then
+every rank's ``logical_partial`` of ``fsdp/w``: combined over the world, the full tensor's
+``logical_digest`` (each TP copy counted once). Each rank writes ``RESULTS/r<rank>.json``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from shardkeeper.core import CheckpointManager
+from shardkeeper.core import CheckpointManager, logical_combine, logical_digest, logical_partial
 
 
 def _full(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +77,9 @@ def main(root: Path, results: Path) -> None:
                 "latest": mgr.latest_step(),
                 "mark": member.get("replicas_disagree", ""),
             }
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, logical_partial(_state(sub, 1, False)["fsdp/w"]))
+    got["partials"] = {"combined": logical_combine(parts), "digest": logical_digest(_full(1)[0])}
     (results / f"r{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 

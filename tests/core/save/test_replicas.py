@@ -63,6 +63,7 @@ def test_copies_of_a_submesh_dtensor_are_compared(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout[-6000:]
     for r in range(4):
         got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["partials"]["combined"] == got["partials"]["digest"], (r, got["partials"])  # each copy once
         for name in ("listed", "described", "warn"):
             run = got[name]
             assert run["clean"] and run["restored"] == 1 and run["exact"], (r, name, run)  # equal copies

@@ -14,11 +14,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from shardkeeper.core.format import logical
 from shardkeeper.core.format.records import DTYPES
 from shardkeeper.core.state import _torch_compat as tc
-from shardkeeper.core.state.chunks import Piece, layout_of
+from shardkeeper.core.state.chunks import LocalLayout, Piece, layout_of
+from shardkeeper.core.state.copies import copy_of
 from shardkeeper.core.state.flatten import torch_dtype_name
 from shardkeeper.core.state.fragment import Fragment
 from shardkeeper.core.state.logical_torch import device_partials
@@ -101,8 +103,9 @@ def logical_partial(
     """This shard's partial of its tensor's logical digest. A plain tensor is the box at
     ``offsets`` of a tensor of ``global_shape`` (both required). A DTensor, ShardedTensor or
     ``Fragment`` (no offsets) gives the pieces this rank holds; of replicated pieces
-    (``Replicate`` mesh dimensions), only replica 0's count, so every rank's partials,
-    combined, give the whole tensor's digest."""
+    (``Replicate`` mesh dimensions, and the copies on the other submeshes of a DTensor on a
+    submesh), only copy 0's count, so every rank's partials, combined, give the whole
+    tensor's digest."""
     if isinstance(shard, Fragment) or tc.is_dtensor(shard) or tc.is_sharded_tensor(shard):
         if offsets is not None or global_shape is not None:
             raise TypeError("offsets and global_shape are for plain tensors: a distributed tensor knows its own")
@@ -112,7 +115,7 @@ def logical_partial(
             raise TypeError(f"dtype {name} has no logical digest: the format stores only {', '.join(DTYPES)}")
         shape = tuple(layout.global_shape)
         total = 0
-        if layout.replica_index == 0:
+        if _first_copy(shard, layout):
             total = sum(_box_sum(p.local, shape, p.offsets) for p in layout.pieces)
         return LogicalPartial(name, shape, total & logical.MASK)
     if offsets is None or global_shape is None:
@@ -123,6 +126,17 @@ def logical_partial(
     name, _ = _dtype(shard)
     shape = tuple(int(n) for n in global_shape)
     return LogicalPartial(name, shape, _box_sum(shard, shape, tuple(int(o) for o in offsets)))
+
+
+def _first_copy(t: torch.Tensor | Fragment, layout: LocalLayout) -> bool:
+    """Whether this rank's pieces are the copy whose partial counts: copy 0 over the world
+    (state/copies.py: a DTensor on a submesh has copies its mesh does not name)."""
+    if tc.is_dtensor(t):
+        world = dist.get_world_size() if dist.is_initialized() else t.device_mesh.size()
+        copy = copy_of(t, layout, world)
+        if copy is not None:
+            return copy.index == 0
+    return layout.replica_index == 0
 
 
 def logical_combine(partials: Iterable[LogicalPartial]) -> str:
