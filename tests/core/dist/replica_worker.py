@@ -6,7 +6,8 @@ Plain tensors (DDP's replication) and a replicated DTensor: step 1 saved with ev
 equal; step 2 with rank 1's copy of ``model/w`` one ulp off (and, for the DTensor root, its
 copy of ``norm``): the save must fail on both ranks naming the tensor, the step and the
 ranks, and step 1 stays the newest; ``logical_check="warn"`` commits step 2 with the mark in
-the manifest; ``"off"`` compares nothing. Each rank writes ``RESULTS/r<rank>.json``.
+the manifest (chunks listed, and the DTensor recorded by its rule); ``"off"`` compares
+nothing. Each rank writes ``RESULTS/r<rank>.json``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main(root: Path, results: Path) -> None:
         ("dtensor", "error", True, False),
         ("described", "error", True, True),  # (the DTensor recorded by its rule, its chunks in index files)
         ("warn", "warn", False, False),
+        ("described_warn", "warn", True, True),
     )
     for name, mode, dtensor, described in runs:
         with CheckpointManager(root / name, async_save=False, logical_check=mode, describe_layouts=described) as mgr:

@@ -2,8 +2,9 @@
 not written are compared with the written one through their logical sums. At 2 ranks
 (``dist/replica_worker.py``): a copy one ulp off is refused on both ranks, naming the tensor,
 the step and the ranks on each side (the previous step stays the newest), for plain tensors
-(DDP) and a replicated DTensor, also when recorded by its rule (described layouts); ``logical_check="warn"`` commits with the mark; ``"off"``
-compares nothing; a DDP model's BatchNorm buffers, which differ by rank after a forward,
+(DDP) and a replicated DTensor, also when recorded by its rule (described layouts: the
+writers named from the rule); ``logical_check="warn"`` commits with the mark, for both;
+``"off"`` compares nothing; a DDP model's BatchNorm buffers, which differ by rank after a forward,
 are not compared, its parameters are. At 4 ranks (``dist/submesh_replica_worker.py``): the
 copies of a DTensor on a submesh, which its mesh does not name, are compared too."""
 
@@ -28,16 +29,20 @@ def test_copies_that_disagree_are_refused_named_or_marked(tmp_path: Path) -> Non
         got = json.loads((tmp_path / f"r{r}.json").read_text())
         err = got["error"]["error"]
         assert "step 2" in err and "tensor 'model/w'" in err and "rank(s) [1]" in err, (r, err)
-        assert "rank(s) [0] wrote" in err or "written copy" in err, (r, err)
+        assert "rank(s) [0] wrote" in err, (r, err)
         assert "model/b" not in err, (r, err)  # the copies that agree are not named
         assert got["error"]["latest"] == 1, (r, got)
         dt = got["dtensor"]["error"]
         assert "tensor 'norm'" in dt and "tensor 'model/w'" in dt and got["dtensor"]["latest"] == 1, (r, dt)
         described = got["described"]["error"]  # the copies' sums survive the described report's split
         assert "tensor 'norm'" in described and "tensor 'model/w'" in described, (r, described)
+        norm = "tensor 'norm': the copy on rank(s) [1] differs from the one rank(s) [0] wrote"
+        assert norm in described and "written copy" not in described, (r, described)  # its rule's writers
         assert got["described"]["latest"] == 1, (r, got)
         assert got["warn"]["error"] == "" and got["warn"]["latest"] == 2, (r, got)
         assert "tensor 'model/w'" in got["warn"]["mark"], (r, got)
+        dw = got["described_warn"]
+        assert dw["error"] == "" and dw["latest"] == 2 and norm in dw["mark"], (r, dw)
         assert got["off"]["latest"] == 1, (r, got)
         bn = got["ddp_bn"]  # buffers (BatchNorm's running statistics) differ by rank: not compared
         assert bn["state_dict_latest"] == 1, (r, bn)  # its statistics as a state dict's plain tensors too
@@ -72,10 +77,9 @@ def test_copies_of_a_submesh_dtensor_are_compared(tmp_path: Path) -> None:
             assert "StateMismatchError" in err and "step 2" in err and "tensor 'fsdp/w'" in err, (r, name, err)
             assert "copy on rank(s) [0, 2]" in err or "copy on rank(s) [1, 3]" in err, (r, name, err)
             assert "fsdp/b" not in err and got[name]["latest"] == 1, (r, name, got[name])
-        listed = got["listed"]["error"]  # the ranks on each side
-        assert "rank(s) [0, 2]" in listed and "rank(s) [1, 3]" in listed, (r, listed)
-        # (a described leaf's writers are its rule's copy, which no report's chunks name)
-        assert "its written copy" in got["described"]["error"], (r, got["described"])
+            # the ranks on each side (a described leaf's writers: its rule's copy)
+            assert "rank(s) [0, 2]" in err and "rank(s) [1, 3]" in err and "written copy" not in err, (r, name, err)
+            assert "one rank(s) [0, 2] wrote" in err or "one rank(s) [1, 3] wrote" in err, (r, name, err)
         warn = got["warn"]
         assert warn["error"] == "" and warn["latest"] == 2 and "tensor 'fsdp/w'" in warn["mark"], (r, warn)
         assert "rank(s) [0, 2]" in warn["mark"] and "rank(s) [1, 3]" in warn["mark"], (r, warn)

@@ -20,6 +20,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+from shardkeeper.core.format.grid import Rule
 from shardkeeper.core.format.leaves import RawLeaves
 from shardkeeper.core.format.logical import ALGORITHM, MASK, add_sums, decode_sums, encode_sums, finalize
 from shardkeeper.core.format.replica_copies import REPLICAS, disagreements
@@ -108,11 +109,13 @@ def digests_of(member: object, leaves: Mapping[str, Any]) -> dict[str, str | Non
 def combine_reports(
     reports: Sequence[Mapping[str, Any]],
     declared: Mapping[str, Sequence[Any]],
-    described: Iterable[str],
+    described: Mapping[str, Rule] | Iterable[str],
     counted: Mapping[str, Collection[int] | None] | None = None,
 ) -> dict[str, Any] | None:
     """The manifest's member from every rank's report (their chunks' and described sums) and
-    the leaves every rank declared (key -> [kind, dtype, shape]); ``counted``: leaves whose
+    the leaves every rank declared (key -> [kind, dtype, shape]); ``described``: the described
+    leaves, as key -> rule (a copy of one that disagrees is named with the ranks its rule
+    makes write it) or as keys (named with "its written copy"); ``counted``: leaves whose
     duplicate chunks the coordinator dropped (two ranks wrote a box), each with the indices
     of the reports whose sums together cover it once (``commit/merge.py``), or None where no
     such reports exist (no digest). None when a report has no sums (a writer that does not
@@ -144,7 +147,8 @@ def combine_reports(
         for k in sorted(declared)
     ]
     member: dict[str, Any] = {"algorithm": ALGORITHM, "digests": ",".join(digests)}
-    disagree = disagreements(reports, sums, declared, skip)
+    rules = described if isinstance(described, Mapping) else None
+    disagree = disagreements(reports, sums, declared, skip, rules)
     if disagree:
         member[MARK] = _mark(disagree)
     return member

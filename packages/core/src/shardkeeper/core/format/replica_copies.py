@@ -12,7 +12,9 @@ coordinator reads one entry per key and group instead of one per key and rank.
 
 The coordinator (``disagreements``) adds every entry's sum over the copies it names, per key,
 with one sweep over the runs' ends (a copy whose pieces lay in several groups gets each
-group's part), and names each copy whose total is not the written copy's sum.
+group's part), and names each copy whose total is not the written copy's sum, and the ranks
+that wrote that copy: those whose chunk reports list the key, or, for a described leaf (whose
+chunks no report lists), the ranks its rule gives its boxes (format/grid.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardkeeper.core.format.cells import overlapping_cells
+from shardkeeper.core.format.grid import Rule
 from shardkeeper.core.format.logical import MASK, decode_sums, encode_sums
 
 REPLICAS = "replicas"
@@ -103,10 +107,17 @@ def runs(values: Any) -> list[list[int]]:
 
 
 def disagreements(
-    reports: Sequence[Mapping[str, Any]], sums: Mapping[str, int], declared: Mapping[str, Any], skip: set[str]
+    reports: Sequence[Mapping[str, Any]],
+    sums: Mapping[str, int],
+    declared: Mapping[str, Any],
+    skip: set[str],
+    rules: Mapping[str, Rule] | None = None,
 ) -> list[str]:
     """The copies whose sums (every report's entries added) differ from the written copy's
-    (``sums``), each naming the tensor, the copies' ranks and the ranks that wrote it."""
+    (``sums``), each naming the tensor, the copies' ranks and the ranks that wrote it (of a
+    described leaf, of ``rules``: key -> its rule, those the rule gives its boxes)."""
+    rules = rules or {}
+    memo: dict[tuple[Any, ...], list[int]] = {}
     per_key: dict[str, list[Entry]] = {}
     for r in reports:
         member = r["chunks"].get(REPLICAS)
@@ -123,9 +134,25 @@ def disagreements(
         if key in skip or key not in declared:
             continue
         for first, last in _differing(es, sums.get(key, 0)):
-            writers = [r["rank"] for r in reports if key in r["chunks"].get("keys", ())]
+            rule = rules.get(key)
+            if rule is None:
+                writers = [r["rank"] for r in reports if key in r["chunks"].get("keys", ())]
+            else:
+                writers = _rule_writers(rule, tuple(declared[key][2]), memo)
             out.append(f"tensor {key!r}: the {_copies(es, first, last)} differs from the one {_wrote(writers)} wrote")
     return out
+
+
+def _rule_writers(rule: Rule, shape: tuple[int, ...], memo: dict[tuple[Any, ...], list[int]]) -> list[int]:
+    """The ranks that write a described leaf of ``shape``: those its rule gives its boxes
+    (derived once per layout and shape: the leaves of a model share a few; a save shares
+    one ``Mesh`` object per mesh)."""
+    memo_key = (id(rule.mesh), rule.placements, rule.replica, rule.order, shape)
+    got = memo.get(memo_key)
+    if got is None:
+        cells = overlapping_cells(shape, rule.mesh, rule.placements, rule.replica, (0,) * len(shape), shape, rule.order)
+        got = memo[memo_key] = sorted({rank for rank, _, _ in cells})
+    return got
 
 
 def _differing(es: list[Entry], want: int) -> list[tuple[int, int]]:
@@ -162,7 +189,7 @@ def _copies(es: list[Entry], first: int, last: int) -> str:
 
 
 def _wrote(writers: list[int]) -> str:
-    return f"rank(s) {writers}" if writers else "its written copy"
+    return f"rank(s) {_listed(writers)}" if writers else "its written copy"
 
 
 def _meets(copies: list[list[int]], first: int, last: int) -> bool:
