@@ -12,7 +12,9 @@ handle's background thread only waits for the outcome.
 The persist process starts with the manager, in a session of its own (the first save waits
 until it is ready: it has met the other ranks' persist processes), and is told to close with
 the manager; one that dies fails the save in hand (naming the rank, the step and how it
-ended), and the next save starts a new one.
+ended), and the next save starts a new one. With a node-local tier and several ranks, every
+persist process ends after a save that did not commit (``worker.py``), and every rank's next
+save starts a new one, met in a namespace named by that save (``_fresh``): a new tier group.
 """
 
 from __future__ import annotations
@@ -20,10 +22,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +36,7 @@ from shardkeeper.core.commit.protocol import Phase
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
 from shardkeeper.core.persist import locks
 from shardkeeper.core.persist.channel import add_counted, error_record, rebuilt, recv, send
+from shardkeeper.core.persist.spawn import how_ended, spawn
 from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.save.handle import SaveHandle
@@ -70,7 +71,9 @@ class PersistRunner(SaveRunner):
         buffers: SharedBuffers,
     ) -> None:
         super().__init__(ctx, codecs=codecs, stager=stager, plans=plans, gate=gate, hooks=hooks)
-        self._spec = spec
+        self._spec = self._now = spec  # the manager's spec; that of the running process (its namespace)
+        self._fresh = False  # the next process starts a new generation of the tiers' persist processes
+        self._leaving: list[subprocess.Popen[bytes]] = []  # processes that end on their own
         self._buffers = buffers
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -95,38 +98,25 @@ class PersistRunner(SaveRunner):
         """The persist process's pid; None once it ended (a new one starts at the next save)."""
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
-    def _start(self) -> socket.socket:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-        env["CUDA_VISIBLE_DEVICES"] = ""  # it reads host memory only: no CUDA context of its own
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", self._spec.entry, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,  # out of reach of a teardown of the trainer's process group
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,  # it prints nothing; its log goes to the trainer's stderr
-                env=env,
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        send(ours, "hello", self._spec)
+    def _start(self, seq: int = 0, entry: str | None = None) -> socket.socket:
+        """A new persist process (running ``entry`` instead of the spec's when given)."""
+        if self._fresh:  # (the old generation's store may still be up: its address key is not reused)
+            self._now = dataclasses.replace(self._spec, namespace=f"{self._spec.namespace}/gen{seq}")
+            self._fresh = False
+        self._proc, ours = spawn(self._now if entry is None else dataclasses.replace(self._now, entry=entry))
         self._sock, self._ready, self._buffer_sent = ours, False, 0
         self._plan_ids.clear()
         self._tokens.clear()
         return ours
 
-    def _channel(self) -> socket.socket:
+    def _channel(self, seq: int) -> socket.socket:
         """The channel to a persist process that is ready: it has rebuilt the writer and met
         the other ranks' persist processes, so a save handed over needs no trainer (nor the
-        job's store) any more. Starts one when there is none (or it died)."""
-        if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
+        job's store) any more. Starts one (for save ``seq``) when there is none, it died, or
+        a new generation is due."""
+        if self._sock is None or self._fresh or (self._proc is not None and self._proc.poll() is not None):
             self._drop()
-            self._start()
+            self._start(seq)
         assert self._sock is not None
         if not self._ready:
             self._await_ready(self._sock)
@@ -155,13 +145,17 @@ class PersistRunner(SaveRunner):
         self._ready = kind == "ready"
 
     def _drop(self) -> None:
-        """Forget a persist process that is gone (or to be replaced)."""
+        """Forget a persist process that is gone (or to be replaced; one of an old generation
+        ends on its own once the other ranks read its last outcome: waited for at ``close``)."""
         if self._sock is not None:
             self._sock.close()
         self._sock = None
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+            if self._fresh:
+                self._leaving.append(self._proc)
+            else:
+                self._proc.kill()
+                self._proc.wait()
         self._proc = None
 
     @property
@@ -173,7 +167,7 @@ class PersistRunner(SaveRunner):
         or a forked child); one that is gone is dropped, raising ``PersistChannelClosed(how)``."""
         with self._send_lock:
             sock = self._sock
-            if sock is None or os.getpid() != self._owner:
+            if sock is None or self._fresh or os.getpid() != self._owner:
                 return None
             try:
                 send(sock, kind, payload)
@@ -185,16 +179,7 @@ class PersistRunner(SaveRunner):
 
     def ended(self) -> str:
         """How the persist process ended, in words ("never started" when there was none)."""
-        proc = self._proc
-        if proc is None:
-            return "never started"
-        try:
-            code = proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return f"pid {proc.pid}, still running but its channel closed"
-        if code < 0:
-            return f"pid {proc.pid}, killed by {signal.Signals(-code).name}"
-        return f"pid {proc.pid}, exit status {code}"
+        return how_ended(self._proc)
 
     # -- handing a save over ------------------------------------------------------------------
     def prepare(self, step: int, seq: int, state: Any, **kwargs: Any) -> SaveJob:
@@ -219,7 +204,7 @@ class PersistRunner(SaveRunner):
         ctx = self.ctx
         placed = self._stager.allocation
         with self._send_lock:
-            sock = self._channel()
+            sock = self._channel(job.seq)
             if placed is not None and self._buffers.generation != self._buffer_sent and self._buffers.fd is not None:
                 send(sock, "buffer", self._buffers.nbytes, (self._buffers.fd,))
                 self._buffer_sent = self._buffers.generation
@@ -276,11 +261,11 @@ class PersistRunner(SaveRunner):
         with self._send_lock:
             try:
                 send(
-                    self._channel(),
+                    self._channel(seq),
                     "fail",
                     {"step": step, "seq": seq, "phase": phase.value, "error": error_record(err)},
                 )
-            except OSError as e:
+            except (OSError, CheckpointError) as e:
                 log.warning(
                     "step %d, rank %d: its persist process could not take a failed save's turn: %s",
                     step,
@@ -336,6 +321,7 @@ class PersistRunner(SaveRunner):
                 raise rebuilt(payload)
             elif kind == "outcome":
                 add_counted(payload.get("counted") or [])
+                self._fresh = self._fresh or bool(payload.get("ends"))
                 if want == "outcome" and payload["seq"] == seq:
                     return payload  # type: ignore[no-any-return]
             elif kind == want:
@@ -350,7 +336,7 @@ class PersistRunner(SaveRunner):
                 raise PersistChannelClosed("no persist process")
             return self.receive(sock, "outcome", seq)["error"]  # type: ignore[no-any-return]
         except PersistChannelClosed as e:
-            how = self.ended()
+            how, ended = self.ended(), self._fresh  # (ended: after an outcome that said it ends)
             with self._send_lock:
                 self._drop()
             if self._lock_path is not None:  # its process is gone: its lock is free, its file stale
@@ -361,10 +347,23 @@ class PersistRunner(SaveRunner):
                 f"manifest is there, else the newest step before it). The next save starts a new persist process",
                 step=step,
             )
-            if self.ctx.world_size > 1:  # a new process takes the lost save's turn: no rank waits for its report
+            if self.ctx.world_size > 1 and self._spec.tiers is not None and not ended:
+                self._lost_tiers(step, seq, err)
+            elif self.ctx.world_size > 1:  # a new process takes the lost save's turn: no rank waits for its report
                 self._take_turn(step, seq, err, Phase.WRITE)
                 self._handed.discard(seq)  # (its outcome is not waited for: the next save's read skips it)
             raise err from e
+
+    def _lost_tiers(self, step: int, seq: int, err: BaseException) -> None:
+        """A tiers' persist process died: the other ranks' end after this save, whose turn a
+        process without tiers takes in the lost one's generation (rank 0's store went with it:
+        no turn). The next save starts a new generation."""
+        if self.ctx.rank != 0:
+            with self._send_lock:
+                self._start(seq, entry="shardkeeper.core.persist.worker")
+            self._take_turn(step, seq, err, Phase.WRITE)
+            self._handed.discard(seq)  # (it ends after its turn: its outcome is not waited for)
+        self._fresh = True
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
@@ -377,20 +376,22 @@ class PersistRunner(SaveRunner):
         with self._send_lock:
             sock, proc = self._sock, self._proc
             self._sock = self._proc = None
+            leaving, self._leaving = self._leaving, []
         if sock is not None:
             try:
                 send(sock, "close")
             except OSError:
                 pass
             sock.close()
-        if proc is not None and wait_s > 0:
+        deadline = time.monotonic() + wait_s
+        for p in [*leaving, *([proc] if proc is not None else [])] if wait_s > 0 else []:
             try:
-                proc.wait(timeout=wait_s)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning(
                     "rank %d: its persist process (pid %d) is still finishing a save after %.0f s; it ends on its own",
                     self.ctx.rank,
-                    proc.pid,
+                    p.pid,
                     wait_s,
                 )
         self._buffers.close()

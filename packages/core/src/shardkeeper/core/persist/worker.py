@@ -18,6 +18,10 @@ so torchrun's teardown of its workers' process groups does not reach it, and it 
 trainer by design: once the channel closes without a
 ``close`` message (the trainer died), it finishes the save in hand, takes the turn of the
 save that will never come (so no other rank waits for it until the timeout), and exits.
+With a node-local tier and several ranks it also ends after a save that did not commit
+(``ends`` in its outcome): every rank hears that outcome, so every persist process of the
+manager ends with it, and the trainers' next save starts fresh ones, which meet anew (a new
+tier group), whatever broke the old group (a persist process killed, a rank out of step).
 """
 
 from __future__ import annotations
@@ -70,13 +74,14 @@ class Uploads(Protocol):
 @dataclass(frozen=True)
 class Writer:
     """What a persist process writes with: its context (root, coordinator, codecs), the save's
-    hooks, its uploads (None: one root), what to release at its end and a preemption's final
-    upload (``Tiering.upload_newest``; None: one root)."""
+    hooks, its uploads (None: one root), what to release at its end (``close(ending)``: True
+    when it ends after a save that did not commit) and a preemption's final upload
+    (``Tiering.upload_newest``; None: one root)."""
 
     ctx: ManagerContext
     hooks: SaveHooks
     uploads: Uploads | None = None
-    close: Callable[[], None] = lambda: None
+    close: Callable[[bool], None] = lambda ending: None
     final_upload: Callable[[float], tuple[int | None, bool]] | None = None
 
 
@@ -119,6 +124,7 @@ class Worker:
         self.buffer: memoryview | None = None
         self.plans: dict[int, tuple[Any, Any]] = {}  # the trainer's plan id -> (plan, groups)
         self.next_seq = 0
+        self.ending = False  # a save did not commit: this process ends once it answered (module doc)
 
     def serve(self, sock: socket.socket) -> int:
         """Run what the trainer sends until it says ``close`` (0) or is gone (0 as well)."""
@@ -140,6 +146,8 @@ class Worker:
                 self._uploads(sock, payload)
             else:
                 log.error("persist process of rank %d: unknown message %r", self.spec.rank, kind)
+            if self.ending:
+                return 0
 
     def _job(self, msg: dict[str, Any]) -> SaveJob:
         if msg["plan"] is not None:
@@ -197,6 +205,8 @@ class Worker:
             self.runner.run_refused(msg["step"], msg["seq"], err, Phase(msg["phase"]))
         except BaseException as e:
             error = error_record(e)
+        if isinstance(self.coord, Meeting):
+            self.coord.seen(msg["seq"])
         self._answer(sock, {"seq": msg["seq"], "error": error, "seconds": 0.0})
 
     def _uploads(self, sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -236,6 +246,10 @@ class Worker:
         return {"step": step, "done": done, "error": error}
 
     def _answer(self, sock: socket.socket, outcome: dict[str, Any]) -> None:
+        """Send a save's outcome; with a local tier and several ranks, one that did not commit
+        says this process ends (``ends``: the trainer's next save starts a new one)."""
+        spec = self.spec
+        self.ending = outcome["ends"] = outcome["error"] is not None and spec.tiers is not None and spec.world_size > 1
         try:
             send(sock, "outcome", outcome)
         except OSError:  # the trainer is gone: the save is committed (or not) all the same
@@ -266,7 +280,7 @@ class Worker:
     def close(self) -> None:
         """The uploads end first (they need rank 0's store), then rank 0 waits for the others."""
         try:
-            self._release()
+            self._release(self.ending)
         finally:
             if isinstance(self.coord, Meeting):
                 self.coord.before_exit()

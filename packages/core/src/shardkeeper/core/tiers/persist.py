@@ -259,6 +259,19 @@ class Persister:
         self.claims.sweep(step)
         return None
 
+    def abandon(self, why: str) -> None:
+        """Coordinator, its persist process ending with another rank's gone (``why``): the
+        running upload stops waiting for the other ranks' parts and fails (its step stays
+        committed in the local tier)."""
+        with self._lock:
+            steps = sorted(self.in_flight)
+        store = self.coord.channel("abandoning an upload") if steps else None
+        for step in steps:
+            assert store is not None
+            store.set(self._key(step, f"failed/{self.coord.rank}"), why)
+            store.add(self._key(step, "failures"), 1)
+            store.set(self._key(step, "wake"), b"1")
+
     def await_acks(self, wait_s: float) -> None:
         """Rank 0, about to exit (its store goes with it): wait up to ``wait_s`` until every
         rank has read the outcome of the last upload (its keys go once the last rank read it)."""

@@ -68,9 +68,16 @@ def open_tiered(spec: PersistSpec, coord: Any, io: ThreadPoolExecutor) -> Writer
             timeout_s=opts.commit_timeout_s,
         )
 
-    def close() -> None:
+    def close(ending: bool) -> None:
+        broken = tiering.group.broken
+        if ending and broken is not None and tiering.rank == 0:  # a rank's persist process is gone
+            try:
+                tiering.persister.abandon(f"the tiers' group broke ({broken}): a rank's persist process is gone")
+            except Exception:  # noqa: BLE001 - the join below waits for the upload's own end then
+                pass
         tiering.persister.join()
-        if tiering.rank == 0 and tiering.coord.world_size > 1:
+        # (ending: a rank's persist process may be dead, and the others' end too: no wait for its ack)
+        if tiering.rank == 0 and tiering.coord.world_size > 1 and not ending:
             tiering.persister.await_acks(SEEN_WAIT_S)
         tiering.close()
 
