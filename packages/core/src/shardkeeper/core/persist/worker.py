@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -292,9 +294,36 @@ class Worker:
 NICENESS = 10
 
 
+def _watch_trainer(sock: socket.socket, trainer: int, started: threading.Event) -> None:
+    """Wait for the trainer's end: its end of the channel closed, or the process ``trainer``
+    gone (a child it forked, a DataLoader worker, may hold a copy of its end of the channel
+    after it died). Before ``started`` (this process is not ready: no save was handed over)
+    end this process at once: meeting the other ranks' persist processes may wait for a job's
+    store that went with the job. After, end what the trainer sends (``serve`` reads what it
+    sent, then the channel's end: the trainer died)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP | select.POLLHUP)  # (data to read does not wake it)
+    try:
+        pidfd = os.pidfd_open(trainer)
+        poller.register(pidfd, select.POLLIN)
+    except OSError:  # (gone already, or a kernel without pidfds: the channel's end alone)
+        pass
+    poller.poll()
+    if not started.is_set():
+        log.info("persist process: its trainer ended before its first save; nothing to save")
+        os._exit(0)
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
+
+
 def main(argv: list[str], opener: Opener = one_root) -> int:
     """Serve the trainer at the other end of descriptor ``argv[1]`` with ``opener``'s writer."""
     sock = socket.socket(fileno=int(argv[1]))
+    started = threading.Event()
+    watch = (sock, os.getppid(), started)  # (spawned by its trainer, in a session of its own)
+    threading.Thread(target=_watch_trainer, args=watch, daemon=True, name="shardkeeper-watch").start()
     try:
         os.nice(NICENESS)
     except OSError:  # (a sandbox that refuses it: the save runs at the trainer's priority)
@@ -315,6 +344,7 @@ def main(argv: list[str], opener: Opener = one_root) -> int:
         except OSError:
             pass
         return 1
+    started.set()
     try:
         send(sock, "ready", os.getpid())
     except OSError:  # the trainer is gone already: what it handed over is still to be saved
