@@ -161,7 +161,7 @@ def restore_flat(
     )
     stats = _planned(plan, manifest, where)
     reader, jobs, bytes_values = _prepare_reads(
-        storage, step_dir, manifest, plan, writes, where, source, remedy, verify, max_read_bytes
+        storage, step_dir, manifest, plan, writes, where, source, remedy, verify, max_read_bytes, share is not None
     )
     batches = _batches(reader, storage, jobs, share, executor, stats, manifest.step)
     wrote: set[str] = set()
@@ -188,9 +188,11 @@ def _prepare_reads(
     remedy: str | None,
     verify: bool,
     max_read_bytes: int,
+    shared: bool,
 ) -> tuple[ChunkReader, list[Job], list[bytes]]:
     """The reader, the fill's jobs and the bytes leaves' values, once the checks that come
-    before any read into the target passed (every rewritten key, every file's end)."""
+    before any read into the target passed (every rewritten key, every file's end);
+    ``shared``: the ranks may share the reads (``restore/share.py``)."""
     stats = plan.stats
     reader = ChunkReader.of(
         storage,
@@ -201,7 +203,7 @@ def _prepare_reads(
         f"`shardkeeper verify {storage.url}`",
         verify=verify,
     )
-    direct, reads, encoded = schedule(plan.ops, reader.block, stats.bytes_needed, max_read_bytes)
+    direct, reads, encoded = schedule(plan.ops, reader.block, stats.bytes_needed, max_read_bytes, shared=shared)
     _check_rewrites(writes, plan.restored, where, manifest.step)
     _check_file_ends(reader, step_dir, plan.ops)
     # Bytes leaves are read first but set only with the objects, once every read succeeded.
