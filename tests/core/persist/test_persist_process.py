@@ -99,6 +99,7 @@ def test_a_persist_process_killed_mid_save_fails_it_loudly_and_the_next_save_goe
             h.wait()
         text = str(caught.value)
         assert "step 1" in text and "rank 0" in text and "SIGKILL" in text and str(pid) in text, text
+        assert f"under {root}" in text, text
         mgr.save(2, {"s": _state(2)}).wait()
         assert mgr._saver.pid not in (None, pid)
         assert mgr.steps() == [2]
@@ -106,6 +107,36 @@ def test_a_persist_process_killed_mid_save_fails_it_loudly_and_the_next_save_goe
     with CheckpointManager(root) as mgr:
         assert mgr.restore(target) == 2
     assert_same_state(target["s"], _state(2), what="step 2")
+
+
+def test_a_stopped_persist_process_bounds_the_wait_for_its_outcome(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A persist process that stops answering (SIGSTOP: as a hung one) makes ``wait()`` raise
+    ``CheckpointTimeoutError`` after 2 x commit_timeout_s (+ a slack, shortened here), naming
+    the step, the root, the rank and the process; once it goes on, the step commits and the
+    next save goes on with the same process (before, ``wait()`` blocked for good)."""
+    from shardkeeper.core import CheckpointTimeoutError
+    from shardkeeper.core.persist import client
+
+    monkeypatch.setattr(client, "OUTCOME_SLACK_S", 1.0)
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, writer="process", commit_timeout_s=1.0) as mgr:
+        mgr.save(1, {"s": _state(1)}).wait()
+        pid = mgr._saver.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(CheckpointTimeoutError) as caught:
+                mgr.save(2, {"s": _state(2)}).wait()
+            assert time.monotonic() - t0 < 30
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        text = str(caught.value)
+        assert "step 2" in text and "rank 0" in text and str(pid) in text and root in text, text
+        mgr.save(3, {"s": _state(3)}).wait()
+        assert mgr._saver.pid == pid and mgr.steps() == [1, 2, 3]
 
 
 def test_a_restore_waits_for_a_commit_still_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

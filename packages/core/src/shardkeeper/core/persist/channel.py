@@ -10,8 +10,10 @@ this reaches the on-storage format.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
+import time
 from typing import Any
 
 from shardkeeper.core import errors, metrics
@@ -58,8 +60,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv(sock: socket.socket) -> tuple[str, Any, list[int]]:
-    """The next message: its kind, payload and the descriptors that came with it."""
+def recv(sock: socket.socket, deadline: float | None = None) -> tuple[str, Any, list[int]]:
+    """The next message: its kind, payload and the descriptors that came with it. With a
+    ``deadline`` (``time.monotonic()``): ``TimeoutError`` when none has begun to come by then."""
+    if deadline is not None:
+        try:
+            ready = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]
+        except (OSError, ValueError) as e:  # (closed meanwhile)
+            raise PersistChannelClosed(str(e)) from e
+        if not ready:
+            raise TimeoutError("no message from the persist process by the deadline")
     try:
         head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
     except (ConnectionResetError, BrokenPipeError) as e:

@@ -36,7 +36,7 @@ from shardkeeper.core.commit.protocol import Phase
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
 from shardkeeper.core.persist import locks
 from shardkeeper.core.persist.channel import add_counted, error_record, rebuilt, recv, send
-from shardkeeper.core.persist.spawn import how_ended, spawn
+from shardkeeper.core.persist.spawn import OUTCOME_SLACK_S, ended_early, how_ended, no_outcome, spawn
 from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.save.handle import SaveHandle
@@ -306,12 +306,14 @@ class PersistRunner(SaveRunner):
         metrics.record(metrics.LAST_COMMITTED_STEP, job.step, rank=self.ctx.rank, step=job.step)
         metrics.record(metrics.SAVE_SECONDS, time.perf_counter() - t0, rank=self.ctx.rank, step=job.step)
 
-    def receive(self, sock: socket.socket, want: str, seq: int | None = None) -> dict[str, Any]:
-        """The persist process's next ``want`` message (``"outcome"``: that of save ``seq``);
-        what comes before it is taken as it comes: ``ready``, a start that ``failed`` (raised),
-        the outcome of a save whose wait was given up (its counters added)."""
+    def receive(
+        self, sock: socket.socket, want: str, seq: int | None = None, by: float | None = None
+    ) -> dict[str, Any]:
+        """The persist process's next ``want`` message (``"outcome"``: that of save ``seq``) by
+        ``by`` (else ``TimeoutError``); what comes before it is taken as it comes: ``ready``, a
+        start that ``failed`` (raised), the outcome of a save whose wait was given up."""
         while True:
-            kind, payload, fds = recv(sock)
+            kind, payload, fds = recv(sock, by)
             for fd in fds:
                 os.close(fd)
             if kind == "ready":
@@ -334,19 +336,17 @@ class PersistRunner(SaveRunner):
         try:
             if sock is None:
                 raise PersistChannelClosed("no persist process")
-            return self.receive(sock, "outcome", seq)["error"]  # type: ignore[no-any-return]
+            bound = 2 * self.ctx.settings.commit_timeout_s + OUTCOME_SLACK_S
+            return self.receive(sock, "outcome", seq, time.monotonic() + bound)["error"]  # type: ignore[no-any-return]
+        except TimeoutError:
+            raise no_outcome(step, self.ctx.rank, self.ctx.storage.url, self.pid, bound) from None
         except PersistChannelClosed as e:
             how, ended = self.ended(), self._fresh  # (ended: after an outcome that said it ends)
             with self._send_lock:
                 self._drop()
             if self._lock_path is not None:  # its process is gone: its lock is free, its file stale
                 locks.clear_if_free(self._lock_path)
-            err = CheckpointSaveError(
-                f"save of step {step} on rank {self.ctx.rank}: its persist process ended ({how}) before the "
-                f"save's outcome was known; the step may or may not be committed (a restore takes it if its "
-                f"manifest is there, else the newest step before it). The next save starts a new persist process",
-                step=step,
-            )
+            err = ended_early(step, self.ctx.rank, self.ctx.storage.url, how)
             if self.ctx.world_size > 1 and self._spec.tiers is not None and not ended:
                 self._lost_tiers(step, seq, err)
             elif self.ctx.world_size > 1:  # a new process takes the lost save's turn: no rank waits for its report

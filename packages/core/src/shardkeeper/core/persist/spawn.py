@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+from shardkeeper.core.errors import CheckpointSaveError, CheckpointTimeoutError
 from shardkeeper.core.persist.channel import send
 from shardkeeper.core.persist.spec import PersistSpec
 
@@ -51,4 +52,30 @@ def how_ended(proc: subprocess.Popen[bytes] | None) -> str:
     return f"pid {proc.pid}, exit status {code}"
 
 
-__all__ = ["how_ended", "spawn"]
+#: Beyond twice ``commit_timeout_s``, how long a trainer waits for its persist process's
+#: outcome of a save (as a restore waits for a save's lock, ``persist/locks.py``).
+OUTCOME_SLACK_S = 30.0
+
+
+def ended_early(step: int, rank: int, root: str, how: str) -> CheckpointSaveError:
+    """The error of a save whose persist process ended (``how``) before its outcome was known."""
+    return CheckpointSaveError(
+        f"save of step {step} under {root} on rank {rank}: its persist process ended ({how}) before the save's "
+        f"outcome was known; the step may or may not be committed (a restore takes it if its manifest is there, "
+        f"else the newest step before it). The next save starts a new persist process",
+        step=step,
+    )
+
+
+def no_outcome(step: int, rank: int, root: str, pid: int | None, waited_s: float) -> CheckpointTimeoutError:
+    """The error of a save whose persist process said nothing for ``waited_s`` seconds."""
+    who = f"its persist process (pid {pid})" if pid else "its persist process"
+    return CheckpointTimeoutError(
+        f"save of step {step} under {root} on rank {rank}: {who} gave no outcome within {waited_s:.0f} s "
+        f"(2 x commit_timeout_s + {OUTCOME_SLACK_S:.0f} s): it is stopped, hung or starved of CPU. The step may "
+        f"or may not be committed (a restore waits for its lock, then takes it if it is). See what it does "
+        f"(py-spy dump --pid {pid}) or end it (kill {pid}): the next save then starts a new persist process"
+    )
+
+
+__all__ = ["OUTCOME_SLACK_S", "ended_early", "how_ended", "no_outcome", "spawn"]
