@@ -40,7 +40,7 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _integral(value: Any) -> int | None:
+def integral(value: Any) -> int | None:
     """``value`` as an int when it is of an integral type (``int``, ``numpy.int64``, anything
     with ``__index__``) other than a bool; else None."""
     if isinstance(value, bool):
@@ -62,7 +62,7 @@ def check_step(method: str, step: Any, *, optional: bool = False) -> int | None:
     form = CALL_FORMS[method]
     if isinstance(step, Mapping):
         raise TypeError(f"{method}(): step must be an int, got a {type(step).__name__} (the state?); call it as {form}")
-    value = _integral(step)
+    value = integral(step)
     if value is None:
         accepted = "an int >= 0 or None" if optional else "an int >= 0"
         raise TypeError(f"{method}(): step must be {accepted}, got {_kind(step)}; call it as {form}")
@@ -110,7 +110,7 @@ def check_count(name: str, value: Any) -> int | None:
     the range is ``RetentionPolicy``'s (a ``ValueError``)."""
     if value is None:
         return None
-    count = _integral(value)
+    count = integral(value)
     if count is None:
         _refuse(name, "an int >= 1 or None", value)
     elif count < 1:
@@ -120,7 +120,7 @@ def check_count(name: str, value: Any) -> int | None:
 
 def check_replicas(value: Any) -> int:
     """``replicas``: an int >= 0."""
-    count = _integral(value)
+    count = integral(value)
     if count is None:
         _refuse("replicas", "an int >= 0", value)
     elif count < 0:
@@ -158,6 +158,7 @@ def describe_keywords() -> str:
 
 
 __all__ = [
+    "integral",
     "CALL_FORMS",
     "MANAGER_PARAMETERS",
     "check_count",

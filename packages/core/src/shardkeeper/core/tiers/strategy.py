@@ -12,7 +12,6 @@ manager's tier keywords, checked; ``open_roots`` and ``make_strategy`` choose be
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import numpy as np
 import torch.distributed as dist
 
 from shardkeeper.core.commit.committed import committed_steps, is_committed, newest_committed
-from shardkeeper.core.config.arguments import check_count, check_replicas
+from shardkeeper.core.config.arguments import check_count, check_replicas, integral
 from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
@@ -164,16 +163,6 @@ def tier_where(root: Any) -> str:
     return f"{name}, rank {rank}"
 
 
-def _int(value: Any) -> int | None:
-    """``value`` as an int when it is of an integral type other than bool (``numpy.int64``)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _kind(value: Any) -> str:
     if isinstance(value, (bool, int, float, str)):
         return f"{type(value).__name__} {value!r}"
@@ -194,7 +183,7 @@ def check_erasure(erasure: Any, replicas: int, where: str = "CheckpointManager()
             f"{where}: erasure must be a pair (k, m) of ints (k data nodes per group, m parity nodes; a tuple, or a "
             f"list from a config), got {_kind(erasure)}; pass e.g. erasure=(4, 1), or drop erasure="
         )
-    k, m = (_int(v) for v in pair)
+    k, m = (integral(v) for v in pair)
     for name, got, raw in (("k", k, pair[0]), ("m", m, pair[1])):
         if got is None:
             raise TypeError(
