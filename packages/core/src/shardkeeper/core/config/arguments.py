@@ -101,30 +101,31 @@ MANAGER_PARAMETERS = (
 )
 
 
-def _refuse(name: str, takes: str, value: Any) -> None:
-    raise TypeError(f"CheckpointManager(): {name} must be {takes}, got {_kind(value)}")
+def _refuse(name: str, takes: str, value: Any, where: str = "CheckpointManager()", remedy: str = "") -> None:
+    raise TypeError(f"{where}: {name} must be {takes}, got {_kind(value)}{remedy and f'; {remedy}'}")
 
 
-def check_count(name: str, value: Any) -> int | None:
-    """``keep_last`` / ``keep_every`` as an int or None: a wrong type is a ``TypeError`` here;
-    the range is ``RetentionPolicy``'s (a ``ValueError``)."""
+def check_count(name: str, value: Any, where: str = "CheckpointManager()", remedy: str = "") -> int | None:
+    """``keep_last`` / ``keep_every`` (and the tiers' counts) as an int or None: a wrong type
+    is a ``TypeError``, a count below 1 a ``ValueError``; both start with ``where`` (who
+    refuses) and end with ``remedy`` when given."""
     if value is None:
         return None
     count = integral(value)
     if count is None:
-        _refuse(name, "an int >= 1 or None", value)
+        _refuse(name, "an int >= 1 or None", value, where, remedy)
     elif count < 1:
-        raise ValueError(f"CheckpointManager(): {name} must be >= 1 or None (no limit), got {count}")
+        raise ValueError(f"{where}: {name} must be >= 1 or None (no limit), got {count}{remedy and f'; {remedy}'}")
     return count
 
 
-def check_replicas(value: Any) -> int:
-    """``replicas``: an int >= 0."""
+def check_replicas(value: Any, where: str = "CheckpointManager()", remedy: str = "") -> int:
+    """``replicas``: an int >= 0 (refusals as ``check_count``'s)."""
     count = integral(value)
     if count is None:
-        _refuse("replicas", "an int >= 0", value)
+        _refuse("replicas", "an int >= 0", value, where, remedy)
     elif count < 0:
-        raise ValueError(f"CheckpointManager(): replicas must be >= 0, got {count}")
+        raise ValueError(f"{where}: replicas must be >= 0, got {count}{remedy and f'; {remedy}'}")
     assert count is not None
     return count
 

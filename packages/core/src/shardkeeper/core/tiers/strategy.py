@@ -13,11 +13,10 @@ manager's tier keywords, checked; ``open_roots`` and ``make_strategy`` choose be
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch.distributed as dist
 
 from shardkeeper.core.commit.committed import committed_steps, is_committed, newest_committed
@@ -177,7 +176,7 @@ def check_erasure(erasure: Any, replicas: int, where: str = "CheckpointManager()
     ``replicas``. Refusals start with ``where`` (``tier_where``)."""
     if erasure is None:
         return None
-    pair = erasure.tolist() if isinstance(erasure, np.ndarray) else erasure
+    pair = erasure.tolist() if hasattr(erasure, "tolist") else erasure  # (a numpy array, a tensor)
     if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
         raise TypeError(
             f"{where}: erasure must be a pair (k, m) of ints (k data nodes per group, m parity nodes; a tuple, or a "
@@ -204,14 +203,6 @@ def check_erasure(erasure: Any, replicas: int, where: str = "CheckpointManager()
     return k, m
 
 
-def _checked(check: Callable[[], Any], where: str, remedy: str) -> Any:
-    """``check()``, its refusal re-raised naming ``where`` and ``remedy``."""
-    try:
-        return check()
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{where}: {str(e).removeprefix('CheckpointManager(): ')}; {remedy}") from None
-
-
 @dataclass(frozen=True)
 class TierSettings:
     """The manager's tier keywords, checked: ``local`` (None: one tier), ``persist_every``,
@@ -235,15 +226,11 @@ class TierSettings:
     ) -> TierSettings:
         """The counts' types and ranges; the other four only with ``local``. Refusals start
         with ``where`` (``tier_where``: the root and the rank) and end with the remedy."""
-        persist_every = _checked(
-            lambda: check_count("persist_every", persist_every), where, "pass persist_every=N (upload every N steps)"
+        persist_every = check_count(
+            "persist_every", persist_every, where, "pass persist_every=N (upload every N steps)"
         )
-        local_keep = _checked(
-            lambda: check_count("local_keep", local_keep), where, "pass local_keep=N (keep N steps per node)"
-        )
-        replicas = _checked(
-            lambda: check_replicas(replicas), where, "pass replicas=1 (a copy on another node), or 0 (none)"
-        )
+        local_keep = check_count("local_keep", local_keep, where, "pass local_keep=N (keep N steps per node)")
+        replicas = check_replicas(replicas, where, "pass replicas=1 (a copy on another node), or 0 (none)")
         code = check_erasure(erasure, replicas, where)
         if local is None and (persist_every is not None or replicas or local_keep is not None or code):
             raise ValueError(
