@@ -31,3 +31,28 @@ def test_meta_and_sparse_tensors_are_refused_clearly(case: int) -> None:
     with pytest.raises(TypeError, match=f"logical_partial: {said}"):
         logical_partial(t, (0,) * t.dim(), t.shape)
     assert logical_digest(torch.eye(3)) == logical_digest(torch.eye(3).to_sparse().to_dense())
+
+
+@pytest.mark.parametrize(
+    ("offsets", "global_shape", "said"),
+    [
+        ((0.5, 0), (2, 3), "offsets.*float 0.5"),
+        ((True, 0), (2, 3), "offsets.*bool True"),
+        (("1", 0), (2, 3), "offsets.*str '1'"),
+        ((1, 0), (2.9, 3), "global_shape.*float 2.9"),
+        ((1, 0), 6, "global_shape.*int"),
+    ],
+)
+def test_logical_partial_refuses_places_that_are_not_ints(offsets: object, global_shape: object, said: str) -> None:
+    """A non-integral offset or size was truncated by int() into another box's partial."""
+    with pytest.raises(TypeError, match=f"logical_partial: {said}"):
+        logical_partial(torch.ones(1, 3), offsets, global_shape)  # type: ignore[arg-type]
+
+
+def test_logical_partial_names_a_place_of_the_wrong_rank() -> None:
+    """Offsets or a global shape with another number of dimensions than the shard's are
+    named as such, not as a box outside the tensor."""
+    with pytest.raises(ValueError, match=r"logical_partial: offsets \[0\] .*1 dimension.*2-d shard"):
+        logical_partial(torch.ones(1, 3), [0], [2, 3])
+    with pytest.raises(ValueError, match=r"logical_partial: global_shape \[6\] .*1 dimension.*2-d shard"):
+        logical_partial(torch.ones(1, 3), [0, 0], [6])

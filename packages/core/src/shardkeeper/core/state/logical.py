@@ -10,8 +10,10 @@ CPU tensors are digested in host memory (numpy); a CUDA tensor on its device, by
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,8 +126,34 @@ def logical_partial(
         )
     _dense(shard, "logical_partial")
     name, _ = _dtype(shard)
-    shape = tuple(int(n) for n in global_shape)
-    return LogicalPartial(name, shape, _box_sum(shard, shape, tuple(int(o) for o in offsets)))
+    shape = _place("global_shape", global_shape, shard.dim())
+    return LogicalPartial(name, shape, _box_sum(shard, shape, _place("offsets", offsets, shard.dim())))
+
+
+def _place(what: str, values: Any, dims: int) -> tuple[int, ...]:
+    """``values`` (a plain shard's ``offsets`` or ``global_shape``) as ints, one per dimension
+    of the ``dims``-d shard: TypeError for a value that is not integral (a float or a bool,
+    which ``int()`` would truncate into another box), ValueError for another count."""
+    try:
+        items = list(values)
+    except TypeError:
+        raise TypeError(
+            f"logical_partial: {what} must be a sequence of ints, one per dimension, not a {type(values).__name__}"
+        ) from None
+    out = []
+    for v in items:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            shown = f"{type(v).__name__} {v!r}" if isinstance(v, (bool, int, float, str)) else type(v).__name__
+            raise TypeError(f"logical_partial: {what} must hold ints, got {shown}") from None
+    if len(out) != dims:
+        raise ValueError(
+            f"logical_partial: {what} {out} has {len(out)} dimension(s), for a {dims}-d shard: give one per dimension"
+        )
+    return tuple(out)
 
 
 def _first_copy(t: torch.Tensor | Fragment, layout: LocalLayout) -> bool:
