@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from shardkeeper.core import logical_digest, logical_partial
+from shardkeeper.core import logical_combine, logical_digest, logical_partial
 
 
 def _inputs() -> list[tuple[torch.Tensor, str]]:
@@ -56,3 +56,14 @@ def test_logical_partial_names_a_place_of_the_wrong_rank() -> None:
         logical_partial(torch.ones(1, 3), [0], [2, 3])
     with pytest.raises(ValueError, match=r"logical_partial: global_shape \[6\] .*1 dimension.*2-d shard"):
         logical_partial(torch.ones(1, 3), [0, 0], [6])
+
+
+def test_logical_combine_refuses_what_is_not_a_list_of_partials() -> None:
+    """A digest string or a lone partial in place of a list of partials is a TypeError
+    saying what to pass, not an AttributeError from inside."""
+    part = logical_partial(torch.ones(2), [0], [2])
+    with pytest.raises(TypeError, match=r"logical_combine\(\) takes LogicalPartial.*got a str"):
+        logical_combine([part, logical_digest(torch.ones(2))])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"logical_combine\(\) takes an iterable of LogicalPartial.*\[partial\]"):
+        logical_combine(part)  # type: ignore[arg-type]
+    assert logical_combine([part]) == logical_digest(torch.ones(2))

@@ -170,7 +170,14 @@ def _first_copy(t: torch.Tensor | Fragment, layout: LocalLayout) -> bool:
 def logical_combine(partials: Iterable[LogicalPartial]) -> str:
     """The logical digest of the tensor whose shards gave ``partials`` (in any order; each
     element held by exactly one of them)."""
+    if isinstance(partials, LogicalPartial):
+        raise TypeError("logical_combine() takes an iterable of LogicalPartial: pass [partial] for one")
     parts = list(partials)
+    for p in parts:
+        if not isinstance(p, LogicalPartial):
+            raise TypeError(
+                f"logical_combine() takes LogicalPartial values (what logical_partial returns), got a {type(p).__name__}"
+            )
     if not parts:
         raise ValueError("logical_combine() needs at least one partial (a tensor's dtype and shape come from them)")
     total = parts[0]
