@@ -67,3 +67,19 @@ def test_logical_combine_refuses_what_is_not_a_list_of_partials() -> None:
     with pytest.raises(TypeError, match=r"logical_combine\(\) takes an iterable of LogicalPartial.*\[partial\]"):
         logical_combine(part)  # type: ignore[arg-type]
     assert logical_combine([part]) == logical_digest(torch.ones(2))
+
+
+def test_a_nested_tensor_is_refused_clearly() -> None:
+    """A strided nested tensor has torch.strided layout, and torch's own error for its shape
+    is an internal one ("NestedTensorImpl doesn't support sizes")."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: nested tensors are a prototype)
+        nested = [
+            torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+            torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+        ]
+    for t in nested:
+        with pytest.raises(TypeError, match=r"logical_digest: a nested tensor .*unbind\(\)"):
+            logical_digest(t)
+        with pytest.raises(TypeError, match=r"logical_partial: a nested tensor .*unbind\(\)"):
+            logical_partial(t, [0], [2])

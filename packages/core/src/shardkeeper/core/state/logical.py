@@ -47,7 +47,12 @@ class LogicalPartial:
 
 
 def _dense(t: torch.Tensor, what: str) -> None:
-    """TypeError unless ``t`` is a dense tensor holding its elements (not meta, not sparse)."""
+    """TypeError unless ``t`` is a dense tensor holding its elements (not nested, meta or sparse)."""
+    if t.is_nested:
+        raise TypeError(
+            f"{what}: a nested tensor (components of different shapes) has no row-major elements to digest; "
+            f"digest each component of its unbind()"
+        )
     if t.device.type == "meta":
         raise TypeError(
             f"{what}: a meta tensor (shape {list(t.shape)}, {t.dtype}) holds no elements to digest; "
@@ -85,7 +90,7 @@ def logical_digest(tensor: torch.Tensor) -> str:
     digits, equal to the ``logical`` digest a checkpoint records for a leaf holding the same
     dtype, shape and elements, however it was sharded when saved. A DTensor or ShardedTensor
     is refused: ``logical_combine`` every rank's ``logical_partial``, or pass ``full_tensor()``;
-    so is a meta or sparse tensor (TypeError: no row-major elements to digest)."""
+    so is a nested, meta or sparse tensor (TypeError: no row-major elements to digest)."""
     if not isinstance(tensor, torch.Tensor) or tc.is_dtensor(tensor) or tc.is_sharded_tensor(tensor):
         raise TypeError(
             f"logical_digest takes a whole torch.Tensor, not a {type(tensor).__name__}: for a distributed "
