@@ -1,7 +1,7 @@
-"""``logical_digest`` and ``logical_partial`` refuse, with a TypeError saying what to pass
-instead, a tensor with no row-major elements: a meta tensor (no data) and sparse tensors
-(COO, CSR); torch's own error (a NotImplementedError, a RuntimeError about memory formats)
-would not say what is wrong."""
+"""``logical_digest``, ``logical_partial`` and ``logical_combine`` refuse what they cannot
+digest with an error saying what to pass instead: a tensor with no row-major elements (meta,
+sparse COO/CSR, nested), where torch's own error would not say what is wrong; a plain shard's
+place that is not one int per dimension; and what is not a list of partials."""
 
 from __future__ import annotations
 
