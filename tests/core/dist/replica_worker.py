@@ -6,13 +6,14 @@ Plain tensors (DDP's replication) and a replicated DTensor: step 1 saved with ev
 equal; step 2 with rank 1's copy of ``model/w`` one ulp off (and, for the DTensor root, its
 copy of ``norm``): the save must fail on both ranks naming the tensor, the step and the
 ranks, and step 1 stays the newest; ``logical_check="warn"`` commits step 2 with the mark in
-the manifest (chunks listed, and the DTensor recorded by its rule); ``"off"`` compares
-nothing. Each rank writes ``RESULTS/r<rank>.json``.
+the manifest (chunks listed, and the DTensor recorded by its rule), and a fresh manager's
+restore of it warns; ``"off"`` compares nothing. Each rank writes ``RESULTS/r<rank>.json``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,29 @@ def _ddp_batchnorm(root: Path, rank: int) -> dict[str, Any]:
     return out
 
 
+def _restore_marked(root: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """A fresh manager's restore of the marked step 2: the written copy's values, the warnings
+    it logged and the mark in its stats."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardkeeper").addHandler(handler)
+    try:
+        state = {"model/w": torch.zeros(6, 5), "model/b": torch.zeros(5)}
+        with CheckpointManager(root, async_save=False, logical_check="warn") as mgr:
+            step = mgr.restore(state)
+            stats = mgr.last_restore_stats
+    finally:
+        logging.getLogger("shardkeeper").removeHandler(handler)
+    written = _state(0, True, mesh, False)["model/w"]  # (rank 0's, the written copy)
+    return {
+        "step": step,
+        "written": bool(torch.equal(state["model/w"], written)),
+        "warnings": [w for w in said if "disagree" in w],
+        "stats_mark": getattr(stats, "replicas_disagree", None),
+    }
+
+
 def main(root: Path, results: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -90,6 +114,8 @@ def main(root: Path, results: Path) -> None:
                 err = f"{type(e).__name__}: {e}"
             member = mgr.manifest(mgr.latest_step()).logical or {}
             got[name] = {"error": err, "latest": mgr.latest_step(), "mark": member.get("replicas_disagree", "")}
+        if name == "warn":
+            got[name]["restore"] = _restore_marked(root / name, rank, mesh)
     with CheckpointManager(root / "off", async_save=False, logical_check="off") as mgr:
         mgr.save(1, _state(rank, True, mesh, False))
         got["off"] = {"latest": mgr.latest_step()}

@@ -3,7 +3,7 @@ not written are compared with the written one through their logical sums. At 2 r
 (``dist/replica_worker.py``): a copy one ulp off is refused on both ranks, naming the tensor,
 the step and the ranks on each side (the previous step stays the newest), for plain tensors
 (DDP) and a replicated DTensor, also when recorded by its rule (described layouts: the
-writers named from the rule); ``logical_check="warn"`` commits with the mark, for both;
+writers named from the rule); ``logical_check="warn"`` commits with the mark, for both, and a restore of that step warns;
 ``"off"`` compares nothing; a DDP model's BatchNorm buffers, which differ by rank after a forward,
 are not compared, its parameters are. At 4 ranks (``dist/submesh_replica_worker.py``): the
 copies of a DTensor on a submesh, which its mesh does not name, are compared too."""
@@ -41,6 +41,11 @@ def test_copies_that_disagree_are_refused_named_or_marked(tmp_path: Path) -> Non
         assert got["described"]["latest"] == 1, (r, got)
         assert got["warn"]["error"] == "" and got["warn"]["latest"] == 2, (r, got)
         assert "tensor 'model/w'" in got["warn"]["mark"], (r, got)
+        back = got["warn"]["restore"]  # a fresh manager's restore of the marked step warns on each rank
+        assert back["step"] == 2 and back["written"] and back["stats_mark"] == got["warn"]["mark"], (r, back)
+        (said,) = back["warnings"]
+        assert "step 2 under" in said and str(tmp_path / "roots" / "warn") in said, (r, said)
+        assert got["warn"]["mark"] in said and "rank(s) [0] wrote" in said and "shardkeeper verify" in said, (r, said)
         dw = got["described_warn"]
         assert dw["error"] == "" and dw["latest"] == 2 and norm in dw["mark"], (r, dw)
         assert got["off"]["latest"] == 1, (r, got)

@@ -9,9 +9,10 @@ edited."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -67,6 +68,36 @@ def test_a_step_committed_with_a_replicas_mark_is_readable_with_a_warning(tmp_pa
     assert "could not be checked" not in err and "storage" not in err, err
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("logical_check", ["error", "off"])
+def test_a_restore_of_a_marked_step_warns_and_says_so_in_its_stats(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, logical_check: Literal["error", "off"]
+) -> None:
+    """``restore()`` and ``load()`` of a step committed with the mark restore it (the written
+    copies), with a warning naming the root, the step, the mark's tensors and ranks, and what
+    to do; ``last_restore_stats.replicas_disagree`` holds the mark. A step without it: none."""
+    root = tmp_path / "root"
+    _save(root)
+    _edit(root, 2, _mark(SAID))
+    state: dict[str, Any] = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5)}, "n": 0}
+    with CheckpointManager(root, logical_check=logical_check) as mgr, caplog.at_level(logging.WARNING):
+        assert mgr.restore(state) == 2 and state["n"] == 2 and torch.equal(state["model"]["w"], torch.full((4, 3), 2.0))
+        stats = mgr.last_restore_stats
+        assert stats is not None and stats.replicas_disagree == SAID, stats
+        said = [r.getMessage() for r in caplog.records if "disagreed" in r.getMessage()]
+        assert len(said) == 1, said
+        assert f"step 2 under {mgr.storage.url}" in said[0] and SAID in said[0], said
+        assert "rank(s) [0] wrote" in said[0] and f"`shardkeeper verify {mgr.storage.url} 2`" in said[0], said
+        caplog.clear()
+        loaded = mgr.load(2)
+        assert torch.equal(loaded["model"]["w"], torch.full((4, 3), 2.0))
+        said = [r.getMessage() for r in caplog.records if "disagreed" in r.getMessage()]
+        assert len(said) == 1 and "load() of step 2" in said[0] and SAID in said[0], said
+        caplog.clear()
+        assert mgr.restore(state, step=1) == 1  # an unmarked step: no warning, no mark
+        assert mgr.last_restore_stats is not None and mgr.last_restore_stats.replicas_disagree is None
+        assert not [r for r in caplog.records if "disagreed" in r.getMessage()]
 
 
 @pytest.mark.parametrize(

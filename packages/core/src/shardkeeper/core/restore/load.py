@@ -31,7 +31,7 @@ from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.manifest import Manifest, itemsize
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.restore.flat import restore_flat
-from shardkeeper.core.restore.logical_check import judge
+from shardkeeper.core.restore.logical_check import judge, warn_marked
 from shardkeeper.core.restore.plan import RestoreStats, listing, matches
 from shardkeeper.core.restore.restorer import readable_manifest
 from shardkeeper.core.runtime.context import ManagerContext
@@ -255,6 +255,7 @@ def load_step(
     err = judge(ctx, stats.logical, step, collective=False)
     if err is not None:
         raise err
+    stats.replicas_disagree = warn_marked(ctx, manifest, f"load() of step {step} under {url}")
     return out, stats
 
 

@@ -14,6 +14,9 @@ world size), so every rank judges the same totals, and every copy is checked, no
 first. The check is one all-reduce of ``40 * tensors * copies`` bytes (none when every rank
 held whole tensors; at most 32 MiB: beyond, each tensor's first copy alone).
 
+A step committed with a ``replicas_disagree`` mark (its replicas disagreed at the save) is
+restored with a warning that quotes it (``warn_marked``).
+
 Not checked (counted in ``LogicalCheck.skipped``): tensors restored with a cast to another
 dtype (``cast_dtypes=True``), per-rank leaves (their stored key depends on the ``per_rank``
 policy), leaves whose save recorded no digest, and bytes leaves (set from verified chunks as
@@ -34,7 +37,7 @@ import torch
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import CorruptCheckpointError
 from shardkeeper.core.format import logical
-from shardkeeper.core.format.logical_member import digests_of
+from shardkeeper.core.format.logical_member import MARK, digests_of
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.restore.share import peer_group
@@ -248,4 +251,31 @@ def judge(ctx: Any, check: LogicalCheck | None, step: int, *, collective: bool =
     return err
 
 
-__all__ = ["LogicalCheck", "agree", "judge", "plan_check"]
+def warn_marked(ctx: Any, manifest: Manifest, where: str) -> str | None:
+    """The restored step's ``replicas_disagree`` mark (docs/format.md 6.1), logged as a warning
+    (``where``: the restore, e.g. "restore of step 3 under ROOT"), or None without one. Its
+    save committed although copies of replicated tensors disagreed (``logical_check="warn"``);
+    what was restored is each one's written copy. Warned whatever ``logical_check`` is: the
+    mark is the save's finding, not this restore's check."""
+    member = manifest.logical
+    mark = member.get(MARK) if isinstance(member, dict) else None
+    if not isinstance(mark, str) or not mark:
+        return None
+    url, step = ctx.storage.url, manifest.step
+    log.warning(
+        "%s (rank %d): step %d was committed with logical_check='warn' although copies of replicated tensors "
+        "disagreed at its save: %s. The values restored are each tensor's written copy (that of the ranks the "
+        "mark says wrote it), not the other copies, which were not saved: the ranks did not hold the same state "
+        "at that step. `shardkeeper verify %s %d` reports the mark; if the divergence matters, restore an "
+        "earlier step (restore(state, step=N))",
+        where,
+        ctx.rank,
+        step,
+        mark[:2000],
+        url,
+        step,
+    )
+    return mark
+
+
+__all__ = ["LogicalCheck", "agree", "judge", "plan_check", "warn_marked"]

@@ -59,6 +59,9 @@ class RestoreStats:
     #: this rank's part of the check of what it assembled (``restore/logical_check.py``):
     #: None when not checked (no digests recorded, ``logical_check="off"``)
     logical: Any = None
+    #: the restored step's ``replicas_disagree`` mark (docs/format.md 6.1: copies of these
+    #: replicated tensors disagreed at its save; each written copy was restored), else None
+    replicas_disagree: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_read(self, file: str, n: int, *, direct: bool = False) -> None:

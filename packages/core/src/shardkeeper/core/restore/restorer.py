@@ -37,7 +37,7 @@ from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.progress import merge_back, read_progress, split_targets
 from shardkeeper.core.lifecycle.quarantine import named_files
 from shardkeeper.core.restore.flat import TargetWrites, restore_flat
-from shardkeeper.core.restore.logical_check import judge
+from shardkeeper.core.restore.logical_check import judge, warn_marked
 from shardkeeper.core.restore.plan import RestoreStats
 from shardkeeper.core.restore.quarantine import WHOLE_STEP, quarantine_passed_over
 from shardkeeper.core.restore.request import RestoreRequest
@@ -126,6 +126,10 @@ class Restorer:
                     verdict = Verdict.DAMAGED
             if verdict is Verdict.RESTORED:
                 self.last_manifest = self._loaded
+                assert self._loaded is not None
+                mark = warn_marked(ctx, self._loaded, f"restore of step {s} under {url}")
+                if self.last_stats is not None:
+                    self.last_stats.replicas_disagree = mark
                 if last_error is not None:
                     log.warning(
                         "rank %d restored step %d under %s instead of the newer, damaged step(s) %s "
