@@ -46,7 +46,7 @@ from shardkeeper.core.save.plan import PlanCache
 from shardkeeper.core.save.rank_write import write_rank
 from shardkeeper.core.save.replicas import ReplicaSums
 from shardkeeper.core.save.replicas import judge as judge_replicas
-from shardkeeper.core.save.stage import Stager
+from shardkeeper.core.save.stage import Stager, raise_refused
 from shardkeeper.core.save.timings import save_timings
 from shardkeeper.core.state.flatten import flatten_for_save
 from shardkeeper.core.state.quantize import state_metadata
@@ -117,22 +117,26 @@ class SaveRunner:
         ctx, settings = self.ctx, self.ctx.settings
         flat = flatten_for_save(state, ctx.rank)
         describe = settings.describe_layouts if settings.compression in (None, "none") else False
-        plan, groups = self._plans.plan(
-            flat, ctx.rank, ctx.world_size, settings.max_files_per_rank, settings.min_file_bytes, describe
-        )
-        # A synchronous save returns after the commit, so the caller cannot change its tensors
-        # meanwhile: they are written from their own memory, without a staging copy.
-        defer = None
-        if settings.staging == "overlap" and not sync:
-            optimizers = find_optimizers(state)
-            self._gate.install(optimizers)
-            owned = OptimizerTensors(optimizers)
-            if owned:
-                defer = owned.owners
-        sums = ReplicaSums(flat, plan, ctx.rank, ctx.world_size) if settings.logical_check != "off" else None
-        spans, deferred = self._stager.stage_split(
-            groups, copy=self.stage_always or not sync, defer=defer, token=plan.token, sources=plan.sources
-        )
+        try:
+            plan, groups = self._plans.plan(
+                flat, ctx.rank, ctx.world_size, settings.max_files_per_rank, settings.min_file_bytes, describe
+            )
+            # A synchronous save returns after the commit, so the caller cannot change its tensors
+            # meanwhile: they are written from their own memory, without a staging copy.
+            defer = None
+            if settings.staging == "overlap" and not sync:
+                optimizers = find_optimizers(state)
+                self._gate.install(optimizers)
+                owned = OptimizerTensors(optimizers)
+                if owned:
+                    defer = owned.owners
+            sums = ReplicaSums(flat, plan, ctx.rank, ctx.world_size) if settings.logical_check != "off" else None
+            spans, deferred = self._stager.stage_split(
+                groups, copy=self.stage_always or not sync, defer=defer, token=plan.token, sources=plan.sources
+            )
+        except Exception:  # (a nested tensor fails the plan, a sparse or meta one the copy)
+            raise_refused(flat, f"save of step {step} on rank {ctx.rank}")
+            raise
         replicas = sums.member() if sums is not None else None  # (before save() returns)
         objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly
         meta, _ = snapshot({**defaults, **state_metadata(state), **dict(metadata or {})}, "metadata key")

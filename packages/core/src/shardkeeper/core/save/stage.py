@@ -22,6 +22,7 @@ from shardkeeper.core.save.pinned import cuda_devices, host_buffer
 from shardkeeper.core.save.plan import WriteItem
 from shardkeeper.core.state import _torch_compat as tc
 from shardkeeper.core.state.chunks import contiguous_strides
+from shardkeeper.core.state.flatten import FlatState
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -36,23 +37,45 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def unreadable(key: str, t: torch.Tensor) -> StateMismatchError | None:
+def unreadable(key: str, t: torch.Tensor, where: str = "") -> StateMismatchError | None:
     """Why the bytes of ``t`` (state key ``key``) cannot be staged, or None: the format stores
-    dense (strided) tensors with data, so a sparse or mkldnn layout, or a tensor on the meta
-    device, is refused before anything is written, naming the remedy, as a dtype the format
-    does not store is (``save/plan.py``)."""
+    dense (strided) tensors with data, so a nested tensor (of either layout), a sparse or
+    mkldnn layout, or a tensor on the meta device, is refused before anything is written,
+    naming the remedy (and ``where``: the save's step and rank), as a dtype the format does
+    not store is (``save/plan.py``)."""
+    head = f"{where}: state key {key!r}" if where else f"state key {key!r}"
+    if t.is_nested:
+        return StateMismatchError(
+            f"{head} is a nested tensor (components of different shapes), which the format does not store "
+            f"(only dense, strided tensors); save its components instead: .unbind() gives a list of tensors, or "
+            f"torch.nested.to_padded_tensor(t, 0.0) one padded tensor"
+        )
     if t.layout is not torch.strided:
         layout = str(t.layout).removeprefix("torch.").lstrip("_")
         return StateMismatchError(
-            f"state key {key!r} is a tensor of layout {layout}, which the format does not store (only dense, strided "
+            f"{head} is a tensor of layout {layout}, which the format does not store (only dense, strided "
             f"tensors); convert it first: .to_dense()"
         )
     if t.device.type == "meta":
         return StateMismatchError(
-            f"state key {key!r} is a tensor on the meta device, which holds no data to save; materialise it "
+            f"{head} is a tensor on the meta device, which holds no data to save; materialise it "
             f"first (e.g. module.to_empty(device='cpu') then initialise or load its values)"
         )
     return None
+
+
+def raise_refused(flat: FlatState, where: str) -> None:
+    """Raise ``unreadable``'s refusal of the first tensor leaf of ``flat`` that cannot be
+    staged, naming ``where`` (not caused by torch's error); return when none. A DTensor or
+    ShardedTensor (a wrapper of local tensors, which the copy checks) is passed over. For a
+    save whose plan or copy failed: checking every leaf up front would cost every save."""
+    for key, leaf in flat.leaves.items():
+        t = leaf.value
+        if leaf.kind != "tensor" or not isinstance(t, torch.Tensor) or tc.is_dtensor(t) or tc.is_sharded_tensor(t):
+            continue
+        err = unreadable(key, t, where)
+        if err is not None:
+            raise err from None
 
 
 def _check_readable(items: Sequence[WriteItem], srcs: Sequence[torch.Tensor]) -> None:
@@ -339,4 +362,4 @@ class _Layout:
     pads: list[torch.Tensor]
 
 
-__all__ = ["DIRECT_MIN_BYTES", "Span", "Stager", "unreadable"]
+__all__ = ["DIRECT_MIN_BYTES", "Span", "Stager", "raise_refused", "unreadable"]
