@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from shardkeeper.core import CheckpointManager, metrics
-from shardkeeper.core.errors import CorruptCheckpointError
+from shardkeeper.core.errors import CorruptCheckpointError, StateMismatchError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.logical_member import MARK, MARK_CHARS, combine_reports, tensor_keys
 from shardkeeper.core.format.manifest import Manifest
@@ -141,6 +141,33 @@ def test_the_writer_bounds_its_mark(tmp_path: Path) -> None:
     before = metrics.LOGICAL_MISMATCHES.total()
     judge(cast(Manifest, SimpleNamespace(logical=member, step=7)), "warn", 0)
     assert metrics.LOGICAL_MISMATCHES.total() - before == 2000
+
+
+def test_a_bytes_leaf_whose_copies_disagree_is_named_as_one(tmp_path: Path, capsys: Any) -> None:
+    """A bytes leaf's copies are compared as a tensor's are; the mark, the save's refusal and
+    the metric name it as a bytes leaf, with advice for bytes, not for a tensor; so does
+    ``verify``'s warning of a step committed with such a mark."""
+    declared = {"b": ["bytes", "uint8", [3]], "model/w": ["tensor", "float32", [2]]}
+    writer = {"rank": 0, "chunks": {"keys": ["b", "model/w"], "logical": "5,7"}}
+    copy = {"keys": ["b", "model/w"], "copies": [1, 1], "sums": "6,7"}  # (its bytes differ, its tensor agrees)
+    member = combine_reports(
+        [writer, {"rank": 1, "chunks": {"keys": [], "logical": "", "replicas": copy}}], declared, []
+    )
+    assert member is not None
+    assert member[MARK] == "bytes leaf 'b': the copy on rank(s) [1] differs from the one rank(s) [0] wrote", member
+    before = metrics.LOGICAL_MISMATCHES.total()
+    with pytest.raises(StateMismatchError) as e:
+        judge(cast(Manifest, SimpleNamespace(logical=member, step=7)), "error", 0)
+    said = str(e.value)
+    assert metrics.LOGICAL_MISMATCHES.total() - before == 1
+    assert "step 7: copies of replicated bytes leaves disagree: bytes leaf 'b'" in said, said
+    assert "these bytes differ between ranks" in said and "per-rank key" in said, said
+    assert "tensor" not in said.replace("more tensor", ""), said  # (no tensor's advice)
+    root = tmp_path / "root"
+    _save(root)
+    _edit(root, 2, _mark(member[MARK]))
+    code, out, _ = run(capsys, "verify", root, "2")
+    assert code == 0 and "although copies of replicated bytes leaves disagreed at the save: bytes leaf 'b'" in out, out
 
 
 def test_a_null_logical_member_is_damage(tmp_path: Path, capsys: Any) -> None:

@@ -168,15 +168,24 @@ def _mark(disagree: Sequence[str]) -> str:
 
 
 def disagreements_in(mark: str) -> int:
-    """How many tensors a ``replicas_disagree`` mark names: its entries (each begins
-    ``tensor ``), plus the ``N`` of a trailing ``; and N more tensor(s)``."""
+    """How many leaves a ``replicas_disagree`` mark names: its entries (each begins
+    ``tensor `` or ``bytes leaf ``), plus the ``N`` of a trailing ``; and N more tensor(s)``."""
     more = _MORE.search(mark)
     shown = mark[: more.start()] if more else mark
     return len(_ENTRY.findall(shown)) + (int(more.group(1)) if more else 0)
 
 
+def marked_kinds(mark: str) -> str:
+    """What a ``replicas_disagree`` mark's entries are, as a message says them: ``tensors``,
+    ``bytes leaves`` or ``tensors and bytes leaves`` (those it only counts taken as tensors)."""
+    found = {m.group(1) for m in _ENTRY.finditer(mark)}
+    if "bytes leaf" not in found:
+        return "tensors"
+    return "tensors and bytes leaves" if "tensor" in found or _MORE.search(mark) else "bytes leaves"
+
+
 _MORE = re.compile(r"; and (\d+) more tensor\(s\)$")
-_ENTRY = re.compile(r"(?:^|; )tensor ")
+_ENTRY = re.compile(r"(?:^|; )(tensor|bytes leaf) ")
 
 
 __all__ = [
@@ -191,6 +200,7 @@ __all__ = [
     "digests_of",
     "disagreements_in",
     "encode_sums",
+    "marked_kinds",
     "member_of",
     "member_problem",
     "tensor_keys",

@@ -114,7 +114,7 @@ def disagreements(
     rules: Mapping[str, Rule] | None = None,
 ) -> list[str]:
     """The copies whose sums (every report's entries added) differ from the written copy's
-    (``sums``), each naming the tensor, the copies' ranks and the ranks that wrote it (of a
+    (``sums``), each naming the tensor (or bytes leaf, as such), the copies' ranks and the ranks that wrote it (of a
     described leaf, of ``rules``: key -> its rule, those the rule gives its boxes)."""
     rules = rules or {}
     memo: dict[tuple[Any, ...], list[int]] = {}
@@ -139,7 +139,8 @@ def disagreements(
                 writers = [r["rank"] for r in reports if key in r["chunks"].get("keys", ())]
             else:
                 writers = _rule_writers(rule, tuple(declared[key][2]), memo)
-            out.append(f"tensor {key!r}: the {_copies(es, first, last)} differs from the one {_wrote(writers)} wrote")
+            what = "bytes leaf" if declared[key][0] == "bytes" else "tensor"
+            out.append(f"{what} {key!r}: the {_copies(es, first, last)} differs from the one {_wrote(writers)} wrote")
     return out
 
 

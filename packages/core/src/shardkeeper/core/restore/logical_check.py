@@ -37,7 +37,7 @@ import torch
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import CorruptCheckpointError
 from shardkeeper.core.format import logical
-from shardkeeper.core.format.logical_member import MARK, digests_of
+from shardkeeper.core.format.logical_member import MARK, digests_of, marked_kinds
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.table import TableLeaves
 from shardkeeper.core.restore.share import peer_group
@@ -263,14 +263,15 @@ def warn_marked(ctx: Any, manifest: Manifest, where: str) -> str | None:
         return None
     url, step = ctx.storage.url, manifest.step
     log.warning(
-        "%s (rank %d): step %d was committed with logical_check='warn' although copies of replicated tensors "
-        "disagreed at its save: %s. The values restored are each tensor's written copy (that of the ranks the "
+        "%s (rank %d): step %d was committed with logical_check='warn' although copies of replicated %s "
+        "disagreed at its save: %s. The values restored are each one's written copy (that of the ranks the "
         "mark says wrote it), not the other copies, which were not saved: the ranks did not hold the same state "
         "at that step. `shardkeeper verify %s %d` reports the mark; if the divergence matters, restore an "
         "earlier step (restore(state, step=N))",
         where,
         ctx.rank,
         step,
+        marked_kinds(mark),
         mark[:2000],
         url,
         step,

@@ -33,7 +33,7 @@ import torch
 
 from shardkeeper.core import metrics
 from shardkeeper.core.errors import StateMismatchError
-from shardkeeper.core.format.logical_member import REPLICAS, disagreements_in, encode_sums
+from shardkeeper.core.format.logical_member import REPLICAS, disagreements_in, encode_sums, marked_kinds
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.save.plan import SavePlan
 from shardkeeper.core.state.chunks import Piece, layout_of
@@ -124,6 +124,20 @@ def with_replicas(chunks: dict[str, Any], member: dict[str, Any] | None) -> dict
     return chunks if not member else {**chunks, REPLICAS: member}
 
 
+#: What a refusal or warning says of the disagreeing copies of tensors, and of bytes leaves.
+_TENSORS = (
+    "A plain tensor in the state is taken as replicated (DDP): if it is per-rank state (a counter, an RNG "
+    "state, a rank's own statistics), wrap it in PerRank(...) (RNGState() for RNG states); if it is a "
+    "parameter or optimizer state, a replica diverged (silent data corruption on a device, a "
+    "nondeterministic kernel, a framework bug) and the ranks do not train the same model"
+)
+_BYTES = (
+    "A bytes leaf is taken as replicated too, saved once for every rank, but these bytes differ between "
+    "ranks: if they are per-rank data, save them under a per-rank key (PerRank(...)); else make them "
+    "identical on every rank"
+)
+
+
 def judge(manifest: Manifest, mode: str, rank: int) -> None:
     """The coordinator's verdict on a merged manifest whose replicas disagree: raise (the
     save fails on every rank, the previous step stays the newest) for ``"error"``; warn and
@@ -133,13 +147,10 @@ def judge(manifest: Manifest, mode: str, rank: int) -> None:
     if not said:
         return
     metrics.record(metrics.LOGICAL_MISMATCHES, disagreements_in(str(said)), rank=rank, step=manifest.step)
-    text = (
-        f"step {manifest.step}: copies of a replicated tensor disagree: {str(said)[:2000]}. A plain tensor "
-        f"in the state is taken as replicated (DDP): if it is per-rank state (a counter, an RNG state, a "
-        f"rank's own statistics), wrap it in PerRank(...) (RNGState() for RNG states); if it is a "
-        f"parameter or optimizer state, a replica diverged (silent data corruption on a device, a "
-        f"nondeterministic kernel, a framework bug) and the ranks do not train the same model"
-    )
+    kinds = marked_kinds(str(said))
+    advice = [_TENSORS] if "tensors" in kinds else []
+    advice += [_BYTES] if "bytes" in kinds else []
+    text = f"step {manifest.step}: copies of replicated {kinds} disagree: {str(said)[:2000]}. {'. '.join(advice)}"
     if mode == "warn":
         log.warning("%s; logical_check='warn': committed with the mark, which `shardkeeper verify` reports", text)
         return

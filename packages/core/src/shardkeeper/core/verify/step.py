@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection
 from shardkeeper.core.commit.committed import load_manifest
 from shardkeeper.core.errors import CheckpointError
 from shardkeeper.core.format.layout import step_dir
-from shardkeeper.core.format.logical_member import MARK
+from shardkeeper.core.format.logical_member import MARK, marked_kinds
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.util.sizes import human_size
@@ -134,7 +134,8 @@ def _verify(
                 step=step,
                 kind="replicas",
                 message=f"step {step} was committed with logical_check='warn' although copies of replicated "
-                f"tensors disagreed at the save: {str(said)[:2000]}; the written copy is what a restore gets",
+                f"{marked_kinds(str(said))} disagreed at the save: {str(said)[:2000]}; the written copy is what a "
+                f"restore gets",
             )
         )
     if m.encryption is not None and not getattr(storage, "authenticate", False):
