@@ -305,3 +305,21 @@ def test_every_spelling_of_a_root_shares_its_locks(tmp_path: Path, monkeypatch: 
     with pytest.raises(CheckpointError, match="cannot be made"):
         CheckpointManager(str(real), writer="process")
     assert not (tmp_path / "no").exists()
+
+
+def test_a_persist_process_imports_nothing_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m`` puts the working directory before the standard library on the path: a
+    ``json.py`` in a trainer's working directory (another user's to write, in a shared
+    directory) would run as the trainer's user in its persist process."""
+    planted = tmp_path / "cwd"
+    planted.mkdir()
+    ran = tmp_path / "ran"
+    (planted / "json.py").write_text(f"open({str(ran)!r}, 'w').close()\nraise ImportError('planted')\n")
+    monkeypatch.chdir(planted)
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "locks"))
+    with CheckpointManager(str(tmp_path / "root"), writer="process") as mgr:
+        mgr.save(1, {"s": _state(1)}).wait()
+        assert mgr.steps() == [1]
+    assert not ran.exists(), "the persist process imported json.py from the working directory"

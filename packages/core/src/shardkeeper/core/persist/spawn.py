@@ -13,6 +13,17 @@ from shardkeeper.core.errors import CheckpointSaveError, CheckpointTimeoutError
 from shardkeeper.core.persist.channel import send
 from shardkeeper.core.persist.spec import PersistSpec
 
+#: How a persist process runs its module: as ``python -m`` would, without the working directory
+#: first on the path (``-m`` puts it before the standard library, so a ``json.py`` there, in a
+#: directory others may write, would run in the persist process; ``-P`` would do, from 3.11 on).
+_BOOT = (
+    "import sys\n"
+    "if sys.path[:1] == ['']: del sys.path[0]\n"
+    "entry = sys.argv.pop(1)\n"
+    "import runpy\n"
+    "runpy.run_module(entry, run_name='__main__', alter_sys=True)\n"
+)
+
 
 def spawn(spec: PersistSpec) -> tuple[subprocess.Popen[bytes], socket.socket]:
     """A persist process running ``spec.entry``, in a session of its own, and the trainer's end
@@ -23,7 +34,7 @@ def spawn(spec: PersistSpec) -> tuple[subprocess.Popen[bytes], socket.socket]:
     env["CUDA_VISIBLE_DEVICES"] = ""  # it reads host memory only: no CUDA context of its own
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", spec.entry, str(theirs.fileno())],
+            [sys.executable, "-c", _BOOT, spec.entry, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             start_new_session=True,  # out of reach of a teardown of the trainer's process group
             stdin=subprocess.DEVNULL,
