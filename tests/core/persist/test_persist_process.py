@@ -323,3 +323,23 @@ def test_a_persist_process_imports_nothing_from_the_working_directory(
         mgr.save(1, {"s": _state(1)}).wait()
         assert mgr.steps() == [1]
     assert not ran.exists(), "the persist process imported json.py from the working directory"
+
+
+def test_a_persist_process_that_dies_before_it_is_ready_fails_the_save_as_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first save waits for its persist process to be ready; one killed meanwhile (its
+    start crashed, the OOM killer) fails that save with the error a dead persist process gives,
+    naming how it ended, and the next save starts a new one."""
+    import threading
+
+    monkeypatch.setenv("SHARDKEEPER_PERSIST_LOCKS", str(tmp_path / "locks"))
+    with CheckpointManager(str(tmp_path / "root"), writer="process") as mgr:
+        pid = mgr._saver.pid
+        assert pid is not None
+        threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()  # torch alone takes longer to import
+        with pytest.raises(CheckpointSaveError) as caught:
+            mgr.save(1, {"s": _state(1)}).wait()
+        assert "SIGKILL" in str(caught.value) and str(pid) in str(caught.value), str(caught.value)
+        mgr.save(2, {"s": _state(2)}).wait()
+        assert mgr.steps() == [2]

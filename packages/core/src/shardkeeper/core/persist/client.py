@@ -36,7 +36,7 @@ from shardkeeper.core.commit.protocol import Phase
 from shardkeeper.core.errors import CheckpointError, CheckpointSaveError, PersistChannelClosed
 from shardkeeper.core.persist import locks
 from shardkeeper.core.persist.channel import add_counted, error_record, rebuilt, recv, send
-from shardkeeper.core.persist.spawn import OUTCOME_SLACK_S, ended_early, how_ended, no_outcome, spawn
+from shardkeeper.core.persist.spawn import OUTCOME_SLACK_S, ended_early, how_ended, no_outcome, not_ready, spawn
 from shardkeeper.core.persist.spec import PersistSpec
 from shardkeeper.core.runtime.context import ManagerContext
 from shardkeeper.core.save.handle import SaveHandle
@@ -127,13 +127,10 @@ class PersistRunner(SaveRunner):
         sock.settimeout(timeout_s)
         try:
             kind, payload, fds = recv(sock)
-        except TimeoutError:
+        except (TimeoutError, PersistChannelClosed) as e:  # (closed: its start crashed, or it was killed)
+            how = self.ended() if isinstance(e, PersistChannelClosed) else None
             self._drop()
-            raise CheckpointSaveError(
-                f"rank {self.ctx.rank}: its persist process did not meet the other ranks' within {timeout_s:.0f} s "
-                f"(is every rank saving with writer='process', and rank 0 alive?); nothing was saved",
-                step=-1,
-            ) from None
+            raise not_ready(self.ctx.rank, timeout_s, how) from None
         finally:
             if self._sock is not None:
                 sock.settimeout(None)

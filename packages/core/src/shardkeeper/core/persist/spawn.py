@@ -78,6 +78,21 @@ def ended_early(step: int, rank: int, root: str, how: str) -> CheckpointSaveErro
     )
 
 
+def not_ready(rank: int, timeout_s: float, how: str | None) -> CheckpointSaveError:
+    """The error of a save whose persist process never said it was ready: it ended (``how``),
+    or did not meet the other ranks' within ``timeout_s`` (``how`` None)."""
+    what = (
+        f"ended ({how}) before it was ready"
+        if how is not None
+        else f"did not meet the other ranks' within {timeout_s:.0f} s (is every rank saving with writer='process', "
+        f"and rank 0 alive?)"
+    )
+    return CheckpointSaveError(
+        f"rank {rank}: its persist process {what}; nothing was saved. The next save starts a new persist process",
+        step=-1,
+    )
+
+
 def no_outcome(step: int, rank: int, root: str, pid: int | None, waited_s: float) -> CheckpointTimeoutError:
     """The error of a save whose persist process said nothing for ``waited_s`` seconds."""
     who = f"its persist process (pid {pid})" if pid else "its persist process"
@@ -89,4 +104,4 @@ def no_outcome(step: int, rank: int, root: str, pid: int | None, waited_s: float
     )
 
 
-__all__ = ["OUTCOME_SLACK_S", "ended_early", "how_ended", "no_outcome", "spawn"]
+__all__ = ["OUTCOME_SLACK_S", "ended_early", "how_ended", "no_outcome", "not_ready", "spawn"]
