@@ -1,5 +1,6 @@
 """The persist process: one per rank of a manager with ``writer="process"``, started by its
-trainer with the manager (``python -m shardkeeper.core.persist.worker FD``).
+trainer with the manager (as ``python -m shardkeeper.core.persist.worker FD`` would, without
+the working directory on the path: ``spawn.py``).
 
 It rebuilds the manager's writer from the ``PersistSpec`` it is sent first (the root opened
 the same way, the same codecs, a coordinator of its own: ``meeting.py``), then
