@@ -84,13 +84,29 @@ def short(namespace: str) -> str:
     return namespace.rsplit("/", 1)[-1]
 
 
+def _at(fd: int, path: Path | str) -> bool:
+    """``fd`` is the file at ``path`` (not one removed from it between its open and its lock)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+    except FileNotFoundError:
+        return False
+
+
 def hold(url: str, namespace: str, rank: int, step: int) -> tuple[int, Path]:
     """An open, exclusively locked file for the save of ``step`` by ``rank`` of the manager
     ``namespace`` on the root ``url``: its descriptor and path."""
     path = _own_dir() / f"{root_tag(url)}.{short(namespace)}.{rank}.{step}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    while True:  # (a stale file there may be removed by a waiter between the open and the lock)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _at(fd, path):
+            break
+        os.close(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} rank {rank} step {step}\n".encode())
     except BaseException:
@@ -148,6 +164,9 @@ def clear_if_free(path: Path | str) -> bool:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return False
         raise
+    if not _at(fd, path):  # released meanwhile, and the path may be a new holder's file now
+        os.close(fd)
+        return clear_if_free(path)
     try:
         os.unlink(path)
     except OSError:
