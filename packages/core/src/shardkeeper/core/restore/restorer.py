@@ -83,6 +83,24 @@ class Restorer:
                 target.load_progress(progress)
         return restored
 
+    def _candidates(self, request: RestoreRequest) -> list[int]:
+        """The steps to try, newest first, the same on every rank (``CheckpointNotFoundError``
+        when there are none). By listing alone: each candidate's manifest is validated when it
+        is loaded, and a damaged one falls back to the next (never a parse of every manifest)."""
+        ctx, step = self.ctx, request.step
+        agreed = request.agreed and step is not None  # (two collectives fewer: the tiers agreed on it)
+        if ctx.world_size > 1 and not agreed:
+            self._same_step_everywhere(step)
+        candidates = [step] if step is not None else sorted(commit.manifest_steps(ctx.storage), reverse=True)
+        if ctx.world_size > 1 and not agreed:
+            candidates = self._agree_candidates(candidates)
+        if not candidates:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {ctx.storage.url}; nothing to restore (rank "
+                f"{ctx.rank}). Check the root, or start training from scratch"
+            )
+        return candidates
+
     def restore(
         self, state: Mapping[str, Any], request: RestoreRequest, *, stacklevel: int = 1, allow_empty: bool = False
     ) -> int:
@@ -92,21 +110,8 @@ class Restorer:
         progress targets alone, which read the manifest)."""
         ctx = self.ctx
         url = ctx.storage.url
-        step = request.step
-        explicit = step is not None
-        # Newest first by listing alone: each candidate's manifest is validated when it is
-        # loaded, and a damaged one falls back to the next (never a parse of every manifest).
-        agreed = request.agreed and step is not None  # (two collectives fewer: the tiers agreed on it)
-        if ctx.world_size > 1 and not agreed:
-            self._same_step_everywhere(step)
-        candidates = [step] if step is not None else sorted(commit.manifest_steps(ctx.storage), reverse=True)
-        if ctx.world_size > 1 and not agreed:
-            candidates = self._agree_candidates(candidates)
-        if not candidates:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint under {url}; nothing to restore (rank "
-                f"{ctx.rank}). Check the root, or start training from scratch"
-            )
+        explicit = request.step is not None
+        candidates = self._candidates(request)
         self.quarantined = []
         last_error: BaseException | None = None
         damaged: dict[int, list[str]] = {}  # the steps to quarantine -> the files this rank found damaged
