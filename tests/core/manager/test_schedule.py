@@ -250,5 +250,8 @@ def test_two_ranks_with_different_clocks_agree_on_every_answer(tmp_path: Path) -
         assert r0["steps"] == r1["steps"] == r0["said"], (name, r0, r1)  # every save committed
         assert r0["checks"] == r1["checks"] <= 0.6 * r0["calls"], (name, r0["checks"], r0["calls"])  # not every step
     seconds = seen[0]["seconds"]
-    # rank 0's clock: one save per 0.5 s of its time (rank 1's would make about 7x as many)
-    assert abs(len(seconds["said"]) - seconds["elapsed"] / 0.5) <= 2, seconds
+    # rank 0's clock: one save per 0.5 s of its time (rank 1's would make about 7x as many), or
+    # fewer where the synchronous saves themselves are slow (a loaded machine): the pace each
+    # check measures then includes the save, and the next check comes later
+    due = seconds["elapsed"] / 0.5
+    assert max(2.0, due / 2) <= len(seconds["said"]) <= due + 2, seconds
