@@ -2,10 +2,11 @@
 2 gloo ranks under torchrun, each its own local directory (two simulated nodes),
 ``replicas=1``.
 
-    tier_persist_kill_worker.py OUT MODE
+    tier_persist_kill_worker.py OUT MODE [KILLED]
 
-MODE ``kill``: step 1 is saved; rank 1's persist process is stopped and SIGKILLed right after
-``save(2)`` returned: step 2 fails on both ranks (well within the commit timeout), and step 3
+MODE ``kill``: step 1 is saved; rank KILLED's persist process (default 1; rank 0's is the one
+whose store the persist processes meet on) is stopped and SIGKILLed right after ``save(2)``
+returned: step 2 fails on both ranks (well within the commit timeout), and step 3
 commits on both, recorded on both nodes. Each persist process's pid goes to ``pids<rank>``.
 MODE ``resume``: a fresh launch (thread writer) finds step 3 on both nodes, loses node 1's
 directory and restores step 3 bit for bit from the local tier (node 1's files from their
@@ -41,7 +42,7 @@ def manifests(node: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in node.glob("step-*") if (p / "manifest.json").exists())
 
 
-def kill(out: Path, rank: int, kw: dict[str, Any]) -> None:
+def kill(out: Path, rank: int, kw: dict[str, Any], killed: int) -> None:
     pids: list[int] = []
     with CheckpointManager(out / "root", writer="process", **kw) as mgr:
         mgr.save(1, state(1, rank)).wait()
@@ -49,7 +50,7 @@ def kill(out: Path, rank: int, kw: dict[str, Any]) -> None:
         dist.barrier()
         t0 = time.monotonic()
         h = mgr.save(2, state(2, rank))
-        if rank == 1:  # stopped before it can write, then killed: it never reports
+        if rank == killed:  # stopped before it can write, then killed: it never reports
             os.kill(pids[0], signal.SIGSTOP)
             os.kill(pids[0], signal.SIGKILL)
         try:
@@ -57,10 +58,10 @@ def kill(out: Path, rank: int, kw: dict[str, Any]) -> None:
         except CheckpointSaveError as e:
             text = str(e)
             check("save 2 fails naming its step and a rank", "step 2" in text and "rank" in text, text)
-            if rank == 1:
-                check("rank 1's failure names the signal", "rank 1" in text and "SIGKILL" in text, text)
+            if rank == killed:
+                check(f"rank {rank}'s failure names the signal", f"rank {rank}" in text and "SIGKILL" in text, text)
         else:
-            check("save 2 fails", False, "committed although rank 1's persist process was killed")
+            check("save 2 fails", False, f"committed although rank {killed}'s persist process was killed")
         waited = time.monotonic() - t0
         check("save 2's failure heard well within the commit timeout", waited < 30, f"{waited:.1f} s")
         dist.barrier()
@@ -101,10 +102,11 @@ def resume(out: Path, rank: int, kw: dict[str, Any]) -> None:
 
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
+    killed = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     kw: dict[str, Any] = {"local": out / f"node{rank}", "replicas": 1, "persist_every": 100, "commit_timeout_s": 600}
-    checks.run(mode, lambda: (kill if mode == "kill" else resume)(out, rank, kw))
+    checks.run(mode, lambda: kill(out, rank, kw, killed) if mode == "kill" else resume(out, rank, kw))
     checks.write(out / f"{mode}-r{rank}.json")
     dist.barrier()
     dist.destroy_process_group()

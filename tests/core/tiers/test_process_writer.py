@@ -57,13 +57,15 @@ def test_a_trainer_killed_after_save_returned_commits_in_the_local_tier(tmp_path
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_killed_persist_process_fails_one_save_then_the_tiers_go_on(tmp_path: Path) -> None:
-    """Rank 1's persist process is SIGKILLed during save 2 (two simulated nodes, ``replicas=1``):
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_persist_process_fails_one_save_then_the_tiers_go_on(tmp_path: Path, killed: int) -> None:
+    """Rank ``killed``'s persist process (rank 0's: the one whose store the others meet on) is
+    SIGKILLed during save 2 (two simulated nodes, ``replicas=1``):
     save 2 fails on both ranks at once, save 3 commits on both with fresh persist processes (a
     new tier group), is recorded on both nodes, and a fresh launch restores it bit for bit from
     the local tier after node 1's loss; no persist process or lock file is left."""
     env = {"SHARDKEEPER_PERSIST_LOCKS": str(tmp_path / "locks")}
-    res = run_workers(2, "tier_persist_kill_worker.py", str(tmp_path), "kill", env=env, timeout_s=75)
+    res = run_workers(2, "tier_persist_kill_worker.py", str(tmp_path), "kill", str(killed), env=env, timeout_s=75)
     assert res.returncode == 0, res.stdout[-8000:]
     assert_checks(read_checks(*(tmp_path / f"kill-r{r}.json" for r in range(2)), output=res.stdout))
     pids = [int(p) for r in range(2) for p in (tmp_path / f"pids{r}").read_text().split()]
