@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -226,3 +227,31 @@ def test_the_parity_of_steps_gone_from_a_node_is_pruned(tmp_path: Path) -> None:
         storage.put(parity_name(step, 0, 0), b"x")
     prune(storage, {2, 3})
     assert sorted(p.name for p in (tmp_path / PARITY_DIR).iterdir()) == ["step-000000000002", "step-000000000003"]
+
+
+def test_a_shrunk_job_names_the_lost_nodes_of_the_job_that_saved() -> None:
+    """Saved by 4 nodes under erasure=(2, 1), restored by 2 (nodes 2 and 3 gone): node 0
+    holds group 1's parity, whose record names nodes 2 and 3. The note names them as nodes
+    of the saving job (before: the restore raised IndexError on every rank)."""
+    from shardkeeper.core.tiers.losses import lost_beyond_parity
+    from shardkeeper.core.tiers.nodes import NodeMap
+
+    def data(rank: int) -> str:
+        return f"step-000000000004/data/r{rank:05d}-0-000.safetensors"
+
+    record: dict[str, Any] = {
+        "code": "xor", "group": 1, "k": 2, "m": 1, "shard": 0, "nodes": [2, 3], "length": 1000,
+        "lengths": [1000, 1000], "members": [[[data(2), 1000]], [[data(3), 1000]]], "piece_bytes": 4 << 20,
+        "pieces": [0], "digests": ["0" * 32], "size": 1000, "step": 4, "ok": True, "damage": None,
+    }  # fmt: skip
+    listings: list[dict[str, Any]] = [
+        {"files": {"4": {data(0): 1000}}, "records": {"4": [record]}, "manifests": [4], "refs": {}, "dir": "/n0"},
+        {"files": {"4": {data(1): 1000}}, "records": {}, "manifests": [4], "refs": {}, "dir": "/n1"},
+    ]
+    notes = lost_beyond_parity(listings, NodeMap(((0,), (1,))), (1, 1), None, None)
+    assert len(notes) == 1, notes
+    assert (
+        "step 4 lost more nodes than parity rebuilds (group 1 (nodes 2, 3) lost node 2 (of the job that saved"
+        in notes[0]
+    )
+    assert "node 3 (of the job that saved the step; this job has 2 nodes)" in notes[0], notes[0]

@@ -15,30 +15,35 @@ from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.placement import Group, arrange, parity_name
 
 
-def _group_losses(listings: list[dict[str, Any]], step: int, group: Group, m: int) -> tuple[list[int], list[int]] | None:  # fmt: skip
-    """(its lost data nodes, the nodes whose parity of it is missing or damaged) when
-    ``group`` cannot be rebuilt in ``step``; None when it lost no data node or its parity
-    covers the loss."""
+def _group_losses(
+    listings: list[dict[str, Any]], step: int, group: Group, m: int
+) -> tuple[list[int], list[int], list[int]] | None:
+    """(its data nodes, its lost data nodes, the nodes whose parity of it is missing or
+    damaged) when ``group`` cannot be rebuilt in ``step``; None when it lost no data node or
+    its parity covers the loss. The data nodes are those its records name: the numbering of
+    the job that saved the step, which a job of another size does not share."""
     key = str(step)
     have = [lst["files"].get(key, {}) for lst in listings]
     recs = [(n, r) for n, lst in enumerate(listings) for r in lst["records"].get(key, []) if r["group"] == group.index]
     if recs:
         rec = next((r for _, r in recs if r["ok"]), recs[0][1])
         present = [any(all(h.get(p) == s for p, s in member) for h in have) for member in rec["members"]]
-        lost = [int(rec["nodes"][i]) for i, ok in enumerate(present) if not ok]
+        data, m = [int(n) for n in rec["nodes"]], int(rec.get("m", m))
+        lost = [data[i] for i, ok in enumerate(present) if not ok]
         pieces = max(1, -(-int(rec["length"]) // int(rec["piece_bytes"])))
     else:
+        data = list(group.data)
         lost, pieces = [n for n in group.data if not have[n]], 1
     if not lost:
         return None
     held = {(r["shard"], p) for _, r in recs if r["ok"] for p in r["pieces"]}
     # past the last piece held, every piece is short and the holders repeat after len(outside)
     pieces = min(pieces, max((p for _, p in held), default=-1) + 1 + len(group.outside))
-    k = len(group.data)
+    k = len(data)
     short = [p for p in range(pieces) if k - len(lost) + sum((j, p) in held for j in range(m)) < k]
     if not short:
         return None
-    return lost, sorted({group.holder(j, p, m) for p in short for j in range(m) if (j, p) not in held})
+    return data, lost, sorted({group.holder(j, p, m) for p in short for j in range(m) if (j, p) not in held})
 
 
 def _why(listings: list[dict[str, Any]], step: int, group: int, node: int) -> str | None:
@@ -55,9 +60,12 @@ def _why(listings: list[dict[str, Any]], step: int, group: int, node: int) -> st
 
 
 def node_names(nodes: NodeMap, listings: list[dict[str, Any]], which: list[int]) -> str:
-    """``which`` named for a message: each node's index, ranks and directory."""
+    """``which`` named for a message: each node's index, ranks and directory; a node of the
+    job that saved a step beyond this job's nodes (the job shrank) as not in this job."""
 
     def one(n: int) -> str:
+        if not 0 <= n < min(len(nodes.nodes), len(listings)):
+            return f"node {n} (of the job that saved the step; this job has {len(nodes.nodes)} nodes)"
         ranks = nodes.nodes[n]
         shown = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
         return f"node {n} ({shown}, {listings[n].get('dir', '?')})"
@@ -99,9 +107,9 @@ def lost_beyond_parity(
                 break
             continue
         parts = "; ".join(
-            f"group {g.index} (node{'s' if len(g.data) > 1 else ''} {', '.join(map(str, g.data))}) lost "
+            f"group {g.index} (node{'s' if len(data) > 1 else ''} {', '.join(map(str, data))}) lost "
             f"{node_names(nodes, listings, lost)}{_parity(nodes, listings, step, g.index, gone)}"
-            for g, (lost, gone) in over
+            for g, (data, lost, gone) in over
         )
         losses.setdefault(parts, []).append(step)
     notes = []
