@@ -256,3 +256,21 @@ def test_two_replicas_load_in_bounded_memory_and_the_environment_turns_sharing_o
         },
     )
     print("\n".join(line for line in res.stdout.splitlines() if line.startswith("hf_share")))
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "pytorch_model.bin.index.json"])
+def test_a_folder_of_pickled_weights_is_named_with_the_remedy(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / name).write_bytes(b"\x80\x02not unpickled")
+    with pytest.raises(CheckpointNotFoundError, match=rf"{name}.*pickle.*never unpickles.*save_pretrained"):
+        load_hf(legacy, TinyLM(seed=1))
+    with pytest.raises(CheckpointNotFoundError, match=rf"{name}.*save_pretrained"):
+        import_hf(legacy, tmp_path / "root", step=0, progress=False)
+    for trust in ([], ["--trust-pickle"]):  # the CLI names the folder as it is, not as a DCP directory
+        assert main(["import", str(legacy), str(tmp_path / "root"), "--step", "0", "--no-progress", *trust]) == 2
+        err = capsys.readouterr().err
+        assert name in err and "save_pretrained" in err and "torch.distributed.checkpoint" not in err, err
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())

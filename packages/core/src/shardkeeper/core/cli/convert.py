@@ -48,14 +48,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def is_safetensors_folder(source: str) -> bool:
     """Whether ``import`` reads ``source`` as a Hugging Face safetensors folder: by its contents
-    (``model.safetensors`` or its index; a Hub cache repository folder), never when it holds a
-    DCP ``.metadata``. A URL is one (DCP directories are local)."""
+    (``model.safetensors`` or its index; a Hub cache repository folder; transformers' legacy
+    ``pytorch_model.bin``, which the folder reader refuses by name), never when it holds a DCP
+    ``.metadata``. A URL is one (DCP directories are local)."""
     if "://" in source and not source.startswith("file://"):
         return True
     path = source.removeprefix("file://")
     if os.path.isfile(os.path.join(path, ".metadata")):
         return False
-    names = ("model.safetensors", "model.safetensors.index.json")
+    from shardkeeper.core.hf.folder import INDEX_NAME, PICKLED_NAMES, SINGLE_NAME  # no torch
+
+    names = (SINGLE_NAME, INDEX_NAME, *PICKLED_NAMES)
     return any(os.path.isfile(os.path.join(path, n)) for n in names) or os.path.isdir(os.path.join(path, "snapshots"))
 
 

@@ -32,6 +32,8 @@ from shardkeeper.core.storage.base import Storage
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+#: transformers' legacy pickled weights: named in the refusal of a folder that holds only them.
+PICKLED_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: The safetensors format's own limit on a header.
 MAX_HEADER_BYTES = 100_000_000
 #: An index lists one name and file per tensor: a million tensors take well under this.
@@ -146,6 +148,15 @@ class Folder:
             self.index = INDEX_NAME
             self.weight_map = self._read_index()
         else:
+            pickled = [n for n in PICKLED_NAMES if storage.exists(self.path(n))]
+            if pickled:
+                raise CheckpointNotFoundError(
+                    f"{self.where} holds {pickled[0]}, transformers' legacy pickled weights, and no "
+                    f"{SINGLE_NAME} nor {INDEX_NAME}; shardkeeper never unpickles a Hugging Face folder. "
+                    f"Convert it to safetensors once, where you trust the files: "
+                    f"AutoModel.from_pretrained(folder).save_pretrained(new_folder) (the model's own class), "
+                    f"then pass new_folder"
+                )
             raise CheckpointNotFoundError(
                 f"{self.where} holds neither {SINGLE_NAME} nor {INDEX_NAME}, so it is not a Hugging Face "
                 f"safetensors folder; pass the folder that holds them (in the Hub cache: the repository's "
