@@ -22,9 +22,11 @@ from shardkeeper.core.cli.common import (
     with_key,
 )
 from shardkeeper.core.cli.display import human_size, say
-from shardkeeper.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from shardkeeper.core.lifecycle.gc import DEFAULT_GC_MIN_AGE_S, collect_garbage
 from shardkeeper.core.lifecycle.quarantine import load_quarantined
+from shardkeeper.core.runtime.binding import NODE_TOKEN
+from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.util.bars import make_bar
 from shardkeeper.core.verify.report import Problem, RootVerifyReport
 
@@ -39,6 +41,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from shardkeeper.core.verify.step import stored_bytes, verify_step  # numpy (the chunk reader)
 
     storage = with_key(open_root(args), args.key, args.encryption_root)
+    here_only = _node_directory(storage)
     if args.quarantined and args.step is None:
         raise UsageError("verify --quarantined needs the STEP whose quarantined manifest to check")
     if args.step is not None:
@@ -46,7 +49,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             m = load_quarantined(storage, args.step)[1] if args.quarantined else load_step_manifest(storage, args.step)
             bar = make_bar(stored_bytes(m), f"verify step {args.step}", show_progress(args))
             try:
-                reports = [verify_step(storage, args.step, manifest=m, on_bytes=bar.update, logical=args.logical)]
+                reports = [
+                    verify_step(
+                        storage, args.step, manifest=m, on_bytes=bar.update, logical=args.logical, here_only=here_only
+                    )
+                ]
             finally:
                 bar.close()
         except CorruptCheckpointError as e:
@@ -66,7 +73,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             root = RootVerifyReport(root=storage.url, steps=reports)
     else:
-        root = verify_root(storage, progress=show_progress(args), logical=args.logical)
+        root = verify_root(storage, progress=show_progress(args), logical=args.logical, here_only=here_only)
         if not root.steps and not root.problems:
             raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
 
@@ -76,8 +83,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     for p in root.problems:
         say(p.message)
+    _print_steps(root, storage.url)
+    bad = len(root.all_problems)
+    if bad:
+        keyed = sum(p.kind == "key" for p in root.all_problems)
+        more = f" ({keyed} of them a key the key given does not hold, not damage)" if keyed else ""
+        say(f"verify: {bad} problem(s) under {storage.url}{more}", file=sys.stderr)
+        return EXIT_DAMAGED
+    if root.all_warnings:
+        say(f"verify: no damage under {storage.url}; {len(root.all_warnings)} warning(s)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _print_steps(root: RootVerifyReport, url: str) -> None:
+    """Each step's verdict, its problems and its warnings (``verify`` without ``--json``)."""
+    if any(r.elsewhere for r in root.steps):
+        say(
+            f"{url} is a node's directory of a local tier: it holds its own ranks' files and the copies or "
+            f"parity other nodes sent it, so a step's files that are not here are listed, not checked (`{PROG} ls "
+            f"ROOT --local DIR ...` over every node's directory says whether each step is whole or rebuildable)"
+        )
     for r in root.steps:
         tally = f"; {r.logical}" if r.logical is not None else ""
+        if r.elsewhere:
+            tally += f"; {len(r.elsewhere)} file(s) not on this node"
+
         warned = f", with {len(r.warnings)} warning(s)" if r.warnings else ""
         if r.ok and r.structure_only:
             say(
@@ -97,15 +127,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _print_problems(r.problems)
         for w in r.warnings:  # readable, not damaged: no exit status of their own
             say(f"  - warning: {w.message}")
-    bad = len(root.all_problems)
-    if bad:
-        keyed = sum(p.kind == "key" for p in root.all_problems)
-        more = f" ({keyed} of them a key the key given does not hold, not damage)" if keyed else ""
-        say(f"verify: {bad} problem(s) under {storage.url}{more}", file=sys.stderr)
-        return EXIT_DAMAGED
-    if root.all_warnings:
-        say(f"verify: no damage under {storage.url}; {len(root.all_warnings)} warning(s)", file=sys.stderr)
-    return EXIT_OK
+
+
+def _node_directory(storage: Storage) -> bool:
+    """Whether ``storage`` is a node's directory of a local tier (docs/tiers.md), whose steps
+    lack the files other nodes hold."""
+    try:
+        return storage.exists(NODE_TOKEN)
+    except CheckpointError:
+        return False  # (the listing of the steps says what is wrong with the root)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ class Problem:
     kind: str  # manifest, unsupported-format, missing-file, size, range, length, digests,
     #            digest, tiling, header, read, path, dtype, encoding, truncated-list, key (a key the
     #            key given does not hold: not damage), logical (``verify --logical``: verify/logical.py);
-    #            a warning's: replicas (``VerifyReport.warnings``)
+    #            a warning's: replicas, elsewhere (``VerifyReport.warnings``)
     message: str
     key: str = ""
     file: str = ""
@@ -107,6 +107,8 @@ class VerifyReport:
     #: what is not damage but a user should know (kind ``replicas``: committed although
     #: replicas disagreed, under ``logical_check="warn"``); the step is ``ok`` with them
     warnings: list[Problem] = field(default_factory=list)
+    #: ``here_only`` (a node's directory of a local tier): the step's files not in it, unchecked
+    elsewhere: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -124,6 +126,7 @@ class VerifyReport:
             **({"logical": self.logical.to_json()} if self.logical is not None else {}),
             "problems": [p.to_json() for p in self.problems],
             "warnings": [p.to_json() for p in self.warnings],
+            **({"elsewhere": list(self.elsewhere)} if self.elsewhere else {}),
         }
 
 

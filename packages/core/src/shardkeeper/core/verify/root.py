@@ -19,13 +19,18 @@ from shardkeeper.core.verify.step import DEFAULT_READ_BYTES, stored_bytes, verif
 
 
 def verify_root(
-    storage: Storage, *, read_bytes: int = DEFAULT_READ_BYTES, progress: bool | None = False, logical: bool = False
+    storage: Storage,
+    *,
+    read_bytes: int = DEFAULT_READ_BYTES,
+    progress: bool | None = False,
+    logical: bool = False,
+    here_only: bool = False,
 ) -> RootVerifyReport:
     """Verify every committed step under the root, and report every step directory whose
     manifest exists but does not validate (or is of a newer format than this version reads).
     ``progress``: a bar on stderr over the stored bytes of every step (None: when stderr is a
-    terminal; default off). ``logical``: also recompute each leaf's logical digest
-    (``verify_step``). One listing of the root and one read of each manifest."""
+    terminal; default off). ``logical``: also recompute each leaf's logical digest;
+    ``here_only``: a node's directory of a local tier (both: ``verify_step``). One listing of the root and one read of each manifest."""
     report = RootVerifyReport(root=storage.url)
     manifests: list[tuple[int, Manifest]] = []
     for s, name in sorted(step_dirs(storage).items()):
@@ -63,7 +68,15 @@ def verify_root(
     with make_bar(sum(stored_bytes(m) for _, m in manifests), "verify", progress) as bar:
         for s, m in manifests:
             report.steps.append(
-                verify_step(storage, s, manifest=m, read_bytes=read_bytes, on_bytes=bar.update, logical=logical)
+                verify_step(
+                    storage,
+                    s,
+                    manifest=m,
+                    read_bytes=read_bytes,
+                    on_bytes=bar.update,
+                    logical=logical,
+                    here_only=here_only,
+                )
             )
     return report
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Collection
 
 from shardkeeper.core.commit.committed import load_manifest
-from shardkeeper.core.errors import CheckpointError
+from shardkeeper.core.commit.files import resolve_file
+from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
 from shardkeeper.core.format.layout import step_dir
 from shardkeeper.core.format.logical_member import MARK, marked_kinds
 from shardkeeper.core.format.manifest import Manifest
@@ -44,6 +45,7 @@ def verify_step(
     on_bytes: Callable[[int], object] | None = None,
     files: Collection[str] | None = None,
     logical: bool = False,
+    here_only: bool = False,
 ) -> VerifyReport:
     """Check one committed step; raises ``CheckpointNotFoundError`` if it is not committed and
     ``CorruptCheckpointError`` if its manifest does not validate (``verify_root`` turns that
@@ -68,6 +70,11 @@ def verify_step(
     (an encoded chunk decoded: CPU, and one chunk's bytes of memory) and compare its logical
     digest with the recorded one (docs/format.md 6.1): a mismatch is a ``logical`` problem;
     ``report.logical`` counts what was checked and what was not recorded.
+
+    ``here_only`` (a node's directory of a local tier, which holds its own ranks' files and
+    the replicas or parity others sent it, not every file of a step): the files present are
+    checked as ``files`` would check them, the absent ones are listed in ``report.elsewhere``,
+    not as damage; with some absent, ``logical`` is a warning (whole leaves cannot be summed).
     """
     if isinstance(files, str):
         raise TypeError(f"verify_step(files=...) takes a collection of paths, not the string {files!r}")
@@ -76,14 +83,39 @@ def verify_step(
     t0 = time.monotonic()
     m = manifest if manifest is not None else load_manifest(storage, step)
     only = None if files is None else frozenset(files)
-    report = _verify(storage, step, m, read_bytes, on_bytes, only, LogicalSums(m) if logical else None)
+    elsewhere: list[str] = []
+    if here_only and files is None:
+        only, elsewhere = _present(storage, m)
+        if not elsewhere:
+            only = None  # (every file here: the whole step is checked, its tiling too)
+    report = _verify(
+        storage, step, m, read_bytes, on_bytes, only, LogicalSums(m) if logical and not elsewhere else None
+    )
+    report.elsewhere = elsewhere
+    if logical and elsewhere:
+        report.warnings.append(
+            Problem(
+                step=step,
+                kind="elsewhere",
+                message=f"step {step}: logical digests not checked: {len(elsewhere)} of its files are not in this "
+                f"node's directory (whole tensors cannot be summed here); `shardkeeper verify ROOT {step} --logical` "
+                f"on the persistent root checks them",
+            )
+        )
     report.seconds = time.monotonic() - t0
+    _log(report, files is None)
+    return report
+
+
+def _log(report: VerifyReport, whole: bool) -> None:
+    """The result at INFO on this module's logger, the problems named (``whole``: every file asked)."""
+    step = report.step
     if report.ok:
         log.info(
             "step %d: OK: %d %sfiles, %d chunks, %s checked in %.2f s%s",
             step,
             report.files_checked,
-            "" if files is None else "of the asked ",
+            "" if whole else "of the asked ",
             report.chunks_checked,
             human_size(report.bytes_checked),
             report.seconds,
@@ -100,7 +132,29 @@ def verify_step(
             human_size(report.bytes_checked),
             "; ".join(p.message for p in report.problems[:3]) + ("; ..." if len(report.problems) > 3 else ""),
         )
-    return report
+
+
+def _present(storage: Storage, m: Manifest) -> tuple[frozenset[str], list[str]]:
+    """The files of ``m`` that ``storage`` holds, and those it does not (root-relative)."""
+    here: set[str] = set()
+    absent: list[str] = []
+    try:
+        listed = m.every_file(lambda rel, e: None)  # (a damaged page: the check of files says so)
+    except CheckpointError:
+        listed = m.files
+    for rel in sorted(listed):
+        path = resolve_file(m.step, rel)
+        if path is None:
+            continue  # (not a path inside the root: the check of files says so)
+        try:
+            storage.size(path)
+        except CheckpointNotFoundError:
+            absent.append(path)
+            continue
+        except CheckpointError:
+            pass  # (damage, or a storage that did not answer: the check of files says which)
+        here.add(path)
+    return frozenset(here), absent
 
 
 def stored_bytes(m: Manifest) -> int:
