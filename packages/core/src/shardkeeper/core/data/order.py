@@ -17,6 +17,9 @@ import math
 
 import torch
 
+#: The largest seed a torch generator takes: ``seed + epoch`` of a shuffled order is at most this.
+MAX_SEED = 2**64 - 1
+
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
     """The epoch's order of the ``n`` samples: DistributedSampler's, bit for bit."""
@@ -44,4 +47,4 @@ def rank_part(order: list[int], consumed: int, *, world: int, rank: int, drop_la
     return rest[rank:total:world]
 
 
-__all__ = ["epoch_order", "part_length", "rank_part"]
+__all__ = ["MAX_SEED", "epoch_order", "part_length", "rank_part"]

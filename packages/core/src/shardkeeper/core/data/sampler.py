@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core.data.order import epoch_order, part_length, rank_part
+from shardkeeper.core.data.order import MAX_SEED, epoch_order, part_length, rank_part
 from shardkeeper.core.data.position import DISTRIBUTED_ORDER, KEYS
 from shardkeeper.core.errors import StateMismatchError
 
@@ -195,10 +195,11 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler[int]):
                 f"sampler out of the restore to start the epoch afresh"
             )
         epoch, consumed = state["epoch"], state["consumed"]
+        top = MAX_SEED - int(self.seed) if self.shuffle else None  # the order's seed is seed + epoch
         bad = [
             f"{name} {value!r} is not {want}"
             for name, value, high, want in (
-                ("epoch", epoch, None, "an int >= 0"),
+                ("epoch", epoch, top, f"an int within [0, {top}]" if top is not None else "an int >= 0"),
                 ("consumed", consumed, self._n(), f"an int within [0, {self._n()}]"),
             )
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (high is not None and value > high)
