@@ -146,3 +146,28 @@ def test_a_position_the_loader_cannot_resume_is_refused_with_the_remedy(
         mgr.save(1, {"model": nn.Linear(2, 1), "extra": {"data_position": {"0": position}}}).wait()
     with pytest.raises(StateMismatchError, match=f"DataLoader 0 \\(rank 0\\).*{match}.*resume_dataloaders=False"):
         _accelerate_leg(tmp_path, take=None, n=n)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"consumed": -6}, "consumed -6 is not an int within \\[0, 30\\]"),
+        ({"consumed": 31}, "consumed 31 is not an int within \\[0, 30\\]"),
+        ({"consumed": "6"}, "consumed '6' is not an int within \\[0, 30\\]"),
+        ({"epoch": -1}, "epoch -1 is not an int"),
+        ({"epoch": True}, "epoch True is not an int"),
+        ({"seed": 2**64 - 3, "epoch": 5}, "epoch 5 is not an int within \\[0, 2\\]"),
+        ({"consumed": None}, "consumed None is not an int"),
+    ],
+    ids=["negative", "past-the-end", "string", "negative-epoch", "bool-epoch", "seed-overflow", "null"],
+)
+def test_an_edited_position_is_refused_not_resumed_elsewhere(tmp_path: Path, edit: dict[str, Any], match: str) -> None:
+    """A damaged or edited position (a negative count would resume from the epoch's tail and
+    skip the rest silently): refused as the sampler refuses it, naming the loader and the rank,
+    and nothing of the epoch is taken from it."""
+    sampler = ResumableDistributedSampler(_Ids(), num_replicas=1, rank=0, seed=5)
+    position = {**sampler.state_dict(), **edit}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": nn.Linear(2, 1), "extra": {"data_position": {"0": position}}}).wait()
+    with pytest.raises(StateMismatchError, match=f"DataLoader 0 \\(rank 0\\).*{match}.*resume_dataloaders=False"):
+        _accelerate_leg(tmp_path, take=None)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core.adapter import DISTRIBUTED_ORDER, epoch_order, rank_part
+from shardkeeper.core.adapter import DISTRIBUTED_ORDER, POSITION_KEYS, count_problems, epoch_order, rank_part
 from shardkeeper.core.errors import StateMismatchError
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,15 @@ def resplit(dl: Any, sd: Mapping[str, Any], *, index: int) -> Resplit | None:
     n, inner = len(dl.dataset), inner_batch_sampler(dl)
     batch = int(inner.batch_size or 0) if isinstance(inner, torch.utils.data.BatchSampler) else 0
     where = f"the data position of prepared DataLoader {index} (rank {rank})"
-    if int(sd["dataset_len"]) != n:
+    missing = [k for k in POSITION_KEYS if k not in sd]
+    bad = [f"it lacks {', '.join(missing)}"] if missing else count_problems(sd, n)
+    if bad:
+        raise StateMismatchError(
+            f"shardkeeper.accelerate: {where}: {'; '.join(bad)} (dataset length {n}); the position was "
+            f"damaged or edited. Restore another step, or start the epoch from its beginning with "
+            f"enable(accelerator, resume_dataloaders=False)"
+        )
+    if sd["dataset_len"] != n:
         raise StateMismatchError(
             f"shardkeeper.accelerate: {where} is over {sd['dataset_len']} samples, this DataLoader's "
             f"dataset has {n}: resuming it would see samples twice or never. Prepare the same "

@@ -40,7 +40,8 @@ from shardkeeper.core.adapter.steps import StepCheck, check_save_step
 from shardkeeper.core.adapter.versions import VersionGate, in_range, parse_version
 from shardkeeper.core.config.options import describe_unknown, option_types
 from shardkeeper.core.data.order import epoch_order, rank_part
-from shardkeeper.core.data.position import DATA_POSITION_KEY, DISTRIBUTED_ORDER
+from shardkeeper.core.data.position import DATA_POSITION_KEY, DISTRIBUTED_ORDER, count_problems
+from shardkeeper.core.data.position import KEYS as POSITION_KEYS
 from shardkeeper.core.format.manifest import Manifest
 from shardkeeper.core.format.pointer import (
     MAX_POINTER_BYTES,
@@ -71,6 +72,7 @@ from shardkeeper.core.tools.export import ExportResult
 __all__ = [
     "DATA_POSITION_KEY",
     "DISTRIBUTED_ORDER",
+    "POSITION_KEYS",
     "ExportResult",
     "MAX_POINTER_BYTES",
     "Manifest",
@@ -91,6 +93,7 @@ __all__ = [
     "check_start",
     "describe_unknown",
     "encode_pointer",
+    "count_problems",
     "epoch_order",
     "framework_of",
     "in_range",

@@ -19,6 +19,11 @@ by the Accelerate adapter. A plain loop puts its sampler there as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from shardkeeper.core.data.order import MAX_SEED
+
 #: Where the positions are in a checkpoint: ``<DATA_POSITION_KEY>/<i>/<key>``.
 DATA_POSITION_KEY = "extra/data_position"
 #: The order any reader can compute: DistributedSampler's.
@@ -27,4 +32,32 @@ DISTRIBUTED_ORDER = "distributed"
 KEYS = ("version", "epoch", "consumed", "dataset_len", "seed", "shuffle", "drop_last", "padding", "order", "world")
 
 
-__all__ = ["DATA_POSITION_KEY", "DISTRIBUTED_ORDER", "KEYS"]
+def count_problems(position: Mapping[str, Any], n: int) -> list[str]:
+    """What makes a position's counts ones no run saved (a damaged or edited checkpoint), as
+    phrases (``"consumed -6 is not an int within [0, 30]"``), or none: ``epoch`` an int >= 0
+    (whose shuffled order's seed ``seed + epoch`` stays within the generator's range),
+    ``consumed`` an int within ``[0, n]`` (``n``: the dataset's length), ``seed`` an int,
+    ``dataset_len`` an int >= 0 (whether it is ``n`` is the reader's to say, with its remedy).
+    Every reader checks them before it takes the rest of an epoch: a negative count would
+    resume from the epoch's tail and skip the rest."""
+
+    def within(value: Any, high: int | None) -> bool:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return ok and (high is None or value <= high)
+
+    seed = position.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return [f"seed {seed!r} is not an int"]
+    top = MAX_SEED - seed if position.get("shuffle") else None  # (the order's seed is seed + epoch)
+    return [
+        f"{name} {position.get(name)!r} is not {want}"
+        for name, high, want in (
+            ("epoch", top, f"an int within [0, {top}]" if top is not None else "an int >= 0"),
+            ("consumed", n, f"an int within [0, {n}]"),
+            ("dataset_len", None, "an int >= 0"),
+        )
+        if not within(position.get(name), high)
+    ]
+
+
+__all__ = ["DATA_POSITION_KEY", "DISTRIBUTED_ORDER", "KEYS", "count_problems"]

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from shardkeeper.core.data.order import MAX_SEED, epoch_order, part_length, rank_part
-from shardkeeper.core.data.position import DISTRIBUTED_ORDER, KEYS
+from shardkeeper.core.data.order import epoch_order, part_length, rank_part
+from shardkeeper.core.data.position import DISTRIBUTED_ORDER, KEYS, count_problems
 from shardkeeper.core.errors import StateMismatchError
 
 #: The version of the state's layout, and the padding policy it records: the order's first
@@ -195,15 +195,7 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler[int]):
                 f"sampler out of the restore to start the epoch afresh"
             )
         epoch, consumed = state["epoch"], state["consumed"]
-        top = MAX_SEED - int(self.seed) if self.shuffle else None  # the order's seed is seed + epoch
-        bad = [
-            f"{name} {value!r} is not {want}"
-            for name, value, high, want in (
-                ("epoch", epoch, top, f"an int within [0, {top}]" if top is not None else "an int >= 0"),
-                ("consumed", consumed, self._n(), f"an int within [0, {self._n()}]"),
-            )
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (high is not None and value > high)
-        ]
+        bad = count_problems(state, self._n())
         if bad:
             raise StateMismatchError(
                 f"ResumableDistributedSampler (rank {self.rank}): the saved position's "
