@@ -274,3 +274,29 @@ def test_a_folder_of_pickled_weights_is_named_with_the_remedy(
         err = capsys.readouterr().err
         assert name in err and "save_pretrained" in err and "torch.distributed.checkpoint" not in err, err
     assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
+
+
+def test_an_index_that_names_a_missing_or_odd_file_and_a_bad_ref_are_named(
+    folder: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """An index whose shard is gone, an index that maps a tensor to no file name, and a Hub
+    cache whose ``refs/main`` names no revision folder: each names the file at fault and the
+    remedy, and the model is untouched."""
+    path, _ = folder
+    model, before = TinyLM(seed=1), TinyLM(seed=1).state_dict()
+    (path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"names model-00002-of-00003.safetensors.*which the folder lacks"):
+        load_hf(path, model)
+    assert all(same_bits(v, before[k]) for k, v in model.state_dict().items())
+    index = json.loads((path / INDEX).read_text())
+    index["weight_map"]["model.norm.weight"] = 5
+    (path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match=r"maps 'model.norm.weight' to 5, not a file name"):
+        load_hf(path, model)
+    repo = tmp_path / "models--org--tiny"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("../../etc")
+    with pytest.raises(CheckpointNotFoundError, match=r"refs/main names '../../etc', not a revision"):
+        load_hf(repo, model)

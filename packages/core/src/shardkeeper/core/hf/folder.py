@@ -180,8 +180,13 @@ class Folder:
         except UntrustedJSONError as e:
             raise CorruptCheckpointError(f"{where} {e}; {REMEDY}") from None
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+        if not isinstance(wm, dict):
             raise CorruptCheckpointError(f"{where} has no weight_map of tensor names to file names; {REMEDY}")
+        odd = next(((n, f) for n, f in wm.items() if not isinstance(f, str)), None)
+        if odd is not None:
+            raise CorruptCheckpointError(
+                f"{where}: its weight_map maps {odd[0]!r} to {odd[1]!r}, not a file name; {REMEDY}"
+            )
         for file in set(wm.values()):
             if not safe_relative_path(file) or file.startswith(".."):
                 raise CorruptCheckpointError(
@@ -195,7 +200,16 @@ class Folder:
             return got
         path = self.path(file)
         where = self.describe(path)
-        size = self.storage.size(path)
+        try:
+            size = self.storage.size(path)
+        except CheckpointNotFoundError:
+            if not self.index:
+                raise
+            held = sorted(n for n, f in self.weight_map.items() if f == file)
+            raise CorruptCheckpointError(
+                f"{self.describe(self.path(self.index))} names {file} for {len(held)} tensor(s) ({held[0]!r} ...), "
+                f"which the folder lacks (a download cut short, or a shard deleted); {REMEDY}"
+            ) from None
         if size < 8:
             raise CorruptCheckpointError(f"{where} is {size} bytes, too short for a safetensors header; {REMEDY}")
         (n,) = struct.unpack("<Q", self.storage.read_range(path, 0, 8))

@@ -71,8 +71,13 @@ def open_folder(
         ref = local / "refs" / "main"
         if (local / "snapshots").is_dir() and ref.is_file():
             rev = ref.read_text().strip()
-            if rev and "/" not in rev and not rev.startswith("."):
-                folder = f"snapshots/{rev}"
+            if not rev or "/" in rev or rev.startswith(".") or not (local / "snapshots" / rev).is_dir():
+                raise CheckpointNotFoundError(
+                    f"{ref} names {rev[:80]!r}, not a revision folder under {local / 'snapshots'}: the Hub cache "
+                    f"is damaged or was edited; pass the snapshot folder itself (snapshots/<revision>), or "
+                    f"download it again (huggingface_hub.snapshot_download(..., force_download=True))"
+                )
+            folder = f"snapshots/{rev}"
         elif local.parent.name == "snapshots" and (local.parent.parent / "blobs").is_dir():
             local, folder = local.parent.parent, f"snapshots/{local.name}"
         if not local.is_dir():
