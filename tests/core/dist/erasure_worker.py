@@ -14,6 +14,9 @@ Before the restore, ``ls --local`` shows step 3 recoverable (``rebuild``) or par
 
 - ``rebuild``: the newest step restores bit for bit from the local tier, rebuilt from
   parity, with no byte read from the persistent root; the lost nodes hold its files again.
+  With ``CONFIG["harm"]`` flipping a byte of nodes' step-3 files (nothing lost): those
+  damaged copies are rebuilt as if lost, every node's step 3 then checks out against its
+  manifest, and no node dropped the step.
 - ``damaged``: a byte of the newest step's parity flipped as well (or the files named in
   ``CONFIG["harm"]`` flipped or cut short): its rebuild fails that piece's digest, and step
   2 (``CONFIG["restored"]``) is rebuilt and restored instead, from the local tier.
@@ -39,6 +42,8 @@ import torch.distributed as dist
 from shardkeeper.core import CheckpointManager, PerRank
 from shardkeeper.core.cli.tiers_ls import add_tiers, tiers_cell
 from shardkeeper.core.errors import CheckpointError, CheckpointNotFoundError
+from shardkeeper.core.storage import LocalStorage
+from shardkeeper.core.verify.step import verify_step
 from tests.checks import Checks
 
 checks = Checks()
@@ -160,6 +165,12 @@ def rebuild(out: Path, cfg: dict[str, Any]) -> None:
     check("unchanged per-rank tensor bit-exact", torch.equal(got["frozen"].value, frozen(rank)))
     mine = sorted(p.name for p in (node_dir(cfg) / "step-000000000003" / "data").glob("*"))
     check("this node holds the step's data again", any(f"r{rank:05d}-" in name for name in mine), mine)
+    if cfg.get("harm") and rank == 0:  # the damaged copies rebuilt: every node's step 3 checks out, none dropped it
+        for n, where in enumerate(cfg["locals"]):
+            kept = Path(where, "step-000000000003", "manifest.json").exists()
+            check(f"node {n} keeps step 3", kept)
+            problems = [str(q) for q in verify_step(LocalStorage(where), 3).problems] if kept else ["dropped"]
+            check(f"node {n}'s step 3 checks out", not problems, problems[:3])
     mgr.close()
     checks.write(out / f"checks-r{rank}.json")
 

@@ -1,8 +1,8 @@
 """The erasure-coded node tier across four simulated nodes (4 gloo ranks, a local directory
 each; ``dist/erasure_worker.py``): parity lies on the nodes the placement names, a node
-replaced by an empty one (XOR), or two of a group (Reed-Solomon, m=2), is rebuilt from
-parity and the newest step restores bit for bit with no read from the persistent root, and
-more losses than parity fall back to the persisted step."""
+replaced by an empty one (XOR), or two of a group (Reed-Solomon, m=2), or a byte flipped in
+a node's data file, is rebuilt from parity and the newest step restores bit for bit with no
+read from the persistent root, and more losses than parity fall back to the persisted step."""
 
 from __future__ import annotations
 
@@ -79,8 +79,19 @@ def test_lost_nodes_are_rebuilt_from_parity_with_no_persistent_read(tmp_path: Pa
             # two nodes of two ranks (their files one stream per node): groups [0] and [1], each
             # one's parity on the other; node 1 lost
             _pairs(tmp_path),
+            _flipped(tmp_path),
         ],
     )
+
+
+def _flipped(tmp_path: Path) -> dict[str, Any]:
+    """erasure=(2, 1), nothing lost, a byte flipped in node 1's and node 3's step-3 data files
+    (groups [0, 1] and [2, 3]): each damaged copy is rebuilt from its group's parity as if
+    its node were lost. Before, the restore spread node 1's damaged file to every node
+    unchecked, found no good copy, fell back to step 2 and removed step 3 from every node."""
+    run = _run(tmp_path, "flipped", "rebuild", [2, 1], [], [_names("g1-p0")] * 2 + [_names("g0-p0")] * 2)
+    run["harm"] = [[n, f"step-000000000003/data/r0000{n}-*.safetensors", "flip"] for n in (1, 3)]
+    return {**run, "ls": "whole"}  # (ls judges by sizes)
 
 
 @pytest.mark.multiprocess

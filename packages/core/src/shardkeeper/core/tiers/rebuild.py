@@ -13,6 +13,10 @@ restored goes there too, and the rebuilt files are checked against its digests
 (``verify_step``); files that fail are removed again. Choosing the step then finds it whole,
 and ``make_whole`` copies it on. A step whose rebuild fails is skipped, with a warning: the
 next older one is tried, and the restore falls back as without parity.
+
+A file whose every copy fails the manifest's digests (``repair.py``, ``choose.make_whole``)
+is rebuilt the same way (``rebuild_damaged``): its copies count as absent, as if its node's
+directory were gone.
 """
 
 from __future__ import annotations
@@ -43,24 +47,30 @@ log = logging.getLogger(__name__)
 TAG = 1 << 26
 
 
-def rebuild_lost(
-    group: TierGroup, nodes: NodeMap, local: Any, asked: int | None, erasure: tuple[int, int]
-) -> list[str]:
-    """Collective: the lost files of the newest step (or ``asked``) rebuilt from parity on
-    their nodes, verified. Every local failure is agreed on. Returns, for each newer step
-    that lost more nodes of a group than its parity rebuilds, a note naming the step, the
-    group and the lost nodes (``lost_beyond_parity``), also logged on rank 0."""
-    me = group.rank
-    where = f"rank {me}: rebuilding lost files from parity"
+def _listings(group: TierGroup, nodes: NodeMap, local: Any, where: str) -> list[dict[str, Any]]:
+    """Collective: every node's parity listing (``placement.listing``), in node order."""
     mine, error = None, None
-    if nodes.is_leader(me):
+    if nodes.is_leader(group.rank):
         try:
             mine = {**listing(local.raw, local.read), "dir": local.raw.url}
         except Exception as e:  # every rank hears it (agreed below)
             error = e
     group.agree_ok(error, f"{where}: listing the parity")
     got = group.all_gather_json(mine, f"{where}: the parity's listings")
-    listings = [got[nodes.leader(k)] for k in range(len(nodes.nodes))]
+    return [got[nodes.leader(k)] for k in range(len(nodes.nodes))]
+
+
+def rebuild_lost(
+    group: TierGroup, nodes: NodeMap, local: Any, asked: int | None, erasure: tuple[int, int]
+) -> tuple[list[str], list[str]]:
+    """Collective: the lost files of the newest step (or ``asked``) rebuilt from parity on
+    their nodes, verified. Every local failure is agreed on. Returns the files rebuilt
+    (root-relative) and, for each newer step that lost more nodes of a group than its parity
+    rebuilds, a note naming the step, the group and the lost nodes (``lost_beyond_parity``),
+    also logged on rank 0."""
+    me = group.rank
+    where = f"rank {me}: rebuilding lost files from parity"
+    listings = _listings(group, nodes, local, where)
     failed: set[int] = set()
     while True:
         jobs = plan(listings, asked, len(nodes.nodes), failed)
@@ -76,7 +86,48 @@ def rebuild_lost(
         notes = lost_beyond_parity(listings, nodes, erasure, asked, jobs[0].of if jobs else None)
         for note in notes if me == 0 else ():
             log.warning("%s", note)
-        return notes
+        return _rebuilt(jobs), notes
+
+
+def rebuild_damaged(group: TierGroup, nodes: NodeMap, local: Any, step: int, paths: list[str]) -> list[str]:
+    """Collective: ``paths`` (files of ``step`` or of the steps it points at), of which no
+    node holds a copy that checks out, rebuilt from parity on their nodes as if lost: every
+    node's copy of them counts as absent, the damaged copy on the rebuilt node is replaced,
+    and the rebuilt files are verified. Returns the files rebuilt (``paths`` and the other
+    files of their nodes' streams); [] when the parity does not cover them or the rebuild
+    failed (logged: the restore then judges the step damaged)."""
+    me = group.rank
+    where = f"rank {me}: rebuilding damaged files from parity"
+    listings = _listings(group, nodes, local, where)
+    gone = set(paths)
+    for lst in listings:
+        for files in lst["files"].values():
+            for p in gone.intersection(files):
+                del files[p]
+    jobs = plan(listings, step, len(nodes.nodes))
+    if not jobs or not gone <= set(_rebuilt(jobs)):
+        log.warning(
+            "rank %d: step %d: no copy of %s checks out, and the parity on the nodes does not cover %s",
+            me,
+            step,
+            ", ".join(sorted(gone)[:4]) + (" ..." if len(gone) > 4 else ""),
+            "it" if len(gone) == 1 else "them",
+        )
+        return []
+    try:
+        for job in jobs:
+            _job(group, nodes, local, job, listings, where)
+    except TierGroupBroken:
+        raise
+    except CheckpointError as e:  # (agreed: every rank is here)
+        log.warning("rank %d: step %d: the damaged files could not be rebuilt from parity: %s", me, step, e)
+        return []
+    return _rebuilt(jobs)
+
+
+def _rebuilt(jobs: list[Job]) -> list[str]:
+    """The files ``jobs`` write: their lost nodes' files (every rank alike)."""
+    return sorted({str(p) for job in jobs for i in job.lost for p, _ in job.record["members"][i]})
 
 
 def _job(group: TierGroup, nodes: NodeMap, local: Any, job: Job, listings: list[Any], where: str) -> None:
@@ -306,4 +357,4 @@ def _verify(local: Any, step: int, paths: list[str], used: str) -> None:
         )
 
 
-__all__ = ["rebuild_lost"]
+__all__ = ["rebuild_damaged", "rebuild_lost"]

@@ -9,14 +9,16 @@ their errors name (``ChecksumMismatchError.file``) are checked on every node tha
 each node's leader reads its copy against the manifest's digests (``verify_step`` limited to
 those files), since an error does not say whose copy the bytes came from. Each damaged copy
 is removed and replaced by one that checks out, moved and verified as ``make_whole`` moves
-files, and the restore reads the step again. Nothing is replaced when no node holds a good
-copy of a damaged file: the restore then falls back as before.
+files, and the restore reads the step again. A damaged file no node holds a good copy of is
+rebuilt from parity when the tier has it (``erasure=``; its damaged copies count as lost, as
+if its node's directory were gone) and then spread as any good copy; without parity that
+covers it, nothing is replaced and the restore falls back as before.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +37,19 @@ _MAX_REPORTED = 16
 GOOD, BAD, ABSENT, UNKNOWN = "good", "bad", "absent", "unknown"
 
 
+#: A ``Repair``'s source when the file was rebuilt from parity rather than copied from a node.
+PARITY = -1
+
+
 @dataclass(frozen=True)
 class Repair:
     path: str  # root-relative
-    src_node: int
+    src_node: int  # PARITY: rebuilt from parity on dst_node
     dst_node: int
+
+    def shown(self) -> str:
+        how = "rebuilt from parity" if self.src_node == PARITY else f"from node {self.src_node}"
+        return f"{self.path} on node {self.dst_node} {how}"
 
 
 def damaged_files(error: BaseException) -> list[str]:
@@ -79,28 +89,50 @@ def check_copies(local: Any, step: int, paths: Sequence[str]) -> dict[str, list[
     return out
 
 
-def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Sequence[str]) -> list[Repair]:
+def judge_copies(group: TierGroup, nodes: NodeMap, local: Any, step: int, paths: Sequence[str], where: str) -> list[dict[str, list[Any]]]:  # fmt: skip
+    """Collective: each node's copy of ``paths`` judged by its leader (``check_copies``), in
+    node order, every rank alike. A failure to check is agreed on: every rank raises."""
+    mine: dict[str, list[Any]] = {}
+    error: BaseException | None = None
+    if nodes.is_leader(group.rank):
+        try:
+            mine = check_copies(local, step, paths)
+        except Exception as e:  # every rank hears it (agreed below): none skips a collective
+            error = e
+    group.agree_ok(error, f"{where}: checking each node's copy of the files")
+    copies = group.all_gather_json(mine, f"{where}: each node's copies of the files")
+    return [copies[nodes.leader(k)] for k in range(len(nodes.nodes))]
+
+
+def repair(
+    group: TierGroup,
+    nodes: NodeMap,
+    local: Any,
+    step: int,
+    reported: Sequence[str],
+    rebuild: Callable[[list[str]], list[str]] | None = None,
+) -> list[Repair]:
     """Collective: every node's damaged copy of the files the ranks ``reported`` replaced by
-    a good copy from another node. Returns the repairs; none when no rank reported a file,
-    no copy was found damaged, or some damaged file has no good copy anywhere (then the step
-    cannot be restored, so no copy is touched). Every local failure is agreed on, so every
-    rank raises together and none waits."""
+    a good copy from another node. A damaged file with no good copy anywhere is first given
+    to ``rebuild`` (collective: rebuilt from parity on its node, as ``rebuild.rebuild_damaged``;
+    the paths it rebuilt). Returns the repairs; none when no rank reported a file, no copy was
+    found damaged, or some damaged file still has no good copy anywhere (then the step cannot
+    be restored, so no copy is touched). Every local failure is agreed on, so every rank
+    raises together and none waits."""
     me = group.rank
     where = f"step {step}, rank {me}"
     gathered = group.all_gather_json(list(reported)[:_MAX_REPORTED], f"{where}: the files found damaged")
     paths = sorted({p for g in gathered for p in g if isinstance(p, str)})
     if not paths:
         return []
-    mine: dict[str, list[Any]] = {}
-    error: BaseException | None = None
-    if nodes.is_leader(me):
-        try:
-            mine = check_copies(local, step, paths)
-        except Exception as e:  # every rank hears it (agreed below): none skips a collective
-            error = e
-    group.agree_ok(error, f"{where}: checking each node's copy of the damaged files")
-    copies = group.all_gather_json(mine, f"{where}: each node's copies of the damaged files")
-    by_node = [copies[nodes.leader(k)] for k in range(len(nodes.nodes))]
+    by_node = judge_copies(group, nodes, local, step, paths, where)
+    rebuilt: list[Repair] = []
+    lost = [p for p in paths if _no_good_copy(by_node, p)]
+    if lost and rebuild is not None:  # (every rank alike: the same judgements)
+        done = set(rebuild(lost))
+        if done:
+            by_node = judge_copies(group, nodes, local, step, paths, where)
+            rebuilt = [Repair(p, PARITY, _holder(by_node, p)) for p in lost if p in done]
     repairs: list[Repair] = []
     plan: list[Move] = []
     for i, path in enumerate(paths):
@@ -108,12 +140,13 @@ def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Se
         bad = [k for k, c in enumerate(by_node) if c[path][0] == BAD]
         if bad and not good:  # the step cannot be made good: nothing is touched
             log.warning(
-                "rank %d: step %d: no node holds a copy of %s that checks out (damaged on node(s) %s); not "
+                "rank %d: step %d: no node holds a copy of %s that checks out (damaged on node(s) %s)%s; not "
                 "repaired. `shardkeeper verify DIR` on each node's directory shows the damage",
                 me,
                 step,
                 path,
                 ", ".join(map(str, bad)),
+                "" if rebuild is None else ", and its parity could not rebuild it",
             )
             return []
         for j, k in enumerate(bad):
@@ -122,6 +155,8 @@ def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Se
             plan.append(Move(path, int(by_node[h][path][1]), src[i % len(src)], dst[i % len(dst)]))
             repairs.append(Repair(path, h, k))
     if not plan:
+        if rebuilt:
+            return rebuilt
         log.warning(
             "rank %d: step %d: no node's copy of %s was found damaged; nothing repaired",
             me,
@@ -129,7 +164,7 @@ def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Se
             ", ".join(paths[:4]) + (" ..." if len(paths) > 4 else ""),
         )
         return []
-    error = None
+    error: BaseException | None = None
     node = nodes.node_of(me)
     if nodes.is_leader(me):
         try:
@@ -153,7 +188,29 @@ def repair(group: TierGroup, nodes: NodeMap, local: Any, step: int, reported: Se
     except Exception as e:  # this rank's own failure, or a sender's: agreed below
         error = e
     group.agree_ok(error, f"{where}: replacing the damaged copies")
-    return repairs
+    return rebuilt + repairs
 
 
-__all__ = ["ABSENT", "BAD", "GOOD", "UNKNOWN", "Repair", "check_copies", "damaged_files", "repair"]
+def _no_good_copy(by_node: list[dict[str, list[Any]]], path: str) -> bool:
+    """Whether some node's copy of ``path`` is damaged and none checks out."""
+    states = [c[path][0] for c in by_node]
+    return BAD in states and GOOD not in states
+
+
+def _holder(by_node: list[dict[str, list[Any]]], path: str) -> int:
+    """The first node whose copy of ``path`` checks out (after a rebuild: the node rebuilt)."""
+    return next((k for k, c in enumerate(by_node) if c[path][0] == GOOD), PARITY)
+
+
+__all__ = [
+    "ABSENT",
+    "BAD",
+    "GOOD",
+    "PARITY",
+    "UNKNOWN",
+    "Repair",
+    "check_copies",
+    "damaged_files",
+    "judge_copies",
+    "repair",
+]

@@ -2,8 +2,9 @@
 fall back across the tiers when the chosen copy turns out damaged.
 
 - A local step whose bytes fail their digests (the listing judges by sizes) is first
-  repaired: the damaged copies the errors lead to are replaced by other nodes' good copies
-  (``repair.py``) and the step is read again. One that cannot be repaired falls back, when
+  repaired: the damaged copies the errors lead to are replaced by other nodes' good copies,
+  or rebuilt from parity when no node holds one (``repair.py``, ``mend.py``), and the step
+  is read again. One that cannot be repaired falls back, when
   the newest was asked for, to the next older step whole locally (unless the persistent root
   holds a newer one), then to the persistent root's newest step, with a warning.
 - A persistent restore that fell back below the newest step whole locally (the persistent
@@ -167,11 +168,11 @@ def _restore_repairing(
                 repaired = []
             if not repaired:
                 raise
-            shown = "; ".join(f"{r.path} on node {r.dst_node} from node {r.src_node}" for r in repaired[:4])
+            shown = "; ".join(r.shown() for r in repaired[:4])
             warnings.warn(
                 f"step {s} in the local tier: {len(repaired)} damaged cop{'y' if len(repaired) == 1 else 'ies'} "
-                f"replaced by other nodes' good copies ({shown}{' ...' if len(repaired) > 4 else ''}); "
-                f"restoring step {s} again",
+                f"replaced by other nodes' good copies or rebuilt from parity ({shown}"
+                f"{' ...' if len(repaired) > 4 else ''}); restoring step {s} again",
                 stacklevel=6,
             )
     raise AssertionError("unreachable")

@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from shardkeeper.core.codec.crypto import EncryptedStorage
@@ -39,8 +40,9 @@ from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
-from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole, required_files
+from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, required_files
 from shardkeeper.core.tiers.drop import drop_step
+from shardkeeper.core.tiers.mend import Mender
 from shardkeeper.core.tiers.nodes import NodeMap, discover, node_token
 from shardkeeper.core.tiers.parity import encode_step
 from shardkeeper.core.tiers.persist import Persister
@@ -143,6 +145,7 @@ class Tiering:
         )
         self.last_choice: Choice | None = None
         self.last_received: tuple[int, int] = (0, 0)
+        self.mend = Mender(self.group, self.nodes, local, erasure)  # damaged files rebuilt from parity
 
     @property
     def rank(self) -> int:
@@ -259,9 +262,11 @@ class Tiering:
         """Collective: the tier and step to restore; a local one made whole on every node.
         The running upload is waited for first (its failure stays for ``wait_persisted``)."""
         self.persister.join()
-        lost = []  # the steps newer than the one rebuilt that lost more nodes than parity rebuilds
+        rebuilt: list[str] = []  # the lost nodes' files rebuilt
+        lost: list[str] = []  # the steps newer than the one rebuilt that lost more nodes than parity rebuilds
         if self.erasure is not None:  # lost nodes' files of the newest step, from parity first
-            lost = rebuild_lost(self.group, self.nodes, self.local, asked, self.erasure)
+            rebuilt, lost = rebuild_lost(self.group, self.nodes, self.local, asked, self.erasure)
+        self.mend.start(rebuilt)
         c = choose(self.group, self.nodes, self.local, self.persistent.raw, asked)
         c.lost_beyond_parity = lost
         self.last_choice = c
@@ -293,7 +298,7 @@ class Tiering:
             uploads.forget_above(newest)
 
     def make_whole(self, c: Choice, step: int) -> None:
-        self.last_received = make_whole(self.group, self.nodes, self.local, c, step)
+        self.last_received = self.mend.make_whole(c, step)
         log.info(
             "rank %d: restoring step %d from the local tier (%d files, %d bytes taken from peers)",
             self.rank,
@@ -303,8 +308,9 @@ class Tiering:
 
     def repair(self, step: int, reported: list[str]) -> list[Repair]:
         """Collective: the nodes' damaged copies of the files the ranks ``reported`` (from a
-        restore of ``step`` that failed its digests) replaced by good copies from other nodes."""
-        return repair(self.group, self.nodes, self.local, step, reported)
+        restore of ``step`` that failed its digests) replaced by good copies from other nodes,
+        those with none rebuilt from parity first (``Mender.rebuild``)."""
+        return repair(self.group, self.nodes, self.local, step, reported, partial(self.mend.rebuild, step))
 
     def drop_newer(self, c: Choice, restored: int) -> None:
         """Collective, after restoring the newest: each node's leader removes its local steps
