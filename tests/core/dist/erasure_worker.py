@@ -13,10 +13,10 @@ and a new manager restores into zeroed tensors.
 Before the restore, ``ls --local`` shows step 3 recoverable (``rebuild``) or partial.
 
 - ``rebuild``: the newest step restores bit for bit from the local tier, rebuilt from
-  parity, with no byte read from the persistent root; the lost nodes hold its files again.
-  With ``CONFIG["harm"]`` flipping a byte of nodes' step-3 files (nothing lost): those
-  damaged copies are rebuilt as if lost, every node's step 3 then checks out against its
-  manifest, and no node dropped the step.
+  parity, with no byte read from the persistent root; the lost nodes hold its files again,
+  and ``last_restore_stats.rebuilt`` names them. With ``CONFIG["harm"]`` flipping a byte
+  of nodes' step-3 files (nothing lost): those damaged copies are rebuilt as if lost, every
+  node's step 3 then checks out against its manifest, and no node dropped the step.
 - ``damaged``: a byte of the newest step's parity flipped as well (or the files named in
   ``CONFIG["harm"]`` flipped or cut short): its rebuild fails that piece's digest, and step
   2 (``CONFIG["restored"]``) is rebuilt and restored instead, from the local tier.
@@ -165,6 +165,11 @@ def rebuild(out: Path, cfg: dict[str, Any]) -> None:
     check("unchanged per-rank tensor bit-exact", torch.equal(got["frozen"].value, frozen(rank)))
     mine = sorted(p.name for p in (node_dir(cfg) / "step-000000000003" / "data").glob("*"))
     check("this node holds the step's data again", any(f"r{rank:05d}-" in name for name in mine), mine)
+    per_node = cfg.get("per_node", 1)
+    rebuilt = getattr(mgr.last_restore_stats, "rebuilt", None)  # (None: not reported)
+    for node in sorted({*cfg["lose"], *(h[0] for h in cfg.get("harm", []))}):
+        for r in range(node * per_node, (node + 1) * per_node):
+            check(f"the stats name rank {r}'s files rebuilt", any(f"/r{r:05d}-" in p for p in rebuilt or []), rebuilt)
     if cfg.get("harm") and rank == 0:  # the damaged copies rebuilt: every node's step 3 checks out, none dropped it
         for n, where in enumerate(cfg["locals"]):
             kept = Path(where, "step-000000000003", "manifest.json").exists()

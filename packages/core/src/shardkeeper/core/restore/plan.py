@@ -62,6 +62,10 @@ class RestoreStats:
     #: the restored step's ``replicas_disagree`` mark (docs/format.md 6.1: copies of these
     #: replicated tensors disagreed at its save; each written copy was restored), else None
     replicas_disagree: str | None = None
+    #: with a local tier under ``erasure=``: the files (root-relative) this restore rebuilt
+    #: from parity before reading, a lost node's or one no node held a good copy of, every
+    #: rank alike (docs/tiers.md); else []
+    rebuilt: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_read(self, file: str, n: int, *, direct: bool = False) -> None:

@@ -141,6 +141,8 @@ class TwoTiers:
         got = restore_tiered(self.tiers, self.restorer, self.persistent_restorer, state, request, self.uploads)
         self._last_restorer, self.last_tier = got.restorer, got.tier
         stats = got.restorer.last_stats
+        if stats is not None:
+            stats.rebuilt = list(self.tiers.mend.rebuilt)
         if got.tier != LOCAL and stats is not None:
             self.persistent_reads += stats.bytes_read
         return got.step
