@@ -285,24 +285,9 @@ def make_whole(
     raw = local.raw
     listings = choice.listings
     has_manifest = [bool(lst.get(key, {}).get("m")) for lst in listings]
-    holder = nodes.leader(has_manifest.index(True))
     where = f"step {step}, rank {me}"
     if not all(has_manifest):
-        data, error = None, None
-        if me == holder:
-            try:
-                data = raw.read_bytes(manifest_path(step))
-            except Exception as e:
-                error = e
-        data = group.broadcast_bytes(data, holder, f"{where}: the manifest for nodes without it")
-        if nodes.is_leader(me) and not has_manifest[nodes.node_of(me)] and error is None and data:
-            try:
-                if raw.exists(manifest_path(step)):
-                    local.storage.delete(manifest_path(step))  # a copy that does not validate
-                raw.put_if_absent(manifest_path(step), data)
-            except Exception as e:
-                error = e
-        group.agree_ok(error, f"{where}: recording the manifest on every node")
+        _spread_manifest(group, nodes, local, has_manifest, step, where)
     need: dict[str, tuple[int, bool]] | None = choice.needs.get(step)
     if need is None or not all(has_manifest):  # (else every rank read it while choosing)
         need, error = {}, None
@@ -335,19 +320,7 @@ def make_whole(
     if plan:
         error = None
         try:
-            for path, size, h in stale:  # a copy of the wrong size, or damaged: replaced (through the view)
-                log.warning(
-                    "rank %d: step %d: this node's copy of %s in %s is %s; replacing it with node %d's copy",
-                    me,
-                    step,
-                    path,
-                    raw.url,
-                    "damaged (it fails the manifest's digests)"
-                    if size is None
-                    else ("unreadable" if size < 0 else f"{size} bytes") + f" ({need[path][0]} bytes expected)",
-                    h,
-                )
-                remove_copy(local.storage, path)
+            _remove_stale(local, stale, need, step, me)
         except Exception as e:
             error = e
         group.agree_ok(error, f"{where}: removing copies of the wrong size")
@@ -360,6 +333,50 @@ def make_whole(
     if plan:
         group.agree_ok(error, f"{where}: making every node's copy whole")
     return len(got), sum(m.size for m in plan if m.dst == me), unsound
+
+
+def _spread_manifest(
+    group: TierGroup, nodes: NodeMap, local: Any, has_manifest: list[bool], step: int, where: str
+) -> None:
+    """Collective: the manifest of ``step``, from the first node that holds one, recorded on
+    every node without it (``has_manifest``, per node); a failure anywhere raises everywhere."""
+    raw, me = local.raw, group.rank
+    holder = nodes.leader(has_manifest.index(True))
+    data, error = None, None
+    if me == holder:
+        try:
+            data = raw.read_bytes(manifest_path(step))
+        except Exception as e:
+            error = e
+    data = group.broadcast_bytes(data, holder, f"{where}: the manifest for nodes without it")
+    if nodes.is_leader(me) and not has_manifest[nodes.node_of(me)] and error is None and data:
+        try:
+            if raw.exists(manifest_path(step)):
+                local.storage.delete(manifest_path(step))  # a copy that does not validate
+            raw.put_if_absent(manifest_path(step), data)
+        except Exception as e:
+            error = e
+    group.agree_ok(error, f"{where}: recording the manifest on every node")
+
+
+def _remove_stale(
+    local: Any, stale: list[tuple[str, int | None, int]], need: dict[str, tuple[int, bool]], step: int, me: int
+) -> None:
+    """This node's copies that are replaced (``stale``: path, its size or None when damaged,
+    the node the new copy comes from), removed through the view, each said."""
+    for path, size, h in stale:
+        log.warning(
+            "rank %d: step %d: this node's copy of %s in %s is %s; replacing it with node %d's copy",
+            me,
+            step,
+            path,
+            local.raw.url,
+            "damaged (it fails the manifest's digests)"
+            if size is None
+            else ("unreadable" if size < 0 else f"{size} bytes") + f" ({need[path][0]} bytes expected)",
+            h,
+        )
+        remove_copy(local.storage, path)
 
 
 __all__ = ["LOCAL", "PERSISTENT", "Choice", "choose", "list_node", "list_nodes", "make_whole", "required_files"]

@@ -164,6 +164,16 @@ def repair(
             ", ".join(paths[:4]) + (" ..." if len(paths) > 4 else ""),
         )
         return []
+    _replace(group, nodes, local, step, repairs, plan, where)
+    return rebuilt + repairs
+
+
+def _replace(
+    group: TierGroup, nodes: NodeMap, local: Any, step: int, repairs: list[Repair], plan: list[Move], where: str
+) -> None:
+    """Collective: the damaged copies ``repairs`` names removed from their nodes (each said),
+    then the good ones moved in by ``plan``; a failure anywhere raises everywhere."""
+    me = group.rank
     error: BaseException | None = None
     node = nodes.node_of(me)
     if nodes.is_leader(me):
@@ -188,7 +198,6 @@ def repair(
     except Exception as e:  # this rank's own failure, or a sender's: agreed below
         error = e
     group.agree_ok(error, f"{where}: replacing the damaged copies")
-    return rebuilt + repairs
 
 
 def _no_good_copy(by_node: list[dict[str, list[Any]]], path: str) -> bool:
