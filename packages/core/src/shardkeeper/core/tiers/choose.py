@@ -15,11 +15,12 @@ conflict, raised on every rank when the restore needs that step.
 Before a local restore, each node's copy of the step is made whole: the manifest goes to the
 nodes without it (one broadcast), and every file a node lacks comes from a node that has it
 (``transfer.move_files``, verified on arrival; the senders and receivers spread over the
-nodes' ranks). A copy is spread only after its holder checked it against the manifest's
-digests (``repair.judge_copies``): a damaged one is never a source, and is itself replaced;
-a file whose every copy is damaged is moved nowhere and returned, for the tiers to rebuild
-from parity. The restore then reads every byte from its own node's directory, verified
-against the manifest's digests as always.
+nodes' ranks). The restore then reads every byte from its own node's directory, verified
+against the manifest's digests as always: a damaged copy, the node's own or one that came
+from a node whose copy was damaged, is found there and repaired (``repair.repair``: from
+another node's good copy, or rebuilt from parity). Copies are not checked before they are
+moved: that would read every moved file twice on every restore, to spare a repair that
+damage alone needs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from shardkeeper.core.format.layout import parse_step_dir, step_dir
 from shardkeeper.core.format.manifest import MANIFEST_NAME
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.tiers.nodes import NodeMap
-from shardkeeper.core.tiers.repair import BAD, GOOD, judge_copies
 from shardkeeper.core.tiers.transfer import Move, move_files, remove_copy
 from shardkeeper.core.tiers.wire import TierGroup
 
@@ -93,20 +93,6 @@ def list_node(view: Storage, storage: Storage, read: Storage) -> dict[str, Any]:
                 pass
         out[str(step)] = {"m": digest is not None, "d": digest, "c": created, "f": files}
     return out
-
-
-def list_nodes(group: TierGroup, nodes: NodeMap, local: Any) -> list[dict[str, Any]]:
-    """Collective: every node's listing (``list_node``), in node order; a failure to list is
-    agreed on, so every rank raises together."""
-    mine, error = None, None
-    if nodes.is_leader(group.rank):
-        try:
-            mine = list_node(local.storage, local.raw, local.read)
-        except Exception as e:  # every rank hears it (agreed below)
-            error = e
-    group.agree_ok(error, f"rank {group.rank}: listing the local tiers")
-    got = group.all_gather_json(mine, f"rank {group.rank}: the local tiers' listings")
-    return [got[nodes.leader(k)] for k in range(len(nodes.nodes))]
 
 
 def required_files(read: Storage, step: int) -> dict[str, tuple[int, bool]]:
@@ -272,15 +258,10 @@ def _conflict(me: int, step: int, listings: list[dict[str, Any]], nodes: NodeMap
     )
 
 
-def make_whole(
-    group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, step: int, only: set[str] | None = None
-) -> tuple[int, int, list[str]]:
+def make_whole(group: TierGroup, nodes: NodeMap, local: Any, choice: Choice, step: int) -> tuple[int, int]:
     """Collective: every node's copy of ``step`` made whole from the others (the manifest by
-    broadcast, files by ``move_files``; ``only``: those files alone). Each copy to be spread is
-    first checked by its holder against the manifest's digests: a damaged copy is never
-    sent, and is replaced like a missing one. Returns (files, bytes) this rank received and
-    the files whose every copy is damaged (moved nowhere). Every local failure is agreed on,
-    so every rank raises together and none waits."""
+    broadcast, files by ``move_files``). Returns (files, bytes) this rank received. Every
+    local failure is agreed on, so every rank raises together and none waits."""
     me, key = group.rank, str(step)
     raw = local.raw
     listings = choice.listings
@@ -296,27 +277,17 @@ def make_whole(
         except Exception as e:
             error = e
         group.agree_ok(error, f"{where}: reading the manifest")
-    wanted: dict[str, list[int]] = {}  # a file -> the nodes that lack it
+    plan, stale = [], []
     for k, lst in enumerate(listings):
-        for path in sorted(need):
-            if (only is None or path in only) and not covers(_size(lst, path), need[path]):
-                wanted.setdefault(path, []).append(k)
-    judged = judge_copies(group, nodes, local, step, sorted(wanted), where) if wanted else []
-    plan, stale, unsound = [], [], []
-    for i, path in enumerate(sorted(wanted)):
-        holders = [h for h, other in enumerate(listings) if covers(_size(other, path), need[path])]
-        bad = [h for h in holders if judged[h][path][0] == BAD]
-        src = [h for h in holders if judged[h][path][0] == GOOD] or [h for h in holders if h not in bad]
-        if not src:  # every copy damaged: spread nowhere
-            unsound.append(path)
-            continue
-        for j, k in enumerate(wanted[path] + bad):
-            h = src[(i + j) % len(src)]
+        missing = [p for p in sorted(need) if not covers(_size(lst, p), need[p])]
+        for i, path in enumerate(missing):
+            holders = [h for h, other in enumerate(listings) if covers(_size(other, path), need[path])]
+            h = holders[i % len(holders)]
             stored = int((_entry(listings[h], path) or [0, 0])[1])
             src_node, dst_node = nodes.nodes[h], nodes.nodes[k]
             plan.append(Move(path, stored, src_node[i % len(src_node)], dst_node[i % len(dst_node)]))
-            if k == nodes.node_of(me) and nodes.is_leader(me) and _size(listings[k], path) is not None:
-                stale.append((path, None if k in bad else _size(listings[k], path), h))
+            if k == nodes.node_of(me) and nodes.is_leader(me) and _size(lst, path) is not None:
+                stale.append((path, _size(lst, path), h))
     if plan:
         error = None
         try:
@@ -332,7 +303,7 @@ def make_whole(
         error = e
     if plan:
         group.agree_ok(error, f"{where}: making every node's copy whole")
-    return len(got), sum(m.size for m in plan if m.dst == me), unsound
+    return len(got), sum(m.size for m in plan if m.dst == me)
 
 
 def _spread_manifest(
@@ -362,21 +333,21 @@ def _spread_manifest(
 def _remove_stale(
     local: Any, stale: list[tuple[str, int | None, int]], need: dict[str, tuple[int, bool]], step: int, me: int
 ) -> None:
-    """This node's copies that are replaced (``stale``: path, its size or None when damaged,
-    the node the new copy comes from), removed through the view, each said."""
+    """This node's copies of the wrong size that are replaced (``stale``: path, its size, the
+    node the new copy comes from), removed through the view (its caches forget them), each said."""
     for path, size, h in stale:
         log.warning(
-            "rank %d: step %d: this node's copy of %s in %s is %s; replacing it with node %d's copy",
+            "rank %d: step %d: this node's copy of %s in %s is %s (%s bytes expected); replacing it with "
+            "node %d's copy",
             me,
             step,
             path,
             local.raw.url,
-            "damaged (it fails the manifest's digests)"
-            if size is None
-            else ("unreadable" if size < 0 else f"{size} bytes") + f" ({need[path][0]} bytes expected)",
+            "unreadable" if size is not None and size < 0 else f"{size} bytes",
+            need[path][0],
             h,
         )
         remove_copy(local.storage, path)
 
 
-__all__ = ["LOCAL", "PERSISTENT", "Choice", "choose", "list_node", "list_nodes", "make_whole", "required_files"]
+__all__ = ["LOCAL", "PERSISTENT", "Choice", "choose", "list_node", "make_whole", "required_files"]

@@ -2,12 +2,12 @@
 (``erasure=(k, m)``) as if their node's directory were gone, so that a damaged copy never
 costs more than a lost node.
 
-``make_whole`` spreads only copies that check out against the manifest's digests
-(``choose.make_whole``); the files whose every copy is damaged are rebuilt here
-(``rebuild.rebuild_damaged``), and then spread. A restore whose read still finds such a file
-(a node's own copy, which is not moved) rebuilds it through ``repair.repair``. Without
-parity, or when the parity does not cover the damage, nothing is rebuilt and the restore
-falls back as before. ``rebuilt`` lists the files the restore rebuilt from parity, lost
+A restore's read finds a damaged copy (a node's own, or one ``choose.make_whole`` moved from a
+node whose copy was damaged: copies are not checked before they move); ``repair.repair``
+replaces it from another node's good copy, and when no copy checks out, rebuilds the file
+here (``rebuild.rebuild_damaged``) and replaces the other copies from the rebuilt one.
+Without parity, or when the parity does not cover the damage, nothing is rebuilt and the
+restore falls back as before. ``rebuilt`` lists the files the restore rebuilt from parity, lost
 nodes' files included, every rank alike (``RestoreStats.rebuilt``).
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shardkeeper.core.tiers.choose import Choice, list_nodes, make_whole
 from shardkeeper.core.tiers.nodes import NodeMap
 from shardkeeper.core.tiers.rebuild import rebuild_damaged
 from shardkeeper.core.tiers.wire import TierGroup
@@ -53,16 +52,6 @@ class Mender:
             self._failed.add(step)
         self.rebuilt += [p for p in got if p not in self.rebuilt]
         return got
-
-    def make_whole(self, c: Choice, step: int) -> tuple[int, int]:
-        """Collective: ``choose.make_whole``, then the files whose every copy is damaged
-        rebuilt from parity and spread in turn. Returns (files, bytes) this rank received."""
-        files, size, unsound = make_whole(self.group, self.nodes, self.local, c, step)
-        if unsound and self.rebuild(step, unsound):
-            c.listings = list_nodes(self.group, self.nodes, self.local)  # (the rebuilt copies now listed)
-            more, extra, _ = make_whole(self.group, self.nodes, self.local, c, step, only=set(unsound))
-            files, size = files + more, size + extra
-        return files, size
 
 
 __all__ = ["Mender"]

@@ -40,7 +40,7 @@ from shardkeeper.core.storage import open_storage
 from shardkeeper.core.storage.base import Storage
 from shardkeeper.core.storage.local import LocalStorage
 from shardkeeper.core.storage.retry import RetryPolicy, with_retries
-from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, required_files
+from shardkeeper.core.tiers.choose import LOCAL, PERSISTENT, Choice, choose, make_whole, required_files
 from shardkeeper.core.tiers.drop import drop_step
 from shardkeeper.core.tiers.mend import Mender
 from shardkeeper.core.tiers.nodes import NodeMap, discover, node_token
@@ -298,7 +298,7 @@ class Tiering:
             uploads.forget_above(newest)
 
     def make_whole(self, c: Choice, step: int) -> None:
-        self.last_received = self.mend.make_whole(c, step)
+        self.last_received = make_whole(self.group, self.nodes, self.local, c, step)
         log.info(
             "rank %d: restoring step %d from the local tier (%d files, %d bytes taken from peers)",
             self.rank,
