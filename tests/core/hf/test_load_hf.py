@@ -210,6 +210,12 @@ def test_import_cli_makes_step_zero_bit_for_bit(folder: tuple[Path, dict], tmp_p
     _assert_loaded(model, src)
     assert set(loaded) == set(src) and all(same_bits(loaded[k], v) for k, v in src.items())
     assert main(["import", str(path), str(root), "--step", "0", "--no-progress"]) == 2  # committed: refused
+    optim = torch.optim.AdamW(model.parameters())  # a training loop's state: the import holds weights alone
+    with (
+        CheckpointManager(root) as mgr,
+        pytest.raises(StateMismatchError, match=r"was imported from .*only=\['model/\*'\]"),
+    ):
+        mgr.restore({"model": model, "optim": optim})
     m = import_hf(path, root, step=1, prefix="w/", only="model.norm.*", batch_bytes=1, progress=False)
     assert set(m.leaves) == {"w/model.norm.weight", "w/model.norm.bias"} and len(m.files) == 2
 

@@ -251,12 +251,27 @@ def plan_restore(
     if plan.missing and strict:
         raise StateMismatchError(
             f"{len(plan.missing)} key(s) of the target state are not in {where}: {missing_list(plan.missing)}; "
-            f"restore a subset with only=[...] or pass strict=False to skip them"
+            f"restore a subset with only=[...] or pass strict=False to skip them{_imported(manifest)}"
         )
     plan.ops.extend(piece_ops(manifest.leaves, wanted, max_read_bytes))
     if FAULT is not None:
         FAULT(plan)
     return plan
+
+
+def _imported(manifest: Manifest) -> str:
+    """For a step an importer wrote (its ``imported_from`` metadata): what it holds, and how
+    a training loop starts from it."""
+    meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+    source = meta.get("imported_from")
+    if not isinstance(source, str):
+        return ""
+    kind = meta.get("imported_format")
+    return (
+        f". Step {manifest.step} was imported from {source}{f' ({kind})' if isinstance(kind, str) else ''}: it "
+        f"holds what that source held (Hugging Face weights: the model alone, no optimizer state); start "
+        f"from it with only=['model/*'], then save the steps after it"
+    )
 
 
 def _plan_value(
