@@ -294,3 +294,30 @@ def test_the_trainers_own_folder_is_left_as_it_is(tmp_path: Path, reference: tup
     assert sorted(os.listdir(out / "checkpoint-4")) == own
     assert _folders(out) == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-12")
+
+
+def test_a_folder_that_on_save_wrote_into_gets_the_pointer_and_goes_with_its_step(tmp_path: Path) -> None:
+    """A callback's ``on_save`` that writes files into ``output_dir/checkpoint-N`` (as PEFT's
+    ``SavePeftModelCallback`` does) runs before the step's async commit: the folder it made
+    still gets the pointer and ``trainer_state.json`` beside its files once the step commits
+    (not left as if the Trainer wrote it), and retention removes it with its step."""
+    from transformers import TrainerCallback
+
+    class SaveExtra(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "adapter_config.json").write_text(json.dumps({"step": state.global_step}))
+
+    out = tmp_path / "run"
+    trainer = make_trainer(out, save_total_limit=2, callbacks=[SaveExtra()], options={"async_save": True})
+    trainer.train()
+    assert _steps(out) == [8, 12]
+    assert _folders(out) == ["checkpoint-8", "checkpoint-12"]
+    for step in (8, 12):
+        files = sorted(os.listdir(out / f"checkpoint-{step}"))
+        assert files == ["adapter_config.json", "shardkeeper.json", "trainer_state.json"], (step, files)
+        pointer = json.loads((out / f"checkpoint-{step}" / "shardkeeper.json").read_text())
+        assert pointer["step"] == step
+        assert json.loads((out / f"checkpoint-{step}" / "adapter_config.json").read_text()) == {"step": step}
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-12")

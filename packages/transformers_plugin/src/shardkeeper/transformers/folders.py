@@ -23,9 +23,12 @@ A folder never names a step that is not committed:
   (deleted outside the Trainer, e.g. ``shardkeeper delete --damaged``) go, and missing ones
   are written (after a crash, or the Trainer's own end-of-training cleanup).
 
-A ``checkpoint-N`` without the pointer (the Trainer's own) is never touched, nor is a pointer
-that names another root, unless this root commits the same step. Failures are logged, never
-raised: the steps are what resumes, the folders are for the tools.
+A ``checkpoint-N`` holding files but neither the pointer nor ``trainer_state.json`` (what a
+callback's ``on_save`` wrote into it before the commit) gets both beside its files, and then
+goes with its step. One with ``trainer_state.json`` and no pointer (the Trainer's own) is
+never touched, nor is a pointer that names another root, unless this root commits the same
+step. Failures are logged, never raised: the steps are what resumes, the folders are for the
+tools.
 """
 
 from __future__ import annotations
@@ -231,9 +234,13 @@ class Folders:
         when it is the Trainer's own, or when a save in flight lets retention drop ``step``)."""
         with self._lock:
             final = self.path(step)
-            if step in self._doomed or (os.path.lexists(final) and not self._replaceable(final, step)):
+            found = self._found(final, step) if os.path.lexists(final) else "replace"
+            if step in self._doomed or found == "keep":
                 return
             state = _trainer_state(mgr, step)  # (raises unless the step is committed)
+            if found == "adopt":
+                self._adopt(final, step, state)
+                return
             os.makedirs(self.dir, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{folder_name(step)}.", suffix=".tmp", dir=self.dir)
             try:
@@ -248,18 +255,20 @@ class Folders:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _replaceable(self, final: str, step: int) -> bool:
-        """Whether the entry at ``final`` is to be replaced by ``step``'s folder: a damaged
-        pointer, another step's or root's, or an empty folder; never the Trainer's own."""
+    def _found(self, final: str, step: int) -> str:
+        """What to do with the entry at ``final`` for ``step``'s folder: ``"replace"`` it (a
+        damaged pointer, another step's or root's, an empty folder), ``"adopt"`` it (files
+        without a pointer or a ``trainer_state.json``: what a callback's ``on_save`` wrote there
+        before the commit) or ``"keep"`` it (this step's pointer; the Trainer's own folder)."""
         if os.path.islink(final) or not os.path.isdir(final):
             log.warning("shardkeeper: %s is not a folder: left as it is, so step %d has no folder", final, step)
-            return False
+            return "keep"
         try:
             p = read_pointer(final)
         except (CorruptCheckpointError, IncompatibleFormatError):
-            return True
+            return "replace"
         if p is None:
-            if os.listdir(final):
+            if os.path.lexists(os.path.join(final, STATE_NAME)):
                 log.warning(
                     "shardkeeper: %s is the Trainer's own folder: left as it is, so committed step %d of %s has no "
                     "folder (resume it with resume_from_checkpoint=%d)",
@@ -268,9 +277,25 @@ class Folders:
                     self.root,
                     step,
                 )
-                return False
-            return True
-        return not (p.step == step and same_root(p.root, self.root))
+                return "keep"
+            return "adopt" if os.listdir(final) else "replace"
+        return "keep" if p.step == step and same_root(p.root, self.root) else "replace"
+
+    def _adopt(self, final: str, step: int, state: Any) -> None:
+        """Add ``trainer_state.json`` and then the pointer to ``final``, keeping its files; the
+        folder names ``step`` (and goes with it) once the pointer is in."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{STATE_NAME}.", suffix=".tmp", dir=final)
+        os.close(fd)
+        try:
+            state.save_to_json(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, os.path.join(final, STATE_NAME))
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        write_file(os.path.join(final, POINTER_NAME), self._pointer(step))  # (fsyncs the folder too)
 
     def _pointer(self, step: int) -> bytes:
         doc: dict[str, Any] = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "root": self.root, "step": step}
