@@ -226,14 +226,12 @@ class DeepSpeedCheckpointHook:
             if load_lr_scheduler_states and "sched" in state:
                 only.append("sched/*")
         client_target = _rebuild(CLIENT_PREFIX, manifest.leaves)
-        if client_target and not load_module_only:
+        if client_target:  # returned also with load_module_only, as DeepSpeed does
             state["extra"] = {"client_state": client_target.get("", client_target)}
             only.append(f"{CLIENT_PREFIX}*")
         mgr.restore(state, step=step, only=only, strict=load_module_strict)
         self.loaded = True
         client = state.get("extra", {}).get("client_state")
-        if load_module_only:
-            client = {}
         return mgr.step_url(step), _lists_back(client) if client is not None else {}
 
     def _resolve_step(self, mgr: CheckpointManager, tag: Any) -> int | None:
