@@ -473,6 +473,13 @@ def hook_options(root: Path, res: Checks, stage: int, dtype: str) -> None:
         res.check(f"{case}: saving a committed step again is refused", "already committed" in str(e), str(e))
     else:
         res.check(f"{case}: saving a committed step again is refused", False, "no error")
+    try:  # a numeric tag of another count than global_steps: the next saves would fall below it
+        engine.save_checkpoint(None, tag=100)
+    except ValueError as e:
+        res.check(f"{case}: a numeric tag other than global_steps is refused", "global step 3" in str(e)
+                  and "tag=None" in str(e) and not hook.manager(None).is_committed(100), str(e))
+    else:
+        res.check(f"{case}: a numeric tag other than global_steps is refused", False, "saved as step 100")
     hook.detach()
     hook = skds.attach(engine, str(root / f"empty-w{w}"))
     with warnings.catch_warnings(record=True) as caught:

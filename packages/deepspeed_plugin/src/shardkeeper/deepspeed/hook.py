@@ -175,8 +175,17 @@ class DeepSpeedCheckpointHook:
         """
         mgr = self.manager(save_dir)
         step = tag_to_step(tag)
+        at = int(self.engine.global_steps)
         if step is None:
-            step = int(self.engine.global_steps)
+            step = at
+        elif step != at:  # saved ahead of (or behind) the count the next saves follow: a trap
+            raise ValueError(
+                f"DeepSpeed save_checkpoint (tag {tag!r}, rank {mgr.rank}) under {mgr.storage.url}: a numeric tag "
+                f"is the step it saves, {step}, but the engine is at global step {at}, which a resume restores "
+                f"and the next saves count from; a step of another count would leave them below it and "
+                f"refused. Nothing was saved. Pass tag=None (step {at}), tag='global_step{at}', or a name "
+                f"that is not a number (tag='epoch3'; load_checkpoint(tag='epoch3') finds it)"
+            )
         check_save_step(mgr, step).raise_if_refused(
             f"DeepSpeed save_checkpoint (tag {tag!r})",
             "engine.load_checkpoint(root) resumes the engine's step count from the root.",
