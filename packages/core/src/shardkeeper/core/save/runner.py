@@ -134,8 +134,8 @@ class SaveRunner:
             spans, deferred = self._stager.stage_split(
                 groups, copy=self.stage_always or not sync, defer=defer, token=plan.token, sources=plan.sources
             )
-        except Exception:  # (a nested tensor fails the plan, a sparse or meta one the copy)
-            raise_refused(flat, f"save of step {step} on rank {ctx.rank}")
+        except Exception as e:  # (a nested tensor fails the plan, a sparse or meta one the copy)
+            raise_refused(flat, f"save of step {step} on rank {ctx.rank}", e)
             raise
         replicas = sums.member() if sums is not None else None  # (before save() returns)
         objects, extended = snapshot(plan.objects, "state key")  # by value, checked to come back exactly

@@ -64,11 +64,13 @@ def unreadable(key: str, t: torch.Tensor, where: str = "") -> StateMismatchError
     return None
 
 
-def raise_refused(flat: FlatState, where: str) -> None:
+def raise_refused(flat: FlatState, where: str, cause: BaseException | None = None) -> None:
     """Raise ``unreadable``'s refusal of the first tensor leaf of ``flat`` that cannot be
-    staged, naming ``where`` (not caused by torch's error); return when none. A DTensor or
-    ShardedTensor (a wrapper of local tensors, which the copy checks) is passed over. For a
-    save whose plan or copy failed: checking every leaf up front would cost every save."""
+    staged, naming ``where`` (not caused by torch's error); else, when ``cause`` is the
+    planner's own refusal (a ``StateMismatchError``: a dtype the format does not store), that
+    refusal naming ``where``; return when neither. A DTensor or ShardedTensor (a wrapper of
+    local tensors, which the copy checks) is passed over. For a save whose plan or copy
+    failed: checking every leaf up front would cost every save."""
     for key, leaf in flat.leaves.items():
         t = leaf.value
         if leaf.kind != "tensor" or not isinstance(t, torch.Tensor) or tc.is_dtensor(t) or tc.is_sharded_tensor(t):
@@ -76,6 +78,8 @@ def raise_refused(flat: FlatState, where: str) -> None:
         err = unreadable(key, t, where)
         if err is not None:
             raise err from None
+    if type(cause) is StateMismatchError and not str(cause).startswith(where):
+        raise StateMismatchError(f"{where}: {cause}") from None
 
 
 def _check_readable(items: Sequence[WriteItem], srcs: Sequence[torch.Tensor]) -> None:
