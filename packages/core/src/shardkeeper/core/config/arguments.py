@@ -10,7 +10,6 @@ and counts take any integral type (``numpy.int64`` from ``np.arange``) through
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Mapping
 from typing import Any, overload
@@ -18,6 +17,7 @@ from typing import Any, overload
 from shardkeeper.core.config.options import CheckpointOptions, describe_groups
 from shardkeeper.core.runtime.root_check import check_manager_root
 from shardkeeper.core.storage.base import Storage
+from shardkeeper.core.util.ints import integral
 
 #: How each method is called, for the messages.
 CALL_FORMS = {
@@ -38,17 +38,6 @@ def _kind(value: Any) -> str:
     if isinstance(value, (bool, int, float)) or value is None or (isinstance(value, str) and len(value) <= 40):
         return f"{type(value).__name__} {value!r}"
     return type(value).__name__
-
-
-def integral(value: Any) -> int | None:
-    """``value`` as an int when it is of an integral type (``int``, ``numpy.int64``, anything
-    with ``__index__``) other than a bool; else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 @overload
@@ -159,7 +148,6 @@ def describe_keywords() -> str:
 
 
 __all__ = [
-    "integral",
     "CALL_FORMS",
     "MANAGER_PARAMETERS",
     "check_count",

@@ -10,7 +10,6 @@ CPU tensors are digested in host memory (numpy); a CUDA tensor on its device, by
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from shardkeeper.core.state.copies import copy_of
 from shardkeeper.core.state.flatten import torch_dtype_name
 from shardkeeper.core.state.fragment import Fragment
 from shardkeeper.core.state.logical_torch import device_partials
+from shardkeeper.core.util.ints import integral
 
 
 @dataclass(frozen=True)
@@ -147,13 +147,11 @@ def _place(what: str, values: Any, dims: int) -> tuple[int, ...]:
         ) from None
     out = []
     for v in items:
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            out.append(operator.index(v))
-        except TypeError:
+        n = integral(v)
+        if n is None:
             shown = f"{type(v).__name__} {v!r}" if isinstance(v, (bool, int, float, str)) else type(v).__name__
-            raise TypeError(f"logical_partial: {what} must hold ints, got {shown}") from None
+            raise TypeError(f"logical_partial: {what} must hold ints, got {shown}")
+        out.append(n)
     if len(out) != dims:
         raise ValueError(
             f"logical_partial: {what} {out} has {len(out)} dimension(s), for a {dims}-d shard: give one per dimension"

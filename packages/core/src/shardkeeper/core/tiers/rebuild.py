@@ -14,8 +14,8 @@ restored goes there too, and the rebuilt files are checked against its digests
 and ``make_whole`` copies it on. A step whose rebuild fails is skipped, with a warning: the
 next older one is tried, and the restore falls back as without parity.
 
-A file whose every copy fails the manifest's digests (``repair.py``, ``choose.make_whole``)
-is rebuilt the same way (``rebuild_damaged``): its copies count as absent, as if its node's
+A file whose every copy fails the manifest's digests (found by a restore's read and judged
+by ``repair.py``) is rebuilt the same way (``rebuild_damaged``): its copies count as absent, as if its node's
 directory were gone.
 """
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from shardkeeper.core.commit.committed import committed_steps, is_committed, newest_committed
-from shardkeeper.core.config.arguments import check_count, check_replicas, integral
+from shardkeeper.core.config.arguments import check_count, check_replicas
 from shardkeeper.core.config.options import CheckpointOptions
 from shardkeeper.core.lifecycle import delete as deletion
 from shardkeeper.core.lifecycle.retention import RetentionPolicy
@@ -34,6 +34,7 @@ from shardkeeper.core.tiers.erasure import Code
 from shardkeeper.core.tiers.opening import check_tier_options, open_tiers
 from shardkeeper.core.tiers.tiering import Opened, Tiering
 from shardkeeper.core.tiers.two_tiers import TwoTiers
+from shardkeeper.core.util.ints import integral
 
 
 class TierStrategy(SaveHooks, Protocol):
